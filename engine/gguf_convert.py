@@ -1,0 +1,372 @@
+"""GGUF file -> HF-layout model directory (config, bf16 safetensors, tokenizer files).
+
+The engine only reads HF-layout directories, so a GGUF is converted once, up front:
+every tensor is dequantized to float, renamed to its HF Llama-family name, and the
+tokenizer is rebuilt from the GGUF metadata as a `tokenizers` byte-level BPE.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+# Bumped whenever the output of a conversion changes, so cached conversions made by an
+# older converter are not reused (model_files puts it in the cache key).
+CONVERTER_VERSION = 1
+
+WEIGHTS_FILE = "model.safetensors"
+CONVERSION_RECORD = "tokenmill_conversion.json"
+
+# GGUF architecture -> (HF architectures entry, HF model_type).
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+_TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+# GGUF token types (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# `tokenizer.ggml.pre` -> (split digits one by one first, split regex), following llama.cpp's
+# llama-vocab.cpp. The digit-first group is how SmolLM/StarCoder were trained (their original
+# tokenizer.json has a `Digits` pre-tokenizer); transformers' GGUF loader skips that step,
+# which changes the ids of a whitespace run followed by a digit ("a  2").
+_PRE_TOKENIZERS = {
+    **dict.fromkeys(["gpt-2", "mpt", "olmo", "jais", "phi-2"], (False, _GPT2_SPLIT)),
+    **dict.fromkeys(
+        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"],
+        (True, _GPT2_SPLIT),
+    ),
+    **dict.fromkeys(
+        ["llama-bpe", "llama3", "smaug-bpe", "falcon3", "dbrx"], (False, _LLAMA3_SPLIT)
+    ),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen"], (False, _QWEN2_SPLIT)),
+}
+
+
+def convert_gguf(
+    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16
+) -> Path:
+    """Convert a GGUF model file into an HF-layout directory.
+
+    Args:
+        gguf_path: the `.gguf` file (llama, qwen2 or qwen3 architecture, byte-level BPE vocab).
+        out_dir: directory to write; created if missing, must be empty if it exists.
+        dtype: dtype of the written weights (the tensors are dequantized to float32 first).
+
+    Returns:
+        `out_dir` as a Path, holding config.json, generation_config.json, model.safetensors,
+        tokenizer.json, tokenizer_config.json and a conversion record.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"refusing to convert into non-empty directory {out_dir}")
+    reader = GGUFReader(gguf_path)
+    meta = read_metadata(reader)
+    tensor_names = {t.name for t in reader.tensors}
+    config = build_config(meta, tensor_names, dtype)
+    tensors = convert_tensors(reader, config, dtype)
+    tokenizer = build_tokenizer(meta)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights_path = out_dir / WEIGHTS_FILE
+    save_file(tensors, weights_path, metadata={"format": "pt"})
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", build_generation_config(meta))
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", build_tokenizer_config(meta))
+    record = {
+        "converter_version": CONVERTER_VERSION,
+        "source_file": gguf_path.name,
+        "gguf_tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
+        "weights_sha256": {WEIGHTS_FILE: _sha256_file(weights_path)},
+    }
+    _write_json(out_dir / CONVERSION_RECORD, record)
+    return out_dir
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """All GGUF key/value fields as plain Python values (strings, numbers, lists)."""
+    return {key: field.contents() for key, field in reader.fields.items()}
+
+
+def build_config(meta: dict[str, Any], tensor_names: set[str], dtype: torch.dtype) -> dict:
+    """The HF `config.json` for this GGUF's architecture and hyperparameters."""
+    arch = meta["general.architecture"]
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
+        )
+    if "rope_freqs.weight" in tensor_names:
+        # Llama 3.1+ stores its rope scaling only as precomputed factors; recovering the HF
+        # `rope_scaling` parameters from them is not done yet, and ignoring it is wrong.
+        raise ValueError(
+            "GGUF has a rope_freqs tensor (Llama 3.1-style rope scaling): not supported yet"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden_size = get("embedding_length")
+    num_heads = get("attention.head_count")
+    head_dim = (
+        get("attention.key_length") or get("rope.dimension_count") or hidden_size // num_heads
+    )
+    architecture, model_type = _ARCHITECTURES[arch]
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": hidden_size,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": get("attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "max_position_embeddings": get("context_length"),
+        "vocab_size": get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if get("rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    return config
+
+
+def convert_tensors(
+    reader: GGUFReader, config: dict, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor, undo llama.cpp's q/k permutation, and rename to HF names."""
+    permute_qk = config["model_type"] == "llama"
+    tensors = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        # GGUF lists dims fastest-first; numpy (and torch) order is the reverse.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        weight = torch.from_numpy(array.reshape(shape))
+        if permute_qk and ".q_proj." in name:
+            weight = unpermute_qk(weight, config["num_attention_heads"])
+        elif permute_qk and ".k_proj." in name:
+            weight = unpermute_qk(weight, config["num_key_value_heads"])
+        tensors[name] = weight.to(dtype).contiguous()
+    return tensors
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names raise."""
+    parts = gguf_name.split(".")
+    if len(parts) == 2 and parts[0] in _TOP_LEVEL_NAMES:
+        return f"{_TOP_LEVEL_NAMES[parts[0]]}.{parts[1]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    # Dropping a tensor we do not understand would give a silently wrong model.
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Invert llama.cpp's q/k row permutation (it interleaves each head's two rotary halves).
+
+    Args:
+        weight: `[num_heads * head_dim, ...]` rows as stored in the GGUF (weight or bias).
+        num_heads: query heads for q, key/value heads for k.
+
+    Returns:
+        The same tensor with rows back in HF order (rotary halves contiguous per head).
+    """
+    rows, rest = weight.shape[0], weight.shape[1:]
+    # llama.cpp: w.reshape(heads, 2, half, *rest).swapaxes(1, 2); so view as (heads, half, 2).
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """Rebuild the GGUF's byte-level BPE vocabulary as a `tokenizers.Tokenizer`."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {kind!r}"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(
+            f"unsupported tokenizer.ggml.pre {pre!r}; supported: {sorted(_PRE_TOKENIZERS)}"
+        )
+    tokens = meta["tokenizer.ggml.tokens"]
+    token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+
+    byte_chars = bytes_to_unicode()
+    alphabet = set(byte_chars.values())
+    vocab = {}
+    for index, (token, token_type) in enumerate(zip(tokens, token_types)):
+        # llama.cpp stores ordinary tokens in the byte-to-unicode spelling already; the odd one
+        # written as raw text is respelled so BPE can reach it. Control tokens stay verbatim.
+        if token_type != _CONTROL and not set(token) <= alphabet:
+            token = "".join(byte_chars[b] for b in token.encode("utf-8"))
+        vocab[token] = index
+    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+
+    split_digits, split_regex = _PRE_TOKENIZERS[pre]
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
+    if split_regex == _GPT2_SPLIT:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    else:
+        steps.append(pre_tokenizers.Split(Regex(split_regex), behavior="isolated"))
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tokenizer.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    tokenizer.decoder = decoders.ByteLevel()
+
+    types = list(token_types)
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types)
+            if k == _CONTROL
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types)
+            if k == _USER_DEFINED
+        ]
+    )
+    tokenizer.post_processor = _post_processor(meta, tokens)
+    return tokenizer
+
+
+def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.PostProcessor:
+    """Add BOS/EOS around encoded text exactly when the GGUF asks for it."""
+    bos_id, eos_id = (
+        meta.get("tokenizer.ggml.bos_token_id"),
+        meta.get("tokenizer.ggml.eos_token_id"),
+    )
+    add_bos = _add_bos(meta) and bos_id is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+    if not (add_bos or add_eos):
+        return processors.ByteLevel(trim_offsets=False)
+    before = [f"{tokens[bos_id]}:0"] if add_bos else []
+    after = [f"{tokens[eos_id]}:0"] if add_eos else []
+    specials = [(tokens[i], i) for i, wanted in ((bos_id, add_bos), (eos_id, add_eos)) if wanted]
+    return processors.TemplateProcessing(
+        single=" ".join([*before, "$A:0", *after]),
+        pair=" ".join([*before, "$A:0", *after, *before, "$B:1", *after]),
+        special_tokens=specials,
+    )
+
+
+def _add_bos(meta: dict[str, Any]) -> bool:
+    # Files without the flag: llama.cpp adds BOS for sentencepiece vocabularies only.
+    return bool(
+        meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+    )
+
+
+def build_tokenizer_config(meta: dict[str, Any]) -> dict:
+    """The HF `tokenizer_config.json`: special tokens, BOS/EOS flags and the chat template."""
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token(key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": _add_bos(meta),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": meta.get(f"{meta['general.architecture']}.context_length"),
+    }
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return config
+
+
+def build_generation_config(meta: dict[str, Any]) -> dict:
+    """The HF `generation_config.json`; every end-of-turn id the GGUF names is an EOS id."""
+    eos_ids = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        index = meta.get(f"tokenizer.ggml.{key}")
+        if index is not None and index not in eos_ids:
+            eos_ids.append(index)
+    config = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id")}
+    config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    if meta.get("tokenizer.ggml.padding_token_id") is not None:
+        config["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
+    return config
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    mapping = {b: chr(b) for b in printable}
+    # The remaining bytes (controls, space, ...) get code points from 256 upwards, in order.
+    shifted = (b for b in range(256) if b not in mapping)
+    mapping.update({b: chr(256 + n) for n, b in enumerate(shifted)})
+    return dict(sorted(mapping.items()))
+
+
+def _sha256_file(path: Path, chunk_size: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
