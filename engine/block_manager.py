@@ -1,0 +1,170 @@
+"""The KV cache's block pool, with prefix caching.
+
+Every full block is identified by a chained hash of (parent block's hash, its token
+ids). A lookup is a hit only when the stored tokens and the parent block match too,
+so a hash collision can never serve another prefix's keys and values. Freed blocks
+keep their hash and sit in an LRU free queue; they are evicted (their hash dropped)
+only when the pool needs a block and none is free of cached content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tokenmill.engine.sequence import Sequence
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Content hash of a full block, chained on its parent's hash."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent_hash or b"root")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None  # set while the block is registered as cached
+    parent_block_id: int | None = None  # the cached block before it in its chain
+
+    def reset(self) -> None:
+        self.block_hash = None
+        self.token_ids = None
+        self.parent_block_id = None
+
+
+class BlockManager:
+    """Hands out fixed-size KV blocks to sequences; shares cached full blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (first = evicted first). A free block that still
+        # holds a hash stays findable until it reaches the front and is taken.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache lookups -------------------------------------------------------
+
+    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids of the longest cached run of full blocks that prefixes token_ids.
+
+        At most (len(token_ids) - 1) tokens are matched, so a request always computes
+        at least its last token and has logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent_hash, parent_id = None, None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = hash_block_tokens(parent_hash, tokens)
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent_block_id != parent_id:
+                break  # a hash collision, not a hit
+            hits.append(block_id)
+            parent_hash, parent_id = block_hash, block_id
+        return hits
+
+    # -- allocation -------------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Whether seq's block table can grow to hold num_tokens tokens."""
+        return self._num_blocks_to_take(seq, num_tokens, cached_block_ids) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = ()) -> None:
+        """Grow seq's block table to hold num_tokens tokens.
+
+        cached_block_ids, a new sequence's prefix-cache hits, are shared first.
+        """
+        if self._num_blocks_to_take(seq, num_tokens, cached_block_ids) > self.num_free_blocks:
+            raise RuntimeError("allocate() without can_allocate(): out of KV blocks")
+        for block_id in cached_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]  # touch: back in use, no longer evictable
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_cached_blocks += len(cached_block_ids)
+        needed = self.blocks_needed(num_tokens)
+        while len(seq.block_table) < needed:
+            seq.block_table.append(self._take_free_block())
+
+    def _num_blocks_to_take(self, seq: Sequence, num_tokens: int, cached_block_ids) -> int:
+        # Reviving a free cached block takes it out of the free queue as well.
+        revived = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+        held = len(seq.block_table) + len(cached_block_ids)
+        return revived + max(0, self.blocks_needed(num_tokens) - held)
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
+            del self.cached[block.block_hash]  # lazy eviction
+        block.reset()
+        block.ref_count = 1
+        return block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks. Tail blocks are queued first so they are evicted first:
+        a chain's head is the part other requests are most likely to share."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)  # nothing to keep
+                else:
+                    self.free_queue[block_id] = None
+        seq.block_table.clear()
+        seq.num_cached_blocks = 0
+
+    # -- registering computed blocks ---------------------------------------------------
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's newly computed full blocks so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_cached_blocks:
+            return
+        parent_hash, parent_id = None, None
+        if seq.num_cached_blocks:
+            last_id = seq.block_table[seq.num_cached_blocks - 1]
+            parent_hash = self.blocks[last_id].block_hash
+            parent_id = self.cached.get(parent_hash, last_id)
+        for i in range(seq.num_cached_blocks, num_full):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = hash_block_tokens(parent_hash, tokens)
+            block = self.blocks[seq.block_table[i]]
+            block.block_hash = block_hash
+            block.token_ids = tokens
+            block.parent_block_id = parent_id
+            # If an identical block was computed concurrently, the first one registered
+            # stays the cached copy (this one is still correct for its owner), and the
+            # chain continues from it so lookups can follow it.
+            registered_id = self.cached.setdefault(block_hash, block.block_id)
+            parent_hash, parent_id = block_hash, registered_id
+        seq.num_cached_blocks = num_full

@@ -1,0 +1,55 @@
+"""Sizing and allocating the KV cache: one preallocated tensor of fixed-size blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.engine.config import ModelConfig
+
+# Without a budget, the CPU cache takes this share of RAM, capped below.
+_CPU_RAM_SHARE = 0.10
+_CPU_MAX_BYTES = 4 << 30
+# On CUDA, this share of the memory free after loading the weights.
+_CUDA_FREE_SHARE = 0.85
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return per_token * block_size * torch.finfo(dtype).bits // 8
+
+
+def default_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * _CUDA_FREE_SHARE)
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(int(ram * _CPU_RAM_SHARE), _CPU_MAX_BYTES)
+
+
+def num_blocks_for_budget(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int
+) -> int:
+    num_blocks = budget_bytes // bytes_per_block(config, block_size, dtype)
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget_bytes} bytes holds no block of {block_size} tokens "
+            f"({bytes_per_block(config, block_size, dtype)} bytes each)"
+        )
+    return num_blocks
+
+
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[num_layers, 2 (k, v), num_blocks * block_size, num_kv_heads, head_dim], zeroed."""
+    return torch.zeros(
+        config.num_hidden_layers,
+        2,
+        num_blocks * block_size,
+        config.num_key_value_heads,
+        config.head_dim,
+        dtype=dtype,
+        device=device,
+    )

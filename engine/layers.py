@@ -1,0 +1,89 @@
+"""Building blocks shared by the Llama-family models: RMSNorm, rotary embedding, gated MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tokenmill.engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, exactly as HF Llama does,
+        # so bf16 runs round the same way the reference does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with Llama 3 / linear rope scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    kind = scaling["rope_type"]
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return (inv_freq / factor).float()
+    if kind == "llama3":
+        low_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_context = float(scaling.get("original_max_position_embeddings", 8192))
+        low_freq_wavelen = old_context / low_factor
+        high_freq_wavelen = old_context / high_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between
+        # interpolated smoothly.
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_factor) / (high_factor - low_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled).float()
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables, looked up once per step for all layers."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(config).to(device)
+        t = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
+        self.cos = freqs.cos()
+        self.sin = freqs.sin()
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # cos, sin: [num_tokens, 1, head_dim // 2], broadcast over heads
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves (the HF layout): x: [num_tokens, num_heads, head_dim]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

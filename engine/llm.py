@@ -1,0 +1,166 @@
+"""`LLM`: the offline entry point - load a model once, generate for many prompts."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from tokenmill.engine.config import EngineConfig, ModelConfig, resolve_dtype
+from tokenmill.engine.kv_cache import allocate_kv_cache, default_cache_bytes, num_blocks_for_budget
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import EngineStats, RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.weights import load_model
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """A model loaded for batch generation.
+
+    Args:
+        model: an HF-layout directory, a .gguf file, or an alias; None = the default
+            model (smollm2-135m-instruct).
+        dtype: "auto" (bf16 on CUDA and on CPUs with native bf16, else fp32),
+            "float32", "bfloat16" or a torch dtype.
+        device: "cpu", "cuda", "cuda:N"; None = CUDA when available.
+        enable_prefix_caching: share computed prompt blocks between requests.
+        kv_cache_memory: KV cache budget in bytes (None = sized from the device).
+        block_size, max_num_batched_tokens, max_num_seqs, max_model_len, seed:
+            see EngineConfig.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory: int | None = None,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        from tokenmill.engine.model_files import resolve_model
+        from tokenmill.engine.tokenizer import Tokenizer
+
+        self.model_dir = resolve_model(model)
+        self.model_name = str(model) if model is not None else "smollm2-135m-instruct"
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.engine_config = EngineConfig(
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+        )
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.max_model_len = min(
+            max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        model_module = load_model(
+            self.model_dir, self.model_config, dtype=self.dtype, device=self.device
+        )
+        budget = kv_cache_memory or default_cache_bytes(self.device)
+        num_blocks = num_blocks_for_budget(self.model_config, block_size, self.dtype, budget)
+        kv_cache = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
+        self.engine = LLMEngine(
+            model_module,
+            self.model_config,
+            self.engine_config,
+            self.tokenizer,
+            num_blocks=num_blocks,
+            kv_cache=kv_cache,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self._request_counter = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt, batched continuously.
+
+        Args:
+            prompts: strings (tokenized here) or token-id lists, or one of either.
+            sampling_params: one for all prompts, or one per prompt; None = defaults.
+            on_output: called with each RequestOutput as its request finishes.
+        Returns:
+            One RequestOutput per prompt, in input order. A prompt the engine cannot
+            serve comes back with finish_reason "error" and .error set.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt_params(sampling_params, len(prompts))
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        to_encode = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(self.tokenizer.encode_batch(to_encode) if to_encode else [])
+        ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+
+        request_ids = [str(next(self._request_counter)) for _ in prompts]
+        position = {rid: i for i, rid in enumerate(request_ids)}
+        for rid, prompt_ids, text, p in zip(request_ids, ids, texts, params):
+            self.engine.add_request(rid, prompt_ids, p, prompt=text)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        while self.engine.has_unfinished:
+            for output in self.engine.step():
+                results[position[output.request_id]] = output
+                if on_output is not None:
+                    on_output(output)
+        return results
+
+    def chat(
+        self,
+        conversations: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
+        # The template already carries any BOS; encode without adding special tokens.
+        ids = self.tokenizer.encode_batch(prompts, add_special_tokens=False)
+        outputs = self.generate(ids, sampling_params, on_output=on_output)
+        for output, text in zip(outputs, prompts):
+            output.prompt = text
+        return outputs
+
+    def stats(self) -> EngineStats:
+        """Cumulative counters: computed/cached prompt tokens, generated tokens, preemptions."""
+        return self.engine.stats
+
+
+def _per_prompt_params(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
+    return params

@@ -1,0 +1,295 @@
+"""The engine loop: requests in, scheduled steps through the model, finished outputs out."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.config import EngineConfig, ModelConfig
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from tokenmill.engine.sampler import SamplerOutput, SamplingBatch
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.sequence import Sequence
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+
+
+class LLMEngine:
+    """Owns the scheduler, block manager and model runner for one model on one device."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        tokenizer,
+        *,
+        num_blocks: int,
+        kv_cache: torch.Tensor,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model_config = model_config
+        self.config = engine_config
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.stats = EngineStats()
+        self.block_manager = BlockManager(
+            num_blocks,
+            engine_config.block_size,
+            enable_prefix_caching=engine_config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_batched_tokens=engine_config.max_num_batched_tokens,
+            max_num_seqs=engine_config.max_num_seqs,
+            stats=self.stats,
+        )
+        self.runner = ModelRunner(
+            model,
+            model_config,
+            kv_cache,
+            block_size=engine_config.block_size,
+            max_model_len=max_model_len,
+            device=device,
+            dtype=dtype,
+            seed=engine_config.seed,
+        )
+        # A sequence never outgrows the context or the whole cache.
+        self.max_seq_len = min(max_model_len, num_blocks * engine_config.block_size)
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        if tokenizer is not None:
+            self.eos_token_ids |= set(tokenizer.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._finished_early: list[RequestOutput] = []
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
+        request = _Request(request_id, prompt, list(prompt_token_ids), params, [], metrics)
+        error = self._validate(request.prompt_token_ids)
+        if error is not None:
+            metrics.finish_time = time.perf_counter()
+            self.stats.num_errors += 1
+            self._finished_early.append(self._error_output(request, error))
+            return
+        first = None
+        for index in range(params.n):
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                index=index,
+                token_ids=list(request.prompt_token_ids),
+                num_prompt_tokens=len(request.prompt_token_ids),
+                params=params,
+                arrival_order=len(self._requests),
+                generator=_seeded_generator(params.seed, index),
+                wait_for=first,
+            )
+            first = first or seq
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        self._requests[request_id] = request
+        self.stats.num_requests += 1
+
+    def _validate(self, prompt_token_ids: list[int]) -> str | None:
+        num = len(prompt_token_ids)
+        if num == 0:
+            return "prompt is empty (0 tokens)"
+        if num >= self.max_model_len:
+            return (
+                f"prompt has {num} tokens; the model's context is {self.max_model_len} tokens, "
+                "leaving no room to generate"
+            )
+        if num >= self.max_seq_len:
+            return (
+                f"prompt has {num} tokens but the whole KV cache holds {self.max_seq_len}; "
+                "raise kv_cache_memory"
+            )
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_token_ids):
+            return f"prompt contains token ids outside the vocabulary [0, {vocab})"
+        return None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._finished_early)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the requests that finished in it."""
+        finished, self._finished_early = self._finished_early, []
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return finished
+        now = time.perf_counter()
+        for chunk in out.chunks:
+            if chunk.seq.first_scheduled_time is None:
+                chunk.seq.first_scheduled_time = now
+        sampling_seqs = [c.seq for c in out.chunks if c.samples]
+        batch = self._sampling_batch(sampling_seqs) if sampling_seqs else None
+        sampled = self.runner.run(out, batch)
+        self.scheduler.record_computed(out)
+        self.stats.num_steps += 1
+        if sampled is not None:
+            finished += self._append_tokens(sampling_seqs, sampled)
+        return finished
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        banned = []
+        for seq in seqs:
+            p = seq.params
+            if seq.num_completion_tokens < p.min_tokens:
+                banned.append(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)))
+            else:
+                banned.append([])
+        return SamplingBatch.build(
+            [s.params for s in seqs], [s.generator for s in seqs], banned, self.runner.device
+        )
+
+    def _append_tokens(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+        token_ids = sampled.token_ids.tolist()  # the step's one host-device sync
+        now = time.perf_counter()
+        finished = []
+        for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
+            seq.token_ids.append(token_id)
+            self.stats.generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.params.logprobs is not None:
+                seq.logprobs = seq.logprobs or []
+                seq.logprobs.append(_logprob_entry(sampled, row, token_id, seq.params.logprobs))
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                request = self._requests[seq.request_id]
+                if all(s.is_finished for s in request.seqs):
+                    finished.append(self._complete(request, now))
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        p = seq.params
+        can_stop = seq.num_completion_tokens > p.min_tokens
+        if can_stop and (
+            token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids)
+        ):
+            return "stop"
+        if p.stop and can_stop and self._hits_stop_string(seq):
+            return "stop"
+        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
+            return "length"
+        return None
+
+    def _hits_stop_string(self, seq: Sequence) -> bool:
+        # Re-decoding the completion is cheap next to a model step and is always right
+        # about multi-byte characters split across tokens.
+        text = self.tokenizer.decode(seq.completion_token_ids)
+        longest = max(len(s) for s in seq.params.stop)
+        window_start = max(0, len(seq.text) - longest)
+        seq.text = text
+        for stop in seq.params.stop:
+            at = text.find(stop, window_start)
+            if at >= 0:
+                keep = at + len(stop) if seq.params.include_stop_str_in_output else at
+                seq.text = text[:keep]
+                seq.stop_string_hit = True
+                return True
+        return False
+
+    # -- outputs ------------------------------------------------------------------------------
+
+    def _complete(self, request: _Request, now: float) -> RequestOutput:
+        del self._requests[request.request_id]
+        completions = []
+        for seq in request.seqs:
+            if seq.stop_string_hit:
+                text = seq.text
+            else:
+                text = self.tokenizer.decode(seq.completion_token_ids) if self.tokenizer else ""
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=seq.completion_token_ids,
+                    finish_reason=seq.finish_reason,
+                    logprobs=seq.logprobs,
+                )
+            )
+        first = request.seqs[0]
+        metrics = request.metrics
+        metrics.first_scheduled_time = first.first_scheduled_time
+        metrics.first_token_time = min(s.first_token_time for s in request.seqs)
+        metrics.finish_time = now
+        num_prompt = len(request.prompt_token_ids)
+        num_cached = first.num_cached_prompt_tokens or 0
+        self.stats.prompt_tokens += num_prompt
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            prompt_tokens=num_prompt,
+            cached_tokens=num_cached,
+            completion_tokens=sum(len(c.token_ids) for c in completions),
+            metrics=metrics,
+        )
+
+    def _error_output(self, request: _Request, error: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")],
+            prompt_tokens=len(request.prompt_token_ids),
+            cached_tokens=0,
+            completion_tokens=0,
+            metrics=request.metrics,
+            error=error,
+        )
+
+
+def _seeded_generator(seed: int | None, index: int) -> torch.Generator | None:
+    if seed is None:
+        return None
+    # Each of the n completions gets its own stream, derived from the request's seed.
+    if index:
+        digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+        seed = int.from_bytes(digest, "little") & ((1 << 63) - 1)
+    return torch.Generator().manual_seed(seed)
+
+
+def _logprob_entry(sampled: SamplerOutput, row: int, token_id: int, k: int) -> dict[int, float]:
+    entry = {token_id: float(sampled.sampled_logprobs[row])}
+    if k and sampled.top_token_ids is not None:
+        ids = sampled.top_token_ids[row, :k].tolist()
+        values = sampled.top_logprobs[row, :k].tolist()
+        for alt_id, alt_logprob in zip(ids, values):
+            entry.setdefault(alt_id, alt_logprob)
+    return entry

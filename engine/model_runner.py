@@ -1,0 +1,130 @@
+"""Runs one scheduled step: flatten its chunks into one unpadded batch, run the
+model, compute logits only where a token is sampled, and sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.engine.attention import AttentionMetadata, PrefillSpan
+from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.layers import RotaryEmbedding
+from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ModelConfig,
+        kv_cache: torch.Tensor,
+        *,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.rotary = RotaryEmbedding(config, max_model_len, device)
+        self.sampler = Sampler(seed)
+        self.kv_cache = kv_cache
+        for layer_idx, layer in enumerate(model.model.layers):
+            layer.self_attn.k_cache = kv_cache[layer_idx, 0]
+            layer.self_attn.v_cache = kv_cache[layer_idx, 1]
+
+    @torch.inference_mode()
+    def run(
+        self, out: SchedulerOutput, sampling: SamplingBatch | None
+    ) -> SamplerOutput | None:
+        """Compute the step's tokens; return one sampled token per sampling chunk,
+        in the order of out.chunks (None when no chunk samples)."""
+        input_ids, positions, meta, sample_rows = self._prepare(out)
+        cos, sin = self.rotary.lookup(positions, self.dtype)
+        hidden = self.model(input_ids, cos, sin, meta)
+        if not sample_rows:
+            return None
+        rows = torch.tensor(sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        return self.sampler(logits, sampling)
+
+    def _prepare(self, out: SchedulerOutput):
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        sample_rows: list[int] = []
+        prefills: list[PrefillSpan] = []
+
+        def add(chunk: ScheduledChunk) -> tuple[int, np.ndarray]:
+            seq = chunk.seq
+            start = seq.num_computed_tokens
+            end = start + chunk.num_new_tokens
+            offset = len(token_ids)
+            token_ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if chunk.samples:
+                sample_rows.append(offset + chunk.num_new_tokens - 1)
+            return offset, table
+
+        decode_tables, decode_lens = [], []
+        for chunk in out.decodes:
+            _, table = add(chunk)
+            decode_tables.append(table)
+            decode_lens.append(chunk.seq.num_computed_tokens + 1)
+        for chunk in out.prefills:
+            offset, table = add(chunk)
+            start = chunk.seq.num_computed_tokens
+            num_query = chunk.num_new_tokens
+            num_context = start + num_query
+            context_slots = mask = None
+            if start > 0:
+                pos = np.arange(num_context)
+                context_slots = self._tensor(table[pos // bs] * bs + pos % bs)
+                q_pos = torch.arange(start, num_context)[:, None]
+                mask = (torch.arange(num_context)[None, :] <= q_pos).to(self.device)
+            prefills.append(PrefillSpan(offset, num_query, num_context, context_slots, mask))
+
+        decode_slots = decode_mask = None
+        if decode_tables:
+            decode_slots, decode_mask = self._decode_context(decode_tables, decode_lens)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(np.concatenate(slots)),
+            num_decode_tokens=len(out.decodes),
+            decode_context_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        return (
+            self._tensor(np.asarray(token_ids)),
+            self._tensor(np.concatenate(positions)),
+            meta,
+            sample_rows,
+        )
+
+    def _decode_context(self, tables: list[np.ndarray], lengths: list[int]):
+        bs = self.block_size
+        max_len = max(lengths)
+        max_blocks = -(-max_len // bs)
+        padded = np.zeros((len(tables), max_blocks), dtype=np.int64)
+        for row, table in enumerate(tables):
+            n = min(len(table), max_blocks)
+            padded[row, :n] = table[:n]
+        pos = np.arange(max_len)
+        slots = padded[:, pos // bs] * bs + pos % bs  # [B, max_len]
+        mask = pos[None, :] < np.asarray(lengths)[:, None]
+        return self._tensor(slots), torch.from_numpy(mask).to(self.device)[:, None, None, :]
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(
+            self.device, non_blocking=True
+        )

@@ -1,0 +1,96 @@
+"""What the engine hands back: one RequestOutput per prompt, in input order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n completions."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "error"
+    # One dict per generated token: {token_id: logprob} for the sampled token and the
+    # top-k alternatives; None unless SamplingParams.logprobs was set.
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.perf_counter seconds) of one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """A finished request.
+
+    prompt_tokens counts the prompt once; cached_tokens is how many of those were
+    served from the prefix cache rather than computed; completion_tokens sums over
+    all n completions. A request the engine cannot serve (prompt longer than the
+    context or the whole cache) comes back with finish_reason "error" and `error` set;
+    the rest of its batch is unaffected.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    metrics: RequestMetrics
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    # Conveniences for the common n == 1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters since the engine was built."""
+
+    num_requests: int = 0
+    prompt_tokens: int = 0  # prompt tokens of all finished requests
+    computed_prompt_tokens: int = 0  # prompt tokens that went through the model
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    generated_tokens: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_errors: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if self.prompt_tokens == 0:
+            return 0.0
+        return self.cached_prompt_tokens / self.prompt_tokens

@@ -1,0 +1,129 @@
+"""Turn a step's logits into next tokens: greedy, temperature, top-k, top-p, min-p.
+
+Sampling draws Gumbel-style exponential noise and takes argmax(probs / noise), which
+samples exactly from probs. Requests with a seed draw their noise from their own
+generator, so a seeded request samples the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for a step, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [num_rows] float, 0 for greedy rows
+    top_k: torch.Tensor  # [num_rows] long, 0 = off
+    top_p: torch.Tensor  # [num_rows] float, 1 = off
+    min_p: torch.Tensor  # [num_rows] float, 0 = off
+    generators: list[torch.Generator | None]  # per row; None = the shared generator
+    banned_token_ids: list[list[int]]  # per row: ids masked out (EOS before min_tokens)
+    all_greedy: bool
+    max_logprobs: int | None  # None when no row asked for logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        banned_token_ids: list[list[int]],
+        device: torch.device,
+    ) -> SamplingBatch:
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device),
+            generators=generators,
+            banned_token_ids=banned_token_ids,
+            all_greedy=all(p.is_greedy for p in params),
+            max_logprobs=max(wanted) if wanted else None,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [num_rows] long
+    # With logprobs: the sampled token's logprob [num_rows], and the top-k [num_rows, k].
+    sampled_logprobs: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_token_ids: torch.Tensor | None = None
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.shared_generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [num_rows, vocab] fp32 -> one token per row."""
+        for row, banned in enumerate(batch.banned_token_ids):
+            if banned:
+                logits[row, banned] = float("-inf")
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, batch)
+        out = SamplerOutput(token_ids=token_ids)
+        if batch.max_logprobs is not None:
+            # Logprobs of the model's distribution, before temperature and filtering.
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out.sampled_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+            if batch.max_logprobs > 0:
+                out.top_logprobs, out.top_token_ids = logprobs.topk(batch.max_logprobs, dim=-1)
+        return out
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        is_greedy = batch.temperature == 0
+        greedy_ids = logits.argmax(dim=-1)
+        temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
+        logits = logits / temperature[:, None]
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = logits.softmax(dim=-1)
+        if bool((batch.min_p > 0).any()):
+            threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = self._exponential_noise(probs, batch.generators)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(is_greedy, greedy_ids, sampled)
+
+    def _exponential_noise(self, probs: torch.Tensor, generators) -> torch.Tensor:
+        # Noise is drawn on the CPU from each row's generator so that the stream, and
+        # therefore the sample, depends only on the request's seed and its position.
+        num_rows, vocab = probs.shape
+        noise = torch.empty(num_rows, vocab)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(
+                generator=self.shared_generator
+            )
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
+        return noise.to(probs.device, non_blocking=True)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus with -inf."""
+    use_top_k = bool((top_k > 0).any())
+    use_top_p = bool((top_p < 1).any())
+    if not use_top_k and not use_top_p:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    if use_top_k:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+        kth = sorted_logits.gather(1, (k - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if use_top_p:
+        probs = sorted_logits.softmax(dim=-1)
+        # Mass strictly before each token; the token that crosses top_p is kept.
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -1,0 +1,169 @@
+"""Continuous batching under a per-step token budget.
+
+There are no prefill and decode phases: each step, every scheduled sequence's
+num_computed_tokens catches up towards its length by as many tokens as the budget
+allows. A long prompt is therefore chunked across steps naturally, and a decoding
+sequence simply needs one token. Running sequences are served first, in admission
+order; when blocks run out the most recently admitted sequence is preempted (its
+blocks freed, to be recomputed later - mostly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.outputs import EngineStats
+from tokenmill.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """num_new_tokens of seq's tokens, from seq.num_computed_tokens on, run this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk reaches the sequence's end, so its last logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: single-token chunks (decodes) first, then longer chunks."""
+
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.decodes) + sum(c.num_new_tokens for c in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        stats: EngineStats,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.stats = stats
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. Running sequences, oldest first; preempt from the young end when full.
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            target = seq.num_computed_tokens + num_new
+            while not bm.can_allocate(seq, target):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, target)
+                self._add_chunk(out, ScheduledChunk(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # 2. Waiting sequences, first come first served, unless this step had to preempt.
+        if not preempted:
+            budget = self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.wait_for is not None and not (
+                seq.wait_for.is_prompt_computed or seq.wait_for.is_finished
+            ):
+                skipped.append(self.waiting.popleft())  # its sibling is still prefilling
+                continue
+            hits = bm.find_cached_prefix(seq.token_ids)
+            num_cached = len(hits) * bm.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not bm.can_allocate(seq, num_cached + num_new, hits):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, num_cached + num_new, hits)
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_prompt_tokens is None:  # billed once, at first admission
+                seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
+                self.stats.cached_prompt_tokens += seq.num_cached_prompt_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_chunk(out, ScheduledChunk(seq, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    @staticmethod
+    def _add_chunk(out: SchedulerOutput, chunk: ScheduledChunk) -> None:
+        (out.decodes if chunk.num_new_tokens == 1 else out.prefills).append(chunk)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.num_preemptions += 1
+
+    def record_computed(self, out: SchedulerOutput) -> list[Sequence]:
+        """Advance every scheduled sequence past this step's tokens.
+
+        Returns the sequences that reached their end and now await a sampled token.
+        """
+        sampling = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+            self.stats.computed_prompt_tokens += min(prompt_left, chunk.num_new_tokens)
+            is_sampling = chunk.samples
+            seq.num_computed_tokens += chunk.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if is_sampling:
+                sampling.append(seq)
+        return sampling
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)

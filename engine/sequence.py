@@ -1,0 +1,70 @@
+"""One sequence being generated: its tokens, progress and KV blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt plus the tokens generated so far for one of a request's n completions.
+
+    num_computed_tokens counts tokens whose keys and values are in the cache; each step
+    the scheduler lets it catch up towards len(token_ids), which is how chunked prefill
+    and decode are one mechanism.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_order: int
+    generator: torch.Generator | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_blocks: int = 0  # leading blocks registered in (or served from) the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    # Prompt tokens served from the prefix cache at first admission (what the ledger bills).
+    num_cached_prompt_tokens: int | None = None
+    # Set for the 2nd..nth completion: wait until this sibling has computed the prompt,
+    # so the prompt's full blocks are shared through the prefix cache, not recomputed.
+    wait_for: Sequence | None = None
+    finish_reason: str | None = None
+    text: str = ""  # decoded completion, kept only while stop strings are checked
+    stop_string_hit: bool = False
+    logprobs: list[dict[int, float]] | None = None
+    first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prompt_computed(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens or self.num_completion_tokens > 0

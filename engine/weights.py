@@ -1,0 +1,115 @@
+"""Build a model on the meta device and fill it from safetensors files (never pickle)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.models import model_class
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files of an HF-layout directory: one file or a sharded index."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            shard_names = sorted(set(json.load(f)["weight_map"].values()))
+        return [model_dir / name for name in shard_names]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(
+            f"no safetensors weights in {model_dir} (expected model.safetensors or "
+            "model.safetensors.index.json); pickled .bin checkpoints are never loaded"
+        )
+    return found
+
+
+def load_model(
+    model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
+    """Instantiate the architecture and load every parameter from the checkpoint.
+
+    Raises:
+        ValueError: a parameter is missing from the checkpoint or has the wrong shape.
+    """
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    model.to_empty(device=device)
+    model.to(dtype)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    packed = model.packed_modules
+
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.startswith("lm_head.") and config.tie_word_embeddings:
+                    continue  # tied: the embedding is the head
+                target, shard = _map_name(name, packed)
+                if target not in params:
+                    continue  # e.g. rotary inv_freq buffers saved by old checkpoints
+                tensor = f.get_tensor(name)
+                param = params[target]
+                if shard is None:
+                    _copy_checked(param.data, tensor, name)
+                else:
+                    _copy_shard(param.data, tensor, shard, target, config)
+                loaded.add(target if shard is None else f"{target}#{shard}")
+
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    missing = _missing(params, loaded, packed)
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} is missing weights: {', '.join(missing[:8])}")
+    return model.eval()
+
+
+def _map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    for hf_part, (ours, shard) in packed.items():
+        if f".{hf_part}." in name:
+            return name.replace(f".{hf_part}.", f".{ours}."), shard
+    return name, None
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def _shard_sizes(target: str, config: ModelConfig) -> list[int]:
+    if "qkv_proj" in target:
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
+        return [q, kv, kv]
+    return [config.intermediate_size, config.intermediate_size]
+
+
+def _copy_shard(dst: torch.Tensor, src: torch.Tensor, shard: int, target: str, config) -> None:
+    sizes = _shard_sizes(target, config)
+    offset = sum(sizes[:shard])
+    _copy_checked(dst.narrow(0, offset, sizes[shard]), src, f"{target}[{shard}]")
+
+
+def _missing(params: dict, loaded: set[str], packed: dict[str, tuple[str, int]]) -> list[str]:
+    num_shards = {}
+    for ours, shard in packed.values():
+        num_shards[ours] = max(num_shards.get(ours, 0), shard + 1)
+    missing = []
+    for name in params:
+        fused = next((ours for ours in num_shards if f".{ours}." in name), None)
+        if fused is None:
+            if name not in loaded:
+                missing.append(name)
+            continue
+        missing += [f"{name}[{i}]" for i in range(num_shards[fused]) if f"{name}#{i}" not in loaded]
+    return missing

@@ -1,0 +1,39 @@
+"""tokenmill: batch/offline LLM inference - datasets in, answers and a token-cost ledger out.
+
+The public API is imported lazily so `import tokenmill` (and the CLI's start-up) stays
+cheap until a piece is actually used.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "tokenmill.engine.llm",
+    "SamplingParams": "tokenmill.engine.sampling_params",
+    "RequestOutput": "tokenmill.engine.outputs",
+    "CompletionOutput": "tokenmill.engine.outputs",
+    "generate": "tokenmill.pipelines.notebook",
+    "run_job": "tokenmill.pipelines.job",
+    "JobLedger": "tokenmill.pipelines.ledger",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.pipelines.job import run_job
+    from tokenmill.pipelines.ledger import JobLedger
+    from tokenmill.pipelines.notebook import generate
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
+    return getattr(import_module(module), name)
