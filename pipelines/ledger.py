@@ -1,0 +1,208 @@
+"""The per-job ledger: what ran, on what, and exactly what it cost.
+
+Pure functions. The token sums are computed from the result rows themselves (read back
+from the written parts), never from counters kept while running, so they equal the
+sums over the rows - including after a resume. Timing figures (device-seconds,
+latencies) come from the per-shard stats saved next to each part, so a resumed job
+still reports the time its earlier runs spent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tokenmill.connectors.fs import redact_url
+from tokenmill.pipelines.pricing import Prices, token_costs
+
+
+@dataclass
+class ShardStats:
+    """Timings of one finished shard, saved beside its part."""
+
+    shard_id: str
+    num_rows: int
+    device: str
+    device_seconds: float  # wall time of the shard's generate call
+    started_at: str  # ISO 8601, UTC
+    finished_at: str
+    latencies: list[float] = field(default_factory=list)  # seconds, one per served request
+
+    def __post_init__(self) -> None:
+        if self.num_rows < 0 or self.device_seconds < 0:
+            raise ValueError("num_rows and device_seconds must be >= 0")
+
+
+@dataclass
+class JobLedger:
+    """One job's ledger. Flat, so it is both `ledger.json` and one dataset row."""
+
+    job_id: str
+    run_id: str
+    model: str
+    weights_hash: str
+    engine_version: str
+    input_uri: str
+    output_uri: str
+    started_at: str
+    finished_at: str
+    rows_ok: int
+    rows_failed: int
+    num_shards: int
+    num_shards_run: int  # computed by this run; the rest were already complete
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    price_input_per_1m: float
+    price_cached_input_per_1m: float
+    price_output_per_1m: float
+    price_device_per_hour: float | None
+    cost_input: float
+    cost_cached_input: float
+    cost_output: float
+    cost_total: float
+    cost_per_1k_requests: float | None
+    cost_per_1m_tokens: float | None
+    cost_device: float | None
+    device_cost_per_1k_requests: float | None
+    device_cost_per_1m_tokens: float | None
+    device: str
+    device_seconds: float
+    throughput_tokens_per_s: float | None  # (prompt + completion) tokens per device-second
+    output_tokens_per_s: float | None
+    prefix_cache_hit_rate: float
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+    latency_p99_s: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> JobLedger:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+    def to_arrow(self) -> pa.Table:
+        """This ledger as a one-row table with the fixed `LEDGER_SCHEMA`."""
+        row = self.to_dict()
+        return pa.Table.from_pylist([row], schema=LEDGER_SCHEMA)
+
+
+def _arrow_type(annotation: str) -> pa.DataType:
+    if annotation.startswith("int"):
+        return pa.int64()
+    if annotation.startswith("float"):
+        return pa.float64()
+    return pa.string()
+
+
+# Fixed so that rows appended over months (with and without device prices) stay one schema.
+LEDGER_SCHEMA = pa.schema([pa.field(f.name, _arrow_type(f.type)) for f in fields(JobLedger)])
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100) by linear interpolation (numpy's default); None if empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def token_sums(results: pa.Table) -> dict[str, int]:
+    """rows_ok, rows_failed and token sums over a results table."""
+
+    def total(name: str) -> int:
+        value = pc.sum(results[name]).as_py()
+        return int(value or 0)
+
+    failed = int(pc.sum(pc.equal(results["finish_reason"], "error")).as_py() or 0)
+    return {
+        "rows_ok": results.num_rows - failed,
+        "rows_failed": failed,
+        "prompt_tokens": total("prompt_tokens"),
+        "cached_tokens": total("cached_tokens"),
+        "completion_tokens": total("completion_tokens"),
+    }
+
+
+def compute_ledger(
+    results: pa.Table,
+    stats: Sequence[ShardStats],
+    *,
+    prices: Prices,
+    job_id: str,
+    run_id: str,
+    model: str,
+    weights_hash: str,
+    engine_version: str,
+    input_uri: str,
+    output_uri: str,
+    started_at: str,
+    finished_at: str,
+    num_shards: int,
+    num_shards_run: int,
+) -> JobLedger:
+    """Build a job's ledger from its result rows and its shards' stats.
+
+    Args:
+        results: every result row of the job (all parts).
+        stats: one ShardStats per shard (from this run and earlier ones).
+        prices: the prices to charge.
+        started_at, finished_at: ISO times of the job's first shard and of now.
+        (the rest are recorded as given; URIs are redacted of credentials)
+
+    Returns:
+        The JobLedger.
+    """
+    sums = token_sums(results)
+    device_seconds = float(sum(s.device_seconds for s in stats))
+    latencies = [x for s in stats for x in s.latencies]
+    costs = token_costs(
+        prices,
+        prompt_tokens=sums["prompt_tokens"],
+        cached_tokens=sums["cached_tokens"],
+        completion_tokens=sums["completion_tokens"],
+        num_requests=sums["rows_ok"],
+        device_seconds=device_seconds,
+    )
+    num_tokens = sums["prompt_tokens"] + sums["completion_tokens"]
+    rate = (lambda n: n / device_seconds) if device_seconds > 0 else (lambda n: None)
+    devices = sorted({s.device for s in stats if s.device})
+    return JobLedger(
+        job_id=job_id,
+        run_id=run_id,
+        model=model,
+        weights_hash=weights_hash,
+        engine_version=engine_version,
+        input_uri=redact_url(input_uri),
+        output_uri=redact_url(output_uri),
+        started_at=started_at,
+        finished_at=finished_at,
+        num_shards=num_shards,
+        num_shards_run=num_shards_run,
+        **sums,
+        price_input_per_1m=float(prices.input_per_1m),
+        price_cached_input_per_1m=float(prices.cached_input),
+        price_output_per_1m=float(prices.output_per_1m),
+        price_device_per_hour=prices.device_per_hour,
+        **asdict(costs),
+        device=",".join(devices),
+        device_seconds=device_seconds,
+        throughput_tokens_per_s=rate(num_tokens),
+        output_tokens_per_s=rate(sums["completion_tokens"]),
+        prefix_cache_hit_rate=(
+            sums["cached_tokens"] / sums["prompt_tokens"] if sums["prompt_tokens"] else 0.0
+        ),
+        latency_p50_s=percentile(latencies, 50),
+        latency_p95_s=percentile(latencies, 95),
+        latency_p99_s=percentile(latencies, 99),
+    )

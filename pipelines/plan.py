@@ -1,0 +1,169 @@
+"""Ordering and packing: which rows run together, and in which shard.
+
+Pure functions. Rows are sorted by their first `group_tokens` prompt tokens (so every
+row sharing a prefix is adjacent and the prefix stays resident in the engine's prefix
+cache while its group runs) and then by length (so a group's requests finish close
+together and batches stay full). The ordered rows are cut into shards under a token
+budget; a shard is one `LLM.generate` call and the unit of progress, retry and resume.
+
+A shard's id is a hash of what it computes - model, sampling params, row ids and
+prompt token ids - so planning the same job twice yields the same shards, and a
+changed job cannot mistake another job's finished shard for its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.pipelines.tokenize import PromptRow
+
+# Long enough to cover a typical shared system prompt, short enough that sort keys
+# stay cheap; rows sharing more than this are still adjacent, ordered by length.
+DEFAULT_GROUP_TOKENS = 256
+# One shard is one generate() call: big enough to keep a GPU's batch full past the
+# shard's tail, small enough that a killed job loses little work.
+DEFAULT_SHARD_TOKENS = 131_072
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A resumable unit of work: rows (by global row index) in the order they run."""
+
+    shard_id: str
+    index: int
+    row_indices: tuple[int, ...]
+    num_tokens: int  # estimated work: prompt tokens + max completion tokens
+
+    def __post_init__(self) -> None:
+        if not self.row_indices:
+            raise ValueError("a shard must hold at least one row")
+        if self.num_tokens < 0:
+            raise ValueError("num_tokens must be >= 0")
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_indices)
+
+
+def row_cost(row: PromptRow, max_tokens: int) -> int:
+    """Estimated tokens a row costs the engine; error rows cost nothing."""
+    return 0 if row.token_ids is None else row.num_prompt_tokens + max_tokens
+
+
+def order_rows(
+    rows: Sequence[PromptRow], *, group_tokens: int = DEFAULT_GROUP_TOKENS
+) -> list[PromptRow]:
+    """Rows in run order: prefix groups together, by length within a group, errors last.
+
+    Args:
+        rows: tokenized rows (any order).
+        group_tokens: how many leading tokens define a prefix group.
+
+    Returns:
+        A new list; ties break on row index so the order is deterministic.
+    """
+    good = [r for r in rows if r.token_ids is not None]
+    bad = [r for r in rows if r.token_ids is None]
+    good.sort(key=lambda r: (r.token_ids[:group_tokens], len(r.token_ids), r.row_index))
+    bad.sort(key=lambda r: r.row_index)
+    return good + bad
+
+
+def shard_id(rows: Sequence[PromptRow], params: Sequence[SamplingParams], *, model_key: str) -> str:
+    """A content hash naming a shard: same rows, prompts, params and model -> same id."""
+    h = hashlib.sha256()
+    h.update(model_key.encode())
+    used = sorted({r.params_index for r in rows})
+    for i in used:
+        h.update(f"\x00p{i}:".encode())
+        h.update(json.dumps(asdict(params[i]), sort_keys=True).encode())
+    for r in rows:
+        h.update(b"\x00r")
+        h.update(r.id.encode())
+        h.update(b"\x01")
+        h.update(r.error.encode() if r.token_ids is None else repr(r.token_ids).encode())
+    return h.hexdigest()[:20]
+
+
+def cut_shards(
+    ordered: Sequence[PromptRow],
+    params: Sequence[SamplingParams],
+    *,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    max_rows: int | None = None,
+    model_key: str,
+) -> list[Shard]:
+    """Cut ordered rows into consecutive shards of at most `shard_tokens` each.
+
+    A single row costlier than the budget gets a shard of its own. Error rows cost
+    nothing and ride along in whichever shard they fall into (they still need a
+    result row), so every row lands in exactly one shard.
+
+    Args:
+        ordered: rows in run order (`order_rows`).
+        params: the job's distinct SamplingParams, indexed by `PromptRow.params_index`.
+        shard_tokens: the token budget per shard (prompt + max completion tokens).
+        max_rows: optional cap on rows per shard.
+        model_key: identifies the model (e.g. its weights hash) for the shard ids.
+
+    Returns:
+        Shards in run order, `index` 0..n-1.
+    """
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    groups: list[list[PromptRow]] = []
+    costs: list[int] = []
+    current: list[PromptRow] = []
+    current_cost = 0
+    for row in ordered:
+        cost = row_cost(row, params[row.params_index].max_tokens)
+        full = max_rows is not None and len(current) >= max_rows
+        if current and (current_cost + cost > shard_tokens or full):
+            groups.append(current)
+            costs.append(current_cost)
+            current, current_cost = [], 0
+        current.append(row)
+        current_cost += cost
+    if current:
+        groups.append(current)
+        costs.append(current_cost)
+    return [
+        Shard(
+            shard_id=f"{i:05d}-{shard_id(g, params, model_key=model_key)}",
+            index=i,
+            row_indices=tuple(r.row_index for r in g),
+            num_tokens=c,
+        )
+        for i, (g, c) in enumerate(zip(groups, costs))
+    ]
+
+
+def plan_shards(
+    rows: Sequence[PromptRow],
+    params: Sequence[SamplingParams],
+    *,
+    model_key: str,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    group_tokens: int = DEFAULT_GROUP_TOKENS,
+    max_rows: int | None = None,
+) -> list[Shard]:
+    """`order_rows` then `cut_shards`: the whole packing step in one call."""
+    ordered = order_rows(rows, group_tokens=group_tokens)
+    return cut_shards(
+        ordered, params, shard_tokens=shard_tokens, max_rows=max_rows, model_key=model_key
+    )
+
+
+def job_id(shards: Sequence[Shard], *, output: str) -> str:
+    """A job's id: its shards plus where it writes. Rerunning it into the same place
+    gives the same id; the same data written elsewhere is a different job."""
+    h = hashlib.sha256(output.rstrip("/").encode())
+    for s in shards:
+        h.update(b"\x00" + s.shard_id.encode())
+    return h.hexdigest()[:16]

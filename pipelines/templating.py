@@ -1,0 +1,271 @@
+"""Rows -> prompts: a prompt column, a messages column, or a template over columns.
+
+Pure functions. A bad row (null, empty, not a string, malformed messages, a template
+field that is null) becomes a `RenderedRow` with `error` set; it never raises, so one
+bad row cannot lose the others. Problems with the *job* (a column that is not in the
+schema, a template that names no column) raise ValueError before any compute.
+
+Chat or raw: a messages column is always rendered with the model's chat template. A
+prompt column or a template is sent raw unless `chat=True`; a `system` prompt implies
+chat. Raw is the default because batch datasets often hold prompts that are already
+formatted; pass `chat=True` (CLI `--chat`) for instruct models.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# messages -> prompt text; raises ValueError on malformed messages.
+ChatRenderer = Callable[[list[dict[str, str]]], str]
+
+VALID_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+@dataclass(frozen=True)
+class TemplateSpec:
+    """How a row becomes a prompt.
+
+    Exactly one source is used, in this order: `messages_column`, `template`,
+    `prompt_column`. With `fallback_prompt` (OpenAI batch input) a row whose messages
+    are null falls back to its prompt column.
+    """
+
+    prompt_column: str | None = "prompt"
+    messages_column: str | None = None
+    template: str | None = None
+    system: str | None = None
+    chat: bool = False
+    id_column: str | None = None
+    fallback_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.messages_column is not None and self.template is not None:
+            raise ValueError("give either a messages column or a template, not both")
+        if self.messages_column is None and self.template is None and not self.prompt_column:
+            raise ValueError("give a prompt column, a messages column or a template")
+        if self.template is not None:
+            template_fields(self.template)  # raises on an unusable template
+        if self.system is not None and not self.system.strip():
+            raise ValueError("system prompt must not be empty")
+
+    @property
+    def mode(self) -> str:
+        if self.messages_column is not None:
+            return "messages"
+        return "template" if self.template is not None else "prompt"
+
+    @property
+    def wraps_text(self) -> bool:
+        """Whether prompt/template text is wrapped in the chat template."""
+        return self.chat or self.system is not None
+
+
+@dataclass(frozen=True)
+class RenderedRow:
+    """One row after templating: prompt text ready to tokenize, or an error."""
+
+    row_index: int
+    id: str
+    text: str | None = None
+    is_chat: bool = False  # chat-rendered text carries its own special tokens
+    error: str | None = None
+
+
+def template_fields(template: str) -> list[str]:
+    """The column names a `str.format`-style template refers to.
+
+    Args:
+        template: e.g. "Summarise: {text}" (`{{` and `}}` are literal braces).
+
+    Returns:
+        Distinct base field names in order of appearance ("{a.b}" and "{a[0]}" -> "a").
+    """
+    names: list[str] = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"invalid template: {exc}") from exc
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        base = field.split(".", 1)[0].split("[", 1)[0]
+        if not base or base.isdigit():
+            raise ValueError(
+                f"template fields must name columns, got {{{field}}}; write e.g. {{text}}"
+            )
+        if base not in names:
+            names.append(base)
+    if not names:
+        raise ValueError("template refers to no column; use e.g. 'Summarise: {text}'")
+    return names
+
+
+def required_columns(spec: TemplateSpec) -> list[str]:
+    """Columns the source must have for `spec` (id column included)."""
+    if spec.mode == "messages":
+        cols = [spec.messages_column]
+        if spec.fallback_prompt and spec.prompt_column:
+            cols.append(spec.prompt_column)
+    elif spec.mode == "template":
+        cols = template_fields(spec.template)
+    else:
+        cols = [spec.prompt_column]
+    if spec.id_column is not None:
+        cols.append(spec.id_column)
+    return list(dict.fromkeys(cols))
+
+
+def validate_columns(
+    spec: TemplateSpec, column_names: Sequence[str], *, source: str = "input"
+) -> None:
+    """Raise ValueError naming every column `spec` needs that `source` lacks."""
+    missing = [c for c in required_columns(spec) if c not in column_names]
+    if missing:
+        raise ValueError(
+            f"{source}: missing column(s) {', '.join(repr(c) for c in missing)}; "
+            f"available: {', '.join(column_names) or '(none)'}"
+        )
+
+
+def row_ids(id_values: Sequence[Any] | None, start: int, count: int) -> list[str]:
+    """Ids for `count` rows starting at global position `start`.
+
+    Args:
+        id_values: the id column's values, or None to derive ids from row position.
+        start: the global index of the first row (across batches and files).
+        count: how many rows.
+
+    Returns:
+        String ids; position ids look like "row-000000123" so they sort in input order.
+        A null id stays None - the caller reports it as a job-level error.
+    """
+    if id_values is None:
+        return [f"row-{i:09d}" for i in range(start, start + count)]
+    return [None if v is None else str(v) for v in id_values]
+
+
+def check_text(value: Any, what: str) -> str | None:
+    """The error message for an unusable prompt value, or None when it is fine."""
+    if value is None:
+        return f"{what} is null"
+    if not isinstance(value, str):
+        return f"{what} is not a string (got {type(value).__name__})"
+    if not value.strip():
+        return f"{what} is empty"
+    return None
+
+
+def normalize_messages(value: Any, *, system: str | None = None) -> list[dict[str, str]]:
+    """Validate a row's messages and return them as plain dicts.
+
+    Accepts a list of {role, content} mappings or a JSON string holding one. The
+    shared `system` prompt is prepended unless the row starts with its own system
+    message (a row's own instructions win).
+
+    Raises:
+        ValueError: with a message that names the problem but not the content.
+    """
+    if value is None:
+        raise ValueError("messages are null")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"messages are not valid JSON ({exc.msg})") from None
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise ValueError(f"messages must be a list, got {type(value).__name__}")
+    if len(value) == 0:
+        raise ValueError("messages are empty")
+    messages = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, Mapping):
+            raise ValueError(f"message {i} is not an object (got {type(msg).__name__})")
+        role, content = msg.get("role"), msg.get("content")
+        if role not in VALID_ROLES:
+            raise ValueError(f"message {i} has invalid role {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"message {i} content is not a string")
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "user" for m in messages):
+        raise ValueError("messages contain no user message")
+    if system is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def _render_one(
+    row: Mapping[str, Any], spec: TemplateSpec, chat: ChatRenderer | None
+) -> tuple[str, bool]:
+    """(prompt text, is_chat) for one row; raises ValueError on a bad row."""
+    if spec.mode == "messages":
+        value = row.get(spec.messages_column)
+        if value is None and spec.fallback_prompt:
+            return _render_text(row.get(spec.prompt_column), spec, chat, "prompt")
+        if chat is None:
+            raise ValueError("a messages column needs a tokenizer with a chat template")
+        return chat(normalize_messages(value, system=spec.system)), True
+    if spec.mode == "template":
+        for name in template_fields(spec.template):
+            if row.get(name) is None:
+                raise ValueError(f"template column {name!r} is null")
+        try:
+            text = string.Formatter().vformat(spec.template, (), row)
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"template could not be filled ({type(exc).__name__})") from None
+        return _render_text(text, spec, chat, "templated prompt")
+    return _render_text(row.get(spec.prompt_column), spec, chat, "prompt")
+
+
+def _render_text(
+    value: Any, spec: TemplateSpec, chat: ChatRenderer | None, what: str
+) -> tuple[str, bool]:
+    problem = check_text(value, what)
+    if problem is not None:
+        raise ValueError(problem)
+    if not spec.wraps_text:
+        return value, False
+    if chat is None:
+        raise ValueError("chat formatting needs a tokenizer with a chat template")
+    messages = [{"role": "user", "content": value}]
+    if spec.system is not None:
+        messages.insert(0, {"role": "system", "content": spec.system})
+    return chat(messages), True
+
+
+def render_rows(
+    columns: Mapping[str, Sequence[Any]],
+    spec: TemplateSpec,
+    *,
+    start: int = 0,
+    chat: ChatRenderer | None = None,
+) -> list[RenderedRow]:
+    """Render a batch of rows into prompts.
+
+    Args:
+        columns: column name -> values (e.g. `RecordBatch.to_pydict()`); must hold
+            `required_columns(spec)`.
+        spec: how rows become prompts.
+        start: global index of the batch's first row (for position ids).
+        chat: renders a list of messages with the model's chat template
+            (`functools.partial(tokenizer.apply_chat_template, add_generation_prompt=True)`).
+
+    Returns:
+        One RenderedRow per input row, in order; bad rows carry `error`.
+    """
+    num_rows = len(next(iter(columns.values()))) if columns else 0
+    ids = row_ids(columns[spec.id_column] if spec.id_column else None, start, num_rows)
+    names = list(columns)
+    rendered = []
+    for i in range(num_rows):
+        row = {name: columns[name][i] for name in names}
+        try:
+            text, is_chat = _render_one(row, spec, chat)
+        except ValueError as exc:
+            rendered.append(RenderedRow(start + i, ids[i], error=str(exc)))
+            continue
+        rendered.append(RenderedRow(start + i, ids[i], text=text, is_chat=is_chat))
+    return rendered

@@ -1,0 +1,128 @@
+"""Rendered prompts -> token ids, through the tokenizer's one batch path.
+
+Chat-rendered text already carries the template's special tokens, so it is encoded
+without adding more; raw text gets the tokenizer's usual specials (e.g. BOS). A prompt
+that cannot fit the context together with its completion budget becomes an error row
+here, before it reaches the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+from tokenmill.pipelines.templating import ChatRenderer, RenderedRow
+
+
+class BatchTokenizer(Protocol):
+    def encode_batch(
+        self, texts: list[str], add_special_tokens: bool = True
+    ) -> list[list[int]]: ...
+
+
+@dataclass
+class PromptRow:
+    """One input row on its way to the engine.
+
+    `params_index` points into the job's list of distinct SamplingParams so rows that
+    share settings (the usual case) share one object.
+    """
+
+    row_index: int
+    id: str
+    token_ids: list[int] | None = None
+    error: str | None = None
+    params_index: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.token_ids is None) == (self.error is None):
+            raise ValueError(f"row {self.id}: exactly one of token_ids and error must be set")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return 0 if self.token_ids is None else len(self.token_ids)
+
+
+def overlong_error(num_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
+    """Why a prompt of `num_tokens` cannot be served, or None when it fits."""
+    if num_tokens > max_model_len:
+        return (
+            f"prompt is {num_tokens} tokens, longer than the model's context of "
+            f"{max_model_len} tokens"
+        )
+    if num_tokens + max_tokens > max_model_len:
+        return (
+            f"prompt is {num_tokens} tokens; with max_tokens={max_tokens} it exceeds the "
+            f"model's context of {max_model_len} tokens (lower max_tokens or shorten the prompt)"
+        )
+    return None
+
+
+def tokenize_rows(
+    tokenizer: BatchTokenizer,
+    rendered: Sequence[RenderedRow],
+    *,
+    max_model_len: int,
+    max_tokens: Sequence[int] | int,
+    params_index: Sequence[int] | int = 0,
+) -> list[PromptRow]:
+    """Batch-encode rendered rows and turn over-long prompts into error rows.
+
+    Args:
+        tokenizer: anything with `encode_batch(texts, add_special_tokens=...)`.
+        rendered: rows from `render_rows`; error rows pass through unchanged.
+        max_model_len: the model's context length in tokens.
+        max_tokens: completion budget, one for all rows or one per row.
+        params_index: index of each row's SamplingParams (one for all, or per row).
+
+    Returns:
+        One PromptRow per rendered row, same order.
+    """
+    n = len(rendered)
+    budgets = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
+    params = [params_index] * n if isinstance(params_index, int) else list(params_index)
+    encoded: dict[int, list[int]] = {}
+    for is_chat in (False, True):
+        positions = [i for i, r in enumerate(rendered) if r.error is None and r.is_chat == is_chat]
+        if not positions:
+            continue
+        texts = [rendered[i].text for i in positions]
+        ids = tokenizer.encode_batch(texts, add_special_tokens=not is_chat)
+        encoded.update(zip(positions, ids))
+    rows = []
+    for i, r in enumerate(rendered):
+        if r.error is not None:
+            rows.append(PromptRow(r.row_index, r.id, error=r.error, params_index=params[i]))
+            continue
+        token_ids = list(encoded[i])
+        problem = "prompt encodes to no tokens" if not token_ids else None
+        problem = problem or overlong_error(len(token_ids), budgets[i], max_model_len)
+        if problem is not None:
+            rows.append(PromptRow(r.row_index, r.id, error=problem, params_index=params[i]))
+        else:
+            rows.append(PromptRow(r.row_index, r.id, token_ids=token_ids, params_index=params[i]))
+    return rows
+
+
+def chat_renderer(tokenizer: Any) -> ChatRenderer | None:
+    """The tokenizer's chat template as a messages -> text function (None if it has none).
+
+    Template errors (e.g. a template's own `raise_exception` for a role order it does
+    not accept) are turned into ValueError so they become per-row errors.
+    """
+    apply = getattr(tokenizer, "apply_chat_template", None)
+    if apply is None:
+        return None
+    render = partial(apply, add_generation_prompt=True, tokenize=False)
+
+    def _render(messages: list[dict[str, str]]) -> str:
+        try:
+            return render(messages)
+        except ValueError:
+            raise
+        except Exception as exc:  # jinja2 errors and the like: this row only
+            raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+
+    return _render
