@@ -1,0 +1,274 @@
+"""The project's one tokenizer: a `tokenizers.Tokenizer` plus the model's special tokens and
+chat template, rendered in a sandbox because templates come from untrusted model files."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _BackendTokenizer
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """Encode/decode and chat templating for one model directory."""
+
+    def __init__(
+        self,
+        backend: _BackendTokenizer,
+        *,
+        special_tokens: dict[str, str | None] | None = None,
+        chat_template: str | None = None,
+        generation_eos_ids: list[int] | None = None,
+        generation_pad_id: int | None = None,
+    ) -> None:
+        """Wrap a `tokenizers.Tokenizer`.
+
+        Args:
+            backend: the Rust tokenizer (its padding and truncation are switched off).
+            special_tokens: `bos_token`/`eos_token`/`unk_token`/`pad_token` strings, as in
+                tokenizer_config.json.
+            chat_template: jinja2 source of the chat template, if the model has one.
+            generation_eos_ids: extra end-of-sequence ids from generation_config.json.
+            generation_pad_id: pad id from generation_config.json, used if there is no pad token.
+        """
+        self._backend = backend
+        # Encoding must give exactly the tokens of the text; padding is the engine's business.
+        backend.no_padding()
+        backend.no_truncation()
+        self.special_tokens = {k: (special_tokens or {}).get(k) for k in _SPECIAL_TOKEN_KEYS}
+        self.chat_template = chat_template
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = self._token_id(self.special_tokens["bos_token"])
+        self.pad_token_id = self._token_id(self.special_tokens["pad_token"])
+        if self.pad_token_id is None:
+            self.pad_token_id = generation_pad_id
+        eos_ids = [self._token_id(self.special_tokens["eos_token"]), *(generation_eos_ids or [])]
+        self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos_ids if i is not None))
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load from an HF-layout directory.
+
+        Args:
+            path: directory with tokenizer.json, tokenizer_config.json and optionally
+                generation_config.json and chat_template.jinja.
+
+        Returns:
+            The tokenizer.
+        """
+        path = Path(path)
+        backend = _BackendTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+        special_tokens = {k: _token_content(config.get(k)) for k in _SPECIAL_TOKEN_KEYS}
+        eos = generation.get("eos_token_id")
+        return cls(
+            backend,
+            special_tokens=special_tokens,
+            chat_template=_chat_template(path, config),
+            generation_eos_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
+            generation_pad_id=generation.get("pad_token_id"),
+        )
+
+    @property
+    def backend(self) -> _BackendTokenizer:
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._backend
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (with BOS/EOS only if the tokenizer adds them)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of many texts, encoded in parallel by the Rust batch encoder."""
+        encodings = self._backend.encode_batch_fast(
+            list(texts), add_special_tokens=add_special_tokens
+        )
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """Text of many id lists."""
+        return self._backend.decode_batch([list(ids) for ids in batch], skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token string, or None if it is not in the vocabulary."""
+        return self._backend.token_to_id(token)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **extra: Any,
+    ) -> str | list[int]:
+        """Render a conversation with the model's chat template, in a jinja2 sandbox.
+
+        Args:
+            messages: `[{"role": ..., "content": ...}, ...]` with string roles and contents.
+            add_generation_prompt: end with the header that starts the assistant's turn.
+            tokenize: return token ids instead of text (the template supplies any BOS itself).
+            **extra: more template variables (e.g. `tools`, `date_string`).
+
+        Returns:
+            The prompt text, or its token ids if `tokenize`.
+        """
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; pass plain prompts instead")
+        _check_messages(messages)
+        variables = {**self.special_tokens, **extra}
+        text = self._compiled_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        return compile_chat_template(self.chat_template)
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in an immutable sandbox, with the helpers HF templates expect.
+
+    Args:
+        source: the jinja2 template text.
+
+    Returns:
+        The compiled template; rendering it cannot reach Python internals (SecurityError).
+    """
+    # trim_blocks/lstrip_blocks and loopcontrols match transformers, so prompts are identical.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    return env.from_string(source)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """A jinja2 namespace that refuses underscore names, so templates cannot plant dunders."""
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat template may not set attribute {name!r}")
+        super().__setitem__(name, value)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, **kwargs: Any
+) -> str:
+    # jinja's own tojson HTML-escapes; chat templates want plain JSON.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {i} must be a dict, got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ValueError(f"message {i} needs a string {key!r}, got {message.get(key)!r}")
+
+
+def _chat_template(path: Path, config: dict) -> str | None:
+    # transformers >= 4.43 may save the template beside the config instead of inside it.
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template
+
+
+def _token_content(token: Any) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+class IncrementalDetokenizer:
+    """Text of a growing list of generated tokens, decoding only a short window per step.
+
+    The window starts at the tokens emitted last, so decoders that treat the first token
+    specially (sentencepiece's leading space) see the same context every time.
+    While the window's text ends in U+FFFD a multi-byte character is still incomplete, and
+    nothing is emitted until a later token completes it (or `finish` is called).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window: list[int] = []  # the tokens emitted last, then the pending ones
+        self._num_emitted_in_window = 0  # leading tokens of the window whose text is out
+        self.text = ""  # everything emitted so far
+
+    def add(self, token_ids: int | list[int]) -> str:
+        """Append newly generated token(s).
+
+        Args:
+            token_ids: one id or a list of ids.
+
+        Returns:
+            The new text they complete ("" while a character is still incomplete).
+        """
+        self._window.extend([token_ids] if isinstance(token_ids, int) else token_ids)
+        emitted = self._decode(self._window[: self._num_emitted_in_window])
+        current = self._decode(self._window)
+        if len(current) <= len(emitted) or current.endswith("\ufffd"):
+            return ""
+        return self._emit(current[len(emitted) :])
+
+    def finish(self) -> str:
+        """Emit whatever is still pending, incomplete characters included (as U+FFFD)."""
+        emitted = self._decode(self._window[: self._num_emitted_in_window])
+        current = self._decode(self._window)
+        return self._emit(current[len(emitted) :]) if len(current) > len(emitted) else ""
+
+    def _emit(self, delta: str) -> str:
+        # The tokens just emitted become the next window's context: they start right after a
+        # complete character, so decoding from them never begins mid-character.
+        self._window = self._window[self._num_emitted_in_window :]
+        self._num_emitted_in_window = len(self._window)
+        self.text += delta
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return (
+            self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+            if ids
+            else ""
+        )
