@@ -8,12 +8,10 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.engine.config import EngineConfig, ModelConfig, resolve_dtype
-from tokenmill.engine.kv_cache import allocate_kv_cache, default_cache_bytes, num_blocks_for_budget
+from tokenmill.engine.config import EngineConfig, resolve_dtype
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.weights import load_model
 
 Prompt = str | list[int]
 
@@ -63,29 +61,16 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
         )
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.max_model_len = min(
-            max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        model_module = load_model(
-            self.model_dir, self.model_config, dtype=self.dtype, device=self.device
-        )
-        budget = kv_cache_memory or default_cache_bytes(self.device)
-        num_blocks = num_blocks_for_budget(self.model_config, block_size, self.dtype, budget)
-        kv_cache = allocate_kv_cache(self.model_config, num_blocks, block_size, self.dtype, self.device)
-        self.engine = LLMEngine(
-            model_module,
-            self.model_config,
+        self.engine = LLMEngine.from_model_dir(
+            self.model_dir,
             self.engine_config,
-            self.tokenizer,
-            num_blocks=num_blocks,
-            kv_cache=kv_cache,
-            max_model_len=self.max_model_len,
-            device=self.device,
             dtype=self.dtype,
+            device=self.device,
+            tokenizer=self.tokenizer,
         )
+        self.model_config = self.engine.model_config
+        self.max_model_len = self.engine.max_model_len
         self._request_counter = itertools.count()
 
     def generate(

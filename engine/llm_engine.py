@@ -6,17 +6,20 @@ import hashlib
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.config import EngineConfig, ModelConfig
+from tokenmill.engine.kv_cache import allocate_kv_cache, default_cache_bytes, num_blocks_for_budget
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from tokenmill.engine.sampler import SamplerOutput, SamplingBatch
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.weights import load_model
 
 
 @dataclass
@@ -79,6 +82,39 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._finished_early: list[RequestOutput] = []
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: Path,
+        engine_config: EngineConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        tokenizer=None,
+    ) -> LLMEngine:
+        """Load the weights, size and allocate the KV cache, and build the engine."""
+        model_config = ModelConfig.from_dir(model_dir)
+        max_model_len = min(
+            engine_config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        model = load_model(model_dir, model_config, dtype=dtype, device=device)
+        budget = engine_config.kv_cache_memory or default_cache_bytes(device)
+        block_size = engine_config.block_size
+        num_blocks = num_blocks_for_budget(model_config, block_size, dtype, budget)
+        kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device)
+        return cls(
+            model,
+            model_config,
+            engine_config,
+            tokenizer,
+            num_blocks=num_blocks,
+            kv_cache=kv_cache,
+            max_model_len=max_model_len,
+            device=device,
+            dtype=dtype,
+        )
 
     # -- requests -----------------------------------------------------------------------
 

@@ -21,7 +21,16 @@ _EXPORTS = {
     "JobLedger": "tokenmill.pipelines.ledger",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "JobLedger",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+    "generate",
+    "run_job",
+]
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM

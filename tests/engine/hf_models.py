@@ -1,0 +1,64 @@
+"""Random-weight HF checkpoints built in the test, and HF `transformers` as the reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    # Larger than the default 0.02 so the random model's distributions are peaked and
+    # greedy choices are not decided by rounding.
+    initializer_range=0.3,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def build_hf_model(kind: str, out_dir: Path, **overrides):
+    """Save a random-weight `kind` (llama | qwen2 | qwen3) checkpoint; return the HF model."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
+    settings = {**SMALL, **overrides}
+    if kind == "qwen3":
+        settings.setdefault("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
+    config = config_cls(**settings)
+    torch.manual_seed(1234)
+    model = model_cls(config).eval()
+    if kind == "qwen2":
+        # Random-init biases are zero; make them matter.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.3)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy continuation by full forward passes; also the log-softmax at each step."""
+    ids = list(prompt)
+    logprobs = []
+    for _ in range(num_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        logprobs.append(torch.log_softmax(logits, dim=-1))
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :], logprobs
