@@ -2,9 +2,86 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import click
 
 
 @click.group("models")
 def models() -> None:
     """List, inspect and convert models."""
+
+
+@models.command("list")
+def list_command() -> None:
+    """Show the built-in aliases and the converted models in the cache."""
+    from tokenmill.engine.model_files import cache_dir, list_models
+
+    rows = [("NAME", "ARCHITECTURE", "PARAMS", "DTYPE", "SOURCE", "PATH")]
+    for info in list_models():
+        rows.append(
+            (
+                info.name,
+                info.architecture or "-",
+                _format_count(info.num_parameters),
+                info.dtype or "-",
+                info.source,
+                str(info.path) if info.path else "-",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    click.echo(f"\ncache: {cache_dir()}")
+
+
+@models.command("info")
+@click.argument("model")
+def info_command(model: str) -> None:
+    """Describe MODEL (a directory, a .gguf file or an alias) without converting it."""
+    from tokenmill.engine.model_files import ModelFilesError, model_info, weights_hash
+
+    try:
+        info = model_info(model)
+    except ModelFilesError as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(f"name:          {info.name}")
+    click.echo(f"path:          {info.path}")
+    click.echo(f"architecture:  {info.architecture}")
+    exact = f" ({info.num_parameters:,})" if info.num_parameters is not None else ""
+    click.echo(f"parameters:    {_format_count(info.num_parameters)}{exact}")
+    click.echo(f"dtype:         {info.dtype}")
+    click.echo(f"source:        {info.source}")
+    if info.path is not None and info.path.is_dir():
+        click.echo(f"weights hash:  {weights_hash(info.path)}")
+
+
+@models.command("convert")
+@click.argument("gguf", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write the HF-layout directory here (must be new or empty); default: the cache.",
+)
+def convert_command(gguf: Path, out: Path | None) -> None:
+    """Convert a GGUF file into an HF-layout model directory."""
+    from tokenmill.engine.gguf_convert import convert_gguf
+    from tokenmill.engine.model_files import ModelFilesError, resolve_model
+
+    start = time.perf_counter()
+    try:
+        path = resolve_model(gguf) if out is None else convert_gguf(gguf, out)
+    except (ModelFilesError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(f"converted {gguf.name} -> {path} in {time.perf_counter() - start:.1f} s")
+
+
+def _format_count(count: int | None) -> str:
+    if count is None:
+        return "-"
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return str(count)
