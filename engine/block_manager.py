@@ -64,27 +64,37 @@ class BlockManager:
 
     # -- prefix cache lookups -------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Block ids of the longest cached run of full blocks that prefixes token_ids.
+    def block_hashes(self, seq: Sequence) -> list[bytes]:
+        """Chained hashes of seq's full blocks, each computed once as the sequence grows."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        for i in range(len(hashes), seq.num_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens))
+        return hashes
 
-        At most (len(token_ids) - 1) tokens are matched, so a request always computes
-        at least its last token and has logits to sample from.
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached run of full blocks that prefixes seq's tokens.
+
+        At most (num_tokens - 1) tokens are matched, so a request always computes at
+        least its last token and has logits to sample from.
         """
         if not self.enable_prefix_caching:
             return []
+        hashes = self.block_hashes(seq)
+        bs = self.block_size
         hits: list[int] = []
-        parent_hash, parent_id = None, None
-        for i in range((len(token_ids) - 1) // self.block_size):
-            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block_hash = hash_block_tokens(parent_hash, tokens)
-            block_id = self.cached.get(block_hash)
+        parent_id = None
+        for i in range((seq.num_tokens - 1) // bs):
+            block_id = self.cached.get(hashes[i])
             if block_id is None:
                 break
             block = self.blocks[block_id]
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             if block.token_ids != tokens or block.parent_block_id != parent_id:
                 break  # a hash collision, not a hit
             hits.append(block_id)
-            parent_hash, parent_id = block_hash, block_id
+            parent_id = block_id
         return hits
 
     # -- allocation -------------------------------------------------------------------
@@ -150,21 +160,19 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_cached_blocks:
             return
-        parent_hash, parent_id = None, None
+        hashes = self.block_hashes(seq)
+        bs = self.block_size
+        parent_id = None
         if seq.num_cached_blocks:
             last_id = seq.block_table[seq.num_cached_blocks - 1]
-            parent_hash = self.blocks[last_id].block_hash
-            parent_id = self.cached.get(parent_hash, last_id)
+            parent_id = self.cached.get(hashes[seq.num_cached_blocks - 1], last_id)
         for i in range(seq.num_cached_blocks, num_full):
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block_hash = hash_block_tokens(parent_hash, tokens)
             block = self.blocks[seq.block_table[i]]
-            block.block_hash = block_hash
-            block.token_ids = tokens
+            block.block_hash = hashes[i]
+            block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             block.parent_block_id = parent_id
             # If an identical block was computed concurrently, the first one registered
             # stays the cached copy (this one is still correct for its owner), and the
             # chain continues from it so lookups can follow it.
-            registered_id = self.cached.setdefault(block_hash, block.block_id)
-            parent_hash, parent_id = block_hash, registered_id
+            parent_id = self.cached.setdefault(hashes[i], block.block_id)
         seq.num_cached_blocks = num_full

@@ -135,7 +135,6 @@ class LLMEngine:
             self.stats.num_errors += 1
             self._finished_early.append(self._error_output(request, error))
             return
-        first = None
         for index in range(params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids),
@@ -146,9 +145,7 @@ class LLMEngine:
                 params=params,
                 arrival_order=len(self._requests),
                 generator=_seeded_generator(params.seed, index),
-                wait_for=first,
             )
-            first = first or seq
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[request_id] = request

@@ -6,11 +6,15 @@ allows. A long prompt is therefore chunked across steps naturally, and a decodin
 sequence simply needs one token. Running sequences are served first, in admission
 order; when blocks run out the most recently admitted sequence is preempted (its
 blocks freed, to be recomputed later - mostly from the prefix cache).
+
+Shared prefixes are computed once: a waiting sequence whose next uncached block is
+being computed by a running sequence waits until that block lands in the prefix
+cache, rather than computing the same keys and values alongside it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from tokenmill.engine.block_manager import BlockManager
@@ -66,6 +70,7 @@ class Scheduler:
         self.stats = stats
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.inflight: Counter[bytes] = Counter()  # prompt block hash -> running seqs computing it
 
     @property
     def has_unfinished(self) -> bool:
@@ -107,15 +112,13 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
-        skipped: list[Sequence] = []
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.wait_for is not None and not (
-                seq.wait_for.is_prompt_computed or seq.wait_for.is_finished
-            ):
-                skipped.append(self.waiting.popleft())  # its sibling is still prefilling
+            hits = bm.find_cached_prefix(seq)
+            if self._next_block_is_inflight(seq, len(hits)):
+                deferred.append(self.waiting.popleft())
                 continue
-            hits = bm.find_cached_prefix(seq.token_ids)
             num_cached = len(hits) * bm.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not bm.can_allocate(seq, num_cached + num_new, hits):
@@ -128,16 +131,42 @@ class Scheduler:
                 self.stats.cached_prompt_tokens += seq.num_cached_prompt_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._track_inflight(seq, len(hits))
             self._add_chunk(out, ScheduledChunk(seq, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _next_block_is_inflight(self, seq: Sequence, num_hit_blocks: int) -> bool:
+        if not self.block_manager.enable_prefix_caching:
+            return False
+        hashes = self.block_manager.block_hashes(seq)
+        return num_hit_blocks < len(hashes) and self.inflight[hashes[num_hit_blocks]] > 0
+
+    def _track_inflight(self, seq: Sequence, num_hit_blocks: int) -> None:
+        if not self.block_manager.enable_prefix_caching:
+            return
+        num_prompt_blocks = seq.num_prompt_tokens // self.block_manager.block_size
+        seq.inflight_hashes = seq.block_hashes[num_hit_blocks:num_prompt_blocks]
+        self.inflight.update(seq.inflight_hashes)
+
+    def _untrack_inflight(self, seq: Sequence, num_done: int | None = None) -> None:
+        """Drop the first num_done (default: all) of seq's in-flight block hashes."""
+        done = seq.inflight_hashes if num_done is None else seq.inflight_hashes[:num_done]
+        if not done:
+            return
+        self.inflight.subtract(done)
+        for block_hash in done:
+            if self.inflight[block_hash] <= 0:
+                del self.inflight[block_hash]
+        seq.inflight_hashes = seq.inflight_hashes[len(done) :]
 
     @staticmethod
     def _add_chunk(out: SchedulerOutput, chunk: ScheduledChunk) -> None:
         (out.decodes if chunk.num_new_tokens == 1 else out.prefills).append(chunk)
 
     def _preempt(self, seq: Sequence) -> None:
+        self._untrack_inflight(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -155,13 +184,16 @@ class Scheduler:
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self.stats.computed_prompt_tokens += min(prompt_left, chunk.num_new_tokens)
             is_sampling = chunk.samples
+            cached_before = seq.num_cached_blocks
             seq.num_computed_tokens += chunk.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
+            self._untrack_inflight(seq, seq.num_cached_blocks - cached_before)
             if is_sampling:
                 sampling.append(seq)
         return sampling
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        self._untrack_inflight(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)

@@ -39,9 +39,11 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Prompt tokens served from the prefix cache at first admission (what the ledger bills).
     num_cached_prompt_tokens: int | None = None
-    # Set for the 2nd..nth completion: wait until this sibling has computed the prompt,
-    # so the prompt's full blocks are shared through the prefix cache, not recomputed.
-    wait_for: Sequence | None = None
+    # Chained hashes of the full blocks of token_ids, extended by the block manager.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Hashes of prompt blocks this sequence is yet to compute while running; a waiting
+    # sequence whose next block is among them waits a step instead of computing it twice.
+    inflight_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
     text: str = ""  # decoded completion, kept only while stop strings are checked
     stop_string_hit: bool = False
@@ -64,7 +66,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def is_prompt_computed(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens or self.num_completion_tokens > 0

@@ -62,3 +62,25 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], lis
         logprobs.append(torch.log_softmax(logits, dim=-1))
         ids.append(int(logits.argmax()))
     return ids[len(prompt) :], logprobs
+
+
+def save_char_tokenizer(out_dir: Path, vocab_size: int = 256, eos_token: str | None = None) -> None:
+    """A tokenizer where every id is one distinct printable character.
+
+    Random-weight models then decode to clean text, so stop strings and detokenization
+    can be tested exactly.
+    """
+    import json
+
+    from tokenizers import Tokenizer, decoders, models
+
+    chars = [chr(ord("a") + i) for i in range(26)] + [chr(ord("A") + i) for i in range(26)]
+    chars += [chr(0x4E00 + i) for i in range(vocab_size - len(chars))]
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "eos_token": eos_token,
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))

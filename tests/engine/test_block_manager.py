@@ -1,0 +1,129 @@
+"""BlockManager with block_size=4: exact block ids, ref counts and eviction order."""
+
+from __future__ import annotations
+
+import pytest
+
+import tokenmill.engine.block_manager as bm_module
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.sequence import Sequence
+
+_ids = iter(range(10**6))
+
+
+def seq(tokens: list[int]) -> Sequence:
+    return Sequence(
+        seq_id=next(_ids),
+        request_id="r",
+        index=0,
+        token_ids=list(tokens),
+        num_prompt_tokens=len(tokens),
+        params=SamplingParams(),
+        arrival_order=0,
+    )
+
+
+def admit(bm: BlockManager, s: Sequence) -> list[int]:
+    """What the scheduler does for a new sequence: share hits, allocate the rest."""
+    hits = bm.find_cached_prefix(s)
+    bm.allocate(s, s.num_tokens, hits)
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_full_blocks(s)
+    return hits
+
+
+def test_allocation_takes_blocks_in_order_and_counts_refs():
+    bm = BlockManager(8, 4)
+    a = seq(list(range(10)))  # 3 blocks: 2 full + 1 partial
+    assert admit(bm, a) == []
+    assert a.block_table == [0, 1, 2]
+    assert [bm.blocks[i].ref_count for i in range(4)] == [1, 1, 1, 0]
+    assert bm.num_free_blocks == 5
+    assert a.num_cached_blocks == 2  # only full blocks are registered
+
+
+def test_shared_prefix_is_served_from_cache():
+    bm = BlockManager(8, 4)
+    a = seq(list(range(10)))
+    admit(bm, a)
+    b = seq(list(range(8)) + [99, 98, 97])
+    assert admit(bm, b) == [0, 1]
+    assert b.block_table == [0, 1, 3]
+    assert bm.blocks[0].ref_count == 2 and bm.blocks[1].ref_count == 2
+    assert bm.num_free_blocks == 4
+
+
+def test_last_token_is_never_served_from_cache():
+    bm = BlockManager(8, 4)
+    admit(bm, seq(list(range(8))))
+    # An identical 8-token prompt may reuse only its first block: the last token must
+    # be computed to produce logits.
+    assert bm.find_cached_prefix(seq(list(range(8)))) == [0]
+    assert bm.find_cached_prefix(seq(list(range(9)))) == [0, 1]
+
+
+def test_freed_blocks_stay_cached_until_evicted_tail_first():
+    bm = BlockManager(4, 4)
+    a = seq(list(range(12)))  # blocks 0, 1, 2 full
+    admit(bm, a)
+    bm.free(a)
+    # Free queue: the never-used block 3 first, then a's blocks tail first.
+    assert list(bm.free_queue) == [3, 2, 1, 0]
+    assert all(bm.blocks[i].ref_count == 0 for i in range(4))
+    # Still findable while free.
+    assert bm.find_cached_prefix(seq(list(range(12)) + [0])) == [0, 1, 2]
+
+    b = seq([50, 51, 52, 53, 54, 55])  # needs 2 blocks: takes 3, then evicts 2
+    admit(bm, b)
+    assert b.block_table == [3, 2]
+    assert bm.find_cached_prefix(seq(list(range(12)) + [0])) == [0, 1]
+
+
+def test_hit_on_free_block_touches_it_out_of_the_free_queue():
+    bm = BlockManager(4, 4)
+    a = seq(list(range(8)))
+    admit(bm, a)
+    bm.free(a)
+    b = seq(list(range(8)) + [7])
+    assert admit(bm, b) == [0, 1]
+    assert 0 not in bm.free_queue and 1 not in bm.free_queue
+    assert bm.blocks[0].ref_count == 1
+    assert b.block_table == [0, 1, 2]  # the third block comes from the front of the queue
+
+
+def test_can_allocate_counts_revived_blocks():
+    bm = BlockManager(3, 4)
+    a = seq(list(range(8)))
+    admit(bm, a)
+    bm.free(a)
+    b = seq(list(range(8)) + [1, 2, 3, 4, 5])  # 2 hits (free) + 2 new blocks = 4 > 3
+    hits = bm.find_cached_prefix(b)
+    assert hits == [0, 1]
+    assert not bm.can_allocate(b, b.num_tokens, hits)
+    with pytest.raises(RuntimeError):
+        bm.allocate(b, b.num_tokens, hits)
+
+
+def test_hash_collision_never_serves_other_tokens(monkeypatch):
+    # Every block hashes the same: only the token (and parent) check stands between a
+    # lookup and another prefix's keys and values.
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: b"same")
+    bm = BlockManager(8, 4)
+    admit(bm, seq([1, 2, 3, 4, 5]))
+    assert bm.find_cached_prefix(seq([9, 9, 9, 9, 5])) == []
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5])) == [0]
+
+
+def test_same_block_under_another_prefix_is_a_miss():
+    bm = BlockManager(8, 4)
+    admit(bm, seq([1, 2, 3, 4, 5, 6, 7, 8, 0]))
+    # Second block's tokens match, but its parent differs.
+    assert bm.find_cached_prefix(seq([9, 9, 9, 9, 5, 6, 7, 8, 0])) == []
+
+
+def test_prefix_caching_off_shares_nothing():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    admit(bm, seq(list(range(9))))
+    assert bm.find_cached_prefix(seq(list(range(9)))) == []
+    assert bm.cached == {}
