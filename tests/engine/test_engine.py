@@ -111,7 +111,9 @@ def test_seeded_sampling_is_independent_of_batch(model_dir):
         SamplingParams(temperature=0, max_tokens=5),
         params,
     ]
-    batch = run_all(make_engine(model_dir, max_num_batched_tokens=16), others + [prompt], mixed_params)
+    batch = run_all(
+        make_engine(model_dir, max_num_batched_tokens=16), others + [prompt], mixed_params
+    )
     assert batch[-1].token_ids == alone.token_ids
 
     different_seed = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=4321, max_tokens=20)
@@ -137,10 +139,14 @@ def test_stop_string_truncates_text(model_dir):
     free = run_all(engine, [prompt], GREEDY)[0]
     stop = free.text[6:8]
     cut = free.text.find(stop)
-    stopped = run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=16, stop=[stop]))[0]
+    stopped = run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=16, stop=[stop]))[
+        0
+    ]
     assert stopped.finish_reason == "stop"
     assert stopped.text == free.text[:cut]
-    kept = SamplingParams(temperature=0, max_tokens=16, stop=[stop], include_stop_str_in_output=True)
+    kept = SamplingParams(
+        temperature=0, max_tokens=16, stop=[stop], include_stop_str_in_output=True
+    )
     assert run_all(engine, [prompt], kept)[0].text == free.text[: cut + 2]
 
 
@@ -150,12 +156,16 @@ def test_stop_token_ids_min_tokens_and_max_tokens(model_dir):
     free = run_all(engine, [prompt], GREEDY)[0].token_ids
     stop_id = free[3]
     first = free.index(stop_id)
-    out = run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id]))[0]
+    out = run_all(
+        engine, [prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id])
+    )[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == free[: first + 1]
 
     # With min_tokens the stop id is masked until enough tokens exist.
-    later = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_id], min_tokens=first + 2)
+    later = SamplingParams(
+        temperature=0, max_tokens=16, stop_token_ids=[stop_id], min_tokens=first + 2
+    )
     out = run_all(engine, [prompt], later)[0]
     assert len(out.token_ids) >= first + 2
     assert stop_id not in out.token_ids[: first + 2]
@@ -166,7 +176,9 @@ def test_stop_token_ids_min_tokens_and_max_tokens(model_dir):
 
 def test_logprobs_on_request(model_dir):
     engine = make_engine(model_dir)
-    out = run_all(engine, [random_tokens(8, 12)], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]
+    out = run_all(
+        engine, [random_tokens(8, 12)], SamplingParams(temperature=0, max_tokens=4, logprobs=3)
+    )[0]
     assert len(out.outputs[0].logprobs) == 4
     for token_id, entry in zip(out.token_ids, out.outputs[0].logprobs):
         assert token_id in entry and len(entry) == 3  # greedy token is also the top-1

@@ -6,12 +6,11 @@ import random
 
 import pytest
 import torch
+from hf_models import build_hf_model, hf_greedy
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sampling_params import SamplingParams
-
-from hf_models import build_hf_model, hf_greedy
 
 
 def make_engine(model_dir, **config) -> LLMEngine:
@@ -60,7 +59,9 @@ def test_greedy_batch_with_prefix_cache_matches_transformers(kind, tmp_path):
     hf = build_hf_model(kind, tmp_path)
     engine = make_engine(tmp_path, max_num_batched_tokens=48, enable_prefix_caching=True)
     prompts = mixed_prompts(256, seed=2)
-    outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    outputs = run_all(
+        engine, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == hf_greedy(hf, prompt, 12)[0]
     assert engine.stats.cached_prompt_tokens > 0  # the shared prefix was served from cache
