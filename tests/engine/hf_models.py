@@ -46,7 +46,11 @@ def build_hf_model(kind: str, out_dir: Path, **overrides):
         # Random-init biases are zero; make them matter.
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.3)
     model.save_pretrained(out_dir, safe_serialization=True)
     return model
