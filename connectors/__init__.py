@@ -1,0 +1,54 @@
+"""fsspec sources and sinks: Parquet, JSON Lines, CSV and the OpenAI batch format.
+
+Reading: `open_source(uri, ...)` validates a dataset (files, format, schema, columns)
+before any row is read, then `Source.iter_batches()` streams `pyarrow.RecordBatch`es.
+Writing: every file is published atomically (`write_part`, `write_json_atomic`,
+`append_to_dataset`, `write_lines_atomic`); `list_parts`/`read_parts` see only
+complete files.
+"""
+
+from tokenmill.connectors.batches import ERROR_COLUMN
+from tokenmill.connectors.errors import SourceError
+from tokenmill.connectors.formats import FORMATS, detect_format
+from tokenmill.connectors.fs import redact_options, redact_url
+from tokenmill.connectors.openai_batch import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    OPENAI_BATCH_SCHEMA,
+    read_openai_batch_rows,
+)
+from tokenmill.connectors.openai_output import openai_batch_output_lines
+from tokenmill.connectors.sink import (
+    append_to_dataset,
+    list_parts,
+    read_json,
+    read_parts,
+    write_json_atomic,
+    write_lines_atomic,
+    write_part,
+)
+from tokenmill.connectors.source import DEFAULT_BATCH_SIZE, Source, open_source
+
+__all__ = [
+    "CHAT_URL",
+    "COMPLETIONS_URL",
+    "DEFAULT_BATCH_SIZE",
+    "ERROR_COLUMN",
+    "FORMATS",
+    "OPENAI_BATCH_SCHEMA",
+    "Source",
+    "SourceError",
+    "append_to_dataset",
+    "detect_format",
+    "list_parts",
+    "open_source",
+    "openai_batch_output_lines",
+    "read_json",
+    "read_openai_batch_rows",
+    "read_parts",
+    "redact_options",
+    "redact_url",
+    "write_json_atomic",
+    "write_lines_atomic",
+    "write_part",
+]

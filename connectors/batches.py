@@ -1,0 +1,114 @@
+"""The shapes passed between a Source and its per-format readers, and batch helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pyarrow as pa
+
+# Rows that could not be parsed carry their message here (null for good rows) when
+# `on_bad_line="skip_row"`, so downstream turns them into error rows instead of losing them.
+ERROR_COLUMN = "__error__"
+
+OnBadLine = Literal["error", "skip_row"]
+ON_BAD_LINE = ("error", "skip_row")
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """What every reader needs to know, fixed once per Source."""
+
+    batch_size: int
+    on_bad_line: OnBadLine = "error"
+    # A user-given schema for formats that infer one (JSONL, CSV).
+    schema: pa.Schema | None = None
+    # How much of a text file's head is read to infer its schema.
+    sample_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class FileHead:
+    """What a reader learns from a file before reading its rows."""
+
+    schema: pa.Schema
+    num_rows: int | None = None
+
+
+def unify(schemas: Sequence[pa.Schema], *, conflicts_to_string: bool) -> pa.Schema:
+    """One schema for many files: missing fields become nullable, numbers promote.
+
+    Args:
+        schemas: per-file schemas, in file order (field order follows first appearance).
+        conflicts_to_string: make a field whose types cannot be reconciled a string
+            (for text formats, whose types were only guessed); otherwise raise.
+
+    Returns:
+        The unified schema without metadata; raises `pa.ArrowTypeError` on a conflict.
+    """
+    schemas = [s.remove_metadata() for s in schemas]
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowTypeError, pa.ArrowInvalid):
+        if not conflicts_to_string:
+            raise
+    fields: dict[str, pa.Field] = {}
+    for schema in schemas:
+        for field in schema:
+            known = fields.get(field.name)
+            if known is None:
+                fields[field.name] = field
+                continue
+            try:
+                merged = pa.unify_schemas(
+                    [pa.schema([known]), pa.schema([field])], promote_options="permissive"
+                )
+                fields[field.name] = merged.field(0)
+            except (pa.ArrowTypeError, pa.ArrowInvalid):
+                fields[field.name] = pa.field(field.name, pa.string())
+    return pa.schema(list(fields.values()))
+
+
+def conform(
+    batch: pa.RecordBatch, schema: pa.Schema, constants: Mapping[str, Any] | None = None
+) -> pa.RecordBatch:
+    """Reshapes a batch to `schema`: reorders, casts, fills missing columns.
+
+    Args:
+        batch: a batch holding some of the schema's columns.
+        schema: the target schema.
+        constants: per-file values for columns the file itself lacks (hive partitions).
+
+    Returns:
+        A batch with exactly `schema`'s columns; absent ones are constants or nulls.
+    """
+    constants = constants or {}
+    num_rows = batch.num_rows
+    arrays = []
+    for field in schema:
+        index = batch.schema.get_field_index(field.name)
+        if index >= 0:
+            column = batch.column(index)
+            arrays.append(column if column.type == field.type else column.cast(field.type))
+        elif constants.get(field.name) is not None:
+            arrays.append(pa.repeat(pa.scalar(constants[field.name], field.type), num_rows))
+        else:
+            arrays.append(pa.nulls(num_rows, field.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def rechunk(batches: Iterator[pa.RecordBatch], max_rows: int) -> Iterator[pa.RecordBatch]:
+    """Splits batches larger than `max_rows` (slices are zero-copy); drops empty ones."""
+    for batch in batches:
+        for offset in range(0, batch.num_rows, max_rows):
+            yield batch.slice(offset, max_rows)
+
+
+def error_rows(messages: Sequence[str], schema: pa.Schema) -> pa.RecordBatch:
+    """Rows of nulls carrying only an error message, for lines that could not be parsed."""
+    arrays = [pa.nulls(len(messages), f.type) for f in schema if f.name != ERROR_COLUMN]
+    names = [f.name for f in schema if f.name != ERROR_COLUMN]
+    return pa.RecordBatch.from_arrays(
+        [*arrays, pa.array(messages, pa.string())], names=[*names, ERROR_COLUMN]
+    )

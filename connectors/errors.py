@@ -1,0 +1,24 @@
+"""Errors raised by connectors."""
+
+from __future__ import annotations
+
+import re
+
+
+class SourceError(ValueError):
+    """An input dataset cannot be read as asked: raised before any row reaches compute.
+
+    The message always names the file or URL (credentials redacted) and the problem.
+    """
+
+
+def safe_arrow_message(message: str) -> str:
+    """pyarrow's parse errors quote the offending cell or row; keep everything else."""
+    message = re.sub(r"invalid value '.*'", "invalid value", message, flags=re.S)
+    message = re.sub(
+        r"Could not convert .* with type",
+        "Could not convert a value with type",
+        message,
+        flags=re.S,
+    )
+    return re.sub(r"(Expected \d+ columns, got \d+):.*", r"\1", message, flags=re.S)

@@ -1,0 +1,246 @@
+"""`open_source`: a dataset URL validated up front, then streamed as record batches."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pyarrow as pa
+
+from tokenmill.connectors.batches import (
+    ERROR_COLUMN,
+    ON_BAD_LINE,
+    FileHead,
+    OnBadLine,
+    ReadOptions,
+    conform,
+    rechunk,
+    unify,
+)
+from tokenmill.connectors.discovery import DataFiles, discover
+from tokenmill.connectors.errors import SourceError, safe_arrow_message
+from tokenmill.connectors.formats import detect_format, get_reader, normalize_format
+from tokenmill.connectors.fs import display, redact_url, resolve, to_url
+from tokenmill.connectors.lines import BadLine
+
+DEFAULT_BATCH_SIZE = 8192
+
+# Errors that mean "these bytes are not what the format promises". Other OSErrors
+# (network, throttling) pass through untouched so retry logic can see them.
+_PARSE_ERRORS = (ValueError, EOFError, gzip.BadGzipFile, zlib.error, pa.ArrowException)
+
+
+@dataclass
+class Source:
+    """A validated input dataset. Build it with `open_source`.
+
+    `schema` is what `iter_batches` yields; `files` are URLs in read order; `num_rows`
+    is known without reading rows for Parquet (footers) and after `count_rows()`.
+    """
+
+    uri: str
+    format: str
+    files: list[str]
+    schema: pa.Schema
+    num_rows: int | None
+    batch_size: int
+    on_bad_line: OnBadLine
+    _fs: Any = field(repr=False, compare=False)
+    _data: DataFiles = field(repr=False, compare=False)
+    _read_schema: pa.Schema = field(repr=False, compare=False)
+    _options: ReadOptions = field(repr=False, compare=False)
+
+    def iter_batches(self) -> Iterator[pa.RecordBatch]:
+        """Streams the rows: every batch has `schema` and at most `batch_size` rows.
+
+        Raises `SourceError` naming the file (and line, for JSON Lines) when bytes past
+        the validated head turn out to be unreadable.
+        """
+        reader = get_reader(self.format)
+        for path, constants in zip(self._data.paths, self._data.partitions):
+            name = display(self._fs, path)
+            batches = reader.iter_batches(
+                self._fs, path, self._read_schema, name=name, options=self._options
+            )
+            try:
+                for batch in rechunk(batches, self.batch_size):
+                    yield conform(batch, self.schema, constants)
+            except _PARSE_ERRORS as e:
+                _raise_source_error(name, self.format, e)
+
+    def to_table(self) -> pa.Table:
+        """All rows at once; for small inputs and tests."""
+        return pa.Table.from_batches(list(self.iter_batches()), schema=self.schema)
+
+    def count_rows(self) -> int:
+        """Reads every row once, so a bad line anywhere fails now, before any compute.
+
+        Returns:
+            The number of rows `iter_batches` yields; also stored in `num_rows`.
+        """
+        self.num_rows = sum(batch.num_rows for batch in self.iter_batches())
+        return self.num_rows
+
+
+def open_source(
+    uri: str,
+    *,
+    format: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    columns: Sequence[str] | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    on_bad_line: OnBadLine = "error",
+    schema: pa.Schema | None = None,
+    validate: Literal["head", "full"] = "head",
+) -> Source:
+    """Opens and validates an input dataset without reading its rows.
+
+    Args:
+        uri: a file, directory, glob or hive-partitioned dataset, on any fsspec
+            filesystem (`s3://`, `gs://`, `memory://`, `http(s)://`, local paths).
+        format: "parquet", "jsonl", "csv" or "openai-batch"; None detects it from the
+            file extensions (`.gz` and other compression suffixes are looked through).
+        storage_options: filesystem options (credentials, `endpoint_url`); never shown.
+        columns: the columns to read, in this order (partition columns included).
+        batch_size: the most rows in one yielded batch.
+        on_bad_line: "error" fails on a line that cannot be parsed; "skip_row" yields it
+            as a row of nulls with a message in the `__error__` column.
+        schema: column types for JSONL/CSV instead of inferring them from the first block.
+        validate: "head" checks each file's footer or first block; "full" also reads
+            every row once so that no bad line can surface mid-job.
+
+    Returns:
+        A `Source`; raises `SourceError` (a `ValueError`) naming the file and problem.
+    """
+    fmt = _check_options(format, on_bad_line, batch_size, columns, schema, validate)
+    fs, path = resolve(uri, storage_options)
+    data = discover(fs, path)
+    fmt = fmt or _detect(fs, data.paths)
+    if schema is not None and fmt not in ("jsonl", "csv"):
+        raise ValueError(f"schema= is only for jsonl and csv input, not {fmt}")
+    options = ReadOptions(batch_size=batch_size, on_bad_line=on_bad_line, schema=schema)
+    reader = get_reader(fmt)
+    heads = [_read_head(reader, fs, p, fmt, options) for p in data.paths]
+    name = redact_url(uri)
+    try:
+        data_schema = unify(
+            [h.schema for h in heads], conflicts_to_string=reader.conflicts_to_string
+        )
+    except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
+        raise SourceError(f"{name}: files disagree on column types ({e})") from e
+    full = _full_schema(name, data_schema, data, columns, on_bad_line)
+    read_schema = pa.schema([f for f in data_schema if f.name in full.names])
+    counts = [h.num_rows for h in heads]
+    source = Source(
+        uri=name,
+        format=fmt,
+        files=[to_url(fs, p) for p in data.paths],
+        schema=full,
+        num_rows=sum(counts) if all(c is not None for c in counts) else None,
+        batch_size=batch_size,
+        on_bad_line=on_bad_line,
+        _fs=fs,
+        _data=data,
+        _read_schema=read_schema,
+        _options=options,
+    )
+    if validate == "full":
+        source.count_rows()
+    return source
+
+
+def _check_options(format, on_bad_line, batch_size, columns, schema, validate) -> str | None:
+    # Option mistakes are the caller's, so they are plain ValueErrors raised before any I/O.
+    if on_bad_line not in ON_BAD_LINE:
+        raise ValueError(f"on_bad_line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if validate not in ("head", "full"):
+        raise ValueError(f"validate must be 'head' or 'full', got {validate!r}")
+    if columns is not None:
+        if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+            raise ValueError("columns must be a list of column names")
+        if len(set(columns)) != len(columns):
+            raise ValueError("columns must not repeat a name")
+    if schema is not None and not isinstance(schema, pa.Schema):
+        raise ValueError("schema must be a pyarrow.Schema")
+    if format is None:
+        return None
+    try:
+        fmt = normalize_format(format)
+    except ValueError as e:
+        raise SourceError(str(e)) from None
+    if schema is not None and fmt not in ("jsonl", "csv"):
+        raise ValueError(f"schema= is only for jsonl and csv input, not {fmt}")
+    return fmt
+
+
+def _detect(fs, paths: list[str]) -> str:
+    formats: dict[str, str] = {}
+    for path in paths:
+        fmt = detect_format(path)
+        if fmt is None:
+            raise SourceError(
+                f"{display(fs, path)}: unknown format from the file name; pass format= "
+                "(parquet, jsonl, csv, openai-batch)"
+            )
+        formats.setdefault(fmt, path)
+    if len(formats) > 1:
+        found = ", ".join(f"{fmt} ({display(fs, p)})" for fmt, p in formats.items())
+        raise SourceError(f"mixed formats in one input: {found}; pass format= or split it")
+    return next(iter(formats))
+
+
+def _read_head(reader, fs, path: str, fmt: str, options: ReadOptions) -> FileHead:
+    name = display(fs, path)
+    try:
+        return reader.head(fs, path, options=options)
+    except FileNotFoundError as e:
+        raise SourceError(f"{name}: path does not exist") from e
+    except PermissionError as e:
+        raise SourceError(f"{name}: access denied") from e
+    except (*_PARSE_ERRORS, OSError) as e:
+        # At validation time any failure is reported as this file's problem, clearly.
+        _raise_source_error(name, fmt, e)
+
+
+def _raise_source_error(name: str, fmt: str, error: BaseException):
+    if isinstance(error, SourceError):
+        raise error
+    if isinstance(error, BadLine):
+        raise SourceError(f"{name}: {error}") from None
+    message = safe_arrow_message(str(error))
+    text = f"{name}: not a readable {fmt} file ({message or type(error).__name__})"
+    if message != str(error):
+        # The original message quotes row content; do not let a traceback carry it.
+        raise SourceError(text) from None
+    raise SourceError(text) from error
+
+
+def _full_schema(
+    name: str,
+    data_schema: pa.Schema,
+    data: DataFiles,
+    columns: Sequence[str] | None,
+    on_bad_line: str,
+) -> pa.Schema:
+    # A column stored in the files wins over a same-named partition directory.
+    fields = list(data_schema) + [
+        f for f in data.partition_schema if data_schema.get_field_index(f.name) < 0
+    ]
+    fields = [f for f in fields if f.name != ERROR_COLUMN]
+    if columns is not None:
+        by_name = {f.name: f for f in fields}
+        missing = [c for c in columns if c not in by_name]
+        if missing:
+            raise SourceError(
+                f"{name}: column(s) {', '.join(map(repr, missing))} not found; "
+                f"available columns: {', '.join(by_name) or '(none)'}"
+            )
+        fields = [by_name[c] for c in columns]
+    if on_bad_line == "skip_row":
+        fields.append(pa.field(ERROR_COLUMN, pa.string()))
+    return pa.schema(fields)
