@@ -161,6 +161,16 @@ def to_arrow(values: list[Any], field: pa.Field) -> tuple[pa.Array, dict[int, st
     if pa.types.is_string(field.type) or pa.types.is_large_string(field.type):
         # Anything fits a string column: non-strings keep their JSON spelling.
         values = [v if v is None or isinstance(v, str) else json.dumps(v) for v in values]
+    if pa.types.is_integer(field.type):
+        # pa.array truncates 1.5 to 1 without a word; a fraction is a bad value here.
+        lossy = {
+            i: f"a float value does not fit type {field.type}"
+            for i, v in enumerate(values)
+            if isinstance(v, float) and not v.is_integer()
+        }
+        if lossy:
+            rest, bad = to_arrow([None if i in lossy else v for i, v in enumerate(values)], field)
+            return rest, {**lossy, **bad}
     try:
         return pa.array(values, type=field.type), {}
     except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):

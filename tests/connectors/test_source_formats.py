@@ -87,7 +87,9 @@ def test_hive_partitions_become_typed_columns(tmp_path):
 
     source = open_source(f"file://{tmp_path}", columns=["id", "year", "lang"])
 
-    assert source.schema == pa.schema([("id", pa.int64()), ("year", pa.int64()), ("lang", pa.string())])
+    assert source.schema == pa.schema(
+        [("id", pa.int64()), ("year", pa.int64()), ("lang", pa.string())]
+    )
     rows = source.to_table().to_pylist()
     assert rows[0] == {"id": 0, "year": 2024, "lang": "en"}
     assert rows[4] == {"id": 4, "year": 2025, "lang": "fr"}

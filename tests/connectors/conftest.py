@@ -1,0 +1,32 @@
+"""Fixtures for connector tests: a loopback S3 server and small sample datasets."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+# tests/ is not a package; its helpers are importable once it is on the path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from s3_server import S3Endpoint, moto_s3  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def s3() -> S3Endpoint:
+    with moto_s3() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_prefix(s3: S3Endpoint) -> str:
+    """A fresh `s3://bucket/<unique>` prefix, so tests never see each other's objects."""
+    return s3.url(f"t-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+def memory_root() -> str:
+    """A fresh `memory://` directory (the in-memory filesystem is process-wide)."""
+    return f"memory://tm-{uuid.uuid4().hex[:10]}"
