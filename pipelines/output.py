@@ -1,0 +1,174 @@
+"""A job's output directory: where each file lives, and reading and writing them.
+
+    OUTPUT/results/<shard_id>.parquet   one part per shard (or .jsonl), written atomically
+    OUTPUT/shard_stats/<shard_id>.json  timings of that shard (device-seconds, latencies)
+    OUTPUT/ledger.json                  the job's ledger
+    OUTPUT/results.jsonl                OpenAI batch output (with output_format="openai-batch")
+    OUTPUT/ledger/                      the default ledger dataset (one Parquet file per job)
+
+A shard is complete iff its part exists: the stats file is written first, so a part
+never lacks its stats, and a shard killed before its part is published is simply
+rerun (its stats file is overwritten). All writes go through the connectors' atomic
+writers, on local disk and object stores alike.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+import pyarrow as pa
+
+from tokenmill.connectors import (
+    list_parts,
+    read_json,
+    read_parts,
+    write_json_atomic,
+    write_lines_atomic,
+    write_part,
+)
+from tokenmill.connectors.fs import resolve
+from tokenmill.pipelines.ledger import JobLedger, ShardStats
+
+RESULTS_DIR = "results"
+STATS_DIR = "shard_stats"
+LEDGER_FILE = "ledger.json"
+OPENAI_RESULTS_FILE = "results.jsonl"
+DEFAULT_LEDGER_DIR = "ledger"
+
+StorageOptions = Mapping[str, Any] | None
+
+
+def join(base: str, *names: str) -> str:
+    """`base/names...` for local paths and URLs alike."""
+    return posixpath.join(base.rstrip("/"), *names)
+
+
+def results_uri(output: str) -> str:
+    return join(output, RESULTS_DIR)
+
+
+def default_ledger_dataset(output: str) -> str:
+    return join(output, DEFAULT_LEDGER_DIR)
+
+
+def part_shard_id(part_url: str) -> str:
+    """The shard id a part file is named by."""
+    name = posixpath.basename(part_url.rstrip("/"))
+    return name.rsplit(".", 1)[0]
+
+
+def completed_shards(output: str, storage_options: StorageOptions = None) -> set[str]:
+    """Ids of the shards whose result part exists, from one listing."""
+    return {part_shard_id(u) for u in list_parts(results_uri(output), storage_options)}
+
+
+def part_exists(
+    output: str, shard_id: str, fmt: str, storage_options: StorageOptions = None
+) -> bool:
+    """Whether one shard's part is published (checked fresh, not from a cached listing)."""
+    fs, path = resolve(join(results_uri(output), f"{shard_id}.{fmt}"), storage_options)
+    fs.invalidate_cache(posixpath.dirname(path))
+    return fs.exists(path)
+
+
+def write_shard(
+    output: str,
+    table: pa.Table,
+    stats: ShardStats,
+    *,
+    fmt: str = "parquet",
+    storage_options: StorageOptions = None,
+) -> str:
+    """Publish a shard: its stats, then its part (the part is the completion marker).
+
+    Raises:
+        FileExistsError: the part already exists (the shard was completed elsewhere).
+    """
+    write_json_atomic(
+        join(output, STATS_DIR, f"{stats.shard_id}.json"), asdict(stats), storage_options
+    )
+    return write_part(
+        table, results_uri(output), stats.shard_id, format=fmt, storage_options=storage_options
+    )
+
+
+def read_results(output: str, storage_options: StorageOptions = None) -> pa.Table:
+    """Every result row of a job, from all its parts."""
+    return read_parts(results_uri(output), storage_options)
+
+
+def read_shard_stats(
+    output: str, shard_ids: Iterable[str], storage_options: StorageOptions = None
+) -> list[ShardStats]:
+    """The stats of the given (completed) shards."""
+    return [
+        ShardStats(**read_json(join(output, STATS_DIR, f"{sid}.json"), storage_options))
+        for sid in shard_ids
+    ]
+
+
+def remove_results(output: str, storage_options: StorageOptions = None) -> int:
+    """Delete a job's parts and shard stats (for a fresh, non-resumed run).
+
+    Returns:
+        How many parts were removed.
+    """
+    parts = list_parts(results_uri(output), storage_options)
+    for directory in (results_uri(output), join(output, STATS_DIR)):
+        fs, path = resolve(directory, storage_options)
+        fs.invalidate_cache(path)
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+    return len(parts)
+
+
+def write_ledger(
+    ledger: JobLedger,
+    output: str,
+    *,
+    ledger_dataset: str | None = None,
+    storage_options: StorageOptions = None,
+) -> str:
+    """Write `OUTPUT/ledger.json` and record the job in the ledger dataset.
+
+    The dataset holds one row per job, in a file named by the job id: finishing a job
+    again (a rerun, or a recompute with resume off) replaces its row rather than adding
+    one, so sums over the dataset count each job once and reflect its current results.
+
+    Returns:
+        The URL of the job's row file in the dataset.
+    """
+    write_json_atomic(join(output, LEDGER_FILE), ledger.to_dict(), storage_options)
+    dataset = ledger_dataset or default_ledger_dataset(output)
+    return write_part(
+        ledger.to_arrow(),
+        dataset,
+        f"job-{ledger.job_id}",
+        storage_options=storage_options,
+        overwrite=True,
+    )
+
+
+def read_ledger_dataset(uri: str, storage_options: StorageOptions = None) -> pa.Table:
+    """Every job recorded in a ledger dataset, oldest first."""
+    table = read_parts(uri, storage_options)
+    if table.num_rows and "started_at" in table.column_names:
+        table = table.sort_by([("started_at", "ascending")])
+    return table
+
+
+def read_ledger(output: str, storage_options: StorageOptions = None) -> JobLedger:
+    """A job's `ledger.json`."""
+    return JobLedger.from_dict(read_json(join(output, LEDGER_FILE), storage_options))
+
+
+def write_openai_results(
+    output: str, lines: Iterable[str], storage_options: StorageOptions = None
+) -> str:
+    """Write `OUTPUT/results.jsonl` (OpenAI batch output lines), replacing an older one."""
+    return write_lines_atomic(
+        join(output, OPENAI_RESULTS_FILE), lines, storage_options, overwrite=True
+    )
