@@ -26,7 +26,7 @@ class CsvReader:
     conflicts_to_string = True
 
     def head(self, fs, path: str, *, options: ReadOptions) -> FileHead:
-        with open_text_stream(fs, path) as f:
+        with open_text_stream(fs, path, head=True) as f:
             reader, _ = _open(f, options, options.schema, include=False)
             return FileHead(schema=reader.schema)
 

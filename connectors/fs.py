@@ -80,9 +80,22 @@ def redact_options(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: (v if k in _SAFE_OPTION_KEYS else "***") for k, v in (storage_options or {}).items()}
 
 
-def open_text_stream(fs, path: str):
-    """Opens a file for sequential reading, decompressing by its suffix (`.gz`, `.zst`...)."""
-    return fs.open(path, "rb", compression=infer_compression(path))
+# Remote files read ahead one block; s3fs defaults to 50 MiB, far more than a schema
+# sample needs and more memory per open stream than a batch does.
+HEAD_BLOCK_BYTES = 2 << 20
+STREAM_BLOCK_BYTES = 8 << 20
+
+
+def open_text_stream(fs, path: str, *, head: bool = False):
+    """Opens a file for sequential reading, decompressing by its suffix (`.gz`, `.zst`...).
+
+    Args:
+        fs: the fsspec filesystem.
+        path: the file.
+        head: only the first block will be read (schema inference, validation).
+    """
+    block_size = HEAD_BLOCK_BYTES if head else STREAM_BLOCK_BYTES
+    return fs.open(path, "rb", block_size=block_size, compression=infer_compression(path))
 
 
 def is_hidden(relative_path: str) -> bool:

@@ -23,7 +23,7 @@ class JsonlReader:
     conflicts_to_string = True
 
     def head(self, fs, path: str, *, options: ReadOptions) -> FileHead:
-        with open_text_stream(fs, path) as f:
+        with open_text_stream(fs, path, head=True) as f:
             sample = head_lines(f, options.sample_bytes)
         rows = []
         for number, line in zip(sample.line_numbers, sample.lines):

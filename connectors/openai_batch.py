@@ -61,7 +61,7 @@ class OpenAIBatchReader:
     def head(self, fs, path: str, *, options: ReadOptions) -> FileHead:
         if options.on_bad_line == "error":
             # Checking the first chunk catches a file that is not a batch file at all.
-            with open_text_stream(fs, path) as f:
+            with open_text_stream(fs, path, head=True) as f:
                 for chunk in iter_line_chunks(f, min(options.batch_size, 1000)):
                     parse_request_lines(zip(chunk.line_numbers, chunk.lines))
                     break

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import http.server
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -30,3 +33,21 @@ def s3_prefix(s3: S3Endpoint) -> str:
 def memory_root() -> str:
     """A fresh `memory://` directory (the in-memory filesystem is process-wide)."""
     return f"memory://tm-{uuid.uuid4().hex[:10]}"
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def http_root(tmp_path_factory) -> tuple[str, Path]:
+    """A read-only HTTP server on loopback: `(base_url, directory it serves)`."""
+    directory = tmp_path_factory.mktemp("http")
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", directory
+    server.shutdown()
+    server.server_close()

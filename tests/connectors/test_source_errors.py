@@ -169,3 +169,8 @@ def test_redaction_of_urls_and_options():
         "secret": "***",
         "endpoint_url": "http://e",
     }
+
+
+def test_protocol_without_its_package_says_so():
+    with pytest.raises(SourceError, match="gs://bucket/x.parquet: this protocol needs an extra"):
+        open_source("gs://bucket/x.parquet", storage_options={"token": "SECRET"})

@@ -11,7 +11,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.connectors import ERROR_COLUMN, open_source
+from tokenmill.connectors import ERROR_COLUMN, SourceError, open_source
 
 ROWS = [{"id": i, "prompt": f"question {i}", "score": i / 2} for i in range(10)]
 
@@ -187,3 +187,20 @@ def test_full_validation_counts_rows(tmp_path):
     _write(path, "csv")
 
     assert open_source(str(path), validate="full").num_rows == 10
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "csv"])
+def test_http_url_is_read_as_one_file(http_root, fmt):
+    base, directory = http_root
+    _write(directory / f"data.{EXT[fmt]}", fmt)
+
+    source = open_source(f"{base}/data.{EXT[fmt]}")
+
+    assert source.files == [f"{base}/data.{EXT[fmt]}"]
+    assert source.to_table().to_pylist() == ROWS
+
+
+def test_http_missing_file(http_root):
+    base, _ = http_root
+    with pytest.raises(SourceError, match=f"{base}/nope.jsonl: path does not exist"):
+        open_source(f"{base}/nope.jsonl")
