@@ -1,8 +1,13 @@
-"""Format names, detection from file names, and the reader each format uses."""
+"""Format names, detection from file names, and the reader for each format."""
 
 from __future__ import annotations
 
 from fsspec.utils import infer_compression
+
+from tokenmill.connectors.csv_reader import CsvReader
+from tokenmill.connectors.jsonl_reader import JsonlReader
+from tokenmill.connectors.openai_batch import OpenAIBatchReader
+from tokenmill.connectors.parquet_reader import ParquetReader
 
 FORMATS = ("parquet", "jsonl", "csv", "openai-batch")
 
@@ -49,19 +54,12 @@ def detect_format(path: str) -> str | None:
 
 def get_reader(fmt: str):
     """The reader object for a canonical format name."""
-    # Imported here so that a format's dependencies load only when it is used.
-    if fmt == "parquet":
-        from tokenmill.connectors.parquet_reader import ParquetReader
+    return _READERS[fmt]()
 
-        return ParquetReader()
-    if fmt == "jsonl":
-        from tokenmill.connectors.jsonl_reader import JsonlReader
 
-        return JsonlReader()
-    if fmt == "csv":
-        from tokenmill.connectors.csv_reader import CsvReader
-
-        return CsvReader()
-    from tokenmill.connectors.openai_batch import OpenAIBatchReader
-
-    return OpenAIBatchReader()
+_READERS = {
+    "parquet": ParquetReader,
+    "jsonl": JsonlReader,
+    "csv": CsvReader,
+    "openai-batch": OpenAIBatchReader,
+}

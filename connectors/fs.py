@@ -36,7 +36,8 @@ def resolve(uri: str, storage_options: Mapping[str, Any] | None = None):
     except ImportError as e:
         # fsspec's message names the missing package, never the options.
         raise SourceError(f"{redact_url(uri)}: this protocol needs an extra package ({e})") from e
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
+        # A bad option name is reported by name only; option values never reach here.
         raise SourceError(f"{redact_url(uri)}: cannot open this URL ({e})") from e
 
 

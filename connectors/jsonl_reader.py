@@ -68,7 +68,8 @@ def infer_schema(rows: Sequence[dict[str, Any]]) -> pa.Schema:
         rows: parsed sample objects; field order is the order keys first appear.
 
     Returns:
-        A schema; all-null columns are strings since nothing says otherwise.
+        A schema; columns whose type the sample cannot tell (all null, only empty
+        lists or objects) are strings holding each value's JSON text.
     """
     names: dict[str, None] = {}
     for row in rows:
@@ -80,10 +81,22 @@ def infer_schema(rows: Sequence[dict[str, Any]]) -> pa.Schema:
             dtype = pa.array(values).type
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
             dtype = pa.string()
-        if pa.types.is_null(dtype):
+        if _is_undetermined(dtype):
             dtype = pa.string()
         fields.append(pa.field(name, dtype))
     return pa.schema(fields)
+
+
+def _is_undetermined(dtype: pa.DataType) -> bool:
+    # Only nulls, `[]` or `{}` were seen: any later real value would not fit, so the
+    # column keeps each value's JSON text instead.
+    if pa.types.is_null(dtype):
+        return True
+    if pa.types.is_struct(dtype):
+        return dtype.num_fields == 0 or any(_is_undetermined(f.type) for f in dtype)
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        return _is_undetermined(dtype.value_type)
+    return False
 
 
 def read_chunk(

@@ -36,6 +36,19 @@ def test_keys_missing_or_added_later(tmp_path):
     ]
 
 
+def test_columns_only_empty_in_the_head_keep_later_values_as_json_text(tmp_path):
+    rows = [{"tags": [], "meta": {}, "x": None}] * 30_000 + [{"tags": ["a"], "meta": {"k": 1}}]
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+
+    source = open_source(path)
+
+    assert source.schema == pa.schema(
+        [("tags", pa.string()), ("meta", pa.string()), ("x", pa.string())]
+    )
+    last = source.to_table().slice(30_000).to_pylist()
+    assert last == [{"tags": '["a"]', "meta": '{"k": 1}', "x": None}]
+
+
 def test_nested_values_keep_their_structure(tmp_path):
     messages = [{"role": "user", "content": "hi"}]
     path = _jsonl(tmp_path / "d.jsonl", [{"messages": messages}, {"messages": None}])
