@@ -13,6 +13,8 @@ from tokenmill import __version__
 _SUBCOMMANDS = {
     "generate": "generate",
     "models": "models",
+    "run": "run",
+    "ledger": "ledger",
 }
 
 
