@@ -141,6 +141,7 @@ def plan_job(spec: JobSpec, *, tokenizer: Any = None, llm: Any = None) -> JobPla
         tokenizer = tokenizer or llm.tokenizer
     else:
         model_dir, max_len, w_hash = _model_facts(spec.model)
+        max_len = min(max_len, spec.engine_options.get("max_model_len") or max_len)
     if tokenizer is None:
         from tokenmill.engine.tokenizer import Tokenizer
 
@@ -386,7 +387,7 @@ def load_llm(spec: JobSpec) -> Any:
     """Load the job's model (the one expensive step `plan_job` avoids)."""
     from tokenmill.engine.llm import LLM
 
-    return LLM(spec.model, dtype=spec.dtype, device=spec.device)
+    return LLM(spec.model, dtype=spec.dtype, device=spec.device, **spec.engine_options)
 
 
 def run_job(

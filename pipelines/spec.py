@@ -64,6 +64,8 @@ class JobSpec:
             `OUTPUT/results.jsonl` in OpenAI's batch output format).
         ledger_dataset: where the job's ledger row goes; None = `OUTPUT/ledger/`.
         dtype, device: how to load the model.
+        engine_options: more `LLM(...)` keyword arguments (kv_cache_memory,
+            max_num_seqs, max_num_batched_tokens, block_size, ...).
     """
 
     input: str
@@ -87,6 +89,7 @@ class JobSpec:
     ledger_dataset: str | None = None
     dtype: str = "auto"
     device: str | None = None
+    engine_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.input or not self.output:

@@ -1,0 +1,113 @@
+"""`tokenmill run` and `tokenmill ledger show`, in-process through click's runner."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from tokenmill.cli import main
+from tokenmill.cli.run import parse_storage_options
+from tokenmill.pipelines import job as job_mod
+from tokenmill.pipelines.output import read_results
+
+ENGINE = ["--engine-option", f"kv_cache_memory={8 << 20}", "--dtype", "float32"]
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "in.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a", "b", "c", "d"],
+                "question": ["What is 2+2?", None, "Name a colour.", "Say hi."],
+                "topic": ["math", "none", "art", "chat"],
+            }
+        ),
+        path,
+    )
+    return path
+
+
+def test_run_then_ledger_show(tmp_path, data, tiny_model_dir):
+    out = tmp_path / "out"
+    runner = CliRunner()
+    args = [
+        "run",
+        str(data),
+        str(out),
+        "--model",
+        str(tiny_model_dir),
+        "--prompt-column",
+        "question",
+        "--id-column",
+        "id",
+        "--passthrough",
+        "topic",
+        "--system",
+        "Be brief.",
+        "--max-tokens",
+        "5",
+        "--price-input",
+        "0.5",
+        "--price-output",
+        "1.5",
+        "--price-device-hour",
+        "2",
+        "--no-progress",
+        *ENGINE,
+    ]
+    result = runner.invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "3 ok, 1 failed" in result.output and "cost (device time)" in result.output
+    results = read_results(str(out)).to_pylist()
+    assert {r["id"]: r["topic"] for r in results} == {
+        "a": "math",
+        "b": "none",
+        "c": "art",
+        "d": "chat",
+    }
+    ledger = json.loads((out / "ledger.json").read_text())
+    assert ledger["price_input_per_1m"] == 0.5 and ledger["rows_failed"] == 1
+
+    again = runner.invoke(main, [*args, "--json"], catch_exceptions=False)
+    assert again.exit_code == 0
+    assert json.loads(again.stdout[again.stdout.index("{") :])["num_shards_run"] == 0
+
+    shown = runner.invoke(main, ["ledger", "show", str(out / "ledger")], catch_exceptions=False)
+    assert shown.exit_code == 0 and ledger["job_id"] in shown.output and "1 job(s)" in shown.output
+    as_json = runner.invoke(main, ["ledger", "show", str(out / "ledger.json"), "--json"])
+    assert json.loads(as_json.output)["job_id"] == ledger["job_id"]
+
+
+def test_bad_column_is_a_clean_error_before_the_model(tmp_path, data, monkeypatch):
+    monkeypatch.setattr(job_mod, "load_llm", lambda spec: pytest.fail("model loaded"))
+    result = CliRunner().invoke(
+        main, ["run", str(data), str(tmp_path / "out"), "--prompt-column", "nope"]
+    )
+    assert result.exit_code == 1
+    assert (
+        "in.parquet: column(s) 'nope' not found; available columns: id, question, topic"
+        in result.output
+    )
+    assert "Traceback" not in result.output
+
+
+def test_ledger_show_empty(tmp_path):
+    result = CliRunner().invoke(main, ["ledger", "show", str(tmp_path / "none")])
+    assert result.exit_code == 0 and "no jobs recorded" in result.output
+
+
+def test_parse_storage_options():
+    assert parse_storage_options(("anon=true", "endpoint_url=http://x:1", "n=3")) == {
+        "anon": True,
+        "endpoint_url": "http://x:1",
+        "n": 3,
+    }
+    with pytest.raises(ValueError, match="KEY=VALUE") as err:
+        parse_storage_options(("supersecret",))
+    assert "supersecret" not in str(err.value)

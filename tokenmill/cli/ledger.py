@@ -1,0 +1,109 @@
+"""`tokenmill ledger show URI`: the jobs recorded in a ledger dataset, as a table."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from tokenmill.cli.run import parse_storage_options
+
+# Shown by default, with their short headers; --all shows every ledger field.
+DEFAULT_COLUMNS = {
+    "started_at": "started (UTC)",
+    "job_id": "job",
+    "model": "model",
+    "rows_ok": "ok",
+    "rows_failed": "failed",
+    "prompt_tokens": "prompt tok",
+    "cached_tokens": "cached tok",
+    "completion_tokens": "output tok",
+    "prefix_cache_hit_rate": "hit rate",
+    "device_seconds": "device s",
+    "throughput_tokens_per_s": "tok/s",
+    "cost_total": "cost USD",
+}
+SUMMED = (
+    "rows_ok",
+    "rows_failed",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "device_seconds",
+    "cost_total",
+)
+
+
+@click.group("ledger")
+def ledger() -> None:
+    """Inspect job ledgers."""
+
+
+def _cell(value, column: str = "") -> str:
+    if value is None:
+        return "-"
+    if column == "started_at":
+        return str(value)[:19].replace("T", " ")
+    if column == "prefix_cache_hit_rate":
+        return f"{value:.1%}"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+@ledger.command("show")
+@click.argument("uri")
+@click.option(
+    "--storage-option",
+    "storage_option",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="fsspec storage option (repeatable).",
+)
+@click.option("--all", "all_columns", is_flag=True, help="Show every ledger field.")
+@click.option("--json", "as_json", is_flag=True, help="Print rows as JSON lines.")
+def show(uri, storage_option, all_columns, as_json) -> None:
+    """Print the ledger dataset at URI (or one job's ledger.json) as a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tokenmill.connectors import read_json
+    from tokenmill.pipelines.output import read_ledger_dataset
+
+    try:
+        options = parse_storage_options(storage_option) or None
+        if uri.endswith(".json"):
+            rows = [read_json(uri, options)]
+        else:
+            rows = read_ledger_dataset(uri, options).to_pylist()
+    except (ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+        return
+    if not rows:
+        click.echo(f"no jobs recorded in {uri}")
+        return
+    columns = list(rows[0]) if all_columns else [c for c in DEFAULT_COLUMNS if c in rows[0]]
+    cells = [[_cell(row.get(c), c) for c in columns] for row in rows]
+    if len(rows) > 1:
+        totals = [
+            "total" if i == 0 else _cell(sum(r.get(c) or 0 for r in rows), c) if c in SUMMED else ""
+            for i, c in enumerate(columns)
+        ]
+        cells.append(totals)
+    table = Table(title=f"{len(rows)} job(s)")
+    headers = [DEFAULT_COLUMNS.get(c, c) if not all_columns else c for c in columns]
+    for header in headers:
+        table.add_column(header, no_wrap=True)
+    for line in cells:
+        table.add_row(*line)
+    # Wide enough for the whole table when not on a terminal (pipes, files, tests).
+    widths = [max(len(h), *(len(line[i]) for line in cells)) for i, h in enumerate(headers)]
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=sum(widths) + 3 * len(widths) + 1)
+    console.print(table)
