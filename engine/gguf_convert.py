@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -109,9 +110,11 @@ def convert_gguf(
     tokenizer = build_tokenizer(meta)
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(out_dir / "config.json", config)
     weights_path = out_dir / WEIGHTS_FILE
     save_file(tensors, weights_path, metadata={"format": "pt"})
-    _write_json(out_dir / "config.json", config)
+    # safetensors creates its file 0600 whatever the umask; match the files we write.
+    shutil.copymode(out_dir / "config.json", weights_path)
     _write_json(out_dir / "generation_config.json", build_generation_config(meta))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", build_tokenizer_config(meta))

@@ -254,7 +254,9 @@ def _convert_cached(gguf_path: Path, root: Path, name: str) -> Path:
         convert_gguf(gguf_path, tmp)
         source = {"name": name, "gguf_file": str(gguf_path), "gguf_sha256": digest}
         _write_json_atomic(tmp / SOURCE_RECORD, source)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as ~/.cache
+        # mkdtemp/mkstemp create private entries; give them the umask's mode like the rest.
+        shutil.copymode(tmp / "config.json", tmp / SOURCE_RECORD)
+        shutil.copymode(final.parent, tmp)
         try:
             os.rename(tmp, final)
         except OSError:

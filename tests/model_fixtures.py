@@ -39,13 +39,10 @@ def smollm2_gguf_path() -> Path:
     return alias_gguf_path(ALIASES[DEFAULT_MODEL])
 
 
-def test_cache_root() -> Path:
+def shared_test_cache() -> Path:
     """Where tests keep converted models across sessions."""
     default = Path(tempfile.gettempdir()) / f"tokenmill-test-cache-{os.getuid()}"
     return Path(os.environ.get("TOKENMILL_TEST_CACHE_DIR") or default)
-
-
-test_cache_root.__test__ = False  # a helper, not a test, despite its name
 
 
 def converted_smollm2_dir() -> Path:
@@ -61,7 +58,7 @@ def converted_smollm2_dir() -> Path:
 def _converted_smollm2_dir() -> Path:
     from tokenmill.engine.model_files import resolve_model
 
-    return resolve_model(smollm2_gguf_path(), cache_root=test_cache_root())
+    return resolve_model(smollm2_gguf_path(), cache_root=shared_test_cache())
 
 
 @dataclass
