@@ -1,0 +1,146 @@
+"""The batch flow's tasks, one per stage; each calls the pipeline and adds only orchestration.
+
+    plan_task            read + template + tokenize + shard   (I/O: retried on transient errors)
+    prepare_output_task  which shards are already complete    (I/O: retried)
+    shard_task           generate + write one shard's part    (I/O: retried; idempotent)
+    ledger_task          read parts, write ledger, artifacts  (I/O: retried)
+
+None of them uses Prefect's result cache (`NO_CACHE`): a job's progress lives in its
+output directory - a shard is done iff its part exists - which survives a killed
+flow, a new flow run and a different Prefect server alike. Hashing a JobPlan (every
+prompt's token ids) into a cache key would also cost more than the check it replaces.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run
+
+from tokenmill.connectors.fs import redact_url
+from tokenmill.flows import engine_cache
+from tokenmill.flows.artifacts import publish_ledger
+from tokenmill.flows.retries import RETRY_DELAYS_S, retry_shard, retry_transient
+from tokenmill.pipelines import output as out
+from tokenmill.pipelines.job import (
+    JobPlan,
+    ShardResult,
+    finalize_job,
+    plan_job,
+    prepare_output,
+    run_shard,
+)
+from tokenmill.pipelines.ledger import JobLedger
+from tokenmill.pipelines.plan import Shard
+from tokenmill.pipelines.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class ShardRun:
+    """A shard task's result: the pipeline's ShardResult and where it ran."""
+
+    result: ShardResult
+    host: str
+    pid: int
+    engine_loads: int  # engines this worker process had loaded when the shard finished
+
+    @property
+    def worker(self) -> str:
+        return f"{self.host}:{self.pid}"
+
+
+def _plan_run_name() -> str:
+    spec = task_run.parameters["spec"]
+    return f"plan {redact_url(spec.input)}"
+
+
+# The plan holds the storage options (credentials included) and every prompt's tokens:
+# it stays in memory, never in Prefect's result storage.
+@task(
+    task_run_name=_plan_run_name,
+    retries=len(RETRY_DELAYS_S),
+    retry_delay_seconds=RETRY_DELAYS_S,
+    retry_condition_fn=retry_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def plan_task(spec: JobSpec) -> JobPlan:
+    """Read, template, tokenize and shard the input; bad input fails here, before compute."""
+    return plan_job(spec)
+
+
+@task(
+    task_run_name="prepare-output job-{plan.job_id}",
+    retries=len(RETRY_DELAYS_S),
+    retry_delay_seconds=RETRY_DELAYS_S,
+    retry_condition_fn=retry_transient,
+    cache_policy=NO_CACHE,
+)
+def prepare_output_task(plan: JobPlan) -> set[str]:
+    """The ids of the shards already complete in the output (or none, with resume off)."""
+    return prepare_output(plan)
+
+
+@task(
+    task_run_name="job-{job_id} shard-{shard.shard_id}",
+    retries=len(RETRY_DELAYS_S),
+    retry_delay_seconds=RETRY_DELAYS_S,
+    retry_condition_fn=retry_shard,
+    cache_policy=NO_CACHE,
+)
+def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
+    """Generate one shard and publish its part, on this process's cached engine.
+
+    Idempotent: a shard whose part exists is skipped (`ShardResult.skipped`), so a
+    retry, a rerun or a second flow run on the same job never writes it twice.
+
+    Args:
+        plan: the job plan (with Dask, fetched once per worker from the plan task).
+        shard: one of `plan.shards`.
+        job_id: the plan's job id (a parameter so that the task run's name shows it).
+    """
+    engine = engine_cache.get_engine(plan.spec)
+    if engine.weights_hash != plan.weights_hash:
+        # A remote worker resolved the model name to other files than the planner did.
+        raise RuntimeError(
+            f"worker {socket.gethostname()}:{os.getpid()} loaded model {plan.model_name!r} "
+            f"with weights {engine.weights_hash[:12]}, but job {job_id} was planned with "
+            f"{plan.weights_hash[:12]}: give every worker the same model files"
+        )
+    with engine.lock:
+        result = run_shard(engine.llm, plan, shard)
+    return ShardRun(result, socket.gethostname(), os.getpid(), engine_cache.num_loads())
+
+
+@task(
+    task_run_name="ledger job-{plan.job_id}",
+    retries=len(RETRY_DELAYS_S),
+    retry_delay_seconds=RETRY_DELAYS_S,
+    retry_condition_fn=retry_transient,
+    cache_policy=NO_CACHE,
+)
+def ledger_task(
+    plan: JobPlan, *, run_id: str, run_started_at: str, num_shards_run: int
+) -> JobLedger:
+    """Combine the parts into the ledger, write it, and publish it as artifacts.
+
+    Args:
+        plan: the job plan.
+        run_id: this flow run's id (recorded in the ledger).
+        run_started_at: when this flow run started (ISO 8601).
+        num_shards_run: shards this run computed (the rest were already complete).
+    """
+    ledger = finalize_job(
+        plan, run_id=run_id, run_started_at=run_started_at, num_shards_run=num_shards_run
+    )
+    spec = plan.spec
+    publish_ledger(
+        ledger,
+        results_uri=redact_url(out.results_uri(spec.output)),
+        ledger_uri=redact_url(out.join(spec.output, out.LEDGER_FILE)),
+    )
+    return ledger
