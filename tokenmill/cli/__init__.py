@@ -13,6 +13,7 @@ from tokenmill import __version__
 _SUBCOMMANDS = {
     "generate": "generate",
     "models": "models",
+    "bench": "bench",
     "run": "run",
     "ledger": "ledger",
 }

@@ -1,0 +1,180 @@
+"""The FLOP model behind the roofline column, and the matmul peak it is compared with.
+
+FLOPs of a decoder-only transformer for one request (multiply-add = 2 FLOPs):
+
+    linear    = 2 * P_layers * (prompt tokens computed + generated - 1)
+    lm_head   = 2 * hidden * vocab * generated
+    attention = 4 * layers * heads * head_dim * sum(context length of every computed token)
+
+P_layers counts the weights of the per-layer matmuls (q, k, v, o, gate, up, down); the
+embedding lookup, norms and rotary are not matmuls and are left out. The last generated
+token is sampled but never fed back, hence `generated - 1` tokens through the layers.
+Logits are needed only where a token is sampled: the lm_head term counts those positions.
+The attention term is QK^T plus AV over the causal context (a token at position p sees
+p + 1 tokens), with no work for masked or padded positions.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions the FLOP count needs, read from an HF config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> ModelShape:
+        num_heads = config["num_attention_heads"]
+        return cls(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            vocab_size=config["vocab_size"],
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelShape:
+        return cls.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of all per-layer matmuls (the non-embedding parameters that cost FLOPs)."""
+        h, d = self.hidden_size, self.head_dim
+        attention = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o + k, v
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        return self.num_layers * (attention + mlp)
+
+
+@dataclass(frozen=True)
+class RequestWork:
+    """What one request made a system compute.
+
+    Args:
+        num_computed_prompt: prompt tokens run through the model (after any cache hit,
+            including any padding the system computes).
+        num_cached_prompt: leading prompt tokens served from a cache (context, no compute).
+        num_generated: tokens sampled.
+    """
+
+    num_computed_prompt: int
+    num_cached_prompt: int
+    num_generated: int
+
+
+def _sum_range(start: int, stop: int) -> int:
+    """sum(range(start, stop)) in O(1)."""
+    return (stop - start) * (start + stop - 1) // 2 if stop > start else 0
+
+
+def request_flops(shape: ModelShape, work: RequestWork) -> int:
+    """FLOPs of one request under the module's formula."""
+    num_fed = work.num_computed_prompt + max(work.num_generated - 1, 0)
+    linear = 2 * shape.layer_matmul_params * num_fed
+    lm_head = 2 * shape.hidden_size * shape.vocab_size * work.num_generated
+    # The token at position p attends over p + 1 positions; the computed ones sit at
+    # positions num_cached .. num_cached + num_fed - 1.
+    first = work.num_cached_prompt
+    context_sum = _sum_range(first + 1, first + num_fed + 1)
+    attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * context_sum
+    return linear + lm_head + attention
+
+
+def total_flops(shape: ModelShape, works: list[RequestWork]) -> int:
+    return sum(request_flops(shape, w) for w in works)
+
+
+def minimal_works(
+    prompt_lens: list[int],
+    output_lens: list[int],
+    prefix_group: list[int | None],
+    shared_len: list[int],
+) -> list[RequestWork]:
+    """Each request's work when every shared prefix is computed exactly once.
+
+    This is the workload's floor: the same number for every system, so dividing it by a
+    system's wall time says how close that system came to the fastest possible run.
+    """
+    seen: set[int] = set()
+    works = []
+    for length, generated, group, shared in zip(prompt_lens, output_lens, prefix_group, shared_len):
+        cached = shared if group is not None and group in seen else 0
+        if group is not None:
+            seen.add(group)
+        works.append(RequestWork(length - cached, cached, generated))
+    return works
+
+
+@dataclass(frozen=True)
+class MatmulPeak:
+    """Best matmul throughput measured for one dtype."""
+
+    dtype: str
+    gflops: float
+    shape: tuple[int, int, int]  # (m, k, n) of the best shape
+
+
+def llm_matmul_shapes(shape: ModelShape, num_tokens: int = 256) -> list[tuple[int, int, int]]:
+    """(m, k, n) of the model's big prefill matmuls for a batch of num_tokens tokens."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    return [
+        (num_tokens, h, i),
+        (num_tokens, i, h),
+        (num_tokens, h, shape.num_heads * shape.head_dim),
+    ]
+
+
+def measure_matmul_peak(
+    dtype: str,
+    shapes: list[tuple[int, int, int]],
+    *,
+    device: str = "cpu",
+    num_trials: int = 5,
+    min_seconds: float = 0.05,
+) -> MatmulPeak:
+    """Best GFLOP/s over `shapes` (x @ w.T, as nn.Linear runs it), best of num_trials.
+
+    Each trial repeats the matmul for at least min_seconds so timer resolution and call
+    overhead do not count; the best trial is the one least disturbed by other work.
+    """
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def timed(x: torch.Tensor, w: torch.Tensor, reps: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.nn.functional.linear(x, w)
+        sync()
+        return time.perf_counter() - start
+
+    best = MatmulPeak(dtype, 0.0, shapes[0])
+    for m, k, n in shapes:
+        x = torch.randn(m, k, device=device).to(torch_dtype)
+        w = torch.randn(n, k, device=device).to(torch_dtype)
+        timed(x, w, 1)  # warm-up: the library picks and caches its kernel
+        reps = 1
+        while (elapsed := timed(x, w, reps)) < min_seconds / 4:
+            reps *= 2
+        reps = max(reps, round(reps * min_seconds / elapsed))
+        for _ in range(num_trials):
+            gflops = 2 * m * k * n * reps / timed(x, w, reps) / 1e9
+            if gflops > best.gflops:
+                best = MatmulPeak(dtype, gflops, (m, k, n))
+    return best

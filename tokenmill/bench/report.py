@@ -1,0 +1,221 @@
+"""Turns per-run results into the per-system figures the table and the JSON show.
+
+Every figure comes from runs made in the same benchmark invocation. Runs are in rounds
+(A B C, A B C, ...): a ratio between two systems is the median over rounds of the ratio
+within each round, so a disturbance that slows one round slows both sides of its ratio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tokenmill.bench.flops import ModelShape, RequestWork, minimal_works, total_flops
+from tokenmill.bench.result import RunResult
+from tokenmill.bench.stats import Percentiles, median
+from tokenmill.bench.systems import SystemSpec
+from tokenmill.bench.workload import Workload
+
+FLOP_FORMULA = (
+    "per request: 2*P_layers*(prompt tokens computed + generated - 1) "
+    "+ 2*hidden*vocab*generated + 4*layers*heads*head_dim*sum(context length per computed token); "
+    "P_layers = weights of the per-layer matmuls (q,k,v,o,gate,up,down); "
+    "useful FLOPs count each shared prefix once, executed FLOPs what the system computed"
+)
+
+
+@dataclass
+class SystemSummary:
+    """One system's figures over its successful runs (medians unless said otherwise)."""
+
+    label: str
+    kind: str
+    dtype: str
+    is_baseline: bool
+    num_runs: int
+    wall_s: float | None = None
+    wall_s_runs: list[float] = field(default_factory=list)
+    total_tok_s: float | None = None  # (prompt + generated tokens) / wall
+    gen_tok_s: float | None = None  # generated tokens / wall
+    num_prompt_tokens: int = 0
+    num_computed_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    peak_rss_mb: float | None = None  # the largest over runs
+    ttft_s: Percentiles | None = None
+    tpot_s: Percentiles | None = None
+    useful_tflop: float | None = None
+    executed_tflop: float | None = None
+    peak_gflops: float | None = None  # matmul peak measured in this invocation, same dtype
+    roofline: float | None = None  # useful FLOPs / wall / peak
+    executed_roofline: float | None = None  # executed FLOPs / wall / peak
+    cpu_util: float | None = None  # CPU seconds per wall second during the timed run
+    ratios: dict[str, float] = field(default_factory=dict)  # baseline -> x its total tok/s
+    outputs_match: str | None = None  # "61/64 vs tokenmill-fp32": identical greedy outputs
+    extra: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def summarize_system(
+    spec: SystemSpec,
+    runs: list[RunResult | None],
+    *,
+    workload: Workload,
+    shape: ModelShape,
+    peak_gflops: float | None,
+    error: str | None = None,
+) -> SystemSummary:
+    """Figures for one system from its runs (None marks a failed round)."""
+    summary = SystemSummary(spec.label, spec.kind, spec.dtype, spec.is_baseline, 0, error=error)
+    done = [r for r in runs if r is not None]
+    summary.num_runs = len(done)
+    if not done:
+        return summary
+    first = done[0]
+    summary.wall_s_runs = [r.wall_s for r in done]
+    summary.wall_s = median(summary.wall_s_runs)
+    total_tokens = first.num_prompt_tokens + first.num_generated_tokens
+    summary.total_tok_s = total_tokens / summary.wall_s
+    summary.gen_tok_s = first.num_generated_tokens / summary.wall_s
+    summary.num_prompt_tokens = first.num_prompt_tokens
+    summary.num_computed_prompt_tokens = first.num_computed_prompt_tokens
+    summary.num_cached_prompt_tokens = first.num_cached_prompt_tokens
+    summary.num_generated_tokens = first.num_generated_tokens
+    summary.peak_rss_mb = max(r.peak_rss_bytes for r in done) / 2**20
+    if all(r.ttft_s for r in done):
+        summary.ttft_s = Percentiles.median_of([Percentiles.of(r.ttft_s) for r in done])
+        summary.tpot_s = Percentiles.median_of([Percentiles.of(r.tpot_s) for r in done])
+    useful = useful_flops(workload, shape)
+    executed = total_flops(shape, executed_works(first))
+    summary.useful_tflop = useful / 1e12
+    summary.executed_tflop = executed / 1e12
+    summary.peak_gflops = peak_gflops
+    if peak_gflops:
+        summary.roofline = roofline_fraction(useful, summary.wall_s, peak_gflops)
+        summary.executed_roofline = roofline_fraction(executed, summary.wall_s, peak_gflops)
+    summary.cpu_util = median([r.cpu_s / r.wall_s for r in done])
+    summary.extra = first.extra
+    return summary
+
+
+def useful_flops(workload: Workload, shape: ModelShape) -> int:
+    """The workload's floor: FLOPs with every shared prefix computed exactly once."""
+    works = minimal_works(
+        [len(p) for p in workload.prompt_ids],
+        workload.output_lens,
+        workload.prefix_group,
+        workload.shared_len,
+    )
+    return total_flops(shape, works)
+
+
+def executed_works(run: RunResult) -> list[RequestWork]:
+    return [
+        RequestWork(c, k, g)
+        for c, k, g in zip(run.computed_prompt, run.cached_prompt, run.generated)
+    ]
+
+
+def roofline_fraction(flops: float, wall_s: float, peak_gflops: float) -> float:
+    """Achieved FLOP rate as a fraction of the measured matmul peak."""
+    return flops / wall_s / (peak_gflops * 1e9)
+
+
+def paired_ratio(
+    runs: list[RunResult | None], baseline_runs: list[RunResult | None]
+) -> float | None:
+    """Median over rounds of (system tokens/s) / (baseline tokens/s) within the round.
+
+    Both sides process the same workload, so within a round the ratio is also
+    baseline wall / system wall. Rounds where either side failed are left out.
+    """
+    ratios = []
+    for run, base in zip(runs, baseline_runs):
+        if run is None or base is None:
+            continue
+        run_rate = (run.num_prompt_tokens + run.num_generated_tokens) / run.wall_s
+        base_rate = (base.num_prompt_tokens + base.num_generated_tokens) / base.wall_s
+        ratios.append(run_rate / base_rate)
+    return median(ratios) if ratios else None
+
+
+def count_matching_outputs(outputs: list[list[int]], reference: list[list[int]]) -> int:
+    """How many requests produced exactly the reference's tokens."""
+    return sum(a == b for a, b in zip(outputs, reference))
+
+
+@dataclass
+class BenchReport:
+    """Everything one `tokenmill bench` invocation measured."""
+
+    preset: str
+    model_dir: str
+    command: str
+    workload: dict
+    machine: dict
+    peaks_gflops: dict[str, float]
+    systems: list[SystemSummary]
+    hf_sweep: list[dict] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)  # every timed run, in the order run
+    notes: list[str] = field(default_factory=list)
+    flop_formula: str = FLOP_FORMULA
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_summaries(
+    specs: list[SystemSpec],
+    runs: dict[str, list[RunResult | None]],
+    errors: dict[str, str],
+    *,
+    workload: Workload,
+    shape: ModelShape,
+    peaks_gflops: dict[str, float],
+) -> list[SystemSummary]:
+    """Per-system summaries with ratios to every baseline and output agreement.
+
+    Outputs are compared with tokenmill at fp32 when it ran, else with the first system
+    that has outputs: the count says how many greedy completions are token-identical.
+    """
+    summaries = [
+        summarize_system(
+            spec,
+            runs[spec.label],
+            workload=workload,
+            shape=shape,
+            peak_gflops=peaks_gflops.get(spec.dtype),
+            error=errors.get(spec.label),
+        )
+        for spec in specs
+    ]
+    baselines = [s for s in specs if s.is_baseline]
+    for spec, summary in zip(specs, summaries):
+        for base in baselines:
+            if base.label != spec.label:
+                ratio = paired_ratio(runs[spec.label], runs[base.label])
+                if ratio is not None:
+                    summary.ratios[base.label] = ratio
+    reference = _reference_outputs(specs, runs)
+    if reference is not None:
+        ref_label, ref_outputs = reference
+        for spec, summary in zip(specs, summaries):
+            outputs = _first_outputs(runs[spec.label])
+            if outputs is not None and spec.label != ref_label:
+                matched = count_matching_outputs(outputs, ref_outputs)
+                summary.outputs_match = f"{matched}/{len(ref_outputs)} vs {ref_label}"
+    return summaries
+
+
+def _first_outputs(runs: list[RunResult | None]) -> list[list[int]] | None:
+    return next((r.output_ids for r in runs if r is not None and r.output_ids), None)
+
+
+def _reference_outputs(
+    specs: list[SystemSpec], runs: dict[str, list[RunResult | None]]
+) -> tuple[str, list[list[int]]] | None:
+    preferred = sorted(specs, key=lambda s: (s.kind, s.dtype) != ("tokenmill", "float32"))
+    for spec in preferred:
+        outputs = _first_outputs(runs[spec.label])
+        if outputs is not None:
+            return spec.label, outputs
+    return None

@@ -1,0 +1,150 @@
+"""The systems a benchmark compares, and the job each one's process receives.
+
+A system is an engine at a precision with its settings: tokenmill at each requested
+dtype, and the baselines (HF transformers `generate`, llama-cpp-python, vLLM). Each
+timed run happens in a fresh process (`tokenmill.bench.child`) so peak RSS is that
+system's alone and no system inherits another's warm caches or thread pools.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+KINDS = ("tokenmill", "hf", "llamacpp", "vllm")
+# Baseline names accepted by `--baseline` -> (kind, dtype).
+BASELINES = {
+    "hf": ("hf", "float32"),
+    "hf-bf16": ("hf", "bfloat16"),
+    "llamacpp": ("llamacpp", "float32"),
+    "vllm": ("vllm", "bfloat16"),
+}
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+HF_BATCH_SIZES = (8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One engine at one precision with its settings.
+
+    options by kind - tokenmill: {"engine_args": {...LLM keyword arguments}};
+    hf: {"batch_size": N}; llamacpp: {"gguf": path}; vllm: {"engine_args": {...}}.
+    python: the interpreter that runs it (vLLM usually lives in its own environment).
+    """
+
+    label: str
+    kind: str
+    dtype: str
+    is_baseline: bool
+    options: dict = field(default_factory=dict)
+    python: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown system kind {self.kind!r}; choose from {', '.join(KINDS)}")
+
+    def with_options(self, **options: object) -> SystemSpec:
+        return SystemSpec(
+            self.label,
+            self.kind,
+            self.dtype,
+            self.is_baseline,
+            {**self.options, **options},
+            self.python,
+        )
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a child process needs to run one system once (written as JSON)."""
+
+    system: SystemSpec
+    model_dir: str
+    workload_path: str
+    device: str = "cpu"
+    threads: int | None = None
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Job:
+        raw = json.loads(Path(path).read_text())
+        return cls(**{**raw, "system": SystemSpec(**raw["system"])})
+
+
+def tokenmill_systems(dtypes: list[str], engine_args: dict | None = None) -> list[SystemSpec]:
+    """tokenmill at each dtype, labelled e.g. "tokenmill-bf16"."""
+    return [
+        SystemSpec(
+            f"tokenmill-{DTYPE_SHORT.get(d, d)}",
+            "tokenmill",
+            d,
+            is_baseline=False,
+            options={"engine_args": dict(engine_args or {})},
+        )
+        for d in dtypes
+    ]
+
+
+def baseline_systems(
+    names: list[str],
+    *,
+    llamacpp_gguf: str | None = None,
+    vllm_python: str | None = None,
+    vllm_args: dict | None = None,
+) -> tuple[list[SystemSpec], list[str]]:
+    """The requested baselines that can run here, and a note for each that cannot.
+
+    Args:
+        names: keys of BASELINES.
+        llamacpp_gguf: the GGUF file llama.cpp runs (default: the model's source GGUF).
+        vllm_python: interpreter with vLLM installed (default: this one).
+        vllm_args: extra keyword arguments for vllm.LLM.
+
+    Returns:
+        (systems, notes about skipped baselines).
+    """
+    systems, notes = [], []
+    for name in names:
+        if name not in BASELINES:
+            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+        kind, dtype = BASELINES[name]
+        label = f"{kind}-{DTYPE_SHORT[dtype]}"
+        if kind == "hf":
+            if not _importable("transformers"):
+                notes.append(f"{name}: skipped - transformers is not installed")
+                continue
+            systems.append(SystemSpec(label, kind, dtype, is_baseline=True))
+        elif kind == "llamacpp":
+            if not _importable("llama_cpp"):
+                notes.append(
+                    "llamacpp: skipped - llama-cpp-python is not installed "
+                    "(pip install llama-cpp-python; builds from source in ~12 min)"
+                )
+                continue
+            systems.append(SystemSpec(label, kind, dtype, True, {"gguf": llamacpp_gguf}))
+        else:
+            python = vllm_python or sys.executable
+            if not _importable("vllm", python):
+                notes.append(f"vllm: skipped - vllm is not importable by {python}")
+                continue
+            options = {"engine_args": dict(vllm_args or {})}
+            systems.append(SystemSpec(label, kind, dtype, True, options, python=vllm_python))
+    return systems, notes
+
+
+def _importable(module: str, python: str | None = None) -> bool:
+    if python is None or Path(python).resolve() == Path(sys.executable).resolve():
+        return importlib.util.find_spec(module) is not None
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    try:
+        return (
+            subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False

@@ -1,0 +1,87 @@
+"""Renders a BenchReport as two rich tables: throughput, then latency and memory."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from tokenmill.bench.report import BenchReport, SystemSummary
+from tokenmill.bench.stats import Percentiles
+
+
+def render(report: BenchReport, console: Console | None = None) -> None:
+    """Print the report's tables and notes."""
+    # Piped output (a file, CI log, README) would otherwise wrap at 80 columns.
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    w = report.workload
+    console.print(
+        f"[bold]{report.preset}[/]: {w['num_requests']} requests, "
+        f"{w['num_prompt_tokens']:,} prompt + {w['num_output_tokens']:,} generated tokens "
+        f"({w['num_unique_prompt_tokens']:,} prompt tokens with shared prefixes once); "
+        f"useful work {w['useful_tflop']:.2f} TFLOP"
+    )
+    peaks = ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in report.peaks_gflops.items())
+    console.print(f"matmul peak measured in this run: {peaks or 'not measured'}")
+    console.print(throughput_table(report.systems))
+    console.print(latency_table(report.systems))
+    for note in report.notes:
+        console.print(f"note: {note}")
+
+
+def throughput_table(systems: list[SystemSummary]) -> Table:
+    baselines = [s.label for s in systems if s.is_baseline]
+    table = Table(title="Throughput (medians over runs)")
+    for name in ("system", "runs", "wall s", "tok/s", "gen tok/s", "prompt computed / cached"):
+        table.add_column(name, justify="left" if name == "system" else "right")
+    table.add_column("roofline (exec)", justify="right")
+    for base in baselines:
+        table.add_column(f"x {base}", justify="right")
+    for s in systems:
+        if s.wall_s is None:
+            table.add_row(s.label, "0", f"failed: {s.error or 'no run'}"[:60])
+            continue
+        row = [
+            s.label,
+            str(s.num_runs),
+            f"{s.wall_s:.2f}",
+            f"{s.total_tok_s:,.0f}",
+            f"{s.gen_tok_s:,.0f}",
+            f"{s.num_computed_prompt_tokens:,} / {s.num_cached_prompt_tokens:,}",
+            _roofline(s),
+        ]
+        row += [f"{s.ratios[b]:.2f}" if b in s.ratios else "-" for b in baselines]
+        table.add_row(*row)
+    return table
+
+
+def latency_table(systems: list[SystemSummary]) -> Table:
+    table = Table(title="Per-request latency within the batch, memory, agreement")
+    for name in ("system", "TTFT p50/p95/p99 s", "TPOT p50/p95/p99 ms", "peak RSS MB", "CPU/wall"):
+        table.add_column(name, justify="left" if name == "system" else "right")
+    table.add_column("greedy outputs identical")
+    for s in systems:
+        if s.wall_s is None:
+            continue
+        table.add_row(
+            s.label,
+            _percentiles(s.ttft_s, 1.0, "{:.2f}"),
+            _percentiles(s.tpot_s, 1000.0, "{:.1f}"),
+            f"{s.peak_rss_mb:,.0f}" if s.peak_rss_mb is not None else "-",
+            f"{s.cpu_util:.2f}" if s.cpu_util is not None else "-",
+            s.outputs_match or "(reference)",
+        )
+    return table
+
+
+def _roofline(s: SystemSummary) -> str:
+    if s.roofline is None:
+        return "-"
+    return f"{s.roofline:.0%} ({s.executed_roofline:.0%})"
+
+
+def _percentiles(p: Percentiles | None, scale: float, fmt: str) -> str:
+    if p is None:
+        return "-"
+    return " / ".join(fmt.format(v * scale) for v in (p.p50, p.p95, p.p99))

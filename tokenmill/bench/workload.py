@@ -1,0 +1,288 @@
+"""Seeded benchmark workloads: the same preset is the same token ids in every run.
+
+Prompts are token ids drawn uniformly from the tokenizer's ordinary vocabulary (special
+tokens excluded), so every system sees exactly the same input without a tokenizer in the
+loop. A workload mixes prompts that share a prefix (a few prefix groups) with unique
+prompts; output lengths are fixed per request and generated with EOS ignored, so every
+system produces exactly the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+IntRange = tuple[int, int]  # inclusive bounds, drawn uniformly
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """How to draw a workload.
+
+    Args:
+        name: the preset name.
+        num_prompts: total number of requests.
+        shared_fraction: share of the requests that belong to a prefix group.
+        num_prefix_groups: the shared requests are split round-robin over this many groups.
+        prefix_len: tokens of each group's shared prefix.
+        suffix_len: unique tokens after the shared prefix.
+        unique_len: length of a prompt outside any group.
+        output_len: generated tokens per request (EOS ignored).
+        chat: wrap each prompt in the model's chat template (user turn + assistant header);
+            a group's prefix then includes the template's opening.
+        shuffle: interleave shared and unique requests instead of grouping them.
+        seed: the random seed; the spec plus the vocabulary fix every token.
+    """
+
+    name: str
+    num_prompts: int
+    shared_fraction: float = 0.0
+    num_prefix_groups: int = 1
+    prefix_len: int = 0
+    suffix_len: IntRange = (0, 0)
+    unique_len: IntRange = (64, 512)
+    output_len: IntRange = (64, 64)
+    chat: bool = False
+    shuffle: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise ValueError("num_prompts must be >= 1")
+        if not 0.0 <= self.shared_fraction <= 1.0:
+            raise ValueError("shared_fraction must be within [0, 1]")
+        if self.num_prefix_groups < 1:
+            raise ValueError("num_prefix_groups must be >= 1")
+        for label, (lo, hi) in (
+            ("suffix_len", self.suffix_len),
+            ("unique_len", self.unique_len),
+            ("output_len", self.output_len),
+        ):
+            if not 0 <= lo <= hi:
+                raise ValueError(f"{label} must be (lo, hi) with 0 <= lo <= hi, got {(lo, hi)}")
+        if self.output_len[0] < 1:
+            raise ValueError("output_len must be at least 1 token")
+        if self.num_shared and self.prefix_len + self.suffix_len[0] < 1:
+            raise ValueError("a shared prompt needs at least one token")
+        if self.unique_len[0] < 1 and self.num_shared < self.num_prompts:
+            raise ValueError("a unique prompt needs at least one token")
+
+    @property
+    def num_shared(self) -> int:
+        return round(self.num_prompts * self.shared_fraction)
+
+
+PRESETS: dict[str, WorkloadSpec] = {
+    # The issue-5 reference workload: a prefix-cached half and a length-spread half.
+    "mixed64": WorkloadSpec(
+        "mixed64",
+        num_prompts=64,
+        shared_fraction=0.5,
+        prefix_len=256,
+        suffix_len=(64, 256),
+        unique_len=(64, 512),
+        output_len=(64, 64),
+    ),
+    # Few long shared prefixes (system prompts, few-shot examples) and short questions.
+    "prefix-heavy": WorkloadSpec(
+        "prefix-heavy",
+        num_prompts=64,
+        shared_fraction=1.0,
+        num_prefix_groups=4,
+        prefix_len=512,
+        suffix_len=(16, 64),
+        output_len=(64, 64),
+    ),
+    # mixed64's shape in chat form, as `tokenmill run --messages-column` would send it.
+    "chat64": WorkloadSpec(
+        "chat64",
+        num_prompts=64,
+        shared_fraction=0.5,
+        prefix_len=256,
+        suffix_len=(64, 256),
+        unique_len=(64, 512),
+        output_len=(64, 64),
+        chat=True,
+    ),
+    # Seconds on a tiny model: for tests and for checking an installation.
+    "smoke": WorkloadSpec(
+        "smoke",
+        num_prompts=6,
+        shared_fraction=0.5,
+        prefix_len=32,
+        suffix_len=(4, 16),
+        unique_len=(8, 40),
+        output_len=(8, 8),
+    ),
+}
+
+
+@dataclass
+class Workload:
+    """Concrete requests: prompt token ids and how many tokens to generate for each.
+
+    prefix_group[i] is the prefix group of request i (None for a unique prompt) and
+    shared_len[i] the number of its leading tokens shared with the rest of its group.
+    """
+
+    name: str
+    prompt_ids: list[list[int]]
+    output_lens: list[int]
+    prefix_group: list[int | None]
+    shared_len: list[int]
+    spec: dict = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def num_unique_prompt_tokens(self) -> int:
+        """Prompt tokens left to compute when each group's shared prefix is computed once."""
+        seen: set[int] = set()
+        total = 0
+        for ids, group, shared in zip(self.prompt_ids, self.prefix_group, self.shared_len):
+            skip = shared if group is not None and group in seen else 0
+            if group is not None:
+                seen.add(group)
+            total += len(ids) - skip
+        return total
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Workload:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def build_workload(
+    spec: WorkloadSpec,
+    token_pool: list[int],
+    *,
+    chat_wrap: tuple[list[int], list[int]] | None = None,
+) -> Workload:
+    """Draw the workload of `spec` from `token_pool`.
+
+    Args:
+        spec: what to draw.
+        token_pool: the token ids prompts are made of (see `ordinary_token_ids`).
+        chat_wrap: (opening ids, closing ids) of the chat template around a user turn;
+            required when spec.chat.
+
+    Returns:
+        The workload; identical for identical arguments.
+    """
+    if not token_pool:
+        raise ValueError("token_pool is empty")
+    if spec.chat and chat_wrap is None:
+        raise ValueError(f"preset {spec.name!r} is a chat workload: pass chat_wrap")
+    # One generator per purpose, so changing e.g. the output lengths of a preset does not
+    # change its prompts.
+    tokens = random.Random(f"{spec.seed}:tokens")
+    lengths = random.Random(f"{spec.seed}:lengths")
+    order = random.Random(f"{spec.seed}:order")
+    opening, closing = chat_wrap if spec.chat else ([], [])
+
+    def draw(n: int) -> list[int]:
+        return [token_pool[tokens.randrange(len(token_pool))] for _ in range(n)]
+
+    prefixes = [draw(spec.prefix_len) for _ in range(spec.num_prefix_groups)]
+    requests: list[tuple[list[int], int | None, int]] = []
+    for i in range(spec.num_shared):
+        group = i % spec.num_prefix_groups
+        body = prefixes[group] + draw(lengths.randint(*spec.suffix_len))
+        requests.append((opening + body + closing, group, len(opening) + spec.prefix_len))
+    for _ in range(spec.num_prompts - spec.num_shared):
+        requests.append((opening + draw(lengths.randint(*spec.unique_len)) + closing, None, 0))
+    output_lens = [lengths.randint(*spec.output_len) for _ in requests]
+    if spec.shuffle:
+        paired = list(zip(requests, output_lens))
+        order.shuffle(paired)
+        requests = [r for r, _ in paired]
+        output_lens = [n for _, n in paired]
+    return Workload(
+        name=spec.name,
+        prompt_ids=[r[0] for r in requests],
+        output_lens=output_lens,
+        prefix_group=[r[1] for r in requests],
+        shared_len=[r[2] for r in requests],
+        spec=asdict(spec),
+    )
+
+
+def ordinary_token_ids(tokenizer_json: str | Path) -> list[int]:
+    """Every id of a `tokenizer.json` vocabulary except added/special tokens, sorted.
+
+    Args:
+        tokenizer_json: path of the HF `tokenizers` file.
+
+    Returns:
+        The ids prompts may be drawn from.
+    """
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(tokenizer_json))
+    added = set(backend.get_added_tokens_decoder())
+    return [i for i in range(backend.get_vocab_size(with_added_tokens=True)) if i not in added]
+
+
+def chat_wrap_ids(model_dir: str | Path) -> tuple[list[int], list[int]]:
+    """Token ids the model's chat template puts before and after a user message.
+
+    The template is rendered around a marker and the two sides are encoded separately,
+    so the body's random ids are never merged with template text by the tokenizer.
+    """
+    from tokenmill.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    marker = "\x00BODY\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}])
+    before, _, after = text.partition(marker)
+    return (
+        tokenizer.encode(before, add_special_tokens=False) if before else [],
+        tokenizer.encode(after, add_special_tokens=False) if after else [],
+    )
+
+
+def load_preset(name: str, model_dir: str | Path, *, seed: int | None = None) -> Workload:
+    """The workload of preset `name` for the model in `model_dir`.
+
+    Args:
+        name: a key of PRESETS.
+        model_dir: HF-layout model directory (its tokenizer.json supplies the vocabulary).
+        seed: override the preset's seed.
+
+    Returns:
+        The workload.
+    """
+    try:
+        spec = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}") from None
+    if seed is not None:
+        spec = replace(spec, seed=seed)
+    model_dir = Path(model_dir)
+    pool = ordinary_token_ids(model_dir / "tokenizer.json")
+    wrap = chat_wrap_ids(model_dir) if spec.chat else None
+    return build_workload(spec, pool, chat_wrap=wrap)
+
+
+def warmup_prompts(workload: Workload) -> list[list[int]]:
+    """Two short prompts to warm a system up before its timed run.
+
+    Each repeats one token, so no block of them can match a workload prompt in a prefix
+    cache and the timed run starts from a cold cache.
+    """
+    token = workload.prompt_ids[0][0]
+    return [[token] * 40, [token] * 24]

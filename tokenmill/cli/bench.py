@@ -1,0 +1,150 @@
+"""`tokenmill bench`: tokenmill against baselines on one seeded workload, side by side."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from tokenmill.bench.workload import PRESETS
+
+
+def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict:
+    """KEY=VALUE options -> dict; values are parsed as JSON when they are JSON (numbers,
+    true/false, null), else kept as strings."""
+    parsed = {}
+    for item in values:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", ctx=ctx, param=param)
+        try:
+            parsed[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            parsed[key] = raw
+    return parsed
+
+
+@click.command("bench")
+@click.option("--preset", type=click.Choice(list(PRESETS)), default="mixed64", show_default=True)
+@click.option(
+    "--model",
+    default=None,
+    help="Model directory, .gguf file or alias (default: smollm2-135m-instruct).",
+)
+@click.option(
+    "--baseline",
+    "baselines",
+    default="hf",
+    show_default=True,
+    help="Comma-separated: hf, hf-bf16, llamacpp, vllm; 'none' for tokenmill alone.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "both"]),
+    default="both",
+    show_default=True,
+    help="tokenmill's precision(s).",
+)
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Rounds of A B C runs.",
+)
+@click.option(
+    "--hf-batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Pin HF's batch size (default: the best of 8, 16, 32, 64).",
+)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="torch/llama.cpp threads (default: theirs).",
+)
+@click.option(
+    "--engine-arg",
+    "engine_args",
+    multiple=True,
+    callback=_key_values,
+    metavar="KEY=VALUE",
+    help="Extra tokenmill LLM(...) argument; repeatable.",
+)
+@click.option(
+    "--vllm-arg",
+    "vllm_args",
+    multiple=True,
+    callback=_key_values,
+    metavar="KEY=VALUE",
+    help="Extra vllm.LLM(...) argument; repeatable.",
+)
+@click.option("--vllm-python", default=None, help="Python interpreter that has vLLM installed.")
+@click.option(
+    "--llamacpp-gguf",
+    default=None,
+    help="GGUF file for llama.cpp (default: the model's source GGUF).",
+)
+@click.option("--seed", type=int, default=None, help="Override the preset's workload seed.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=1800.0,
+    show_default=True,
+    help="Seconds allowed per run.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the full report as JSON.",
+)
+def bench(
+    preset, model, baselines, dtype, repeat, hf_batch_size, device, threads, engine_args,
+    vllm_args, vllm_python, llamacpp_gguf, seed, timeout_s, json_path,
+) -> None:  # fmt: skip
+    """Benchmark tokenmill against baselines on the same prompts in one run.
+
+    Systems alternate (A B C, A B C, ...), each run in its own process; the table shows
+    medians, within-round ratios to each baseline, and the fraction of a matmul peak
+    measured in the same run. Progress goes to stderr, the table to stdout.
+    """
+    from tokenmill.bench.harness import BenchConfig, run_benchmark
+    from tokenmill.bench.systems import HF_BATCH_SIZES
+    from tokenmill.bench.table import render
+
+    names = [b.strip() for b in baselines.split(",") if b.strip() and b.strip() != "none"]
+    try:
+        config = BenchConfig(
+            preset=preset,
+            model=model,
+            dtypes=("float32", "bfloat16") if dtype == "both" else (dtype,),
+            baselines=tuple(names),
+            repeat=repeat,
+            hf_batch_sizes=(hf_batch_size,) if hf_batch_size else HF_BATCH_SIZES,
+            device=device,
+            threads=threads,
+            engine_args=engine_args,
+            vllm_args=vllm_args,
+            vllm_python=vllm_python,
+            llamacpp_gguf=llamacpp_gguf,
+            seed=seed,
+            timeout_s=timeout_s,
+            command=shlex.join(["tokenmill", *sys.argv[1:]]),
+        )
+        report = run_benchmark(config, log=lambda line: click.echo(line, err=True))
+    except (ValueError, FileNotFoundError) as error:
+        raise click.ClickException(str(error)) from error
+    render(report)
+    if json_path is not None:
+        json_path.write_text(json.dumps(report.to_dict(), indent=2))
+        click.echo(f"wrote {json_path}", err=True)
+    if all(s.wall_s is None for s in report.systems if not s.is_baseline):
+        raise click.ClickException("no tokenmill run succeeded")
