@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_model
 
 from pipeline_fakes import CharTokenizer, FakeLLM  # noqa: E402
+from s3_server import S3Endpoint, moto_s3  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
 
@@ -33,3 +34,10 @@ def tokenizer():
 @pytest.fixture
 def fake_llm(tiny_model_dir):
     return FakeLLM(model_dir=tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def s3() -> S3Endpoint:
+    """moto's S3 server on loopback, with one bucket."""
+    with moto_s3() as endpoint:
+        yield endpoint
