@@ -17,6 +17,7 @@ in the output are not submitted again, and the ledger is rebuilt from all parts.
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
 
 from prefect import flow, get_run_logger, unmapped
@@ -25,7 +26,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from tokenmill.connectors.fs import redact_url
-from tokenmill.flows.parameters import build_spec
+from tokenmill.flows.parameters import build_spec, expand_placeholders
 from tokenmill.flows.tasks import (
     ShardRun,
     ledger_task,
@@ -88,7 +89,9 @@ def batch_inference(
 
     Args:
         input: dataset URL or path (Parquet, JSONL, CSV, OpenAI batch; any fsspec URL).
-        output: output directory URL or path (results parts, ledger.json, ledger/).
+            `{date}` / `{datetime}` are replaced by the run's scheduled time (UTC).
+        output: output directory URL or path (results parts, ledger.json, ledger/);
+            `{date}` / `{datetime}` as for input, so each scheduled run has its own.
         model: model directory, .gguf file or alias; default smollm2-135m-instruct.
         format: input format; detected from file names when not given.
         prompt_column: column holding the prompt text.
@@ -126,9 +129,10 @@ def batch_inference(
     """
     logger = get_run_logger()
     run_started_at = now_iso()
+    scheduled = flow_run.scheduled_start_time or datetime.now(timezone.utc)
     spec = build_spec(
-        input=input,
-        output=output,
+        input=expand_placeholders(input, scheduled),
+        output=expand_placeholders(output, scheduled),
         model=model,
         format=format,
         prompt_column=prompt_column,
@@ -157,7 +161,7 @@ def batch_inference(
         limit=limit,
         resume=resume,
         output_format=output_format,
-        ledger_dataset=ledger_dataset,
+        ledger_dataset=expand_placeholders(ledger_dataset, scheduled),
         storage_options=storage_options,
         storage_secret=storage_secret,
         dtype=dtype,

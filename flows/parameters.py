@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from typing import Any
 
 from tokenmill.engine.sampling_params import SamplingParams
@@ -64,6 +65,22 @@ def merge_storage_options(
     if not options and not secret:
         return None
     return {**(options or {}), **(secret or {})}
+
+
+def expand_placeholders(uri: str | None, when: datetime) -> str | None:
+    """`{date}` and `{datetime}` in a URI, filled from the run's scheduled time (UTC).
+
+    A scheduled deployment runs the same parameters every day, and a job's output
+    holds one job: `output="s3://b/answers/{date}"` gives each day's run its own,
+    while a retry of the same flow run (same scheduled time) resumes into the same one.
+    Only these two names are replaced, so other braces in a URI are left alone.
+    """
+    if uri is None:
+        return None
+    when = when.astimezone(timezone.utc)
+    return uri.replace("{date}", when.strftime("%Y-%m-%d")).replace(
+        "{datetime}", when.strftime("%Y%m%dT%H%M%SZ")
+    )
 
 
 def build_spec(

@@ -16,6 +16,8 @@ _SUBCOMMANDS = {
     "bench": "bench",
     "run": "run",
     "ledger": "ledger",
+    "serve": "serve",
+    "flow": "flow",
 }
 
 
