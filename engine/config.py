@@ -36,6 +36,9 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
     qk_norm: bool = False  # Qwen3 RMS-normalises q and k per head
     rope_scaling: dict | None = None
+    # Mistral-style sliding-window attention. We attend to the full context, which is
+    # exact as long as sequences stay within the window, so the context is capped to it.
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -79,6 +82,7 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", is_qwen2)),
             qk_norm=architecture == "Qwen3ForCausalLM",
             rope_scaling=rope_scaling,
+            sliding_window=_sliding_window(raw),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -87,6 +91,20 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         with open(Path(model_dir) / "config.json") as f:
             return cls.from_dict(json.load(f))
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence this implementation computes exactly."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def _sliding_window(raw: dict) -> int | None:
+    # Qwen2 configs carry a window but switch it off with use_sliding_window.
+    if raw.get("use_sliding_window") is False:
+        return None
+    return raw.get("sliding_window") or None
 
 
 _DTYPES = {

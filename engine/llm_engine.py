@@ -96,8 +96,7 @@ class LLMEngine:
         """Load the weights, size and allocate the KV cache, and build the engine."""
         model_config = ModelConfig.from_dir(model_dir)
         max_model_len = min(
-            engine_config.max_model_len or model_config.max_position_embeddings,
-            model_config.max_position_embeddings,
+            engine_config.max_model_len or model_config.max_context, model_config.max_context
         )
         model = load_model(model_dir, model_config, dtype=dtype, device=device)
         budget = engine_config.kv_cache_memory or default_cache_bytes(device)

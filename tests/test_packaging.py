@@ -1,0 +1,69 @@
+"""The wheel maps the design card's folders into the one import root, `tokenmill`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_installs_subpackages_under_tokenmill(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(REPO),
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
+    (wheel,) = (tmp_path / "dist").glob("tokenmill-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in (
+        "engine/llm.py",
+        "engine/models/llama.py",
+        "connectors/__init__.py",
+        "pipelines/__init__.py",
+        "flows/__init__.py",
+        "cli/__init__.py",
+    ):
+        assert f"tokenmill/{module}" in names
+    top_level = {name.split("/")[0] for name in names if not name.startswith("tokenmill-")}
+    assert top_level == {"tokenmill"}, top_level  # nothing called `engine` in site-packages
+
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+    )
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "import tokenmill.engine.llm as m, tokenmill.cli as c;"
+        "assert m.__file__.startswith(sys.argv[1]), m.__file__;"
+        "from tokenmill import LLM, SamplingParams; print('ok')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(target)], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
