@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
@@ -54,6 +54,14 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+}
+
+# Meta's Llama 3.1-3.3 rope scaling constants (all but `factor`), which llama.cpp bakes
+# into the `rope_freqs` tensor instead of writing them as metadata.
+_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
 }
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -104,8 +112,7 @@ def convert_gguf(
         raise ValueError(f"refusing to convert into non-empty directory {out_dir}")
     reader = GGUFReader(gguf_path)
     meta = read_metadata(reader)
-    tensor_names = {t.name for t in reader.tensors}
-    config = build_config(meta, tensor_names, dtype)
+    config = build_config(meta, {t.name: t for t in reader.tensors}, dtype)
     tensors = convert_tensors(reader, config, dtype)
     tokenizer = build_tokenizer(meta)
 
@@ -133,18 +140,23 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {key: field.contents() for key, field in reader.fields.items()}
 
 
-def build_config(meta: dict[str, Any], tensor_names: set[str], dtype: torch.dtype) -> dict:
-    """The HF `config.json` for this GGUF's architecture and hyperparameters."""
+def build_config(
+    meta: dict[str, Any], tensors: dict[str, ReaderTensor], dtype: torch.dtype
+) -> dict:
+    """The HF `config.json` for this GGUF's architecture and hyperparameters.
+
+    Args:
+        meta: the GGUF metadata (`read_metadata`).
+        tensors: the GGUF tensors by name (only shapes are read, and `rope_freqs`).
+        dtype: the dtype the weights will be written in.
+
+    Returns:
+        The config as a dict.
+    """
     arch = meta["general.architecture"]
     if arch not in _ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
-        )
-    if "rope_freqs.weight" in tensor_names:
-        # Llama 3.1+ stores its rope scaling only as precomputed factors; recovering the HF
-        # `rope_scaling` parameters from them is not done yet, and ignoring it is wrong.
-        raise ValueError(
-            "GGUF has a rope_freqs tensor (Llama 3.1-style rope scaling): not supported yet"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -168,17 +180,55 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], dtype: torch.dtyp
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
         "rope_theta": get("rope.freq_base", 10000.0),
         "max_position_embeddings": get("context_length"),
-        "vocab_size": get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        # The embedding's rows, which may exceed the tokenizer's vocabulary (padding).
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
         "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if get("rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if "rope_freqs.weight" in tensors:
+        rope_freqs = dequantize(tensors["rope_freqs.weight"].data, GGMLQuantizationType.F32)
+        config["rope_scaling"] = llama3_rope_scaling(rope_freqs, head_dim, config["rope_theta"])
     return config
+
+
+def llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, rope_theta: float) -> dict:
+    """The HF `rope_scaling` behind a GGUF's `rope_freqs` tensor (Llama 3.1+).
+
+    llama.cpp stores Llama 3 rope scaling only as per-frequency divisors. Meta's models all
+    use the same constants around their `factor`; we check that those constants reproduce
+    every divisor rather than guess, since a wrong rope silently ruins long prompts.
+
+    Args:
+        rope_freqs: `[head_dim // 2]` divisors of the rotary frequencies.
+        head_dim: rotary dimension.
+        rope_theta: rotary base.
+
+    Returns:
+        `{"rope_type": "llama3", "factor": ..., "low_freq_factor": ..., ...}`.
+    """
+    factor = float(np.max(rope_freqs))
+    params = dict(_LLAMA3_ROPE, factor=factor)
+    context = params["original_max_position_embeddings"]
+    wavelength = 2 * np.pi * rope_theta ** (np.arange(0, head_dim, 2) / head_dim)
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    smooth = (context / wavelength - low) / (high - low)
+    expected = np.where(
+        wavelength < context / high,
+        1.0,
+        np.where(wavelength > context / low, factor, 1 / ((1 - smooth) / factor + smooth)),
+    )
+    if expected.shape != np.shape(rope_freqs) or not np.allclose(expected, rope_freqs, rtol=1e-4):
+        raise ValueError(
+            "GGUF rope_freqs do not match Llama 3 rope scaling (factor "
+            f"{factor:g}, low 1, high 4, original context 8192): not supported"
+        )
+    return {"rope_type": "llama3", **params}
 
 
 def convert_tensors(
@@ -188,6 +238,8 @@ def convert_tensors(
     permute_qk = config["model_type"] == "llama"
     tensors = {}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue  # not a weight: build_config turns it into `rope_scaling`
         name = hf_tensor_name(tensor.name)
         # GGUF lists dims fastest-first; numpy (and torch) order is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))

@@ -91,9 +91,9 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of many texts, encoded in parallel by the Rust batch encoder."""
-        encodings = self._backend.encode_batch_fast(
-            list(texts), add_special_tokens=add_special_tokens
-        )
+        # encode_batch_fast (tokenizers >= 0.20) skips computing offsets we never use.
+        encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+        encodings = encode(list(texts), add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

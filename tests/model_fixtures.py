@@ -13,6 +13,7 @@ tensors it started from, so a conversion can be checked value for value.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -80,6 +81,33 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+def llama3_rope_freqs(
+    head_dim: int,
+    rope_theta: float,
+    factor: float,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_context: int = 8192,
+) -> np.ndarray:
+    """The `rope_freqs` divisors llama.cpp's converter writes for Llama 3.1+ rope scaling."""
+    freqs = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    low_wavelength = original_context / low_freq_factor
+    high_wavelength = original_context / high_freq_factor
+    divisors = []
+    for freq in freqs.tolist():
+        wavelength = 2 * math.pi / freq
+        if wavelength < high_wavelength:
+            divisors.append(1.0)
+        elif wavelength > low_wavelength:
+            divisors.append(factor)
+        else:
+            smooth = (original_context / wavelength - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
 def tiny_vocab() -> tuple[list[str], list[int]]:
     """Tokens and GGUF token types: ChatML specials, the 256 byte symbols, merge results."""
     from tokenmill.engine.gguf_convert import bytes_to_unicode
@@ -103,6 +131,8 @@ def write_tiny_gguf(
     tie_word_embeddings: bool = True,
     quant_type: str = "F32",
     architecture: str = "llama",
+    rope_theta: float = 10000.0,
+    rope_freqs: np.ndarray | None = None,
 ) -> TinyGGUF:
     """Write a random tiny Llama as a GGUF, the way llama.cpp's converter lays it out.
 
@@ -114,6 +144,9 @@ def write_tiny_gguf(
         quant_type: GGML type of the 2-D weights ("F32", "F16", "BF16", "Q8_0", "Q4_0", ...);
             norms stay F32 as in llama.cpp.
         architecture: `general.architecture` to write.
+        rope_theta: rotary base.
+        rope_freqs: a `rope_freqs` tensor to write (Llama 3.1-style rope scaling), e.g.
+            from `llama3_rope_freqs`.
 
     Returns:
         The path and the HF-layout float32 tensors before permutation and quantization.
@@ -152,7 +185,7 @@ def write_tiny_gguf(
     writer.add_head_count(num_heads)
     writer.add_head_count_kv(num_kv_heads)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("gpt2")
@@ -179,6 +212,8 @@ def write_tiny_gguf(
         else:
             data = gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), qtype)
             writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model
 
 from model_fixtures import (  # noqa: E402
     converted_smollm2_dir,
+    llama3_rope_freqs,
     llama_cpp_permute,
     smollm2_gguf_path,
     write_tiny_gguf,
@@ -139,6 +140,44 @@ def test_k_quant_tensors_use_gguf_dequantize(tmp_path, quant_type):
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).copy())
     assert expected.shape == (rows, cols)
     assert torch.equal(tensors["model.layers.0.self_attn.v_proj.weight"], expected)
+
+
+def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # head_dim 64 and theta 500000 put several frequencies in each of the three regimes.
+    freqs = llama3_rope_freqs(64, 500000.0, factor=32.0)
+    tiny = write_tiny_gguf(
+        tmp_path / "tiny.gguf",
+        hidden_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+        rope_theta=5e5,
+        rope_freqs=freqs,
+    )
+    out = convert_gguf(tiny.path, tmp_path / "out", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert "rope_freqs.weight" not in load_file(out / "model.safetensors")
+    # transformers' llama3 rope from our config gives llama.cpp's scaled frequencies.
+    hf_config = transformers.LlamaConfig(**config)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    base = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    torch.testing.assert_close(inv_freq, base / torch.from_numpy(freqs))
+
+
+def test_unknown_rope_freqs_are_refused(tmp_path):
+    freqs = llama3_rope_freqs(16, 10000.0, factor=8.0, high_freq_factor=2.0)
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", rope_freqs=freqs)
+    with pytest.raises(ValueError, match="rope_freqs do not match Llama 3 rope scaling"):
+        convert_gguf(tiny.path, tmp_path / "out")
 
 
 def test_unsupported_architecture_is_refused_before_writing(tmp_path):
