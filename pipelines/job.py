@@ -101,7 +101,7 @@ def _model_facts(model: str | None) -> tuple[str, int, str]:
     model_dir = resolve_model(model)
     return (
         str(model_dir),
-        ModelConfig.from_dir(model_dir).max_position_embeddings,
+        ModelConfig.from_dir(model_dir).max_context,
         weights_hash(model_dir),
     )
 
@@ -422,9 +422,9 @@ def run_job(
     plan = plan_job(spec, llm=llm)
     done = prepare_output(plan)
     pending = [s for s in plan.shards if s.shard_id not in done]
-    progress.planned(plan, pending)
     if pending and llm is None:
         llm = load_llm(spec)
+    progress.planned(plan, pending)
     for shard in pending:
         result = run_shard(llm, plan, shard, on_output=progress.request_done)
         progress.shard_done(result)
