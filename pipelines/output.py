@@ -31,6 +31,7 @@ from tokenmill.connectors import (
 )
 from tokenmill.connectors.fs import resolve
 from tokenmill.pipelines.ledger import JobLedger, ShardStats
+from tokenmill.pipelines.results import RESULT_SCHEMA
 
 RESULTS_DIR = "results"
 STATS_DIR = "shard_stats"
@@ -96,8 +97,9 @@ def write_shard(
 
 
 def read_results(output: str, storage_options: StorageOptions = None) -> pa.Table:
-    """Every result row of a job, from all its parts."""
-    return read_parts(results_uri(output), storage_options)
+    """Every result row of a job, from all its parts (an empty results table if none)."""
+    table = read_parts(results_uri(output), storage_options)
+    return table if table.num_columns else RESULT_SCHEMA.empty_table()
 
 
 def read_shard_stats(

@@ -290,3 +290,43 @@ def test_ledger_file_round_trips(tmp_path, fake_llm):
         + ledger.cached_tokens * 1e-6
         + ledger.completion_tokens * 2e-6
     )
+
+
+def test_empty_input_gives_an_empty_job(tmp_path, fake_llm):
+    src = _write_input(tmp_path / "in.parquet", [])
+    ledger = run_job(src, str(tmp_path / "out"), llm=fake_llm)
+    assert (ledger.rows_ok, ledger.rows_failed, ledger.num_shards, ledger.cost_total) == (
+        0,
+        0,
+        0,
+        0.0,
+    )
+    assert fake_llm.calls == []
+
+
+def test_plan_and_results_pickle_for_task_runners(tmp_path, fake_llm):
+    import pickle
+
+    src = _write_input(tmp_path / "in.parquet")
+    spec = JobSpec(src, str(tmp_path / "out"), shard_tokens=60, passthrough=("prompt",))
+    plan = pickle.loads(pickle.dumps(plan_job(spec, llm=fake_llm)))
+    prepare_output(plan)
+    results = [pickle.loads(pickle.dumps(run_shard(fake_llm, plan, s))) for s in plan.shards]
+    ledger = pickle.loads(pickle.dumps(finalize_job(plan, num_shards_run=len(results))))
+    assert sum(r.num_rows for r in results) == ledger.rows_ok + ledger.rows_failed == 7
+    assert sum(r.prompt_tokens for r in results) == ledger.prompt_tokens
+    assert read_results(spec.output)["prompt"].to_pylist().count(None) == 1
+
+
+def test_openai_duplicate_custom_ids_fail_before_compute(tmp_path, fake_llm):
+    line = {
+        "custom_id": "same",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "x", "prompt": "hi"},
+    }
+    src = tmp_path / "batch.jsonl"
+    src.write_text((json.dumps(line) + "\n") * 2)
+    with pytest.raises(ValueError, match="duplicate id"):
+        run_job(str(src), str(tmp_path / "out"), llm=fake_llm, format="openai-batch")
+    assert fake_llm.calls == []
