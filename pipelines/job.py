@@ -14,6 +14,7 @@ logged - only counts.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from tokenmill.pipelines.reading import read_rows
 from tokenmill.pipelines.results import build_results, latencies
 from tokenmill.pipelines.spec import JobSpec
 from tokenmill.pipelines.templating import required_columns
+from tokenmill.pipelines.tokenize import PromptRow
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ class JobPlan:
     weights_hash: str
     max_model_len: int
     params: list[SamplingParams]
-    rows: list[Any]  # PromptRow, indexed by row_index
+    rows: list[PromptRow]  # indexed by row_index
     shards: list[Shard]
     passthrough: pa.Table | None = None  # passthrough columns, one row per row_index
     endpoints: list[str | None] | None = None  # OpenAI batch: each row's request url
@@ -91,6 +93,11 @@ def model_name(model: str | None) -> str:
         return DEFAULT_MODEL
     path = Path(model)
     return path.name if path.exists() else str(model)
+
+
+def _canonical_location(uri: str) -> str:
+    # "out", "./out" and "/abs/out" are one place, so they are one job.
+    return uri if "://" in uri else os.path.abspath(uri)
 
 
 def _model_facts(model: str | None) -> tuple[str, int, str]:
@@ -150,8 +157,8 @@ def plan_job(spec: JobSpec, *, tokenizer: Any = None, llm: Any = None) -> JobPla
     shards = plan_shards(read.rows, read.params, model_key=w_hash, shard_tokens=spec.shard_tokens)
     plan = JobPlan(
         spec=spec,
-        job_id=job_id(shards, output=spec.output),
-        model_name=model_name(spec.model),
+        job_id=job_id(shards, output=_canonical_location(spec.output)),
+        model_name=model_name(getattr(llm, "model_name", None) if llm is not None else spec.model),
         model_dir=model_dir,
         weights_hash=w_hash,
         max_model_len=max_len,
