@@ -251,9 +251,14 @@ def run_shard(
         finished_at=now_iso(),
         latencies=latencies(outputs),
     )
-    out.write_shard(
-        spec.output, table, stats, fmt=spec.part_format, storage_options=spec.storage_options
-    )
+    try:
+        out.write_shard(
+            spec.output, table, stats, fmt=spec.part_format, storage_options=spec.storage_options
+        )
+    except FileExistsError:
+        # Another worker published this shard first; its part stands, ours is dropped.
+        log.info("shard %s was completed elsewhere meanwhile; keeping that part", shard.shard_id)
+        return ShardResult(shard.shard_id, skipped=True, num_rows=shard.num_rows)
     result = _shard_result(shard.shard_id, table, stats.device_seconds)
     log.info(
         "shard %s: %d rows (%d failed), %.2fs",

@@ -330,3 +330,14 @@ def test_openai_duplicate_custom_ids_fail_before_compute(tmp_path, fake_llm):
     with pytest.raises(ValueError, match="duplicate id"):
         run_job(str(src), str(tmp_path / "out"), llm=fake_llm, format="openai-batch")
     assert fake_llm.calls == []
+
+
+def test_shard_published_concurrently_is_kept(tmp_path, fake_llm, monkeypatch):
+    src = _write_input(tmp_path / "in.parquet")
+    spec = JobSpec(src, str(tmp_path / "out"), resume=False)
+    plan = plan_job(spec, llm=fake_llm)
+    prepare_output(plan)
+    assert not run_shard(fake_llm, plan, plan.shards[0]).skipped
+    # with resume off run_shard does not look first; the atomic no-clobber write refuses
+    assert run_shard(fake_llm, plan, plan.shards[0]).skipped
+    assert read_results(spec.output).num_rows == 7
