@@ -85,6 +85,16 @@ PRESETS: dict[str, WorkloadSpec] = {
         unique_len=(64, 512),
         output_len=(64, 64),
     ),
+    # mixed64 x 16: enough work to keep a GPU busy for more than a blink.
+    "mixed1k": WorkloadSpec(
+        "mixed1k",
+        num_prompts=1024,
+        shared_fraction=0.5,
+        prefix_len=256,
+        suffix_len=(64, 256),
+        unique_len=(64, 512),
+        output_len=(64, 64),
+    ),
     # Few long shared prefixes (system prompts, few-shot examples) and short questions.
     "prefix-heavy": WorkloadSpec(
         "prefix-heavy",
