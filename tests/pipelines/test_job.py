@@ -341,3 +341,15 @@ def test_shard_published_concurrently_is_kept(tmp_path, fake_llm, monkeypatch):
     # with resume off run_shard does not look first; the atomic no-clobber write refuses
     assert run_shard(fake_llm, plan, plan.shards[0]).skipped
     assert read_results(spec.output).num_rows == 7
+
+
+def test_non_string_prompt_column_gives_row_errors(tmp_path, fake_llm):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [[1, 2], None, [3]], "n": [7, 8, 9]}), src)
+    ledger = run_job(str(src), str(tmp_path / "out"), llm=fake_llm)
+    errors = read_results(str(tmp_path / "out"))["error"].to_pylist()
+    assert sorted(errors) == ["prompt is not a string (got list)"] * 2 + ["prompt is null"]
+    assert ledger.rows_failed == 3 and fake_llm.calls == []
+    # numbers are fine inside a template
+    ledger = run_job(str(src), str(tmp_path / "out2"), llm=fake_llm, template="Count to {n}")
+    assert ledger.rows_ok == 3
