@@ -27,6 +27,7 @@ from pydantic import Field
 
 from tokenmill.connectors.fs import redact_url
 from tokenmill.flows.parameters import build_spec, expand_placeholders
+from tokenmill.flows.runners import make_task_runner
 from tokenmill.flows.tasks import (
     ShardRun,
     ledger_task,
@@ -50,7 +51,12 @@ def _flow_run_name() -> str:
     return f"tokenmill -> {redact_url(flow_run.parameters['output'])}"
 
 
-@flow(name=FLOW_NAME, flow_run_name=_flow_run_name, log_prints=False)
+@flow(
+    name=FLOW_NAME,
+    flow_run_name=_flow_run_name,
+    task_runner=make_task_runner(),
+    log_prints=False,
+)
 def batch_inference(
     input: str,
     output: str,

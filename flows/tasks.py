@@ -13,12 +13,14 @@ prompt's token ids) into a cache key would also cost more than the check it repl
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
 from prefect.runtime import task_run
 
 from tokenmill.connectors.fs import redact_url
@@ -51,6 +53,14 @@ class ShardRun:
     @property
     def worker(self) -> str:
         return f"{self.host}:{self.pid}"
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The task run's logger (shipped to the Prefect API); a plain one under `task.fn`."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
 
 
 def _plan_run_name() -> str:
@@ -113,7 +123,17 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
         )
     with engine.lock:
         result = run_shard(engine.llm, plan, shard)
-    return ShardRun(result, socket.gethostname(), os.getpid(), engine_cache.num_loads())
+    run = ShardRun(result, socket.gethostname(), os.getpid(), engine_cache.num_loads())
+    # Where each shard ran, in the task run's log: counts and names only, never text.
+    _logger().info(
+        "shard %s: %d rows, %s on worker %s (engines loaded by this worker: %d)",
+        shard.shard_id,
+        result.num_rows,
+        "already complete, skipped" if result.skipped else f"{result.device_seconds:.2f} s",
+        run.worker,
+        run.engine_loads,
+    )
+    return run
 
 
 @task(

@@ -1,0 +1,60 @@
+"""Task logic through `task.fn(...)`: no Prefect server, no flow run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+from conftest import ENGINE
+
+from tokenmill.connectors import SourceError
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.flows import engine_cache
+from tokenmill.flows.tasks import plan_task, prepare_output_task, shard_task
+from tokenmill.pipelines import output as out
+from tokenmill.pipelines.spec import JobSpec
+
+
+def make_spec(jsonl_input, output, model):
+    return JobSpec(
+        jsonl_input,
+        str(output),
+        model=model,
+        id_column="id",
+        sampling=SamplingParams(max_tokens=6, temperature=0.0),
+        shard_tokens=48,
+        **ENGINE,
+    )
+
+
+def test_plan_then_shards_are_idempotent(jsonl_input, tmp_path, tiny_model):
+    plan = plan_task.fn(make_spec(jsonl_input, tmp_path / "out", tiny_model))
+    assert len(plan.shards) > 2
+    assert prepare_output_task.fn(plan) == set()
+    shard = plan.shards[0]
+
+    first = shard_task.fn(plan, shard, plan.job_id)
+    assert not first.result.skipped and first.result.num_rows == shard.num_rows
+    assert first.pid == os.getpid() and first.engine_loads >= 1
+    assert prepare_output_task.fn(plan) == {shard.shard_id}
+
+    loads = engine_cache.num_loads()
+    again = shard_task.fn(plan, shard, plan.job_id)  # a retry or a rerun of the same shard
+    assert again.result.skipped
+    assert engine_cache.num_loads() == loads  # reused, not reloaded
+    assert out.read_results(plan.spec.output).num_rows == shard.num_rows
+
+
+def test_bad_input_fails_in_planning(tmp_path, tiny_model):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(SourceError, match="nope.jsonl"):
+        plan_task.fn(make_spec(str(missing), tmp_path / "out", tiny_model))
+
+
+def test_a_worker_with_other_weights_refuses_the_shard(jsonl_input, tmp_path, tiny_model):
+    plan = plan_task.fn(make_spec(jsonl_input, tmp_path / "out", tiny_model))
+    forged = dataclasses.replace(plan, weights_hash="0" * 64)
+    with pytest.raises(RuntimeError, match="same model files"):
+        shard_task.fn(forged, plan.shards[0], plan.job_id)
+    assert prepare_output_task.fn(plan) == set()  # nothing was written
