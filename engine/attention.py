@@ -21,9 +21,9 @@ class PrefillSpan:
     start: int  # offset of the chunk's first token in the flat batch
     num_query_tokens: int
     num_context_tokens: int  # tokens attended to, this chunk included
-    # Flat cache slots of all context tokens [num_context_tokens]; None when the chunk
-    # is the whole context, so keys and values come straight from this step.
-    context_slots: torch.Tensor | None
+    # Cache blocks holding the whole context, in order [num_context_blocks]; None when
+    # the chunk is the whole context, so keys and values come straight from this step.
+    context_block_ids: torch.Tensor | None
     # [num_query_tokens, num_context_tokens] bool, True = may attend; None when causal.
     mask: torch.Tensor | None
 
@@ -34,8 +34,9 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot to write each new k/v to
     num_decode_tokens: int  # the first num_decode_tokens tokens decode, one per sequence
-    decode_context_slots: torch.Tensor | None  # [num_decodes, max_context] flat slots
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool
+    block_size: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with 0
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan]
 
 
@@ -64,8 +65,8 @@ def paged_attention(
     num_decodes = meta.num_decode_tokens
     if num_decodes:
         qd = q[:num_decodes].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_cache[meta.decode_context_slots].transpose(1, 2)  # [B, Hkv, K, D]
-        vd = v_cache[meta.decode_context_slots].transpose(1, 2)
+        kd = gather_blocks(k_cache, meta.decode_block_tables, meta.block_size).transpose(1, 2)
+        vd = gather_blocks(v_cache, meta.decode_block_tables, meta.block_size).transpose(1, 2)
         od = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )
@@ -74,11 +75,13 @@ def paged_attention(
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_query_tokens)
         qp = q[rows].transpose(0, 1)  # [H, q, D]
-        if span.context_slots is None:
+        if span.context_block_ids is None:
             kp, vp = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
-            kp = k_cache[span.context_slots].transpose(0, 1)  # [Hkv, ctx, D]
-            vp = v_cache[span.context_slots].transpose(0, 1)
+            ids = span.context_block_ids[None]
+            ctx = span.num_context_tokens
+            kp = gather_blocks(k_cache, ids, meta.block_size)[0, :ctx].transpose(0, 1)
+            vp = gather_blocks(v_cache, ids, meta.block_size)[0, :ctx].transpose(0, 1)
         op = F.scaled_dot_product_attention(
             qp,
             kp,
@@ -90,3 +93,18 @@ def paged_attention(
         )
         out[rows] = op.transpose(0, 1)
     return out
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Copy whole blocks (contiguous runs of block_size tokens) out of the cache.
+
+    Args:
+        cache: [num_slots, num_kv_heads, head_dim]
+        block_tables: [num_seqs, max_blocks] block ids
+    Returns:
+        [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]
+    """
+    num_seqs, max_blocks = block_tables.shape
+    blocks = cache.view(-1, block_size, *cache.shape[1:])
+    gathered = blocks.index_select(0, block_tables.reshape(-1))
+    return gathered.view(num_seqs, max_blocks * block_size, *cache.shape[1:])

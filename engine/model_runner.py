@@ -86,21 +86,21 @@ class ModelRunner:
             start = chunk.seq.num_computed_tokens
             num_query = chunk.num_new_tokens
             num_context = start + num_query
-            context_slots = mask = None
+            context_block_ids = mask = None
             if start > 0:
-                pos = np.arange(num_context)
-                context_slots = self._tensor(table[pos // bs] * bs + pos % bs)
+                context_block_ids = self._tensor(table[: -(-num_context // bs)])
                 q_pos = torch.arange(start, num_context)[:, None]
                 mask = (torch.arange(num_context)[None, :] <= q_pos).to(self.device)
-            prefills.append(PrefillSpan(offset, num_query, num_context, context_slots, mask))
+            prefills.append(PrefillSpan(offset, num_query, num_context, context_block_ids, mask))
 
-        decode_slots = decode_mask = None
+        decode_block_tables = decode_mask = None
         if decode_tables:
-            decode_slots, decode_mask = self._decode_context(decode_tables, decode_lens)
+            decode_block_tables, decode_mask = self._decode_context(decode_tables, decode_lens)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(np.concatenate(slots)),
             num_decode_tokens=len(out.decodes),
-            decode_context_slots=decode_slots,
+            block_size=bs,
+            decode_block_tables=decode_block_tables,
             decode_mask=decode_mask,
             prefills=prefills,
         )
@@ -113,16 +113,13 @@ class ModelRunner:
 
     def _decode_context(self, tables: list[np.ndarray], lengths: list[int]):
         bs = self.block_size
-        max_len = max(lengths)
-        max_blocks = -(-max_len // bs)
+        max_blocks = -(-max(lengths) // bs)
         padded = np.zeros((len(tables), max_blocks), dtype=np.int64)
         for row, table in enumerate(tables):
             n = min(len(table), max_blocks)
             padded[row, :n] = table[:n]
-        pos = np.arange(max_len)
-        slots = padded[:, pos // bs] * bs + pos % bs  # [B, max_len]
-        mask = pos[None, :] < np.asarray(lengths)[:, None]
-        return self._tensor(slots), torch.from_numpy(mask).to(self.device)[:, None, None, :]
+        mask = np.arange(max_blocks * bs)[None, :] < np.asarray(lengths)[:, None]
+        return self._tensor(padded), torch.from_numpy(mask).to(self.device)[:, None, None, :]
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(
