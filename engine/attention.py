@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from tokenmill.engine.kernels import paged_decode_attention
+
 
 @dataclass
 class PrefillSpan:
@@ -36,6 +38,7 @@ class AttentionMetadata:
     num_decode_tokens: int  # the first num_decode_tokens tokens decode, one per sequence
     block_size: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan]
 
@@ -64,13 +67,7 @@ def paged_attention(
 
     num_decodes = meta.num_decode_tokens
     if num_decodes:
-        qd = q[:num_decodes].unsqueeze(2)  # [B, H, 1, D]
-        kd = gather_blocks(k_cache, meta.decode_block_tables, meta.block_size).transpose(1, 2)
-        vd = gather_blocks(v_cache, meta.decode_block_tables, meta.block_size).transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[:num_decodes] = od.squeeze(2)
+        out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale)
 
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_query_tokens)
@@ -93,6 +90,28 @@ def paged_attention(
         )
         out[rows] = op.transpose(0, 1)
     return out
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [B, H, D] one token per sequence -> [B, H, D]."""
+    out = paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        meta.block_size,
+        scale,
+    )
+    if out is not None:
+        return out
+    # Portable path: copy the context out block by block, then one batched SDPA.
+    kd = gather_blocks(k_cache, meta.decode_block_tables, meta.block_size).transpose(1, 2)
+    vd = gather_blocks(v_cache, meta.decode_block_tables, meta.block_size).transpose(1, 2)
+    od = F.scaled_dot_product_attention(
+        q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+    )
+    return od.squeeze(2)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -40,9 +40,7 @@ class ModelRunner:
             layer.self_attn.v_cache = kv_cache[layer_idx, 1]
 
     @torch.inference_mode()
-    def run(
-        self, out: SchedulerOutput, sampling: SamplingBatch | None
-    ) -> SamplerOutput | None:
+    def run(self, out: SchedulerOutput, sampling: SamplingBatch | None) -> SamplerOutput | None:
         """Compute the step's tokens; return one sampled token per sampling chunk,
         in the order of out.chunks (None when no chunk samples)."""
         input_ids, positions, meta, sample_rows = self._prepare(out)
@@ -93,14 +91,16 @@ class ModelRunner:
                 mask = (torch.arange(num_context)[None, :] <= q_pos).to(self.device)
             prefills.append(PrefillSpan(offset, num_query, num_context, context_block_ids, mask))
 
-        decode_block_tables = decode_mask = None
+        decode_block_tables = decode_context_lens = decode_mask = None
         if decode_tables:
             decode_block_tables, decode_mask = self._decode_context(decode_tables, decode_lens)
+            decode_context_lens = self._tensor(np.asarray(decode_lens))
         meta = AttentionMetadata(
             slot_mapping=self._tensor(np.concatenate(slots)),
             num_decode_tokens=len(out.decodes),
             block_size=bs,
             decode_block_tables=decode_block_tables,
+            decode_context_lens=decode_context_lens,
             decode_mask=decode_mask,
             prefills=prefills,
         )

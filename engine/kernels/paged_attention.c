@@ -1,0 +1,115 @@
+/* Decode attention straight over the paged KV cache.
+ *
+ * One query token per sequence attends to its whole context, read block by block
+ * from the cache - no gathered copy of the keys and values is ever made. Each
+ * (sequence, kv head) pair is one work item: its G query heads share every K and V
+ * row loaded. Two passes: scores for all positions (K read once), then the
+ * softmax-weighted sum of V (V read once). Storage is fp32 or bf16; math is fp32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline void load_row(const void *base, int64_t offset, int is_bf16, int64_t d, float *dst) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int64_t i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)d * sizeof(float));
+    }
+}
+
+/* q, out: [num_seqs, num_heads, head_dim]; caches: [num_blocks * block_size, num_kv_heads,
+ * head_dim]; block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs]. */
+int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
+                              const int64_t *block_tables, const int64_t *context_lens,
+                              void *out, int64_t num_seqs, int64_t num_heads,
+                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              int64_t max_blocks, float scale, int is_bf16, int num_threads) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t num_items = num_seqs * num_kv_heads;
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < num_items; item++) {
+        const int64_t s = item / num_kv_heads;
+        const int64_t kh = item % num_kv_heads;
+        const int64_t ctx = context_lens[s];
+        float *qf = malloc(sizeof(float) * (size_t)(group * head_dim));
+        float *acc = calloc((size_t)(group * head_dim), sizeof(float));
+        float *row = malloc(sizeof(float) * (size_t)head_dim);
+        float *scores = malloc(sizeof(float) * (size_t)(group * (ctx > 0 ? ctx : 1)));
+        if (!qf || !acc || !row || !scores) {
+            failed = 1;
+            free(qf), free(acc), free(row), free(scores);
+            continue;
+        }
+        for (int64_t g = 0; g < group; g++) {
+            load_row(q, (s * num_heads + kh * group + g) * head_dim, is_bf16, head_dim,
+                     qf + g * head_dim);
+            for (int64_t i = 0; i < head_dim; i++) qf[g * head_dim + i] *= scale;
+        }
+        const int64_t *table = block_tables + s * max_blocks;
+
+        /* Pass 1: scores[g][t] = q_g . k_t */
+        for (int64_t t = 0; t < ctx; t++) {
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            load_row(k_cache, (slot * num_kv_heads + kh) * head_dim, is_bf16, head_dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = qf + g * head_dim;
+                float dot = 0.f;
+                for (int64_t i = 0; i < head_dim; i++) dot += qg[i] * row[i];
+                scores[g * ctx + t] = dot;
+            }
+        }
+        /* Softmax per query head. */
+        for (int64_t g = 0; g < group; g++) {
+            float *sg = scores + g * ctx;
+            float max = -INFINITY;
+            for (int64_t t = 0; t < ctx; t++) max = sg[t] > max ? sg[t] : max;
+            float sum = 0.f;
+            for (int64_t t = 0; t < ctx; t++) {
+                sg[t] = expf(sg[t] - max);
+                sum += sg[t];
+            }
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
+        }
+        /* Pass 2: acc[g] = sum_t p[g][t] * v_t */
+        for (int64_t t = 0; t < ctx; t++) {
+            const int64_t slot = table[t / block_size] * block_size + t % block_size;
+            load_row(v_cache, (slot * num_kv_heads + kh) * head_dim, is_bf16, head_dim, row);
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * ctx + t];
+                float *ag = acc + g * head_dim;
+                for (int64_t i = 0; i < head_dim; i++) ag[i] += p * row[i];
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t offset = (s * num_heads + kh * group + g) * head_dim;
+            if (is_bf16) {
+                uint16_t *dst = (uint16_t *)out + offset;
+                for (int64_t i = 0; i < head_dim; i++) dst[i] = f32_to_bf16(acc[g * head_dim + i]);
+            } else {
+                memcpy((float *)out + offset, acc + g * head_dim, sizeof(float) * (size_t)head_dim);
+            }
+        }
+        free(qf), free(acc), free(row), free(scores);
+    }
+    return failed ? -1 : 0;
+}
