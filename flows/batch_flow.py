@@ -14,8 +14,9 @@ Rerunning the flow with the same parameters resumes the job: shards whose part i
 in the output are not submitted again, and the ledger is rebuilt from all parts.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: Prefect builds the parameter schema from
+# the annotations, and a served flow run (a subprocess given the pickled flow) cannot
+# resolve string annotations such as "PositiveInt" back to their types.
 import logging
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal
