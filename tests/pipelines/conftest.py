@@ -39,5 +39,6 @@ def fake_llm(tiny_model_dir):
 @pytest.fixture(scope="session")
 def s3() -> S3Endpoint:
     """moto's S3 server on loopback, with one bucket."""
-    with moto_s3() as endpoint:
+    # moto keeps buckets process-wide; a bucket of our own avoids clashing with other suites
+    with moto_s3(bucket="tokenmill-pipelines-test") as endpoint:
         yield endpoint
