@@ -71,24 +71,26 @@ def paged_attention(
 
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_query_tokens)
-        qp = q[rows].transpose(0, 1)  # [H, q, D]
+        # 4-D [1, heads, tokens, head_dim] operands: with 3-D ones PyTorch's CPU
+        # dispatcher drops to the unfused math kernel.
+        qp = q[rows].transpose(0, 1)[None]
         if span.context_block_ids is None:
-            kp, vp = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            kp, vp = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
         else:
             ids = span.context_block_ids[None]
             ctx = span.num_context_tokens
-            kp = gather_blocks(k_cache, ids, meta.block_size)[0, :ctx].transpose(0, 1)
-            vp = gather_blocks(v_cache, ids, meta.block_size)[0, :ctx].transpose(0, 1)
+            kp = gather_blocks(k_cache, ids, meta.block_size)[:, :ctx].transpose(1, 2)
+            vp = gather_blocks(v_cache, ids, meta.block_size)[:, :ctx].transpose(1, 2)
         op = F.scaled_dot_product_attention(
             qp,
             kp,
             vp,
-            attn_mask=span.mask,
+            attn_mask=None if span.mask is None else span.mask[None, None],
             is_causal=span.mask is None and span.num_query_tokens > 1,
             scale=scale,
             enable_gqa=True,
         )
-        out[rows] = op.transpose(0, 1)
+        out[rows] = op[0].transpose(0, 1)
     return out
 
 
