@@ -21,8 +21,8 @@ engine takes "cuda" - that worker's only visible GPU:
   cluster_kwargs={"threads_per_worker": 1})` with `batch_inference.with_options`);
 - without dask-cuda: start one `dask worker tcp://SCHEDULER:8786 --nworkers 1
   --nthreads 1` per GPU, each under its own `CUDA_VISIBLE_DEVICES=i`;
-- with Ray: `ray start` on each machine with its GPUs; shard tasks then ask Ray for a
-  GPU through `ray_options` (see flows/README.md).
+- with Ray: Ray hides GPUs from tasks that reserve none, so run the flow inside
+  `prefect_ray.context.remote_options(num_gpus=1)` (see flows/README.md).
 """
 
 from __future__ import annotations
