@@ -71,3 +71,34 @@ def test_killed_flow_resumes_without_recomputing(prefect_api, jsonl_input, tmp_p
     assert ledger.rows_ok + ledger.rows_failed == 16
     assert ledger.prompt_tokens == sum(results["prompt_tokens"].to_pylist())
     assert ledger.completion_tokens == sum(results["completion_tokens"].to_pylist())
+
+
+def test_a_failed_shard_fails_the_run_but_keeps_the_others(
+    prefect_api, jsonl_input, tmp_path, tiny_model, monkeypatch
+):
+    import tokenmill.flows.tasks as tasks
+
+    output = tmp_path / "out"
+    params = job_parameters(jsonl_input, str(output), tiny_model)
+    real_run_shard = tasks.run_shard
+    calls = []
+
+    def failing_run_shard(llm, plan, shard, **kwargs):
+        calls.append(shard.shard_id)
+        if shard.index == 1:
+            raise ValueError("this shard cannot be computed")  # not transient: no retry
+        return real_run_shard(llm, plan, shard, **kwargs)
+
+    monkeypatch.setattr(tasks, "run_shard", failing_run_shard)
+    state = batch_inference(**params, return_state=True)
+    assert state.is_failed()
+    assert "1 of" in state.message and "run the flow again" in state.message
+    parts = completed_parts(output)
+    assert len(parts) == len(set(calls)) - 1  # every other shard finished and was kept
+    assert sum(c.startswith("00001-") for c in calls) == 1  # a ValueError is not retried
+    assert not (output / "ledger.json").exists()
+
+    monkeypatch.setattr(tasks, "run_shard", real_run_shard)
+    ledger = batch_inference(**params)
+    assert ledger.num_shards_run == 1 and ledger.num_shards == len(parts) + 1
+    assert read_results(str(output)).num_rows == 16
