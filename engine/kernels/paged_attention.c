@@ -65,16 +65,25 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
             for (int64_t i = 0; i < head_dim; i++) qf[g * head_dim + i] *= scale;
         }
         const int64_t *table = block_tables + s * max_blocks;
+        const int64_t row_stride = num_kv_heads * head_dim; /* between tokens of a block */
 
-        /* Pass 1: scores[g][t] = q_g . k_t */
-        for (int64_t t = 0; t < ctx; t++) {
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;
-            load_row(k_cache, (slot * num_kv_heads + kh) * head_dim, is_bf16, head_dim, row);
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = qf + g * head_dim;
-                float dot = 0.f;
-                for (int64_t i = 0; i < head_dim; i++) dot += qg[i] * row[i];
-                scores[g * ctx + t] = dot;
+        /* Pass 1: scores[g][t] = q_g . k_t, walking the context block by block. */
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+            const int64_t base = (table[t0 / block_size] * block_size * num_kv_heads + kh) * head_dim;
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t j = 0; j < n; j++) {
+                const float *k = row;
+                if (is_bf16) {
+                    load_row(k_cache, base + j * row_stride, 1, head_dim, row);
+                } else {
+                    k = (const float *)k_cache + base + j * row_stride;
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qg = qf + g * head_dim;
+                    float dot = 0.f;
+                    for (int64_t i = 0; i < head_dim; i++) dot += qg[i] * k[i];
+                    scores[g * ctx + t0 + j] = dot;
+                }
             }
         }
         /* Softmax per query head. */
@@ -91,13 +100,21 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
             for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
         }
         /* Pass 2: acc[g] = sum_t p[g][t] * v_t */
-        for (int64_t t = 0; t < ctx; t++) {
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;
-            load_row(v_cache, (slot * num_kv_heads + kh) * head_dim, is_bf16, head_dim, row);
-            for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * ctx + t];
-                float *ag = acc + g * head_dim;
-                for (int64_t i = 0; i < head_dim; i++) ag[i] += p * row[i];
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+            const int64_t base = (table[t0 / block_size] * block_size * num_kv_heads + kh) * head_dim;
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t j = 0; j < n; j++) {
+                const float *v = row;
+                if (is_bf16) {
+                    load_row(v_cache, base + j * row_stride, 1, head_dim, row);
+                } else {
+                    v = (const float *)v_cache + base + j * row_stride;
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    const float p = scores[g * ctx + t0 + j];
+                    float *ag = acc + g * head_dim;
+                    for (int64_t i = 0; i < head_dim; i++) ag[i] += p * v[i];
+                }
             }
         }
         for (int64_t g = 0; g < group; g++) {
