@@ -31,14 +31,11 @@ import pytest  # noqa: E402
 TESTS_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS_DIR))  # tests/ holds shared helpers; it is not a package
 
+from flow_helpers import prompt_rows  # noqa: E402
 from s3_server import S3Endpoint, moto_s3  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
 SERVER_START_TIMEOUT_S = 120
-# The tiny model's engine: a small KV cache (sizing one from RAM takes seconds) and fp32,
-# so every process that loads it computes identical greedy tokens.
-ENGINE = {"dtype": "float32", "engine_options": {"kv_cache_memory": 16 << 20}}
-NUM_ROWS = 16
 
 
 def _free_port() -> int:
@@ -132,39 +129,11 @@ def tiny_model(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
 
 
-def prompt_rows(num_rows: int = NUM_ROWS) -> list[dict]:
-    """Rows with ids, a few shared prefixes, different lengths, and one null prompt."""
-    prefixes = ["The quick brown fox", "Summarise the following text", "What is the capital"]
-    rows = []
-    for i in range(num_rows):
-        prompt = f"{prefixes[i % 3]} {i}: " + "word " * (i % 5)
-        rows.append({"id": f"q{i:03d}", "prompt": None if i == 7 else prompt, "topic": i % 3})
-    return rows
-
-
 @pytest.fixture
 def jsonl_input(tmp_path) -> str:
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
     return str(path)
-
-
-def job_parameters(input_uri: str, output_uri: str, model: str, **extra) -> dict:
-    """Flow parameters for a small job of several shards (a few rows each)."""
-    return {
-        "input": input_uri,
-        "output": output_uri,
-        "model": model,
-        "id_column": "id",
-        "passthrough": ["topic"],
-        "max_tokens": 6,
-        "shard_tokens": 48,
-        "price_input": 0.5,
-        "price_cached": 0.25,
-        "price_output": 1.5,
-        **ENGINE,
-        **extra,
-    }
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
-from conftest import ENGINE
+from flow_helpers import ENGINE
 
 from tokenmill.cli import main
 from tokenmill.cli.flow import flow_parameters, run_flow

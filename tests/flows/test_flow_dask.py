@@ -7,7 +7,7 @@ import re
 import time
 
 import pytest
-from conftest import job_parameters
+from flow_helpers import job_parameters
 from prefect import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 

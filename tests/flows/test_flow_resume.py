@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import job_parameters
+from flow_helpers import job_parameters
 
 from tokenmill.flows import batch_inference
 from tokenmill.pipelines.output import read_results

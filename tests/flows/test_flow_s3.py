@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import s3fs
-from conftest import job_parameters, prompt_rows
+from flow_helpers import job_parameters, prompt_rows
 from prefect import get_client
 from prefect.blocks.system import Secret
 from prefect.client.schemas.filters import (

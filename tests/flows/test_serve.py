@@ -8,7 +8,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import ENGINE
+from flow_helpers import ENGINE
 from prefect import get_client
 from prefect.exceptions import ObjectNotFound
 

@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 import pytest
-from conftest import ENGINE
+from flow_helpers import ENGINE
 
 from tokenmill.connectors import SourceError
 from tokenmill.engine.sampling_params import SamplingParams
