@@ -77,7 +77,9 @@ def moto_s3(bucket: str = "tokenmill-test") -> Iterator[S3Endpoint]:
     try:
         endpoint_url = f"http://127.0.0.1:{server._server.server_port}"
         options = {"key": ACCESS_KEY, "secret": SECRET_KEY, "endpoint_url": endpoint_url}
-        s3fs.S3FileSystem(**options).mkdir(bucket)
+        # moto keeps its buckets per process, shared by every server started in it: a
+        # bucket another suite's server made is already there, which is fine.
+        s3fs.S3FileSystem(**options).makedirs(bucket, exist_ok=True)
         yield S3Endpoint(endpoint_url=endpoint_url, bucket=bucket, storage_options=options)
     finally:
         server.stop()
