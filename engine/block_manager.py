@@ -99,7 +99,9 @@ class BlockManager:
 
     # -- allocation -------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+    def can_allocate(
+        self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = ()
+    ) -> bool:
         """Whether seq's block table can grow to hold num_tokens tokens."""
         return self._num_blocks_to_take(seq, num_tokens, cached_block_ids) <= self.num_free_blocks
 

@@ -199,7 +199,9 @@ class LLMEngine:
         for seq in seqs:
             p = seq.params
             if seq.num_completion_tokens < p.min_tokens:
-                banned.append(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)))
+                banned.append(
+                    sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+                )
             else:
                 banned.append([])
         return SamplingBatch.build(

@@ -109,7 +109,9 @@ class Sampler:
         return noise.to(probs.device, non_blocking=True)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Mask logits outside each row's top-k and top-p nucleus with -inf."""
     use_top_k = bool((top_k > 0).any())
     use_top_p = bool((top_p < 1).any())

@@ -48,7 +48,9 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.decodes) + sum(c.num_new_tokens for c in self.prefills)
+        return sum(c.num_new_tokens for c in self.decodes) + sum(
+            c.num_new_tokens for c in self.prefills
+        )
 
     @property
     def is_empty(self) -> bool:
