@@ -7,8 +7,14 @@ import click
 
 @click.command("generate")
 @click.argument("prompts", nargs=-1, required=True)
-@click.option("--model", default=None, help="Model directory, .gguf file or alias (default: smollm2-135m-instruct).")
-@click.option("--chat/--raw", default=True, show_default=True, help="Apply the model's chat template.")
+@click.option(
+    "--model",
+    default=None,
+    help="Model directory, .gguf file or alias (default: smollm2-135m-instruct).",
+)
+@click.option(
+    "--chat/--raw", default=True, show_default=True, help="Apply the model's chat template."
+)
 @click.option("--system", default=None, help="System prompt for --chat.")
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
