@@ -31,6 +31,13 @@ def job_options(command: Callable) -> Callable:
         for p in _run_command.params
         if isinstance(p, click.Option) and p.name not in _NOT_FOR_FLOWS
     ]
+    for param in params:
+        if param.name == "storage_option":
+            # Flow parameters are stored by the server: credentials go elsewhere.
+            param.help = (
+                "Non-secret fsspec storage option, e.g. endpoint_url=... (repeatable); "
+                "credentials: --storage-secret or the workers' environment."
+            )
     command = click.option(
         "--storage-secret",
         default=None,
