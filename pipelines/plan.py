@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -85,7 +86,7 @@ def shard_id(rows: Sequence[PromptRow], params: Sequence[SamplingParams], *, mod
         h.update(b"\x00r")
         h.update(r.id.encode())
         h.update(b"\x01")
-        h.update(r.error.encode() if r.token_ids is None else repr(r.token_ids).encode())
+        h.update(r.error.encode() if r.token_ids is None else array("i", r.token_ids).tobytes())
     return h.hexdigest()[:20]
 
 

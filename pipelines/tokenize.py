@@ -8,6 +8,7 @@ here, before it reaches the engine.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -32,7 +33,9 @@ class PromptRow:
 
     row_index: int
     id: str
-    token_ids: list[int] | None = None
+    # A compact int32 array (4 bytes a token, not a Python int object each): a job
+    # plans every row up front, so this is most of its memory.
+    token_ids: Sequence[int] | None = None
     error: str | None = None
     params_index: int = 0
 
@@ -96,7 +99,7 @@ def tokenize_rows(
         if r.error is not None:
             rows.append(PromptRow(r.row_index, r.id, error=r.error, params_index=params[i]))
             continue
-        token_ids = list(encoded[i])
+        token_ids = array("i", encoded[i])
         problem = "prompt encodes to no tokens" if not token_ids else None
         problem = problem or overlong_error(len(token_ids), budgets[i], max_model_len)
         if problem is not None:

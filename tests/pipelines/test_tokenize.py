@@ -9,8 +9,8 @@ from tokenmill.pipelines.tokenize import PromptRow, overlong_error, tokenize_row
 def test_raw_gets_specials_chat_does_not(tokenizer):
     rendered = [RenderedRow(0, "a", text="ab"), RenderedRow(1, "b", text="<x>", is_chat=True)]
     rows = tokenize_rows(tokenizer, rendered, max_model_len=100, max_tokens=10)
-    assert rows[0].token_ids == [1, 97, 98]
-    assert rows[1].token_ids == [60, 120, 62]
+    assert list(rows[0].token_ids) == [1, 97, 98]
+    assert list(rows[1].token_ids) == [60, 120, 62]
 
 
 def test_overlong_prompts_become_error_rows(tokenizer):
