@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from tokenmill.cli import main
@@ -16,6 +17,9 @@ SYSTEM_FIELDS = {
 }  # fmt: skip
 
 
+# Three child processes (peak, tokenmill, HF), each importing torch: ~15 s on a quiet
+# 2-core machine, minutes on a busy one.
+@pytest.mark.slow
 def test_bench_smoke_writes_the_report(bench_model_dir, tmp_path):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", str(bench_model_dir), "--preset", "smoke", "--baseline", "hf",

@@ -7,6 +7,7 @@ system once in a fixed order (A B C, A B C). Medians and within-round ratios fol
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -78,6 +79,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
     """
     from tokenmill.engine.model_files import resolve_model
 
+    code_at_start = source_version()
     model_dir = str(resolve_model(config.model))
     workload = load_preset(config.preset, model_dir, seed=config.seed)
     shape = ModelShape.from_dir(model_dir)
@@ -102,6 +104,9 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
                 peaks[dtype] = max(peaks.get(dtype, 0.0), gflops)
             for spec in specs:
                 runs[spec.label].append(runner.run(spec, round_index))
+    if source_version() != code_at_start:
+        # Every child imports the engine afresh: results from different code do not compare.
+        runner.notes.append("the source tree changed during this run: rounds ran different code")
     summaries = build_summaries(
         specs, runs, runner.errors, workload=workload, shape=shape, peaks_gflops=peaks
     )
@@ -110,7 +115,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
         model_dir=model_dir,
         command=config.command,
         workload=_workload_facts(workload, shape),
-        machine=_machine_facts(config),
+        machine=_machine_facts(config) | {"source": code_at_start},
         peaks_gflops=peaks,
         systems=summaries,
         hf_sweep=sweep,
@@ -266,3 +271,26 @@ def _machine_facts(config: BenchConfig) -> dict:
         "device": config.device,
         "threads": config.threads,
     }
+
+
+def source_version() -> str:
+    """The checkout's commit, plus a digest of uncommitted engine/tokenmill changes if any.
+
+    Returns "unknown" outside a git checkout.
+    """
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        )
+        diff = subprocess.run(
+            ["git", "diff", "HEAD", "--", "engine", "tokenmill"], cwd=root, capture_output=True
+        )
+    except OSError:
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    version = head.stdout.strip()
+    if diff.stdout:
+        version += "+dirty." + hashlib.sha256(diff.stdout).hexdigest()[:8]
+    return version
