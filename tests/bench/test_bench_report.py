@@ -13,6 +13,7 @@ from tokenmill.bench.flops import (
     total_flops,
 )
 from tokenmill.bench.report import (
+    agreeing_prefix_lengths,
     build_summaries,
     paired_ratio,
     roofline_fraction,
@@ -185,6 +186,14 @@ def test_build_summaries_ratios_and_agreement():
     assert by_label["tm-fp32"].outputs_match is None
     assert by_label["tm-bf16"].outputs_match == "1/2 vs tm-fp32"
     assert by_label["hf"].outputs_match == "2/2 vs tm-fp32"
+    assert by_label["tm-bf16"].mean_agreeing_tokens == 1.5  # [1, 2] and [3, 5] vs [3, 4]
+    assert by_label["hf"].mean_agreeing_tokens == 2.0
     # No bf16 peak measured: no roofline for that system.
     assert by_label["tm-bf16"].roofline is None
     assert by_label["tm-fp32"].roofline is not None
+
+
+def test_agreeing_prefix_lengths():
+    outputs = [[1, 2, 3], [4], [], [7, 8]]
+    reference = [[1, 2, 4], [4], [1], [7, 8]]
+    assert agreeing_prefix_lengths(outputs, reference) == [2, 1, 0, 2]

@@ -51,6 +51,8 @@ class SystemSummary:
     cpu_util: float | None = None  # CPU seconds per wall second during the timed run
     ratios: dict[str, float] = field(default_factory=dict)  # baseline -> x its total tok/s
     outputs_match: str | None = None  # "61/64 vs tokenmill-fp32": identical greedy outputs
+    # Mean number of leading generated tokens equal to the reference's (how late they diverge).
+    mean_agreeing_tokens: float | None = None
     extra: dict = field(default_factory=dict)
     error: str | None = None
 
@@ -203,7 +205,20 @@ def build_summaries(
             if outputs is not None and spec.label != ref_label:
                 matched = count_matching_outputs(outputs, ref_outputs)
                 summary.outputs_match = f"{matched}/{len(ref_outputs)} vs {ref_label}"
+                prefixes = agreeing_prefix_lengths(outputs, ref_outputs)
+                summary.mean_agreeing_tokens = sum(prefixes) / len(prefixes)
     return summaries
+
+
+def agreeing_prefix_lengths(outputs: list[list[int]], reference: list[list[int]]) -> list[int]:
+    """Per request, how many leading tokens equal the reference's."""
+    lengths = []
+    for out, ref in zip(outputs, reference):
+        n = 0
+        while n < min(len(out), len(ref)) and out[n] == ref[n]:
+            n += 1
+        lengths.append(n)
+    return lengths
 
 
 def _first_outputs(runs: list[RunResult | None]) -> list[list[int]] | None:

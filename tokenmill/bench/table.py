@@ -60,7 +60,7 @@ def latency_table(systems: list[SystemSummary]) -> Table:
     table = Table(title="Per-request latency within the batch, memory, agreement")
     for name in ("system", "TTFT p50/p95/p99 s", "TPOT p50/p95/p99 ms", "peak RSS MB", "CPU/wall"):
         table.add_column(name, justify="left" if name == "system" else "right")
-    table.add_column("greedy outputs identical")
+    table.add_column("greedy outputs identical (mean tokens agreeing)")
     for s in systems:
         if s.wall_s is None:
             continue
@@ -70,9 +70,16 @@ def latency_table(systems: list[SystemSummary]) -> Table:
             _percentiles(s.tpot_s, 1000.0, "{:.1f}"),
             f"{s.peak_rss_mb:,.0f}" if s.peak_rss_mb is not None else "-",
             f"{s.cpu_util:.2f}" if s.cpu_util is not None else "-",
-            s.outputs_match or "(reference)",
+            _agreement(s),
         )
     return table
+
+
+def _agreement(s: SystemSummary) -> str:
+    if s.outputs_match is None:
+        return "(reference)"
+    count, _, reference = s.outputs_match.partition(" vs ")
+    return f"{count} ({s.mean_agreeing_tokens:.1f}) vs {reference}"
 
 
 def _roofline(s: SystemSummary) -> str:
