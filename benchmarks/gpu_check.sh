@@ -11,6 +11,7 @@
 #   PRESET=mixed1k          benchmark workload (mixed64 finishes in well under a second)
 #   REPEAT=2                benchmark rounds
 #   SKIP_VLLM_INSTALL=1     never try to pip-install vLLM
+#   DEVICE=cuda             cpu dry-runs the plumbing on a machine without a GPU
 #   BASELINES=vllm          baselines for the benchmark (hf-bf16 is used when vLLM is missing)
 #
 # Budget: about 8 minutes - ~1 min correctness, up to 4 min installing vLLM (only when it
@@ -25,6 +26,7 @@ OUT_DIR=${1:-${OUT:-/tmp/tokenmill-gpu}}
 mkdir -p "$OUT_DIR"
 PYTHON=${PYTHON:-python}
 PRESET=${PRESET:-mixed1k}
+DEVICE=${DEVICE:-cuda}
 REPEAT=${REPEAT:-2}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -66,7 +68,7 @@ log "model: $MODEL_DIR"
 
 # --- 2. correctness: CUDA fp32 / bf16 greedy vs CPU fp32 -----------------------------------
 log "correctness: CUDA greedy outputs vs CPU fp32"
-if timeout 240 "$PYTHON" benchmarks/gpu_correctness.py --model "$MODEL_DIR" \
+if timeout 240 "$PYTHON" benchmarks/gpu_correctness.py --model "$MODEL_DIR" --device "$DEVICE" \
         --json "$OUT_DIR/correctness.json" 2>"$OUT_DIR/correctness.stderr" | tee -a "$OUT_DIR/summary.txt"; then
     log "correctness: ok"
 else
@@ -110,7 +112,7 @@ fi
 
 # --- 4. throughput: tokenmill bf16 vs vLLM ---------------------------------------------------
 log "benchmark: $PRESET, $REPEAT rounds, baselines $BASELINES"
-if timeout 420 "$PYTHON" -c "from tokenmill.cli import main; main()" bench --device cuda --preset "$PRESET" --dtype bfloat16 \
+if timeout 420 "$PYTHON" -c "from tokenmill.cli import main; main()" bench --device "$DEVICE" --preset "$PRESET" --dtype bfloat16 \
         --baseline "$BASELINES" --hf-batch-size 64 --repeat "$REPEAT" --timeout 300 \
         --model "$MODEL_DIR" "${VLLM_ARGS[@]}" --json "$OUT_DIR/bench_$PRESET.json" \
         2>"$OUT_DIR/bench.stderr" | tee -a "$OUT_DIR/summary.txt"; then

@@ -33,6 +33,9 @@ class StageClock:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        # The same time split by the kind of step it happened in ("" = outside any step).
+        self.phase = ""
+        self.by_phase: dict[tuple[str, str], float] = defaultdict(float)
         self._stack: list[list] = []  # [stage, start, time spent in nested stages]
 
     def enter(self, stage: str) -> None:
@@ -42,6 +45,7 @@ class StageClock:
         stage, start, nested = self._stack.pop()
         elapsed = time.perf_counter() - start
         self.seconds[stage] += elapsed - nested
+        self.by_phase[self.phase, stage] += elapsed - nested
         self.calls[stage] += 1
         if self._stack:
             self._stack[-1][2] += elapsed
@@ -60,6 +64,47 @@ class StageClock:
     def hook_module(self, module: torch.nn.Module, stage: str) -> None:
         module.register_forward_pre_hook(lambda *_: self.enter(stage))
         module.register_forward_hook(lambda *_: self.exit())
+
+
+PROMPT_STEPS = "steps with prompt tokens"
+DECODE_STEPS = "decode-only steps"
+
+
+class StepLog:
+    """Wall time of each runner step, split into steps that carry prompt tokens and
+    decode-only steps (the two behave very differently: big matmuls vs small ones)."""
+
+    def __init__(self, clock: StageClock) -> None:
+        self.clock = clock
+        self.steps: list[tuple[bool, int, float]] = []  # (has prefill, tokens, seconds)
+
+    def wrap(self, run):
+        @wraps(run)
+        def timed(out, *args, **kwargs):
+            has_prefill = bool(getattr(out, "prefills", None))
+            self.clock.phase = PROMPT_STEPS if has_prefill else DECODE_STEPS
+            start = time.perf_counter()
+            try:
+                return run(out, *args, **kwargs)
+            finally:
+                tokens = getattr(out, "num_tokens", 0)
+                self.steps.append((has_prefill, tokens, time.perf_counter() - start))
+                self.clock.phase = ""
+
+        return timed
+
+    def lines(self) -> list[str]:
+        lines = []
+        for has_prefill, name in ((True, PROMPT_STEPS), (False, DECODE_STEPS)):
+            kind = [(n, t) for p, n, t in self.steps if p == has_prefill]
+            if kind:
+                seconds = sum(t for _, t in kind)
+                tokens = sum(n for n, _ in kind)
+                lines.append(
+                    f"  {name}: {len(kind)} steps, {seconds:.2f} s, {tokens:,} tokens "
+                    f"({seconds / len(kind) * 1e3:.0f} ms/step, {tokens / seconds:,.0f} tok/s)"
+                )
+        return lines
 
 
 def instrument(llm: LLM, clock: StageClock) -> list[str]:
@@ -138,6 +183,9 @@ def main() -> None:
 
     clock = StageClock()
     missing = instrument(llm, clock)
+    step_log = StepLog(clock)
+    runner = llm.engine.runner
+    runner.run = step_log.wrap(runner.run)
     steps_before = llm.stats().num_steps
     start = time.perf_counter()
     llm.generate(workload.prompt_ids, params)
@@ -150,10 +198,15 @@ def main() -> None:
     rows = sorted(clock.seconds.items(), key=lambda kv: -kv[1])
     rows.append(("rest: engine bookkeeping, Python, detokenization", wall - accounted))
     width = max(len(name) for name, _ in rows)
+    print(
+        f"  {'stage':<{width}}  {'total':>9}  {'share':>6}  {'prompt steps':>12}  {'decode steps':>12}"
+    )
     for name, seconds in rows:
-        calls = clock.calls.get(name)
-        per_call = f"  {calls:>7} calls" if calls else ""
-        print(f"  {name:<{width}}  {seconds:7.2f} s  {seconds / wall:6.1%}{per_call}")
+        split = [clock.by_phase.get((phase, name)) for phase in (PROMPT_STEPS, DECODE_STEPS)]
+        cells = "".join(f"  {t:10.2f} s" if t is not None else f"  {'':>12}" for t in split)
+        print(f"  {name:<{width}}  {seconds:7.2f} s  {seconds / wall:6.1%}{cells}")
+    for line in step_log.lines():
+        print(line)
     for stage in missing:
         print(f"  (not found in this engine: {stage})")
 
