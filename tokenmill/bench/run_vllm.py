@@ -13,29 +13,13 @@ from tokenmill.bench.workload import Workload, warmup_prompts
 
 def run_vllm(job: Job, workload: Workload) -> RunResult:
     """Build a vLLM engine on the same model directory, warm up, time one generate."""
-    from vllm import LLM, SamplingParams
-
-    longest = max(len(p) + n for p, n in zip(workload.prompt_ids, workload.output_lens))
-    engine_args = {
-        "dtype": job.system.dtype,
-        "enable_prefix_caching": True,
-        "max_model_len": max(1024, longest + 16),
-        "seed": 0,
-        # Prompts arrive as ids; nothing needs vLLM's tokenizer (whose class guessing
-        # from a converted directory is one more thing to go wrong).
-        "skip_tokenizer_init": True,
-        # Per-request timings are only recorded with stats on.
-        "disable_log_stats": False,
-        **job.system.options.get("engine_args", {}),
-    }
-    llm = LLM(model=job.model_dir, **engine_args)
+    from vllm import SamplingParams
 
     def params(n: int) -> SamplingParams:
+        # Token ids are all we compare; no text needed (and no tokenizer, if skipped).
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
 
-    llm.generate(
-        [{"prompt_token_ids": p} for p in warmup_prompts(workload)], params(4), use_tqdm=False
-    )
+    llm, engine_args = _build_and_warm_up(job, workload, params(4))
     prompts = [{"prompt_token_ids": p} for p in workload.prompt_ids]
     with Stopwatch() as clock:
         outputs = llm.generate(prompts, [params(n) for n in workload.output_lens], use_tqdm=False)
@@ -59,6 +43,48 @@ def run_vllm(job: Job, workload: Workload) -> RunResult:
         extra={"vllm_version": _version(), "engine_args": engine_args},
         output_ids=[list(o.outputs[0].token_ids) for o in outputs],
     )
+
+
+def _build_and_warm_up(job: Job, workload: Workload, warmup_params):
+    """A vLLM engine that has served the warm-up prompts, and the arguments it took.
+
+    Prompts arrive as ids, so vLLM's tokenizer is not needed; it is loaded by default
+    (vLLM's most travelled path) and skipped on a second attempt if building or using
+    the engine with it fails - some vLLM releases broke one mode or the other.
+    """
+    import gc
+
+    from vllm import LLM
+
+    longest = max(len(p) + n for p, n in zip(workload.prompt_ids, workload.output_lens))
+    base = {
+        "dtype": job.system.dtype,
+        "enable_prefix_caching": True,
+        "max_model_len": max(1024, longest + 16),
+        "seed": 0,
+        # Leaves room for a second attempt if the first engine's memory is not yet
+        # released; far more KV cache than a small model needs either way.
+        "gpu_memory_utilization": 0.45,
+        # Per-request timings are only recorded with stats on.
+        "disable_log_stats": False,
+        **job.system.options.get("engine_args", {}),
+    }
+    attempts = [base]
+    if "skip_tokenizer_init" not in job.system.options.get("engine_args", {}):
+        attempts.append({**base, "skip_tokenizer_init": True})
+    warmup = [{"prompt_token_ids": p} for p in warmup_prompts(workload)]
+    errors = []
+    for engine_args in attempts:
+        llm = None
+        try:
+            llm = LLM(model=job.model_dir, **engine_args)
+            llm.generate(warmup, warmup_params, use_tqdm=False)
+            return llm, engine_args
+        except Exception as error:  # any failure: try the next mode, report all if none works
+            errors.append(f"{type(error).__name__}: {error}")
+            del llm
+            gc.collect()
+    raise RuntimeError("vLLM failed in every mode: " + " | ".join(errors))
 
 
 def _latencies(outputs, generated: list[int]) -> tuple[list[float], list[float]]:
