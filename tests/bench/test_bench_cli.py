@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from click.testing import CliRunner
 
 from tokenmill.cli import main
@@ -17,9 +16,8 @@ SYSTEM_FIELDS = {
 }  # fmt: skip
 
 
-# Three child processes (peak, tokenmill, HF), each importing torch: ~15 s on a quiet
-# 2-core machine, minutes on a busy one.
-@pytest.mark.slow
+# Three child processes (peak, tokenmill, HF), each importing torch: ~10 s on a quiet
+# 2-core machine, the bulk of this folder's test time.
 def test_bench_smoke_writes_the_report(bench_model_dir, tmp_path):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", str(bench_model_dir), "--preset", "smoke", "--baseline", "hf",
