@@ -114,7 +114,7 @@ fi
 log "benchmark: $PRESET, $REPEAT rounds, baselines $BASELINES"
 if timeout 420 "$PYTHON" -c "from tokenmill.cli import main; main()" bench --device "$DEVICE" --preset "$PRESET" --dtype bfloat16 \
         --baseline "$BASELINES" --hf-batch-size 64 --repeat "$REPEAT" --timeout 300 \
-        --model "$MODEL_DIR" "${VLLM_ARGS[@]}" --json "$OUT_DIR/bench_$PRESET.json" \
+        --model "$MODEL_DIR" ${VLLM_ARGS[@]+"${VLLM_ARGS[@]}"} --json "$OUT_DIR/bench_$PRESET.json" \
         2>"$OUT_DIR/bench.stderr" | tee -a "$OUT_DIR/summary.txt"; then
     log "benchmark: ok"
 else

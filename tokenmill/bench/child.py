@@ -37,7 +37,10 @@ def measure_peaks(model_dir: str, device: str, dtypes: list[str]) -> dict:
     """{dtype: MatmulPeak as a dict} for the model's prefill-shaped matmuls."""
     from tokenmill.bench.flops import ModelShape, llm_matmul_shapes, measure_matmul_peak
 
-    shapes = llm_matmul_shapes(ModelShape.from_dir(model_dir))
+    # A CPU step computes a few hundred tokens at a time at full speed; a GPU needs
+    # thousands of rows before a matmul stops being launch-bound.
+    num_tokens = 256 if device == "cpu" else 8192
+    shapes = llm_matmul_shapes(ModelShape.from_dir(model_dir), num_tokens)
     return {d: asdict(measure_matmul_peak(d, shapes, device=device)) for d in dtypes}
 
 
