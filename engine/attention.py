@@ -35,6 +35,8 @@ class AttentionMetadata:
     """Everything attention needs about one step, built once and shared by all layers."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot to write each new k/v to
+    slot_blocks: torch.Tensor  # [num_tokens] slot_mapping // block_size
+    slot_offsets: torch.Tensor  # [num_tokens] slot_mapping % block_size
     num_decode_tokens: int  # the first num_decode_tokens tokens decode, one per sequence
     block_size: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with 0
@@ -57,11 +59,12 @@ def paged_attention(
     Args:
         q: [num_tokens, num_heads, head_dim]
         k, v: [num_tokens, num_kv_heads, head_dim]
-        k_cache, v_cache: [num_slots, num_kv_heads, head_dim] (blocks flattened)
+        k_cache: [num_blocks, num_kv_heads, head_dim, block_size] (see KVCache)
+        v_cache: [num_slots, num_kv_heads, head_dim] (blocks flattened)
     Returns:
         [num_tokens, num_heads, head_dim]
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k)
+    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
 
@@ -79,7 +82,7 @@ def paged_attention(
         else:
             ids = span.context_block_ids[None]
             ctx = span.num_context_tokens
-            kp = gather_blocks(k_cache, ids, meta.block_size)[:, :ctx].transpose(1, 2)
+            kp = gather_key_blocks(k_cache, ids)[:, :, :ctx]
             vp = gather_blocks(v_cache, ids, meta.block_size)[:, :ctx].transpose(1, 2)
         op = F.scaled_dot_product_attention(
             qp,
@@ -108,12 +111,28 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     if out is not None:
         return out
     # Portable path: copy the context out block by block, then one batched SDPA.
-    kd = gather_blocks(k_cache, meta.decode_block_tables, meta.block_size).transpose(1, 2)
+    kd = gather_key_blocks(k_cache, meta.decode_block_tables)
     vd = gather_blocks(v_cache, meta.decode_block_tables, meta.block_size).transpose(1, 2)
     od = F.scaled_dot_product_attention(
         q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
     )
     return od.squeeze(2)
+
+
+def gather_key_blocks(k_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """Copy whole key blocks out of the cache, back in token-major order.
+
+    Args:
+        k_cache: [num_blocks, num_kv_heads, head_dim, block_size]
+        block_tables: [num_seqs, max_blocks] block ids
+    Returns:
+        [num_seqs, num_kv_heads, max_blocks * block_size, head_dim]
+    """
+    num_seqs, max_blocks = block_tables.shape
+    _, heads, dim, block_size = k_cache.shape
+    blocks = k_cache.index_select(0, block_tables.reshape(-1))
+    blocks = blocks.view(num_seqs, max_blocks, heads, dim, block_size).permute(0, 2, 1, 4, 3)
+    return blocks.reshape(num_seqs, heads, max_blocks * block_size, dim)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:

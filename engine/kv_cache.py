@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tokenmill.engine.config import ModelConfig
@@ -40,16 +42,26 @@ def num_blocks_for_budget(
     return num_blocks
 
 
+@dataclass
+class KVCache:
+    """The preallocated cache, all layers.
+
+    Keys are stored transposed within each block, [num_kv_heads, head_dim, block_size],
+    so a decode step scores a whole block of positions with contiguous vector loads
+    and no horizontal sums; values keep the token-major layout the weighted sum wants.
+    """
+
+    k: torch.Tensor  # [num_layers, num_blocks, num_kv_heads, head_dim, block_size]
+    v: torch.Tensor  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim]
+
+
 def allocate_kv_cache(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """[num_layers, 2 (k, v), num_blocks * block_size, num_kv_heads, head_dim], zeroed."""
-    return torch.zeros(
-        config.num_hidden_layers,
-        2,
-        num_blocks * block_size,
-        config.num_key_value_heads,
-        config.head_dim,
-        dtype=dtype,
-        device=device,
+) -> KVCache:
+    """Zeroed keys and values for every layer (padding positions must never hold NaNs)."""
+    heads, dim = config.num_key_value_heads, config.head_dim
+    layers = config.num_hidden_layers
+    return KVCache(
+        k=torch.zeros(layers, num_blocks, heads, dim, block_size, dtype=dtype, device=device),
+        v=torch.zeros(layers, num_blocks * block_size, heads, dim, dtype=dtype, device=device),
     )

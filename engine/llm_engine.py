@@ -12,7 +12,12 @@ import torch
 
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.config import EngineConfig, ModelConfig
-from tokenmill.engine.kv_cache import allocate_kv_cache, default_cache_bytes, num_blocks_for_budget
+from tokenmill.engine.kv_cache import (
+    KVCache,
+    allocate_kv_cache,
+    default_cache_bytes,
+    num_blocks_for_budget,
+)
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from tokenmill.engine.sampler import SamplerOutput, SamplingBatch
@@ -43,7 +48,7 @@ class LLMEngine:
         tokenizer,
         *,
         num_blocks: int,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         max_model_len: int,
         device: torch.device,
         dtype: torch.dtype,

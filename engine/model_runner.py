@@ -9,6 +9,7 @@ from torch import nn
 
 from tokenmill.engine.attention import AttentionMetadata, PrefillSpan
 from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.layers import RotaryEmbedding
 from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -19,7 +20,7 @@ class ModelRunner:
         self,
         model: nn.Module,
         config: ModelConfig,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         *,
         block_size: int,
         max_model_len: int,
@@ -36,8 +37,8 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.kv_cache = kv_cache
         for layer_idx, layer in enumerate(model.model.layers):
-            layer.self_attn.k_cache = kv_cache[layer_idx, 0]
-            layer.self_attn.v_cache = kv_cache[layer_idx, 1]
+            layer.self_attn.k_cache = kv_cache.k[layer_idx]
+            layer.self_attn.v_cache = kv_cache.v[layer_idx]
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, sampling: SamplingBatch | None) -> SamplerOutput | None:
@@ -95,8 +96,11 @@ class ModelRunner:
         if decode_tables:
             decode_block_tables, decode_mask = self._decode_context(decode_tables, decode_lens)
             decode_context_lens = self._tensor(np.asarray(decode_lens))
+        slot_mapping = np.concatenate(slots)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate(slots)),
+            slot_mapping=self._tensor(slot_mapping),
+            slot_blocks=self._tensor(slot_mapping // bs),
+            slot_offsets=self._tensor(slot_mapping % bs),
             num_decode_tokens=len(out.decodes),
             block_size=bs,
             decode_block_tables=decode_block_tables,

@@ -106,7 +106,8 @@ def paged_decode_attention(
 
     Args:
         q: [num_seqs, num_heads, head_dim] (fp32 or bf16, CPU)
-        k_cache, v_cache: [num_slots, num_kv_heads, head_dim], q's dtype
+        k_cache: [num_blocks, num_kv_heads, head_dim, block_size], q's dtype
+        v_cache: [num_blocks * block_size, num_kv_heads, head_dim], q's dtype
         block_tables: [num_seqs, max_blocks] int64
         context_lens: [num_seqs] int64
     Returns:
@@ -127,7 +128,7 @@ def paged_decode_attention(
         out.data_ptr(),
         num_seqs,
         num_heads,
-        k_cache.shape[1],
+        v_cache.shape[1],
         head_dim,
         block_size,
         block_tables.shape[1],
@@ -135,6 +136,10 @@ def paged_decode_attention(
         int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
+    if status == -2:
+        raise ValueError(
+            f"the native attention kernel supports block_size <= 256, got {block_size}"
+        )
     if status != 0:
         raise MemoryError("native attention kernel could not allocate its scratch buffers")
     return out

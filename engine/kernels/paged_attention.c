@@ -34,8 +34,12 @@ static inline void load_row(const void *base, int64_t offset, int is_bf16, int64
     }
 }
 
-/* q, out: [num_seqs, num_heads, head_dim]; caches: [num_blocks * block_size, num_kv_heads,
- * head_dim]; block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs]. */
+/* q, out: [num_seqs, num_heads, head_dim]; k_cache: [num_blocks, num_kv_heads, head_dim,
+ * block_size] (keys transposed within a block); v_cache: [num_blocks * block_size,
+ * num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs].
+ * block_size <= MAX_BLOCK_SIZE. */
+#define MAX_BLOCK_SIZE 256
+
 int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                               const int64_t *block_tables, const int64_t *context_lens,
                               void *out, int64_t num_seqs, int64_t num_heads,
@@ -43,6 +47,7 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
                               int64_t max_blocks, float scale, int is_bf16, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_items = num_seqs * num_kv_heads;
+    if (block_size > MAX_BLOCK_SIZE) return -2;
     int failed = 0;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -50,13 +55,16 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
         const int64_t s = item / num_kv_heads;
         const int64_t kh = item % num_kv_heads;
         const int64_t ctx = context_lens[s];
+        const int64_t num_blocks = (ctx + block_size - 1) / block_size;
+        const int64_t padded = num_blocks * block_size;
         float *qf = malloc(sizeof(float) * (size_t)(group * head_dim));
         float *acc = calloc((size_t)(group * head_dim), sizeof(float));
         float *row = malloc(sizeof(float) * (size_t)head_dim);
-        float *scores = malloc(sizeof(float) * (size_t)(group * (ctx > 0 ? ctx : 1)));
-        if (!qf || !acc || !row || !scores) {
+        float *kblock = is_bf16 ? malloc(sizeof(float) * (size_t)(head_dim * block_size)) : NULL;
+        float *scores = malloc(sizeof(float) * (size_t)(group * (padded > 0 ? padded : 1)));
+        if (!qf || !acc || !row || !scores || (is_bf16 && !kblock)) {
             failed = 1;
-            free(qf), free(acc), free(row), free(scores);
+            free(qf), free(acc), free(row), free(scores), free(kblock);
             continue;
         }
         for (int64_t g = 0; g < group; g++) {
@@ -65,30 +73,32 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
             for (int64_t i = 0; i < head_dim; i++) qf[g * head_dim + i] *= scale;
         }
         const int64_t *table = block_tables + s * max_blocks;
-        const int64_t row_stride = num_kv_heads * head_dim; /* between tokens of a block */
 
-        /* Pass 1: scores[g][t] = q_g . k_t, walking the context block by block. */
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-            const int64_t base = (table[t0 / block_size] * block_size * num_kv_heads + kh) * head_dim;
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            for (int64_t j = 0; j < n; j++) {
-                const float *k = row;
-                if (is_bf16) {
-                    load_row(k_cache, base + j * row_stride, 1, head_dim, row);
-                } else {
-                    k = (const float *)k_cache + base + j * row_stride;
+        /* Pass 1: scores of a whole block at once. Keys are [head_dim, block_size] per
+         * block, so each q element scales one contiguous row of positions. */
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const int64_t base = (table[b] * num_kv_heads + kh) * head_dim * block_size;
+            const float *kb = (const float *)k_cache + base;
+            if (is_bf16) { /* widen the block once; every query head reuses it */
+                load_row(k_cache, base, 1, head_dim * block_size, kblock);
+                kb = kblock;
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float block_scores[MAX_BLOCK_SIZE];
+                for (int64_t t = 0; t < block_size; t++) block_scores[t] = 0.f;
+                const float *qg = qf + g * head_dim;
+                for (int64_t i = 0; i < head_dim; i++) {
+                    const float qi = qg[i];
+                    const float *k = kb + i * block_size;
+                    for (int64_t t = 0; t < block_size; t++) block_scores[t] += qi * k[t];
                 }
-                for (int64_t g = 0; g < group; g++) {
-                    const float *qg = qf + g * head_dim;
-                    float dot = 0.f;
-                    for (int64_t i = 0; i < head_dim; i++) dot += qg[i] * k[i];
-                    scores[g * ctx + t0 + j] = dot;
-                }
+                memcpy(scores + g * padded + b * block_size, block_scores,
+                       sizeof(float) * (size_t)block_size);
             }
         }
-        /* Softmax per query head. */
+        /* Softmax per query head, over the ctx real positions. */
         for (int64_t g = 0; g < group; g++) {
-            float *sg = scores + g * ctx;
+            float *sg = scores + g * padded;
             float max = -INFINITY;
             for (int64_t t = 0; t < ctx; t++) max = sg[t] > max ? sg[t] : max;
             float sum = 0.f;
@@ -100,6 +110,7 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
             for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
         }
         /* Pass 2: acc[g] = sum_t p[g][t] * v_t */
+        const int64_t row_stride = num_kv_heads * head_dim; /* between tokens of a block */
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
             const int64_t base = (table[t0 / block_size] * block_size * num_kv_heads + kh) * head_dim;
             const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
@@ -111,7 +122,7 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
                     v = (const float *)v_cache + base + j * row_stride;
                 }
                 for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g * ctx + t0 + j];
+                    const float p = scores[g * padded + t0 + j];
                     float *ag = acc + g * head_dim;
                     for (int64_t i = 0; i < head_dim; i++) ag[i] += p * v[i];
                 }
@@ -126,7 +137,7 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
                 memcpy((float *)out + offset, acc + g * head_dim, sizeof(float) * (size_t)head_dim);
             }
         }
-        free(qf), free(acc), free(row), free(scores);
+        free(qf), free(acc), free(row), free(scores), free(kblock);
     }
     return failed ? -1 : 0;
 }
