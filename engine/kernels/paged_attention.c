@@ -7,6 +7,7 @@
  * softmax-weighted sum of V (V read once). Storage is fp32 or bf16; math is fp32.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,8 +38,50 @@ static inline void load_row(const void *base, int64_t offset, int is_bf16, int64
 /* q, out: [num_seqs, num_heads, head_dim]; k_cache: [num_blocks, num_kv_heads, head_dim,
  * block_size] (keys transposed within a block); v_cache: [num_blocks * block_size,
  * num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs].
- * block_size <= MAX_BLOCK_SIZE. */
+ * block_size <= MAX_BLOCK_SIZE, head_dim <= 256. */
 #define MAX_BLOCK_SIZE 256
+
+/* The two inner loops, written so that with head_dim and block_size known at compile
+ * time (the common shapes are dispatched below) the accumulators live in registers. */
+static inline __attribute__((always_inline)) void score_block(
+    const float *restrict q, const float *restrict kb, float *restrict out,
+    const int64_t head_dim, const int64_t block_size) {
+    float acc[MAX_BLOCK_SIZE];
+    for (int64_t t = 0; t < block_size; t++) acc[t] = 0.f;
+    for (int64_t i = 0; i < head_dim; i++) {
+        const float qi = q[i];
+        const float *restrict k = kb + i * block_size;
+        for (int64_t t = 0; t < block_size; t++) acc[t] += qi * k[t];
+    }
+    for (int64_t t = 0; t < block_size; t++) out[t] = acc[t];
+}
+
+static inline __attribute__((always_inline)) void weigh_rows(
+    const float *restrict p, const float *restrict v, int64_t n, int64_t row_stride,
+    float *restrict out, const int64_t head_dim) {
+    float acc[256];
+    for (int64_t i = 0; i < head_dim; i++) acc[i] = out[i];
+    for (int64_t j = 0; j < n; j++) {
+        const float pj = p[j];
+        const float *restrict vj = v + j * row_stride;
+        for (int64_t i = 0; i < head_dim; i++) acc[i] += pj * vj[i];
+    }
+    for (int64_t i = 0; i < head_dim; i++) out[i] = acc[i];
+}
+
+static void score_block_any(const float *q, const float *kb, float *out, int64_t head_dim,
+                            int64_t block_size) {
+    if (head_dim == 64 && block_size == 16) score_block(q, kb, out, 64, 16);
+    else if (head_dim == 128 && block_size == 16) score_block(q, kb, out, 128, 16);
+    else score_block(q, kb, out, head_dim, block_size);
+}
+
+static void weigh_rows_any(const float *p, const float *v, int64_t n, int64_t row_stride,
+                           float *out, int64_t head_dim) {
+    if (head_dim == 64) weigh_rows(p, v, n, row_stride, out, 64);
+    else if (head_dim == 128) weigh_rows(p, v, n, row_stride, out, 128);
+    else weigh_rows(p, v, n, row_stride, out, head_dim);
+}
 
 int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                               const int64_t *block_tables, const int64_t *context_lens,
@@ -47,26 +90,34 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
                               int64_t max_blocks, float scale, int is_bf16, int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_items = num_seqs * num_kv_heads;
-    if (block_size > MAX_BLOCK_SIZE) return -2;
+    if (block_size > MAX_BLOCK_SIZE || head_dim > 256) return -2;
+    int64_t max_ctx = 1;
+    for (int64_t s = 0; s < num_seqs; s++) max_ctx = context_lens[s] > max_ctx ? context_lens[s] : max_ctx;
+    const int64_t max_padded = (max_ctx + block_size - 1) / block_size * block_size;
     int failed = 0;
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads)
+    {
+    /* Scratch per thread, sized for the longest context, reused by all its items. */
+    float *qf = malloc(sizeof(float) * (size_t)(group * head_dim));
+    float *acc = malloc(sizeof(float) * (size_t)(group * head_dim));
+    float *kblock = is_bf16 ? malloc(sizeof(float) * (size_t)(head_dim * block_size)) : NULL;
+    float *scores = malloc(sizeof(float) * (size_t)(group * max_padded));
+    const int ok = qf && acc && scores && (!is_bf16 || kblock);
+    if (!ok) {
+#pragma omp atomic write
+        failed = 1;
+    }
+
+#pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; item++) {
+        if (!ok) continue;
         const int64_t s = item / num_kv_heads;
         const int64_t kh = item % num_kv_heads;
         const int64_t ctx = context_lens[s];
         const int64_t num_blocks = (ctx + block_size - 1) / block_size;
         const int64_t padded = num_blocks * block_size;
-        float *qf = malloc(sizeof(float) * (size_t)(group * head_dim));
-        float *acc = calloc((size_t)(group * head_dim), sizeof(float));
-        float *row = malloc(sizeof(float) * (size_t)head_dim);
-        float *kblock = is_bf16 ? malloc(sizeof(float) * (size_t)(head_dim * block_size)) : NULL;
-        float *scores = malloc(sizeof(float) * (size_t)(group * (padded > 0 ? padded : 1)));
-        if (!qf || !acc || !row || !scores || (is_bf16 && !kblock)) {
-            failed = 1;
-            free(qf), free(acc), free(row), free(scores), free(kblock);
-            continue;
-        }
+        memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
         for (int64_t g = 0; g < group; g++) {
             load_row(q, (s * num_heads + kh * group + g) * head_dim, is_bf16, head_dim,
                      qf + g * head_dim);
@@ -83,18 +134,9 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
                 load_row(k_cache, base, 1, head_dim * block_size, kblock);
                 kb = kblock;
             }
-            for (int64_t g = 0; g < group; g++) {
-                float block_scores[MAX_BLOCK_SIZE];
-                for (int64_t t = 0; t < block_size; t++) block_scores[t] = 0.f;
-                const float *qg = qf + g * head_dim;
-                for (int64_t i = 0; i < head_dim; i++) {
-                    const float qi = qg[i];
-                    const float *k = kb + i * block_size;
-                    for (int64_t t = 0; t < block_size; t++) block_scores[t] += qi * k[t];
-                }
-                memcpy(scores + g * padded + b * block_size, block_scores,
-                       sizeof(float) * (size_t)block_size);
-            }
+            for (int64_t g = 0; g < group; g++)
+                score_block_any(qf + g * head_dim, kb, scores + g * padded + b * block_size,
+                                head_dim, block_size);
         }
         /* Softmax per query head, over the ctx real positions. */
         for (int64_t g = 0; g < group; g++) {
@@ -114,19 +156,17 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
             const int64_t base = (table[t0 / block_size] * block_size * num_kv_heads + kh) * head_dim;
             const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            for (int64_t j = 0; j < n; j++) {
-                const float *v = row;
-                if (is_bf16) {
-                    load_row(v_cache, base + j * row_stride, 1, head_dim, row);
-                } else {
-                    v = (const float *)v_cache + base + j * row_stride;
-                }
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g * padded + t0 + j];
-                    float *ag = acc + g * head_dim;
-                    for (int64_t i = 0; i < head_dim; i++) ag[i] += p * v[i];
-                }
+            const float *vb = (const float *)v_cache + base;
+            int64_t stride = row_stride;
+            if (is_bf16) { /* widen the block's rows once for all query heads */
+                for (int64_t j = 0; j < n; j++)
+                    load_row(v_cache, base + j * row_stride, 1, head_dim, kblock + j * head_dim);
+                vb = kblock;
+                stride = head_dim;
             }
+            for (int64_t g = 0; g < group; g++)
+                weigh_rows_any(scores + g * padded + t0, vb, n, stride, acc + g * head_dim,
+                               head_dim);
         }
         for (int64_t g = 0; g < group; g++) {
             const int64_t offset = (s * num_heads + kh * group + g) * head_dim;
@@ -137,7 +177,8 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
                 memcpy((float *)out + offset, acc + g * head_dim, sizeof(float) * (size_t)head_dim);
             }
         }
-        free(qf), free(acc), free(row), free(scores), free(kblock);
+    }
+    free(qf), free(acc), free(scores), free(kblock);
     }
     return failed ? -1 : 0;
 }
