@@ -18,12 +18,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, exactly as HF Llama does,
         # so bf16 runs round the same way the reference does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class GatedMLP(nn.Module):
@@ -75,19 +75,21 @@ class RotaryEmbedding:
         inv_freq = rope_inv_freq(config).to(device)
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
-        self.cos = freqs.cos()
-        self.sin = freqs.sin()
+        # Full-width tables, the sine signed for the halves-swapped input, so rotating is
+        # two multiplies and an add: x * cos + swap_halves(x) * sin.
+        self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
+        self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # cos, sin: [num_tokens, 1, head_dim // 2], broadcast over heads
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
-            dtype
-        )
+        """cos, sin: [num_tokens, 1, head_dim], broadcast over heads."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate halves (the HF layout): x: [num_tokens, num_heads, head_dim]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
