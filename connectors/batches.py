@@ -26,6 +26,9 @@ class ReadOptions:
     schema: pa.Schema | None = None
     # How much of a text file's head is read to infer its schema.
     sample_bytes: int = 1 << 20
+    # Columns whose values must be text (prompts): a number or object there is a bad
+    # value, not JSON text to pass on.
+    text_columns: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

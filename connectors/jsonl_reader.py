@@ -43,7 +43,13 @@ class JsonlReader:
         data_schema = pa.schema([f for f in schema if f.name != ERROR_COLUMN])
         with open_text_stream(fs, path) as f:
             for chunk in iter_line_chunks(f, options.batch_size):
-                yield read_chunk(chunk, data_schema, name=name, on_bad_line=options.on_bad_line)
+                yield read_chunk(
+                    chunk,
+                    data_schema,
+                    name=name,
+                    on_bad_line=options.on_bad_line,
+                    text_columns=options.text_columns,
+                )
 
 
 def parse_object(line: bytes, number: int) -> dict[str, Any]:
@@ -100,7 +106,12 @@ def _is_undetermined(dtype: pa.DataType) -> bool:
 
 
 def read_chunk(
-    chunk: LineChunk, schema: pa.Schema, *, name: str, on_bad_line: str
+    chunk: LineChunk,
+    schema: pa.Schema,
+    *,
+    name: str,
+    on_bad_line: str,
+    text_columns: frozenset[str] = frozenset(),
 ) -> pa.RecordBatch:
     """One chunk of lines as a batch of `schema` (plus `__error__` when a line failed)."""
     try:
@@ -117,11 +128,18 @@ def read_chunk(
         pass
     # pyarrow rejects a whole chunk for one odd value; redo it line by line to keep the
     # good rows, coerce what can be coerced and name the lines that cannot.
-    return _read_chunk_python(chunk, schema, name=name, on_bad_line=on_bad_line)
+    return _read_chunk_python(
+        chunk, schema, name=name, on_bad_line=on_bad_line, text_columns=text_columns
+    )
 
 
 def _read_chunk_python(
-    chunk: LineChunk, schema: pa.Schema, *, name: str, on_bad_line: str
+    chunk: LineChunk,
+    schema: pa.Schema,
+    *,
+    name: str,
+    on_bad_line: str,
+    text_columns: frozenset[str],
 ) -> pa.RecordBatch:
     rows: list[dict[str, Any] | None] = []
     errors: list[str | None] = []
@@ -131,21 +149,26 @@ def _read_chunk_python(
             errors.append(None)
         except BadLine as e:
             _fail_or_record(e, name, on_bad_line, rows, errors)
+    # A row that failed to parse, or holds a value its column cannot take, is nulled
+    # as a whole (no half-parsed data); a non-text value in a text column only nulls
+    # that value, so the row keeps its id for the error row it becomes.
+    nulled = [e is not None for e in errors]
     columns = []
     for field in schema:
+        text_only = field.name in text_columns
         values = [None if row is None else row.get(field.name) for row in rows]
-        column, bad = to_arrow(values, field)
+        column, bad = to_arrow(values, field, text_only=text_only)
         for index in bad:
             error = BadLine(chunk.line_numbers[index], f"column {field.name!r}: {bad[index]}")
             if on_bad_line == "error":
                 raise error
             errors[index] = errors[index] or f"{name}: {error}"
+            nulled[index] = nulled[index] or not text_only
         columns.append(column)
     batch = pa.RecordBatch.from_arrays(columns, schema=schema)
     if not any(errors):
         return batch
-    # A row with any unreadable value is an error row as a whole: no half-parsed data.
-    is_bad = pa.array([e is not None for e in errors])
+    is_bad = pa.array(nulled)
     nulls = [pa.nulls(batch.num_rows, f.type) for f in schema]
     columns = [pc.if_else(is_bad, n, c) for n, c in zip(nulls, batch.columns)]
     return pa.RecordBatch.from_arrays(
@@ -160,19 +183,31 @@ def _fail_or_record(error: BadLine, name: str, on_bad_line: str, rows, errors) -
     errors.append(f"{name}: {error}")
 
 
-def to_arrow(values: list[Any], field: pa.Field) -> tuple[pa.Array, dict[int, str]]:
+def to_arrow(
+    values: list[Any], field: pa.Field, *, text_only: bool = False
+) -> tuple[pa.Array, dict[int, str]]:
     """Converts Python values to `field`'s type.
 
     Args:
         values: one value per row (None for missing).
         field: the target field.
+        text_only: for a string field, a non-string value is bad rather than kept as
+            its JSON spelling (a prompt of 42 is an error, not the text "42").
 
     Returns:
         `(array, bad)`: `bad` maps row index to why that value did not fit (such
         values are null in `array`). Messages never include the value itself.
     """
     if pa.types.is_string(field.type) or pa.types.is_large_string(field.type):
-        # Anything fits a string column: non-strings keep their JSON spelling.
+        if text_only:
+            bad = {
+                i: f"a {type(v).__name__} value where text was expected"
+                for i, v in enumerate(values)
+                if v is not None and not isinstance(v, str)
+            }
+            text = [None if i in bad else v for i, v in enumerate(values)]
+            return pa.array(text, type=field.type), bad
+        # Anything else fits a string column: non-strings keep their JSON spelling.
         values = [v if v is None or isinstance(v, str) else json.dumps(v) for v in values]
     if pa.types.is_integer(field.type):
         # pa.array truncates 1.5 to 1 without a word; a fraction is a bad value here.

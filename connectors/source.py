@@ -95,6 +95,7 @@ def open_source(
     on_bad_line: OnBadLine = "error",
     schema: pa.Schema | None = None,
     validate: Literal["head", "full"] = "head",
+    text_columns: Sequence[str] = (),
 ) -> Source:
     """Opens and validates an input dataset without reading its rows.
 
@@ -111,6 +112,9 @@ def open_source(
         schema: column types for JSONL/CSV instead of inferring them from the first block.
         validate: "head" checks each file's footer or first block; "full" also reads
             every row once so that no bad line can surface mid-job.
+        text_columns: columns that must hold text (e.g. prompts). In JSONL, where a
+            column can mix types, a non-text value there is a bad value (an error row
+            with "skip_row") instead of being kept as its JSON spelling.
 
     Returns:
         A `Source`; raises `SourceError` (a `ValueError`) naming the file and problem.
@@ -121,7 +125,12 @@ def open_source(
     fmt = fmt or _detect(fs, data.paths)
     if schema is not None and fmt not in ("jsonl", "csv"):
         raise ValueError(f"schema= is only for jsonl and csv input, not {fmt}")
-    options = ReadOptions(batch_size=batch_size, on_bad_line=on_bad_line, schema=schema)
+    options = ReadOptions(
+        batch_size=batch_size,
+        on_bad_line=on_bad_line,
+        schema=schema,
+        text_columns=frozenset(text_columns),
+    )
     reader = get_reader(fmt)
     heads = [_read_head(reader, fs, p, fmt, options) for p in data.paths]
     name = redact_url(uri)

@@ -34,7 +34,7 @@ from tokenmill.pipelines.plan import Shard, job_id, plan_shards
 from tokenmill.pipelines.reading import read_rows
 from tokenmill.pipelines.results import build_results, latencies
 from tokenmill.pipelines.spec import JobSpec
-from tokenmill.pipelines.templating import required_columns
+from tokenmill.pipelines.templating import required_columns, text_columns
 from tokenmill.pipelines.tokenize import PromptRow
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,7 @@ def plan_job(spec: JobSpec, *, tokenizer: Any = None, llm: Any = None) -> JobPla
         storage_options=spec.storage_options,
         columns=list(dict.fromkeys(columns)) if columns is not None else None,
         on_bad_line="skip_row",
+        text_columns=text_columns(template),
     )
     if llm is not None:
         model_dir, max_len = str(llm.model_dir), llm.max_model_len

@@ -119,6 +119,16 @@ def required_columns(spec: TemplateSpec) -> list[str]:
     return list(dict.fromkeys(cols))
 
 
+def text_columns(spec: TemplateSpec) -> list[str]:
+    """Columns whose every value must be text: a prompt of 42 is an error row, not "42".
+
+    Template fields are not among them; formatting a number into a template is fine.
+    """
+    if spec.mode == "prompt" or (spec.mode == "messages" and spec.fallback_prompt):
+        return [spec.prompt_column] if spec.prompt_column else []
+    return []
+
+
 def validate_columns(
     spec: TemplateSpec, column_names: Sequence[str], *, source: str = "input"
 ) -> None:

@@ -136,3 +136,23 @@ def test_csv_column_empty_in_the_first_block_is_text(tmp_path):
 
     assert table.schema.field("b").type == pa.string()
     assert table.column("b").to_pylist()[-1] == "late"
+
+
+def test_text_columns_refuse_non_text_values(tmp_path):
+    lines = [{"id": "a", "p": "hi"}, {"id": "b", "p": 42}, {"id": "c", "p": ["x"]}, {"id": "d"}]
+    path = _jsonl(tmp_path / "d.jsonl", lines)
+
+    kept = open_source(path).to_table()
+    assert kept.column("p").to_pylist() == ["hi", "42", '["x"]', None]  # JSON spelling
+
+    table = open_source(path, on_bad_line="skip_row", text_columns=["p"]).to_table()
+    assert table.column("p").to_pylist() == ["hi", None, None, None]
+    assert table.column("id").to_pylist() == ["a", "b", "c", "d"]  # the row keeps its id
+    assert table.column(ERROR_COLUMN).to_pylist() == [
+        None,
+        f"{path}: line 2: column 'p': a int value where text was expected",
+        f"{path}: line 3: column 'p': a list value where text was expected",
+        None,
+    ]
+    with pytest.raises(SourceError, match="line 2: column 'p': a int value"):
+        open_source(path, text_columns=["p"]).to_table()

@@ -353,3 +353,18 @@ def test_non_string_prompt_column_gives_row_errors(tmp_path, fake_llm):
     # numbers are fine inside a template
     ledger = run_job(str(src), str(tmp_path / "out2"), llm=fake_llm, template="Count to {n}")
     assert ledger.rows_ok == 3
+
+
+def test_non_string_prompts_mixed_into_jsonl_give_row_errors(tmp_path, fake_llm):
+    # JSONL can mix types in one column; a number or list among text prompts is an
+    # error row under its own id, not the prompt "42".
+    src = tmp_path / "in.jsonl"
+    rows = [{"id": "a", "prompt": "hi"}, {"id": "b", "prompt": 42}, {"id": "c", "prompt": [1]}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"id": "d", "prompt": "yo"}]))
+    ledger = run_job(str(src), str(tmp_path / "out"), llm=fake_llm, id_column="id")
+    results = read_results(str(tmp_path / "out")).sort_by("id").to_pydict()
+    assert results["id"] == ["a", "b", "c", "d"]
+    assert results["finish_reason"] == ["stop", "error", "error", "stop"]
+    assert "line 2: column 'prompt': a int value where text was expected" in results["error"][1]
+    assert "a list value where text was expected" in results["error"][2]
+    assert ledger.rows_ok == 2 and ledger.rows_failed == 2
