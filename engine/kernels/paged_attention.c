@@ -26,6 +26,13 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* Blocks sit at random places in the cache, so the hardware prefetcher cannot see the
+ * next one coming: ask for it while the current one is being used. */
+static inline void prefetch_bytes(const void *start, int64_t bytes) {
+    const char *p = (const char *)start;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 static inline void load_row(const void *base, int64_t offset, int is_bf16, int64_t d, float *dst) {
     if (is_bf16) {
         const uint16_t *src = (const uint16_t *)base + offset;
@@ -43,17 +50,54 @@ static inline void load_row(const void *base, int64_t offset, int is_bf16, int64
 
 /* The two inner loops, written so that with head_dim and block_size known at compile
  * time (the common shapes are dispatched below) the accumulators live in registers. */
+/* Scores of all `group` query heads against one key block. The query heads share
+ * every key row loaded, and each head keeps two accumulators (even and odd head_dim
+ * elements), so 2 * group independent FMA chains hide the FMA latency. */
 static inline __attribute__((always_inline)) void score_block(
-    const float *restrict q, const float *restrict kb, float *restrict out,
-    const int64_t head_dim, const int64_t block_size) {
-    float acc[MAX_BLOCK_SIZE];
-    for (int64_t t = 0; t < block_size; t++) acc[t] = 0.f;
-    for (int64_t i = 0; i < head_dim; i++) {
-        const float qi = q[i];
-        const float *restrict k = kb + i * block_size;
-        for (int64_t t = 0; t < block_size; t++) acc[t] += qi * k[t];
+    const float *restrict q, const float *restrict kb, float *restrict out, int64_t out_stride,
+    const int64_t group, const int64_t head_dim, const int64_t block_size) {
+    float even[8][MAX_BLOCK_SIZE], odd[8][MAX_BLOCK_SIZE];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t t = 0; t < block_size; t++) even[g][t] = odd[g][t] = 0.f;
+    for (int64_t i = 0; i + 1 < head_dim; i += 2) {
+        const float *restrict k0 = kb + i * block_size;
+        const float *restrict k1 = k0 + block_size;
+        for (int64_t g = 0; g < group; g++) {
+            const float q0 = q[g * head_dim + i], q1 = q[g * head_dim + i + 1];
+            for (int64_t t = 0; t < block_size; t++) {
+                even[g][t] += q0 * k0[t];
+                odd[g][t] += q1 * k1[t];
+            }
+        }
     }
-    for (int64_t t = 0; t < block_size; t++) out[t] = acc[t];
+    if (head_dim % 2) {
+        const float *restrict k0 = kb + (head_dim - 1) * block_size;
+        for (int64_t g = 0; g < group; g++)
+            for (int64_t t = 0; t < block_size; t++) even[g][t] += q[g * head_dim + head_dim - 1] * k0[t];
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t t = 0; t < block_size; t++) out[g * out_stride + t] = even[g][t] + odd[g][t];
+}
+
+/* One specialization per query-head group size for the common block size, so the
+ * accumulators are registers; anything else takes the generic loop. */
+#define SCORE_CASE(G) \
+    case G: score_block(q, kb, out, out_stride, G, head_dim, 16); return;
+
+static void score_block_any(const float *q, const float *kb, float *out, int64_t out_stride,
+                            int64_t group, int64_t head_dim, int64_t block_size) {
+    if (block_size == 16) {
+        switch (group) {
+            SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
+            SCORE_CASE(5) SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
+            default: break;
+        }
+    }
+    for (int64_t g0 = 0; g0 < group; g0 += 8) { /* generic: up to 8 heads at a time */
+        const int64_t n = group - g0 < 8 ? group - g0 : 8;
+        score_block(q + g0 * head_dim, kb, out + g0 * out_stride, out_stride, n, head_dim,
+                    block_size);
+    }
 }
 
 static inline __attribute__((always_inline)) void weigh_rows(
@@ -67,13 +111,6 @@ static inline __attribute__((always_inline)) void weigh_rows(
         for (int64_t i = 0; i < head_dim; i++) acc[i] += pj * vj[i];
     }
     for (int64_t i = 0; i < head_dim; i++) out[i] = acc[i];
-}
-
-static void score_block_any(const float *q, const float *kb, float *out, int64_t head_dim,
-                            int64_t block_size) {
-    if (head_dim == 64 && block_size == 16) score_block(q, kb, out, 64, 16);
-    else if (head_dim == 128 && block_size == 16) score_block(q, kb, out, 128, 16);
-    else score_block(q, kb, out, head_dim, block_size);
 }
 
 static void weigh_rows_any(const float *p, const float *v, int64_t n, int64_t row_stride,
@@ -127,16 +164,20 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
 
         /* Pass 1: scores of a whole block at once. Keys are [head_dim, block_size] per
          * block, so each q element scales one contiguous row of positions. */
+        const int64_t elem = is_bf16 ? 2 : 4;
+        const int64_t key_block_bytes = head_dim * block_size * elem;
         for (int64_t b = 0; b < num_blocks; b++) {
             const int64_t base = (table[b] * num_kv_heads + kh) * head_dim * block_size;
+            if (b + 1 < num_blocks)
+                prefetch_bytes((const char *)k_cache +
+                                   (table[b + 1] * num_kv_heads + kh) * head_dim * block_size * elem,
+                               key_block_bytes);
             const float *kb = (const float *)k_cache + base;
             if (is_bf16) { /* widen the block once; every query head reuses it */
                 load_row(k_cache, base, 1, head_dim * block_size, kblock);
                 kb = kblock;
             }
-            for (int64_t g = 0; g < group; g++)
-                score_block_any(qf + g * head_dim, kb, scores + g * padded + b * block_size,
-                                head_dim, block_size);
+            score_block_any(qf, kb, scores + b * block_size, padded, group, head_dim, block_size);
         }
         /* Softmax per query head, over the ctx real positions. */
         for (int64_t g = 0; g < group; g++) {
@@ -156,6 +197,13 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
             const int64_t base = (table[t0 / block_size] * block_size * num_kv_heads + kh) * head_dim;
             const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            if (t0 + block_size < ctx) {
+                const int64_t next =
+                    (table[t0 / block_size + 1] * block_size * num_kv_heads + kh) * head_dim;
+                for (int64_t j = 0; j < block_size; j++)
+                    prefetch_bytes((const char *)v_cache + (next + j * row_stride) * elem,
+                                   head_dim * elem);
+            }
             const float *vb = (const float *)v_cache + base;
             int64_t stride = row_stride;
             if (is_bf16) { /* widen the block's rows once for all query heads */
