@@ -34,9 +34,9 @@ class PrefillSpan:
 class AttentionMetadata:
     """Everything attention needs about one step, built once and shared by all layers."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot to write each new k/v to
-    slot_blocks: torch.Tensor  # [num_tokens] slot_mapping // block_size
-    slot_offsets: torch.Tensor  # [num_tokens] slot_mapping % block_size
+    # Where each new token's key and value go: cache block and offset in it [num_tokens].
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
     num_decode_tokens: int  # the first num_decode_tokens tokens decode, one per sequence
     block_size: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with 0
@@ -60,12 +60,12 @@ def paged_attention(
         q: [num_tokens, num_heads, head_dim]
         k, v: [num_tokens, num_kv_heads, head_dim]
         k_cache: [num_blocks, num_kv_heads, head_dim, block_size] (see KVCache)
-        v_cache: [num_slots, num_kv_heads, head_dim] (blocks flattened)
+        v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (see KVCache)
     Returns:
         [num_tokens, num_heads, head_dim]
     """
     k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
     out = torch.empty_like(q)
 
     num_decodes = meta.num_decode_tokens
@@ -83,7 +83,7 @@ def paged_attention(
             ids = span.context_block_ids[None]
             ctx = span.num_context_tokens
             kp = gather_key_blocks(k_cache, ids)[:, :, :ctx]
-            vp = gather_blocks(v_cache, ids, meta.block_size)[:, :ctx].transpose(1, 2)
+            vp = gather_value_blocks(v_cache, ids)[:, :, :ctx]
         op = F.scaled_dot_product_attention(
             qp,
             kp,
@@ -112,7 +112,7 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
         return out
     # Portable path: copy the context out block by block, then one batched SDPA.
     kd = gather_key_blocks(k_cache, meta.decode_block_tables)
-    vd = gather_blocks(v_cache, meta.decode_block_tables, meta.block_size).transpose(1, 2)
+    vd = gather_value_blocks(v_cache, meta.decode_block_tables)
     od = F.scaled_dot_product_attention(
         q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
     )
@@ -135,16 +135,17 @@ def gather_key_blocks(k_cache: torch.Tensor, block_tables: torch.Tensor) -> torc
     return blocks.reshape(num_seqs, heads, max_blocks * block_size, dim)
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Copy whole blocks (contiguous runs of block_size tokens) out of the cache.
+def gather_value_blocks(v_cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """Copy whole value blocks out of the cache, head-major.
 
     Args:
-        cache: [num_slots, num_kv_heads, head_dim]
+        v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
         block_tables: [num_seqs, max_blocks] block ids
     Returns:
-        [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]
+        [num_seqs, num_kv_heads, max_blocks * block_size, head_dim]
     """
     num_seqs, max_blocks = block_tables.shape
-    blocks = cache.view(-1, block_size, *cache.shape[1:])
-    gathered = blocks.index_select(0, block_tables.reshape(-1))
-    return gathered.view(num_seqs, max_blocks * block_size, *cache.shape[1:])
+    _, heads, block_size, dim = v_cache.shape
+    blocks = v_cache.index_select(0, block_tables.reshape(-1))
+    blocks = blocks.view(num_seqs, max_blocks, heads, block_size, dim).transpose(1, 2)
+    return blocks.reshape(num_seqs, heads, max_blocks * block_size, dim)

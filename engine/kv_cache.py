@@ -46,13 +46,15 @@ def num_blocks_for_budget(
 class KVCache:
     """The preallocated cache, all layers.
 
-    Keys are stored transposed within each block, [num_kv_heads, head_dim, block_size],
-    so a decode step scores a whole block of positions with contiguous vector loads
-    and no horizontal sums; values keep the token-major layout the weighted sum wants.
+    Within a block each kv head's keys and values are contiguous, so attention reads
+    one head's block as a single run of memory. Keys are also transposed,
+    [head_dim, block_size], so a decode step scores a whole block of positions with
+    contiguous vector loads and no horizontal sums; values stay token-major
+    [block_size, head_dim], as the weighted sum wants.
     """
 
     k: torch.Tensor  # [num_layers, num_blocks, num_kv_heads, head_dim, block_size]
-    v: torch.Tensor  # [num_layers, num_blocks * block_size, num_kv_heads, head_dim]
+    v: torch.Tensor  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
 
 
 def allocate_kv_cache(
@@ -63,5 +65,5 @@ def allocate_kv_cache(
     layers = config.num_hidden_layers
     return KVCache(
         k=torch.zeros(layers, num_blocks, heads, dim, block_size, dtype=dtype, device=device),
-        v=torch.zeros(layers, num_blocks * block_size, heads, dim, dtype=dtype, device=device),
+        v=torch.zeros(layers, num_blocks, heads, block_size, dim, dtype=dtype, device=device),
     )

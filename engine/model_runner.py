@@ -98,7 +98,6 @@ class ModelRunner:
             decode_context_lens = self._tensor(np.asarray(decode_lens))
         slot_mapping = np.concatenate(slots)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping),
             slot_blocks=self._tensor(slot_mapping // bs),
             slot_offsets=self._tensor(slot_mapping % bs),
             num_decode_tokens=len(out.decodes),

@@ -107,7 +107,7 @@ def paged_decode_attention(
     Args:
         q: [num_seqs, num_heads, head_dim] (fp32 or bf16, CPU)
         k_cache: [num_blocks, num_kv_heads, head_dim, block_size], q's dtype
-        v_cache: [num_blocks * block_size, num_kv_heads, head_dim], q's dtype
+        v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype
         block_tables: [num_seqs, max_blocks] int64
         context_lens: [num_seqs] int64
     Returns:
@@ -128,7 +128,7 @@ def paged_decode_attention(
         out.data_ptr(),
         num_seqs,
         num_heads,
-        v_cache.shape[1],
+        v_cache.shape[1],  # num_kv_heads
         head_dim,
         block_size,
         block_tables.shape[1],

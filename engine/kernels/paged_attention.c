@@ -43,8 +43,8 @@ static inline void load_row(const void *base, int64_t offset, int is_bf16, int64
 }
 
 /* q, out: [num_seqs, num_heads, head_dim]; k_cache: [num_blocks, num_kv_heads, head_dim,
- * block_size] (keys transposed within a block); v_cache: [num_blocks * block_size,
- * num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs].
+ * block_size] (keys transposed within a block); v_cache: [num_blocks, num_kv_heads,
+ * block_size, head_dim]; block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs].
  * block_size <= MAX_BLOCK_SIZE, head_dim <= 256. */
 #define MAX_BLOCK_SIZE 256
 
@@ -193,27 +193,22 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
             for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
         }
         /* Pass 2: acc[g] = sum_t p[g][t] * v_t */
-        const int64_t row_stride = num_kv_heads * head_dim; /* between tokens of a block */
+        const int64_t value_block_bytes = block_size * head_dim * elem;
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-            const int64_t base = (table[t0 / block_size] * block_size * num_kv_heads + kh) * head_dim;
+            const int64_t b = t0 / block_size;
+            const int64_t base = (table[b] * num_kv_heads + kh) * block_size * head_dim;
             const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            if (t0 + block_size < ctx) {
-                const int64_t next =
-                    (table[t0 / block_size + 1] * block_size * num_kv_heads + kh) * head_dim;
-                for (int64_t j = 0; j < block_size; j++)
-                    prefetch_bytes((const char *)v_cache + (next + j * row_stride) * elem,
-                                   head_dim * elem);
-            }
+            if (t0 + block_size < ctx)
+                prefetch_bytes((const char *)v_cache +
+                                   (table[b + 1] * num_kv_heads + kh) * block_size * head_dim * elem,
+                               value_block_bytes);
             const float *vb = (const float *)v_cache + base;
-            int64_t stride = row_stride;
             if (is_bf16) { /* widen the block's rows once for all query heads */
-                for (int64_t j = 0; j < n; j++)
-                    load_row(v_cache, base + j * row_stride, 1, head_dim, kblock + j * head_dim);
+                load_row(v_cache, base, 1, n * head_dim, kblock);
                 vb = kblock;
-                stride = head_dim;
             }
             for (int64_t g = 0; g < group; g++)
-                weigh_rows_any(scores + g * padded + t0, vb, n, stride, acc + g * head_dim,
+                weigh_rows_any(scores + g * padded + t0, vb, n, head_dim, acc + g * head_dim,
                                head_dim);
         }
         for (int64_t g = 0; g < group; g++) {

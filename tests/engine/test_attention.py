@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.engine.attention import gather_blocks, gather_key_blocks
+from tokenmill.engine.attention import gather_key_blocks, gather_value_blocks
 from tokenmill.engine.kernels import paged_attention_library, paged_decode_attention
 
 
 def reference(q, k_cache, v_cache, tables, lens, block_size, scale):
     k = gather_key_blocks(k_cache, tables).float()
-    v = gather_blocks(v_cache, tables, block_size).transpose(1, 2).float()
+    v = gather_value_blocks(v_cache, tables).float()
     mask = torch.arange(k.shape[2])[None, :] < lens[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
         q.float().unsqueeze(2),
@@ -31,7 +31,7 @@ def test_native_kernel_matches_pytorch(dtype, atol):
     torch.manual_seed(0)
     block_size, num_blocks, num_kv_heads, group, head_dim = 4, 64, 3, 3, 32
     k_cache = torch.randn(num_blocks, num_kv_heads, head_dim, block_size).to(dtype)
-    v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
     lens = torch.tensor([1, 5, 16, 37, 60])
     tables = torch.zeros(len(lens), 15, dtype=torch.int64)
     perm = torch.randperm(num_blocks)
