@@ -74,27 +74,21 @@ class WorkloadSpec:
         return round(self.num_prompts * self.shared_fraction)
 
 
+# The issue-5 reference workload: a prefix-cached half and a length-spread half.
+_MIXED64 = WorkloadSpec(
+    "mixed64",
+    num_prompts=64,
+    shared_fraction=0.5,
+    prefix_len=256,
+    suffix_len=(64, 256),
+    unique_len=(64, 512),
+    output_len=(64, 64),
+)
+
 PRESETS: dict[str, WorkloadSpec] = {
-    # The issue-5 reference workload: a prefix-cached half and a length-spread half.
-    "mixed64": WorkloadSpec(
-        "mixed64",
-        num_prompts=64,
-        shared_fraction=0.5,
-        prefix_len=256,
-        suffix_len=(64, 256),
-        unique_len=(64, 512),
-        output_len=(64, 64),
-    ),
+    "mixed64": _MIXED64,
     # mixed64 x 16: enough work to keep a GPU busy for more than a blink.
-    "mixed1k": WorkloadSpec(
-        "mixed1k",
-        num_prompts=1024,
-        shared_fraction=0.5,
-        prefix_len=256,
-        suffix_len=(64, 256),
-        unique_len=(64, 512),
-        output_len=(64, 64),
-    ),
+    "mixed1k": replace(_MIXED64, name="mixed1k", num_prompts=1024),
     # Few long shared prefixes (system prompts, few-shot examples) and short questions.
     "prefix-heavy": WorkloadSpec(
         "prefix-heavy",
