@@ -147,7 +147,6 @@ class LLMEngine:
                 token_ids=list(request.prompt_token_ids),
                 num_prompt_tokens=len(request.prompt_token_ids),
                 params=params,
-                arrival_order=len(self._requests),
                 generator=_seeded_generator(params.seed, index),
             )
             request.seqs.append(seq)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -60,7 +60,6 @@ class RequestOutput:
     completion_tokens: int
     metrics: RequestMetrics
     error: str | None = None
-    extra: dict = field(default_factory=dict)
 
     # Conveniences for the common n == 1 case.
     @property

@@ -31,7 +31,6 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    arrival_order: int
     generator: torch.Generator | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

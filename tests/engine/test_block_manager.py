@@ -20,7 +20,6 @@ def seq(tokens: list[int]) -> Sequence:
         token_ids=list(tokens),
         num_prompt_tokens=len(tokens),
         params=SamplingParams(),
-        arrival_order=0,
     )
 
 
