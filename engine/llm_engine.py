@@ -15,6 +15,7 @@ from tokenmill.engine.config import EngineConfig, ModelConfig
 from tokenmill.engine.kv_cache import (
     KVCache,
     allocate_kv_cache,
+    bytes_per_block,
     default_cache_bytes,
     num_blocks_for_budget,
 )
@@ -104,8 +105,18 @@ class LLMEngine:
             engine_config.max_model_len or model_config.max_context, model_config.max_context
         )
         model = load_model(model_dir, model_config, dtype=dtype, device=device)
-        budget = engine_config.kv_cache_memory or default_cache_bytes(device)
         block_size = engine_config.block_size
+        if engine_config.kv_cache_memory is not None:
+            budget = engine_config.kv_cache_memory
+        else:
+            # Never more than every admissible sequence at full context could fill.
+            blocks_per_seq = -(-max_model_len // block_size)
+            most_useful = (
+                engine_config.max_num_seqs
+                * blocks_per_seq
+                * bytes_per_block(model_config, block_size, dtype)
+            )
+            budget = min(default_cache_bytes(device), most_useful)
         num_blocks = num_blocks_for_budget(model_config, block_size, dtype, budget)
         kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device)
         return cls(
