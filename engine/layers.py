@@ -37,7 +37,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # silu allocates a fresh tensor; multiplying into it saves a second one.
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
