@@ -25,6 +25,7 @@ from tokenmill.engine.sampler import SamplerOutput, SamplingBatch
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.tokenizer import IncrementalDetokenizer
 from tokenmill.engine.weights import load_model
 
 
@@ -159,6 +160,7 @@ class LLMEngine:
                 num_prompt_tokens=len(request.prompt_token_ids),
                 params=params,
                 generator=_seeded_generator(params.seed, index),
+                detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop else None,
             )
             request.seqs.append(seq)
             self.scheduler.add(seq)
@@ -250,27 +252,34 @@ class LLMEngine:
             token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids)
         ):
             return "stop"
-        if p.stop and can_stop and self._hits_stop_string(seq):
+        if seq.detokenizer is not None and self._hits_stop_string(seq, token_id, can_stop):
             return "stop"
         if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
             return "length"
         return None
 
-    def _hits_stop_string(self, seq: Sequence) -> bool:
-        # Re-decoding the completion is cheap next to a model step and is always right
-        # about multi-byte characters split across tokens.
-        text = self.tokenizer.decode(seq.completion_token_ids)
+    def _hits_stop_string(self, seq: Sequence, token_id: int, can_stop: bool) -> bool:
+        """Feed the token to seq's detokenizer; True when its new text completes a stop string.
+
+        Only a short window of tokens is decoded per step, and only a match ending in the
+        new text is new, so the check costs the same at token 5 and at token 5,000.
+        """
+        new = seq.detokenizer.add(token_id)
+        if not new or not can_stop:
+            return False
+        text = seq.detokenizer.text
         longest = max(len(s) for s in seq.params.stop)
-        window_start = max(0, len(seq.text) - longest)
-        seq.text = text
-        for stop in seq.params.stop:
-            at = text.find(stop, window_start)
-            if at >= 0:
-                keep = at + len(stop) if seq.params.include_stop_str_in_output else at
-                seq.text = text[:keep]
-                seq.stop_string_hit = True
-                return True
-        return False
+        window_start = max(0, len(text) - len(new) - longest + 1)
+        hits = [
+            (at, stop) for stop in seq.params.stop if (at := text.find(stop, window_start)) >= 0
+        ]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        seq.stop_text = (
+            text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
+        )
+        return True
 
     # -- outputs ------------------------------------------------------------------------------
 
@@ -278,8 +287,8 @@ class LLMEngine:
         del self._requests[request.request_id]
         completions = []
         for seq in request.seqs:
-            if seq.stop_string_hit:
-                text = seq.text
+            if seq.stop_text is not None:
+                text = seq.stop_text
             else:
                 text = self.tokenizer.decode(seq.completion_token_ids) if self.tokenizer else ""
             completions.append(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,8 +45,10 @@ class Sequence:
     # sequence whose next block is among them waits a step instead of computing it twice.
     inflight_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
-    text: str = ""  # decoded completion, kept only while stop strings are checked
-    stop_string_hit: bool = False
+    # With stop strings: the completion's text so far, decoded a token at a time, and
+    # the text cut at the stop string once one is found.
+    detokenizer: Any = None
+    stop_text: str | None = None
     logprobs: list[dict[int, float]] | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
