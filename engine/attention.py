@@ -41,7 +41,6 @@ class AttentionMetadata:
     block_size: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSpan]
 
 
@@ -110,11 +109,14 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float
     )
     if out is not None:
         return out
-    # Portable path: copy the context out block by block, then one batched SDPA.
+    # Portable path: copy the context out block by block, then one batched SDPA that
+    # masks the padding past each sequence's length.
     kd = gather_key_blocks(k_cache, meta.decode_block_tables)
     vd = gather_value_blocks(v_cache, meta.decode_block_tables)
+    positions = torch.arange(kd.shape[2], device=q.device)
+    mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
     od = F.scaled_dot_product_attention(
-        q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return od.squeeze(2)
 

@@ -92,9 +92,9 @@ class ModelRunner:
                 mask = (torch.arange(num_context)[None, :] <= q_pos).to(self.device)
             prefills.append(PrefillSpan(offset, num_query, num_context, context_block_ids, mask))
 
-        decode_block_tables = decode_context_lens = decode_mask = None
+        decode_block_tables = decode_context_lens = None
         if decode_tables:
-            decode_block_tables, decode_mask = self._decode_context(decode_tables, decode_lens)
+            decode_block_tables = self._padded_block_tables(decode_tables, decode_lens)
             decode_context_lens = self._tensor(np.asarray(decode_lens))
         slot_mapping = np.concatenate(slots)
         meta = AttentionMetadata(
@@ -104,7 +104,6 @@ class ModelRunner:
             block_size=bs,
             decode_block_tables=decode_block_tables,
             decode_context_lens=decode_context_lens,
-            decode_mask=decode_mask,
             prefills=prefills,
         )
         return (
@@ -114,15 +113,14 @@ class ModelRunner:
             sample_rows,
         )
 
-    def _decode_context(self, tables: list[np.ndarray], lengths: list[int]):
-        bs = self.block_size
-        max_blocks = -(-max(lengths) // bs)
+    def _padded_block_tables(self, tables: list[np.ndarray], lengths: list[int]) -> torch.Tensor:
+        """[num_decodes, max_blocks] block ids, rows padded with block 0."""
+        max_blocks = -(-max(lengths) // self.block_size)
         padded = np.zeros((len(tables), max_blocks), dtype=np.int64)
         for row, table in enumerate(tables):
             n = min(len(table), max_blocks)
             padded[row, :n] = table[:n]
-        mask = np.arange(max_blocks * bs)[None, :] < np.asarray(lengths)[:, None]
-        return self._tensor(padded), torch.from_numpy(mask).to(self.device)[:, None, None, :]
+        return self._tensor(padded)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(
