@@ -88,3 +88,33 @@ def save_char_tokenizer(out_dir: Path, vocab_size: int = 256, eos_token: str | N
         "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def make_engine(model_dir: Path, **config):
+    """A small fp32 CPU engine over model_dir (block_size 4 so block edges are exercised)."""
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.tokenizer import Tokenizer
+
+    settings = dict(block_size=4, kv_cache_memory=8 << 20, max_num_batched_tokens=64)
+    settings.update(config)
+    has_tokenizer = (Path(model_dir) / "tokenizer.json").exists()
+    return LLMEngine.from_model_dir(
+        model_dir,
+        EngineConfig(**settings),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        tokenizer=Tokenizer.from_dir(model_dir) if has_tokenizer else None,
+    )
+
+
+def run_all(engine, prompts, params) -> list:
+    """Add every prompt (one SamplingParams for all, or one each), step to the end."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    outputs = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            outputs[out.request_id] = out
+    return [outputs[str(i)] for i in range(len(prompts))]

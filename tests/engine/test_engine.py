@@ -5,13 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from hf_models import build_hf_model, save_char_tokenizer
+from hf_models import build_hf_model, make_engine, run_all, save_char_tokenizer
 
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -22,29 +18,6 @@ def model_dir(tmp_path_factory):
     build_hf_model("llama", path)
     save_char_tokenizer(path)
     return path
-
-
-def make_engine(model_dir, **config) -> LLMEngine:
-    settings = dict(block_size=4, kv_cache_memory=8 << 20, max_num_batched_tokens=64)
-    settings.update(config)
-    return LLMEngine.from_model_dir(
-        model_dir,
-        EngineConfig(**settings),
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        tokenizer=Tokenizer.from_dir(model_dir),
-    )
-
-
-def run_all(engine: LLMEngine, prompts, params):
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), prompt, p)
-    outputs = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            outputs[out.request_id] = out
-    return [outputs[str(i)] for i in range(len(prompts))]
 
 
 def random_tokens(n: int, seed: int) -> list[int]:

@@ -6,29 +6,9 @@ import random
 
 import pytest
 import torch
-from hf_models import build_hf_model, hf_greedy
+from hf_models import build_hf_model, hf_greedy, make_engine, run_all
 
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sampling_params import SamplingParams
-
-
-def make_engine(model_dir, **config) -> LLMEngine:
-    settings = dict(block_size=4, kv_cache_memory=8 << 20, max_num_batched_tokens=64)
-    settings.update(config)
-    return LLMEngine.from_model_dir(
-        model_dir, EngineConfig(**settings), dtype=torch.float32, device=torch.device("cpu")
-    )
-
-
-def run_all(engine: LLMEngine, prompts, params) -> list:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    outputs = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            outputs[out.request_id] = out
-    return [outputs[str(i)] for i in range(len(prompts))]
 
 
 def mixed_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
