@@ -16,7 +16,6 @@ p + 1 tokens), with no work for masked or padded positions.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,21 +34,20 @@ class ModelShape:
     vocab_size: int
 
     @classmethod
-    def from_config(cls, config: dict) -> ModelShape:
-        num_heads = config["num_attention_heads"]
-        return cls(
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-            vocab_size=config["vocab_size"],
-        )
-
-    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelShape:
-        return cls.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+        """The shape the engine reads from config.json (one parser for both)."""
+        from tokenmill.engine.config import ModelConfig
+
+        config = ModelConfig.from_dir(model_dir)
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            vocab_size=config.vocab_size,
+        )
 
     @property
     def layer_matmul_params(self) -> int:

@@ -100,16 +100,7 @@ PRESETS: dict[str, WorkloadSpec] = {
         output_len=(64, 64),
     ),
     # mixed64's shape in chat form, as `tokenmill run --messages-column` would send it.
-    "chat64": WorkloadSpec(
-        "chat64",
-        num_prompts=64,
-        shared_fraction=0.5,
-        prefix_len=256,
-        suffix_len=(64, 256),
-        unique_len=(64, 512),
-        output_len=(64, 64),
-        chat=True,
-    ),
+    "chat64": replace(_MIXED64, name="chat64", chat=True),
     # Seconds on a tiny model: for tests and for checking an installation.
     "smoke": WorkloadSpec(
         "smoke",
