@@ -119,14 +119,7 @@ def read_parts(
     Returns:
         The concatenated table (no columns at all when there are no parts).
     """
-    tables = []
-    for url in list_parts(uri_dir, storage_options):
-        if url.endswith(PART_FORMATS["parquet"]):
-            fs, path = resolve(url, storage_options)
-            with fs.open(path, "rb") as f:
-                tables.append(pq.read_table(f))
-        else:
-            tables.append(open_source(url, storage_options=storage_options).to_table())
+    tables = [read_part(url, storage_options) for url in list_parts(uri_dir, storage_options)]
     if not tables:
         return pa.table({})
     try:
@@ -142,6 +135,27 @@ def read_parts(
             )
         table = table.select(list(columns))
     return table
+
+
+def read_part(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    columns: Sequence[str] | None = None,
+) -> pa.Table:
+    """One part file (Parquet or JSON Lines, by its extension) as a table.
+
+    Args:
+        url: the part's URL, e.g. from `list_parts`.
+        storage_options: filesystem options.
+        columns: read only these columns (Parquet reads skip the others' bytes).
+    """
+    if url.endswith(PART_FORMATS["parquet"]):
+        fs, path = resolve(url, storage_options)
+        with fs.open(path, "rb") as f:
+            return pq.read_table(f, columns=list(columns) if columns is not None else None)
+    table = open_source(url, storage_options=storage_options).to_table()
+    return table.select(list(columns)) if columns is not None else table
 
 
 def append_to_dataset(
