@@ -1,14 +1,18 @@
 """The batch flow's tasks, one per stage; each calls the pipeline and adds only orchestration.
 
-    plan_task            read + template + tokenize + shard   (I/O: retried on transient errors)
+    plan_task            read + template + tokenize + shard;  (I/O: retried on transient errors)
+                         each shard's rows go to OUTPUT/_plan/
     prepare_output_task  which shards are already complete    (I/O: retried)
-    shard_task           generate + write one shard's part    (I/O: retried; idempotent)
-    ledger_task          read parts, write ledger, artifacts  (I/O: retried)
+    shard_task           read its rows, generate, write part  (I/O: retried; idempotent)
+    ledger_task          check parts, write ledger, artifacts (I/O: retried)
 
 None of them uses Prefect's result cache (`NO_CACHE`): a job's progress lives in its
 output directory - a shard is done iff its part exists - which survives a killed
-flow, a new flow run and a different Prefect server alike. Hashing a JobPlan (every
-prompt's token ids) into a cache key would also cost more than the check it replaces.
+flow, a new flow run and a different Prefect server alike.
+
+A JobPlan passed between tasks is small - shard names and sizes, not rows - so the
+fan-out ships the same few kilobytes to every worker whatever the dataset's size;
+each shard task reads its own rows from the shard's plan file in the output.
 """
 
 from __future__ import annotations
@@ -68,8 +72,8 @@ def _plan_run_name() -> str:
     return f"plan {redact_url(spec.input)}"
 
 
-# The plan holds the storage options (credentials included) and every prompt's tokens:
-# it stays in memory, never in Prefect's result storage.
+# The plan holds the storage options (credentials included): it stays in memory, never
+# in Prefect's result storage.
 @task(
     task_run_name=_plan_run_name,
     retries=len(RETRY_DELAYS_S),
@@ -109,7 +113,7 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
     retry, a rerun or a second flow run on the same job never writes it twice.
 
     Args:
-        plan: the job plan (with Dask, fetched once per worker from the plan task).
+        plan: the job plan (names and sizes of shards; the rows are read here).
         shard: one of `plan.shards`.
         job_id: the plan's job id (a parameter so that the task run's name shows it).
     """

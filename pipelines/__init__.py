@@ -2,12 +2,14 @@
 
 templating  row -> prompt text or chat messages (bad row -> error record)
 tokenize    batch-encode; over-long prompts -> error rows
-plan        order by shared prefix and length; cut into content-addressed shards
+plan        order by shared prefix and length; cut each window into content-addressed shards
 results     the results schema; a shard's table from engine outputs
 pricing     prices and exact cost arithmetic
 ledger      the per-job ledger, computed from the result rows
 spec        JobSpec: a job's options, validated before any work
-reading     input batches -> prompt rows; job-level id checks
+reading     input batches -> windows of prompt rows; job-level id checks
+ids         null/duplicate ids over a stream, in 8 bytes a row
+spill       a shard's planned rows as a table (the plan files under OUTPUT/_plan/)
 output      the output directory layout and its atomic reads/writes
 job         plan_job / run_shard / finalize_job / run_job
 notebook    generate(): DataFrame in, DataFrame out, in input order

@@ -1,23 +1,27 @@
 """A batch job in three separately callable steps: plan, run shards, finalize.
 
-    plan_job(spec)             read + template + tokenize + shard; every input problem
-                               (bad file, missing column, duplicate ids) raises here,
-                               before the model is loaded
-    run_shard(llm, plan, s)    generate one shard and publish its part; idempotent
-    finalize_job(plan, ...)    read the parts back, write the ledger
+    plan_job(spec)             read + template + tokenize + shard, window by window,
+                               writing each shard's rows to OUTPUT/_plan/; every input
+                               problem (bad file, missing column, duplicate ids) raises
+                               here, before the model is loaded
+    run_shard(llm, plan, s)    read one shard's rows, generate, publish its part; idempotent
+    finalize_job(plan, ...)    check the parts one by one, write the ledger, drop _plan/
 
 `run_job` composes them; the Prefect flows call them as separate tasks, so their
-inputs and outputs are plain picklable dataclasses. Prompts and outputs are never
-logged - only counts.
+inputs and outputs are plain picklable dataclasses. A JobPlan holds shard names and
+sizes, never rows, so what a worker receives and what any step keeps in memory is
+bounded by a planning window or a shard, not by the dataset. Prompts and outputs are
+never logged - only counts.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,17 +29,23 @@ from typing import Any
 
 import pyarrow as pa
 
-from tokenmill.connectors import open_source
+from tokenmill.connectors import open_source, read_part
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines import output as out
-from tokenmill.pipelines.ledger import JobLedger, ShardStats, compute_ledger
-from tokenmill.pipelines.plan import Shard, job_id, plan_shards
-from tokenmill.pipelines.reading import read_rows
-from tokenmill.pipelines.results import build_results, latencies
-from tokenmill.pipelines.spec import JobSpec
+from tokenmill.pipelines.ledger import (
+    JobLedger,
+    ShardStats,
+    add_token_sums,
+    compute_ledger,
+    token_sums,
+)
+from tokenmill.pipelines.plan import PlannedShard, Shard, job_id, plan_shards
+from tokenmill.pipelines.reading import Window, read_windows
+from tokenmill.pipelines.results import RESULT_SCHEMA, build_results, latencies
+from tokenmill.pipelines.spec import JobSpec, ParamsTable
+from tokenmill.pipelines.spill import shard_rows, shard_table
 from tokenmill.pipelines.templating import required_columns, text_columns
-from tokenmill.pipelines.tokenize import PromptRow
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +54,8 @@ OnOutput = Callable[[RequestOutput], None]
 
 @dataclass
 class JobPlan:
-    """A planned job: every row (by row index) tokenized or failed, cut into shards."""
+    """A planned job: its shards' names and sizes. Each shard's rows (tokens, ids,
+    passthrough columns) are in its plan file, `OUTPUT/_plan/<shard_id>.parquet`."""
 
     spec: JobSpec
     job_id: str
@@ -53,14 +64,9 @@ class JobPlan:
     weights_hash: str
     max_model_len: int
     params: list[SamplingParams]
-    rows: list[PromptRow]  # indexed by row_index
     shards: list[Shard]
-    passthrough: pa.Table | None = None  # passthrough columns, one row per row_index
-    endpoints: list[str | None] | None = None  # OpenAI batch: each row's request url
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.rows)
+    num_rows: int = 0
+    num_failed: int = 0  # rows that failed before compute (bad prompt, too long, ...)
 
     @property
     def num_tokens(self) -> int:
@@ -118,7 +124,11 @@ def plan_job(spec: JobSpec, *, tokenizer: Any = None, llm: Any = None) -> JobPla
 
     The source is opened and validated first (missing file, corrupt file, bad URL,
     missing column -> `SourceError` naming the file), then the model's files are
-    resolved (no weights are loaded), then the rows are read and tokenized.
+    resolved (no weights are loaded), then the rows are read and tokenized window by
+    window (`spec.plan_window_rows`); each window is cut into shards whose rows are
+    written to `OUTPUT/_plan/` before the next window is read. If planning fails
+    (e.g. duplicate ids, found after the last window), the plan files it added are
+    removed again.
 
     Args:
         spec: the job.
@@ -154,8 +164,30 @@ def plan_job(spec: JobSpec, *, tokenizer: Any = None, llm: Any = None) -> JobPla
         from tokenmill.engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(model_dir)
-    read = read_rows(source, spec, tokenizer, max_model_len=max_len)
-    shards = plan_shards(read.rows, read.params, model_key=w_hash, shard_tokens=spec.shard_tokens)
+    params = ParamsTable(spec.sampling)
+    shards: list[Shard] = []
+    num_rows = num_failed = 0
+    # Another plan's files may have our shard ids (same rows, same id): if this planning
+    # fails, it removes only the files it added.
+    existing = out.planned_shards(spec.output, spec.storage_options)
+    try:
+        for window in read_windows(source, spec, tokenizer, max_model_len=max_len, params=params):
+            for planned in plan_shards(
+                window.rows,
+                params.params,
+                model_key=w_hash,
+                shard_tokens=spec.shard_tokens,
+                first_index=len(shards),
+                window=window.index,
+            ):
+                _spill(spec, planned, window)
+                shards.append(planned.shard)
+            num_rows += len(window.rows)
+            num_failed += sum(1 for r in window.rows if r.error is not None)
+    except BaseException:
+        added = [s.shard_id for s in shards if s.shard_id not in existing]
+        out.remove_plan(spec.output, spec.storage_options, shard_ids=added)
+        raise
     plan = JobPlan(
         spec=spec,
         job_id=job_id(shards, output=_canonical_location(spec.output)),
@@ -163,22 +195,56 @@ def plan_job(spec: JobSpec, *, tokenizer: Any = None, llm: Any = None) -> JobPla
         model_dir=model_dir,
         weights_hash=w_hash,
         max_model_len=max_len,
-        params=read.params,
-        rows=read.rows,
+        params=params.params,
         shards=shards,
-        passthrough=read.passthrough,
-        endpoints=read.endpoints,
+        num_rows=num_rows,
+        num_failed=num_failed,
     )
-    num_failed = sum(1 for r in plan.rows if r.error is not None)
     log.info(
         "planned job %s: %d rows (%d failed before compute), %d shards, ~%d tokens",
         plan.job_id,
         plan.num_rows,
-        num_failed,
+        plan.num_failed,
         len(shards),
         plan.num_tokens,
     )
     return plan
+
+
+def _spill(spec: JobSpec, planned: PlannedShard, window: Window) -> None:
+    """Write a shard's rows, with their passthrough columns and urls, to its plan file."""
+    local = [r.row_index - window.start for r in planned.rows]
+    passthrough = None
+    if window.passthrough is not None:
+        passthrough = window.passthrough.take(pa.array(local, pa.int64()))
+    endpoints = [window.endpoints[i] for i in local] if window.endpoints is not None else None
+    table = shard_table(planned.rows, passthrough=passthrough, endpoints=endpoints)
+    out.write_plan_shard(spec.output, planned.shard.shard_id, table, spec.storage_options)
+
+
+def load_shard(plan: JobPlan, shard: Shard, *, columns: list[str] | None = None) -> pa.Table:
+    """A shard's plan file (only `columns`, if given), checked against the plan.
+
+    Raises:
+        RuntimeError: the file is gone (the job finished and dropped it, or it was
+            deleted) or does not hold the shard's rows.
+    """
+    spec = plan.spec
+    try:
+        table = out.read_plan_shard(
+            spec.output, shard.shard_id, spec.storage_options, columns=columns
+        )
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"shard {shard.shard_id} of job {plan.job_id} has no plan file under "
+            f"{out.plan_uri(spec.output)}: plan the job again (rerun it) to recreate it"
+        ) from None
+    if table.num_rows != shard.num_rows:
+        raise RuntimeError(
+            f"the plan file of shard {shard.shard_id} holds {table.num_rows} rows, "
+            f"the plan {shard.num_rows}: plan the job again (rerun it)"
+        )
+    return table
 
 
 def prepare_output(plan: JobPlan) -> set[str]:
@@ -193,6 +259,9 @@ def prepare_output(plan: JobPlan) -> set[str]:
         removed = out.remove_results(spec.output, spec.storage_options)
         if removed:
             log.info("resume off: removed %d earlier result parts", removed)
+        stale = out.planned_shards(spec.output, spec.storage_options)
+        stale -= {s.shard_id for s in plan.shards}
+        out.remove_plan(spec.output, spec.storage_options, shard_ids=stale)
         return set()
     done = out.completed_shards(spec.output, spec.storage_options)
     foreign = sorted(done - {s.shard_id for s in plan.shards})
@@ -227,7 +296,8 @@ def run_shard(
         spec.output, shard.shard_id, spec.part_format, spec.storage_options
     ):
         return ShardResult(shard.shard_id, skipped=True, num_rows=shard.num_rows)
-    rows = [plan.rows[i] for i in shard.row_indices]
+    planned = shard_rows(load_shard(plan, shard))
+    rows = planned.rows
     good = [r for r in rows if r.token_ids is not None]
     started_at, t0 = now_iso(), time.perf_counter()
     outputs: dict[int, RequestOutput] = {}
@@ -239,10 +309,7 @@ def run_shard(
         )
         outputs = {r.row_index: o for r, o in zip(good, generated)}
     seconds = time.perf_counter() - t0
-    passthrough = None
-    if plan.passthrough is not None:
-        passthrough = plan.passthrough.take(pa.array(shard.row_indices, pa.int64()))
-    table = build_results(rows, outputs, passthrough=passthrough)
+    table = build_results(rows, outputs, passthrough=planned.passthrough)
     stats = ShardStats(
         shard_id=shard.shard_id,
         num_rows=len(rows),
@@ -292,10 +359,12 @@ def finalize_job(
     run_started_at: str | None = None,
     num_shards_run: int = 0,
 ) -> JobLedger:
-    """Read every part back, check it against the plan, and write the ledger.
+    """Check every part against its shard, write the ledger, and drop the plan files.
 
-    The ledger's token sums come from the rows read back, so they equal the sums
-    over the results exactly, however many runs it took.
+    Parts are read one at a time, so memory is bounded by a shard (a window, for
+    OpenAI batch output, which is written in input order). The ledger's token sums
+    are added up from the rows read back, so they equal the sums over the results
+    exactly, however many runs it took.
 
     Args:
         plan: the job plan.
@@ -313,21 +382,30 @@ def finalize_job(
     from tokenmill import __version__
 
     spec = plan.spec
-    done = out.completed_shards(spec.output, spec.storage_options)
-    missing = [s.shard_id for s in plan.shards if s.shard_id not in done]
+    parts = out.result_parts(spec.output, spec.storage_options)
+    missing = [s.shard_id for s in plan.shards if s.shard_id not in parts]
     if missing:
         raise RuntimeError(
             f"job {plan.job_id} is incomplete: {len(missing)} of {len(plan.shards)} shards "
             f"have no results part (e.g. {missing[0]}); run the job again to finish them"
         )
-    results = out.read_results(spec.output, spec.storage_options)
-    _check_results(plan, results)
+    foreign = sorted(set(parts) - {s.shard_id for s in plan.shards})
+    if foreign:
+        raise RuntimeError(
+            f"results of job {plan.job_id} do not match its plan: {len(foreign)} part(s) "
+            f"are not shards of this job (e.g. {foreign[0]})"
+        )
+    sums = token_sums(RESULT_SCHEMA.empty_table())
+    for shard in plan.shards:
+        results = _shard_results(parts[shard.shard_id], spec)
+        _check_part(plan, shard, results)
+        sums = add_token_sums(sums, results)
     stats = out.read_shard_stats(
         spec.output, [s.shard_id for s in plan.shards], spec.storage_options
     )
     starts = [s.started_at for s in stats] + ([run_started_at] if run_started_at else [])
     ledger = compute_ledger(
-        results,
+        sums,
         stats,
         prices=spec.prices,
         job_id=plan.job_id,
@@ -349,7 +427,13 @@ def finalize_job(
         storage_options=spec.storage_options,
     )
     if spec.output_format == "openai-batch":
-        _write_openai_results(plan, results)
+        out.write_openai_results(
+            spec.output, _openai_lines(plan, parts, created=int(time.time())), spec.storage_options
+        )
+    try:
+        out.remove_plan(spec.output, spec.storage_options)
+    except OSError as exc:  # the job is done; leftover plan files are only clutter
+        log.warning("job %s: could not remove its plan files: %s", plan.job_id, exc)
     log.info(
         "job %s finished: %d ok, %d failed, cost %.6f USD",
         plan.job_id,
@@ -360,27 +444,47 @@ def finalize_job(
     return ledger
 
 
-def _check_results(plan: JobPlan, results: pa.Table) -> None:
+def _shard_results(urls: list[str], spec: JobSpec) -> pa.Table:
+    """One shard's result rows (normally one part; more only if a part was duplicated)."""
+    tables = [read_part(url, spec.storage_options) for url in urls]
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="permissive")
+
+
+def _check_part(plan: JobPlan, shard: Shard, results: pa.Table) -> None:
+    """The part holds exactly the shard's planned ids, once each."""
     ids = results["id"].to_pylist() if results.num_rows else []
-    expected = {r.id for r in plan.rows}
-    if len(ids) != len(set(ids)) or set(ids) != expected:
+    expected = set(load_shard(plan, shard, columns=["id"])["id"].to_pylist())
+    if len(ids) != shard.num_rows or len(set(ids)) != len(ids) or set(ids) != expected:
         raise RuntimeError(
-            f"results of job {plan.job_id} do not match its plan: {len(ids)} rows "
-            f"({len(set(ids))} distinct ids) for {len(expected)} input rows"
+            f"results of job {plan.job_id} do not match its plan: shard {shard.shard_id} has "
+            f"{len(ids)} rows ({len(set(ids))} distinct ids) for {shard.num_rows} planned rows"
         )
 
 
-def _write_openai_results(plan: JobPlan, results: pa.Table) -> None:
+def _openai_lines(plan: JobPlan, parts: dict[str, list[str]], *, created: int) -> Iterator[str]:
+    """OpenAI batch output lines in input order, one window at a time.
+
+    A window's shards cover a contiguous range of rows, so sorting each window's rows
+    by row index and writing the windows in order gives the input order.
+    """
     from tokenmill.connectors import openai_batch_output_lines
 
-    order = {r.id: r.row_index for r in plan.rows}
-    indices = sorted(range(results.num_rows), key=lambda i: order[results["id"][i].as_py()])
-    ordered = results.take(pa.array(indices, pa.int64()))
-    urls = [plan.endpoints[order[i]] for i in ordered["id"].to_pylist()] if plan.endpoints else None
-    if urls is not None:
-        ordered = ordered.append_column("url", pa.array(urls, pa.string()))
-    lines = openai_batch_output_lines(ordered, model_name=plan.model_name, batch_id=plan.job_id)
-    out.write_openai_results(plan.spec.output, lines, plan.spec.storage_options)
+    for _, shards in itertools.groupby(plan.shards, key=lambda s: s.window):
+        tables = []
+        for shard in shards:
+            results = _shard_results(parts[shard.shard_id], plan.spec)
+            planned = load_shard(plan, shard, columns=["id", "row_index", "url"])
+            where = {rid: i for i, rid in enumerate(planned["id"].to_pylist())}
+            take = pa.array([where[rid] for rid in results["id"].to_pylist()], pa.int64())
+            results = results.append_column("url", planned["url"].take(take))
+            tables.append(results.append_column("_row_index", planned["row_index"].take(take)))
+        window = pa.concat_tables(tables, promote_options="permissive").sort_by("_row_index")
+        yield from openai_batch_output_lines(
+            window.drop_columns(["_row_index"]),
+            model_name=plan.model_name,
+            batch_id=plan.job_id,
+            created=created,
+        )
 
 
 class JobProgress:

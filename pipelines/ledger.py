@@ -10,7 +10,7 @@ still reports the time its earlier runs spent.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 import pyarrow as pa
@@ -134,8 +134,14 @@ def token_sums(results: pa.Table) -> dict[str, int]:
     }
 
 
+def add_token_sums(total: Mapping[str, int] | None, part: pa.Table) -> dict[str, int]:
+    """`total` plus `token_sums(part)`: the sums of a job whose parts are read one by one."""
+    sums = token_sums(part)
+    return {k: v + total[k] for k, v in sums.items()} if total is not None else sums
+
+
 def compute_ledger(
-    results: pa.Table,
+    results: pa.Table | Mapping[str, int],
     stats: Sequence[ShardStats],
     *,
     prices: Prices,
@@ -154,7 +160,8 @@ def compute_ledger(
     """Build a job's ledger from its result rows and its shards' stats.
 
     Args:
-        results: every result row of the job (all parts).
+        results: every result row of the job (all parts), or their `token_sums`
+            (added up part by part with `add_token_sums`).
         stats: one ShardStats per shard (from this run and earlier ones).
         prices: the prices to charge.
         started_at, finished_at: ISO times of the job's first shard and of now.
@@ -163,7 +170,7 @@ def compute_ledger(
     Returns:
         The JobLedger.
     """
-    sums = token_sums(results)
+    sums = token_sums(results) if isinstance(results, pa.Table) else dict(results)
     device_seconds = float(sum(s.device_seconds for s in stats))
     latencies = [x for s in stats for x in s.latencies]
     costs = token_costs(

@@ -5,6 +5,8 @@
     OUTPUT/ledger.json                  the job's ledger
     OUTPUT/results.jsonl                OpenAI batch output (with output_format="openai-batch")
     OUTPUT/ledger/                      the default ledger dataset (one Parquet file per job)
+    OUTPUT/_plan/<shard_id>.parquet     a shard's planned rows (`spill`); removed when the
+                                        job finishes
 
 A shard is complete iff its part exists: the stats file is written first, so a part
 never lacks its stats, and a shard killed before its part is published is simply
@@ -14,6 +16,7 @@ writers, on local disk and object stores alike.
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
@@ -24,6 +27,7 @@ import pyarrow as pa
 from tokenmill.connectors import (
     list_parts,
     read_json,
+    read_part,
     read_parts,
     write_json_atomic,
     write_lines_atomic,
@@ -35,6 +39,7 @@ from tokenmill.pipelines.results import RESULT_SCHEMA
 
 RESULTS_DIR = "results"
 STATS_DIR = "shard_stats"
+PLAN_DIR = "_plan"  # "_": hidden from anyone reading OUTPUT as a dataset
 LEDGER_FILE = "ledger.json"
 OPENAI_RESULTS_FILE = "results.jsonl"
 DEFAULT_LEDGER_DIR = "ledger"
@@ -96,6 +101,14 @@ def write_shard(
     )
 
 
+def result_parts(output: str, storage_options: StorageOptions = None) -> dict[str, list[str]]:
+    """Each completed shard's part URLs (normally one), from one listing."""
+    parts: dict[str, list[str]] = {}
+    for url in list_parts(results_uri(output), storage_options):
+        parts.setdefault(part_shard_id(url), []).append(url)
+    return parts
+
+
 def read_results(output: str, storage_options: StorageOptions = None) -> pa.Table:
     """Every result row of a job, from all its parts (an empty results table if none)."""
     table = read_parts(results_uri(output), storage_options)
@@ -125,6 +138,65 @@ def remove_results(output: str, storage_options: StorageOptions = None) -> int:
         if fs.exists(path):
             fs.rm(path, recursive=True)
     return len(parts)
+
+
+def plan_uri(output: str) -> str:
+    return join(output, PLAN_DIR)
+
+
+def write_plan_shard(
+    output: str, shard_id: str, table: pa.Table, storage_options: StorageOptions = None
+) -> str:
+    """Write one shard's planned rows (`spill.shard_table`), replacing an older copy.
+
+    Replacing is safe: a shard id is a hash of the rows, so an older file of that name
+    (from a killed run of the same job) holds the same rows.
+
+    Returns:
+        The file's URL.
+    """
+    return write_part(
+        table, plan_uri(output), shard_id, storage_options=storage_options, overwrite=True
+    )
+
+
+def read_plan_shard(
+    output: str,
+    shard_id: str,
+    storage_options: StorageOptions = None,
+    *,
+    columns: Iterable[str] | None = None,
+) -> pa.Table:
+    """One shard's planned rows (only `columns`, if given)."""
+    url = join(plan_uri(output), f"{shard_id}.parquet")
+    return read_part(url, storage_options, columns=list(columns) if columns else None)
+
+
+def planned_shards(output: str, storage_options: StorageOptions = None) -> set[str]:
+    """Ids of the shards that have a plan file, from one listing."""
+    return {part_shard_id(u) for u in list_parts(plan_uri(output), storage_options)}
+
+
+def remove_plan(
+    output: str, storage_options: StorageOptions = None, *, shard_ids: Iterable[str] | None = None
+) -> None:
+    """Delete the plan files of `shard_ids`, or the whole `_plan/` directory (None)."""
+    fs, directory = resolve(plan_uri(output), storage_options)
+    fs.invalidate_cache(directory)
+    if shard_ids is None:
+        if fs.exists(directory):
+            fs.rm(directory, recursive=True)
+        return
+    for sid in shard_ids:
+        path = posixpath.join(directory, f"{sid}.parquet")
+        if fs.exists(path):
+            fs.rm(path)
+    # An emptied directory goes too (object stores have none); rmdir refuses a directory
+    # that another writer has just put a file into.
+    fs.invalidate_cache(directory)
+    if fs.exists(directory) and not fs.ls(directory):
+        with contextlib.suppress(OSError):
+            fs.rmdir(directory)
 
 
 def write_ledger(

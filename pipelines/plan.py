@@ -6,6 +6,13 @@ cache while its group runs) and then by length (so a group's requests finish clo
 together and batches stay full). The ordered rows are cut into shards under a token
 budget; a shard is one `LLM.generate` call and the unit of progress, retry and resume.
 
+A job is planned in windows of consecutive input rows (`JobSpec.plan_window_rows`),
+each ordered and cut on its own, so planning memory is bounded by the window, not the
+dataset. The price: prefix groups form within a window only. Rows that share a prefix
+but sit in different windows land in different shards, and reuse each other's prefix
+only if the engine's prefix cache still holds it when the later shard runs (likely for
+adjacent windows on one worker, not otherwise). Shards never span windows.
+
 A shard's id is a hash of what it computes - model, sampling params, row ids and
 prompt token ids - so planning the same job twice yields the same shards, and a
 changed job cannot mistake another job's finished shard for its own.
@@ -28,26 +35,42 @@ DEFAULT_GROUP_TOKENS = 256
 # One shard is one generate() call: big enough to keep a GPU's batch full past the
 # shard's tail, small enough that a killed job loses little work.
 DEFAULT_SHARD_TOKENS = 131_072
+# Rows planned together: enough for prefix groups to form in real datasets, few enough
+# that a window's tokens, templates and sort keys take tens of MB, not the dataset's.
+DEFAULT_PLAN_WINDOW_ROWS = 32_768
 
 
 @dataclass(frozen=True)
 class Shard:
-    """A resumable unit of work: rows (by global row index) in the order they run."""
+    """A resumable unit of work, as a job plan carries it: its name and size.
+
+    Its rows are not here: planning writes them to the shard's plan file, which the
+    shard's task reads, so a plan is small however large the job.
+    """
 
     shard_id: str
     index: int
-    row_indices: tuple[int, ...]
+    num_rows: int
     num_tokens: int  # estimated work: prompt tokens + max completion tokens
+    window: int = 0  # the planning window the shard was cut from
 
     def __post_init__(self) -> None:
-        if not self.row_indices:
+        if self.num_rows < 1:
             raise ValueError("a shard must hold at least one row")
         if self.num_tokens < 0:
             raise ValueError("num_tokens must be >= 0")
 
+
+@dataclass(frozen=True)
+class PlannedShard:
+    """A shard just cut, with its rows in the order they run."""
+
+    shard: Shard
+    rows: tuple[PromptRow, ...]
+
     @property
-    def num_rows(self) -> int:
-        return len(self.row_indices)
+    def row_indices(self) -> tuple[int, ...]:
+        return tuple(r.row_index for r in self.rows)
 
 
 def row_cost(row: PromptRow, max_tokens: int) -> int:
@@ -97,7 +120,9 @@ def cut_shards(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     max_rows: int | None = None,
     model_key: str,
-) -> list[Shard]:
+    first_index: int = 0,
+    window: int = 0,
+) -> list[PlannedShard]:
     """Cut ordered rows into consecutive shards of at most `shard_tokens` each.
 
     A single row costlier than the budget gets a shard of its own. Error rows cost
@@ -110,9 +135,11 @@ def cut_shards(
         shard_tokens: the token budget per shard (prompt + max completion tokens).
         max_rows: optional cap on rows per shard.
         model_key: identifies the model (e.g. its weights hash) for the shard ids.
+        first_index: the first shard's `index` (the shards of earlier windows come first).
+        window: the planning window these rows belong to.
 
     Returns:
-        Shards in run order, `index` 0..n-1.
+        Shards in run order, `index` first_index, first_index + 1, ...
     """
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
@@ -135,13 +162,17 @@ def cut_shards(
         groups.append(current)
         costs.append(current_cost)
     return [
-        Shard(
-            shard_id=f"{i:05d}-{shard_id(g, params, model_key=model_key)}",
-            index=i,
-            row_indices=tuple(r.row_index for r in g),
-            num_tokens=c,
+        PlannedShard(
+            Shard(
+                shard_id=f"{i:05d}-{shard_id(g, params, model_key=model_key)}",
+                index=i,
+                num_rows=len(g),
+                num_tokens=c,
+                window=window,
+            ),
+            tuple(g),
         )
-        for i, (g, c) in enumerate(zip(groups, costs))
+        for i, (g, c) in enumerate(zip(groups, costs), start=first_index)
     ]
 
 
@@ -153,11 +184,19 @@ def plan_shards(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     group_tokens: int = DEFAULT_GROUP_TOKENS,
     max_rows: int | None = None,
-) -> list[Shard]:
-    """`order_rows` then `cut_shards`: the whole packing step in one call."""
+    first_index: int = 0,
+    window: int = 0,
+) -> list[PlannedShard]:
+    """`order_rows` then `cut_shards`: the whole packing step for one window."""
     ordered = order_rows(rows, group_tokens=group_tokens)
     return cut_shards(
-        ordered, params, shard_tokens=shard_tokens, max_rows=max_rows, model_key=model_key
+        ordered,
+        params,
+        shard_tokens=shard_tokens,
+        max_rows=max_rows,
+        model_key=model_key,
+        first_index=first_index,
+        window=window,
     )
 
 

@@ -1,108 +1,170 @@
-"""Input batches -> tokenized prompt rows, with the job-level checks on ids.
+"""Input batches -> windows of tokenized prompt rows, with the job-level checks on ids.
 
 Streams the source batch by batch: each batch is templated and batch-encoded as it
-arrives. Per-row problems (bad prompt, unparseable line, invalid per-row sampling
-params, over-long prompt) become error rows; problems with the job as a whole (null or
-duplicate ids) raise ValueError after the whole input has been seen, so the message
-can count them - still before any compute.
+arrives, and its rows are handed on in windows of `plan_window_rows` consecutive rows.
+Window k holds rows k*W .. (k+1)*W - 1 whatever the source's batch sizes, so the same
+input always gives the same windows. Per-row problems (bad prompt, unparseable line,
+invalid per-row sampling params, over-long prompt) become error rows; problems with
+the job as a whole (null or duplicate ids) raise ValueError after the last window, so
+the message can count them - still before any compute.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 
 from tokenmill.connectors import ERROR_COLUMN
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.pipelines.ids import IdCheck
 from tokenmill.pipelines.spec import PER_ROW_FIELDS, JobSpec, ParamsTable
-from tokenmill.pipelines.templating import RenderedRow, render_rows, row_ids
+from tokenmill.pipelines.templating import ChatRenderer, RenderedRow, render_rows, row_ids
 from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
-
-_MAX_LISTED = 5  # ids quoted in a duplicate-id error
 
 
 @dataclass
-class ReadRows:
-    """Everything the planner needs from the input."""
+class Window:
+    """Consecutive input rows, tokenized: the unit of planning.
 
+    `passthrough` and `endpoints` hold one entry per row, in input order
+    (row `r` is at `r.row_index - start`).
+    """
+
+    index: int
+    start: int  # row index of the window's first row
     rows: list[PromptRow] = field(default_factory=list)
-    params: list[SamplingParams] = field(default_factory=list)
-    passthrough: pa.Table | None = None
-    endpoints: list[str | None] | None = None
+    passthrough: pa.Table | None = None  # the job's passthrough columns
+    endpoints: list[str | None] | None = None  # OpenAI batch: each row's request url
 
 
-def read_rows(source: Any, spec: JobSpec, tokenizer: Any, *, max_model_len: int) -> ReadRows:
-    """Read, template and tokenize every input row (up to `spec.limit`).
+def read_windows(
+    source: Any,
+    spec: JobSpec,
+    tokenizer: Any,
+    *,
+    max_model_len: int,
+    params: ParamsTable,
+) -> Iterator[Window]:
+    """Read, template and tokenize the input (up to `spec.limit`), window by window.
 
     Args:
         source: an opened connectors Source (`iter_batches()`, `uri`).
-        spec: the job.
+        spec: the job (`plan_window_rows` sizes the windows).
         tokenizer: the model's tokenizer (`encode_batch`, `apply_chat_template`).
         max_model_len: the model's context length.
+        params: the job's distinct sampling params; rows' overrides are added to it.
 
-    Returns:
-        ReadRows with one PromptRow per input row, row_index 0..n-1.
+    Yields:
+        Windows in input order; row indices run 0..n-1 across them.
 
     Raises:
-        ValueError: the id column has nulls or duplicates.
+        ValueError: after the last window, if the id column has nulls or duplicates.
     """
-    template = spec.template_spec
     chat = chat_renderer(tokenizer)
-    table = ParamsTable(spec.sampling)
-    result = ReadRows()
+    ids = IdCheck()
+    size = spec.plan_window_rows
+    window: Window | None = None
     passthrough: list[pa.RecordBatch] = []
-    endpoints: list[str | None] = []
+    for start, batch in _batches(source, spec):
+        if ids.num_nulls:  # the job fails: no more windows, only the nulls are counted
+            ids.add(_batch_ids(batch.to_pydict(), spec, start))
+            continue
+        if window is not None and start >= window.start + size:
+            yield _finish(window, passthrough)
+            window, passthrough = None, []
+        if window is None:
+            window = Window(start // size, start, endpoints=[] if spec.is_openai_batch else None)
+        columns = batch.to_pydict()
+        rows = _read_batch(columns, start, spec, tokenizer, chat, params, max_model_len)
+        ids.add([r.id for r in rows])
+        window.rows += rows
+        if spec.passthrough:
+            passthrough.append(batch.select(list(spec.passthrough)))
+        if window.endpoints is not None:
+            window.endpoints += columns["url"]
+    if window is not None and not ids.num_nulls:
+        yield _finish(window, passthrough)
+    ids.check(
+        id_column=spec.id_column,
+        source=source.uri,
+        id_batches=lambda: (_batch_ids(b.to_pydict(), spec, s) for s, b in _batches(source, spec)),
+    )
+
+
+def _finish(window: Window, passthrough: list[pa.RecordBatch]) -> Window:
+    if passthrough:
+        window.passthrough = pa.Table.from_batches(passthrough)
+    return window
+
+
+def _batches(source: Any, spec: JobSpec) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(first row index, batch), up to `spec.limit`, split where windows begin."""
+    size = spec.plan_window_rows
     start = 0
     for batch in source.iter_batches():
         if spec.limit is not None:
             batch = batch.slice(0, spec.limit - start)
-        if batch.num_rows == 0:
-            break
-        columns = batch.to_pydict()
-        rendered = render_rows(columns, template, start=start, chat=chat)
-        rendered = _mark_bad_lines(rendered, columns.get(ERROR_COLUMN), start)
-        params_index = _params_index(columns, spec, table, rendered)
-        rendered = [r for r, _ in params_index]
-        indices = [i for _, i in params_index]
-        budgets = [table.params[i].max_tokens for i in indices]
-        result.rows += tokenize_rows(
-            tokenizer,
-            rendered,
-            max_model_len=max_model_len,
-            max_tokens=budgets,
-            params_index=indices,
-        )
-        if spec.passthrough:
-            passthrough.append(batch.select(list(spec.passthrough)))
-        if spec.is_openai_batch:
-            endpoints += columns["url"]
+        offset = 0
+        while offset < batch.num_rows:
+            row = start + offset
+            take = min(batch.num_rows - offset, size - row % size)
+            yield row, batch.slice(offset, take)
+            offset += take
         start += batch.num_rows
-        if spec.limit is not None and start >= spec.limit:
+        if batch.num_rows == 0 or (spec.limit is not None and start >= spec.limit):
             break
-    check_ids(result.rows, id_column=spec.id_column, source=source.uri)
-    result.params = table.params
-    if passthrough:
-        result.passthrough = pa.Table.from_batches(passthrough)
-    result.endpoints = endpoints if spec.is_openai_batch else None
-    return result
+
+
+def _read_batch(
+    columns: dict[str, list],
+    start: int,
+    spec: JobSpec,
+    tokenizer: Any,
+    chat: ChatRenderer | None,
+    params: ParamsTable,
+    max_model_len: int,
+) -> list[PromptRow]:
+    rendered = render_rows(columns, spec.template_spec, start=start, chat=chat)
+    rendered = _mark_bad_lines(
+        rendered, columns.get(ERROR_COLUMN), _batch_ids(columns, spec, start)
+    )
+    params_index = _params_index(columns, spec, params, rendered)
+    indices = [i for _, i in params_index]
+    return tokenize_rows(
+        tokenizer,
+        [r for r, _ in params_index],
+        max_model_len=max_model_len,
+        max_tokens=[params.params[i].max_tokens for i in indices],
+        params_index=indices,
+    )
+
+
+def _batch_ids(columns: dict[str, list], spec: JobSpec, start: int) -> list[str | None]:
+    """A batch's ids as its result rows carry them: a line the connector could not parse
+    and that has no id gets its position id."""
+    num_rows = len(next(iter(columns.values()))) if columns else 0
+    ids = row_ids(columns[spec.id_column] if spec.id_column else None, start, num_rows)
+    errors = columns.get(ERROR_COLUMN)
+    if errors is None:
+        return ids
+    return [
+        row_ids(None, start + i, 1)[0] if rid is None and error is not None else rid
+        for i, (rid, error) in enumerate(zip(ids, errors))
+    ]
 
 
 def _mark_bad_lines(
-    rendered: list[RenderedRow], errors: list | None, start: int
+    rendered: list[RenderedRow], errors: list | None, ids: list[str | None]
 ) -> list[RenderedRow]:
-    """Rows the connector could not parse become error rows (with a position id if needed)."""
+    """Rows the connector could not parse become error rows."""
     if errors is None:
         return rendered
-    fixed = []
-    for i, (row, error) in enumerate(zip(rendered, errors)):
-        if error is None:
-            fixed.append(row)
-            continue
-        rid = row.id if row.id is not None else row_ids(None, start + i, 1)[0]
-        fixed.append(RenderedRow(row.row_index, rid, error=error))
-    return fixed
+    return [
+        row if error is None else RenderedRow(row.row_index, rid, error=error)
+        for row, error, rid in zip(rendered, errors, ids)
+    ]
 
 
 def _params_index(
@@ -126,22 +188,7 @@ def _params_index(
 
 def check_ids(rows: list[PromptRow], *, id_column: str | None, source: str) -> None:
     """Raise ValueError if any id is null or repeats (ids key resume and the results)."""
-    nulls = [r.row_index for r in rows if r.id is None]
-    if nulls:
-        raise ValueError(
-            f"{source}: id column {id_column!r} is null in {len(nulls)} row(s) "
-            f"(first at row {nulls[0]}); every row needs an id"
-        )
-    seen: set[str] = set()
-    duplicates: dict[str, None] = {}
-    for r in rows:
-        if r.id in seen:
-            duplicates[r.id] = None
-        seen.add(r.id)
-    if duplicates:
-        listed = ", ".join(repr(d) for d in list(duplicates)[:_MAX_LISTED])
-        more = f" and {len(duplicates) - _MAX_LISTED} more" if len(duplicates) > _MAX_LISTED else ""
-        raise ValueError(
-            f"{source}: {len(duplicates)} duplicate id(s) in column {id_column!r}: {listed}{more}; "
-            "ids must be unique (each id gets exactly one result row)"
-        )
+    ids = [r.id for r in rows]
+    check = IdCheck()
+    check.add(ids)
+    check.check(id_column=id_column, source=source, id_batches=lambda: [ids])

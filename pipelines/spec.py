@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenmill.connectors.formats import normalize_format
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.pipelines.plan import DEFAULT_SHARD_TOKENS
+from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS, DEFAULT_SHARD_TOKENS
 from tokenmill.pipelines.pricing import Prices
 from tokenmill.pipelines.results import check_passthrough
 from tokenmill.pipelines.templating import TemplateSpec
@@ -57,6 +57,8 @@ class JobSpec:
         sampling: the job's sampling parameters (OpenAI batch rows may override them).
         prices: prices for the ledger.
         shard_tokens: token budget of one shard (prompt + max completion tokens).
+        plan_window_rows: input rows ordered and cut into shards together; planning
+            memory grows with this, not with the dataset (see `pipelines.plan`).
         storage_options: filesystem options for input, output and ledger dataset.
         limit: only the first `limit` input rows.
         resume: skip shards already complete; False recomputes everything.
@@ -82,6 +84,7 @@ class JobSpec:
     sampling: SamplingParams = field(default_factory=default_sampling)
     prices: Prices = field(default_factory=Prices)
     shard_tokens: int = DEFAULT_SHARD_TOKENS
+    plan_window_rows: int = DEFAULT_PLAN_WINDOW_ROWS
     storage_options: dict[str, Any] | None = field(default=None, repr=False)
     limit: int | None = None
     resume: bool = True
@@ -116,6 +119,8 @@ class JobSpec:
             )
         if self.shard_tokens < 1:
             raise ValueError(f"shard_tokens must be >= 1, got {self.shard_tokens}")
+        if self.plan_window_rows < 1:
+            raise ValueError(f"plan_window_rows must be >= 1, got {self.plan_window_rows}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if self.sampling.n != 1:

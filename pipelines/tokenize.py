@@ -33,8 +33,8 @@ class PromptRow:
 
     row_index: int
     id: str
-    # A compact int32 array (4 bytes a token, not a Python int object each): a job
-    # plans every row up front, so this is most of its memory.
+    # A compact int32 array (4 bytes a token, not a Python int object each): a planning
+    # window holds tens of thousands of rows, so this is most of its memory.
     token_ids: Sequence[int] | None = None
     error: str | None = None
     params_index: int = 0

@@ -61,15 +61,15 @@ def test_budgets_respected_and_every_row_in_exactly_one_shard(budget):
     by_index = {r.row_index: r for r in rows}
     for s in shards:
         cost = sum(row_cost(by_index[i], 10) for i in s.row_indices)
-        assert s.num_tokens == cost
+        assert s.shard.num_tokens == cost and s.shard.num_rows == len(s.rows)
         # over budget only when one row alone is bigger than the budget
         assert cost <= budget or sum(1 for i in s.row_indices if by_index[i].token_ids) == 1
-    assert [s.index for s in shards] == list(range(len(shards)))
+    assert [s.shard.index for s in shards] == list(range(len(shards)))
 
 
 def test_max_rows_cap():
     shards = plan_shards(_rows(), PARAMS, model_key="m", max_rows=7)
-    assert [s.num_rows for s in shards] == [7, 7, 7, 7, 4]
+    assert [s.shard.num_rows for s in shards] == [7, 7, 7, 7, 4]
 
 
 def test_shard_ids_stable_across_runs_and_input_order():
@@ -77,23 +77,26 @@ def test_shard_ids_stable_across_runs_and_input_order():
     rows = _rows()
     rows.reverse()
     b = plan_shards(rows, PARAMS, model_key="m", shard_tokens=200)
-    assert [s.shard_id for s in a] == [s.shard_id for s in b]
-    assert len({s.shard_id for s in a}) == len(a)
-    assert a[0].shard_id.startswith("00000-")
+    assert [s.shard for s in a] == [s.shard for s in b]
+    assert len({s.shard.shard_id for s in a}) == len(a)
+    assert a[0].shard.shard_id.startswith("00000-")
 
 
 def test_shard_ids_change_with_content_params_and_model():
-    base = plan_shards(_rows(), PARAMS, model_key="m")[0].shard_id
-    assert plan_shards(_rows(), PARAMS, model_key="other")[0].shard_id != base
+    def first_id(rows, params, key):
+        return plan_shards(rows, params, model_key=key)[0].shard.shard_id
+
+    base = first_id(_rows(), PARAMS, "m")
+    assert first_id(_rows(), PARAMS, "other") != base
     other_params = [SamplingParams(max_tokens=10, temperature=0.5)]
-    assert plan_shards(_rows(), other_params, model_key="m")[0].shard_id != base
+    assert first_id(_rows(), other_params, "m") != base
     rows = _rows()
     rows[0] = PromptRow(rows[0].row_index, "renamed", token_ids=rows[0].token_ids or [1])
-    assert plan_shards(rows, PARAMS, model_key="m")[0].shard_id != base
+    assert first_id(rows, PARAMS, "m") != base
 
 
 def test_job_id_depends_on_shards_and_output():
-    shards = plan_shards(_rows(), PARAMS, model_key="m")
+    shards = [s.shard for s in plan_shards(_rows(), PARAMS, model_key="m")]
     assert job_id(shards, output="out/") == job_id(shards, output="out")
     assert job_id(shards, output="out") != job_id(shards, output="out2")
 
@@ -103,4 +106,14 @@ def test_cut_shards_validates():
         cut_shards([], PARAMS, shard_tokens=0, model_key="m")
     assert cut_shards([], PARAMS, model_key="m") == []
     with pytest.raises(ValueError, match="at least one row"):
-        Shard("x", 0, (), 0)
+        Shard("x", 0, num_rows=0, num_tokens=0)
+
+
+def test_a_later_window_continues_the_shard_indices():
+    first = plan_shards(_rows(), PARAMS, model_key="m", shard_tokens=100)
+    later = plan_shards(_rows(), PARAMS, model_key="m", shard_tokens=100, first_index=7, window=3)
+    assert [s.shard.index for s in later] == list(range(7, 7 + len(first)))
+    assert {s.shard.window for s in later} == {3}
+    # the index prefixes the id; the content hash after it is the same
+    assert [s.shard.shard_id[6:] for s in later] == [s.shard.shard_id[6:] for s in first]
+    assert later[0].shard.shard_id.startswith("00007-")
