@@ -38,7 +38,7 @@ from tokenmill.flows.tasks import (
 )
 from tokenmill.pipelines.job import JobPlan, now_iso
 from tokenmill.pipelines.ledger import JobLedger
-from tokenmill.pipelines.plan import DEFAULT_SHARD_TOKENS
+from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS, DEFAULT_SHARD_TOKENS
 
 FLOW_NAME = "batch-inference"
 
@@ -82,6 +82,7 @@ def batch_inference(
     price_output: NonNegative = 0.0,
     price_device_hour: NonNegative | None = None,
     shard_tokens: PositiveInt = DEFAULT_SHARD_TOKENS,
+    plan_window_rows: PositiveInt = DEFAULT_PLAN_WINDOW_ROWS,
     limit: PositiveInt | None = None,
     resume: bool = True,
     output_format: Literal["parquet", "jsonl", "openai-batch"] = "parquet",
@@ -120,6 +121,8 @@ def batch_inference(
         price_output: USD per 1M completion tokens.
         price_device_hour: USD per device-hour (optional device cost).
         shard_tokens: token budget of one shard (prompt + max completion tokens).
+        plan_window_rows: input rows ordered and cut into shards together; planning
+            memory grows with this, not with the dataset.
         limit: only the first N input rows.
         resume: skip shards already complete in the output; false recomputes all.
         output_format: "parquet", "jsonl" or "openai-batch".
@@ -165,6 +168,7 @@ def batch_inference(
             "device_per_hour": price_device_hour,
         },
         shard_tokens=shard_tokens,
+        plan_window_rows=plan_window_rows,
         limit=limit,
         resume=resume,
         output_format=output_format,

@@ -39,6 +39,7 @@ def test_every_option_becomes_a_flow_parameter(tmp_path, monkeypatch):
     args += ["--stop", "\n", "--storage-option", "endpoint_url=http://e", "--max-tokens", "7"]
     args += ["--engine-option", "kv_cache_memory=1024", "--shard-tokens", "99", "--chat"]
     args += ["--price-input", "1", "--storage-secret", "blk", "--no-resume"]
+    args += ["--plan-window-rows", "5000"]
     opts = parse(run_flow, args)
     opts.pop("as_json")
     for name in ("dask_workers", "dask_address", "ray_address"):
@@ -52,6 +53,7 @@ def test_every_option_becomes_a_flow_parameter(tmp_path, monkeypatch):
     assert params["storage_options"] == {"endpoint_url": "http://e"}
     assert params["engine_options"] == {"kv_cache_memory": 1024}
     assert params["shard_tokens"] == 99 and params["resume"] is False
+    assert params["plan_window_rows"] == 5000
     assert params["storage_secret"] == "blk" and params["chat"] is True
     batch_inference.validate_parameters(params)  # the flow's schema accepts them all
 

@@ -24,6 +24,8 @@ def test_schema_has_every_job_option_typed():
     assert schema["required"] == ["input", "output"]
     assert props["max_tokens"]["minimum"] == 1
     assert props["shard_tokens"]["minimum"] == 1
+    assert props["plan_window_rows"]["minimum"] == 1
+    assert props["plan_window_rows"]["default"] == 32_768
     assert props["price_input"]["minimum"] == 0
     assert props["output_format"]["enum"] == ["parquet", "jsonl", "openai-batch"]
     assert props["max_tokens"]["description"] == "completion budget per row."
@@ -37,6 +39,7 @@ def test_schema_has_every_job_option_typed():
         {"top_p": 0.0},
         {"price_output": -2.0},
         {"shard_tokens": "many"},
+        {"plan_window_rows": 0},
         {"output_format": "xlsx"},
     ],
 )

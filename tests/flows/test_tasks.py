@@ -58,3 +58,23 @@ def test_a_worker_with_other_weights_refuses_the_shard(jsonl_input, tmp_path, ti
     with pytest.raises(RuntimeError, match="same model files"):
         shard_task.fn(forged, plan.shards[0], plan.job_id)
     assert prepare_output_task.fn(plan) == set()  # nothing was written
+
+
+def test_tasks_pass_a_plan_of_shard_names_not_rows(jsonl_input, tmp_path, tiny_model):
+    import pickle
+
+    from tokenmill.pipelines.job import finalize_job
+
+    spec = dataclasses.replace(
+        make_spec(jsonl_input, tmp_path / "out", tiny_model), plan_window_rows=4
+    )
+    plan = plan_task.fn(spec)
+    assert {s.window for s in plan.shards} == {0, 1, 2, 3}  # 16 rows, 4 a window
+    # what each shard task receives: no prompt, token or id of any row
+    shipped = pickle.dumps(plan)
+    assert b"q003" not in shipped and b"Summarise" not in shipped
+    assert prepare_output_task.fn(plan) == set()
+    runs = [shard_task.fn(plan, s, plan.job_id) for s in plan.shards]
+    ledger = finalize_job(plan, num_shards_run=len(runs))  # what ledger_task runs
+    assert ledger.rows_ok + ledger.rows_failed == 16 == sum(r.result.num_rows for r in runs)
+    assert not (tmp_path / "out" / "_plan").exists()

@@ -111,3 +111,22 @@ def test_parse_storage_options():
     with pytest.raises(ValueError, match="KEY=VALUE") as err:
         parse_storage_options(("supersecret",))
     assert "supersecret" not in str(err.value)
+
+
+def test_plan_window_rows_reaches_the_job(tmp_path, data, monkeypatch):
+    seen = {}
+
+    def fake_run_job(input, output, **options):
+        seen.update(options)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(job_mod, "run_job", fake_run_job)
+    args = ["run", str(data), str(tmp_path / "out"), "--no-progress"]
+    result = CliRunner().invoke(main, [*args, "--plan-window-rows", "1000"])
+    assert result.exit_code == 1 and "stop here" in result.output
+    assert seen["plan_window_rows"] == 1000
+    seen.clear()
+    CliRunner().invoke(main, args)
+    assert "plan_window_rows" not in seen  # unset: the JobSpec default
+    refused = CliRunner().invoke(main, [*args, "--plan-window-rows", "0"])
+    assert refused.exit_code == 2 and "--plan-window-rows" in refused.output

@@ -215,6 +215,13 @@ def print_summary(ledger, output: str) -> None:
     help="Token budget of one shard, the unit of resume (default 131072).",
 )
 @click.option(
+    "--plan-window-rows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Input rows ordered and cut into shards together; planning memory grows "
+    "with this, not with the input (default 32768).",
+)
+@click.option(
     "--storage-option",
     "storage_option",
     multiple=True,
@@ -306,8 +313,8 @@ def run(input_uri, output_uri, **opts) -> None:
         engine_options = parse_storage_options(opts.pop("engine_option"), flag="--engine-option")
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    shard_tokens = opts.pop("shard_tokens")
-    extra = {"shard_tokens": shard_tokens} if shard_tokens is not None else {}
+    extra = {k: opts.pop(k) for k in ("shard_tokens", "plan_window_rows")}
+    extra = {k: v for k, v in extra.items() if v is not None}
     progress = _progress_class()(enabled=show_progress)
     try:
         ledger = run_job(
