@@ -9,6 +9,7 @@ from torch import nn
 
 from tokenmill.engine.attention import AttentionMetadata, PrefillSpan
 from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.host_memory import keep_large_allocations_mapped
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.layers import RotaryEmbedding
 from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -36,6 +37,8 @@ class ModelRunner:
         self.rotary = RotaryEmbedding(config, max_model_len, device)
         self.sampler = Sampler(seed)
         self.kv_cache = kv_cache
+        if device.type == "cpu":
+            keep_large_allocations_mapped()
         for layer_idx, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = kv_cache.k[layer_idx]
             layer.self_attn.v_cache = kv_cache.v[layer_idx]
