@@ -69,7 +69,7 @@ def read_windows(
     passthrough: list[pa.RecordBatch] = []
     for start, batch in _batches(source, spec):
         if ids.num_nulls:  # the job fails: no more windows, only the nulls are counted
-            ids.add(_batch_ids(batch.to_pydict(), spec, start))
+            ids.add(_ids_of(batch, spec, start))
             continue
         if window is not None and start >= window.start + size:
             yield _finish(window, passthrough)
@@ -89,7 +89,7 @@ def read_windows(
     ids.check(
         id_column=spec.id_column,
         source=source.uri,
-        id_batches=lambda: (_batch_ids(b.to_pydict(), spec, s) for s, b in _batches(source, spec)),
+        id_batches=lambda: (_ids_of(b, spec, s) for s, b in _batches(source, spec)),
     )
 
 
@@ -127,8 +127,9 @@ def _read_batch(
     max_model_len: int,
 ) -> list[PromptRow]:
     rendered = render_rows(columns, spec.template_spec, start=start, chat=chat)
+    num_rows = len(rendered)
     rendered = _mark_bad_lines(
-        rendered, columns.get(ERROR_COLUMN), _batch_ids(columns, spec, start)
+        rendered, columns.get(ERROR_COLUMN), _batch_ids(columns, spec, start, num_rows)
     )
     params_index = _params_index(columns, spec, params, rendered)
     indices = [i for _, i in params_index]
@@ -141,10 +142,17 @@ def _read_batch(
     )
 
 
-def _batch_ids(columns: dict[str, list], spec: JobSpec, start: int) -> list[str | None]:
+def _ids_of(batch: pa.RecordBatch, spec: JobSpec, start: int) -> list[str | None]:
+    """A batch's ids, reading only the columns they come from."""
+    names = [n for n in (spec.id_column, ERROR_COLUMN) if n and n in batch.schema.names]
+    return _batch_ids(batch.select(names).to_pydict(), spec, start, batch.num_rows)
+
+
+def _batch_ids(
+    columns: dict[str, list], spec: JobSpec, start: int, num_rows: int
+) -> list[str | None]:
     """A batch's ids as its result rows carry them: a line the connector could not parse
     and that has no id gets its position id."""
-    num_rows = len(next(iter(columns.values()))) if columns else 0
     ids = row_ids(columns[spec.id_column] if spec.id_column else None, start, num_rows)
     errors = columns.get(ERROR_COLUMN)
     if errors is None:
