@@ -93,3 +93,43 @@ def test_s3_missing_input_fails_clearly(s3, tmp_path):
     )
     assert result.exit_code == 1
     assert "nowhere/data.parquet" in result.output and "Traceback" not in result.output
+
+
+def test_s3_plan_files_in_windows_then_removed(s3, fake_llm):
+    from tokenmill.pipelines.job import finalize_job, plan_job, prepare_output, run_shard
+    from tokenmill.pipelines.spec import JobSpec
+
+    prefix = f"job-{uuid.uuid4().hex[:8]}"
+    ids = [f"r{i}" for i in range(10)]
+    src = _upload(s3, f"{prefix}/in/data.parquet", pa.table({"id": ids, "prompt": ids}))
+    out = s3.url(f"{prefix}/out")
+    opts = s3.storage_options
+    fs = s3fs.S3FileSystem(**opts)
+    plan_dir = f"{s3.bucket}/{prefix}/out/_plan"
+
+    spec = JobSpec(src, out, id_column="id", plan_window_rows=4, storage_options=opts)
+    plan = plan_job(spec, llm=fake_llm)
+    assert {s.window for s in plan.shards} == {0, 1, 2}
+    on_s3 = {p.rsplit("/", 1)[1].removesuffix(".parquet") for p in fs.ls(plan_dir)}
+    assert on_s3 == {s.shard_id for s in plan.shards}
+    prepare_output(plan)
+    for shard in plan.shards:
+        run_shard(fake_llm, plan, shard)
+    finalize_job(plan)
+    assert sorted(read_results(out, opts)["id"].to_pylist()) == sorted(ids)
+    fs.invalidate_cache()
+    assert not fs.exists(plan_dir)
+
+    duplicated = _upload(s3, f"{prefix}/in/dup.parquet", pa.table({"id": ids + ["r1"]}))
+    bad = JobSpec(
+        duplicated,
+        out,
+        id_column="id",
+        prompt_column="id",
+        plan_window_rows=4,
+        storage_options=opts,
+    )
+    with pytest.raises(ValueError, match=r"1 duplicate id\(s\) in column 'id': 'r1'"):
+        plan_job(bad, llm=fake_llm)
+    fs.invalidate_cache()
+    assert not fs.find(plan_dir)
