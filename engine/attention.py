@@ -4,11 +4,17 @@ A step's tokens arrive flattened, with no padding: first one query token for eac
 decoding sequence, then the query chunks of the sequences still prefilling. Decoding
 sequences are attended to in one batched call; each prefill chunk gets its own call,
 reading its earlier context back from the cache when it has any.
+
+Prefill chunks in bf16/fp16 on CPU are computed as two batched matmuls around an fp32
+softmax rather than by SDPA: PyTorch's fused CPU kernel keeps its tiles in fp32 and
+never reaches the bf16 matmul units, so at SmolLM2's shapes the matmuls are 2.3-2.5x
+faster. The scores are rounded to bf16 before the softmax, as HF's eager attention
+does; fp32 keeps SDPA, which is the faster of the two there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
@@ -28,6 +34,19 @@ class PrefillSpan:
     context_block_ids: torch.Tensor | None
     # [num_query_tokens, num_context_tokens] bool, True = may attend; None when causal.
     mask: torch.Tensor | None
+    # The mask's complement, built once per step by the first layer that needs it.
+    blocked: torch.Tensor | None = field(default=None, repr=False)
+
+    def blocked_positions(self, device: torch.device) -> torch.Tensor | None:
+        """[num_query_tokens, num_context_tokens] bool, True = may not attend; None
+        when every query token sees the whole context."""
+        if self.blocked is None and self.num_query_tokens > 1:
+            mask = self.mask
+            if mask is None:  # causal over the chunk itself
+                n = self.num_query_tokens
+                mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+            self.blocked = ~mask
+        return self.blocked
 
 
 @dataclass
@@ -71,6 +90,7 @@ def paged_attention(
     if num_decodes:
         out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale)
 
+    by_matmul = q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_query_tokens)
         # 4-D [1, heads, tokens, head_dim] operands: with 3-D ones PyTorch's CPU
@@ -83,6 +103,12 @@ def paged_attention(
             ctx = span.num_context_tokens
             kp = gather_key_blocks(k_cache, ids)[:, :, :ctx]
             vp = gather_value_blocks(v_cache, ids)[:, :, :ctx]
+        if by_matmul:
+            op = prefill_attention_by_matmul(
+                qp[0], kp[0], vp[0], span.blocked_positions(q.device), scale
+            )
+            out[rows] = op.transpose(0, 1)
+            continue
         op = F.scaled_dot_product_attention(
             qp,
             kp,
@@ -94,6 +120,51 @@ def paged_attention(
         )
         out[rows] = op[0].transpose(0, 1)
     return out
+
+
+# Upper bound on one tile of fp32 attention scores; longer chunks are cut into query
+# tiles so a long prompt's scores never need gigabytes.
+SCORES_TILE_BYTES = 16 << 20
+
+
+def prefill_attention_by_matmul(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocked: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for one prefill chunk as batched matmuls, the query heads of each kv
+    head stacked into one operand so GQA needs no copies of k and v.
+
+    Args:
+        q: [num_heads, num_query_tokens, head_dim]
+        k, v: [num_kv_heads, num_context_tokens, head_dim]
+        blocked: [num_query_tokens, num_context_tokens] bool, True = may not attend;
+            None when every query token sees the whole context.
+    Returns:
+        [num_heads, num_query_tokens, head_dim]
+    """
+    num_heads, num_query, dim = q.shape
+    num_kv_heads, num_context, _ = k.shape
+    group = num_heads // num_kv_heads
+    q4 = q.reshape(num_kv_heads, group, num_query, dim)
+    k_t = k.transpose(1, 2)
+    out = torch.empty(num_kv_heads, group, num_query, dim, dtype=q.dtype, device=q.device)
+    tile = max(1, SCORES_TILE_BYTES // (4 * num_heads * num_context))
+    for first in range(0, num_query, tile):
+        last = min(num_query, first + tile)
+        rows = last - first
+        # Scaling q (rows x dim) is cheaper than scaling the scores (rows x context).
+        q_tile = (q4[:, :, first:last] * scale).reshape(num_kv_heads, group * rows, dim)
+        scores = torch.bmm(q_tile, k_t).view(num_kv_heads, group, rows, num_context)
+        if blocked is not None:
+            scores.masked_fill_(blocked[first:last], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[:, :, first:last] = torch.bmm(
+            probs.view(num_kv_heads, group * rows, num_context), v
+        ).view(num_kv_heads, group, rows, dim)
+    return out.view(num_heads, num_query, dim)
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.engine import attention
 from tokenmill.engine.attention import gather_key_blocks, gather_value_blocks
 from tokenmill.engine.kernels import paged_attention_library, paged_decode_attention
 
@@ -44,3 +45,37 @@ def test_native_kernel_matches_pytorch(dtype, atol):
     got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, 0.17)
     want = reference(q, k_cache, v_cache, tables, lens, block_size, 0.17)
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("tile_bytes", [16 << 20, 2048])  # one tile; many small tiles
+@pytest.mark.parametrize("cached", [False, True])
+def test_prefill_by_matmul_matches_fp32_sdpa(monkeypatch, tile_bytes, cached):
+    """bf16 prefill chunks: causal over the chunk, or after cached context."""
+    monkeypatch.setattr(attention, "SCORES_TILE_BYTES", tile_bytes)
+    torch.manual_seed(1)
+    num_kv_heads, group, head_dim, num_query = 2, 3, 16, 23
+    num_context = num_query + (17 if cached else 0)
+    q = torch.randn(num_kv_heads * group, num_query, head_dim)
+    k = torch.randn(num_kv_heads, num_context, head_dim)
+    v = torch.randn(num_kv_heads, num_context, head_dim)
+    first = num_context - num_query
+    allowed = torch.arange(num_context)[None, :] <= torch.arange(first, num_context)[:, None]
+    span = attention.PrefillSpan(
+        start=0,
+        num_query_tokens=num_query,
+        num_context_tokens=num_context,
+        context_block_ids=torch.zeros(1, dtype=torch.int64) if cached else None,
+        mask=allowed if cached else None,
+    )
+    got = attention.prefill_attention_by_matmul(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), span.blocked_positions(q.device), 0.25
+    )
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=allowed[None, None], scale=0.25, enable_gqa=True
+    )[0]
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    # A wrong mask (attending to the future) is far outside that tolerance.
+    leaked = attention.prefill_attention_by_matmul(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 0.25
+    )
+    assert (leaked.float() - want).abs().max() > 0.3

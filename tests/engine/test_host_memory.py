@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-# One decoder layer's elementwise work over a 1,900-token step, done 20 times: every op
+# One decoder layer's elementwise work over a 1,900-token step, done 40 times: every op
 # returns a fresh activation of 1-12 MiB that dies a moment later.
 _PROBE = """
 import json, resource
@@ -28,7 +28,7 @@ def step():
 for _ in range(3):  # the heap grows to the step's high-water mark
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+for _ in range(40):
     step()
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 print(json.dumps({"applied": applied, "faults": faults}))
@@ -59,5 +59,6 @@ def test_freed_activations_are_reused_instead_of_faulted_again():
     assert tuned["applied"] is True
     # Untuned, glibc maps and unmaps these blocks each time: steps fault most pages.
     assert untuned["faults"] > 10 * PAGES_PER_STEP
-    # Tuned, the block stays in the heap: after the first step almost nothing faults.
-    assert tuned["faults"] < PAGES_PER_STEP // 4, (tuned, untuned)
+    # Tuned, the blocks stay in the heap: past warm-up, less than one step's pages fault
+    # in all 40 steps (measured: 0-2,850 tuned, 72,711-132,890 untuned).
+    assert tuned["faults"] < PAGES_PER_STEP, (tuned, untuned)
