@@ -47,6 +47,7 @@ static inline void load_row(const void *base, int64_t offset, int is_bf16, int64
  * block_size, head_dim]; block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs].
  * block_size <= MAX_BLOCK_SIZE, head_dim <= 256. */
 #define MAX_BLOCK_SIZE 256
+#define MAX_GROUP_SLACK 8
 
 /* The two inner loops, written so that with head_dim and block_size known at compile
  * time (the common shapes are dispatched below) the accumulators live in registers. */
@@ -135,8 +136,12 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
 
 #pragma omp parallel num_threads(num_threads)
     {
-    /* Scratch per thread, sized for the longest context, reused by all its items. */
-    float *qf = malloc(sizeof(float) * (size_t)(group * head_dim));
+    /* Scratch per thread, sized for the longest context, reused by all its items.
+     * qf carries MAX_GROUP_SLACK spare heads, zeroed: GCC 12 at -O3 compiles the
+     * specialized score_block cases into loads of q for up to 8 heads whatever the
+     * group (found with a guard-page harness, tests/engine/test_kernel_bounds.py), so
+     * without the slack a q buffer at the end of a heap page read past it and faulted. */
+    float *qf = calloc((size_t)((group + MAX_GROUP_SLACK) * head_dim), sizeof(float));
     float *acc = malloc(sizeof(float) * (size_t)(group * head_dim));
     float *kblock = is_bf16 ? malloc(sizeof(float) * (size_t)(head_dim * block_size)) : NULL;
     float *scores = malloc(sizeof(float) * (size_t)(group * max_padded));
