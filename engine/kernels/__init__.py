@@ -17,7 +17,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 from importlib import resources
 from pathlib import Path
 
@@ -94,17 +93,6 @@ def paged_attention_library() -> ctypes.CDLL | None:
     return lib
 
 
-def _kernel_threads() -> int:
-    # The kernel opens its own OpenMP team only from the main thread. Engines driven
-    # from worker threads (Prefect's thread-pool task runner) run it single-threaded:
-    # one CI run segfaulted while the kernel's team ran under such a thread. It did
-    # not reproduce (the kernel is clean under AddressSanitizer and a 4-thread stress
-    # run), so this is a precaution that costs flows some decode-attention speed.
-    if threading.current_thread() is threading.main_thread():
-        return torch.get_num_threads()
-    return 1
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -146,7 +134,7 @@ def paged_decode_attention(
         block_tables.shape[1],
         scale,
         int(q.dtype == torch.bfloat16),
-        _kernel_threads(),
+        torch.get_num_threads(),
     )
     if status == -2:
         raise ValueError(
