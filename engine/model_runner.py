@@ -10,10 +10,17 @@ from torch import nn
 from tokenmill.engine.attention import AttentionMetadata, PrefillSpan
 from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.host_memory import keep_large_allocations_mapped
+from tokenmill.engine.kernels import decode_kernel_supports
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.layers import RotaryEmbedding
 from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+# Prefill chunks up to this many tokens are attended by the decode kernel, one row per
+# token. Short prompts (classification rows, chat turns) are dominated by a per-call
+# cost of SDPA that the kernel does not pay; longer chunks are better served by
+# SDPA's or the matmul path's arithmetic intensity.
+SHORT_PREFILL = 32
 
 
 class ModelRunner:
@@ -39,6 +46,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         if device.type == "cpu":
             keep_large_allocations_mapped()
+        # Without the native kernel, decode rows are gathered and padded to the longest
+        # context, which would make folding short prefills into them a loss.
+        self.fold_short_prefills = decode_kernel_supports(device, dtype)
         for layer_idx, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = kv_cache.k[layer_idx]
             layer.self_attn.v_cache = kv_cache.v[layer_idx]
@@ -61,30 +71,41 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        sample_rows: list[int] = []
+        offsets: dict[int, int] = {}  # id(chunk) -> its first token's row in the batch
         prefills: list[PrefillSpan] = []
 
-        def add(chunk: ScheduledChunk) -> tuple[int, np.ndarray]:
+        def add(chunk: ScheduledChunk) -> np.ndarray:
             seq = chunk.seq
             start = seq.num_computed_tokens
             end = start + chunk.num_new_tokens
-            offset = len(token_ids)
+            offsets[id(chunk)] = len(token_ids)
             token_ids.extend(seq.token_ids[start:end])
             pos = np.arange(start, end)
             table = np.asarray(seq.block_table)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            if chunk.samples:
-                sample_rows.append(offset + chunk.num_new_tokens - 1)
-            return offset, table
+            return table
 
+        # Rows the decode kernel attends: one per decoding sequence, then every token
+        # of the short prefill chunks (a chunk's token i sees the context up to itself,
+        # which is exactly causal attention), so a step of many short prompts is one
+        # kernel call per layer instead of one SDPA call per prompt per layer.
         decode_tables, decode_lens = [], []
         for chunk in out.decodes:
-            _, table = add(chunk)
-            decode_tables.append(table)
+            decode_tables.append(add(chunk))
             decode_lens.append(chunk.seq.num_computed_tokens + 1)
+        fold = self.fold_short_prefills
+        long_chunks = [c for c in out.prefills if not fold or c.num_new_tokens > SHORT_PREFILL]
         for chunk in out.prefills:
-            offset, table = add(chunk)
+            if fold and chunk.num_new_tokens <= SHORT_PREFILL:
+                table = add(chunk)
+                start = chunk.seq.num_computed_tokens
+                for i in range(chunk.num_new_tokens):
+                    decode_tables.append(table)
+                    decode_lens.append(start + i + 1)
+        for chunk in long_chunks:
+            table = add(chunk)
+            offset = offsets[id(chunk)]
             start = chunk.seq.num_computed_tokens
             num_query = chunk.num_new_tokens
             num_context = start + num_query
@@ -94,6 +115,8 @@ class ModelRunner:
                 q_pos = torch.arange(start, num_context)[:, None]
                 mask = (torch.arange(num_context)[None, :] <= q_pos).to(self.device)
             prefills.append(PrefillSpan(offset, num_query, num_context, context_block_ids, mask))
+        # Sampled rows in the order of out.chunks, whatever order the tokens went in.
+        sample_rows = [offsets[id(c)] + c.num_new_tokens - 1 for c in out.chunks if c.samples]
 
         decode_block_tables = decode_context_lens = None
         if decode_tables:
@@ -103,7 +126,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_blocks=self._tensor(slot_mapping // bs),
             slot_offsets=self._tensor(slot_mapping % bs),
-            num_decode_tokens=len(out.decodes),
+            num_decode_tokens=len(decode_lens),
             block_size=bs,
             decode_block_tables=decode_block_tables,
             decode_context_lens=decode_context_lens,

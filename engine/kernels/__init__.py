@@ -93,6 +93,15 @@ def paged_attention_library() -> ctypes.CDLL | None:
     return lib
 
 
+def decode_kernel_supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `paged_decode_attention` runs natively for tensors on device in dtype."""
+    return (
+        device.type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and paged_attention_library() is not None
+    )
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -113,9 +122,9 @@ def paged_decode_attention(
     Returns:
         [num_seqs, num_heads, head_dim]
     """
-    lib = paged_attention_library()
-    if lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+    if not decode_kernel_supports(q.device, q.dtype):
         return None
+    lib = paged_attention_library()
     q = q.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
