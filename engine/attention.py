@@ -14,7 +14,7 @@ does; fp32 keeps SDPA, which is the faster of the two there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -34,19 +34,6 @@ class PrefillSpan:
     context_block_ids: torch.Tensor | None
     # [num_query_tokens, num_context_tokens] bool, True = may attend; None when causal.
     mask: torch.Tensor | None
-    # The mask's complement, built once per step by the first layer that needs it.
-    blocked: torch.Tensor | None = field(default=None, repr=False)
-
-    def blocked_positions(self, device: torch.device) -> torch.Tensor | None:
-        """[num_query_tokens, num_context_tokens] bool, True = may not attend; None
-        when every query token sees the whole context."""
-        if self.blocked is None and self.num_query_tokens > 1:
-            mask = self.mask
-            if mask is None:  # causal over the chunk itself
-                n = self.num_query_tokens
-                mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-            self.blocked = ~mask
-        return self.blocked
 
 
 @dataclass
@@ -104,9 +91,8 @@ def paged_attention(
             kp = gather_key_blocks(k_cache, ids)[:, :, :ctx]
             vp = gather_value_blocks(v_cache, ids)[:, :, :ctx]
         if by_matmul:
-            op = prefill_attention_by_matmul(
-                qp[0], kp[0], vp[0], span.blocked_positions(q.device), scale
-            )
+            num_cached = span.num_context_tokens - span.num_query_tokens
+            op = prefill_attention_by_matmul(qp[0], kp[0], vp[0], num_cached, scale)
             out[rows] = op.transpose(0, 1)
             continue
         op = F.scaled_dot_product_attention(
@@ -122,8 +108,10 @@ def paged_attention(
     return out
 
 
-# Upper bound on one tile of fp32 attention scores; longer chunks are cut into query
-# tiles so a long prompt's scores never need gigabytes.
+# Query rows per tile: causal tiles skip the context columns after their last row, and
+# only a tile's diagonal block needs masking; bounded again by SCORES_TILE_BYTES so a long
+# context's scores never need gigabytes.
+QUERY_TILE = 128
 SCORES_TILE_BYTES = 16 << 20
 
 
@@ -131,17 +119,19 @@ def prefill_attention_by_matmul(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    blocked: torch.Tensor | None,
+    num_cached: int,
     scale: float,
 ) -> torch.Tensor:
-    """Attention for one prefill chunk as batched matmuls, the query heads of each kv
-    head stacked into one operand so GQA needs no copies of k and v.
+    """Causal attention for one prefill chunk as batched matmuls. The query heads of each
+    kv head are stacked into one operand, so GQA needs no copies of k and v.
+
+    Query token i (of the chunk) sits at position num_cached + i and sees context
+    positions 0..num_cached + i.
 
     Args:
         q: [num_heads, num_query_tokens, head_dim]
-        k, v: [num_kv_heads, num_context_tokens, head_dim]
-        blocked: [num_query_tokens, num_context_tokens] bool, True = may not attend;
-            None when every query token sees the whole context.
+        k, v: [num_kv_heads, num_cached + num_query_tokens, head_dim]
+        num_cached: context tokens before the chunk (read back from the cache).
     Returns:
         [num_heads, num_query_tokens, head_dim]
     """
@@ -151,18 +141,21 @@ def prefill_attention_by_matmul(
     q4 = q.reshape(num_kv_heads, group, num_query, dim)
     k_t = k.transpose(1, 2)
     out = torch.empty(num_kv_heads, group, num_query, dim, dtype=q.dtype, device=q.device)
-    tile = max(1, SCORES_TILE_BYTES // (4 * num_heads * num_context))
+    tile = max(1, min(QUERY_TILE, SCORES_TILE_BYTES // (4 * num_heads * num_context)))
     for first in range(0, num_query, tile):
         last = min(num_query, first + tile)
         rows = last - first
+        visible = num_cached + last  # the tile's last row sees this many positions
         # Scaling q (rows x dim) is cheaper than scaling the scores (rows x context).
         q_tile = (q4[:, :, first:last] * scale).reshape(num_kv_heads, group * rows, dim)
-        scores = torch.bmm(q_tile, k_t).view(num_kv_heads, group, rows, num_context)
-        if blocked is not None:
-            scores.masked_fill_(blocked[first:last], float("-inf"))
+        scores = torch.bmm(q_tile, k_t[:, :, :visible]).view(num_kv_heads, group, rows, visible)
+        if rows > 1:  # row r of the tile may not see the r+1.. columns of its diagonal
+            diagonal = scores[..., visible - rows :]
+            future = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
+            diagonal.masked_fill_(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[:, :, first:last] = torch.bmm(
-            probs.view(num_kv_heads, group * rows, num_context), v
+            probs.view(num_kv_heads, group * rows, visible), v[:, :visible]
         ).view(num_kv_heads, group, rows, dim)
     return out.view(num_heads, num_query, dim)
 

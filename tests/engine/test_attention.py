@@ -47,35 +47,34 @@ def test_native_kernel_matches_pytorch(dtype, atol):
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
 
 
-@pytest.mark.parametrize("tile_bytes", [16 << 20, 2048])  # one tile; many small tiles
-@pytest.mark.parametrize("cached", [False, True])
-def test_prefill_by_matmul_matches_fp32_sdpa(monkeypatch, tile_bytes, cached):
-    """bf16 prefill chunks: causal over the chunk, or after cached context."""
+@pytest.mark.parametrize(
+    ("query_tile", "tile_bytes"), [(128, 16 << 20), (5, 16 << 20), (128, 2048)]
+)
+@pytest.mark.parametrize("num_cached", [0, 17])
+def test_prefill_by_matmul_matches_fp32_sdpa(monkeypatch, query_tile, tile_bytes, num_cached):
+    """bf16 prefill chunks: causal over the chunk, after num_cached cached tokens, in one
+    tile or in many (each skipping the columns after its last row)."""
+    monkeypatch.setattr(attention, "QUERY_TILE", query_tile)
     monkeypatch.setattr(attention, "SCORES_TILE_BYTES", tile_bytes)
     torch.manual_seed(1)
     num_kv_heads, group, head_dim, num_query = 2, 3, 16, 23
-    num_context = num_query + (17 if cached else 0)
+    num_context = num_cached + num_query
     q = torch.randn(num_kv_heads * group, num_query, head_dim)
     k = torch.randn(num_kv_heads, num_context, head_dim)
     v = torch.randn(num_kv_heads, num_context, head_dim)
-    first = num_context - num_query
-    allowed = torch.arange(num_context)[None, :] <= torch.arange(first, num_context)[:, None]
-    span = attention.PrefillSpan(
-        start=0,
-        num_query_tokens=num_query,
-        num_context_tokens=num_context,
-        context_block_ids=torch.zeros(1, dtype=torch.int64) if cached else None,
-        mask=allowed if cached else None,
-    )
+    positions = torch.arange(num_cached, num_context)[:, None]
+    allowed = torch.arange(num_context)[None, :] <= positions
+
+    def sdpa(mask: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask[None, None], scale=0.25, enable_gqa=True
+        )[0]
+
     got = attention.prefill_attention_by_matmul(
-        q.bfloat16(), k.bfloat16(), v.bfloat16(), span.blocked_positions(q.device), 0.25
-    )
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=allowed[None, None], scale=0.25, enable_gqa=True
-    )[0]
-    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
-    # A wrong mask (attending to the future) is far outside that tolerance.
-    leaked = attention.prefill_attention_by_matmul(
-        q.bfloat16(), k.bfloat16(), v.bfloat16(), None, 0.25
-    )
-    assert (leaked.float() - want).abs().max() > 0.3
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), num_cached, 0.25
+    ).float()
+    torch.testing.assert_close(got, sdpa(allowed), atol=3e-2, rtol=3e-2)
+    # A mask one position off (each query seeing one future token) is far outside that
+    # tolerance, so the comparison would catch an off-by-one in the tiles' masking.
+    one_ahead = torch.arange(num_context)[None, :] <= positions + 1
+    assert (got - sdpa(one_ahead)).abs().max() > 0.3
