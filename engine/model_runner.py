@@ -90,19 +90,21 @@ class ModelRunner:
         # of the short prefill chunks (a chunk's token i sees the context up to itself,
         # which is exactly causal attention), so a step of many short prompts is one
         # kernel call per layer instead of one SDPA call per prompt per layer.
-        decode_tables, decode_lens = [], []
+        decode_tables: list[np.ndarray] = []  # one per chunk, repeated per row below
+        decode_rows: list[int] = []
+        decode_lens: list[int] = []
         for chunk in out.decodes:
             decode_tables.append(add(chunk))
+            decode_rows.append(1)
             decode_lens.append(chunk.seq.num_computed_tokens + 1)
         fold = self.fold_short_prefills
+        short_chunks = [c for c in out.prefills if fold and c.num_new_tokens <= SHORT_PREFILL]
         long_chunks = [c for c in out.prefills if not fold or c.num_new_tokens > SHORT_PREFILL]
-        for chunk in out.prefills:
-            if fold and chunk.num_new_tokens <= SHORT_PREFILL:
-                table = add(chunk)
-                start = chunk.seq.num_computed_tokens
-                for i in range(chunk.num_new_tokens):
-                    decode_tables.append(table)
-                    decode_lens.append(start + i + 1)
+        for chunk in short_chunks:
+            decode_tables.append(add(chunk))
+            decode_rows.append(chunk.num_new_tokens)
+            start = chunk.seq.num_computed_tokens
+            decode_lens.extend(range(start + 1, start + chunk.num_new_tokens + 1))
         for chunk in long_chunks:
             table = add(chunk)
             offset = offsets[id(chunk)]
@@ -120,7 +122,7 @@ class ModelRunner:
 
         decode_block_tables = decode_context_lens = None
         if decode_tables:
-            decode_block_tables = self._padded_block_tables(decode_tables, decode_lens)
+            decode_block_tables = self._padded_block_tables(decode_tables, decode_rows, decode_lens)
             decode_context_lens = self._tensor(np.asarray(decode_lens))
         slot_mapping = np.concatenate(slots)
         meta = AttentionMetadata(
@@ -139,14 +141,17 @@ class ModelRunner:
             sample_rows,
         )
 
-    def _padded_block_tables(self, tables: list[np.ndarray], lengths: list[int]) -> torch.Tensor:
-        """[num_decodes, max_blocks] block ids, rows padded with block 0."""
+    def _padded_block_tables(
+        self, tables: list[np.ndarray], rows: list[int], lengths: list[int]
+    ) -> torch.Tensor:
+        """[sum(rows), max_blocks] block ids: tables[i] repeated rows[i] times, padded
+        with block 0 to the blocks the longest of `lengths` (one per row) needs."""
         max_blocks = -(-max(lengths) // self.block_size)
         padded = np.zeros((len(tables), max_blocks), dtype=np.int64)
         for row, table in enumerate(tables):
             n = min(len(table), max_blocks)
             padded[row, :n] = table[:n]
-        return self._tensor(padded)
+        return self._tensor(np.repeat(padded, rows, axis=0))
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(
