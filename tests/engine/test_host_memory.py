@@ -18,6 +18,9 @@ import torch
 from torch.nn import functional as F
 from tokenmill.engine.host_memory import keep_large_allocations_mapped
 applied = keep_large_allocations_mapped()
+# One thread: worker threads allocate from their own malloc arenas, each warming up on
+# its own schedule, which would make the count depend on how the work was split.
+torch.set_num_threads(1)
 x = torch.randn(1900, 576)
 w = torch.randn(576)
 gate_up = torch.randn(1900, 3072)
@@ -25,7 +28,7 @@ def step():
     h = x + F.rms_norm(x, (576,), w, 1e-5)
     gate, up = gate_up.split(1536, dim=-1)
     return (F.silu(gate) * up).sum() + h.sum()
-for _ in range(3):  # the heap grows to the step's high-water mark
+for _ in range(10):  # the heap grows to the step's high-water mark
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(40):
@@ -59,6 +62,7 @@ def test_freed_activations_are_reused_instead_of_faulted_again():
     assert tuned["applied"] is True
     # Untuned, glibc maps and unmaps these blocks each time: steps fault most pages.
     assert untuned["faults"] > 10 * PAGES_PER_STEP
-    # Tuned, the blocks stay in the heap: past warm-up, less than one step's pages fault
-    # in all 40 steps (measured: 0-2,850 tuned, 72,711-132,890 untuned).
-    assert tuned["faults"] < PAGES_PER_STEP, (tuned, untuned)
+    # Tuned, the blocks stay in the heap: all 40 steps together fault less than two
+    # steps' pages (measured: 0-4,631 tuned, 63,092-226,760 untuned; the tuned tail is
+    # the heap settling after a fragmentation, once).
+    assert tuned["faults"] < 2 * PAGES_PER_STEP, (tuned, untuned)
