@@ -4,7 +4,7 @@
     python benchmarks/profile_tokenmill.py --preset mixed64 --torch-profiler   # op level
 
 The default mode times the engine's stages by wrapping them from the outside (forward
-hooks on every nn.Linear, wrappers around scheduling, input preparation, attention and
+hooks on every linear layer, wrappers around scheduling, input preparation, attention and
 sampling): on CPU every op is synchronous, so wall-clock time inside a stage is that
 stage's cost, and what is left is Python and engine bookkeeping. Hooks add about a
 microsecond per call; the run is otherwise the benchmark's own tokenmill run.
@@ -128,8 +128,10 @@ def instrument(llm: LLM, clock: StageClock) -> list[str]:
         return missing
     clock.hook_module(model, "model: other ops (embedding, norms, rotary, activation, residual)")
     lm_head = getattr(model, "lm_head", None)
+    from tokenmill.engine.packed_linear import PackedLinear
+
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, (torch.nn.Linear, PackedLinear)):
             stage = "lm_head (logits)" if module is lm_head else "model: linear layers"
             clock.hook_module(module, stage)
     if lm_head is None:

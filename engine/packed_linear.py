@@ -1,0 +1,105 @@
+"""CPU linear layers through oneDNN, each weight packed once at load.
+
+`F.linear` on CPU goes to MKL, which on AMD processors runs its generic AVX2 code: on
+the project's AMD EPYC machine an fp32 [1900, 576] x [576, 960] product takes 10.1 ms
+there and 4.4 ms through oneDNN with the weight already in oneDNN's blocked layout
+(2.1-2.5x across SmolLM2's projections; bf16 1.05x for prefill, 1.2-1.4x for 64-row
+decode batches, where MKL-DNN otherwise repacks the weight every call). The results
+are fp32 to rounding (relative error 9e-7 against float64, MKL's is 4e-7).
+
+`pack_linear_layers` swaps every nn.Linear of a loaded model for a PackedLinear. It
+runs only on CPU for fp32/bf16, only when this torch build has the oneDNN ops, and only
+after one packed projection has matched F.linear on random input; otherwise the model
+is left as it was. Set TOKENMILL_PACKED_LINEAR=0 to keep F.linear.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+log = logging.getLogger(__name__)
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch build can pack a linear weight for oneDNN on CPU."""
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear's forward on a weight held in oneDNN's blocked layout."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()
+        self.register_buffer(
+            "packed_weight",
+            torch.ops.mkldnn._reorder_linear_weight(weight, None),
+            persistent=False,
+        )
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.packed_weight, self.bias, "none", [], ""
+        )
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
+    """The packed layer computes what F.linear computes, to the dtype's rounding."""
+    weight = linear.weight.detach()
+    x = torch.randn(5, linear.in_features, generator=torch.Generator().manual_seed(0))
+    x = x.to(weight.dtype)
+    bias = None if linear.bias is None else linear.bias.detach()
+    want = F.linear(x, weight, bias).float()
+    got = packed(x).float()
+    tolerance = 1e-4 if weight.dtype == torch.float32 else 2e-2
+    return torch.allclose(got, want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+def pack_linear_layers(model: nn.Module, *, dtype: torch.dtype, device: torch.device) -> int:
+    """Replace model's nn.Linear layers by PackedLinear ones, in place.
+
+    Returns:
+        How many layers were replaced (0 when packing does not apply here).
+    """
+    if (
+        device.type != "cpu"
+        or dtype not in (torch.float32, torch.bfloat16)
+        or os.environ.get("TOKENMILL_PACKED_LINEAR", "1") == "0"
+        or not onednn_linear_available()
+    ):
+        return 0
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+    if not targets:
+        return 0
+    try:
+        first = PackedLinear(targets[0][2])
+        if not _agrees(targets[0][2], first):
+            log.warning("oneDNN linear disagrees with F.linear here; keeping F.linear")
+            return 0
+    except RuntimeError as exc:
+        log.warning("oneDNN linear unavailable (%s); keeping F.linear", exc)
+        return 0
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child))
+    return len(targets)
