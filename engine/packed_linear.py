@@ -1,6 +1,7 @@
 """CPU linear layers through oneDNN, each weight packed once at load.
 
-`F.linear` on CPU goes to MKL, which on AMD processors runs its generic AVX2 code: on
+`F.linear` on CPU goes to MKL, which on AMD processors reaches about half of what the
+hardware does (it does not pick its AVX-512 kernels there, by all appearances): on
 the project's AMD EPYC machine an fp32 [1900, 576] x [576, 960] product takes 10.1 ms
 there and 4.4 ms through oneDNN with the weight already in oneDNN's blocked layout
 (2.1-2.5x across SmolLM2's projections; bf16 1.05x for prefill, 1.2-1.4x for 64-row
