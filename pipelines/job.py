@@ -396,10 +396,16 @@ def finalize_job(
             f"are not shards of this job (e.g. {foreign[0]})"
         )
     sums = token_sums(RESULT_SCHEMA.empty_table())
-    for shard in plan.shards:
-        results = _shard_results(parts[shard.shard_id], spec)
-        _check_part(plan, shard, results)
-        sums = add_token_sums(sums, results)
+    checked = _checked_parts(plan, parts, sums=sums)
+    if spec.output_format == "openai-batch":
+        # One pass over the parts: each is checked, added up and turned into output
+        # lines in turn. The file is written atomically, so a part that fails its check
+        # leaves no output file behind.
+        lines = _openai_lines(plan, checked, created=int(time.time()))
+        out.write_openai_results(spec.output, lines, spec.storage_options)
+    else:
+        for _ in checked:
+            pass
     stats = out.read_shard_stats(
         spec.output, [s.shard_id for s in plan.shards], spec.storage_options
     )
@@ -426,10 +432,6 @@ def finalize_job(
         ledger_dataset=spec.ledger_dataset,
         storage_options=spec.storage_options,
     )
-    if spec.output_format == "openai-batch":
-        out.write_openai_results(
-            spec.output, _openai_lines(plan, parts, created=int(time.time())), spec.storage_options
-        )
     try:
         out.remove_plan(spec.output, spec.storage_options)
     except OSError as exc:  # the job is done; leftover plan files are only clutter
@@ -450,18 +452,37 @@ def _shard_results(urls: list[str], spec: JobSpec) -> pa.Table:
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="permissive")
 
 
-def _check_part(plan: JobPlan, shard: Shard, results: pa.Table) -> None:
-    """The part holds exactly the shard's planned ids, once each."""
-    ids = results["id"].to_pylist() if results.num_rows else []
-    expected = set(load_shard(plan, shard, columns=["id"])["id"].to_pylist())
-    if len(ids) != shard.num_rows or len(set(ids)) != len(ids) or set(ids) != expected:
-        raise RuntimeError(
-            f"results of job {plan.job_id} do not match its plan: shard {shard.shard_id} has "
-            f"{len(ids)} rows ({len(set(ids))} distinct ids) for {shard.num_rows} planned rows"
-        )
+def _checked_parts(
+    plan: JobPlan, parts: dict[str, list[str]], *, sums: dict[str, int]
+) -> Iterator[tuple[Shard, pa.Table, pa.Table]]:
+    """Each shard's results and plan file, in plan order, once each has been checked to
+    hold exactly the shard's planned ids; their token sums are added into `sums`.
+
+    The plan file is read with the columns OpenAI batch output also needs, so no part
+    or plan file is read twice.
+
+    Raises:
+        RuntimeError: a part does not hold its shard's planned ids, once each.
+    """
+    columns = ["id", "row_index", "url"] if plan.spec.output_format == "openai-batch" else ["id"]
+    for shard in plan.shards:
+        results = _shard_results(parts[shard.shard_id], plan.spec)
+        planned = load_shard(plan, shard, columns=columns)
+        ids = results["id"].to_pylist() if results.num_rows else []
+        expected = set(planned["id"].to_pylist())
+        if len(ids) != shard.num_rows or len(set(ids)) != len(ids) or set(ids) != expected:
+            raise RuntimeError(
+                f"results of job {plan.job_id} do not match its plan: shard {shard.shard_id} "
+                f"has {len(ids)} rows ({len(set(ids))} distinct ids) for {shard.num_rows} "
+                "planned rows"
+            )
+        sums.update(add_token_sums(sums, results))
+        yield shard, results, planned
 
 
-def _openai_lines(plan: JobPlan, parts: dict[str, list[str]], *, created: int) -> Iterator[str]:
+def _openai_lines(
+    plan: JobPlan, checked: Iterator[tuple[Shard, pa.Table, pa.Table]], *, created: int
+) -> Iterator[str]:
     """OpenAI batch output lines in input order, one window at a time.
 
     A window's shards cover a contiguous range of rows, so sorting each window's rows
@@ -469,11 +490,9 @@ def _openai_lines(plan: JobPlan, parts: dict[str, list[str]], *, created: int) -
     """
     from tokenmill.connectors import openai_batch_output_lines
 
-    for _, shards in itertools.groupby(plan.shards, key=lambda s: s.window):
+    for _, in_window in itertools.groupby(checked, key=lambda item: item[0].window):
         tables = []
-        for shard in shards:
-            results = _shard_results(parts[shard.shard_id], plan.spec)
-            planned = load_shard(plan, shard, columns=["id", "row_index", "url"])
+        for _, results, planned in in_window:
             where = {rid: i for i, rid in enumerate(planned["id"].to_pylist())}
             take = pa.array([where[rid] for rid in results["id"].to_pylist()], pa.int64())
             results = results.append_column("url", planned["url"].take(take))

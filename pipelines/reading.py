@@ -127,10 +127,10 @@ def _read_batch(
     max_model_len: int,
 ) -> list[PromptRow]:
     rendered = render_rows(columns, spec.template_spec, start=start, chat=chat)
-    num_rows = len(rendered)
-    rendered = _mark_bad_lines(
-        rendered, columns.get(ERROR_COLUMN), _batch_ids(columns, spec, start, num_rows)
-    )
+    errors = columns.get(ERROR_COLUMN)
+    if errors is not None:  # only a connector that met unparseable lines adds the column
+        ids = _batch_ids(columns, spec, start, len(rendered))
+        rendered = _mark_bad_lines(rendered, errors, ids)
     params_index = _params_index(columns, spec, params, rendered)
     indices = [i for _, i in params_index]
     return tokenize_rows(
@@ -164,11 +164,9 @@ def _batch_ids(
 
 
 def _mark_bad_lines(
-    rendered: list[RenderedRow], errors: list | None, ids: list[str | None]
+    rendered: list[RenderedRow], errors: list, ids: list[str | None]
 ) -> list[RenderedRow]:
     """Rows the connector could not parse become error rows."""
-    if errors is None:
-        return rendered
     return [
         row if error is None else RenderedRow(row.row_index, rid, error=error)
         for row, error, rid in zip(rendered, errors, ids)
