@@ -1,15 +1,15 @@
 """Attention over the paged KV cache.
 
 A step's tokens arrive flattened, with no padding: first one query token for each
-decoding sequence, then the query chunks of the sequences still prefilling. Decoding
-sequences are attended to in one batched call; each prefill chunk gets its own call,
-reading its earlier context back from the cache when it has any.
+decoding sequence, then the query chunks of the sequences still prefilling. On CPU in
+fp32 or bf16 one native kernel call per layer attends to all of them, reading the
+cache in place (`tokenmill.engine.kernels`, paged_attention.c).
 
-Prefill chunks in bf16/fp16 on CPU are computed as two batched matmuls around an fp32
-softmax rather than by SDPA: PyTorch's fused CPU kernel keeps its tiles in fp32 and
-never reaches the bf16 matmul units, so at SmolLM2's shapes the matmuls are 2.3-2.5x
-faster. The scores are rounded to bf16 before the softmax (which itself runs in fp32),
-as HF's eager attention does; fp32 keeps SDPA, which is the faster of the two there.
+Elsewhere (CUDA, other dtypes, or no C compiler) the portable path runs: decoding
+sequences are attended to in one batched SDPA over gathered copies of their context,
+and each prefill chunk gets its own call, reading its earlier context back from the
+cache when it has any. Its bf16/fp16 chunks on CPU are two batched matmuls around the
+softmax rather than SDPA, whose fused CPU kernel keeps its tiles in fp32.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from tokenmill.engine.kernels import paged_decode_attention
+from tokenmill.engine.kernels import AttentionEntries, native_paged_attention
 
 
 @dataclass
 class PrefillSpan:
-    """One sequence's chunk of query tokens in the flat batch."""
+    """One sequence's chunk of query tokens in the flat batch (portable path)."""
 
     start: int  # offset of the chunk's first token in the flat batch
     num_query_tokens: int
@@ -32,8 +32,6 @@ class PrefillSpan:
     # Cache blocks holding the whole context, in order [num_context_blocks]; None when
     # the chunk is the whole context, so keys and values come straight from this step.
     context_block_ids: torch.Tensor | None
-    # [num_query_tokens, num_context_tokens] bool, True = may attend; None when causal.
-    mask: torch.Tensor | None
 
 
 @dataclass
@@ -45,6 +43,9 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor
     num_decode_tokens: int  # the first num_decode_tokens tokens decode, one per sequence
     block_size: int
+    # Every query token, for the native kernel; None on the portable path, which uses
+    # the three fields after it instead.
+    native: AttentionEntries | None
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillSpan]
@@ -71,41 +72,49 @@ def paged_attention(
     """
     k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
+    if meta.native is not None:
+        return native_paged_attention(q, k_cache, v_cache, meta.native, scale)
     out = torch.empty_like(q)
-
     num_decodes = meta.num_decode_tokens
     if num_decodes:
         out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale)
-
-    by_matmul = q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
     for span in meta.prefills:
-        rows = slice(span.start, span.start + span.num_query_tokens)
-        # 4-D [1, heads, tokens, head_dim] operands: with 3-D ones PyTorch's CPU
-        # dispatcher drops to the unfused math kernel.
-        qp = q[rows].transpose(0, 1)[None]
-        if span.context_block_ids is None:
-            kp, vp = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
-        else:
-            ids = span.context_block_ids[None]
-            ctx = span.num_context_tokens
-            kp = gather_key_blocks(k_cache, ids)[:, :, :ctx]
-            vp = gather_value_blocks(v_cache, ids)[:, :, :ctx]
-        if by_matmul:
-            num_cached = span.num_context_tokens - span.num_query_tokens
-            op = prefill_attention_by_matmul(qp[0], kp[0], vp[0], num_cached, scale)
-            out[rows] = op.transpose(0, 1)
-            continue
-        op = F.scaled_dot_product_attention(
-            qp,
-            kp,
-            vp,
-            attn_mask=None if span.mask is None else span.mask[None, None],
-            is_causal=span.mask is None and span.num_query_tokens > 1,
-            scale=scale,
-            enable_gqa=True,
+        out[span.start : span.start + span.num_query_tokens] = _prefill_span_attention(
+            q, k, v, k_cache, v_cache, span, scale
         )
-        out[rows] = op[0].transpose(0, 1)
     return out
+
+
+def _prefill_span_attention(q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float):
+    """One prefill chunk on the portable path -> [num_query_tokens, num_heads, head_dim]."""
+    rows = slice(span.start, span.start + span.num_query_tokens)
+    num_cached = span.num_context_tokens - span.num_query_tokens
+    # 4-D [1, heads, tokens, head_dim] operands: with 3-D ones PyTorch's CPU
+    # dispatcher drops to the unfused math kernel.
+    qp = q[rows].transpose(0, 1)[None]
+    if span.context_block_ids is None:
+        kp, vp = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
+    else:
+        ids = span.context_block_ids[None]
+        kp = gather_key_blocks(k_cache, ids)[:, :, : span.num_context_tokens]
+        vp = gather_value_blocks(v_cache, ids)[:, :, : span.num_context_tokens]
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        op = prefill_attention_by_matmul(qp[0], kp[0], vp[0], num_cached, scale)
+        return op.transpose(0, 1)
+    mask = None
+    if num_cached:  # query token i sees the context up to position num_cached + i
+        positions = torch.arange(span.num_context_tokens, device=q.device)
+        mask = positions[None, :] <= positions[num_cached:, None]
+    op = F.scaled_dot_product_attention(
+        qp,
+        kp,
+        vp,
+        attn_mask=None if mask is None else mask[None, None],
+        is_causal=mask is None and span.num_query_tokens > 1,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return op[0].transpose(0, 1)
 
 
 # Query rows per tile: causal tiles skip the context columns after their last row, and
@@ -163,20 +172,9 @@ def prefill_attention_by_matmul(
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [B, H, D] one token per sequence -> [B, H, D]."""
-    out = paged_decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        meta.decode_block_tables,
-        meta.decode_context_lens,
-        meta.block_size,
-        scale,
-    )
-    if out is not None:
-        return out
-    # Portable path: copy the context out block by block, then one batched SDPA that
-    # masks the padding past each sequence's length.
+    """Portable path, q: [B, H, D] one token per sequence -> [B, H, D]: copy the context
+    out block by block, then one batched SDPA that masks the padding past each
+    sequence's length."""
     kd = gather_key_blocks(k_cache, meta.decode_block_tables)
     vd = gather_value_blocks(v_cache, meta.decode_block_tables)
     positions = torch.arange(kd.shape[2], device=q.device)

@@ -10,17 +10,17 @@ from torch import nn
 from tokenmill.engine.attention import AttentionMetadata, PrefillSpan
 from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.host_memory import keep_large_allocations_mapped
-from tokenmill.engine.kernels import decode_kernel_supports
+from tokenmill.engine.kernels import AttentionEntries, native_attention_supports
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.layers import RotaryEmbedding
 from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
+from tokenmill.engine.shared_prefix import group_shared_prefixes
 
-# Prefill chunks up to this many tokens are attended by the decode kernel, one row per
-# token. Short prompts (classification rows, chat turns) are dominated by a per-call
-# cost of SDPA that the kernel does not pay; longer chunks are better served by
-# SDPA's or the matmul path's arithmetic intensity.
-SHORT_PREFILL = 32
+# Query rows (sequences x query heads per kv head) the native kernel attends to in one
+# item when decoding sequences share prefix blocks: enough to read a shared prefix once
+# for a large batch, few enough that its scores stay in L2 and both threads get work.
+SHARED_PREFIX_ROWS = 96
 
 
 class ModelRunner:
@@ -46,9 +46,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         if device.type == "cpu":
             keep_large_allocations_mapped()
-        # Without the native kernel, decode rows are gathered and padded to the longest
-        # context, which would make folding short prefills into them a loss.
-        self.fold_short_prefills = decode_kernel_supports(device, dtype)
+        self.native_attention = native_attention_supports(device, dtype)
         for layer_idx, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = kv_cache.k[layer_idx]
             layer.self_attn.v_cache = kv_cache.v[layer_idx]
@@ -72,7 +70,6 @@ class ModelRunner:
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         offsets: dict[int, int] = {}  # id(chunk) -> its first token's row in the batch
-        prefills: list[PrefillSpan] = []
 
         def add(chunk: ScheduledChunk) -> np.ndarray:
             seq = chunk.seq
@@ -86,43 +83,31 @@ class ModelRunner:
             slots.append(table[pos // bs] * bs + pos % bs)
             return table
 
-        # Rows the decode kernel attends: one per decoding sequence, then every token
-        # of the short prefill chunks (a chunk's token i sees the context up to itself,
-        # which is exactly causal attention), so a step of many short prompts is one
-        # kernel call per layer instead of one SDPA call per prompt per layer.
-        decode_tables: list[np.ndarray] = []  # one per chunk, repeated per row below
-        decode_rows: list[int] = []
-        decode_lens: list[int] = []
-        for chunk in out.decodes:
-            decode_tables.append(add(chunk))
-            decode_rows.append(1)
-            decode_lens.append(chunk.seq.num_computed_tokens + 1)
-        fold = self.fold_short_prefills
-        short_chunks = [c for c in out.prefills if fold and c.num_new_tokens <= SHORT_PREFILL]
-        long_chunks = [c for c in out.prefills if not fold or c.num_new_tokens > SHORT_PREFILL]
-        for chunk in short_chunks:
-            decode_tables.append(add(chunk))
-            decode_rows.append(chunk.num_new_tokens)
-            start = chunk.seq.num_computed_tokens
-            decode_lens.extend(range(start + 1, start + chunk.num_new_tokens + 1))
-        for chunk in long_chunks:
-            table = add(chunk)
-            offset = offsets[id(chunk)]
-            start = chunk.seq.num_computed_tokens
-            num_query = chunk.num_new_tokens
-            num_context = start + num_query
-            context_block_ids = mask = None
-            if start > 0:
-                context_block_ids = self._tensor(table[: -(-num_context // bs)])
-                q_pos = torch.arange(start, num_context)[:, None]
-                mask = (torch.arange(num_context)[None, :] <= q_pos).to(self.device)
-            prefills.append(PrefillSpan(offset, num_query, num_context, context_block_ids, mask))
+        decode_tables = [add(chunk) for chunk in out.decodes]
+        decode_lens = [chunk.seq.num_computed_tokens + 1 for chunk in out.decodes]
+        prefill_tables = [add(chunk) for chunk in out.prefills]
+        native = None
+        prefills: list[PrefillSpan] = []
+        if self.native_attention:
+            native = self._attention_entries(
+                out, offsets, decode_tables, decode_lens, prefill_tables
+            )
+        else:
+            for chunk, table in zip(out.prefills, prefill_tables):
+                start = chunk.seq.num_computed_tokens
+                num_context = start + chunk.num_new_tokens
+                # Earlier context is read back from the cache; a whole-prompt chunk
+                # attends to its own keys and values directly.
+                ids = self._tensor(table[: -(-num_context // bs)]) if start else None
+                prefills.append(
+                    PrefillSpan(offsets[id(chunk)], chunk.num_new_tokens, num_context, ids)
+                )
         # Sampled rows in the order of out.chunks, whatever order the tokens went in.
         sample_rows = [offsets[id(c)] + c.num_new_tokens - 1 for c in out.chunks if c.samples]
 
         decode_block_tables = decode_context_lens = None
-        if decode_tables:
-            decode_block_tables = self._padded_block_tables(decode_tables, decode_rows, decode_lens)
+        if decode_tables and native is None:
+            decode_block_tables = self._padded_block_tables(decode_tables, decode_lens)
             decode_context_lens = self._tensor(np.asarray(decode_lens))
         slot_mapping = np.concatenate(slots)
         meta = AttentionMetadata(
@@ -130,6 +115,7 @@ class ModelRunner:
             slot_offsets=self._tensor(slot_mapping % bs),
             num_decode_tokens=len(decode_lens),
             block_size=bs,
+            native=native,
             decode_block_tables=decode_block_tables,
             decode_context_lens=decode_context_lens,
             prefills=prefills,
@@ -141,17 +127,61 @@ class ModelRunner:
             sample_rows,
         )
 
-    def _padded_block_tables(
-        self, tables: list[np.ndarray], rows: list[int], lengths: list[int]
-    ) -> torch.Tensor:
-        """[sum(rows), max_blocks] block ids: tables[i] repeated rows[i] times, padded
-        with block 0 to the blocks the longest of `lengths` (one per row) needs."""
+    def _attention_entries(
+        self,
+        out: SchedulerOutput,
+        offsets: dict[int, int],
+        decode_tables: list[np.ndarray],
+        decode_lens: list[int],
+        prefill_tables: list[np.ndarray],
+    ) -> AttentionEntries:
+        """The step's tokens as the native kernel's entries: each prompt chunk alone, then
+        the decoding sequences in groups that share prefix blocks, then the rest."""
+        rows: list[int] = []
+        queries: list[int] = []
+        contexts: list[int] = []
+        tables: list[np.ndarray] = []
+        starts, shared = [0], []
+
+        def add_group(members: list[tuple[ScheduledChunk, np.ndarray]], shared_blocks: int):
+            for chunk, table in members:
+                rows.append(offsets[id(chunk)])
+                queries.append(chunk.num_new_tokens)
+                contexts.append(chunk.seq.num_computed_tokens + chunk.num_new_tokens)
+                tables.append(table)
+            starts.append(len(rows))
+            shared.append(shared_blocks)
+
+        # Prompt chunks first: their tiles are the largest items, best started early.
+        for chunk, table in zip(out.prefills, prefill_tables):
+            add_group([(chunk, table)], 0)
+        heads_per_kv = self.config.num_attention_heads // self.config.num_key_value_heads
+        groups, alone = group_shared_prefixes(
+            decode_tables, decode_lens, self.block_size, max(2, SHARED_PREFIX_ROWS // heads_per_kv)
+        )
+        for group in groups:
+            members = [(out.decodes[i], decode_tables[i]) for i in group.members]
+            add_group(members, group.shared_blocks)
+        for i in alone:
+            add_group([(out.decodes[i], decode_tables[i])], 0)
+        return AttentionEntries(
+            rows=self._tensor(np.asarray(rows)),
+            queries=self._tensor(np.asarray(queries)),
+            contexts=self._tensor(np.asarray(contexts)),
+            block_tables=self._padded_block_tables(tables, contexts),
+            group_starts=self._tensor(np.asarray(starts)),
+            group_shared_blocks=self._tensor(np.asarray(shared)),
+        )
+
+    def _padded_block_tables(self, tables: list[np.ndarray], lengths: list[int]) -> torch.Tensor:
+        """[len(tables), max_blocks] block ids, padded with block 0 to the blocks the
+        longest of `lengths` (one per table) needs."""
         max_blocks = -(-max(lengths) // self.block_size)
         padded = np.zeros((len(tables), max_blocks), dtype=np.int64)
         for row, table in enumerate(tables):
             n = min(len(table), max_blocks)
             padded[row, :n] = table[:n]
-        return self._tensor(np.repeat(padded, rows, axis=0))
+        return self._tensor(padded)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(

@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -36,14 +37,16 @@ def _cpu_fingerprint() -> str:
     return platform.machine() + flags
 
 
-def _library_path(source: str) -> Path:
+def _library_path(sources: dict[str, str]) -> Path:
     from tokenmill.engine.model_files import cache_dir
 
-    key = hashlib.sha256("\0".join([source, *_FLAGS, _cpu_fingerprint()]).encode()).hexdigest()
-    return cache_dir() / "kernels" / f"paged_attention-{key[:16]}.so"
+    parts = [f"{name}\0{text}" for name, text in sorted(sources.items())]
+    key = hashlib.sha256("\0".join([*parts, *_FLAGS, _cpu_fingerprint()]).encode()).hexdigest()
+    return cache_dir() / "kernels" / f"tokenmill-kernels-{key[:16]}.so"
 
 
-def _compile(source_path: Path, target: Path) -> None:
+def _compile(source_dir: Path, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """Build every .c file in source_dir into one shared library at target."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
@@ -52,7 +55,7 @@ def _compile(source_path: Path, target: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *_FLAGS, str(source_path), "-o", tmp, "-lm"],
+            [compiler, *_FLAGS, *extra_flags, *map(str, _c_files(source_dir)), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -63,91 +66,122 @@ def _compile(source_path: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
+def _c_files(source_dir: Path) -> list[Path]:
+    return sorted(source_dir.glob("*.c"))
+
+
+def _sources(source_dir: Path) -> dict[str, str]:
+    """Every C source and header the library is built from, by file name."""
+    files = [*_c_files(source_dir), *sorted(source_dir.glob("*.h"))]
+    return {path.name: path.read_text() for path in files}
+
+
 @functools.cache
-def paged_attention_library() -> ctypes.CDLL | None:
-    """The compiled decode-attention kernel, or None when it cannot be built here."""
+def native_library() -> ctypes.CDLL | None:
+    """The compiled native kernels, or None when they cannot be built here."""
     if os.environ.get("TOKENMILL_NATIVE_KERNELS", "1") == "0":
         return None
-    source_ref = resources.files(__name__).joinpath("paged_attention.c")
     try:
-        with resources.as_file(source_ref) as source_path:
-            target = _library_path(source_path.read_text())
+        with resources.as_file(resources.files(__name__)) as source_dir:
+            target = _library_path(_sources(source_dir))
             if not target.exists():
-                _compile(source_path, target)
+                _compile(source_dir, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("native attention kernel unavailable, using the PyTorch path: %s", detail)
         return None
-    fn = lib.tm_paged_decode_attention
+    fn = lib.tm_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = (
-        [ctypes.c_void_p] * 6
-        + [ctypes.c_int64] * 6
-        + [
-            ctypes.c_float,
-            ctypes.c_int,
-            ctypes.c_int,
-        ]
+        [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
     return lib
 
 
-def decode_kernel_supports(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `paged_decode_attention` runs natively for tensors on device in dtype."""
+def native_attention_supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `native_paged_attention` runs for tensors on device in dtype."""
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
-        and paged_attention_library() is not None
+        and native_library() is not None
     )
 
 
-def paged_decode_attention(
+@dataclass
+class AttentionEntries:
+    """A step's query tokens as the native kernel takes them (see paged_attention.c).
+
+    Each entry is one sequence's chunk of query tokens: a decoding sequence's one token,
+    or a prompt chunk. Token i of an entry sits at position contexts - queries + i and
+    sees the positions up to its own. Entries come in groups: a group of one is a chunk
+    on its own; a larger group holds decoding sequences whose first `group_shared_blocks`
+    cache blocks are the same blocks, read once for all of them.
+    """
+
+    rows: torch.Tensor  # [num_entries] the entry's first token in the flat batch
+    queries: torch.Tensor  # [num_entries] its query tokens
+    contexts: torch.Tensor  # [num_entries] positions its last token sees, itself included
+    block_tables: torch.Tensor  # [num_entries, max_blocks] its context's blocks, 0-padded
+    group_starts: torch.Tensor  # [num_groups + 1] the entries of group k: [starts[k], starts[k+1])
+    group_shared_blocks: torch.Tensor  # [num_groups]
+
+
+def native_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_size: int,
+    entries: AttentionEntries,
     scale: float,
-) -> torch.Tensor | None:
-    """One query token per sequence over the paged cache; None if the kernel is missing.
+) -> torch.Tensor:
+    """Attention for every query token of a step, straight over the paged cache. The
+    entries' own keys and values must already be in the cache.
 
     Args:
-        q: [num_seqs, num_heads, head_dim] (fp32 or bf16, CPU)
+        q: [num_tokens, num_heads, head_dim] (fp32 or bf16, CPU)
         k_cache: [num_blocks, num_kv_heads, head_dim, block_size], q's dtype
         v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype
-        block_tables: [num_seqs, max_blocks] int64
-        context_lens: [num_seqs] int64
     Returns:
-        [num_seqs, num_heads, head_dim]
+        [num_tokens, num_heads, head_dim]; rows no entry covers are left unset.
     """
-    if not decode_kernel_supports(q.device, q.dtype):
-        return None
-    lib = paged_attention_library()
+    if not native_attention_supports(q.device, q.dtype):
+        raise RuntimeError(f"no native attention kernel for {q.dtype} on {q.device}")
+    lib = native_library()
     q = q.contiguous()
     out = torch.empty_like(q)
-    num_seqs, num_heads, head_dim = q.shape
-    status = lib.tm_paged_decode_attention(
+    _num_tokens, num_heads, head_dim = q.shape
+    _num_blocks, num_kv_heads, block_size, _ = v_cache.shape
+    tensors = (
+        entries.rows,
+        entries.queries,
+        entries.contexts,
+        entries.block_tables,
+        entries.group_starts,
+        entries.group_shared_blocks,
+    )
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for t in tensors):
+        raise ValueError("attention entries must be contiguous int64 tensors")
+    status = lib.tm_paged_attention(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        context_lens.data_ptr(),
         out.data_ptr(),
-        num_seqs,
+        *(t.data_ptr() for t in tensors),
+        entries.group_shared_blocks.shape[0],  # num_groups
         num_heads,
-        v_cache.shape[1],  # num_kv_heads
+        num_kv_heads,
         head_dim,
         block_size,
-        block_tables.shape[1],
+        entries.block_tables.shape[1],
         scale,
         int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     if status == -2:
         raise ValueError(
-            f"the native attention kernel supports block_size <= 256, got {block_size}"
+            "the native attention kernel supports head_dim <= 256, block_size <= 256 and up "
+            f"to 48 query heads per kv head; got head_dim {head_dim}, block_size "
+            f"{block_size}, {num_heads // num_kv_heads} heads per kv head"
         )
     if status != 0:
         raise MemoryError("native attention kernel could not allocate its scratch buffers")

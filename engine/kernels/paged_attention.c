@@ -1,10 +1,23 @@
-/* Decode attention straight over the paged KV cache.
+/* Attention straight over the paged KV cache: decode tokens and prompt chunks alike.
  *
- * One query token per sequence attends to its whole context, read block by block
- * from the cache - no gathered copy of the keys and values is ever made. Each
- * (sequence, kv head) pair is one work item: its G query heads share every K and V
- * row loaded. Two passes: scores for all positions (K read once), then the
- * softmax-weighted sum of V (V read once). Storage is fp32 or bf16; math is fp32.
+ * Every query token is part of an entry - a sequence's chunk of `queries` tokens whose
+ * keys and values are already in the cache, after whatever context came before (earlier
+ * chunks, a cached shared prefix, generated tokens). Token i of an entry with `context`
+ * positions sits at position context - queries + i and sees positions 0 .. that, so a
+ * decode step is an entry of one token and a prompt chunk is causal attention.
+ *
+ * Work is split into items of one kv head each. An item's rows are query tokens times
+ * the kv head's G query heads, and every key and value row read from the cache serves
+ * all the rows that see it:
+ * - a prompt chunk is cut into tiles of up to 48 rows, each an item: a key block is then
+ *   used 48 times per load, so the tile runs at the speed of its FMAs, not of memory;
+ * - decoding sequences that share leading blocks (a prompt prefix served from the prefix
+ *   cache, or siblings of one prompt) form one item, and the shared blocks are read once
+ *   for all of them rather than once per sequence. Decode is bound by reading the cache,
+ *   so this is where it saves.
+ * Three passes per item: every row's scores, an exact softmax per row, then the
+ * weighted sum of values. Rows see different lengths (causality, different sequences);
+ * weights past a row's length are zero. Storage is fp32 or bf16; math is fp32.
  */
 #include <math.h>
 #include <stddef.h>
@@ -12,140 +25,235 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "kernel_common.h"
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
-/* Blocks sit at random places in the cache, so the hardware prefetcher cannot see the
- * next one coming: ask for it while the current one is being used. */
-static inline void prefetch_bytes(const void *start, int64_t bytes) {
-    const char *p = (const char *)start;
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-}
+/* Query rows per tile, before rounding down to whole tokens: the scores of a tile with
+ * a 2,048-token context are then 48 * 2048 * 4 = 384 KiB, resident in L2. */
+#define TILE_ROWS 48
+/* Rows per register block of the scoring micro-kernel: 12 independent FMA chains
+ * cover the FMA latency on both pipes. */
+#define SCORE_ROWS 12
 
-static inline void load_row(const void *base, int64_t offset, int is_bf16, int64_t d, float *dst) {
-    if (is_bf16) {
-        const uint16_t *src = (const uint16_t *)base + offset;
-        for (int64_t i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
-    } else {
-        memcpy(dst, (const float *)base + offset, (size_t)d * sizeof(float));
-    }
-}
-
-/* q, out: [num_seqs, num_heads, head_dim]; k_cache: [num_blocks, num_kv_heads, head_dim,
- * block_size] (keys transposed within a block); v_cache: [num_blocks, num_kv_heads,
- * block_size, head_dim]; block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs].
- * block_size <= MAX_BLOCK_SIZE, head_dim <= 256. */
-#define MAX_BLOCK_SIZE 256
-#define MAX_GROUP_SLACK 8
-
-/* The two inner loops, written so that with head_dim and block_size known at compile
- * time (the common shapes are dispatched below) the accumulators live in registers. */
-/* Scores of all `group` query heads against one key block. The query heads share
- * every key row loaded, and each head keeps two accumulators (even and odd head_dim
- * elements), so 2 * group independent FMA chains hide the FMA latency. */
-static inline __attribute__((always_inline)) void score_block(
-    const float *restrict q, const float *restrict kb, float *restrict out, int64_t out_stride,
-    const int64_t group, const int64_t head_dim, const int64_t block_size) {
-    float even[8][MAX_BLOCK_SIZE], odd[8][MAX_BLOCK_SIZE];
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t t = 0; t < block_size; t++) even[g][t] = odd[g][t] = 0.f;
-    for (int64_t i = 0; i + 1 < head_dim; i += 2) {
-        const float *restrict k0 = kb + i * block_size;
-        const float *restrict k1 = k0 + block_size;
-        for (int64_t g = 0; g < group; g++) {
-            const float q0 = q[g * head_dim + i], q1 = q[g * head_dim + i + 1];
-            for (int64_t t = 0; t < block_size; t++) {
-                even[g][t] += q0 * k0[t];
-                odd[g][t] += q1 * k1[t];
-            }
+/* Scores of n (<= SCORE_ROWS) query rows against one key block:
+ * s[r * stride + t] = q[r] . k[:, t]. The block is [head_dim, block_size]. */
+static inline __attribute__((always_inline)) void score_rows_generic(
+    const float *restrict q, int64_t n, const float *restrict kb, float *restrict s,
+    int64_t stride, int64_t head_dim, int64_t block_size) {
+    for (int64_t r = 0; r < n; r++) {
+        float *restrict sr = s + r * stride;
+        for (int64_t t = 0; t < block_size; t++) sr[t] = 0.f;
+        for (int64_t d = 0; d < head_dim; d++) {
+            const float qd = q[r * head_dim + d];
+            const float *restrict kd = kb + d * block_size;
+            for (int64_t t = 0; t < block_size; t++) sr[t] += qd * kd[t];
         }
     }
-    if (head_dim % 2) {
-        const float *restrict k0 = kb + (head_dim - 1) * block_size;
-        for (int64_t g = 0; g < group; g++)
-            for (int64_t t = 0; t < block_size; t++) even[g][t] += q[g * head_dim + head_dim - 1] * k0[t];
-    }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t t = 0; t < block_size; t++) out[g * out_stride + t] = even[g][t] + odd[g][t];
 }
 
-/* One specialization per query-head group size for the common block size, so the
- * accumulators are registers; anything else takes the generic loop. */
-#define SCORE_CASE(G) \
-    case G: score_block(q, kb, out, out_stride, G, head_dim, 16); return;
+#ifdef __AVX512F__
+/* One key block of 16 positions is one vector per head_dim element: each row keeps one
+ * accumulator, fed by a broadcast of its q element. N is a compile-time constant in
+ * every call, so the accumulators are registers. */
+static inline __attribute__((always_inline)) void score_rows_16(
+    const float *restrict q, const int N, const float *restrict kb, float *restrict s,
+    int64_t stride, const int64_t head_dim) {
+    __m512 acc[SCORE_ROWS];
+    for (int r = 0; r < N; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d++) {
+        const __m512 k = _mm512_loadu_ps(kb + d * 16);
+        for (int r = 0; r < N; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d]), k, acc[r]);
+    }
+    for (int r = 0; r < N; r++) _mm512_storeu_ps(s + r * stride, acc[r]);
+}
 
-static void score_block_any(const float *q, const float *kb, float *out, int64_t out_stride,
-                            int64_t group, int64_t head_dim, int64_t block_size) {
+#define SCORE_CASE(N) \
+    case N: score_rows_16(q, N, kb, s, stride, head_dim); return;
+
+static void score_rows(const float *q, int64_t n, const float *kb, float *s, int64_t stride,
+                       int64_t head_dim, int64_t block_size) {
     if (block_size == 16) {
-        switch (group) {
+        switch (n) {
             SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
             SCORE_CASE(5) SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
+            SCORE_CASE(9) SCORE_CASE(10) SCORE_CASE(11) SCORE_CASE(12)
             default: break;
         }
     }
-    for (int64_t g0 = 0; g0 < group; g0 += 8) { /* generic: up to 8 heads at a time */
-        const int64_t n = group - g0 < 8 ? group - g0 : 8;
-        score_block(q + g0 * head_dim, kb, out + g0 * out_stride, out_stride, n, head_dim,
-                    block_size);
+    score_rows_generic(q, n, kb, s, stride, head_dim, block_size);
+}
+
+/* acc[r] += sum_t p[r * stride + t] * v[t] over the m positions of a value block
+ * ([block_size, head_dim], token-major), for N rows, head_dim = 16 * DV. Each row's
+ * output is DV vectors held in registers across the block. */
+static inline __attribute__((always_inline)) void weigh_rows_vec(
+    const float *restrict p, int64_t stride, const float *restrict vb, int64_t m,
+    float *restrict acc, const int N, const int DV) {
+    __m512 o[24];
+    for (int r = 0; r < N; r++)
+        for (int c = 0; c < DV; c++) o[r * DV + c] = _mm512_loadu_ps(acc + (r * DV + c) * 16);
+    for (int64_t t = 0; t < m; t++) {
+        const float *restrict vt = vb + t * DV * 16;
+        for (int c = 0; c < DV; c++) {
+            const __m512 v = _mm512_loadu_ps(vt + c * 16);
+            for (int r = 0; r < N; r++)
+                o[r * DV + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * stride + t]), v, o[r * DV + c]);
+        }
+    }
+    for (int r = 0; r < N; r++)
+        for (int c = 0; c < DV; c++) _mm512_storeu_ps(acc + (r * DV + c) * 16, o[r * DV + c]);
+}
+#endif
+
+static inline __attribute__((always_inline)) void weigh_rows_generic(
+    const float *restrict p, int64_t stride, const float *restrict vb, int64_t m,
+    float *restrict acc, int64_t n, int64_t head_dim) {
+    for (int64_t r = 0; r < n; r++) {
+        float *restrict ar = acc + r * head_dim;
+        for (int64_t t = 0; t < m; t++) {
+            const float pt = p[r * stride + t];
+            const float *restrict vt = vb + t * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) ar[i] += pt * vt[i];
+        }
     }
 }
 
-static inline __attribute__((always_inline)) void weigh_rows(
-    const float *restrict p, const float *restrict v, int64_t n, int64_t row_stride,
-    float *restrict out, const int64_t head_dim) {
-    float acc[256];
-    for (int64_t i = 0; i < head_dim; i++) acc[i] = out[i];
-    for (int64_t j = 0; j < n; j++) {
-        const float pj = p[j];
-        const float *restrict vj = v + j * row_stride;
-        for (int64_t i = 0; i < head_dim; i++) acc[i] += pj * vj[i];
+/* The weighted sum for all `rows` rows of a tile over one value block, in register
+ * blocks of as many rows as 24 vector accumulators hold. */
+static void weigh_block(const float *p, int64_t stride, const float *vb, int64_t m, float *acc,
+                        int64_t rows, int64_t head_dim) {
+#ifdef __AVX512F__
+    if (head_dim == 64 || head_dim == 128) {
+        const int dv = (int)(head_dim / 16), step = 24 / dv;
+        int64_t r = 0;
+        for (; r + step <= rows; r += step) {
+            if (dv == 4) weigh_rows_vec(p + r * stride, stride, vb, m, acc + r * head_dim, 6, 4);
+            else weigh_rows_vec(p + r * stride, stride, vb, m, acc + r * head_dim, 3, 8);
+        }
+        for (; r < rows; r++) { /* the tile's last few rows */
+            if (dv == 4) weigh_rows_vec(p + r * stride, stride, vb, m, acc + r * head_dim, 1, 4);
+            else weigh_rows_vec(p + r * stride, stride, vb, m, acc + r * head_dim, 1, 8);
+        }
+        return;
     }
-    for (int64_t i = 0; i < head_dim; i++) out[i] = acc[i];
+#endif
+    weigh_rows_generic(p, stride, vb, m, acc, rows, head_dim);
 }
 
-static void weigh_rows_any(const float *p, const float *v, int64_t n, int64_t row_stride,
-                           float *out, int64_t head_dim) {
-    if (head_dim == 64) weigh_rows(p, v, n, row_stride, out, 64);
-    else if (head_dim == 128) weigh_rows(p, v, n, row_stride, out, 128);
-    else weigh_rows(p, v, n, row_stride, out, head_dim);
+#ifndef __AVX512F__
+static void score_rows(const float *q, int64_t n, const float *kb, float *s, int64_t stride,
+                       int64_t head_dim, int64_t block_size) {
+    score_rows_generic(q, n, kb, s, stride, head_dim, block_size);
+}
+#endif
+
+/* One entry's tokens [first, first + tokens) within an item; their rows are
+ * [row, row + tokens * group), token-major. */
+typedef struct {
+    int64_t entry, first, tokens, row;
+} Part;
+
+/* Scores of rows [row0, row0 + rows) against the key blocks [b0, b1) of table. */
+static void score_blocks(const float *qf, int64_t row0, int64_t rows, const int64_t *table,
+                         int64_t b0, int64_t b1, const void *k_cache, int64_t kh,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                         int is_bf16, float *widened, float *scores, int64_t stride) {
+    const int64_t block_elems = head_dim * block_size, elem = is_bf16 ? 2 : 4;
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t base = (table[b] * num_kv_heads + kh) * block_elems;
+        if (b + 1 < b1)
+            prefetch_bytes((const char *)k_cache + (table[b + 1] * num_kv_heads + kh) * block_elems * elem,
+                           block_elems * elem);
+        const float *kb = (const float *)k_cache + base;
+        if (is_bf16) { /* widen the block once; every row reuses it */
+            load_row(k_cache, base, 1, block_elems, widened);
+            kb = widened;
+        }
+        for (int64_t r = row0; r < row0 + rows; r += SCORE_ROWS) {
+            const int64_t n = row0 + rows - r < SCORE_ROWS ? row0 + rows - r : SCORE_ROWS;
+            score_rows(qf + r * head_dim, n, kb, scores + r * stride + b * block_size, stride,
+                       head_dim, block_size);
+        }
+    }
 }
 
-int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
-                              const int64_t *block_tables, const int64_t *context_lens,
-                              void *out, int64_t num_seqs, int64_t num_heads,
-                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                              int64_t max_blocks, float scale, int is_bf16, int num_threads) {
+/* acc[rows] += weights x values over the value blocks [b0, b1) of table; positions at
+ * and past `visible` are not read. */
+static void weigh_blocks(const float *scores, int64_t stride, int64_t row0, int64_t rows,
+                         const int64_t *table, int64_t b0, int64_t b1, int64_t visible,
+                         const void *v_cache, int64_t kh, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, int is_bf16, float *widened, float *acc) {
+    const int64_t block_elems = head_dim * block_size, elem = is_bf16 ? 2 : 4;
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t base = (table[b] * num_kv_heads + kh) * block_elems;
+        const int64_t m = visible - b * block_size < block_size ? visible - b * block_size : block_size;
+        if (b + 1 < b1)
+            prefetch_bytes((const char *)v_cache + (table[b + 1] * num_kv_heads + kh) * block_elems * elem,
+                           block_elems * elem);
+        const float *vb = (const float *)v_cache + base;
+        if (is_bf16) {
+            load_row(v_cache, base, 1, m * head_dim, widened);
+            vb = widened;
+        }
+        weigh_block(scores + row0 * stride + b * block_size, stride, vb, m,
+                    acc + row0 * head_dim, rows, head_dim);
+    }
+}
+
+/* q, out: [num_tokens, num_heads, head_dim]; k_cache: [num_blocks, num_kv_heads,
+ * head_dim, block_size] (keys transposed within a block); v_cache: [num_blocks,
+ * num_kv_heads, block_size, head_dim].
+ * Per entry: its first row in q and out, its query tokens, the positions its last token
+ * sees, and its block table (a row of block_tables, [num_entries, max_blocks]).
+ * Entries come in groups, [group_starts[k], group_starts[k + 1]): a group of one entry
+ * is tiled; a larger group is one item per kv head, whose entries all hold the same
+ * first group_shared_blocks[k] blocks, each fully visible to every one of them.
+ * Returns 0, -1 when scratch could not be allocated, -2 for an unsupported shape. */
+int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                       const int64_t *rows, const int64_t *queries, const int64_t *contexts,
+                       const int64_t *block_tables, const int64_t *group_starts,
+                       const int64_t *group_shared_blocks, int64_t num_groups,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t block_size, int64_t max_blocks, float scale, int is_bf16,
+                       int num_threads) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t num_items = num_seqs * num_kv_heads;
-    if (block_size > MAX_BLOCK_SIZE || head_dim > 256) return -2;
-    int64_t max_ctx = 1;
-    for (int64_t s = 0; s < num_seqs; s++) max_ctx = context_lens[s] > max_ctx ? context_lens[s] : max_ctx;
-    const int64_t max_padded = (max_ctx + block_size - 1) / block_size * block_size;
+    if (head_dim > 256 || block_size > 256 || group > TILE_ROWS) return -2;
+    const int64_t tile_tokens = TILE_ROWS / group;
+
+    /* Items per group, in order; item_start[k] is group k's first. Scratch is sized for
+     * the largest item and the longest context. */
+    int64_t *item_start = malloc(sizeof(int64_t) * (size_t)(num_groups + 1));
+    if (!item_start) return -1;
+    int64_t max_context = 1, rows_max = tile_tokens * group, parts_max = 1;
+    item_start[0] = 0;
+    for (int64_t k = 0; k < num_groups; k++) {
+        const int64_t first = group_starts[k], count = group_starts[k + 1] - first;
+        int64_t items = 1, tokens = 0;
+        for (int64_t e = first; e < first + count; e++) {
+            tokens += queries[e];
+            if (contexts[e] > max_context) max_context = contexts[e];
+        }
+        if (count == 1) items = (tokens + tile_tokens - 1) / tile_tokens;
+        else if (tokens * group > rows_max) rows_max = tokens * group;
+        if (count > parts_max) parts_max = count;
+        item_start[k + 1] = item_start[k] + items * num_kv_heads;
+    }
+    const int64_t num_items = item_start[num_groups];
+    const int64_t stride = (max_context + block_size - 1) / block_size * block_size;
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
     {
-    /* Scratch per thread, sized for the longest context, reused by all its items.
-     * qf carries MAX_GROUP_SLACK spare heads, zeroed: GCC 12 at -O3 compiles the
-     * specialized score_block cases into loads of q for up to 8 heads whatever the
-     * group (found with a guard-page harness, tests/engine/test_kernel_bounds.py), so
-     * without the slack a q buffer at the end of a heap page read past it and faulted. */
-    float *qf = calloc((size_t)((group + MAX_GROUP_SLACK) * head_dim), sizeof(float));
-    float *acc = malloc(sizeof(float) * (size_t)(group * head_dim));
-    float *kblock = is_bf16 ? malloc(sizeof(float) * (size_t)(head_dim * block_size)) : NULL;
-    float *scores = malloc(sizeof(float) * (size_t)(group * max_padded));
-    const int ok = qf && acc && scores && (!is_bf16 || kblock);
+    float *qf = malloc(sizeof(float) * (size_t)(rows_max * head_dim));
+    float *acc = malloc(sizeof(float) * (size_t)(rows_max * head_dim));
+    float *scores = malloc(sizeof(float) * (size_t)(rows_max * stride));
+    float *widened = is_bf16 ? malloc(sizeof(float) * (size_t)(head_dim * block_size)) : NULL;
+    Part *parts = malloc(sizeof(Part) * (size_t)parts_max);
+    const int ok = qf && acc && scores && parts && (!is_bf16 || widened);
     if (!ok) {
 #pragma omp atomic write
         failed = 1;
@@ -154,79 +262,88 @@ int tm_paged_decode_attention(const void *q, const void *k_cache, const void *v_
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; item++) {
         if (!ok) continue;
-        const int64_t s = item / num_kv_heads;
-        const int64_t kh = item % num_kv_heads;
-        const int64_t ctx = context_lens[s];
-        const int64_t num_blocks = (ctx + block_size - 1) / block_size;
-        const int64_t padded = num_blocks * block_size;
-        memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
-        for (int64_t g = 0; g < group; g++) {
-            load_row(q, (s * num_heads + kh * group + g) * head_dim, is_bf16, head_dim,
-                     qf + g * head_dim);
-            for (int64_t i = 0; i < head_dim; i++) qf[g * head_dim + i] *= scale;
+        int64_t k = 0; /* the group holding this item */
+        while (item_start[k + 1] <= item) k++;
+        const int64_t local = item - item_start[k];
+        const int64_t kh = local % num_kv_heads, tile = local / num_kv_heads;
+        const int64_t e0 = group_starts[k], count = group_starts[k + 1] - e0;
+        int64_t num_parts = 0, total_rows = 0;
+        if (count == 1) { /* one tile of a chunk */
+            const int64_t first = tile * tile_tokens;
+            const int64_t tokens = queries[e0] - first < tile_tokens ? queries[e0] - first : tile_tokens;
+            parts[num_parts++] = (Part){e0, first, tokens, 0};
+            total_rows = tokens * group;
+        } else {
+            for (int64_t e = e0; e < e0 + count; e++) {
+                parts[num_parts++] = (Part){e, 0, queries[e], total_rows};
+                total_rows += queries[e] * group;
+            }
         }
-        const int64_t *table = block_tables + s * max_blocks;
+        const int64_t shared = count == 1 ? 0 : group_shared_blocks[k];
 
-        /* Pass 1: scores of a whole block at once. Keys are [head_dim, block_size] per
-         * block, so each q element scales one contiguous row of positions. */
-        const int64_t elem = is_bf16 ? 2 : 4;
-        const int64_t key_block_bytes = head_dim * block_size * elem;
-        for (int64_t b = 0; b < num_blocks; b++) {
-            const int64_t base = (table[b] * num_kv_heads + kh) * head_dim * block_size;
-            if (b + 1 < num_blocks)
-                prefetch_bytes((const char *)k_cache +
-                                   (table[b + 1] * num_kv_heads + kh) * head_dim * block_size * elem,
-                               key_block_bytes);
-            const float *kb = (const float *)k_cache + base;
-            if (is_bf16) { /* widen the block once; every query head reuses it */
-                load_row(k_cache, base, 1, head_dim * block_size, kblock);
-                kb = kblock;
+        for (int64_t p = 0; p < num_parts; p++) { /* token t's heads are adjacent in q */
+            const Part *pt = &parts[p];
+            for (int64_t t = 0; t < pt->tokens; t++) {
+                const int64_t offset = ((rows[pt->entry] + pt->first + t) * num_heads + kh * group) * head_dim;
+                load_row(q, offset, is_bf16, group * head_dim, qf + (pt->row + t * group) * head_dim);
             }
-            score_block_any(qf, kb, scores + b * block_size, padded, group, head_dim, block_size);
         }
-        /* Softmax per query head, over the ctx real positions. */
-        for (int64_t g = 0; g < group; g++) {
-            float *sg = scores + g * padded;
-            float max = -INFINITY;
-            for (int64_t t = 0; t < ctx; t++) max = sg[t] > max ? sg[t] : max;
-            float sum = 0.f;
-            for (int64_t t = 0; t < ctx; t++) {
-                sg[t] = expf(sg[t] - max);
-                sum += sg[t];
+        for (int64_t i = 0; i < total_rows * head_dim; i++) qf[i] *= scale;
+
+        /* Pass 1: scores; the shared blocks once for all rows, then each part's own. */
+        score_blocks(qf, 0, total_rows, block_tables + e0 * max_blocks, 0, shared, k_cache, kh,
+                     num_kv_heads, head_dim, block_size, is_bf16, widened, scores, stride);
+        for (int64_t p = 0; p < num_parts; p++) {
+            const Part *pt = &parts[p];
+            const int64_t visible = contexts[pt->entry] - queries[pt->entry] + pt->first + pt->tokens;
+            score_blocks(qf, pt->row, pt->tokens * group, block_tables + pt->entry * max_blocks,
+                         shared, (visible + block_size - 1) / block_size, k_cache, kh,
+                         num_kv_heads, head_dim, block_size, is_bf16, widened, scores, stride);
+        }
+        /* Pass 2: softmax per row over the positions it sees; zero weight past them, up
+         * to its part's last block, so pass 3 can treat a part's rows alike. */
+        for (int64_t p = 0; p < num_parts; p++) {
+            const Part *pt = &parts[p];
+            const int64_t seen0 = contexts[pt->entry] - queries[pt->entry] + pt->first;
+            const int64_t padded = (seen0 + pt->tokens + block_size - 1) / block_size * block_size;
+            for (int64_t r = pt->row; r < pt->row + pt->tokens * group; r++) {
+                float *sr = scores + r * stride;
+                const int64_t seen = seen0 + (r - pt->row) / group + 1;
+                float max = -INFINITY;
+                for (int64_t t = 0; t < seen; t++) max = sr[t] > max ? sr[t] : max;
+                float sum = 0.f;
+                for (int64_t t = 0; t < seen; t++) {
+                    sr[t] = expf(sr[t] - max);
+                    sum += sr[t];
+                }
+                const float inv = 1.f / sum;
+                for (int64_t t = 0; t < seen; t++) sr[t] *= inv;
+                for (int64_t t = seen; t < padded; t++) sr[t] = 0.f;
             }
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            for (int64_t t = 0; t < ctx; t++) sg[t] *= inv;
         }
-        /* Pass 2: acc[g] = sum_t p[g][t] * v_t */
-        const int64_t value_block_bytes = block_size * head_dim * elem;
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-            const int64_t b = t0 / block_size;
-            const int64_t base = (table[b] * num_kv_heads + kh) * block_size * head_dim;
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            if (t0 + block_size < ctx)
-                prefetch_bytes((const char *)v_cache +
-                                   (table[b + 1] * num_kv_heads + kh) * block_size * head_dim * elem,
-                               value_block_bytes);
-            const float *vb = (const float *)v_cache + base;
-            if (is_bf16) { /* widen the block's rows once for all query heads */
-                load_row(v_cache, base, 1, n * head_dim, kblock);
-                vb = kblock;
-            }
-            for (int64_t g = 0; g < group; g++)
-                weigh_rows_any(scores + g * padded + t0, vb, n, head_dim, acc + g * head_dim,
-                               head_dim);
+        /* Pass 3: the weighted sum of values, shared blocks first, in the same way. */
+        memset(acc, 0, sizeof(float) * (size_t)(total_rows * head_dim));
+        weigh_blocks(scores, stride, 0, total_rows, block_tables + e0 * max_blocks, 0, shared,
+                     shared * block_size, v_cache, kh, num_kv_heads, head_dim, block_size, is_bf16,
+                     widened, acc);
+        for (int64_t p = 0; p < num_parts; p++) {
+            const Part *pt = &parts[p];
+            const int64_t visible = contexts[pt->entry] - queries[pt->entry] + pt->first + pt->tokens;
+            weigh_blocks(scores, stride, pt->row, pt->tokens * group,
+                         block_tables + pt->entry * max_blocks, shared,
+                         (visible + block_size - 1) / block_size, visible, v_cache, kh,
+                         num_kv_heads, head_dim, block_size, is_bf16, widened, acc);
         }
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t offset = (s * num_heads + kh * group + g) * head_dim;
-            if (is_bf16) {
-                uint16_t *dst = (uint16_t *)out + offset;
-                for (int64_t i = 0; i < head_dim; i++) dst[i] = f32_to_bf16(acc[g * head_dim + i]);
-            } else {
-                memcpy((float *)out + offset, acc + g * head_dim, sizeof(float) * (size_t)head_dim);
+        for (int64_t p = 0; p < num_parts; p++) {
+            const Part *pt = &parts[p];
+            for (int64_t t = 0; t < pt->tokens; t++) {
+                const int64_t offset = ((rows[pt->entry] + pt->first + t) * num_heads + kh * group) * head_dim;
+                store_row(out, offset, is_bf16, group * head_dim, acc + (pt->row + t * group) * head_dim);
             }
         }
     }
-    free(qf), free(acc), free(scores), free(kblock);
+    free(qf), free(acc), free(scores), free(widened), free(parts);
     }
+    free(item_start);
     return failed ? -1 : 0;
 }

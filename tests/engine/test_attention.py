@@ -1,50 +1,216 @@
-"""Decode attention: the native kernel against the portable PyTorch path."""
+"""Attention over the paged cache: the native kernel against float64 SDPA, its shared-
+prefix groups against the same sequences alone, both engine paths against transformers,
+and the portable path's bf16 prefill."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
+from hf_models import build_hf_model, hf_greedy, make_engine, run_all
 
 from tokenmill.engine import attention
 from tokenmill.engine.attention import gather_key_blocks, gather_value_blocks
-from tokenmill.engine.kernels import paged_attention_library, paged_decode_attention
+from tokenmill.engine.kernels import AttentionEntries, native_library, native_paged_attention
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.shared_prefix import group_shared_prefixes
 
 
-def reference(q, k_cache, v_cache, tables, lens, block_size, scale):
-    k = gather_key_blocks(k_cache, tables).float()
-    v = gather_value_blocks(v_cache, tables).float()
-    mask = torch.arange(k.shape[2])[None, :] < lens[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().unsqueeze(2),
-        k,
-        v,
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.squeeze(2)
-
-
-@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_native_kernel_matches_pytorch(dtype, atol):
-    if paged_attention_library() is None:
+@pytest.fixture(autouse=True, scope="module")
+def _kernel_built():
+    if native_library() is None:
         pytest.fail("the native kernel did not build; is a C compiler installed?")
-    torch.manual_seed(0)
-    block_size, num_blocks, num_kv_heads, group, head_dim = 4, 64, 3, 3, 32
-    k_cache = torch.randn(num_blocks, num_kv_heads, head_dim, block_size).to(dtype)
-    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
-    lens = torch.tensor([1, 5, 16, 37, 60])
-    tables = torch.zeros(len(lens), 15, dtype=torch.int64)
-    perm = torch.randperm(num_blocks)
-    used = 0
-    for row, n in enumerate(lens.tolist()):  # scattered, non-contiguous blocks
-        blocks = -(-n // block_size)
-        tables[row, :blocks] = perm[used : used + blocks]
-        used += blocks
-    q = torch.randn(len(lens), num_kv_heads * group, head_dim).to(dtype)
-    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block_size, 0.17)
-    want = reference(q, k_cache, v_cache, tables, lens, block_size, 0.17)
-    torch.testing.assert_close(got.float(), want, atol=atol, rtol=atol)
+
+
+class Cache:
+    """A random paged cache and helpers to lay sequences out in it."""
+
+    def __init__(self, dtype, num_kv_heads, head_dim, block_size, num_blocks=400, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.block_size = block_size
+        shape_k = (num_blocks, num_kv_heads, head_dim, block_size)
+        shape_v = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = torch.randn(shape_k, generator=gen).to(dtype)
+        self.v = torch.randn(shape_v, generator=gen).to(dtype)
+        self.free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks
+
+    def table(self, num_positions: int, prefix: list[int] = ()) -> list[int]:
+        """Blocks for num_positions positions, starting with the blocks in prefix."""
+        needed = -(-num_positions // self.block_size) - len(prefix)
+        return list(prefix) + [self.free.pop() for _ in range(needed)]
+
+
+def entries_for(chunks, groups=None) -> AttentionEntries:
+    """chunks: (first row, queries, context, table) each; groups: (entry indices,
+    shared blocks) in order, or None for each entry alone."""
+    groups = groups or [([i], 0) for i in range(len(chunks))]
+    order = [i for members, _ in groups for i in members]
+    width = max(len(chunks[i][3]) for i in order)
+    tables = np.zeros((len(order), width), dtype=np.int64)
+    for row, i in enumerate(order):
+        tables[row, : len(chunks[i][3])] = chunks[i][3]
+    starts = np.cumsum([0] + [len(members) for members, _ in groups])
+
+    def t(values):
+        return torch.tensor(np.asarray(values), dtype=torch.int64)
+
+    return AttentionEntries(
+        rows=t([chunks[i][0] for i in order]),
+        queries=t([chunks[i][1] for i in order]),
+        contexts=t([chunks[i][2] for i in order]),
+        block_tables=torch.from_numpy(tables),
+        group_starts=t(starts),
+        group_shared_blocks=t([shared for _, shared in groups]),
+    )
+
+
+def reference(q, cache: Cache, chunks, scale):
+    """Causal attention per chunk in float64, on copies gathered out of the cache."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for first, queries, context, table in chunks:
+        ids = torch.tensor([table])
+        k = gather_key_blocks(cache.k, ids)[0, :, :context].double()
+        v = gather_value_blocks(cache.v, ids)[0, :, :context].double()
+        qc = q[first : first + queries].transpose(0, 1).double()
+        positions = torch.arange(context)
+        mask = positions[None, :] <= positions[context - queries :, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qc[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[first : first + queries] = o[0].transpose(0, 1)
+    return out
+
+
+def layout(cache: Cache, shapes):
+    """(queries, context) per chunk -> chunks with rows assigned in order and tables."""
+    chunks, row = [], 0
+    for queries, context in shapes:
+        chunks.append((row, queries, context, cache.table(context)))
+        row += queries
+    return chunks, row
+
+
+# Prompt chunks whole and continuing cached context, across tile edges (16 tokens per
+# tile at 3 heads per kv head), a one-token chunk and long decode contexts.
+SHAPES = [(40, 40), (17, 50), (1, 77), (5, 5), (33, 100), (2, 9), (1, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size"),
+    [
+        (3, 64, 16),  # the vectorized paths (SmolLM2's shape)
+        (4, 128, 16),  # wide heads: 8 vectors per value row
+        (1, 64, 16),  # one query head per kv head: 48 tokens per tile
+        (8, 32, 16),  # generic value path
+        (3, 64, 4),  # generic score path
+        (2, 24, 7),  # generic everything, odd sizes
+    ],
+)
+def test_kernel_matches_float64_reference(dtype, group, head_dim, block_size):
+    num_kv_heads = 2
+    cache = Cache(dtype, num_kv_heads, head_dim, block_size)
+    chunks, num_tokens = layout(cache, SHAPES)
+    q = torch.randn(num_tokens, num_kv_heads * group, head_dim).to(dtype)
+    got = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.2)
+    want = reference(q, cache, chunks, 0.2)
+    # bf16 rounds the inputs' products the same way but the output once more.
+    atol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
+    # Rows past the first chunk differ from it: a mix-up of rows or heads would show.
+    assert (want[:40] - want[40:80]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_shared_prefix_group_matches_sequences_alone(dtype, block_size):
+    """Decoding sequences that share leading blocks, attended as one group (the shared
+    blocks read once), give what each gives alone; so does a prompt chunk next to them."""
+    group, head_dim, num_kv_heads = 3, 64, 3
+    cache = Cache(dtype, num_kv_heads, head_dim, block_size, seed=1)
+    prefix = cache.table(5 * block_size)
+    chunks, row = [], 0
+    for extra in (0, 1, 3, 11, 2 * block_size + 5, 40):  # some end exactly at the prefix
+        context = 5 * block_size + extra
+        chunks.append((row, 1, context, cache.table(context, prefix)))
+        row += 1
+    chunks.append((row, 20, 30, cache.table(30)))
+    q = torch.randn(row + 20, num_kv_heads * group, head_dim).to(dtype)
+    alone = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.125)
+    groups = [([6], 0), ([0, 1, 2, 3, 4, 5], 5)]
+    grouped = native_paged_attention(q, cache.k, cache.v, entries_for(chunks, groups), 0.125)
+    # The same sums in the same order; only a vectorized exp against its scalar tail
+    # could round a last bit differently.
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(grouped, alone, atol=tolerance, rtol=tolerance)
+    want = reference(q, cache, chunks, 0.125)
+    atol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    torch.testing.assert_close(grouped.double(), want, atol=atol, rtol=atol)
+
+
+def test_group_shared_prefixes_finds_the_common_blocks():
+    bs = 4
+    tables = [
+        np.array([7, 8, 9, 10]),
+        np.array([7, 8, 9, 11, 12]),
+        np.array([7, 8, 13]),
+        np.array([5, 6]),
+        np.array([7, 8, 9, 14]),
+        np.array([20]),
+    ]
+    lens = [16, 19, 12, 8, 13, 3]  # the last sees no full block: never shared
+    groups, alone = group_shared_prefixes(tables, lens, bs, max_members=8)
+    assert [(sorted(g.members), g.shared_blocks) for g in groups] == [([0, 1, 2, 4], 2)]
+    assert sorted(alone) == [3, 5]
+    # Capped groups keep the members with the longest common prefix together.
+    groups, alone = group_shared_prefixes(tables, lens, bs, max_members=3)
+    assert [(sorted(g.members), g.shared_blocks) for g in groups] == [([0, 1, 4], 3)]
+    assert sorted(alone) == [2, 3, 5]
+    # A sequence sees its shared blocks only up to its own length.
+    groups, _ = group_shared_prefixes([tables[0], tables[1]], [16, 9], bs, max_members=8)
+    assert groups[0].shared_blocks == 2
+
+
+def _prompts(vocab: int, seed: int) -> list[list[int]]:
+    """Prompts sharing a 70-token prefix (several full blocks), and unrelated ones."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(70)]
+    prompts = [shared + [rng.randrange(vocab) for _ in range(n)] for n in (1, 9, 30, 2, 50)]
+    return prompts + [[rng.randrange(vocab) for _ in range(n)] for n in (3, 21, 90)]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_native_and_portable_paths_match_transformers(native, tmp_path):
+    """SmolLM2's attention shape (3 query heads per kv head, head_dim 64) with 16-token
+    blocks, so the vectorized kernel paths and shared-prefix groups run end to end."""
+    hf = build_hf_model(
+        "llama", tmp_path, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64
+    )
+    engine = make_engine(
+        tmp_path, block_size=16, max_num_batched_tokens=64, enable_prefix_caching=True
+    )
+    engine.runner.native_attention = native
+    steps = []
+    prepare = engine.runner._prepare
+
+    def recording(out):
+        prepared = prepare(out)
+        steps.append(prepared[2])
+        return prepared
+
+    engine.runner._prepare = recording
+    prompts = _prompts(256, seed=5)
+    outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(hf, prompt, 8)[0]
+    if native:
+        shared = [int(s) for meta in steps for s in meta.native.group_shared_blocks]
+        assert max(shared) >= 4, "no decode step read the shared prefix as a group"
+    else:
+        assert all(meta.native is None for meta in steps)
+        assert any(meta.prefills for meta in steps) and any(m.num_decode_tokens for m in steps)
 
 
 @pytest.mark.parametrize(
@@ -52,8 +218,8 @@ def test_native_kernel_matches_pytorch(dtype, atol):
 )
 @pytest.mark.parametrize("num_cached", [0, 17])
 def test_prefill_by_matmul_matches_fp32_sdpa(monkeypatch, query_tile, tile_bytes, num_cached):
-    """bf16 prefill chunks: causal over the chunk, after num_cached cached tokens, in one
-    tile or in many (each skipping the columns after its last row)."""
+    """Portable path, bf16 prefill chunks: causal over the chunk, after num_cached cached
+    tokens, in one tile or in many (each skipping the columns after its last row)."""
     monkeypatch.setattr(attention, "QUERY_TILE", query_tile)
     monkeypatch.setattr(attention, "SCORES_TILE_BYTES", tile_bytes)
     torch.manual_seed(1)

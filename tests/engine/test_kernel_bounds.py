@@ -1,12 +1,13 @@
-"""The native decode kernel never reads or writes outside its buffers.
+"""The native attention kernel never reads or writes outside its buffers.
 
 The kernel is compiled with the engine's own flags into a small C program whose malloc
 puts every allocation flush against a PROT_NONE page, so one byte read past any buffer
 (the kernel's scratch or the caller's tensors) is a segfault rather than silent
-garbage. Every query-head group size 1-9 (each specialized case and the generic
-loop), both storage types and both block-size paths are run. This is how an
-optimizer-generated over-read of q for GQA groups 2-8 was found: it crashed real jobs
-whenever a thread's scratch happened to end at the edge of its heap.
+garbage. Every query-head group size 1-9 (so every register-block remainder), both
+storage types, both head-dim paths and both block-size paths are run over prompt
+chunks, a shared-prefix decode group and lone decodes. This is how an
+optimizer-generated over-read of q in an earlier decode kernel was found: it crashed
+real jobs whenever a thread's scratch happened to end at the edge of its heap.
 """
 
 from __future__ import annotations
@@ -45,26 +46,38 @@ _DRIVER = r"""
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-int tm_paged_decode_attention(const void *, const void *, const void *, const int64_t *,
-                              const int64_t *, void *, int64_t, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, float, int, int);
+int tm_paged_attention(const void *, const void *, const void *, void *, const int64_t *,
+                       const int64_t *, const int64_t *, const int64_t *, const int64_t *,
+                       const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, float, int, int);
+static int64_t *ints(int n, const int64_t *values) {
+    int64_t *p = malloc(sizeof(int64_t) * n);  /* each array ends at a guard page */
+    for (int i = 0; i < n; i++) p[i] = values[i];
+    return p;
+}
 int main(int argc, char **argv) {
     const int64_t group = atoi(argv[1]), is_bf16 = atoi(argv[2]);
-    const int64_t head_dim = atoi(argv[3]), block_size = atoi(argv[4]);
-    const int64_t kv_heads = 2, heads = kv_heads * group, seqs = 3, blocks = 12;
-    const int64_t max_blocks = 4, elem = is_bf16 ? 2 : 4;
-    const int64_t lens[3] = {1, block_size + 3, 4 * block_size};
-    int64_t *tables = malloc(sizeof(int64_t) * seqs * max_blocks);
-    for (int64_t i = 0; i < seqs * max_blocks; i++) tables[i] = (i * 5) % blocks;
-    int64_t *ctx = malloc(sizeof lens);
-    for (int i = 0; i < 3; i++) ctx[i] = lens[i];
-    void *k = calloc(blocks * kv_heads * head_dim * block_size, elem);
-    void *v = calloc(blocks * kv_heads * head_dim * block_size, elem);
-    void *q = calloc(seqs * heads * head_dim, elem);
-    void *out = malloc(seqs * heads * head_dim * elem);
-    int rc = tm_paged_decode_attention(q, k, v, tables, ctx, out, seqs, heads, kv_heads,
-                                       head_dim, block_size, max_blocks, 0.125f,
-                                       (int)is_bf16, 2);
+    const int64_t head_dim = atoi(argv[3]), bs = atoi(argv[4]);
+    const int64_t kv_heads = 2, heads = kv_heads * group, blocks = 24, max_blocks = 6;
+    const int64_t elem = is_bf16 ? 2 : 4;
+    /* A prompt chunk over several tiles after cached context, a one-token chunk, then
+     * two decoding sequences sharing two blocks as a group, and one alone. */
+    const int64_t queries[5] = {2 * bs + 3, 1, 1, 1, 1};
+    const int64_t contexts[5] = {3 * bs + 5, 1, 2 * bs, 4 * bs + 1, 6 * bs};
+    int64_t row_values[5], tokens = 0;
+    for (int i = 0; i < 5; i++) row_values[i] = tokens, tokens += queries[i];
+    int64_t table_values[5 * 6];
+    for (int i = 0; i < 5 * 6; i++) table_values[i] = (i * 5) % blocks;
+    for (int j = 0; j < 2; j++) table_values[3 * 6 + j] = table_values[2 * 6 + j];
+    const int64_t starts[5] = {0, 1, 2, 4, 5}, shared[4] = {0, 0, 2, 0};
+    void *k = calloc(blocks * kv_heads * head_dim * bs, elem);
+    void *v = calloc(blocks * kv_heads * head_dim * bs, elem);
+    void *q = calloc(tokens * heads * head_dim, elem);
+    void *out = malloc(tokens * heads * head_dim * elem);
+    int rc = tm_paged_attention(q, k, v, out, ints(5, row_values), ints(5, queries),
+                                ints(5, contexts), ints(30, table_values), ints(5, starts),
+                                ints(4, shared), 4, heads, kv_heads, head_dim, bs,
+                                max_blocks, 0.125f, (int)is_bf16, 2);
     printf("%d\n", rc);
     return rc;
 }
