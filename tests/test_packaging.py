@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -32,6 +33,8 @@ def test_wheel_installs_subpackages_under_tokenmill(tmp_path):
     for module in (
         "engine/llm.py",
         "engine/models/llama.py",
+        "engine/kernels/paged_attention.c",  # the native kernels build from the wheel's
+        "engine/kernels/kernel_common.h",  # own sources on first use
         "connectors/__init__.py",
         "pipelines/__init__.py",
         "flows/__init__.py",
@@ -60,10 +63,18 @@ def test_wheel_installs_subpackages_under_tokenmill(tmp_path):
         "import sys; sys.path.insert(0, sys.argv[1]);"
         "import tokenmill.engine.llm as m, tokenmill.cli as c;"
         "assert m.__file__.startswith(sys.argv[1]), m.__file__;"
-        "from tokenmill import LLM, SamplingParams; print('ok')"
+        "from tokenmill import LLM, SamplingParams;"
+        "from tokenmill.engine.kernels import native_library;"
+        "assert native_library() is not None, 'kernels did not build from the wheel';"
+        "print('ok')"
     )
+    env = {**os.environ, "TOKENMILL_CACHE_DIR": str(tmp_path / "cache")}  # a fresh build
     result = subprocess.run(
-        [sys.executable, "-c", probe, str(target)], cwd=tmp_path, capture_output=True, text=True
+        [sys.executable, "-c", probe, str(target)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
