@@ -1,4 +1,9 @@
-"""Building blocks shared by the Llama-family models: RMSNorm, rotary embedding, gated MLP."""
+"""Building blocks shared by the Llama-family models: RMSNorm, rotary embedding, gated MLP.
+
+On CPU in fp32/bf16 the residual add + RMSNorm, rotary and SiLU-and-mul run as fused
+native kernels (kernels/elementwise.py) that compute what the PyTorch code here computes;
+the PyTorch code runs everywhere else.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.kernels import elementwise
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +23,31 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """rmsnorm(x); or, given the residual stream, adds x to it first (vLLM's fused
+        add-norm) and returns (rmsnorm(residual + x), residual + x). The fused kernel
+        updates `residual` in place.
+        """
+        if self._is_fused(x, residual):
+            if residual is None:
+                return elementwise.rms_norm(x, self.weight, self.eps)
+            return elementwise.rms_norm(x, self.weight, self.eps, residual), residual
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _is_fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (
+            elementwise.supports(x)
+            and x.is_contiguous()
+            and self.weight.dtype == x.dtype
+            and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))
+        )
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, exactly as HF Llama does,
@@ -36,7 +66,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if elementwise.supports(gate_up):
+            return self.down_proj(elementwise.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # silu allocates a fresh tensor; multiplying into it saves a second one.
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -94,3 +127,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate halves (the HF layout): x: [num_tokens, num_heads, head_dim]."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def rotary_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotary on q and k; v passes through (made contiguous on the fused path).
+
+    Args:
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim],
+            views into the qkv projection's output or tensors of their own
+        cos, sin: [num_tokens, 1, head_dim] (RotaryEmbedding.lookup)
+    """
+    if elementwise.rotary_supports(q, k, v, cos):
+        return elementwise.rotary_qkv(q, k, v, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v

@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenmill.engine.attention import AttentionMetadata, paged_attention
 from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.layers import GatedMLP, RMSNorm, apply_rotary
+from tokenmill.engine.layers import GatedMLP, RMSNorm, rotary_qkv
 
 
 class LlamaAttention(nn.Module):
@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = rotary_qkv(q, k, v, cos, sin)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
@@ -63,9 +63,27 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, hidden, residual, cos, sin, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried apart from each block's output, so that adding
+        one to the other and normalising the sum is one fused op (vLLM's layout).
+
+        Args:
+            hidden: [num_tokens, hidden] the previous layer's MLP output (the embeddings
+                for the first layer)
+            residual: [num_tokens, hidden] the stream before that output, None for the
+                first layer
+        Returns:
+            (this layer's MLP output, the stream before it)
+        """
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -78,10 +96,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
-        return self.norm(x)
+            hidden, residual = layer(hidden, residual, cos, sin, meta)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,227 @@
+/* Fused elementwise ops of the Llama forward pass: residual add + RMSNorm, rotary on
+ * the qkv projection's output, and SiLU-and-mul. Each is one pass over its rows where
+ * PyTorch makes several, with a temporary per pass.
+ *
+ * RMSNorm, the residual add and rotary reproduce PyTorch's CPU rounding step for step,
+ * so a bf16 run gives the bits the PyTorch path gives (and fp32 RMSNorm and rotary do
+ * too): every product and sum is rounded to fp32 on its own (no FMA contraction, no
+ * reassociation, true division and square root), bf16 is rounded where PyTorch rounds
+ * it, and RMSNorm's sum of squares adds in the order of ATen's vectorised sum. SiLU's
+ * exp is not PyTorch's, so SiLU-and-mul may differ from it in the last bit.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The library is built with -ffast-math; these ops must round like PyTorch, so they are
+ * not. The helpers are included after the switch so that they inline here. */
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+
+#include "kernel_common.h"
+
+/* Below this many elements a pass is a few microseconds: not worth waking threads. */
+#define PARALLEL_MIN_ELEMENTS 65536
+
+/* ATen's CPU sum over a contiguous row (SumKernel.cpp: vectorized_inner_sum, row_sum,
+ * multi_row_sum): 4 interleaved vector accumulators, cascaded through 4 levels every 16
+ * steps, folded into the first, then the scalar tail and the vector's lanes added one by
+ * one. Its vectors are 8 floats even on AVX-512 machines (ATen dispatches sum to its AVX2
+ * kernel there; tests/engine/test_elementwise.py checks the bits). A single row of over
+ * 32K elements, which ATen splits across threads, is not matched. */
+#define SUM_LANES 8
+#define SUM_ILP 4
+#define SUM_LEVELS 4
+
+static int64_t ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    return 64 - __builtin_clzll((uint64_t)x - 1);
+}
+
+static inline void add_squares(float *acc, const float *x) {
+    for (int k = 0; k < SUM_ILP * SUM_LANES; k++) acc[k] += x[k] * x[k];
+}
+
+static float sum_of_squares(const float *x, int64_t n) {
+    const int64_t num_vecs = n / SUM_LANES;
+    const int64_t size = num_vecs / SUM_ILP; /* steps of SUM_ILP vectors */
+    const int64_t level_power = ceil_log2(size) / SUM_LEVELS > 4 ? ceil_log2(size) / SUM_LEVELS : 4;
+    const int64_t level_step = (int64_t)1 << level_power;
+    const int64_t level_mask = level_step - 1;
+    const int width = SUM_ILP * SUM_LANES;
+    float acc[SUM_LEVELS][SUM_ILP * SUM_LANES];
+    memset(acc, 0, sizeof acc);
+    int64_t i = 0;
+    while (i + level_step <= size) {
+        for (int64_t j = 0; j < level_step; j++, i++) add_squares(acc[0], x + i * width);
+        for (int j = 1; j < SUM_LEVELS; j++) {
+            for (int k = 0; k < width; k++) {
+                acc[j][k] += acc[j - 1][k];
+                acc[j - 1][k] = 0.0f;
+            }
+            if ((i & (level_mask << (j * level_power))) != 0) break;
+        }
+    }
+    for (; i < size; i++) add_squares(acc[0], x + i * width);
+    for (int j = 1; j < SUM_LEVELS; j++)
+        for (int k = 0; k < width; k++) acc[0][k] += acc[j][k];
+    /* Vectors left over from the SUM_ILP-wide steps go to the first accumulator. */
+    for (int64_t v = size * SUM_ILP; v < num_vecs; v++)
+        for (int l = 0; l < SUM_LANES; l++) acc[0][l] += x[v * SUM_LANES + l] * x[v * SUM_LANES + l];
+    for (int k = 1; k < SUM_ILP; k++)
+        for (int l = 0; l < SUM_LANES; l++) acc[0][l] += acc[0][k * SUM_LANES + l];
+    float total = 0.0f;
+    for (int64_t t = num_vecs * SUM_LANES; t < n; t++) total += x[t] * x[t];
+    for (int l = 0; l < SUM_LANES; l++) total += acc[0][l];
+    return total;
+}
+
+/* RMSNorm of `rows` rows of `dim`, optionally after adding them to a residual:
+ *   residual != NULL: residual += x (in place), out = rmsnorm(residual) * weight
+ *   residual == NULL: out = rmsnorm(x) * weight
+ * As PyTorch computes it: fp32 throughout for fp32; for bf16 the sum is rounded to bf16,
+ * normalised in fp32, rounded to bf16, then multiplied by the bf16 weight and rounded.
+ * x, residual, out, weight: contiguous, all fp32 or all bf16. */
+void tm_rms_norm(const void *x, void *residual, void *out, const void *weight, int64_t rows,
+                 int64_t dim, float eps, int is_bf16, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (num_threads > 1 && rows > 1 && rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        float h[dim]; /* the row to normalise, in fp32 */
+        const int64_t base = r * dim;
+        if (is_bf16) {
+            const uint16_t *xr = (const uint16_t *)x + base;
+            if (residual) {
+                uint16_t *res = (uint16_t *)residual + base;
+                for (int64_t i = 0; i < dim; i++) {
+                    res[i] = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(xr[i]));
+                    h[i] = bf16_to_f32(res[i]);
+                }
+            } else {
+                for (int64_t i = 0; i < dim; i++) h[i] = bf16_to_f32(xr[i]);
+            }
+        } else {
+            const float *xr = (const float *)x + base;
+            if (residual) {
+                float *res = (float *)residual + base;
+                for (int64_t i = 0; i < dim; i++) h[i] = res[i] = res[i] + xr[i];
+            } else {
+                memcpy(h, xr, (size_t)dim * sizeof(float));
+            }
+        }
+        /* rsqrt(mean(x^2) + eps), each step rounded as ATen rounds it. */
+        const float mean = sum_of_squares(h, dim) / (float)dim;
+        const float scale = 1.0f / sqrtf(mean + eps);
+        if (is_bf16) {
+            const uint16_t *w = (const uint16_t *)weight;
+            uint16_t *o = (uint16_t *)out + base;
+            for (int64_t i = 0; i < dim; i++) {
+                const float normed = bf16_to_f32(f32_to_bf16(h[i] * scale));
+                o[i] = f32_to_bf16(normed * bf16_to_f32(w[i]));
+            }
+        } else {
+            const float *w = (const float *)weight;
+            float *o = (float *)out + base;
+            for (int64_t i = 0; i < dim; i++) {
+                const float normed = h[i] * scale;
+                o[i] = normed * w[i];
+            }
+        }
+    }
+}
+
+/* One head of rotary, rotate-halves layout: out = x * cos + swap_halves(x) * sin, each
+ * product and the sum rounded to the storage type (PyTorch's three ops). */
+static void rotate_head_f32(const float *x, const float *cos, const float *sin, float *out,
+                            int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < half; i++) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+    for (int64_t i = half; i < head_dim; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+static inline uint16_t rotate_bf16(uint16_t x, uint16_t cos, uint16_t swapped, uint16_t sin) {
+    const float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x) * bf16_to_f32(cos)));
+    const float b = bf16_to_f32(f32_to_bf16(bf16_to_f32(swapped) * bf16_to_f32(sin)));
+    return f32_to_bf16(a + b);
+}
+
+static void rotate_head_bf16(const uint16_t *x, const uint16_t *cos, const uint16_t *sin,
+                             uint16_t *out, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < half; i++) out[i] = rotate_bf16(x[i], cos[i], x[i + half], sin[i]);
+    for (int64_t i = half; i < head_dim; i++)
+        out[i] = rotate_bf16(x[i], cos[i], x[i - half], sin[i]);
+}
+
+static void rotate_heads(const void *src, int64_t src_offset, void *dst, int64_t dst_offset,
+                         const void *cos, const void *sin, int64_t table_offset,
+                         int64_t num_heads, int64_t head_dim, int is_bf16) {
+    for (int64_t h = 0; h < num_heads; h++) {
+        const int64_t s = src_offset + h * head_dim, d = dst_offset + h * head_dim;
+        if (is_bf16) {
+            rotate_head_bf16((const uint16_t *)src + s, (const uint16_t *)cos + table_offset,
+                             (const uint16_t *)sin + table_offset, (uint16_t *)dst + d, head_dim);
+        } else {
+            rotate_head_f32((const float *)src + s, (const float *)cos + table_offset,
+                            (const float *)sin + table_offset, (float *)dst + d, head_dim);
+        }
+    }
+}
+
+/* Rotary on q and k and a contiguous copy of v, token by token, in one pass.
+ * q, k, v: [num_tokens, heads, head_dim] with heads contiguous in a token's row and rows
+ * `*_stride` elements apart (views into the qkv projection's output, say).
+ * q_out, k_out, v_out: contiguous. cos, sin: [num_tokens, head_dim] contiguous (the
+ * full-width tables, sin signed for the swapped halves). All fp32 or all bf16. */
+void tm_rotary_qkv(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                   const void *v, int64_t v_stride, void *q_out, void *k_out, void *v_out,
+                   const void *cos, const void *sin, int64_t num_tokens, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, int is_bf16, int num_threads) {
+    const int64_t row_elements = (num_heads + 2 * num_kv_heads) * head_dim;
+    const size_t elem = is_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (num_threads > 1 && num_tokens > 1 && num_tokens * row_elements >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        rotate_heads(q, t * q_stride, q_out, t * num_heads * head_dim, cos, sin, t * head_dim,
+                     num_heads, head_dim, is_bf16);
+        rotate_heads(k, t * k_stride, k_out, t * num_kv_heads * head_dim, cos, sin,
+                     t * head_dim, num_kv_heads, head_dim, is_bf16);
+        const size_t v_bytes = (size_t)(num_kv_heads * head_dim) * elem;
+        memcpy((char *)v_out + (size_t)t * v_bytes, (const char *)v + (size_t)(t * v_stride) * elem,
+               v_bytes);
+    }
+}
+
+/* silu(x) = x / (1 + exp(-x)) over n floats. Without errno, glibc's vector expf runs it
+ * (its exp is not PyTorch's, hence the odd last bit). */
+#pragma GCC push_options
+#pragma GCC optimize("no-math-errno")
+static void silu_row(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] / (1.0f + expf(-x[i]));
+}
+#pragma GCC pop_options
+
+/* SiLU-and-mul: out = silu(gate) * up, gate and up the two halves of each row of x
+ * ([rows, 2 * dim] -> [rows, dim]). bf16 rounds silu before the multiply, as PyTorch's
+ * F.silu(gate).mul_(up) does. */
+void tm_silu_and_mul(const void *x, void *out, int64_t rows, int64_t dim, int is_bf16,
+                     int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (num_threads > 1 && rows > 1 && rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        float silu[dim];
+        if (is_bf16) {
+            const uint16_t *gate = (const uint16_t *)x + r * 2 * dim, *up = gate + dim;
+            uint16_t *o = (uint16_t *)out + r * dim;
+            for (int64_t i = 0; i < dim; i++) silu[i] = bf16_to_f32(gate[i]);
+            silu_row(silu, silu, dim);
+            for (int64_t i = 0; i < dim; i++)
+                o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu[i])) * bf16_to_f32(up[i]));
+        } else {
+            const float *gate = (const float *)x + r * 2 * dim, *up = gate + dim;
+            float *o = (float *)out + r * dim;
+            silu_row(gate, silu, dim);
+            for (int64_t i = 0; i < dim; i++) o[i] = silu[i] * up[i];
+        }
+    }
+}

@@ -1,0 +1,154 @@
+"""Fused elementwise ops for the CPU forward pass, over the native library.
+
+Residual add + RMSNorm, rotary on q and k, and SiLU-and-mul each run as one pass in C
+(elementwise.c) where PyTorch makes several, with a temporary per pass. They compute
+what the PyTorch code in layers.py computes, to the bit for RMSNorm, the residual add
+and rotary (SiLU may differ in the last bit). Callers check `supports` first and keep
+their PyTorch code for everything else (CUDA, fp16, no compiler). Set
+TOKENMILL_FUSED_OPS=0 to keep the PyTorch code on CPU too (the native attention stays).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from tokenmill.engine.kernels import native_library
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = native_library() if os.environ.get("TOKENMILL_FUSED_OPS", "1") != "0" else None
+    if lib is None:
+        return None
+    lib.tm_rms_norm.restype = None
+    lib.tm_rms_norm.argtypes = [_ptr] * 4 + [_i64] * 2 + [ctypes.c_float] + [ctypes.c_int] * 2
+    lib.tm_rotary_qkv.restype = None
+    lib.tm_rotary_qkv.argtypes = [_ptr, _i64] * 3 + [_ptr] * 5 + [_i64] * 4 + [ctypes.c_int] * 2
+    lib.tm_silu_and_mul.restype = None
+    lib.tm_silu_and_mul.argtypes = [_ptr] * 2 + [_i64] * 2 + [ctypes.c_int] * 2
+    return lib
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the fused ops run for tensors like x (CPU, fp32 or bf16, library built)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and _library() is not None
+    )
+
+
+def _is_bf16(x: torch.Tensor) -> int:
+    return int(x.dtype == torch.bfloat16)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm over the last dimension, after `residual += x` when a residual is given.
+
+    Args:
+        x: [..., dim], contiguous
+        weight: [dim], x's dtype
+        residual: like x; updated in place to residual + x
+    Returns:
+        rmsnorm(residual + x) * weight, or rmsnorm(x) * weight without a residual.
+    """
+    dim = weight.shape[0]
+    if not x.is_contiguous() or weight.dtype != x.dtype or x.shape[-1] != dim:
+        raise ValueError("rms_norm needs a contiguous x and a weight of x's dtype and width")
+    if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+        raise ValueError("the residual must be contiguous and shaped like x")
+    if residual is not None and residual.dtype != x.dtype:
+        raise ValueError("the residual must have x's dtype")
+    out = torch.empty_like(x)
+    _library().tm_rms_norm(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        out.data_ptr(),
+        weight.contiguous().data_ptr(),
+        x.numel() // dim,
+        dim,
+        eps,
+        _is_bf16(x),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def rotary_supports(q, k, v, cos) -> bool:
+    """Whether `rotary_qkv` takes these tensors: each token's heads contiguous, one dtype."""
+    return (
+        supports(q)
+        and all(t.dtype == q.dtype and _heads_contiguous(t) for t in (q, k, v))
+        and cos.dtype == q.dtype
+        and cos.shape == (q.shape[0], 1, q.shape[2])
+    )
+
+
+def rotary_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotary (rotate halves) on q and k, and v copied out, in one pass over the tokens.
+
+    Args:
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+            Any row stride (views into the qkv projection's output), heads contiguous.
+        cos, sin: [num_tokens, 1, head_dim], q's dtype (RotaryEmbedding.lookup)
+    Returns:
+        q, k rotated and v, all contiguous.
+    """
+    if not rotary_supports(q, k, v, cos):
+        raise ValueError("rotary_qkv needs fp32/bf16 CPU tensors with contiguous heads")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype)
+    k_out = torch.empty(k.shape, dtype=k.dtype)
+    v_out = torch.empty(v.shape, dtype=v.dtype)
+    _library().tm_rotary_qkv(
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        q_out.data_ptr(),
+        k_out.data_ptr(),
+        v_out.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        num_tokens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        _is_bf16(q),
+        torch.get_num_threads(),
+    )
+    return q_out, k_out, v_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] on the last dimension: [..., 2 * dim] -> [..., dim]."""
+    x = x.contiguous()
+    dim = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], dim, dtype=x.dtype)
+    _library().tm_silu_and_mul(
+        x.data_ptr(),
+        out.data_ptr(),
+        x.numel() // (2 * dim),
+        dim,
+        _is_bf16(x),
+        torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,223 @@
+"""The fused native elementwise ops against the PyTorch code they replace.
+
+RMSNorm, the residual add and rotary must give PyTorch's bits (bf16 runs stay
+bit-identical to the PyTorch path); SiLU-and-mul may differ in the last bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import build_hf_model, hf_greedy, make_engine, run_all
+from torch.nn import functional as F
+
+from tokenmill.engine import layers
+from tokenmill.engine.kernels import elementwise
+from tokenmill.engine.layers import RMSNorm, apply_rotary
+from tokenmill.engine.sampling_params import SamplingParams
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def native_built():
+    if not elementwise.supports(torch.empty(1)):
+        pytest.fail("the native kernels did not build; is a C compiler installed?")
+
+
+def torch_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return norm._norm(x)
+
+
+def make_norm(dim: int, dtype: torch.dtype, eps: float = 1e-5) -> RMSNorm:
+    norm = RMSNorm(dim, eps).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(dim) + 0.5)
+    return norm
+
+
+# 576 and 960: SmolLM2's widths; 100: a row that is no whole number of 8-float vectors;
+# 4096 and 20000: long enough for ATen's sum to cascade its accumulators.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 64, 257])
+@pytest.mark.parametrize("dim", [64, 100, 576, 960, 4096, 20000])
+def test_rms_norm_gives_torch_bits(dtype, rows, dim):
+    torch.manual_seed(rows * dim)
+    norm = make_norm(dim, dtype)
+    x = (torch.randn(rows, dim) * 3).to(dtype)
+    got = elementwise.rms_norm(x, norm.weight, norm.eps)
+    assert torch.equal(got, torch_norm(norm, x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_residual_add_norm_gives_torch_bits(dtype, rows):
+    torch.manual_seed(rows)
+    norm = make_norm(576, dtype, eps=1e-6)
+    x = torch.randn(rows, 576).to(dtype)
+    residual = (torch.randn(rows, 576) * 4).to(dtype)
+    expected_residual = residual + x
+    expected = torch_norm(norm, expected_residual)
+    normed = elementwise.rms_norm(x, norm.weight, norm.eps, residual)
+    assert torch.equal(residual, expected_residual)  # updated in place
+    assert torch.equal(normed, expected)
+
+
+def test_norm_module_takes_the_torch_path_for_strided_input():
+    norm = make_norm(16, torch.float32)
+    q = torch.randn(5, 3 * 32)[:, :32].view(5, 2, 16)  # a per-head view, as qk_norm sees
+    assert not norm._is_fused(q, None)
+    assert torch.equal(norm(q), norm._norm(q.contiguous()))
+
+
+def rotary_tables(num_tokens: int, head_dim: int, dtype: torch.dtype):
+    angles = torch.rand(num_tokens, head_dim // 2) * 200
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).unsqueeze(1)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).unsqueeze(1)
+    return cos.to(dtype), sin.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 301])
+@pytest.mark.parametrize("shape", [(15, 5, 64), (4, 2, 16), (32, 8, 128)])
+def test_rotary_on_qkv_views_gives_torch_bits(dtype, num_tokens, shape):
+    num_heads, num_kv_heads, head_dim = shape
+    torch.manual_seed(num_tokens)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q, k, v = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1
+    )
+    q = q.view(num_tokens, num_heads, head_dim)
+    k = k.view(num_tokens, num_kv_heads, head_dim)
+    v = v.view(num_tokens, num_kv_heads, head_dim)
+    assert num_tokens == 1 or q.stride(0) == qkv.shape[1]  # rows of the whole qkv row
+    cos, sin = rotary_tables(num_tokens, head_dim, dtype)
+    q_out, k_out, v_out = elementwise.rotary_qkv(q, k, v, cos, sin)
+    assert torch.equal(q_out, apply_rotary(q, cos, sin))
+    assert torch.equal(k_out, apply_rotary(k, cos, sin))
+    assert torch.equal(v_out, v)
+    assert q_out.is_contiguous() and k_out.is_contiguous() and v_out.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_on_separate_q_and_k(dtype):
+    """After qk_norm, q and k are tensors of their own; v is still a view."""
+    torch.manual_seed(0)
+    qkv = torch.randn(9, (4 + 2 * 2) * 32).to(dtype)
+    v = qkv[:, 6 * 32 :].view(9, 2, 32)
+    q, k = torch.randn(9, 4, 32).to(dtype), torch.randn(9, 2, 32).to(dtype)
+    cos, sin = rotary_tables(9, 32, dtype)
+    q_out, k_out, v_out = layers.rotary_qkv(q, k, v, cos, sin)
+    assert torch.equal(q_out, apply_rotary(q, cos, sin))
+    assert torch.equal(k_out, apply_rotary(k, cos, sin))
+    assert torch.equal(v_out, v)
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place (same-sign values; 0 for equal values)."""
+    a_bits, b_bits = a.view(torch.int16).int(), b.view(torch.int16).int()
+    same_sign = (a_bits < 0) == (b_bits < 0)
+    return torch.where(same_sign | (a == b), (a_bits - b_bits).abs(), 1 << 16)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("dim", [8, 100, 1536])
+def test_silu_and_mul_is_within_an_ulp(num_tokens, dim):
+    torch.manual_seed(dim)
+    x = torch.randn(num_tokens, 2 * dim) * 4
+    gate, up = x.split(dim, dim=-1)
+    torch.testing.assert_close(elementwise.silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-7)
+    x = x.bfloat16()
+    gate, up = x.split(dim, dim=-1)
+    got, expected = elementwise.silu_and_mul(x), F.silu(gate).mul_(up)
+    assert got.shape == (num_tokens, dim)
+    assert int(bf16_ulps(got, expected).max()) <= 1
+
+
+def native_calls(monkeypatch) -> dict[str, int]:
+    """Count the fused ops the model calls."""
+    calls = dict.fromkeys(["rms_norm", "rotary_qkv", "silu_and_mul"], 0)
+    for name in calls:
+        original = getattr(elementwise, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(elementwise, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_both_paths_match_transformers(kind, fused, tmp_path, monkeypatch):
+    calls = native_calls(monkeypatch)
+    if not fused:
+        monkeypatch.setattr(elementwise, "supports", lambda x: False)
+    hf = build_hf_model(kind, tmp_path)
+    engine = make_engine(tmp_path, max_num_batched_tokens=16)  # chunked prefill
+    prompts = [[3, 1, 4, 1, 5], list(range(40, 77)), [7]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=256)
+    for prompt, out in zip(prompts, run_all(engine, prompts, params)):
+        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 5)
+        assert out.token_ids == ref_tokens
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            ours = torch.tensor([entry[t] for t in range(256)])
+            torch.testing.assert_close(ours, ref_logprobs[step], atol=2e-4, rtol=1e-4)
+    if fused:
+        # 2 layers x 2 norms + the final norm per step (qwen3's per-head q/k norms see
+        # strided views and mostly stay on the PyTorch path).
+        assert calls["rotary_qkv"] > 0 and calls["silu_and_mul"] == calls["rotary_qkv"]
+        if kind != "qwen3":
+            assert calls["rms_norm"] == calls["rotary_qkv"] * 5 // 2
+    else:
+        assert calls == {"rms_norm": 0, "rotary_qkv": 0, "silu_and_mul": 0}
+
+
+def bf16_run(model_dir, fused: bool, monkeypatch) -> list:
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    with monkeypatch.context() as patch:
+        if not fused:
+            patch.setattr(elementwise, "supports", lambda x: False)
+        engine = LLMEngine.from_model_dir(
+            model_dir,
+            EngineConfig(block_size=4, kv_cache_memory=8 << 20, max_num_batched_tokens=16),
+            dtype=torch.bfloat16,
+            device=torch.device("cpu"),
+        )
+        prompts = [[3, 1, 4, 1, 5], list(range(40, 77)), [7]]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=256)
+        return run_all(engine, prompts, params)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_bf16_norms_and_rotary_keep_the_torch_bits(kind, tmp_path, monkeypatch):
+    """With SiLU left to PyTorch, the fused path's bf16 logprobs are the PyTorch path's
+    to the bit: every rounding of the norms, residual adds and rotary is reproduced."""
+    build_hf_model(kind, tmp_path)
+
+    def torch_silu_and_mul(x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    monkeypatch.setattr(elementwise, "silu_and_mul", torch_silu_and_mul)
+    calls = native_calls(monkeypatch)
+    fused = bf16_run(tmp_path, True, monkeypatch)
+    assert calls["rms_norm"] > 0 and calls["rotary_qkv"] > 0
+    reference = bf16_run(tmp_path, False, monkeypatch)
+    for ours, ref in zip(fused, reference):
+        assert ours.token_ids == ref.token_ids
+        assert ours.outputs[0].logprobs == ref.outputs[0].logprobs
+
+
+def test_env_switch_keeps_the_torch_code(monkeypatch):
+    monkeypatch.setenv("TOKENMILL_FUSED_OPS", "0")
+    elementwise._library.cache_clear()
+    try:
+        assert not elementwise.supports(torch.empty(1))
+    finally:
+        monkeypatch.delenv("TOKENMILL_FUSED_OPS")
+        elementwise._library.cache_clear()
+    assert elementwise.supports(torch.empty(1))
