@@ -1,9 +1,10 @@
 """Native CPU kernels, compiled on first use with the system C compiler.
 
-The shared library is built once per machine into the tokenmill cache (keyed by the
-source, the flags and the CPU) and loaded with ctypes; it links nothing from torch, so
-it builds in about a second. When no compiler is available the engine falls back to
-its pure-PyTorch path, which computes the same thing with gathered copies.
+Every .c file here is built into one shared library, once per machine, in the
+tokenmill cache (keyed by the sources, the flags and the CPU), and loaded with ctypes;
+it links nothing from torch, so it builds in a few seconds. When no compiler is
+available the engine falls back to its pure-PyTorch paths, which compute the same
+things (attention with gathered copies of the cache).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+# Linked without -ffast-math: with it GCC (before 13) links crtfastmath.o into the
+# library, whose constructor turns on flush-to-zero and denormals-are-zero for the whole
+# process the moment the library loads - changing the user's own float arithmetic.
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 def _cpu_fingerprint() -> str:
@@ -41,11 +46,12 @@ def _library_path(sources: dict[str, str]) -> Path:
     from tokenmill.engine.model_files import cache_dir
 
     parts = [f"{name}\0{text}" for name, text in sorted(sources.items())]
-    key = hashlib.sha256("\0".join([*parts, *_FLAGS, _cpu_fingerprint()]).encode()).hexdigest()
+    flags = [*_COMPILE_FLAGS, *_LINK_FLAGS]
+    key = hashlib.sha256("\0".join([*parts, *flags, _cpu_fingerprint()]).encode()).hexdigest()
     return cache_dir() / "kernels" / f"tokenmill-kernels-{key[:16]}.so"
 
 
-def _compile(source_dir: Path, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
+def _compile(source_dir: Path, target: Path) -> None:
     """Build every .c file in source_dir into one shared library at target."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -54,16 +60,21 @@ def _compile(source_dir: Path, target: Path, extra_flags: tuple[str, ...] = ()) 
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run(
-            [compiler, *_FLAGS, *extra_flags, *map(str, _c_files(source_dir)), "-o", tmp, "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
+        with tempfile.TemporaryDirectory(dir=target.parent) as objects:
+            object_files = []
+            for source in _c_files(source_dir):
+                obj = Path(objects) / f"{source.stem}.o"
+                _run([compiler, *_COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
+                object_files.append(str(obj))
+            _run([compiler, *_LINK_FLAGS, *object_files, "-o", tmp, "-lm"])
         os.replace(tmp, target)  # atomic: concurrent builders never see half a library
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _run(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True)
 
 
 def _c_files(source_dir: Path) -> list[Path]:

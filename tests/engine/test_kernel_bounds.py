@@ -92,7 +92,7 @@ def guarded_kernel(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("kernel-bounds")
     (work / "guard.c").write_text(_GUARDED_MALLOC)
     (work / "driver.c").write_text(_DRIVER)
-    flags = [f for f in kernels._FLAGS if f not in ("-shared", "-fPIC")]
+    flags = [f for f in kernels._COMPILE_FLAGS if f != "-fPIC"]
     source = resources.files(kernels).joinpath("paged_attention.c")
     with resources.as_file(source) as source_path:
         subprocess.run(
