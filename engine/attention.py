@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from tokenmill.engine.kernels import AttentionEntries, native_paged_attention
+from tokenmill.engine.kernels import AttentionEntries, native_paged_attention, write_kv_cache
 
 
 @dataclass
@@ -70,10 +70,11 @@ def paged_attention(
     Returns:
         [num_tokens, num_heads, head_dim]
     """
+    if meta.native is not None:
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+        return native_paged_attention(q, k_cache, v_cache, meta.native, scale)
     k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
-    if meta.native is not None:
-        return native_paged_attention(q, k_cache, v_cache, meta.native, scale)
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens
     if num_decodes:

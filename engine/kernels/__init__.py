@@ -107,6 +107,9 @@ def native_library() -> ctypes.CDLL | None:
     fn.argtypes = (
         [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
+    write = lib.tm_write_kv_cache
+    write.restype = None
+    write.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -197,3 +200,41 @@ def native_paged_attention(
     if status != 0:
         raise MemoryError("native attention kernel could not allocate its scratch buffers")
     return out
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> None:
+    """Store each token's key and value in its cache slot, in the cache's layout.
+
+    Args:
+        k, v: [num_tokens, num_kv_heads, head_dim], the cache's dtype
+        k_cache: [num_blocks, num_kv_heads, head_dim, block_size]
+        v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+        slot_blocks, slot_offsets: [num_tokens] int64, block and offset in it
+    """
+    if not native_attention_supports(k.device, k.dtype):
+        raise RuntimeError(f"no native kernels for {k.dtype} on {k.device}")
+    if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
+        raise ValueError("keys and values must have the cache's dtype")
+    k, v = k.contiguous(), v.contiguous()
+    num_tokens, num_kv_heads, head_dim = k.shape
+    native_library().tm_write_kv_cache(
+        k.data_ptr(),
+        v.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_blocks.data_ptr(),
+        slot_offsets.data_ptr(),
+        num_tokens,
+        num_kv_heads,
+        head_dim,
+        v_cache.shape[2],  # block_size
+        int(k.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )

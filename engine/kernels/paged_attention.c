@@ -347,3 +347,34 @@ int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
     free(item_start);
     return failed ? -1 : 0;
 }
+
+/* Stores each new token's key and value in its cache slot (block slot_blocks[t], offset
+ * slot_offsets[t]), keys transposed within the block as the attention above reads them.
+ * k, v: [num_tokens, num_kv_heads, head_dim], contiguous, the cache's dtype. */
+void tm_write_kv_cache(const void *k, const void *v, void *k_cache, void *v_cache,
+                       const int64_t *slot_blocks, const int64_t *slot_offsets,
+                       int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t block_size, int is_bf16, int num_threads) {
+    const int64_t elem = is_bf16 ? 2 : 4;
+    const int64_t row = num_kv_heads * head_dim;
+    /* A decode step's few rows are not worth waking the other threads for. */
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= 256)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t block = slot_blocks[t], offset = slot_offsets[t];
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t head = (block * num_kv_heads + h) * head_dim * block_size;
+            const int64_t src = t * row + h * head_dim;
+            memcpy((char *)v_cache + (head + offset * head_dim) * elem,
+                   (const char *)v + src * elem, (size_t)(head_dim * elem));
+            if (is_bf16) {
+                const uint16_t *ks = (const uint16_t *)k + src;
+                uint16_t *kd = (uint16_t *)k_cache + head + offset;
+                for (int64_t d = 0; d < head_dim; d++) kd[d * block_size] = ks[d];
+            } else {
+                const float *ks = (const float *)k + src;
+                float *kd = (float *)k_cache + head + offset;
+                for (int64_t d = 0; d < head_dim; d++) kd[d * block_size] = ks[d];
+            }
+        }
+    }
+}

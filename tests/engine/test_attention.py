@@ -13,7 +13,12 @@ from hf_models import build_hf_model, hf_greedy, make_engine, run_all
 
 from tokenmill.engine import attention
 from tokenmill.engine.attention import gather_key_blocks, gather_value_blocks
-from tokenmill.engine.kernels import AttentionEntries, native_library, native_paged_attention
+from tokenmill.engine.kernels import (
+    AttentionEntries,
+    native_library,
+    native_paged_attention,
+    write_kv_cache,
+)
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.shared_prefix import group_shared_prefixes
 
@@ -148,6 +153,24 @@ def test_shared_prefix_group_matches_sequences_alone(dtype, block_size):
     want = reference(q, cache, chunks, 0.125)
     atol = 1e-5 if dtype == torch.float32 else 1.5e-2
     torch.testing.assert_close(grouped.double(), want, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_tokens", "block_size"), [(3, 16), (300, 16), (37, 5)])
+def test_write_kv_cache_matches_indexed_assignment(dtype, num_tokens, block_size):
+    """The native store puts every key and value where the portable path's indexed
+    assignment does (300 tokens take the multi-threaded branch), and nothing else moves."""
+    num_blocks, num_kv_heads, head_dim = 80, 3, 64
+    cache = Cache(dtype, num_kv_heads, head_dim, block_size, num_blocks=num_blocks, seed=2)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    blocks, offsets = slots // block_size, slots % block_size
+    k = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    want_k, want_v = cache.k.clone(), cache.v.clone()
+    want_k[blocks, :, :, offsets] = k
+    want_v[blocks, :, offsets] = v
+    write_kv_cache(k, v, cache.k, cache.v, blocks, offsets)
+    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)
 
 
 def test_group_shared_prefixes_finds_the_common_blocks():

@@ -7,7 +7,9 @@ garbage. Every query-head group size 1-9 (so every register-block remainder), bo
 storage types, both head-dim paths and both block-size paths are run over prompt
 chunks, a shared-prefix decode group and lone decodes. This is how an
 optimizer-generated over-read of q in an earlier decode kernel was found: it crashed
-real jobs whenever a thread's scratch happened to end at the edge of its heap.
+real jobs whenever a thread's scratch happened to end at the edge of its heap. The
+store of each step's keys and values into the cache runs first, into the cache's last
+block.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ int tm_paged_attention(const void *, const void *, const void *, void *, const i
                        const int64_t *, const int64_t *, const int64_t *, const int64_t *,
                        const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
                        int64_t, float, int, int);
+void tm_write_kv_cache(const void *, const void *, void *, void *, const int64_t *,
+                       const int64_t *, int64_t, int64_t, int64_t, int64_t, int, int);
 static int64_t *ints(int n, const int64_t *values) {
     int64_t *p = malloc(sizeof(int64_t) * n);  /* each array ends at a guard page */
     for (int i = 0; i < n; i++) p[i] = values[i];
@@ -74,6 +78,15 @@ int main(int argc, char **argv) {
     void *v = calloc(blocks * kv_heads * head_dim * bs, elem);
     void *q = calloc(tokens * heads * head_dim, elem);
     void *out = malloc(tokens * heads * head_dim * elem);
+    /* Store this step's keys and values first, into the last block (the guard page
+     * sits right after it), as the engine does. */
+    void *k_new = calloc(tokens * kv_heads * head_dim, elem);
+    void *v_new = calloc(tokens * kv_heads * head_dim, elem);
+    int64_t *slot_blocks = malloc(sizeof(int64_t) * tokens);
+    int64_t *slot_offsets = malloc(sizeof(int64_t) * tokens);
+    for (int64_t t = 0; t < tokens; t++) slot_blocks[t] = blocks - 1, slot_offsets[t] = t % bs;
+    tm_write_kv_cache(k_new, v_new, k, v, slot_blocks, slot_offsets, tokens, kv_heads, head_dim,
+                      bs, (int)is_bf16, 2);
     int rc = tm_paged_attention(q, k, v, out, ints(5, row_values), ints(5, queries),
                                 ints(5, contexts), ints(30, table_values), ints(5, starts),
                                 ints(4, shared), 4, heads, kv_heads, head_dim, bs,
