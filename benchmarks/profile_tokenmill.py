@@ -140,7 +140,7 @@ def instrument(llm: LLM, clock: StageClock) -> list[str]:
     from tokenmill.engine import attention
 
     original = getattr(attention, "paged_attention", None)
-    wrapped = clock.wrap("model: attention (cache write, gather, sdpa)", original)
+    wrapped = clock.wrap("model: attention (cache write and attention)", original)
     found = False
     for module in list(sys.modules.values()):
         is_user = module is not attention and module is not None
