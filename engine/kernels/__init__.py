@@ -51,8 +51,9 @@ def _library_path(sources: dict[str, str]) -> Path:
     return cache_dir() / "kernels" / f"tokenmill-kernels-{key[:16]}.so"
 
 
-def _compile(source_dir: Path, target: Path) -> None:
-    """Build every .c file in source_dir into one shared library at target."""
+def _compile(source_dir: Path, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """Build every .c file in source_dir into one shared library at target (tests add
+    flags to build the paths other CPUs take)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
@@ -64,7 +65,7 @@ def _compile(source_dir: Path, target: Path) -> None:
             object_files = []
             for source in _c_files(source_dir):
                 obj = Path(objects) / f"{source.stem}.o"
-                _run([compiler, *_COMPILE_FLAGS, "-c", str(source), "-o", str(obj)])
+                _run([compiler, *_COMPILE_FLAGS, *extra_flags, "-c", str(source), "-o", str(obj)])
                 object_files.append(str(obj))
             _run([compiler, *_LINK_FLAGS, *object_files, "-o", tmp, "-lm"])
         os.replace(tmp, target)  # atomic: concurrent builders never see half a library
@@ -97,11 +98,15 @@ def native_library() -> ctypes.CDLL | None:
             target = _library_path(_sources(source_dir))
             if not target.exists():
                 _compile(source_dir, target)
-        lib = ctypes.CDLL(str(target))
+        return _load(target)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("native attention kernel unavailable, using the PyTorch path: %s", detail)
+        log.warning("native kernels unavailable, using the PyTorch paths: %s", detail)
         return None
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     fn = lib.tm_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = (

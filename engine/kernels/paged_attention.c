@@ -17,7 +17,9 @@
  *   so this is where it saves.
  * Three passes per item: every row's scores, an exact softmax per row, then the
  * weighted sum of values. Rows see different lengths (causality, different sequences);
- * weights past a row's length are zero. Storage is fp32 or bf16; math is fp32.
+ * weights past a row's length are zero. Storage is fp32 or bf16. Math is fp32, except
+ * that bf16 caches with 16-token blocks use bf16 dot products where the CPU has them
+ * (attention_bf16.h).
  */
 #include <math.h>
 #include <stddef.h>
@@ -25,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention_bf16.h"
 #include "kernel_common.h"
 
 #ifdef __AVX512F__
@@ -158,16 +161,32 @@ typedef struct {
 } Part;
 
 /* Scores of rows [row0, row0 + rows) against the key blocks [b0, b1) of table. */
-static void score_blocks(const float *qf, int64_t row0, int64_t rows, const int64_t *table,
-                         int64_t b0, int64_t b1, const void *k_cache, int64_t kh,
-                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                         int is_bf16, float *widened, float *scores, int64_t stride) {
+/* With bf16 dot products (qb and pairs set, see attention_bf16.h) the bf16 q rows qb are
+ * scored against each block's pairs, else the fp32 rows qf against fp32 (or widened)
+ * keys; qf is pre-scaled, qb is not. */
+static void score_blocks(const float *qf, const uint16_t *qb, float scale, int64_t row0,
+                         int64_t rows, const int64_t *table, int64_t b0, int64_t b1,
+                         const void *k_cache, int64_t kh, int64_t num_kv_heads,
+                         int64_t head_dim, int64_t block_size, int is_bf16, float *widened,
+                         uint16_t *pairs, float *scores, int64_t stride) {
     const int64_t block_elems = head_dim * block_size, elem = is_bf16 ? 2 : 4;
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = (table[b] * num_kv_heads + kh) * block_elems;
         if (b + 1 < b1)
             prefetch_bytes((const char *)k_cache + (table[b + 1] * num_kv_heads + kh) * block_elems * elem,
                            block_elems * elem);
+#ifdef HAVE_BF16_DOT
+        if (qb) { /* re-lay the block once; every row reuses it */
+            key_block_pairs((const uint16_t *)k_cache + base, head_dim, pairs);
+            for (int64_t r = row0; r < row0 + rows; r += SCORE_ROWS) {
+                const int64_t n = row0 + rows - r < SCORE_ROWS ? row0 + rows - r : SCORE_ROWS;
+                score_rows_bf16_any(qb + r * head_dim, n, pairs, scores + r * stride + b * 16,
+                                    stride, head_dim, scale);
+            }
+            continue;
+        }
+#endif
+        (void)qb, (void)scale, (void)pairs;
         const float *kb = (const float *)k_cache + base;
         if (is_bf16) { /* widen the block once; every row reuses it */
             load_row(k_cache, base, 1, block_elems, widened);
@@ -182,11 +201,14 @@ static void score_blocks(const float *qf, int64_t row0, int64_t rows, const int6
 }
 
 /* acc[rows] += weights x values over the value blocks [b0, b1) of table; positions at
- * and past `visible` are not read. */
-static void weigh_blocks(const float *scores, int64_t stride, int64_t row0, int64_t rows,
-                         const int64_t *table, int64_t b0, int64_t b1, int64_t visible,
-                         const void *v_cache, int64_t kh, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, int is_bf16, float *widened, float *acc) {
+ * and past `visible` are not read. With bf16 dot products (weights_bf16 set) the
+ * weights are its bf16 copy of scores. */
+static void weigh_blocks(const float *scores, const uint16_t *weights_bf16, int64_t stride,
+                         int64_t row0, int64_t rows, const int64_t *table, int64_t b0,
+                         int64_t b1, int64_t visible, const void *v_cache, int64_t kh,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                         int is_bf16, float *widened, uint16_t *pairs, const uint16_t *zeros,
+                         float *acc) {
     const int64_t block_elems = head_dim * block_size, elem = is_bf16 ? 2 : 4;
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = (table[b] * num_kv_heads + kh) * block_elems;
@@ -194,6 +216,15 @@ static void weigh_blocks(const float *scores, int64_t stride, int64_t row0, int6
         if (b + 1 < b1)
             prefetch_bytes((const char *)v_cache + (table[b + 1] * num_kv_heads + kh) * block_elems * elem,
                            block_elems * elem);
+#ifdef HAVE_BF16_DOT
+        if (weights_bf16) {
+            value_block_pairs((const uint16_t *)v_cache + base, m, head_dim, pairs, zeros);
+            weigh_block_bf16(weights_bf16 + row0 * stride + b * 16, stride, pairs,
+                             acc + row0 * head_dim, rows, head_dim);
+            continue;
+        }
+#endif
+        (void)weights_bf16, (void)pairs, (void)zeros;
         const float *vb = (const float *)v_cache + base;
         if (is_bf16) {
             load_row(v_cache, base, 1, m * head_dim, widened);
@@ -244,6 +275,11 @@ int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
     }
     const int64_t num_items = item_start[num_groups];
     const int64_t stride = (max_context + block_size - 1) / block_size * block_size;
+#ifdef HAVE_BF16_DOT
+    const int use_dot = is_bf16 && block_size == 16 && (head_dim == 64 || head_dim == 128);
+#else
+    const int use_dot = 0;
+#endif
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads)
@@ -253,7 +289,16 @@ int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
     float *scores = malloc(sizeof(float) * (size_t)(rows_max * stride));
     float *widened = is_bf16 ? malloc(sizeof(float) * (size_t)(head_dim * block_size)) : NULL;
     Part *parts = malloc(sizeof(Part) * (size_t)parts_max);
-    const int ok = qf && acc && scores && parts && (!is_bf16 || widened);
+    /* bf16 dot products: q rows and weights in bf16, a block's pairs, a zero row. */
+    uint16_t *qb = NULL, *weights_bf16 = NULL, *pairs = NULL, *zeros = NULL;
+    if (use_dot) {
+        qb = malloc(sizeof(uint16_t) * (size_t)(rows_max * head_dim));
+        weights_bf16 = malloc(sizeof(uint16_t) * (size_t)(rows_max * stride));
+        pairs = malloc(sizeof(uint16_t) * (size_t)(head_dim * block_size));
+        zeros = calloc((size_t)head_dim, sizeof(uint16_t));
+    }
+    const int ok = qf && acc && scores && parts && (!is_bf16 || widened) &&
+                   (!use_dot || (qb && weights_bf16 && pairs && zeros));
     if (!ok) {
 #pragma omp atomic write
         failed = 1;
@@ -285,20 +330,25 @@ int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
             const Part *pt = &parts[p];
             for (int64_t t = 0; t < pt->tokens; t++) {
                 const int64_t offset = ((rows[pt->entry] + pt->first + t) * num_heads + kh * group) * head_dim;
-                load_row(q, offset, is_bf16, group * head_dim, qf + (pt->row + t * group) * head_dim);
+                const int64_t row = (pt->row + t * group) * head_dim;
+                if (use_dot) memcpy(qb + row, (const uint16_t *)q + offset, sizeof(uint16_t) * (size_t)(group * head_dim));
+                else load_row(q, offset, is_bf16, group * head_dim, qf + row);
             }
         }
-        for (int64_t i = 0; i < total_rows * head_dim; i++) qf[i] *= scale;
+        if (!use_dot)
+            for (int64_t i = 0; i < total_rows * head_dim; i++) qf[i] *= scale;
 
         /* Pass 1: scores; the shared blocks once for all rows, then each part's own. */
-        score_blocks(qf, 0, total_rows, block_tables + e0 * max_blocks, 0, shared, k_cache, kh,
-                     num_kv_heads, head_dim, block_size, is_bf16, widened, scores, stride);
+        score_blocks(qf, qb, scale, 0, total_rows, block_tables + e0 * max_blocks, 0, shared,
+                     k_cache, kh, num_kv_heads, head_dim, block_size, is_bf16, widened, pairs,
+                     scores, stride);
         for (int64_t p = 0; p < num_parts; p++) {
             const Part *pt = &parts[p];
             const int64_t visible = contexts[pt->entry] - queries[pt->entry] + pt->first + pt->tokens;
-            score_blocks(qf, pt->row, pt->tokens * group, block_tables + pt->entry * max_blocks,
-                         shared, (visible + block_size - 1) / block_size, k_cache, kh,
-                         num_kv_heads, head_dim, block_size, is_bf16, widened, scores, stride);
+            score_blocks(qf, qb, scale, pt->row, pt->tokens * group,
+                         block_tables + pt->entry * max_blocks, shared,
+                         (visible + block_size - 1) / block_size, k_cache, kh, num_kv_heads,
+                         head_dim, block_size, is_bf16, widened, pairs, scores, stride);
         }
         /* Pass 2: softmax per row over the positions it sees; zero weight past them, up
          * to its part's last block, so pass 3 can treat a part's rows alike. */
@@ -319,20 +369,23 @@ int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
                 const float inv = 1.f / sum;
                 for (int64_t t = 0; t < seen; t++) sr[t] *= inv;
                 for (int64_t t = seen; t < padded; t++) sr[t] = 0.f;
+                if (use_dot)
+                    for (int64_t t = 0; t < padded; t++) weights_bf16[r * stride + t] = f32_to_bf16(sr[t]);
             }
         }
         /* Pass 3: the weighted sum of values, shared blocks first, in the same way. */
         memset(acc, 0, sizeof(float) * (size_t)(total_rows * head_dim));
-        weigh_blocks(scores, stride, 0, total_rows, block_tables + e0 * max_blocks, 0, shared,
-                     shared * block_size, v_cache, kh, num_kv_heads, head_dim, block_size, is_bf16,
-                     widened, acc);
+        weigh_blocks(scores, weights_bf16, stride, 0, total_rows, block_tables + e0 * max_blocks,
+                     0, shared, shared * block_size, v_cache, kh, num_kv_heads, head_dim,
+                     block_size, is_bf16, widened, pairs, zeros, acc);
         for (int64_t p = 0; p < num_parts; p++) {
             const Part *pt = &parts[p];
             const int64_t visible = contexts[pt->entry] - queries[pt->entry] + pt->first + pt->tokens;
-            weigh_blocks(scores, stride, pt->row, pt->tokens * group,
+            weigh_blocks(scores, weights_bf16, stride, pt->row, pt->tokens * group,
                          block_tables + pt->entry * max_blocks, shared,
                          (visible + block_size - 1) / block_size, visible, v_cache, kh,
-                         num_kv_heads, head_dim, block_size, is_bf16, widened, acc);
+                         num_kv_heads, head_dim, block_size, is_bf16, widened, pairs, zeros,
+                         acc);
         }
         for (int64_t p = 0; p < num_parts; p++) {
             const Part *pt = &parts[p];
@@ -343,6 +396,7 @@ int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
         }
     }
     free(qf), free(acc), free(scores), free(widened), free(parts);
+    free(qb), free(weights_bf16), free(pairs), free(zeros);
     }
     free(item_start);
     return failed ? -1 : 0;

@@ -5,13 +5,14 @@ and the portable path's bf16 prefill."""
 from __future__ import annotations
 
 import random
+from importlib import resources
 
 import numpy as np
 import pytest
 import torch
 from hf_models import build_hf_model, hf_greedy, make_engine, run_all
 
-from tokenmill.engine import attention
+from tokenmill.engine import attention, kernels
 from tokenmill.engine.attention import gather_key_blocks, gather_value_blocks
 from tokenmill.engine.kernels import (
     AttentionEntries,
@@ -126,6 +127,21 @@ def test_kernel_matches_float64_reference(dtype, group, head_dim, block_size):
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
     # Rows past the first chunk differ from it: a mix-up of rows or heads would show.
     assert (want[:40] - want[40:80]).abs().max() > 0.1
+
+
+def test_kernel_without_bf16_dot_products_matches_reference(tmp_path, monkeypatch):
+    """CPUs without AVX512-BF16 widen bf16 blocks to fp32 instead of taking bf16 dot
+    products: build that variant here and check it the same way."""
+    with resources.as_file(resources.files(kernels)) as source_dir:
+        kernels._compile(source_dir, tmp_path / "lib.so", extra_flags=("-mno-avx512bf16",))
+    monkeypatch.setattr(kernels, "native_library", lambda: kernels._load(tmp_path / "lib.so"))
+    cache = Cache(torch.bfloat16, 2, 64, 16)
+    chunks, num_tokens = layout(cache, SHAPES)
+    q = torch.randn(num_tokens, 6, 64).bfloat16()
+    got = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.2)
+    torch.testing.assert_close(
+        got.double(), reference(q, cache, chunks, 0.2), atol=1.5e-2, rtol=1.5e-2
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
