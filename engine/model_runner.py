@@ -10,7 +10,11 @@ from torch import nn
 from tokenmill.engine.attention import AttentionMetadata, PrefillSpan
 from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.host_memory import keep_large_allocations_mapped
-from tokenmill.engine.kernels import AttentionEntries, native_attention_supports
+from tokenmill.engine.kernels import (
+    AttentionEntries,
+    native_attention_fits,
+    native_attention_supports,
+)
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.layers import RotaryEmbedding
 from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingBatch
@@ -46,7 +50,9 @@ class ModelRunner:
         self.kv_cache = kv_cache
         if device.type == "cpu":
             keep_large_allocations_mapped()
-        self.native_attention = native_attention_supports(device, dtype)
+        self.native_attention = native_attention_supports(device, dtype) and native_attention_fits(
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, block_size
+        )
         for layer_idx, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = kv_cache.k[layer_idx]
             layer.self_attn.v_cache = kv_cache.v[layer_idx]

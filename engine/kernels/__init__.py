@@ -118,12 +118,31 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
+# Shapes the attention kernel takes (paged_attention.c: head_dim and block_size bound its
+# scratch, and one tile holds at most 48 query rows, so at most 48 heads per kv head).
+MAX_HEAD_DIM = 256
+MAX_BLOCK_SIZE = 256
+MAX_HEADS_PER_KV_HEAD = 48
+
+
 def native_attention_supports(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `native_paged_attention` runs for tensors on device in dtype."""
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and native_library() is not None
+    )
+
+
+def native_attention_fits(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> bool:
+    """Whether the kernel takes a model of this attention shape with this block size;
+    others use the portable path."""
+    return (
+        head_dim <= MAX_HEAD_DIM
+        and block_size <= MAX_BLOCK_SIZE
+        and num_heads // num_kv_heads <= MAX_HEADS_PER_KV_HEAD
     )
 
 

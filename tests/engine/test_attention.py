@@ -252,6 +252,25 @@ def test_native_and_portable_paths_match_transformers(native, tmp_path):
         assert any(meta.prefills for meta in steps) and any(m.num_decode_tokens for m in steps)
 
 
+def test_shapes_the_kernel_does_not_take_use_the_portable_path(tmp_path):
+    """64 query heads on one kv head exceed a tile's 48 rows: the kernel refuses the
+    shape, and the engine runs such a model on the portable path instead of failing."""
+    cache = Cache(torch.float32, 1, 8, 16)
+    chunks, num_tokens = layout(cache, [(3, 3)])
+    q = torch.randn(num_tokens, 64, 8)
+    with pytest.raises(ValueError, match="48 query heads per kv head"):
+        native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.3)
+    hf = build_hf_model(
+        "llama", tmp_path, hidden_size=128, num_attention_heads=64, num_key_value_heads=1
+    )
+    engine = make_engine(tmp_path, block_size=16)
+    assert not engine.runner.native_attention
+    prompts = _prompts(256, seed=6)[3:7]
+    outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(hf, prompt, 4)[0]
+
+
 @pytest.mark.parametrize(
     ("query_tile", "tile_bytes"), [(128, 16 << 20), (5, 16 << 20), (128, 2048)]
 )
