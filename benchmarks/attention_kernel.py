@@ -152,19 +152,18 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}")
     for dtype in (torch.float32, torch.bfloat16):
         native, portable, flops = prefill_case(dtype)
-        t_native, t_portable = best_of([native, portable], args.repeat)
-        print(
-            f"prefill {str(dtype)[6:]:>8}: native {t_native * 1e3:6.2f} ms "
-            f"({flops / t_native / 1e9:.0f} GFLOP/s), portable {t_portable * 1e3:6.2f} ms, "
-            f"{t_portable / t_native:.2f}x"
-        )
+        times = best_of([native, portable], args.repeat)
+        _report("prefill", dtype, *times, f"{flops / times[0] / 1e9:.0f} GFLOP/s")
         native, portable, nbytes = decode_case(dtype)
-        t_native, t_portable = best_of([native, portable], args.repeat)
-        print(
-            f"decode  {str(dtype)[6:]:>8}: native {t_native * 1e3:6.2f} ms "
-            f"({nbytes / t_native / 1e9:.1f} GB/s of keys and values), "
-            f"portable {t_portable * 1e3:6.2f} ms, {t_portable / t_native:.2f}x"
-        )
+        times = best_of([native, portable], args.repeat)
+        _report("decode", dtype, *times, f"{nbytes / times[0] / 1e9:.1f} GB/s of keys and values")
+
+
+def _report(step: str, dtype: torch.dtype, native: float, portable: float, rate: str) -> None:
+    print(
+        f"{step:<7} {str(dtype)[6:]:>8}: native {native * 1e3:6.2f} ms ({rate}), "
+        f"portable {portable * 1e3:6.2f} ms, {portable / native:.2f}x"
+    )
 
 
 if __name__ == "__main__":

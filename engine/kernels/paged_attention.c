@@ -155,9 +155,10 @@ static void score_rows(const float *q, int64_t n, const float *kb, float *s, int
 #endif
 
 /* One entry's tokens [first, first + tokens) within an item; their rows are
- * [row, row + tokens * group), token-major. */
+ * [row, row + tokens * group), token-major. Its first token sees seen0 + 1 positions,
+ * its last `visible`. */
 typedef struct {
-    int64_t entry, first, tokens, row;
+    int64_t entry, first, tokens, row, seen0, visible;
 } Part;
 
 /* Scores of rows [row0, row0 + rows) against the key blocks [b0, b1) of table. */
@@ -316,11 +317,13 @@ int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
         if (count == 1) { /* one tile of a chunk */
             const int64_t first = tile * tile_tokens;
             const int64_t tokens = queries[e0] - first < tile_tokens ? queries[e0] - first : tile_tokens;
-            parts[num_parts++] = (Part){e0, first, tokens, 0};
+            const int64_t seen0 = contexts[e0] - queries[e0] + first;
+            parts[num_parts++] = (Part){e0, first, tokens, 0, seen0, seen0 + tokens};
             total_rows = tokens * group;
         } else {
             for (int64_t e = e0; e < e0 + count; e++) {
-                parts[num_parts++] = (Part){e, 0, queries[e], total_rows};
+                const int64_t seen0 = contexts[e] - queries[e];
+                parts[num_parts++] = (Part){e, 0, queries[e], total_rows, seen0, contexts[e]};
                 total_rows += queries[e] * group;
             }
         }
@@ -344,21 +347,19 @@ int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
                      scores, stride);
         for (int64_t p = 0; p < num_parts; p++) {
             const Part *pt = &parts[p];
-            const int64_t visible = contexts[pt->entry] - queries[pt->entry] + pt->first + pt->tokens;
             score_blocks(qf, qb, scale, pt->row, pt->tokens * group,
                          block_tables + pt->entry * max_blocks, shared,
-                         (visible + block_size - 1) / block_size, k_cache, kh, num_kv_heads,
+                         (pt->visible + block_size - 1) / block_size, k_cache, kh, num_kv_heads,
                          head_dim, block_size, is_bf16, widened, pairs, scores, stride);
         }
         /* Pass 2: softmax per row over the positions it sees; zero weight past them, up
          * to its part's last block, so pass 3 can treat a part's rows alike. */
         for (int64_t p = 0; p < num_parts; p++) {
             const Part *pt = &parts[p];
-            const int64_t seen0 = contexts[pt->entry] - queries[pt->entry] + pt->first;
-            const int64_t padded = (seen0 + pt->tokens + block_size - 1) / block_size * block_size;
+            const int64_t padded = (pt->visible + block_size - 1) / block_size * block_size;
             for (int64_t r = pt->row; r < pt->row + pt->tokens * group; r++) {
                 float *sr = scores + r * stride;
-                const int64_t seen = seen0 + (r - pt->row) / group + 1;
+                const int64_t seen = pt->seen0 + (r - pt->row) / group + 1;
                 float max = -INFINITY;
                 for (int64_t t = 0; t < seen; t++) max = sr[t] > max ? sr[t] : max;
                 float sum = 0.f;
@@ -380,10 +381,9 @@ int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
                      block_size, is_bf16, widened, pairs, zeros, acc);
         for (int64_t p = 0; p < num_parts; p++) {
             const Part *pt = &parts[p];
-            const int64_t visible = contexts[pt->entry] - queries[pt->entry] + pt->first + pt->tokens;
             weigh_blocks(scores, weights_bf16, stride, pt->row, pt->tokens * group,
                          block_tables + pt->entry * max_blocks, shared,
-                         (visible + block_size - 1) / block_size, visible, v_cache, kh,
+                         (pt->visible + block_size - 1) / block_size, pt->visible, v_cache, kh,
                          num_kv_heads, head_dim, block_size, is_bf16, widened, pairs, zeros,
                          acc);
         }
