@@ -1,4 +1,4 @@
-"""The native attention kernel never reads or writes outside its buffers.
+"""The native kernels never read or write outside their buffers.
 
 The kernel is compiled with the engine's own flags into a small C program whose malloc
 puts every allocation flush against a PROT_NONE page, so one byte read past any buffer
@@ -9,7 +9,8 @@ chunks, a shared-prefix decode group and lone decodes. This is how an
 optimizer-generated over-read of q in an earlier decode kernel was found: it crashed
 real jobs whenever a thread's scratch happened to end at the edge of its heap. The
 store of each step's keys and values into the cache runs first, into the cache's last
-block.
+block. The fused elementwise ops (RMSNorm with and without a residual, rotary over
+strided q/k/v views of one qkv row, SiLU-and-mul) get the same treatment.
 """
 
 from __future__ import annotations
@@ -97,34 +98,94 @@ int main(int argc, char **argv) {
 """
 
 
-@pytest.fixture(scope="module")
-def guarded_kernel(tmp_path_factory) -> Path:
+_ELEMENTWISE_DRIVER = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+void tm_rms_norm(const void *, void *, void *, const void *, int64_t, int64_t, float, int, int);
+void tm_rotary_qkv(const void *, int64_t, const void *, int64_t, const void *, int64_t, void *,
+                   void *, void *, const void *, const void *, int64_t, int64_t, int64_t,
+                   int64_t, int, int);
+void tm_silu_and_mul(const void *, void *, int64_t, int64_t, int, int);
+int main(int argc, char **argv) {
+    const int64_t rows = atoi(argv[1]), dim = atoi(argv[2]), is_bf16 = atoi(argv[3]);
+    const int64_t head_dim = atoi(argv[4]), heads = 9, kv_heads = 3, elem = is_bf16 ? 2 : 4;
+    /* Every buffer is its own allocation, flush against a guard page. */
+    void *x = calloc(rows * dim, elem), *residual = calloc(rows * dim, elem);
+    void *out = malloc(rows * dim * elem), *weight = calloc(dim, elem);
+    tm_rms_norm(x, NULL, out, weight, rows, dim, 1e-6f, (int)is_bf16, 2);
+    tm_rms_norm(x, residual, out, weight, rows, dim, 1e-6f, (int)is_bf16, 2);
+    const int64_t row = (heads + 2 * kv_heads) * head_dim;  /* q, k, v views of one qkv row */
+    char *qkv = calloc(rows * row, elem);
+    void *q_out = malloc(rows * heads * head_dim * elem);
+    void *k_out = malloc(rows * kv_heads * head_dim * elem);
+    void *v_out = malloc(rows * kv_heads * head_dim * elem);
+    void *cos = calloc(rows * head_dim, elem), *sin = calloc(rows * head_dim, elem);
+    tm_rotary_qkv(qkv, row, qkv + heads * head_dim * elem, row,
+                  qkv + (heads + kv_heads) * head_dim * elem, row, q_out, k_out, v_out, cos,
+                  sin, rows, heads, kv_heads, head_dim, (int)is_bf16, 2);
+    void *gate_up = calloc(rows * 2 * dim, elem), *act = malloc(rows * dim * elem);
+    tm_silu_and_mul(gate_up, act, rows, dim, (int)is_bf16, 2);
+    printf("0\n");
+    return 0;
+}
+"""
+
+
+def _build_guarded(work: Path, name: str, driver: str, kernel_file: str) -> Path:
+    """driver + the guarded malloc + one kernel source, compiled with the engine's flags."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        pytest.fail("no C compiler on PATH: the engine's native kernel needs one too")
-    work = tmp_path_factory.mktemp("kernel-bounds")
+        pytest.fail("no C compiler on PATH: the engine's native kernels need one too")
     (work / "guard.c").write_text(_GUARDED_MALLOC)
-    (work / "driver.c").write_text(_DRIVER)
+    (work / f"{name}.c").write_text(driver)
     flags = [f for f in kernels._COMPILE_FLAGS if f != "-fPIC"]
-    source = resources.files(kernels).joinpath("paged_attention.c")
-    with resources.as_file(source) as source_path:
+    with resources.as_file(resources.files(kernels).joinpath(kernel_file)) as source_path:
         subprocess.run(
             [
                 compiler,
                 *flags,
                 "-Wl,--wrap=malloc,--wrap=calloc,--wrap=free",
-                str(work / "driver.c"),
+                str(work / f"{name}.c"),
                 str(work / "guard.c"),
                 str(source_path),
                 "-o",
-                str(work / "driver"),
+                str(work / name),
                 "-lm",
             ],
             check=True,
             capture_output=True,
             text=True,
         )
-    return work / "driver"
+    return work / name
+
+
+@pytest.fixture(scope="module")
+def guarded_kernel(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("kernel-bounds")
+    return _build_guarded(work, "driver", _DRIVER, "paged_attention.c")
+
+
+@pytest.fixture(scope="module")
+def guarded_elementwise(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("elementwise-bounds")
+    return _build_guarded(work, "elementwise_driver", _ELEMENTWISE_DRIVER, "elementwise.c")
+
+
+# Rows x width: one row, an odd count, and one large enough for the threaded branch.
+@pytest.mark.parametrize(("rows", "dim"), [(1, 64), (3, 576), (33, 1000), (70, 1536)])
+@pytest.mark.parametrize("is_bf16", [0, 1])
+def test_fused_elementwise_ops_stay_inside_their_buffers(guarded_elementwise, rows, dim, is_bf16):
+    for head_dim in (64, 128):
+        done = subprocess.run(
+            [str(guarded_elementwise), str(rows), str(dim), str(is_bf16), str(head_dim)],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, (
+            f"{rows} x {dim}, bf16={is_bf16}, head_dim {head_dim}: exit {done.returncode} "
+            "(-11 = read or wrote past a buffer)"
+        )
 
 
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 16), (64, 8)])
