@@ -129,19 +129,25 @@ def test_kernel_matches_float64_reference(dtype, group, head_dim, block_size):
     assert (want[:40] - want[40:80]).abs().max() > 0.1
 
 
-def test_kernel_without_bf16_dot_products_matches_reference(tmp_path, monkeypatch):
-    """CPUs without AVX512-BF16 widen bf16 blocks to fp32 instead of taking bf16 dot
-    products: build that variant here and check it the same way."""
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("-mno-avx512bf16",),  # AVX-512 without AVX512-BF16: bf16 widens to fp32
+        ("-march=x86-64-v2",),  # no AVX at all: the generic loops
+    ],
+)
+def test_kernel_built_for_other_cpus_matches_reference(flags, tmp_path, monkeypatch):
+    """Build the variants other CPUs get and check them the same way."""
     with resources.as_file(resources.files(kernels)) as source_dir:
-        kernels._compile(source_dir, tmp_path / "lib.so", extra_flags=("-mno-avx512bf16",))
+        kernels._compile(source_dir, tmp_path / "lib.so", extra_flags=flags)
     monkeypatch.setattr(kernels, "native_library", lambda: kernels._load(tmp_path / "lib.so"))
-    cache = Cache(torch.bfloat16, 2, 64, 16)
-    chunks, num_tokens = layout(cache, SHAPES)
-    q = torch.randn(num_tokens, 6, 64).bfloat16()
-    got = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.2)
-    torch.testing.assert_close(
-        got.double(), reference(q, cache, chunks, 0.2), atol=1.5e-2, rtol=1.5e-2
-    )
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1.5e-2)):
+        cache = Cache(dtype, 2, 64, 16)
+        chunks, num_tokens = layout(cache, SHAPES)
+        q = torch.randn(num_tokens, 6, 64).to(dtype)
+        got = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.2)
+        want = reference(q, cache, chunks, 0.2)
+        torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
