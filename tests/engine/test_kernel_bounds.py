@@ -172,32 +172,24 @@ def guarded_elementwise(tmp_path_factory) -> Path:
     return _build_guarded(work, "elementwise_driver", _ELEMENTWISE_DRIVER, "elementwise.c")
 
 
+def _assert_stays_inside(binary: Path, *args: int) -> None:
+    done = subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True)
+    assert done.returncode == 0, (
+        f"{binary.name} {' '.join(map(str, args))}: exit {done.returncode} "
+        "(-11 = read or wrote past a buffer)"
+    )
+
+
 # Rows x width: one row, an odd count, and one large enough for the threaded branch.
 @pytest.mark.parametrize(("rows", "dim"), [(1, 64), (3, 576), (33, 1000), (70, 1536)])
 @pytest.mark.parametrize("is_bf16", [0, 1])
 def test_fused_elementwise_ops_stay_inside_their_buffers(guarded_elementwise, rows, dim, is_bf16):
     for head_dim in (64, 128):
-        done = subprocess.run(
-            [str(guarded_elementwise), str(rows), str(dim), str(is_bf16), str(head_dim)],
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 0, (
-            f"{rows} x {dim}, bf16={is_bf16}, head_dim {head_dim}: exit {done.returncode} "
-            "(-11 = read or wrote past a buffer)"
-        )
+        _assert_stays_inside(guarded_elementwise, rows, dim, is_bf16, head_dim)
 
 
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 16), (64, 8)])
 @pytest.mark.parametrize("is_bf16", [0, 1])
 def test_every_group_size_stays_inside_its_buffers(guarded_kernel, head_dim, block_size, is_bf16):
     for group in range(1, 10):
-        done = subprocess.run(
-            [str(guarded_kernel), str(group), str(is_bf16), str(head_dim), str(block_size)],
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 0, (
-            f"group {group}, bf16={is_bf16}, head_dim {head_dim}, block_size {block_size}: "
-            f"exit {done.returncode} (-11 = read or wrote past a buffer)"
-        )
+        _assert_stays_inside(guarded_kernel, group, is_bf16, head_dim, block_size)
