@@ -74,22 +74,6 @@ static inline __attribute__((always_inline)) void score_rows_16(
     for (int r = 0; r < N; r++) _mm512_storeu_ps(s + r * stride, acc[r]);
 }
 
-#define SCORE_CASE(N) \
-    case N: score_rows_16(q, N, kb, s, stride, head_dim); return;
-
-static void score_rows(const float *q, int64_t n, const float *kb, float *s, int64_t stride,
-                       int64_t head_dim, int64_t block_size) {
-    if (block_size == 16) {
-        switch (n) {
-            SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
-            SCORE_CASE(5) SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
-            SCORE_CASE(9) SCORE_CASE(10) SCORE_CASE(11) SCORE_CASE(12)
-            default: break;
-        }
-    }
-    score_rows_generic(q, n, kb, s, stride, head_dim, block_size);
-}
-
 /* acc[r] += sum_t p[r * stride + t] * v[t] over the m positions of a value block
  * ([block_size, head_dim], token-major), for N rows, head_dim = 16 * DV. Each row's
  * output is DV vectors held in registers across the block. */
@@ -147,12 +131,37 @@ static void weigh_block(const float *p, int64_t stride, const float *vb, int64_t
     weigh_rows_generic(p, stride, vb, m, acc, rows, head_dim);
 }
 
-#ifndef __AVX512F__
+#define SCORE_CASE(N) \
+    case N: score_rows_16(q, N, kb, s, stride, head_dim); return;
+
+/* Scores of n (<= SCORE_ROWS) rows against one key block, register-blocked where the
+ * shape allows. */
 static void score_rows(const float *q, int64_t n, const float *kb, float *s, int64_t stride,
                        int64_t head_dim, int64_t block_size) {
+#ifdef __AVX512F__
+    if (block_size == 16) {
+        switch (n) {
+            SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
+            SCORE_CASE(5) SCORE_CASE(6) SCORE_CASE(7) SCORE_CASE(8)
+            SCORE_CASE(9) SCORE_CASE(10) SCORE_CASE(11) SCORE_CASE(12)
+            default: break;
+        }
+    }
+#endif
     score_rows_generic(q, n, kb, s, stride, head_dim, block_size);
 }
-#endif
+
+/* The group holding `item`: the last k with item_start[k] <= item (item_start ascends;
+ * a step can hold hundreds of groups, so no linear scan per item). */
+static int64_t group_of(const int64_t *item_start, int64_t num_groups, int64_t item) {
+    int64_t lo = 0, hi = num_groups - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (item_start[mid] <= item) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
 
 /* One entry's tokens [first, first + tokens) within an item; their rows are
  * [row, row + tokens * group), token-major. Its first token sees seen0 + 1 positions,
@@ -161,8 +170,8 @@ typedef struct {
     int64_t entry, first, tokens, row, seen0, visible;
 } Part;
 
-/* Scores of rows [row0, row0 + rows) against the key blocks [b0, b1) of table. */
-/* With bf16 dot products (qb and pairs set, see attention_bf16.h) the bf16 q rows qb are
+/* Scores of rows [row0, row0 + rows) against the key blocks [b0, b1) of table. With
+ * bf16 dot products (qb and pairs set, see attention_bf16.h) the bf16 q rows qb are
  * scored against each block's pairs, else the fp32 rows qf against fp32 (or widened)
  * keys; qf is pre-scaled, qb is not. */
 static void score_blocks(const float *qf, const uint16_t *qb, float scale, int64_t row0,
@@ -285,21 +294,25 @@ int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
 
 #pragma omp parallel num_threads(num_threads)
     {
-    float *qf = malloc(sizeof(float) * (size_t)(rows_max * head_dim));
     float *acc = malloc(sizeof(float) * (size_t)(rows_max * head_dim));
     float *scores = malloc(sizeof(float) * (size_t)(rows_max * stride));
-    float *widened = is_bf16 ? malloc(sizeof(float) * (size_t)(head_dim * block_size)) : NULL;
     Part *parts = malloc(sizeof(Part) * (size_t)parts_max);
-    /* bf16 dot products: q rows and weights in bf16, a block's pairs, a zero row. */
+    /* fp32 math: q rows in fp32, and bf16 blocks widened to fp32. bf16 dot products: q
+     * rows and weights in bf16, a block's pairs, a zero row. */
+    float *qf = NULL, *widened = NULL;
     uint16_t *qb = NULL, *weights_bf16 = NULL, *pairs = NULL, *zeros = NULL;
+    int ok = acc && scores && parts;
     if (use_dot) {
         qb = malloc(sizeof(uint16_t) * (size_t)(rows_max * head_dim));
         weights_bf16 = malloc(sizeof(uint16_t) * (size_t)(rows_max * stride));
         pairs = malloc(sizeof(uint16_t) * (size_t)(head_dim * block_size));
         zeros = calloc((size_t)head_dim, sizeof(uint16_t));
+        ok = ok && qb && weights_bf16 && pairs && zeros;
+    } else {
+        qf = malloc(sizeof(float) * (size_t)(rows_max * head_dim));
+        widened = is_bf16 ? malloc(sizeof(float) * (size_t)(head_dim * block_size)) : NULL;
+        ok = ok && qf && (!is_bf16 || widened);
     }
-    const int ok = qf && acc && scores && parts && (!is_bf16 || widened) &&
-                   (!use_dot || (qb && weights_bf16 && pairs && zeros));
     if (!ok) {
 #pragma omp atomic write
         failed = 1;
@@ -308,8 +321,7 @@ int tm_paged_attention(const void *q, const void *k_cache, const void *v_cache, 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; item++) {
         if (!ok) continue;
-        int64_t k = 0; /* the group holding this item */
-        while (item_start[k + 1] <= item) k++;
+        const int64_t k = group_of(item_start, num_groups, item);
         const int64_t local = item - item_start[k];
         const int64_t kh = local % num_kv_heads, tile = local / num_kv_heads;
         const int64_t e0 = group_starts[k], count = group_starts[k + 1] - e0;
