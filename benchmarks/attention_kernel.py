@@ -27,7 +27,7 @@ from tokenmill.engine.attention import (
     _decode_attention,
     _prefill_span_attention,
 )
-from tokenmill.engine.kernels import AttentionEntries, native_paged_attention
+from tokenmill.engine.kernels.paged_attention import AttentionEntries, native_paged_attention
 from tokenmill.engine.shared_prefix import group_shared_prefixes
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

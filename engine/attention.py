@@ -19,7 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from tokenmill.engine.kernels import AttentionEntries, native_paged_attention, write_kv_cache
+from tokenmill.engine.kernels.paged_attention import (
+    AttentionEntries,
+    native_paged_attention,
+    write_kv_cache,
+)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from torch import nn
 from tokenmill.engine.attention import AttentionMetadata, PrefillSpan
 from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.host_memory import keep_large_allocations_mapped
-from tokenmill.engine.kernels import (
+from tokenmill.engine.kernels.paged_attention import (
     AttentionEntries,
     native_attention_fits,
     native_attention_supports,

@@ -14,9 +14,9 @@ from hf_models import build_hf_model, hf_greedy, make_engine, run_all
 
 from tokenmill.engine import attention, kernels
 from tokenmill.engine.attention import gather_key_blocks, gather_value_blocks
-from tokenmill.engine.kernels import (
+from tokenmill.engine.kernels import native_library, paged_attention
+from tokenmill.engine.kernels.paged_attention import (
     AttentionEntries,
-    native_library,
     native_paged_attention,
     write_kv_cache,
 )
@@ -140,7 +140,8 @@ def test_kernel_built_for_other_cpus_matches_reference(flags, tmp_path, monkeypa
     """Build the variants other CPUs get and check them the same way."""
     with resources.as_file(resources.files(kernels)) as source_dir:
         kernels._compile(source_dir, tmp_path / "lib.so", extra_flags=flags)
-    monkeypatch.setattr(kernels, "native_library", lambda: kernels._load(tmp_path / "lib.so"))
+    variant = paged_attention._declare(kernels._load(tmp_path / "lib.so"))
+    monkeypatch.setattr(paged_attention, "_library", lambda: variant)
     for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1.5e-2)):
         cache = Cache(dtype, 2, 64, 16)
         chunks, num_tokens = layout(cache, SHAPES)
