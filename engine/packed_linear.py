@@ -101,6 +101,8 @@ def pack_linear_layers(model: nn.Module, *, dtype: torch.dtype, device: torch.de
     except RuntimeError as exc:
         log.warning("oneDNN linear unavailable (%s); keeping F.linear", exc)
         return 0
-    for parent, name, child in targets:
+    parent, name, _ = targets[0]
+    setattr(parent, name, first)  # already packed for the check
+    for parent, name, child in targets[1:]:
         setattr(parent, name, PackedLinear(child))
     return len(targets)
