@@ -164,6 +164,8 @@ class LLMEngine:
                 generator=_seeded_generator(params.seed, index),
                 detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop else None,
             )
+            if params.prompt_logprobs is not None and index == 0:
+                seq.prompt_logprobs = [None]
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[request_id] = request
@@ -319,6 +321,7 @@ class LLMEngine:
             cached_tokens=num_cached,
             completion_tokens=sum(len(c.token_ids) for c in completions),
             metrics=metrics,
+            prompt_logprobs=first.prompt_logprobs,
         )
 
     def _error_output(self, request: _Request, error: str) -> RequestOutput:

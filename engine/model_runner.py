@@ -1,5 +1,6 @@
 """Runs one scheduled step: flatten its chunks into one unpadded batch, run the
-model, compute logits only where a token is sampled, and sample."""
+model, compute logits only where a token is sampled (and at the prompt rows of
+requests that asked for prompt log-probabilities), and sample."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenmill.engine import prompt_logprobs
 from tokenmill.engine.attention import AttentionMetadata, PrefillSpan
 from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.host_memory import keep_large_allocations_mapped
@@ -61,9 +63,10 @@ class ModelRunner:
     def run(self, out: SchedulerOutput, sampling: SamplingBatch | None) -> SamplerOutput | None:
         """Compute the step's tokens; return one sampled token per sampling chunk,
         in the order of out.chunks (None when no chunk samples)."""
-        input_ids, positions, meta, sample_rows = self._prepare(out)
+        input_ids, positions, meta, sample_rows, prompt_spans = self._prepare(out)
         cos, sin = self.rotary.lookup(positions, self.dtype)
         hidden = self.model(input_ids, cos, sin, meta)
+        prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)
         if not sample_rows:
             return None
         rows = torch.tensor(sample_rows, device=self.device)
@@ -110,6 +113,7 @@ class ModelRunner:
                 )
         # Sampled rows in the order of out.chunks, whatever order the tokens went in.
         sample_rows = [offsets[id(c)] + c.num_new_tokens - 1 for c in out.chunks if c.samples]
+        prompt_spans = prompt_logprobs.spans_for_step(out.chunks, offsets)
 
         decode_block_tables = decode_context_lens = None
         if decode_tables and native is None:
@@ -131,6 +135,7 @@ class ModelRunner:
             self._tensor(np.concatenate(positions)),
             meta,
             sample_rows,
+            prompt_spans,
         )
 
     def _attention_entries(

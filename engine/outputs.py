@@ -60,6 +60,9 @@ class RequestOutput:
     completion_tokens: int
     metrics: RequestMetrics
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then one
+    # {token_id: logprob} per prompt token (the token itself plus the top k).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # Conveniences for the common n == 1 case.
     @property

@@ -26,6 +26,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's plus the top k
+    # None: none; k >= 0: per prompt token, its own logprob plus the top k (vLLM's shape)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
@@ -53,6 +55,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
 
     @property
     def is_greedy(self) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.outputs import EngineStats
+from tokenmill.engine.prompt_logprobs import cached_tokens_allowed
 from tokenmill.engine.sequence import Sequence, SequenceStatus
 
 
@@ -118,7 +119,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = bm.find_cached_prefix(seq)
-            if self._next_block_is_inflight(seq, len(hits)):
+            allowed = cached_tokens_allowed(seq)
+            if allowed is not None:  # prompt logprobs: served only as far as recorded
+                hits = hits[: allowed // bm.block_size]
+            elif self._next_block_is_inflight(seq, len(hits)):
                 deferred.append(self.waiting.popleft())
                 continue
             num_cached = len(hits) * bm.block_size

@@ -50,6 +50,9 @@ class Sequence:
     detokenizer: Any = None
     stop_text: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # With SamplingParams.prompt_logprobs (first completion only): one entry per prompt
+    # token scored so far, None for token 0 (engine/prompt_logprobs.py).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
 

@@ -1,0 +1,104 @@
+"""Prompt log-probabilities against HF transformers on the same random weights (fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hf_models import build_hf_model, make_engine, run_all
+from test_hf_parity import mixed_prompts
+
+from tokenmill.engine.sampling_params import SamplingParams
+
+VOCAB = 256
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: row i is the log-softmax that scores prompt[i + 1]."""
+    logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def assert_matches(out, prompt: list[int], reference: torch.Tensor, k: int) -> None:
+    entries = out.prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt)
+    assert entries[0] is None
+    for i, entry in enumerate(entries[1:]):
+        want = reference[i]
+        top_ids = set(want.topk(k).indices.tolist()) if k else set()
+        # The actual token, plus the top k (which may include it).
+        assert prompt[i + 1] in entry
+        assert len(entry) == len(top_ids | {prompt[i + 1]}) or _near_tie(want, k)
+        ours = torch.tensor(list(entry.values()))
+        theirs = want[list(entry.keys())]
+        torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+def _near_tie(logprobs: torch.Tensor, k: int) -> bool:
+    """Whether the k-th and (k+1)-th best are within rounding, so the top-k set may differ."""
+    values = logprobs.topk(k + 1).values
+    return bool(values[k - 1] - values[k] < 1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_prompt_logprobs_match_transformers(kind, prefix_caching, tmp_path):
+    hf = build_hf_model(kind, tmp_path)
+    # 16 tokens a step: the 60- and 77-token prompts arrive over several chunks.
+    engine = make_engine(tmp_path, max_num_batched_tokens=16, enable_prefix_caching=prefix_caching)
+    prompts = mixed_prompts(VOCAB, seed=4)
+    ks = [0, 1, 5, 0, 3, 2, 0, 4, 1]
+    params = [
+        SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=k) for k in ks
+    ]
+    outputs = run_all(engine, prompts, params)
+    for prompt, out, k in zip(prompts, outputs, ks):
+        assert_matches(out, prompt, hf_prompt_logprobs(hf, prompt), k)
+
+
+def test_cached_prefix_is_scored_not_skipped(tmp_path):
+    """A prompt whose prefix another request already put in the cache still gets every
+    token's logprob; a request without prompt logprobs keeps using the cache."""
+    hf = build_hf_model("llama", tmp_path)
+    engine = make_engine(tmp_path, enable_prefix_caching=True)
+    prefix = mixed_prompts(VOCAB, seed=5)[0][:20]
+    plain = SamplingParams(temperature=0, max_tokens=1)
+    run_all(engine, [prefix + [7, 8, 9]], plain)  # fills the cache with the prefix
+    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompt = prefix + [1, 2, 3, 4]
+    out = run_all(engine, [prompt], scored)[0]
+    assert out.cached_tokens == 0  # computed again, so it could be scored
+    assert_matches(out, prompt, hf_prompt_logprobs(hf, prompt), 0)
+    again = run_all(engine, [prefix + [5, 6]], plain)[0]
+    assert again.cached_tokens == 20  # 5 blocks of 4
+
+
+def test_preempted_request_keeps_its_entries(tmp_path):
+    """Preemption recomputes a sequence; its prompt entries are neither lost nor doubled."""
+    hf = build_hf_model("llama", tmp_path)
+    # 16 blocks of 4 tokens = 64 tokens of cache for ~220 tokens of sequences.
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 4  # k+v, layers, kv heads, head_dim, block, fp32
+    engine = make_engine(tmp_path, kv_cache_memory=16 * block_bytes)
+    rng = random.Random(6)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 14, 21, 30, 5, 17)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)
+    outputs = run_all(engine, prompts, params)
+    assert engine.stats.num_preemptions > 0
+    for prompt, out in zip(prompts, outputs):
+        assert_matches(out, prompt, hf_prompt_logprobs(hf, prompt), 2)
+
+
+def test_only_the_first_of_n_completions_scores_and_others_share_the_cache(tmp_path):
+    build_hf_model("llama", tmp_path)
+    engine = make_engine(tmp_path, enable_prefix_caching=True)
+    prompt = mixed_prompts(VOCAB, seed=7)[3]
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=3, prompt_logprobs=1)
+    out = run_all(engine, [prompt], params)[0]
+    assert len(out.prompt_logprobs) == len(prompt)
+
+
+def test_negative_prompt_logprobs_is_rejected():
+    with pytest.raises(ValueError, match="prompt_logprobs must be >= 0"):
+        SamplingParams(prompt_logprobs=-1)
