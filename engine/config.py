@@ -147,7 +147,8 @@ class EngineConfig:
     """Knobs of the serving engine, validated on construction.
 
     kv_cache_memory is the KV cache budget in bytes; None sizes it from the device
-    (a fraction of free GPU memory, or a fixed CPU default).
+    (a fraction of free GPU memory, or a fixed CPU default). quantization: see
+    engine/quant/__init__.py.
     """
 
     block_size: int = 16
@@ -157,8 +158,13 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    # None, or how the linear layers hold their weights: "int8", "int4", "gguf" (quant/)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
+        from tokenmill.engine.quant import validate_name
+
+        validate_name(self.quantization)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_batched_tokens < 1:

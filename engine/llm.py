@@ -29,6 +29,9 @@ class LLM:
         kv_cache_memory: KV cache budget in bytes (None = sized from the device).
         block_size, max_num_batched_tokens, max_num_seqs, max_model_len, seed:
             see EngineConfig.
+        quantization: None (the weights in `dtype`), "int8" (int8 weights and
+            activations), "int4" (group-wise 4-bit weights) or "gguf" (a GGUF model's
+            own quantized blocks); CPU only. The rest of the model runs in `dtype`.
     """
 
     def __init__(
@@ -44,10 +47,13 @@ class LLM:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         seed: int = 0,
+        quantization: str | None = None,
     ) -> None:
         from tokenmill.engine.model_files import resolve_model
+        from tokenmill.engine.quant import validate_name
         from tokenmill.engine.tokenizer import Tokenizer
 
+        validate_name(quantization)  # before a model is looked up or converted
         self.model_dir = resolve_model(model)
         self.model_name = str(model) if model is not None else "smollm2-135m-instruct"
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -60,6 +66,7 @@ class LLM:
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
+            quantization=quantization,
         )
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.engine = LLMEngine.from_model_dir(

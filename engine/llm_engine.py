@@ -22,6 +22,7 @@ from tokenmill.engine.kv_cache import (
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from tokenmill.engine.packed_linear import pack_linear_layers
+from tokenmill.engine.quant import check_quantization, quantize_model
 from tokenmill.engine.sampler import SamplerOutput, SamplingBatch
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
@@ -106,8 +107,12 @@ class LLMEngine:
         max_model_len = min(
             engine_config.max_model_len or model_config.max_context, model_config.max_context
         )
+        quantization = engine_config.quantization
+        check_quantization(quantization, model_dir, model_config, device=device)
         model = load_model(model_dir, model_config, dtype=dtype, device=device)
-        pack_linear_layers(model, dtype=dtype, device=device)
+        if quantization is not None:
+            quantize_model(model, quantization, model_dir, dtype=dtype)
+        pack_linear_layers(model, dtype=dtype, device=device)  # the float layers left
         block_size = engine_config.block_size
         if engine_config.kv_cache_memory is not None:
             budget = engine_config.kv_cache_memory

@@ -1,0 +1,82 @@
+"""Dynamic per-row int8 quantization of activations, over the native library
+(quantize.c): the int8 linear layers' input step."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tokenmill.engine.kernels import native_library
+
+# (largest magnitude, the uint8 value that stands for 0.0): all 8 bits, or 7 bits for
+# CPUs whose int8 dot products sum pairs into int16 (AVX2's vpmaddubsw saturates when
+# 255 * 127 * 2 > 32767; 127 * 127 * 2 fits).
+FULL_RANGE = (127, 128)
+REDUCED_RANGE = (63, 64)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = native_library()
+    if lib is None:
+        return None
+    lib.tm_quantize_rows_u8.restype = None
+    lib.tm_quantize_rows_u8.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
+    return lib
+
+
+def quantize_rows_u8(
+    x: torch.Tensor,
+    inv_smooth: torch.Tensor | None = None,
+    value_range: tuple[int, int] = FULL_RANGE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, dim] (fp32 or bf16, CPU) -> (uint8 [rows, dim], fp32 scales [rows]) with
+    x * inv_smooth ~ (q - zero_point) * scales[:, None].
+
+    Args:
+        x: the activations.
+        inv_smooth: [dim] fp32 per-channel factors applied first, or None.
+        value_range: (qmax, zero_point), FULL_RANGE or REDUCED_RANGE.
+    Returns:
+        The values and each row's scale, max|x * inv_smooth| / qmax. The native kernel
+        does it in one call where the library is built; PyTorch ops otherwise (the same
+        rounding, half to even).
+    """
+    qmax, zero_point = value_range
+    x = x.contiguous()
+    rows, dim = x.shape
+    lib = _library()
+    if lib is not None and x.dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty((rows, dim), dtype=torch.uint8)
+        scales = torch.empty(rows, dtype=torch.float32)
+        lib.tm_quantize_rows_u8(
+            x.data_ptr(),
+            None if inv_smooth is None else inv_smooth.data_ptr(),
+            rows,
+            dim,
+            int(x.dtype == torch.bfloat16),
+            qmax,
+            zero_point,
+            out.data_ptr(),
+            scales.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out, scales
+    x = x.float() if inv_smooth is None else x.float() * inv_smooth
+    absmax = x.abs().amax(dim=1)
+    scales = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
+    q = torch.round(x * (1.0 / scales)[:, None]).clamp_(-qmax, qmax).add_(zero_point)
+    return q.to(torch.uint8), scales

@@ -1,0 +1,147 @@
+"""Quantized linear layers: `LLM(..., quantization="int8" | "int4" | "gguf")`.
+
+Quantization is a property of the loaded model's linear layers: after the weights load,
+`quantize_model` swaps the decoder layers' projections (q/k/v, o, gate/up, down) for
+quantized modules with nn.Linear's forward. The scheduler, the KV cache and everything
+else in the engine never see it; the rest of the model (embeddings, norms, attention,
+the lm_head) runs in the engine's float dtype.
+
+- "int8": per-channel int8 weights, dynamically quantized int8 activations (int8.py),
+  smoothed SmoothQuant-style with statistics from a short float run at load
+  (calibrate.py).
+- "int4": group-wise 4-bit weights (group 32), float activations (int4.py).
+- "gguf": the GGUF's own quantized blocks, kept as they are (gguf_linear.py).
+
+Every check that can fail runs before any weight is touched (`check_quantization`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("int8", "int4", "gguf")
+INT4_GROUP_SIZE = 32
+
+
+def validate_name(quantization: str | None) -> str | None:
+    """The quantization name, checked; raises ValueError naming the choices."""
+    if quantization is None or quantization in QUANTIZATIONS:
+        return quantization
+    raise ValueError(
+        f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)} or None"
+    )
+
+
+def check_quantization(
+    quantization: str | None, model_dir: Path, config, *, device: torch.device
+) -> None:
+    """Raise ValueError when this model cannot run quantized this way here.
+
+    Args:
+        quantization: a name from QUANTIZATIONS, or None.
+        model_dir: the model's HF-layout directory (a GGUF conversion for "gguf").
+        config: its ModelConfig.
+        device: where it will run.
+    """
+    if quantization is None:
+        return
+    validate_name(quantization)
+    if device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on CPU only, not {device.type}")
+    if quantization == "int8":
+        from tokenmill.engine.quant.int8 import onednn_int8_available
+
+        if not onednn_int8_available():
+            raise ValueError("quantization='int8' needs a torch build with oneDNN's int8 ops")
+    elif quantization == "int4":
+        widths = {
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_attention_heads * config.head_dim,
+        }
+        bad = sorted(w for w in widths if w % INT4_GROUP_SIZE)
+        if bad:
+            raise ValueError(
+                f"quantization='int4' needs layer inputs that are multiples of "
+                f"{INT4_GROUP_SIZE}; this model has {', '.join(map(str, bad))}"
+            )
+    else:
+        from tokenmill.engine.quant.gguf_linear import check_gguf_blocks
+
+        check_gguf_blocks(model_dir)
+
+
+def quantized_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, layer) for every nn.Linear inside the decoder layers."""
+    return [
+        (parent, name, child)
+        for layer in model.model.layers
+        for parent in layer.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
+
+
+def quantize_model(
+    model: nn.Module, quantization: str, model_dir: Path, *, dtype: torch.dtype
+) -> int:
+    """Swap the decoder layers' linear layers for quantized ones, in place.
+
+    Returns:
+        Bytes the quantized layers' weights take (for the memory report).
+    """
+    from tokenmill.engine.quant.int4 import Int4Linear
+    from tokenmill.engine.quant.int8 import Int8Linear
+
+    if quantization == "gguf":
+        from tokenmill.engine.quant.gguf_linear import load_gguf_layers
+
+        return load_gguf_layers(model, model_dir, dtype=dtype)
+    targets = quantized_targets(model)
+    smooth: dict[nn.Module, torch.Tensor] = {}
+    if quantization == "int8":
+        from tokenmill.engine.quant import calibrate
+
+        absmax = calibrate.input_absmax(
+            model,
+            [linear for _, _, linear in targets],
+            calibrate.calibration_token_ids(model_dir, model.config.vocab_size),
+            dtype=dtype,
+        )
+        smooth = {
+            linear: calibrate.smoothing_factors(absmax[linear], linear.weight)
+            for _, _, linear in targets
+        }
+    total = 0
+    for parent, name, linear in targets:
+        bias = linear.bias
+        if quantization == "int8":
+            layer = Int8Linear.from_float(linear.weight, bias, smooth[linear])
+        else:
+            layer = Int4Linear.from_float(
+                linear.weight, bias, group_size=INT4_GROUP_SIZE, dtype=dtype
+            )
+        setattr(parent, name, layer)
+        total += layer.weight_bytes
+    return total
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight the model holds: float parameters and quantized buffers,
+    the tied embedding/lm_head counted once."""
+    seen, total = set(), 0
+    for module in model.modules():
+        if hasattr(module, "weight_bytes"):
+            total += module.weight_bytes
+            continue
+        for param in module.parameters(recurse=False):
+            if param.data_ptr() not in seen:
+                seen.add(param.data_ptr())
+                total += param.numel() * param.element_size()
+        packed = getattr(module, "packed_weight", None)
+        if packed is not None:  # PackedLinear: oneDNN's copy, its storage opaque
+            total += module.in_features * module.out_features * packed.element_size()
+    return total

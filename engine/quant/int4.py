@@ -1,0 +1,93 @@
+"""int4 linear layers: group-wise 4-bit weights, float activations.
+
+Each run of `group_size` weights along a row keeps a scale and a minimum
+(w ~ q * scale + minimum, q in 0..15, the GGUF Q4_1 recipe) and the product runs in
+PyTorch's own CPU kernel for it (`torch._weight_int4pack_mm_for_cpu`), which reads a
+quarter of bf16's bytes: the choice for jobs bound by memory bandwidth (small batches,
+long outputs, bigger models). Why this kernel: benchmarks/README.md ("Quantized matmuls").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# PyTorch's int4 layout stores each group as (q - 8) * scale + zero.
+_MID = 8
+
+
+def quantize_weight(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q int32 [N, K] in 0..15, scale [N, K // g], minimum [N, K // g]).
+
+    weight ~ q * scale + minimum within each group of g consecutive inputs.
+    """
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+    groups = weight.detach().float().reshape(n, k // group_size, group_size)
+    minimum = groups.amin(dim=-1)
+    span = groups.amax(dim=-1) - minimum
+    scale = torch.where(span > 0, span / 15, torch.ones_like(span))
+    q = torch.round((groups - minimum[..., None]) / scale[..., None]).clamp_(0, 15)
+    return q.to(torch.int32).reshape(n, k), scale, minimum
+
+
+class Int4Linear(nn.Module):
+    """nn.Linear's forward on group-wise int4 weights; activations in `dtype`."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        group_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.group_size = group_size
+        self.register_buffer(
+            "packed_weight",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2),
+            persistent=False,
+        )
+        zero = minimum.float() + _MID * scale.float()
+        # [K // g, N, 2]: per group and output channel, (scale, zero).
+        scales_and_zeros = torch.stack([scale.float().t(), zero.t()], dim=-1).contiguous()
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(dtype), persistent=False)
+        self.bias = None if bias is None else bias.detach().to(dtype)
+        self.weight_bytes = (
+            q.numel() // 2 + scales_and_zeros.numel() * scales_and_zeros.element_size()
+        )
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        group_size: int = 32,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> Int4Linear:
+        q, scale, minimum = quantize_weight(weight, group_size)
+        return cls(q, scale, minimum, bias, group_size=group_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.packed_weight, self.group_size, self.scales_and_zeros
+        )
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int4 group {self.group_size}"
+        )

@@ -1,0 +1,146 @@
+"""int8 linear layers: per-channel int8 weights x dynamically quantized int8 activations.
+
+Each output channel's weights are rounded to int8 with their own scale (max|w| / 127);
+at run time each row (token) of the layer's input is quantized to uint8 with its own
+scale (kernels/quantize.c; one scale for the whole tensor lost up to 20% of a layer's
+output on SmolLM2's outlier activations, per row 2-4%) and the product runs in oneDNN's int8 matmul
+(`torch.ops.onednn.qlinear_pointwise`, the op PyTorch's PT2E quantization lowers to) on
+a weight packed once at load. oneDNN picks its kernel for the CPU at run time: AMX
+where present, AVX512-VNNI (vpdpbusd), AVX-VNNI, else AVX2's vpmaddubsw multiply-add;
+ONEDNN_MAX_CPU_ISA caps it (tests use that to run the fallback). Without VNNI or AMX
+the u8 x s8 pairs are summed in int16 and saturate, so activations there use 7 bits. Why this kernel and
+not torch._weight_int8pack_mm, torchao's or one of our own: benchmarks/README.md
+("Quantized matmuls") - it was the fastest at the model's shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from tokenmill.engine.kernels.quantize import FULL_RANGE, REDUCED_RANGE, quantize_rows_u8
+
+
+def onednn_int8_available() -> bool:
+    """Whether this torch build has oneDNN's int8 linear ops."""
+    ops = torch.ops.onednn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "qlinear_prepack")
+        and hasattr(ops, "qlinear_pointwise")
+    )
+
+
+def kernel_name() -> str | None:
+    """The integer dot-product instructions oneDNN's int8 kernels use on this CPU, by its
+    flags and ONEDNN_MAX_CPU_ISA (None when the int8 ops are missing)."""
+    if not onednn_int8_available():
+        return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        flags = set()
+    ladder = [  # oneDNN's ISA names, best first, with the CPU flag each needs
+        ("avx512_core_amx", "amx_int8"),
+        ("avx512_core_vnni", "avx512_vnni"),
+        ("avx2_vnni", "avx_vnni"),
+        ("avx2", "avx2"),
+    ]
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower()
+    names = [name for name, _ in ladder]
+    start = names.index(cap) if cap in names else 0
+    for name, flag in ladder[start:]:
+        if flag in flags:
+            return name
+    return "sse41"
+
+
+def has_int8_dot_products() -> bool:
+    """Whether oneDNN's int8 kernels here accumulate u8 x s8 products without int16
+    saturation (VNNI or AMX); otherwise activations use 7 bits (see kernels/quantize.py)."""
+    return kernel_name() in ("avx512_core_amx", "avx512_core_vnni", "avx2_vnni")
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], fp32 scale [N]) with weight ~ int8 * scale[:, None]."""
+    weight = weight.detach().float()
+    absmax = weight.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    qweight = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return qweight, scale
+
+
+class Int8Linear(nn.Module):
+    """nn.Linear's forward with int8 weights and activations; output in the input's dtype.
+
+    With smoothing factors s [in_features] (calibrate.py) the stored weight is
+    W * s[None, :] and the input is divided by s inside the quantizer.
+    """
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        smooth: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer(
+            "packed_weight", torch.ops.onednn.qlinear_prepack(qweight, None), persistent=False
+        )
+        self.register_buffer("scale", scale.float().contiguous(), persistent=False)
+        self.register_buffer(
+            "zero_points", torch.zeros(self.out_features, dtype=torch.int64), persistent=False
+        )
+        self.value_range = FULL_RANGE if has_int8_dot_products() else REDUCED_RANGE
+        inv_smooth = None if smooth is None else (1.0 / smooth.float()).contiguous()
+        self.register_buffer("inv_smooth", inv_smooth, persistent=False)
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.weight_bytes = qweight.numel() + 4 * scale.numel()
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        smooth: torch.Tensor | None = None,
+    ) -> Int8Linear:
+        """Quantize a float weight [out, in], optionally smoothed by s [in]."""
+        weight = weight.detach().float()
+        if smooth is not None:
+            weight = weight * smooth.float()[None, :]
+        return cls(*quantize_weight(weight), bias, smooth)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        qx, x_scales = quantize_rows_u8(
+            x.reshape(-1, self.in_features), self.inv_smooth, self.value_range
+        )
+        # oneDNN takes one activation scale per tensor: run it at scale 1 and apply each
+        # row's own scale to the row's outputs (bias added after, at full scale).
+        y = torch.ops.onednn.qlinear_pointwise(
+            qx,
+            1.0,
+            self.value_range[1],
+            self.packed_weight,
+            self.scale,
+            self.zero_points,
+            None,
+            1.0,
+            0,
+            x.dtype,
+            "none",
+            [],
+            "",
+        )
+        y.mul_(x_scales.to(y.dtype)[:, None])
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"

@@ -1,0 +1,110 @@
+"""LLM(..., quantization=...) end to end: quantized models agree with the float model,
+and what cannot be quantized fails before any weight is loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import build_hf_model, make_engine, run_all
+from test_hf_parity import mixed_prompts
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.quant import INT4_GROUP_SIZE, check_quantization, int4, quantized_targets
+from tokenmill.engine.quant.int4 import Int4Linear
+from tokenmill.engine.quant.int8 import Int8Linear
+from tokenmill.engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+
+
+def compare(outputs, reference) -> tuple[float, int, int]:
+    """(mean |prompt logprob difference|, greedy tokens agreeing up to the first flip, total)."""
+    diffs, agree, total = [], 0, 0
+    for ref, out in zip(reference, outputs):
+        for ours, theirs in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            ((token, value),) = theirs.items()
+            diffs.append(abs(ours[token] - value))
+        # Greedy tokens agree up to the first flip (after it the contexts differ).
+        for a, b in zip(out.token_ids, ref.token_ids):
+            if a != b:
+                break
+            agree += 1
+        total += len(ref.token_ids)
+    return sum(diffs) / len(diffs), agree, total
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_int8_engine_tracks_the_float_engine(kind, tmp_path):
+    build_hf_model(kind, tmp_path)
+    prompts = mixed_prompts(256, seed=8)
+    reference = run_all(make_engine(tmp_path), prompts, PARAMS)
+    engine = make_engine(tmp_path, quantization="int8")
+    layers = list(engine.runner.model.model.layers[0].modules())
+    assert sum(isinstance(m, Int8Linear) for m in layers) == 4
+    mean_diff, agree, total = compare(run_all(engine, prompts, PARAMS), reference)
+    print(
+        f"\n{kind} int8: prompt logprob |diff| mean {mean_diff:.4f}, "
+        f"greedy prefix agreement {agree}/{total}"
+    )
+    # The random model's peaked distributions (initializer 0.3) magnify rounding.
+    assert mean_diff < 0.2
+    assert agree >= total * 0.6
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_int4_engine_computes_the_float_model_of_its_dequantized_weights(
+    kind, tmp_path, monkeypatch
+):
+    """int4 changes the weights, nothing else: a float engine given the dequantized
+    weights computes the same logprobs and greedy tokens."""
+    build_hf_model(kind, tmp_path)
+    prompts = mixed_prompts(256, seed=8)
+    engine = make_engine(tmp_path, quantization="int4")
+    layers = list(engine.runner.model.model.layers[0].modules())
+    assert sum(isinstance(m, Int4Linear) for m in layers) == 4
+    outputs = run_all(engine, prompts, PARAMS)
+
+    monkeypatch.setenv("TOKENMILL_PACKED_LINEAR", "0")  # keep nn.Linear to set weights
+    reference_engine = make_engine(tmp_path)
+    with torch.no_grad():
+        for _, _, linear in quantized_targets(reference_engine.runner.model):
+            q, scale, minimum = int4.quantize_weight(linear.weight, INT4_GROUP_SIZE)
+            n, k = q.shape
+            groups = q.reshape(n, k // INT4_GROUP_SIZE, -1).float()
+            restored = groups * scale[..., None] + minimum[..., None]
+            linear.weight.copy_(restored.reshape(n, k))
+    reference = run_all(reference_engine, prompts, PARAMS)
+    mean_diff, agree, total = compare(outputs, reference)
+    assert mean_diff < 1e-4
+    assert agree == total
+
+
+def test_unknown_quantization_fails_before_the_model_is_looked_up(tmp_path):
+    from tokenmill import LLM
+
+    with pytest.raises(ValueError, match="unknown quantization 'int3'; choose one of int8"):
+        LLM(tmp_path / "no-such-model", quantization="int3")
+    with pytest.raises(ValueError, match="unknown quantization"):
+        EngineConfig(quantization="fp8")
+
+
+def test_model_that_cannot_be_quantized_fails_before_loading(tmp_path, monkeypatch):
+    # 72 inputs: not a multiple of int4's group of 32.
+    build_hf_model("llama", tmp_path, hidden_size=72, intermediate_size=96)
+    import tokenmill.engine.llm_engine as llm_engine
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(llm_engine, "load_model", never)
+    with pytest.raises(ValueError, match="multiples of 32; this model has 72"):
+        make_engine(tmp_path, quantization="int4")
+
+
+def test_quantization_is_cpu_only(tmp_path):
+    build_hf_model("llama", tmp_path)
+    from tokenmill.engine.config import ModelConfig
+
+    config = ModelConfig.from_dir(tmp_path)
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        check_quantization("int8", tmp_path, config, device=torch.device("cuda"))
