@@ -45,6 +45,7 @@ class BenchConfig:
     device: str = "cpu"
     threads: int | None = None
     engine_args: dict = field(default_factory=dict)
+    quantizations: tuple[str, ...] = ()  # tokenmill systems with LLM(quantization=...)
     vllm_args: dict = field(default_factory=dict)
     vllm_python: str | None = None
     llamacpp_gguf: str | None = None
@@ -60,6 +61,10 @@ class BenchConfig:
         for dtype in self.dtypes:
             if dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+        from tokenmill.engine.quant import validate_name
+
+        for quantization in self.quantizations:
+            validate_name(quantization)
         if not self.hf_batch_sizes or min(self.hf_batch_sizes) < 1:
             raise ValueError("hf_batch_sizes must be positive")
 
@@ -95,7 +100,10 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
         runner = _ChildRunner(Path(tmp), model_dir, config, log)
         workload.to_json(runner.workload_path)
         baselines, sweep = _pick_hf_batch_sizes(runner, baselines, config.hf_batch_sizes, workload)
-        specs = tokenmill_systems(list(config.dtypes), config.engine_args) + baselines
+        specs = tokenmill_systems(
+            list(config.dtypes), config.engine_args, list(config.quantizations)
+        )
+        specs += baselines
         runs: dict[str, list[RunResult | None]] = {s.label: [] for s in specs}
         peaks: dict[str, float] = {}
         for round_index in range(config.repeat):

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from tokenmill.bench.flops import ModelShape, RequestWork, minimal_works, total_flops
 from tokenmill.bench.result import RunResult
 from tokenmill.bench.stats import Percentiles, median
-from tokenmill.bench.systems import SystemSpec
+from tokenmill.bench.systems import SystemSpec, float_counterpart
 from tokenmill.bench.workload import Workload
 
 FLOP_FORMULA = (
@@ -192,7 +192,9 @@ def build_summaries(
     ]
     baselines = [s for s in specs if s.is_baseline]
     for spec, summary in zip(specs, summaries):
-        for base in baselines:
+        # A quantized system is also compared with tokenmill at its float precision.
+        counterpart = float_counterpart(spec, specs)
+        for base in baselines + ([counterpart] if counterpart else []):
             if base.label != spec.label:
                 ratio = paired_ratio(runs[spec.label], runs[base.label])
                 if ratio is not None:

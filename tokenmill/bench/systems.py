@@ -77,9 +77,14 @@ class Job:
         return cls(**{**raw, "system": SystemSpec(**raw["system"])})
 
 
-def tokenmill_systems(dtypes: list[str], engine_args: dict | None = None) -> list[SystemSpec]:
-    """tokenmill at each dtype, labelled e.g. "tokenmill-bf16"."""
-    return [
+def tokenmill_systems(
+    dtypes: list[str], engine_args: dict | None = None, quantizations: list[str] = ()
+) -> list[SystemSpec]:
+    """tokenmill at each dtype, labelled e.g. "tokenmill-bf16", then each quantization
+    ("tokenmill-int8"), which runs its float parts in the engine's best float precision
+    here (bf16 on CPUs with native bf16, else fp32) - the precision it is compared with.
+    """
+    specs = [
         SystemSpec(
             f"tokenmill-{DTYPE_SHORT.get(d, d)}",
             "tokenmill",
@@ -89,6 +94,43 @@ def tokenmill_systems(dtypes: list[str], engine_args: dict | None = None) -> lis
         )
         for d in dtypes
     ]
+    for quantization in quantizations:
+        args = {**(engine_args or {}), "quantization": quantization}
+        specs.append(
+            SystemSpec(
+                f"tokenmill-{quantization}",
+                "tokenmill",
+                best_float_dtype(),
+                is_baseline=False,
+                options={"engine_args": args},
+            )
+        )
+    return specs
+
+
+def best_float_dtype() -> str:
+    """The float precision tokenmill runs fastest in on this machine's CPU."""
+    import torch
+
+    from tokenmill.engine.config import resolve_dtype
+
+    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+
+
+def float_counterpart(spec: SystemSpec, specs: list[SystemSpec]) -> SystemSpec | None:
+    """For a quantized tokenmill system, the unquantized one at its dtype (if it ran)."""
+    if spec.kind != "tokenmill" or "quantization" not in spec.options.get("engine_args", {}):
+        return None
+    return next(
+        (
+            other
+            for other in specs
+            if other.kind == "tokenmill"
+            and other.dtype == spec.dtype
+            and "quantization" not in other.options.get("engine_args", {})
+        ),
+        None,
+    )
 
 
 def baseline_systems(

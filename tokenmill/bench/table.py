@@ -32,6 +32,9 @@ def render(report: BenchReport, console: Console | None = None) -> None:
 
 def throughput_table(systems: list[SystemSummary]) -> Table:
     baselines = [s.label for s in systems if s.is_baseline]
+    # Quantized systems also carry a ratio to tokenmill at their float precision.
+    baselines += [label for s in systems for label in s.ratios if label not in baselines]
+    baselines = list(dict.fromkeys(baselines))
     table = Table(title="Throughput (medians over runs)")
     for name in ("system", "runs", "wall s", "tok/s", "gen tok/s", "prompt computed / cached"):
         table.add_column(name, justify="left" if name == "system" else "right")

@@ -49,6 +49,13 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
     help="tokenmill's precision(s).",
 )
 @click.option(
+    "--quantization",
+    "quantizations",
+    default="",
+    help="Comma-separated int8, int4, gguf: also run tokenmill with LLM(quantization=...), "
+    "its float parts in the CPU's best float precision, and compare it with that.",
+)
+@click.option(
     "--repeat",
     type=click.IntRange(min=1),
     default=1,
@@ -107,7 +114,7 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
     help="Also write the full report as JSON.",
 )
 def bench(
-    preset, model, baselines, dtype, repeat, hf_batch_size, device, threads, engine_args,
+    preset, model, baselines, dtype, quantizations, repeat, hf_batch_size, device, threads, engine_args,
     vllm_args, vllm_python, llamacpp_gguf, seed, timeout_s, json_path,
 ) -> None:  # fmt: skip
     """Benchmark tokenmill against baselines on the same prompts in one run.
@@ -127,6 +134,7 @@ def bench(
             model=model,
             dtypes=("float32", "bfloat16") if dtype == "both" else (dtype,),
             baselines=tuple(names),
+            quantizations=tuple(q.strip() for q in quantizations.split(",") if q.strip()),
             repeat=repeat,
             hf_batch_sizes=(hf_batch_size,) if hf_batch_size else HF_BATCH_SIZES,
             device=device,

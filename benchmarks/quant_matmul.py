@@ -1,0 +1,152 @@
+"""Quantized CPU matmul kernels against the float baselines, at SmolLM2's shapes.
+
+Each candidate computes y = x @ W^T for x [rows, K] and W [N, K]; the kernels alternate
+within each round (A B C ..., A B C ...) and the table shows medians over rounds, in
+GOP/s (2 * rows * N * K / time; a multiply-add is 2 ops whatever the number format)
+and as a ratio to bf16 on oneDNN-packed weights (the engine's float path).
+
+Candidates (those this torch build lacks are skipped with a note):
+  fp32, bf16         the engine's PackedLinear (oneDNN, weight packed once)
+  int8-dyn-onednn    per-tensor dynamic int8 activations x per-channel int8 weights,
+                     torch.ops.onednn.qlinear_pointwise on a prepacked weight (PT2E's op);
+                     the time includes quantizing x
+  int8-dyn-ours      tokenmill's own kernel (engine/kernels/int8_matmul.c), per-row int8
+                     activations, VNNI/AVX2 chosen at run time; the time includes
+                     quantizing x
+  int8-dyn-torchao   torchao Int8DynamicActivationInt8WeightConfig (eager)
+  int8-wo            torch._weight_int8pack_mm: int8 weights, bf16 activations
+  int4-g32           torch._weight_int4pack_mm_for_cpu, group 32, bf16 activations
+
+Run:  python benchmarks/quant_matmul.py [--rows 1,16,64,256,2048] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+SHAPES = {  # name -> (N, K) of SmolLM2-135M's projections
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
+
+
+def _time(fn: Callable[[], object], min_seconds: float = 0.05) -> float:
+    fn()
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds:
+            return elapsed / calls
+
+
+def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], object]]:
+    """name -> fn(x_fp32) for every kernel this build has, weight [N, K] fp32."""
+    from tokenmill.engine.packed_linear import PackedLinear
+    from tokenmill.engine.quant import int4, int8
+
+    n, k = weight.shape
+    out: dict[str, Callable] = {}
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        linear = torch.nn.Linear(k, n, bias=False).to(dtype)
+        linear.weight.data.copy_(weight)
+        out[name] = _with_input(PackedLinear(linear), dtype)
+
+    qweight, scale = int8.quantize_weight(weight)
+    w_zero = torch.zeros(n, dtype=torch.int64)
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(qweight, [rows, k])
+
+        def onednn_int8(x: torch.Tensor) -> torch.Tensor:
+            x_scale = float(x.abs().amax()) / 127 or 1.0
+            qx = torch.round(x / x_scale).add_(128).clamp_(0, 255).to(torch.uint8)
+            return torch.ops.onednn.qlinear_pointwise(
+                qx, x_scale, 128, packed, scale, w_zero, None, 1.0, 0, x.dtype, "none", [], ""
+            )
+
+        out["int8-dyn-onednn"] = _with_input(onednn_int8, torch.bfloat16)
+    except (AttributeError, RuntimeError) as exc:
+        print(f"int8-dyn-onednn: skipped ({exc})", file=sys.stderr)
+
+    if int8.kernel_name() is not None:
+        layer = int8.Int8Linear.from_float(weight)
+        out["int8-dyn-ours"] = _with_input(layer, torch.bfloat16)
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+        model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(torch.bfloat16)
+        model[0].weight.data.copy_(weight)
+        quantize_(model, Int8DynamicActivationInt8WeightConfig())
+        out["int8-dyn-torchao"] = _with_input(model, torch.bfloat16)
+    except ImportError:
+        print("int8-dyn-torchao: skipped (torchao is not installed)", file=sys.stderr)
+
+    scale_bf16 = scale.to(torch.bfloat16)
+    out["int8-wo"] = _with_input(
+        lambda x: torch._weight_int8pack_mm(x, qweight, scale_bf16), torch.bfloat16
+    )
+    layer4 = int4.Int4Linear.from_float(weight, group_size=32, dtype=torch.bfloat16)
+    out["int4-g32"] = _with_input(layer4, torch.bfloat16)
+    return out
+
+
+def _with_input(fn: Callable, dtype: torch.dtype) -> Callable[[torch.Tensor], object]:
+    return lambda x: fn(x.to(dtype))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="1,16,64,256,2048")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    torch.manual_seed(0)
+    print(
+        f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"cpu capability {torch.backends.cpu.get_cpu_capability()}"
+    )
+    from tokenmill.engine.quant import int8
+
+    print(f"# tokenmill int8 kernel: {int8.kernel_name()}")
+    header = None
+    for shape_name in args.shapes.split(","):
+        n, k = SHAPES[shape_name]
+        weight = torch.randn(n, k) * 0.05
+        for rows in rows_list:
+            x = torch.randn(rows, k)
+            fns = candidates(weight, rows)
+            inputs = {name: x for name in fns}
+            times: dict[str, list[float]] = {name: [] for name in fns}
+            for _ in range(args.rounds):
+                for name, fn in fns.items():
+                    times[name].append(_time(lambda fn=fn, x=inputs[name]: fn(x)))
+            medians = {name: statistics.median(t) for name, t in times.items()}
+            if header is None:
+                header = list(fns)
+                print(
+                    "| shape | rows | "
+                    + " | ".join(f"{h} GOP/s" for h in header)
+                    + " | best quantized / bf16 |"
+                )
+                print("|---|---:|" + "---:|" * (len(header) + 1))
+            ops = 2 * rows * n * k
+            cells = [f"{ops / medians[h] / 1e9:.0f}" if h in medians else "-" for h in header]
+            quantized = [medians[h] for h in medians if h.startswith("int")]
+            best = medians["bf16"] / min(quantized) if quantized else float("nan")
+            print(f"| {shape_name} {n}x{k} | {rows} | " + " | ".join(cells) + f" | {best:.2f} |")
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
