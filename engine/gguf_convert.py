@@ -23,9 +23,11 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from tokenmill.engine.quant.gguf_blocks import BLOCKS_FILE, write_blocks
+
 # Bumped whenever the output of a conversion changes, so cached conversions made by an
 # older converter are not reused (model_files puts it in the cache key).
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the decoder layers' quantized blocks are kept too
 
 WEIGHTS_FILE = "model.safetensors"
 CONVERSION_RECORD = "tokenmill_conversion.json"
@@ -96,7 +98,8 @@ _PRE_TOKENIZERS = {
 def convert_gguf(
     gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16
 ) -> Path:
-    """Convert a GGUF model file into an HF-layout directory.
+    """Convert a GGUF model file into an HF-layout directory (plus the decoder layers'
+    quantized blocks as they are, for `quantization="gguf"`: quant/gguf_blocks.py).
 
     Args:
         gguf_path: the `.gguf` file (llama, qwen2 or qwen3 architecture, byte-level BPE vocab).
@@ -122,6 +125,9 @@ def convert_gguf(
     save_file(tensors, weights_path, metadata={"format": "pt"})
     # safetensors creates its file 0600 whatever the umask; match the files we write.
     shutil.copymode(out_dir / "config.json", weights_path)
+    kept = write_blocks(reader, config, out_dir, hf_tensor_name, _unpermute_rows(config))
+    if kept:
+        shutil.copymode(out_dir / "config.json", out_dir / BLOCKS_FILE)
     _write_json(out_dir / "generation_config.json", build_generation_config(meta))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", build_tokenizer_config(meta))
@@ -251,6 +257,19 @@ def convert_tensors(
             weight = unpermute_qk(weight, config["num_key_value_heads"])
         tensors[name] = weight.to(dtype).contiguous()
     return tensors
+
+
+def _unpermute_rows(config: dict):
+    """(rows, HF name) -> rows in HF order: llama.cpp's q/k permutation undone."""
+
+    def unpermute(rows: torch.Tensor, name: str) -> torch.Tensor:
+        if config["model_type"] == "llama" and ".q_proj." in name:
+            return unpermute_qk(rows, config["num_attention_heads"])
+        if config["model_type"] == "llama" and ".k_proj." in name:
+            return unpermute_qk(rows, config["num_key_value_heads"])
+        return rows
+
+    return unpermute
 
 
 def hf_tensor_name(gguf_name: str) -> str:

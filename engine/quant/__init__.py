@@ -57,16 +57,22 @@ def check_quantization(
         if not onednn_int8_available():
             raise ValueError("quantization='int8' needs a torch build with oneDNN's int8 ops")
     elif quantization == "int4":
-        widths = {
-            config.hidden_size,
-            config.intermediate_size,
-            config.num_attention_heads * config.head_dim,
-        }
-        bad = sorted(w for w in widths if w % INT4_GROUP_SIZE)
+        q_size = config.num_attention_heads * config.head_dim
+        inputs = {config.hidden_size, config.intermediate_size, q_size}
+        bad = sorted(w for w in inputs if w % INT4_GROUP_SIZE)
         if bad:
             raise ValueError(
                 f"quantization='int4' needs layer inputs that are multiples of "
                 f"{INT4_GROUP_SIZE}; this model has {', '.join(map(str, bad))}"
+            )
+        # PyTorch's int4 kernel packs output rows in 16s.
+        kv_size = config.num_key_value_heads * config.head_dim
+        outputs = {q_size + 2 * kv_size, config.hidden_size, 2 * config.intermediate_size}
+        bad = sorted(w for w in outputs if w % 16)
+        if bad:
+            raise ValueError(
+                "quantization='int4' needs layer outputs that are multiples of 16; this "
+                f"model has {', '.join(map(str, bad))}"
             )
     else:
         from tokenmill.engine.quant.gguf_linear import check_gguf_blocks

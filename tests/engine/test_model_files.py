@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model
 from model_fixtures import write_tiny_gguf  # noqa: E402
 
 from tokenmill.engine import model_files  # noqa: E402
-from tokenmill.engine.gguf_convert import CONVERSION_RECORD  # noqa: E402
+from tokenmill.engine.gguf_convert import CONVERSION_RECORD, CONVERTER_VERSION  # noqa: E402
 from tokenmill.engine.model_files import (  # noqa: E402
     ALIASES,
     DEFAULT_MODEL,
@@ -103,7 +103,7 @@ def test_unknown_model_and_non_gguf_file(tmp_path):
 def test_gguf_is_converted_once_into_the_cache(cache, tiny_gguf, monkeypatch):
     model_dir = resolve_model(tiny_gguf)
     assert model_dir.parent == cache / "models"
-    assert model_dir.name.startswith("gguf-") and model_dir.name.endswith("-v1")
+    assert model_dir.name.startswith("gguf-") and model_dir.name.endswith(f"-v{CONVERTER_VERSION}")
     check_model_dir(model_dir)
     source = json.loads((model_dir / model_files.SOURCE_RECORD).read_text())
     assert source["name"] == str(tiny_gguf)

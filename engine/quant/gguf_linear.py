@@ -1,0 +1,176 @@
+"""`quantization="gguf"`: the decoder layers run the GGUF's own quantized weights.
+
+The 4-bit formats (Q4_0, Q4_1, Q4_K: a scale and an offset per 32 weights) are exactly
+what PyTorch's int4 CPU kernel computes (int4.py), so they run there with their scales
+in fp32 - the GGUF's values, not a bf16 rounding of them (that kernel needs output rows
+in multiples of 16). The 5-, 6- and 8-bit formats (Q5_0, Q6_K, Q8_0), and 4-bit ones of
+other widths, keep their integers and per-group scales in memory and are expanded to
+fp32 a tile of rows at a time inside each product (GroupedLinear): the same values, a
+fraction of the memory, but no faster than float - no maintained kernel takes int8
+weights with a scale per group. A fused projection whose parts differ in format (q, k
+and v; gate and up) runs one module per part and concatenates their outputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tokenmill.engine.quant import gguf_blocks
+from tokenmill.engine.quant.gguf_blocks import BLOCK_FORMATS, DecodedWeight
+from tokenmill.engine.quant.int4 import Int4Linear
+
+INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+# Output rows expanded to fp32 at once in GroupInt8Linear: 256 x 2,048 inputs is 2 MB.
+_ROWS_PER_TILE = 256
+# Our fused parameters -> the HF parts they are made of, in row order.
+_FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+class GroupedLinear(nn.Module):
+    """y = x @ W^T with W = scale[n, k // g] * q[n, k] (+ offset[n, k // g]) kept as int8
+    and fp32 scales (and offsets)."""
+
+    def __init__(self, weight: DecodedWeight) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.q.shape
+        self.group = weight.group
+        self.register_buffer("q", weight.q.contiguous(), persistent=False)
+        self.register_buffer("scale", weight.scale.contiguous(), persistent=False)
+        offset = None if weight.offset is None else weight.offset.contiguous()
+        self.register_buffer("offset", offset, persistent=False)
+        self.weight_bytes = self.q.numel() + 4 * self.scale.numel() * (1 + (offset is not None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float()
+        out = torch.empty(x2.shape[0], self.out_features)
+        groups = self.in_features // self.group
+        for lo in range(0, self.out_features, _ROWS_PER_TILE):
+            q = self.q[lo : lo + _ROWS_PER_TILE]
+            tile = q.reshape(q.shape[0], groups, self.group).float()
+            tile = tile * self.scale[lo : lo + _ROWS_PER_TILE, :, None]
+            if self.offset is not None:
+                tile = tile + self.offset[lo : lo + _ROWS_PER_TILE, :, None]
+            out[:, lo : lo + q.shape[0]] = F.linear(x2, tile.reshape(q.shape[0], -1))
+        return out.to(x.dtype).view(*shape[:-1], self.out_features)
+
+
+class RowConcat(nn.Module):
+    """A fused projection whose parts are different modules: outputs side by side."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.out_features = sum(p.out_features for p in parts)
+        self.weight_bytes = sum(p.weight_bytes for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def check_gguf_blocks(model_dir: Path) -> None:
+    """Raise ValueError unless model_dir has GGUF blocks in formats we run."""
+    types = gguf_blocks.read_types(model_dir)
+    if types is None:
+        raise ValueError(
+            f"quantization='gguf' needs a model converted from a GGUF file with quantized "
+            f"layers; {model_dir} has none (use int8 or int4 for other models)"
+        )
+    unsupported = sorted(set(types.values()) - set(BLOCK_FORMATS))
+    if unsupported:
+        raise ValueError(
+            f"quantization='gguf' runs {', '.join(BLOCK_FORMATS)}; this GGUF has "
+            f"{', '.join(unsupported)}"
+        )
+
+
+def as_int4(weight: DecodedWeight, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 4-bit format as Int4Linear's (q in 0..15, scale, minimum): value = q * scale + minimum."""
+    if kind == "Q4_0":  # q in -8..7 without offset: shift up, the minimum is -8 * scale
+        return weight.q.int() + 8, weight.scale, -8 * weight.scale
+    return weight.q.int(), weight.scale, weight.offset
+
+
+def gguf_module(
+    weights: list[DecodedWeight], kinds: list[str], bias: torch.Tensor | None
+) -> nn.Module:
+    """The module that runs these weights' rows one after another (a fused projection's
+    parts, or one weight), with the fused bias."""
+    rows = sum(w.q.shape[0] for w in weights)
+    if rows % 16 == 0 and all(k in INT4_FORMATS for k in kinds):
+        q, scale, minimum = (torch.cat(t) for t in zip(*map(as_int4, weights, kinds)))
+        return Int4Linear(q, scale, minimum, bias, group_size=32, dtype=torch.float32)
+    groups = {w.group for w in weights}
+    if len(groups) == 1 and len({w.offset is None for w in weights}) == 1:
+        merged = DecodedWeight(
+            torch.cat([w.q for w in weights]),
+            torch.cat([w.scale for w in weights]),
+            None if weights[0].offset is None else torch.cat([w.offset for w in weights]),
+            groups.pop(),
+        )
+        module = GroupedLinear(merged)
+        return module if bias is None else _WithBias(module, bias)
+    parts, row = [], 0
+    for weight, kind in zip(weights, kinds):
+        rows = weight.q.shape[0]
+        part_bias = None if bias is None else bias[row : row + rows]
+        parts.append(gguf_module([weight], [kind], part_bias))
+        row += rows
+    return RowConcat(parts)
+
+
+class _WithBias(nn.Module):
+    def __init__(self, module: nn.Module, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.module = module
+        self.bias = bias.detach()
+        self.out_features = module.out_features
+        self.weight_bytes = module.weight_bytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x) + self.bias.to(x.dtype)
+
+
+def load_gguf_layers(model: nn.Module, model_dir: Path, *, dtype: torch.dtype) -> int:
+    """Swap each decoder linear whose GGUF weights are kept quantized; returns their bytes.
+
+    Layers whose GGUF tensors are float (F32/F16) stay as they are.
+    """
+    types = gguf_blocks.read_types(model_dir) or {}
+    total = 0
+    for index, layer in enumerate(model.model.layers):
+        for parent in layer.modules():
+            for name, linear in list(parent.named_children()):
+                if type(linear) is not nn.Linear:
+                    continue
+                prefix = _hf_prefix(model, parent, index)
+                parts = _FUSED.get(name, (name,))
+                hf_names = [f"{prefix}.{part}.weight" for part in parts]
+                if not all(n in types for n in hf_names):
+                    continue
+                raw = gguf_blocks.load_raw(model_dir, hf_names)
+                kinds = [types[n] for n in hf_names]
+                weights = [gguf_blocks.decode(raw[n], k) for n, k in zip(hf_names, kinds)]
+                rows = sum(w.q.shape[0] for w in weights)
+                if rows != linear.out_features:
+                    raise ValueError(f"GGUF blocks of {prefix}.{name} have {rows} rows")
+                module = gguf_module(weights, kinds, linear.bias)
+                setattr(parent, name, module)
+                total += module.weight_bytes
+    return total
+
+
+def _hf_prefix(model: nn.Module, parent: nn.Module, index: int) -> str:
+    """`model.layers.{index}.self_attn` / `.mlp` for a submodule of decoder layer index."""
+    layer = model.model.layers[index]
+    for name, module in layer.named_modules():
+        if module is parent:
+            return f"model.layers.{index}.{name}" if name else f"model.layers.{index}"
+    raise ValueError("module is not inside the decoder layer")

@@ -1,0 +1,118 @@
+"""quantization="gguf": the GGUF's blocks decode bit-exactly as the gguf package decodes
+them, and the engine running them computes the float model of exactly those weights."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hf_models import make_engine, run_all
+from model_fixtures import write_tiny_gguf
+
+from tokenmill.engine.gguf_convert import convert_gguf, hf_tensor_name
+from tokenmill.engine.quant import gguf_blocks, quantized_targets
+from tokenmill.engine.quant.gguf_blocks import BLOCK_FORMATS, decode
+from tokenmill.engine.quant.gguf_linear import RowConcat, check_gguf_blocks, gguf_module
+from tokenmill.engine.sampling_params import SamplingParams
+
+# Byte offsets of each format's f16 scale fields: random bytes there could be NaN or huge.
+_F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(kind: str, rows: int, blocks_per_row: int, seed: int = 0) -> np.ndarray:
+    """Random raw blocks [rows, bytes per row] with small finite f16 scales."""
+    _, nbytes = BLOCK_FORMATS[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * blocks_per_row, nbytes), dtype=np.uint8)
+    for at in _F16_FIELDS[kind]:
+        scales = (rng.standard_normal(len(raw)) * 0.01).astype(np.float16)
+        raw[:, at : at + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", list(BLOCK_FORMATS))
+def test_blocks_decode_bit_exactly_as_gguf_dequantizes(kind):
+    raw = random_blocks(kind, rows=6, blocks_per_row=3)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(6, -1)
+    got = decode(torch.from_numpy(raw), kind).dequantize().numpy()
+    assert got.shape == expected.shape
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def test_fused_parts_in_different_formats_run_side_by_side():
+    """q in Q4_K, k in Q6_K, v in Q8_0: one module per part (Q4_K on the int4 kernel),
+    outputs concatenated, each the product with exactly its decoded weights."""
+    kinds = ["Q4_K", "Q6_K", "Q8_0"]
+    raws = [random_blocks("Q4_K", 16, 2, 1), random_blocks("Q6_K", 8, 2, 2)]
+    raws.append(random_blocks("Q8_0", 8, 16, 3))
+    weights = [decode(torch.from_numpy(r), k) for r, k in zip(raws, kinds)]
+    bias = torch.randn(32)
+    module = gguf_module(weights, kinds, bias)
+    assert isinstance(module, RowConcat)
+    assert [type(p).__name__ for p in module.parts] == ["Int4Linear", "_WithBias", "_WithBias"]
+    x = torch.randn(5, 512)
+    full = torch.cat([w.dequantize() for w in weights])
+    want = x.double() @ full.double().t() + bias.double()
+    torch.testing.assert_close(module(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+def test_engine_computes_the_float_model_of_the_gguf_weights(quant_type, tmp_path, monkeypatch):
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", quant_type=quant_type, hidden_size=64)
+    model_dir = convert_gguf(tiny.path, tmp_path / "model", dtype=torch.float32)
+    types = gguf_blocks.read_types(model_dir)
+    assert set(types.values()) == {quant_type}
+    prompts = [[3, 5, 7, 9, 11, 4, 6], [8, 8, 2, 10, 12, 13, 1, 5, 9, 3, 3]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    engine = make_engine(model_dir, quantization="gguf")
+    outputs = run_all(engine, prompts, params)
+
+    # The reference: the float engine with every decoder weight set to the GGUF's values.
+    monkeypatch.setenv("TOKENMILL_PACKED_LINEAR", "0")
+    reference_engine = make_engine(model_dir)
+    raw = gguf_blocks.load_raw(model_dir, list(types))
+    decoded = {name: decode(raw[name], kind).dequantize() for name, kind in types.items()}
+    with torch.no_grad():
+        for index, layer in enumerate(reference_engine.runner.model.model.layers):
+            p = f"model.layers.{index}"
+            layer.self_attn.qkv_proj.weight.copy_(
+                torch.cat([decoded[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"])
+            )
+            layer.self_attn.o_proj.weight.copy_(decoded[f"{p}.self_attn.o_proj.weight"])
+            layer.mlp.gate_up_proj.weight.copy_(
+                torch.cat([decoded[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up")])
+            )
+            layer.mlp.down_proj.weight.copy_(decoded[f"{p}.mlp.down_proj.weight"])
+    assert len(quantized_targets(reference_engine.runner.model)) == 4 * len(
+        reference_engine.runner.model.model.layers
+    )
+    reference = run_all(reference_engine, prompts, params)
+    for out, ref in zip(outputs, reference):
+        assert out.token_ids == ref.token_ids
+        for ours, theirs in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert ours.keys() == theirs.keys()
+            for token, value in theirs.items():
+                assert abs(ours[token] - value) < 1e-4
+
+
+def test_models_without_blocks_or_with_other_formats_are_refused(tmp_path):
+    f16 = write_tiny_gguf(tmp_path / "f16.gguf", quant_type="F16", hidden_size=64)
+    with pytest.raises(ValueError, match="needs a model converted from a GGUF file"):
+        make_engine(convert_gguf(f16.path, tmp_path / "f16"), quantization="gguf")
+    # gguf-py cannot quantize Q5_K: write raw blocks (176 bytes per 256 weights).
+    raw = np.random.default_rng(0).integers(0, 256, (8, 176), np.uint8)
+    writer = gguf.GGUFWriter(tmp_path / "q5k.gguf", "llama")
+    qtype = gguf.GGMLQuantizationType.Q5_K
+    writer.add_tensor("blk.0.attn_v.weight", raw, raw_shape=raw.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    out = tmp_path / "q5k"
+    out.mkdir()
+    reader = gguf.GGUFReader(tmp_path / "q5k.gguf")
+    kept = gguf_blocks.write_blocks(reader, {}, out, hf_tensor_name, lambda rows, name: rows)
+    assert kept == {"model.layers.0.self_attn.v_proj.weight": "Q5_K"}
+    with pytest.raises(ValueError, match="this GGUF has Q5_K"):
+        check_gguf_blocks(out)
