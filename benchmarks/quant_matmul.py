@@ -95,7 +95,7 @@ def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Ten
     out["int8-wo"] = _with_input(
         lambda x: torch._weight_int8pack_mm(x, qweight, scale_bf16), torch.bfloat16
     )
-    layer4 = int4.Int4Linear.from_float(weight, group_size=32, dtype=torch.bfloat16)
+    layer4 = int4.Int4Linear.from_float(weight, group_size=32)
     out["int4-g32"] = _with_input(layer4, torch.bfloat16)
     return out
 

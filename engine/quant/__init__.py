@@ -9,7 +9,7 @@ the lm_head) runs in the engine's float dtype.
 - "int8": per-channel int8 weights, dynamically quantized int8 activations (int8.py),
   smoothed SmoothQuant-style with statistics from a short float run at load
   (calibrate.py).
-- "int4": group-wise 4-bit weights (group 32), float activations (int4.py).
+- "int4": group-wise 4-bit weights (group 32), bf16 activations (int4.py).
 - "gguf": the GGUF's own quantized blocks, kept as they are (gguf_linear.py).
 
 Every check that can fail runs before any weight is touched (`check_quantization`).
@@ -127,9 +127,7 @@ def quantize_model(
         if quantization == "int8":
             layer = Int8Linear.from_float(linear.weight, bias, smooth[linear])
         else:
-            layer = Int4Linear.from_float(
-                linear.weight, bias, group_size=INT4_GROUP_SIZE, dtype=dtype
-            )
+            layer = Int4Linear.from_float(linear.weight, bias, group_size=INT4_GROUP_SIZE)
         setattr(parent, name, layer)
         total += layer.weight_bytes
     return total

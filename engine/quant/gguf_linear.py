@@ -1,9 +1,9 @@
 """`quantization="gguf"`: the decoder layers run the GGUF's own quantized weights.
 
 The 4-bit formats (Q4_0, Q4_1, Q4_K: a scale and an offset per 32 weights) are exactly
-what PyTorch's int4 CPU kernel computes (int4.py), so they run there with their scales
-in fp32 - the GGUF's values, not a bf16 rounding of them (that kernel needs output rows
-in multiples of 16). The 5-, 6- and 8-bit formats (Q5_0, Q6_K, Q8_0), and 4-bit ones of
+what PyTorch's int4 CPU kernel computes (int4.py), so they run there; its fast variant
+is bf16, so the fp16 scales and offsets are rounded to bf16 (relative 2^-9, against the
+4-bit rounding of the weights themselves) and the rows must come in multiples of 16. The 5-, 6- and 8-bit formats (Q5_0, Q6_K, Q8_0), and 4-bit ones of
 other widths, keep their integers and per-group scales in memory and are expanded to
 fp32 a tile of rows at a time inside each product (GroupedLinear): the same values, a
 fraction of the memory, but no faster than float - no maintained kernel takes int8
@@ -106,7 +106,7 @@ def gguf_module(
     rows = sum(w.q.shape[0] for w in weights)
     if rows % 16 == 0 and all(k in INT4_FORMATS for k in kinds):
         q, scale, minimum = (torch.cat(t) for t in zip(*map(as_int4, weights, kinds)))
-        return Int4Linear(q, scale, minimum, bias, group_size=32, dtype=torch.float32)
+        return Int4Linear(q, scale, minimum, bias, group_size=32)
     groups = {w.group for w in weights}
     if len(groups) == 1 and len({w.offset is None for w in weights}) == 1:
         merged = DecodedWeight(

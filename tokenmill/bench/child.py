@@ -28,7 +28,8 @@ def run_job(job: Job) -> RunResult:
     workload = Workload.from_json(job.workload_path)
     runner = _runner(job.system.kind)
     result = runner(job, workload)
-    result.peak_rss_bytes = peak_rss_bytes()
+    # A system served by another process (llama-server) reports that process's peak.
+    result.peak_rss_bytes = max(peak_rss_bytes(), result.peak_rss_bytes or 0)
     result.load_avg_1m = load_avg_1m()
     return result
 
@@ -58,6 +59,10 @@ def _runner(kind: str):
         from tokenmill.bench.run_llamacpp import run_llamacpp
 
         return run_llamacpp
+    if kind == "llamacpp-server":
+        from tokenmill.bench.run_llamacpp_server import run_llamacpp_server
+
+        return run_llamacpp_server
     if kind == "vllm":
         from tokenmill.bench.run_vllm import run_vllm
 

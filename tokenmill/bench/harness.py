@@ -49,6 +49,7 @@ class BenchConfig:
     vllm_args: dict = field(default_factory=dict)
     vllm_python: str | None = None
     llamacpp_gguf: str | None = None
+    llama_server: str | None = None  # llama-server binary for the llamacpp-server baseline
     seed: int | None = None
     timeout_s: float = 1800.0  # per child process
     command: str = ""  # the command line, recorded in the report
@@ -93,6 +94,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
         llamacpp_gguf=config.llamacpp_gguf,
         vllm_python=config.vllm_python,
         vllm_args=config.vllm_args,
+        llama_server=config.llama_server,
     )
     for note in notes:
         log(note)

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-KINDS = ("tokenmill", "hf", "llamacpp", "vllm")
+KINDS = ("tokenmill", "hf", "llamacpp", "llamacpp-server", "vllm")
 # Baseline names accepted by `--baseline` -> (kind, dtype).
 BASELINES = {
     "hf": ("hf", "float32"),
     "hf-bf16": ("hf", "bfloat16"),
     "llamacpp": ("llamacpp", "float32"),
+    # llama.cpp's C++ server: parallel slots, continuous batching, the GGUF's own types.
+    "llamacpp-server": ("llamacpp-server", "float32"),
     "vllm": ("vllm", "bfloat16"),
 }
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -32,7 +35,8 @@ class SystemSpec:
     """One engine at one precision with its settings.
 
     options by kind - tokenmill: {"engine_args": {...LLM keyword arguments}};
-    hf: {"batch_size": N}; llamacpp: {"gguf": path}; vllm: {"engine_args": {...}}.
+    hf: {"batch_size": N}; llamacpp: {"gguf": path}; llamacpp-server: {"gguf": path,
+    "server": binary}; vllm: {"engine_args": {...}}.
     python: the interpreter that runs it (vLLM usually lives in its own environment).
     """
 
@@ -139,6 +143,7 @@ def baseline_systems(
     llamacpp_gguf: str | None = None,
     vllm_python: str | None = None,
     vllm_args: dict | None = None,
+    llama_server: str | None = None,
 ) -> tuple[list[SystemSpec], list[str]]:
     """The requested baselines that can run here, and a note for each that cannot.
 
@@ -147,6 +152,7 @@ def baseline_systems(
         llamacpp_gguf: the GGUF file llama.cpp runs (default: the model's source GGUF).
         vllm_python: interpreter with vLLM installed (default: this one).
         vllm_args: extra keyword arguments for vllm.LLM.
+        llama_server: the llama-server binary (default: $TOKENMILL_LLAMA_SERVER).
 
     Returns:
         (systems, notes about skipped baselines).
@@ -170,6 +176,16 @@ def baseline_systems(
                 )
                 continue
             systems.append(SystemSpec(label, kind, dtype, True, {"gguf": llamacpp_gguf}))
+        elif kind == "llamacpp-server":
+            binary = llama_server or os.environ.get("TOKENMILL_LLAMA_SERVER")
+            if not binary or not Path(binary).is_file():
+                notes.append(
+                    "llamacpp-server: skipped - no llama-server binary (build it from "
+                    "llama.cpp's sources and pass --llama-server PATH; see benchmarks/README.md)"
+                )
+                continue
+            options = {"gguf": llamacpp_gguf, "server": str(Path(binary).resolve())}
+            systems.append(SystemSpec(kind, kind, dtype, True, options))
         else:
             python = vllm_python or sys.executable
             if not _importable("vllm", python):

@@ -39,7 +39,8 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
     "baselines",
     default="hf",
     show_default=True,
-    help="Comma-separated: hf, hf-bf16, llamacpp, vllm; 'none' for tokenmill alone.",
+    help="Comma-separated: hf, hf-bf16, llamacpp, llamacpp-server, vllm; 'none' for "
+    "tokenmill alone.",
 )
 @click.option(
     "--dtype",
@@ -97,6 +98,11 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
     default=None,
     help="GGUF file for llama.cpp (default: the model's source GGUF).",
 )
+@click.option(
+    "--llama-server",
+    default=None,
+    help="llama-server binary for the llamacpp-server baseline (default: $TOKENMILL_LLAMA_SERVER).",
+)
 @click.option("--seed", type=int, default=None, help="Override the preset's workload seed.")
 @click.option(
     "--timeout",
@@ -115,7 +121,7 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
 )
 def bench(
     preset, model, baselines, dtype, quantizations, repeat, hf_batch_size, device, threads, engine_args,
-    vllm_args, vllm_python, llamacpp_gguf, seed, timeout_s, json_path,
+    vllm_args, vllm_python, llamacpp_gguf, llama_server, seed, timeout_s, json_path,
 ) -> None:  # fmt: skip
     """Benchmark tokenmill against baselines on the same prompts in one run.
 
@@ -143,6 +149,7 @@ def bench(
             vllm_args=vllm_args,
             vllm_python=vllm_python,
             llamacpp_gguf=llamacpp_gguf,
+            llama_server=llama_server,
             seed=seed,
             timeout_s=timeout_s,
             command=shlex.join(["tokenmill", *sys.argv[1:]]),
