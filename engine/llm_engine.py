@@ -268,10 +268,8 @@ class LLMEngine:
         step, self._pending = self._pending, None
         if step is None:
             return []
-        token_ids = step.token_ids()  # waits for this step's tokens only
-        sampled = (
-            step.host_sampled() if any(s.params.logprobs is not None for s in step.seqs) else None
-        )
+        sampled = step.host_sampled()  # waits for this step's copies only
+        token_ids = sampled.token_ids.tolist()
         now = time.perf_counter()
         finished = []
         for row, (seq, token_id) in enumerate(zip(step.seqs, token_ids)):

@@ -27,18 +27,27 @@ class PendingStep:
 
     seqs: list[Sequence]
     sampled: SamplerOutput  # on the device
-    _host_token_ids: torch.Tensor | None = field(default=None, repr=False)
+    _host: SamplerOutput | None = field(default=None, repr=False)  # pinned copies (CUDA)
     _copied: torch.cuda.Event | None = field(default=None, repr=False)
 
     @classmethod
     def launch(cls, seqs: list[Sequence], sampled: SamplerOutput) -> PendingStep:
-        """Start copying the sampled ids to the host without waiting for them."""
+        """Start copying what was sampled to the host, without waiting for it."""
         step = cls(seqs, sampled)
         if sampled.token_ids.device.type == "cuda":
-            step._host_token_ids = torch.empty(
-                sampled.token_ids.shape, dtype=sampled.token_ids.dtype, pin_memory=True
+
+            def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+                if t is None:
+                    return None
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                return host.copy_(t, non_blocking=True)
+
+            step._host = SamplerOutput(
+                token_ids=pinned(sampled.token_ids),
+                sampled_logprobs=pinned(sampled.sampled_logprobs),
+                top_logprobs=pinned(sampled.top_logprobs),
+                top_token_ids=pinned(sampled.top_token_ids),
             )
-            step._host_token_ids.copy_(sampled.token_ids, non_blocking=True)
             step._copied = torch.cuda.Event()
             step._copied.record()
         return step
@@ -48,23 +57,12 @@ class PendingStep:
         """[num_rows] the sampled ids, on the device (for the next step's inputs)."""
         return self.sampled.token_ids
 
-    def token_ids(self) -> list[int]:
-        """The sampled ids on the host; waits only for this step's copy."""
-        if self._copied is None:
-            return self.sampled.token_ids.tolist()
-        self._copied.synchronize()
-        return self._host_token_ids.tolist()
-
     def host_sampled(self) -> SamplerOutput:
-        """The sampler's output with its logprob tensors on the host."""
-        s = self.sampled
+        """What was sampled, on the host; waits only for this step's copies."""
+        if self._copied is None:
+            return self.sampled
+        self._copied.synchronize()
+        return self._host
 
-        def host(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.cpu()
-
-        return SamplerOutput(
-            token_ids=host(s.token_ids),
-            sampled_logprobs=host(s.sampled_logprobs),
-            top_logprobs=host(s.top_logprobs),
-            top_token_ids=host(s.top_token_ids),
-        )
+    def token_ids(self) -> list[int]:
+        return self.host_sampled().token_ids.tolist()
