@@ -63,6 +63,3 @@ class PendingStep:
             return self.sampled
         self._copied.synchronize()
         return self._host
-
-    def token_ids(self) -> list[int]:
-        return self.host_sampled().token_ids.tolist()
