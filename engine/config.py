@@ -160,6 +160,10 @@ class EngineConfig:
     seed: int = 0
     # None, or how the linear layers hold their weights: "int8", "int4", "gguf" (quant/)
     quantization: str | None = None
+    # Launch each step before resolving the previous one's sampled tokens (None: on CUDA).
+    overlap_steps: bool | None = None
+    # Replay decode-only steps from CUDA graphs (None: on CUDA when Triton is installed).
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         from tokenmill.engine.quant import validate_name

@@ -48,24 +48,25 @@ def cached_tokens_allowed(seq: Sequence) -> int | None:
     return len(seq.prompt_logprobs) - 1
 
 
-def spans_for_step(chunks, first_rows: dict[int, int]) -> list[PromptLogprobSpan]:
-    """The prompt tokens each chunk scores.
+def spans_for_step(chunks) -> list[PromptLogprobSpan]:
+    """The prompt tokens each of a step's chunks scores.
 
     Args:
-        chunks: the step's ScheduledChunks.
-        first_rows: id(chunk) -> the batch row of its first token.
+        chunks: the step's ScheduledChunks, in the order their tokens are laid out in the
+            batch (SchedulerOutput.chunks: decodes first).
     """
     spans = []
+    first_row = 0
     for chunk in chunks:
         seq = chunk.seq
-        if seq.prompt_logprobs is None:
-            continue
         start = seq.num_computed_tokens
-        first = max(start, len(seq.prompt_logprobs) - 1)  # positions not scored yet
-        last = min(start + chunk.num_new_tokens, seq.num_prompt_tokens - 1)
-        if last > first:
-            row = first_rows[id(chunk)] + first - start
-            spans.append(PromptLogprobSpan(seq, row, first + 1, last - first))
+        if seq.prompt_logprobs is not None:
+            first = max(start, len(seq.prompt_logprobs) - 1)  # positions not scored yet
+            last = min(start + chunk.num_new_tokens, seq.num_prompt_tokens - 1)
+            if last > first:
+                row = first_row + first - start
+                spans.append(PromptLogprobSpan(seq, row, first + 1, last - first))
+        first_row += chunk.num_new_tokens
     return spans
 
 
