@@ -17,7 +17,7 @@ Candidates (those this torch build lacks are skipped with a note):
   int8-wo            torch._weight_int8pack_mm: int8 weights, bf16 activations
   int4-g32           torch._weight_int4pack_mm_for_cpu, group 32, bf16 activations
 
-Run:  python benchmarks/quant_matmul.py [--rows 1,16,64,256,2048] [--rounds 5]
+Run:  python benchmarks/quant_matmul.py [--rows 1,16,64,256,2048] [--rounds 5] [--threads N]
 """
 
 from __future__ import annotations
@@ -109,7 +109,12 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64,256,2048")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     print(
