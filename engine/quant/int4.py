@@ -65,9 +65,8 @@ class Int4Linear(nn.Module):
             "scales_and_zeros", scales_and_zeros.to(COMPUTE_DTYPE), persistent=False
         )
         self.bias = None if bias is None else bias.detach().to(COMPUTE_DTYPE)
-        self.weight_bytes = (
-            q.numel() // 2 + scales_and_zeros.numel() * scales_and_zeros.element_size()
-        )
+        sz = self.scales_and_zeros
+        self.weight_bytes = q.numel() // 2 + sz.numel() * sz.element_size()
 
     @classmethod
     def from_float(
