@@ -64,6 +64,20 @@ def has_int8_dot_products() -> bool:
     return kernel_name() in ("avx512_core_amx", "avx512_core_vnni", "avx2_vnni")
 
 
+def padded_rows(num_rows: int) -> int:
+    """The row count an int8 product runs at: up to 32 rows the next power of two (at
+    least 8), above it the next multiple of 64.
+
+    oneDNN builds (JIT-compiles) a kernel for every new input shape, which measured
+    tens to hundreds of milliseconds a shape on this machine, and a serving step's row
+    count changes nearly every step; padding to a few dozen sizes lets the kernels be
+    reused, at the price of at most 63 rows of zeros on a long chunk.
+    """
+    if num_rows <= 32:
+        return max(8, 1 << (num_rows - 1).bit_length())
+    return -(-num_rows // 64) * 64
+
+
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (int8 [N, K], fp32 scale [N]) with weight ~ int8 * scale[:, None]."""
     weight = weight.detach().float()
@@ -117,9 +131,14 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        num_rows = x.numel() // self.in_features
         qx, x_scales = quantize_rows_u8(
-            x.reshape(-1, self.in_features), self.inv_smooth, self.value_range
+            x.reshape(num_rows, self.in_features), self.inv_smooth, self.value_range
         )
+        padded = padded_rows(num_rows)
+        if padded != num_rows:  # rows of zero point: they compute zeros, then are dropped
+            filler = qx.new_full((padded - num_rows, self.in_features), self.value_range[1])
+            qx = torch.cat([qx, filler])
         # oneDNN takes one activation scale per tensor: run it at scale 1 and apply each
         # row's own scale to the row's outputs (bias added after, at full scale).
         y = torch.ops.onednn.qlinear_pointwise(
@@ -137,7 +156,7 @@ class Int8Linear(nn.Module):
             [],
             "",
         )
-        y.mul_(x_scales.to(y.dtype)[:, None])
+        y = y[:num_rows].mul_(x_scales.to(y.dtype)[:, None])
         if self.bias is not None:
             y.add_(self.bias)
         return y.view(*shape[:-1], self.out_features)

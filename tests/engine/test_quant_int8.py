@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenmill.engine.kernels.quantize import quantize_rows_u8
-from tokenmill.engine.quant.int8 import Int8Linear, kernel_name, quantize_weight
+from tokenmill.engine.quant.int8 import Int8Linear, kernel_name, padded_rows, quantize_weight
 
 
 def test_native_quantizer_matches_the_pytorch_ops(monkeypatch):
@@ -68,7 +68,7 @@ def test_int8_product_is_exact_and_close_to_float(dtype, rows):
 _CHILD = """
 import json, torch
 from tokenmill.engine.kernels.quantize import quantize_rows_u8
-from tokenmill.engine.quant.int8 import Int8Linear, kernel_name, quantize_weight
+from tokenmill.engine.quant.int8 import Int8Linear, kernel_name, padded_rows, quantize_weight
 torch.manual_seed(0)
 weight, x = torch.randn(64, 128), torch.randn(8, 128) * 3
 layer = Int8Linear.from_float(weight)
@@ -112,3 +112,11 @@ def test_fast_path_where_the_cpu_has_it_and_the_avx2_fallback():
         assert result["exact_error"] < 1e-4
         assert result["float_error"] < (0.02 if result["qmax"] == 127 else 0.04)
     assert kernel_name() == fast["kernel"]
+
+
+def test_row_counts_are_padded_to_few_shapes():
+    assert [padded_rows(n) for n in (1, 8, 9, 17, 32, 33, 64, 65, 2048, 2049)] == [
+        8, 8, 16, 32, 32, 64, 64, 128, 2048, 2112,
+    ]  # fmt: skip
+    # 8, 16, 32 and the 32 multiples of 64 up to 2,048.
+    assert len({padded_rows(n) for n in range(1, 2049)}) == 35
