@@ -46,6 +46,10 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.rotary = RotaryEmbedding(config, max_model_len, device)
+        # Gemma 3's sliding-window layers rotate with a base of their own.
+        self.local_rotary = None
+        if config.rope_local_theta is not None:
+            self.local_rotary = RotaryEmbedding(config, max_model_len, device, local=True)
         self.sampler = Sampler(seed)
         self.kv_cache = kv_cache
         if device.type == "cpu":
@@ -63,7 +67,10 @@ class ModelRunner:
         in the order of out.chunks (None when no chunk samples)."""
         input_ids, positions, meta, sample_rows = self._prepare(out)
         cos, sin = self.rotary.lookup(positions, self.dtype)
-        hidden = self.model(input_ids, cos, sin, meta)
+        extra = {}
+        if self.local_rotary is not None:
+            extra["local_rope"] = self.local_rotary.lookup(positions, self.dtype)
+        hidden = self.model(input_ids, cos, sin, meta, **extra)
         if not sample_rows:
             return None
         rows = torch.tensor(sample_rows, device=self.device)

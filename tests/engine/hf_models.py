@@ -26,22 +26,47 @@ SMALL = dict(
     pad_token_id=None,
 )
 
+# Gemma 3 in small: one KV head, its own head_dim and query scale, three local layers
+# (window 16, rope base 10k) around one global one (base 1M).
+GEMMA3 = dict(
+    num_hidden_layers=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    sliding_window=16,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+    hidden_activation="gelu_pytorch_tanh",
+    initializer_range=0.1,
+)
+
 
 def build_hf_model(kind: str, out_dir: Path, **overrides):
-    """Save a random-weight `kind` (llama | qwen2 | qwen3) checkpoint; return the HF model."""
+    """Save a random-weight `kind` (llama | qwen2 | qwen3 | gemma3) checkpoint; return the
+    HF model."""
     import transformers
 
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[kind]
-    settings = {**SMALL, **overrides}
+    settings = {**SMALL, **(GEMMA3 if kind == "gemma3" else {}), **overrides}
     if kind == "qwen3":
         settings.setdefault("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
     config = config_cls(**settings)
     torch.manual_seed(1234)
     model = model_cls(config).eval()
+    if kind == "gemma3":
+        # Gemma initialises its (1 + w) norm weights to zero; make them matter.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0, 0.3)
     if kind == "qwen2":
         # Random-init biases are zero; make them matter.
         with torch.no_grad():

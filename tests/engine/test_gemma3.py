@@ -1,0 +1,95 @@
+"""Gemma 3 against HF transformers on the same random weights (fp32): (1 + w) norms, the
+extra norms, GeGLU, scaled embeddings, q/k norms, per-layer-type rope bases, query scale,
+soft-capped logits and interleaved sliding-window / global layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import build_hf_model, hf_greedy, make_engine, run_all
+from test_hf_parity import mixed_prompts
+
+from tokenmill.engine.config import ModelConfig, attention_has_windows
+from tokenmill.engine.sampling_params import SamplingParams
+
+# TODO(issue 10): the kernels work adds per-layer windows to attention; until it is merged a
+# model with a window runs only within it (ModelConfig.max_context), and these fail.
+needs_windows = pytest.mark.xfail(
+    not attention_has_windows(),
+    reason="needs sliding-window attention (paged_attention's sliding_window, issue 10)",
+    strict=True,
+)
+
+
+def test_config_reads_gemma3_fields(tmp_path):
+    build_hf_model("gemma3", tmp_path, final_logit_softcapping=30.0)
+    config = ModelConfig.from_dir(tmp_path)
+    assert config.architecture == "Gemma3ForCausalLM"
+    assert (config.rope_theta, config.rope_local_theta) == (1_000_000.0, 10_000.0)
+    assert config.query_pre_attn_scalar == 24 and config.final_logit_softcapping == 30.0
+    assert [config.layer_sliding_window(i) for i in range(4)] == [16, 16, None, 16]
+    assert config.hidden_act == "gelu_pytorch_tanh" and config.qk_norm
+
+
+def test_config_of_older_gemma3_files():
+    """transformers 4.x wrote rope_theta / rope_local_base_freq and no layer_types."""
+    raw = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+    }
+    config = ModelConfig.from_dict(raw)
+    assert [i for i in range(12) if config.layer_sliding_window(i) is None] == [5, 11]
+    assert (config.rope_theta, config.rope_local_theta, config.head_dim) == (1e6, 1e4, 256)
+    assert config.eos_token_ids == [1] and config.bos_token_id == 2
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_logprobs_match_transformers_within_the_window(softcap, tmp_path):
+    hf = build_hf_model("gemma3", tmp_path, sliding_window=128, final_logit_softcapping=softcap)
+    engine = make_engine(tmp_path, max_num_batched_tokens=16)  # forces chunked prefill
+    prompts = mixed_prompts(256, seed=1)[:5]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=256)
+    outputs = run_all(engine, prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 6)
+        assert out.token_ids == ref_tokens
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            ours = torch.tensor([entry[t] for t in range(256)])
+            torch.testing.assert_close(ours, ref_logprobs[step], atol=2e-4, rtol=1e-4)
+
+
+def test_head_dim_256_and_several_kv_heads(tmp_path):
+    hf = build_hf_model(
+        "gemma3", tmp_path, head_dim=256, num_key_value_heads=2, sliding_window=128
+    )
+    engine = make_engine(tmp_path, max_num_batched_tokens=32)
+    prompts = mixed_prompts(256, seed=4)[4:8]
+    outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(hf, prompt, 5)[0]
+
+
+@needs_windows
+def test_prompts_longer_than_the_window_match_transformers(tmp_path):
+    """Window 16, prompts up to 100 tokens: local layers must forget what global ones see,
+    across chunk boundaries (chunks of 16) and prefix-cache hits (block size 4)."""
+    hf = build_hf_model("gemma3", tmp_path, final_logit_softcapping=30.0)
+    engine = make_engine(tmp_path, max_num_batched_tokens=16, enable_prefix_caching=True)
+    prompts = mixed_prompts(256, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=256)
+    outputs = run_all(engine, prompts, params)
+    assert max(len(p) for p in prompts) > 4 * 16
+    for prompt, out in zip(prompts, outputs):
+        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 12)
+        assert out.token_ids == ref_tokens
+        ours = torch.tensor([out.outputs[0].logprobs[-1][t] for t in range(256)])
+        torch.testing.assert_close(ours, ref_logprobs[-1], atol=2e-4, rtol=1e-4)
+    assert engine.stats.cached_prompt_tokens > 0  # the shared prefix came from the cache
