@@ -110,7 +110,7 @@ def llama3_rope_freqs(
 
 def tiny_vocab() -> tuple[list[str], list[int]]:
     """Tokens and GGUF token types: ChatML specials, the 256 byte symbols, merge results."""
-    from tokenmill.engine.gguf_convert import bytes_to_unicode
+    from tokenmill.engine.gguf_tokenizer import bytes_to_unicode
 
     byte_tokens = list(bytes_to_unicode().values())
     merged = [merge.replace(" ", "") for merge in TINY_MERGES]
