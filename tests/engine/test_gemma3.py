@@ -67,9 +67,7 @@ def test_logprobs_match_transformers_within_the_window(softcap, tmp_path):
 
 
 def test_head_dim_256_and_several_kv_heads(tmp_path):
-    hf = build_hf_model(
-        "gemma3", tmp_path, head_dim=256, num_key_value_heads=2, sliding_window=128
-    )
+    hf = build_hf_model("gemma3", tmp_path, head_dim=256, num_key_value_heads=2, sliding_window=128)
     engine = make_engine(tmp_path, max_num_batched_tokens=32)
     prompts = mixed_prompts(256, seed=4)[4:8]
     outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
@@ -93,3 +91,87 @@ def test_prompts_longer_than_the_window_match_transformers(tmp_path):
         ours = torch.tensor([out.outputs[0].logprobs[-1][t] for t in range(256)])
         torch.testing.assert_close(ours, ref_logprobs[-1], atol=2e-4, rtol=1e-4)
     assert engine.stats.cached_prompt_tokens > 0  # the shared prefix came from the cache
+
+
+def test_gemma3_gguf_converts_to_the_hf_weights_and_tokens(tmp_path):
+    """A random Gemma 3 written as llama.cpp writes it (norm scales as 1 + w, Gemma's
+    tensor names, SentencePiece vocabulary) converts back to the HF weights exactly, and
+    the engine on the conversion generates what transformers generates."""
+    from model_fixtures import sentencepiece_vocab, write_sentencepiece_gguf
+    from safetensors.torch import load_file
+
+    from tokenmill.engine.gguf_convert import convert_gguf
+
+    vocab_size = len(sentencepiece_vocab("gemma3")[0])
+    # llama.cpp's layout for Gemma 3: every 6th layer global, query scale from head_dim.
+    layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+    hf = build_hf_model(
+        "gemma3",
+        tmp_path / "hf",
+        vocab_size=vocab_size,
+        num_hidden_layers=6,
+        layer_types=layer_types,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=64,
+    )
+    gguf_path = write_sentencepiece_gguf(tmp_path / "g.gguf", architecture="gemma3", hf_model=hf)
+    out = convert_gguf(gguf_path, tmp_path / "converted", dtype=torch.float32)
+    ours = load_file(out / "model.safetensors")
+    expected = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    assert set(ours) == set(expected)
+    for name, tensor in expected.items():
+        # Exact but for the norms: 1 + w was rounded to fp32 in the file (|1 + w| < 4 here).
+        torch.testing.assert_close(ours[name], tensor, atol=2.4e-7, rtol=0, msg=name)
+    config = ModelConfig.from_dir(out)
+    assert config.layer_types == layer_types and config.sliding_window == 64
+    assert (config.rope_theta, config.rope_local_theta) == (1_000_000.0, 10_000.0)
+    engine = make_engine(out, max_num_batched_tokens=16)
+    prompt = engine.tokenizer.encode("the theory of the thing: 12 345, héllo")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=vocab_size)
+    got = run_all(engine, [prompt], params)[0]
+    ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 6)
+    assert got.token_ids == ref_tokens
+    ours = torch.tensor([got.outputs[0].logprobs[-1][t] for t in range(vocab_size)])
+    torch.testing.assert_close(ours, ref_logprobs[-1], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@needs_windows
+def test_gemma3_270m_greedy_tokens_equal_transformers_on_the_gguf(tmp_path):
+    """The real model (alias gemma3-270m), fp32 both sides: transformers loads the GGUF
+    itself; we convert it (to fp32, so no weight is rounded) and run the engine with chunked
+    prefill and the prefix cache on, over prompts shorter and longer than the 512-token
+    window."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from tokenmill.engine.gguf_convert import convert_gguf
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.model_files import ALIASES, alias_gguf_path
+
+    gguf_path = alias_gguf_path(ALIASES["gemma3-270m"])
+    config = transformers.AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=reference)
+    reference.load_state_dict(state["tensors"], strict=False)
+    reference.tie_weights()
+    reference.eval()
+
+    model_dir = convert_gguf(gguf_path, tmp_path / "gemma3-270m", dtype=torch.float32)
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=256)
+    story = (
+        "The old lighthouse keeper climbed the spiral stairs every evening, counting the "
+        "steps as his father had, and lit the lamp that warned the fishing boats away from "
+        "the rocks. "
+    )
+    prompts = [story * 4, story * 20 + "One night, the lamp would not light, and"]
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    assert len(ids[0]) < 512 < len(ids[1])
+    outputs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for prompt_ids, out in zip(ids, outputs):
+        with torch.no_grad():
+            expected = reference.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False
+            )[0, len(prompt_ids) :]
+        assert out.outputs[0].token_ids == expected.tolist()
