@@ -364,3 +364,52 @@ def _gemma_gguf_name(hf_name: str) -> str:
     _, _, layer, rest = hf_name.split(".", 3)
     module, suffix = rest.rsplit(".", 1)
     return f"blk.{layer}.{_GEMMA_GGUF_NAMES[module]}.{suffix}"
+
+
+def fill_hf_cache(
+    hub_cache: str | os.PathLike,
+    repo_id: str,
+    files: dict[str, bytes | Path],
+    *,
+    refs: tuple[str, ...] = ("main",),
+    commit: str | None = None,
+) -> str:
+    """Put a model snapshot into a Hugging Face cache as `huggingface_hub` lays it out:
+    `models--org--name/{blobs/<sha256>, refs/<ref>, snapshots/<commit>/<file> -> blob}`.
+
+    Args:
+        hub_cache: the cache directory (`$HF_HOME/hub` or `$HF_HUB_CACHE`).
+        repo_id: "org/name".
+        files: repo path -> contents (bytes, or a file to copy).
+        refs: branches/tags that point at this commit.
+        commit: the 40-hex commit; default derived from the contents.
+
+    Returns:
+        The commit.
+    """
+    import hashlib
+
+    blobs = {}
+    for name, content in sorted(files.items()):
+        data = content.read_bytes() if isinstance(content, Path) else content
+        blobs[name] = (hashlib.sha256(data).hexdigest(), data)
+    if commit is None:
+        listing = "".join(f"{name}:{digest}" for name, (digest, _) in blobs.items())
+        commit = hashlib.sha1(listing.encode()).hexdigest()
+    repo = Path(hub_cache) / ("models--" + repo_id.replace("/", "--"))
+    for name, (digest, data) in blobs.items():
+        blob = repo / "blobs" / digest
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = repo / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref in refs:
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return commit
+
+
+def model_dir_files(model_dir: str | os.PathLike) -> dict[str, Path]:
+    """Every file of a model directory, by name (for `fill_hf_cache`)."""
+    return {p.name: p for p in sorted(Path(model_dir).iterdir()) if p.is_file()}

@@ -131,7 +131,7 @@ def test_assembled_alias_resolves_to_the_file_assemble_returns(tmp_path, monkeyp
 
 
 def test_unknown_model_and_non_gguf_file(tmp_path):
-    with pytest.raises(ModelFilesError, match="not a directory, a .gguf file, or an alias"):
+    with pytest.raises(ModelFilesError, match="not a directory, a .gguf file, a Hub repo id"):
         resolve_model("no-such-model")
     (tmp_path / "weights.txt").write_text("x")
     with pytest.raises(ModelFilesError, match="not a .gguf file"):
