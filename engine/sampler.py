@@ -3,6 +3,11 @@
 Sampling draws Gumbel-style exponential noise and takes argmax(probs / noise), which
 samples exactly from probs. Requests with a seed draw their noise from their own
 generator, so a seeded request samples the same tokens whatever else is in the batch.
+
+Everything vocabulary-wide is one tensor op over the batch; with Gemma's 262,144-token
+vocabulary the costs per row are (2 threads, Zen 4): exponential_() noise 12 ms against
+3 ms for -log(rand()), a full sort 50 ms against 2 ms for the best 1,024 - so top-k and
+top-p work on the best candidates, and only a row whose nucleus is wider is sorted whole.
 """
 
 from __future__ import annotations
@@ -63,9 +68,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [num_rows, vocab] fp32 -> one token per row."""
-        for row, banned in enumerate(batch.banned_token_ids):
-            if banned:
-                logits[row, banned] = float("-inf")
+        if any(batch.banned_token_ids):
+            rows = [r for r, banned in enumerate(batch.banned_token_ids) for _ in banned]
+            cols = [t for banned in batch.banned_token_ids for t in banned]
+            index = torch.tensor([rows, cols], device=logits.device)
+            logits[index[0], index[1]] = float("-inf")
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
@@ -95,37 +102,74 @@ class Sampler:
 
     def _exponential_noise(self, probs: torch.Tensor, generators) -> torch.Tensor:
         # Noise is drawn on the CPU from each row's generator so that the stream, and
-        # therefore the sample, depends only on the request's seed and its position.
+        # therefore the sample, depends only on the request's seed and its position. Each
+        # seeded row is one draw of the whole vocabulary (its generator is its own).
         num_rows, vocab = probs.shape
-        noise = torch.empty(num_rows, vocab)
+        uniform = torch.empty(num_rows, vocab)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(
-                generator=self.shared_generator
-            )
+            uniform[unseeded] = torch.rand(len(unseeded), vocab, generator=self.shared_generator)
         for row, generator in enumerate(generators):
             if generator is not None:
-                noise[row].exponential_(generator=generator)
-        return noise.to(probs.device, non_blocking=True)
+                torch.rand(vocab, generator=generator, out=uniform[row])
+        # -log(U) is Exp(1); U = 0 gives +inf noise, which only rules that token out.
+        return uniform.log_().neg_().to(probs.device, non_blocking=True)
+
+
+# Candidates per row for top-k / top-p: a nucleus rarely holds more than this many tokens,
+# and a row whose does is sorted in full.
+TOP_P_CANDIDATES = 1024
 
 
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus with -inf."""
-    use_top_k = bool((top_k > 0).any())
-    use_top_p = bool((top_p < 1).any())
-    if not use_top_k and not use_top_p:
+    """Mask logits outside each row's top-k and top-p nucleus with -inf.
+
+    Top-k keeps the k best tokens; top-p then keeps the smallest run of best tokens whose
+    probability (after top-k) reaches top_p, the token that crosses it included.
+
+    Args:
+        logits: [num_rows, vocab] fp32.
+        top_k: [num_rows], 0 = off.
+        top_p: [num_rows], 1 = off.
+
+    Returns:
+        [num_rows, vocab]: the kept logits, -inf elsewhere (rows with neither filter as given).
+    """
+    has_top_k, has_top_p = top_k > 0, top_p < 1
+    is_filtered = has_top_k | has_top_p
+    if not bool(is_filtered.any()):
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    if use_top_k:
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-        kth = sorted_logits.gather(1, (k - 1)[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if use_top_p:
-        probs = sorted_logits.softmax(dim=-1)
-        # Mass strictly before each token; the token that crosses top_p is kept.
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    k = torch.where(has_top_k, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    needed = torch.where(has_top_k, k, torch.full_like(k, min(vocab, TOP_P_CANDIDATES)))
+    num_candidates = int(needed[is_filtered].max())
+    candidates, order = logits.topk(num_candidates, dim=-1)  # best first
+    positions = torch.arange(num_candidates, device=logits.device)
+    candidates = candidates.masked_fill(positions >= k[:, None], float("-inf"))
+    is_wide = torch.zeros_like(has_top_p)
+    if bool(has_top_p.any()):
+        # Probabilities over the whole vocabulary (over the top k where top-k is on).
+        normalizer = torch.where(has_top_k, candidates.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+        probs = (candidates - normalizer[:, None]).exp()
+        mass_before = probs.cumsum(dim=-1) - probs  # the token that crosses top_p is kept
+        candidates = candidates.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+        # A nucleus wider than the candidates: that row is sorted in full below.
+        is_wide = has_top_p & ~has_top_k & (probs.sum(dim=-1) < top_p)
+        is_wide &= num_candidates < vocab
+    out = torch.full_like(logits, float("-inf")).scatter_(1, order, candidates)
+    out = torch.where(is_filtered[:, None], out, logits)
+    if bool(is_wide.any()):
+        rows = is_wide.nonzero().squeeze(1)
+        out[rows] = _top_p_sorted(logits[rows], top_p[rows])
+    return out
+
+
+def _top_p_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p by sorting the whole vocabulary: [num_rows, vocab] -> masked logits."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
