@@ -32,7 +32,7 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
 @click.option(
     "--model",
     default=None,
-    help="Model directory, .gguf file or alias (default: smollm2-135m-instruct).",
+    help="Model directory, .gguf file, alias (e.g. gemma3-270m) or Hub repo id (default: smollm2-135m-instruct).",
 )
 @click.option(
     "--baseline",
