@@ -5,9 +5,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
+from tokenmill.engine.config import attention_has_windows
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# TODO(issue 10): the kernels work adds per-layer windows to attention; until it is merged a
+# model with a window runs only within it (ModelConfig.max_context), and these fail.
+needs_windows = pytest.mark.xfail(
+    not attention_has_windows(),
+    reason="needs sliding-window attention (paged_attention's sliding_window, issue 10)",
+    strict=True,
+)
 
 SMALL = dict(
     vocab_size=256,
@@ -45,8 +56,8 @@ GEMMA3 = dict(
 
 
 def build_hf_model(kind: str, out_dir: Path, **overrides):
-    """Save a random-weight `kind` (llama | qwen2 | qwen3 | gemma3) checkpoint; return the
-    HF model."""
+    """Save a random-weight `kind` (llama | qwen2 | qwen3 | gemma3 | mistral) checkpoint;
+    return the HF model."""
     import transformers
 
     config_cls, model_cls = {
@@ -54,6 +65,7 @@ def build_hf_model(kind: str, out_dir: Path, **overrides):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[kind]
     settings = {**SMALL, **(GEMMA3 if kind == "gemma3" else {}), **overrides}
     if kind == "qwen3":

@@ -6,19 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import build_hf_model, hf_greedy, make_engine, run_all
+from hf_models import build_hf_model, hf_greedy, make_engine, needs_windows, run_all
 from test_hf_parity import mixed_prompts
 
-from tokenmill.engine.config import ModelConfig, attention_has_windows
+from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.sampling_params import SamplingParams
-
-# TODO(issue 10): the kernels work adds per-layer windows to attention; until it is merged a
-# model with a window runs only within it (ModelConfig.max_context), and these fail.
-needs_windows = pytest.mark.xfail(
-    not attention_has_windows(),
-    reason="needs sliding-window attention (paged_attention's sliding_window, issue 10)",
-    strict=True,
-)
 
 
 def test_config_reads_gemma3_fields(tmp_path):

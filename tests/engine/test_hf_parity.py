@@ -6,8 +6,9 @@ import random
 
 import pytest
 import torch
-from hf_models import build_hf_model, hf_greedy, make_engine, run_all
+from hf_models import build_hf_model, hf_greedy, make_engine, needs_windows, run_all
 
+from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.sampling_params import SamplingParams
 
 
@@ -60,3 +61,19 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     prompt = mixed_prompts(256, seed=3)[8]
     out = run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(hf, prompt, 8)[0]
+
+
+@needs_windows
+def test_mistral_sliding_window_matches_transformers(tmp_path):
+    """Every Mistral layer sees the last 16 positions; prompts run to 100 tokens, in chunks
+    of 16, with prefix-cache hits - and the context is no longer capped to the window."""
+    hf = build_hf_model("mistral", tmp_path, sliding_window=16)
+    assert ModelConfig.from_dir(tmp_path).max_context == 512
+    engine = make_engine(tmp_path, max_num_batched_tokens=16, enable_prefix_caching=True)
+    prompts = mixed_prompts(256, seed=5)
+    outputs = run_all(
+        engine, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(hf, prompt, 10)[0]
+    assert engine.stats.cached_prompt_tokens > 0
