@@ -239,12 +239,12 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, block_names: dict[str, str] = _GGUF_BLOCK_NAMES) -> str:
     if hf_name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_BLOCK_NAMES[module]}.{suffix}"
+    return f"blk.{layer}.{block_names[module]}.{suffix}"
 
 
 _SENTENCEPIECE_CORPUS = [
@@ -340,7 +340,7 @@ def write_sentencepiece_gguf(
             array = tensor.float().numpy()
             if name.endswith("norm.weight"):
                 array = array + 1.0  # llama.cpp's Gemma convention
-            writer.add_tensor(_gemma_gguf_name(name), np.ascontiguousarray(array))
+            writer.add_tensor(_gguf_name(name, _GEMMA_GGUF_NAMES), np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -356,14 +356,6 @@ _GEMMA_GGUF_NAMES = {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
-
-
-def _gemma_gguf_name(hf_name: str) -> str:
-    if hf_name in _GGUF_TOP_NAMES:
-        return _GGUF_TOP_NAMES[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GEMMA_GGUF_NAMES[module]}.{suffix}"
 
 
 def fill_hf_cache(

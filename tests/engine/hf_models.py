@@ -105,6 +105,20 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], lis
     return ids[len(prompt) :], logprobs
 
 
+def assert_logprobs_match(hf, engine, prompts: list[list[int]], num_tokens: int) -> None:
+    """Greedy tokens equal HF's, and every step's full log-softmax to fp32 rounding."""
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    vocab = hf.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=vocab)
+    for prompt, out in zip(prompts, run_all(engine, prompts, params)):
+        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, num_tokens)
+        assert out.token_ids == ref_tokens
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            ours = torch.tensor([entry[t] for t in range(vocab)])
+            torch.testing.assert_close(ours, ref_logprobs[step], atol=2e-4, rtol=1e-4)
+
+
 def save_char_tokenizer(out_dir: Path, vocab_size: int = 256, eos_token: str | None = None) -> None:
     """A tokenizer where every id is one distinct printable character.
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import build_hf_model, hf_greedy, make_engine, needs_windows, run_all
+from hf_models import (
+    assert_logprobs_match,
+    build_hf_model,
+    hf_greedy,
+    make_engine,
+    needs_windows,
+    run_all,
+)
 from test_hf_parity import mixed_prompts
 
 from tokenmill.engine.config import ModelConfig
@@ -47,15 +54,7 @@ def test_config_of_older_gemma3_files():
 def test_logprobs_match_transformers_within_the_window(softcap, tmp_path):
     hf = build_hf_model("gemma3", tmp_path, sliding_window=128, final_logit_softcapping=softcap)
     engine = make_engine(tmp_path, max_num_batched_tokens=16)  # forces chunked prefill
-    prompts = mixed_prompts(256, seed=1)[:5]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=256)
-    outputs = run_all(engine, prompts, params)
-    for prompt, out in zip(prompts, outputs):
-        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 6)
-        assert out.token_ids == ref_tokens
-        for step, entry in enumerate(out.outputs[0].logprobs):
-            ours = torch.tensor([entry[t] for t in range(256)])
-            torch.testing.assert_close(ours, ref_logprobs[step], atol=2e-4, rtol=1e-4)
+    assert_logprobs_match(hf, engine, mixed_prompts(256, seed=1)[:5], 6)
 
 
 def test_head_dim_256_and_several_kv_heads(tmp_path):
