@@ -4,10 +4,11 @@ Sampling draws Gumbel-style exponential noise and takes argmax(probs / noise), w
 samples exactly from probs. Requests with a seed draw their noise from their own
 generator, so a seeded request samples the same tokens whatever else is in the batch.
 
-Everything vocabulary-wide is one tensor op over the batch; with Gemma's 262,144-token
-vocabulary the costs per row are (2 threads, Zen 4): exponential_() noise 12 ms against
-3 ms for -log(rand()), a full sort 50 ms against 2 ms for the best 1,024 - so top-k and
-top-p work on the best candidates, and only a row whose nucleus is wider is sorted whole.
+Everything vocabulary-wide is one tensor op over the batch. With Gemma's 262,144-token
+vocabulary the CPU costs per row are (2 threads, Zen 4, loaded machine): exponential_()
+noise 12 ms against 3 ms for -log(rand()), a full sort ~50 ms against ~2 ms for the best
+1,024 - so on CPU top-k and top-p work on each row's best candidates, and only a row whose
+nucleus is wider is sorted whole. On CUDA the sort is cheap and needs no host decision.
 """
 
 from __future__ import annotations
@@ -21,15 +22,21 @@ from tokenmill.engine.sampling_params import SamplingParams
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings for a step, as tensors on the logits' device."""
+    """Per-row sampling settings for a step, as tensors on the logits' device, plus the
+    host-side facts the sampler branches on (so it never reads the device to decide)."""
 
     temperature: torch.Tensor  # [num_rows] float, 0 for greedy rows
     top_k: torch.Tensor  # [num_rows] long, 0 = off
     top_p: torch.Tensor  # [num_rows] float, 1 = off
     min_p: torch.Tensor  # [num_rows] float, 0 = off
     generators: list[torch.Generator | None]  # per row; None = the shared generator
-    banned_token_ids: list[list[int]]  # per row: ids masked out (EOS before min_tokens)
+    # Token ids masked out per row (EOS before min_tokens), as (row, token id) pairs.
+    banned_rows: torch.Tensor | None  # [num_banned] long
+    banned_token_ids: torch.Tensor | None  # [num_banned] long
     all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
     max_logprobs: int | None  # None when no row asked for logprobs
 
     @classmethod
@@ -41,14 +48,26 @@ class SamplingBatch:
         device: torch.device,
     ) -> SamplingBatch:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        banned = [(row, t) for row, ids in enumerate(banned_token_ids) for t in ids]
+
+        def put(values: list, dtype: torch.dtype) -> torch.Tensor:
+            host = torch.tensor(values, dtype=dtype)
+            if device.type == "cuda":  # from pinned memory: the copy does not wait
+                return host.pin_memory().to(device, non_blocking=True)
+            return host
+
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], device=device),
-            top_k=torch.tensor([p.top_k for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            min_p=torch.tensor([p.min_p for p in params], device=device),
+            temperature=put([p.temperature for p in params], torch.float32),
+            top_k=put([p.top_k for p in params], torch.int64),
+            top_p=put([p.top_p for p in params], torch.float32),
+            min_p=put([p.min_p for p in params], torch.float32),
             generators=generators,
-            banned_token_ids=banned_token_ids,
+            banned_rows=put([r for r, _ in banned], torch.int64) if banned else None,
+            banned_token_ids=put([t for _, t in banned], torch.int64) if banned else None,
             all_greedy=all(p.is_greedy for p in params),
+            use_top_k=any(p.top_k > 0 and not p.is_greedy for p in params),
+            use_top_p=any(p.top_p < 1 and not p.is_greedy for p in params),
+            use_min_p=any(p.min_p > 0 and not p.is_greedy for p in params),
             max_logprobs=max(wanted) if wanted else None,
         )
 
@@ -63,16 +82,18 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.shared_generator = torch.Generator().manual_seed(seed)
+    """Samples on the logits' device; only the chosen ids (and logprobs, when asked for)
+    ever need to come back to the host."""
+
+    def __init__(self, seed: int = 0, device: torch.device | None = None) -> None:
+        device = device or torch.device("cpu")
+        # Noise for rows without a seed of their own, drawn where the logits are.
+        self.shared_generator = torch.Generator(device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [num_rows, vocab] fp32 -> one token per row."""
-        if any(batch.banned_token_ids):
-            rows = [r for r, banned in enumerate(batch.banned_token_ids) for _ in banned]
-            cols = [t for banned in batch.banned_token_ids for t in banned]
-            index = torch.tensor([rows, cols], device=logits.device)
-            logits[index[0], index[1]] = float("-inf")
+        if batch.banned_rows is not None:
+            logits[batch.banned_rows, batch.banned_token_ids] = float("-inf")
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
@@ -91,9 +112,16 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)
         temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temperature[:, None]
-        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        if batch.use_top_k or batch.use_top_p:
+            logits = apply_top_k_top_p(
+                logits,
+                batch.top_k,
+                batch.top_p,
+                use_top_k=batch.use_top_k,
+                use_top_p=batch.use_top_p,
+            )
         probs = logits.softmax(dim=-1)
-        if bool((batch.min_p > 0).any()):
+        if batch.use_min_p:
             threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
         noise = self._exponential_noise(probs, batch.generators)
@@ -101,42 +129,59 @@ class Sampler:
         return torch.where(is_greedy, greedy_ids, sampled)
 
     def _exponential_noise(self, probs: torch.Tensor, generators) -> torch.Tensor:
-        # Noise is drawn on the CPU from each row's generator so that the stream, and
-        # therefore the sample, depends only on the request's seed and its position. Each
-        # seeded row is one draw of the whole vocabulary (its generator is its own).
+        # Each seeded row draws from its own generator, so its stream - and therefore its
+        # sample - depends only on the request's seed and its position, never on the batch.
+        # The generators live on the logits' device: CPU and CUDA streams differ.
+        # -log(U) is Exp(1), and U ~ rand() costs a quarter of exponential_() on CPU; U = 0
+        # gives +inf noise, which only rules that token out.
         num_rows, vocab = probs.shape
-        uniform = torch.empty(num_rows, vocab)
+        device = probs.device
         unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == num_rows:
+            uniform = torch.rand(num_rows, vocab, device=device, generator=self.shared_generator)
+            return uniform.log_().neg_()
+        uniform = torch.empty(num_rows, vocab, device=device)
         if unseeded:
-            uniform[unseeded] = torch.rand(len(unseeded), vocab, generator=self.shared_generator)
+            rows = torch.tensor(unseeded, device=device)
+            uniform[rows] = torch.rand(
+                len(unseeded), vocab, device=device, generator=self.shared_generator
+            )
         for row, generator in enumerate(generators):
             if generator is not None:
-                torch.rand(vocab, generator=generator, out=uniform[row])
-        # -log(U) is Exp(1); U = 0 gives +inf noise, which only rules that token out.
-        return uniform.log_().neg_().to(probs.device, non_blocking=True)
+                torch.rand(vocab, device=device, generator=generator, out=uniform[row])
+        return uniform.log_().neg_()
 
 
-# Candidates per row for top-k / top-p: a nucleus rarely holds more than this many tokens,
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    use_top_k: bool = True,
+    use_top_p: bool = True,
+) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus with -inf (rows with
+    top_k 0 and top_p 1 keep every logit). use_top_k/use_top_p=False skip a filter no
+    row uses, decided on the host.
+
+    Top-k keeps the k best tokens; top-p then keeps the smallest run of best tokens whose
+    probability (after top-k) reaches top_p, the token that crosses it included.
+    """
+    if logits.device.type == "cpu":
+        return _top_k_top_p_on_candidates(logits, top_k, top_p)
+    return _top_k_top_p_sorted(logits, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
+
+
+# Candidates per row for top-p on CPU: a nucleus rarely holds more than this many tokens,
 # and a row whose does is sorted in full.
 TOP_P_CANDIDATES = 1024
 
 
-def apply_top_k_top_p(
+def _top_k_top_p_on_candidates(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus with -inf.
-
-    Top-k keeps the k best tokens; top-p then keeps the smallest run of best tokens whose
-    probability (after top-k) reaches top_p, the token that crosses it included.
-
-    Args:
-        logits: [num_rows, vocab] fp32.
-        top_k: [num_rows], 0 = off.
-        top_p: [num_rows], 1 = off.
-
-    Returns:
-        [num_rows, vocab]: the kept logits, -inf elsewhere (rows with neither filter as given).
-    """
+    """apply_top_k_top_p over each row's best candidates (torch.topk) instead of the whole
+    sorted vocabulary; it reads the device to decide, which costs nothing on CPU."""
     has_top_k, has_top_p = top_k > 0, top_p < 1
     is_filtered = has_top_k | has_top_p
     if not bool(is_filtered.any()):
@@ -162,14 +207,28 @@ def apply_top_k_top_p(
     out = torch.where(is_filtered[:, None], out, logits)
     if bool(is_wide.any()):
         rows = is_wide.nonzero().squeeze(1)
-        out[rows] = _top_p_sorted(logits[rows], top_p[rows])
+        out[rows] = _top_k_top_p_sorted(logits[rows], top_k[rows], top_p[rows], use_top_k=False)
     return out
 
 
-def _top_p_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-p by sorting the whole vocabulary: [num_rows, vocab] -> masked logits."""
+def _top_k_top_p_sorted(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    use_top_k: bool = True,
+    use_top_p: bool = True,
+) -> torch.Tensor:
+    """apply_top_k_top_p by sorting the whole vocabulary of every row."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    vocab = logits.shape[-1]
+    if use_top_k:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+        kth = sorted_logits.gather(1, (k - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if use_top_p:
+        probs = sorted_logits.softmax(dim=-1)
+        # Mass strictly before each token; the token that crosses top_p is kept.
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
