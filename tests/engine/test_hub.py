@@ -210,3 +210,20 @@ def test_hf_home_is_honoured_in_a_fresh_process(hub_cache, tiny_files):
         [sys.executable, "-c", code % REPO], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip().endswith(f"snapshots/{commit}")
+
+
+def test_a_job_runs_on_a_repo_id(hub_cache, tiny_files, tmp_path):
+    """run_job plans (tokenizer, context, weights hash) and runs on the snapshot."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tokenmill.pipelines.job import run_job
+
+    fill_hf_cache(hub_cache, REPO, tiny_files)
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["The quick brown fox", "Summarise this"]}), source)
+    ledger = run_job(
+        str(source), str(tmp_path / "out"), model=REPO, prompt_column="prompt", max_tokens=4
+    )
+    assert (ledger.model, ledger.rows_ok, ledger.rows_failed) == (REPO, 2, 0)
+    assert ledger.weights_hash == weights_hash(resolve_model(REPO))
