@@ -10,7 +10,7 @@ import click
 @click.option(
     "--model",
     default=None,
-    help="Model directory, .gguf file or alias (default: smollm2-135m-instruct).",
+    help="Model directory, .gguf file, alias or Hub repo id (default: smollm2-135m-instruct).",
 )
 @click.option(
     "--chat/--raw", default=True, show_default=True, help="Apply the model's chat template."
@@ -28,7 +28,8 @@ def generate(prompts, model, chat, system, max_tokens, temperature, top_p, seed,
 
     llm = LLM(model, dtype=dtype)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    if chat:
+    # A base model (gemma3-270m) has no chat template: its prompts go as they are.
+    if chat and llm.tokenizer.chat_template is not None:
         conversations = [
             ([{"role": "system", "content": system}] if system else [])
             + [{"role": "user", "content": p}]
