@@ -124,8 +124,8 @@ class Gemma3Model(nn.Module):
 
     def forward(self, input_ids, cos, sin, meta: AttentionMetadata, local_rope) -> torch.Tensor:
         embeddings = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        # HF rounds the scale to the model dtype before multiplying.
-        scale = torch.tensor(self.embed_scale).to(embeddings.dtype)
+        # HF rounds the scale to the model dtype before multiplying (25.25 in bf16).
+        scale = float(torch.tensor(self.embed_scale, dtype=embeddings.dtype))
         hidden, residual = embeddings * scale, None
         for layer in self.layers:
             rope = local_rope if layer.self_attn.is_local else (cos, sin)

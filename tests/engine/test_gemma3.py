@@ -166,3 +166,32 @@ def test_gemma3_270m_greedy_tokens_equal_transformers_on_the_gguf(tmp_path):
                 torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False
             )[0, len(prompt_ids) :]
         assert out.outputs[0].token_ids == expected.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_norm_with_and_without_residual_computes_what_hf_computes(dtype):
+    """(1 + w) in fp32 and one rounding at the end, on the fused path (fp32) and the
+    PyTorch path (bf16); the residual is added in the model dtype, as HF adds it."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from tokenmill.engine.models.gemma3 import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    ours, reference = GemmaRMSNorm(640, 1e-6), Gemma3RMSNorm(640, eps=1e-6)
+    with torch.no_grad():
+        reference.weight.copy_(torch.randn(640, generator=gen) * 0.5)
+        ours.weight.copy_(reference.weight)
+    ours, reference = ours.to(dtype), reference.to(dtype)
+    x = torch.randn(7, 640, generator=gen).to(dtype)
+    residual = (torch.randn(7, 640, generator=gen) * 4).to(dtype)
+    ulp = 2e-7 if dtype == torch.float32 else 2**-8
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), reference(x), rtol=ulp, atol=1e-6)
+        expected_sum = residual + x
+        normed, new_residual = ours(x, residual.clone())
+        assert torch.equal(new_residual, expected_sum)
+        torch.testing.assert_close(normed, reference(expected_sum), rtol=ulp, atol=1e-6)
+        # q/k norms see strided views of the qkv output.
+        qkv = torch.randn(5, 3 * 640, generator=gen).to(dtype)
+        view = qkv[:, :640]
+        torch.testing.assert_close(ours(view), reference(view), rtol=ulp, atol=1e-6)
