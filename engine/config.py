@@ -157,6 +157,10 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    # Launch each step before resolving the previous one's sampled tokens (None: on CUDA).
+    overlap_steps: bool | None = None
+    # Replay decode-only steps from CUDA graphs (None: on CUDA when Triton is installed).
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

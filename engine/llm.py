@@ -27,8 +27,9 @@ class LLM:
         device: "cpu", "cuda", "cuda:N"; None = CUDA when available.
         enable_prefix_caching: share computed prompt blocks between requests.
         kv_cache_memory: KV cache budget in bytes (None = sized from the device).
-        block_size, max_num_batched_tokens, max_num_seqs, max_model_len, seed:
-            see EngineConfig.
+        block_size, max_num_batched_tokens, max_num_seqs, max_model_len, seed,
+            overlap_steps, cuda_graphs: see EngineConfig (the last two default to on
+            for CUDA devices).
     """
 
     def __init__(
@@ -44,6 +45,8 @@ class LLM:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         seed: int = 0,
+        overlap_steps: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         from tokenmill.engine.model_files import display_name, resolve_model
         from tokenmill.engine.tokenizer import Tokenizer
@@ -60,6 +63,8 @@ class LLM:
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
+            overlap_steps=overlap_steps,
+            cuda_graphs=cuda_graphs,
         )
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.engine = LLMEngine.from_model_dir(

@@ -22,6 +22,7 @@ from tokenmill.engine.kv_cache import (
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from tokenmill.engine.packed_linear import pack_linear_layers
+from tokenmill.engine.pending_step import PLACEHOLDER_TOKEN_ID, PendingStep
 from tokenmill.engine.sampler import SamplerOutput, SamplingBatch
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
@@ -81,12 +82,22 @@ class LLMEngine:
             device=device,
             dtype=dtype,
             seed=engine_config.seed,
+            max_num_seqs=engine_config.max_num_seqs,
+            cuda_graphs=engine_config.cuda_graphs,
         )
         # A sequence never outgrows the context or the whole cache.
         self.max_seq_len = min(max_model_len, num_blocks * engine_config.block_size)
         self.eos_token_ids = set(model_config.eos_token_ids)
         if tokenizer is not None:
             self.eos_token_ids |= set(tokenizer.eos_token_ids)
+        # Overlap each step with resolving the previous one (default: on CUDA, where the
+        # device runs ahead of the host; on the CPU the host computes the step itself).
+        self.overlap_steps = (
+            device.type == "cuda"
+            if engine_config.overlap_steps is None
+            else engine_config.overlap_steps
+        )
+        self._pending: PendingStep | None = None
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._finished_early: list[RequestOutput] = []
@@ -161,7 +172,7 @@ class LLMEngine:
                 token_ids=list(request.prompt_token_ids),
                 num_prompt_tokens=len(request.prompt_token_ids),
                 params=params,
-                generator=_seeded_generator(params.seed, index),
+                generator=_seeded_generator(params.seed, index, self.runner.device),
                 detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop else None,
             )
             request.seqs.append(seq)
@@ -190,27 +201,37 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._finished_early)
+        return (
+            self.scheduler.has_unfinished or bool(self._finished_early) or self._pending is not None
+        )
 
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the requests that finished in it."""
+        """Run one scheduled step; return the requests that finished in it.
+
+        With overlapped steps the step is launched and the previous one resolved while it
+        runs, so the requests returned are those its predecessor finished.
+        """
         finished, self._finished_early = self._finished_early, []
         out = self.scheduler.schedule()
         if out.is_empty:
-            return finished
+            return finished + self._resolve()
         now = time.perf_counter()
         for chunk in out.chunks:
             if chunk.seq.first_scheduled_time is None:
                 chunk.seq.first_scheduled_time = now
         sampling_seqs = [c.seq for c in out.chunks if c.samples]
         batch = self._sampling_batch(sampling_seqs) if sampling_seqs else None
-        sampled = self.runner.run(out, batch)
+        sampled = self.runner.run(out, batch, previous=self._pending)
+        finished += self._resolve()  # the previous step's tokens, while this one runs
         self.scheduler.record_computed(out)
         self.stats.num_steps += 1
         if sampled is not None:
-            finished += self._append_tokens(sampling_seqs, sampled)
+            self._pending = PendingStep.launch(sampling_seqs, sampled)
+            self._hold_places(self._pending)
+            if not self.overlap_steps:
+                finished += self._resolve()
         return finished
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
@@ -227,12 +248,36 @@ class LLMEngine:
             [s.params for s in seqs], [s.generator for s in seqs], banned, self.runner.device
         )
 
-    def _append_tokens(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
-        token_ids = sampled.token_ids.tolist()  # the step's one host-device sync
+    def _hold_places(self, step: PendingStep) -> None:
+        """Give each sampling sequence of a launched step a placeholder for its token, so
+        the next schedule counts it; a token that must be the last ends the sequence."""
+        for row, seq in enumerate(step.seqs):
+            if seq.is_finished:  # finished by the step resolved meanwhile: row discarded
+                continue
+            seq.token_ids.append(PLACEHOLDER_TOKEN_ID)
+            seq.num_pending_tokens = 1
+            seq.pending_row = row
+            seq.is_finishing = (
+                seq.num_completion_tokens >= seq.params.max_tokens
+                or seq.num_tokens >= self.max_seq_len
+            )
+
+    def _resolve(self) -> list[RequestOutput]:
+        """Put the pending step's sampled tokens in place of their placeholders and
+        finish the sequences they end; returns the requests that finished."""
+        step, self._pending = self._pending, None
+        if step is None:
+            return []
+        sampled = step.host_sampled()  # waits for this step's copies only
+        token_ids = sampled.token_ids.tolist()
         now = time.perf_counter()
         finished = []
-        for row, (seq, token_id) in enumerate(zip(seqs, token_ids)):
-            seq.token_ids.append(token_id)
+        for row, (seq, token_id) in enumerate(zip(step.seqs, token_ids)):
+            if not seq.num_pending_tokens:  # finished before this step could be resolved
+                continue
+            seq.token_ids[-1] = token_id
+            seq.num_pending_tokens = 0
+            seq.is_finishing = False
             self.stats.generated_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -335,14 +380,15 @@ class LLMEngine:
         )
 
 
-def _seeded_generator(seed: int | None, index: int) -> torch.Generator | None:
+def _seeded_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
     if seed is None:
         return None
     # Each of the n completions gets its own stream, derived from the request's seed.
     if index:
         digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
         seed = int.from_bytes(digest, "little") & ((1 << 63) - 1)
-    return torch.Generator().manual_seed(seed)
+    # Drawn where the logits are: CUDA and CPU streams differ, each is reproducible.
+    return torch.Generator(device).manual_seed(seed)
 
 
 def _logprob_entry(sampled: SamplerOutput, row: int, token_id: int, k: int) -> dict[int, float]:

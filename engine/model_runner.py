@@ -1,7 +1,17 @@
 """Runs one scheduled step: flatten its chunks into one unpadded batch, run the
-model, compute logits only where a token is sampled, and sample."""
+model, compute logits only where a token is sampled, and sample.
+
+Attention takes one of three paths, chosen once per model: the native C kernel (CPU, fp32
+and bf16), the Triton kernels (CUDA), or the portable PyTorch path (anything else). On
+CUDA, decode-only steps replay a CUDA graph (`engine.cuda.decode_graphs`), and a step's
+inputs go up from pinned memory without waiting for the device, so the host can prepare
+step N+1 while step N runs.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -9,6 +19,7 @@ from torch import nn
 
 from tokenmill.engine.attention import AttentionMetadata, PrefillSpan
 from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.cuda import uses_triton
 from tokenmill.engine.host_memory import keep_large_allocations_mapped
 from tokenmill.engine.kernels.paged_attention import (
     AttentionEntries,
@@ -21,10 +32,28 @@ from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
 from tokenmill.engine.shared_prefix import group_shared_prefixes
 
+if TYPE_CHECKING:
+    from tokenmill.engine.cuda.triton_attention import TritonAttention
+    from tokenmill.engine.pending_step import PendingStep
+
 # Query rows (sequences x query heads per kv head) the native kernel attends to in one
 # item when decoding sequences share prefix blocks: enough to read a shared prefix once
 # for a large batch, few enough that its scores stay in L2 and both threads get work.
 SHARED_PREFIX_ROWS = 96
+
+
+@dataclass
+class StepTokens:
+    """A step's tokens on the host, flattened chunk by chunk (decodes first)."""
+
+    token_ids: np.ndarray  # [num_tokens] int64; placeholders where a sample is pending
+    positions: np.ndarray  # [num_tokens]
+    slots: np.ndarray  # [num_tokens] cache slot: block id * block_size + offset
+    offsets: dict[int, int]  # id(chunk) -> the row of its first token
+    tables: list[np.ndarray]  # each chunk's block table, in chunk order
+    sample_rows: list[int]  # rows whose logits are sampled, in the order of out.chunks
+    placeholder_rows: list[int]  # rows holding a pending sample ...
+    previous_rows: list[int]  # ... and that sample's row in the previous step
 
 
 class ModelRunner:
@@ -39,6 +68,8 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
+        max_num_seqs: int = 256,
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -46,58 +77,137 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.rotary = RotaryEmbedding(config, max_model_len, device)
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, device)
         self.kv_cache = kv_cache
         if device.type == "cpu":
             keep_large_allocations_mapped()
-        self.native_attention = native_attention_supports(device, dtype) and native_attention_fits(
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim, block_size
-        )
+        self.attention_backend = self._attention_backend()
         for layer_idx, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = kv_cache.k[layer_idx]
             layer.self_attn.v_cache = kv_cache.v[layer_idx]
+        self.decode_graphs = None
+        if cuda_graphs or (cuda_graphs is None and self.attention_backend == "triton"):
+            if self.attention_backend != "triton":
+                raise ValueError("cuda_graphs needs a CUDA device with Triton installed")
+            from tokenmill.engine.cuda.decode_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
+
+    def _attention_backend(self) -> str:
+        """ "native" (C kernel, CPU), "triton" (CUDA) or "portable" (PyTorch ops)."""
+        c = self.config
+        if native_attention_supports(self.device, self.dtype) and native_attention_fits(
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.block_size
+        ):
+            return "native"
+        if uses_triton(self.device):
+            from tokenmill.engine.cuda.triton_attention import supports_block_size
+
+            if supports_block_size(self.block_size):
+                return "triton"
+        return "portable"
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, sampling: SamplingBatch | None) -> SamplerOutput | None:
-        """Compute the step's tokens; return one sampled token per sampling chunk,
-        in the order of out.chunks (None when no chunk samples)."""
-        input_ids, positions, meta, sample_rows = self._prepare(out)
-        cos, sin = self.rotary.lookup(positions, self.dtype)
-        hidden = self.model(input_ids, cos, sin, meta)
+    def run(
+        self,
+        out: SchedulerOutput,
+        sampling: SamplingBatch | None,
+        *,
+        previous: PendingStep | None = None,
+    ) -> SamplerOutput | None:
+        """Compute the step's tokens; return one sampled token per sampling chunk, in the
+        order of out.chunks (None when no chunk samples). On CUDA nothing here waits for
+        the device: the returned tensors are filled as the step runs.
+
+        Args:
+            previous: the step launched before this one, whose sampled tokens some of this
+                step's inputs still are (placeholders); they are read on the device.
+        """
+        if self.decode_graphs is not None and self.decode_graphs.can_run(out):
+            hidden, sample_rows = self.decode_graphs.run(out, previous)
+        else:
+            input_ids, positions, meta, sample_rows = self._prepare(out, previous)
+            cos, sin = self.rotary.lookup(positions, self.dtype)
+            hidden = self.model(input_ids, cos, sin, meta)
         if not sample_rows:
             return None
-        rows = torch.tensor(sample_rows, device=self.device)
+        rows = self._tensor(np.asarray(sample_rows))
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         return self.sampler(logits, sampling)
 
-    def _prepare(self, out: SchedulerOutput):
+    def step_tokens(self, out: SchedulerOutput) -> StepTokens:
+        """The step's tokens flattened, chunk by chunk (decodes first): what every
+        attention path's inputs are built from."""
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         offsets: dict[int, int] = {}  # id(chunk) -> its first token's row in the batch
-
-        def add(chunk: ScheduledChunk) -> np.ndarray:
+        tables: list[np.ndarray] = []
+        placeholder_rows: list[int] = []
+        previous_rows: list[int] = []
+        for chunk in out.chunks:
             seq = chunk.seq
             start = seq.num_computed_tokens
             end = start + chunk.num_new_tokens
             offsets[id(chunk)] = len(token_ids)
             token_ids.extend(seq.token_ids[start:end])
+            if seq.num_pending_tokens and end == seq.num_tokens:
+                # Its last token is the previous step's sample, still on the device.
+                placeholder_rows.append(len(token_ids) - 1)
+                previous_rows.append(seq.pending_row)
             pos = np.arange(start, end)
             table = np.asarray(seq.block_table)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            return table
+            tables.append(table)
+        return StepTokens(
+            token_ids=np.asarray(token_ids, dtype=np.int64),
+            positions=np.concatenate(positions),
+            slots=np.concatenate(slots),
+            offsets=offsets,
+            tables=tables,
+            # Sampled rows in the order of out.chunks, whatever order the tokens went in.
+            sample_rows=[offsets[id(c)] + c.num_new_tokens - 1 for c in out.chunks if c.samples],
+            placeholder_rows=placeholder_rows,
+            previous_rows=previous_rows,
+        )
 
-        decode_tables = [add(chunk) for chunk in out.decodes]
+    def fill_placeholders(
+        self,
+        input_ids: torch.Tensor,
+        rows: torch.Tensor,
+        previous_rows: torch.Tensor,
+        previous: PendingStep | None,
+    ) -> None:
+        """input_ids[rows] = the previous step's sampled ids at previous_rows, on the device."""
+        if previous is None:
+            raise RuntimeError("a placeholder token without the step that samples it")
+        input_ids[rows] = previous.device_token_ids[previous_rows]
+
+    def _prepare(self, out: SchedulerOutput, previous: PendingStep | None = None):
+        bs = self.block_size
+        step = self.step_tokens(out)
+        input_ids = self._tensor(step.token_ids)
+        if step.placeholder_rows:
+            self.fill_placeholders(
+                input_ids,
+                self._tensor(np.asarray(step.placeholder_rows)),
+                self._tensor(np.asarray(step.previous_rows)),
+                previous,
+            )
+        offsets, tables, slot_mapping = step.offsets, step.tables, step.slots
+        num_decodes = len(out.decodes)
+        decode_tables, prefill_tables = tables[:num_decodes], tables[num_decodes:]
         decode_lens = [chunk.seq.num_computed_tokens + 1 for chunk in out.decodes]
-        prefill_tables = [add(chunk) for chunk in out.prefills]
-        native = None
+        native = triton = None
         prefills: list[PrefillSpan] = []
-        if self.native_attention:
+        if self.attention_backend == "native":
             native = self._attention_entries(
                 out, offsets, decode_tables, decode_lens, prefill_tables
             )
+        elif self.attention_backend == "triton":
+            triton = self._triton_attention(out, tables)
         else:
             for chunk, table in zip(out.prefills, prefill_tables):
                 start = chunk.seq.num_computed_tokens
@@ -108,14 +218,11 @@ class ModelRunner:
                 prefills.append(
                     PrefillSpan(offsets[id(chunk)], chunk.num_new_tokens, num_context, ids)
                 )
-        # Sampled rows in the order of out.chunks, whatever order the tokens went in.
-        sample_rows = [offsets[id(c)] + c.num_new_tokens - 1 for c in out.chunks if c.samples]
 
         decode_block_tables = decode_context_lens = None
-        if decode_tables and native is None:
+        if decode_tables and self.attention_backend == "portable":
             decode_block_tables = self._padded_block_tables(decode_tables, decode_lens)
             decode_context_lens = self._tensor(np.asarray(decode_lens))
-        slot_mapping = np.concatenate(slots)
         meta = AttentionMetadata(
             slot_blocks=self._tensor(slot_mapping // bs),
             slot_offsets=self._tensor(slot_mapping % bs),
@@ -125,12 +232,29 @@ class ModelRunner:
             decode_block_tables=decode_block_tables,
             decode_context_lens=decode_context_lens,
             prefills=prefills,
+            triton=triton,
         )
-        return (
-            self._tensor(np.asarray(token_ids)),
-            self._tensor(np.concatenate(positions)),
-            meta,
-            sample_rows,
+        return input_ids, self._tensor(step.positions), meta, step.sample_rows
+
+    def _triton_attention(self, out: SchedulerOutput, tables: list[np.ndarray]) -> TritonAttention:
+        """The step's sequences as the Triton kernels take them: decodes, then prompt
+        chunks cut into tiles."""
+        from tokenmill.engine.cuda import triton_attention as ta
+
+        num_queries = [c.num_new_tokens for c in out.chunks]
+        seq_lens = [c.seq.num_computed_tokens + c.num_new_tokens for c in out.chunks]
+        heads_per_kv = self.config.num_attention_heads // self.config.num_key_value_heads
+        tile_size = ta.prefill_tile_queries(heads_per_kv, self.config.head_dim)
+        num_decodes = len(out.decodes)
+        tile_seqs, tile_queries = ta.chunk_tiles(num_queries[num_decodes:], num_decodes, tile_size)
+        return ta.TritonAttention(
+            query_starts=self._tensor(np.cumsum([0, *num_queries])),
+            seq_lens=self._tensor(np.asarray(seq_lens)),
+            block_tables=self._padded_block_tables(tables, seq_lens),
+            num_decodes=num_decodes,
+            tile_seqs=self._tensor(tile_seqs),
+            tile_queries=self._tensor(tile_queries),
+            tile_size=tile_size,
         )
 
     def _attention_entries(
@@ -190,6 +314,12 @@ class ModelRunner:
         return self._tensor(padded)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(
-            self.device, non_blocking=True
-        )
+        """An int64 copy of array on the device, uploaded without waiting on CUDA."""
+        return self.staged(array).to(self.device, non_blocking=True)
+
+    def staged(self, array: np.ndarray) -> torch.Tensor:
+        """array as an int64 host tensor to upload from: in pinned memory on CUDA, where a
+        pageable source would make the copy synchronous. Pinned blocks come from torch's
+        caching host allocator, which does not reuse one before its copy has run."""
+        host = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+        return host.pin_memory() if self.device.type == "cuda" else host

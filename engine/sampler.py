@@ -16,15 +16,21 @@ from tokenmill.engine.sampling_params import SamplingParams
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings for a step, as tensors on the logits' device."""
+    """Per-row sampling settings for a step, as tensors on the logits' device, plus the
+    host-side facts the sampler branches on (so it never reads the device to decide)."""
 
     temperature: torch.Tensor  # [num_rows] float, 0 for greedy rows
     top_k: torch.Tensor  # [num_rows] long, 0 = off
     top_p: torch.Tensor  # [num_rows] float, 1 = off
     min_p: torch.Tensor  # [num_rows] float, 0 = off
     generators: list[torch.Generator | None]  # per row; None = the shared generator
-    banned_token_ids: list[list[int]]  # per row: ids masked out (EOS before min_tokens)
+    # Token ids masked out per row (EOS before min_tokens), as (row, token id) pairs.
+    banned_rows: torch.Tensor | None  # [num_banned] long
+    banned_token_ids: torch.Tensor | None  # [num_banned] long
     all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
     max_logprobs: int | None  # None when no row asked for logprobs
 
     @classmethod
@@ -36,14 +42,26 @@ class SamplingBatch:
         device: torch.device,
     ) -> SamplingBatch:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
+        banned = [(row, t) for row, ids in enumerate(banned_token_ids) for t in ids]
+
+        def put(values: list, dtype: torch.dtype) -> torch.Tensor:
+            host = torch.tensor(values, dtype=dtype)
+            if device.type == "cuda":  # from pinned memory: the copy does not wait
+                return host.pin_memory().to(device, non_blocking=True)
+            return host
+
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], device=device),
-            top_k=torch.tensor([p.top_k for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            min_p=torch.tensor([p.min_p for p in params], device=device),
+            temperature=put([p.temperature for p in params], torch.float32),
+            top_k=put([p.top_k for p in params], torch.int64),
+            top_p=put([p.top_p for p in params], torch.float32),
+            min_p=put([p.min_p for p in params], torch.float32),
             generators=generators,
-            banned_token_ids=banned_token_ids,
+            banned_rows=put([r for r, _ in banned], torch.int64) if banned else None,
+            banned_token_ids=put([t for _, t in banned], torch.int64) if banned else None,
             all_greedy=all(p.is_greedy for p in params),
+            use_top_k=any(p.top_k > 0 and not p.is_greedy for p in params),
+            use_top_p=any(p.top_p < 1 and not p.is_greedy for p in params),
+            use_min_p=any(p.min_p > 0 and not p.is_greedy for p in params),
             max_logprobs=max(wanted) if wanted else None,
         )
 
@@ -58,14 +76,18 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.shared_generator = torch.Generator().manual_seed(seed)
+    """Samples on the logits' device; only the chosen ids (and logprobs, when asked for)
+    ever need to come back to the host."""
+
+    def __init__(self, seed: int = 0, device: torch.device | None = None) -> None:
+        device = device or torch.device("cpu")
+        # Noise for rows without a seed of their own, drawn where the logits are.
+        self.shared_generator = torch.Generator(device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [num_rows, vocab] fp32 -> one token per row."""
-        for row, banned in enumerate(batch.banned_token_ids):
-            if banned:
-                logits[row, banned] = float("-inf")
+        if batch.banned_rows is not None:
+            logits[batch.banned_rows, batch.banned_token_ids] = float("-inf")
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
@@ -84,9 +106,16 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)
         temperature = torch.where(is_greedy, torch.ones_like(batch.temperature), batch.temperature)
         logits = logits / temperature[:, None]
-        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        if batch.use_top_k or batch.use_top_p:
+            logits = apply_top_k_top_p(
+                logits,
+                batch.top_k,
+                batch.top_p,
+                use_top_k=batch.use_top_k,
+                use_top_p=batch.use_top_p,
+            )
         probs = logits.softmax(dim=-1)
-        if bool((batch.min_p > 0).any()):
+        if batch.use_min_p:
             threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
         noise = self._exponential_noise(probs, batch.generators)
@@ -94,29 +123,36 @@ class Sampler:
         return torch.where(is_greedy, greedy_ids, sampled)
 
     def _exponential_noise(self, probs: torch.Tensor, generators) -> torch.Tensor:
-        # Noise is drawn on the CPU from each row's generator so that the stream, and
-        # therefore the sample, depends only on the request's seed and its position.
+        # Each seeded row draws from its own generator, so its stream - and therefore its
+        # sample - depends only on the request's seed and its position, never on the batch.
+        # The generators live on the logits' device: CPU and CUDA streams differ.
         num_rows, vocab = probs.shape
-        noise = torch.empty(num_rows, vocab)
+        noise = torch.empty(num_rows, vocab, device=probs.device)
         unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == num_rows:
+            return noise.exponential_(generator=self.shared_generator)
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(
+            rows = torch.tensor(unseeded, device=probs.device)
+            noise[rows] = torch.empty(len(unseeded), vocab, device=probs.device).exponential_(
                 generator=self.shared_generator
             )
         for row, generator in enumerate(generators):
             if generator is not None:
                 noise[row].exponential_(generator=generator)
-        return noise.to(probs.device, non_blocking=True)
+        return noise
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    use_top_k: bool = True,
+    use_top_p: bool = True,
 ) -> torch.Tensor:
-    """Mask logits outside each row's top-k and top-p nucleus with -inf."""
-    use_top_k = bool((top_k > 0).any())
-    use_top_p = bool((top_p < 1).any())
-    if not use_top_k and not use_top_p:
-        return logits
+    """Mask logits outside each row's top-k and top-p nucleus with -inf (rows with
+    top_k 0 and top_p 1 keep every logit). use_top_k/use_top_p=False skip a filter no
+    row uses, decided on the host."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     if use_top_k:

@@ -91,6 +91,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.is_finishing:  # its last token is being sampled: nothing to compute
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + num_new
             while not bm.can_allocate(seq, target):
@@ -183,6 +186,10 @@ class Scheduler:
         sampling = []
         for chunk in out.chunks:
             seq = chunk.seq
+            if seq.is_finished:
+                # Finished (by a token resolved after this step was launched): its blocks
+                # are already freed and this step's work for it is discarded.
+                continue
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self.stats.computed_prompt_tokens += min(prompt_left, chunk.num_new_tokens)
             is_sampling = chunk.samples
@@ -201,3 +208,5 @@ class Scheduler:
         self.block_manager.free(seq)
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:  # preempted while its last token was being sampled
+            self.waiting.remove(seq)

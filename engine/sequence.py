@@ -50,12 +50,24 @@ class Sequence:
     detokenizer: Any = None
     stop_text: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # Overlapped steps (`LLMEngine(overlap_steps=True)`): the token sampled by a step still
+    # running is held by a placeholder at the end of token_ids until that step is resolved;
+    # pending_row is its row in that step's sampled tokens. is_finishing: that token is the
+    # last (max_tokens or the context reached), so there is nothing more to schedule.
+    num_pending_tokens: int = 0
+    pending_row: int = -1
+    is_finishing: bool = False
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens whose ids are known (all but a pending placeholder)."""
+        return len(self.token_ids) - self.num_pending_tokens
 
     @property
     def num_completion_tokens(self) -> int:

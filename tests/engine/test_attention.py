@@ -227,35 +227,40 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
     return prompts + [[rng.randrange(vocab) for _ in range(n)] for n in (3, 21, 90)]
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_native_and_portable_paths_match_transformers(native, tmp_path):
+@pytest.mark.parametrize("backend", ["native", "portable", "triton"])
+def test_every_attention_path_matches_transformers(backend, tmp_path):
     """SmolLM2's attention shape (3 query heads per kv head, head_dim 64) with 16-token
-    blocks, so the vectorized kernel paths and shared-prefix groups run end to end."""
+    blocks, so the vectorized kernel paths and shared-prefix groups run end to end. The
+    Triton kernels (the CUDA path) run here in Triton's interpreter (tests/conftest.py)."""
     hf = build_hf_model(
         "llama", tmp_path, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64
     )
     engine = make_engine(
         tmp_path, block_size=16, max_num_batched_tokens=64, enable_prefix_caching=True
     )
-    engine.runner.native_attention = native
+    engine.runner.attention_backend = backend
     steps = []
     prepare = engine.runner._prepare
 
-    def recording(out):
-        prepared = prepare(out)
+    def recording(out, previous=None):
+        prepared = prepare(out, previous)
         steps.append(prepared[2])
         return prepared
 
     engine.runner._prepare = recording
-    prompts = _prompts(256, seed=5)
+    prompts = _prompts(256, seed=5)[: 4 if backend == "triton" else None]
     outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == hf_greedy(hf, prompt, 8)[0]
-    if native:
+    if backend == "native":
         shared = [int(s) for meta in steps for s in meta.native.group_shared_blocks]
         assert max(shared) >= 4, "no decode step read the shared prefix as a group"
+    elif backend == "triton":
+        assert all(meta.triton is not None and meta.native is None for meta in steps)
+        assert any(meta.triton.num_decodes for meta in steps)
+        assert any(meta.triton.tile_seqs.numel() for meta in steps)
     else:
-        assert all(meta.native is None for meta in steps)
+        assert all(meta.native is None and meta.triton is None for meta in steps)
         assert any(meta.prefills for meta in steps) and any(m.num_decode_tokens for m in steps)
 
 
@@ -271,7 +276,7 @@ def test_shapes_the_kernel_does_not_take_use_the_portable_path(tmp_path):
         "llama", tmp_path, hidden_size=128, num_attention_heads=64, num_key_value_heads=1
     )
     engine = make_engine(tmp_path, block_size=16)
-    assert not engine.runner.native_attention
+    assert engine.runner.attention_backend == "portable"
     prompts = _prompts(256, seed=6)[3:7]
     outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):

@@ -56,6 +56,19 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
             "num_preemptions": after.num_preemptions - before.num_preemptions,
             "dtype": str(llm.dtype).removeprefix("torch."),
             "device": str(llm.device),
+            **_gpu_memory(llm.device),
         },
         output_ids=[o.token_ids for o in outputs],
     )
+
+
+def _gpu_memory(device) -> dict:
+    """Peak GPU memory of the process (weights, KV cache, activations, graphs), in MiB."""
+    if device.type != "cuda":
+        return {}
+    import torch
+
+    return {
+        "gpu_peak_allocated_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+        "gpu_peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20,
+    }
