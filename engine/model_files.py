@@ -63,7 +63,7 @@ def resolve_model(
 
     Args:
         model: an HF-layout directory, a `.gguf` file, an alias name, or None for the
-            default alias (`smollm2-135m-instruct`).
+            default alias (`DEFAULT_MODEL`).
         cache_root: where converted GGUF files live; default `cache_dir()`.
 
     Returns:
