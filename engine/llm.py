@@ -21,7 +21,7 @@ class LLM:
 
     Args:
         model: an HF-layout directory, a .gguf file, or an alias; None = the default
-            model (smollm2-135m-instruct).
+            model (`model_files.DEFAULT_MODEL`).
         dtype: "auto" (bf16 on CUDA and on CPUs with native bf16, else fp32),
             "float32", "bfloat16" or a torch dtype.
         device: "cpu", "cuda", "cuda:N"; None = CUDA when available.
@@ -48,11 +48,11 @@ class LLM:
         overlap_steps: bool | None = None,
         cuda_graphs: bool | None = None,
     ) -> None:
-        from tokenmill.engine.model_files import resolve_model
+        from tokenmill.engine.model_files import display_name, resolve_model
         from tokenmill.engine.tokenizer import Tokenizer
 
         self.model_dir = resolve_model(model)
-        self.model_name = str(model) if model is not None else "smollm2-135m-instruct"
+        self.model_name = display_name(model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.engine_config = EngineConfig(
