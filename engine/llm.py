@@ -22,7 +22,7 @@ class LLM:
     Args:
         model: an HF-layout directory, a .gguf file, an alias, or a Hugging Face Hub repo
             id ("org/name", fetched into the HF cache); None = the default model
-            (smollm2-135m-instruct).
+            (`model_files.DEFAULT_MODEL`).
         revision: branch, tag or commit of a Hub repo id (default "main"); the commit it
             resolved to is `model_revision`.
         dtype: "auto" (bf16 on CUDA and on CPUs with native bf16, else fp32),
@@ -53,13 +53,13 @@ class LLM:
         cuda_graphs: bool | None = None,
     ) -> None:
         from tokenmill.engine.hub import snapshot_revision
-        from tokenmill.engine.model_files import resolve_model
+        from tokenmill.engine.model_files import display_name, resolve_model
         from tokenmill.engine.tokenizer import Tokenizer
 
         self.model_dir = resolve_model(model, revision=revision)
         # The Hub commit the weights came from (None for local files and aliases).
         self.model_revision = snapshot_revision(self.model_dir)
-        self.model_name = str(model) if model is not None else "smollm2-135m-instruct"
+        self.model_name = display_name(model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.engine_config = EngineConfig(

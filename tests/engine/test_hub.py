@@ -219,11 +219,19 @@ def test_a_job_runs_on_a_repo_id(hub_cache, tiny_files, tmp_path):
 
     from tokenmill.pipelines.job import run_job
 
-    fill_hf_cache(hub_cache, REPO, tiny_files)
+    commit = fill_hf_cache(hub_cache, REPO, tiny_files)
+    # The same weights under another commit (say, a README edit): a job of its own.
+    tagged = fill_hf_cache(hub_cache, REPO, tiny_files, refs=("v2",), commit="f" * 40)
     source = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["The quick brown fox", "Summarise this"]}), source)
-    ledger = run_job(
-        str(source), str(tmp_path / "out"), model=REPO, prompt_column="prompt", max_tokens=4
-    )
-    assert (ledger.model, ledger.rows_ok, ledger.rows_failed) == (REPO, 2, 0)
+    job = dict(model=REPO, prompt_column="prompt", max_tokens=4)
+    ledger = run_job(str(source), str(tmp_path / "out"), **job)
+    assert (ledger.model, ledger.rows_ok, ledger.rows_failed) == (f"{REPO}@{commit}", 2, 0)
     assert ledger.weights_hash == weights_hash(resolve_model(REPO))
+    again = run_job(str(source), str(tmp_path / "out"), **job)
+    assert again.job_id == ledger.job_id and again.num_shards_run == 0  # resumed: all done
+    # Resuming into the same output with another commit is refused, never mixed.
+    with pytest.raises(ValueError, match="the input, model or options changed"):
+        run_job(str(source), str(tmp_path / "out"), revision="v2", **job)
+    other = run_job(str(source), str(tmp_path / "out-v2"), revision="v2", **job)
+    assert other.model == f"{REPO}@{tagged}" and other.weights_hash == ledger.weights_hash

@@ -95,12 +95,3 @@ def test_seeded_sampling_is_independent_of_the_batch_on_cuda(model_dir):
     alone = run_all(make(model_dir, "cuda"), batch[:1], params)[0].token_ids
     together = run_all(make(model_dir, "cuda"), batch, [params] + [GREEDY] * 11)[0].token_ids
     assert alone == together
-
-
-def test_bf16_agrees_with_fp32_on_most_sequences(model_dir):
-    batch = prompts(seed=3)
-    fp32 = ids(run_all(make(model_dir, "cuda"), batch, GREEDY))
-    bf16 = ids(run_all(make(model_dir, "cuda", dtype=torch.bfloat16), batch, GREEDY))
-    same = sum(a == b for a, b in zip(fp32, bf16))
-    print(f"bf16 == fp32 on {same}/{len(batch)} sequences")
-    assert same >= len(batch) // 2
