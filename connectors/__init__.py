@@ -3,7 +3,7 @@
 Reading: `open_source(uri, ...)` validates a dataset (files, format, schema, columns)
 before any row is read, then `Source.iter_batches()` streams `pyarrow.RecordBatch`es.
 Writing: every file is published atomically (`write_part`, `write_json_atomic`,
-`append_to_dataset`, `write_lines_atomic`); `list_parts`/`read_parts` see only
+`append_to_dataset`, `lines_writer`); `list_parts`/`read_parts` see only
 complete files.
 """
 
@@ -20,12 +20,12 @@ from tokenmill.connectors.openai_batch import (
 from tokenmill.connectors.openai_output import openai_batch_output_lines
 from tokenmill.connectors.sink import (
     append_to_dataset,
+    lines_writer,
     list_parts,
     read_json,
     read_part,
     read_parts,
     write_json_atomic,
-    write_lines_atomic,
     write_part,
 )
 from tokenmill.connectors.source import DEFAULT_BATCH_SIZE, Source, open_source
@@ -41,6 +41,7 @@ __all__ = [
     "SourceError",
     "append_to_dataset",
     "detect_format",
+    "lines_writer",
     "list_parts",
     "open_source",
     "openai_batch_output_lines",
@@ -51,6 +52,5 @@ __all__ = [
     "redact_options",
     "redact_url",
     "write_json_atomic",
-    "write_lines_atomic",
     "write_part",
 ]

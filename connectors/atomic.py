@@ -7,7 +7,7 @@ import io
 import os
 import posixpath
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from tokenmill.connectors.fs import SINGLE_PUT_PROTOCOLS, display, is_local, protocol_of
@@ -29,6 +29,21 @@ def is_temp_name(name: str) -> bool:
 def atomic_write(fs, path: str, write: Callable[[BinaryIO], None], *, overwrite: bool) -> None:
     """Writes `path` through `write(fileobj)` so that it appears complete or not at all.
 
+    Args:
+        fs: the fsspec filesystem.
+        path: the final path on `fs`.
+        write: serializes the content into a binary file object.
+        overwrite: replace an existing file; otherwise raise `FileExistsError`.
+    """
+    with atomic_file(fs, path, overwrite=overwrite) as f:
+        write(f)
+
+
+@contextlib.contextmanager
+def atomic_file(fs, path: str, *, overwrite: bool) -> Iterator[BinaryIO]:
+    """A binary file to write in a `with` block: it appears at `path` complete when the
+    block ends, and not at all when the block raises.
+
     Local disk: temp file in the same directory, fsync, then a rename (a hard link when
     not overwriting, which refuses to replace an existing file). Object stores: one
     upload of the final key, which S3/GCS/Azure publish atomically. Others: temp file
@@ -37,24 +52,24 @@ def atomic_write(fs, path: str, write: Callable[[BinaryIO], None], *, overwrite:
     Args:
         fs: the fsspec filesystem.
         path: the final path on `fs`.
-        write: serializes the content into a binary file object.
         overwrite: replace an existing file; otherwise raise `FileExistsError`.
     """
     if is_local(fs):
-        _write_local(path, write, overwrite=overwrite)
+        with _local_file(path, overwrite=overwrite) as f:
+            yield f
         return
     if not overwrite:
         _refuse_existing(fs, path)
     if protocol_of(fs) in SINGLE_PUT_PROTOCOLS:
-        # The whole object is built in memory first: a failed serializer uploads nothing.
+        # The whole object is built in memory first: a failed block uploads nothing.
         buffer = io.BytesIO()
-        write(buffer)
+        yield buffer
         fs.pipe_file(path, buffer.getvalue())
         return
     tmp = temp_path(path)
     try:
         with fs.open(tmp, "wb") as f:
-            write(f)
+            yield f
         fs.mv(tmp, path)
     except BaseException:
         with contextlib.suppress(Exception):
@@ -69,13 +84,14 @@ def _refuse_existing(fs, path: str) -> None:
         raise FileExistsError(f"{display(fs, path)} already exists")
 
 
-def _write_local(path: str, write: Callable[[BinaryIO], None], *, overwrite: bool) -> None:
+@contextlib.contextmanager
+def _local_file(path: str, *, overwrite: bool) -> Iterator[BinaryIO]:
     parent = os.path.dirname(path) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         if overwrite:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokenmill.connectors.atomic import atomic_write, is_temp_name
+from tokenmill.connectors.atomic import atomic_file, atomic_write, is_temp_name
 from tokenmill.connectors.fs import is_hidden, redact_url, resolve, to_url
 from tokenmill.connectors.jsonutil import dumps_line, to_jsonable
 from tokenmill.connectors.source import open_source
@@ -201,25 +202,21 @@ def read_json(uri: str, storage_options: Mapping[str, Any] | None = None) -> Any
         return json.load(f)
 
 
-def write_lines_atomic(
+@contextlib.contextmanager
+def lines_writer(
     uri: str,
-    lines: Iterable[str],
     storage_options: Mapping[str, Any] | None = None,
     *,
     overwrite: bool = False,
-) -> str:
-    """Writes text lines (each gets a newline) as one file, atomically.
+) -> Iterator[Callable[[str], None]]:
+    """`write(line)` for a text file of lines (each gets a newline), written atomically:
+    the file appears complete when the `with` block ends, not at all if it raises.
 
-    Used for OpenAI batch output files; returns the file's URL.
+    Used for OpenAI batch output files, written window by window.
     """
-
-    def write(f: BinaryIO) -> None:
-        for line in lines:
-            f.write(line.encode("utf-8") + b"\n")
-
     fs, path = resolve(uri, storage_options)
-    atomic_write(fs, path, write, overwrite=overwrite)
-    return to_url(fs, path)
+    with atomic_file(fs, path, overwrite=overwrite) as f:
+        yield lambda line: f.write(line.encode("utf-8") + b"\n")
 
 
 def _part_ext(format: str) -> str:

@@ -14,7 +14,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+
+SLIDING_ATTENTION = "sliding_attention"  # a `layer_types` entry: the layer sees a window
 
 
 @dataclass
@@ -36,9 +39,16 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
     qk_norm: bool = False  # Qwen3 RMS-normalises q and k per head
     rope_scaling: dict | None = None
-    # Mistral-style sliding-window attention. We attend to the full context, which is
-    # exact as long as sequences stay within the window, so the context is capped to it.
+    # Sliding-window attention: a query at position p sees keys p - window + 1 .. p. Every
+    # layer has it (Mistral) unless `layer_types` names the ones that do (Gemma 3).
     sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer: "sliding_attention" | "full_attention"
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" | "gelu_pytorch_tanh"
+    # Gemma 3: local (sliding) layers rotate with their own base; queries are scaled by
+    # query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5; logits may be soft-capped.
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -50,10 +60,17 @@ class ModelConfig:
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
         architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+        if architecture == "Gemma3ForCausalLM" or raw.get("model_type") == "gemma3_text":
+            return cls._from_gemma3_dict(raw)
         num_heads = raw["num_attention_heads"]
         # transformers 5 moved rope settings into `rope_parameters`; older files keep
         # `rope_theta` and `rope_scaling` at the top level.
@@ -88,6 +105,55 @@ class ModelConfig:
         )
 
     @classmethod
+    def _from_gemma3_dict(cls, raw: dict) -> ModelConfig:
+        """Gemma 3 text configs: transformers 5 nests the rope bases by layer type in
+        `rope_parameters`; older files keep `rope_theta` and `rope_local_base_freq`."""
+        num_layers = raw["num_hidden_layers"]
+        layer_types = raw.get("layer_types")
+        if layer_types is None:  # transformers' default: every 6th layer is global
+            pattern = raw.get("sliding_window_pattern", 6)
+            layer_types = [
+                SLIDING_ATTENTION if (i + 1) % pattern else "full_attention"
+                for i in range(num_layers)
+            ]
+        rope = raw.get("rope_parameters") or {}
+        full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        rope_scaling = raw.get("rope_scaling") or {
+            k: v for k, v in full.items() if k != "rope_theta"
+        }
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if raw.get("attn_logit_softcapping") is not None:
+            raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+        eos = raw.get("eos_token_id", 1)
+        return cls(
+            architecture="Gemma3ForCausalLM",
+            vocab_size=raw.get("vocab_size", 262_208),
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=num_layers,
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+            head_dim=raw.get("head_dim", 256),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(raw.get("rope_theta", full.get("rope_theta", 1_000_000.0))),
+            max_position_embeddings=raw.get("max_position_embeddings", 131_072),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            qk_norm=True,
+            rope_scaling=None if kind == "default" else {**rope_scaling, "rope_type": kind},
+            sliding_window=raw.get("sliding_window", 4096),
+            layer_types=list(layer_types),
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
+            rope_local_theta=float(
+                raw.get("rope_local_base_freq", local.get("rope_theta", 10_000.0))
+            ),
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            bos_token_id=raw.get("bos_token_id", 2),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         with open(Path(model_dir) / "config.json") as f:
             return cls.from_dict(json.load(f))
@@ -95,9 +161,28 @@ class ModelConfig:
     @property
     def max_context(self) -> int:
         """The longest sequence this implementation computes exactly."""
-        if self.sliding_window:
+        if self.sliding_window and not attention_has_windows():
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The attention window of layer `layer_idx`; None for a layer that sees everything."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer_idx] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+
+def attention_has_windows() -> bool:
+    """Whether `paged_attention` takes a per-layer `sliding_window` (the kernels work of
+    issue 10). Until it does, a model with a window runs within its window only, where
+    attending to everything is exact. TODO(issue 10): drop this once merged."""
+    import inspect
+
+    from tokenmill.engine.attention import paged_attention
+
+    return "sliding_window" in inspect.signature(paged_attention).parameters
 
 
 def _sliding_window(raw: dict) -> int | None:

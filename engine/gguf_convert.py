@@ -1,8 +1,9 @@
 """GGUF file -> HF-layout model directory (config, bf16 safetensors, tokenizer files).
 
 The engine only reads HF-layout directories, so a GGUF is converted once, up front:
-every tensor is dequantized to float, renamed to its HF Llama-family name, and the
-tokenizer is rebuilt from the GGUF metadata as a `tokenizers` byte-level BPE.
+every tensor is dequantized to float (`gguf.quants.dequantize`: F32/F16/BF16, Q4_0 ...
+Q8_0, the K-quants), renamed to its HF name (Llama family or Gemma 3), and the tokenizer
+is rebuilt from the GGUF metadata (gguf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
-from tokenizers.models import BPE
 
+from tokenmill.engine.gguf_tokenizer import (
+    build_generation_config,
+    build_tokenizer,
+    build_tokenizer_config,
+)
 from tokenmill.engine.quant.gguf_blocks import BLOCKS_FILE, write_blocks
 
 # Bumped whenever the output of a conversion changes, so cached conversions made by an
@@ -37,6 +41,7 @@ _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 _TOP_LEVEL_NAMES = {
@@ -57,6 +62,17 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma's four norms per layer: llama.cpp's `ffn_norm` is the one before the MLP there.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's Gemma 3 constants, not written as metadata: every 6th layer is global, the
+# local layers' rope base is 10k.
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_ROPE_LOCAL_BASE = 10_000.0
 
 # Meta's Llama 3.1-3.3 rope scaling constants (all but `factor`), which llama.cpp bakes
 # into the `rope_freqs` tensor instead of writing them as metadata.
@@ -64,34 +80,6 @@ _LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
-}
-
-# GGUF token types (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
-
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# `tokenizer.ggml.pre` -> (split digits one by one first, split regex), following llama.cpp's
-# llama-vocab.cpp. The digit-first group is how SmolLM/StarCoder were trained (their original
-# tokenizer.json has a `Digits` pre-tokenizer); transformers' GGUF loader skips that step,
-# which changes the ids of a whitespace run followed by a digit ("a  2").
-_PRE_TOKENIZERS = {
-    **dict.fromkeys(["gpt-2", "mpt", "olmo", "jais", "phi-2"], (False, _GPT2_SPLIT)),
-    **dict.fromkeys(
-        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"],
-        (True, _GPT2_SPLIT),
-    ),
-    **dict.fromkeys(
-        ["llama-bpe", "llama3", "smaug-bpe", "falcon3", "dbrx"], (False, _LLAMA3_SPLIT)
-    ),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen"], (False, _QWEN2_SPLIT)),
 }
 
 
@@ -102,7 +90,8 @@ def convert_gguf(
     quantized blocks as they are, for `quantization="gguf"`: quant/gguf_blocks.py).
 
     Args:
-        gguf_path: the `.gguf` file (llama, qwen2 or qwen3 architecture, byte-level BPE vocab).
+        gguf_path: the `.gguf` file (llama, qwen2, qwen3 or gemma3 architecture; byte-level
+            BPE or SentencePiece vocabulary).
         out_dir: directory to write; created if missing, must be empty if it exists.
         dtype: dtype of the written weights (the tensors are dequantized to float32 first).
 
@@ -200,7 +189,33 @@ def build_config(
     if "rope_freqs.weight" in tensors:
         rope_freqs = dequantize(tensors["rope_freqs.weight"].data, GGMLQuantizationType.F32)
         config["rope_scaling"] = llama3_rope_scaling(rope_freqs, head_dim, config["rope_theta"])
+    if arch == "gemma3":
+        del config["hidden_act"]  # Gemma's config names it hidden_activation
+        config.update(_gemma3_config(config, get))
     return config
+
+
+def _gemma3_config(config: dict, get) -> dict:
+    """The Gemma 3 fields of config.json, as llama.cpp reads the file."""
+    num_layers = config["num_hidden_layers"]
+    pattern = _GEMMA3_SLIDING_WINDOW_PATTERN
+    # llama.cpp scales queries by head_dim ** -0.5, except for the 62-layer 27B model, whose
+    # query_pre_attn_scalar is hidden_size / num_heads.
+    scalar = config["head_dim"]
+    if num_layers == 62:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": get("attention.sliding_window"),
+        "layer_types": [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ],
+        "rope_local_base_freq": _GEMMA3_ROPE_LOCAL_BASE,
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": get("final_logit_softcapping"),
+        "attn_logit_softcapping": None,
+    }
 
 
 def llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, rope_theta: float) -> dict:
@@ -240,13 +255,15 @@ def llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, rope_theta: float
 def convert_tensors(
     reader: GGUFReader, config: dict, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor, undo llama.cpp's q/k permutation, and rename to HF names."""
+    """Dequantize every tensor, undo llama.cpp's q/k permutation or Gemma's norm offset, and
+    rename to HF names."""
     permute_qk = config["model_type"] == "llama"
+    is_gemma = config["model_type"] == "gemma3_text"
     tensors = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # not a weight: build_config turns it into `rope_scaling`
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, gemma=is_gemma)
         # GGUF lists dims fastest-first; numpy (and torch) order is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -255,6 +272,9 @@ def convert_tensors(
             weight = unpermute_qk(weight, config["num_attention_heads"])
         elif permute_qk and ".k_proj." in name:
             weight = unpermute_qk(weight, config["num_key_value_heads"])
+        elif is_gemma and name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's norm scales as 1 + w; HF keeps w (and adds the 1).
+            weight = weight - 1.0
         tensors[name] = weight.to(dtype).contiguous()
     return tensors
 
@@ -272,13 +292,18 @@ def _unpermute_rows(config: dict):
     return unpermute
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names raise."""
+def hf_tensor_name(gguf_name: str, *, gemma: bool = False) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names raise.
+
+    Args:
+        gemma: name Gemma's layer norms (four per layer) rather than Llama's two.
+    """
     parts = gguf_name.split(".")
+    block_names = _GEMMA_BLOCK_NAMES if gemma else _BLOCK_NAMES
     if len(parts) == 2 and parts[0] in _TOP_LEVEL_NAMES:
         return f"{_TOP_LEVEL_NAMES[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
     # Dropping a tensor we do not understand would give a silently wrong model.
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
 
@@ -300,138 +325,6 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
         .transpose(1, 2)
         .reshape(weight.shape)
     )
-
-
-def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
-    """Rebuild the GGUF's byte-level BPE vocabulary as a `tokenizers.Tokenizer`."""
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {kind!r}"
-        )
-    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
-    if pre not in _PRE_TOKENIZERS:
-        raise ValueError(
-            f"unsupported tokenizer.ggml.pre {pre!r}; supported: {sorted(_PRE_TOKENIZERS)}"
-        )
-    tokens = meta["tokenizer.ggml.tokens"]
-    token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-
-    byte_chars = bytes_to_unicode()
-    alphabet = set(byte_chars.values())
-    vocab = {}
-    for index, (token, token_type) in enumerate(zip(tokens, token_types)):
-        # llama.cpp stores ordinary tokens in the byte-to-unicode spelling already; the odd one
-        # written as raw text is respelled so BPE can reach it. Control tokens stay verbatim.
-        if token_type != _CONTROL and not set(token) <= alphabet:
-            token = "".join(byte_chars[b] for b in token.encode("utf-8"))
-        vocab[token] = index
-    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges", [])]
-    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-
-    split_digits, split_regex = _PRE_TOKENIZERS[pre]
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
-    if split_regex == _GPT2_SPLIT:
-        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
-    else:
-        steps.append(pre_tokenizers.Split(Regex(split_regex), behavior="isolated"))
-        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-    tokenizer.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
-    tokenizer.decoder = decoders.ByteLevel()
-
-    types = list(token_types)
-    tokenizer.add_special_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, k in zip(tokens, types)
-            if k == _CONTROL
-        ]
-    )
-    tokenizer.add_tokens(
-        [
-            AddedToken(t, special=False, normalized=False)
-            for t, k in zip(tokens, types)
-            if k == _USER_DEFINED
-        ]
-    )
-    tokenizer.post_processor = _post_processor(meta, tokens)
-    return tokenizer
-
-
-def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.PostProcessor:
-    """Add BOS/EOS around encoded text exactly when the GGUF asks for it."""
-    bos_id, eos_id = (
-        meta.get("tokenizer.ggml.bos_token_id"),
-        meta.get("tokenizer.ggml.eos_token_id"),
-    )
-    add_bos = _add_bos(meta) and bos_id is not None
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
-    if not (add_bos or add_eos):
-        return processors.ByteLevel(trim_offsets=False)
-    before = [f"{tokens[bos_id]}:0"] if add_bos else []
-    after = [f"{tokens[eos_id]}:0"] if add_eos else []
-    specials = [(tokens[i], i) for i, wanted in ((bos_id, add_bos), (eos_id, add_eos)) if wanted]
-    return processors.TemplateProcessing(
-        single=" ".join([*before, "$A:0", *after]),
-        pair=" ".join([*before, "$A:0", *after, *before, "$B:1", *after]),
-        special_tokens=specials,
-    )
-
-
-def _add_bos(meta: dict[str, Any]) -> bool:
-    # Files without the flag: llama.cpp adds BOS for sentencepiece vocabularies only.
-    return bool(
-        meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
-    )
-
-
-def build_tokenizer_config(meta: dict[str, Any]) -> dict:
-    """The HF `tokenizer_config.json`: special tokens, BOS/EOS flags and the chat template."""
-    tokens = meta["tokenizer.ggml.tokens"]
-
-    def token(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": _add_bos(meta),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": meta.get(f"{meta['general.architecture']}.context_length"),
-    }
-    if "tokenizer.chat_template" in meta:
-        config["chat_template"] = meta["tokenizer.chat_template"]
-    return config
-
-
-def build_generation_config(meta: dict[str, Any]) -> dict:
-    """The HF `generation_config.json`; every end-of-turn id the GGUF names is an EOS id."""
-    eos_ids = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        index = meta.get(f"tokenizer.ggml.{key}")
-        if index is not None and index not in eos_ids:
-            eos_ids.append(index)
-    config = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id")}
-    config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
-    if meta.get("tokenizer.ggml.padding_token_id") is not None:
-        config["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
-    return config
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    mapping = {b: chr(b) for b in printable}
-    # The remaining bytes (controls, space, ...) get code points from 256 upwards, in order.
-    shifted = (b for b in range(256) if b not in mapping)
-    mapping.update({b: chr(256 + n) for n, b in enumerate(shifted)})
-    return dict(sorted(mapping.items()))
 
 
 def _sha256_file(path: Path, chunk_size: int = 1 << 20) -> str:

@@ -7,6 +7,7 @@ the PyTorch code runs everywhere else.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -56,29 +57,47 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-class GatedMLP(nn.Module):
-    """SwiGLU MLP with gate and up projections fused into one matmul."""
+# Gated MLP activations by their HF config name -> the PyTorch function.
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+
+class GatedMLP(nn.Module):
+    """Gated MLP (SwiGLU, or GeGLU for Gemma) with gate and up projections fused into one
+    matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"unsupported activation {activation!r}; supported: {list(_ACTIVATIONS)}"
+            )
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        if elementwise.supports(gate_up):
+        if self.activation == "silu" and elementwise.supports(gate_up):
             return self.down_proj(elementwise.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        # silu allocates a fresh tensor; multiplying into it saves a second one.
-        return self.down_proj(F.silu(gate).mul_(up))
+        # The activation allocates a fresh tensor; multiplying into it saves a second one.
+        return self.down_proj(_ACTIVATIONS[self.activation](gate).mul_(up))
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], with Llama 3 / linear rope scaling applied."""
+def rope_inv_freq(config: ModelConfig, *, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with Llama 3 / linear rope scaling applied.
+
+    Args:
+        local: for Gemma 3's sliding-window layers: their own base, no scaling.
+    """
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = None if local else config.rope_scaling
     if scaling is None:
         return inv_freq.float()
     kind = scaling["rope_type"]
@@ -105,8 +124,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding:
     """Precomputed cos/sin tables, looked up once per step for all layers."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
-        inv_freq = rope_inv_freq(config).to(device)
+    def __init__(
+        self, config: ModelConfig, max_positions: int, device: torch.device, *, local: bool = False
+    ) -> None:
+        inv_freq = rope_inv_freq(config, local=local).to(device)
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
         # Full-width tables, the sine signed for the halves-swapped input, so rotating is

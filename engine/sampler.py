@@ -3,6 +3,12 @@
 Sampling draws Gumbel-style exponential noise and takes argmax(probs / noise), which
 samples exactly from probs. Requests with a seed draw their noise from their own
 generator, so a seeded request samples the same tokens whatever else is in the batch.
+
+Everything vocabulary-wide is one tensor op over the batch. With Gemma's 262,144-token
+vocabulary the CPU costs per row are (2 threads, Zen 4, loaded machine): exponential_()
+noise 12 ms against 3 ms for -log(rand()), a full sort ~50 ms against ~2 ms for the best
+1,024 - so on CPU top-k and top-p work on each row's best candidates, and only a row whose
+nucleus is wider is sorted whole. On CUDA the sort is cheap and needs no host decision.
 """
 
 from __future__ import annotations
@@ -126,20 +132,24 @@ class Sampler:
         # Each seeded row draws from its own generator, so its stream - and therefore its
         # sample - depends only on the request's seed and its position, never on the batch.
         # The generators live on the logits' device: CPU and CUDA streams differ.
+        # -log(U) is Exp(1), and U ~ rand() costs a quarter of exponential_() on CPU; U = 0
+        # gives +inf noise, which only rules that token out.
         num_rows, vocab = probs.shape
-        noise = torch.empty(num_rows, vocab, device=probs.device)
+        device = probs.device
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if len(unseeded) == num_rows:
-            return noise.exponential_(generator=self.shared_generator)
+            uniform = torch.rand(num_rows, vocab, device=device, generator=self.shared_generator)
+            return uniform.log_().neg_()
+        uniform = torch.empty(num_rows, vocab, device=device)
         if unseeded:
-            rows = torch.tensor(unseeded, device=probs.device)
-            noise[rows] = torch.empty(len(unseeded), vocab, device=probs.device).exponential_(
-                generator=self.shared_generator
+            rows = torch.tensor(unseeded, device=device)
+            uniform[rows] = torch.rand(
+                len(unseeded), vocab, device=device, generator=self.shared_generator
             )
         for row, generator in enumerate(generators):
             if generator is not None:
-                noise[row].exponential_(generator=generator)
-        return noise
+                torch.rand(vocab, device=device, generator=generator, out=uniform[row])
+        return uniform.log_().neg_()
 
 
 def apply_top_k_top_p(
@@ -152,7 +162,64 @@ def apply_top_k_top_p(
 ) -> torch.Tensor:
     """Mask logits outside each row's top-k and top-p nucleus with -inf (rows with
     top_k 0 and top_p 1 keep every logit). use_top_k/use_top_p=False skip a filter no
-    row uses, decided on the host."""
+    row uses, decided on the host.
+
+    Top-k keeps the k best tokens; top-p then keeps the smallest run of best tokens whose
+    probability (after top-k) reaches top_p, the token that crosses it included.
+    """
+    if logits.device.type == "cpu":
+        return _top_k_top_p_on_candidates(logits, top_k, top_p)
+    return _top_k_top_p_sorted(logits, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
+
+
+# Candidates per row for top-p on CPU: a nucleus rarely holds more than this many tokens,
+# and a row whose does is sorted in full.
+TOP_P_CANDIDATES = 1024
+
+
+def _top_k_top_p_on_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """apply_top_k_top_p over each row's best candidates (torch.topk) instead of the whole
+    sorted vocabulary; it reads the device to decide, which costs nothing on CPU."""
+    has_top_k, has_top_p = top_k > 0, top_p < 1
+    is_filtered = has_top_k | has_top_p
+    if not bool(is_filtered.any()):
+        return logits
+    vocab = logits.shape[-1]
+    k = torch.where(has_top_k, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    needed = torch.where(has_top_k, k, torch.full_like(k, min(vocab, TOP_P_CANDIDATES)))
+    num_candidates = int(needed[is_filtered].max())
+    candidates, order = logits.topk(num_candidates, dim=-1)  # best first
+    positions = torch.arange(num_candidates, device=logits.device)
+    candidates = candidates.masked_fill(positions >= k[:, None], float("-inf"))
+    is_wide = torch.zeros_like(has_top_p)
+    if bool(has_top_p.any()):
+        # Probabilities over the whole vocabulary (over the top k where top-k is on).
+        normalizer = torch.where(has_top_k, candidates.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+        probs = (candidates - normalizer[:, None]).exp()
+        mass_before = probs.cumsum(dim=-1) - probs  # the token that crosses top_p is kept
+        candidates = candidates.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+        # A nucleus wider than the candidates: that row is sorted in full below.
+        is_wide = has_top_p & ~has_top_k & (probs.sum(dim=-1) < top_p)
+        is_wide &= num_candidates < vocab
+    out = torch.full_like(logits, float("-inf")).scatter_(1, order, candidates)
+    out = torch.where(is_filtered[:, None], out, logits)
+    if bool(is_wide.any()):
+        rows = is_wide.nonzero().squeeze(1)
+        out[rows] = _top_k_top_p_sorted(logits[rows], top_k[rows], top_p[rows], use_top_k=False)
+    return out
+
+
+def _top_k_top_p_sorted(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    use_top_k: bool = True,
+    use_top_p: bool = True,
+) -> torch.Tensor:
+    """apply_top_k_top_p by sorting the whole vocabulary of every row."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     if use_top_k:

@@ -97,6 +97,12 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + num_new
+            if target <= len(seq.block_table) * bm.block_size:
+                # The blocks it holds have room (most decode steps): nothing to allocate.
+                self._add_chunk(out, ScheduledChunk(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
             while not bm.can_allocate(seq, target):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -182,28 +188,24 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.stats.num_preemptions += 1
 
-    def record_computed(self, out: SchedulerOutput) -> list[Sequence]:
-        """Advance every scheduled sequence past this step's tokens.
-
-        Returns the sequences that reached their end and now await a sampled token.
-        """
-        sampling = []
+    def record_computed(self, out: SchedulerOutput) -> None:
+        """Advance every scheduled sequence past this step's tokens, and register the
+        blocks they filled in the prefix cache."""
+        block_size = self.block_manager.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.is_finished:
                 # Finished (by a token resolved after this step was launched): its blocks
                 # are already freed and this step's work for it is discarded.
                 continue
-            prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-            self.stats.computed_prompt_tokens += min(prompt_left, chunk.num_new_tokens)
-            is_sampling = chunk.samples
-            cached_before = seq.num_cached_blocks
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                prompt_left = seq.num_prompt_tokens - seq.num_computed_tokens
+                self.stats.computed_prompt_tokens += min(prompt_left, chunk.num_new_tokens)
             seq.num_computed_tokens += chunk.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            self._untrack_inflight(seq, seq.num_cached_blocks - cached_before)
-            if is_sampling:
-                sampling.append(seq)
-        return sampling
+            if seq.num_computed_tokens // block_size > seq.num_cached_blocks:  # filled a block
+                cached_before = seq.num_cached_blocks
+                self.block_manager.cache_full_blocks(seq)
+                self._untrack_inflight(seq, seq.num_cached_blocks - cached_before)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self._untrack_inflight(seq)

@@ -75,7 +75,7 @@ class Tokenizer:
         return cls(
             backend,
             special_tokens=special_tokens,
-            chat_template=_chat_template(path, config),
+            chat_template=read_chat_template(path),
             generation_eos_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [],
             generation_pad_id=generation.get("pad_token_id"),
         )
@@ -199,12 +199,18 @@ def _check_messages(messages: Any) -> None:
                 raise ValueError(f"message {i} needs a string {key!r}, got {message.get(key)!r}")
 
 
-def _chat_template(path: Path, config: dict) -> str | None:
+def read_chat_template(path: str | os.PathLike) -> str | None:
+    """The chat template of an HF-layout directory, or None when the model has none.
+
+    Read without loading the tokenizer, so a job can decide how to send its prompts
+    before anything is loaded.
+    """
+    path = Path(path)
     # transformers >= 4.43 may save the template beside the config instead of inside it.
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template")
+    template = _read_json(path / "tokenizer_config.json").get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default")

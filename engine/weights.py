@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -10,26 +9,8 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.model_files import weight_files
 from tokenmill.engine.models import model_class
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The weight files of an HF-layout directory: one file or a sharded index."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        with open(index) as f:
-            shard_names = sorted(set(json.load(f)["weight_map"].values()))
-        return [model_dir / name for name in shard_names]
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    found = sorted(model_dir.glob("*.safetensors"))
-    if not found:
-        raise FileNotFoundError(
-            f"no safetensors weights in {model_dir} (expected model.safetensors or "
-            "model.safetensors.index.json); pickled .bin checkpoints are never loaded"
-        )
-    return found
 
 
 def load_model(
@@ -48,7 +29,7 @@ def load_model(
     loaded: set[str] = set()
     packed = model.packed_modules
 
-    for path in safetensors_files(model_dir):
+    for path in weight_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name.startswith("lm_head.") and config.tie_word_embeddings:

@@ -26,8 +26,9 @@ reviews = pl.DataFrame(
 )
 
 # %% [markdown]
-# A template over columns, wrapped in the model's chat template by the shared system
-# prompt. Sampling options are keyword arguments (greedy by default).
+# A template over columns, sent as a user message through the model's chat template
+# after the shared system prompt. Sampling options are keyword arguments (greedy by
+# default).
 
 # %%
 labelled = tokenmill.generate(
@@ -40,12 +41,12 @@ labelled.select("product", "output", "finish_reason", "prompt_tokens", "cached_t
 
 # %% [markdown]
 # A plain list of prompts works too; bad rows come back as error rows rather than
-# exceptions, so the good rows are never lost.
+# exceptions, so the good rows are never lost. Prompts go through the chat template
+# here as well (`raw=True` would send them as they are).
 
 # %%
 answers = tokenmill.generate(
     ["What is the capital of Italy?", "", "Name a primary colour."],
-    chat=True,
     max_tokens=24,
 )
 answers.select("prompt", "output", "error")

@@ -1,4 +1,11 @@
-"""Flow parameters -> `JobSpec`, keeping credentials out of the Prefect database.
+"""The flow's parameters: derived from the job definition, turned into a `JobSpec`.
+
+`job_parameters` gives the flow function one keyword parameter per FLOW option of
+`pipelines/options.py`, typed with the option's bounds (`Annotated[int, Field(ge=1)]`,
+`Literal[...]` for choices) and documented with its help text: Prefect builds the
+flow's parameter schema from that signature and docstring, so UI forms,
+`prefect deployment run -p max_tokens=64` and Python calls are validated before a run
+starts. Parameters stay flat: one per option.
 
 A flow run's parameters are stored by the Prefect server and shown in its UI, in
 plain text. So `storage_options` given as a parameter must not hold credentials:
@@ -7,16 +14,52 @@ identity, ...) or from a Prefect `Secret` block named by `storage_secret`, whose
 value is loaded at run time and never stored with the run.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: the annotations built here are objects that
+# Prefect and pydantic read at run time.
+import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
-from typing import Any
+from typing import Annotated, Any
 
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.pipelines.pricing import Prices
+from pydantic import Field
+
+from tokenmill.pipelines.option_types import FLOW, KEY_VALUES, Option
+from tokenmill.pipelines.options import options_for, takes_options
 from tokenmill.pipelines.spec import JobSpec
+
+# The docstring line a flow function leaves for its options' documentation.
+OPTIONS_MARKER = "{job options}"
+
+
+def job_parameters(function: Callable) -> Callable:
+    """Decorator: the FLOW options of the job definition as the flow function's keyword
+    parameters (it takes them as `**options`), typed and documented for Prefect.
+
+    The function's docstring holds the line `{job options}` inside its Args section;
+    it is replaced by one `name: help` line per option.
+    """
+    lines = [f"{option.name}: {option.help}" for option in options_for(FLOW)]
+    doc = inspect.getdoc(function) or ""
+    marker = next(line for line in doc.splitlines() if line.strip() == OPTIONS_MARKER)
+    indent = marker[: len(marker) - len(marker.lstrip())]
+    function.__doc__ = doc.replace(marker, "\n".join(indent + line for line in lines))
+    return takes_options(FLOW, annotate=flow_annotation)(function)
+
+
+def flow_annotation(option: Option) -> Any:
+    """An option's type as Prefect's schema shows it: bounds as pydantic constraints,
+    lists and mappings as JSON arrays and objects, None allowed where it means unset."""
+    if option.type is KEY_VALUES:
+        return dict[str, Any] | None
+    annotation = option.type.annotation
+    bounds = {k: getattr(option, k) for k in ("ge", "gt", "le") if getattr(option, k) is not None}
+    if bounds:
+        annotation = Annotated[annotation, Field(**bounds)]
+    if option.repeatable:
+        return list[annotation] | None
+    return annotation | None if option.accepts_none else annotation
+
 
 # Option names that carry credentials in fsspec backends (s3fs, gcsfs, adlfs, object_store).
 _SECRET_WORDS = frozenset(
@@ -83,31 +126,27 @@ def expand_placeholders(uri: str | None, when: datetime) -> str | None:
     )
 
 
-def build_spec(
-    *,
-    sampling: Mapping[str, Any],
-    prices: Mapping[str, Any],
-    storage_options: Mapping[str, Any] | None,
-    storage_secret: str | None,
-    **spec_fields: Any,
-) -> JobSpec:
-    """A validated JobSpec from the flow's flat parameters.
+def build_spec(input: str, output: str, *, scheduled: datetime, **params: Any) -> JobSpec:
+    """A validated JobSpec from the flow's parameters.
 
     Args:
-        sampling: SamplingParams fields (max_tokens, temperature, ...).
-        prices: Prices fields.
-        storage_options: non-secret filesystem options (checked here).
-        storage_secret: name of a Secret block with more storage options, or None.
-        **spec_fields: every other JobSpec field, as named there.
+        input, output: as given to the flow; `{date}`/`{datetime}` are filled in.
+        scheduled: the run's scheduled time, for the placeholders.
+        **params: the flow's other parameters: every FLOW option. The storage options
+            are checked for credentials; `storage_secret`, if given, is loaded and
+            merged over them. Path options (the ledger dataset) get their placeholders
+            filled in too.
 
     Returns:
         The JobSpec; raises ValueError for invalid or conflicting options.
     """
-    check_storage_options(storage_options)
-    secret = load_storage_secret(storage_secret) if storage_secret else None
+    secret_name = params.pop("storage_secret", None)
+    check_storage_options(params.get("storage_options"))
+    secret = load_storage_secret(secret_name) if secret_name else None
+    params["storage_options"] = merge_storage_options(params.get("storage_options"), secret)
+    for option in options_for(FLOW):
+        if option.path == "always" and option.name in params:
+            params[option.name] = expand_placeholders(params[option.name], scheduled)
     return JobSpec(
-        sampling=SamplingParams(**sampling),
-        prices=Prices(**prices),
-        storage_options=merge_storage_options(storage_options, secret),
-        **spec_fields,
+        expand_placeholders(input, scheduled), expand_placeholders(output, scheduled), **params
     )

@@ -28,20 +28,15 @@ from prefect.exceptions import MissingContextError
 from prefect.runtime import task_run
 
 from tokenmill.connectors.fs import redact_url
-from tokenmill.flows import engine_cache
+from tokenmill.engine import llm_cache
 from tokenmill.flows.artifacts import publish_ledger
 from tokenmill.flows.retries import RETRY_DELAYS_S, retry_shard, retry_transient
 from tokenmill.pipelines import output as out
-from tokenmill.pipelines.job import (
-    JobPlan,
-    ShardResult,
-    finalize_job,
-    plan_job,
-    prepare_output,
-    run_shard,
-)
+from tokenmill.pipelines.finalizing import finalize_job
 from tokenmill.pipelines.ledger import JobLedger
 from tokenmill.pipelines.plan import Shard
+from tokenmill.pipelines.planning import JobPlan, plan_job
+from tokenmill.pipelines.running import ShardResult, prepare_output, run_shard
 from tokenmill.pipelines.spec import JobSpec
 
 
@@ -107,7 +102,7 @@ def prepare_output_task(plan: JobPlan) -> set[str]:
     cache_policy=NO_CACHE,
 )
 def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
-    """Generate one shard and publish its part, on this process's cached engine.
+    """Generate one shard and publish its part, on this process's shared engine.
 
     Idempotent: a shard whose part exists is skipped (`ShardResult.skipped`), so a
     retry, a rerun or a second flow run on the same job never writes it twice.
@@ -117,7 +112,10 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
         shard: one of `plan.shards`.
         job_id: the plan's job id (a parameter so that the task run's name shows it).
     """
-    engine = engine_cache.get_engine(plan.spec)
+    # One engine per worker process, loaded on its first shard and reused by the rest
+    # (engine/llm_cache.py); the lock keeps this process's shard tasks from generating
+    # at once, since the engine is not thread-safe.
+    engine = llm_cache.get_llm(**plan.spec.llm_options)
     if engine.weights_hash != plan.weights_hash:
         # A remote worker resolved the model name to other files than the planner did.
         raise RuntimeError(
@@ -127,7 +125,7 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
         )
     with engine.lock:
         result = run_shard(engine.llm, plan, shard)
-    run = ShardRun(result, socket.gethostname(), os.getpid(), engine_cache.num_loads())
+    run = ShardRun(result, socket.gethostname(), os.getpid(), llm_cache.num_loads())
     # Where each shard ran, in the task run's log: counts and names only, never text.
     _logger().info(
         "shard %s: %d rows, %s on worker %s (engines loaded by this worker: %d)",

@@ -12,12 +12,18 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from tokenmill.connectors.fs import redact_url
 from tokenmill.pipelines.pricing import Prices, token_costs
+
+
+def now_iso() -> str:
+    """The current time as the ledger writes times: ISO 8601, UTC, milliseconds."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 @dataclass

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import posixpath
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
 import pyarrow as pa
 
 from tokenmill.connectors import (
+    lines_writer,
     list_parts,
     read_json,
     read_part,
     read_parts,
     write_json_atomic,
-    write_lines_atomic,
     write_part,
 )
 from tokenmill.connectors.fs import resolve
@@ -239,10 +239,10 @@ def read_ledger(output: str, storage_options: StorageOptions = None) -> JobLedge
     return JobLedger.from_dict(read_json(join(output, LEDGER_FILE), storage_options))
 
 
-def write_openai_results(
-    output: str, lines: Iterable[str], storage_options: StorageOptions = None
-) -> str:
-    """Write `OUTPUT/results.jsonl` (OpenAI batch output lines), replacing an older one."""
-    return write_lines_atomic(
-        join(output, OPENAI_RESULTS_FILE), lines, storage_options, overwrite=True
-    )
+def openai_results_writer(
+    output: str, storage_options: StorageOptions = None
+) -> contextlib.AbstractContextManager[Callable[[str], None]]:
+    """`with openai_results_writer(output) as write: write(line)` writes
+    `OUTPUT/results.jsonl` (OpenAI batch output lines), replacing an older one when the
+    block ends; a block that raises leaves the older one, or none."""
+    return lines_writer(join(output, OPENAI_RESULTS_FILE), storage_options, overwrite=True)

@@ -19,7 +19,8 @@ import pyarrow as pa
 
 from tokenmill.connectors import ERROR_COLUMN
 from tokenmill.pipelines.ids import IdCheck
-from tokenmill.pipelines.spec import PER_ROW_FIELDS, JobSpec, ParamsTable
+from tokenmill.pipelines.options import per_row_fields
+from tokenmill.pipelines.spec import JobSpec, ParamsTable
 from tokenmill.pipelines.templating import ChatRenderer, RenderedRow, render_rows, row_ids
 from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
 
@@ -179,7 +180,7 @@ def _params_index(
     """Each row's sampling params index; invalid per-row params make the row an error."""
     if not spec.is_openai_batch:
         return [(r, 0) for r in rendered]
-    present = [k for k in PER_ROW_FIELDS if k in columns]
+    present = [k for k in per_row_fields() if k in columns]
     pairs = []
     for i, row in enumerate(rendered):
         try:

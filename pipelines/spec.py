@@ -1,145 +1,108 @@
 """`JobSpec`: everything a batch job needs to know, validated before any work starts.
 
-Defaults chosen for a batch tool: greedy decoding (temperature 0), so a rerun or a
-resumed job reproduces the same answers; raw prompts unless `chat=True` or a system
-prompt is given (see `templating`); results as Parquet parts under `OUTPUT/results/`.
+Its fields are the job definition's options (`pipelines/options.py`), added by
+`_with_job_options`: the definition is the one place an option is written down. Here
+are the checks on how options combine, and what they mean together: the sampling
+parameters, prices, prompt rules and LLM arguments of the job.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from tokenmill.connectors.formats import normalize_format
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS, DEFAULT_SHARD_TOKENS
+from tokenmill.pipelines.option_types import JOB, PRICES, PROMPT, SAMPLING
+from tokenmill.pipelines.options import (
+    annotation_of,
+    check_options,
+    get_option,
+    llm_options,
+    options_for,
+    per_row_fields,
+    routed,
+)
 from tokenmill.pipelines.pricing import Prices
 from tokenmill.pipelines.results import check_passthrough
 from tokenmill.pipelines.templating import TemplateSpec
 
-OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
 OPENAI_ID_COLUMN = "custom_id"
 
-# OpenAI batch body fields we apply per row; the rest of the sampling columns the
-# connector yields (logprobs, penalties) have no equivalent here and are ignored.
-PER_ROW_FIELDS = (
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "n",
-)
+
+def _with_job_options(cls: type) -> type:
+    """Class decorator: `cls` as a dataclass whose fields are its own annotations
+    followed by every JOB option (keyword-only, with the definition's defaults)."""
+    for option in options_for(JOB):
+        cls.__annotations__[option.name] = annotation_of(option)
+        setattr(cls, option.name, field(default=option.default, repr=option.repr, kw_only=True))
+    return dataclass(cls)
 
 
-def default_sampling() -> SamplingParams:
-    return SamplingParams(temperature=0.0)
-
-
-@dataclass
+@_with_job_options
 class JobSpec:
-    """A batch job: input, output, model, templating, sampling, prices and run options.
+    """A batch job: input, output, and every JOB option of the job definition.
 
     Args:
         input: dataset URL or path (Parquet, JSONL, CSV, OpenAI batch; any fsspec URL).
         output: the job's output directory URL or path.
-        model: model directory, .gguf file or alias; None = the default model.
-        format: input format; None detects it from file names.
-        prompt_column, messages_column, template, system, chat, id_column: how rows
-            become prompts (see `TemplateSpec`). OpenAI batch input fixes these.
-        passthrough: input columns copied into the results.
-        sampling: the job's sampling parameters (OpenAI batch rows may override them).
-        prices: prices for the ledger.
-        shard_tokens: token budget of one shard (prompt + max completion tokens).
-        plan_window_rows: input rows ordered and cut into shards together; planning
-            memory grows with this, not with the dataset (see `pipelines.plan`).
-        storage_options: filesystem options for input, output and ledger dataset.
-        limit: only the first `limit` input rows.
-        resume: skip shards already complete; False recomputes everything.
-        output_format: "parquet", "jsonl", or "openai-batch" (Parquet parts plus
-            `OUTPUT/results.jsonl` in OpenAI's batch output format).
-        ledger_dataset: where the job's ledger row goes; None = `OUTPUT/ledger/`.
-        dtype, device: how to load the model.
-        engine_options: more `LLM(...)` keyword arguments (kv_cache_memory,
-            max_num_seqs, max_num_batched_tokens, block_size, ...).
+        **options: the job options, keyword-only (`pipelines/options.py` lists them
+            with their defaults and help).
+
+    Raises:
+        TypeError: an unknown option.
+        ValueError: a bad value, or options that do not go together.
     """
 
     input: str
     output: str
-    model: str | None = None
-    format: str | None = None
-    prompt_column: str | None = "prompt"
-    messages_column: str | None = None
-    template: str | None = None
-    system: str | None = None
-    chat: bool = False
-    id_column: str | None = None
-    passthrough: tuple[str, ...] = ()
-    sampling: SamplingParams = field(default_factory=default_sampling)
-    prices: Prices = field(default_factory=Prices)
-    shard_tokens: int = DEFAULT_SHARD_TOKENS
-    plan_window_rows: int = DEFAULT_PLAN_WINDOW_ROWS
-    storage_options: dict[str, Any] | None = field(default=None, repr=False)
-    limit: int | None = None
-    resume: bool = True
-    output_format: str = "parquet"
-    ledger_dataset: str | None = None
-    dtype: str = "auto"
-    device: str | None = None
-    engine_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.input or not self.output:
             raise ValueError("input and output must be given")
+        options = {f.name: getattr(self, f.name) for f in fields(self) if f.kw_only}
+        for name, value in check_options(options, surface=JOB).items():
+            setattr(self, name, value)
         self.output = self.output.rstrip("/") or "/"
         if self.format is not None:
             self.format = normalize_format(self.format)
-        if self.format == "openai-batch":
+        if self.is_openai_batch:
             if self.template is not None:
                 raise ValueError("OpenAI batch input carries its own prompts; drop --template")
             self.id_column = self.id_column or OPENAI_ID_COLUMN
             self.messages_column, self.prompt_column = "messages", "prompt"
-        self.passthrough = tuple(self.passthrough)
         check_passthrough(self.passthrough)
         if self.id_column is not None and self.id_column in self.passthrough:
             raise ValueError(f"{self.id_column!r} is the id column; it is already the 'id' result")
-        if self.output_format not in OUTPUT_FORMATS:
-            raise ValueError(
-                f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {self.output_format!r}"
-            )
-        if self.output_format == "openai-batch" and self.format != "openai-batch":
+        if self.output_format == "openai-batch" and not self.is_openai_batch:
             raise ValueError(
                 "output_format 'openai-batch' needs OpenAI batch input (format='openai-batch')"
             )
-        if self.shard_tokens < 1:
-            raise ValueError(f"shard_tokens must be >= 1, got {self.shard_tokens}")
-        if self.plan_window_rows < 1:
-            raise ValueError(f"plan_window_rows must be >= 1, got {self.plan_window_rows}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit must be >= 1, got {self.limit}")
-        if self.sampling.n != 1:
-            raise ValueError("batch jobs produce one output per row; n must be 1")
-        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
-            raise ValueError("storage_options must be a mapping")
-        self.template_spec  # noqa: B018 - builds and validates the templating options
+        self.sampling  # noqa: B018 - checks how the sampling options combine
+        self.template_spec  # noqa: B018 - and the prompt options
+        self.llm_options  # noqa: B018 - and that engine_options repeats no option of its own
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The job's sampling parameters (OpenAI batch rows may override some)."""
+        return SamplingParams(**routed(vars(self), SAMPLING))
+
+    @property
+    def prices(self) -> Prices:
+        return Prices(**routed(vars(self), PRICES))
 
     @property
     def template_spec(self) -> TemplateSpec:
-        return TemplateSpec(
-            prompt_column=self.prompt_column,
-            messages_column=self.messages_column,
-            template=self.template,
-            system=self.system,
-            chat=self.chat,
-            id_column=self.id_column,
-            fallback_prompt=self.format == "openai-batch",
-        )
+        """How rows become prompts. OpenAI batch completion requests (a prompt, no
+        messages) are sent raw, as OpenAI's completions endpoint does."""
+        return TemplateSpec(**routed(vars(self), PROMPT), fallback_prompt=self.is_openai_batch)
+
+    @property
+    def llm_options(self) -> dict[str, Any]:
+        """`LLM(...)` arguments: model, dtype, device and the engine options."""
+        return llm_options(vars(self))
 
     @property
     def part_format(self) -> str:
@@ -158,6 +121,7 @@ class ParamsTable:
         self.base = base
         self.params: list[SamplingParams] = []
         self._index: dict[str, int] = {}
+        self._per_row = per_row_fields()
         self.add(base)
 
     def add(self, params: SamplingParams) -> int:
@@ -171,16 +135,15 @@ class ParamsTable:
         """Index of the base params with a row's non-null overrides applied.
 
         Raises:
-            ValueError: the overrides are invalid (e.g. temperature < 0) or ask for n > 1.
+            ValueError: an override is invalid (e.g. temperature < 0, n > 1), checked
+                as the job definition checks any option.
         """
-        changes = {k: v for k, v in overrides.items() if k in PER_ROW_FIELDS and v is not None}
+        changes = {k: v for k, v in overrides.items() if k in self._per_row and v is not None}
         if not changes:
             return 0
-        if changes.get("n", 1) != 1:
-            raise ValueError("n > 1 is not supported in batch jobs (one output per row)")
-        changes.pop("n", None)
         try:
-            params = replace(self.base, **changes)
+            checked = {k: get_option(k).check(v) for k, v in changes.items()}
+            params = replace(self.base, **routed(checked, SAMPLING))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"invalid sampling parameters: {exc}") from None
         return self.add(params)

@@ -5,10 +5,12 @@ field that is null) becomes a `RenderedRow` with `error` set; it never raises, s
 bad row cannot lose the others. Problems with the *job* (a column that is not in the
 schema, a template that names no column) raise ValueError before any compute.
 
-Chat or raw: a messages column is always rendered with the model's chat template. A
-prompt column or a template is sent raw unless `chat=True`; a `system` prompt implies
-chat. Raw is the default because batch datasets often hold prompts that are already
-formatted; pass `chat=True` (CLI `--chat`) for instruct models.
+Chat or raw, one rule for every surface (`tokenmill run`, `tokenmill generate`,
+notebooks, flows): when the model has a chat template, prompt-column or template text
+is sent as a user message through it, after the `system` prompt if one is given;
+`raw=True` (CLI `--raw`) sends the text as it is; a model without a chat template
+runs raw. A messages column is always rendered with the chat template. Instruct models
+answer chat-formatted prompts; raw text can end at once with an end-of-sequence token.
 """
 
 from __future__ import annotations
@@ -29,39 +31,38 @@ VALID_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 class TemplateSpec:
     """How a row becomes a prompt.
 
-    Exactly one source is used, in this order: `messages_column`, `template`,
-    `prompt_column`. With `fallback_prompt` (OpenAI batch input) a row whose messages
-    are null falls back to its prompt column.
+    One source is used, in this order: `messages_column`, `template`, `prompt_column`
+    (the job definition lets a job give a messages column or a template, not both).
+    With `fallback_prompt` (OpenAI batch input) a row whose messages are null falls
+    back to its prompt column, sent raw: that is a completions request.
     """
 
     prompt_column: str | None = "prompt"
     messages_column: str | None = None
     template: str | None = None
     system: str | None = None
-    chat: bool = False
+    raw: bool = False
     id_column: str | None = None
     fallback_prompt: bool = False
 
     def __post_init__(self) -> None:
-        if self.messages_column is not None and self.template is not None:
-            raise ValueError("give either a messages column or a template, not both")
         if self.messages_column is None and self.template is None and not self.prompt_column:
             raise ValueError("give a prompt column, a messages column or a template")
         if self.template is not None:
             template_fields(self.template)  # raises on an unusable template
         if self.system is not None and not self.system.strip():
             raise ValueError("system prompt must not be empty")
+        if self.system is not None and self.raw and self.messages_column is None:
+            raise ValueError(
+                "a system prompt is sent through the chat template, and raw text is not: "
+                "give one of system and raw"
+            )
 
     @property
     def mode(self) -> str:
         if self.messages_column is not None:
             return "messages"
         return "template" if self.template is not None else "prompt"
-
-    @property
-    def wraps_text(self) -> bool:
-        """Whether prompt/template text is wrapped in the chat template."""
-        return self.chat or self.system is not None
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ def _render_one(
     if spec.mode == "messages":
         value = row.get(spec.messages_column)
         if value is None and spec.fallback_prompt:
-            return _render_text(row.get(spec.prompt_column), spec, chat, "prompt")
+            return _render_text(row.get(spec.prompt_column), None, None, "prompt")
         if chat is None:
             raise ValueError("a messages column needs a tokenizer with a chat template")
         return chat(normalize_messages(value, system=spec.system)), True
@@ -226,23 +227,29 @@ def _render_one(
             text = string.Formatter().vformat(spec.template, (), row)
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"template could not be filled ({type(exc).__name__})") from None
-        return _render_text(text, spec, chat, "templated prompt")
-    return _render_text(row.get(spec.prompt_column), spec, chat, "prompt")
+        return _render_text(text, _text_renderer(spec, chat), spec.system, "templated prompt")
+    return _render_text(
+        row.get(spec.prompt_column), _text_renderer(spec, chat), spec.system, "prompt"
+    )
+
+
+def _text_renderer(spec: TemplateSpec, chat: ChatRenderer | None) -> ChatRenderer | None:
+    """The chat template for prompt/template text, or None when it is sent raw."""
+    return None if spec.raw else chat
 
 
 def _render_text(
-    value: Any, spec: TemplateSpec, chat: ChatRenderer | None, what: str
+    value: Any, chat: ChatRenderer | None, system: str | None, what: str
 ) -> tuple[str, bool]:
+    """(text, is_chat): `value` as a user message through `chat`, or as it is without one."""
     problem = check_text(value, what)
     if problem is not None:
         raise ValueError(problem)
-    if not spec.wraps_text:
-        return value, False
     if chat is None:
-        raise ValueError("chat formatting needs a tokenizer with a chat template")
+        return value, False
     messages = [{"role": "user", "content": value}]
-    if spec.system is not None:
-        messages.insert(0, {"role": "system", "content": spec.system})
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     return chat(messages), True
 
 
@@ -261,11 +268,21 @@ def render_rows(
         spec: how rows become prompts.
         start: global index of the batch's first row (for position ids).
         chat: renders a list of messages with the model's chat template
-            (`functools.partial(tokenizer.apply_chat_template, add_generation_prompt=True)`).
+            (`tokenize.chat_renderer(tokenizer)`); None: the model has none, so prompt
+            and template text are sent raw.
 
     Returns:
         One RenderedRow per input row, in order; bad rows carry `error`.
+
+    Raises:
+        ValueError: a system prompt for a model without a chat template (every row would
+            fail alike: the job fails, before any compute).
     """
+    if spec.system is not None and chat is None:
+        raise ValueError(
+            "the model has no chat template, so a system prompt cannot be sent; drop the "
+            "system prompt (without one, prompts are sent as they are)"
+        )
     num_rows = len(next(iter(columns.values()))) if columns else 0
     ids = row_ids(columns[spec.id_column] if spec.id_column else None, start, num_rows)
     names = list(columns)

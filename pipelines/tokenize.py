@@ -115,10 +115,9 @@ def chat_renderer(tokenizer: Any) -> ChatRenderer | None:
     Template errors (e.g. a template's own `raise_exception` for a role order it does
     not accept) are turned into ValueError so they become per-row errors.
     """
-    apply = getattr(tokenizer, "apply_chat_template", None)
-    if apply is None:
+    if getattr(tokenizer, "chat_template", None) is None:
         return None
-    render = partial(apply, add_generation_prompt=True, tokenize=False)
+    render = partial(tokenizer.apply_chat_template, add_generation_prompt=True, tokenize=False)
 
     def _render(messages: list[dict[str, str]]) -> str:
         try:

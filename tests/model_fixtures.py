@@ -110,7 +110,7 @@ def llama3_rope_freqs(
 
 def tiny_vocab() -> tuple[list[str], list[int]]:
     """Tokens and GGUF token types: ChatML specials, the 256 byte symbols, merge results."""
-    from tokenmill.engine.gguf_convert import bytes_to_unicode
+    from tokenmill.engine.gguf_tokenizer import bytes_to_unicode
 
     byte_tokens = list(bytes_to_unicode().values())
     merged = [merge.replace(" ", "") for merge in TINY_MERGES]
@@ -239,9 +239,169 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, block_names: dict[str, str] = _GGUF_BLOCK_NAMES) -> str:
     if hf_name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_BLOCK_NAMES[module]}.{suffix}"
+    return f"blk.{layer}.{block_names[module]}.{suffix}"
+
+
+_SENTENCEPIECE_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "the theory of the thing is that there are three of them",
+    "Numbers 12 345 6789 and 3.14 are digits; 2024-01-01 is a date.",
+    "def main():\n    return 0\n\n",
+    "héllo wörld naïve café",
+]
+
+
+def sentencepiece_vocab(architecture: str = "llama") -> tuple[list[str], list[int], list[float]]:
+    """(tokens, GGUF token types, scores) of a SentencePiece BPE vocabulary as llama.cpp writes
+    Llama 2 / Gemma files: specials, 256 `<0xNN>` byte tokens, then pieces with "▁" for
+    spaces and falling scores; Gemma's also has its user-defined runs of newlines and of
+    spaces (the latter stored as real spaces)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    trainer_tokenizer = Tokenizer(models.BPE())
+    trainer_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=True)
+    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False)
+    trainer_tokenizer.train_from_iterator(_SENTENCEPIECE_CORPUS * 3, trainer=trainer)
+    learned = sorted(trainer_tokenizer.get_vocab().items(), key=lambda item: item[1])
+    # SentencePiece lists merged pieces first (higher scores), single characters after.
+    pieces = [t for t, _ in learned if len(t) > 1] + [t for t, _ in learned if len(t) == 1]
+    if architecture.startswith("gemma"):
+        specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+        user_defined = ["\n", "\n\n", "\n\n\n", "  ", "   ", "    "]
+    else:
+        specials, user_defined = ["<unk>", "<s>", "</s>"], []
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    tokens = specials + user_defined + byte_tokens + pieces
+    types = [3] * len(specials) + [4] * len(user_defined) + [6] * 256 + [1] * len(pieces)
+    if not architecture.startswith("gemma"):
+        types[0] = 2  # llama.cpp's UNKNOWN
+    scores = [0.0] * (len(specials) + len(user_defined) + 256)
+    scores += [-float(i) for i in range(len(pieces))]
+    return tokens, types, scores
+
+
+def write_sentencepiece_gguf(
+    path: str | os.PathLike, *, architecture: str = "llama", hf_model=None
+) -> Path:
+    """A GGUF with a SentencePiece vocabulary (`sentencepiece_vocab`) and, given an HF Gemma 3
+    model, that model's weights laid out as llama.cpp writes them (norm scales as 1 + w,
+    Gemma's tensor names); without one, a zero embedding only (for tokenizer tests).
+
+    Args:
+        path: the .gguf file to write.
+        architecture: "llama" (Llama 2 / Mistral rules) or "gemma3".
+        hf_model: a transformers Gemma3ForCausalLM whose vocab_size is the vocabulary's.
+
+    Returns:
+        The path.
+    """
+    import gguf
+
+    tokens, types, scores = sentencepiece_vocab(architecture)
+    is_gemma = architecture.startswith("gemma")
+    config = hf_model.config if hf_model is not None else None
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_block_count(config.num_hidden_layers if config else 1)
+    writer.add_context_length(config.max_position_embeddings if config else 256)
+    writer.add_embedding_length(config.hidden_size if config else 64)
+    writer.add_feed_forward_length(config.intermediate_size if config else 128)
+    writer.add_head_count(config.num_attention_heads if config else 4)
+    writer.add_head_count_kv(config.num_key_value_heads if config else 1)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps if config else 1e-6)
+    if config is not None:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+        writer.add_sliding_window(config.sliding_window)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    bos, eos = ("<bos>", "<eos>") if is_gemma else ("<s>", "</s>")
+    writer.add_bos_token_id(tokens.index(bos))
+    writer.add_eos_token_id(tokens.index(eos))
+    writer.add_unk_token_id(tokens.index("<unk>"))
+    if is_gemma:
+        writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    if hf_model is None:
+        writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
+    else:
+        for name, tensor in hf_model.state_dict().items():
+            if name == "lm_head.weight":
+                continue  # tied
+            array = tensor.float().numpy()
+            if name.endswith("norm.weight"):
+                array = array + 1.0  # llama.cpp's Gemma convention
+            writer.add_tensor(_gguf_name(name, _GEMMA_GGUF_NAMES), np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+_GEMMA_GGUF_NAMES = {
+    **_GGUF_BLOCK_NAMES,
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def fill_hf_cache(
+    hub_cache: str | os.PathLike,
+    repo_id: str,
+    files: dict[str, bytes | Path],
+    *,
+    refs: tuple[str, ...] = ("main",),
+    commit: str | None = None,
+) -> str:
+    """Put a model snapshot into a Hugging Face cache as `huggingface_hub` lays it out:
+    `models--org--name/{blobs/<sha256>, refs/<ref>, snapshots/<commit>/<file> -> blob}`.
+
+    Args:
+        hub_cache: the cache directory (`$HF_HOME/hub` or `$HF_HUB_CACHE`).
+        repo_id: "org/name".
+        files: repo path -> contents (bytes, or a file to copy).
+        refs: branches/tags that point at this commit.
+        commit: the 40-hex commit; default derived from the contents.
+
+    Returns:
+        The commit.
+    """
+    import hashlib
+
+    blobs = {}
+    for name, content in sorted(files.items()):
+        data = content.read_bytes() if isinstance(content, Path) else content
+        blobs[name] = (hashlib.sha256(data).hexdigest(), data)
+    if commit is None:
+        listing = "".join(f"{name}:{digest}" for name, (digest, _) in blobs.items())
+        commit = hashlib.sha1(listing.encode()).hexdigest()
+    repo = Path(hub_cache) / ("models--" + repo_id.replace("/", "--"))
+    for name, (digest, data) in blobs.items():
+        blob = repo / "blobs" / digest
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = repo / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref in refs:
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return commit
+
+
+def model_dir_files(model_dir: str | os.PathLike) -> dict[str, Path]:
+    """Every file of a model directory, by name (for `fill_hf_cache`)."""
+    return {p.name: p for p in sorted(Path(model_dir).iterdir()) if p.is_file()}

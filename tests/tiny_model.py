@@ -2,8 +2,8 @@
 
 Everything a real model directory has: config.json, model.safetensors (HF parameter
 names), tokenizer.json (a byte-level BPE trained here on a small corpus, with ChatML
-special tokens), tokenizer_config.json with a ChatML chat template, and
-generation_config.json. The weights are random, so outputs are gibberish - but the
+special tokens), tokenizer_config.json with a ChatML chat template (or none, for a
+base model), and generation_config.json. The weights are random, so outputs are gibberish - but the
 engine, tokenizer and pipelines run end to end on it, on CPU, in milliseconds.
 
 The weights are written directly with safetensors (no `transformers` import, which
@@ -115,6 +115,7 @@ def build_tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     use_transformers: bool = False,
+    chat_template: str | None = CHATML_TEMPLATE,
 ) -> Path:
     """Write a tiny random Llama model directory at `path` (created if needed).
 
@@ -124,6 +125,8 @@ def build_tiny_model(
         vocab_size: BPE vocabulary size to train for.
         seed: weight seed; the same seed gives the same weights.
         use_transformers: build the weights with `transformers.LlamaForCausalLM`.
+        chat_template: the template in tokenizer_config.json; None: a model without one
+            (a base model, whose prompts run raw).
 
     Returns:
         The directory.
@@ -146,17 +149,15 @@ def build_tiny_model(
     (path / "generation_config.json").write_text(
         json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_id})
     )
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<|im_start|>",
-                "eos_token": "<|im_end|>",
-                "pad_token": "<|endoftext|>",
-                "unk_token": "<|endoftext|>",
-                "chat_template": CHATML_TEMPLATE,
-                "model_max_length": max_position_embeddings,
-            },
-            indent=2,
-        )
-    )
+    config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "chat_template": chat_template,
+        "model_max_length": max_position_embeddings,
+    }
+    if chat_template is None:
+        del config["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return path

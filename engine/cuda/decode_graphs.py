@@ -97,8 +97,7 @@ class DecodeGraphs:
                 num_decodes=size,
             ),
         )
-        cos, sin = runner.rotary.lookup(x["positions"], runner.dtype)
-        return runner.model(x["input_ids"], cos, sin, meta)
+        return runner.forward_model(x["input_ids"], x["positions"], meta)
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from tokenmill.engine.attention import AttentionMetadata, paged_attention
-from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.config import ModelConfig, attention_has_windows
 from tokenmill.engine.layers import GatedMLP, RMSNorm, rotary_qkv
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -32,6 +32,11 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # Keys this layer's queries see: the last `sliding_window` positions, or all (None).
+        # TODO(issue 10): pass config.layer_sliding_window(layer_idx) unconditionally once
+        # attention takes windows; until then the context is capped to the window.
+        window = config.layer_sliding_window(layer_idx) if attention_has_windows() else None
+        self.window_kwargs = {} if window is None else {"sliding_window": window}
         # Views into the engine's KV cache, attached by the model runner.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -51,15 +56,17 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = rotary_qkv(q, k, v, cos, sin)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        o = paged_attention(
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, **self.window_kwargs
+        )
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
@@ -91,7 +98,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

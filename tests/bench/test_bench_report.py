@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -63,16 +66,41 @@ def _brute_force_flops(shape: ModelShape, work: RequestWork) -> int:
     num_fed = work.num_computed_prompt + work.num_generated - 1
     for position in range(work.num_cached_prompt, work.num_cached_prompt + num_fed):
         flops += 2 * shape.layer_matmul_params
-        context = position + 1
-        flops += shape.num_layers * shape.num_heads * (2 * shape.head_dim * context) * 2
+        for layer in range(shape.num_layers):
+            context = position + 1
+            if layer < shape.num_window_layers:
+                context = min(context, shape.sliding_window)
+            flops += shape.num_heads * (2 * shape.head_dim * context) * 2
     return flops + work.num_generated * 2 * shape.hidden_size * shape.vocab_size
 
 
+# Gemma 3-like: one of two layers attends within a 4-token window.
+WINDOWED = dataclasses.replace(SHAPE, sliding_window=4, num_window_layers=1)
+
+
+@pytest.mark.parametrize("shape", [SHAPE, WINDOWED])
 @pytest.mark.parametrize(
     "work", [RequestWork(5, 0, 3), RequestWork(7, 16, 1), RequestWork(1, 3, 9)]
 )
-def test_request_flops_formula(work):
-    assert request_flops(SHAPE, work) == _brute_force_flops(SHAPE, work)
+def test_request_flops_formula(shape, work):
+    assert request_flops(shape, work) == _brute_force_flops(shape, work)
+
+
+def test_window_layers_from_a_gemma3_config(tmp_path):
+    config = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 262144,
+        "sliding_window": 512,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.from_dir(tmp_path)
+    assert (shape.sliding_window, shape.num_window_layers, shape.head_dim) == (512, 10, 256)
 
 
 def test_request_flops_exact_value():

@@ -12,12 +12,12 @@ import pytest
 
 from tokenmill.connectors import (
     append_to_dataset,
+    lines_writer,
     list_parts,
     open_source,
     read_json,
     read_parts,
     write_json_atomic,
-    write_lines_atomic,
     write_part,
 )
 from tokenmill.connectors import sink as sink_module
@@ -158,10 +158,24 @@ def test_append_dataset_never_rewrites_and_unifies_schemas(out_dir):
 
 
 def test_lines_file_is_written_whole(tmp_path):
-    url = write_lines_atomic(str(tmp_path / "out.jsonl"), ['{"a":1}', '{"a":2}'])
+    url = str(tmp_path / "out.jsonl")
+    with lines_writer(url) as write:
+        write('{"a":1}')
+        write('{"a":2}')
 
     assert _read_bytes(url) == b'{"a":1}\n{"a":2}\n'
     assert open_source(url).to_table().num_rows == 2
+
+
+def test_lines_file_is_not_published_when_the_block_raises(tmp_path):
+    url = tmp_path / "out.jsonl"
+    with (
+        pytest.raises(RuntimeError, match="part 2 does not match"),
+        lines_writer(str(url)) as write,
+    ):
+        write('{"a":1}')
+        raise RuntimeError("part 2 does not match")
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its temp file
 
 
 def _read_bytes(url: str) -> bytes:

@@ -5,9 +5,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
+from tokenmill.engine.config import attention_has_windows
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# TODO(issue 10): the kernels work adds per-layer windows to attention; until it is merged a
+# model with a window runs only within it (ModelConfig.max_context), and these fail.
+needs_windows = pytest.mark.xfail(
+    not attention_has_windows(),
+    reason="needs sliding-window attention (paged_attention's sliding_window, issue 10)",
+    strict=True,
+)
 
 SMALL = dict(
     vocab_size=256,
@@ -26,22 +37,48 @@ SMALL = dict(
     pad_token_id=None,
 )
 
+# Gemma 3 in small: one KV head, its own head_dim and query scale, three local layers
+# (window 16, rope base 10k) around one global one (base 1M).
+GEMMA3 = dict(
+    num_hidden_layers=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    sliding_window=16,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+    hidden_activation="gelu_pytorch_tanh",
+    initializer_range=0.1,
+)
+
 
 def build_hf_model(kind: str, out_dir: Path, **overrides):
-    """Save a random-weight `kind` (llama | qwen2 | qwen3) checkpoint; return the HF model."""
+    """Save a random-weight `kind` (llama | qwen2 | qwen3 | gemma3 | mistral) checkpoint;
+    return the HF model."""
     import transformers
 
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[kind]
-    settings = {**SMALL, **overrides}
+    settings = {**SMALL, **(GEMMA3 if kind == "gemma3" else {}), **overrides}
     if kind == "qwen3":
         settings.setdefault("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
     config = config_cls(**settings)
     torch.manual_seed(1234)
     model = model_cls(config).eval()
+    if kind == "gemma3":
+        # Gemma initialises its (1 + w) norm weights to zero; make them matter.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0, 0.3)
     if kind == "qwen2":
         # Random-init biases are zero; make them matter.
         with torch.no_grad():
@@ -66,6 +103,20 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], lis
         logprobs.append(torch.log_softmax(logits, dim=-1))
         ids.append(int(logits.argmax()))
     return ids[len(prompt) :], logprobs
+
+
+def assert_logprobs_match(hf, engine, prompts: list[list[int]], num_tokens: int) -> None:
+    """Greedy tokens equal HF's, and every step's full log-softmax to fp32 rounding."""
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    vocab = hf.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=vocab)
+    for prompt, out in zip(prompts, run_all(engine, prompts, params)):
+        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, num_tokens)
+        assert out.token_ids == ref_tokens
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            ours = torch.tensor([entry[t] for t in range(vocab)])
+            torch.testing.assert_close(ours, ref_logprobs[step], atol=2e-4, rtol=1e-4)
 
 
 def save_char_tokenizer(out_dir: Path, vocab_size: int = 256, eos_token: str | None = None) -> None:

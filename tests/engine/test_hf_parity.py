@@ -5,9 +5,16 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from hf_models import build_hf_model, hf_greedy, make_engine, run_all
+from hf_models import (
+    assert_logprobs_match,
+    build_hf_model,
+    hf_greedy,
+    make_engine,
+    needs_windows,
+    run_all,
+)
 
+from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.sampling_params import SamplingParams
 
 
@@ -23,15 +30,7 @@ def mixed_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 def test_logprobs_match_transformers(kind, tmp_path):
     hf = build_hf_model(kind, tmp_path)
     engine = make_engine(tmp_path, max_num_batched_tokens=16)  # forces chunked prefill
-    prompts = mixed_prompts(256, seed=1)[:5]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=256)
-    outputs = run_all(engine, prompts, params)
-    for prompt, out in zip(prompts, outputs):
-        ref_tokens, ref_logprobs = hf_greedy(hf, prompt, 6)
-        assert out.token_ids == ref_tokens
-        for step, entry in enumerate(out.outputs[0].logprobs):
-            ours = torch.tensor([entry[t] for t in range(256)])
-            torch.testing.assert_close(ours, ref_logprobs[step], atol=2e-4, rtol=1e-4)
+    assert_logprobs_match(hf, engine, mixed_prompts(256, seed=1)[:5], 6)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
@@ -60,3 +59,19 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     prompt = mixed_prompts(256, seed=3)[8]
     out = run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(hf, prompt, 8)[0]
+
+
+@needs_windows
+def test_mistral_sliding_window_matches_transformers(tmp_path):
+    """Every Mistral layer sees the last 16 positions; prompts run to 100 tokens, in chunks
+    of 16, with prefix-cache hits - and the context is no longer capped to the window."""
+    hf = build_hf_model("mistral", tmp_path, sliding_window=16)
+    assert ModelConfig.from_dir(tmp_path).max_context == 512
+    engine = make_engine(tmp_path, max_num_batched_tokens=16, enable_prefix_caching=True)
+    prompts = mixed_prompts(256, seed=5)
+    outputs = run_all(
+        engine, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(hf, prompt, 10)[0]
+    assert engine.stats.cached_prompt_tokens > 0

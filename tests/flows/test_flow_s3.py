@@ -87,7 +87,7 @@ def test_flow_on_s3_writes_results_ledger_and_artifacts(prefect_api, s3, tiny_mo
     names = sorted(t.name for t in task_runs)
     shard_names = [n for n in names if " shard-" in n]
     assert len(shard_names) == ledger.num_shards
-    assert all(n.startswith(f"job-{ledger.job_id} shard-0000") for n in shard_names)
+    assert all(n.startswith(f"job-{ledger.job_id} shard-000") for n in shard_names)
     assert f"ledger job-{ledger.job_id}" in names and f"plan {src}" in names
     assert SECRET not in json.dumps(flow_run.parameters)
     fs = s3fs.S3FileSystem(**options)

@@ -14,8 +14,9 @@ from tokenmill.flows.parameters import (
     expand_placeholders,
     merge_storage_options,
 )
+from tokenmill.pipelines.options import get_option
 
-BASE = {"sampling": {}, "prices": {}, "storage_options": None, "storage_secret": None}
+WHEN = datetime(2026, 3, 4, 23, 30, tzinfo=timezone.utc)
 
 
 def test_schema_has_every_job_option_typed():
@@ -28,7 +29,11 @@ def test_schema_has_every_job_option_typed():
     assert props["plan_window_rows"]["default"] == 32_768
     assert props["price_input"]["minimum"] == 0
     assert props["output_format"]["enum"] == ["parquet", "jsonl", "openai-batch"]
-    assert props["max_tokens"]["description"] == "completion budget per row."
+    # documented with the job definition's help text
+    assert props["max_tokens"]["description"] == get_option("max_tokens").help
+    assert props["raw"]["default"] is False
+    assert {"type": "array", "items": {"type": "string"}} in props["passthrough"]["anyOf"]
+    assert props["storage_secret"]["default"] is None
 
 
 @pytest.mark.parametrize(
@@ -94,18 +99,24 @@ def test_placeholders_take_the_scheduled_time_in_utc():
 
 def test_build_spec_maps_sampling_and_prices():
     spec = build_spec(
-        input="in.jsonl",
-        output="out/",
-        sampling={"max_tokens": 9, "temperature": 0.0, "stop": ["\n"]},
-        prices={"input_per_1m": 1.0, "output_per_1m": 3.0},
+        "in.jsonl",
+        "out-{date}/",
+        scheduled=WHEN,
+        max_tokens=9,
+        temperature=0.0,
+        stop=["\n"],
+        price_input=1.0,
+        price_output=3.0,
         storage_options={"endpoint_url": "http://e"},
         storage_secret=None,
-        passthrough=("topic",),
+        passthrough=["topic"],
+        ledger_dataset="ledgers/{date}",
     )
     assert spec.sampling.max_tokens == 9 and spec.sampling.stop == ["\n"]
     assert spec.prices.output_per_1m == 3.0 and spec.prices.cached_input == 1.0
     assert spec.storage_options == {"endpoint_url": "http://e"}
-    assert spec.output == "out"
+    assert spec.output == "out-2026-03-04" and spec.ledger_dataset == "ledgers/2026-03-04"
+    assert spec.passthrough == ("topic",)
 
 
 @pytest.mark.parametrize(
@@ -118,4 +129,4 @@ def test_build_spec_maps_sampling_and_prices():
 )
 def test_build_spec_rejects_conflicting_options(fields, message):
     with pytest.raises(ValueError, match=message):
-        build_spec(input="in.jsonl", output="out", **BASE, **fields)
+        build_spec("in.jsonl", "out", scheduled=WHEN, **fields)

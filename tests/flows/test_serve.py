@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
 
 import pytest
-from flow_helpers import ENGINE
+from flow_helpers import ENGINE, prompt_rows
 from prefect import get_client
 from prefect.exceptions import ObjectNotFound
 
+from tokenmill.engine.tokenizer import Tokenizer
 from tokenmill.flows import FLOW_NAME
 
 pytestmark = pytest.mark.integration
@@ -50,8 +52,10 @@ def test_served_deployment_runs_on_demand(prefect_api, jsonl_input, tmp_path, ti
         assert deployment.parameters["max_tokens"] == 4
         assert deployment.entrypoint == "tokenmill.flows.batch_flow.batch_inference"
 
+        # Flat parameters override the deployment's one by one, as `-p k=v`.
+        overrides = ["-p", "max_tokens=2", "-p", "raw=true"]
         run = subprocess.run(
-            ["prefect", "deployment", "run", f"{FLOW_NAME}/{name}", "--watch"],
+            ["prefect", "deployment", "run", f"{FLOW_NAME}/{name}", *overrides, "--watch"],
             env=os.environ.copy(),
             capture_output=True,
             text=True,
@@ -60,6 +64,11 @@ def test_served_deployment_runs_on_demand(prefect_api, jsonl_input, tmp_path, ti
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:] + log.read_text()
         ledgers = list(tmp_path.glob("daily-*/ledger.json"))
         assert len(ledgers) == 1 and "{date}" not in str(ledgers[0])
+        ledger = json.loads(ledgers[0].read_text())
+        assert ledger["completion_tokens"] <= 2 * ledger["rows_ok"]
+        tokenizer = Tokenizer.from_dir(tiny_model)  # raw=true: the prompts as they are
+        prompts = [r["prompt"] for r in prompt_rows() if r["prompt"] is not None]
+        assert ledger["prompt_tokens"] == sum(len(tokenizer.encode(p)) for p in prompts)
     finally:
         serve.send_signal(signal.SIGTERM)
         try:

@@ -9,8 +9,7 @@ import pytest
 from flow_helpers import ENGINE
 
 from tokenmill.connectors import SourceError
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.flows import engine_cache
+from tokenmill.engine import llm_cache
 from tokenmill.flows.tasks import plan_task, prepare_output_task, shard_task
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.spec import JobSpec
@@ -22,7 +21,7 @@ def make_spec(jsonl_input, output, model):
         str(output),
         model=model,
         id_column="id",
-        sampling=SamplingParams(max_tokens=6, temperature=0.0),
+        max_tokens=6,
         shard_tokens=48,
         **ENGINE,
     )
@@ -39,10 +38,10 @@ def test_plan_then_shards_are_idempotent(jsonl_input, tmp_path, tiny_model):
     assert first.pid == os.getpid() and first.engine_loads >= 1
     assert prepare_output_task.fn(plan) == {shard.shard_id}
 
-    loads = engine_cache.num_loads()
+    loads = llm_cache.num_loads()
     again = shard_task.fn(plan, shard, plan.job_id)  # a retry or a rerun of the same shard
     assert again.result.skipped
-    assert engine_cache.num_loads() == loads  # reused, not reloaded
+    assert llm_cache.num_loads() == loads  # reused, not reloaded
     assert out.read_results(plan.spec.output).num_rows == shard.num_rows
 
 
@@ -78,3 +77,24 @@ def test_tasks_pass_a_plan_of_shard_names_not_rows(jsonl_input, tmp_path, tiny_m
     ledger = finalize_job(plan, num_shards_run=len(runs))  # what ledger_task runs
     assert ledger.rows_ok + ledger.rows_failed == 16 == sum(r.result.num_rows for r in runs)
     assert not (tmp_path / "out" / "_plan").exists()
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_prompts_follow_the_one_prompt_rule(jsonl_input, tmp_path, tiny_model, raw):
+    from flow_helpers import prompt_rows
+
+    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.pipelines.planning import load_shard
+    from tokenmill.pipelines.spill import shard_rows
+
+    spec = dataclasses.replace(make_spec(jsonl_input, tmp_path / "out", tiny_model), raw=raw)
+    plan = plan_task.fn(spec)
+    rows = {r.id: r for s in plan.shards for r in shard_rows(load_shard(plan, s)).rows}
+    tokenizer = Tokenizer.from_dir(tiny_model)
+    prompt = prompt_rows()[0]["prompt"]
+    if raw:
+        expected = tokenizer.encode(prompt)
+    else:  # a user message through the tiny model's ChatML template
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        expected = tokenizer.encode(chat, add_special_tokens=False)
+    assert list(rows["q000"].token_ids) == expected

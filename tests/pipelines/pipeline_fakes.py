@@ -12,9 +12,16 @@ BOS = 1
 
 
 class CharTokenizer:
-    """One token per character (its code point); raw text gets a BOS token."""
+    """One token per character (its code point); raw text gets a BOS token.
+
+    Its chat template renders `<role>content</>` turns and an `<assistant>` header;
+    `CharTokenizer(chat_template=None)` is a model without one.
+    """
 
     eos_token_ids = [2]
+
+    def __init__(self, chat_template: str | None = "<role>content</>") -> None:
+        self.chat_template = chat_template
 
     def encode_batch(self, texts, add_special_tokens=True):
         return [([BOS] if add_special_tokens else []) + [ord(c) for c in t] for t in texts]
@@ -23,6 +30,8 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if i > 2)
 
     def apply_chat_template(self, messages, *, add_generation_prompt=True, tokenize=False):
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
         for m in messages:
             if m["role"] == "assistant" and m["content"] == "BOOM":
                 raise ValueError("template rejects this conversation")
@@ -37,11 +46,13 @@ class FakeLLM:
     leading tokens count as cached.
     """
 
-    def __init__(self, *, model_dir, max_model_len=4096, device="cpu", fail_on=None):
+    def __init__(
+        self, *, model_dir, max_model_len=4096, device="cpu", fail_on=None, chat_template=True
+    ):
         self.max_model_len = max_model_len
         self.device = device
         self.model_dir = Path(model_dir)
-        self.tokenizer = CharTokenizer()
+        self.tokenizer = CharTokenizer() if chat_template else CharTokenizer(chat_template=None)
         self.calls: list[int] = []
         self.fail_on = fail_on  # a token id whose presence makes the engine error
         self._seen: list[list[int]] = []

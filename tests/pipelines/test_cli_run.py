@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from tokenmill.cli import main
-from tokenmill.cli.run import parse_storage_options
+from tokenmill.cli.options import parse_key_values
+from tokenmill.engine import llm_cache
 from tokenmill.pipelines import job as job_mod
 from tokenmill.pipelines.output import read_results
 
@@ -85,7 +86,7 @@ def test_run_then_ledger_show(tmp_path, data, tiny_model_dir):
 
 
 def test_bad_column_is_a_clean_error_before_the_model(tmp_path, data, monkeypatch):
-    monkeypatch.setattr(job_mod, "load_llm", lambda spec: pytest.fail("model loaded"))
+    monkeypatch.setattr(llm_cache, "get_llm", lambda *a, **k: pytest.fail("model loaded"))
     result = CliRunner().invoke(
         main, ["run", str(data), str(tmp_path / "out"), "--prompt-column", "nope"]
     )
@@ -102,15 +103,23 @@ def test_ledger_show_empty(tmp_path):
     assert result.exit_code == 0 and "no jobs recorded" in result.output
 
 
-def test_parse_storage_options():
-    assert parse_storage_options(("anon=true", "endpoint_url=http://x:1", "n=3")) == {
+def test_parse_key_values():
+    flag = "--storage-option"
+    assert parse_key_values(("anon=true", "endpoint_url=http://x:1", "n=3"), flag=flag) == {
         "anon": True,
         "endpoint_url": "http://x:1",
         "n": 3,
     }
     with pytest.raises(ValueError, match="KEY=VALUE") as err:
-        parse_storage_options(("supersecret",))
+        parse_key_values(("supersecret",), flag=flag)
     assert "supersecret" not in str(err.value)
+
+
+def test_a_malformed_pair_is_a_usage_error_that_does_not_echo_it(tmp_path, data):
+    args = ["run", str(data), str(tmp_path / "out"), "--storage-option", "supersecret"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "--storage-option must be KEY=VALUE" in result.output
+    assert "supersecret" not in result.output
 
 
 def test_plan_window_rows_reaches_the_job(tmp_path, data, monkeypatch):

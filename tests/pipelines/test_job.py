@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenmill.connectors import SourceError
-from tokenmill.pipelines import job as job_mod
+from tokenmill.engine import llm_cache
+from tokenmill.pipelines import planning
 from tokenmill.pipelines.job import (
     finalize_job,
     load_shard,
@@ -47,8 +48,8 @@ def no_model_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the model must not be touched")
 
-    monkeypatch.setattr(job_mod, "load_llm", refuse)
-    monkeypatch.setattr(job_mod, "_model_facts", refuse)
+    monkeypatch.setattr(llm_cache, "get_llm", refuse)
+    monkeypatch.setattr(planning, "describe_model", refuse)
 
 
 def test_every_row_answered_once_and_ledger_matches_rows(tmp_path, fake_llm):
@@ -60,7 +61,8 @@ def test_every_row_answered_once_and_ledger_matches_rows(tmp_path, fake_llm):
     by_id = {r["id"]: r for r in results.to_pylist()}
     assert by_id["row-000000001"]["error"] == "prompt is null"
     assert by_id["row-000000003"]["error"] == "prompt is empty"
-    assert by_id["row-000000005"]["error"].startswith("prompt is 5001 tokens, longer than")
+    # sent as a user message: "<user>" + 5000 characters + "</><assistant>"
+    assert by_id["row-000000005"]["error"].startswith("prompt is 5020 tokens, longer than")
     for i in (0, 2, 4, 6):
         row = by_id[f"row-{i:09d}"]
         assert row["error"] is None and row["finish_reason"] == "stop"
@@ -138,7 +140,9 @@ def test_template_passthrough_id_column_and_jsonl_parts(tmp_path, fake_llm):
     )
     assert sorted(p.name.rsplit(".", 1)[1] for p in (out / "results").iterdir()) == ["jsonl"]
     rows = {r["id"]: r for r in read_results(str(out)).to_pylist()}
-    assert rows["a"]["lang"] == "en" and rows["a"]["prompt_tokens"] == 1 + len("Summarise: one")
+    # the filled template goes through the chat template as a user message
+    wrapped = "<user>Summarise: one</><assistant>"
+    assert rows["a"]["lang"] == "en" and rows["a"]["prompt_tokens"] == len(wrapped)
     assert rows["b"]["error"] == "template column 'text' is null" and rows["b"]["lang"] == "fr"
     assert ledger.rows_ok == 2
 
@@ -216,9 +220,11 @@ def test_bad_options_fail_fast(tmp_path):
         JobSpec("in", "out", output_format="xml")
     with pytest.raises(ValueError, match="clash"):
         JobSpec("in", "out", passthrough=["output"])
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(TypeError, match="give the sampling options themselves"):
         run_job("in", "out", max_tokens=3, sampling=None)
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(TypeError, match="unknown option 'max_token'; did you mean 'max_tokens'"):
+        run_job("in", "out", max_token=3)
+    with pytest.raises(ValueError, match="temperature must be >= 0, got -1"):
         run_job("in", "out", temperature=-1)
 
 
@@ -272,7 +278,7 @@ def test_openai_batch_roundtrip(tmp_path, fake_llm):
     assert rows["chat-1"]["finish_reason"] == "length"
     assert rows["cmpl-1"]["completion_tokens"] == 3
     assert rows["bad-temp"]["error"].startswith("invalid sampling parameters: temperature")
-    assert rows["bad-n"]["error"] == "n > 1 is not supported in batch jobs (one output per row)"
+    assert rows["bad-n"]["error"] == "invalid sampling parameters: n must be 1, got 2"
     assert "line 5" in rows["row-000000004"]["error"]
     assert (ledger.rows_ok, ledger.rows_failed) == (2, 3)
     written = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
@@ -291,9 +297,7 @@ def test_openai_batch_roundtrip(tmp_path, fake_llm):
 
 def test_ledger_file_round_trips(tmp_path, fake_llm):
     src = _write_input(tmp_path / "in.parquet")
-    ledger = run_job(
-        src, str(tmp_path / "out"), llm=fake_llm, prices={"input_per_1m": 1.0, "output_per_1m": 2.0}
-    )
+    ledger = run_job(src, str(tmp_path / "out"), llm=fake_llm, price_input=1.0, price_output=2.0)
     assert read_ledger(str(tmp_path / "out")) == ledger
     assert ledger.cost_total == pytest.approx(
         (ledger.prompt_tokens - ledger.cached_tokens) * 1e-6
@@ -324,7 +328,7 @@ def test_plan_and_results_pickle_for_task_runners(tmp_path, fake_llm):
     results = [pickle.loads(pickle.dumps(run_shard(fake_llm, plan, s))) for s in plan.shards]
     ledger = pickle.loads(pickle.dumps(finalize_job(plan, num_shards_run=len(results))))
     assert sum(r.num_rows for r in results) == ledger.rows_ok + ledger.rows_failed == 7
-    assert sum(r.prompt_tokens for r in results) == ledger.prompt_tokens
+    assert sum(r.rows_failed for r in results) == ledger.rows_failed
     assert read_results(spec.output)["prompt"].to_pylist().count(None) == 1
 
 

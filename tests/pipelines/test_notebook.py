@@ -7,15 +7,15 @@ import pyarrow as pa
 import pytest
 
 import tokenmill
-from tokenmill.pipelines import notebook
-from tokenmill.pipelines.notebook import generate, get_llm, to_arrow
+from tokenmill.engine import llm_cache
+from tokenmill.pipelines.notebook import generate, to_arrow
 
 ENGINE = {"kv_cache_memory": 8 << 20}
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return get_llm(str(tiny_model_dir), dtype="float32", engine_options=ENGINE)
+    return llm_cache.get_llm(str(tiny_model_dir), dtype="float32", **ENGINE).llm
 
 
 def test_polars_in_input_order_with_bad_rows(llm):
@@ -68,12 +68,15 @@ def test_arrow_template_and_chat(llm):
     assert res["prompt_tokens"][0] > len("Summarise: one") // 2
 
 
-def test_llm_cached_per_model(llm, tiny_model_dir):
-    assert get_llm(str(tiny_model_dir), dtype="float32", engine_options=ENGINE) is llm
+def test_the_shared_engine_is_used_and_kept(tiny_model_dir):
+    shared = llm_cache.get_llm(str(tiny_model_dir), dtype="float32", **ENGINE)
+    loads = llm_cache.num_loads()
     res = generate(
         ["hello"], model=str(tiny_model_dir), dtype="float32", engine_options=ENGINE, max_tokens=1
     )
     assert res["completion_tokens"].to_list() == [1]
+    assert llm_cache.num_loads() == loads  # the notebook call reused the loaded engine
+    assert llm_cache.get_llm(str(tiny_model_dir), dtype="float32", **ENGINE) is shared
 
 
 def test_public_export_and_errors(llm):
@@ -95,9 +98,3 @@ def test_pandas_input(llm):
 def test_lazyframe(llm):
     res = generate(pl.LazyFrame({"prompt": ["hi"]}), llm=llm, max_tokens=1)
     assert res.height == 1
-
-
-def test_clear_cache():
-    notebook._LLM_CACHE["x"] = object()
-    notebook.clear_llm_cache()
-    assert notebook._LLM_CACHE == {}

@@ -24,7 +24,6 @@ CHILD = textwrap.dedent(
     """
     import gc, json, sys, tracemalloc
     import pyarrow as pa
-    from tokenmill.engine.sampling_params import SamplingParams
     from tokenmill.pipelines.job import plan_job
     from tokenmill.pipelines.spec import JobSpec
 
@@ -32,7 +31,7 @@ CHILD = textwrap.dedent(
 
     def spec(out, **options):
         return JobSpec(src, out, model=model, id_column="id", plan_window_rows=int(window),
-                       sampling=SamplingParams(max_tokens=1, temperature=0.0), **options)
+                       max_tokens=1, **options)
 
     plan_job(spec(output + "-warm", limit=10))
     gc.collect()

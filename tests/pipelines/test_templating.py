@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import pytest
+from pipeline_fakes import CharTokenizer
 
+from tokenmill.pipelines.option_types import JOB
+from tokenmill.pipelines.options import check_options
 from tokenmill.pipelines.templating import (
     RenderedRow,
     TemplateSpec,
@@ -15,12 +18,34 @@ from tokenmill.pipelines.templating import (
 from tokenmill.pipelines.tokenize import chat_renderer
 
 
-def test_prompt_column_raw_by_default(tokenizer):
+def test_prompt_column_goes_through_the_chat_template_by_default(tokenizer):
     rows = render_rows({"prompt": ["hi", "yo"]}, TemplateSpec(), chat=chat_renderer(tokenizer))
     assert rows == [
-        RenderedRow(0, "row-000000000", text="hi", is_chat=False),
-        RenderedRow(1, "row-000000001", text="yo", is_chat=False),
+        RenderedRow(0, "row-000000000", text="<user>hi</><assistant>", is_chat=True),
+        RenderedRow(1, "row-000000001", text="<user>yo</><assistant>", is_chat=True),
     ]
+
+
+def test_raw_sends_text_as_it_is(tokenizer):
+    spec = TemplateSpec(raw=True)
+    [r] = render_rows({"prompt": ["hi"]}, spec, chat=chat_renderer(tokenizer))
+    assert r == RenderedRow(0, "row-000000000", text="hi", is_chat=False)
+    [r] = render_rows({"t": ["x"]}, TemplateSpec(template="Q: {t}", raw=True), chat=None)
+    assert r.text == "Q: x" and not r.is_chat
+
+
+def test_a_model_without_a_chat_template_runs_raw():
+    no_template = CharTokenizer(chat_template=None)
+    assert chat_renderer(no_template) is None
+    [r] = render_rows({"prompt": ["hi"]}, TemplateSpec(), chat=chat_renderer(no_template))
+    assert r.text == "hi" and not r.is_chat
+
+
+def test_a_system_prompt_needs_the_chat_template(tokenizer):
+    with pytest.raises(ValueError, match="no chat template, so a system prompt cannot be sent"):
+        render_rows({"prompt": ["hi"]}, TemplateSpec(system="Be brief."), chat=None)
+    with pytest.raises(ValueError, match="give one of system and raw"):
+        TemplateSpec(system="Be brief.", raw=True)
 
 
 def test_position_ids_use_global_start():
@@ -28,12 +53,10 @@ def test_position_ids_use_global_start():
     assert rows[0].id == "row-000000123" and rows[0].row_index == 123
 
 
-def test_chat_flag_and_system_imply_chat(tokenizer):
+def test_system_prompt_comes_first(tokenizer):
     chat = chat_renderer(tokenizer)
-    [r] = render_rows({"prompt": ["hi"]}, TemplateSpec(chat=True), chat=chat)
-    assert r.text == "<user>hi</><assistant>" and r.is_chat
     [r] = render_rows({"prompt": ["hi"]}, TemplateSpec(system="Be brief."), chat=chat)
-    assert r.text == "<system>Be brief.</><user>hi</><assistant>"
+    assert r.text == "<system>Be brief.</><user>hi</><assistant>" and r.is_chat
 
 
 def test_messages_column_with_shared_system(tokenizer):
@@ -84,8 +107,8 @@ def test_validate_columns_names_missing_and_available():
 
 
 def test_spec_validation():
-    with pytest.raises(ValueError, match="not both"):
-        TemplateSpec(messages_column="m", template="{x}")
+    with pytest.raises(ValueError, match="give either messages_column or template, not both"):
+        check_options({"messages_column": "m", "template": "{x}"}, surface=JOB)
     with pytest.raises(ValueError, match="give a prompt column"):
         TemplateSpec(prompt_column=None)
     with pytest.raises(ValueError, match="system prompt must not be empty"):
@@ -135,10 +158,12 @@ def test_malformed_messages_are_row_errors(tokenizer, messages, error):
 
 def test_chat_template_exceptions_of_any_kind_are_row_errors():
     class Boom:
+        chat_template = "{{ undefined_variable.x }}"
+
         def apply_chat_template(self, messages, **kw):
             raise RuntimeError("undefined variable")
 
-    [r] = render_rows({"prompt": ["x"]}, TemplateSpec(chat=True), chat=chat_renderer(Boom()))
+    [r] = render_rows({"prompt": ["x"]}, TemplateSpec(), chat=chat_renderer(Boom()))
     assert r.error == "chat template failed: RuntimeError: undefined variable"
 
 

@@ -10,7 +10,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines.job import (
     finalize_job,
     load_shard,
@@ -43,8 +42,7 @@ def _input(path, ids=None, n=NUM_ROWS):
 def _spec(src, output, **options):
     """The JobSpec `run_job(**_job_args(src, output, **options))` runs."""
     args = _job_args(src, output, **options)
-    sampling = SamplingParams(max_tokens=args.pop("max_tokens"), temperature=0.0)
-    return JobSpec(args.pop("input"), args.pop("output"), sampling=sampling, **args)
+    return JobSpec(args.pop("input"), args.pop("output"), **args)
 
 
 def test_every_row_in_one_shard_and_no_shard_spans_windows(tmp_path, fake_llm):

@@ -4,14 +4,18 @@ FLOPs of a decoder-only transformer for one request (multiply-add = 2 FLOPs):
 
     linear    = 2 * P_layers * (prompt tokens computed + generated - 1)
     lm_head   = 2 * hidden * vocab * generated
-    attention = 4 * layers * heads * head_dim * sum(context length of every computed token)
+    attention = 4 * heads * head_dim * sum over layers and computed tokens of the context
+                the token sees in that layer: its position + 1, or at most the window in a
+                sliding-window layer (Mistral; Gemma 3's local layers)
 
 P_layers counts the weights of the per-layer matmuls (q, k, v, o, gate, up, down); the
 embedding lookup, norms and rotary are not matmuls and are left out. The last generated
 token is sampled but never fed back, hence `generated - 1` tokens through the layers.
 Logits are needed only where a token is sampled: the lm_head term counts those positions.
 The attention term is QK^T plus AV over the causal context (a token at position p sees
-p + 1 tokens), with no work for masked or padded positions.
+p + 1 tokens, min(p + 1, window) in a sliding-window layer), with no work for masked or
+padded positions. Gemma 3 needs nothing else: GeGLU has the same three matmuls as
+SwiGLU, head_dim is read from the config, and its 262k-row lm_head is the lm_head term.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    sliding_window: int | None = None
+    num_window_layers: int = 0  # layers that attend within sliding_window
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelShape:
@@ -47,6 +53,10 @@ class ModelShape:
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             vocab_size=config.vocab_size,
+            sliding_window=config.sliding_window,
+            num_window_layers=sum(
+                config.layer_sliding_window(i) is not None for i in range(config.num_hidden_layers)
+            ),
         )
 
     @property
@@ -79,6 +89,12 @@ def _sum_range(start: int, stop: int) -> int:
     return (stop - start) * (start + stop - 1) // 2 if stop > start else 0
 
 
+def _sum_capped_range(start: int, stop: int, cap: int) -> int:
+    """sum(min(c, cap) for c in range(start, stop)) in O(1)."""
+    below = min(stop, max(start, cap + 1))  # c < below means c <= cap
+    return _sum_range(start, below) + cap * max(0, stop - below)
+
+
 def request_flops(shape: ModelShape, work: RequestWork) -> int:
     """FLOPs of one request under the module's formula."""
     num_fed = work.num_computed_prompt + max(work.num_generated - 1, 0)
@@ -88,7 +104,12 @@ def request_flops(shape: ModelShape, work: RequestWork) -> int:
     # positions num_cached .. num_cached + num_fed - 1.
     first = work.num_cached_prompt
     context_sum = _sum_range(first + 1, first + num_fed + 1)
-    attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * context_sum
+    num_full_layers = shape.num_layers - shape.num_window_layers
+    context_sum_all_layers = num_full_layers * context_sum
+    if shape.num_window_layers:
+        windowed = _sum_capped_range(first + 1, first + num_fed + 1, shape.sliding_window)
+        context_sum_all_layers += shape.num_window_layers * windowed
+    attention = 4 * shape.num_heads * shape.head_dim * context_sum_all_layers
     return linear + lm_head + attention
 
 

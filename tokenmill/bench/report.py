@@ -17,7 +17,8 @@ from tokenmill.bench.workload import Workload
 
 FLOP_FORMULA = (
     "per request: 2*P_layers*(prompt tokens computed + generated - 1) "
-    "+ 2*hidden*vocab*generated + 4*layers*heads*head_dim*sum(context length per computed token); "
+    "+ 2*hidden*vocab*generated + 4*heads*head_dim*sum(context length per computed token "
+    "and layer, at most the window in sliding-window layers); "
     "P_layers = weights of the per-layer matmuls (q,k,v,o,gate,up,down); "
     "useful FLOPs count each shared prefix once, executed FLOPs what the system computed"
 )

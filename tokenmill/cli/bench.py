@@ -10,21 +10,8 @@ from pathlib import Path
 import click
 
 from tokenmill.bench.workload import PRESETS
-
-
-def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict:
-    """KEY=VALUE options -> dict; values are parsed as JSON when they are JSON (numbers,
-    true/false, null), else kept as strings."""
-    parsed = {}
-    for item in values:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", ctx=ctx, param=param)
-        try:
-            parsed[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            parsed[key] = raw
-    return parsed
+from tokenmill.cli.options import key_values_callback
+from tokenmill.pipelines.options import get_option
 
 
 @click.command("bench")
@@ -32,7 +19,7 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
 @click.option(
     "--model",
     default=None,
-    help="Model directory, .gguf file or alias (default: smollm2-135m-instruct).",
+    help=get_option("model").help,
 )
 @click.option(
     "--baseline",
@@ -80,7 +67,7 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
     "--engine-arg",
     "engine_args",
     multiple=True,
-    callback=_key_values,
+    callback=key_values_callback("--engine-arg"),
     metavar="KEY=VALUE",
     help="Extra tokenmill LLM(...) argument; repeatable.",
 )
@@ -88,7 +75,7 @@ def _key_values(ctx: click.Context, param: click.Parameter, values: tuple[str, .
     "--vllm-arg",
     "vllm_args",
     multiple=True,
-    callback=_key_values,
+    callback=key_values_callback("--vllm-arg"),
     metavar="KEY=VALUE",
     help="Extra vllm.LLM(...) argument; repeatable.",
 )

@@ -1,14 +1,14 @@
 """`tokenmill flow run INPUT OUTPUT`: the batch job as a Prefect flow run.
 
-Takes the same job options as `tokenmill run` (their definitions are reused from
-that command, so the two never drift), plus where the shards run. The flow run is
+Takes the flow's parameters as options - every option of `tokenmill run` and
+`--storage-secret`, all derived from the job definition (`pipelines/options.py`) -
+plus where the shards run. The flow run is
 recorded by the Prefect API that PREFECT_API_URL names, or by a temporary local
 server when it is unset. The exit status is non-zero when the flow run fails.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from collections.abc import Callable
@@ -17,37 +17,9 @@ from typing import Any
 
 import click
 
-from tokenmill.cli.run import parse_storage_options
-from tokenmill.cli.run import run as _run_command
-
-# `tokenmill run` options that only make sense for a local, interactive run.
-_NOT_FOR_FLOWS = frozenset({"progress", "as_json"})
-
-
-def job_options(command: Callable) -> Callable:
-    """Decorator: the job options of `tokenmill run`, plus `--storage-secret`."""
-    params = [
-        copy.copy(p)
-        for p in _run_command.params
-        if isinstance(p, click.Option) and p.name not in _NOT_FOR_FLOWS
-    ]
-    for param in params:
-        if param.name == "storage_option":
-            # Flow parameters are stored by the server: credentials go elsewhere.
-            param.help = (
-                "Non-secret fsspec storage option, e.g. endpoint_url=... (repeatable); "
-                "credentials: --storage-secret or the workers' environment."
-            )
-    command = click.option(
-        "--storage-secret",
-        default=None,
-        metavar="BLOCK",
-        help="Prefect Secret block holding storage options with credentials (JSON object).",
-    )(command)
-    # What click.option does: params are collected bottom-up and reversed by @command.
-    for param in reversed(params):
-        command.__click_params__.append(param)
-    return command
+from tokenmill.cli.options import given_options, job_options
+from tokenmill.pipelines.option_types import FLOW
+from tokenmill.pipelines.options import get_option
 
 
 def cluster_options(command: Callable) -> Callable:
@@ -89,47 +61,41 @@ def absolute(uri: str | None) -> str | None:
     return os.path.abspath(uri)
 
 
-def flow_parameters(input_uri: str, output_uri: str, opts: dict[str, Any]) -> dict[str, Any]:
-    """The `batch_inference` parameters for parsed job options (consumes `opts`).
+def flow_parameters(input_uri: str, output_uri: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The `batch_inference` parameters for the job options a user gave.
+
+    Repeated values become lists (flow parameters are JSON); local relative paths become
+    absolute, since a flow's tasks may run in another directory.
 
     Raises:
-        click.UsageError: a malformed or credential-bearing option.
+        click.UsageError: a credential among the storage options.
     """
     from tokenmill.flows.parameters import check_storage_options
 
     try:
-        storage_options = parse_storage_options(opts.pop("storage_option"))
-        engine_options = parse_storage_options(opts.pop("engine_option"), flag="--engine-option")
-        check_storage_options(storage_options)
+        check_storage_options(options.get("storage_options"))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    params = {
-        "input": absolute(input_uri),
-        "output": absolute(output_uri),
-        "format": opts.pop("input_format"),
-        "passthrough": list(opts.pop("passthrough")) or None,
-        "stop": list(opts.pop("stop")) or None,
-        "storage_options": storage_options or None,
-        "engine_options": engine_options or None,
-        # The rest are named as the flow's parameters are (tests hold the two in step).
-        **{k: opts.pop(k) for k in list(opts)},
-    }
-    params["ledger_dataset"] = absolute(params.get("ledger_dataset"))
-    if params.get("model") and Path(params["model"]).exists():
-        params["model"] = str(Path(params["model"]).resolve())
-    # An unset option takes the flow's default (and keeps the run's parameters short).
-    return {k: v for k, v in params.items() if v is not None or k in ("input", "output")}
+    params: dict[str, Any] = {"input": absolute(input_uri), "output": absolute(output_uri)}
+    for name, value in options.items():
+        path = get_option(name).path
+        if path == "always":
+            value = absolute(value)
+        elif path == "if_exists" and value and Path(value).exists():  # else e.g. an alias
+            value = str(Path(value).resolve())
+        params[name] = list(value) if isinstance(value, tuple) else value
+    return params
 
 
-def task_runner_from(opts: dict[str, Any]):
-    """The task runner for the cluster options in `opts` (consumed)."""
+def task_runner_from(params: dict[str, Any]):
+    """The task runner for the cluster options among a command's parsed `params`."""
     from tokenmill.flows.runners import make_task_runner
 
     try:
         return make_task_runner(
-            dask_workers=opts.pop("dask_workers"),
-            dask_address=opts.pop("dask_address"),
-            ray_address=opts.pop("ray_address"),
+            dask_workers=params["dask_workers"],
+            dask_address=params["dask_address"],
+            ray_address=params["ray_address"],
         )
     except (ValueError, RuntimeError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -143,18 +109,19 @@ def flow() -> None:
 @flow.command("run")
 @click.argument("input_uri", metavar="INPUT")
 @click.argument("output_uri", metavar="OUTPUT")
-@job_options
+@job_options(FLOW)
 @cluster_options
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the ledger as JSON instead of a summary table."
 )
-def run_flow(input_uri: str, output_uri: str, as_json: bool, **opts: Any) -> None:
+@click.pass_context
+def run_flow(ctx: click.Context, input_uri: str, output_uri: str, as_json: bool, **_: Any) -> None:
     """Run the batch-inference flow over INPUT, writing results and ledger to OUTPUT."""
     from tokenmill.cli.run import print_summary
     from tokenmill.flows.batch_flow import batch_inference
 
-    runner = task_runner_from(opts)
-    params = flow_parameters(input_uri, output_uri, opts)
+    runner = task_runner_from(ctx.params)
+    params = flow_parameters(input_uri, output_uri, given_options(ctx, FLOW))
     state = batch_inference.with_options(task_runner=runner)(**params, return_state=True)
     if not state.is_completed():
         # The flow run's logs (Prefect UI / API) hold the traceback; say why in one line.

@@ -1,43 +1,36 @@
-"""`tokenmill generate`: answer a few prompts given on the command line."""
+"""`tokenmill generate`: answer a few prompts given on the command line.
+
+A front end to `tokenmill.generate`, so its prompts are sent as a notebook's or a
+job's are (through the model's chat template unless `--raw`), and its options are the
+job definition's (`pipelines/options.py`) - those of `tokenmill run` that apply to
+prompts given as arguments rather than read from a dataset.
+"""
 
 from __future__ import annotations
 
 import click
 
+from tokenmill.cli.options import given_options, job_options
+from tokenmill.pipelines.option_types import CLI, INPUT, NOTEBOOK
+
+# A few prompts read on a terminal: short answers unless asked for more.
+_DEFAULTS = {"max_tokens": 64}
+
 
 @click.command("generate")
 @click.argument("prompts", nargs=-1, required=True)
-@click.option(
-    "--model",
-    default=None,
-    help="Model directory, .gguf file or alias (default: smollm2-135m-instruct).",
-)
-@click.option(
-    "--chat/--raw", default=True, show_default=True, help="Apply the model's chat template."
-)
-@click.option("--system", default=None, help="System prompt for --chat.")
-@click.option("--max-tokens", type=int, default=64, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
-@click.option("--dtype", default="auto", show_default=True)
-def generate(prompts, model, chat, system, max_tokens, temperature, top_p, seed, dtype) -> None:
+@job_options(CLI, only=NOTEBOOK, skip_sections=[INPUT], defaults=_DEFAULTS)
+@click.pass_context
+def generate(ctx: click.Context, prompts: tuple[str, ...], **_: object) -> None:
     """Generate completions for PROMPTS and print them."""
-    from tokenmill.engine.llm import LLM
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.pipelines.notebook import generate as answer
 
-    llm = LLM(model, dtype=dtype)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    if chat:
-        conversations = [
-            ([{"role": "system", "content": system}] if system else [])
-            + [{"role": "user", "content": p}]
-            for p in prompts
-        ]
-        outputs = llm.chat(conversations, params)
-    else:
-        outputs = llm.generate(list(prompts), params)
-    for prompt, out in zip(prompts, outputs):
+    options = {**_DEFAULTS, **given_options(ctx)}
+    try:
+        results = answer(list(prompts), **options)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for prompt, text, error in zip(prompts, results["output"], results["error"]):
         click.echo(f"> {prompt}")
-        click.echo(out.text.strip() if out.error is None else f"[error] {out.error}")
+        click.echo(text.strip() if error is None else f"[error] {error}")
         click.echo("")

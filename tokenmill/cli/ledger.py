@@ -6,7 +6,7 @@ import json
 
 import click
 
-from tokenmill.cli.run import parse_storage_options
+from tokenmill.cli.options import key_values_callback
 
 # Shown by default, with their short headers; --all shows every ledger field.
 DEFAULT_COLUMNS = {
@@ -57,14 +57,15 @@ def _cell(value, column: str = "") -> str:
 @click.argument("uri")
 @click.option(
     "--storage-option",
-    "storage_option",
+    "storage_options",
     multiple=True,
+    callback=key_values_callback("--storage-option"),
     metavar="KEY=VALUE",
     help="fsspec storage option (repeatable).",
 )
 @click.option("--all", "all_columns", is_flag=True, help="Show every ledger field.")
 @click.option("--json", "as_json", is_flag=True, help="Print rows as JSON lines.")
-def show(uri, storage_option, all_columns, as_json) -> None:
+def show(uri, storage_options, all_columns, as_json) -> None:
     """Print the ledger dataset at URI (or one job's ledger.json) as a table."""
     from rich.console import Console
     from rich.table import Table
@@ -73,11 +74,10 @@ def show(uri, storage_option, all_columns, as_json) -> None:
     from tokenmill.pipelines.output import read_ledger_dataset
 
     try:
-        options = parse_storage_options(storage_option) or None
         if uri.endswith(".json"):
-            rows = [read_json(uri, options)]
+            rows = [read_json(uri, storage_options)]
         else:
-            rows = read_ledger_dataset(uri, options).to_pylist()
+            rows = read_ledger_dataset(uri, storage_options).to_pylist()
     except (ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

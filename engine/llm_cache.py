@@ -1,0 +1,120 @@
+"""One loaded LLM per process, shared by every job, notebook call and flow task in it.
+
+Loading a model costs seconds (minutes for a large one on a GPU); answering a batch
+often costs less. So the first caller loads the engine and later callers that ask for
+the same one reuse it: `run_job`, `tokenmill.generate` and the flow's shard tasks
+alike, in the main process and in each Dask or Ray worker process.
+
+- One engine at a time: asking for another model, dtype, device or engine option
+  replaces it, so a long-lived GPU worker never holds two models.
+- The key is every argument of `LLM(...)`, defaults filled in, so an argument `LLM`
+  gains later (a revision, a quantization) takes part without a change here; dicts
+  and lists among the values are compared by content.
+- A forked worker inherits its parent's entry but not the parent's threads or device
+  context: an entry remembers the pid that loaded it and is loaded again elsewhere.
+- The engine is not thread-safe, and a task runner may run tasks on several threads
+  of one process: callers hold `SharedLLM.lock` around `generate`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from tokenmill.engine.llm import LLM
+
+
+@dataclass
+class SharedLLM:
+    """The process's loaded LLM and the lock its users share."""
+
+    llm: LLM
+    key: tuple
+    pid: int  # the process that loaded it
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @cached_property
+    def weights_hash(self) -> str:
+        """sha256 of the weight files loaded (the hash planning recorded for them)."""
+        from tokenmill.engine.model_files import weights_hash
+
+        return weights_hash(self.llm.model_dir)
+
+
+_lock = threading.Lock()
+_current: SharedLLM | None = None
+_num_loads = 0
+
+
+def get_llm(model: str | os.PathLike | None = None, **options: Any) -> SharedLLM:
+    """The process's LLM for these arguments, loaded on first use.
+
+    Args:
+        model: as for `LLM(model)`.
+        **options: any other `LLM(...)` keyword (dtype, device, kv_cache_memory, ...).
+
+    Returns:
+        The SharedLLM: the same object for every call with equal arguments, until a
+        call with other arguments replaces it.
+
+    Raises:
+        TypeError: an option `LLM` does not take.
+    """
+    global _current, _num_loads
+    key = call_key(LLM, model, **options)
+    # Loading under the module lock: two threads asking at once load the model once.
+    with _lock:
+        if _current is not None and _current.key == key and _current.pid == os.getpid():
+            return _current
+        _current = None  # drop the old engine before loading the next one
+        _current = SharedLLM(LLM(model, **options), key, os.getpid())
+        _num_loads += 1
+        return _current
+
+
+def call_key(function: Callable, *args: Any, **kwargs: Any) -> tuple:
+    """A hashable key of a call's arguments, equal for calls that mean the same.
+
+    Arguments are bound to `function`'s signature with defaults filled in (so leaving
+    out a default and passing it are one key); mappings, lists and sets are compared by
+    content, whatever their order of insertion.
+
+    Raises:
+        TypeError: the arguments do not fit the signature.
+    """
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return tuple((name, _frozen(value)) for name, value in bound.arguments.items())
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return ("mapping", tuple(sorted((str(k), _frozen(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return ("sequence", tuple(_frozen(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted(repr(_frozen(v)) for v in value)))
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("repr", repr(value))
+    return value
+
+
+def num_loads() -> int:
+    """How many times this process has loaded an engine (for task results and tests)."""
+    return _num_loads
+
+
+def clear() -> None:
+    """Forget the shared engine (its memory is freed once no caller holds it)."""
+    global _current
+    with _lock:
+        _current = None

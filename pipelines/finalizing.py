@@ -1,0 +1,196 @@
+"""Finalizing a job: check every part against the plan, write the ledger, drop the plan.
+
+Parts are read one at a time (one window at a time for OpenAI batch output, which is
+written in input order), so memory is bounded by a shard or a window. The ledger's
+token sums are added up from the rows read back, so they equal the sums over the
+results exactly, however many runs it took.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+
+import pyarrow as pa
+
+from tokenmill.connectors import openai_batch_output_lines, read_part
+from tokenmill.pipelines import output as out
+from tokenmill.pipelines.ledger import (
+    JobLedger,
+    add_token_sums,
+    compute_ledger,
+    now_iso,
+    token_sums,
+)
+from tokenmill.pipelines.plan import Shard
+from tokenmill.pipelines.planning import JobPlan, load_shard
+from tokenmill.pipelines.results import RESULT_SCHEMA
+
+log = logging.getLogger(__name__)
+
+TokenSums = dict[str, int]
+
+
+def finalize_job(
+    plan: JobPlan,
+    *,
+    run_id: str | None = None,
+    run_started_at: str | None = None,
+    num_shards_run: int = 0,
+) -> JobLedger:
+    """Check every part against its shard, write the ledger, and drop the plan files.
+
+    Args:
+        plan: the job plan.
+        run_id: this run's id (default: a new uuid).
+        run_started_at: when this run started (ISO); the ledger's start is the earliest
+            of this and the shards' own start times.
+        num_shards_run: how many shards this run computed (for the ledger).
+
+    Returns:
+        The JobLedger, also written to `OUTPUT/ledger.json` and the ledger dataset.
+
+    Raises:
+        RuntimeError: shards are missing or the parts do not match the plan.
+    """
+    from tokenmill import __version__
+
+    spec = plan.spec
+    parts = out.result_parts(spec.output, spec.storage_options)
+    _check_parts_are_the_plans(plan, parts)
+    if spec.output_format == "openai-batch":
+        sums = _write_openai_output(plan, parts)
+    else:
+        sums = _add_up_parts(plan, parts)
+    stats = out.read_shard_stats(
+        spec.output, [s.shard_id for s in plan.shards], spec.storage_options
+    )
+    starts = [s.started_at for s in stats] + ([run_started_at] if run_started_at else [])
+    ledger = compute_ledger(
+        sums,
+        stats,
+        prices=spec.prices,
+        job_id=plan.job_id,
+        run_id=run_id or uuid.uuid4().hex,
+        model=plan.model_name,
+        weights_hash=plan.weights_hash,
+        engine_version=__version__,
+        input_uri=spec.input,
+        output_uri=spec.output,
+        started_at=min(starts) if starts else now_iso(),
+        finished_at=now_iso(),
+        num_shards=len(plan.shards),
+        num_shards_run=num_shards_run,
+    )
+    out.write_ledger(
+        ledger,
+        spec.output,
+        ledger_dataset=spec.ledger_dataset,
+        storage_options=spec.storage_options,
+    )
+    try:
+        out.remove_plan(spec.output, spec.storage_options)
+    except OSError as exc:  # the job is done; leftover plan files are only clutter
+        log.warning("job %s: could not remove its plan files: %s", plan.job_id, exc)
+    log.info(
+        "job %s finished: %d ok, %d failed, cost %.6f USD",
+        plan.job_id,
+        ledger.rows_ok,
+        ledger.rows_failed,
+        ledger.cost_total,
+    )
+    return ledger
+
+
+def _check_parts_are_the_plans(plan: JobPlan, parts: dict[str, list[str]]) -> None:
+    """Raise RuntimeError unless the parts are exactly the plan's shards."""
+    missing = [s.shard_id for s in plan.shards if s.shard_id not in parts]
+    if missing:
+        raise RuntimeError(
+            f"job {plan.job_id} is incomplete: {len(missing)} of {len(plan.shards)} shards "
+            f"have no results part (e.g. {missing[0]}); run the job again to finish them"
+        )
+    foreign = sorted(set(parts) - {s.shard_id for s in plan.shards})
+    if foreign:
+        raise RuntimeError(
+            f"results of job {plan.job_id} do not match its plan: {len(foreign)} part(s) "
+            f"are not shards of this job (e.g. {foreign[0]})"
+        )
+
+
+def _add_up_parts(plan: JobPlan, parts: dict[str, list[str]]) -> TokenSums:
+    """Token sums over every shard's part, each checked against its shard."""
+    sums = token_sums(RESULT_SCHEMA.empty_table())
+    for shard in plan.shards:
+        results, _ = _checked_part(plan, shard, parts[shard.shard_id], columns=["id"])
+        sums = add_token_sums(sums, results)
+    return sums
+
+
+def _write_openai_output(plan: JobPlan, parts: dict[str, list[str]]) -> TokenSums:
+    """Check and add up every part, and write `OUTPUT/results.jsonl` from them in input
+    order, in one pass over the parts.
+
+    A window's shards cover a contiguous range of rows, so sorting each window's rows
+    by row index and writing the windows in order gives the input order. The file is
+    written atomically: a part that fails its check leaves no output file behind.
+    """
+    spec = plan.spec
+    sums = token_sums(RESULT_SCHEMA.empty_table())
+    created = int(time.time())
+    with out.openai_results_writer(spec.output, spec.storage_options) as write:
+        for _, shards in itertools.groupby(plan.shards, key=lambda shard: shard.window):
+            tables = []
+            for shard in shards:
+                # The plan file is read with the columns the output lines need too, so no
+                # part or plan file is read twice.
+                results, planned = _checked_part(
+                    plan, shard, parts[shard.shard_id], columns=["id", "row_index", "url"]
+                )
+                sums = add_token_sums(sums, results)
+                tables.append(_with_plan_columns(results, planned))
+            window = pa.concat_tables(tables, promote_options="permissive").sort_by("_row_index")
+            for line in openai_batch_output_lines(
+                window.drop_columns(["_row_index"]),
+                model_name=plan.model_name,
+                batch_id=plan.job_id,
+                created=created,
+            ):
+                write(line)
+    return sums
+
+
+def _checked_part(
+    plan: JobPlan, shard: Shard, urls: list[str], *, columns: list[str]
+) -> tuple[pa.Table, pa.Table]:
+    """A shard's results and its plan file (`columns` of it), once the results are
+    checked to hold exactly the shard's planned ids, once each.
+
+    Raises:
+        RuntimeError: they do not.
+    """
+    tables = [read_part(url, plan.spec.storage_options) for url in urls]
+    # Normally one part; more only if a part was duplicated.
+    results = (
+        tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="permissive")
+    )
+    planned = load_shard(plan, shard, columns=columns)
+    ids = results["id"].to_pylist() if results.num_rows else []
+    expected = set(planned["id"].to_pylist())
+    if len(ids) != shard.num_rows or len(set(ids)) != len(ids) or set(ids) != expected:
+        raise RuntimeError(
+            f"results of job {plan.job_id} do not match its plan: shard {shard.shard_id} "
+            f"has {len(ids)} rows ({len(set(ids))} distinct ids) for {shard.num_rows} "
+            "planned rows"
+        )
+    return results, planned
+
+
+def _with_plan_columns(results: pa.Table, planned: pa.Table) -> pa.Table:
+    """`results` with each row's request url and its input position (`_row_index`)."""
+    where = {rid: i for i, rid in enumerate(planned["id"].to_pylist())}
+    take = pa.array([where[rid] for rid in results["id"].to_pylist()], pa.int64())
+    results = results.append_column("url", planned["url"].take(take))
+    return results.append_column("_row_index", planned["row_index"].take(take))

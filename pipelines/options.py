@@ -1,0 +1,596 @@
+"""The job definition: every option of a tokenmill job, declared once, in `OPTIONS`.
+
+Each `Option` states a name, a value type, a default, help text, the constraints on
+its values, the surfaces that show it, whether an OpenAI batch line may override it
+per row, and where its value goes. Every surface is derived from this table:
+
+    surface                                   derived in
+    `tokenmill run`, `flow run`, `serve`      tokenmill/cli/options.py (click options)
+    the batch_inference flow's parameters     flows/parameters.py (signature + docstring,
+                                              from which Prefect builds its schema)
+    JobSpec's fields, run_job's keywords      pipelines/spec.py, pipelines/job.py
+    tokenmill.generate's keywords             pipelines/notebook.py
+    OpenAI batch per-row overrides            `per_row_fields()`
+    SamplingParams / Prices / TemplateSpec /  `routed(values, to)`, `llm_options(values)`
+    LLM(...) arguments
+
+Values are checked here, by `check_options`, the same way whichever surface they came
+from (the CLI's ranges and the flow's schema are built from the same bounds, so a bad
+value is refused there even earlier). How options combine - an OpenAI batch output
+needs OpenAI batch input, a system prompt needs the chat template - is checked where
+the combination means something: `JobSpec` and `TemplateSpec`.
+
+Defaults are a batch tool's: greedy decoding (temperature 0, where SamplingParams'
+own default is 1.0), so a rerun or a resumed job reproduces its answers; prompts go
+through the model's chat template when it has one (`raw` sends them as they are).
+
+How to add an option
+--------------------
+Append one `Option(...)` to `OPTIONS`, then use it. That is the whole edit: the CLI
+flag, the flow parameter (typed and documented), the JobSpec field, the run_job and
+generate keyword and, with `per_row=True`, the OpenAI batch override all follow
+(tests/pipelines/test_options.py adds a throwaway option and sees each of them).
+"Use it" means reading `spec.<name>` where it matters - or, for an option with
+`to=SAMPLING`, `PRICES`, `PROMPT` or `ENGINE`, adding the field of that name to
+SamplingParams, Prices, TemplateSpec or an `LLM(...)` argument, which then receives
+it with no further edit. The vocabulary an entry is written in - surfaces, value
+types, `Option`'s fields - is in `pipelines/option_types.py`: a new kind of value (say,
+JSON given inline or as a file) is one `ValueType` there; a repeatable option sets
+`repeatable=True`; mutually exclusive options share an `exclusive` group name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from tokenmill.engine.aliases import DEFAULT_MODEL
+from tokenmill.engine.quant import QUANTIZATIONS
+from tokenmill.pipelines.option_types import (
+    BATCH,
+    BOOL,
+    COSTS,
+    ENGINE,
+    FLOAT,
+    FLOW,
+    INPUT,
+    INT,
+    KEY_VALUES,
+    MODEL,
+    PRICES,
+    PROMPT,
+    PROMPTS,
+    PYTHON,
+    RUN,
+    SAMPLE,
+    SAMPLING,
+    TEXT,
+    Option,
+    choice,
+)
+from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS, DEFAULT_SHARD_TOKENS
+
+OPTIONS: tuple[Option, ...] = (
+    # -- the model ----------------------------------------------------------------------
+    Option(
+        "model",
+        TEXT,
+        None,
+        f"Model directory, .gguf file, alias, or Hugging Face Hub repo id org/name "
+        f"(default: {DEFAULT_MODEL}).",
+        MODEL,
+        to=ENGINE,
+        path="if_exists",
+    ),
+    Option(
+        "revision",
+        TEXT,
+        None,
+        "Branch, tag or commit of a Hub repo id given as the model (default: main); the "
+        "commit it resolves to names the model in the ledger and the job id.",
+        MODEL,
+        to=ENGINE,
+    ),
+    # -- reading the input ---------------------------------------------------------------
+    Option(
+        "format",
+        TEXT,
+        None,
+        "Input format: parquet, jsonl, csv, openai-batch (default: from file names).",
+        INPUT,
+        surfaces=BATCH,
+    ),
+    Option(
+        "prompt_column",
+        TEXT,
+        "prompt",
+        "Column holding the prompt text.",
+        INPUT,
+        to=PROMPT,
+        nullable=True,
+        metavar="COL",
+    ),
+    Option(
+        "messages_column",
+        TEXT,
+        None,
+        "Column holding chat messages (a list of {role, content}), rendered with the "
+        "model's chat template.",
+        INPUT,
+        to=PROMPT,
+        exclusive="prompt source",
+        metavar="COL",
+    ),
+    Option(
+        "template",
+        TEXT,
+        None,
+        'Prompt template over columns, e.g. "Summarise: {text}".',
+        INPUT,
+        to=PROMPT,
+        exclusive="prompt source",
+    ),
+    Option(
+        "id_column",
+        TEXT,
+        None,
+        "Column of unique row ids (default: ids from row position, row-000000000...).",
+        INPUT,
+        to=PROMPT,
+        metavar="COL",
+    ),
+    Option(
+        "passthrough",
+        TEXT,
+        None,
+        "Input columns copied into the results (tokenmill.generate keeps every input "
+        "column unless given).",
+        INPUT,
+        repeatable=True,
+        metavar="COL",
+    ),
+    Option("limit", INT, None, "Only the first N input rows.", INPUT, surfaces=BATCH, ge=1),
+    # -- how rows become prompts ------------------------------------------------------------
+    Option(
+        "system",
+        TEXT,
+        None,
+        "System prompt for every row, sent with it through the model's chat template.",
+        PROMPTS,
+        to=PROMPT,
+    ),
+    Option(
+        "raw",
+        BOOL,
+        False,
+        "Send prompt or template text as it is. By default it is sent as a user message "
+        "through the model's chat template; a model without a chat template always runs raw.",
+        PROMPTS,
+        to=PROMPT,
+        flag="--raw/--chat",
+    ),
+    # -- sampling -----------------------------------------------------------------------------
+    Option(
+        "max_tokens",
+        INT,
+        256,
+        "Completion budget per row, in tokens.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        ge=1,
+    ),
+    Option(
+        "min_tokens",
+        INT,
+        0,
+        "Tokens generated before an end-of-sequence or stop may end a completion.",
+        SAMPLE,
+        surfaces=PYTHON,
+        to=SAMPLING,
+        per_row=True,
+        ge=0,
+    ),
+    Option(
+        "temperature",
+        FLOAT,
+        0.0,
+        "Sampling temperature; 0 is greedy, so reruns and resumed jobs give the same answers.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        ge=0,
+    ),
+    Option(
+        "top_p",
+        FLOAT,
+        1.0,
+        "Nucleus sampling: sample among the likeliest tokens holding this probability mass.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        gt=0,
+        le=1,
+    ),
+    Option(
+        "top_k",
+        INT,
+        0,
+        "Sample among the k likeliest tokens; 0 disables top-k.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        ge=0,
+    ),
+    Option(
+        "min_p",
+        FLOAT,
+        0.0,
+        "Drop tokens less likely than min_p times the likeliest one; 0 disables it.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        ge=0,
+        le=1,
+    ),
+    Option(
+        "seed",
+        INT,
+        None,
+        "Sampling seed of every request (sampled answers then repeat across reruns).",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+    ),
+    Option(
+        "stop",
+        TEXT,
+        None,
+        "Stop strings: generation stops at the first one produced.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        repeatable=True,
+    ),
+    Option(
+        "stop_token_ids",
+        INT,
+        None,
+        "Token ids that end a completion.",
+        SAMPLE,
+        surfaces=PYTHON,
+        to=SAMPLING,
+        per_row=True,
+        repeatable=True,
+    ),
+    Option(
+        "ignore_eos",
+        BOOL,
+        False,
+        "Generate past end-of-sequence tokens, up to max_tokens.",
+        SAMPLE,
+        surfaces=PYTHON,
+        to=SAMPLING,
+    ),
+    Option(
+        "include_stop_str_in_output",
+        BOOL,
+        False,
+        "Keep the stop string that ended a completion in its output.",
+        SAMPLE,
+        surfaces=PYTHON,
+        to=SAMPLING,
+    ),
+    Option(
+        "n",
+        INT,
+        1,
+        "Completions per row; results hold one output per row, so 1 for now.",
+        SAMPLE,
+        surfaces=PYTHON,
+        to=SAMPLING,
+        per_row=True,
+        ge=1,
+        le=1,
+    ),
+    # -- costs --------------------------------------------------------------------------------
+    Option(
+        "price_input",
+        FLOAT,
+        0.0,
+        "USD per 1M uncached prompt tokens.",
+        COSTS,
+        surfaces=BATCH,
+        to=PRICES,
+        field="input_per_1m",
+        ge=0,
+    ),
+    Option(
+        "price_cached",
+        FLOAT,
+        None,
+        "USD per 1M cached prompt tokens (default: the input price).",
+        COSTS,
+        surfaces=BATCH,
+        to=PRICES,
+        field="cached_input_per_1m",
+        ge=0,
+    ),
+    Option(
+        "price_output",
+        FLOAT,
+        0.0,
+        "USD per 1M completion tokens.",
+        COSTS,
+        surfaces=BATCH,
+        to=PRICES,
+        field="output_per_1m",
+        ge=0,
+    ),
+    Option(
+        "price_device_hour",
+        FLOAT,
+        None,
+        "USD per device-hour, for the device-time cost.",
+        COSTS,
+        surfaces=BATCH,
+        to=PRICES,
+        field="device_per_hour",
+        ge=0,
+    ),
+    # -- running the job ------------------------------------------------------------------------
+    Option(
+        "shard_tokens",
+        INT,
+        DEFAULT_SHARD_TOKENS,
+        "Token budget of one shard (prompt + max completion tokens), the unit of resume.",
+        RUN,
+        surfaces=BATCH,
+        ge=1,
+    ),
+    Option(
+        "plan_window_rows",
+        INT,
+        DEFAULT_PLAN_WINDOW_ROWS,
+        "Input rows ordered and cut into shards together; planning memory grows with "
+        "this, not with the input.",
+        RUN,
+        surfaces=BATCH,
+        ge=1,
+    ),
+    Option(
+        "resume",
+        BOOL,
+        True,
+        "Skip shards already complete in the output; off recomputes everything.",
+        RUN,
+        surfaces=BATCH,
+    ),
+    Option(
+        "output_format",
+        choice("parquet", "jsonl", "openai-batch"),
+        "parquet",
+        "Result parts as Parquet or JSONL; openai-batch also writes OUTPUT/results.jsonl "
+        "in OpenAI's batch output format (it needs OpenAI batch input).",
+        RUN,
+        surfaces=BATCH,
+    ),
+    Option(
+        "ledger_dataset",
+        TEXT,
+        None,
+        "Where the job's ledger row is appended (default: OUTPUT/ledger/; the CLI reads "
+        "TOKENMILL_LEDGER_DATASET).",
+        RUN,
+        surfaces=BATCH,
+        envvar="TOKENMILL_LEDGER_DATASET",
+        metavar="URL",
+        path="always",
+    ),
+    Option(
+        "storage_options",
+        KEY_VALUES,
+        None,
+        "fsspec storage options for input, output and ledger. A flow's parameters are "
+        "stored in plain text: credentials go in storage_secret or the workers' "
+        "environment.",
+        RUN,
+        surfaces=BATCH,
+        flag="--storage-option",
+        repr=False,
+    ),
+    Option(
+        "storage_secret",
+        TEXT,
+        None,
+        "Prefect Secret block holding storage options with credentials (a JSON object), "
+        "merged over storage_options when the run starts.",
+        RUN,
+        surfaces=frozenset({FLOW}),
+        metavar="BLOCK",
+    ),
+    # -- the engine ---------------------------------------------------------------------------------
+    Option(
+        "dtype",
+        TEXT,
+        "auto",
+        "Model dtype: auto (bf16 on CUDA and on CPUs with native bf16, else fp32), "
+        "float32 or bfloat16.",
+        MODEL,
+        to=ENGINE,
+    ),
+    Option(
+        "device",
+        TEXT,
+        None,
+        "cpu, cuda, cuda:N (default: CUDA when available).",
+        MODEL,
+        to=ENGINE,
+    ),
+    Option(
+        "quantization",
+        choice(*QUANTIZATIONS),
+        None,
+        "Run the model's linear layers quantized (CPU): int8 (int8 weights and "
+        "activations), int4 (group-wise 4-bit weights) or gguf (a GGUF's own blocks).",
+        MODEL,
+        to=ENGINE,
+    ),
+    Option(
+        "engine_options",
+        KEY_VALUES,
+        None,
+        "More LLM(...) options, e.g. kv_cache_memory=268435456 or max_num_seqs=128.",
+        MODEL,
+        flag="--engine-option",
+    ),
+)
+
+# Options that were removed, and what to do instead (a clearer error than "unknown").
+_REMOVED = {
+    "chat": "prompts go through the chat template by default now; raw=True sends them as they are",
+    "sampling": "give the sampling options themselves (max_tokens=..., temperature=...)",
+    "prices": "give price_input=, price_cached=, price_output=, price_device_hour=",
+}
+
+
+def options_for(surface: str) -> list[Option]:
+    """The options a surface shows, in definition order."""
+    return [option for option in OPTIONS if surface in option.surfaces]
+
+
+def get_option(name: str) -> Option:
+    """The option called `name` (KeyError if there is none)."""
+    for option in OPTIONS:
+        if option.name == name:
+            return option
+    raise KeyError(name)
+
+
+def per_row_fields() -> tuple[str, ...]:
+    """The options an OpenAI batch line may override for its own row."""
+    return tuple(option.name for option in OPTIONS if option.per_row)
+
+
+def check_options(values: Mapping[str, Any], *, surface: str) -> dict[str, Any]:
+    """Every option of `surface`: the given values checked and made canonical, the rest
+    defaulted.
+
+    Args:
+        values: option name -> value, as given by a caller (a subset).
+        surface: JOB, NOTEBOOK, FLOW or CLI: which options may be given.
+
+    Returns:
+        name -> value for every option of the surface, in definition order.
+
+    Raises:
+        TypeError: a name that is not an option of `surface`.
+        ValueError: a value of the wrong type, out of bounds, or two options given
+            that exclude each other.
+    """
+    check_names(values, surface=surface)
+    known = options_for(surface)
+    checked = {
+        option.name: option.check(values.get(option.name, option.default)) for option in known
+    }
+    _check_exclusive(known, checked)
+    return checked
+
+
+def check_names(names: Iterable[str], *, surface: str) -> None:
+    """Raise TypeError for a name that is not an option of `surface`, saying what to give
+    instead (a removed option's replacement, or the closest name)."""
+    known = {option.name for option in options_for(surface)}
+    for name in names:
+        if name not in known:
+            raise TypeError(_unknown_message(name, known))
+
+
+def routed(values: Mapping[str, Any], to: str) -> dict[str, Any]:
+    """The values of the options that go to `to`, under their names there."""
+    return {
+        option.target: values[option.name]
+        for option in OPTIONS
+        if option.to == to and option.name in values
+    }
+
+
+def llm_options(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`LLM(...)` keyword arguments: the ENGINE options, then `engine_options`.
+
+    Raises:
+        ValueError: engine_options sets an argument that is an option of its own.
+    """
+    options = routed(values, ENGINE)
+    extra = dict(values.get("engine_options") or {})
+    clash = sorted(set(extra) & set(options))
+    if clash:
+        raise ValueError(
+            f"engine_options may not set {', '.join(clash)}: give it as its own option"
+        )
+    return {**options, **extra}
+
+
+def _check_exclusive(known: list[Option], values: Mapping[str, Any]) -> None:
+    groups: dict[str, list[str]] = {}
+    for option in known:
+        if option.exclusive is not None and values[option.name] != option.check(option.default):
+            groups.setdefault(option.exclusive, []).append(option.name)
+    for given in groups.values():
+        if len(given) > 1:
+            raise ValueError(
+                f"give either {' or '.join(given)}, not both"
+                if len(given) == 2
+                else f"give at most one of {', '.join(given)}"
+            )
+
+
+def _unknown_message(name: str, names: set[str]) -> str:
+    if name in _REMOVED:
+        return f"{name!r} is not an option any more: {_REMOVED[name]}"
+    close = difflib.get_close_matches(name, sorted(names), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown option {name!r}{hint}"
+
+
+def annotation_of(option: Option) -> Any:
+    """The Python type of an option's value: a tuple for a repeatable one, `| None`
+    where None is a value."""
+    annotation = option.type.annotation
+    if option.repeatable:
+        annotation = tuple[annotation, ...]
+    return annotation | None if option.accepts_none else annotation
+
+
+def takes_options(
+    surface: str, *, annotate: Callable[[Option], Any] = annotation_of
+) -> Callable[[Callable], Callable]:
+    """Decorator: a function taking `**options` shows the surface's options, keyword-only
+    with their defaults, in its signature (help(), IDEs, `inspect.signature`, and
+    Prefect, which builds a flow's parameter schema from it).
+
+    Args:
+        surface: whose options.
+        annotate: an option -> its annotation in the signature.
+    """
+
+    def decorate(function: Callable) -> Callable:
+        signature = inspect.signature(function)
+        own = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
+        taken = {p.name for p in own}
+        options = [
+            inspect.Parameter(
+                option.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=option.default,
+                annotation=annotate(option),
+            )
+            for option in options_for(surface)
+            if option.name not in taken
+        ]
+        function.__signature__ = signature.replace(parameters=[*own, *options])
+        return function
+
+    return decorate

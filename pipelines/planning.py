@@ -1,0 +1,181 @@
+"""Planning a job: read, template, tokenize and shard - everything before compute.
+
+The model is described (`engine.describe.describe_model`: its directory, context
+length, chat template, tokenizer and weights hash), never loaded, so every input
+problem - a bad file, a missing column, duplicate ids, a system prompt for a model
+without a chat template - fails here, before any weights are read. Each shard's rows
+are written to `OUTPUT/_plan/<shard_id>.parquet` as its window is planned; a JobPlan
+holds only shard names and sizes, so what a flow ships to its workers and what any
+step keeps in memory is bounded by a planning window, not by the dataset.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pyarrow as pa
+
+from tokenmill.connectors import open_source
+from tokenmill.engine.describe import ModelDescription, describe_model, name_with_revision
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.pipelines import output as out
+from tokenmill.pipelines.plan import PlannedShard, Shard, job_id, plan_shards
+from tokenmill.pipelines.reading import Window, read_windows
+from tokenmill.pipelines.spec import JobSpec, ParamsTable
+from tokenmill.pipelines.spill import shard_table
+from tokenmill.pipelines.templating import required_columns, text_columns
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobPlan:
+    """A planned job: its shards' names and sizes. Each shard's rows (tokens, ids,
+    passthrough columns) are in its plan file, `OUTPUT/_plan/<shard_id>.parquet`."""
+
+    spec: JobSpec
+    job_id: str
+    model_name: str
+    weights_hash: str
+    params: list[SamplingParams]  # the job's distinct sampling params; rows index them
+    shards: list[Shard]
+    num_rows: int = 0
+    num_failed: int = 0  # rows that failed before compute (bad prompt, too long, ...)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.shards)
+
+
+def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
+    """Read, template, tokenize and shard a job - everything before compute.
+
+    The source is opened and validated first (missing file, corrupt file, bad URL,
+    missing column -> `SourceError` naming the file), then the model is described (no
+    weights are loaded), then the rows are read and tokenized window by window
+    (`spec.plan_window_rows`); each window is cut into shards whose rows are written
+    to `OUTPUT/_plan/` before the next window is read. If planning fails (e.g.
+    duplicate ids, found after the last window), the plan files it added are removed.
+
+    Args:
+        spec: the job.
+        llm: an already loaded LLM to plan for (its model, tokenizer and context
+            length); default: `spec.model`, described from its files.
+
+    Returns:
+        The JobPlan.
+
+    Raises:
+        ValueError: bad input (SourceError), duplicate or null ids, bad options.
+    """
+    template = spec.template_spec
+    columns = None if spec.is_openai_batch else [*required_columns(template), *spec.passthrough]
+    source = open_source(
+        spec.input,
+        format=spec.format,
+        storage_options=spec.storage_options,
+        columns=list(dict.fromkeys(columns)) if columns is not None else None,
+        on_bad_line="skip_row",
+        text_columns=text_columns(template),
+    )
+    model, tokenizer, max_model_len = _model_for(spec, llm)
+    params = ParamsTable(spec.sampling)
+    shards: list[Shard] = []
+    num_rows = num_failed = 0
+    # Another plan's files may have our shard ids (same rows, same id): if this planning
+    # fails, it removes only the files it added.
+    existing = out.planned_shards(spec.output, spec.storage_options)
+    windows = read_windows(source, spec, tokenizer, max_model_len=max_model_len, params=params)
+    try:
+        for window in windows:
+            for planned in plan_shards(
+                window.rows,
+                params.params,
+                model_key=model.model_key,
+                shard_tokens=spec.shard_tokens,
+                first_index=len(shards),
+                window=window.index,
+            ):
+                _spill(spec, planned, window)
+                shards.append(planned.shard)
+            num_rows += len(window.rows)
+            num_failed += sum(1 for r in window.rows if r.error is not None)
+    except BaseException:
+        added = [s.shard_id for s in shards if s.shard_id not in existing]
+        out.remove_plan(spec.output, spec.storage_options, shard_ids=added)
+        raise
+    plan = JobPlan(
+        spec=spec,
+        job_id=job_id(shards, output=_canonical_location(spec.output)),
+        model_name=model.name,
+        weights_hash=model.weights_hash,
+        params=params.params,
+        shards=shards,
+        num_rows=num_rows,
+        num_failed=num_failed,
+    )
+    log.info(
+        "planned job %s: %d rows (%d failed before compute), %d shards, ~%d tokens",
+        plan.job_id,
+        plan.num_rows,
+        plan.num_failed,
+        len(shards),
+        plan.num_tokens,
+    )
+    return plan
+
+
+def _model_for(spec: JobSpec, llm: Any) -> tuple[ModelDescription, Any, int]:
+    """(description, tokenizer, context length) of the model the job runs on."""
+    if llm is not None:
+        model = describe_model(llm.model_dir)
+        name = name_with_revision(getattr(llm, "model_name", model.name), model.revision)
+        model = replace(model, name=name)
+        return model, llm.tokenizer, llm.max_model_len
+    model = describe_model(spec.model, revision=spec.revision)
+    limit = spec.engine_options.get("max_model_len") or model.max_context
+    return model, model.load_tokenizer(), min(model.max_context, limit)
+
+
+def _canonical_location(uri: str) -> str:
+    # "out", "./out" and "/abs/out" are one place, so they are one job.
+    return uri if "://" in uri else os.path.abspath(uri)
+
+
+def _spill(spec: JobSpec, planned: PlannedShard, window: Window) -> None:
+    """Write a shard's rows, with their passthrough columns and urls, to its plan file."""
+    local = [r.row_index - window.start for r in planned.rows]
+    passthrough = None
+    if window.passthrough is not None:
+        passthrough = window.passthrough.take(pa.array(local, pa.int64()))
+    endpoints = [window.endpoints[i] for i in local] if window.endpoints is not None else None
+    table = shard_table(planned.rows, passthrough=passthrough, endpoints=endpoints)
+    out.write_plan_shard(spec.output, planned.shard.shard_id, table, spec.storage_options)
+
+
+def load_shard(plan: JobPlan, shard: Shard, *, columns: list[str] | None = None) -> pa.Table:
+    """A shard's plan file (only `columns`, if given), checked against the plan.
+
+    Raises:
+        RuntimeError: the file is gone (the job finished and dropped it, or it was
+            deleted) or does not hold the shard's rows.
+    """
+    spec = plan.spec
+    try:
+        table = out.read_plan_shard(
+            spec.output, shard.shard_id, spec.storage_options, columns=columns
+        )
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"shard {shard.shard_id} of job {plan.job_id} has no plan file under "
+            f"{out.plan_uri(spec.output)}: plan the job again (rerun it) to recreate it"
+        ) from None
+    if table.num_rows != shard.num_rows:
+        raise RuntimeError(
+            f"the plan file of shard {shard.shard_id} holds {table.num_rows} rows, "
+            f"the plan {shard.num_rows}: plan the job again (rerun it)"
+        )
+    return table

@@ -1,0 +1,135 @@
+"""Running a planned job's shards: check the output, then generate shard by shard.
+
+A shard is done when its results part exists; parts are published atomically and
+never overwritten, so `run_shard` is idempotent: a retried, resumed or duplicated
+shard task finds the part and computes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.pipelines import output as out
+from tokenmill.pipelines.ledger import ShardStats, now_iso
+from tokenmill.pipelines.plan import Shard
+from tokenmill.pipelines.planning import JobPlan, load_shard
+from tokenmill.pipelines.results import build_results, latencies
+from tokenmill.pipelines.spill import shard_rows
+
+log = logging.getLogger(__name__)
+
+OnOutput = Callable[[RequestOutput], None]
+
+
+@dataclass
+class ShardResult:
+    """What running one shard did (counts only; token sums come from the parts)."""
+
+    shard_id: str
+    skipped: bool  # already complete: nothing was computed
+    num_rows: int
+    rows_failed: int = 0
+    device_seconds: float = 0.0
+
+
+def prepare_output(plan: JobPlan) -> set[str]:
+    """Check the output directory against the plan; return the shards already complete.
+
+    With resume on, parts that are not shards of this plan mean the directory holds
+    another job's results, which a rerun must not mix with its own: that raises. With
+    resume off, earlier results are removed first.
+    """
+    spec = plan.spec
+    if not spec.resume:
+        removed = out.remove_results(spec.output, spec.storage_options)
+        if removed:
+            log.info("resume off: removed %d earlier result parts", removed)
+        stale = out.planned_shards(spec.output, spec.storage_options)
+        stale -= {s.shard_id for s in plan.shards}
+        out.remove_plan(spec.output, spec.storage_options, shard_ids=stale)
+        return set()
+    done = out.completed_shards(spec.output, spec.storage_options)
+    foreign = sorted(done - {s.shard_id for s in plan.shards})
+    if foreign:
+        raise ValueError(
+            f"{out.results_uri(spec.output)} holds {len(foreign)} part(s) that are not shards of "
+            f"this job (e.g. {foreign[0]}): the input, model or options changed since they were "
+            "written. Use a new output location, or resume=False (--no-resume) to replace them."
+        )
+    return done
+
+
+def run_shard(
+    llm: Any, plan: JobPlan, shard: Shard, *, on_output: OnOutput | None = None
+) -> ShardResult:
+    """Generate one shard's rows and publish its results part.
+
+    Idempotent: a shard whose part already exists is skipped, so a retried or resumed
+    task never computes or writes a shard twice.
+
+    Args:
+        llm: a loaded `tokenmill.engine.llm.LLM` (anything with its `generate`); the
+            caller holds its lock if other threads share it.
+        plan: the job plan.
+        shard: one of `plan.shards`.
+        on_output: called with each RequestOutput as it finishes (progress bars).
+
+    Returns:
+        The ShardResult.
+    """
+    spec = plan.spec
+    if spec.resume and out.part_exists(
+        spec.output, shard.shard_id, spec.part_format, spec.storage_options
+    ):
+        return ShardResult(shard.shard_id, skipped=True, num_rows=shard.num_rows)
+    planned = shard_rows(load_shard(plan, shard))
+    rows = planned.rows
+    good = [r for r in rows if r.token_ids is not None]
+    started_at, t0 = now_iso(), time.perf_counter()
+    outputs: dict[int, RequestOutput] = {}
+    if good:
+        generated = llm.generate(
+            [r.token_ids for r in good],
+            [plan.params[r.params_index] for r in good],
+            on_output=on_output,
+        )
+        outputs = {r.row_index: o for r, o in zip(good, generated)}
+    seconds = time.perf_counter() - t0
+    table = build_results(rows, outputs, passthrough=planned.passthrough)
+    stats = ShardStats(
+        shard_id=shard.shard_id,
+        num_rows=len(rows),
+        device=str(getattr(llm, "device", "")),
+        device_seconds=seconds if good else 0.0,
+        started_at=started_at,
+        finished_at=now_iso(),
+        latencies=latencies(outputs),
+    )
+    try:
+        out.write_shard(
+            spec.output, table, stats, fmt=spec.part_format, storage_options=spec.storage_options
+        )
+    except FileExistsError:
+        # Another worker published this shard first; its part stands, ours is dropped.
+        log.info("shard %s was completed elsewhere meanwhile; keeping that part", shard.shard_id)
+        return ShardResult(shard.shard_id, skipped=True, num_rows=shard.num_rows)
+    result = ShardResult(
+        shard.shard_id,
+        skipped=False,
+        num_rows=len(rows),
+        rows_failed=sum(1 for r in table["finish_reason"].to_pylist() if r == "error"),
+        device_seconds=stats.device_seconds,
+    )
+    log.info(
+        "shard %s: %d rows (%d failed), %.2fs",
+        shard.shard_id,
+        result.num_rows,
+        result.rows_failed,
+        result.device_seconds,
+    )
+    return result
