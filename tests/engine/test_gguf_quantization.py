@@ -58,7 +58,9 @@ def test_fused_parts_in_different_formats_run_side_by_side():
     # The Q4_K rows go through the int4 kernel in bf16; the others are exact in fp32.
     relative = (got[:, :16] - want[:, :16]).norm() / want[:, :16].norm()
     assert float(relative) < 1e-2
-    torch.testing.assert_close(got[:, 16:], want[:, 16:], rtol=1e-5, atol=1e-5)
+    # fp32 sums of 512 products of random blocks' large values: rounding ~1e-5 relative.
+    relative = (got[:, 16:] - want[:, 16:]).norm() / want[:, 16:].norm()
+    assert float(relative) < 1e-5
 
 
 @pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])

@@ -116,6 +116,7 @@ def test_engine_options_may_not_repeat_an_option():
         "revision": None,
         "dtype": "auto",
         "device": None,
+        "quantization": None,
         "max_num_seqs": 8,
     }
     with pytest.raises(ValueError, match="engine_options may not set dtype: give it as its own"):
