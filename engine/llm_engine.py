@@ -163,7 +163,7 @@ class LLMEngine:
     ) -> None:
         metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         request = _Request(request_id, prompt, list(prompt_token_ids), params, [], metrics)
-        error = self._validate(request.prompt_token_ids)
+        error = self._validate(request.prompt_token_ids, params)
         if error is not None:
             metrics.finish_time = time.perf_counter()
             self.stats.num_errors += 1
@@ -187,16 +187,18 @@ class LLMEngine:
         self._requests[request_id] = request
         self.stats.num_requests += 1
 
-    def _validate(self, prompt_token_ids: list[int]) -> str | None:
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
         num = len(prompt_token_ids)
+        # A generating request needs room for one token more; a prompt-only one does not.
+        room = 0 if params.is_prompt_only else 1
         if num == 0:
             return "prompt is empty (0 tokens)"
-        if num >= self.max_model_len:
+        if num + room > self.max_model_len:
             return (
-                f"prompt has {num} tokens; the model's context is {self.max_model_len} tokens, "
-                "leaving no room to generate"
+                f"prompt has {num} tokens; the model's context is {self.max_model_len} tokens"
+                + (", leaving no room to generate" if room else "")
             )
-        if num >= self.max_seq_len:
+        if num + room > self.max_seq_len:
             return (
                 f"prompt has {num} tokens but the whole KV cache holds {self.max_seq_len}; "
                 "raise kv_cache_memory"
@@ -232,13 +234,26 @@ class LLMEngine:
         batch = self._sampling_batch(sampling_seqs) if sampling_seqs else None
         sampled = self.runner.run(out, batch, previous=self._pending)
         finished += self._resolve()  # the previous step's tokens, while this one runs
+        scored = [c.seq for c in out.chunks if c.reaches_end and c.seq.params.is_prompt_only]
         self.scheduler.record_computed(out)
+        finished += self._finish_prompt_only(scored)
         self.stats.num_steps += 1
         if sampled is not None:
             self._pending = PendingStep.launch(sampling_seqs, sampled)
             self._hold_places(self._pending)
             if not self.overlap_steps:
                 finished += self._resolve()
+        return finished
+
+    def _finish_prompt_only(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """End prompt-only requests (max_tokens=0) whose prompt this step completed: their
+        prompt log-probabilities are recorded, and there is nothing to sample."""
+        finished = []
+        now = time.perf_counter()
+        for seq in seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "length")
+                finished.append(self._complete(self._requests[seq.request_id], now))
         return finished
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
@@ -357,7 +372,11 @@ class LLMEngine:
         first = request.seqs[0]
         metrics = request.metrics
         metrics.first_scheduled_time = first.first_scheduled_time
-        metrics.first_token_time = min(s.first_token_time for s in request.seqs)
+        # None for a prompt-only request: it has no first token.
+        metrics.first_token_time = min(
+            (s.first_token_time for s in request.seqs if s.first_token_time is not None),
+            default=None,
+        )
         metrics.finish_time = now
         num_prompt = len(request.prompt_token_ids)
         num_cached = first.num_cached_prompt_tokens or 0

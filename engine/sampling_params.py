@@ -12,6 +12,10 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
     filters. A request with a seed samples the same tokens whatever else shares its
     batch. n > 1 produces n completions that share the prompt's cached blocks.
+
+    max_tokens=0 with prompt_logprobs scores the prompt and generates nothing (as
+    OpenAI's completions endpoint did with echo and max_tokens 0): the request ends once
+    its prompt is computed, samples no token, and may fill the whole context.
     """
 
     n: int = 1
@@ -45,8 +49,13 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.max_tokens == 0 and (self.prompt_logprobs is None or self.n != 1):
+            raise ValueError(
+                "max_tokens=0 generates nothing: it scores one prompt, so it needs "
+                "prompt_logprobs and n=1"
+            )
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
@@ -61,3 +70,8 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def is_prompt_only(self) -> bool:
+        """Scores the prompt and samples nothing (max_tokens=0)."""
+        return self.max_tokens == 0

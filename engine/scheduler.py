@@ -31,9 +31,15 @@ class ScheduledChunk:
     num_new_tokens: int
 
     @property
-    def samples(self) -> bool:
-        """Whether the chunk reaches the sequence's end, so its last logits are sampled."""
+    def reaches_end(self) -> bool:
+        """Whether the chunk computes the sequence's last token."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk's last logits are sampled: it reaches the sequence's end, and
+        the sequence generates (a prompt-only one ends there instead)."""
+        return self.reaches_end and not self.seq.params.is_prompt_only
 
 
 @dataclass

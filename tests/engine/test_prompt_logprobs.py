@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from hf_models import build_hf_model, make_engine, run_all
+from hf_models import build_hf_model, hf_greedy, make_engine, run_all
 from test_hf_parity import mixed_prompts
 
 from tokenmill.engine.sampling_params import SamplingParams
@@ -102,3 +102,61 @@ def test_only_the_first_of_n_completions_scores_and_others_share_the_cache(tmp_p
 def test_negative_prompt_logprobs_is_rejected():
     with pytest.raises(ValueError, match="prompt_logprobs must be >= 0"):
         SamplingParams(prompt_logprobs=-1)
+
+
+@pytest.mark.parametrize("prefix_caching, overlap", [(False, False), (True, False), (True, True)])
+def test_prompt_only_requests_score_and_sample_nothing(prefix_caching, overlap, tmp_path):
+    """max_tokens=0: the prompt is scored as with max_tokens=1, no token is sampled or
+    counted, and generating requests in the same batches are unaffected."""
+    hf = build_hf_model("llama", tmp_path)
+    engine = make_engine(
+        tmp_path,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=prefix_caching,
+        overlap_steps=overlap,
+    )
+    prompts = mixed_prompts(VOCAB, seed=8)
+    scored = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    generating = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    params = [scored if i % 2 == 0 else generating for i in range(len(prompts))]
+    outputs = run_all(engine, prompts, params)
+    num_generating = sum(1 for p in params if p is generating)
+    assert engine.stats.generated_tokens == 3 * num_generating
+    for prompt, out, p in zip(prompts, outputs, params):
+        if p is generating:
+            assert out.prompt_logprobs is None
+            assert out.token_ids == hf_greedy(hf, prompt, 3)[0]
+            continue
+        assert out.error is None and out.prompt_tokens == len(prompt)
+        assert out.completion_tokens == 0 and out.token_ids == [] and out.text == ""
+        assert out.metrics.first_token_time is None and out.metrics.latency is not None
+        assert_matches(out, prompt, hf_prompt_logprobs(hf, prompt), 0)
+
+
+def test_a_prompt_only_request_may_fill_the_whole_context(tmp_path):
+    hf = build_hf_model("llama", tmp_path)
+    engine = make_engine(tmp_path, max_model_len=40)
+    prompt = mixed_prompts(VOCAB, seed=9)[-1][:40]
+    generating, scored = run_all(
+        engine,
+        [prompt, prompt],
+        [
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+            SamplingParams(max_tokens=0, prompt_logprobs=0),
+        ],
+    )
+    assert generating.error == (
+        "prompt has 40 tokens; the model's context is 40 tokens, leaving no room to generate"
+    )
+    assert scored.error is None
+    assert_matches(scored, prompt, hf_prompt_logprobs(hf, prompt), 0)
+    too_long = run_all(engine, [prompt + [1]], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert too_long.error == "prompt has 41 tokens; the model's context is 40 tokens"
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=0, prompt_logprobs=0, n=2)])
+def test_max_tokens_zero_is_for_scoring_one_prompt(kwargs):
+    with pytest.raises(ValueError, match="max_tokens=0 generates nothing: it scores one prompt"):
+        SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match="max_tokens must be >= 0"):
+        SamplingParams(max_tokens=-1, prompt_logprobs=0)
