@@ -62,6 +62,7 @@ def ledger_markdown(ledger: JobLedger, *, results_uri: str, ledger_uri: str) -> 
         [
             f"# tokenmill job `{ledger.job_id}`",
             "",
+            f"- **task**: {ledger.task}",
             f"- **model**: `{ledger.model}` (weights `{ledger.weights_hash[:12]}`), "
             f"engine {ledger.engine_version}, device `{ledger.device or 'n/a'}`",
             f"- **input**: `{ledger.input_uri}`",

@@ -83,6 +83,7 @@ def finalize_job(
         finished_at=now_iso(),
         num_shards=len(plan.shards),
         num_shards_run=num_shards_run,
+        task=spec.task,
     )
     out.write_ledger(
         ledger,

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from tokenmill.connectors.fs import redact_url
 from tokenmill.pipelines.pricing import Prices, token_costs
+from tokenmill.pipelines.scoring import GENERATE
 
 
 def now_iso() -> str:
@@ -84,6 +85,9 @@ class JobLedger:
     latency_p50_s: float | None
     latency_p95_s: float | None
     latency_p99_s: float | None
+    # generate | score (pipelines/scoring.py: a scoring job bills prompt tokens only).
+    # Last, with a default: ledgers written before there were tasks are generation jobs.
+    task: str = GENERATE
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,6 +112,7 @@ def _arrow_type(annotation: str) -> pa.DataType:
 
 
 # Fixed so that rows appended over months (with and without device prices) stay one schema.
+# A column added later goes last; `output.read_ledger_dataset` fills it in for older rows.
 LEDGER_SCHEMA = pa.schema([pa.field(f.name, _arrow_type(f.type)) for f in fields(JobLedger)])
 
 
@@ -162,6 +167,7 @@ def compute_ledger(
     finished_at: str,
     num_shards: int,
     num_shards_run: int,
+    task: str = GENERATE,
 ) -> JobLedger:
     """Build a job's ledger from its result rows and its shards' stats.
 
@@ -171,6 +177,8 @@ def compute_ledger(
         stats: one ShardStats per shard (from this run and earlier ones).
         prices: the prices to charge.
         started_at, finished_at: ISO times of the job's first shard and of now.
+        task: generate or score; a scoring job's rows have no completion tokens, so
+            its cost is the prompt tokens' at the input and cached-input prices.
         (the rest are recorded as given; URIs are redacted of credentials)
 
     Returns:
@@ -218,4 +226,5 @@ def compute_ledger(
         latency_p50_s=percentile(latencies, 50),
         latency_p95_s=percentile(latencies, 95),
         latency_p99_s=percentile(latencies, 99),
+        task=task,
     )

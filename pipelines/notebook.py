@@ -1,4 +1,5 @@
-"""`tokenmill.generate`: answer a DataFrame's rows in a notebook, results in input order.
+"""`tokenmill.generate` and `tokenmill.score`: a DataFrame's rows answered (or scored) in
+a notebook, results in input order.
 
 The same options (`pipelines/options.py`, the NOTEBOOK surface), templating,
 tokenizing, ordering and results code as a batch job, without shards or files: rows
@@ -17,12 +18,18 @@ from typing import Any
 import pyarrow as pa
 
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.pipelines.option_types import NOTEBOOK, PROMPT, SAMPLING
+from tokenmill.pipelines.option_types import NOTEBOOK, PROMPT, SAMPLE
 from tokenmill.pipelines.options import check_options, llm_options, routed, takes_options
 from tokenmill.pipelines.plan import order_rows
 from tokenmill.pipelines.reading import check_ids
-from tokenmill.pipelines.results import RESULT_COLUMNS, build_results
+from tokenmill.pipelines.results import build_results, check_passthrough, result_schema
+from tokenmill.pipelines.scoring import (
+    GENERATE,
+    SCORE,
+    adds_generation_prompt,
+    min_prompt_tokens,
+)
+from tokenmill.pipelines.spec import resolve_task, sampling_params
 from tokenmill.pipelines.templating import TemplateSpec, render_rows, validate_columns
 from tokenmill.pipelines.tokenize import chat_renderer, tokenize_rows
 
@@ -75,16 +82,63 @@ def generate(
         completion_tokens, error, then the passthrough columns. Bad rows have
         finish_reason "error" and a message in `error`.
     """
+    return _run(data, GENERATE, llm=llm, on_output=on_output, options=options)
+
+
+@takes_options(NOTEBOOK, skip_sections=(SAMPLE,))
+def score(
+    data: Any,
+    *,
+    llm: Any = None,
+    on_output: Callable[[RequestOutput], None] | None = None,
+    **options: Any,
+) -> Any:
+    """Score every row's text by the model's log-probabilities; results in input order.
+
+    Nothing is generated. Text is scored as it is unless `raw=False`, which scores it as
+    a user message through the chat template (`pipelines/scoring.py` says exactly what
+    is scored).
+
+    Args:
+        data: polars/pandas DataFrame, Arrow table, or a list of texts.
+        llm: an already loaded LLM (default: the shared engine for `model`, `dtype`,
+            `device` and `engine_options`).
+        on_output: called with each RequestOutput as it finishes.
+        **options: the job options a notebook takes, less the sampling ones (as the
+            signature lists them). `passthrough` as for `generate`.
+
+    Returns:
+        A polars DataFrame: id, output (null), finish_reason ("score"), prompt_tokens,
+        cached_tokens, completion_tokens (0), error, prompt_logprob_sum (over every
+        token but the first), perplexity (exp(-prompt_logprob_sum / (prompt_tokens - 1))),
+        then the passthrough columns. Bad rows have finish_reason "error", a message in
+        `error` and null scores.
+    """
+    return _run(data, SCORE, llm=llm, on_output=on_output, options=options)
+
+
+def _run(
+    data: Any,
+    task: str,
+    *,
+    llm: Any,
+    on_output: Callable[[RequestOutput], None] | None,
+    options: dict[str, Any],
+) -> Any:
+    """`generate` or `score`: the rows of `data` through the engine, in input order."""
     import polars as pl
 
     values = check_options(options, surface=NOTEBOOK)
+    values = resolve_task({**values, "task": task})
     template = TemplateSpec(**routed(values, PROMPT))
-    params = SamplingParams(**routed(values, SAMPLING))
+    params = sampling_params(values)
     table = to_arrow(data)
     validate_columns(template, table.column_names, source="data")
     passthrough = values["passthrough"]
     if options.get("passthrough") is None:
-        passthrough = [c for c in table.column_names if c not in RESULT_COLUMNS]
+        columns = result_schema(task).names
+        passthrough = [c for c in table.column_names if c not in columns]
+    check_passthrough(passthrough, task=task)
     lock: Any = nullcontext()
     if llm is None:
         from tokenmill.engine.llm_cache import get_llm
@@ -92,9 +146,14 @@ def generate(
         shared = get_llm(**llm_options(values))
         llm, lock = shared.llm, shared.lock
 
-    rendered = render_rows(table.to_pydict(), template, chat=chat_renderer(llm.tokenizer))
+    chat = chat_renderer(llm.tokenizer, add_generation_prompt=adds_generation_prompt(task))
+    rendered = render_rows(table.to_pydict(), template, chat=chat)
     rows = tokenize_rows(
-        llm.tokenizer, rendered, max_model_len=llm.max_model_len, max_tokens=params.max_tokens
+        llm.tokenizer,
+        rendered,
+        max_model_len=llm.max_model_len,
+        max_tokens=params.max_tokens,
+        min_prompt_tokens=min_prompt_tokens(task),
     )
     if template.id_column is not None:
         check_ids(rows, id_column=template.id_column, source="data")
@@ -104,5 +163,5 @@ def generate(
         with lock:
             generated = llm.generate([r.token_ids for r in good], params, on_output=on_output)
         outputs = {r.row_index: o for r, o in zip(good, generated)}
-    results = build_results(rows, outputs, passthrough=table.select(list(passthrough)))
+    results = build_results(rows, outputs, passthrough=table.select(list(passthrough)), task=task)
     return pl.from_arrow(results)

@@ -21,8 +21,9 @@ needs OpenAI batch input, a system prompt needs the chat template - is checked w
 the combination means something: `JobSpec` and `TemplateSpec`.
 
 Defaults are a batch tool's: greedy decoding (temperature 0, where SamplingParams'
-own default is 1.0), so a rerun or a resumed job reproduces its answers; prompts go
-through the model's chat template when it has one (`raw` sends them as they are).
+own default is 1.0), so a rerun or a resumed job reproduces its answers; prompts to
+answer go through the model's chat template when it has one, text to score is scored
+as it is (`raw` chooses either way; `pipelines/scoring.py`).
 
 How to add an option
 --------------------
@@ -71,8 +72,19 @@ from tokenmill.pipelines.option_types import (
     choice,
 )
 from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS, DEFAULT_SHARD_TOKENS
+from tokenmill.pipelines.scoring import TASKS
 
 OPTIONS: tuple[Option, ...] = (
+    # -- what the job does ---------------------------------------------------------------
+    Option(
+        "task",
+        choice(*TASKS),
+        "generate",
+        "generate: answer each row. score: generate nothing; give each row's prompt "
+        "log-probability sum and perplexity (text is scored as it is unless --chat).",
+        RUN,
+        surfaces=BATCH,
+    ),
     # -- the model ----------------------------------------------------------------------
     Option(
         "model",
@@ -164,9 +176,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "raw",
         BOOL,
-        False,
-        "Send prompt or template text as it is. By default it is sent as a user message "
-        "through the model's chat template; a model without a chat template always runs raw.",
+        None,
+        "Send prompt or template text as it is (--raw), or as a user message through the "
+        "model's chat template (--chat). Default: chat to generate, raw to score; a model "
+        "without a chat template always runs raw.",
         PROMPTS,
         to=PROMPT,
         flag="--raw/--chat",
@@ -565,7 +578,10 @@ def annotation_of(option: Option) -> Any:
 
 
 def takes_options(
-    surface: str, *, annotate: Callable[[Option], Any] = annotation_of
+    surface: str,
+    *,
+    annotate: Callable[[Option], Any] = annotation_of,
+    skip_sections: Iterable[str] = (),
 ) -> Callable[[Callable], Callable]:
     """Decorator: a function taking `**options` shows the surface's options, keyword-only
     with their defaults, in its signature (help(), IDEs, `inspect.signature`, and
@@ -574,7 +590,10 @@ def takes_options(
     Args:
         surface: whose options.
         annotate: an option -> its annotation in the signature.
+        skip_sections: leave out the options of these sections (the function refuses
+            them itself, e.g. `tokenmill.score` the sampling options).
     """
+    skipped = set(skip_sections)
 
     def decorate(function: Callable) -> Callable:
         signature = inspect.signature(function)
@@ -588,7 +607,7 @@ def takes_options(
                 annotation=annotate(option),
             )
             for option in options_for(surface)
-            if option.name not in taken
+            if option.name not in taken and option.section not in skipped
         ]
         function.__signature__ = signature.replace(parameters=[*own, *options])
         return function

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from tokenmill.connectors import (
     lines_writer,
@@ -36,6 +37,7 @@ from tokenmill.connectors import (
 from tokenmill.connectors.fs import resolve
 from tokenmill.pipelines.ledger import JobLedger, ShardStats
 from tokenmill.pipelines.results import RESULT_SCHEMA
+from tokenmill.pipelines.scoring import GENERATE
 
 RESULTS_DIR = "results"
 STATS_DIR = "shard_stats"
@@ -227,9 +229,20 @@ def write_ledger(
 
 
 def read_ledger_dataset(uri: str, storage_options: StorageOptions = None) -> pa.Table:
-    """Every job recorded in a ledger dataset, oldest first."""
+    """Every job recorded in a ledger dataset, oldest first.
+
+    Rows written before a ledger column existed get its default where one is known:
+    `task` "generate" (every job was one before scoring jobs).
+    """
     table = read_parts(uri, storage_options)
-    if table.num_rows and "started_at" in table.column_names:
+    if not table.num_rows:
+        return table
+    if "task" not in table.column_names:
+        table = table.append_column("task", pa.array([GENERATE] * table.num_rows, pa.string()))
+    else:
+        index = table.column_names.index("task")
+        table = table.set_column(index, "task", pc.fill_null(table["task"], GENERATE))
+    if "started_at" in table.column_names:
         table = table.sort_by([("started_at", "ascending")])
     return table
 

@@ -13,9 +13,11 @@ but sit in different windows land in different shards, and reuse each other's pr
 only if the engine's prefix cache still holds it when the later shard runs (likely for
 adjacent windows on one worker, not otherwise). Shards never span windows.
 
-A shard's id is a hash of what it computes - model, sampling params, row ids and
+A shard's id is a hash of what it computes - model, task (scoring; a generation
+job's ids are what they were before there were tasks), sampling params, row ids and
 prompt token ids - so planning the same job twice yields the same shards, and a
-changed job cannot mistake another job's finished shard for its own.
+changed job cannot mistake another job's finished shard for its own: a scoring job
+and a generation job over the same rows never share a shard or a job id.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.pipelines.scoring import GENERATE
 from tokenmill.pipelines.tokenize import PromptRow
 
 # Long enough to cover a typical shared system prompt, short enough that sort keys
@@ -97,10 +100,18 @@ def order_rows(
     return good + bad
 
 
-def shard_id(rows: Sequence[PromptRow], params: Sequence[SamplingParams], *, model_key: str) -> str:
-    """A content hash naming a shard: same rows, prompts, params and model -> same id."""
+def shard_id(
+    rows: Sequence[PromptRow],
+    params: Sequence[SamplingParams],
+    *,
+    model_key: str,
+    task: str = GENERATE,
+) -> str:
+    """A content hash naming a shard: same rows, prompts, params, task and model -> same id."""
     h = hashlib.sha256()
     h.update(model_key.encode())
+    if task != GENERATE:
+        h.update(f"\x00t{task}".encode())
     used = sorted({r.params_index for r in rows})
     for i in used:
         h.update(f"\x00p{i}:".encode())
@@ -120,6 +131,7 @@ def cut_shards(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     max_rows: int | None = None,
     model_key: str,
+    task: str = GENERATE,
     first_index: int = 0,
     window: int = 0,
 ) -> list[PlannedShard]:
@@ -135,6 +147,7 @@ def cut_shards(
         shard_tokens: the token budget per shard (prompt + max completion tokens).
         max_rows: optional cap on rows per shard.
         model_key: identifies the model (e.g. its weights hash) for the shard ids.
+        task: the job's task (`pipelines/scoring.py`), also in the shard ids.
         first_index: the first shard's `index` (the shards of earlier windows come first).
         window: the planning window these rows belong to.
 
@@ -164,7 +177,7 @@ def cut_shards(
     return [
         PlannedShard(
             Shard(
-                shard_id=f"{i:05d}-{shard_id(g, params, model_key=model_key)}",
+                shard_id=f"{i:05d}-{shard_id(g, params, model_key=model_key, task=task)}",
                 index=i,
                 num_rows=len(g),
                 num_tokens=c,
@@ -181,6 +194,7 @@ def plan_shards(
     params: Sequence[SamplingParams],
     *,
     model_key: str,
+    task: str = GENERATE,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     group_tokens: int = DEFAULT_GROUP_TOKENS,
     max_rows: int | None = None,
@@ -195,6 +209,7 @@ def plan_shards(
         shard_tokens=shard_tokens,
         max_rows=max_rows,
         model_key=model_key,
+        task=task,
         first_index=first_index,
         window=window,
     )

@@ -95,6 +95,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
                 window.rows,
                 params.params,
                 model_key=model.model_key,
+                task=spec.task,
                 shard_tokens=spec.shard_tokens,
                 first_index=len(shards),
                 window=window.index,

@@ -20,6 +20,7 @@ import pyarrow as pa
 from tokenmill.connectors import ERROR_COLUMN
 from tokenmill.pipelines.ids import IdCheck
 from tokenmill.pipelines.options import per_row_fields
+from tokenmill.pipelines.scoring import adds_generation_prompt, min_prompt_tokens
 from tokenmill.pipelines.spec import JobSpec, ParamsTable
 from tokenmill.pipelines.templating import ChatRenderer, RenderedRow, render_rows, row_ids
 from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
@@ -63,7 +64,7 @@ def read_windows(
     Raises:
         ValueError: after the last window, if the id column has nulls or duplicates.
     """
-    chat = chat_renderer(tokenizer)
+    chat = chat_renderer(tokenizer, add_generation_prompt=adds_generation_prompt(spec.task))
     ids = IdCheck()
     size = spec.plan_window_rows
     window: Window | None = None
@@ -140,6 +141,7 @@ def _read_batch(
         max_model_len=max_model_len,
         max_tokens=[params.params[i].max_tokens for i in indices],
         params_index=indices,
+        min_prompt_tokens=min_prompt_tokens(spec.task),
     )
 
 

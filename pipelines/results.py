@@ -5,6 +5,11 @@ Pure functions. One result row per input row:
     id, output, finish_reason (stop | length | error), prompt_tokens, cached_tokens,
     completion_tokens, error (null when ok), then the passthrough columns asked for.
 
+A scoring job's rows (`pipelines/scoring.py`) have the same columns - output null,
+finish_reason score | error, completion_tokens 0 - plus `prompt_logprob_sum` and
+`perplexity` after `error`. The schema is fixed by the task, so every part of a job
+has the same one, and a job's rows are all of one task.
+
 Error rows (bad input, over-long prompts, requests the engine could not serve) carry
 zero tokens: nothing was billed for them, and the ledger sums the rows as they are.
 """
@@ -16,6 +21,7 @@ from collections.abc import Mapping, Sequence
 import pyarrow as pa
 
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.pipelines.scoring import GENERATE, SCORE, SCORE_FINISH_REASON, prompt_score
 from tokenmill.pipelines.tokenize import PromptRow
 
 RESULT_SCHEMA = pa.schema(
@@ -29,28 +35,39 @@ RESULT_SCHEMA = pa.schema(
         pa.field("error", pa.string()),
     ]
 )
+SCORE_RESULT_SCHEMA = RESULT_SCHEMA.append(pa.field("prompt_logprob_sum", pa.float64())).append(
+    pa.field("perplexity", pa.float64())
+)
 RESULT_COLUMNS = tuple(RESULT_SCHEMA.names)
 FINISH_REASONS = frozenset({"stop", "length", "error"})
 
 
-def check_passthrough(names: Sequence[str]) -> None:
+def result_schema(task: str = GENERATE) -> pa.Schema:
+    """The schema of a `task` job's results (before passthrough columns)."""
+    return SCORE_RESULT_SCHEMA if task == SCORE else RESULT_SCHEMA
+
+
+def check_passthrough(names: Sequence[str], *, task: str = GENERATE) -> None:
     """Raise ValueError if passthrough columns clash with result columns or repeat."""
-    clash = [n for n in names if n in RESULT_COLUMNS]
+    columns = result_schema(task).names
+    clash = [n for n in names if n in columns]
     if clash:
         raise ValueError(
             f"passthrough column(s) {', '.join(map(repr, clash))} clash with result columns "
-            f"({', '.join(RESULT_COLUMNS)})"
+            f"({', '.join(columns)})"
         )
     if len(set(names)) != len(names):
         raise ValueError("passthrough columns repeat")
 
 
-def result_record(row: PromptRow, output: RequestOutput | None) -> dict:
+def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = GENERATE) -> dict:
     """One result row as a dict, from a prompt row and (if it ran) its engine output."""
     if row.error is not None:
         return _error_record(row.id, row.error)
     if output is None:
         return _error_record(row.id, "no output from the engine")
+    if task == SCORE:
+        return _score_record(row, output)
     reason = output.finish_reason if output.outputs else "error"
     if output.error is not None or reason not in FINISH_REASONS or reason == "error":
         return _error_record(row.id, output.error or f"engine finished with {reason!r}")
@@ -62,6 +79,23 @@ def result_record(row: PromptRow, output: RequestOutput | None) -> dict:
         "cached_tokens": int(output.cached_tokens),
         "completion_tokens": int(output.completion_tokens),
         "error": None,
+    }
+
+
+def _score_record(row: PromptRow, output: RequestOutput) -> dict:
+    if output.error is not None or output.prompt_logprobs is None:
+        return _error_record(row.id, output.error or "the engine returned no prompt scores")
+    total, perplexity = prompt_score(output.prompt_token_ids, output.prompt_logprobs)
+    return {
+        "id": row.id,
+        "output": None,
+        "finish_reason": SCORE_FINISH_REASON,
+        "prompt_tokens": int(output.prompt_tokens),
+        "cached_tokens": int(output.cached_tokens),
+        "completion_tokens": int(output.completion_tokens),  # 0: nothing is sampled
+        "error": None,
+        "prompt_logprob_sum": total,
+        "perplexity": perplexity,
     }
 
 
@@ -82,6 +116,7 @@ def build_results(
     outputs: Mapping[int, RequestOutput],
     *,
     passthrough: pa.Table | None = None,
+    task: str = GENERATE,
 ) -> pa.Table:
     """A results table for `rows`, in their order.
 
@@ -89,18 +124,19 @@ def build_results(
         rows: the prompt rows (good and bad), in the order the table should have.
         outputs: engine output by row index, for the rows that ran.
         passthrough: columns to carry over, one row per entry of `rows`, same order.
+        task: the job's task: its rows and schema (`result_schema`).
 
     Returns:
-        A table with RESULT_SCHEMA's columns followed by the passthrough columns.
+        A table with the task's result columns followed by the passthrough columns.
     """
-    records = [result_record(r, outputs.get(r.row_index)) for r in rows]
-    table = pa.Table.from_pylist(records, schema=RESULT_SCHEMA)
+    records = [result_record(r, outputs.get(r.row_index), task=task) for r in rows]
+    table = pa.Table.from_pylist(records, schema=result_schema(task))
     if passthrough is not None and passthrough.num_columns:
         if passthrough.num_rows != table.num_rows:
             raise ValueError(
                 f"passthrough has {passthrough.num_rows} rows for {table.num_rows} results"
             )
-        check_passthrough(passthrough.column_names)
+        check_passthrough(passthrough.column_names, task=task)
         for name in passthrough.column_names:
             table = table.append_column(passthrough.schema.field(name), passthrough[name])
     return table

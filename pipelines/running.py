@@ -1,4 +1,4 @@
-"""Running a planned job's shards: check the output, then generate shard by shard.
+"""Running a planned job's shards: check the output, then generate (or score) shard by shard.
 
 A shard is done when its results part exists; parts are published atomically and
 never overwritten, so `run_shard` is idempotent: a retried, resumed or duplicated
@@ -100,7 +100,7 @@ def run_shard(
         )
         outputs = {r.row_index: o for r, o in zip(good, generated)}
     seconds = time.perf_counter() - t0
-    table = build_results(rows, outputs, passthrough=planned.passthrough)
+    table = build_results(rows, outputs, passthrough=planned.passthrough, task=spec.task)
     stats = ShardStats(
         shard_id=shard.shard_id,
         num_rows=len(rows),

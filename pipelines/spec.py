@@ -17,6 +17,7 @@ from tokenmill.connectors.formats import normalize_format
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines.option_types import JOB, PRICES, PROMPT, SAMPLING
 from tokenmill.pipelines.options import (
+    OPTIONS,
     annotation_of,
     check_options,
     get_option,
@@ -27,6 +28,7 @@ from tokenmill.pipelines.options import (
 )
 from tokenmill.pipelines.pricing import Prices
 from tokenmill.pipelines.results import check_passthrough
+from tokenmill.pipelines.scoring import GENERATE, SCORE, default_raw, scoring_params
 from tokenmill.pipelines.templating import TemplateSpec
 
 OPENAI_ID_COLUMN = "custom_id"
@@ -63,17 +65,19 @@ class JobSpec:
         if not self.input or not self.output:
             raise ValueError("input and output must be given")
         options = {f.name: getattr(self, f.name) for f in fields(self) if f.kw_only}
-        for name, value in check_options(options, surface=JOB).items():
+        for name, value in resolve_task(check_options(options, surface=JOB)).items():
             setattr(self, name, value)
         self.output = self.output.rstrip("/") or "/"
         if self.format is not None:
             self.format = normalize_format(self.format)
+        if self.task == SCORE:
+            _check_scoring_formats(self.format, self.output_format)
         if self.is_openai_batch:
             if self.template is not None:
                 raise ValueError("OpenAI batch input carries its own prompts; drop --template")
             self.id_column = self.id_column or OPENAI_ID_COLUMN
             self.messages_column, self.prompt_column = "messages", "prompt"
-        check_passthrough(self.passthrough)
+        check_passthrough(self.passthrough, task=self.task)
         if self.id_column is not None and self.id_column in self.passthrough:
             raise ValueError(f"{self.id_column!r} is the id column; it is already the 'id' result")
         if self.output_format == "openai-batch" and not self.is_openai_batch:
@@ -86,8 +90,9 @@ class JobSpec:
 
     @property
     def sampling(self) -> SamplingParams:
-        """The job's sampling parameters (OpenAI batch rows may override some)."""
-        return SamplingParams(**routed(vars(self), SAMPLING))
+        """The job's sampling parameters (OpenAI batch rows may override some); a scoring
+        job's are `scoring_params()`: score the prompt, sample nothing."""
+        return sampling_params(vars(self))
 
     @property
     def prices(self) -> Prices:
@@ -112,6 +117,71 @@ class JobSpec:
     @property
     def is_openai_batch(self) -> bool:
         return self.format == "openai-batch"
+
+
+def resolve_task(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Checked option values with their task's rules applied (`pipelines/scoring.py`).
+
+    `raw` left unset (None) becomes the task's default: chat to generate, raw to score.
+    A scoring job generates nothing, so it takes no sampling option.
+
+    Args:
+        values: every option of a surface, checked (`check_options`); `task` absent
+            means generate.
+
+    Returns:
+        The values, `raw` resolved.
+
+    Raises:
+        ValueError: sampling options given to a scoring job, or a system prompt for text
+            scored raw by default.
+    """
+    values = dict(values)
+    task = values.get("task", GENERATE)
+    if task == SCORE:
+        given = [
+            option.name
+            for option in OPTIONS
+            if option.to == SAMPLING
+            and option.name in values
+            and values[option.name] != option.check(option.default)
+        ]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: a scoring job generates nothing, so it takes no "
+                "sampling options; drop them (or run task 'generate')"
+            )
+        if values.get("raw") is None and values.get("system") and not values.get("messages_column"):
+            raise ValueError(
+                "a scoring job scores text as it is, and a system prompt goes through the chat "
+                "template: add --chat (raw=False) to score the text as a user message after it"
+            )
+    if "raw" in values and values["raw"] is None:
+        values["raw"] = default_raw(task)
+    return values
+
+
+def sampling_params(values: Mapping[str, Any]) -> SamplingParams:
+    """The engine parameters of a job's rows, from its option values: the sampling
+    options, or for a scoring job `scoring_params()` (score the prompt, sample nothing)."""
+    if values.get("task", GENERATE) == SCORE:
+        return scoring_params()
+    return SamplingParams(**routed(values, SAMPLING))
+
+
+def _check_scoring_formats(input_format: str | None, output_format: str) -> None:
+    """Raise ValueError for the OpenAI batch formats: they hold completion requests and
+    answers, and a scoring job has neither."""
+    if output_format == "openai-batch":
+        raise ValueError(
+            "output_format 'openai-batch' is OpenAI's completion output, and a scoring job "
+            "completes nothing: write its rows as parquet or jsonl"
+        )
+    if input_format == "openai-batch":
+        raise ValueError(
+            "a scoring job reads text rows (Parquet, JSONL, CSV); an OpenAI batch file holds "
+            "generation requests: score their prompts from a column of a plain dataset"
+        )
 
 
 class ParamsTable:

@@ -63,6 +63,18 @@ def overlong_error(num_tokens: int, max_tokens: int, max_model_len: int) -> str 
     return None
 
 
+def short_error(num_tokens: int, min_prompt_tokens: int) -> str | None:
+    """Why a prompt of `num_tokens` is too short, or None."""
+    if num_tokens == 0:
+        return "prompt encodes to no tokens"
+    if num_tokens < min_prompt_tokens:
+        return (
+            f"prompt encodes to {num_tokens} token(s), and scoring needs {min_prompt_tokens}: "
+            "a prompt's first token has no log-probability"
+        )
+    return None
+
+
 def tokenize_rows(
     tokenizer: BatchTokenizer,
     rendered: Sequence[RenderedRow],
@@ -70,8 +82,9 @@ def tokenize_rows(
     max_model_len: int,
     max_tokens: Sequence[int] | int,
     params_index: Sequence[int] | int = 0,
+    min_prompt_tokens: int = 1,
 ) -> list[PromptRow]:
-    """Batch-encode rendered rows and turn over-long prompts into error rows.
+    """Batch-encode rendered rows and turn over-long (or too short) prompts into error rows.
 
     Args:
         tokenizer: anything with `encode_batch(texts, add_special_tokens=...)`.
@@ -79,6 +92,8 @@ def tokenize_rows(
         max_model_len: the model's context length in tokens.
         max_tokens: completion budget, one for all rows or one per row.
         params_index: index of each row's SamplingParams (one for all, or per row).
+        min_prompt_tokens: the fewest tokens a prompt may have (2 to score one:
+            `scoring.min_prompt_tokens`).
 
     Returns:
         One PromptRow per rendered row, same order.
@@ -100,7 +115,7 @@ def tokenize_rows(
             rows.append(PromptRow(r.row_index, r.id, error=r.error, params_index=params[i]))
             continue
         token_ids = array("i", encoded[i])
-        problem = "prompt encodes to no tokens" if not token_ids else None
+        problem = short_error(len(token_ids), min_prompt_tokens)
         problem = problem or overlong_error(len(token_ids), budgets[i], max_model_len)
         if problem is not None:
             rows.append(PromptRow(r.row_index, r.id, error=problem, params_index=params[i]))
@@ -109,15 +124,22 @@ def tokenize_rows(
     return rows
 
 
-def chat_renderer(tokenizer: Any) -> ChatRenderer | None:
+def chat_renderer(tokenizer: Any, *, add_generation_prompt: bool = True) -> ChatRenderer | None:
     """The tokenizer's chat template as a messages -> text function (None if it has none).
 
     Template errors (e.g. a template's own `raise_exception` for a role order it does
     not accept) are turned into ValueError so they become per-row errors.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        add_generation_prompt: end with the assistant header a model answers after (off
+            for scoring, which scores a conversation as given).
     """
     if getattr(tokenizer, "chat_template", None) is None:
         return None
-    render = partial(tokenizer.apply_chat_template, add_generation_prompt=True, tokenize=False)
+    render = partial(
+        tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
 
     def _render(messages: list[dict[str, str]]) -> str:
         try:

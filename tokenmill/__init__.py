@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "tokenmill.engine.outputs",
     "CompletionOutput": "tokenmill.engine.outputs",
     "generate": "tokenmill.pipelines.notebook",
+    "score": "tokenmill.pipelines.notebook",
     "run_job": "tokenmill.pipelines.job",
     "JobLedger": "tokenmill.pipelines.ledger",
 }
@@ -30,6 +31,7 @@ __all__ = [
     "__version__",
     "generate",
     "run_job",
+    "score",
 ]
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.sampling_params import SamplingParams
     from tokenmill.pipelines.job import run_job
     from tokenmill.pipelines.ledger import JobLedger
-    from tokenmill.pipelines.notebook import generate
+    from tokenmill.pipelines.notebook import generate, score
 
 
 def __getattr__(name: str) -> Any:

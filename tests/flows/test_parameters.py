@@ -31,7 +31,9 @@ def test_schema_has_every_job_option_typed():
     assert props["output_format"]["enum"] == ["parquet", "jsonl", "openai-batch"]
     # documented with the job definition's help text
     assert props["max_tokens"]["description"] == get_option("max_tokens").help
-    assert props["raw"]["default"] is False
+    # unset: the task's default (chat to generate, raw to score)
+    assert props["raw"]["default"] is None
+    assert props["task"]["enum"] == ["generate", "score"] and props["task"]["default"] == "generate"
     assert {"type": "array", "items": {"type": "string"}} in props["passthrough"]["anyOf"]
     assert props["storage_secret"]["default"] is None
 
@@ -46,6 +48,7 @@ def test_schema_has_every_job_option_typed():
         {"shard_tokens": "many"},
         {"plan_window_rows": 0},
         {"output_format": "xlsx"},
+        {"task": "embed"},
     ],
 )
 def test_schema_rejects_bad_values_before_the_run(bad):

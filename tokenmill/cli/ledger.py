@@ -12,6 +12,7 @@ from tokenmill.cli.options import key_values_callback
 DEFAULT_COLUMNS = {
     "started_at": "started (UTC)",
     "job_id": "job",
+    "task": "task",
     "model": "model",
     "rows_ok": "ok",
     "rows_failed": "failed",

@@ -58,7 +58,8 @@ def _progress_class():
             if skipped:
                 self.console.print(f"resuming: {skipped} of {len(plan.shards)} shards already done")
             self.bar.start()
-            self.task = self.bar.add_task("generating", total=total, rate=0.0, hit=0.0)
+            label = "scoring" if plan.spec.task == "score" else "generating"
+            self.task = self.bar.add_task(label, total=total, rate=0.0, hit=0.0)
             self.started = time.perf_counter()
 
         def request_done(self, output) -> None:
@@ -98,6 +99,7 @@ def print_summary(ledger, output: str) -> None:
 
     table = Table(title=f"job {ledger.job_id}", show_header=False)
     rows = [
+        ("task", ledger.task),
         ("model", f"{ledger.model} ({ledger.weights_hash[:12]})"),
         ("rows", f"{ledger.rows_ok:,} ok, {ledger.rows_failed:,} failed"),
         ("shards", f"{ledger.num_shards} ({ledger.num_shards_run} computed by this run)"),
@@ -150,7 +152,8 @@ def print_summary(ledger, output: str) -> None:
 )
 @click.pass_context
 def run(ctx: click.Context, input_uri: str, output_uri: str, as_json: bool, **_: object) -> None:
-    """Answer every row of INPUT and write results and a cost ledger to OUTPUT."""
+    """Answer (or, with --task score, score) every row of INPUT and write results and a
+    cost ledger to OUTPUT."""
     from tokenmill.pipelines.job import run_job
 
     progress = _progress_class()(enabled=ctx.params["progress"])
