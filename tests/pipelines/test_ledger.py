@@ -169,3 +169,27 @@ def test_no_device_time_gives_no_rates():
         num_shards_run=0,
     )
     assert led.throughput_tokens_per_s is None and led.latency_p50_s is None
+
+
+def test_a_ledger_dataset_written_before_tasks_reads_as_generation_jobs(tmp_path):
+    """The `task` column joined the ledger later: a dataset holding rows from before it
+    (no such column) and after it reads as one table, the old rows as generation jobs;
+    an old ledger.json reads the same way."""
+    import pyarrow.parquet as pq
+
+    from tokenmill.pipelines.output import read_ledger_dataset, write_ledger
+
+    old = _ledger(job_id="old", started_at="2026-01-01T00:00:00").to_arrow().drop_columns(["task"])
+    dataset = tmp_path / "ledger"
+    dataset.mkdir()
+    pq.write_table(old, dataset / "job-old.parquet")
+    assert read_ledger_dataset(str(dataset))["task"].to_pylist() == ["generate"]
+    new = _ledger(job_id="new", started_at="2026-02-01T00:00:00", task="score")
+    write_ledger(new, str(tmp_path / "out"), ledger_dataset=str(dataset))
+    table = read_ledger_dataset(str(dataset))
+    assert table["job_id"].to_pylist() == ["old", "new"]
+    assert table["task"].to_pylist() == ["generate", "score"]
+    assert table["prompt_tokens"].to_pylist() == [220, 220]
+    raw = new.to_dict()
+    del raw["task"]
+    assert JobLedger.from_dict(raw).task == "generate"
