@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import textwrap
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from child_jobs import kill_after_first_part, published_parts
 
 from tokenmill.pipelines.job import run_job
 from tokenmill.pipelines.output import read_results
@@ -52,37 +49,15 @@ def _input(path):
     return str(path)
 
 
-def _parts(results_dir):
-    if not results_dir.exists():
-        return {}
-    return {
-        p.name: p.stat().st_mtime_ns for p in results_dir.iterdir() if not p.name.startswith(".")
-    }
-
-
 def test_sigkill_midway_then_rerun(tmp_path, tiny_model_dir):
     src = _input(tmp_path / "in.parquet")
     out = tmp_path / "out"
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    child = subprocess.Popen(
-        [sys.executable, str(script), src, str(out), str(tiny_model_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    kill_after_first_part(
+        [sys.executable, str(script), src, str(out), str(tiny_model_dir)], out / "results"
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not _parts(out / "results"):
-            assert child.poll() is None, child.stdout.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "no part was written in time"
-            time.sleep(0.05)
-        os.kill(child.pid, signal.SIGKILL)
-        assert child.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    before = _parts(out / "results")
+    before = published_parts(out / "results")
     assert not (out / "ledger.json").exists()  # it never finished
 
     ledger = run_job(
@@ -96,7 +71,7 @@ def test_sigkill_midway_then_rerun(tmp_path, tiny_model_dir):
         engine_options=ENGINE,
     )
 
-    after = _parts(out / "results")
+    after = published_parts(out / "results")
     assert all(after[name] == mtime for name, mtime in before.items())  # not recomputed
     assert ledger.num_shards_run == ledger.num_shards - len(before) > 0
     results = read_results(str(out))

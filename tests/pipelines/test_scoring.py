@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from child_jobs import kill_after_first_part, published_parts
 from click.testing import CliRunner
 from tiny_model import build_tiny_model
 
@@ -267,24 +264,10 @@ def test_a_killed_scoring_job_resumes(tmp_path, hf_model_dir):
     out = tmp_path / "out"
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    child = subprocess.Popen(
-        [sys.executable, str(script), src, str(out), str(hf_model_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    kill_after_first_part(
+        [sys.executable, str(script), src, str(out), str(hf_model_dir)], out / "results"
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not list((out / "results").glob("*.parquet")):
-            assert child.poll() is None, child.stdout.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "no part was written in time"
-            time.sleep(0.05)
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    before = {p.name: p.stat().st_mtime_ns for p in (out / "results").glob("*.parquet")}
+    before = published_parts(out / "results")
 
     ledger = run_job(
         src,
@@ -297,7 +280,7 @@ def test_a_killed_scoring_job_resumes(tmp_path, hf_model_dir):
         dtype="float32",
         engine_options=ENGINE,
     )
-    after = {p.name: p.stat().st_mtime_ns for p in (out / "results").glob("*.parquet")}
+    after = published_parts(out / "results")
     assert all(after[name] == mtime for name, mtime in before.items())  # not recomputed
     assert 0 < ledger.num_shards_run == ledger.num_shards - len(before)
     results = read_results(str(out))
