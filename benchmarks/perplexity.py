@@ -1,9 +1,11 @@
 """Perplexity of a held-out English text, per precision and quantization, from prompt
 log-probabilities; and transformers' loss on the same tokens as the reference.
 
-The text (benchmarks/data/heldout_en.txt, written for this project, CC0) is tokenized
-once and scored as one prompt per mode: perplexity = exp(-mean logprob of tokens 1..n-1).
-Each mode runs in its own process so its peak RSS is its own.
+The text (benchmarks/data/heldout_en.txt, written for this project, CC0) is scored as
+one row per mode with `tokenmill.score` (a scoring job's own path: raw text, prompt
+log-probabilities, nothing generated): perplexity = exp(-mean logprob of tokens 1..n-1).
+transformers gets the same tokens. Each mode runs in its own process so its peak RSS is
+its own.
 
 Run:  python benchmarks/perplexity.py [--modes fp32,bf16,int8,int4,gguf,hf-fp32] [--model M]
 """
@@ -39,23 +41,27 @@ def token_ids(model: str | None) -> list[int]:
 
 
 def score_tokenmill(mode: str, model: str | None) -> dict:
-    from tokenmill import LLM, SamplingParams
+    import tokenmill
+    from tokenmill import LLM
     from tokenmill.engine.quant import weight_bytes
 
     dtype, quantization = MODES[mode]
-    ids = token_ids(model)
     start = time.perf_counter()
     llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False)
     load_s = time.perf_counter() - start
     start = time.perf_counter()
-    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))[0]
+    row = tokenmill.score([TEXT.read_text(encoding="utf-8")], llm=llm).row(0, named=True)
     score_s = time.perf_counter() - start
-    logprobs = [entry[t] for entry, t in zip(out.prompt_logprobs[1:], ids[1:])]
+    if row["error"] is not None:
+        raise RuntimeError(row["error"])
+    num_tokens = row["prompt_tokens"]
+    if num_tokens != len(token_ids(model)):  # transformers must see the same tokens
+        raise RuntimeError(f"scored {num_tokens} tokens, tokenized {len(token_ids(model))}")
     return {
         "mode": mode,
         "dtype": str(llm.dtype).removeprefix("torch."),
-        "num_tokens": len(ids),
-        "nll": -sum(logprobs) / len(logprobs),
+        "num_tokens": num_tokens,
+        "nll": -row["prompt_logprob_sum"] / (num_tokens - 1),
         "weight_mb": weight_bytes(llm.engine.runner.model) / 1e6,
         "load_s": load_s,
         "score_s": score_s,
