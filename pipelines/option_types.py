@@ -15,7 +15,7 @@ from typing import Any, Literal
 CLI = "cli"  # a flag of `tokenmill run` (and of `tokenmill generate`, unless about input)
 FLOW = "flow"  # a parameter of the batch_inference flow (and a flag of `flow run`, `serve`)
 JOB = "job"  # a JobSpec field and a run_job keyword
-NOTEBOOK = "notebook"  # a tokenmill.generate keyword
+NOTEBOOK = "notebook"  # a tokenmill.generate keyword (and tokenmill.score's, but sampling)
 EVERYWHERE = frozenset({CLI, FLOW, JOB, NOTEBOOK})
 BATCH = frozenset({CLI, FLOW, JOB})  # about files, shards and costs: not for generate
 PYTHON = frozenset({JOB, NOTEBOOK})  # rarely needed: keywords only

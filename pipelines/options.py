@@ -9,7 +9,8 @@ per row, and where its value goes. Every surface is derived from this table:
     the batch_inference flow's parameters     flows/parameters.py (signature + docstring,
                                               from which Prefect builds its schema)
     JobSpec's fields, run_job's keywords      pipelines/spec.py, pipelines/job.py
-    tokenmill.generate's keywords             pipelines/notebook.py
+    tokenmill.generate's keywords             pipelines/notebook.py (tokenmill.score's:
+                                              the same, less the sampling section)
     OpenAI batch per-row overrides            `per_row_fields()`
     SamplingParams / Prices / TemplateSpec /  `routed(values, to)`, `llm_options(values)`
     LLM(...) arguments
