@@ -1,10 +1,12 @@
 """What scoring costs: a workload's prompts with and without prompt log-probabilities.
 
-Each prompt generates one token (greedy); "plain" takes shared prefixes from the prefix
-cache, "scored" asks for prompt_logprobs=0, so every prompt token is scored - a cached
-prefix is computed again for it (engine/prompt_logprobs.py) and every prompt row goes
-through the lm_head. The two alternate in one process over fresh engines per run (same
-weights), so the difference is the price of exact scores.
+"plain" and "scored" generate one token per prompt (greedy); "plain" takes shared
+prefixes from the prefix cache, "scored" asks for prompt_logprobs=0, so every prompt
+token is scored - a cached prefix is computed again for it (engine/prompt_logprobs.py)
+and every prompt row goes through the lm_head. "prompt-only" is a scoring job's request
+(max_tokens=0, prompt_logprobs=0): scored the same, with no token sampled. They
+alternate in one process over fresh engines per run (same weights), so the differences
+are the price of exact scores and what sampling nothing saves.
 
 Run:  python benchmarks/prompt_logprobs_cost.py [--preset mixed64] [--dtype bfloat16]
 """
@@ -18,12 +20,17 @@ import time
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.workload import load_preset, warmup_prompts
 
+MODES = {
+    "plain": SamplingParams(temperature=0, max_tokens=1),
+    "scored": SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0),
+    "prompt-only": SamplingParams(max_tokens=0, prompt_logprobs=0),
+}
 
-def run(llm: LLM, prompts: list[list[int]], scored: bool) -> tuple[float, int, int]:
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, int]:
     """(wall seconds, prompt tokens computed, prompt tokens served from the cache)."""
     before = llm.stats()
     computed, cached = before.computed_prompt_tokens, before.cached_prompt_tokens
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0 if scored else None)
     start = time.perf_counter()
     llm.generate(prompts, params)
     wall = time.perf_counter() - start
@@ -39,16 +46,16 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype)
     workload = load_preset(args.preset, llm.model_dir)
-    results: dict[str, list[tuple[float, int, int]]] = {"plain": [], "scored": []}
+    results: dict[str, list[tuple[float, int, int]]] = {mode: [] for mode in MODES}
     for _ in range(args.rounds):
         for mode in results:
             # A fresh cache each run: the previous run's blocks would be hits.
             llm = LLM(dtype=args.dtype)
             llm.generate(warmup_prompts(workload), SamplingParams(max_tokens=2))
-            results[mode].append(run(llm, workload.prompt_ids, mode == "scored"))
+            results[mode].append(run(llm, workload.prompt_ids, MODES[mode]))
     print(
         f"# {args.preset}: {workload.num_requests} prompts, {workload.num_prompt_tokens:,} "
-        f"prompt tokens, {args.dtype}, 1 generated token each"
+        f"prompt tokens, {args.dtype}, 1 generated token each (prompt-only: none)"
     )
     print("| run | wall s (median) | prompt tokens computed / cached |")
     print("|---|---:|---:|")
@@ -57,7 +64,9 @@ def main() -> None:
         print(f"| {mode} | {wall:.2f} | {runs[0][1]:,} / {runs[0][2]:,} |")
     plain = statistics.median(r[0] for r in results["plain"])
     scored = statistics.median(r[0] for r in results["scored"])
+    prompt_only = statistics.median(r[0] for r in results["prompt-only"])
     print(f"\nscored / plain: {scored / plain:.2f}x")
+    print(f"prompt-only / scored: {prompt_only / scored:.2f}x")
 
 
 if __name__ == "__main__":
