@@ -3,11 +3,14 @@
 A line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
 "/v1/completions", "body": {...}}`. Each becomes a row with `custom_id`, `messages`
 (chat) or `prompt` (completions) and one column per sampling parameter, null when the
-request does not set it, so the pipeline can apply per-row overrides.
+request does not set it, so the pipeline can apply per-row overrides. A body's
+`response_format` (`text`, `json_object`, or `json_schema` with its `schema` and
+`strict`) is checked for shape here and kept as its JSON text.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -23,7 +26,7 @@ COMPLETIONS_URL = "/v1/completions"
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 
-# body key -> column type. Keys outside this table (tools, response_format...) are ignored.
+# body key -> column type. Keys outside this table and response_format (tools...) are ignored.
 SAMPLING_FIELDS: dict[str, pa.DataType] = {
     "max_tokens": pa.int64(),
     "min_tokens": pa.int64(),
@@ -49,8 +52,10 @@ OPENAI_BATCH_SCHEMA = pa.schema(
         ("messages", pa.list_(MESSAGE_TYPE)),
         ("prompt", pa.string()),
         *SAMPLING_FIELDS.items(),
+        ("response_format", pa.string()),
     ]
 )
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
 class OpenAIBatchReader:
@@ -170,7 +175,25 @@ def request_to_row(obj: dict[str, Any], number: int) -> dict[str, Any]:
     else:
         row["prompt"] = _prompt(body.get("prompt"), number)
     row.update(_sampling(body, number))
+    if body.get("response_format") is not None:
+        row["response_format"] = _response_format(body["response_format"], number)
     return row
+
+
+def _response_format(value: Any, number: int) -> str:
+    """A response_format's JSON text, once its shape is OpenAI's; else BadLine."""
+    kinds = ", ".join(RESPONSE_FORMAT_TYPES)
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMAT_TYPES:
+        raise BadLine(number, f"body.response_format must be an object with type one of {kinds}")
+    if value["type"] == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise BadLine(
+                number, "body.response_format.json_schema must be an object with a schema object"
+            )
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise BadLine(number, "body.response_format.json_schema.strict must be a boolean")
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _messages(messages: Any, number: int) -> list[dict[str, str | None]]:

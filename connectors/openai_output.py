@@ -33,7 +33,8 @@ def openai_batch_output_lines(
     Args:
         results: rows with `id` (the request's custom_id), `output`, `finish_reason`,
             `prompt_tokens`, `cached_tokens` (optional), `completion_tokens`, `error`.
-            `output` may also be a list of strings (n > 1: one choice each).
+            `output` may also be a list of strings (n > 1: one choice each), or a
+            `completions` column list them ({output, finish_reason} each).
         model_name: reported as the responses' `model`.
         endpoint: the URL every request used; None takes each row's `url` column
             (passed through from the batch input) and falls back to chat completions.
@@ -86,8 +87,12 @@ def _lines(results, model_name, endpoint, created, batch_id, id_column) -> Itera
 
 def _body(row: dict, url: str, model_name: str, created: int, digest: str) -> dict[str, Any]:
     is_chat = url == CHAT_URL
-    outputs = row["output"] if isinstance(row["output"], list) else [row["output"]]
-    reasons = row["finish_reason"]
+    if row.get("completions"):  # n > 1: every completion is a choice
+        outputs = [c["output"] for c in row["completions"]]
+        reasons = [c["finish_reason"] for c in row["completions"]]
+    else:
+        outputs = row["output"] if isinstance(row["output"], list) else [row["output"]]
+        reasons = row["finish_reason"]
     if not isinstance(reasons, list):
         reasons = [reasons] * len(outputs)
     choices = []

@@ -109,11 +109,17 @@ class LLM:
         Returns:
             One RequestOutput per prompt, in input order. A prompt the engine cannot
             serve comes back with finish_reason "error" and .error set.
+
+        Raises:
+            ValueError: a structured outputs constraint is invalid or cannot be enforced
+                (raised before any prompt is queued).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt_params(sampling_params, len(prompts))
+        for constraint in {p.structured_outputs for p in params} - {None}:
+            self.engine.compile_structured_outputs(constraint)
         texts = [p if isinstance(p, str) else None for p in prompts]
         to_encode = [p for p in prompts if isinstance(p, str)]
         encoded = iter(self.tokenizer.encode_batch(to_encode) if to_encode else [])

@@ -12,6 +12,7 @@ import torch
 
 from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.config import EngineConfig, ModelConfig
+from tokenmill.engine.grammar import CompiledGrammar, GrammarCompiler, TokenBitmask
 from tokenmill.engine.kv_cache import (
     KVCache,
     allocate_kv_cache,
@@ -28,6 +29,7 @@ from tokenmill.engine.sampler import SamplerOutput, SamplingBatch
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.engine.tokenizer import IncrementalDetokenizer
 from tokenmill.engine.weights import load_model
 
@@ -102,6 +104,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self._finished_early: list[RequestOutput] = []
+        self._grammar_compiler: GrammarCompiler | None = None  # built on first use
 
     @classmethod
     def from_model_dir(
@@ -161,6 +164,15 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: its structured outputs constraint is invalid or cannot be enforced
+                (raised before anything is queued).
+        """
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.compile_structured_outputs(params.structured_outputs)
         metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         request = _Request(request_id, prompt, list(prompt_token_ids), params, [], metrics)
         error = self._validate(request.prompt_token_ids, params)
@@ -179,6 +191,7 @@ class LLMEngine:
                 params=params,
                 generator=_seeded_generator(params.seed, index, self.runner.device),
                 detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop else None,
+                grammar=grammar.new_matcher() if grammar is not None else None,
             )
             if params.prompt_logprobs is not None and index == 0:
                 seq.prompt_logprobs = [None]
@@ -186,6 +199,21 @@ class LLMEngine:
             self.scheduler.add(seq)
         self._requests[request_id] = request
         self.stats.num_requests += 1
+
+    def compile_structured_outputs(self, constraint: StructuredOutputs) -> CompiledGrammar:
+        """Compile a constraint for this model's tokenizer (cached per process by content).
+
+        Calling it before add_request checks a constraint without queueing anything.
+
+        Raises:
+            ValueError: the schema, regex or grammar is invalid or uses a feature the
+                engine cannot enforce; the message names it.
+        """
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer")
+            self._grammar_compiler = GrammarCompiler.for_model(self.tokenizer, self.model_config)
+        return self._grammar_compiler.compile(constraint)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
         num = len(prompt_token_ids)
@@ -220,9 +248,12 @@ class LLMEngine:
         """Run one scheduled step; return the requests that finished in it.
 
         With overlapped steps the step is launched and the previous one resolved while it
-        runs, so the requests returned are those its predecessor finished.
+        runs, so the requests returned are those its predecessor finished. A step after
+        one that sampled under a grammar is not overlapped: the next mask needs the token.
         """
         finished, self._finished_early = self._finished_early, []
+        if self._pending is not None and any(s.grammar is not None for s in self._pending.seqs):
+            finished += self._resolve()
         out = self.scheduler.schedule()
         if out.is_empty:
             return finished + self._resolve()
@@ -238,6 +269,11 @@ class LLMEngine:
         self.scheduler.record_computed(out)
         finished += self._finish_prompt_only(scored)
         self.stats.num_steps += 1
+        if batch is not None and batch.token_bitmask is not None:
+            masks = batch.token_bitmask
+            self.stats.num_constrained_tokens += len(masks.rows)
+            self.stats.grammar_fill_s += masks.fill_s
+            self.stats.grammar_blocking_s += masks.blocking_s
         if sampled is not None:
             self._pending = PendingStep.launch(sampling_seqs, sampled)
             self._hold_places(self._pending)
@@ -257,18 +293,37 @@ class LLMEngine:
         return finished
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        banned = []
-        for seq in seqs:
-            p = seq.params
-            if seq.num_completion_tokens < p.min_tokens:
-                banned.append(
-                    sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
-                )
-            else:
-                banned.append([])
+        banned = [self._banned_token_ids(seq) for seq in seqs]
+        # The step's grammar masks: every matcher is up to date here (a step that sampled
+        # under a grammar is resolved before the next is scheduled), and the fill overlaps
+        # the forward pass.
+        matchers = [seq.grammar for seq in seqs]
+        has_grammar = any(m is not None for m in matchers)
         return SamplingBatch.build(
-            [s.params for s in seqs], [s.generator for s in seqs], banned, self.runner.device
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            banned,
+            self.runner.device,
+            TokenBitmask(matchers, self.model_config.vocab_size) if has_grammar else None,
         )
+
+    def _banned_token_ids(self, seq: Sequence) -> list[int]:
+        """Tokens seq may not sample next: stop tokens and EOS before min_tokens.
+
+        A constrained sequence's EOS is banned while its grammar can continue, before
+        min_tokens and under ignore_eos alike; once the grammar is complete EOS is all it
+        allows, so nothing is banned - min_tokens and ignore_eos never outlast a grammar.
+        """
+        p = seq.params
+        grammar = seq.grammar
+        if grammar is not None and grammar.is_complete:
+            return []
+        if seq.num_completion_tokens < p.min_tokens:
+            bans_eos = grammar is not None or not p.ignore_eos
+            return sorted(set(p.stop_token_ids) | (self.eos_token_ids if bans_eos else set()))
+        if grammar is not None and p.ignore_eos:
+            return sorted(self.eos_token_ids)
+        return []
 
     def _hold_places(self, step: PendingStep) -> None:
         """Give each sampling sequence of a launched step a placeholder for its token, so
@@ -300,6 +355,11 @@ class LLMEngine:
             seq.token_ids[-1] = token_id
             seq.num_pending_tokens = 0
             seq.is_finishing = False
+            if seq.grammar is not None:
+                # The one place a grammar advances. The mask allowed only tokens it
+                # accepts, so a refusal would be an engine bug; the matcher then allows
+                # nothing but EOS and the output is reported incomplete.
+                seq.grammar.accept(token_id)
             self.stats.generated_tokens += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -316,10 +376,11 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         p = seq.params
+        is_eos = token_id in self.eos_token_ids
+        if seq.grammar is not None and is_eos:
+            return "stop"  # the grammar allowed EOS: the constrained output ends here
         can_stop = seq.num_completion_tokens > p.min_tokens
-        if can_stop and (
-            token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self.eos_token_ids)
-        ):
+        if can_stop and (token_id in p.stop_token_ids or (not p.ignore_eos and is_eos)):
             return "stop"
         if seq.detokenizer is not None and self._hits_stop_string(seq, token_id, can_stop):
             return "stop"
@@ -367,6 +428,7 @@ class LLMEngine:
                     token_ids=seq.completion_token_ids,
                     finish_reason=seq.finish_reason,
                     logprobs=seq.logprobs,
+                    structured_output_complete=_is_complete(seq),
                 )
             )
         first = request.seqs[0]
@@ -407,6 +469,14 @@ class LLMEngine:
         )
 
 
+def _is_complete(seq: Sequence) -> bool | None:
+    """Whether a constrained sequence's text is a whole match (None: unconstrained)."""
+    if seq.grammar is None:
+        return None
+    # A stop string cuts the text short of what the grammar matched.
+    return seq.grammar.is_accepting and seq.stop_text is None
+
+
 def _seeded_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
     if seed is None:
         return None
@@ -424,5 +494,7 @@ def _logprob_entry(sampled: SamplerOutput, row: int, token_id: int, k: int) -> d
         ids = sampled.top_token_ids[row, :k].tolist()
         values = sampled.top_logprobs[row, :k].tolist()
         for alt_id, alt_logprob in zip(ids, values):
-            entry.setdefault(alt_id, alt_logprob)
+            # A banned or grammar-masked token (-inf) was never an alternative.
+            if alt_logprob > float("-inf"):
+                entry.setdefault(alt_id, alt_logprob)
     return entry

@@ -16,6 +16,10 @@ class CompletionOutput:
     # One dict per generated token: {token_id: logprob} for the sampled token and the
     # top-k alternatives; None unless SamplingParams.logprobs was set.
     logprobs: list[dict[int, float]] | None = None
+    # With structured outputs: True when the text is a complete match of the schema,
+    # regex, choice or grammar; False when it is not (cut by max_tokens, the context or a
+    # stop string) - do not parse it then. None when the request was unconstrained.
+    structured_output_complete: bool | None = None
 
 
 @dataclass
@@ -77,6 +81,10 @@ class RequestOutput:
     def finish_reason(self) -> str:
         return self.outputs[0].finish_reason
 
+    @property
+    def structured_output_complete(self) -> bool | None:
+        return self.outputs[0].structured_output_complete
+
 
 @dataclass
 class EngineStats:
@@ -90,6 +98,12 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_errors: int = 0
+    # Structured outputs: tokens sampled under a grammar, seconds spent filling their masks
+    # (overlapping the forward pass when done in the worker thread), and seconds the steps
+    # were held up by masks (waiting for the fill, applying it).
+    num_constrained_tokens: int = 0
+    grammar_fill_s: float = 0.0
+    grammar_blocking_s: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -1,5 +1,10 @@
 """Turn a step's logits into next tokens: greedy, temperature, top-k, top-p, min-p.
 
+Structured outputs arrive as a bit-packed mask of each constrained row's allowed tokens
+(engine/grammar.py); it is applied first, as tensor ops on the logits' device, so every
+later step - bans, logprobs, temperature, filters, sampling - sees the constrained
+distribution.
+
 Sampling draws Gumbel-style exponential noise and takes argmax(probs / noise), which
 samples exactly from probs. Requests with a seed draw their noise from their own
 generator, so a seeded request samples the same tokens whatever else is in the batch.
@@ -14,10 +19,14 @@ nucleus is wider is sorted whole. On CUDA the sort is cheap and needs no host de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.engine.grammar import TokenBitmask
 
 
 @dataclass
@@ -38,6 +47,7 @@ class SamplingBatch:
     use_top_p: bool
     use_min_p: bool
     max_logprobs: int | None  # None when no row asked for logprobs
+    token_bitmask: TokenBitmask | None = None  # allowed tokens of constrained rows
 
     @classmethod
     def build(
@@ -46,6 +56,7 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         banned_token_ids: list[list[int]],
         device: torch.device,
+        token_bitmask: TokenBitmask | None = None,
     ) -> SamplingBatch:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         banned = [(row, t) for row, ids in enumerate(banned_token_ids) for t in ids]
@@ -69,6 +80,7 @@ class SamplingBatch:
             use_top_p=any(p.top_p < 1 and not p.is_greedy for p in params),
             use_min_p=any(p.min_p > 0 and not p.is_greedy for p in params),
             max_logprobs=max(wanted) if wanted else None,
+            token_bitmask=token_bitmask,
         )
 
 
@@ -92,6 +104,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [num_rows, vocab] fp32 -> one token per row."""
+        if batch.token_bitmask is not None:
+            batch.token_bitmask.apply(logits)
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_token_ids] = float("-inf")
         if batch.all_greedy:
@@ -100,7 +114,8 @@ class Sampler:
             token_ids = self._sample(logits, batch)
         out = SamplerOutput(token_ids=token_ids)
         if batch.max_logprobs is not None:
-            # Logprobs of the model's distribution, before temperature and filtering.
+            # Logprobs of the model's distribution, before temperature and filtering but
+            # after the grammar and EOS bans: what the request could actually sample.
             logprobs = torch.log_softmax(logits, dim=-1)
             out.sampled_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)
             if batch.max_logprobs > 0:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.engine.structured_outputs import StructuredOutputs
+
 
 @dataclass
 class SamplingParams:
@@ -16,6 +18,9 @@ class SamplingParams:
     max_tokens=0 with prompt_logprobs scores the prompt and generates nothing (as
     OpenAI's completions endpoint did with echo and max_tokens 0): the request ends once
     its prompt is computed, samples no token, and may fill the whole context.
+
+    structured_outputs constrains the output to a JSON schema, regex, choice or grammar
+    (each of the n completions follows it on its own).
     """
 
     n: int = 1
@@ -33,6 +38,7 @@ class SamplingParams:
     # None: none; k >= 0: per prompt token, its own logprob plus the top k (vLLM's shape)
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +70,13 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputs
+        ):
+            raise ValueError(
+                "structured_outputs must be a tokenmill.StructuredOutputs, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenmill.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.engine.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -50,6 +53,10 @@ class Sequence:
     detokenizer: Any = None
     stop_text: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # With structured outputs: the grammar state after the resolved generated tokens
+    # (advanced only where a sampled token replaces its placeholder, so recomputing a
+    # preempted sequence leaves it alone).
+    grammar: GrammarMatcher | None = None
     # With SamplingParams.prompt_logprobs (first completion only): one entry per prompt
     # token scored so far, None for token 0 (engine/prompt_logprobs.py).
     prompt_logprobs: list[dict[int, float] | None] | None = None

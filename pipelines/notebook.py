@@ -20,16 +20,23 @@ import pyarrow as pa
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.pipelines.option_types import NOTEBOOK, PROMPT, SAMPLE
 from tokenmill.pipelines.options import check_options, llm_options, routed, takes_options
+from tokenmill.pipelines.parsed import with_parsed
 from tokenmill.pipelines.plan import order_rows
-from tokenmill.pipelines.reading import check_ids
-from tokenmill.pipelines.results import build_results, check_passthrough, result_schema
+from tokenmill.pipelines.reading import check_ids, params_indices
+from tokenmill.pipelines.results import (
+    build_results,
+    check_passthrough,
+    extra_columns,
+    reserved_columns,
+)
+from tokenmill.pipelines.running import generate_rows
 from tokenmill.pipelines.scoring import (
     GENERATE,
     SCORE,
     adds_generation_prompt,
     min_prompt_tokens,
 )
-from tokenmill.pipelines.spec import resolve_task, sampling_params
+from tokenmill.pipelines.spec import ParamsTable, resolve_task, sampling_params
 from tokenmill.pipelines.templating import TemplateSpec, render_rows, validate_columns
 from tokenmill.pipelines.tokenize import chat_renderer, tokenize_rows
 
@@ -73,14 +80,22 @@ def generate(
         on_output: called with each RequestOutput as it finishes.
         **options: the job options a notebook takes (as the signature lists them):
             how rows become prompts (prompt_column, template, system, raw, ...), the
-            sampling options (max_tokens, temperature=0 ...), and the model and engine
-            options. `passthrough` names the input columns kept beside the results
-            (default: every input column whose name is not a result column's).
+            sampling options (max_tokens, temperature=0 ...), structured outputs
+            (json_schema, regex, choice, grammar, json_object, json_schema_column; with
+            parse=True the JSON fields come back as a `parsed` struct column), and the
+            model and engine options. `passthrough` names the input columns kept beside
+            the results (default: every input column whose name is not a result column's).
 
     Returns:
         A polars DataFrame: id, output, finish_reason, prompt_tokens, cached_tokens,
-        completion_tokens, error, then the passthrough columns. Bad rows have
-        finish_reason "error" and a message in `error`.
+        completion_tokens, error, then structured_output_complete (and `parsed`) with
+        structured outputs, `completions` with n > 1, then the passthrough columns. Bad
+        rows have finish_reason "error" and a message in `error`.
+
+    Raises:
+        ValueError: bad options, a missing column, or a structured outputs constraint
+            that is invalid or cannot be enforced (before any compute; a bad schema in
+            json_schema_column fails only its row).
     """
     return _run(data, GENERATE, llm=llm, on_output=on_output, options=options)
 
@@ -131,13 +146,20 @@ def _run(
     values = check_options(options, surface=NOTEBOOK)
     values = resolve_task({**values, "task": task})
     template = TemplateSpec(**routed(values, PROMPT))
-    params = sampling_params(values)
+    base = sampling_params(values)
     table = to_arrow(data)
     validate_columns(template, table.column_names, source="data")
+    schema_column = values["json_schema_column"]
+    if schema_column is not None and schema_column not in table.column_names:
+        raise ValueError(f"data has no column {schema_column!r} (json_schema_column)")
+    if values["parse"] and not (
+        values["json_schema"] is not None or values["json_object"] or schema_column
+    ):
+        raise ValueError("parse=True needs json_schema, json_object or json_schema_column")
     passthrough = values["passthrough"]
     if options.get("passthrough") is None:
-        columns = result_schema(task).names
-        passthrough = [c for c in table.column_names if c not in columns]
+        reserved = reserved_columns(task)
+        passthrough = [c for c in table.column_names if c not in reserved]
     check_passthrough(passthrough, task=task)
     lock: Any = nullcontext()
     if llm is None:
@@ -146,22 +168,33 @@ def _run(
         shared = get_llm(**llm_options(values))
         llm, lock = shared.llm, shared.lock
 
+    engine = getattr(llm, "engine", None)
+    params = ParamsTable(base, check=engine.compile_structured_outputs if engine else None)
+    columns = table.to_pydict()
     chat = chat_renderer(llm.tokenizer, add_generation_prompt=adds_generation_prompt(task))
-    rendered = render_rows(table.to_pydict(), template, chat=chat)
+    rendered = render_rows(columns, template, chat=chat)
+    pairs = params_indices(columns, params, rendered, schema_column=schema_column)
+    indices = [i for _, i in pairs]
     rows = tokenize_rows(
         llm.tokenizer,
-        rendered,
+        [r for r, _ in pairs],
         max_model_len=llm.max_model_len,
-        max_tokens=params.max_tokens,
+        max_tokens=[params.params[i].max_tokens for i in indices],
+        params_index=indices,
         min_prompt_tokens=min_prompt_tokens(task),
     )
     if template.id_column is not None:
         check_ids(rows, id_column=template.id_column, source="data")
-    good = [r for r in order_rows(rows) if r.token_ids is not None]
-    outputs = {}
-    if good:
-        with lock:
-            generated = llm.generate([r.token_ids for r in good], params, on_output=on_output)
-        outputs = {r.row_index: o for r, o in zip(good, generated)}
-    results = build_results(rows, outputs, passthrough=table.select(list(passthrough)), task=task)
-    return pl.from_arrow(results)
+    with lock:
+        outputs = generate_rows(llm, order_rows(rows), params.params, on_output=on_output)
+    results = build_results(
+        rows,
+        outputs,
+        passthrough=table.select(list(passthrough)),
+        task=task,
+        extras=extra_columns(params.params),
+    )
+    frame = pl.from_arrow(results)
+    if values["parse"]:
+        frame = with_parsed(frame, values["json_schema"])
+    return frame

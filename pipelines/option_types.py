@@ -6,9 +6,11 @@ Kept apart from the definition's table so that the table reads as a list of opti
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 # Surfaces: where an option is shown.
@@ -25,6 +27,7 @@ SAMPLING = "sampling"  # SamplingParams
 PRICES = "prices"  # pipelines.pricing.Prices
 PROMPT = "prompt"  # pipelines.templating.TemplateSpec
 ENGINE = "engine"  # LLM(...)
+STRUCTURED = "structured"  # engine StructuredOutputs, as SamplingParams.structured_outputs
 
 # Sections: what an option is about (`tokenmill generate` shows no INPUT options).
 INPUT, PROMPTS, SAMPLE, COSTS, RUN, MODEL = "input", "prompts", "sampling", "costs", "run", "model"
@@ -74,6 +77,49 @@ KEY_VALUES = ValueType(
     "KEY=VALUE",
     convert=dict,
 )
+
+
+def _json_inline_or_file(text: str) -> Any:
+    """The CLI's FILE_OR_JSON: inline JSON when it looks like it, else a file holding it."""
+    source = text
+    if not text.lstrip().startswith(("{", "[")) and text.strip() not in ("true", "false"):
+        try:
+            source = Path(text).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(
+                f"{text!r} is neither inline JSON nor a readable file: {exc.strerror}"
+            ) from None
+    return _json_value(source)
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+def _read_text_file(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read {path!r}: {exc.strerror}") from None
+
+
+# A JSON document (a schema): a dict (or its JSON text) in Python and flows; on the
+# command line inline JSON or the path of a file holding it.
+JSON = ValueType(
+    "a JSON object or its text",
+    dict[str, Any] | str,
+    _json_inline_or_file,
+    lambda v: isinstance(v, (Mapping, str, bool)),
+    "FILE_OR_JSON",
+    convert=_json_value,
+)
+# Text that the command line reads from a file (a grammar); Python and flows give the text.
+FILE_TEXT = ValueType("text", str, _read_text_file, lambda v: isinstance(v, str), "FILE")
 
 
 @dataclass(frozen=True)
@@ -139,7 +185,10 @@ class Option:
             scalar = isinstance(value, (str, int, float)) and len(str(value)) <= 40
             shown = repr(value) if scalar else type(value).__name__
             raise ValueError(f"{self.name} must be {self.type.name}, got {shown}")
-        value = self.type.convert(value)
+        try:
+            value = self.type.convert(value)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}: {exc}") from None
         if self.type in (INT, FLOAT) and not self._in_bounds(value):
             raise ValueError(f"{self.name} must be {self.bounds}, got {value}")
         return value

@@ -12,8 +12,9 @@ per row, and where its value goes. Every surface is derived from this table:
     tokenmill.generate's keywords             pipelines/notebook.py (tokenmill.score's:
                                               the same, less the sampling section)
     OpenAI batch per-row overrides            `per_row_fields()`
-    SamplingParams / Prices / TemplateSpec /  `routed(values, to)`, `llm_options(values)`
-    LLM(...) arguments
+    SamplingParams / Prices / TemplateSpec /  `routed(values, to)`, `llm_options(values)`,
+    LLM(...) arguments                        `sampling_params(values)` (structured output
+                                              options become one StructuredOutputs)
 
 Values are checked here, by `check_options`, the same way whichever surface they came
 from (the CLI's ranges and the flow's schema are built from the same bounds, so a bad
@@ -50,17 +51,22 @@ from typing import Any
 
 from tokenmill.engine.aliases import DEFAULT_MODEL
 from tokenmill.engine.quant import QUANTIZATIONS
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.pipelines.option_types import (
     BATCH,
     BOOL,
     COSTS,
     ENGINE,
+    FILE_TEXT,
     FLOAT,
     FLOW,
     INPUT,
     INT,
+    JSON,
     KEY_VALUES,
     MODEL,
+    NOTEBOOK,
     PRICES,
     PROMPT,
     PROMPTS,
@@ -68,6 +74,7 @@ from tokenmill.pipelines.option_types import (
     RUN,
     SAMPLE,
     SAMPLING,
+    STRUCTURED,
     TEXT,
     Option,
     choice,
@@ -301,13 +308,85 @@ OPTIONS: tuple[Option, ...] = (
         "n",
         INT,
         1,
-        "Completions per row; results hold one output per row, so 1 for now.",
+        "Completions per row. With n > 1 the results gain a `completions` column (a list "
+        "of {index, output, finish_reason, structured_output_complete}); `output` is the "
+        "first.",
         SAMPLE,
         surfaces=PYTHON,
         to=SAMPLING,
         per_row=True,
         ge=1,
-        le=1,
+    ),
+    # -- structured outputs (at most one; each output must match it) ---------------------------
+    Option(
+        "json_schema",
+        JSON,
+        None,
+        "Every output is JSON valid against this JSON schema (inline JSON or a file). "
+        "Results then carry structured_output_complete: false for an output cut short.",
+        SAMPLE,
+        to=STRUCTURED,
+        field="json",
+        exclusive="structured output",
+    ),
+    Option(
+        "regex",
+        TEXT,
+        None,
+        "Every output matches this regular expression.",
+        SAMPLE,
+        to=STRUCTURED,
+        exclusive="structured output",
+        metavar="PATTERN",
+    ),
+    Option(
+        "choice",
+        TEXT,
+        None,
+        "Every output is exactly one of these strings.",
+        SAMPLE,
+        to=STRUCTURED,
+        repeatable=True,
+        exclusive="structured output",
+        metavar="VALUE",
+    ),
+    Option(
+        "grammar",
+        FILE_TEXT,
+        None,
+        "Every output matches this grammar (Lark or llama.cpp GBNF); the command line "
+        "reads it from FILE, Python and flows take its text.",
+        SAMPLE,
+        to=STRUCTURED,
+        exclusive="structured output",
+    ),
+    Option(
+        "json_object",
+        BOOL,
+        False,
+        "Every output is a JSON object (any keys).",
+        SAMPLE,
+        to=STRUCTURED,
+        exclusive="structured output",
+    ),
+    Option(
+        "json_schema_column",
+        TEXT,
+        None,
+        "Column holding each row's own JSON schema (an object or its JSON text); a row "
+        "whose schema is invalid becomes an error row and the rest run.",
+        INPUT,
+        exclusive="structured output",
+        metavar="COL",
+    ),
+    Option(
+        "parse",
+        BOOL,
+        False,
+        "With a JSON schema or json_object: add a `parsed` struct column holding each "
+        "complete output's fields (null where the output is incomplete or an error).",
+        SAMPLE,
+        surfaces=frozenset({NOTEBOOK}),
     ),
     # -- costs --------------------------------------------------------------------------------
     Option(
@@ -529,6 +608,22 @@ def routed(values: Mapping[str, Any], to: str) -> dict[str, Any]:
         for option in OPTIONS
         if option.to == to and option.name in values
     }
+
+
+def sampling_params(values: Mapping[str, Any]) -> SamplingParams:
+    """The SamplingParams of checked option values: the SAMPLING options, with the
+    structured output options as its `structured_outputs`."""
+    return SamplingParams(**routed(values, SAMPLING), structured_outputs=structured_outputs(values))
+
+
+def structured_outputs(values: Mapping[str, Any]) -> StructuredOutputs | None:
+    """The one structured output option given, as StructuredOutputs (None: none given)."""
+    given = {k: v for k, v in routed(values, STRUCTURED).items() if v not in (None, (), False)}
+    if not given:
+        return None
+    if "choice" in given:
+        given["choice"] = list(given["choice"])
+    return StructuredOutputs(**given)
 
 
 def llm_options(values: Mapping[str, Any]) -> dict[str, Any]:

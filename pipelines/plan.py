@@ -100,6 +100,18 @@ def order_rows(
     return good + bad
 
 
+def params_key(params: SamplingParams) -> str:
+    """A string equal for equal SamplingParams. A structured outputs constraint enters by
+    its own key, which keeps a schema's property order (part of what it produces); an
+    unconstrained params' key is what it was before constraints existed."""
+    values = asdict(params)
+    del values["structured_outputs"]
+    key = json.dumps(values, sort_keys=True)
+    if params.structured_outputs is not None:
+        key += "\x00" + params.structured_outputs.key
+    return key
+
+
 def shard_id(
     rows: Sequence[PromptRow],
     params: Sequence[SamplingParams],
@@ -115,7 +127,7 @@ def shard_id(
     used = sorted({r.params_index for r in rows})
     for i in used:
         h.update(f"\x00p{i}:".encode())
-        h.update(json.dumps(asdict(params[i]), sort_keys=True).encode())
+        h.update(params_key(params[i]).encode())
     for r in rows:
         h.update(b"\x00r")
         h.update(r.id.encode())
@@ -163,7 +175,8 @@ def cut_shards(
     current: list[PromptRow] = []
     current_cost = 0
     for row in ordered:
-        cost = row_cost(row, params[row.params_index].max_tokens)
+        row_params = params[row.params_index]
+        cost = row_cost(row, row_params.max_tokens * row_params.n)
         full = max_rows is not None and len(current) >= max_rows
         if current and (current_cost + cost > shard_tokens or full):
             groups.append(current)

@@ -19,12 +19,15 @@ from typing import Any
 import pyarrow as pa
 
 from tokenmill.connectors import open_source
+from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.describe import ModelDescription, describe_model, name_with_revision
+from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.plan import PlannedShard, Shard, job_id, plan_shards
 from tokenmill.pipelines.reading import Window, read_windows
-from tokenmill.pipelines.spec import JobSpec, ParamsTable
+from tokenmill.pipelines.spec import ConstraintCheck, JobSpec, ParamsTable
 from tokenmill.pipelines.spill import shard_table
 from tokenmill.pipelines.templating import required_columns, text_columns
 
@@ -72,7 +75,10 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         ValueError: bad input (SourceError), duplicate or null ids, bad options.
     """
     template = spec.template_spec
-    columns = None if spec.is_openai_batch else [*required_columns(template), *spec.passthrough]
+    columns = None
+    if not spec.is_openai_batch:
+        columns = [*required_columns(template), *spec.passthrough]
+        columns += [spec.json_schema_column] if spec.json_schema_column else []
     source = open_source(
         spec.input,
         format=spec.format,
@@ -82,7 +88,8 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         text_columns=text_columns(template),
     )
     model, tokenizer, max_model_len = _model_for(spec, llm)
-    params = ParamsTable(spec.sampling)
+    # A job-level constraint that cannot be compiled fails the job here, before any rows.
+    params = ParamsTable(spec.sampling, check=_constraint_check(model, tokenizer, llm))
     shards: list[Shard] = []
     num_rows = num_failed = 0
     # Another plan's files may have our shard ids (same rows, same id): if this planning
@@ -139,6 +146,24 @@ def _model_for(spec: JobSpec, llm: Any) -> tuple[ModelDescription, Any, int]:
     model = describe_model(spec.model, revision=spec.revision)
     limit = spec.engine_options.get("max_model_len") or model.max_context
     return model, model.load_tokenizer(), min(model.max_context, limit)
+
+
+def _constraint_check(model: ModelDescription, tokenizer: Any, llm: Any) -> ConstraintCheck:
+    """Compiles a structured outputs constraint for the job's model (ValueError if it is
+    invalid): through the loaded engine when there is one - its compiled grammars are
+    then ready - else from the model's files (nothing is loaded until a constraint is)."""
+    engine = getattr(llm, "engine", None)
+    if engine is not None:
+        return engine.compile_structured_outputs
+    compilers: list[GrammarCompiler] = []
+
+    def check(constraint: StructuredOutputs) -> None:
+        if not compilers:
+            config = ModelConfig.from_dir(model.model_dir)
+            compilers.append(GrammarCompiler.for_model(tokenizer, config))
+        compilers[0].compile(constraint)
+
+    return check
 
 
 def _canonical_location(uri: str) -> str:

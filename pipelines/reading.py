@@ -11,6 +11,7 @@ the message can count them - still before any compute.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -18,10 +19,11 @@ from typing import Any
 import pyarrow as pa
 
 from tokenmill.connectors import ERROR_COLUMN
+from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.pipelines.ids import IdCheck
 from tokenmill.pipelines.options import per_row_fields
 from tokenmill.pipelines.scoring import adds_generation_prompt, min_prompt_tokens
-from tokenmill.pipelines.spec import JobSpec, ParamsTable
+from tokenmill.pipelines.spec import UNCHANGED, JobSpec, ParamsTable
 from tokenmill.pipelines.templating import ChatRenderer, RenderedRow, render_rows, row_ids
 from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
 
@@ -179,20 +181,85 @@ def _mark_bad_lines(
 def _params_index(
     columns: dict[str, list], spec: JobSpec, table: ParamsTable, rendered: list[RenderedRow]
 ) -> list[tuple[RenderedRow, int]]:
-    """Each row's sampling params index; invalid per-row params make the row an error."""
-    if not spec.is_openai_batch:
+    """Each row's sampling params index; invalid per-row params (an OpenAI batch line's
+    overrides or response_format, a row's own schema) make the row an error."""
+    return params_indices(
+        columns,
+        table,
+        rendered,
+        per_row=spec.is_openai_batch,
+        schema_column=spec.json_schema_column,
+    )
+
+
+def params_indices(
+    columns: dict[str, list],
+    table: ParamsTable,
+    rendered: list[RenderedRow],
+    *,
+    per_row: bool = False,
+    schema_column: str | None = None,
+) -> list[tuple[RenderedRow, int]]:
+    """Each row with its index into `table`, taking per-row settings from `columns`.
+
+    Args:
+        columns: the batch's columns.
+        table: the job's distinct params; rows' own settings are added to it.
+        rendered: the batch's rendered rows.
+        per_row: OpenAI batch input: each row's body fields and response_format apply.
+        schema_column: a column of per-row JSON schemas (null: that row is unconstrained).
+
+    Returns:
+        (row, params index) per row; a row whose settings are invalid becomes an error
+        row (index 0).
+    """
+    if not per_row and schema_column is None:
         return [(r, 0) for r in rendered]
-    present = [k for k in per_row_fields() if k in columns]
+    present = [k for k in per_row_fields() if k in columns] if per_row else []
+    formats = columns.get("response_format") if per_row else None
+    schemas = columns[schema_column] if schema_column is not None else None
     pairs = []
     for i, row in enumerate(rendered):
-        try:
-            index = table.for_row({k: columns[k][i] for k in present})
-        except ValueError as exc:
-            if row.error is None:
+        index = 0
+        if row.error is None:
+            try:
+                structured = UNCHANGED
+                if formats is not None and formats[i] is not None:
+                    structured = _from_response_format(formats[i])
+                elif schemas is not None:
+                    structured = _from_schema_cell(schemas[i], schema_column)
+                index = table.for_row({k: columns[k][i] for k in present}, structured=structured)
+            except ValueError as exc:
                 row = replace(row, text=None, error=str(exc))
-            index = 0
         pairs.append((row, index))
     return pairs
+
+
+def _from_schema_cell(value: Any, column: str) -> StructuredOutputs | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, dict)):
+        raise ValueError(f"{column} must hold a JSON schema (an object or its JSON text)")
+    return StructuredOutputs(json=value)
+
+
+def _from_response_format(text: str) -> StructuredOutputs | None:
+    """An OpenAI `response_format` (checked by the connector) as the row's constraint.
+
+    `json_schema` with `strict: true` closes every object the schema leaves open (OpenAI's
+    strict mode allows no extra keys); without it the schema is still enforced, with JSON
+    Schema's own meaning. `text` is unconstrained.
+    """
+    response_format = json.loads(text)
+    kind = response_format["type"]
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = response_format["json_schema"]
+        return StructuredOutputs(
+            json=spec["schema"], disable_additional_properties=bool(spec.get("strict"))
+        )
+    return None
 
 
 def check_ids(rows: list[PromptRow], *, id_column: str | None, source: str) -> None:

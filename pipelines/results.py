@@ -12,6 +12,16 @@ has the same one, and a job's rows are all of one task.
 
 Error rows (bad input, over-long prompts, requests the engine could not serve) carry
 zero tokens: nothing was billed for them, and the ledger sums the rows as they are.
+
+Two columns join when a job asks for them (decided once per job, so every part of a job
+has the same schema):
+
+    structured_output_complete  bool: false when a constrained output was cut short
+                                (max_tokens, a stop string) - do not parse it; null on
+                                unconstrained and error rows. With any structured outputs.
+    completions                 list of {index, output, finish_reason,
+                                structured_output_complete}: every one of a row's n
+                                completions (`output` is the first). With any n > 1.
 """
 
 from __future__ import annotations
@@ -20,7 +30,8 @@ from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines.scoring import GENERATE, SCORE, SCORE_FINISH_REASON, prompt_score
 from tokenmill.pipelines.tokenize import PromptRow
 
@@ -40,21 +51,51 @@ SCORE_RESULT_SCHEMA = RESULT_SCHEMA.append(pa.field("prompt_logprob_sum", pa.flo
 )
 RESULT_COLUMNS = tuple(RESULT_SCHEMA.names)
 FINISH_REASONS = frozenset({"stop", "length", "error"})
+COMPLETION_TYPE = pa.struct(
+    [
+        ("index", pa.int64()),
+        ("output", pa.string()),
+        ("finish_reason", pa.string()),
+        ("structured_output_complete", pa.bool_()),
+    ]
+)
+EXTRA_FIELDS = {
+    "structured_output_complete": pa.field("structured_output_complete", pa.bool_()),
+    "completions": pa.field("completions", pa.list_(COMPLETION_TYPE)),
+}
 
 
-def result_schema(task: str = GENERATE) -> pa.Schema:
-    """The schema of a `task` job's results (before passthrough columns)."""
-    return SCORE_RESULT_SCHEMA if task == SCORE else RESULT_SCHEMA
+def extra_columns(params: Sequence[SamplingParams]) -> tuple[str, ...]:
+    """The optional result columns a job's distinct params call for, in schema order."""
+    extras = []
+    if any(p.structured_outputs is not None for p in params):
+        extras.append("structured_output_complete")
+    if any(p.n > 1 for p in params):
+        extras.append("completions")
+    return tuple(extras)
+
+
+def result_schema(task: str = GENERATE, extras: Sequence[str] = ()) -> pa.Schema:
+    """The schema of a `task` job's results (before passthrough columns), with the
+    optional columns `extras` (`extra_columns` of the job's params) after its own."""
+    base = SCORE_RESULT_SCHEMA if task == SCORE else RESULT_SCHEMA
+    return pa.schema([*base, *(EXTRA_FIELDS[name] for name in extras)])
+
+
+def reserved_columns(task: str = GENERATE) -> tuple[str, ...]:
+    """Names a passthrough column may not take: the task's result columns and every
+    optional one."""
+    return (*result_schema(task).names, *EXTRA_FIELDS)
 
 
 def check_passthrough(names: Sequence[str], *, task: str = GENERATE) -> None:
     """Raise ValueError if passthrough columns clash with result columns or repeat."""
-    columns = result_schema(task).names
-    clash = [n for n in names if n in columns]
+    reserved = reserved_columns(task)
+    clash = [n for n in names if n in reserved]
     if clash:
         raise ValueError(
             f"passthrough column(s) {', '.join(map(repr, clash))} clash with result columns "
-            f"({', '.join(columns)})"
+            f"({', '.join(reserved)})"
         )
     if len(set(names)) != len(names):
         raise ValueError("passthrough columns repeat")
@@ -79,6 +120,17 @@ def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = G
         "cached_tokens": int(output.cached_tokens),
         "completion_tokens": int(output.completion_tokens),
         "error": None,
+        "structured_output_complete": output.structured_output_complete,
+        "completions": [_completion(c) for c in output.outputs],
+    }
+
+
+def _completion(completion: CompletionOutput) -> dict:
+    return {
+        "index": completion.index,
+        "output": completion.text,
+        "finish_reason": completion.finish_reason,
+        "structured_output_complete": completion.structured_output_complete,
     }
 
 
@@ -117,6 +169,7 @@ def build_results(
     *,
     passthrough: pa.Table | None = None,
     task: str = GENERATE,
+    extras: Sequence[str] = (),
 ) -> pa.Table:
     """A results table for `rows`, in their order.
 
@@ -125,12 +178,13 @@ def build_results(
         outputs: engine output by row index, for the rows that ran.
         passthrough: columns to carry over, one row per entry of `rows`, same order.
         task: the job's task: its rows and schema (`result_schema`).
+        extras: optional columns (`extra_columns` of the job's params).
 
     Returns:
-        A table with the task's result columns followed by the passthrough columns.
+        A table with the task's result columns, the extras, then the passthrough columns.
     """
     records = [result_record(r, outputs.get(r.row_index), task=task) for r in rows]
-    table = pa.Table.from_pylist(records, schema=result_schema(task))
+    table = pa.Table.from_pylist(records, schema=result_schema(task, extras))
     if passthrough is not None and passthrough.num_columns:
         if passthrough.num_rows != table.num_rows:
             raise ValueError(

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.ledger import ShardStats, now_iso
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard
-from tokenmill.pipelines.results import build_results, latencies
+from tokenmill.pipelines.results import build_results, extra_columns, latencies
 from tokenmill.pipelines.spill import shard_rows
+from tokenmill.pipelines.tokenize import PromptRow
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,35 @@ def prepare_output(plan: JobPlan) -> set[str]:
     return done
 
 
+def generate_rows(
+    llm: Any,
+    rows: list[PromptRow],
+    params: list[SamplingParams],
+    *,
+    on_output: OnOutput | None = None,
+) -> dict[int, RequestOutput]:
+    """Generate every row that has a prompt, in the given order, each with its params.
+
+    Args:
+        llm: a loaded LLM (anything with its `generate`).
+        rows: prompt rows; error rows are left out.
+        params: the job's distinct SamplingParams, indexed by `PromptRow.params_index`.
+        on_output: called with each RequestOutput as it finishes.
+
+    Returns:
+        The engine's output per row index.
+    """
+    good = [r for r in rows if r.token_ids is not None]
+    if not good:
+        return {}
+    generated = llm.generate(
+        [r.token_ids for r in good],
+        [params[r.params_index] for r in good],
+        on_output=on_output,
+    )
+    return {r.row_index: o for r, o in zip(good, generated)}
+
+
 def run_shard(
     llm: Any, plan: JobPlan, shard: Shard, *, on_output: OnOutput | None = None
 ) -> ShardResult:
@@ -91,16 +122,15 @@ def run_shard(
     rows = planned.rows
     good = [r for r in rows if r.token_ids is not None]
     started_at, t0 = now_iso(), time.perf_counter()
-    outputs: dict[int, RequestOutput] = {}
-    if good:
-        generated = llm.generate(
-            [r.token_ids for r in good],
-            [plan.params[r.params_index] for r in good],
-            on_output=on_output,
-        )
-        outputs = {r.row_index: o for r, o in zip(good, generated)}
+    outputs = generate_rows(llm, good, plan.params, on_output=on_output)
     seconds = time.perf_counter() - t0
-    table = build_results(rows, outputs, passthrough=planned.passthrough, task=spec.task)
+    table = build_results(
+        rows,
+        outputs,
+        passthrough=planned.passthrough,
+        task=spec.task,
+        extras=extra_columns(plan.params),
+    )
     stats = ShardStats(
         shard_id=shard.shard_id,
         num_rows=len(rows),

@@ -8,14 +8,14 @@ parameters, prices, prompt rules and LLM arguments of the job.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from tokenmill.connectors.formats import normalize_format
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.pipelines.option_types import JOB, PRICES, PROMPT, SAMPLING
+from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.pipelines.option_types import JOB, PRICES, PROMPT, SAMPLING, STRUCTURED
 from tokenmill.pipelines.options import (
     OPTIONS,
     annotation_of,
@@ -26,6 +26,8 @@ from tokenmill.pipelines.options import (
     per_row_fields,
     routed,
 )
+from tokenmill.pipelines.options import sampling_params as generation_params
+from tokenmill.pipelines.plan import params_key
 from tokenmill.pipelines.pricing import Prices
 from tokenmill.pipelines.results import check_passthrough
 from tokenmill.pipelines.scoring import GENERATE, SCORE, default_raw, scoring_params
@@ -80,6 +82,10 @@ class JobSpec:
         check_passthrough(self.passthrough, task=self.task)
         if self.id_column is not None and self.id_column in self.passthrough:
             raise ValueError(f"{self.id_column!r} is the id column; it is already the 'id' result")
+        if self.is_openai_batch and self.json_schema_column is not None:
+            raise ValueError(
+                "OpenAI batch lines carry their own response_format; drop json_schema_column"
+            )
         if self.output_format == "openai-batch" and not self.is_openai_batch:
             raise ValueError(
                 "output_format 'openai-batch' needs OpenAI batch input (format='openai-batch')"
@@ -90,8 +96,9 @@ class JobSpec:
 
     @property
     def sampling(self) -> SamplingParams:
-        """The job's sampling parameters (OpenAI batch rows may override some); a scoring
-        job's are `scoring_params()`: score the prompt, sample nothing."""
+        """The job's sampling parameters (OpenAI batch rows and a schema column may
+        override some); a scoring job's are `scoring_params()`: score the prompt, sample
+        nothing."""
         return sampling_params(vars(self))
 
     @property
@@ -142,14 +149,14 @@ def resolve_task(values: Mapping[str, Any]) -> dict[str, Any]:
         given = [
             option.name
             for option in OPTIONS
-            if option.to == SAMPLING
+            if (option.to in (SAMPLING, STRUCTURED) or option.exclusive == "structured output")
             and option.name in values
             and values[option.name] != option.check(option.default)
         ]
         if given:
             raise ValueError(
                 f"{', '.join(given)}: a scoring job generates nothing, so it takes no "
-                "sampling options; drop them (or run task 'generate')"
+                "sampling or structured output options; drop them (or run task 'generate')"
             )
         if values.get("raw") is None and values.get("system") and not values.get("messages_column"):
             raise ValueError(
@@ -166,7 +173,7 @@ def sampling_params(values: Mapping[str, Any]) -> SamplingParams:
     options, or for a scoring job `scoring_params()` (score the prompt, sample nothing)."""
     if values.get("task", GENERATE) == SCORE:
         return scoring_params()
-    return SamplingParams(**routed(values, SAMPLING))
+    return generation_params(values)
 
 
 def _check_scoring_formats(input_format: str | None, output_format: str) -> None:
@@ -184,36 +191,61 @@ def _check_scoring_formats(input_format: str | None, output_format: str) -> None
         )
 
 
-class ParamsTable:
-    """The distinct SamplingParams of a job; rows refer to them by index."""
+# A row's structured outputs when it sets none of its own: the job's.
+UNCHANGED: Any = object()
 
-    def __init__(self, base: SamplingParams) -> None:
+ConstraintCheck = Callable[[StructuredOutputs], Any]
+
+
+class ParamsTable:
+    """The distinct SamplingParams of a job; rows refer to them by index.
+
+    Args:
+        base: the job's own params (index 0).
+        check: compiles a structured outputs constraint for the job's model, raising
+            ValueError when it is invalid or cannot be enforced; called once per distinct
+            params that carry one, so a bad job-level constraint fails here, before
+            any compute, and a bad per-row one fails only its row.
+    """
+
+    def __init__(self, base: SamplingParams, check: ConstraintCheck | None = None) -> None:
         self.base = base
         self.params: list[SamplingParams] = []
         self._index: dict[str, int] = {}
         self._per_row = per_row_fields()
+        self._check = check
         self.add(base)
 
     def add(self, params: SamplingParams) -> int:
-        key = json.dumps(asdict(params), sort_keys=True)
+        key = params_key(params)
         if key not in self._index:
+            if params.structured_outputs is not None and self._check is not None:
+                self._check(params.structured_outputs)
             self._index[key] = len(self.params)
             self.params.append(params)
         return self._index[key]
 
-    def for_row(self, overrides: Mapping[str, Any]) -> int:
+    def for_row(
+        self, overrides: Mapping[str, Any], *, structured: StructuredOutputs | None = UNCHANGED
+    ) -> int:
         """Index of the base params with a row's non-null overrides applied.
 
+        Args:
+            overrides: per-row sampling options (OpenAI batch body fields).
+            structured: the row's own constraint (None: explicitly unconstrained).
+
         Raises:
-            ValueError: an override is invalid (e.g. temperature < 0, n > 1), checked
-                as the job definition checks any option.
+            ValueError: an override is invalid (e.g. temperature < 0), checked as the job
+                definition checks any option, or the row's constraint cannot be compiled.
         """
         changes = {k: v for k, v in overrides.items() if k in self._per_row and v is not None}
-        if not changes:
+        if not changes and structured is UNCHANGED:
             return 0
         try:
             checked = {k: get_option(k).check(v) for k, v in changes.items()}
             params = replace(self.base, **routed(checked, SAMPLING))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"invalid sampling parameters: {exc}") from None
+        if structured is not UNCHANGED:
+            params = replace(params, structured_outputs=structured)
         return self.add(params)

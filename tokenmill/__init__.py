@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "tokenmill.engine.llm",
     "SamplingParams": "tokenmill.engine.sampling_params",
+    "StructuredOutputs": "tokenmill.engine.structured_outputs",
     "RequestOutput": "tokenmill.engine.outputs",
     "CompletionOutput": "tokenmill.engine.outputs",
     "generate": "tokenmill.pipelines.notebook",
@@ -28,6 +29,7 @@ __all__ = [
     "JobLedger",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputs",
     "__version__",
     "generate",
     "run_job",
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
     from tokenmill.engine.outputs import CompletionOutput, RequestOutput
     from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.structured_outputs import StructuredOutputs
     from tokenmill.pipelines.job import run_job
     from tokenmill.pipelines.ledger import JobLedger
     from tokenmill.pipelines.notebook import generate, score

@@ -264,7 +264,7 @@ def test_openai_batch_roundtrip(tmp_path, fake_llm):
             "custom_id": "bad-n",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"model": "x", "prompt": "x", "n": 2},
+            "body": {"model": "x", "prompt": "x", "n": 0},
         },
     ]
     src = tmp_path / "batch.jsonl"
@@ -278,7 +278,7 @@ def test_openai_batch_roundtrip(tmp_path, fake_llm):
     assert rows["chat-1"]["finish_reason"] == "length"
     assert rows["cmpl-1"]["completion_tokens"] == 3
     assert rows["bad-temp"]["error"].startswith("invalid sampling parameters: temperature")
-    assert rows["bad-n"]["error"] == "invalid sampling parameters: n must be 1, got 2"
+    assert rows["bad-n"]["error"] == "invalid sampling parameters: n must be >= 1, got 0"
     assert "line 5" in rows["row-000000004"]["error"]
     assert (ledger.rows_ok, ledger.rows_failed) == (2, 3)
     written = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]

@@ -61,7 +61,7 @@ def test_greedy_is_the_default_everywhere():
         ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),
         ("min_p", 1.5, r"min_p must be in \[0, 1\], got 1.5"),
         ("temperature", float("nan"), "temperature must be >= 0, got nan"),
-        ("n", 2, "n must be 1, got 2"),
+        ("n", 0, "n must be >= 1, got 0"),
         ("max_tokens", "8", "max_tokens must be an integer, got '8'"),
         ("max_tokens", True, "max_tokens must be an integer, got True"),
         ("raw", "yes", "raw must be true or false"),

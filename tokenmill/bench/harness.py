@@ -103,7 +103,10 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
         workload.to_json(runner.workload_path)
         baselines, sweep = _pick_hf_batch_sizes(runner, baselines, config.hf_batch_sizes, workload)
         specs = tokenmill_systems(
-            list(config.dtypes), config.engine_args, list(config.quantizations)
+            list(config.dtypes),
+            config.engine_args,
+            list(config.quantizations),
+            structured=workload.json_schema is not None,
         )
         specs += baselines
         runs: dict[str, list[RunResult | None]] = {s.label: [] for s in specs}
@@ -113,7 +116,15 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
             for dtype, gflops in runner.peaks(sorted({s.dtype for s in specs})).items():
                 peaks[dtype] = max(peaks.get(dtype, 0.0), gflops)
             for spec in specs:
-                runs[spec.label].append(runner.run(spec, round_index))
+                # A system sized by another's outputs runs after it, in the same round.
+                source = spec.options.get("output_lens_from")
+                earlier = runs[source][-1] if source else None
+                if source and earlier is None:
+                    runner.notes.append(f"{spec.label}: skipped a round, {source} failed in it")
+                    runs[spec.label].append(None)
+                    continue
+                lens = earlier.generated if earlier is not None else None
+                runs[spec.label].append(runner.run(spec, round_index, output_lens=lens))
     if source_version() != code_at_start:
         # Every child imports the engine afresh: results from different code do not compare.
         runner.notes.append("the source tree changed during this run: rounds ran different code")
@@ -148,13 +159,20 @@ class _ChildRunner:
         self.records: list[dict] = []
         self._count = 0
 
-    def run(self, spec: SystemSpec, round_index: int | None) -> RunResult | None:
+    def run(
+        self, spec: SystemSpec, round_index: int | None, output_lens: list[int] | None = None
+    ) -> RunResult | None:
         """One timed run of spec; None (and an error noted) if its process failed."""
         self._count += 1
         job_path = self.tmp / f"job{self._count}.json"
         result_path = self.tmp / f"result{self._count}.json"
         Job(
-            spec, self.model_dir, str(self.workload_path), self.config.device, self.config.threads
+            spec,
+            self.model_dir,
+            str(self.workload_path),
+            self.config.device,
+            self.config.threads,
+            output_lens,
         ).to_json(job_path)
         failure = self._spawn(spec.python, ["run", str(job_path), str(result_path)])
         if failure is not None:

@@ -87,7 +87,7 @@ def summarize_system(
     if all(r.ttft_s for r in done):
         summary.ttft_s = Percentiles.median_of([Percentiles.of(r.ttft_s) for r in done])
         summary.tpot_s = Percentiles.median_of([Percentiles.of(r.tpot_s) for r in done])
-    useful = useful_flops(workload, shape)
+    useful = useful_flops(workload, shape, first.generated)
     executed = total_flops(shape, executed_works(first))
     summary.useful_tflop = useful / 1e12
     summary.executed_tflop = executed / 1e12
@@ -100,11 +100,15 @@ def summarize_system(
     return summary
 
 
-def useful_flops(workload: Workload, shape: ModelShape) -> int:
-    """The workload's floor: FLOPs with every shared prefix computed exactly once."""
+def useful_flops(workload: Workload, shape: ModelShape, generated: list[int] | None = None) -> int:
+    """The workload's floor: FLOPs with every shared prefix computed exactly once.
+
+    generated: tokens each request actually generated, where that is not the workload's
+    output length (a constrained run ends where its grammar does).
+    """
     works = minimal_works(
         [len(p) for p in workload.prompt_ids],
-        workload.output_lens,
+        generated or workload.output_lens,
         workload.prefix_group,
         workload.shared_len,
     )

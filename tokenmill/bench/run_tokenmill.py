@@ -10,8 +10,13 @@ from tokenmill.bench.workload import Workload, warmup_prompts
 
 
 def run_tokenmill(job: Job, workload: Workload) -> RunResult:
-    """Load the model, warm up, then time one `LLM.generate` over the whole workload."""
-    from tokenmill import LLM, SamplingParams
+    """Load the model, warm up, then time one `LLM.generate` over the whole workload.
+
+    A structured system enforces the workload's JSON schema: greedy, max_tokens the
+    workload's output length, each request ending where its grammar does. Otherwise every
+    request generates exactly its output length (the job's, when it carries its own).
+    """
+    from tokenmill import LLM, SamplingParams, StructuredOutputs
 
     llm = LLM(
         job.model_dir,
@@ -19,17 +24,42 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
         device=job.device,
         **job.system.options.get("engine_args", {}),
     )
-    llm.generate(warmup_prompts(workload), SamplingParams(temperature=0.0, max_tokens=4))
+    constraint = None
+    if job.system.options.get("structured"):
+        constraint = StructuredOutputs(json=workload.json_schema)
+    # Warm-up compiles the constraint too: a real job pays that once, not per request.
+    warmup = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=constraint)
+    llm.generate(warmup_prompts(workload), warmup)
     before = replace(llm.stats())
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
-    ]
+    if constraint is not None:
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=constraint)
+            for n in workload.output_lens
+        ]
+    else:
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            for n in job.output_lens or workload.output_lens
+        ]
     with Stopwatch() as clock:
         outputs = llm.generate(workload.prompt_ids, params)
     after = llm.stats()
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+    extra = {}
+    if constraint is not None:
+        num_masked = after.num_constrained_tokens - before.num_constrained_tokens
+        extra = {
+            "num_constrained_tokens": num_masked,
+            "mask_fill_us_per_token": _per_token(
+                after.grammar_fill_s - before.grammar_fill_s, num_masked
+            ),
+            "mask_blocking_us_per_token": _per_token(
+                after.grammar_blocking_s - before.grammar_blocking_s, num_masked
+            ),
+            "num_complete": sum(bool(o.structured_output_complete) for o in outputs),
+        }
 
     t0 = clock.start
     ttft, tpots = [], []
@@ -56,10 +86,15 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
             "num_preemptions": after.num_preemptions - before.num_preemptions,
             "dtype": str(llm.dtype).removeprefix("torch."),
             "device": str(llm.device),
+            **extra,
             **_gpu_memory(llm.device),
         },
         output_ids=[o.token_ids for o in outputs],
     )
+
+
+def _per_token(seconds: float, num_tokens: int) -> float:
+    return seconds / num_tokens * 1e6 if num_tokens else 0.0
 
 
 def _gpu_memory(device) -> dict:

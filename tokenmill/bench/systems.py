@@ -34,9 +34,12 @@ HF_BATCH_SIZES = (8, 16, 32, 64)
 class SystemSpec:
     """One engine at one precision with its settings.
 
-    options by kind - tokenmill: {"engine_args": {...LLM keyword arguments}};
-    hf: {"batch_size": N}; llamacpp: {"gguf": path}; llamacpp-server: {"gguf": path,
-    "server": binary}; vllm: {"engine_args": {...}}.
+    options by kind - tokenmill: {"engine_args": {...LLM keyword arguments}}, plus on a
+    structured workload {"structured": True} (enforce its JSON schema) or
+    {"output_lens_from": LABEL} (generate, EOS ignored, exactly as many tokens per request
+    as system LABEL did earlier in the same round); hf: {"batch_size": N};
+    llamacpp: {"gguf": path}; llamacpp-server: {"gguf": path, "server": binary};
+    vllm: {"engine_args": {...}}.
     python: the interpreter that runs it (vLLM usually lives in its own environment).
     """
 
@@ -71,6 +74,7 @@ class Job:
     workload_path: str
     device: str = "cpu"
     threads: int | None = None
+    output_lens: list[int] | None = None  # overrides the workload's, per request
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self)))
@@ -82,22 +86,35 @@ class Job:
 
 
 def tokenmill_systems(
-    dtypes: list[str], engine_args: dict | None = None, quantizations: list[str] = ()
+    dtypes: list[str],
+    engine_args: dict | None = None,
+    quantizations: list[str] = (),
+    *,
+    structured: bool = False,
 ) -> list[SystemSpec]:
     """tokenmill at each dtype, labelled e.g. "tokenmill-bf16", then each quantization
     ("tokenmill-int8"), which runs its float parts in the engine's best float precision
     here (bf16 on CPUs with native bf16, else fp32) - the precision it is compared with.
+
+    With `structured`, each dtype runs twice per round: first constrained to the
+    workload's schema ("tokenmill-bf16-json"), then unconstrained as its baseline,
+    generating exactly the token counts the constrained run produced - so the two walls
+    compare the same prompts and the same number of generated tokens.
     """
-    specs = [
-        SystemSpec(
-            f"tokenmill-{DTYPE_SHORT.get(d, d)}",
-            "tokenmill",
-            d,
-            is_baseline=False,
-            options={"engine_args": dict(engine_args or {})},
+    specs = []
+    for dtype in dtypes:
+        label = f"tokenmill-{DTYPE_SHORT.get(dtype, dtype)}"
+        options = {"engine_args": dict(engine_args or {})}
+        if not structured:
+            specs.append(SystemSpec(label, "tokenmill", dtype, False, options))
+            continue
+        constrained = SystemSpec(
+            f"{label}-json", "tokenmill", dtype, False, options | {"structured": True}
         )
-        for d in dtypes
-    ]
+        free = SystemSpec(
+            label, "tokenmill", dtype, True, options | {"output_lens_from": constrained.label}
+        )
+        specs += [constrained, free]
     for quantization in quantizations:
         args = {**(engine_args or {}), "quantization": quantization}
         specs.append(

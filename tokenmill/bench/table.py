@@ -26,6 +26,8 @@ def render(report: BenchReport, console: Console | None = None) -> None:
     console.print(f"matmul peak measured in this run: {peaks or 'not measured'}")
     console.print(throughput_table(report.systems))
     console.print(latency_table(report.systems))
+    for line in structured_lines(report.systems):
+        console.print(line)
     for note in report.notes:
         console.print(f"note: {note}")
 
@@ -76,6 +78,22 @@ def latency_table(systems: list[SystemSummary]) -> Table:
             _agreement(s),
         )
     return table
+
+
+def structured_lines(systems: list[SystemSummary]) -> list[str]:
+    """One line per constrained system: its grammar mask costs per generated token."""
+    lines = []
+    for s in systems:
+        extra = s.extra or {}
+        if "mask_fill_us_per_token" not in extra:
+            continue
+        lines.append(
+            f"{s.label}: {extra['num_constrained_tokens']:,} constrained tokens; mask fill "
+            f"{extra['mask_fill_us_per_token']:.1f} us/token, steps held up by masks "
+            f"{extra['mask_blocking_us_per_token']:.1f} us/token; "
+            f"{extra['num_complete']} outputs complete"
+        )
+    return lines
 
 
 def _agreement(s: SystemSummary) -> str:

@@ -5,6 +5,9 @@ tokens excluded), so every system sees exactly the same input without a tokenize
 loop. A workload mixes prompts that share a prefix (a few prefix groups) with unique
 prompts; output lengths are fixed per request and generated with EOS ignored, so every
 system produces exactly the same number of tokens.
+
+`extract64` is the exception: real extraction prompts with a JSON schema
+(tokenmill/bench/extract.py), run constrained and unconstrained.
 """
 
 from __future__ import annotations
@@ -114,6 +117,10 @@ PRESETS: dict[str, WorkloadSpec] = {
 }
 
 
+# Every preset `tokenmill bench --preset` takes: the drawn ones and the structured one.
+PRESET_NAMES = [*PRESETS, "extract64"]
+
+
 @dataclass
 class Workload:
     """Concrete requests: prompt token ids and how many tokens to generate for each.
@@ -128,6 +135,8 @@ class Workload:
     prefix_group: list[int | None]
     shared_len: list[int]
     spec: dict = field(default_factory=dict)
+    # A structured workload: the JSON schema its constrained runs enforce.
+    json_schema: dict | None = None
 
     @property
     def num_requests(self) -> int:
@@ -261,10 +270,16 @@ def load_preset(name: str, model_dir: str | Path, *, seed: int | None = None) ->
     Returns:
         The workload.
     """
+    if name == "extract64":
+        from tokenmill.bench.extract import build_extract_workload
+
+        return build_extract_workload(model_dir, seed=seed or 0)
     try:
         spec = PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}") from None
+        raise ValueError(
+            f"unknown preset {name!r}; choose from {', '.join(PRESET_NAMES)}"
+        ) from None
     if seed is not None:
         spec = replace(spec, seed=seed)
     model_dir = Path(model_dir)

@@ -9,13 +9,19 @@ from pathlib import Path
 
 import click
 
-from tokenmill.bench.workload import PRESETS
+from tokenmill.bench.workload import PRESET_NAMES
 from tokenmill.cli.options import key_values_callback
 from tokenmill.pipelines.options import get_option
 
 
 @click.command("bench")
-@click.option("--preset", type=click.Choice(list(PRESETS)), default="mixed64", show_default=True)
+@click.option(
+    "--preset",
+    type=click.Choice(PRESET_NAMES),
+    default="mixed64",
+    show_default=True,
+    help="extract64 compares constrained (JSON schema) and unconstrained generation.",
+)
 @click.option(
     "--model",
     default=None,
