@@ -221,6 +221,10 @@ def test_the_cli_scores_a_jsonl_file(tmp_path, hf_model_dir):
         (dict(output_format="openai-batch"), "a scoring job completes nothing"),
         (dict(format="openai-batch"), "an OpenAI batch file holds generation requests"),
         (dict(passthrough=["perplexity"]), "clash with result columns"),
+        (dict(json_schema={"type": "object"}), "json_schema: a scoring job generates nothing"),
+        (dict(choice=["a", "b"]), "choice: a scoring job generates nothing"),
+        (dict(json_schema_column="schema"), "json_schema_column: a scoring job generates"),
+        (dict(passthrough=["structured_output_complete"]), "clash with result columns"),
     ],
 )
 def test_options_a_scoring_job_refuses(options, message):
