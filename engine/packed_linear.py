@@ -9,8 +9,9 @@ decode batches, where MKL-DNN otherwise repacks the weight every call). The resu
 are fp32 to rounding (relative error 9e-7 against float64, MKL's is 4e-7).
 
 `pack_linear_layers` swaps every nn.Linear of a loaded model for a PackedLinear. It
-runs only on CPU for fp32/bf16, only when this torch build has the oneDNN ops, and only
-after one packed projection has matched F.linear on random input; otherwise the model
+runs only on CPU for fp32, and bf16 where the CPU has oneDNN's bf16 reorder
+(`packs_dtype`), only when this torch build has the oneDNN ops, and only after one
+packed projection has matched F.linear on random input; otherwise the model
 is left as it was. Set TOKENMILL_PACKED_LINEAR=0 to keep F.linear.
 """
 
@@ -23,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.engine.config import cpu_has_fast_bf16
+
 log = logging.getLogger(__name__)
 
 
@@ -34,6 +37,16 @@ def onednn_linear_available() -> bool:
         and hasattr(ops, "_reorder_linear_weight")
         and hasattr(ops, "_linear_pointwise")
     )
+
+
+def packs_dtype(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU: fp32 wherever torch has the
+    ops; bf16 only where oneDNN's bf16 reorder runs (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or
+    AMX - the check torch itself makes). An AVX2-only CPU such as AMD Zen 1 keeps
+    F.linear for bf16 weights."""
+    if not onednn_linear_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
 
 
 class PackedLinear(nn.Module):
@@ -80,9 +93,8 @@ def pack_linear_layers(model: nn.Module, *, dtype: torch.dtype, device: torch.de
     """
     if (
         device.type != "cpu"
-        or dtype not in (torch.float32, torch.bfloat16)
         or os.environ.get("TOKENMILL_PACKED_LINEAR", "1") == "0"
-        or not onednn_linear_available()
+        or not packs_dtype(dtype)
     ):
         return 0
     targets = [
