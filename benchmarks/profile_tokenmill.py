@@ -2,6 +2,7 @@
 
     python benchmarks/profile_tokenmill.py --preset mixed64 --dtype float32
     python benchmarks/profile_tokenmill.py --preset mixed64 --torch-profiler   # op level
+    python benchmarks/profile_tokenmill.py --dtype bfloat16 --quantization int8
 
 The default mode times the engine's stages by wrapping them from the outside (forward
 hooks on every linear layer, wrappers around scheduling, input preparation, attention and
@@ -129,9 +130,13 @@ def instrument(llm: LLM, clock: StageClock) -> list[str]:
     clock.hook_module(model, "model: other ops (embedding, norms, rotary, activation, residual)")
     lm_head = getattr(model, "lm_head", None)
     from tokenmill.engine.packed_linear import PackedLinear
+    from tokenmill.engine.quant.gguf_linear import GroupedLinear, RowConcat
+    from tokenmill.engine.quant.int4 import Int4Linear
+    from tokenmill.engine.quant.int8 import Int8Linear
 
+    linear_kinds = (torch.nn.Linear, PackedLinear, Int8Linear, Int4Linear, GroupedLinear, RowConcat)
     for module in model.modules():
-        if isinstance(module, (torch.nn.Linear, PackedLinear)):
+        if isinstance(module, linear_kinds):
             stage = "lm_head (logits)" if module is lm_head else "model: linear layers"
             clock.hook_module(module, stage)
     if lm_head is None:
@@ -158,12 +163,13 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"])
     parser.add_argument("--torch-profiler", action="store_true", help="op-level aten table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization)
     workload = load_preset(args.preset, llm.model_dir)
     llm.generate(warmup_prompts(workload), SamplingParams(temperature=0.0, max_tokens=4))
     params = [
