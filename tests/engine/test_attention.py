@@ -140,7 +140,7 @@ def test_kernel_built_for_other_cpus_matches_reference(flags, tmp_path, monkeypa
     """Build the variants other CPUs get and check them the same way."""
     with resources.as_file(resources.files(kernels)) as source_dir:
         kernels._compile(source_dir, tmp_path / "lib.so", extra_flags=flags)
-    variant = paged_attention._declare(kernels._load(tmp_path / "lib.so"))
+    variant = kernels._load(tmp_path / "lib.so")
     monkeypatch.setattr(paged_attention, "_library", lambda: variant)
     for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1.5e-2)):
         cache = Cache(dtype, 2, 64, 16)
