@@ -10,6 +10,8 @@ blocks scattered over the cache) on two step shapes, fp32 and bf16:
 - decode: 64 sequences, half sharing a 256-token prefix (mixed64's layout) - the
   portable path gathers every context and runs one padded SDPA.
 Best of 7 calls after a warm-up, alternating the two paths; the ratio is what to read.
+--window N attends within a sliding window of N positions (Mistral's and Gemma 3's local
+layers) on both paths.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _padded(tables: list[list[int]]) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def prefill_case(dtype):
+def prefill_case(dtype, window=None):
     layout = Layout(dtype)
     rows, queries, contexts, tables, spans, row = [], [], [], [], [], 0
     for num_query, context in PREFILL:
@@ -81,17 +83,18 @@ def prefill_case(dtype):
     )
 
     def native():
-        native_paged_attention(q, layout.k, layout.v, entries, HEAD_DIM**-0.5)
+        native_paged_attention(q, layout.k, layout.v, entries, HEAD_DIM**-0.5, window)
 
     def portable():
         for span in spans:
-            _prefill_span_attention(q, k, v, layout.k, layout.v, span, HEAD_DIM**-0.5)
+            _prefill_span_attention(q, k, v, layout.k, layout.v, span, HEAD_DIM**-0.5, window)
 
-    flops = sum(n * (c - n + (n + 1) / 2) for n, c in PREFILL) * 4 * HEAD_DIM * HEADS
+    seen = sum(min(p + 1, window or p + 1) for n, c in PREFILL for p in range(c - n, c))
+    flops = seen * 4 * HEAD_DIM * HEADS
     return native, portable, flops
 
 
-def decode_case(dtype):
+def decode_case(dtype, window=None):
     layout = Layout(dtype)
     rng = random.Random(1)
     prefix = layout.table(256)
@@ -124,12 +127,13 @@ def decode_case(dtype):
     )
 
     def native():
-        native_paged_attention(q, layout.k, layout.v, entries, HEAD_DIM**-0.5)
+        native_paged_attention(q, layout.k, layout.v, entries, HEAD_DIM**-0.5, window)
 
     def portable():
-        _decode_attention(q, layout.k, layout.v, meta, HEAD_DIM**-0.5)
+        _decode_attention(q, layout.k, layout.v, meta, HEAD_DIM**-0.5, window)
 
-    read = sum(lengths) - 31 * 256  # positions read once a shared prefix is read once
+    # Positions read once a shared prefix is read once (or only each window's).
+    read = sum(min(n, window) for n in lengths) if window else sum(lengths) - 31 * 256
     return native, portable, read * KV_HEADS * HEAD_DIM * 2 * layout.k.element_size()
 
 
@@ -148,13 +152,14 @@ def best_of(fns, repeats: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--window", type=int, default=None, help="sliding window, tokens")
     args = parser.parse_args()
-    print(f"threads {torch.get_num_threads()}")
+    print(f"threads {torch.get_num_threads()}, window {args.window or 'none'}")
     for dtype in (torch.float32, torch.bfloat16):
-        native, portable, flops = prefill_case(dtype)
+        native, portable, flops = prefill_case(dtype, args.window)
         times = best_of([native, portable], args.repeat)
         _report("prefill", dtype, *times, f"{flops / times[0] / 1e9:.0f} GFLOP/s")
-        native, portable, nbytes = decode_case(dtype)
+        native, portable, nbytes = decode_case(dtype, args.window)
         times = best_of([native, portable], args.repeat)
         _report("decode", dtype, *times, f"{nbytes / times[0] / 1e9:.1f} GB/s of keys and values")
 

@@ -70,6 +70,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Write this step's keys/values into the cache, then attend.
 
@@ -78,31 +79,40 @@ def paged_attention(
         k, v: [num_tokens, num_kv_heads, head_dim]
         k_cache: [num_blocks, num_kv_heads, head_dim, block_size] (see KVCache)
         v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (see KVCache)
+        sliding_window: the layer's window: a query at position p sees the keys at
+            positions (p - sliding_window, p], as transformers masks Mistral's and Gemma 3's
+            local layers; None sees every earlier position.
     Returns:
         [num_tokens, num_heads, head_dim]
     """
     if meta.native is not None:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
-        return native_paged_attention(q, k_cache, v_cache, meta.native, scale)
+        return native_paged_attention(q, k_cache, v_cache, meta.native, scale, sliding_window)
     if meta.triton is not None:
         from tokenmill.engine.cuda import triton_attention
 
         triton_attention.store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
-        return triton_attention.paged_attention(q, k_cache, v_cache, meta.triton, scale)
+        return triton_attention.paged_attention(
+            q, k_cache, v_cache, meta.triton, scale, sliding_window=sliding_window
+        )
     k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
     v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens
     if num_decodes:
-        out[:num_decodes] = _decode_attention(q[:num_decodes], k_cache, v_cache, meta, scale)
+        out[:num_decodes] = _decode_attention(
+            q[:num_decodes], k_cache, v_cache, meta, scale, sliding_window
+        )
     for span in meta.prefills:
         out[span.start : span.start + span.num_query_tokens] = _prefill_span_attention(
-            q, k, v, k_cache, v_cache, span, scale
+            q, k, v, k_cache, v_cache, span, scale, sliding_window
         )
     return out
 
 
-def _prefill_span_attention(q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float):
+def _prefill_span_attention(
+    q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float, sliding_window: int | None = None
+):
     """One prefill chunk on the portable path -> [num_query_tokens, num_heads, head_dim]."""
     rows = slice(span.start, span.start + span.num_query_tokens)
     num_cached = span.num_context_tokens - span.num_query_tokens
@@ -116,12 +126,12 @@ def _prefill_span_attention(q, k, v, k_cache, v_cache, span: PrefillSpan, scale:
         kp = gather_key_blocks(k_cache, ids)[:, :, : span.num_context_tokens]
         vp = gather_value_blocks(v_cache, ids)[:, :, : span.num_context_tokens]
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
-        op = prefill_attention_by_matmul(qp[0], kp[0], vp[0], num_cached, scale)
+        op = prefill_attention_by_matmul(qp[0], kp[0], vp[0], num_cached, scale, sliding_window)
         return op.transpose(0, 1)
     mask = None
-    if num_cached:  # query token i sees the context up to position num_cached + i
+    if num_cached or sliding_window:  # query token i sits at position num_cached + i
         positions = torch.arange(span.num_context_tokens, device=q.device)
-        mask = positions[None, :] <= positions[num_cached:, None]
+        mask = visible_positions(positions[num_cached:], positions, sliding_window)
     op = F.scaled_dot_product_attention(
         qp,
         kp,
@@ -141,23 +151,37 @@ QUERY_TILE = 128
 SCORES_TILE_BYTES = 16 << 20
 
 
+def visible_positions(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """[num_queries, num_keys] bool: which keys each query sees - those at or before its
+    own position, and within its window when there is one."""
+    offsets = query_positions[:, None] - key_positions[None, :]  # how far back the key is
+    allowed = offsets >= 0
+    if sliding_window:
+        allowed &= offsets < sliding_window
+    return allowed
+
+
 def prefill_attention_by_matmul(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     num_cached: int,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention for one prefill chunk as batched matmuls. The query heads of each
     kv head are stacked into one operand, so GQA needs no copies of k and v.
 
     Query token i (of the chunk) sits at position num_cached + i and sees context
-    positions 0..num_cached + i.
+    positions 0..num_cached + i, or only the last sliding_window of them.
 
     Args:
         q: [num_heads, num_query_tokens, head_dim]
         k, v: [num_kv_heads, num_cached + num_query_tokens, head_dim]
         num_cached: context tokens before the chunk (read back from the cache).
+        sliding_window: see `paged_attention`.
     Returns:
         [num_heads, num_query_tokens, head_dim]
     """
@@ -172,10 +196,18 @@ def prefill_attention_by_matmul(
         last = min(num_query, first + tile)
         rows = last - first
         visible = num_cached + last  # the tile's last row sees this many positions
+        # A window hides the columns before the tile's first row's window.
+        start = max(0, num_cached + first - sliding_window + 1) if sliding_window else 0
+        width = visible - start
         # Scaling q (rows x dim) is cheaper than scaling the scores (rows x context).
         q_tile = (q4[:, :, first:last] * scale).reshape(num_kv_heads, group * rows, dim)
-        scores = torch.bmm(q_tile, k_t[:, :, :visible]).view(num_kv_heads, group, rows, visible)
-        if rows > 1:  # row r of the tile may not see the r+1.. columns of its diagonal
+        scores = torch.bmm(q_tile, k_t[:, :, start:visible]).view(num_kv_heads, group, rows, width)
+        if sliding_window:  # rows see different ranges of the columns: mask each
+            row_positions = torch.arange(num_cached + first, visible, device=q.device)
+            key_positions = torch.arange(start, visible, device=q.device)
+            hidden = ~visible_positions(row_positions, key_positions, sliding_window)
+            scores.masked_fill_(hidden, float("-inf"))
+        elif rows > 1:  # row r of the tile may not see the r+1.. columns of its diagonal
             diagonal = scores[..., visible - rows :]
             future = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
             diagonal.masked_fill_(future, float("-inf"))
@@ -183,19 +215,25 @@ def prefill_attention_by_matmul(
         # output: bit-identical to softmax(dtype=float32).to(bf16), one pass fewer.
         probs = torch.softmax(scores, dim=-1)
         out[:, :, first:last] = torch.bmm(
-            probs.view(num_kv_heads, group * rows, visible), v[:, :visible]
+            probs.view(num_kv_heads, group * rows, width), v[:, start:visible]
         ).view(num_kv_heads, group, rows, dim)
     return out.view(num_heads, num_query, dim)
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention(
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
     """Portable path, q: [B, H, D] one token per sequence -> [B, H, D]: copy the context
     out block by block, then one batched SDPA that masks the padding past each
-    sequence's length."""
+    sequence's length (and the positions before its window)."""
     kd = gather_key_blocks(k_cache, meta.decode_block_tables)
     vd = gather_value_blocks(v_cache, meta.decode_block_tables)
     positions = torch.arange(kd.shape[2], device=q.device)
-    mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+    lengths = meta.decode_context_lens[:, None]
+    mask = positions[None, :] < lengths
+    if sliding_window:
+        mask &= positions[None, :] >= lengths - sliding_window
+    mask = mask[:, None, None, :]
     od = F.scaled_dot_product_attention(
         q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
     )

@@ -160,9 +160,8 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """The longest sequence this implementation computes exactly."""
-        if self.sliding_window and not attention_has_windows():
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest sequence this implementation computes exactly: the model's own
+        limit (attention honours sliding windows on every path)."""
         return self.max_position_embeddings
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
@@ -172,17 +171,6 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer_idx] == SLIDING_ATTENTION:
             return self.sliding_window
         return None
-
-
-def attention_has_windows() -> bool:
-    """Whether `paged_attention` takes a per-layer `sliding_window` (the kernels work of
-    issue 10). Until it does, a model with a window runs within its window only, where
-    attending to everything is exact. TODO(issue 10): drop this once merged."""
-    import inspect
-
-    from tokenmill.engine.attention import paged_attention
-
-    return "sliding_window" in inspect.signature(paged_attention).parameters
 
 
 def _sliding_window(raw: dict) -> int | None:

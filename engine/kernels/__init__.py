@@ -1,13 +1,16 @@
 """Native CPU kernels, compiled on first use with the system C compiler.
 
 Every .c file here is built into one shared library, once per machine, in the
-tokenmill cache (keyed by the sources, the flags and the CPU), and loaded with ctypes;
-it links nothing from torch, so it builds in a few seconds. When no compiler is
+tokenmill cache (keyed by the sources, the flags, the compiler and the CPU), and loaded
+with ctypes; it links nothing from torch, so it builds in a few seconds. kernels.h is the
+interface: every exported function takes one struct, mirrored in interface.py, and the
+limits are read from the library. The build needs GCC or Clang (checked first) and gives
+each file its own floating-point flags (_FILE_FLAGS). When no compiler is
 available the engine falls back to its pure-PyTorch paths, which compute the same
 things (attention with gathered copies of the cache).
 
-This module builds and loads the library; `paged_attention` and `elementwise` wrap its
-functions for torch tensors.
+This module builds and loads the library; `paged_attention`, `elementwise` and
+`quantize` wrap its functions for torch tensors.
 """
 
 from __future__ import annotations
@@ -18,19 +21,97 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from tokenmill.engine.kernels import interface
+from tokenmill.engine.kernels.interface import KernelLimits
+
 log = logging.getLogger(__name__)
 
-_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+# Every file: optimised, OpenMP, position-independent.
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c11"]
+# Each file's floating-point contract, given on its own command line so that no file
+# depends on one compiler's pragmas: attention and quantization may reassociate (they are
+# tested against tolerances, and quantization's only reduction is a max); the elementwise
+# ops must round as PyTorch does (no FMA contraction, no reassociation), to the bit.
+_FILE_FLAGS = {
+    "interface.c": [],
+    "paged_attention.c": ["-ffast-math"],
+    "quantize.c": ["-ffast-math"],
+    "elementwise.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
+}
 # Linked without -ffast-math: with it GCC (before 13) links crtfastmath.o into the
 # library, whose constructor turns on flush-to-zero and denormals-are-zero for the whole
 # process the moment the library loads - changing the user's own float arithmetic.
 _LINK_FLAGS = ["-shared", "-fopenmp"]
+# The compilers known to honour the flags above (and OpenMP, and GNU C builtins).
+_COMPILER_FAMILIES = ("gcc", "clang")
+_MARCH_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    """The loaded kernels: the library, its functions declared (interface.py), and the
+    limits it was built with (kernels.h)."""
+
+    lib: ctypes.CDLL
+    limits: KernelLimits
+
+
+def kernel_march() -> str:
+    """The -march the kernels are built for: TOKENMILL_KERNEL_MARCH, default "native"
+    (set x86-64-v3 to build what an AVX2-only CPU runs, on any x86-64 machine)."""
+    march = os.environ.get("TOKENMILL_KERNEL_MARCH", "native")
+    if not _MARCH_PATTERN.fullmatch(march):
+        raise ValueError(f"TOKENMILL_KERNEL_MARCH={march!r} is not an architecture name")
+    return march
+
+
+def compile_flags(source_name: str) -> list[str]:
+    """The flags one kernel source is compiled with (tests build with them too)."""
+    if source_name not in _FILE_FLAGS:
+        raise RuntimeError(f"{source_name} has no entry in _FILE_FLAGS: say how it rounds")
+    return [*_COMMON_FLAGS, f"-march={kernel_march()}", *_FILE_FLAGS[source_name]]
+
+
+@functools.cache
+def c_compiler() -> tuple[str, str]:
+    """The C compiler ($CC, else cc, gcc or clang on PATH) and its identity (family and
+    version, from the compiler's own predefined macros).
+
+    Raises:
+        RuntimeError: there is none, or it is neither GCC nor Clang.
+    """
+    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    compiler = next((path for name in names if (path := shutil.which(name))), None)
+    if compiler is None:
+        raise RuntimeError(f"no C compiler on PATH (looked for {', '.join(names)})")
+    done = subprocess.run(
+        [compiler, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True
+    )
+    defines = dict(
+        line.removeprefix("#define ").partition(" ")[::2]
+        for line in done.stdout.splitlines()
+        if line.startswith("#define ")
+    )
+    # Clang defines __GNUC__ too; the Intel classic compiler does but is not GCC.
+    family = None
+    if "__clang__" in defines:
+        family = "clang"
+    elif "__GNUC__" in defines and "__INTEL_COMPILER" not in defines:
+        family = "gcc"
+    if done.returncode != 0 or family not in _COMPILER_FAMILIES:
+        raise RuntimeError(
+            f"the native kernels need GCC or Clang (for OpenMP and per-file floating-point "
+            f"flags); {compiler} is not one of them (set CC to gcc or clang)"
+        )
+    return compiler, f"{family} {defines.get('__VERSION__', '')}"
 
 
 def _cpu_fingerprint() -> str:
@@ -46,17 +127,16 @@ def _library_path(sources: dict[str, str]) -> Path:
     from tokenmill.engine.model_files import cache_dir
 
     parts = [f"{name}\0{text}" for name, text in sorted(sources.items())]
-    flags = [*_COMPILE_FLAGS, *_LINK_FLAGS]
-    key = hashlib.sha256("\0".join([*parts, *flags, _cpu_fingerprint()]).encode()).hexdigest()
+    flags = [f for name in sorted(_FILE_FLAGS) for f in (name, *compile_flags(name))]
+    identity = [*parts, *flags, *_LINK_FLAGS, c_compiler()[1], _cpu_fingerprint()]
+    key = hashlib.sha256("\0".join(identity).encode()).hexdigest()
     return cache_dir() / "kernels" / f"tokenmill-kernels-{key[:16]}.so"
 
 
 def _compile(source_dir: Path, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
-    """Build every .c file in source_dir into one shared library at target (tests add
-    flags to build the paths other CPUs take)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    """Build every .c file in source_dir into one shared library at target, each with
+    its own flags (tests add flags to build the paths other CPUs take)."""
+    compiler, _version = c_compiler()
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
@@ -65,7 +145,8 @@ def _compile(source_dir: Path, target: Path, extra_flags: tuple[str, ...] = ()) 
             object_files = []
             for source in _c_files(source_dir):
                 obj = Path(objects) / f"{source.stem}.o"
-                _run([compiler, *_COMPILE_FLAGS, *extra_flags, "-c", str(source), "-o", str(obj)])
+                flags = [*compile_flags(source.name), *extra_flags]
+                _run([compiler, *flags, "-c", str(source), "-o", str(obj)])
                 object_files.append(str(obj))
             _run([compiler, *_LINK_FLAGS, *object_files, "-o", tmp, "-lm"])
         os.replace(tmp, target)  # atomic: concurrent builders never see half a library
@@ -89,7 +170,7 @@ def _sources(source_dir: Path) -> dict[str, str]:
 
 
 @functools.cache
-def native_library() -> ctypes.CDLL | None:
+def native_library() -> NativeLibrary | None:
     """The compiled native kernels, or None when they cannot be built here."""
     if os.environ.get("TOKENMILL_NATIVE_KERNELS", "1") == "0":
         return None
@@ -105,6 +186,7 @@ def native_library() -> ctypes.CDLL | None:
         return None
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    """Load a built library; the modules wrapping its functions declare their types."""
-    return ctypes.CDLL(str(path))
+def _load(path: Path) -> NativeLibrary:
+    """Load a built library and declare its functions from the header's mirror."""
+    lib = ctypes.CDLL(str(path))
+    return NativeLibrary(lib, interface.declare(lib))

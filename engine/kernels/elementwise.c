@@ -14,11 +14,12 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The library is built with -ffast-math; these ops must round like PyTorch, so they are
- * not. The helpers are included after the switch so that they inline here. */
-#pragma GCC optimize("no-fast-math", "fp-contract=off")
-
 #include "kernel_common.h"
+#include "kernels.h"
+
+/* This file must round like PyTorch: the build compiles it without -ffast-math and with
+ * -ffp-contract=off (engine/kernels/__init__.py, _FILE_FLAGS), and refuses a compiler it
+ * does not know to honour those flags. */
 
 /* Below this many elements a pass is a few microseconds: not worth waking threads. */
 #define PARALLEL_MIN_ELEMENTS 65536
@@ -81,9 +82,14 @@ static float sum_of_squares(const float *x, int64_t n) {
  *   residual == NULL: out = rmsnorm(x) * weight
  * As PyTorch computes it: fp32 throughout for fp32; for bf16 the sum is rounded to bf16,
  * normalised in fp32, rounded to bf16, then multiplied by the bf16 weight and rounded.
- * x, residual, out, weight: contiguous, all fp32 or all bf16. */
-void tm_rms_norm(const void *x, void *residual, void *out, const void *weight, int64_t rows,
-                 int64_t dim, float eps, int is_bf16, int num_threads) {
+ * x, residual, out, weight: contiguous, all fp32 or all bf16 (tm_rms_norm_args). */
+int tm_rms_norm(const tm_rms_norm_args *a) {
+    const void *x = a->x, *weight = a->weight;
+    void *residual = a->residual, *out = a->out;
+    const int64_t rows = a->rows, dim = a->dim;
+    const int is_bf16 = a->is_bf16, num_threads = a->num_threads;
+    const float eps = a->eps;
+    if (dim < 1 || dim > TM_MAX_ROW_DIM) return TM_UNSUPPORTED_SHAPE;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (num_threads > 1 && rows > 1 && rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
@@ -128,6 +134,7 @@ void tm_rms_norm(const void *x, void *residual, void *out, const void *weight, i
             }
         }
     }
+    return TM_OK;
 }
 
 /* One head of rotary, rotate-halves layout: out = x * cos + swap_halves(x) * sin, each
@@ -173,10 +180,14 @@ static void rotate_heads(const void *src, int64_t src_offset, void *dst, int64_t
  * `*_stride` elements apart (views into the qkv projection's output, say).
  * q_out, k_out, v_out: contiguous. cos, sin: [num_tokens, head_dim] contiguous (the
  * full-width tables, sin signed for the swapped halves). All fp32 or all bf16. */
-void tm_rotary_qkv(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
-                   const void *v, int64_t v_stride, void *q_out, void *k_out, void *v_out,
-                   const void *cos, const void *sin, int64_t num_tokens, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, int is_bf16, int num_threads) {
+int tm_rotary_qkv(const tm_rotary_args *a) {
+    const void *q = a->q, *k = a->k, *v = a->v, *cos = a->cos, *sin = a->sin;
+    void *q_out = a->q_out, *k_out = a->k_out, *v_out = a->v_out;
+    const int64_t q_stride = a->q_stride, k_stride = a->k_stride, v_stride = a->v_stride;
+    const int64_t num_tokens = a->num_tokens, num_heads = a->num_heads;
+    const int64_t num_kv_heads = a->num_kv_heads, head_dim = a->head_dim;
+    const int is_bf16 = a->is_bf16, num_threads = a->num_threads;
+    if (head_dim % 2) return TM_UNSUPPORTED_SHAPE;
     const int64_t row_elements = (num_heads + 2 * num_kv_heads) * head_dim;
     const size_t elem = is_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
@@ -190,22 +201,30 @@ void tm_rotary_qkv(const void *q, int64_t q_stride, const void *k, int64_t k_str
         memcpy((char *)v_out + (size_t)t * v_bytes, (const char *)v + (size_t)(t * v_stride) * elem,
                v_bytes);
     }
+    return TM_OK;
 }
 
-/* silu(x) = x / (1 + exp(-x)) over n floats. Without errno, glibc's vector expf runs it
- * (its exp is not PyTorch's, hence the odd last bit). */
-#pragma GCC push_options
-#pragma GCC optimize("no-math-errno")
+/* expf has vector versions (glibc's libmvec): saying so lets the compiler call them from
+ * the loop below, as it would under -ffast-math (which this file must not have). The
+ * build's -fno-math-errno makes the call vectorisable; its exp is not PyTorch's, hence
+ * SiLU's odd last bit. */
+#pragma omp declare simd notinbranch
+float expf(float);
+
+/* silu(x) = x / (1 + exp(-x)) over n floats. */
 static void silu_row(const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = x[i] / (1.0f + expf(-x[i]));
 }
-#pragma GCC pop_options
 
 /* SiLU-and-mul: out = silu(gate) * up, gate and up the two halves of each row of x
  * ([rows, 2 * dim] -> [rows, dim]). bf16 rounds silu before the multiply, as PyTorch's
  * F.silu(gate).mul_(up) does. */
-void tm_silu_and_mul(const void *x, void *out, int64_t rows, int64_t dim, int is_bf16,
-                     int num_threads) {
+int tm_silu_and_mul(const tm_silu_args *a) {
+    const void *x = a->x;
+    void *out = a->out;
+    const int64_t rows = a->rows, dim = a->dim;
+    const int is_bf16 = a->is_bf16, num_threads = a->num_threads;
+    if (dim < 1 || dim > TM_MAX_ROW_DIM) return TM_UNSUPPORTED_SHAPE;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (num_threads > 1 && rows > 1 && rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
@@ -224,4 +243,5 @@ void tm_silu_and_mul(const void *x, void *out, int64_t rows, int64_t dim, int is
             for (int64_t i = 0; i < dim; i++) o[i] = silu[i] * up[i];
         }
     }
+    return TM_OK;
 }

@@ -17,22 +17,13 @@ import os
 import torch
 
 from tokenmill.engine.kernels import native_library
-
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+from tokenmill.engine.kernels.interface import RMSNormArgs, RotaryArgs, SiluArgs, check_status
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = native_library() if os.environ.get("TOKENMILL_FUSED_OPS", "1") != "0" else None
-    if lib is None:
-        return None
-    lib.tm_rms_norm.restype = None
-    lib.tm_rms_norm.argtypes = [_ptr] * 4 + [_i64] * 2 + [ctypes.c_float] + [ctypes.c_int] * 2
-    lib.tm_rotary_qkv.restype = None
-    lib.tm_rotary_qkv.argtypes = [_ptr, _i64] * 3 + [_ptr] * 5 + [_i64] * 4 + [ctypes.c_int] * 2
-    lib.tm_silu_and_mul.restype = None
-    lib.tm_silu_and_mul.argtypes = [_ptr] * 2 + [_i64] * 2 + [ctypes.c_int] * 2
-    return lib
+    native = native_library() if os.environ.get("TOKENMILL_FUSED_OPS", "1") != "0" else None
+    return None if native is None else native.lib
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -68,17 +59,18 @@ def rms_norm(
     if residual is not None and residual.dtype != x.dtype:
         raise ValueError("the residual must have x's dtype")
     out = torch.empty_like(x)
-    _library().tm_rms_norm(
-        x.data_ptr(),
-        None if residual is None else residual.data_ptr(),
-        out.data_ptr(),
-        weight.contiguous().data_ptr(),
-        x.numel() // dim,
-        dim,
-        eps,
-        _is_bf16(x),
-        torch.get_num_threads(),
+    args = RMSNormArgs(
+        x=x.data_ptr(),
+        residual=None if residual is None else residual.data_ptr(),
+        out=out.data_ptr(),
+        weight=weight.contiguous().data_ptr(),
+        rows=x.numel() // dim,
+        dim=dim,
+        eps=eps,
+        is_bf16=_is_bf16(x),
+        num_threads=torch.get_num_threads(),
     )
+    check_status(_library().tm_rms_norm(ctypes.byref(args)), f"rms_norm over {dim} values")
     return out
 
 
@@ -116,25 +108,26 @@ def rotary_qkv(
     q_out = torch.empty(q.shape, dtype=q.dtype)
     k_out = torch.empty(k.shape, dtype=k.dtype)
     v_out = torch.empty(v.shape, dtype=v.dtype)
-    _library().tm_rotary_qkv(
-        q.data_ptr(),
-        q.stride(0),
-        k.data_ptr(),
-        k.stride(0),
-        v.data_ptr(),
-        v.stride(0),
-        q_out.data_ptr(),
-        k_out.data_ptr(),
-        v_out.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        num_tokens,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        _is_bf16(q),
-        torch.get_num_threads(),
+    args = RotaryArgs(
+        q=q.data_ptr(),
+        k=k.data_ptr(),
+        v=v.data_ptr(),
+        q_stride=q.stride(0),
+        k_stride=k.stride(0),
+        v_stride=v.stride(0),
+        q_out=q_out.data_ptr(),
+        k_out=k_out.data_ptr(),
+        v_out=v_out.data_ptr(),
+        cos=cos.data_ptr(),
+        sin=sin.data_ptr(),
+        num_tokens=num_tokens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        is_bf16=_is_bf16(q),
+        num_threads=torch.get_num_threads(),
     )
+    check_status(_library().tm_rotary_qkv(ctypes.byref(args)), f"rotary, head_dim {head_dim}")
     return q_out, k_out, v_out
 
 
@@ -143,12 +136,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     dim = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], dim, dtype=x.dtype)
-    _library().tm_silu_and_mul(
-        x.data_ptr(),
-        out.data_ptr(),
-        x.numel() // (2 * dim),
-        dim,
-        _is_bf16(x),
-        torch.get_num_threads(),
+    args = SiluArgs(
+        x=x.data_ptr(),
+        out=out.data_ptr(),
+        rows=x.numel() // (2 * dim),
+        dim=dim,
+        is_bf16=_is_bf16(x),
+        num_threads=torch.get_num_threads(),
     )
+    check_status(_library().tm_silu_and_mul(ctypes.byref(args)), f"silu_and_mul over {dim}")
     return out

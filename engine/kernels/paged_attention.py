@@ -9,32 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.kernels import native_library
-
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-
-# Shapes the attention kernel takes (paged_attention.c: head_dim and block_size bound its
-# scratch, and one tile holds at most 48 query rows, so at most 48 heads per kv head).
-MAX_HEAD_DIM = 256
-MAX_BLOCK_SIZE = 256
-MAX_HEADS_PER_KV_HEAD = 48
+from tokenmill.engine.kernels import NativeLibrary, native_library
+from tokenmill.engine.kernels.interface import AttentionArgs, KVWriteArgs, check_status
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = native_library()
-    return None if lib is None else _declare(lib)
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Give the attention functions of lib their C signatures."""
-    attention = lib.tm_paged_attention
-    attention.restype = ctypes.c_int
-    attention.argtypes = [_ptr] * 10 + [_i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    write = lib.tm_write_kv_cache
-    write.restype = None
-    write.argtypes = [_ptr] * 6 + [_i64] * 4 + [ctypes.c_int, ctypes.c_int]
-    return lib
+def _library() -> NativeLibrary | None:
+    return native_library()
 
 
 def native_attention_supports(device: torch.device, dtype: torch.dtype) -> bool:
@@ -47,12 +28,13 @@ def native_attention_supports(device: torch.device, dtype: torch.dtype) -> bool:
 def native_attention_fits(
     num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> bool:
-    """Whether the kernel takes a model of this attention shape with this block size;
-    others use the portable path."""
+    """Whether the kernel takes a model of this attention shape with this block size
+    (kernels.h's limits); others use the portable path."""
+    limits = _library().limits
     return (
-        head_dim <= MAX_HEAD_DIM
-        and block_size <= MAX_BLOCK_SIZE
-        and num_heads // num_kv_heads <= MAX_HEADS_PER_KV_HEAD
+        head_dim <= limits.max_head_dim
+        and block_size <= limits.max_block_size
+        and num_heads // num_kv_heads <= limits.max_heads_per_kv_head
     )
 
 
@@ -62,7 +44,8 @@ class AttentionEntries:
 
     Each entry is one sequence's chunk of query tokens: a decoding sequence's one token,
     or a prompt chunk. Token i of an entry sits at position contexts - queries + i and
-    sees the positions up to its own. Entries come in groups: a group of one is a chunk
+    sees the positions up to its own (the last `sliding_window` of them, if given).
+    Entries come in groups: a group of one is a chunk
     on its own; a larger group holds decoding sequences whose first `group_shared_blocks`
     cache blocks are the same blocks, read once for all of them.
     """
@@ -81,6 +64,7 @@ def native_paged_attention(
     v_cache: torch.Tensor,
     entries: AttentionEntries,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention for every query token of a step, straight over the paged cache. The
     entries' own keys and values must already be in the cache.
@@ -89,12 +73,17 @@ def native_paged_attention(
         q: [num_tokens, num_heads, head_dim] (fp32 or bf16, CPU)
         k_cache: [num_blocks, num_kv_heads, head_dim, block_size], q's dtype
         v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype
+        sliding_window: a query at position p sees positions > p - window; None = all.
     Returns:
         [num_tokens, num_heads, head_dim]; rows no entry covers are left unset.
     """
     if not native_attention_supports(q.device, q.dtype):
         raise RuntimeError(f"no native attention kernel for {q.dtype} on {q.device}")
-    lib = _library()
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(
+            f"sliding_window must be a positive number of tokens, not {sliding_window}"
+        )
+    native = _library()
     q = q.contiguous()
     out = torch.empty_like(q)
     _num_tokens, num_heads, head_dim = q.shape
@@ -109,30 +98,37 @@ def native_paged_attention(
     )
     if any(t.dtype != torch.int64 or not t.is_contiguous() for t in tensors):
         raise ValueError("attention entries must be contiguous int64 tensors")
-    status = lib.tm_paged_attention(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        out.data_ptr(),
-        *(t.data_ptr() for t in tensors),
-        entries.group_shared_blocks.shape[0],  # num_groups
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        entries.block_tables.shape[1],
-        scale,
-        int(q.dtype == torch.bfloat16),
-        torch.get_num_threads(),
+    args = AttentionArgs(
+        q=q.data_ptr(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        out=out.data_ptr(),
+        rows=entries.rows.data_ptr(),
+        queries=entries.queries.data_ptr(),
+        contexts=entries.contexts.data_ptr(),
+        block_tables=entries.block_tables.data_ptr(),
+        group_starts=entries.group_starts.data_ptr(),
+        group_shared_blocks=entries.group_shared_blocks.data_ptr(),
+        num_groups=entries.group_shared_blocks.shape[0],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        max_blocks=entries.block_tables.shape[1],
+        sliding_window=sliding_window or 0,
+        scale=scale,
+        is_bf16=int(q.dtype == torch.bfloat16),
+        num_threads=torch.get_num_threads(),
     )
-    if status == -2:
-        raise ValueError(
-            "the native attention kernel supports head_dim <= 256, block_size <= 256 and up "
-            f"to 48 query heads per kv head; got head_dim {head_dim}, block_size "
-            f"{block_size}, {num_heads // num_kv_heads} heads per kv head"
-        )
-    if status != 0:
-        raise MemoryError("native attention kernel could not allocate its scratch buffers")
+    status = native.lib.tm_paged_attention(ctypes.byref(args))
+    limits = native.limits
+    check_status(
+        status,
+        f"attention takes head_dim <= {limits.max_head_dim}, block_size <= "
+        f"{limits.max_block_size} and up to {limits.max_heads_per_kv_head} query heads per "
+        f"kv head; got head_dim {head_dim}, block_size {block_size}, "
+        f"{num_heads // num_kv_heads} heads per kv head",
+    )
     return out
 
 
@@ -158,17 +154,18 @@ def write_kv_cache(
         raise ValueError("keys and values must have the cache's dtype")
     k, v = k.contiguous(), v.contiguous()
     num_tokens, num_kv_heads, head_dim = k.shape
-    _library().tm_write_kv_cache(
-        k.data_ptr(),
-        v.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        slot_blocks.data_ptr(),
-        slot_offsets.data_ptr(),
-        num_tokens,
-        num_kv_heads,
-        head_dim,
-        v_cache.shape[2],  # block_size
-        int(k.dtype == torch.bfloat16),
-        torch.get_num_threads(),
+    args = KVWriteArgs(
+        k=k.data_ptr(),
+        v=v.data_ptr(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        slot_blocks=slot_blocks.data_ptr(),
+        slot_offsets=slot_offsets.data_ptr(),
+        num_tokens=num_tokens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=v_cache.shape[2],
+        is_bf16=int(k.dtype == torch.bfloat16),
+        num_threads=torch.get_num_threads(),
     )
+    check_status(_library().lib.tm_write_kv_cache(ctypes.byref(args)), "kv cache write")

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "kernel_common.h"
+#include "kernels.h"
 
 /* Below this many elements a pass is a few microseconds: not worth waking threads. */
 #define QUANT_PARALLEL_MIN 65536
@@ -24,9 +25,16 @@ static inline float load_at(const void *x, int64_t i, int is_bf16) {
  * and out[r, i] = round(y[r, i] / scales[r]) + zero_point, clamped to +-qmax first.
  * qmax 127 / zero point 128 use all 8 bits; 63 / 64 keep values in 0..127 for CPUs
  * whose int8 products go through int16 sums that would saturate (AVX2's vpmaddubsw). */
-void tm_quantize_rows_u8(const void *x, const float *inv_smooth, int64_t rows, int64_t dim,
-                         int is_bf16, int qmax, int zero_point, uint8_t *out, float *scales,
-                         int num_threads) {
+int tm_quantize_rows_u8(const tm_quantize_args *a) {
+    const void *x = a->x;
+    const float *inv_smooth = a->inv_smooth;
+    uint8_t *out = a->out;
+    float *scales = a->scales;
+    const int64_t rows = a->rows, dim = a->dim;
+    const int is_bf16 = a->is_bf16, qmax = a->qmax, zero_point = a->zero_point;
+    const int num_threads = a->num_threads;
+    if (qmax < 1 || qmax > TM_MAX_QMAX || zero_point < qmax || zero_point + qmax > 255)
+        return TM_UNSUPPORTED_SHAPE;
     const float limit = (float)qmax;
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (rows * dim >= QUANT_PARALLEL_MIN)
@@ -50,4 +58,5 @@ void tm_quantize_rows_u8(const void *x, const float *inv_smooth, int64_t rows, i
         }
         scales[r] = scale;
     }
+    return TM_OK;
 }

@@ -9,6 +9,7 @@ import functools
 import torch
 
 from tokenmill.engine.kernels import native_library
+from tokenmill.engine.kernels.interface import QuantizeArgs, check_status
 
 # (largest magnitude, the uint8 value that stands for 0.0): all 8 bits, or 7 bits for
 # CPUs whose int8 dot products sum pairs into int16 (AVX2's vpmaddubsw saturates when
@@ -19,23 +20,8 @@ REDUCED_RANGE = (63, 64)
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = native_library()
-    if lib is None:
-        return None
-    lib.tm_quantize_rows_u8.restype = None
-    lib.tm_quantize_rows_u8.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-    ]
-    return lib
+    native = native_library()
+    return None if native is None else native.lib
 
 
 def quantize_rows_u8(
@@ -62,18 +48,19 @@ def quantize_rows_u8(
     if lib is not None and x.dtype in (torch.float32, torch.bfloat16):
         out = torch.empty((rows, dim), dtype=torch.uint8)
         scales = torch.empty(rows, dtype=torch.float32)
-        lib.tm_quantize_rows_u8(
-            x.data_ptr(),
-            None if inv_smooth is None else inv_smooth.data_ptr(),
-            rows,
-            dim,
-            int(x.dtype == torch.bfloat16),
-            qmax,
-            zero_point,
-            out.data_ptr(),
-            scales.data_ptr(),
-            torch.get_num_threads(),
+        args = QuantizeArgs(
+            x=x.data_ptr(),
+            inv_smooth=None if inv_smooth is None else inv_smooth.data_ptr(),
+            out=out.data_ptr(),
+            scales=scales.data_ptr(),
+            rows=rows,
+            dim=dim,
+            is_bf16=int(x.dtype == torch.bfloat16),
+            qmax=qmax,
+            zero_point=zero_point,
+            num_threads=torch.get_num_threads(),
         )
+        check_status(lib.tm_quantize_rows_u8(ctypes.byref(args)), f"value range {value_range}")
         return out, scales
     x = x.float() if inv_smooth is None else x.float() * inv_smooth
     absmax = x.abs().amax(dim=1)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.attention import AttentionMetadata, paged_attention
-from tokenmill.engine.config import ModelConfig, attention_has_windows
+from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.layers import GatedMLP, RMSNorm, rotary_qkv
 
 
@@ -33,10 +33,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         # Keys this layer's queries see: the last `sliding_window` positions, or all (None).
-        # TODO(issue 10): pass config.layer_sliding_window(layer_idx) unconditionally once
-        # attention takes windows; until then the context is capped to the window.
-        window = config.layer_sliding_window(layer_idx) if attention_has_windows() else None
-        self.window_kwargs = {} if window is None else {"sliding_window": window}
+        self.sliding_window = config.layer_sliding_window(layer_idx)
         # Views into the engine's KV cache, attached by the model runner.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -57,7 +54,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = rotary_qkv(q, k, v, cos, sin)
         o = paged_attention(
-            q, k, v, self.k_cache, self.v_cache, meta, self.scale, **self.window_kwargs
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window
         )
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 

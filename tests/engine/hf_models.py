@@ -5,20 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
-from tokenmill.engine.config import attention_has_windows
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-# TODO(issue 10): the kernels work adds per-layer windows to attention; until it is merged a
-# model with a window runs only within it (ModelConfig.max_context), and these fail.
-needs_windows = pytest.mark.xfail(
-    not attention_has_windows(),
-    reason="needs sliding-window attention (paged_attention's sliding_window, issue 10)",
-    strict=True,
-)
 
 SMALL = dict(
     vocab_size=256,

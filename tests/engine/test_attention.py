@@ -72,8 +72,9 @@ def entries_for(chunks, groups=None) -> AttentionEntries:
     )
 
 
-def reference(q, cache: Cache, chunks, scale):
-    """Causal attention per chunk in float64, on copies gathered out of the cache."""
+def reference(q, cache: Cache, chunks, scale, window=None):
+    """Causal attention per chunk in float64, on copies gathered out of the cache; with a
+    window, position p sees (p - window, p] (transformers' sliding_window_overlay)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     for first, queries, context, table in chunks:
         ids = torch.tensor([table])
@@ -82,6 +83,8 @@ def reference(q, cache: Cache, chunks, scale):
         qc = q[first : first + queries].transpose(0, 1).double()
         positions = torch.arange(context)
         mask = positions[None, :] <= positions[context - queries :, None]
+        if window is not None:
+            mask &= positions[None, :] > positions[context - queries :, None] - window
         o = torch.nn.functional.scaled_dot_product_attention(
             qc[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
         )
@@ -140,7 +143,7 @@ def test_kernel_built_for_other_cpus_matches_reference(flags, tmp_path, monkeypa
     """Build the variants other CPUs get and check them the same way."""
     with resources.as_file(resources.files(kernels)) as source_dir:
         kernels._compile(source_dir, tmp_path / "lib.so", extra_flags=flags)
-    variant = paged_attention._declare(kernels._load(tmp_path / "lib.so"))
+    variant = kernels._load(tmp_path / "lib.so")
     monkeypatch.setattr(paged_attention, "_library", lambda: variant)
     for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1.5e-2)):
         cache = Cache(dtype, 2, 64, 16)
@@ -149,6 +152,58 @@ def test_kernel_built_for_other_cpus_matches_reference(flags, tmp_path, monkeypa
         got = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.2)
         want = reference(q, cache, chunks, 0.2)
         torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size"), [(3, 64, 16), (4, 128, 16), (2, 24, 7)]
+)
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_sliding_window_matches_float64_reference(dtype, group, head_dim, block_size, window):
+    """Each query sees only the last `window` positions: shorter than a block, exactly a
+    block, and across several, for whole prompts, continued chunks and decodes."""
+    cache = Cache(dtype, 2, head_dim, block_size)
+    chunks, num_tokens = layout(cache, SHAPES)
+    q = torch.randn(num_tokens, 2 * group, head_dim).to(dtype)
+    got = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.2, window)
+    want = reference(q, cache, chunks, 0.2, window)
+    atol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
+    # The window changes the answer wherever a query has more than `window` positions.
+    full = reference(q, cache, chunks, 0.2)
+    assert (want[57] - full[57]).abs().max() > 0.05  # the decode over 77 positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [3, 2 * 16 + 4, 5 * 16 + 2])
+def test_sliding_window_in_a_shared_prefix_group(dtype, window):
+    """Decoding sequences grouped over a 5-block shared prefix, under windows that end
+    inside the prefix for some members and past it for all: the group gives what each
+    sequence gives alone, and the float64 reference."""
+    block_size, num_kv_heads = 16, 2
+    cache = Cache(dtype, num_kv_heads, 64, block_size, seed=3)
+    prefix = cache.table(5 * block_size)
+    chunks = []
+    for row, extra in enumerate((0, 1, 9, 2 * block_size + 5, 40)):
+        context = 5 * block_size + extra
+        chunks.append((row, 1, context, cache.table(context, prefix)))
+    q = torch.randn(len(chunks), num_kv_heads * 3, 64).to(dtype)
+    alone = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.125, window)
+    grouped_entries = entries_for(chunks, [(list(range(len(chunks))), 5)])
+    grouped = native_paged_attention(q, cache.k, cache.v, grouped_entries, 0.125, window)
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(grouped, alone, atol=tolerance, rtol=tolerance)
+    atol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    want = reference(q, cache, chunks, 0.125, window)
+    torch.testing.assert_close(grouped.double(), want, atol=atol, rtol=atol)
+
+
+def test_sliding_window_must_be_positive():
+    cache = Cache(torch.float32, 1, 8, 16)
+    chunks, num_tokens = layout(cache, [(3, 3)])
+    q = torch.randn(num_tokens, 1, 8)
+    with pytest.raises(ValueError, match="sliding_window must be a positive"):
+        native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.3, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -264,6 +319,31 @@ def test_every_attention_path_matches_transformers(backend, tmp_path):
         assert any(meta.prefills for meta in steps) and any(m.num_decode_tokens for m in steps)
 
 
+@pytest.mark.parametrize("backend", ["native", "portable", "triton"])
+def test_every_attention_path_honours_sliding_windows(backend, tmp_path):
+    """Mistral with a 16-token window: prompts of up to 160 tokens in chunks of 32, after a
+    70-token prefix shared through the prefix cache and read as a decode group, so every
+    path's windows cross chunk edges, cached context and shared blocks."""
+    hf = build_hf_model(
+        "mistral",
+        tmp_path,
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=16,
+    )
+    engine = make_engine(
+        tmp_path, block_size=16, max_num_batched_tokens=32, enable_prefix_caching=True
+    )
+    engine.runner.attention_backend = backend
+    prompts = _prompts(256, seed=7)[: 3 if backend == "triton" else None]
+    outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(hf, prompt, 6)[0]
+    assert engine.stats.cached_prompt_tokens > 0
+
+
 def test_shapes_the_kernel_does_not_take_use_the_portable_path(tmp_path):
     """64 query heads on one kv head exceed a tile's 48 rows: the kernel refuses the
     shape, and the engine runs such a model on the portable path instead of failing."""
@@ -287,7 +367,10 @@ def test_shapes_the_kernel_does_not_take_use_the_portable_path(tmp_path):
     ("query_tile", "tile_bytes"), [(128, 16 << 20), (5, 16 << 20), (128, 2048)]
 )
 @pytest.mark.parametrize("num_cached", [0, 17])
-def test_prefill_by_matmul_matches_fp32_sdpa(monkeypatch, query_tile, tile_bytes, num_cached):
+@pytest.mark.parametrize("window", [None, 4, 30])
+def test_prefill_by_matmul_matches_fp32_sdpa(
+    monkeypatch, query_tile, tile_bytes, num_cached, window
+):
     """Portable path, bf16 prefill chunks: causal over the chunk, after num_cached cached
     tokens, in one tile or in many (each skipping the columns after its last row)."""
     monkeypatch.setattr(attention, "QUERY_TILE", query_tile)
@@ -300,6 +383,8 @@ def test_prefill_by_matmul_matches_fp32_sdpa(monkeypatch, query_tile, tile_bytes
     v = torch.randn(num_kv_heads, num_context, head_dim)
     positions = torch.arange(num_cached, num_context)[:, None]
     allowed = torch.arange(num_context)[None, :] <= positions
+    if window:
+        allowed &= torch.arange(num_context)[None, :] > positions - window
 
     def sdpa(mask: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(
@@ -307,10 +392,13 @@ def test_prefill_by_matmul_matches_fp32_sdpa(monkeypatch, query_tile, tile_bytes
         )[0]
 
     got = attention.prefill_attention_by_matmul(
-        q.bfloat16(), k.bfloat16(), v.bfloat16(), num_cached, 0.25
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), num_cached, 0.25, window
     ).float()
     torch.testing.assert_close(got, sdpa(allowed), atol=3e-2, rtol=3e-2)
     # A mask one position off (each query seeing one future token) is far outside that
     # tolerance, so the comparison would catch an off-by-one in the tiles' masking.
     one_ahead = torch.arange(num_context)[None, :] <= positions + 1
     assert (got - sdpa(one_ahead)).abs().max() > 0.3
+    if window and num_context > window:  # so would a window one position wider
+        wider = allowed | (torch.arange(num_context)[None, :] == positions - window)
+        assert (got - sdpa(wider)).abs().max() > 0.1

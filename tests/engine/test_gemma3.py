@@ -11,7 +11,6 @@ from hf_models import (
     build_hf_model,
     hf_greedy,
     make_engine,
-    needs_windows,
     run_all,
 )
 from test_hf_parity import mixed_prompts
@@ -66,7 +65,6 @@ def test_head_dim_256_and_several_kv_heads(tmp_path):
         assert out.token_ids == hf_greedy(hf, prompt, 5)[0]
 
 
-@needs_windows
 def test_prompts_longer_than_the_window_match_transformers(tmp_path):
     """Window 16, prompts up to 100 tokens: local layers must forget what global ones see,
     across chunk boundaries (chunks of 16) and prefix-cache hits (block size 4)."""
@@ -128,7 +126,6 @@ def test_gemma3_gguf_converts_to_the_hf_weights_and_tokens(tmp_path):
 
 
 @pytest.mark.slow
-@needs_windows
 def test_gemma3_270m_greedy_tokens_equal_transformers_on_the_gguf(tmp_path):
     """The real model (alias gemma3-270m), fp32 both sides: transformers loads the GGUF
     itself; we convert it (to fp32, so no weight is rounded) and run the engine with chunked

@@ -10,7 +10,6 @@ from hf_models import (
     build_hf_model,
     hf_greedy,
     make_engine,
-    needs_windows,
     run_all,
 )
 
@@ -61,7 +60,6 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     assert out.token_ids == hf_greedy(hf, prompt, 8)[0]
 
 
-@needs_windows
 def test_mistral_sliding_window_matches_transformers(tmp_path):
     """Every Mistral layer sees the last 16 positions; prompts run to 100 tokens, in chunks
     of 16, with prefix-cache hits - and the context is no longer capped to the window."""

@@ -15,7 +15,6 @@ strided q/k/v views of one qkv row, SiLU-and-mul) get the same treatment.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from importlib import resources
 from pathlib import Path
@@ -49,12 +48,7 @@ _DRIVER = r"""
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-int tm_paged_attention(const void *, const void *, const void *, void *, const int64_t *,
-                       const int64_t *, const int64_t *, const int64_t *, const int64_t *,
-                       const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       int64_t, float, int, int);
-void tm_write_kv_cache(const void *, const void *, void *, void *, const int64_t *,
-                       const int64_t *, int64_t, int64_t, int64_t, int64_t, int, int);
+#include "kernels.h"
 static int64_t *ints(int n, const int64_t *values) {
     int64_t *p = malloc(sizeof(int64_t) * n);  /* each array ends at a guard page */
     for (int i = 0; i < n; i++) p[i] = values[i];
@@ -62,7 +56,7 @@ static int64_t *ints(int n, const int64_t *values) {
 }
 int main(int argc, char **argv) {
     const int64_t group = atoi(argv[1]), is_bf16 = atoi(argv[2]);
-    const int64_t head_dim = atoi(argv[3]), bs = atoi(argv[4]);
+    const int64_t head_dim = atoi(argv[3]), bs = atoi(argv[4]), window = atoi(argv[5]);
     const int64_t kv_heads = 2, heads = kv_heads * group, blocks = 24, max_blocks = 6;
     const int64_t elem = is_bf16 ? 2 : 4;
     /* A prompt chunk over several tiles after cached context, a one-token chunk, then
@@ -86,12 +80,14 @@ int main(int argc, char **argv) {
     int64_t *slot_blocks = malloc(sizeof(int64_t) * tokens);
     int64_t *slot_offsets = malloc(sizeof(int64_t) * tokens);
     for (int64_t t = 0; t < tokens; t++) slot_blocks[t] = blocks - 1, slot_offsets[t] = t % bs;
-    tm_write_kv_cache(k_new, v_new, k, v, slot_blocks, slot_offsets, tokens, kv_heads, head_dim,
-                      bs, (int)is_bf16, 2);
-    int rc = tm_paged_attention(q, k, v, out, ints(5, row_values), ints(5, queries),
-                                ints(5, contexts), ints(30, table_values), ints(5, starts),
-                                ints(4, shared), 4, heads, kv_heads, head_dim, bs,
-                                max_blocks, 0.125f, (int)is_bf16, 2);
+    const tm_kv_write_args write = {k_new, v_new, k, v, slot_blocks, slot_offsets, tokens,
+                                     kv_heads, head_dim, bs, (int32_t)is_bf16, 2};
+    if (tm_write_kv_cache(&write) != TM_OK) return 3;
+    const tm_attention_args args = {q, k, v, out, ints(5, row_values), ints(5, queries),
+                                    ints(5, contexts), ints(30, table_values), ints(5, starts),
+                                    ints(4, shared), 4, heads, kv_heads, head_dim, bs,
+                                    max_blocks, window, 0.125f, (int32_t)is_bf16, 2};
+    int rc = tm_paged_attention(&args);
     printf("%d\n", rc);
     return rc;
 }
@@ -102,62 +98,65 @@ _ELEMENTWISE_DRIVER = r"""
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-void tm_rms_norm(const void *, void *, void *, const void *, int64_t, int64_t, float, int, int);
-void tm_rotary_qkv(const void *, int64_t, const void *, int64_t, const void *, int64_t, void *,
-                   void *, void *, const void *, const void *, int64_t, int64_t, int64_t,
-                   int64_t, int, int);
-void tm_silu_and_mul(const void *, void *, int64_t, int64_t, int, int);
+#include "kernels.h"
 int main(int argc, char **argv) {
     const int64_t rows = atoi(argv[1]), dim = atoi(argv[2]), is_bf16 = atoi(argv[3]);
     const int64_t head_dim = atoi(argv[4]), heads = 9, kv_heads = 3, elem = is_bf16 ? 2 : 4;
     /* Every buffer is its own allocation, flush against a guard page. */
     void *x = calloc(rows * dim, elem), *residual = calloc(rows * dim, elem);
     void *out = malloc(rows * dim * elem), *weight = calloc(dim, elem);
-    tm_rms_norm(x, NULL, out, weight, rows, dim, 1e-6f, (int)is_bf16, 2);
-    tm_rms_norm(x, residual, out, weight, rows, dim, 1e-6f, (int)is_bf16, 2);
+    tm_rms_norm_args norm = {x, NULL, out, weight, rows, dim, 1e-6f, (int32_t)is_bf16, 2};
+    int rc = tm_rms_norm(&norm);
+    norm.residual = residual;
+    rc |= tm_rms_norm(&norm);
     const int64_t row = (heads + 2 * kv_heads) * head_dim;  /* q, k, v views of one qkv row */
     char *qkv = calloc(rows * row, elem);
     void *q_out = malloc(rows * heads * head_dim * elem);
     void *k_out = malloc(rows * kv_heads * head_dim * elem);
     void *v_out = malloc(rows * kv_heads * head_dim * elem);
     void *cos = calloc(rows * head_dim, elem), *sin = calloc(rows * head_dim, elem);
-    tm_rotary_qkv(qkv, row, qkv + heads * head_dim * elem, row,
-                  qkv + (heads + kv_heads) * head_dim * elem, row, q_out, k_out, v_out, cos,
-                  sin, rows, heads, kv_heads, head_dim, (int)is_bf16, 2);
+    const tm_rotary_args rotary = {qkv, qkv + heads * head_dim * elem,
+                                   qkv + (heads + kv_heads) * head_dim * elem, row, row, row,
+                                   q_out, k_out, v_out, cos, sin, rows, heads, kv_heads,
+                                   head_dim, (int32_t)is_bf16, 2};
+    rc |= tm_rotary_qkv(&rotary);
     void *gate_up = calloc(rows * 2 * dim, elem), *act = malloc(rows * dim * elem);
-    tm_silu_and_mul(gate_up, act, rows, dim, (int)is_bf16, 2);
-    printf("0\n");
-    return 0;
+    const tm_silu_args silu = {gate_up, act, rows, dim, (int32_t)is_bf16, 2};
+    rc |= tm_silu_and_mul(&silu);
+    printf("%d\n", rc);
+    return rc;
 }
 """
 
 
 def _build_guarded(work: Path, name: str, driver: str, kernel_file: str) -> Path:
-    """driver + the guarded malloc + one kernel source, compiled with the engine's flags."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.fail("no C compiler on PATH: the engine's native kernels need one too")
+    """driver (which includes kernels.h) + the guarded malloc + one kernel source, the
+    kernel compiled with the engine's flags for it."""
+    compiler, _identity = kernels.c_compiler()
     (work / "guard.c").write_text(_GUARDED_MALLOC)
     (work / f"{name}.c").write_text(driver)
-    flags = [f for f in kernels._COMPILE_FLAGS if f != "-fPIC"]
-    with resources.as_file(resources.files(kernels).joinpath(kernel_file)) as source_path:
-        subprocess.run(
+    flags = [f for f in kernels.compile_flags(kernel_file) if f != "-fPIC"]
+    with resources.as_file(resources.files(kernels)) as source_dir:
+        objects = []
+        for source in (work / f"{name}.c", work / "guard.c", source_dir / kernel_file):
+            objects.append(work / f"{source.stem}.o")
+            _compile_step([compiler, *flags, f"-I{source_dir}", "-c", str(source)], objects[-1])
+        _compile_step(
             [
                 compiler,
-                *flags,
+                "-fopenmp",
                 "-Wl,--wrap=malloc,--wrap=calloc,--wrap=free",
-                str(work / f"{name}.c"),
-                str(work / "guard.c"),
-                str(source_path),
-                "-o",
-                str(work / name),
-                "-lm",
+                *map(str, objects),
             ],
-            check=True,
-            capture_output=True,
-            text=True,
+            work / name,
+            "-lm",
         )
     return work / name
+
+
+def _compile_step(command: list[str], output: Path, *libraries: str) -> None:
+    done = subprocess.run([*command, "-o", str(output), *libraries], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -192,4 +191,12 @@ def test_fused_elementwise_ops_stay_inside_their_buffers(guarded_elementwise, ro
 @pytest.mark.parametrize("is_bf16", [0, 1])
 def test_every_group_size_stays_inside_its_buffers(guarded_kernel, head_dim, block_size, is_bf16):
     for group in range(1, 10):
-        _assert_stays_inside(guarded_kernel, group, is_bf16, head_dim, block_size)
+        _assert_stays_inside(guarded_kernel, group, is_bf16, head_dim, block_size, 0)
+
+
+@pytest.mark.parametrize("window", [1, 3, 17, 40])
+@pytest.mark.parametrize("is_bf16", [0, 1])
+def test_sliding_windows_stay_inside_their_buffers(guarded_kernel, window, is_bf16):
+    """Windows shorter than a block, across block edges, and past the shared prefix."""
+    for group in (1, 3, 7):
+        _assert_stays_inside(guarded_kernel, group, is_bf16, 64, 16, window)

@@ -1,0 +1,17 @@
+/* tm_limits: the constants of kernels.h, for the Python side to read instead of copying. */
+#include "kernels.h"
+
+void tm_limits(tm_limits_t *out) {
+    out->abi_version = TM_ABI_VERSION;
+    out->max_head_dim = TM_MAX_HEAD_DIM;
+    out->max_block_size = TM_MAX_BLOCK_SIZE;
+    out->max_heads_per_kv_head = TM_MAX_HEADS_PER_KV_HEAD;
+    out->max_row_dim = TM_MAX_ROW_DIM;
+    out->max_qmax = TM_MAX_QMAX;
+    out->attention_args_size = sizeof(tm_attention_args);
+    out->kv_write_args_size = sizeof(tm_kv_write_args);
+    out->rms_norm_args_size = sizeof(tm_rms_norm_args);
+    out->rotary_args_size = sizeof(tm_rotary_args);
+    out->silu_args_size = sizeof(tm_silu_args);
+    out->quantize_args_size = sizeof(tm_quantize_args);
+}

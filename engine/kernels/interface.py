@@ -1,0 +1,222 @@
+"""Python mirror of kernels.h: one ctypes Structure per argument struct, the limits read
+from the library, and each exported function's signature.
+
+Each Structure lists its header struct's fields in order with the same C types, so
+ctypes lays it out as the compiler does; `declare` compares every size with the size the
+library reports (tm_limits) and refuses a library built from another version of the
+header. The wrappers (paged_attention.py, elementwise.py, quantize.py) fill a Structure
+and pass a pointer to it - no positional argument lists to keep in step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+_ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+# The header's TM_ABI_VERSION this mirror follows.
+ABI_VERSION = 2
+# Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE).
+OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE = 0, -1, -2
+
+
+class _Limits(ctypes.Structure):
+    _fields_ = [
+        ("abi_version", _i64),
+        ("max_head_dim", _i64),
+        ("max_block_size", _i64),
+        ("max_heads_per_kv_head", _i64),
+        ("max_row_dim", _i64),
+        ("max_qmax", _i64),
+        ("attention_args_size", _i64),
+        ("kv_write_args_size", _i64),
+        ("rms_norm_args_size", _i64),
+        ("rotary_args_size", _i64),
+        ("silu_args_size", _i64),
+        ("quantize_args_size", _i64),
+    ]
+
+
+class AttentionArgs(ctypes.Structure):
+    """tm_attention_args."""
+
+    _fields_ = [
+        ("q", _ptr),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("out", _ptr),
+        ("rows", _ptr),
+        ("queries", _ptr),
+        ("contexts", _ptr),
+        ("block_tables", _ptr),
+        ("group_starts", _ptr),
+        ("group_shared_blocks", _ptr),
+        ("num_groups", _i64),
+        ("num_heads", _i64),
+        ("num_kv_heads", _i64),
+        ("head_dim", _i64),
+        ("block_size", _i64),
+        ("max_blocks", _i64),
+        ("sliding_window", _i64),
+        ("scale", _f32),
+        ("is_bf16", _i32),
+        ("num_threads", _i32),
+    ]
+
+
+class KVWriteArgs(ctypes.Structure):
+    """tm_kv_write_args."""
+
+    _fields_ = [
+        ("k", _ptr),
+        ("v", _ptr),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("slot_blocks", _ptr),
+        ("slot_offsets", _ptr),
+        ("num_tokens", _i64),
+        ("num_kv_heads", _i64),
+        ("head_dim", _i64),
+        ("block_size", _i64),
+        ("is_bf16", _i32),
+        ("num_threads", _i32),
+    ]
+
+
+class RMSNormArgs(ctypes.Structure):
+    """tm_rms_norm_args."""
+
+    _fields_ = [
+        ("x", _ptr),
+        ("residual", _ptr),
+        ("out", _ptr),
+        ("weight", _ptr),
+        ("rows", _i64),
+        ("dim", _i64),
+        ("eps", _f32),
+        ("is_bf16", _i32),
+        ("num_threads", _i32),
+    ]
+
+
+class RotaryArgs(ctypes.Structure):
+    """tm_rotary_args."""
+
+    _fields_ = [
+        ("q", _ptr),
+        ("k", _ptr),
+        ("v", _ptr),
+        ("q_stride", _i64),
+        ("k_stride", _i64),
+        ("v_stride", _i64),
+        ("q_out", _ptr),
+        ("k_out", _ptr),
+        ("v_out", _ptr),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("num_tokens", _i64),
+        ("num_heads", _i64),
+        ("num_kv_heads", _i64),
+        ("head_dim", _i64),
+        ("is_bf16", _i32),
+        ("num_threads", _i32),
+    ]
+
+
+class SiluArgs(ctypes.Structure):
+    """tm_silu_args."""
+
+    _fields_ = [
+        ("x", _ptr),
+        ("out", _ptr),
+        ("rows", _i64),
+        ("dim", _i64),
+        ("is_bf16", _i32),
+        ("num_threads", _i32),
+    ]
+
+
+class QuantizeArgs(ctypes.Structure):
+    """tm_quantize_args."""
+
+    _fields_ = [
+        ("x", _ptr),
+        ("inv_smooth", _ptr),
+        ("out", _ptr),
+        ("scales", _ptr),
+        ("rows", _i64),
+        ("dim", _i64),
+        ("is_bf16", _i32),
+        ("qmax", _i32),
+        ("zero_point", _i32),
+        ("num_threads", _i32),
+    ]
+
+
+# Exported function -> its argument struct, and the size field tm_limits reports for it.
+FUNCTIONS = {
+    "tm_paged_attention": (AttentionArgs, "attention_args_size"),
+    "tm_write_kv_cache": (KVWriteArgs, "kv_write_args_size"),
+    "tm_rms_norm": (RMSNormArgs, "rms_norm_args_size"),
+    "tm_rotary_qkv": (RotaryArgs, "rotary_args_size"),
+    "tm_silu_and_mul": (SiluArgs, "silu_args_size"),
+    "tm_quantize_rows_u8": (QuantizeArgs, "quantize_args_size"),
+}
+
+
+@dataclass(frozen=True)
+class KernelLimits:
+    """The shapes the kernels take (kernels.h), as the loaded library reports them."""
+
+    max_head_dim: int
+    max_block_size: int
+    max_heads_per_kv_head: int
+    max_row_dim: int  # RMSNorm and SiLU-and-mul row width
+    max_qmax: int
+
+
+def declare(lib: ctypes.CDLL) -> KernelLimits:
+    """Give lib's exported functions their signatures (one struct pointer each, an int
+    status back) after checking that lib was built from the header this module mirrors.
+
+    Returns:
+        The library's limits.
+    Raises:
+        RuntimeError: the library's ABI version or a struct's size differs.
+    """
+    lib.tm_limits.restype = None
+    lib.tm_limits.argtypes = [ctypes.POINTER(_Limits)]
+    reported = _Limits()
+    lib.tm_limits(ctypes.byref(reported))
+    if reported.abi_version != ABI_VERSION:
+        raise RuntimeError(
+            f"native kernels built for ABI {reported.abi_version}, expected {ABI_VERSION}"
+        )
+    for name, (struct, size_field) in FUNCTIONS.items():
+        if ctypes.sizeof(struct) != getattr(reported, size_field):
+            raise RuntimeError(
+                f"{struct.__name__} ({ctypes.sizeof(struct)} bytes) does not mirror the "
+                f"header's struct ({getattr(reported, size_field)} bytes); fix interface.py"
+            )
+        function = getattr(lib, name)
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.POINTER(struct)]
+    return KernelLimits(
+        max_head_dim=reported.max_head_dim,
+        max_block_size=reported.max_block_size,
+        max_heads_per_kv_head=reported.max_heads_per_kv_head,
+        max_row_dim=reported.max_row_dim,
+        max_qmax=reported.max_qmax,
+    )
+
+
+def check_status(status: int, what: str) -> None:
+    """Raise for a kernel's non-zero status: ValueError for a shape beyond the limits,
+    MemoryError for scratch it could not allocate."""
+    if status == UNSUPPORTED_SHAPE:
+        raise ValueError(f"the native kernels do not take this shape: {what}")
+    if status == OUT_OF_MEMORY:
+        raise MemoryError("native kernel could not allocate its scratch buffers")
+    if status != OK:
+        raise RuntimeError(f"native kernel returned status {status}")

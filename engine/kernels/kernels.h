@@ -1,0 +1,187 @@
+/* The native kernels' interface: every exported function, the one struct each takes, and
+ * the limits the code assumes.
+ *
+ * Python mirrors each struct with one ctypes.Structure (engine/kernels/interface.py) and
+ * reads the limits from tm_limits() at load, so nothing here is written a second time;
+ * tm_limits() also reports each struct's size, and a mirror that drifted from this header
+ * is refused at load rather than passing garbage.
+ *
+ * Conventions: tensors are contiguous unless a stride says otherwise; "fp32 or bf16" means
+ * every tensor of the call has the one storage type `is_bf16` names; num_threads is an
+ * upper bound for the OpenMP team (small calls run on one thread). Every entry point
+ * returns a TM_* status.
+ */
+#ifndef TOKENMILL_KERNELS_H
+#define TOKENMILL_KERNELS_H
+
+#include <stdint.h>
+
+/* Raised whenever a struct below changes. */
+#define TM_ABI_VERSION 2
+
+/* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
+ * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
+ * serve at most that many query heads. Elementwise rows live on the stack of an OpenMP
+ * thread (whose stack may be as small as 2 MiB): TM_MAX_ROW_DIM floats at most. */
+#define TM_MAX_HEAD_DIM 256
+#define TM_MAX_BLOCK_SIZE 256
+#define TM_TILE_ROWS 48
+#define TM_MAX_HEADS_PER_KV_HEAD TM_TILE_ROWS
+#define TM_MAX_ROW_DIM 65536
+/* Quantization: values stored as uint8 around a zero point, so qmax + zero_point <= 255. */
+#define TM_MAX_QMAX 127
+
+enum {
+    TM_OK = 0,
+    TM_OUT_OF_MEMORY = -1,    /* scratch could not be allocated */
+    TM_UNSUPPORTED_SHAPE = -2 /* a size beyond the limits above */
+};
+
+typedef struct {
+    int64_t abi_version;
+    int64_t max_head_dim;
+    int64_t max_block_size;
+    int64_t max_heads_per_kv_head;
+    int64_t max_row_dim;
+    int64_t max_qmax;
+    /* sizeof each argument struct, in the order they are declared below */
+    int64_t attention_args_size;
+    int64_t kv_write_args_size;
+    int64_t rms_norm_args_size;
+    int64_t rotary_args_size;
+    int64_t silu_args_size;
+    int64_t quantize_args_size;
+} tm_limits_t;
+
+/* Fills *out with the constants above. */
+void tm_limits(tm_limits_t *out);
+
+/* ---- paged_attention.c ---------------------------------------------------------------
+ * Attention for every query token of a step, straight over the paged KV cache. Each entry
+ * is a sequence's chunk of `queries[e]` tokens whose keys and values are already in the
+ * cache; its token i sits at position contexts[e] - queries[e] + i and sees the positions
+ * up to its own - only the last `sliding_window` of them when that is > 0 (position p sees
+ * (p - sliding_window, p], as transformers' sliding-window masks do). Entries come in
+ * groups [group_starts[k], group_starts[k + 1]): a group of one is cut into tiles; a larger
+ * group holds decoding sequences whose first group_shared_blocks[k] blocks are the same
+ * blocks, read once for all of them. Rows of `out` no entry covers are left unset. */
+typedef struct {
+    const void *q;                      /* [num_tokens, num_heads, head_dim] fp32 or bf16 */
+    const void *k_cache;                /* [num_blocks, num_kv_heads, head_dim, block_size] */
+    const void *v_cache;                /* [num_blocks, num_kv_heads, block_size, head_dim] */
+    void *out;                          /* like q */
+    const int64_t *rows;                /* [num_entries] the entry's first token in q */
+    const int64_t *queries;             /* [num_entries] its query tokens */
+    const int64_t *contexts;            /* [num_entries] positions its last token sees */
+    const int64_t *block_tables;        /* [num_entries, max_blocks] */
+    const int64_t *group_starts;        /* [num_groups + 1] */
+    const int64_t *group_shared_blocks; /* [num_groups] */
+    int64_t num_groups;
+    int64_t num_heads;    /* a multiple of num_kv_heads, <= its TM_MAX_HEADS_PER_KV_HEAD times */
+    int64_t num_kv_heads;
+    int64_t head_dim;     /* <= TM_MAX_HEAD_DIM */
+    int64_t block_size;   /* <= TM_MAX_BLOCK_SIZE */
+    int64_t max_blocks;   /* columns of block_tables */
+    int64_t sliding_window; /* 0: every earlier position is seen */
+    float scale;          /* multiplies q . k */
+    int32_t is_bf16;
+    int32_t num_threads;
+} tm_attention_args;
+
+int tm_paged_attention(const tm_attention_args *args);
+
+/* Stores each new token's key and value in its cache slot (block slot_blocks[t], offset
+ * slot_offsets[t]), keys transposed within the block as tm_paged_attention reads them. */
+typedef struct {
+    const void *k;              /* [num_tokens, num_kv_heads, head_dim], the cache's type */
+    const void *v;              /* like k */
+    void *k_cache;              /* [num_blocks, num_kv_heads, head_dim, block_size] */
+    void *v_cache;              /* [num_blocks, num_kv_heads, block_size, head_dim] */
+    const int64_t *slot_blocks;  /* [num_tokens] */
+    const int64_t *slot_offsets; /* [num_tokens] */
+    int64_t num_tokens;
+    int64_t num_kv_heads;
+    int64_t head_dim;
+    int64_t block_size;
+    int32_t is_bf16;
+    int32_t num_threads;
+} tm_kv_write_args;
+
+int tm_write_kv_cache(const tm_kv_write_args *args);
+
+/* ---- elementwise.c: bit-exact with PyTorch's CPU ops (SiLU: to the last bit or so) ---- */
+
+/* RMSNorm of `rows` rows of `dim` (<= TM_MAX_ROW_DIM), after residual += x (in place) when
+ * residual is not NULL: out = rmsnorm(residual or x) * weight. */
+typedef struct {
+    const void *x;      /* [rows, dim] fp32 or bf16 */
+    void *residual;     /* like x, or NULL */
+    void *out;          /* like x */
+    const void *weight; /* [dim] */
+    int64_t rows;
+    int64_t dim;
+    float eps;
+    int32_t is_bf16;
+    int32_t num_threads;
+} tm_rms_norm_args;
+
+int tm_rms_norm(const tm_rms_norm_args *args);
+
+/* Rotary (rotate-halves layout, even head_dim) on q and k, and a contiguous copy of v, in
+ * one pass over the tokens. q, k, v rows are `*_stride` elements apart (views into the qkv
+ * projection's output), each token's heads contiguous. */
+typedef struct {
+    const void *q;   /* [num_tokens, num_heads, head_dim], rows q_stride apart */
+    const void *k;   /* [num_tokens, num_kv_heads, head_dim], rows k_stride apart */
+    const void *v;   /* like k, rows v_stride apart */
+    int64_t q_stride;
+    int64_t k_stride;
+    int64_t v_stride;
+    void *q_out;     /* contiguous */
+    void *k_out;
+    void *v_out;
+    const void *cos; /* [num_tokens, head_dim] full-width tables */
+    const void *sin; /* signed for the swapped halves */
+    int64_t num_tokens;
+    int64_t num_heads;
+    int64_t num_kv_heads;
+    int64_t head_dim;
+    int32_t is_bf16;
+    int32_t num_threads;
+} tm_rotary_args;
+
+int tm_rotary_qkv(const tm_rotary_args *args);
+
+/* out = silu(gate) * up for x = [gate | up] on each row: [rows, 2 * dim] -> [rows, dim],
+ * dim <= TM_MAX_ROW_DIM. */
+typedef struct {
+    const void *x;
+    void *out;
+    int64_t rows;
+    int64_t dim;
+    int32_t is_bf16;
+    int32_t num_threads;
+} tm_silu_args;
+
+int tm_silu_and_mul(const tm_silu_args *args);
+
+/* ---- quantize.c ----------------------------------------------------------------------
+ * Dynamic per-row int8 quantization: with y = x * inv_smooth, scales[r] = max|y[r]| / qmax
+ * (1 for an all-zero row) and out[r, i] = round(y[r, i] / scales[r]) + zero_point, clamped
+ * to +-qmax first. qmax <= TM_MAX_QMAX, qmax + zero_point <= 255. */
+typedef struct {
+    const void *x;            /* [rows, dim] fp32 or bf16 */
+    const float *inv_smooth;  /* [dim], or NULL for all ones */
+    uint8_t *out;             /* [rows, dim] */
+    float *scales;            /* [rows] */
+    int64_t rows;
+    int64_t dim;
+    int32_t is_bf16;
+    int32_t qmax;
+    int32_t zero_point;
+    int32_t num_threads;
+} tm_quantize_args;
+
+int tm_quantize_rows_u8(const tm_quantize_args *args);
+
+#endif
