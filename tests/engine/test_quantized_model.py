@@ -11,7 +11,7 @@ from test_hf_parity import mixed_prompts
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.quant import INT4_GROUP_SIZE, check_quantization, int4, quantized_targets
 from tokenmill.engine.quant.int4 import Int4Linear
-from tokenmill.engine.quant.int8 import Int8Linear
+from tokenmill.engine.quant.int8 import Int8Linear, has_int8_dot_products, kernel_name
 from tokenmill.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
@@ -34,7 +34,7 @@ def compare(outputs, reference) -> tuple[float, int, int]:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_int8_engine_tracks_the_float_engine(kind, tmp_path):
+def test_int8_engine_tracks_the_float_engine(kind, tmp_path, cpu_path):
     build_hf_model(kind, tmp_path)
     prompts = mixed_prompts(256, seed=8)
     reference = run_all(make_engine(tmp_path), prompts, PARAMS)
@@ -46,9 +46,14 @@ def test_int8_engine_tracks_the_float_engine(kind, tmp_path):
         f"\n{kind} int8: prompt logprob |diff| mean {mean_diff:.4f}, "
         f"greedy prefix agreement {agree}/{total}"
     )
-    # The random model's peaked distributions (initializer 0.3) magnify rounding.
-    assert mean_diff < 0.2
-    assert agree >= total * 0.6
+    # The random model's peaked distributions (initializer 0.3) magnify rounding. Bounds
+    # from measured figures: with 8-bit activations (VNNI/AMX) |diff| 0.114, 47-49/72
+    # agreeing; with the 7 bits CPUs without int8 dot products get (AVX2's saturating
+    # vpmaddubsw, kernels/quantize.py) the step doubles: 0.18-0.20, 38/72.
+    full = has_int8_dot_products()
+    cpu_path("int8 linear", f"oneDNN {kernel_name()}, {'8' if full else '7'}-bit activations")
+    assert mean_diff < (0.2 if full else 0.3)
+    assert agree >= total * (0.6 if full else 0.45)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

@@ -16,14 +16,17 @@ from tokenmill.engine.sampling_params import SamplingParams
 
 
 def reference_top_k_top_p(logits, top_k, top_p):
-    """Filtering over the whole sorted vocabulary, row by row."""
+    """Filtering over the whole sorted vocabulary, row by row. top_p 1.0 keeps every
+    token: a cumulative sum of 3,000 probabilities may round past 1.0 (it does with
+    ATen's AVX2 kernels), which must not cut the tail."""
     out = torch.full_like(logits, float("-inf"))
     for row in range(logits.shape[0]):
         values, order = logits[row].sort(descending=True)
         k = int(top_k[row]) or len(values)
         values[k:] = float("-inf")
-        probs = values.softmax(dim=-1)
-        values[(probs.cumsum(dim=-1) - probs) >= float(top_p[row])] = float("-inf")
+        if float(top_p[row]) < 1.0:
+            probs = values.softmax(dim=-1)
+            values[(probs.cumsum(dim=-1) - probs) >= float(top_p[row])] = float("-inf")
         out[row, order] = values
     return out
 
