@@ -33,10 +33,23 @@ def _summary(outputs) -> list:
             o.cached_tokens,
             o.completion_tokens,
             o.error,
-            [(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs],
+            [(c.token_ids, c.text, c.finish_reason) for c in o.outputs],
         )
         for o in outputs
     ]
+
+
+def _assert_same(got, expected) -> None:
+    """Equal outputs; logprobs equal to 1e-5. Overlapping changes which rows share a step,
+    and F.linear (MKL: taken where oneDNN does not pack, or with TOKENMILL_PACKED_LINEAR=0)
+    rounds the last bits by batch shape, where oneDNN's packed products do not."""
+    assert _summary(got) == _summary(expected)
+    for ours, theirs in zip(got, expected):
+        for a, b in zip(ours.outputs, theirs.outputs):
+            assert (a.logprobs is None) == (b.logprobs is None)
+            for step_a, step_b in zip(a.logprobs or [], b.logprobs or []):
+                assert step_a.keys() == step_b.keys()
+                assert list(step_a.values()) == pytest.approx(list(step_b.values()), abs=1e-5)
 
 
 def _both(model_dir, prompts, params, **config):
@@ -91,7 +104,7 @@ def test_stops_found_a_step_late_end_where_plain_steps_end(model_dir):
         ),
     ]
     expected, got, plain, overlapped = _both(model_dir, prompts, params)
-    assert _summary(got) == _summary(expected)
+    _assert_same(got, expected)
     assert overlapped.stats.generated_tokens == plain.stats.generated_tokens
     reasons = [o.finish_reason for o in expected]
     assert reasons.count("stop") >= 4, reasons
@@ -106,7 +119,7 @@ def test_sampling_controls_seeds_and_n(model_dir):
         SamplingParams(temperature=0.7, min_p=0.05, seed=9, max_tokens=18, logprobs=0),
     ]
     expected, got, _, _ = _both(model_dir, prompts, params)
-    assert _summary(got) == _summary(expected)
+    _assert_same(got, expected)
 
 
 def test_prefix_cache_and_preemption(model_dir):
@@ -119,5 +132,5 @@ def test_prefix_cache_and_preemption(model_dir):
         model_dir, prompts, params, kv_cache_memory=24 * block_bytes
     )
     assert plain.stats.num_preemptions > 0 and overlapped.stats.num_preemptions > 0
-    assert _summary(got) == _summary(expected)
+    _assert_same(got, expected)
     assert overlapped.stats.cached_prompt_tokens > 0

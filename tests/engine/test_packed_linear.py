@@ -18,6 +18,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _packing_allowed(monkeypatch):
+    """These tests are of packing itself: a run with TOKENMILL_PACKED_LINEAR=0 (the rest of
+    the suite on F.linear) still checks it."""
+    monkeypatch.delenv("TOKENMILL_PACKED_LINEAR", raising=False)
+
+
 def _mlp(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 96, bias=True), nn.SiLU(), nn.Linear(96, 32, bias=False)).to(
