@@ -1,0 +1,46 @@
+"""SIGKILL the CLI job at random points - planning, mid-shard, part, stats and ledger
+writes - resuming after each kill: one row per id, the ledger equal to the rows, and no
+temporary file left for a reader of the results."""
+
+from __future__ import annotations
+
+import pytest
+from fault_jobs import REQUIRED_KINDS, choose_kill_points, kill_and_resume
+
+
+def test_kinds_cover_the_required_points(fault_rng):
+    kinds = choose_kill_points(fault_rng, 6)
+    assert len(set(kinds)) == 6 and set(REQUIRED_KINDS) <= set(kinds)
+    assert kinds[-1] in ("ledger write", "ledger dataset write")
+
+
+def test_five_random_kills_then_resume(fault_job, fault_rng):
+    specs = kill_and_resume(fault_job, fault_rng, num_points=5)
+    outcome = fault_job.outcome()
+    seed = f"seed {fault_rng.seed_value}, kills {specs}"
+    assert len(specs) >= 4, seed  # at most one kind is skipped when no shard is left
+    assert outcome.rows_lost == 0 and outcome.rows_duplicated == 0, seed
+    assert outcome.temp_files == [], seed
+    assert outcome.ledger_matches, f"{seed}: {outcome.problems}"
+    assert outcome.rows_failed == 0, seed
+    assert not (fault_job.output / "_plan").exists(), seed
+    assert not (fault_job.output / "_lock.json").exists(), seed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("round", range(3))
+def test_eight_random_kills_then_resume(fault_job, fault_rng, round):
+    specs = kill_and_resume(fault_job, fault_rng, num_points=8)
+    outcome = fault_job.outcome()
+    assert outcome.ok, f"seed {fault_rng.seed_value}, kills {specs}: {outcome}"
+
+
+def test_kill_while_writing_a_part_leaves_its_temp_file_hidden_then_removed(fault_job):
+    killed = fault_job.run("write@/results/:2")
+    assert killed.killed, killed.output[-1500:]
+    results = fault_job.output / "results"
+    temps = [p.name for p in results.iterdir() if p.name.startswith(".")]
+    assert len(temps) == 1  # the half-published part: hidden, not a part
+    assert len(fault_job.published_parts()) == 1
+    assert fault_job.run().returncode == 0
+    assert fault_job.outcome().ok
