@@ -4,9 +4,10 @@ A fault point is a call `fault_point("name", detail)` at a place where a real jo
 die: planning a window, an engine step, an atomic file write. Tests (tests/faults/,
 benchmarks/fault_matrix.py) set, in the job's environment,
 
-    TOKENMILL_FAULT_POINT=NAME[@SUBSTRING]:COUNT[:ACTION]
+    TOKENMILL_FAULT_POINT=NAME[@SUBSTRING]:COUNT[+][:ACTION]
 
-and the COUNT-th call of NAME whose detail contains SUBSTRING triggers ACTION once:
+and the COUNT-th call of NAME whose detail contains SUBSTRING triggers ACTION once
+(with `+`: that call and every later one, as a broken device would):
 `kill` (default: SIGKILL this process, as the OOM killer or a preempted node would)
 `raise` (a `FaultInjected` error, as a failing engine step would) or `stall`
 (sleep TOKENMILL_FAULT_STALL_S seconds, default 5: a hung disk or device). Examples:
@@ -40,19 +41,22 @@ class FaultSpec:
     substring: str
     count: int
     action: str
+    repeat: bool = False  # COUNT+: every call from the COUNT-th on
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
-        """Parse `NAME[@SUBSTRING]:COUNT[:ACTION]` (ValueError when malformed)."""
+        """Parse `NAME[@SUBSTRING]:COUNT[+][:ACTION]` (ValueError when malformed)."""
         head, sep, rest = text.partition(":")
         count_text, _, action = rest.partition(":")
         name, _, substring = head.partition("@")
         action = action or "kill"
+        repeat = count_text.endswith("+")
+        count_text = count_text.removesuffix("+")
         if not sep or not name or not count_text.isdigit() or int(count_text) < 1:
-            raise ValueError(f"{ENV_VAR} must be NAME[@SUBSTRING]:COUNT[:ACTION], got {text!r}")
+            raise ValueError(f"{ENV_VAR} must be NAME[@SUBSTRING]:COUNT[+][:ACTION], got {text!r}")
         if action not in ACTIONS:
             raise ValueError(f"{ENV_VAR}: action must be one of {ACTIONS}, got {action!r}")
-        return cls(name, substring, int(count_text), action)
+        return cls(name, substring, int(count_text), action, repeat)
 
 
 _hits: dict[str, int] = {}
@@ -81,7 +85,7 @@ def fault_point(name: str, detail: str = "") -> None:
     if spec is None or spec.name != name or spec.substring not in detail:
         return
     _hits[name] = _hits.get(name, 0) + 1
-    if _hits[name] != spec.count:
+    if _hits[name] < spec.count or (_hits[name] > spec.count and not spec.repeat):
         return
     if spec.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -8,12 +8,15 @@ way a user of the results would and counts what went wrong.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,7 +200,7 @@ def kill_spec(kind: str, rng: random.Random, *, num_pending: int, num_shards: in
     """The fault spec of one kill of `kind`, with a call number the run will reach."""
     limits = {
         "planning": NUM_ROWS // PLAN_WINDOW_ROWS,
-        "mid-shard": 12,
+        "mid-shard": min(12, 2 * num_pending),  # a shard takes >= 2 steps
         "part write": num_pending,
         "stats write": num_pending,
         "plan write": num_shards,
@@ -212,12 +215,12 @@ def kill_and_resume(job: FaultJob, rng: random.Random, num_points: int = 5) -> l
     Raises:
         AssertionError: a kill did not happen or a run failed.
     """
-    num_shards = _count_shards(job)
+    num_shards = count_shards(job)
     used = []
     for kind in choose_kill_points(rng, num_points):
         pending = num_shards - len(job.published_parts())
-        if kind in ("part write", "stats write") and pending == 0:
-            continue  # every shard is done: there is no part left to be killed writing
+        if kind in ("mid-shard", "part write", "stats write") and pending == 0:
+            continue  # every shard is done: none is left to be killed in
         spec = kill_spec(kind, rng, num_pending=pending, num_shards=num_shards)
         result = job.run(spec)
         assert result.killed, (
@@ -229,11 +232,80 @@ def kill_and_resume(job: FaultJob, rng: random.Random, num_points: int = 5) -> l
     return used
 
 
-def _count_shards(job: FaultJob) -> int:
-    """The job's number of shards, from a throwaway complete run beside it (cached)."""
-    probe = job.output.with_name(job.output.name + "-probe")
-    if not (probe / "ledger.json").exists():
-        twin = FaultJob(job.model_dir, job.input, probe, job.num_rows, job.extra_args)
-        result = twin.run()
-        assert result.returncode == 0, result.output[-2000:]
-    return json.loads((probe / "ledger.json").read_text())["num_shards"]
+def count_shards(job: FaultJob) -> int:
+    """The job's number of shards: planned in-process into a scratch output (no model
+    is loaded to plan), with the options the CLI runs use."""
+    from tokenmill.pipelines.planning import plan_job
+    from tokenmill.pipelines.spec import JobSpec
+
+    scratch = job.output.with_name(job.output.name + "-plan-probe")
+    spec = JobSpec(
+        str(job.input),
+        str(scratch),
+        model=str(job.model_dir),
+        id_column="id",
+        max_tokens=int(TOKENS[1]),
+        shard_tokens=int(TOKENS[3]),
+        plan_window_rows=PLAN_WINDOW_ROWS,
+        dtype="float32",
+    )
+    return len(plan_job(spec).shards)
+
+
+# -- a disk that fills up ----------------------------------------------------------------
+
+
+class NoSmallDisk(RuntimeError):
+    """A small filesystem cannot be mounted here (mounting a tmpfs needs root)."""
+
+
+DISK_SIZE = "16m"
+
+
+@contextlib.contextmanager
+def small_disk(where: Path):
+    """A `DISK_SIZE` tmpfs mounted at `where` (NoSmallDisk where mounting needs root)."""
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE}", "tmpfs", str(where)],
+        capture_output=True,
+    )
+    if mounted.returncode != 0:
+        raise NoSmallDisk(
+            f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode()[:200]}"
+        )
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Write a ballast file until the disk is full."""
+    ballast = disk / "ballast"
+    chunk = b"\0" * (1 << 20)
+    with open(ballast, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return ballast
+
+
+def fill_after_first_part(job: FaultJob, disk: Path) -> tuple[int, str, Path]:
+    """Run the job, fill the disk once it has published a part; return how it ended."""
+    child = job.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not job.published_parts():
+            assert child.poll() is None, child.stdout.read()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        ballast = fill(disk)
+        output, _ = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return child.returncode, output, ballast

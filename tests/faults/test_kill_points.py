@@ -35,6 +35,7 @@ def test_eight_random_kills_then_resume(fault_job, fault_rng, round):
     assert outcome.ok, f"seed {fault_rng.seed_value}, kills {specs}: {outcome}"
 
 
+@pytest.mark.slow
 def test_kill_while_writing_a_part_leaves_its_temp_file_hidden_then_removed(fault_job):
     killed = fault_job.run("write@/results/:2")
     assert killed.killed, killed.output[-1500:]
