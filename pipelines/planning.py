@@ -3,7 +3,8 @@
 The model is described (`engine.describe.describe_model`: its directory, context
 length, chat template, tokenizer and weights hash), never loaded, so every input
 problem - a bad file, a missing column, duplicate ids, a system prompt for a model
-without a chat template - fails here, before any weights are read. Each shard's rows
+without a chat template, an input that changed under results being resumed (its
+fingerprint, `connectors/fingerprint.py`) - fails here, before any weights are read. Each shard's rows
 are written to `OUTPUT/_plan/<shard_id>.parquet` as its window is planned; a JobPlan
 holds only shard names and sizes, so what a flow ships to its workers and what any
 step keeps in memory is bounded by a planning window, not by the dataset.

@@ -107,3 +107,21 @@ def test_engine_step_fault_through_the_cli(fault_job):
     assert result.returncode == 0, result.output[-2000:]
     outcome = fault_job.outcome()
     assert outcome.ok and outcome.rows_failed == 0
+
+
+def test_a_failed_generate_leaves_the_engine_clean(tiny_model_dir, monkeypatch):
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=8 << 20)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6, [5, 6, 7, 8] * 5 + [12]]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    _failing_step(monkeypatch, lambda engine, n: n == 3)
+    with pytest.raises(FaultInjected):
+        llm.generate(prompts, params)
+    engine = llm.engine
+    assert not engine.has_unfinished and not engine._requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.block_manager.cached
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
