@@ -56,3 +56,34 @@ def test_changed_input_with_no_part_published_just_starts_over(fault_job):
     prompts = set(pq.read_table(fault_job.input)["prompt"].to_pylist())
     assert all("-v2" in p for p in prompts)
     assert fault_job.outcome().ok
+
+
+def test_changed_s3_object_is_refused(s3, tiny_model_dir, tmp_path):
+    import time
+
+    import s3fs
+
+    from tokenmill.pipelines.job import run_job
+
+    fs = s3fs.S3FileSystem(**s3.storage_options)
+    prefix = f"{s3.bucket}/changed-{time.time_ns()}"
+    local = write_input(tmp_path / "in.parquet", 8)
+    fs.put_file(str(local), f"{prefix}/in.parquet")
+    options = dict(
+        model=str(tiny_model_dir),
+        id_column="id",
+        max_tokens=2,
+        dtype="float32",
+        engine_options={"kv_cache_memory": 8 << 20},
+        storage_options=s3.storage_options,
+    )
+    src, out = f"s3://{prefix}/in.parquet", f"s3://{prefix}/out"
+    run_job(src, out, **options)
+    stored = json.loads(fs.cat_file(f"{prefix}/out/_input.json"))
+    assert stored[0]["version"] and stored[0]["file"] == src  # the object's ETag
+    write_input(local, 8, variant="-v2")  # same size class, new bytes: a new ETag
+    fs.put_file(str(local), f"{prefix}/in.parquet")
+    with pytest.raises(ValueError, match=r"the input changed since the results in s3://"):
+        run_job(src, out, **options)
+    ledger = run_job(src, out, resume=False, **options)
+    assert ledger.rows_ok + ledger.rows_failed == 8
