@@ -45,3 +45,32 @@ def test_kill_while_writing_a_part_leaves_its_temp_file_hidden_then_removed(faul
     assert len(fault_job.published_parts()) == 1
     assert fault_job.run().returncode == 0
     assert fault_job.outcome().ok
+
+
+@pytest.mark.slow
+def test_kill_on_s3_then_resume_takes_over_the_dead_runs_lock(s3, fault_job):
+    import json
+    import time
+
+    import s3fs
+
+    from tokenmill.pipelines.output import read_ledger, read_results
+
+    fs = s3fs.S3FileSystem(**s3.storage_options)
+    prefix = f"{s3.bucket}/kill-{time.time_ns()}"
+    fs.put_file(str(fault_job.input), f"{prefix}/in.parquet")
+    fault_job.input, fault_job.output = f"s3://{prefix}/in.parquet", f"s3://{prefix}/out"
+    fault_job.extra_args = [f"--storage-option={k}={v}" for k, v in s3.storage_options.items()]
+    killed = fault_job.run("write@/results/:3")
+    assert killed.killed, killed.output[-1500:]
+    fs.invalidate_cache()
+    holder = json.loads(fs.cat_file(f"{prefix}/out/_lock.json"))  # left by the dead run
+    assert len(fs.ls(f"{prefix}/out/results")) == 2
+    resumed = fault_job.run()
+    assert resumed.returncode == 0, resumed.output[-2000:]
+    fs.invalidate_cache()
+    assert not fs.exists(f"{prefix}/out/_lock.json") and holder["pid"] != 0
+    ids = read_results(fault_job.output, s3.storage_options)["id"].to_pylist()
+    assert sorted(ids) == sorted(f"id-{i}" for i in range(fault_job.num_rows))
+    ledger = read_ledger(fault_job.output, s3.storage_options)
+    assert ledger.num_shards_run == ledger.num_shards - 2
