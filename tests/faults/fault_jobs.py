@@ -170,8 +170,8 @@ class FaultJob:
 
 # -- process kills at random points ---------------------------------------------------
 
-# Where a job can be killed, as (kind, fault spec template, how many calls it has).
-# "{n}" is replaced by a random call number within what the run will still make.
+# Where a job can be killed: kind -> fault spec. "{n}" becomes a random call number
+# within what the run will still make (`kill_spec`).
 KILL_KINDS = {
     "planning": "plan_window:{n}",
     "mid-shard": "engine_step:{n}",
