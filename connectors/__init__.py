@@ -8,7 +8,7 @@ complete files.
 """
 
 from tokenmill.connectors.batches import ERROR_COLUMN
-from tokenmill.connectors.errors import SourceError
+from tokenmill.connectors.errors import DiskFullError, SourceError
 from tokenmill.connectors.formats import FORMATS, detect_format
 from tokenmill.connectors.fs import redact_options, redact_url
 from tokenmill.connectors.openai_batch import (
@@ -32,6 +32,7 @@ from tokenmill.connectors.source import DEFAULT_BATCH_SIZE, Source, open_source
 
 __all__ = [
     "CHAT_URL",
+    "DiskFullError",
     "COMPLETIONS_URL",
     "DEFAULT_BATCH_SIZE",
     "ERROR_COLUMN",

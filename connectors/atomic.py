@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import posixpath
@@ -10,7 +11,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
+from tokenmill.connectors.errors import DiskFullError
 from tokenmill.connectors.fs import SINGLE_PUT_PROTOCOLS, display, is_local, protocol_of
+from tokenmill.faults import fault_point
+
+# Errors that mean "the disk is full" (a quota counts), whichever filesystem says it.
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 # Temp files start with "." (hidden from listings and sources) and carry this marker.
 TEMP_MARKER = ".tmp-"
@@ -53,7 +59,26 @@ def atomic_file(fs, path: str, *, overwrite: bool) -> Iterator[BinaryIO]:
         fs: the fsspec filesystem.
         path: the final path on `fs`.
         overwrite: replace an existing file; otherwise raise `FileExistsError`.
+
+    Raises:
+        DiskFullError: the filesystem ran out of space; nothing was published.
     """
+    try:
+        with _atomic_file(fs, path, overwrite=overwrite) as f:
+            yield f
+    except OSError as exc:
+        if exc.errno not in _FULL_ERRNOS or isinstance(exc, DiskFullError):
+            raise
+        raise DiskFullError(
+            exc.errno,
+            f"no space left on the output's filesystem while writing {display(fs, path)}; "
+            "nothing half-written was kept. Free some space (or choose another output "
+            "location) and rerun the same command: the job resumes from its completed shards",
+        ) from exc
+
+
+@contextlib.contextmanager
+def _atomic_file(fs, path: str, *, overwrite: bool) -> Iterator[BinaryIO]:
     if is_local(fs):
         with _local_file(path, overwrite=overwrite) as f:
             yield f
@@ -64,12 +89,14 @@ def atomic_file(fs, path: str, *, overwrite: bool) -> Iterator[BinaryIO]:
         # The whole object is built in memory first: a failed block uploads nothing.
         buffer = io.BytesIO()
         yield buffer
+        fault_point("write", path)
         fs.pipe_file(path, buffer.getvalue())
         return
     tmp = temp_path(path)
     try:
         with fs.open(tmp, "wb") as f:
             yield f
+            fault_point("write", path)
         fs.mv(tmp, path)
     except BaseException:
         with contextlib.suppress(Exception):
@@ -92,6 +119,7 @@ def _local_file(path: str, *, overwrite: bool) -> Iterator[BinaryIO]:
     try:
         with open(tmp, "wb") as f:
             yield f
+            fault_point("write", path)  # a kill here leaves a temp file behind
             f.flush()
             os.fsync(f.fileno())
         if overwrite:

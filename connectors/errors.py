@@ -22,3 +22,12 @@ def safe_arrow_message(message: str) -> str:
         flags=re.S,
     )
     return re.sub(r"(Expected \d+ columns, got \d+):.*", r"\1", message, flags=re.S)
+
+
+class DiskFullError(OSError):
+    """The output's filesystem ran out of space (or quota) while a file was written.
+
+    Nothing half-written is left: the file's temporary copy is removed, and files
+    already published stay complete, so rerunning the same job once space is freed
+    resumes it. `errno` is the original ENOSPC or EDQUOT.
+    """

@@ -22,6 +22,7 @@ from tokenmill.connectors.batches import (
 )
 from tokenmill.connectors.discovery import DataFiles, discover
 from tokenmill.connectors.errors import SourceError, safe_arrow_message
+from tokenmill.connectors.fingerprint import fingerprint_files
 from tokenmill.connectors.formats import detect_format, get_reader, normalize_format
 from tokenmill.connectors.fs import display, redact_url, resolve, to_url
 from tokenmill.connectors.lines import BadLine
@@ -70,6 +71,10 @@ class Source:
                     yield conform(batch, self.schema, constants)
             except _PARSE_ERRORS as e:
                 _raise_source_error(name, self.format, e)
+
+    def fingerprint(self) -> list[dict[str, Any]]:
+        """The input files' URLs, sizes and version stamps (`connectors/fingerprint.py`)."""
+        return fingerprint_files(self._fs, self._data.paths)
 
     def to_table(self) -> pa.Table:
         """All rows at once; for small inputs and tests."""

@@ -154,6 +154,12 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_cached_blocks = 0
 
+    def forget_cache(self) -> None:
+        """Unregister every cached block (in use or free); later lookups all miss."""
+        for block in self.blocks:
+            block.reset()
+        self.cached.clear()
+
     # -- registering computed blocks ---------------------------------------------------
 
     def cache_full_blocks(self, seq: Sequence) -> None:

@@ -109,6 +109,8 @@ class LLM:
         Returns:
             One RequestOutput per prompt, in input order. A prompt the engine cannot
             serve comes back with finish_reason "error" and .error set.
+            If a step raises, every request of this call is dropped (`abort_all`) and
+            the error propagates; the LLM stays usable.
 
         Raises:
             ValueError: a structured outputs constraint is invalid or cannot be enforced
@@ -130,11 +132,17 @@ class LLM:
         for rid, prompt_ids, text, p in zip(request_ids, ids, texts, params):
             self.engine.add_request(rid, prompt_ids, p, prompt=text)
         results: list[RequestOutput | None] = [None] * len(prompts)
-        while self.engine.has_unfinished:
-            for output in self.engine.step():
-                results[position[output.request_id]] = output
-                if on_output is not None:
-                    on_output(output)
+        try:
+            while self.engine.has_unfinished:
+                for output in self.engine.step():
+                    results[position[output.request_id]] = output
+                    if on_output is not None:
+                        on_output(output)
+        except BaseException:
+            # A failed step (or an interrupt) must not leave these requests queued for
+            # the next call: the engine is reset and the error goes to the caller.
+            self.engine.abort_all()
+            raise
         return results
 
     def chat(

@@ -32,6 +32,7 @@ from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.engine.tokenizer import IncrementalDetokenizer
 from tokenmill.engine.weights import load_model
+from tokenmill.faults import fault_point
 
 
 @dataclass
@@ -242,6 +243,27 @@ class LLMEngine:
             self.scheduler.has_unfinished or bool(self._finished_early) or self._pending is not None
         )
 
+    def abort_all(self) -> int:
+        """Drop every queued and running request, e.g. after a step raised.
+
+        Their blocks are freed and the prefix cache is forgotten: a step that failed
+        midway may have left blocks whose contents were never written, and a cache
+        miss only costs recompute. The engine is then as good as new for the next
+        requests.
+
+        Returns:
+            How many requests were dropped.
+        """
+        num = len(self._requests)
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.finish(seq, "abort")
+        self.scheduler.inflight.clear()
+        self.block_manager.forget_cache()
+        self._requests.clear()
+        self._finished_early.clear()
+        self._pending = None
+        return num
+
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -251,6 +273,7 @@ class LLMEngine:
         runs, so the requests returned are those its predecessor finished. A step after
         one that sampled under a grammar is not overlapped: the next mask needs the token.
         """
+        fault_point("engine_step")
         finished, self._finished_early = self._finished_early, []
         if self._pending is not None and any(s.grammar is not None for s in self._pending.seqs):
             finished += self._resolve()

@@ -11,8 +11,10 @@ then checks how they combine. Shards fan out over the flow's task runner: thread
 by default, a Dask or Ray cluster with `batch_inference.with_options(task_runner=
 make_task_runner(...))`.
 
-Rerunning the flow with the same parameters resumes the job: shards whose part is
-in the output are not submitted again, and the ledger is rebuilt from all parts.
+The flow holds the output's lock (`pipelines/output_lock.py`) from planning to the
+ledger, so a second run on the same output is refused. Rerunning the flow with the
+same parameters resumes the job: shards whose part is in the output are not
+submitted again, and the ledger is rebuilt from all parts.
 """
 
 # No `from __future__ import annotations` here: Prefect reads the flow's signature (built
@@ -35,7 +37,9 @@ from tokenmill.flows.tasks import (
     prepare_output_task,
     shard_task,
 )
+from tokenmill.pipelines import output as out
 from tokenmill.pipelines.ledger import JobLedger, now_iso
+from tokenmill.pipelines.output_lock import output_lock
 from tokenmill.pipelines.planning import JobPlan
 
 FLOW_NAME = "batch-inference"
@@ -71,31 +75,34 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger:
     run_started_at = now_iso()
     scheduled = flow_run.scheduled_start_time or datetime.now(timezone.utc)
     spec = build_spec(input, output, scheduled=scheduled, **options)
-    # Submitted, not called: on a cluster the plan then stays on the worker that made
-    # it, and each shard task's worker fetches it from there once (not once per shard).
-    plan_future = plan_task.submit(spec)
-    plan = plan_future.result()
-    _name_after_plan(plan, logger)
-    done = prepare_output_task(plan)
-    pending = [s for s in plan.shards if s.shard_id not in done]
-    logger.info(
-        "job %s: %d rows in %d shards; %d already complete, %d to run",
-        plan.job_id,
-        plan.num_rows,
-        len(plan.shards),
-        len(plan.shards) - len(pending),
-        len(pending),
-    )
-    futures = shard_task.map(
-        plan=unmapped(plan_future), shard=pending, job_id=unmapped(plan.job_id)
-    )
-    runs = _shard_runs(plan, futures)
-    return ledger_task(
-        plan,
-        run_id=str(flow_run.id),
-        run_started_at=run_started_at,
-        num_shards_run=sum(1 for r in runs if not r.result.skipped),
-    )
+    # One run per output at a time, held by the flow's own process (output_lock).
+    with output_lock(spec.output, spec.storage_options):
+        out.remove_temp_files(spec.output, spec.storage_options)
+        # Submitted, not called: on a cluster the plan then stays on the worker that made
+        # it, and each shard task's worker fetches it from there once (not once per shard).
+        plan_future = plan_task.submit(spec)
+        plan = plan_future.result()
+        _name_after_plan(plan, logger)
+        done = prepare_output_task(plan)
+        pending = [s for s in plan.shards if s.shard_id not in done]
+        logger.info(
+            "job %s: %d rows in %d shards; %d already complete, %d to run",
+            plan.job_id,
+            plan.num_rows,
+            len(plan.shards),
+            len(plan.shards) - len(pending),
+            len(pending),
+        )
+        futures = shard_task.map(
+            plan=unmapped(plan_future), shard=pending, job_id=unmapped(plan.job_id)
+        )
+        runs = _shard_runs(plan, futures)
+        return ledger_task(
+            plan,
+            run_id=str(flow_run.id),
+            run_started_at=run_started_at,
+            num_shards_run=sum(1 for r in runs if not r.result.skipped),
+        )
 
 
 def _name_after_plan(plan: JobPlan, logger: logging.LoggerAdapter) -> None:

@@ -16,18 +16,23 @@ logged - only counts.
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from typing import Any
 
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.pipelines import output as out
 from tokenmill.pipelines.finalizing import finalize_job
 from tokenmill.pipelines.ledger import JobLedger, now_iso
 from tokenmill.pipelines.option_types import JOB
 from tokenmill.pipelines.options import check_names, takes_options
+from tokenmill.pipelines.output_lock import output_lock
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard, plan_job
 from tokenmill.pipelines.running import ShardResult, prepare_output, run_shard
 from tokenmill.pipelines.spec import JobSpec
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "JobPlan",
@@ -68,7 +73,9 @@ def run_job(
     """Run a batch job end to end: plan, compute the missing shards, write the ledger.
 
     Rerunning the same job into the same output resumes it: complete shards are
-    skipped, and the results hold exactly one row per input row.
+    skipped, and the results hold exactly one row per input row. The run holds the
+    output's lock throughout (`output_lock`): a second run on the same output is
+    refused, and temporary files a killed run left behind are removed first.
 
     Args:
         input: dataset URL or path.
@@ -82,23 +89,31 @@ def run_job(
 
     Returns:
         The JobLedger.
+
+    Raises:
+        OutputLockedError: another run is writing to `output`.
+        DiskFullError: the output's filesystem is full; rerun once space is freed.
     """
     check_names(options, surface=JOB)  # a clearer error than JobSpec's own TypeError
     spec = JobSpec(input, output, **options)
     progress = progress or JobProgress()
     run_started_at = now_iso()
-    plan = plan_job(spec, llm=llm)
-    done = prepare_output(plan)
-    pending = [s for s in plan.shards if s.shard_id not in done]
-    lock: Any = nullcontext()
-    if pending and llm is None:
-        from tokenmill.engine.llm_cache import get_llm
+    with output_lock(spec.output, spec.storage_options):
+        removed = out.remove_temp_files(spec.output, spec.storage_options)
+        if removed:
+            log.info("removed %d temporary files left by a killed run", removed)
+        plan = plan_job(spec, llm=llm)
+        done = prepare_output(plan)
+        pending = [s for s in plan.shards if s.shard_id not in done]
+        llm_lock: Any = nullcontext()
+        if pending and llm is None:
+            from tokenmill.engine.llm_cache import get_llm
 
-        shared = get_llm(**spec.llm_options)
-        llm, lock = shared.llm, shared.lock
-    progress.planned(plan, pending)
-    with lock:
-        for shard in pending:
-            result = run_shard(llm, plan, shard, on_output=progress.request_done)
-            progress.shard_done(result)
-    return finalize_job(plan, run_started_at=run_started_at, num_shards_run=len(pending))
+            shared = get_llm(**spec.llm_options)
+            llm, llm_lock = shared.llm, shared.lock
+        progress.planned(plan, pending)
+        with llm_lock:
+            for shard in pending:
+                result = run_shard(llm, plan, shard, on_output=progress.request_done)
+                progress.shard_done(result)
+        return finalize_job(plan, run_started_at=run_started_at, num_shards_run=len(pending))

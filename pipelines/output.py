@@ -7,6 +7,9 @@
     OUTPUT/ledger/                      the default ledger dataset (one Parquet file per job)
     OUTPUT/_plan/<shard_id>.parquet     a shard's planned rows (`spill`); removed when the
                                         job finishes
+    OUTPUT/_input.json                  the input's fingerprint (files, sizes, versions): a
+                                        resumed run refuses an input that changed
+    OUTPUT/_lock.json                   the lock of the run writing here (`output_lock`)
 
 A shard is complete iff its part exists: the stats file is written first, so a part
 never lacks its stats, and a shard killed before its part is published is simply
@@ -34,6 +37,7 @@ from tokenmill.connectors import (
     write_json_atomic,
     write_part,
 )
+from tokenmill.connectors.atomic import is_temp_name
 from tokenmill.connectors.fs import resolve
 from tokenmill.pipelines.ledger import JobLedger, ShardStats
 from tokenmill.pipelines.results import RESULT_SCHEMA
@@ -42,6 +46,7 @@ from tokenmill.pipelines.scoring import GENERATE
 RESULTS_DIR = "results"
 STATS_DIR = "shard_stats"
 PLAN_DIR = "_plan"  # "_": hidden from anyone reading OUTPUT as a dataset
+INPUT_FILE = "_input.json"
 LEDGER_FILE = "ledger.json"
 OPENAI_RESULTS_FILE = "results.jsonl"
 DEFAULT_LEDGER_DIR = "ledger"
@@ -259,3 +264,49 @@ def openai_results_writer(
     `OUTPUT/results.jsonl` (OpenAI batch output lines), replacing an older one when the
     block ends; a block that raises leaves the older one, or none."""
     return lines_writer(join(output, OPENAI_RESULTS_FILE), storage_options, overwrite=True)
+
+
+def read_input_fingerprint(
+    output: str, storage_options: StorageOptions = None
+) -> list[dict[str, Any]] | None:
+    """The fingerprint of the input the output's results came from (None: not recorded)."""
+    try:
+        return read_json(join(output, INPUT_FILE), storage_options)
+    except FileNotFoundError:
+        return None
+
+
+def write_input_fingerprint(
+    output: str, fingerprint: list[dict[str, Any]], storage_options: StorageOptions = None
+) -> None:
+    """Record the fingerprint of the input the output's results come from."""
+    write_json_atomic(join(output, INPUT_FILE), fingerprint, storage_options)
+
+
+def remove_temp_files(output: str, storage_options: StorageOptions = None) -> int:
+    """Delete temporary files that killed runs left in the output's directories.
+
+    Only call it holding the output's lock: then no live writer owns any of them.
+    A ledger dataset outside OUTPUT is shared by jobs and is not touched.
+
+    Returns:
+        How many were removed.
+    """
+    removed = 0
+    for directory in (
+        output,
+        results_uri(output),
+        join(output, STATS_DIR),
+        plan_uri(output),
+        default_ledger_dataset(output),
+    ):
+        fs, path = resolve(directory, storage_options)
+        fs.invalidate_cache(path)
+        if not fs.isdir(path):
+            continue
+        for entry in fs.ls(path, detail=False):
+            if is_temp_name(posixpath.basename(entry.rstrip("/"))):
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm(entry)
+                    removed += 1
+    return removed

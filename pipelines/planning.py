@@ -3,7 +3,8 @@
 The model is described (`engine.describe.describe_model`: its directory, context
 length, chat template, tokenizer and weights hash), never loaded, so every input
 problem - a bad file, a missing column, duplicate ids, a system prompt for a model
-without a chat template - fails here, before any weights are read. Each shard's rows
+without a chat template, an input that changed under results being resumed (its
+fingerprint, `connectors/fingerprint.py`) - fails here, before any weights are read. Each shard's rows
 are written to `OUTPUT/_plan/<shard_id>.parquet` as its window is planned; a JobPlan
 holds only shard names and sizes, so what a flow ships to its workers and what any
 step keeps in memory is bounded by a planning window, not by the dataset.
@@ -13,17 +14,19 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 
-from tokenmill.connectors import open_source
+from tokenmill.connectors import open_source, redact_url
+from tokenmill.connectors.fingerprint import first_difference
 from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.describe import ModelDescription, describe_model, name_with_revision
 from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.plan import PlannedShard, Shard, job_id, plan_shards
 from tokenmill.pipelines.reading import Window, read_windows
@@ -47,6 +50,8 @@ class JobPlan:
     shards: list[Shard]
     num_rows: int = 0
     num_failed: int = 0  # rows that failed before compute (bad prompt, too long, ...)
+    # The input files' URLs, sizes and versions when planned (connectors/fingerprint.py).
+    input_fingerprint: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +92,8 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         on_bad_line="skip_row",
         text_columns=text_columns(template),
     )
+    fingerprint = source.fingerprint()
+    _check_input_unchanged(spec, fingerprint)
     model, tokenizer, max_model_len = _model_for(spec, llm)
     # A job-level constraint that cannot be compiled fails the job here, before any rows.
     params = ParamsTable(spec.sampling, check=_constraint_check(model, tokenizer, llm))
@@ -111,6 +118,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
                 shards.append(planned.shard)
             num_rows += len(window.rows)
             num_failed += sum(1 for r in window.rows if r.error is not None)
+            fault_point("plan_window")
     except BaseException:
         added = [s.shard_id for s in shards if s.shard_id not in existing]
         out.remove_plan(spec.output, spec.storage_options, shard_ids=added)
@@ -124,6 +132,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         shards=shards,
         num_rows=num_rows,
         num_failed=num_failed,
+        input_fingerprint=fingerprint,
     )
     log.info(
         "planned job %s: %d rows (%d failed before compute), %d shards, ~%d tokens",
@@ -134,6 +143,28 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         plan.num_tokens,
     )
     return plan
+
+
+def _check_input_unchanged(spec: JobSpec, fingerprint: list[dict[str, Any]]) -> None:
+    """Refuse to resume results that came from a different input (ValueError).
+
+    Only results matter: a run killed before any part was published left nothing to
+    mix, so its fingerprint is simply replaced.
+    """
+    if not spec.resume:
+        return
+    stored = out.read_input_fingerprint(spec.output, spec.storage_options)
+    if stored is None:
+        return
+    change = first_difference(stored, fingerprint)
+    if change is None or not out.completed_shards(spec.output, spec.storage_options):
+        return
+    raise ValueError(
+        f"the input changed since the results in {redact_url(spec.output)} were started "
+        f"({change}): resuming would mix rows of the old and the new input. To start "
+        "fresh, use a new output location, or rerun with --no-resume (resume=False) to "
+        "replace the results there."
+    )
 
 
 def _model_for(spec: JobSpec, llm: Any) -> tuple[ModelDescription, Any, int]:

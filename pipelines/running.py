@@ -2,7 +2,9 @@
 
 A shard is done when its results part exists; parts are published atomically and
 never overwritten, so `run_shard` is idempotent: a retried, resumed or duplicated
-shard task finds the part and computes nothing.
+shard task finds the part and computes nothing. An engine failure mid-shard is
+handled by the one rule of `pipelines/engine_failures.py` (retry once, then isolate
+the failing requests as error rows).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines import output as out
+from tokenmill.pipelines.engine_failures import generate_with_rule
 from tokenmill.pipelines.ledger import ShardStats, now_iso
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard
@@ -44,7 +47,8 @@ def prepare_output(plan: JobPlan) -> set[str]:
 
     With resume on, parts that are not shards of this plan mean the directory holds
     another job's results, which a rerun must not mix with its own: that raises. With
-    resume off, earlier results are removed first.
+    resume off, earlier results are removed first. The input's fingerprint is then
+    recorded, for the next run's check (`planning._check_input_unchanged`).
     """
     spec = plan.spec
     if not spec.resume:
@@ -54,15 +58,19 @@ def prepare_output(plan: JobPlan) -> set[str]:
         stale = out.planned_shards(spec.output, spec.storage_options)
         stale -= {s.shard_id for s in plan.shards}
         out.remove_plan(spec.output, spec.storage_options, shard_ids=stale)
-        return set()
-    done = out.completed_shards(spec.output, spec.storage_options)
-    foreign = sorted(done - {s.shard_id for s in plan.shards})
-    if foreign:
-        raise ValueError(
-            f"{out.results_uri(spec.output)} holds {len(foreign)} part(s) that are not shards of "
-            f"this job (e.g. {foreign[0]}): the input, model or options changed since they were "
-            "written. Use a new output location, or resume=False (--no-resume) to replace them."
-        )
+        done: set[str] = set()
+    else:
+        done = out.completed_shards(spec.output, spec.storage_options)
+        foreign = sorted(done - {s.shard_id for s in plan.shards})
+        if foreign:
+            raise ValueError(
+                f"{out.results_uri(spec.output)} holds {len(foreign)} part(s) that are not "
+                f"shards of this job (e.g. {foreign[0]}): the input, model or options changed "
+                "since they were written. Use a new output location, or resume=False "
+                "(--no-resume) to replace them."
+            )
+    # Recorded before any part of this input is published (planning checked it).
+    out.write_input_fingerprint(spec.output, plan.input_fingerprint, spec.storage_options)
     return done
 
 
@@ -122,7 +130,9 @@ def run_shard(
     rows = planned.rows
     good = [r for r in rows if r.token_ids is not None]
     started_at, t0 = now_iso(), time.perf_counter()
-    outputs = generate_rows(llm, good, plan.params, on_output=on_output)
+    outputs = generate_with_rule(
+        llm, good, plan.params, shard_id=shard.shard_id, on_output=on_output
+    )
     seconds = time.perf_counter() - t0
     table = build_results(
         rows,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import json
 import os
 
@@ -176,6 +177,21 @@ def test_lines_file_is_not_published_when_the_block_raises(tmp_path):
         write('{"a":1}')
         raise RuntimeError("part 2 does not match")
     assert list(tmp_path.iterdir()) == []  # neither the file nor its temp file
+
+
+def test_a_full_disk_publishes_nothing_and_says_so(tmp_path, monkeypatch):
+    from tokenmill.connectors import DiskFullError, atomic
+
+    write_part(pa.table({"x": [1]}), str(tmp_path), "part-00000")
+
+    def full(fd):  # the kernel reports ENOSPC at fsync when delayed allocation fails
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "fsync", full)
+    with pytest.raises(DiskFullError, match="no space left.*rerun the same command") as info:
+        write_part(pa.table({"x": [2]}), str(tmp_path), "part-00001")
+    assert info.value.errno == errno.ENOSPC and isinstance(info.value, OSError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["part-00000.parquet"]  # no temp
 
 
 def _read_bytes(url: str) -> bytes:

@@ -121,6 +121,8 @@ def test_s3_plan_files_in_windows_then_removed(s3, fake_llm):
     assert not fs.exists(plan_dir)
 
     duplicated = _upload(s3, f"{prefix}/in/dup.parquet", pa.table({"id": ids + ["r1"]}))
+    # Another input into the same output: without resume=False the changed-input check
+    # (tests/faults/test_changed_input.py) refuses it before the ids are read.
     bad = JobSpec(
         duplicated,
         out,
@@ -128,6 +130,7 @@ def test_s3_plan_files_in_windows_then_removed(s3, fake_llm):
         prompt_column="id",
         plan_window_rows=4,
         storage_options=opts,
+        resume=False,
     )
     with pytest.raises(ValueError, match=r"1 duplicate id\(s\) in column 'id': 'r1'"):
         plan_job(bad, llm=fake_llm)

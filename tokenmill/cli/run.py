@@ -154,12 +154,13 @@ def print_summary(ledger, output: str) -> None:
 def run(ctx: click.Context, input_uri: str, output_uri: str, as_json: bool, **_: object) -> None:
     """Answer (or, with --task score, score) every row of INPUT and write results and a
     cost ledger to OUTPUT."""
+    from tokenmill.connectors import DiskFullError
     from tokenmill.pipelines.job import run_job
 
     progress = _progress_class()(enabled=ctx.params["progress"])
     try:
         ledger = run_job(input_uri, output_uri, progress=progress, **given_options(ctx))
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+    except (ValueError, RuntimeError, FileNotFoundError, DiskFullError) as exc:
         # Input and option problems are reported, not traced back (SourceError is a ValueError).
         raise click.ClickException(str(exc)) from None
     finally:

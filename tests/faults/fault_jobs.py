@@ -1,0 +1,311 @@
+"""Real `tokenmill run` jobs in child processes, faults injected, and the checks after.
+
+Shared by tests/faults/ and benchmarks/fault_matrix.py. A `FaultJob` is one input and
+one output directory on the tiny random model; `run()` starts the CLI, optionally with
+a fault point armed (`tokenmill/faults.py`), and `outcome()` reads the output back the
+way a user of the results would and counts what went wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tokenmill.connectors.atomic import is_temp_name
+
+NUM_ROWS = 40
+PLAN_WINDOW_ROWS = 10  # 4 planning windows: room for kills while planning
+TOKENS = ["--max-tokens", "4", "--shard-tokens", "60", "--plan-window-rows", str(PLAN_WINDOW_ROWS)]
+ENGINE = ["--dtype", "float32", "--engine-option", f"kv_cache_memory={8 << 20}"]
+TOKENMILL = str(Path(sys.executable).with_name("tokenmill"))
+
+
+def write_input(path: Path, num_rows: int = NUM_ROWS, *, variant: str = "") -> Path:
+    """A Parquet input of `num_rows` prompts with ids id-0..; `variant` changes the text."""
+    prompts = [
+        ("Summarise the following text in one sentence: " if i % 2 else "")
+        + f"item {i}{variant} " * (1 + i % 4)
+        for i in range(num_rows)
+    ]
+    ids = [f"id-{i}" for i in range(num_rows)]
+    pq.write_table(pa.table({"id": ids, "prompt": prompts}), path)
+    return path
+
+
+@dataclass
+class RunResult:
+    """How one CLI run ended."""
+
+    returncode: int
+    output: str  # stdout and stderr together
+
+    @property
+    def killed(self) -> bool:
+        return self.returncode == -signal.SIGKILL
+
+
+@dataclass
+class Outcome:
+    """What a reader of a finished output finds, against the input's ids."""
+
+    rows_lost: int
+    rows_duplicated: int
+    temp_files: list[str]
+    ledger_matches: bool  # ledger.json exists and its sums equal the rows'
+    rows_failed: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.rows_lost or self.rows_duplicated or self.temp_files) and (
+            self.ledger_matches
+        )
+
+
+@dataclass
+class FaultJob:
+    """One job: the tiny model, an input, an output directory."""
+
+    model_dir: Path
+    input: Path
+    output: Path
+    num_rows: int = NUM_ROWS
+    extra_args: list[str] = field(default_factory=list)
+
+    def command(self, *more: str) -> list[str]:
+        return [
+            TOKENMILL,
+            "run",
+            str(self.input),
+            str(self.output),
+            "--model",
+            str(self.model_dir),
+            "--id-column",
+            "id",
+            "--no-progress",
+            "--json",
+            *TOKENS,
+            *ENGINE,
+            *self.extra_args,
+            *more,
+        ]
+
+    def start(self, fault: str | None = None, *more: str, stall_s: float = 5) -> subprocess.Popen:
+        """Start the CLI job (with `fault` armed: TOKENMILL_FAULT_POINT) and return it."""
+        env = dict(os.environ)
+        env.pop("TOKENMILL_FAULT_POINT", None)
+        if fault:
+            env["TOKENMILL_FAULT_POINT"] = fault
+            env["TOKENMILL_FAULT_STALL_S"] = str(stall_s)
+        return subprocess.Popen(
+            self.command(*more),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+        )
+
+    def run(self, fault: str | None = None, *more: str, timeout_s: float = 300) -> RunResult:
+        """Run the CLI job to its end (with `fault` armed)."""
+        child = self.start(fault, *more)
+        try:
+            output, _ = child.communicate(timeout=timeout_s)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        return RunResult(child.returncode, output)
+
+    def published_parts(self) -> list[str]:
+        results = self.output / "results"
+        if not results.is_dir():
+            return []
+        return sorted(p.name for p in results.iterdir() if not p.name.startswith("."))
+
+    def num_shards(self) -> int:
+        """How many shards the job has, from a finished run's ledger."""
+        return json.loads((self.output / "ledger.json").read_text())["num_shards"]
+
+    def outcome(self) -> Outcome:
+        """Read the results the way a user would (every file under results/ that a
+        dataset reader lists) and compare them with the input's ids and the ledger."""
+        expected = pq.read_table(self.input, columns=["id"])["id"].to_pylist()
+        problems: list[str] = []
+        tables = [pq.read_table(self.output / "results" / name) for name in self.published_parts()]
+        rows = pa.concat_tables(tables) if tables else pa.table({"id": pa.array([], pa.string())})
+        ids = rows["id"].to_pylist()
+        lost = len(set(expected) - set(ids))
+        duplicated = len(ids) - len(set(ids))
+        temps = [
+            str(p.relative_to(self.output)) for p in self.output.rglob("*") if is_temp_name(p.name)
+        ]
+        ledger_path = self.output / "ledger.json"
+        matches = ledger_path.exists()
+        if not matches:
+            problems.append("no ledger.json")
+        else:
+            ledger = json.loads(ledger_path.read_text())
+            for key in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+                if ledger[key] != sum(rows[key].to_pylist()):
+                    matches = False
+                    problems.append(f"ledger {key} {ledger[key]} != rows' sum")
+            if ledger["rows_ok"] + ledger["rows_failed"] != len(ids):
+                matches = False
+                problems.append("ledger row counts != rows")
+        failed = sum(1 for r in rows["finish_reason"].to_pylist() if r == "error") if ids else 0
+        return Outcome(lost, duplicated, temps, matches, failed, problems)
+
+
+# -- process kills at random points ---------------------------------------------------
+
+# Where a job can be killed: kind -> fault spec. "{n}" becomes a random call number
+# within what the run will still make (`kill_spec`).
+KILL_KINDS = {
+    "planning": "plan_window:{n}",
+    "mid-shard": "engine_step:{n}",
+    "part write": "write@/results/:{n}",
+    "stats write": "write@/shard_stats/:{n}",
+    "plan write": "write@/_plan/:{n}",
+    "fingerprint write": "write@_input.json:1",
+    "ledger write": "write@ledger.json:1",
+    "ledger dataset write": "write@/ledger/:1",
+}
+REQUIRED_KINDS = ("planning", "mid-shard", "part write", "ledger write")
+LEDGER_KINDS = ("ledger write", "ledger dataset write")
+
+
+def choose_kill_points(rng: random.Random, num_points: int = 5) -> list[str]:
+    """`num_points` (>= 4) kinds of kill: the required four plus random others, in a
+    random order except that ledger writes come last (a run killed there has already
+    published every part, so no later kill could land in a shard)."""
+    others = [k for k in KILL_KINDS if k not in REQUIRED_KINDS]
+    kinds = [*REQUIRED_KINDS, *rng.sample(others, max(0, num_points - len(REQUIRED_KINDS)))]
+    rng.shuffle(kinds)
+    return sorted(kinds, key=lambda k: k in LEDGER_KINDS)
+
+
+def kill_spec(kind: str, rng: random.Random, *, num_pending: int, num_shards: int) -> str:
+    """The fault spec of one kill of `kind`, with a call number the run will reach."""
+    limits = {
+        "planning": NUM_ROWS // PLAN_WINDOW_ROWS,
+        "mid-shard": min(12, 2 * num_pending),  # a shard takes >= 2 steps
+        "part write": num_pending,
+        "stats write": num_pending,
+        "plan write": num_shards,
+    }
+    return KILL_KINDS[kind].format(n=rng.randint(1, max(1, limits.get(kind, 1))))
+
+
+def kill_and_resume(job: FaultJob, rng: random.Random, num_points: int = 5) -> list[str]:
+    """Kill the job at `num_points` random points in a row, resuming it each time, then
+    let a last run finish. Returns the fault specs used.
+
+    Raises:
+        AssertionError: a kill did not happen or a run failed.
+    """
+    num_shards = count_shards(job)
+    used = []
+    for kind in choose_kill_points(rng, num_points):
+        pending = num_shards - len(job.published_parts())
+        if kind in ("mid-shard", "part write", "stats write") and pending == 0:
+            continue  # every shard is done: none is left to be killed in
+        spec = kill_spec(kind, rng, num_pending=pending, num_shards=num_shards)
+        result = job.run(spec)
+        assert result.killed, (
+            f"{spec}: expected a SIGKILL, got rc {result.returncode}: " + (result.output[-1500:])
+        )
+        used.append(spec)
+    final = job.run()
+    assert final.returncode == 0, final.output[-2000:]
+    return used
+
+
+def count_shards(job: FaultJob) -> int:
+    """The job's number of shards: planned in-process into a scratch output (no model
+    is loaded to plan), with the options the CLI runs use."""
+    from tokenmill.pipelines.planning import plan_job
+    from tokenmill.pipelines.spec import JobSpec
+
+    scratch = job.output.with_name(job.output.name + "-plan-probe")
+    spec = JobSpec(
+        str(job.input),
+        str(scratch),
+        model=str(job.model_dir),
+        id_column="id",
+        max_tokens=int(TOKENS[1]),
+        shard_tokens=int(TOKENS[3]),
+        plan_window_rows=PLAN_WINDOW_ROWS,
+        dtype="float32",
+    )
+    return len(plan_job(spec).shards)
+
+
+# -- a disk that fills up ----------------------------------------------------------------
+
+
+class NoSmallDisk(RuntimeError):
+    """A small filesystem cannot be mounted here (mounting a tmpfs needs root)."""
+
+
+DISK_SIZE = "16m"
+
+
+@contextlib.contextmanager
+def small_disk(where: Path):
+    """A `DISK_SIZE` tmpfs mounted at `where` (NoSmallDisk where mounting needs root)."""
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE}", "tmpfs", str(where)],
+        capture_output=True,
+    )
+    if mounted.returncode != 0:
+        raise NoSmallDisk(
+            f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode()[:200]}"
+        )
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Write a ballast file until the disk is full."""
+    ballast = disk / "ballast"
+    chunk = b"\0" * (1 << 20)
+    with open(ballast, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return ballast
+
+
+def fill_after_first_part(job: FaultJob, disk: Path) -> tuple[int, str, Path]:
+    """Run the job, fill the disk once it has published a part; return how it ended."""
+    child = job.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not job.published_parts():
+            assert child.poll() is None, child.stdout.read()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        ballast = fill(disk)
+        output, _ = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return child.returncode, output, ballast

@@ -1,0 +1,106 @@
+"""Two runs on one output at once: the second is refused while the first holds the
+output lock, and the output ends with exactly the first run's rows - on local disk
+(flock) and on S3 (a conditionally created lock object with a heartbeat)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import s3fs
+from fault_jobs import FaultJob, write_input
+
+from tokenmill.pipelines.output_lock import LockHolder, OutputLockedError, output_lock
+
+
+def test_second_cli_run_is_refused_while_the_first_runs(fault_job, tmp_path):
+    # The first run stalls in its first engine step, holding the lock.
+    first = fault_job.start("engine_step:1:stall", stall_s=5)
+    try:
+        deadline = time.monotonic() + 60
+        while (
+            not (fault_job.output / "results").exists()
+            and not (fault_job.output / "_input.json").exists()
+        ):
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.05)
+        other_input = write_input(tmp_path / "other.parquet", variant="-other")
+        second = FaultJob(fault_job.model_dir, other_input, fault_job.output).run()
+        assert second.returncode == 1
+        assert "is in use by run" in second.output and f"pid {first.pid}" in second.output
+        assert "use another output location" in second.output
+        output, _ = first.communicate(timeout=120)
+        assert first.returncode == 0, output[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    outcome = fault_job.outcome()
+    assert outcome.ok  # only the first run's rows, each once
+    assert not (fault_job.output / "_lock.json").exists()
+
+
+@pytest.mark.slow
+def test_local_lock_is_released_by_a_killed_holder(fault_job):
+    killed = fault_job.run("engine_step:2")
+    assert killed.killed
+    holder = json.loads((fault_job.output / "_lock.json").read_text())
+    assert holder["pid"] != os.getpid()  # the dead run's file is still there...
+    assert fault_job.run().returncode == 0  # ...but its flock died with it
+    assert fault_job.outcome().ok
+
+
+def test_local_lock_refuses_a_second_holder_in_the_same_process(tmp_path):
+    with output_lock(str(tmp_path / "out")) as holder:
+        with (
+            pytest.raises(OutputLockedError, match=f"pid {os.getpid()}"),
+            output_lock(str(tmp_path / "out")),
+        ):
+            pass
+        assert json.loads((tmp_path / "out" / "_lock.json").read_text())["run_id"] == holder.run_id
+    assert not (tmp_path / "out").exists()  # nothing was written: no directory left
+    with output_lock(str(tmp_path / "out")):
+        pass
+
+
+def test_s3_lock_refuses_takes_over_stale_and_heartbeats(s3):
+    out = s3.url(f"lock-{time.time_ns()}/out")
+    opts = s3.storage_options
+    fs = s3fs.S3FileSystem(**opts)
+    key = out.removeprefix("s3://") + "/_lock.json"
+    with output_lock(out, opts, heartbeat_s=0.2) as holder:
+        with pytest.raises(OutputLockedError, match="is in use by run"), output_lock(out, opts):
+            pass
+        first = json.loads(fs.cat_file(key))
+        time.sleep(0.7)
+        fs.invalidate_cache()
+        assert json.loads(fs.cat_file(key))["heartbeat_at"] > first["heartbeat_at"]
+        assert first["run_id"] == holder.run_id
+    fs.invalidate_cache()
+    assert not fs.exists(key)  # released
+
+    # A lock left by a dead process on this host is stale at once.
+    dead = LockHolder("dead-run", socket.gethostname(), _dead_pid(), time.time(), time.time())
+    fs.pipe_file(key, dead.to_bytes())
+    with output_lock(out, opts) as holder:
+        assert json.loads(fs.cat_file(key))["run_id"] == holder.run_id
+    # One from another host is stale only when its heartbeat is old.
+    elsewhere = LockHolder("far-run", "other-host", 1, time.time(), time.time())
+    fs.pipe_file(key, elsewhere.to_bytes())
+    with pytest.raises(OutputLockedError, match="pid 1 on other-host"), output_lock(out, opts):
+        pass
+    elsewhere.heartbeat_at -= 3600
+    fs.pipe_file(key, elsewhere.to_bytes())
+    with output_lock(out, opts, stale_after_s=60):
+        pass
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
