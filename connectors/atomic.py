@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from tokenmill.connectors.fs import SINGLE_PUT_PROTOCOLS, display, is_local, protocol_of
+from tokenmill.connectors.store_retries import store_operation
 
 # Temp files start with "." (hidden from listings and sources) and carry this marker.
 TEMP_MARKER = ".tmp-"
@@ -64,7 +65,8 @@ def atomic_file(fs, path: str, *, overwrite: bool) -> Iterator[BinaryIO]:
         # The whole object is built in memory first: a failed block uploads nothing.
         buffer = io.BytesIO()
         yield buffer
-        fs.pipe_file(path, buffer.getvalue())
+        with store_operation("writing", display(fs, path)):
+            fs.pipe_file(path, buffer.getvalue())
         return
     tmp = temp_path(path)
     try:
@@ -80,7 +82,9 @@ def atomic_file(fs, path: str, *, overwrite: bool) -> Iterator[BinaryIO]:
 def _refuse_existing(fs, path: str) -> None:
     # Listings are cached per filesystem instance; another writer may have added the file.
     fs.invalidate_cache(posixpath.dirname(path))
-    if fs.exists(path):
+    with store_operation("checking", display(fs, path)):
+        exists = fs.exists(path)
+    if exists:
         raise FileExistsError(f"{display(fs, path)} already exists")
 
 

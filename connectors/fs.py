@@ -9,9 +9,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from fsspec.utils import infer_compression
+from fsspec.utils import get_protocol, infer_compression
 
 from tokenmill.connectors.errors import SourceError
+from tokenmill.connectors.store_retries import configure_filesystem, store_options
 
 # Object stores (and the in-memory filesystem) make a single upload visible all at once,
 # so writing the final key directly is already atomic there.
@@ -30,15 +31,19 @@ def resolve(uri: str, storage_options: Mapping[str, Any] | None = None):
 
     Returns:
         `(fs, path)`; raises `SourceError` for an unknown or unavailable protocol.
+        Object stores get the one retry policy (`store_retries.store_options`).
     """
+    options = store_options(get_protocol(uri), storage_options)
     try:
-        return fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(uri, **options)
     except ImportError as e:
         # fsspec's message names the missing package, never the options.
         raise SourceError(f"{redact_url(uri)}: this protocol needs an extra package ({e})") from e
     except (ValueError, TypeError) as e:
         # A bad option name is reported by name only; option values never reach here.
         raise SourceError(f"{redact_url(uri)}: cannot open this URL ({e})") from e
+    configure_filesystem(fs)
+    return fs, path
 
 
 def protocol_of(fs) -> str:
