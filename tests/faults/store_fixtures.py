@@ -102,3 +102,42 @@ def tiny_llm(tmp_path_factory):
 def _isolated_cache(tmp_path_factory, monkeypatch):
     # weights_hash remembers file digests in the tokenmill cache; keep tests out of ~/.cache.
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "tm-cache"))
+
+
+def _flows_conftest():
+    """tests/flows/conftest.py as a plain module: its server starter, not its fixtures."""
+    import importlib.util
+
+    if str(TESTS_DIR / "flows") not in sys.path:
+        sys.path.append(str(TESTS_DIR / "flows"))  # it imports flow_helpers from there
+    spec = importlib.util.spec_from_file_location(
+        "flows_conftest_for_faults", TESTS_DIR / "flows" / "conftest.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory) -> str:
+    """A real Prefect server: PREFECT_API_URL's if set, else one started for the session."""
+    import os
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api_url = os.environ.get("PREFECT_API_URL")
+    process = None
+    flows = _flows_conftest()
+    if not api_url:
+        process, api_url = flows._start_server(tmp_path_factory.mktemp("prefect-server"))
+        os.environ["PREFECT_API_URL"] = api_url  # Dask workers read it from the environment
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: api_url}):
+            yield api_url
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler().flush()
+    finally:
+        if process is not None:
+            os.environ.pop("PREFECT_API_URL", None)
+            flows._stop(process)
