@@ -90,7 +90,7 @@ def test_random_faults_on_every_request(s3, tiny_llm, kind, seed):  # noqa: F811
     if run.error is None:
         assert run.rows_lost == 0
         return
-    assert is_store_error(run.error) and not is_transient(run.error), run.error
+    assert isinstance(run.error, StoreError) and not is_transient(run.error), run.error
     again = run_through_proxy(s3, tiny_llm, [], prefix=prefix)
     assert again.error is None and (again.rows_lost, again.rows_duplicated) == (0, 0)
 

@@ -41,11 +41,26 @@ def pid_is_alive(pid: int) -> bool:
 
 
 def test_a_worker_killed_mid_shard_loses_and_duplicates_nothing(prefect_api, tmp_path):  # noqa: F811
+    check_worker_death(tmp_path, kill_at=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [1, 4, 9, 14])
+def test_worker_death_at_other_shards(prefect_api, tmp_path, kill_at):  # noqa: F811
+    check_worker_death(tmp_path, kill_at=kill_at)
+
+
+def check_worker_death(tmp_path, kill_at: int) -> None:
     model = build_tiny_model(tmp_path / "tiny")
     src = write_prompts(tmp_path / "prompts.jsonl")
 
     run = run_with_worker_death(
-        src, str(tmp_path / "out"), str(model), str(tmp_path / "kill.marker"), **OPTIONS
+        src,
+        str(tmp_path / "out"),
+        str(model),
+        str(tmp_path / "kill.marker"),
+        kill_at=kill_at,
+        **OPTIONS,
     )
 
     assert run.killed_pid is not None, "the fault hook never fired"

@@ -82,11 +82,21 @@ class WorkerDeathRun:
 
 
 def run_with_worker_death(
-    input_path: str, output: str, model: str, marker: str, *, num_workers: int = 2, **options
+    input_path: str,
+    output: str,
+    model: str,
+    marker: str,
+    *,
+    num_workers: int = 2,
+    kill_at: int = 2,
+    **options,
 ) -> WorkerDeathRun:
     """Runs `batch_inference` on a fresh LocalCluster whose workers carry the kill hook.
 
     Needs PREFECT_API_URL pointing at a real server (the workers report to it).
+
+    Args:
+        kill_at: the worker running the kill_at-th shard task to start dies in it.
     """
     from distributed import Client, LocalCluster
 
@@ -99,7 +109,7 @@ def run_with_worker_death(
         LocalCluster(**local_cluster_kwargs(num_workers)) as cluster,
         Client(cluster) as client,
     ):
-        client.register_plugin(KillWorkerMidShard(marker))
+        client.register_plugin(KillWorkerMidShard(marker, kill_at))
         flow = batch_inference.with_options(
             task_runner=make_task_runner(dask_address=cluster.scheduler_address)
         )
