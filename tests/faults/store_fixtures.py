@@ -105,7 +105,7 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 
 def _flows_conftest():
-    """tests/flows/conftest.py as a plain module: its server starter, not its fixtures."""
+    """tests/flows/conftest.py loaded as a plain module, to borrow one fixture from it."""
     import importlib.util
 
     if str(TESTS_DIR / "flows") not in sys.path:
@@ -118,26 +118,6 @@ def _flows_conftest():
     return module
 
 
-@pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory) -> str:
-    """A real Prefect server: PREFECT_API_URL's if set, else one started for the session."""
-    import os
-
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    api_url = os.environ.get("PREFECT_API_URL")
-    process = None
-    flows = _flows_conftest()
-    if not api_url:
-        process, api_url = flows._start_server(tmp_path_factory.mktemp("prefect-server"))
-        os.environ["PREFECT_API_URL"] = api_url  # Dask workers read it from the environment
-    try:
-        with temporary_settings(updates={PREFECT_API_URL: api_url}):
-            yield api_url
-        from prefect.logging.handlers import APILogHandler
-
-        APILogHandler().flush()
-    finally:
-        if process is not None:
-            os.environ.pop("PREFECT_API_URL", None)
-            flows._stop(process)
+# A real Prefect server (PREFECT_API_URL's, or one started for the session): the very
+# fixture the flow tests use, so both suites start and stop servers the same way.
+prefect_api = _flows_conftest().prefect_api
