@@ -150,6 +150,24 @@ def changed_input(ctx: RunContext) -> Outcome:
     return ctx.job.outcome()
 
 
+def _store_side(name: str, **kwargs) -> Callable[[RunContext], Outcome]:
+    """A scenario of tests/faults/scenarios_b.py (its own moto S3 server, fault proxy or
+    Dask cluster; the worker-death one needs PREFECT_API_URL), run once with this run's
+    seed. Those functions count rows lost and duplicated against the input's ids; their
+    tests check the ledger and temporary objects, so here a run fails on rows alone."""
+
+    def run(ctx: RunContext) -> Outcome:
+        import scenarios_b
+
+        scenario = scenarios_b.SCENARIOS[name]
+        if "seed" in scenario.__code__.co_varnames:
+            kwargs.setdefault("seed", ctx.rng.randrange(1 << 30))
+        lost, duplicated = scenario(**kwargs)
+        return Outcome(lost, duplicated, temp_files=[], ledger_matches=True)
+
+    return run
+
+
 SCENARIOS: list[Scenario] = [
     Scenario(
         "SIGKILL at 5 random points (planning, mid-shard, part/stats/plan/ledger writes), resumed",
@@ -160,6 +178,23 @@ SCENARIOS: list[Scenario] = [
     Scenario("output disk full mid-job, space freed, rerun", disk_full),
     Scenario("second run on the same output while the first runs", concurrent),
     Scenario("input changed between a kill and the resume, then --no-resume", changed_input),
+    Scenario(
+        "object store: resets, 500s and 503 SlowDown on reads and writes (through a proxy)",
+        _store_side("store_transient"),
+    ),
+    Scenario(
+        "object store: every part PUT 503 past the retry budget, then healed and rerun",
+        _store_side("store_past_budget"),
+    ),
+    Scenario(
+        "object store: 20% of requests stalled past the read timeout, rerun if it failed",
+        _store_side("store_random", kind="stall"),
+    ),
+    Scenario(
+        "Dask worker SIGKILLed inside a shard (flow, LocalCluster, Prefect server)",
+        _store_side("worker_death"),
+    ),
+    Scenario("hostile row ids (../../x, absolute, NUL, 5,000 chars)", _store_side("hostile_ids")),
 ]
 
 

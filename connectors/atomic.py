@@ -13,6 +13,7 @@ from typing import BinaryIO
 
 from tokenmill.connectors.errors import DiskFullError
 from tokenmill.connectors.fs import SINGLE_PUT_PROTOCOLS, display, is_local, protocol_of
+from tokenmill.connectors.store_retries import store_operation
 from tokenmill.faults import fault_point
 
 # Errors that mean "the disk is full" (a quota counts), whichever filesystem says it.
@@ -90,7 +91,8 @@ def _atomic_file(fs, path: str, *, overwrite: bool) -> Iterator[BinaryIO]:
         buffer = io.BytesIO()
         yield buffer
         fault_point("write", path)
-        fs.pipe_file(path, buffer.getvalue())
+        with store_operation("writing", display(fs, path)):
+            fs.pipe_file(path, buffer.getvalue())
         return
     tmp = temp_path(path)
     try:
@@ -107,7 +109,9 @@ def _atomic_file(fs, path: str, *, overwrite: bool) -> Iterator[BinaryIO]:
 def _refuse_existing(fs, path: str) -> None:
     # Listings are cached per filesystem instance; another writer may have added the file.
     fs.invalidate_cache(posixpath.dirname(path))
-    if fs.exists(path):
+    with store_operation("checking", display(fs, path)):
+        exists = fs.exists(path)
+    if exists:
         raise FileExistsError(f"{display(fs, path)} already exists")
 
 

@@ -9,9 +9,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from fsspec.utils import infer_compression
+from fsspec.utils import get_protocol, infer_compression
 
 from tokenmill.connectors.errors import SourceError
+from tokenmill.connectors.log_redaction import remember_credentials
+from tokenmill.connectors.store_retries import configure_filesystem, store_options
 
 # Object stores (and the in-memory filesystem) make a single upload visible all at once,
 # so writing the final key directly is already atomic there.
@@ -30,15 +32,40 @@ def resolve(uri: str, storage_options: Mapping[str, Any] | None = None):
 
     Returns:
         `(fs, path)`; raises `SourceError` for an unknown or unavailable protocol.
+        Object stores get the one retry policy (`store_retries.store_options`).
     """
+    _check_userinfo(uri)
+    remember_credentials(storage_options)  # libraries log them at DEBUG; see log_redaction
+    options = store_options(get_protocol(uri), storage_options)
     try:
-        return fsspec.core.url_to_fs(uri, **dict(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(uri, **options)
     except ImportError as e:
         # fsspec's message names the missing package, never the options.
         raise SourceError(f"{redact_url(uri)}: this protocol needs an extra package ({e})") from e
     except (ValueError, TypeError) as e:
         # A bad option name is reported by name only; option values never reach here.
         raise SourceError(f"{redact_url(uri)}: cannot open this URL ({e})") from e
+    configure_filesystem(fs)
+    return fs, path
+
+
+def _check_userinfo(uri: str) -> None:
+    """Refuse credentials written into an object-store URL; remember an HTTP password.
+
+    `s3://KEY:SECRET@bucket/...` is not a form any object store understands: the
+    secret would end up in a bucket name, and from there in the client's errors.
+    """
+    parts = urlsplit(uri)
+    if "://" not in uri or "@" not in parts.netloc:
+        return
+    user, _, _ = parts.netloc.rpartition("@")
+    name, _, password = user.partition(":")
+    remember_credentials({"key": name, "password": password})
+    if parts.scheme not in ("http", "https"):
+        raise SourceError(
+            f"{redact_url(uri)}: credentials in the URL are not supported; give them as "
+            "storage options (key/secret, a Prefect storage_secret or the environment)"
+        )
 
 
 def protocol_of(fs) -> str:

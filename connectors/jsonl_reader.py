@@ -13,7 +13,14 @@ import pyarrow.json as pa_json
 
 from tokenmill.connectors.batches import ERROR_COLUMN, FileHead, ReadOptions
 from tokenmill.connectors.fs import open_text_stream
-from tokenmill.connectors.lines import BadLine, LineChunk, head_lines, iter_line_chunks
+from tokenmill.connectors.lines import (
+    MAX_LINE_BYTES,
+    BadLine,
+    LineChunk,
+    OversizedLine,
+    head_lines,
+    iter_line_chunks,
+)
 
 
 class JsonlReader:
@@ -54,6 +61,11 @@ class JsonlReader:
 
 def parse_object(line: bytes, number: int) -> dict[str, Any]:
     """Parses one line that must hold a JSON object; raises `BadLine` otherwise."""
+    if isinstance(line, OversizedLine):
+        raise BadLine(
+            number,
+            f"longer than the line limit of {MAX_LINE_BYTES >> 20} MiB ({line.size:,} bytes)",
+        )
     try:
         value = json.loads(line)
     except UnicodeDecodeError:

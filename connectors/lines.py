@@ -8,6 +8,9 @@ from dataclasses import dataclass
 # fsspec's readline re-reads a whole block per line; reading big chunks and splitting
 # them ourselves is fast on every filesystem and keeps memory at one chunk.
 _CHUNK_BYTES = 1 << 20
+# The longest line read (a JSONL row, an OpenAI batch request): far more than any model's
+# context holds, and a bound on the memory one line can take. Longer lines are bad lines.
+MAX_LINE_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -27,22 +30,61 @@ class BadLine(ValueError):
         self.message = message
 
 
-def iter_lines(fileobj) -> Iterator[tuple[int, bytes]]:
-    """Yields `(line_number, line)` for each non-blank line, without the newline."""
+def iter_lines(fileobj, max_line_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """Yields `(line_number, line)` for each non-blank line, without the newline.
+
+    A line longer than `max_line_bytes` (default MAX_LINE_BYTES) is not kept: it comes
+    out as an `OversizedLine` placeholder, which `parse_object` reports as a bad line,
+    so memory stays at one chunk plus one line however long a line is.
+    """
+    limit = MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes
     number = 0
-    rest = b""
+    line = _LineBuffer(limit)
     while True:
         chunk = fileobj.read(_CHUNK_BYTES)
         if not chunk:
             break
-        pieces = (rest + chunk).split(b"\n")
-        rest = pieces.pop()
-        for piece in pieces:
+        pieces = chunk.split(b"\n")
+        for piece in pieces[:-1]:
             number += 1
-            if piece.strip():
-                yield number, piece
-    if rest.strip():
-        yield number + 1, rest
+            line.add(piece)
+            text = line.take()
+            if text.strip() or isinstance(text, OversizedLine):
+                yield number, text
+        line.add(pieces[-1])
+    text = line.take()
+    if text.strip() or isinstance(text, OversizedLine):
+        yield number + 1, text
+
+
+class OversizedLine(bytes):
+    """Stands in for a line over the limit; its few bytes are never valid JSON or CSV."""
+
+    def __new__(cls, size: int) -> OversizedLine:
+        placeholder = super().__new__(cls, b"\x00oversized line")
+        placeholder.size = size
+        return placeholder
+
+
+class _LineBuffer:
+    """The pieces of the line being read; forgets them once they pass the limit."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.pieces: list[bytes] = []
+        self.size = 0
+
+    def add(self, piece: bytes) -> None:
+        self.size += len(piece)
+        if self.size <= self.limit:
+            self.pieces.append(piece)
+        else:
+            self.pieces = []  # the line is too long: keep counting, not storing
+
+    def take(self) -> bytes:
+        text = OversizedLine(self.size) if self.size > self.limit else b"".join(self.pieces)
+        self.pieces, self.size = [], 0
+        return text
 
 
 def iter_line_chunks(fileobj, max_lines: int) -> Iterator[LineChunk]:

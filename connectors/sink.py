@@ -14,9 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokenmill.connectors.atomic import atomic_file, atomic_write, is_temp_name
-from tokenmill.connectors.fs import is_hidden, redact_url, resolve, to_url
+from tokenmill.connectors.fs import display, is_hidden, redact_url, resolve, to_url
 from tokenmill.connectors.jsonutil import dumps_line, to_jsonable
 from tokenmill.connectors.source import open_source
+from tokenmill.connectors.store_retries import store_operation
 
 PART_FORMATS = {"parquet": ".parquet", "jsonl": ".jsonl"}
 
@@ -85,9 +86,10 @@ def list_parts(
     fs, directory = resolve(uri_dir, storage_options)
     # Another process may have published parts since this filesystem cached a listing.
     fs.invalidate_cache(directory)
-    if not fs.exists(directory):
-        return []
-    entries = fs.ls(directory, detail=True)
+    with store_operation("listing", display(fs, directory)):
+        if not fs.exists(directory):
+            return []
+        entries = fs.ls(directory, detail=True)
     paths = [
         e["name"]
         for e in entries
@@ -153,7 +155,7 @@ def read_part(
     """
     if url.endswith(PART_FORMATS["parquet"]):
         fs, path = resolve(url, storage_options)
-        with fs.open(path, "rb") as f:
+        with store_operation("reading", display(fs, path)), fs.open(path, "rb") as f:
             return pq.read_table(f, columns=list(columns) if columns is not None else None)
     table = open_source(url, storage_options=storage_options).to_table()
     return table.select(list(columns)) if columns is not None else table
@@ -198,7 +200,7 @@ def write_json_atomic(
 def read_json(uri: str, storage_options: Mapping[str, Any] | None = None) -> Any:
     """Reads a JSON document written by `write_json_atomic`."""
     fs, path = resolve(uri, storage_options)
-    with fs.open(path, "rb") as f:
+    with store_operation("reading", display(fs, path)), fs.open(path, "rb") as f:
         return json.load(f)
 
 

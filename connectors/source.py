@@ -26,6 +26,7 @@ from tokenmill.connectors.fingerprint import fingerprint_files
 from tokenmill.connectors.formats import detect_format, get_reader, normalize_format
 from tokenmill.connectors.fs import display, redact_url, resolve, to_url
 from tokenmill.connectors.lines import BadLine
+from tokenmill.connectors.store_retries import store_operation
 
 DEFAULT_BATCH_SIZE = 8192
 
@@ -67,8 +68,9 @@ class Source:
                 self._fs, path, self._read_schema, name=name, options=self._options
             )
             try:
-                for batch in rechunk(batches, self.batch_size):
-                    yield conform(batch, self.schema, constants)
+                with store_operation("reading", name):
+                    for batch in rechunk(batches, self.batch_size):
+                        yield conform(batch, self.schema, constants)
             except _PARSE_ERRORS as e:
                 _raise_source_error(name, self.format, e)
 
@@ -126,7 +128,8 @@ def open_source(
     """
     fmt = _check_options(format, on_bad_line, batch_size, columns, schema, validate)
     fs, path = resolve(uri, storage_options)
-    data = discover(fs, path)
+    with store_operation("listing", redact_url(uri)):
+        data = discover(fs, path)
     fmt = fmt or _detect(fs, data.paths)
     if schema is not None and fmt not in ("jsonl", "csv"):
         raise ValueError(f"schema= is only for jsonl and csv input, not {fmt}")
@@ -211,7 +214,8 @@ def _detect(fs, paths: list[str]) -> str:
 def _read_head(reader, fs, path: str, fmt: str, options: ReadOptions) -> FileHead:
     name = display(fs, path)
     try:
-        return reader.head(fs, path, options=options)
+        with store_operation("reading", name):
+            return reader.head(fs, path, options=options)
     except FileNotFoundError as e:
         raise SourceError(f"{name}: path does not exist") from e
     except PermissionError as e:

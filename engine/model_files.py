@@ -37,6 +37,9 @@ from tokenmill.engine.gguf_convert import (
 SOURCE_RECORD = "tokenmill_source.json"
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 _INDEX_FILE = "model.safetensors.index.json"
+# Weights in Python's pickle format: unpickling runs whatever code the file names, so
+# they are never loaded (torch.load's weights_only is a mitigation, not a guarantee).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Temporary conversion directories older than this belong to a process that died.
 _STALE_TMP_SECONDS = 24 * 3600
 
@@ -124,8 +127,19 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
         return [model_dir / name for name in sorted(set(shards))]
     if (model_dir / WEIGHTS_FILE).is_file():
         return [model_dir / WEIGHTS_FILE]
-    pickled = " (pickled .bin weights are never loaded)" if any(model_dir.glob("*.bin")) else ""
-    raise ModelFilesError(f"{WEIGHTS_FILE} or {_INDEX_FILE}{pickled}")
+    raise ModelFilesError(f"{WEIGHTS_FILE} or {_INDEX_FILE}{_pickle_note(model_dir)}")
+
+
+def _pickle_note(model_dir: Path) -> str:
+    """Why the pickled weights next to a missing safetensors file are not an option."""
+    pickled = sorted(p.name for p in model_dir.glob("*") if p.suffix.lower() in PICKLE_SUFFIXES)
+    if not pickled:
+        return ""
+    return (
+        f" (found {', '.join(pickled[:3])}{' ...' if len(pickled) > 3 else ''}: pickled "
+        "weights are never loaded, because unpickling can run code from the file; "
+        "convert them to safetensors, e.g. with transformers' save_pretrained)"
+    )
 
 
 def weights_hash(model_dir: str | os.PathLike) -> str:

@@ -13,8 +13,9 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
+
+from tokenmill.engine.chat_sandbox import add_filter, make_environment, render_limited
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -131,8 +132,9 @@ class Tokenizer:
             raise ValueError("this model has no chat template; pass plain prompts instead")
         _check_messages(messages)
         variables = {**self.special_tokens, **extra}
-        text = self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables
+        text = render_limited(
+            self._compiled_template,
+            {"messages": messages, "add_generation_prompt": add_generation_prompt, **variables},
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -151,13 +153,14 @@ def compile_chat_template(source: str) -> jinja2.Template:
         source: the jinja2 template text.
 
     Returns:
-        The compiled template; rendering it cannot reach Python internals (SecurityError).
+        The compiled template; rendering it cannot reach Python internals (SecurityError),
+        and `render_limited` bounds its time and size (`engine/chat_sandbox.py`).
     """
     # trim_blocks/lstrip_blocks and loopcontrols match transformers, so prompts are identical.
-    env = ImmutableSandboxedEnvironment(
+    env = make_environment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
-    env.filters["tojson"] = _tojson
+    add_filter(env, "tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _Namespace

@@ -4,11 +4,18 @@ Only I/O tasks retry, and only on errors that a second attempt can fix: a droppe
 connection, a timeout, an object store's 5xx. Bad input (a missing file, a missing
 column, duplicate ids - all ValueError) fails at once, so the flow run says what is
 wrong instead of waiting through retries that cannot succeed.
+
+Object-store errors are not retried here: every store request is already retried by
+the one policy in `connectors/store_retries.py`, and a task retry on top would
+multiply its attempts (and recompute a whole shard for one failed PUT).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from tokenmill.connectors.errors import DiskFullError
+from tokenmill.connectors.store_retries import is_store_error
 
 # OSErrors that describe the world, not a hiccup: retrying cannot change them.
 _PERMANENT_OS_ERRORS = (
@@ -17,6 +24,7 @@ _PERMANENT_OS_ERRORS = (
     IsADirectoryError,
     NotADirectoryError,
     FileExistsError,
+    DiskFullError,  # a full disk stays full for a retry's few seconds; a rerun resumes
 )
 # Transport errors of HTTP stacks under fsspec (aiohttp, botocore, requests) that do
 # not subclass OSError; matched by name so none of them has to be importable.
@@ -26,8 +34,8 @@ RETRY_DELAYS_S = [2.0, 10.0]
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether `exc` may go away on a retry."""
-    if isinstance(exc, _PERMANENT_OS_ERRORS):
+    """Whether `exc` may go away on a retry (an object store's errors were retried already)."""
+    if isinstance(exc, _PERMANENT_OS_ERRORS) or is_store_error(exc):
         return False
     if isinstance(exc, OSError):
         return True

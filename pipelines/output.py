@@ -38,7 +38,8 @@ from tokenmill.connectors import (
     write_part,
 )
 from tokenmill.connectors.atomic import is_temp_name
-from tokenmill.connectors.fs import resolve
+from tokenmill.connectors.fs import display, resolve
+from tokenmill.connectors.store_retries import store_operation
 from tokenmill.pipelines.ledger import JobLedger, ShardStats
 from tokenmill.pipelines.results import RESULT_SCHEMA
 from tokenmill.pipelines.scoring import GENERATE
@@ -84,7 +85,8 @@ def part_exists(
     """Whether one shard's part is published (checked fresh, not from a cached listing)."""
     fs, path = resolve(join(results_uri(output), f"{shard_id}.{fmt}"), storage_options)
     fs.invalidate_cache(posixpath.dirname(path))
-    return fs.exists(path)
+    with store_operation("checking", display(fs, path)):
+        return fs.exists(path)
 
 
 def write_shard(
@@ -142,8 +144,9 @@ def remove_results(output: str, storage_options: StorageOptions = None) -> int:
     for directory in (results_uri(output), join(output, STATS_DIR)):
         fs, path = resolve(directory, storage_options)
         fs.invalidate_cache(path)
-        if fs.exists(path):
-            fs.rm(path, recursive=True)
+        with store_operation("removing", display(fs, path)):
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
     return len(parts)
 
 
@@ -190,6 +193,11 @@ def remove_plan(
     """Delete the plan files of `shard_ids`, or the whole `_plan/` directory (None)."""
     fs, directory = resolve(plan_uri(output), storage_options)
     fs.invalidate_cache(directory)
+    with store_operation("removing", display(fs, directory)):
+        _remove_plan_files(fs, directory, shard_ids)
+
+
+def _remove_plan_files(fs, directory: str, shard_ids: Iterable[str] | None) -> None:
     if shard_ids is None:
         if fs.exists(directory):
             fs.rm(directory, recursive=True)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 
 from tokenmill.connectors import SourceError
+from tokenmill.connectors.errors import DiskFullError
 from tokenmill.flows.retries import is_transient, retry_shard, retry_transient
 
 
@@ -36,6 +39,7 @@ def test_transient(exc):
         FileNotFoundError("gone"),
         PermissionError("denied"),
         FileExistsError("there"),
+        DiskFullError(errno.ENOSPC, "disk full"),
         SourceError("bad column"),
         ValueError("bad"),
         RuntimeError("incomplete"),

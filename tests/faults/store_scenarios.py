@@ -1,0 +1,121 @@
+"""Object-store fault runs: a batch job on S3 through the fault-injecting proxy.
+
+`run_through_proxy` is what the tests call with their fixtures; `store_faults_once`
+sets everything up itself (moto, the tiny model) for benchmarks/fault_matrix.py and
+returns `(rows_lost, rows_duplicated)`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from proxy import READS, WRITES, FaultProxy, FaultRule
+from store_fixtures import (
+    BUCKET,
+    JOB_OPTIONS,
+    load_tiny_llm,
+    lost_and_duplicated,
+    prompt_rows,
+    through,
+    upload_rows,
+)
+
+from tokenmill.pipelines.job import run_job
+from tokenmill.pipelines.output import read_results
+
+
+@dataclass
+class StoreRun:
+    """What one job run through the proxy did."""
+
+    rows_lost: int
+    rows_duplicated: int
+    num_requests: int  # requests the proxy saw (faulted ones included)
+    num_faults: int  # requests it failed on purpose
+    part_puts: int  # PUTs of result parts (one per shard, plus retried ones)
+    num_shards: int
+    error: BaseException | None
+
+
+def transient_rules() -> list[FaultRule]:
+    """Each fault kind a few times on reads and writes: a retry budget of 3 absorbs them."""
+    return [
+        FaultRule("503", WRITES, first=2, path_contains="/results/"),
+        FaultRule("500", WRITES, first=1, path_contains="/shard_stats/"),
+        FaultRule("reset", WRITES, first=1, path_contains="/_plan/"),
+        FaultRule("500", READS, first=1, path_contains="/in/"),
+        FaultRule("503", READS, first=1, path_contains="/_plan/"),
+        FaultRule("reset", READS, first=1, path_contains="/results"),
+    ]
+
+
+def run_through_proxy(
+    endpoint,
+    llm,
+    rules: list[FaultRule],
+    *,
+    prefix: str | None = None,
+    seed: int = 0,
+    timeouts: bool = False,
+) -> StoreRun:
+    """Runs one job on S3 with every request going through a proxy with `rules`.
+
+    Args:
+        endpoint: the moto server (`S3Endpoint`).
+        llm: the engine to run the job on.
+        rules: the faults to inject.
+        prefix: the job's key prefix in the bucket (default: a fresh one).
+        seed: the proxy's random seed (for probability rules).
+        timeouts: use 1 s connect/read timeouts (for stall rules).
+
+    Returns:
+        Rows lost and duplicated (counted straight from moto, without faults), the
+        requests seen, and the job's error if it failed.
+    """
+    prefix = prefix or f"store-{uuid.uuid4().hex[:8]}"
+    rows = prompt_rows()
+    src = upload_rows(endpoint, f"{prefix}/in/data.parquet", rows)
+    out = endpoint.url(f"{prefix}/out")
+    error = None
+    num_shards = 0
+    with FaultProxy(endpoint.endpoint_url, rules, seed=seed) as proxy:
+        try:
+            ledger = run_job(
+                src,
+                out,
+                llm=llm,
+                storage_options=through(endpoint, proxy.url, timeouts=timeouts),
+                **JOB_OPTIONS,
+            )
+            num_shards = ledger.num_shards
+        except Exception as exc:  # the caller judges the failure
+            error = exc
+    ids = read_results(out, endpoint.storage_options)["id"].to_pylist()
+    lost, duplicated = lost_and_duplicated(ids, [r["id"] for r in rows])
+    return StoreRun(
+        rows_lost=lost,
+        rows_duplicated=duplicated,
+        num_requests=proxy.attempts(),
+        num_faults=proxy.faults(),
+        part_puts=proxy.attempts("PUT", "/out/results/"),
+        num_shards=num_shards,
+        error=error,
+    )
+
+
+def store_faults_once(seed: int = 0) -> tuple[int, int]:
+    """One job through the proxy with `transient_rules` (fault matrix entry).
+
+    Returns:
+        (rows_lost, rows_duplicated); raises if the job itself failed.
+    """
+    from s3_server import moto_s3
+
+    with tempfile.TemporaryDirectory() as tmp, moto_s3(bucket=BUCKET) as endpoint:
+        run = run_through_proxy(endpoint, load_tiny_llm(Path(tmp)), transient_rules(), seed=seed)
+    if run.error is not None:
+        raise run.error
+    return run.rows_lost, run.rows_duplicated

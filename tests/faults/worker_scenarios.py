@@ -1,0 +1,133 @@
+"""A Dask worker process killed mid-shard, in a batch flow on a real local Dask cluster.
+
+The kill comes from a Dask worker plugin (a fault hook inside the worker): when the
+`kill_at`-th shard task starts executing anywhere in the cluster, a thread in the
+worker running it waits until the shard holds the engine's lock - it is then inside
+`run_shard`, generating or writing its part - and SIGKILLs the worker at once. A
+marker file (created with O_EXCL) makes exactly one worker do it and records its pid
+and the shard. The nanny starts a fresh worker; the scheduler runs the lost shard
+(and any result the dead worker held) again elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from distributed.diagnostics.plugin import WorkerPlugin
+from store_fixtures import lost_and_duplicated
+
+SHARD_TASK_PREFIX = "shard_task"
+
+
+class KillWorkerMidShard(WorkerPlugin):
+    """Kills the worker that starts the `kill_at`-th shard task, `delay_s` into it."""
+
+    name = "kill-worker-mid-shard"
+
+    def __init__(self, marker: str, kill_at: int = 2):
+        self.marker = marker
+        self.kill_at = kill_at
+
+    def setup(self, worker) -> None:
+        self.worker = worker
+
+    def transition(self, key, start: str, finish: str, **kwargs) -> None:
+        if finish != "executing" or SHARD_TASK_PREFIX not in str(key):
+            return
+        count_file = Path(self.marker + ".started")
+        # Shard starts are counted across processes by appending one byte each.
+        with open(count_file, "ab") as f:
+            f.write(b".")
+        if count_file.stat().st_size < self.kill_at:
+            return
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return  # another worker already died for this run
+        os.write(fd, json.dumps({"pid": os.getpid(), "key": str(key)}).encode())
+        os.close(fd)
+        threading.Thread(target=_kill_inside_shard, daemon=True).start()
+
+
+def _kill_inside_shard(timeout_s: float = 60.0) -> None:
+    """SIGKILL this process as soon as a shard holds the engine lock (is in run_shard)."""
+    from tokenmill.engine import llm_cache
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        shared = llm_cache._current
+        if shared is not None and shared.lock.locked():
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.0005)
+
+
+@dataclass
+class WorkerDeathRun:
+    rows_lost: int
+    rows_duplicated: int
+    killed_pid: int | None
+    killed_key: str | None
+    completed: bool
+    message: str | None
+    num_shards: int
+    ledger_rows: int
+    num_parts: int  # result part files in the output
+    num_temp_files: int  # temporary files left anywhere under the output
+
+
+def run_with_worker_death(
+    input_path: str,
+    output: str,
+    model: str,
+    marker: str,
+    *,
+    num_workers: int = 2,
+    kill_at: int = 2,
+    **options,
+) -> WorkerDeathRun:
+    """Runs `batch_inference` on a fresh LocalCluster whose workers carry the kill hook.
+
+    Needs PREFECT_API_URL pointing at a real server (the workers report to it).
+
+    Args:
+        kill_at: the worker running the kill_at-th shard task to start dies in it.
+    """
+    from distributed import Client, LocalCluster
+
+    from tokenmill.connectors.atomic import is_temp_name
+    from tokenmill.flows import batch_inference, make_task_runner
+    from tokenmill.flows.runners import local_cluster_kwargs
+    from tokenmill.pipelines.output import read_results
+
+    with (
+        LocalCluster(**local_cluster_kwargs(num_workers)) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(KillWorkerMidShard(marker, kill_at))
+        flow = batch_inference.with_options(
+            task_runner=make_task_runner(dask_address=cluster.scheduler_address)
+        )
+        state = flow(input=input_path, output=output, model=model, return_state=True, **options)
+    killed = json.loads(Path(marker).read_text()) if Path(marker).exists() else {}
+    ids = [json.loads(line)["id"] for line in Path(input_path).read_text().splitlines()]
+    results = read_results(output)["id"].to_pylist()
+    lost, duplicated = lost_and_duplicated(results, ids)
+    ledger = state.result() if state.is_completed() else None
+    return WorkerDeathRun(
+        rows_lost=lost,
+        rows_duplicated=duplicated,
+        killed_pid=killed.get("pid"),
+        killed_key=killed.get("key"),
+        completed=state.is_completed(),
+        message=state.message,
+        num_shards=ledger.num_shards if ledger else 0,
+        ledger_rows=(ledger.rows_ok + ledger.rows_failed) if ledger else 0,
+        num_parts=len(list(Path(output, "results").glob("*.parquet"))),
+        num_temp_files=sum(1 for p in Path(output).rglob("*") if is_temp_name(p.name)),
+    )
