@@ -37,9 +37,8 @@ from tokenmill.flows.tasks import (
     prepare_output_task,
     shard_task,
 )
-from tokenmill.pipelines import output as out
 from tokenmill.pipelines.ledger import JobLedger, now_iso
-from tokenmill.pipelines.output_lock import output_lock
+from tokenmill.pipelines.output_lock import claimed_output
 from tokenmill.pipelines.planning import JobPlan
 
 FLOW_NAME = "batch-inference"
@@ -75,9 +74,8 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger:
     run_started_at = now_iso()
     scheduled = flow_run.scheduled_start_time or datetime.now(timezone.utc)
     spec = build_spec(input, output, scheduled=scheduled, **options)
-    # One run per output at a time, held by the flow's own process (output_lock).
-    with output_lock(spec.output, spec.storage_options):
-        out.remove_temp_files(spec.output, spec.storage_options)
+    # One run per output at a time, held by the flow's own process.
+    with claimed_output(spec.output, spec.storage_options):
         # Submitted, not called: on a cluster the plan then stays on the worker that made
         # it, and each shard task's worker fetches it from there once (not once per shard).
         plan_future = plan_task.submit(spec)

@@ -16,23 +16,19 @@ logged - only counts.
 
 from __future__ import annotations
 
-import logging
 from contextlib import nullcontext
 from typing import Any
 
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.pipelines import output as out
 from tokenmill.pipelines.finalizing import finalize_job
 from tokenmill.pipelines.ledger import JobLedger, now_iso
 from tokenmill.pipelines.option_types import JOB
 from tokenmill.pipelines.options import check_names, takes_options
-from tokenmill.pipelines.output_lock import output_lock
+from tokenmill.pipelines.output_lock import claimed_output
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard, plan_job
 from tokenmill.pipelines.running import ShardResult, prepare_output, run_shard
 from tokenmill.pipelines.spec import JobSpec
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "JobPlan",
@@ -74,7 +70,7 @@ def run_job(
 
     Rerunning the same job into the same output resumes it: complete shards are
     skipped, and the results hold exactly one row per input row. The run holds the
-    output's lock throughout (`output_lock`): a second run on the same output is
+    output's lock throughout (`claimed_output`): a second run on the same output is
     refused, and temporary files a killed run left behind are removed first.
 
     Args:
@@ -98,10 +94,7 @@ def run_job(
     spec = JobSpec(input, output, **options)
     progress = progress or JobProgress()
     run_started_at = now_iso()
-    with output_lock(spec.output, spec.storage_options):
-        removed = out.remove_temp_files(spec.output, spec.storage_options)
-        if removed:
-            log.info("removed %d temporary files left by a killed run", removed)
+    with claimed_output(spec.output, spec.storage_options):
         plan = plan_job(spec, llm=llm)
         done = prepare_output(plan)
         pending = [s for s in plan.shards if s.shard_id not in done]

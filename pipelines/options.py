@@ -13,7 +13,7 @@ per row, and where its value goes. Every surface is derived from this table:
                                               the same, less the sampling section)
     OpenAI batch per-row overrides            `per_row_fields()`
     SamplingParams / Prices / TemplateSpec /  `routed(values, to)`, `llm_options(values)`,
-    LLM(...) arguments                        `sampling_params(values)` (structured output
+    LLM(...) arguments                        `generation_params(values)` (structured output
                                               options become one StructuredOutputs)
 
 Values are checked here, by `check_options`, the same way whichever surface they came
@@ -610,9 +610,10 @@ def routed(values: Mapping[str, Any], to: str) -> dict[str, Any]:
     }
 
 
-def sampling_params(values: Mapping[str, Any]) -> SamplingParams:
-    """The SamplingParams of checked option values: the SAMPLING options, with the
-    structured output options as its `structured_outputs`."""
+def generation_params(values: Mapping[str, Any]) -> SamplingParams:
+    """The SamplingParams of a generation job's checked option values: the SAMPLING
+    options, with the structured output options as its `structured_outputs` (a job's
+    params, task included, come from `spec.sampling_params`)."""
     return SamplingParams(**routed(values, SAMPLING), structured_outputs=structured_outputs(values))
 
 

@@ -119,6 +119,24 @@ def output_lock(
             yield holder
 
 
+@contextlib.contextmanager
+def claimed_output(output: str, storage_options: Mapping[str, Any] | None = None) -> Iterator[None]:
+    """How every run starts (run_job, the flow): hold the output's lock, then remove the
+    temporary files a killed run left behind - safe only under the lock, where no live
+    run is writing them.
+
+    Raises:
+        OutputLockedError: another live run holds the lock.
+    """
+    from tokenmill.pipelines.output import remove_temp_files
+
+    with output_lock(output, storage_options):
+        removed = remove_temp_files(output, storage_options)
+        if removed:
+            log.info("removed %d temporary files left by a killed run", removed)
+        yield
+
+
 def _refusal(output: str, holder: LockHolder | None) -> OutputLockedError:
     who = holder.describe() if holder else "another run"
     return OutputLockedError(

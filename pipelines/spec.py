@@ -20,13 +20,13 @@ from tokenmill.pipelines.options import (
     OPTIONS,
     annotation_of,
     check_options,
+    generation_params,
     get_option,
     llm_options,
     options_for,
     per_row_fields,
     routed,
 )
-from tokenmill.pipelines.options import sampling_params as generation_params
 from tokenmill.pipelines.plan import params_key
 from tokenmill.pipelines.pricing import Prices
 from tokenmill.pipelines.results import check_passthrough
