@@ -65,7 +65,7 @@ def generate_with_rule(
     error: Exception | None = None
     for attempt in (1, 2):
         try:
-            return _generate(llm, rows, params, on_output)
+            return generate_rows(llm, rows, params, on_output=on_output)
         except Exception as exc:
             error = exc
             log.warning(
@@ -80,7 +80,7 @@ def generate_with_rule(
     num_failed = 0
     for row in rows:
         try:
-            results.update(_generate(llm, [row], params, on_output))
+            results.update(generate_rows(llm, [row], params, on_output=on_output))
         except Exception as exc:
             results[row.row_index] = _failed(row, f"engine error: {type(exc).__name__}: {exc}")
             num_failed += 1
@@ -99,15 +99,35 @@ def generate_with_rule(
     return results
 
 
-def _generate(
-    llm: Any, rows: list[PromptRow], params: list[SamplingParams], on_output: OnOutput | None
+def generate_rows(
+    llm: Any,
+    rows: list[PromptRow],
+    params: list[SamplingParams],
+    *,
+    on_output: OnOutput | None = None,
 ) -> dict[int, RequestOutput]:
+    """Generate every row that has a prompt, in the given order, each with its params -
+    one `LLM.generate` call, no rule (notebooks call it directly; jobs through
+    `generate_with_rule`).
+
+    Args:
+        llm: a loaded LLM (anything with its `generate`).
+        rows: prompt rows; error rows are left out.
+        params: the job's distinct SamplingParams, indexed by `PromptRow.params_index`.
+        on_output: called with each RequestOutput as it finishes.
+
+    Returns:
+        The engine's output per row index.
+    """
+    good = [r for r in rows if r.token_ids is not None]
+    if not good:
+        return {}
     generated = llm.generate(
-        [r.token_ids for r in rows],
-        [params[r.params_index] for r in rows],
+        [r.token_ids for r in good],
+        [params[r.params_index] for r in good],
         on_output=on_output,
     )
-    return {r.row_index: o for r, o in zip(rows, generated)}
+    return {r.row_index: o for r, o in zip(good, generated)}
 
 
 def _failed(row: PromptRow, message: str) -> RequestOutput:

@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.pipelines.engine_failures import generate_rows
 from tokenmill.pipelines.option_types import NOTEBOOK, PROMPT, SAMPLE
 from tokenmill.pipelines.options import check_options, llm_options, routed, takes_options
 from tokenmill.pipelines.parsed import with_parsed
@@ -29,7 +30,6 @@ from tokenmill.pipelines.results import (
     extra_columns,
     reserved_columns,
 )
-from tokenmill.pipelines.running import generate_rows
 from tokenmill.pipelines.scoring import (
     GENERATE,
     SCORE,

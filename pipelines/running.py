@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.engine_failures import generate_with_rule
 from tokenmill.pipelines.ledger import ShardStats, now_iso
@@ -24,7 +23,6 @@ from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard
 from tokenmill.pipelines.results import build_results, extra_columns, latencies
 from tokenmill.pipelines.spill import shard_rows
-from tokenmill.pipelines.tokenize import PromptRow
 
 log = logging.getLogger(__name__)
 
@@ -72,35 +70,6 @@ def prepare_output(plan: JobPlan) -> set[str]:
     # Recorded before any part of this input is published (planning checked it).
     out.write_input_fingerprint(spec.output, plan.input_fingerprint, spec.storage_options)
     return done
-
-
-def generate_rows(
-    llm: Any,
-    rows: list[PromptRow],
-    params: list[SamplingParams],
-    *,
-    on_output: OnOutput | None = None,
-) -> dict[int, RequestOutput]:
-    """Generate every row that has a prompt, in the given order, each with its params.
-
-    Args:
-        llm: a loaded LLM (anything with its `generate`).
-        rows: prompt rows; error rows are left out.
-        params: the job's distinct SamplingParams, indexed by `PromptRow.params_index`.
-        on_output: called with each RequestOutput as it finishes.
-
-    Returns:
-        The engine's output per row index.
-    """
-    good = [r for r in rows if r.token_ids is not None]
-    if not good:
-        return {}
-    generated = llm.generate(
-        [r.token_ids for r in good],
-        [params[r.params_index] for r in good],
-        on_output=on_output,
-    )
-    return {r.row_index: o for r, o in zip(good, generated)}
 
 
 def run_shard(
