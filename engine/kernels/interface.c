@@ -8,10 +8,13 @@ void tm_limits(tm_limits_t *out) {
     out->max_heads_per_kv_head = TM_MAX_HEADS_PER_KV_HEAD;
     out->max_row_dim = TM_MAX_ROW_DIM;
     out->max_qmax = TM_MAX_QMAX;
+    out->max_int8_k = TM_MAX_INT8_K;
+    out->int8_matmul_isa = tm_int8_matmul_isa();
     out->attention_args_size = sizeof(tm_attention_args);
     out->kv_write_args_size = sizeof(tm_kv_write_args);
     out->rms_norm_args_size = sizeof(tm_rms_norm_args);
     out->rotary_args_size = sizeof(tm_rotary_args);
     out->silu_args_size = sizeof(tm_silu_args);
     out->quantize_args_size = sizeof(tm_quantize_args);
+    out->int8_matmul_args_size = sizeof(tm_int8_matmul_args);
 }

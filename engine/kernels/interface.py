@@ -16,9 +16,11 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 2
-# Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE).
-OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE = 0, -1, -2
+ABI_VERSION = 3
+# Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
+OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
+# tm_limits_t.int8_matmul_isa values (TM_INT8_ISA_*), by name.
+INT8_MATMUL_ISAS = {0: None, 1: "avx512_vnni"}
 
 
 class _Limits(ctypes.Structure):
@@ -29,12 +31,15 @@ class _Limits(ctypes.Structure):
         ("max_heads_per_kv_head", _i64),
         ("max_row_dim", _i64),
         ("max_qmax", _i64),
+        ("max_int8_k", _i64),
+        ("int8_matmul_isa", _i64),
         ("attention_args_size", _i64),
         ("kv_write_args_size", _i64),
         ("rms_norm_args_size", _i64),
         ("rotary_args_size", _i64),
         ("silu_args_size", _i64),
         ("quantize_args_size", _i64),
+        ("int8_matmul_args_size", _i64),
     ]
 
 
@@ -154,6 +159,26 @@ class QuantizeArgs(ctypes.Structure):
     ]
 
 
+class Int8MatmulArgs(ctypes.Structure):
+    """tm_int8_matmul_args."""
+
+    _fields_ = [
+        ("x", _ptr),
+        ("x_scales", _ptr),
+        ("w", _ptr),
+        ("w_col_sums", _ptr),
+        ("w_scales", _ptr),
+        ("bias", _ptr),
+        ("out", _ptr),
+        ("rows", _i64),
+        ("n", _i64),
+        ("k", _i64),
+        ("x_zero_point", _i32),
+        ("is_bf16", _i32),
+        ("num_threads", _i32),
+    ]
+
+
 # Exported function -> its argument struct, and the size field tm_limits reports for it.
 FUNCTIONS = {
     "tm_paged_attention": (AttentionArgs, "attention_args_size"),
@@ -162,6 +187,7 @@ FUNCTIONS = {
     "tm_rotary_qkv": (RotaryArgs, "rotary_args_size"),
     "tm_silu_and_mul": (SiluArgs, "silu_args_size"),
     "tm_quantize_rows_u8": (QuantizeArgs, "quantize_args_size"),
+    "tm_int8_matmul": (Int8MatmulArgs, "int8_matmul_args_size"),
 }
 
 
@@ -174,6 +200,8 @@ class KernelLimits:
     max_heads_per_kv_head: int
     max_row_dim: int  # RMSNorm and SiLU-and-mul row width
     max_qmax: int
+    max_int8_k: int  # the int8 product's longest reduction
+    int8_matmul_isa: str | None  # the instructions tm_int8_matmul has here, or None
 
 
 def declare(lib: ctypes.CDLL) -> KernelLimits:
@@ -208,6 +236,8 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         max_heads_per_kv_head=reported.max_heads_per_kv_head,
         max_row_dim=reported.max_row_dim,
         max_qmax=reported.max_qmax,
+        max_int8_k=reported.max_int8_k,
+        int8_matmul_isa=INT8_MATMUL_ISAS.get(reported.int8_matmul_isa),
     )
 
 
@@ -216,6 +246,8 @@ def check_status(status: int, what: str) -> None:
     MemoryError for scratch it could not allocate."""
     if status == UNSUPPORTED_SHAPE:
         raise ValueError(f"the native kernels do not take this shape: {what}")
+    if status == UNSUPPORTED_ISA:
+        raise RuntimeError(f"the native kernels were built without the instructions for {what}")
     if status == OUT_OF_MEMORY:
         raise MemoryError("native kernel could not allocate its scratch buffers")
     if status != OK:

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 2
+#define TM_ABI_VERSION 3
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -30,12 +30,18 @@
 #define TM_MAX_ROW_DIM 65536
 /* Quantization: values stored as uint8 around a zero point, so qmax + zero_point <= 255. */
 #define TM_MAX_QMAX 127
+/* int8 products sum u8 x s8 pairs in int32: 255 * 127 * k stays below 2^31 up to here. */
+#define TM_MAX_INT8_K 65536
 
 enum {
     TM_OK = 0,
     TM_OUT_OF_MEMORY = -1,    /* scratch could not be allocated */
-    TM_UNSUPPORTED_SHAPE = -2 /* a size beyond the limits above */
+    TM_UNSUPPORTED_SHAPE = -2, /* a size beyond the limits above */
+    TM_UNSUPPORTED_ISA = -3    /* the library was built for a CPU without the instructions */
 };
+
+/* The instructions tm_int8_matmul was built with (tm_limits_t.int8_matmul_isa). */
+enum { TM_INT8_ISA_NONE = 0, TM_INT8_ISA_AVX512_VNNI = 1 };
 
 typedef struct {
     int64_t abi_version;
@@ -44,6 +50,8 @@ typedef struct {
     int64_t max_heads_per_kv_head;
     int64_t max_row_dim;
     int64_t max_qmax;
+    int64_t max_int8_k;
+    int64_t int8_matmul_isa; /* TM_INT8_ISA_*: which int8 product this build has */
     /* sizeof each argument struct, in the order they are declared below */
     int64_t attention_args_size;
     int64_t kv_write_args_size;
@@ -51,6 +59,7 @@ typedef struct {
     int64_t rotary_args_size;
     int64_t silu_args_size;
     int64_t quantize_args_size;
+    int64_t int8_matmul_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -183,5 +192,33 @@ typedef struct {
 } tm_quantize_args;
 
 int tm_quantize_rows_u8(const tm_quantize_args *args);
+
+/* ---- int8_matmul.c -------------------------------------------------------------------
+ * out[m, n] = (sum_k x[m, k] * w[n, k] - x_zero_point * w_col_sums[n]) * x_scales[m]
+ *             * w_scales[n] + bias[n]
+ * for u8 activations around x_zero_point (tm_quantize_rows_u8's output) and s8 weights,
+ * summed exactly in int32. The weights are packed in panels of 16 output channels, each
+ * [k / 4][16][4] (engine/quant/int8.py packs them). n % 16 == 0, k % 4 == 0,
+ * k <= TM_MAX_INT8_K. Built only where the compiler targets AVX512-VNNI; elsewhere it
+ * returns TM_UNSUPPORTED_ISA and tm_limits says so. */
+typedef struct {
+    const uint8_t *x;          /* [rows, k] */
+    const float *x_scales;     /* [rows] */
+    const int8_t *w;           /* [n / 16, k / 4, 16, 4] */
+    const int32_t *w_col_sums; /* [n] sum over k of w[n, k] */
+    const float *w_scales;     /* [n] */
+    const float *bias;         /* [n], or NULL */
+    void *out;                 /* [rows, n] fp32 or bf16 */
+    int64_t rows;
+    int64_t n;
+    int64_t k;
+    int32_t x_zero_point;
+    int32_t is_bf16;
+    int32_t num_threads;
+} tm_int8_matmul_args;
+
+int tm_int8_matmul(const tm_int8_matmul_args *args);
+/* Internal (tm_limits reports it): the TM_INT8_ISA_* this build of int8_matmul.c has. */
+int tm_int8_matmul_isa(void);
 
 #endif

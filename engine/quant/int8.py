@@ -3,14 +3,19 @@
 Each output channel's weights are rounded to int8 with their own scale (max|w| / 127);
 at run time each row (token) of the layer's input is quantized to uint8 with its own
 scale (kernels/quantize.c; one scale for the whole tensor lost up to 20% of a layer's
-output on SmolLM2's outlier activations, per row 2-4%) and the product runs in oneDNN's int8 matmul
-(`torch.ops.onednn.qlinear_pointwise`, the op PyTorch's PT2E quantization lowers to) on
-a weight packed once at load. oneDNN picks its kernel for the CPU at run time: AMX
-where present, AVX512-VNNI (vpdpbusd), AVX-VNNI, else AVX2's vpmaddubsw multiply-add;
-ONEDNN_MAX_CPU_ISA caps it (tests use that to run the fallback). Without VNNI or AMX
-the u8 x s8 pairs are summed in int16 and saturate, so activations there use 7 bits. Why this kernel and
-not torch._weight_int8pack_mm, torchao's or one of our own: benchmarks/README.md
-("Quantized matmuls") - it was the fastest at the model's shapes.
+output on SmolLM2's outlier activations, per row 2-4%), and the product runs on one of
+two kernels, chosen per layer at load:
+
+- "native": our AVX512-VNNI kernel (kernels/int8_matmul.c), where the library was built
+  for a CPU with VNNI and the layer's shape fits its panels. It applies each row's scale
+  in its epilogue and takes any row count; at the model's shapes it measured 1.0-2.4x
+  oneDNN's int8 matmul (benchmarks/README.md, "Quantized matmuls").
+- "onednn": oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, the op
+  PyTorch's PT2E quantization lowers to) on a weight packed once at load, everywhere
+  else. oneDNN picks its kernel for the CPU at run time: AMX where present,
+  AVX512-VNNI, AVX-VNNI, else AVX2's vpmaddubsw multiply-add; ONEDNN_MAX_CPU_ISA caps
+  it (tests use that to run the fallback). Without VNNI or AMX the u8 x s8 pairs are
+  summed in int16 and saturate, so activations there use 7 bits.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import os
 import torch
 from torch import nn
 
+from tokenmill.engine.kernels import int8_matmul as native
 from tokenmill.engine.kernels.quantize import FULL_RANGE, REDUCED_RANGE, quantize_rows_u8
+
+KERNELS = ("native", "onednn")
 
 
 def onednn_int8_available() -> bool:
@@ -56,6 +64,20 @@ def kernel_name() -> str | None:
         if flag in flags:
             return name
     return "sse41"
+
+
+def choose_kernel(out_features: int, in_features: int) -> str:
+    """The int8 kernel a layer of this shape runs on here: "native" where our VNNI
+    kernel is built and takes the shape, else "onednn"."""
+    return "native" if native.takes_shape(out_features, in_features) else "onednn"
+
+
+def describe_kernel(kernel: str) -> str:
+    """A kernel choice in words, with the instructions it runs on."""
+    if kernel == "native":
+        return f"native {native.native_int8_isa()}, 8-bit activations"
+    bits = 8 if has_int8_dot_products() else 7
+    return f"oneDNN {kernel_name()}, {bits}-bit activations"
 
 
 def has_int8_dot_products() -> bool:
@@ -100,21 +122,34 @@ class Int8Linear(nn.Module):
         scale: torch.Tensor,
         bias: torch.Tensor | None,
         smooth: torch.Tensor | None = None,
+        kernel: str | None = None,
     ) -> None:
+        """kernel: "native" or "onednn"; None takes choose_kernel's."""
         super().__init__()
         self.out_features, self.in_features = qweight.shape
+        self.kernel = kernel or choose_kernel(self.out_features, self.in_features)
+        if self.kernel not in KERNELS:
+            raise ValueError(f"unknown int8 kernel {self.kernel!r}; choose one of {KERNELS}")
+        if self.kernel == "native" and not native.takes_shape(*qweight.shape):
+            raise ValueError(
+                f"the native int8 kernel does not take a {tuple(qweight.shape)} weight here"
+            )
+        inv_smooth = None if smooth is None else (1.0 / smooth.float()).contiguous()
+        self.register_buffer("inv_smooth", inv_smooth, persistent=False)
+        self.register_buffer("scale", scale.float().contiguous(), persistent=False)
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.weight_bytes = qweight.numel() + 4 * scale.numel()
+        if self.kernel == "native":
+            self.value_range = FULL_RANGE  # VNNI sums in int32: no saturation
+            self.packed = native.pack_int8_weight(qweight, self.scale, self.bias)
+            return
         self.register_buffer(
             "packed_weight", torch.ops.onednn.qlinear_prepack(qweight, None), persistent=False
         )
-        self.register_buffer("scale", scale.float().contiguous(), persistent=False)
         self.register_buffer(
             "zero_points", torch.zeros(self.out_features, dtype=torch.int64), persistent=False
         )
         self.value_range = FULL_RANGE if has_int8_dot_products() else REDUCED_RANGE
-        inv_smooth = None if smooth is None else (1.0 / smooth.float()).contiguous()
-        self.register_buffer("inv_smooth", inv_smooth, persistent=False)
-        self.bias = None if bias is None else bias.detach().contiguous()
-        self.weight_bytes = qweight.numel() + 4 * scale.numel()
 
     @classmethod
     def from_float(
@@ -122,12 +157,13 @@ class Int8Linear(nn.Module):
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         smooth: torch.Tensor | None = None,
+        kernel: str | None = None,
     ) -> Int8Linear:
         """Quantize a float weight [out, in], optionally smoothed by s [in]."""
         weight = weight.detach().float()
         if smooth is not None:
             weight = weight * smooth.float()[None, :]
-        return cls(*quantize_weight(weight), bias, smooth)
+        return cls(*quantize_weight(weight), bias, smooth, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -135,6 +171,16 @@ class Int8Linear(nn.Module):
         qx, x_scales = quantize_rows_u8(
             x.reshape(num_rows, self.in_features), self.inv_smooth, self.value_range
         )
+        if self.kernel == "native":
+            out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+            y = native.int8_matmul(qx, x_scales, self.value_range[1], self.packed, out_dtype)
+            return y.to(x.dtype).view(*shape[:-1], self.out_features)
+        return self._onednn_forward(qx, x_scales, x.dtype).view(*shape[:-1], self.out_features)
+
+    def _onednn_forward(
+        self, qx: torch.Tensor, x_scales: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        num_rows = qx.shape[0]
         padded = padded_rows(num_rows)
         if padded != num_rows:  # rows of zero point: they compute zeros, then are dropped
             filler = qx.new_full((padded - num_rows, self.in_features), self.value_range[1])
@@ -151,7 +197,7 @@ class Int8Linear(nn.Module):
             None,
             1.0,
             0,
-            x.dtype,
+            dtype,
             "none",
             [],
             "",
@@ -159,7 +205,9 @@ class Int8Linear(nn.Module):
         y = y[:num_rows].mul_(x_scales.to(y.dtype)[:, None])
         if self.bias is not None:
             y.add_(self.bias)
-        return y.view(*shape[:-1], self.out_features)
+        return y
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 {self.kernel}"
+        )

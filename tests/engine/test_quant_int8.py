@@ -11,8 +11,15 @@ import sys
 import pytest
 import torch
 
+from tokenmill.engine.kernels.int8_matmul import native_int8_isa
 from tokenmill.engine.kernels.quantize import quantize_rows_u8
-from tokenmill.engine.quant.int8 import Int8Linear, kernel_name, padded_rows, quantize_weight
+from tokenmill.engine.quant.int8 import (
+    Int8Linear,
+    choose_kernel,
+    kernel_name,
+    padded_rows,
+    quantize_weight,
+)
 
 
 def test_native_quantizer_matches_the_pytorch_ops(monkeypatch):
@@ -43,14 +50,25 @@ def integer_reference(layer: Int8Linear, qweight, x: torch.Tensor) -> torch.Tens
     return acc * x_scales.double()[:, None] * layer.scale.double()[None, :]
 
 
+def kernels_here() -> list[str]:
+    """The int8 kernels this machine runs: oneDNN always, ours where it is built."""
+    return ["onednn", *(["native"] if native_int8_isa() else [])]
+
+
+@pytest.mark.parametrize("kernel", ["native", "onednn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_int8_product_is_exact_and_close_to_float(dtype, rows):
+def test_int8_product_is_exact_and_close_to_float(kernel, dtype, rows, cpu_path):
+    if kernel not in kernels_here():  # an AVX2-only CPU: the layer must not pick it
+        assert choose_kernel(96, 160) == "onednn"
+        cpu_path("int8 native kernel", "not built for this CPU; layers take oneDNN")
+        return
     torch.manual_seed(rows)
     weight = torch.randn(96, 160) * 0.05
     bias = torch.randn(96)
     smooth = torch.rand(160) + 0.5
-    layer = Int8Linear.from_float(weight, bias.to(dtype), smooth)
+    layer = Int8Linear.from_float(weight, bias.to(dtype), smooth, kernel=kernel)
+    assert layer.kernel == kernel
     qweight, _ = quantize_weight(weight * smooth[None, :])
     x = torch.randn(rows, 160).to(dtype)
     got = layer(x)
@@ -71,7 +89,7 @@ from tokenmill.engine.kernels.quantize import quantize_rows_u8
 from tokenmill.engine.quant.int8 import Int8Linear, kernel_name, padded_rows, quantize_weight
 torch.manual_seed(0)
 weight, x = torch.randn(64, 128), torch.randn(8, 128) * 3
-layer = Int8Linear.from_float(weight)
+layer = Int8Linear.from_float(weight, kernel="onednn")
 y = layer(x)
 qmax, zero = layer.value_range
 qx, x_scales = quantize_rows_u8(x, None, layer.value_range)
@@ -95,8 +113,8 @@ def run_child(env_overrides: dict[str, str]) -> tuple[dict, str]:
     return json.loads(line.removeprefix("RESULT ")), matmuls[-1]
 
 
-def test_fast_path_where_the_cpu_has_it_and_the_avx2_fallback():
-    """Each path computes its quantized product exactly (no int16 saturation) and stays
+def test_onednn_fast_path_where_the_cpu_has_it_and_the_avx2_fallback():
+    """oneDNN's int8 matmul (the layers' kernel wherever ours is not built): each path computes its quantized product exactly (no int16 saturation) and stays
     close to the float product; the fallback quantizes activations to 7 bits."""
     fast, fast_impl = run_child({})
     slow, slow_impl = run_child({"ONEDNN_MAX_CPU_ISA": "AVX2"})

@@ -9,9 +9,10 @@ from hf_models import build_hf_model, make_engine, run_all
 from test_hf_parity import mixed_prompts
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.kernels.quantize import FULL_RANGE
 from tokenmill.engine.quant import INT4_GROUP_SIZE, check_quantization, int4, quantized_targets
 from tokenmill.engine.quant.int4 import Int4Linear
-from tokenmill.engine.quant.int8 import Int8Linear, has_int8_dot_products, kernel_name
+from tokenmill.engine.quant.int8 import Int8Linear, describe_kernel
 from tokenmill.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
@@ -50,8 +51,9 @@ def test_int8_engine_tracks_the_float_engine(kind, tmp_path, cpu_path):
     # from measured figures: with 8-bit activations (VNNI/AMX) |diff| 0.114, 47-49/72
     # agreeing; with the 7 bits CPUs without int8 dot products get (AVX2's saturating
     # vpmaddubsw, kernels/quantize.py) the step doubles: 0.18-0.20, 38/72.
-    full = has_int8_dot_products()
-    cpu_path("int8 linear", f"oneDNN {kernel_name()}, {'8' if full else '7'}-bit activations")
+    int8_layer = next(m for m in layers if isinstance(m, Int8Linear))
+    full = int8_layer.value_range == FULL_RANGE
+    cpu_path("int8 linear", describe_kernel(int8_layer.kernel))
     assert mean_diff < (0.2 if full else 0.3)
     assert agree >= total * (0.6 if full else 0.45)
 

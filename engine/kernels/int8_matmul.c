@@ -1,0 +1,190 @@
+/* int8 x int8 matrix product for the int8 linear layers (engine/quant/int8.py), on
+ * AVX512-VNNI's vpdpbusd: out[m, n] = (sum_k x[m, k] w[n, k] - zp * colsum[n])
+ *                                      * x_scales[m] * w_scales[n] + bias[n].
+ *
+ * Why our own and not oneDNN's (which the layers use where this is not built): oneDNN
+ * takes one activation scale per tensor, so per-token scales cost a second pass over the
+ * output (and a bf16 rounding before it); it JIT-builds a kernel for every new row
+ * count, which forced padding decode steps to a few fixed sizes; and at the model's
+ * shapes it measured well below the VNNI units' rate (benchmarks/README.md, "Quantized
+ * matmuls"). Here each row's scale is applied in the epilogue, rows are taken as they
+ * come, and nothing is built at run time.
+ *
+ * Layout: the weights are packed at load into panels of 16 output channels, each panel
+ * [k / 4][16][4]: one 64-byte load gives vpdpbusd four k-values for 16 channels. A
+ * register tile is MR rows x up to 4 panels (64 channels): 24 int32 accumulators, the
+ * four panel loads and one broadcast of four activation bytes per k-step.
+ *
+ * Work split: each thread owns a contiguous run of panels (output channels) for every
+ * row, so a decode step (tens of rows) reads each weight once. Rows go in blocks that
+ * stay in L2 while the thread's panels pass over them.
+ */
+#include <omp.h>
+#include <stdint.h>
+
+#include "kernel_common.h"
+#include "kernels.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TM_HAVE_VNNI 1
+#include <immintrin.h>
+#else
+#define TM_HAVE_VNNI 0
+#endif
+
+int tm_int8_matmul_isa(void) { return TM_HAVE_VNNI ? TM_INT8_ISA_AVX512_VNNI : TM_INT8_ISA_NONE; }
+
+#if TM_HAVE_VNNI
+
+#define MR 6          /* rows per register tile */
+#define MAX_PANELS 4  /* 16-channel panels per register tile */
+#define ROW_BLOCK 120 /* rows kept in L2 while a thread's panels pass over them */
+/* Below this many multiply-adds a call is a few microseconds: one thread. */
+#define MATMUL_PARALLEL_MIN (1 << 20)
+
+typedef struct {
+    const uint8_t *x;
+    const float *x_scales;
+    const int8_t *w;
+    const int32_t *w_col_sums;
+    const float *w_scales;
+    const float *bias;
+    void *out;
+    int64_t n, k;
+    int32_t x_zero_point;
+    int is_bf16;
+} problem;
+
+static inline void store16(const problem *p, int64_t row, int64_t col, __m512 v) {
+    if (p->is_bf16) {
+#if defined(__AVX512BF16__)
+        __m256bh h = _mm512_cvtneps_pbh(v);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p->out + row * p->n + col), (__m256i)h);
+#else /* round to nearest even by hand, as f32_to_bf16 does */
+        __m512i u = _mm512_castps_si512(v);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+        __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p->out + row * p->n + col), h);
+#endif
+    } else {
+        _mm512_storeu_ps((float *)p->out + row * p->n + col, v);
+    }
+}
+
+/* acc += u8 x s8 dot products of four (vpdpbusd). Written as inline assembly because GCC
+ * 12's intrinsic copies the accumulator through a spare register (or the stack) at every
+ * use, which halved the kernel's rate; GCC and Clang both take this form. */
+static inline __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i u8, __m512i s8) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+    return acc;
+}
+
+/* The epilogue of one accumulator: 16 channels of one row. */
+static inline __attribute__((always_inline)) void finish16(const problem *p, int64_t row,
+                                                           int64_t col, __m512i acc) {
+    __m512i correction = _mm512_mullo_epi32(_mm512_set1_epi32(p->x_zero_point),
+                                            _mm512_loadu_si512(p->w_col_sums + col));
+    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, correction));
+    __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(p->w_scales + col),
+                                 _mm512_set1_ps(p->x_scales[row]));
+    __m512 bias = p->bias ? _mm512_loadu_ps(p->bias + col) : _mm512_setzero_ps();
+    store16(p, row, col, _mm512_fmadd_ps(v, scale, bias));
+}
+
+/* One register tile: rows [row, row + mr) x panels [panel, panel + np), over all of k.
+ * mr and np are compile-time constants at every call (the switch below), so the dead
+ * branches fold away; the accumulators are named variables, not an array, because GCC
+ * shuffles an array of vectors through extra moves and the stack. */
+#define ACC_ROW(r) __m512i a##r##0 = zero, a##r##1 = zero, a##r##2 = zero, a##r##3 = zero
+#define STEP_ROW(r)                                                             \
+    if (mr > r) {                                                               \
+        int32_t four;                                                           \
+        __builtin_memcpy(&four, x + r * k + kk * 4, 4);                         \
+        const __m512i xv = _mm512_set1_epi32(four);                             \
+        a##r##0 = dot4(a##r##0, xv, w0);                         \
+        if (np > 1) a##r##1 = dot4(a##r##1, xv, w1);             \
+        if (np > 2) a##r##2 = dot4(a##r##2, xv, w2);             \
+        if (np > 3) a##r##3 = dot4(a##r##3, xv, w3);             \
+    }
+#define FINISH_ROW(r)                                                           \
+    if (mr > r) {                                                               \
+        finish16(p, row + r, col, a##r##0);                                     \
+        if (np > 1) finish16(p, row + r, col + 16, a##r##1);                    \
+        if (np > 2) finish16(p, row + r, col + 32, a##r##2);                    \
+        if (np > 3) finish16(p, row + r, col + 48, a##r##3);                    \
+    }
+
+static inline __attribute__((always_inline)) void tile(const problem *p, int64_t row,
+                                                       int64_t panel, const int mr,
+                                                       const int np) {
+    const __m512i zero = _mm512_setzero_si512();
+    ACC_ROW(0); ACC_ROW(1); ACC_ROW(2); ACC_ROW(3); ACC_ROW(4); ACC_ROW(5);
+    const int64_t k = p->k, k4 = k / 4;
+    const int8_t *w = p->w + panel * k4 * 64;
+    const uint8_t *x = p->x + row * k;
+    for (int64_t kk = 0; kk < k4; kk++) {
+        const __m512i w0 = _mm512_loadu_si512(w + kk * 64);
+        const __m512i w1 = np > 1 ? _mm512_loadu_si512(w + (k4 + kk) * 64) : zero;
+        const __m512i w2 = np > 2 ? _mm512_loadu_si512(w + (2 * k4 + kk) * 64) : zero;
+        const __m512i w3 = np > 3 ? _mm512_loadu_si512(w + (3 * k4 + kk) * 64) : zero;
+        STEP_ROW(0) STEP_ROW(1) STEP_ROW(2) STEP_ROW(3) STEP_ROW(4) STEP_ROW(5)
+    }
+    const int64_t col = panel * 16;
+    FINISH_ROW(0) FINISH_ROW(1) FINISH_ROW(2) FINISH_ROW(3) FINISH_ROW(4) FINISH_ROW(5)
+}
+
+#define TILE_ROWS(np)                                        \
+    switch (mr) {                                            \
+    case 6: tile(p, row, panel, 6, np); break;               \
+    case 5: tile(p, row, panel, 5, np); break;               \
+    case 4: tile(p, row, panel, 4, np); break;               \
+    case 3: tile(p, row, panel, 3, np); break;               \
+    case 2: tile(p, row, panel, 2, np); break;               \
+    default: tile(p, row, panel, 1, np); break;              \
+    }
+
+static void tile_any(const problem *p, int64_t row, int64_t panel, int mr, int np) {
+    switch (np) {
+    case 4: TILE_ROWS(4); break;
+    case 3: TILE_ROWS(3); break;
+    case 2: TILE_ROWS(2); break;
+    default: TILE_ROWS(1); break;
+    }
+}
+
+/* Rows [0, rows) x panels [first, last). */
+static void panels_all_rows(const problem *p, int64_t rows, int64_t first, int64_t last) {
+    for (int64_t block = 0; block < rows; block += ROW_BLOCK) {
+        const int64_t block_end = block + ROW_BLOCK < rows ? block + ROW_BLOCK : rows;
+        for (int64_t panel = first; panel < last; panel += MAX_PANELS) {
+            const int np = (int)(last - panel < MAX_PANELS ? last - panel : MAX_PANELS);
+            for (int64_t row = block; row < block_end; row += MR) {
+                const int mr = (int)(block_end - row < MR ? block_end - row : MR);
+                tile_any(p, row, panel, mr, np);
+            }
+        }
+    }
+}
+#endif
+
+int tm_int8_matmul(const tm_int8_matmul_args *a) {
+#if TM_HAVE_VNNI
+    if (a->n % 16 || a->k % 4 || a->k > TM_MAX_INT8_K || a->rows < 0) return TM_UNSUPPORTED_SHAPE;
+    const problem p = {a->x, a->x_scales, a->w, a->w_col_sums, a->w_scales, a->bias,
+                       a->out, a->n, a->k, a->x_zero_point, a->is_bf16};
+    const int64_t panels = a->n / 16;
+    const int parallel = a->rows * a->n * a->k >= MATMUL_PARALLEL_MIN;
+#pragma omp parallel num_threads(a->num_threads) if (parallel)
+    {
+        const int64_t threads = omp_get_num_threads();
+        const int64_t t = omp_get_thread_num();
+        const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
+        panels_all_rows(&p, a->rows, first, last);
+    }
+    return TM_OK;
+#else
+    (void)a;
+    return TM_UNSUPPORTED_ISA;
+#endif
+}

@@ -1,0 +1,134 @@
+"""The native int8 product (kernels/int8_matmul.c): equal to the integer product it
+stands for, at every tile edge, and chosen only where the library has its instructions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tokenmill.engine.kernels.int8_matmul import int8_matmul, native_int8_isa, pack_int8_weight
+from tokenmill.engine.kernels.quantize import FULL_RANGE, quantize_rows_u8
+from tokenmill.engine.quant.int8 import Int8Linear, choose_kernel, quantize_weight
+
+
+def reference(qx, x_scales, qweight, w_scales, bias) -> torch.Tensor:
+    """The product in float64 from the exact integer sums."""
+    acc = (qx.long() - FULL_RANGE[1]) @ qweight.long().t()
+    out = acc.double() * x_scales.double()[:, None] * w_scales.double()[None, :]
+    return out if bias is None else out + bias.double()
+
+
+@pytest.fixture
+def needs_native(cpu_path):
+    isa = native_int8_isa()
+    cpu_path("int8 linear, native kernel", isa or "not built for this CPU (oneDNN instead)")
+    if isa is None:
+        # Where it is not built the layers must not choose it; that is what this CPU
+        # can check (test_the_kernel_is_left_out_where_the_cpu_lacks_vnni builds one).
+        assert choose_kernel(960, 576) == "onednn"
+    return isa
+
+
+# Shapes cover every register tile edge: 1-6 rows of a tile, one to four 16-channel
+# panels, row blocks of 120, the model's own layers, k of one k-step.
+@pytest.mark.parametrize("n,k", [(16, 4), (48, 8), (112, 36), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 121, 250])
+def test_native_product_equals_the_integer_product(n, k, rows, needs_native):
+    if needs_native is None:
+        return
+    torch.manual_seed(n * 1000 + rows)
+    qweight, w_scales = quantize_weight(torch.randn(n, k))
+    qweight[0] = 127  # extreme values: the zero-point correction and sums at their widest
+    qweight[-1] = -127
+    bias = torch.randn(n) if rows % 2 else None
+    x = torch.randn(rows, k) * torch.linspace(0.1, 8, k)
+    qx, x_scales = quantize_rows_u8(x)
+    qx[0] = 255  # u8 at its top
+    packed = pack_int8_weight(qweight, w_scales, bias)
+    want = reference(qx, x_scales, qweight, w_scales, bias)
+
+    got = int8_matmul(qx, x_scales, FULL_RANGE[1], packed, torch.float32)
+    # Integer sums are exact; one fp32 conversion and a fused multiply-add round after.
+    torch.testing.assert_close(got.double(), want, rtol=3e-7, atol=1e-6 * float(want.abs().max()))
+
+    got_bf16 = int8_matmul(qx, x_scales, FULL_RANGE[1], packed, torch.bfloat16)
+    # bf16 output: the fp32 value rounded once (to nearest even) - the reference rounded
+    # the same way, except where the fp32 values themselves differ in the last bit.
+    rounded = want.float().bfloat16()
+    mismatched = got_bf16 != rounded
+    assert float(mismatched.float().mean()) < 2e-3
+    torch.testing.assert_close(got_bf16.float(), rounded.float(), rtol=2**-7, atol=1e-30)
+
+
+def test_the_layers_take_the_native_kernel_where_it_fits(needs_native):
+    if needs_native is None:
+        return
+    assert choose_kernel(960, 576) == "native"
+    assert choose_kernel(40, 576) == "onednn"  # not a whole number of 16-channel panels
+    assert choose_kernel(960, 30) == "onednn"  # k not a whole number of 4-byte steps
+    with pytest.raises(ValueError, match="does not take"):
+        Int8Linear.from_float(torch.randn(40, 64), kernel="native")
+    layer = Int8Linear.from_float(torch.randn(96, 64))
+    assert layer.kernel == "native" and not hasattr(layer, "packed_weight")
+    # Its activations use all 8 bits: VNNI sums in int32, nothing saturates.
+    assert layer.value_range == FULL_RANGE
+
+
+def test_bad_arguments_are_refused_before_the_kernel_runs(needs_native):
+    if needs_native is None:
+        return
+    packed = pack_int8_weight(*quantize_weight(torch.randn(32, 16)))
+    qx, scales = quantize_rows_u8(torch.randn(3, 16))
+    with pytest.raises(ValueError, match="uint8"):
+        int8_matmul(qx.to(torch.int8), scales, 128, packed, torch.float32)
+    with pytest.raises(ValueError, match="uint8"):
+        int8_matmul(qx[:, :12], scales, 128, packed, torch.float32)
+    with pytest.raises(ValueError, match="scales"):
+        int8_matmul(qx, scales[:2], 128, packed, torch.float32)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        int8_matmul(qx, scales, 128, packed, torch.float16)
+
+
+_AVX2_CHILD = """
+import json, torch
+from tokenmill.engine.kernels import native_library
+from tokenmill.engine.kernels.int8_matmul import native_int8_isa
+from tokenmill.engine.quant.int8 import Int8Linear, choose_kernel
+layer = Int8Linear.from_float(torch.randn(96, 64))
+y = layer(torch.randn(5, 64))
+print("RESULT " + json.dumps({"built": native_library() is not None, "isa": native_int8_isa(),
+                              "choice": choose_kernel(96, 64), "layer": layer.kernel,
+                              "rows": y.shape[0]}))
+"""
+
+
+def test_the_kernel_is_left_out_where_the_cpu_lacks_vnni(tmp_path):
+    """A library built for an AVX2-only CPU (x86-64-v3: no AVX-512, no VNNI) has no native
+    int8 product; it says so through tm_limits and the layers run oneDNN's."""
+    env = {
+        **os.environ,
+        "TOKENMILL_CACHE_DIR": str(tmp_path),
+        "TOKENMILL_KERNEL_MARCH": "x86-64-v3",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _AVX2_CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=True,
+    )
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result == {
+        "built": True,
+        "isa": None,
+        "choice": "onednn",
+        "layer": "onednn",
+        "rows": 5,
+    }
