@@ -10,9 +10,13 @@ Candidates (those this torch build lacks are skipped with a note):
   int8-dyn-onednn    per-tensor dynamic int8 activations x per-channel int8 weights,
                      torch.ops.onednn.qlinear_pointwise on a prepacked weight (PT2E's op);
                      the time includes quantizing x
-  int8-dyn-ours      tokenmill's own kernel (engine/kernels/int8_matmul.c), per-row int8
-                     activations, VNNI/AVX2 chosen at run time; the time includes
-                     quantizing x
+  int8-rows-onednn   the int8 layer on oneDNN (per-row int8 activations from our
+                     quantizer, oneDNN's int8 matmul at scale 1, the row scales applied
+                     after; rows padded to few shapes): the layers' kernel where ours is
+                     not built
+  int8-rows-native   the int8 layer on our AVX512-VNNI kernel (engine/kernels/int8_linear.c,
+                     row scales in its epilogue), where the library has it
+                     (both int8 layer rows: the time includes quantizing x)
   int8-dyn-torchao   torchao Int8DynamicActivationInt8WeightConfig (eager)
   int8-wo            torch._weight_int8pack_mm: int8 weights, bf16 activations
   int4-g32           torch._weight_int4pack_mm_for_cpu, group 32, bf16 activations
@@ -79,8 +83,13 @@ def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Ten
         print(f"int8-dyn-onednn: skipped ({exc})", file=sys.stderr)
 
     if int8.kernel_name() is not None:
-        layer = int8.Int8Linear.from_float(weight)
-        out["int8-dyn-ours"] = _with_input(layer, torch.bfloat16)
+        layer = int8.Int8Linear.from_float(weight, kernel="onednn")
+        out["int8-rows-onednn"] = _with_input(layer, torch.bfloat16)
+    if int8.choose_kernel(n, k) == "native":
+        layer = int8.Int8Linear.from_float(weight, kernel="native")
+        out["int8-rows-native"] = _with_input(layer, torch.bfloat16)
+    else:
+        print("int8-rows-native: skipped (not built for this CPU)", file=sys.stderr)
     try:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
@@ -123,7 +132,10 @@ def main() -> None:
     )
     from tokenmill.engine.quant import int8
 
-    print(f"# tokenmill int8 kernel: {int8.kernel_name()}")
+    print(
+        f"# oneDNN int8 kernel: {int8.kernel_name()}; native int8 kernel: "
+        f"{int8.describe_kernel('native') if int8.choose_kernel(16, 16) == 'native' else 'none'}"
+    )
     header = None
     for shape_name in args.shapes.split(","):
         n, k = SHAPES[shape_name]

@@ -44,8 +44,8 @@ _FILE_FLAGS = {
     "interface.c": [],
     "paged_attention.c": ["-ffast-math"],
     "quantize.c": ["-ffast-math"],
-    # Integer sums are exact; the epilogue's float multiply-add may contract.
-    "int8_matmul.c": [],
+    # Its integer sums are exact; the epilogue's float multiply-add may contract.
+    "int8_linear.c": [],
     "elementwise.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
 }
 # Linked without -ffast-math: with it GCC (before 13) links crtfastmath.o into the

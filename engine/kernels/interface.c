@@ -9,12 +9,12 @@ void tm_limits(tm_limits_t *out) {
     out->max_row_dim = TM_MAX_ROW_DIM;
     out->max_qmax = TM_MAX_QMAX;
     out->max_int8_k = TM_MAX_INT8_K;
-    out->int8_matmul_isa = tm_int8_matmul_isa();
+    out->int8_linear_isa = tm_int8_linear_isa();
     out->attention_args_size = sizeof(tm_attention_args);
     out->kv_write_args_size = sizeof(tm_kv_write_args);
     out->rms_norm_args_size = sizeof(tm_rms_norm_args);
     out->rotary_args_size = sizeof(tm_rotary_args);
     out->silu_args_size = sizeof(tm_silu_args);
     out->quantize_args_size = sizeof(tm_quantize_args);
-    out->int8_matmul_args_size = sizeof(tm_int8_matmul_args);
+    out->int8_linear_args_size = sizeof(tm_int8_linear_args);
 }

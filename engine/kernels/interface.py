@@ -19,8 +19,8 @@ _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes
 ABI_VERSION = 3
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
-# tm_limits_t.int8_matmul_isa values (TM_INT8_ISA_*), by name.
-INT8_MATMUL_ISAS = {0: None, 1: "avx512_vnni"}
+# tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
+INT8_LINEAR_ISAS = {0: None, 1: "avx512_vnni"}
 
 
 class _Limits(ctypes.Structure):
@@ -32,14 +32,14 @@ class _Limits(ctypes.Structure):
         ("max_row_dim", _i64),
         ("max_qmax", _i64),
         ("max_int8_k", _i64),
-        ("int8_matmul_isa", _i64),
+        ("int8_linear_isa", _i64),
         ("attention_args_size", _i64),
         ("kv_write_args_size", _i64),
         ("rms_norm_args_size", _i64),
         ("rotary_args_size", _i64),
         ("silu_args_size", _i64),
         ("quantize_args_size", _i64),
-        ("int8_matmul_args_size", _i64),
+        ("int8_linear_args_size", _i64),
     ]
 
 
@@ -159,11 +159,13 @@ class QuantizeArgs(ctypes.Structure):
     ]
 
 
-class Int8MatmulArgs(ctypes.Structure):
-    """tm_int8_matmul_args."""
+class Int8LinearArgs(ctypes.Structure):
+    """tm_int8_linear_args."""
 
     _fields_ = [
         ("x", _ptr),
+        ("inv_smooth", _ptr),
+        ("qx", _ptr),
         ("x_scales", _ptr),
         ("w", _ptr),
         ("w_col_sums", _ptr),
@@ -173,7 +175,6 @@ class Int8MatmulArgs(ctypes.Structure):
         ("rows", _i64),
         ("n", _i64),
         ("k", _i64),
-        ("x_zero_point", _i32),
         ("is_bf16", _i32),
         ("num_threads", _i32),
     ]
@@ -187,7 +188,7 @@ FUNCTIONS = {
     "tm_rotary_qkv": (RotaryArgs, "rotary_args_size"),
     "tm_silu_and_mul": (SiluArgs, "silu_args_size"),
     "tm_quantize_rows_u8": (QuantizeArgs, "quantize_args_size"),
-    "tm_int8_matmul": (Int8MatmulArgs, "int8_matmul_args_size"),
+    "tm_int8_linear": (Int8LinearArgs, "int8_linear_args_size"),
 }
 
 
@@ -201,7 +202,7 @@ class KernelLimits:
     max_row_dim: int  # RMSNorm and SiLU-and-mul row width
     max_qmax: int
     max_int8_k: int  # the int8 product's longest reduction
-    int8_matmul_isa: str | None  # the instructions tm_int8_matmul has here, or None
+    int8_linear_isa: str | None  # the instructions tm_int8_linear has here, or None
 
 
 def declare(lib: ctypes.CDLL) -> KernelLimits:
@@ -237,7 +238,7 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         max_row_dim=reported.max_row_dim,
         max_qmax=reported.max_qmax,
         max_int8_k=reported.max_int8_k,
-        int8_matmul_isa=INT8_MATMUL_ISAS.get(reported.int8_matmul_isa),
+        int8_linear_isa=INT8_LINEAR_ISAS.get(reported.int8_linear_isa),
     )
 
 

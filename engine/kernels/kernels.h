@@ -40,7 +40,7 @@ enum {
     TM_UNSUPPORTED_ISA = -3    /* the library was built for a CPU without the instructions */
 };
 
-/* The instructions tm_int8_matmul was built with (tm_limits_t.int8_matmul_isa). */
+/* The instructions tm_int8_linear was built with (tm_limits_t.int8_linear_isa). */
 enum { TM_INT8_ISA_NONE = 0, TM_INT8_ISA_AVX512_VNNI = 1 };
 
 typedef struct {
@@ -51,7 +51,7 @@ typedef struct {
     int64_t max_row_dim;
     int64_t max_qmax;
     int64_t max_int8_k;
-    int64_t int8_matmul_isa; /* TM_INT8_ISA_*: which int8 product this build has */
+    int64_t int8_linear_isa; /* TM_INT8_ISA_*: which int8 linear this build has */
     /* sizeof each argument struct, in the order they are declared below */
     int64_t attention_args_size;
     int64_t kv_write_args_size;
@@ -59,7 +59,7 @@ typedef struct {
     int64_t rotary_args_size;
     int64_t silu_args_size;
     int64_t quantize_args_size;
-    int64_t int8_matmul_args_size;
+    int64_t int8_linear_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -193,32 +193,34 @@ typedef struct {
 
 int tm_quantize_rows_u8(const tm_quantize_args *args);
 
-/* ---- int8_matmul.c -------------------------------------------------------------------
- * out[m, n] = (sum_k x[m, k] * w[n, k] - x_zero_point * w_col_sums[n]) * x_scales[m]
- *             * w_scales[n] + bias[n]
- * for u8 activations around x_zero_point (tm_quantize_rows_u8's output) and s8 weights,
- * summed exactly in int32. The weights are packed in panels of 16 output channels, each
- * [k / 4][16][4] (engine/quant/int8.py packs them). n % 16 == 0, k % 4 == 0,
+/* ---- int8_linear.c -------------------------------------------------------------------
+ * An int8 linear layer's forward: each row of x quantized as tm_quantize_rows_u8 does with
+ * qmax 127 and zero point 128 (into qx and x_scales, which the caller provides), then
+ * out[m, n] = (sum_k qx[m, k] * w[n, k] - 128 * w_col_sums[n]) * x_scales[m]
+ *             * w_scales[n] + bias[n],
+ * the sums exact in int32. The s8 weights are packed in panels of 16 output channels, each
+ * [k / 4][16][4] (engine/kernels/int8_linear.py packs them). n % 16 == 0, k % 4 == 0,
  * k <= TM_MAX_INT8_K. Built only where the compiler targets AVX512-VNNI; elsewhere it
  * returns TM_UNSUPPORTED_ISA and tm_limits says so. */
 typedef struct {
-    const uint8_t *x;          /* [rows, k] */
-    const float *x_scales;     /* [rows] */
+    const void *x;             /* [rows, k] fp32 or bf16 */
+    const float *inv_smooth;   /* [k] per-channel factors applied first, or NULL */
+    uint8_t *qx;               /* [rows, k] out: the quantized rows */
+    float *x_scales;           /* [rows] out: their scales */
     const int8_t *w;           /* [n / 16, k / 4, 16, 4] */
     const int32_t *w_col_sums; /* [n] sum over k of w[n, k] */
     const float *w_scales;     /* [n] */
     const float *bias;         /* [n], or NULL */
-    void *out;                 /* [rows, n] fp32 or bf16 */
+    void *out;                 /* [rows, n], x's type */
     int64_t rows;
     int64_t n;
     int64_t k;
-    int32_t x_zero_point;
     int32_t is_bf16;
     int32_t num_threads;
-} tm_int8_matmul_args;
+} tm_int8_linear_args;
 
-int tm_int8_matmul(const tm_int8_matmul_args *args);
-/* Internal (tm_limits reports it): the TM_INT8_ISA_* this build of int8_matmul.c has. */
-int tm_int8_matmul_isa(void);
+int tm_int8_linear(const tm_int8_linear_args *args);
+/* Internal (tm_limits reports it): the TM_INT8_ISA_* this build of int8_linear.c has. */
+int tm_int8_linear_isa(void);
 
 #endif

@@ -6,10 +6,11 @@ scale (kernels/quantize.c; one scale for the whole tensor lost up to 20% of a la
 output on SmolLM2's outlier activations, per row 2-4%), and the product runs on one of
 two kernels, chosen per layer at load:
 
-- "native": our AVX512-VNNI kernel (kernels/int8_matmul.c), where the library was built
-  for a CPU with VNNI and the layer's shape fits its panels. It applies each row's scale
-  in its epilogue and takes any row count; at the model's shapes it measured 1.0-2.4x
-  oneDNN's int8 matmul (benchmarks/README.md, "Quantized matmuls").
+- "native": our AVX512-VNNI kernel (kernels/int8_linear.c), where the library was built
+  for a CPU with VNNI and the layer's shape fits its panels. It quantizes the rows and
+  applies each row's scale in its epilogue in the same call, and takes any row count;
+  at the model's shapes it measured 1.0-2.4x oneDNN's int8 matmul (benchmarks/README.md,
+  "Quantized matmuls").
 - "onednn": oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, the op
   PyTorch's PT2E quantization lowers to) on a weight packed once at load, everywhere
   else. oneDNN picks its kernel for the CPU at run time: AMX where present,
@@ -25,7 +26,7 @@ import os
 import torch
 from torch import nn
 
-from tokenmill.engine.kernels import int8_matmul as native
+from tokenmill.engine.kernels import int8_linear as native
 from tokenmill.engine.kernels.quantize import FULL_RANGE, REDUCED_RANGE, quantize_rows_u8
 
 KERNELS = ("native", "onednn")
@@ -140,7 +141,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous()
         self.weight_bytes = qweight.numel() + 4 * scale.numel()
         if self.kernel == "native":
-            self.value_range = FULL_RANGE  # VNNI sums in int32: no saturation
+            self.value_range = native.VALUE_RANGE  # VNNI sums in int32: all 8 bits
             self.packed = native.pack_int8_weight(qweight, self.scale, self.bias)
             return
         self.register_buffer(
@@ -167,19 +168,16 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        num_rows = x.numel() // self.in_features
-        qx, x_scales = quantize_rows_u8(
-            x.reshape(num_rows, self.in_features), self.inv_smooth, self.value_range
-        )
+        rows = x.reshape(-1, self.in_features)
         if self.kernel == "native":
-            out_dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-            y = native.int8_matmul(qx, x_scales, self.value_range[1], self.packed, out_dtype)
-            return y.to(x.dtype).view(*shape[:-1], self.out_features)
-        return self._onednn_forward(qx, x_scales, x.dtype).view(*shape[:-1], self.out_features)
+            dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+            y = native.int8_linear(rows.to(dtype), self.packed, self.inv_smooth).to(x.dtype)
+        else:
+            y = self._onednn_forward(rows, x.dtype)
+        return y.view(*shape[:-1], self.out_features)
 
-    def _onednn_forward(
-        self, qx: torch.Tensor, x_scales: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
+    def _onednn_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        qx, x_scales = quantize_rows_u8(x, self.inv_smooth, self.value_range)
         num_rows = qx.shape[0]
         padded = padded_rows(num_rows)
         if padded != num_rows:  # rows of zero point: they compute zeros, then are dropped

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tokenmill.engine.kernels.int8_matmul import native_int8_isa
+from tokenmill.engine.kernels.int8_linear import native_int8_isa
 from tokenmill.engine.kernels.quantize import quantize_rows_u8
 from tokenmill.engine.quant.int8 import (
     Int8Linear,

@@ -1,6 +1,7 @@
-/* int8 x int8 matrix product for the int8 linear layers (engine/quant/int8.py), on
- * AVX512-VNNI's vpdpbusd: out[m, n] = (sum_k x[m, k] w[n, k] - zp * colsum[n])
- *                                      * x_scales[m] * w_scales[n] + bias[n].
+/* The int8 linear layers' forward (engine/quant/int8.py) in one call, on AVX512-VNNI's
+ * vpdpbusd: each row of x quantized to uint8 with its own scale (quantize_row.h), then
+ * out[m, n] = (sum_k qx[m, k] w[n, k] - 128 * colsum[n]) * x_scales[m] * w_scales[n]
+ *             + bias[n].
  *
  * Why our own and not oneDNN's (which the layers use where this is not built): oneDNN
  * takes one activation scale per tensor, so per-token scales cost a second pass over the
@@ -8,7 +9,8 @@
  * count, which forced padding decode steps to a few fixed sizes; and at the model's
  * shapes it measured well below the VNNI units' rate (benchmarks/README.md, "Quantized
  * matmuls"). Here each row's scale is applied in the epilogue, rows are taken as they
- * come, and nothing is built at run time.
+ * come, and nothing is built at run time. Quantizing inside the same call saves a
+ * second trip through Python and a second wake-up of the threads per layer.
  *
  * Layout: the weights are packed at load into panels of 16 output channels, each panel
  * [k / 4][16][4]: one 64-byte load gives vpdpbusd four k-values for 16 channels. A
@@ -24,6 +26,7 @@
 
 #include "kernel_common.h"
 #include "kernels.h"
+#include "quantize_row.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TM_HAVE_VNNI 1
@@ -32,7 +35,7 @@
 #define TM_HAVE_VNNI 0
 #endif
 
-int tm_int8_matmul_isa(void) { return TM_HAVE_VNNI ? TM_INT8_ISA_AVX512_VNNI : TM_INT8_ISA_NONE; }
+int tm_int8_linear_isa(void) { return TM_HAVE_VNNI ? TM_INT8_ISA_AVX512_VNNI : TM_INT8_ISA_NONE; }
 
 #if TM_HAVE_VNNI
 
@@ -168,19 +171,24 @@ static void panels_all_rows(const problem *p, int64_t rows, int64_t first, int64
 }
 #endif
 
-int tm_int8_matmul(const tm_int8_matmul_args *a) {
+int tm_int8_linear(const tm_int8_linear_args *a) {
 #if TM_HAVE_VNNI
     if (a->n % 16 || a->k % 4 || a->k > TM_MAX_INT8_K || a->rows < 0) return TM_UNSUPPORTED_SHAPE;
-    const problem p = {a->x, a->x_scales, a->w, a->w_col_sums, a->w_scales, a->bias,
-                       a->out, a->n, a->k, a->x_zero_point, a->is_bf16};
-    const int64_t panels = a->n / 16;
-    const int parallel = a->rows * a->n * a->k >= MATMUL_PARALLEL_MIN;
+    const int qmax = 127, zero_point = 128; /* VNNI sums in int32: all 8 bits */
+    const problem p = {a->qx, a->x_scales, a->w, a->w_col_sums, a->w_scales, a->bias,
+                       a->out, a->n, a->k, zero_point, a->is_bf16};
+    const int64_t panels = a->n / 16, rows = a->rows, k = a->k;
+    const int parallel = rows * a->n * k >= MATMUL_PARALLEL_MIN;
 #pragma omp parallel num_threads(a->num_threads) if (parallel)
     {
         const int64_t threads = omp_get_num_threads();
         const int64_t t = omp_get_thread_num();
+        for (int64_t r = rows * t / threads; r < rows * (t + 1) / threads; r++)
+            a->x_scales[r] = tm_internal_quantize_row_u8(a->x, r, k, a->is_bf16, a->inv_smooth,
+                                                         qmax, zero_point, a->qx + r * k);
+#pragma omp barrier
         const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
-        panels_all_rows(&p, a->rows, first, last);
+        panels_all_rows(&p, rows, first, last);
     }
     return TM_OK;
 #else

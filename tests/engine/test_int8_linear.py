@@ -1,5 +1,6 @@
-"""The native int8 product (kernels/int8_matmul.c): equal to the integer product it
-stands for, at every tile edge, and chosen only where the library has its instructions."""
+"""The native int8 linear (kernels/int8_linear.c): it quantizes rows as the quantizer
+does, its product equals the integer product it stands for at every tile edge, and it is
+chosen only where the library has its instructions."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tokenmill.engine.kernels.int8_matmul import int8_matmul, native_int8_isa, pack_int8_weight
+from tokenmill.engine.kernels.int8_linear import int8_linear, native_int8_isa, pack_int8_weight
 from tokenmill.engine.kernels.quantize import FULL_RANGE, quantize_rows_u8
 from tokenmill.engine.quant.int8 import Int8Linear, choose_kernel, quantize_weight
 
@@ -38,7 +39,7 @@ def needs_native(cpu_path):
 # panels, row blocks of 120, the model's own layers, k of one k-step.
 @pytest.mark.parametrize("n,k", [(16, 4), (48, 8), (112, 36), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 121, 250])
-def test_native_product_equals_the_integer_product(n, k, rows, needs_native):
+def test_native_linear_equals_the_integer_product(n, k, rows, needs_native):
     if needs_native is None:
         return
     torch.manual_seed(n * 1000 + rows)
@@ -47,21 +48,24 @@ def test_native_product_equals_the_integer_product(n, k, rows, needs_native):
     qweight[-1] = -127
     bias = torch.randn(n) if rows % 2 else None
     x = torch.randn(rows, k) * torch.linspace(0.1, 8, k)
-    qx, x_scales = quantize_rows_u8(x)
-    qx[0] = 255  # u8 at its top
+    x[0, 0] = 50.0  # one outlier: that row's values sit at the ends of the range
+    smooth = (torch.rand(k) + 0.5) if rows % 3 else None
     packed = pack_int8_weight(qweight, w_scales, bias)
-    want = reference(qx, x_scales, qweight, w_scales, bias)
 
-    got = int8_matmul(qx, x_scales, FULL_RANGE[1], packed, torch.float32)
+    got, qx, x_scales = int8_linear(x, packed, smooth, keep_quantized=True)
+    # The rows are quantized exactly as the stand-alone quantizer does (shared code).
+    want_qx, want_scales = quantize_rows_u8(x, smooth)
+    assert torch.equal(qx, want_qx) and torch.equal(x_scales, want_scales)
+    want = reference(qx, x_scales, qweight, w_scales, bias)
     # Integer sums are exact; one fp32 conversion and a fused multiply-add round after.
     torch.testing.assert_close(got.double(), want, rtol=3e-7, atol=1e-6 * float(want.abs().max()))
 
-    got_bf16 = int8_matmul(qx, x_scales, FULL_RANGE[1], packed, torch.bfloat16)
+    got_bf16, qx_bf16, scales_bf16 = int8_linear(x.bfloat16(), packed, smooth, keep_quantized=True)
+    want = reference(qx_bf16, scales_bf16, qweight, w_scales, bias)
     # bf16 output: the fp32 value rounded once (to nearest even) - the reference rounded
     # the same way, except where the fp32 values themselves differ in the last bit.
     rounded = want.float().bfloat16()
-    mismatched = got_bf16 != rounded
-    assert float(mismatched.float().mean()) < 2e-3
+    assert float((got_bf16 != rounded).float().mean()) < 2e-3
     torch.testing.assert_close(got_bf16.float(), rounded.float(), rtol=2**-7, atol=1e-30)
 
 
@@ -83,21 +87,19 @@ def test_bad_arguments_are_refused_before_the_kernel_runs(needs_native):
     if needs_native is None:
         return
     packed = pack_int8_weight(*quantize_weight(torch.randn(32, 16)))
-    qx, scales = quantize_rows_u8(torch.randn(3, 16))
-    with pytest.raises(ValueError, match="uint8"):
-        int8_matmul(qx.to(torch.int8), scales, 128, packed, torch.float32)
-    with pytest.raises(ValueError, match="uint8"):
-        int8_matmul(qx[:, :12], scales, 128, packed, torch.float32)
-    with pytest.raises(ValueError, match="scales"):
-        int8_matmul(qx, scales[:2], 128, packed, torch.float32)
+    x = torch.randn(3, 16)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        int8_matmul(qx, scales, 128, packed, torch.float16)
+        int8_linear(x.half(), packed)
+    with pytest.raises(ValueError, match=r"\[rows, 16\]"):
+        int8_linear(x[:, :12], packed)
+    with pytest.raises(ValueError, match="smoothing"):
+        int8_linear(x, packed, torch.ones(12))
 
 
 _AVX2_CHILD = """
 import json, torch
 from tokenmill.engine.kernels import native_library
-from tokenmill.engine.kernels.int8_matmul import native_int8_isa
+from tokenmill.engine.kernels.int8_linear import native_int8_isa
 from tokenmill.engine.quant.int8 import Int8Linear, choose_kernel
 layer = Int8Linear.from_float(torch.randn(96, 64))
 y = layer(torch.randn(5, 64))

@@ -1,0 +1,131 @@
+"""The int8 linear layers' forward over the native library (int8_linear.c, AVX512-VNNI):
+per-row activation quantization, the int8 product and both scales in one call."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.kernels import native_library
+from tokenmill.engine.kernels.interface import Int8LinearArgs, check_status
+from tokenmill.engine.kernels.quantize import FULL_RANGE
+
+PANEL = 16  # output channels per packed panel
+K_STEP = 4  # k-values per vpdpbusd lane
+# The kernel quantizes to all 8 bits (VNNI sums in int32, nothing saturates): int8_linear.c
+# hard-codes this range.
+VALUE_RANGE = FULL_RANGE
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    native = native_library()
+    if native is None or native.limits.int8_linear_isa is None:
+        return None
+    return native.lib
+
+
+def native_int8_isa() -> str | None:
+    """The instructions the native int8 linear runs on here (None: not built for this
+    CPU, or no native library)."""
+    native = native_library()
+    return None if native is None else native.limits.int8_linear_isa
+
+
+def takes_shape(out_features: int, in_features: int) -> bool:
+    """Whether the native int8 linear takes a layer of this shape on this machine."""
+    return (
+        _library() is not None
+        and out_features % PANEL == 0
+        and in_features % K_STEP == 0
+        and in_features <= native_library().limits.max_int8_k
+    )
+
+
+@dataclass(frozen=True)
+class PackedInt8Weight:
+    """An int8 weight [n, k] in the kernel's layout, with what its epilogue needs."""
+
+    panels: torch.Tensor  # int8 [n / 16, k / 4, 16, 4]
+    col_sums: torch.Tensor  # int32 [n]: sum over k of each output channel's weights
+    scales: torch.Tensor  # fp32 [n]
+    bias: torch.Tensor | None  # fp32 [n]
+
+    @property
+    def out_features(self) -> int:
+        return self.col_sums.numel()
+
+    @property
+    def in_features(self) -> int:
+        return self.panels.shape[1] * K_STEP
+
+
+def pack_int8_weight(
+    qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> PackedInt8Weight:
+    """int8 [n, k] (n % 16 == 0, k % 4 == 0) -> the panels tm_int8_linear reads."""
+    n, k = qweight.shape
+    panels = qweight.reshape(n // PANEL, PANEL, k // K_STEP, K_STEP).permute(0, 2, 1, 3)
+    return PackedInt8Weight(
+        panels=panels.contiguous(),
+        col_sums=qweight.sum(dim=1, dtype=torch.int32).contiguous(),
+        scales=scales.float().contiguous(),
+        bias=None if bias is None else bias.float().contiguous(),
+    )
+
+
+def int8_linear(
+    x: torch.Tensor,
+    weight: PackedInt8Weight,
+    inv_smooth: torch.Tensor | None = None,
+    *,
+    keep_quantized: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y = quantized(x * inv_smooth) @ dequantized(weight).T + bias, in x's dtype.
+
+    Args:
+        x: [rows, k] fp32 or bf16 activations.
+        weight: from pack_int8_weight.
+        inv_smooth: [k] fp32 factors applied to x first, or None.
+        keep_quantized: also return the quantized activations (uint8 [rows, k], around
+            VALUE_RANGE's zero point) and their scales (fp32 [rows]) the product used.
+    Returns:
+        y [rows, n], or (y, qx, x_scales) with keep_quantized.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native int8 linear is not built for this CPU")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the int8 linear takes float32 or bfloat16, not {x.dtype}")
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"expected [rows, {weight.in_features}] activations, got {tuple(x.shape)}")
+    if inv_smooth is not None and (
+        inv_smooth.dtype != torch.float32 or inv_smooth.shape != (weight.in_features,)
+    ):
+        raise ValueError(f"expected float32 [{weight.in_features}] smoothing factors")
+    x = x.contiguous()
+    rows = x.shape[0]
+    qx = torch.empty((rows, weight.in_features), dtype=torch.uint8)
+    x_scales = torch.empty(rows, dtype=torch.float32)
+    out = torch.empty((rows, weight.out_features), dtype=x.dtype)
+    args = Int8LinearArgs(
+        x=x.data_ptr(),
+        inv_smooth=None if inv_smooth is None else inv_smooth.contiguous().data_ptr(),
+        qx=qx.data_ptr(),
+        x_scales=x_scales.data_ptr(),
+        w=weight.panels.data_ptr(),
+        w_col_sums=weight.col_sums.data_ptr(),
+        w_scales=weight.scales.data_ptr(),
+        bias=None if weight.bias is None else weight.bias.data_ptr(),
+        out=out.data_ptr(),
+        rows=rows,
+        n=weight.out_features,
+        k=weight.in_features,
+        is_bf16=int(x.dtype == torch.bfloat16),
+        num_threads=torch.get_num_threads(),
+    )
+    check_status(lib.tm_int8_linear(ctypes.byref(args)), "int8 linear (AVX512-VNNI)")
+    return (out, qx, x_scales) if keep_quantized else out
