@@ -61,7 +61,7 @@ def kernels_here() -> list[str]:
 def test_int8_product_is_exact_and_close_to_float(kernel, dtype, rows, cpu_path):
     if kernel not in kernels_here():  # an AVX2-only CPU: the layer must not pick it
         assert choose_kernel(96, 160) == "onednn"
-        cpu_path("int8 native kernel", "not built for this CPU; layers take oneDNN")
+        cpu_path("int8 linear, native kernel", "not built for this CPU (oneDNN instead)")
         return
     torch.manual_seed(rows)
     weight = torch.randn(96, 160) * 0.05
