@@ -116,6 +116,7 @@ def test_the_kernel_is_left_out_where_the_cpu_lacks_vnni(tmp_path):
         **os.environ,
         "TOKENMILL_CACHE_DIR": str(tmp_path),
         "TOKENMILL_KERNEL_MARCH": "x86-64-v3",
+        "TOKENMILL_NATIVE_KERNELS": "1",  # the suite may run with them off
     }
     done = subprocess.run(
         [sys.executable, "-c", _AVX2_CHILD],
