@@ -7,8 +7,8 @@
  * takes one activation scale per tensor, so per-token scales cost a second pass over the
  * output (and a bf16 rounding before it); it JIT-builds a kernel for every new row
  * count, which forced padding decode steps to a few fixed sizes; and at the model's
- * shapes it measured well below the VNNI units' rate (benchmarks/README.md, "Quantized
- * matmuls"). Here each row's scale is applied in the epilogue, rows are taken as they
+ * shapes it measured well below the VNNI units' rate (benchmarks/README.md, "Kernel
+ * choice"). Here each row's scale is applied in the epilogue, rows are taken as they
  * come, and nothing is built at run time. Quantizing inside the same call saves a
  * second trip through Python and a second wake-up of the threads per layer.
  *

@@ -4,7 +4,7 @@ Each run of `group_size` weights along a row keeps a scale and a minimum
 (w ~ q * scale + minimum, q in 0..15, the GGUF Q4_1 recipe) and the product runs in
 PyTorch's own CPU kernel for it (`torch._weight_int4pack_mm_for_cpu`), which reads a
 quarter of bf16's bytes: the choice for jobs bound by memory bandwidth (small batches,
-long outputs, bigger models). Why this kernel: benchmarks/README.md ("Quantized matmuls").
+long outputs, bigger models). Why this kernel: benchmarks/README.md ("Kernel choice").
 The kernel runs in bf16 whatever the model's dtype: its fp32 variant measured 1 GOP/s
 on the project's CPU against ~60 in bf16 (one thread, 3072 x 576), so the scales and the
 activations are rounded to bf16 and the output cast back.

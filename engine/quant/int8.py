@@ -9,8 +9,8 @@ two kernels, chosen per layer at load:
 - "native": our AVX512-VNNI kernel (kernels/int8_linear.c), where the library was built
   for a CPU with VNNI and the layer's shape fits its panels. It quantizes the rows and
   applies each row's scale in its epilogue in the same call, and takes any row count;
-  at the model's shapes it measured 1.0-2.4x oneDNN's int8 matmul (benchmarks/README.md,
-  "Quantized matmuls").
+  at the model's shapes the layer on it measured 1.0-1.9x the layer on oneDNN
+  (benchmarks/README.md, "Kernel choice").
 - "onednn": oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, the op
   PyTorch's PT2E quantization lowers to) on a weight packed once at load, everywhere
   else. oneDNN picks its kernel for the CPU at run time: AMX where present,
