@@ -7,7 +7,7 @@ output on SmolLM2's outlier activations, per row 2-4%), and the product runs on 
 two kernels, chosen per layer at load:
 
 - "native": our AVX512-VNNI kernel (kernels/int8_linear.c), where the library was built
-  for a CPU with VNNI and the layer's shape fits its panels. It quantizes the rows and
+  for a CPU with VNNI, oneDNN has no AMX there, and the layer's shape fits its panels. It quantizes the rows and
   applies each row's scale in its epilogue in the same call, and takes any row count;
   at the model's shapes the layer on it measured 1.0-1.9x the layer on oneDNN
   (benchmarks/README.md, "Kernel choice").
@@ -69,7 +69,11 @@ def kernel_name() -> str | None:
 
 def choose_kernel(out_features: int, in_features: int) -> str:
     """The int8 kernel a layer of this shape runs on here: "native" where our VNNI
-    kernel is built and takes the shape, else "onednn"."""
+    kernel is built and takes the shape, unless oneDNN has AMX (tile matrix units do
+    several times VNNI's work a cycle; no AMX machine was at hand to measure the two),
+    else "onednn"."""
+    if kernel_name() == "avx512_core_amx":
+        return "onednn"
     return "native" if native.takes_shape(out_features, in_features) else "onednn"
 
 

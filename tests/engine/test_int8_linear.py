@@ -83,6 +83,14 @@ def test_the_layers_take_the_native_kernel_where_it_fits(needs_native):
     assert layer.value_range == FULL_RANGE
 
 
+def test_a_cpu_with_amx_keeps_onednn(monkeypatch):
+    """AMX's tile units outrun VNNI: where oneDNN reports them, the layers stay on it."""
+    import tokenmill.engine.quant.int8 as int8
+
+    monkeypatch.setattr(int8, "kernel_name", lambda: "avx512_core_amx")
+    assert int8.choose_kernel(960, 576) == "onednn"
+
+
 def test_bad_arguments_are_refused_before_the_kernel_runs(needs_native):
     if needs_native is None:
         return
