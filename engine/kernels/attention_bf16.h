@@ -2,16 +2,33 @@
  *
  * `vdpbf16ps` multiplies pairs of bf16 values and adds both products to an fp32 lane:
  * twice the work of an fp32 FMA per instruction. Its operands must hold the pairs that
- * are summed next to each other, so a key block ([head_dim, 16]: position t of element
- * d at d * 16 + t) is re-laid as [head_dim / 2, 16, 2] - elements d and d + 1 of one
- * position side by side - and a value block ([16, head_dim]) as [8, head_dim, 2] -
- * positions t and t + 1 of one element side by side. Each is built once per block and
- * serves every row of the tile. Scores and the softmax stay fp32; the weights are
- * rounded to bf16 for the weighted sum, as HF's eager attention rounds them.
- * Used for 16-token blocks and head_dim 64 or 128; everything else widens to fp32.
+ * are summed next to each other, so a bf16 cache that this path reads stores each key
+ * block not as [head_dim, 16] but as [head_dim / 2, 16, 2] - elements d and d + 1 of one
+ * position side by side - and each value block not as [16, head_dim] but as
+ * [8, head_dim, 2] - positions t and t + 1 of one element side by side. The cache writer
+ * lays them out so (uses_bf16_pairs says when); until 2026-12 every step re-laid every
+ * block it read, about a third of a decode step's attention. Scores and the softmax stay
+ * fp32; the weights are rounded to bf16 for the weighted sum, as HF's eager attention
+ * rounds them. Used for 16-token blocks and head_dim 64 or 128; everything else widens
+ * to fp32 from the plain layout.
  */
 #ifndef TOKENMILL_ATTENTION_BF16_H
 #define TOKENMILL_ATTENTION_BF16_H
+
+#include <stdint.h>
+
+/* Whether a cache of this type and shape is attended to with bf16 dot products - and so
+ * stored in their pair layout (tm_write_kv_cache writes it; see paged_attention.c):
+ * keys [head_dim / 2, 16, 2], values [8, head_dim, 2] per block, so that no step re-lays
+ * a block before its dot products. */
+static inline int uses_bf16_pairs(int is_bf16, int64_t block_size, int64_t head_dim) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return is_bf16 && block_size == 16 && (head_dim == 64 || head_dim == 128);
+#else
+    (void)is_bf16, (void)block_size, (void)head_dim;
+    return 0;
+#endif
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_BF16_DOT 1
@@ -19,32 +36,21 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Interleaves two rows of 16 bf16 values: a0 b0 a1 b1 ... a15 b15. */
-static inline __m512i interleave_16(const uint16_t *a, const uint16_t *b) {
-    const __m512i index = _mm512_set_epi16(
-        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i both = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
-        _mm256_loadu_si256((const __m256i *)b), 1);
-    return _mm512_permutexvar_epi16(index, both);
-}
-
-/* Key block [head_dim, 16] -> pairs [head_dim / 2, 16, 2]. */
-static inline void key_block_pairs(const uint16_t *kb, int64_t head_dim, uint16_t *pairs) {
-    for (int64_t d = 0; d < head_dim; d += 2)
-        _mm512_storeu_si512(pairs + d * 16, interleave_16(kb + d * 16, kb + (d + 1) * 16));
-}
-
-/* Value block [16, head_dim] -> pairs [8, head_dim, 2]; positions at and past m are
- * zeros, so weights of zero never meet stale cache contents. */
-static inline void value_block_pairs(const uint16_t *vb, int64_t m, int64_t head_dim,
-                                     uint16_t *pairs, const uint16_t *zeros) {
+/* A value block already stored as pairs whose positions at and past m (< 16) must read
+ * as zeros (the cache past a sequence's last token holds whatever was there): copy it
+ * with those positions cleared. */
+static inline void value_pairs_head(const uint16_t *vp, int64_t m, int64_t head_dim,
+                                    uint16_t *pairs) {
     for (int64_t t = 0; t < 16; t += 2) {
-        const uint16_t *a = t < m ? vb + t * head_dim : zeros;
-        const uint16_t *b = t + 1 < m ? vb + (t + 1) * head_dim : zeros;
-        for (int64_t c = 0; c < head_dim; c += 16)
-            _mm512_storeu_si512(pairs + (t * head_dim + c * 2), interleave_16(a + c, b + c));
+        const uint16_t *src = vp + t * head_dim;
+        uint16_t *dst = pairs + t * head_dim;
+        if (t + 1 < m) {
+            memcpy(dst, src, sizeof(uint16_t) * (size_t)(2 * head_dim));
+        } else if (t < m) { /* keep the even position of each pair, clear the odd one */
+            for (int64_t c = 0; c < head_dim; c++) dst[2 * c] = src[2 * c], dst[2 * c + 1] = 0;
+        } else {
+            memset(dst, 0, sizeof(uint16_t) * (size_t)(2 * head_dim));
+        }
     }
 }
 

@@ -74,7 +74,7 @@ typedef struct {
  * a zero row. */
 typedef struct {
     float *acc, *scores, *qf, *widened;
-    uint16_t *qb, *weights_bf16, *pairs, *zeros;
+    uint16_t *qb, *weights_bf16, *pairs;
     Part *parts;
 } Scratch;
 
@@ -112,11 +112,7 @@ static int plan_items(const tm_attention_args *a, Plan *plan) {
     }
     plan->num_items = plan->item_start[a->num_groups];
     plan->stride = ceil_div(max_context, a->block_size) * a->block_size;
-#ifdef HAVE_BF16_DOT
-    plan->use_dot = a->is_bf16 && a->block_size == 16 && (a->head_dim == 64 || a->head_dim == 128);
-#else
-    plan->use_dot = 0;
-#endif
+    plan->use_dot = uses_bf16_pairs(a->is_bf16, a->block_size, a->head_dim);
     return TM_OK;
 }
 
@@ -133,8 +129,7 @@ static int alloc_scratch(const Plan *plan, Scratch *s) {
         s->qb = malloc(sizeof(uint16_t) * rows * dim);
         s->weights_bf16 = malloc(sizeof(uint16_t) * rows * stride);
         s->pairs = malloc(sizeof(uint16_t) * block);
-        s->zeros = calloc(dim, sizeof(uint16_t));
-        return ok && s->qb && s->weights_bf16 && s->pairs && s->zeros;
+        return ok && s->qb && s->weights_bf16 && s->pairs;
     }
     s->qf = malloc(sizeof(float) * rows * dim);
     s->widened = plan->a->is_bf16 ? malloc(sizeof(float) * block) : NULL;
@@ -143,7 +138,7 @@ static int alloc_scratch(const Plan *plan, Scratch *s) {
 
 static void free_scratch(Scratch *s) {
     free(s->acc), free(s->scores), free(s->parts), free(s->qf), free(s->widened);
-    free(s->qb), free(s->weights_bf16), free(s->pairs), free(s->zeros);
+    free(s->qb), free(s->weights_bf16), free(s->pairs);
 }
 
 /* The group holding `item`: the last k with item_start[k] <= item (item_start ascends;
@@ -228,10 +223,10 @@ static void score_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const in
             prefetch_bytes((const char *)a->k_cache + (table[b + 1] * a->num_kv_heads + kv_head) * block_elems * elem,
                            block_elems * elem);
 #ifdef HAVE_BF16_DOT
-        if (plan->use_dot) { /* re-lay the block once; every row reuses it */
-            key_block_pairs((const uint16_t *)a->k_cache + base, head_dim, s->pairs);
+        if (plan->use_dot) { /* the cache holds the block as pairs already */
+            const uint16_t *pairs = (const uint16_t *)a->k_cache + base;
             for (int64_t r = row0; r < row0 + rows; r += SCORE_ROWS)
-                score_rows_bf16_any(s->qb + r * head_dim, min64(row0 + rows - r, SCORE_ROWS), s->pairs,
+                score_rows_bf16_any(s->qb + r * head_dim, min64(row0 + rows - r, SCORE_ROWS), pairs,
                                     s->scores + r * stride + b * 16, stride, head_dim, a->scale);
             continue;
         }
@@ -307,9 +302,13 @@ static void weigh_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const in
             prefetch_bytes((const char *)a->v_cache + (table[b + 1] * a->num_kv_heads + kv_head) * block_elems * elem,
                            block_elems * elem);
 #ifdef HAVE_BF16_DOT
-        if (plan->use_dot) {
-            value_block_pairs((const uint16_t *)a->v_cache + base, m, head_dim, s->pairs, s->zeros);
-            weigh_block_bf16(s->weights_bf16 + row0 * stride + b * 16, stride, s->pairs,
+        if (plan->use_dot) { /* pairs in the cache; a sequence's last block copied, its tail cleared */
+            const uint16_t *pairs = (const uint16_t *)a->v_cache + base;
+            if (m < 16) {
+                value_pairs_head(pairs, m, head_dim, s->pairs);
+                pairs = s->pairs;
+            }
+            weigh_block_bf16(s->weights_bf16 + row0 * stride + b * 16, stride, pairs,
                              s->acc + row0 * head_dim, rows, head_dim);
             continue;
         }
@@ -385,11 +384,16 @@ int tm_paged_attention(const tm_attention_args *a) {
     return failed ? TM_OUT_OF_MEMORY : TM_OK;
 }
 
+/* Internal (tm_limits reports it): whether this build stores bf16 caches in pairs. */
+int tm_internal_bf16_pairs(void) { return uses_bf16_pairs(1, 16, 64); }
+
 /* Keys go in transposed within the block ([head_dim, block_size]), as score_blocks reads
- * them; values token-major. */
+ * them, values token-major - or, for the caches uses_bf16_pairs names, both in the pair
+ * layout of bf16 dot products (attention_bf16.h). */
 int tm_write_kv_cache(const tm_kv_write_args *a) {
     const int64_t elem = a->is_bf16 ? 2 : 4;
     const int64_t row = a->num_kv_heads * a->head_dim, block_size = a->block_size;
+    const int pairs = uses_bf16_pairs(a->is_bf16, block_size, a->head_dim);
     /* A decode step's few rows are not worth waking the other threads for. */
 #pragma omp parallel for num_threads(a->num_threads) schedule(static) if (a->num_tokens >= 256)
     for (int64_t t = 0; t < a->num_tokens; t++) {
@@ -397,6 +401,14 @@ int tm_write_kv_cache(const tm_kv_write_args *a) {
         for (int64_t h = 0; h < a->num_kv_heads; h++) {
             const int64_t head = (block * a->num_kv_heads + h) * a->head_dim * block_size;
             const int64_t src = t * row + h * a->head_dim;
+            if (pairs) { /* the layout attention's bf16 dot products read (attention_bf16.h) */
+                const uint16_t *ks = (const uint16_t *)a->k + src, *vs = (const uint16_t *)a->v + src;
+                uint16_t *kd = (uint16_t *)a->k_cache + head, *vd = (uint16_t *)a->v_cache + head;
+                for (int64_t d = 0; d < a->head_dim; d++) kd[(d >> 1) * 32 + offset * 2 + (d & 1)] = ks[d];
+                uint16_t *vrow = vd + (offset >> 1) * 2 * a->head_dim + (offset & 1);
+                for (int64_t c = 0; c < a->head_dim; c++) vrow[2 * c] = vs[c];
+                continue;
+            }
             memcpy((char *)a->v_cache + (head + offset * a->head_dim) * elem,
                    (const char *)a->v + src * elem, (size_t)(a->head_dim * elem));
             if (a->is_bf16) {

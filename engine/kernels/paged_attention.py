@@ -38,6 +38,38 @@ def native_attention_fits(
     )
 
 
+def stores_pairs(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """Whether the native kernels keep a cache of this kind in bf16 dot products' pair
+    layout rather than the plain one (kernels.h, tm_write_kv_cache). Only they read and
+    write such a cache; the engine picks one attention path per model."""
+    native = _library()
+    return (
+        native is not None
+        and native.limits.bf16_pairs
+        and dtype == torch.bfloat16
+        and block_size == 16
+        and head_dim in (64, 128)
+    )
+
+
+def to_native_layout(
+    k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-layout caches (keys [blocks, kv_heads, head_dim, block_size], values
+    [blocks, kv_heads, block_size, head_dim]) as the native kernels keep them: the same
+    tensors where that is the plain layout, else copies in the pair layout (same shapes).
+    For tests and benchmarks that fill a cache themselves."""
+    blocks, heads, head_dim, block_size = k_cache.shape
+    if not stores_pairs(k_cache.dtype, block_size, head_dim):
+        return k_cache, v_cache
+    k = k_cache.reshape(blocks, heads, head_dim // 2, 2, block_size).transpose(-1, -2)
+    v = v_cache.reshape(blocks, heads, block_size // 2, 2, head_dim).transpose(-1, -2)
+    return (
+        k.contiguous().view(k_cache.shape),
+        v.contiguous().view(v_cache.shape),
+    )
+
+
 @dataclass
 class AttentionEntries:
     """A step's query tokens as the native kernel takes them (see paged_attention.c).

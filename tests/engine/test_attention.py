@@ -18,6 +18,8 @@ from tokenmill.engine.kernels import native_library, paged_attention
 from tokenmill.engine.kernels.paged_attention import (
     AttentionEntries,
     native_paged_attention,
+    stores_pairs,
+    to_native_layout,
     write_kv_cache,
 )
 from tokenmill.engine.sampling_params import SamplingParams
@@ -41,6 +43,12 @@ class Cache:
         self.k = torch.randn(shape_k, generator=gen).to(dtype)
         self.v = torch.randn(shape_v, generator=gen).to(dtype)
         self.free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks
+
+    @property
+    def native(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same cache as the native kernels keep it (bf16 dot products' pair layout
+        where they use one; `reference` reads the plain tensors)."""
+        return to_native_layout(self.k, self.v)
 
     def table(self, num_positions: int, prefix: list[int] = ()) -> list[int]:
         """Blocks for num_positions positions, starting with the blocks in prefix."""
@@ -123,7 +131,7 @@ def test_kernel_matches_float64_reference(dtype, group, head_dim, block_size):
     cache = Cache(dtype, num_kv_heads, head_dim, block_size)
     chunks, num_tokens = layout(cache, SHAPES)
     q = torch.randn(num_tokens, num_kv_heads * group, head_dim).to(dtype)
-    got = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.2)
+    got = native_paged_attention(q, *cache.native, entries_for(chunks), 0.2)
     want = reference(q, cache, chunks, 0.2)
     # bf16 rounds the inputs' products the same way but the output once more.
     atol = 1e-5 if dtype == torch.float32 else 1.5e-2
@@ -149,7 +157,7 @@ def test_kernel_built_for_other_cpus_matches_reference(flags, tmp_path, monkeypa
         cache = Cache(dtype, 2, 64, 16)
         chunks, num_tokens = layout(cache, SHAPES)
         q = torch.randn(num_tokens, 6, 64).to(dtype)
-        got = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.2)
+        got = native_paged_attention(q, *cache.native, entries_for(chunks), 0.2)
         want = reference(q, cache, chunks, 0.2)
         torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
 
@@ -165,7 +173,7 @@ def test_sliding_window_matches_float64_reference(dtype, group, head_dim, block_
     cache = Cache(dtype, 2, head_dim, block_size)
     chunks, num_tokens = layout(cache, SHAPES)
     q = torch.randn(num_tokens, 2 * group, head_dim).to(dtype)
-    got = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.2, window)
+    got = native_paged_attention(q, *cache.native, entries_for(chunks), 0.2, window)
     want = reference(q, cache, chunks, 0.2, window)
     atol = 1e-5 if dtype == torch.float32 else 1.5e-2
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
@@ -188,9 +196,9 @@ def test_sliding_window_in_a_shared_prefix_group(dtype, window):
         context = 5 * block_size + extra
         chunks.append((row, 1, context, cache.table(context, prefix)))
     q = torch.randn(len(chunks), num_kv_heads * 3, 64).to(dtype)
-    alone = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.125, window)
+    alone = native_paged_attention(q, *cache.native, entries_for(chunks), 0.125, window)
     grouped_entries = entries_for(chunks, [(list(range(len(chunks))), 5)])
-    grouped = native_paged_attention(q, cache.k, cache.v, grouped_entries, 0.125, window)
+    grouped = native_paged_attention(q, *cache.native, grouped_entries, 0.125, window)
     tolerance = 1e-6 if dtype == torch.float32 else 8e-3
     torch.testing.assert_close(grouped, alone, atol=tolerance, rtol=tolerance)
     atol = 1e-5 if dtype == torch.float32 else 1.5e-2
@@ -203,7 +211,7 @@ def test_sliding_window_must_be_positive():
     chunks, num_tokens = layout(cache, [(3, 3)])
     q = torch.randn(num_tokens, 1, 8)
     with pytest.raises(ValueError, match="sliding_window must be a positive"):
-        native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.3, 0)
+        native_paged_attention(q, *cache.native, entries_for(chunks), 0.3, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -221,9 +229,9 @@ def test_shared_prefix_group_matches_sequences_alone(dtype, block_size):
         row += 1
     chunks.append((row, 20, 30, cache.table(30)))
     q = torch.randn(row + 20, num_kv_heads * group, head_dim).to(dtype)
-    alone = native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.125)
+    alone = native_paged_attention(q, *cache.native, entries_for(chunks), 0.125)
     groups = [([6], 0), ([0, 1, 2, 3, 4, 5], 5)]
-    grouped = native_paged_attention(q, cache.k, cache.v, entries_for(chunks, groups), 0.125)
+    grouped = native_paged_attention(q, *cache.native, entries_for(chunks, groups), 0.125)
     # The same sums in the same order; only a vectorized exp against its scalar tail
     # could round a last bit differently.
     tolerance = 1e-6 if dtype == torch.float32 else 8e-3
@@ -247,8 +255,34 @@ def test_write_kv_cache_matches_indexed_assignment(dtype, num_tokens, block_size
     want_k, want_v = cache.k.clone(), cache.v.clone()
     want_k[blocks, :, :, offsets] = k
     want_v[blocks, :, offsets] = v
-    write_kv_cache(k, v, cache.k, cache.v, blocks, offsets)
-    assert torch.equal(cache.k, want_k) and torch.equal(cache.v, want_v)
+    got_k, got_v = cache.native
+    write_kv_cache(k, v, got_k, got_v, blocks, offsets)
+    # In the layout the kernels keep (the pair layout for bf16 16-token blocks here).
+    want_k, want_v = to_native_layout(want_k, want_v)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_bf16_caches_are_kept_in_the_documented_pair_layout(cpu_path):
+    """Where the kernels attend with bf16 dot products, the cache holds key element d of
+    position t at (d / 2) * 32 + t * 2 + d % 2 of its block, value element c at
+    (t / 2) * 2 * head_dim + c * 2 + t % 2 (kernels.h) - no step re-lays a block."""
+    head_dim, block_size = 64, 16
+    pairs = stores_pairs(torch.bfloat16, block_size, head_dim)
+    cpu_path("bf16 KV cache layout", "bf16 dot-product pairs" if pairs else "plain")
+    assert stores_pairs(torch.bfloat16, 16, 32) is False  # no bf16 dot path for these
+    assert stores_pairs(torch.float32, 16, 64) is False
+    k_cache = torch.zeros(4, 2, head_dim, block_size, dtype=torch.bfloat16)
+    v_cache = torch.zeros(4, 2, block_size, head_dim, dtype=torch.bfloat16)
+    k = torch.arange(2 * head_dim, dtype=torch.float32).reshape(1, 2, head_dim).bfloat16()
+    v = -k
+    block, t = 3, 5
+    write_kv_cache(k, v, k_cache, v_cache, torch.tensor([block]), torch.tensor([t]))
+    flat_k, flat_v = k_cache[block, 1].flatten(), v_cache[block, 1].flatten()
+    for d in (0, 1, 2, 37, 63):
+        where_k = (d // 2) * 32 + t * 2 + d % 2 if pairs else d * block_size + t
+        where_v = (t // 2) * 2 * head_dim + d * 2 + t % 2 if pairs else t * head_dim + d
+        assert flat_k[where_k] == k[0, 1, d] and flat_v[where_v] == v[0, 1, d]
+    assert int((k_cache != 0).sum()) == int((k != 0).sum())  # nothing else written
 
 
 def test_group_shared_prefixes_finds_the_common_blocks():
@@ -351,7 +385,7 @@ def test_shapes_the_kernel_does_not_take_use_the_portable_path(tmp_path):
     chunks, num_tokens = layout(cache, [(3, 3)])
     q = torch.randn(num_tokens, 64, 8)
     with pytest.raises(ValueError, match="48 query heads per kv head"):
-        native_paged_attention(q, cache.k, cache.v, entries_for(chunks), 0.3)
+        native_paged_attention(q, *cache.native, entries_for(chunks), 0.3)
     hf = build_hf_model(
         "llama", tmp_path, hidden_size=128, num_attention_heads=64, num_key_value_heads=1
     )
