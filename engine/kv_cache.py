@@ -50,7 +50,10 @@ class KVCache:
     one head's block as a single run of memory. Keys are also transposed,
     [head_dim, block_size], so a decode step scores a whole block of positions with
     contiguous vector loads and no horizontal sums; values stay token-major
-    [block_size, head_dim], as the weighted sum wants.
+    [block_size, head_dim], as the weighted sum wants. Where the native kernels attend
+    to a bf16 cache with bf16 dot products they keep each block in those products'
+    pair layout instead, same shapes (kernels/paged_attention.py, `stores_pairs`); only
+    they read and write such a cache.
     """
 
     k: torch.Tensor  # [num_layers, num_blocks, num_kv_heads, head_dim, block_size]
