@@ -116,13 +116,20 @@ def c_compiler() -> tuple[str, str]:
     return compiler, f"{family} {defines.get('__VERSION__', '')}"
 
 
-def _cpu_fingerprint() -> str:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be
+    read); read once per process."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        flags = ""
-    return platform.machine() + flags
+        line = ""
+    return frozenset(line.partition(":")[2].split())
+
+
+def _cpu_fingerprint() -> str:
+    return platform.machine() + " ".join(sorted(cpu_flags()))
 
 
 def _library_path(sources: dict[str, str]) -> Path:

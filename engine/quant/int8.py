@@ -26,6 +26,7 @@ import os
 import torch
 from torch import nn
 
+from tokenmill.engine.kernels import cpu_flags
 from tokenmill.engine.kernels import int8_linear as native
 from tokenmill.engine.kernels.quantize import FULL_RANGE, REDUCED_RANGE, quantize_rows_u8
 
@@ -47,11 +48,7 @@ def kernel_name() -> str | None:
     flags and ONEDNN_MAX_CPU_ISA (None when the int8 ops are missing)."""
     if not onednn_int8_available():
         return None
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        flags = set()
+    flags = cpu_flags()
     ladder = [  # oneDNN's ISA names, best first, with the CPU flag each needs
         ("avx512_core_amx", "amx_int8"),
         ("avx512_core_vnni", "avx512_vnni"),
