@@ -228,11 +228,10 @@ def _decode_attention(
     sequence's length (and the positions before its window)."""
     kd = gather_key_blocks(k_cache, meta.decode_block_tables)
     vd = gather_value_blocks(v_cache, meta.decode_block_tables)
+    # Each sequence's token sits at position length - 1: the padding past it is hidden
+    # like any later position.
     positions = torch.arange(kd.shape[2], device=q.device)
-    lengths = meta.decode_context_lens[:, None]
-    mask = positions[None, :] < lengths
-    if sliding_window:
-        mask &= positions[None, :] >= lengths - sliding_window
+    mask = visible_positions(meta.decode_context_lens - 1, positions, sliding_window)
     mask = mask[:, None, None, :]
     od = F.scaled_dot_product_attention(
         q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True
