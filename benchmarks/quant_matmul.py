@@ -57,6 +57,7 @@ def _time(fn: Callable[[], object], min_seconds: float = 0.05) -> float:
 def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], object]]:
     """name -> fn(x_fp32) for every kernel this build has, weight [N, K] fp32."""
     from tokenmill.engine.packed_linear import PackedLinear
+    from tokenmill.engine.kernels import int8_linear as native_int8
     from tokenmill.engine.quant import int4, int8
 
     n, k = weight.shape
@@ -85,7 +86,8 @@ def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Ten
     if int8.kernel_name() is not None:
         layer = int8.Int8Linear.from_float(weight, kernel="onednn")
         out["int8-rows-onednn"] = _with_input(layer, torch.bfloat16)
-    if int8.choose_kernel(n, k) == "native":
+    # measured wherever it is built, AMX machines included: that is the choice at stake
+    if native_int8.takes_shape(n, k):
         layer = int8.Int8Linear.from_float(weight, kernel="native")
         out["int8-rows-native"] = _with_input(layer, torch.bfloat16)
     else:
@@ -132,9 +134,12 @@ def main() -> None:
     )
     from tokenmill.engine.quant import int8
 
+    from tokenmill.engine.kernels import int8_linear as native_int8
+
+    native = native_int8.native_int8_isa()
     print(
-        f"# oneDNN int8 kernel: {int8.kernel_name()}; native int8 kernel: "
-        f"{int8.describe_kernel('native') if int8.choose_kernel(16, 16) == 'native' else 'none'}"
+        f"# oneDNN int8 kernel: {int8.kernel_name()}; native int8 kernel: {native or 'none'}; "
+        f"the layers choose: {int8.describe_kernel(int8.choose_kernel(960, 576))}"
     )
     header = None
     for shape_name in args.shapes.split(","):

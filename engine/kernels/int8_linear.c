@@ -20,9 +20,15 @@
  * Work split: each thread owns a contiguous run of panels (output channels) for every
  * row, so a decode step (tens of rows) reads each weight once. Rows go in blocks that
  * stay in L2 while the thread's panels pass over them.
+ *
+ * Where the CPU also has AMX, calls of 16 rows or more run on its tile units instead
+ * (int8_amx.h), over the same packed panels and through the same epilogue.
  */
+#define _GNU_SOURCE /* syscall(), to ask Linux for the AMX tile state (int8_amx.h) */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kernel_common.h"
 #include "kernels.h"
@@ -34,8 +40,6 @@
 #else
 #define TM_HAVE_VNNI 0
 #endif
-
-int tm_int8_linear_isa(void) { return TM_HAVE_VNNI ? TM_INT8_ISA_AVX512_VNNI : TM_INT8_ISA_NONE; }
 
 #if TM_HAVE_VNNI
 
@@ -171,6 +175,15 @@ static void panels_all_rows(const problem *p, int64_t rows, int64_t first, int64
 }
 #endif
 
+#include "int8_amx.h"
+
+int tm_int8_linear_isa(void) {
+#if TM_HAVE_AMX
+    if (amx_permitted()) return TM_INT8_ISA_AMX;
+#endif
+    return TM_HAVE_VNNI ? TM_INT8_ISA_AVX512_VNNI : TM_INT8_ISA_NONE;
+}
+
 int tm_int8_linear(const tm_int8_linear_args *a) {
 #if TM_HAVE_VNNI
     if (a->n % 16 || a->k % 4 || a->k > TM_MAX_INT8_K || a->rows < 0) return TM_UNSUPPORTED_SHAPE;
@@ -179,6 +192,13 @@ int tm_int8_linear(const tm_int8_linear_args *a) {
                        a->out, a->n, a->k, zero_point, a->is_bf16};
     const int64_t panels = a->n / 16, rows = a->rows, k = a->k;
     const int parallel = rows * a->n * k >= MATMUL_PARALLEL_MIN;
+    uint8_t *tail = NULL; /* the rows past the last full 16, zero-padded, for AMX tiles */
+#if TM_HAVE_AMX
+    const int amx = rows >= AMX_MIN_ROWS && k % AMX_K == 0 && amx_permitted();
+    if (amx && rows % 16 && !(tail = calloc(16, (size_t)k))) return TM_OUT_OF_MEMORY;
+#else
+    const int amx = 0;
+#endif
 #pragma omp parallel num_threads(a->num_threads) if (parallel)
     {
         const int64_t threads = omp_get_num_threads();
@@ -188,8 +208,17 @@ int tm_int8_linear(const tm_int8_linear_args *a) {
                                                          qmax, zero_point, a->qx + r * k);
 #pragma omp barrier
         const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
-        panels_all_rows(&p, rows, first, last);
+        if (amx) {
+#if TM_HAVE_AMX
+#pragma omp single
+            if (tail) memcpy(tail, a->qx + (rows - rows % 16) * k, (size_t)(rows % 16 * k));
+            amx_panels_all_rows(&p, rows, first, last, tail);
+#endif
+        } else {
+            panels_all_rows(&p, rows, first, last);
+        }
     }
+    free(tail);
     return TM_OK;
 #else
     (void)a;

@@ -41,7 +41,11 @@ enum {
 };
 
 /* The instructions tm_int8_linear was built with (tm_limits_t.int8_linear_isa). */
-enum { TM_INT8_ISA_NONE = 0, TM_INT8_ISA_AVX512_VNNI = 1 };
+enum {
+    TM_INT8_ISA_NONE = 0,
+    TM_INT8_ISA_AVX512_VNNI = 1,
+    TM_INT8_ISA_AMX = 2 /* AMX tiles from 16 rows on (k % 64 == 0), AVX512-VNNI below */
+};
 
 typedef struct {
     int64_t abi_version;

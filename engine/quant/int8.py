@@ -6,15 +6,17 @@ scale (kernels/quantize.c; one scale for the whole tensor lost up to 20% of a la
 output on SmolLM2's outlier activations, per row 2-4%), and the product runs on one of
 two kernels, chosen per layer at load:
 
-- "native": our AVX512-VNNI kernel (kernels/int8_linear.c), where the library was built
-  for a CPU with VNNI, oneDNN has no AMX there, and the layer's shape fits its panels. It quantizes the rows and
-  applies each row's scale in its epilogue in the same call, and takes any row count;
-  at the model's shapes the layer on it measured 1.0-1.9x the layer on oneDNN
+- "native": our kernel (kernels/int8_linear.c), where the library was built for a CPU
+  with AVX512-VNNI and the layer's shape fits its panels; on CPUs with AMX it runs calls
+  of 16 rows or more on the tile units (kernels/int8_amx.h), on the same packed weights.
+  It quantizes the rows and applies each row's scale in its epilogue in the same call,
+  and takes any row count; at the model's shapes the layer on it measured 1.0-1.9x the
+  layer on oneDNN on a Zen 4 (VNNI) and 1.0-2.4x it on an Emerald Rapids Xeon (AMX)
   (benchmarks/README.md, "Kernel choice").
 - "onednn": oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, the op
   PyTorch's PT2E quantization lowers to) on a weight packed once at load, everywhere
-  else. oneDNN picks its kernel for the CPU at run time: AMX where present,
-  AVX512-VNNI, AVX-VNNI, else AVX2's vpmaddubsw multiply-add; ONEDNN_MAX_CPU_ISA caps
+  else. oneDNN picks its kernel for the CPU at run time: AVX512-VNNI, AVX-VNNI, else
+  AVX2's vpmaddubsw multiply-add (AMX too, on a build of ours without it); ONEDNN_MAX_CPU_ISA caps
   it (tests use that to run the fallback). Without VNNI or AMX the u8 x s8 pairs are
   summed in int16 and saturate, so activations there use 7 bits.
 """
@@ -65,12 +67,10 @@ def kernel_name() -> str | None:
 
 
 def choose_kernel(out_features: int, in_features: int) -> str:
-    """The int8 kernel a layer of this shape runs on here: "native" where our VNNI
-    kernel is built and takes the shape, unless oneDNN has AMX (tile matrix units do
-    several times VNNI's work a cycle; no AMX machine was at hand to measure the two),
-    else "onednn"."""
-    if kernel_name() == "avx512_core_amx":
-        return "onednn"
+    """The int8 kernel a layer of this shape runs on here: "native" where our kernel is
+    built (AVX512-VNNI, with AMX tiles for larger row counts where the CPU has them) and
+    takes the shape, else "onednn". On AMX CPUs the native kernel was measured against
+    oneDNN's AMX kernels before it took them over (benchmarks/README.md)."""
     return "native" if native.takes_shape(out_features, in_features) else "onednn"
 
 

@@ -35,10 +35,14 @@ def needs_native(cpu_path):
     return isa
 
 
-# Shapes cover every register tile edge: 1-6 rows of a tile, one to four 16-channel
-# panels, row blocks of 120, the model's own layers, k of one k-step.
-@pytest.mark.parametrize("n,k", [(16, 4), (48, 8), (112, 36), (960, 576), (576, 1536)])
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 64, 121, 250])
+# Shapes cover every register tile edge: VNNI's 1-6 rows of a tile, one to four 16-channel
+# panels, row blocks of 120; where the CPU has AMX (k % 64 == 0, from 16 rows), one or two
+# 16-row tiles and a zero-padded last one, one or two panels a block, row blocks of 256,
+# k of one tile step; the model's own layers.
+@pytest.mark.parametrize(
+    "n,k", [(16, 4), (48, 8), (112, 36), (48, 64), (80, 128), (960, 576), (576, 1536)]
+)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 31, 32, 33, 64, 121, 250, 300])
 def test_native_linear_equals_the_integer_product(n, k, rows, needs_native):
     if needs_native is None:
         return
@@ -83,12 +87,31 @@ def test_the_layers_take_the_native_kernel_where_it_fits(needs_native):
     assert layer.value_range == FULL_RANGE
 
 
-def test_a_cpu_with_amx_keeps_onednn(monkeypatch):
-    """AMX's tile units outrun VNNI: where oneDNN reports them, the layers stay on it."""
+def test_a_cpu_with_amx_takes_the_native_kernel(monkeypatch, needs_native):
+    """Measured on an AMX CPU, the native kernel (tiles from 16 rows, VNNI below) beat the
+    layers on oneDNN's AMX kernels: oneDNN reporting AMX no longer keeps them."""
+    if needs_native is None:
+        return
     import tokenmill.engine.quant.int8 as int8
 
     monkeypatch.setattr(int8, "kernel_name", lambda: "avx512_core_amx")
-    assert int8.choose_kernel(960, 576) == "onednn"
+    assert int8.choose_kernel(960, 576) == "native"
+
+
+@pytest.mark.parametrize("n,k,rows", [(960, 576, 300), (80, 128, 45), (576, 1536, 64)])
+def test_every_row_count_gives_the_same_bits(n, k, rows, needs_native):
+    """Rows are independent: a call of many rows (AMX tiles where the CPU has them) equals,
+    bit for bit, calls of a few rows each (always VNNI) - both paths sum the same
+    integers exactly and share one epilogue."""
+    if needs_native is None:
+        return
+    torch.manual_seed(rows)
+    packed = pack_int8_weight(*quantize_weight(torch.randn(n, k)), torch.randn(n))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(rows, k) * 3).to(dtype)
+        whole = int8_linear(x, packed)
+        pieces = torch.cat([int8_linear(x[i : i + 7], packed) for i in range(0, rows, 7)])
+        assert torch.equal(whole, pieces)
 
 
 def test_bad_arguments_are_refused_before_the_kernel_runs(needs_native):

@@ -1,0 +1,132 @@
+/* The int8 product on AMX tiles (Intel Sapphire Rapids and later), for int8_linear.c.
+ *
+ * `tdpbusd` multiplies a tile of 16 rows x 64 uint8 activations by a tile of 16 x 64 int8
+ * weights and adds the 16 x 16 int32 results to a third tile: 16,384 multiply-adds an
+ * instruction, where AVX512-VNNI's vpdpbusd does 64. Its weight operand holds, in each of
+ * its 16 rows, four consecutive k-values of 16 output channels - exactly one k-step range
+ * of a panel int8_linear.c already packs ([k / 4][16][4]), so both paths read the same
+ * packed weights and a layer keeps one copy.
+ *
+ * A register block is 32 rows x 32 channels: two activation tiles, two weight tiles and
+ * four accumulator tiles (all eight tiles). Its accumulators go through a small buffer to
+ * the same epilogue as the VNNI path (zero-point correction, scales, bias, rounding).
+ * Rows past the last full 16 are read from a zero-padded copy, so no tile load reads
+ * past the activations. Tiles need k % 64 == 0 (AMX_K); other shapes stay on VNNI.
+ *
+ * Measured on a 2-core Intel Xeon (Emerald Rapids) VM at SmolLM2's shapes
+ * (benchmarks/quant_matmul.py, benchmarks/README.md): AMX outruns VNNI from AMX_MIN_ROWS
+ * rows up; a decode step's handful of rows stays on VNNI, where tile set-up and the
+ * round trip of the accumulators through memory would cost more than they save.
+ */
+#ifndef TOKENMILL_INT8_AMX_H
+#define TOKENMILL_INT8_AMX_H
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && TM_HAVE_VNNI
+#define TM_HAVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_K 64          /* k-values per tile step */
+#define AMX_MIN_ROWS 16  /* below this, VNNI */
+#define AMX_ROW_BLOCK 256 /* activation rows kept in L2 while a thread's panels pass */
+
+/* Linux hands a process the tile registers' state only when asked (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); the grant is process-wide and asking again
+ * is harmless. Called before any thread runs a tile instruction; 0 where refused (an old
+ * kernel, a hypervisor hiding AMX), and the call stays on VNNI. */
+static int amx_permitted(void) {
+    static int state; /* 0: not asked yet, 1: granted, -1: refused */
+    if (state == 0) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        const int granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#pragma omp atomic write
+        state = granted ? 1 : -1;
+    }
+    return state > 0;
+}
+
+/* The tile configuration ldtilecfg takes (palette 1): eight tiles of 16 rows x 64 bytes. */
+typedef struct __attribute__((aligned(64))) {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void configure_tiles(void) {
+    tile_config config = {0};
+    config.palette_id = 1;
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* Accumulator tile `c` (16 rows x 16 channels) to the epilogue, for its first `rows`
+ * rows. */
+#define FINISH_TILE(c, row, rows, col)                                                  \
+    do {                                                                                \
+        _tile_stored(c, results, 64);                                                   \
+        for (int r = 0; r < (rows); r++)                                                \
+            finish16(p, (row) + r, (col), _mm512_loadu_si512(results + r * 16));        \
+    } while (0)
+
+/* One register block: rows [row, row + mr) (mr <= 32) x panels [panel, panel + np)
+ * (np <= 2). a0 and a1 are the two activation tiles' first rows (a1 unused when
+ * mr <= 16), k bytes apart. */
+static void amx_block(const problem *p, const uint8_t *a0, const uint8_t *a1, int64_t row,
+                      int mr, int64_t panel, int np) {
+    int32_t results[16 * 16] __attribute__((aligned(64)));
+    const int64_t k = p->k, panel_bytes = k / 4 * 64;
+    const int8_t *w0 = p->w + panel * panel_bytes, *w1 = w0 + panel_bytes;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < k; kb += AMX_K) {
+        _tile_loadd(4, a0 + kb, k);
+        _tile_loadd(6, w0 + kb / 4 * 64, 64);
+        _tile_dpbusd(0, 4, 6);
+        if (np > 1) {
+            _tile_loadd(7, w1 + kb / 4 * 64, 64);
+            _tile_dpbusd(1, 4, 7);
+        }
+        if (mr > 16) {
+            _tile_loadd(5, a1 + kb, k);
+            _tile_dpbusd(2, 5, 6);
+            if (np > 1) _tile_dpbusd(3, 5, 7);
+        }
+    }
+    const int64_t col = panel * 16;
+    const int top = mr < 16 ? mr : 16, bottom = mr - top;
+    FINISH_TILE(0, row, top, col);
+    if (np > 1) FINISH_TILE(1, row, top, col + 16);
+    if (bottom > 0) {
+        FINISH_TILE(2, row + 16, bottom, col);
+        if (np > 1) FINISH_TILE(3, row + 16, bottom, col + 16);
+    }
+}
+
+/* Rows [0, rows) x panels [first, last) on tiles; `tail` holds the rows from
+ * rows - rows % 16 on, zero-padded to 16. */
+static void amx_panels_all_rows(const problem *p, int64_t rows, int64_t first, int64_t last,
+                                const uint8_t *tail) {
+    const int64_t k = p->k, full = rows - rows % 16;
+    configure_tiles();
+    for (int64_t block = 0; block < rows; block += AMX_ROW_BLOCK) {
+        const int64_t block_end = block + AMX_ROW_BLOCK < rows ? block + AMX_ROW_BLOCK : rows;
+        for (int64_t panel = first; panel < last; panel += 2) {
+            const int np = last - panel < 2 ? 1 : 2;
+            for (int64_t row = block; row < block_end; row += 32) {
+                const int mr = (int)(block_end - row < 32 ? block_end - row : 32);
+                const uint8_t *a0 = row < full ? p->x + row * k : tail;
+                const uint8_t *a1 = row + 16 < full ? p->x + (row + 16) * k : tail;
+                amx_block(p, a0, a1, row, mr, panel, np);
+            }
+        }
+    }
+    _tile_release();
+}
+#else
+#define TM_HAVE_AMX 0
+#endif
+
+#endif
