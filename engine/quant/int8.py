@@ -11,7 +11,7 @@ two kernels, chosen per layer at load:
   of 16 rows or more on the tile units (kernels/int8_amx.h), on the same packed weights.
   It quantizes the rows and applies each row's scale in its epilogue in the same call,
   and takes any row count; at the model's shapes the layer on it measured 1.0-1.9x the
-  layer on oneDNN on a Zen 4 (VNNI) and 1.0-2.4x it on an Emerald Rapids Xeon (AMX)
+  layer on oneDNN on a Zen 4 (VNNI) and 1.2-2.8x it on an Emerald Rapids Xeon (AMX)
   (benchmarks/README.md, "Kernel choice").
 - "onednn": oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, the op
   PyTorch's PT2E quantization lowers to) on a weight packed once at load, everywhere
