@@ -14,9 +14,11 @@
  * past the activations. Tiles need k % 64 == 0 (AMX_K); other shapes stay on VNNI.
  *
  * Measured on a 2-core Intel Xeon (Emerald Rapids) VM at SmolLM2's shapes
- * (benchmarks/quant_matmul.py, benchmarks/README.md): AMX outruns VNNI from AMX_MIN_ROWS
- * rows up; a decode step's handful of rows stays on VNNI, where tile set-up and the
- * round trip of the accumulators through memory would cost more than they save.
+ * (benchmarks/quant_matmul.py, benchmarks/README.md, separate runs): tiles ran 1.3-2.2x
+ * VNNI at 64 rows, about even at 16 (ahead on three of the four shapes) and even or
+ * behind at 1 row, where a mostly empty tile and the round trip of the sums through
+ * memory cost more than they save; so calls of fewer than AMX_MIN_ROWS rows stay on
+ * VNNI (2-15 rows were not compared).
  */
 #ifndef TOKENMILL_INT8_AMX_H
 #define TOKENMILL_INT8_AMX_H
@@ -28,7 +30,7 @@
 #include <unistd.h>
 
 #define AMX_K 64          /* k-values per tile step */
-#define AMX_MIN_ROWS 16  /* below this, VNNI */
+#define AMX_MIN_ROWS 16   /* below this, VNNI */
 #define AMX_ROW_BLOCK 256 /* activation rows kept in L2 while a thread's panels pass */
 
 /* Linux hands a process the tile registers' state only when asked (arch_prctl
