@@ -56,8 +56,8 @@ def _time(fn: Callable[[], object], min_seconds: float = 0.05) -> float:
 
 def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], object]]:
     """name -> fn(x_fp32) for every kernel this build has, weight [N, K] fp32."""
-    from tokenmill.engine.packed_linear import PackedLinear
     from tokenmill.engine.kernels import int8_linear as native_int8
+    from tokenmill.engine.packed_linear import PackedLinear
     from tokenmill.engine.quant import int4, int8
 
     n, k = weight.shape
@@ -132,9 +132,8 @@ def main() -> None:
         f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"cpu capability {torch.backends.cpu.get_cpu_capability()}"
     )
-    from tokenmill.engine.quant import int8
-
     from tokenmill.engine.kernels import int8_linear as native_int8
+    from tokenmill.engine.quant import int8
 
     native = native_int8.native_int8_isa()
     print(
