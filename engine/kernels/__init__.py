@@ -42,6 +42,7 @@ _COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c11"]
 # ops must round as PyTorch does (no FMA contraction, no reassociation), to the bit.
 _FILE_FLAGS = {
     "interface.c": [],
+    "amx.c": [],
     "paged_attention.c": ["-ffast-math"],
     "quantize.c": ["-ffast-math"],
     # Its integer sums are exact; the epilogue's float multiply-add may contract.

@@ -26,40 +26,18 @@
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && TM_HAVE_VNNI
 #define TM_HAVE_AMX 1
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"
 
 #define AMX_K 64          /* k-values per tile step */
 #define AMX_MIN_ROWS 16   /* below this, VNNI */
 #define AMX_ROW_BLOCK 256 /* activation rows kept in L2 while a thread's panels pass */
 
-/* Linux hands a process the tile registers' state only when asked (arch_prctl
- * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); the grant is process-wide and asking again
- * is harmless. Called before any thread runs a tile instruction; 0 where refused (an old
- * kernel, a hypervisor hiding AMX), and the call stays on VNNI. */
-static int amx_permitted(void) {
-    static int state; /* 0: not asked yet, 1: granted, -1: refused */
-    if (state == 0) {
-        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        const int granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-#pragma omp atomic write
-        state = granted ? 1 : -1;
-    }
-    return state > 0;
-}
-
-/* The tile configuration ldtilecfg takes (palette 1): eight tiles of 16 rows x 64 bytes. */
-typedef struct __attribute__((aligned(64))) {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} tile_config;
-
+/* Eight tiles of 16 rows x 64 bytes. */
 static void configure_tiles(void) {
-    tile_config config = {0};
-    config.palette_id = 1;
-    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.bytes_per_row[t] = 64;
-    _tile_loadconfig(&config);
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    const uint16_t bytes[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    tm_configure_tiles(rows, bytes);
 }
 
 /* The epilogue of 16 channels for `rows` rows whose int32 sums are in `results` (16 a

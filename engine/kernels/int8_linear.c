@@ -24,7 +24,6 @@
  * Where the CPU also has AMX, calls of 16 rows or more run on its tile units instead
  * (int8_amx.h), over the same packed panels and through the same epilogue.
  */
-#define _GNU_SOURCE /* syscall(), to ask Linux for the AMX tile state (int8_amx.h) */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -179,7 +178,7 @@ static void panels_all_rows(const problem *p, int64_t rows, int64_t first, int64
 
 int tm_int8_linear_isa(void) {
 #if TM_HAVE_AMX
-    if (amx_permitted()) return TM_INT8_ISA_AMX;
+    if (tm_internal_amx_permitted()) return TM_INT8_ISA_AMX;
 #endif
     return TM_HAVE_VNNI ? TM_INT8_ISA_AVX512_VNNI : TM_INT8_ISA_NONE;
 }
@@ -194,7 +193,7 @@ int tm_int8_linear(const tm_int8_linear_args *a) {
     const int parallel = rows * a->n * k >= MATMUL_PARALLEL_MIN;
     uint8_t *tail = NULL; /* the rows past the last full 16, zero-padded, for AMX tiles */
 #if TM_HAVE_AMX
-    const int amx = rows >= AMX_MIN_ROWS && k % AMX_K == 0 && amx_permitted();
+    const int amx = rows >= AMX_MIN_ROWS && k % AMX_K == 0 && tm_internal_amx_permitted();
     if (amx && rows % 16 && !(tail = calloc(16, (size_t)k))) return TM_OUT_OF_MEMORY;
 #else
     const int amx = 0;

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 4
+ABI_VERSION = 5
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -34,6 +34,7 @@ class _Limits(ctypes.Structure):
         ("max_int8_k", _i64),
         ("int8_linear_isa", _i64),
         ("bf16_pairs", _i64),
+        ("bf16_attention_amx", _i64),
         ("attention_args_size", _i64),
         ("kv_write_args_size", _i64),
         ("rms_norm_args_size", _i64),
@@ -205,6 +206,7 @@ class KernelLimits:
     max_int8_k: int  # the int8 product's longest reduction
     int8_linear_isa: str | None  # the instructions tm_int8_linear has here, or None
     bf16_pairs: bool  # bf16 caches of 16-token blocks, head_dim 64/128 stored in pairs
+    bf16_attention_amx: bool  # attention over those caches on AMX tiles (16-row groups)
 
 
 def declare(lib: ctypes.CDLL) -> KernelLimits:
@@ -242,6 +244,7 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         max_int8_k=reported.max_int8_k,
         int8_linear_isa=INT8_LINEAR_ISAS.get(reported.int8_linear_isa),
         bf16_pairs=bool(reported.bf16_pairs),
+        bf16_attention_amx=bool(reported.bf16_attention_amx),
     )
 
 

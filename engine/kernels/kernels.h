@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 4
+#define TM_ABI_VERSION 5
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -58,6 +58,8 @@ typedef struct {
     int64_t int8_linear_isa; /* TM_INT8_ISA_*: which int8 linear this build has */
     int64_t bf16_pairs;      /* 1: bf16 caches with 16-token blocks and head_dim 64 or 128
                                 are stored in the pair layout (see tm_write_kv_cache) */
+    int64_t bf16_attention_amx; /* 1: attention over those caches runs whole groups of 16
+                                   query rows on AMX tiles (granted by the OS here) */
     /* sizeof each argument struct, in the order they are declared below */
     int64_t attention_args_size;
     int64_t kv_write_args_size;
@@ -232,8 +234,9 @@ typedef struct {
 
 int tm_int8_linear(const tm_int8_linear_args *args);
 /* Internal (tm_limits reports them): the TM_INT8_ISA_* this build of int8_linear.c has,
- * and whether it stores bf16 caches in pairs. */
+ * whether it stores bf16 caches in pairs, and whether it attends to them on AMX tiles. */
 int tm_int8_linear_isa(void);
 int tm_internal_bf16_pairs(void);
+int tm_internal_bf16_attention_amx(void);
 
 #endif

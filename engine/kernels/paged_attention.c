@@ -37,6 +37,8 @@
 #include "attention_fp32.h"
 #include "kernel_common.h"
 #include "kernels.h"
+/* after kernels.h: its functions take tm_attention_args */
+#include "attention_amx.h"
 
 /* One entry's tokens [first, first + tokens) within an item; their rows are
  * [row, row + tokens * group), token-major. Its first token sits at position seen0 (and
@@ -55,6 +57,7 @@ typedef struct {
     int64_t parts_max;   /* entries of the largest group */
     int64_t stride;      /* a row's scores: the longest context, in whole blocks */
     int use_dot;         /* bf16 dot products (attention_bf16.h) */
+    int use_amx;         /* and AMX tiles for whole groups of 16 rows (attention_amx.h) */
     int64_t *item_start; /* [num_groups + 1]: group k's items are [item_start[k], [k + 1]) */
     int64_t num_items;
 } Plan;
@@ -113,6 +116,11 @@ static int plan_items(const tm_attention_args *a, Plan *plan) {
     plan->num_items = plan->item_start[a->num_groups];
     plan->stride = ceil_div(max_context, a->block_size) * a->block_size;
     plan->use_dot = uses_bf16_pairs(a->is_bf16, a->block_size, a->head_dim);
+#ifdef HAVE_AMX_ATTENTION
+    plan->use_amx = plan->use_dot && tm_internal_amx_permitted();
+#else
+    plan->use_amx = 0;
+#endif
     return TM_OK;
 }
 
@@ -217,6 +225,15 @@ static void score_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const in
     const tm_attention_args *a = plan->a;
     const int64_t head_dim = a->head_dim, block_size = a->block_size, stride = plan->stride;
     const int64_t block_elems = head_dim * block_size, elem = a->is_bf16 ? 2 : 4;
+#ifdef HAVE_AMX_ATTENTION
+    if (plan->use_amx && rows >= AMX_TILE_ROWS) { /* whole groups of 16 rows on tiles */
+        const int64_t tiles = rows / AMX_TILE_ROWS;
+        score_blocks_amx(a, s->qb + row0 * head_dim, s->scores + row0 * stride, stride, kv_head,
+                         table, b0, b1, tiles);
+        row0 += tiles * AMX_TILE_ROWS, rows -= tiles * AMX_TILE_ROWS;
+        if (rows == 0) return;
+    }
+#endif
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = (table[b] * a->num_kv_heads + kv_head) * block_elems;
         if (b + 1 < b1)
@@ -295,6 +312,15 @@ static void weigh_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const in
     const tm_attention_args *a = plan->a;
     const int64_t head_dim = a->head_dim, block_size = a->block_size, stride = plan->stride;
     const int64_t block_elems = head_dim * block_size, elem = a->is_bf16 ? 2 : 4;
+#ifdef HAVE_AMX_ATTENTION
+    if (plan->use_amx && rows >= AMX_TILE_ROWS) { /* whole groups of 16 rows on tiles */
+        const int64_t tiles = rows / AMX_TILE_ROWS;
+        weigh_blocks_amx(a, s->weights_bf16 + row0 * stride, stride, s->acc + row0 * head_dim,
+                         kv_head, table, b0, b1, visible, tiles, s->pairs);
+        row0 += tiles * AMX_TILE_ROWS, rows -= tiles * AMX_TILE_ROWS;
+        if (rows == 0) return;
+    }
+#endif
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = (table[b] * a->num_kv_heads + kv_head) * block_elems;
         const int64_t m = min64(visible - b * block_size, block_size);
@@ -384,8 +410,17 @@ int tm_paged_attention(const tm_attention_args *a) {
     return failed ? TM_OUT_OF_MEMORY : TM_OK;
 }
 
-/* Internal (tm_limits reports it): whether this build stores bf16 caches in pairs. */
+/* Internal (tm_limits reports them): whether this build stores bf16 caches in pairs, and
+ * whether it attends to them on AMX tiles here. */
 int tm_internal_bf16_pairs(void) { return uses_bf16_pairs(1, 16, 64); }
+
+int tm_internal_bf16_attention_amx(void) {
+#ifdef HAVE_AMX_ATTENTION
+    return tm_internal_amx_permitted();
+#else
+    return 0;
+#endif
+}
 
 /* Keys go in transposed within the block ([head_dim, block_size]), as score_blocks reads
  * them, values token-major - or, for the caches uses_bf16_pairs names, both in the pair

@@ -129,18 +129,24 @@ int main(int argc, char **argv) {
 """
 
 
-def _build_guarded(work: Path, name: str, driver: str, kernel_file: str) -> Path:
-    """driver (which includes kernels.h) + the guarded malloc + one kernel source, the
-    kernel compiled with the engine's flags for it."""
+def _build_guarded(work: Path, name: str, driver: str, *kernel_files: str) -> Path:
+    """driver (which includes kernels.h) + the guarded malloc + the kernel sources, each
+    compiled with the engine's flags for it (the driver and guard with the first's)."""
     compiler, _identity = kernels.c_compiler()
     (work / "guard.c").write_text(_GUARDED_MALLOC)
     (work / f"{name}.c").write_text(driver)
-    flags = [f for f in kernels.compile_flags(kernel_file) if f != "-fPIC"]
+
+    def flags(kernel_file: str) -> list[str]:
+        return [f for f in kernels.compile_flags(kernel_file) if f != "-fPIC"]
+
     with resources.as_file(resources.files(kernels)) as source_dir:
+        sources = [(work / f"{name}.c", kernel_files[0]), (work / "guard.c", kernel_files[0])]
+        sources += [(source_dir / kernel_file, kernel_file) for kernel_file in kernel_files]
         objects = []
-        for source in (work / f"{name}.c", work / "guard.c", source_dir / kernel_file):
+        for source, flags_of in sources:
             objects.append(work / f"{source.stem}.o")
-            _compile_step([compiler, *flags, f"-I{source_dir}", "-c", str(source)], objects[-1])
+            command = [compiler, *flags(flags_of), f"-I{source_dir}", "-c", str(source)]
+            _compile_step(command, objects[-1])
         _compile_step(
             [
                 compiler,
@@ -162,7 +168,8 @@ def _compile_step(command: list[str], output: Path, *libraries: str) -> None:
 @pytest.fixture(scope="module")
 def guarded_kernel(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("kernel-bounds")
-    return _build_guarded(work, "driver", _DRIVER, "paged_attention.c")
+    # amx.c: Linux's AMX permission, which attention asks for where it runs on tiles
+    return _build_guarded(work, "driver", _DRIVER, "paged_attention.c", "amx.c")
 
 
 @pytest.fixture(scope="module")
