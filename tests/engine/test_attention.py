@@ -271,7 +271,8 @@ def test_bf16_caches_are_kept_in_the_documented_pair_layout(cpu_path):
     cpu_path("bf16 KV cache layout", "bf16 dot-product pairs" if pairs else "plain")
     native = native_library()
     amx = native is not None and native.limits.bf16_attention_amx
-    cpu_path("bf16 attention", "AMX tiles for 16-row groups" if amx else "vector dot products")
+    math = "vdpbf16ps dot products" if pairs else "widened to fp32"
+    cpu_path("bf16 attention", f"AMX tiles for 16-row groups, else {math}" if amx else math)
     assert stores_pairs(torch.bfloat16, 16, 32) is False  # no bf16 dot path for these
     assert stores_pairs(torch.float32, 16, 64) is False
     k_cache = torch.zeros(4, 2, head_dim, block_size, dtype=torch.bfloat16)
