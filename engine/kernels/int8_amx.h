@@ -23,7 +23,7 @@
 #ifndef TOKENMILL_INT8_AMX_H
 #define TOKENMILL_INT8_AMX_H
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && TM_HAVE_VNNI
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && TM_HAVE_VNNI
 #define TM_HAVE_AMX 1
 #include <immintrin.h>
 
@@ -41,31 +41,15 @@ static void configure_tiles(void) {
 }
 
 /* The epilogue of 16 channels for `rows` rows whose int32 sums are in `results` (16 a
- * row): finish16's arithmetic, operation for operation (so both paths give the same
- * bits), with the channels' correction, scales and bias loaded once rather than per row.
- * On tiles the epilogue, not the product, is most of a call at the model's shapes (left
- * out, a 2,048-row call ran 2-3x faster); hoisting the loads gained ~1.1x. */
+ * row): the VNNI path's finish_row16, with the channels' terms loaded once rather than
+ * per row. On tiles the epilogue, not the product, is most of a call at the model's
+ * shapes (left out, a 2,048-row call ran 2-3x faster); loading the terms once gained
+ * ~1.1x. */
 static inline __attribute__((always_inline)) void finish_rows(
     const problem *p, const int32_t *results, int64_t row, int rows, int64_t col) {
-    const __m512i correction = _mm512_mullo_epi32(_mm512_set1_epi32(p->x_zero_point),
-                                                  _mm512_loadu_si512(p->w_col_sums + col));
-    const __m512 w_scales = _mm512_loadu_ps(p->w_scales + col);
-    const __m512 bias = p->bias ? _mm512_loadu_ps(p->bias + col) : _mm512_setzero_ps();
-    const float *x_scales = p->x_scales + row;
-    const int64_t n = p->n;
-    uint16_t *out_bf16 = (uint16_t *)p->out + row * n + col;
-    float *out_fp32 = (float *)p->out + row * n + col;
-    const int is_bf16 = p->is_bf16;
-    for (int r = 0; r < rows; r++) {
-        const __m512i acc = _mm512_load_si512(results + r * 16);
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, correction));
-        const __m512 scale = _mm512_mul_ps(w_scales, _mm512_set1_ps(x_scales[r]));
-        const __m512 y = _mm512_fmadd_ps(v, scale, bias);
-        if (is_bf16)
-            _mm256_storeu_si256((__m256i *)(out_bf16 + r * n), (__m256i)_mm512_cvtneps_pbh(y));
-        else
-            _mm512_storeu_ps(out_fp32 + r * n, y);
-    }
+    const channels16 c = load_channels16(p, col);
+    for (int r = 0; r < rows; r++)
+        finish_row16(p, &c, row + r, col, _mm512_load_si512(results + r * 16));
 }
 
 /* Accumulator tile `c` (16 rows x 16 channels) to the epilogue, for its first `rows`

@@ -86,16 +86,38 @@ static inline __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i u
     return acc;
 }
 
+/* The epilogue's terms for 16 output channels: the zero-point correction, the weights'
+ * scales and the bias. The AMX path (int8_amx.h) loads them once for 16 rows. */
+typedef struct {
+    __m512i correction;
+    __m512 w_scales, bias;
+} channels16;
+
+static inline __attribute__((always_inline)) channels16 load_channels16(const problem *p,
+                                                                        int64_t col) {
+    channels16 c;
+    c.correction = _mm512_mullo_epi32(_mm512_set1_epi32(p->x_zero_point),
+                                      _mm512_loadu_si512(p->w_col_sums + col));
+    c.w_scales = _mm512_loadu_ps(p->w_scales + col);
+    c.bias = p->bias ? _mm512_loadu_ps(p->bias + col) : _mm512_setzero_ps();
+    return c;
+}
+
+/* The epilogue of one row's 16 channels, the one both paths run (so they give the same
+ * bits): (acc - correction) * (w_scales * x_scale) + bias, rounded once into out. */
+static inline __attribute__((always_inline)) void finish_row16(const problem *p,
+                                                               const channels16 *c, int64_t row,
+                                                               int64_t col, __m512i acc) {
+    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, c->correction));
+    __m512 scale = _mm512_mul_ps(c->w_scales, _mm512_set1_ps(p->x_scales[row]));
+    store16(p, row, col, _mm512_fmadd_ps(v, scale, c->bias));
+}
+
 /* The epilogue of one accumulator: 16 channels of one row. */
 static inline __attribute__((always_inline)) void finish16(const problem *p, int64_t row,
                                                            int64_t col, __m512i acc) {
-    __m512i correction = _mm512_mullo_epi32(_mm512_set1_epi32(p->x_zero_point),
-                                            _mm512_loadu_si512(p->w_col_sums + col));
-    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, correction));
-    __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(p->w_scales + col),
-                                 _mm512_set1_ps(p->x_scales[row]));
-    __m512 bias = p->bias ? _mm512_loadu_ps(p->bias + col) : _mm512_setzero_ps();
-    store16(p, row, col, _mm512_fmadd_ps(v, scale, bias));
+    const channels16 c = load_channels16(p, col);
+    finish_row16(p, &c, row, col, acc);
 }
 
 /* One register tile: rows [row, row + mr) x panels [panel, panel + np), over all of k.
