@@ -28,6 +28,14 @@ static inline void tm_configure_tiles(const uint8_t rows[8], const uint16_t byte
     for (int t = 0; t < 8; t++) config.rows[t] = rows[t], config.bytes_per_row[t] = bytes_per_row[t];
     _tile_loadconfig(&config);
 }
+
+/* Tiles 0-7 all 16 rows x 64 bytes: the shape of every tile of an int8 product and of
+ * attention's scores. */
+static inline void tm_configure_full_tiles(void) {
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    const uint16_t bytes[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    tm_configure_tiles(rows, bytes);
+}
 #endif
 
 #endif

@@ -35,12 +35,10 @@
 static void score_blocks_amx(const tm_attention_args *a, const uint16_t *q, float *scores,
                              int64_t stride, int64_t kv_head, const int64_t *table, int64_t b0,
                              int64_t b1, int64_t row_tiles) {
-    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
-    const uint16_t bytes[8] = {64, 64, 64, 64, 64, 64, 64, 64};
     const int64_t head_dim = a->head_dim, block_elems = head_dim * 16, q_bytes = head_dim * 2;
     const uint16_t *keys = (const uint16_t *)a->k_cache;
     const __m512 scale = _mm512_set1_ps(a->scale);
-    tm_configure_tiles(rows, bytes);
+    tm_configure_full_tiles();
     for (int64_t rt = 0; rt < row_tiles; rt++) {
         const uint16_t *qt = q + rt * AMX_TILE_ROWS * head_dim;
         float *st = scores + rt * AMX_TILE_ROWS * stride;

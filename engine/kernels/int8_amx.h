@@ -33,13 +33,6 @@
 #define AMX_MIN_ROWS 16   /* below this, VNNI */
 #define AMX_ROW_BLOCK 256 /* activation rows kept in L2 while a thread's panels pass */
 
-/* Eight tiles of 16 rows x 64 bytes. */
-static void configure_tiles(void) {
-    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
-    const uint16_t bytes[8] = {64, 64, 64, 64, 64, 64, 64, 64};
-    tm_configure_tiles(rows, bytes);
-}
-
 /* The epilogue of 16 channels for `rows` rows whose int32 sums are in `results` (16 a
  * row): the VNNI path's finish_row16, with the channels' terms loaded once rather than
  * per row. On tiles the epilogue, not the product, is most of a call at the model's
@@ -101,7 +94,7 @@ static void amx_block(const problem *p, const uint8_t *a0, const uint8_t *a1, in
 static void amx_panels_all_rows(const problem *p, int64_t rows, int64_t first, int64_t last,
                                 const uint8_t *tail) {
     const int64_t k = p->k, full = rows - rows % 16;
-    configure_tiles();
+    tm_configure_full_tiles();
     for (int64_t block = 0; block < rows; block += AMX_ROW_BLOCK) {
         const int64_t block_end = block + AMX_ROW_BLOCK < rows ? block + AMX_ROW_BLOCK : rows;
         for (int64_t panel = first; panel < last; panel += 2) {
