@@ -85,6 +85,11 @@ static void weigh_blocks_amx(const tm_attention_args *a, const uint16_t *weights
     const int64_t head_dim = a->head_dim, block_elems = head_dim * 16;
     const int64_t acc_bytes = head_dim * 4, pair_row_bytes = head_dim * 4;
     const uint16_t *values = (const uint16_t *)a->v_cache;
+#define VALUE_BLOCK(b) (values + (table[b] * a->num_kv_heads + kv_head) * block_elems)
+    /* A partial last block, copied once with its tail cleared, for every row tile. */
+    const int64_t last = b1 - 1, last_valid = visible - last * 16;
+    const int partial_last = b1 > b0 && last_valid < 16;
+    if (partial_last) value_pairs_head(VALUE_BLOCK(last), last_valid, head_dim, spare);
     tm_configure_tiles(rows, bytes);
     for (int64_t rt = 0; rt < row_tiles; rt++) {
         const uint16_t *wt = weights + rt * AMX_TILE_ROWS * stride;
@@ -95,12 +100,7 @@ static void weigh_blocks_amx(const tm_attention_args *a, const uint16_t *weights
             _tile_loadd(2, at + half + 32, acc_bytes);
             _tile_loadd(3, at + half + 48, acc_bytes);
             for (int64_t b = b0; b < b1; b++) {
-                const uint16_t *pairs = values + (table[b] * a->num_kv_heads + kv_head) * block_elems;
-                const int64_t m = visible - b * 16;
-                if (m < 16) { /* the same copy for every row tile and half: cheap next to them */
-                    value_pairs_head(pairs, m, head_dim, spare);
-                    pairs = spare;
-                }
+                const uint16_t *pairs = partial_last && b == last ? spare : VALUE_BLOCK(b);
                 const uint16_t *channels = pairs + half * 2;
                 _tile_loadd(4, wt + b * 16, stride * 2);
                 _tile_loadd(5, channels, pair_row_bytes);
@@ -119,6 +119,7 @@ static void weigh_blocks_amx(const tm_attention_args *a, const uint16_t *weights
         }
     }
     _tile_release();
+#undef VALUE_BLOCK
 }
 #endif
 

@@ -140,6 +140,28 @@ def test_kernel_matches_float64_reference(dtype, group, head_dim, block_size):
     assert (want[:40] - want[40:80]).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (4, 128)])
+def test_positions_past_a_sequence_are_never_read(dtype, group, head_dim):
+    """A cache block holds whatever was there past a sequence's last token: NaN there must
+    not reach the output (a zero weight times NaN is NaN, so every path - vector and
+    AMX tiles - clears a partial last value block before its products)."""
+    num_kv_heads, block_size = 2, 16
+    cache = Cache(dtype, num_kv_heads, head_dim, block_size)
+    chunks, num_tokens = layout(cache, SHAPES)
+    for _first, _queries, context, table in chunks:
+        if context % block_size:
+            last = table[-1]
+            cache.k[last, :, :, context % block_size :] = float("nan")
+            cache.v[last, :, context % block_size :] = float("nan")
+    q = torch.randn(num_tokens, num_kv_heads * group, head_dim).to(dtype)
+    got = native_paged_attention(q, *cache.native, entries_for(chunks), 0.2)
+    want = reference(q, cache, chunks, 0.2)
+    assert not got.isnan().any()
+    atol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
+
+
 @pytest.mark.parametrize(
     "flags",
     [
