@@ -30,14 +30,14 @@
 #define AMX_TILE_ROWS 16
 
 /* Scores of rows [0, 16 * row_tiles) of q ([rows, head_dim] bf16) against the key blocks
- * [b0, b1) of table, times scale, into scores (rows `stride` floats apart, block b at
- * column b * 16). Tiles: 0 sums, 2-5 the query rows (head_dim / 32 of them), 6-7 keys. */
+ * [b0, b1) of table, unscaled (the softmax scales them), into scores (rows `stride` floats
+ * apart, block b at column b * 16). Tiles: 0 sums, 2-5 the query rows (head_dim / 32 of
+ * them), 6-7 keys. */
 static void score_blocks_amx(const tm_attention_args *a, const uint16_t *q, float *scores,
                              int64_t stride, int64_t kv_head, const int64_t *table, int64_t b0,
                              int64_t b1, int64_t row_tiles) {
     const int64_t head_dim = a->head_dim, block_elems = head_dim * 16, q_bytes = head_dim * 2;
     const uint16_t *keys = (const uint16_t *)a->k_cache;
-    const __m512 scale = _mm512_set1_ps(a->scale);
     tm_configure_full_tiles();
     for (int64_t rt = 0; rt < row_tiles; rt++) {
         const uint16_t *qt = q + rt * AMX_TILE_ROWS * head_dim;
@@ -63,11 +63,6 @@ static void score_blocks_amx(const tm_attention_args *a, const uint16_t *q, floa
             }
             _tile_stored(0, st + b * 16, stride * 4);
         }
-        for (int64_t r = 0; r < AMX_TILE_ROWS; r++)
-            for (int64_t b = b0; b < b1; b++) {
-                float *s = st + r * stride + b * 16;
-                _mm512_storeu_ps(s, _mm512_mul_ps(_mm512_loadu_ps(s), scale));
-            }
     }
     _tile_release();
 }

@@ -33,6 +33,7 @@ static inline int uses_bf16_pairs(int is_bf16, int64_t block_size, int64_t head_
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAVE_BF16_DOT 1
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -60,10 +61,11 @@ static inline __m512bh broadcast_pair(const uint16_t *p) {
     return (__m512bh)_mm512_set1_epi32((int)pair);
 }
 
-/* s[r * stride + t] = scale * q[r] . k[:, t] for N rows of bf16 q ([N, head_dim]). */
+/* s[r * stride + t] = q[r] . k[:, t] for N rows of bf16 q ([N, head_dim]); the softmax
+ * applies the scale (softmax_row_bf16). */
 static inline __attribute__((always_inline)) void score_rows_bf16(
     const uint16_t *restrict q, const int N, const uint16_t *restrict pairs, float *restrict s,
-    int64_t stride, const int64_t head_dim, float scale) {
+    int64_t stride, const int64_t head_dim) {
     __m512 acc[12];
     for (int r = 0; r < N; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t d = 0; d < head_dim; d += 2) {
@@ -71,21 +73,66 @@ static inline __attribute__((always_inline)) void score_rows_bf16(
         for (int r = 0; r < N; r++)
             acc[r] = _mm512_dpbf16_ps(acc[r], k, broadcast_pair(q + r * head_dim + d));
     }
-    const __m512 scaled = _mm512_set1_ps(scale);
-    for (int r = 0; r < N; r++) _mm512_storeu_ps(s + r * stride, _mm512_mul_ps(acc[r], scaled));
+    for (int r = 0; r < N; r++) _mm512_storeu_ps(s + r * stride, acc[r]);
 }
 
 #define SCORE_BF16_CASE(N) \
-    case N: score_rows_bf16(q, N, pairs, s, stride, head_dim, scale); break;
+    case N: score_rows_bf16(q, N, pairs, s, stride, head_dim); break;
 
 static void score_rows_bf16_any(const uint16_t *q, int64_t n, const uint16_t *pairs, float *s,
-                                int64_t stride, int64_t head_dim, float scale) {
+                                int64_t stride, int64_t head_dim) {
     switch (n) { /* n <= 12 */
         SCORE_BF16_CASE(1) SCORE_BF16_CASE(2) SCORE_BF16_CASE(3) SCORE_BF16_CASE(4)
         SCORE_BF16_CASE(5) SCORE_BF16_CASE(6) SCORE_BF16_CASE(7) SCORE_BF16_CASE(8)
         SCORE_BF16_CASE(9) SCORE_BF16_CASE(10) SCORE_BF16_CASE(11) SCORE_BF16_CASE(12)
         default: break;
     }
+}
+
+/* The largest of s[lo, hi): four running maxima, so the loads are not one dependency
+ * chain (scores just stored by the tiles come from L2). hi > lo. */
+static inline float max_of(const float *s, int64_t lo, int64_t hi) {
+    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+    int64_t t = lo;
+    for (; t + 64 <= hi; t += 64) {
+        m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + t));
+        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + t + 16));
+        m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + t + 32));
+        m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + t + 48));
+    }
+    for (; t + 16 <= hi; t += 16) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + t));
+    if (t < hi) {
+        const __mmask16 tail = (__mmask16)((1u << (hi - t)) - 1);
+        m1 = _mm512_mask_max_ps(m1, tail, m1, _mm512_maskz_loadu_ps(tail, s + t));
+    }
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+}
+
+/* One row's exact softmax over the raw scores s[lo, seen), times `scale` first, as the
+ * bf16 weights w[from, padded): zero outside [lo, seen). s[lo, seen) is left holding the
+ * unnormalised exponentials. Scaling here rather than in every score saves the tiles'
+ * scores a pass, and the weights are rounded straight from the exponentials. */
+static void softmax_row_bf16(float *restrict s, uint16_t *restrict w, int64_t from, int64_t lo,
+                             int64_t seen, int64_t padded, float scale) {
+    const float shift = max_of(s, lo, seen) * scale;
+    float sum = 0.f;
+    for (int64_t t = lo; t < seen; t++) { /* vectorised, with glibc's vector expf */
+        const float e = expf(s[t] * scale - shift);
+        s[t] = e;
+        sum += e;
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
+    memset(w + from, 0, sizeof(uint16_t) * (size_t)(lo - from));
+    int64_t t = lo;
+    for (; t + 16 <= seen; t += 16)
+        _mm256_storeu_si256((__m256i *)(w + t),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv)));
+    if (t < seen) {
+        const __mmask16 tail = (__mmask16)((1u << (seen - t)) - 1);
+        const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + t), inv);
+        _mm256_mask_storeu_epi16(w + t, tail, (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    memset(w + seen, 0, sizeof(uint16_t) * (size_t)(padded - seen));
 }
 
 /* acc[r] += sum_t p[r][t] v[t] over one value block's pairs, for N rows of bf16 weights

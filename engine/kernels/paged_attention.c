@@ -244,7 +244,7 @@ static void score_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const in
             const uint16_t *pairs = (const uint16_t *)a->k_cache + base;
             for (int64_t r = row0; r < row0 + rows; r += SCORE_ROWS)
                 score_rows_bf16_any(s->qb + r * head_dim, min64(row0 + rows - r, SCORE_ROWS), pairs,
-                                    s->scores + r * stride + b * 16, stride, head_dim, a->scale);
+                                    s->scores + r * stride + b * 16, stride, head_dim);
             continue;
         }
 #endif
@@ -287,6 +287,13 @@ static void softmax_item(const Plan *plan, const Item *it, Scratch *s) {
             float *sr = s->scores + r * plan->stride;
             const int64_t position = pt->seen0 + (r - pt->row) / plan->group;
             const int64_t lo = first_seen(a, position), seen = position + 1;
+#ifdef HAVE_BF16_DOT
+            if (plan->use_dot) {
+                softmax_row_bf16(sr, s->weights_bf16 + r * plan->stride, read_from, lo, seen, padded,
+                                 a->scale);
+                continue;
+            }
+#endif
             float max = -INFINITY;
             for (int64_t t = lo; t < seen; t++) max = sr[t] > max ? sr[t] : max;
             float sum = 0.f;
@@ -298,8 +305,6 @@ static void softmax_item(const Plan *plan, const Item *it, Scratch *s) {
             for (int64_t t = lo; t < seen; t++) sr[t] *= inv;
             for (int64_t t = read_from; t < lo; t++) sr[t] = 0.f;
             for (int64_t t = seen; t < padded; t++) sr[t] = 0.f;
-            if (plan->use_dot)
-                for (int64_t t = read_from; t < padded; t++) s->weights_bf16[r * plan->stride + t] = f32_to_bf16(sr[t]);
         }
     }
 }
