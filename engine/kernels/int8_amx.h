@@ -15,10 +15,11 @@
  *
  * Measured on a 2-core Intel Xeon (Emerald Rapids) VM at SmolLM2's shapes
  * (benchmarks/quant_matmul.py, benchmarks/README.md, separate runs): tiles ran 1.3-2.2x
- * VNNI at 64 rows, about even at 16 (ahead on three of the four shapes) and even or
- * behind at 1 row, where a mostly empty tile and the round trip of the sums through
- * memory cost more than they save; so calls of fewer than AMX_MIN_ROWS rows stay on
- * VNNI (2-15 rows were not compared).
+ * VNNI at 64 rows and even or behind at 1 row, where a mostly empty tile and the round
+ * trip of the sums through memory cost more than they save. Two builds A/B'd in one
+ * process (9 rounds, the qkv, gate_up and down shapes): tiles ran 1.03-1.59x VNNI from 8
+ * rows (12 rows: 1.17-1.59x), mixed at 6-7 (0.93-1.31x) and behind at 2-4 (0.82-0.97x);
+ * so calls of fewer than AMX_MIN_ROWS rows stay on VNNI.
  */
 #ifndef TOKENMILL_INT8_AMX_H
 #define TOKENMILL_INT8_AMX_H
@@ -30,7 +31,7 @@
 #include "amx.h"
 
 #define AMX_K 64          /* k-values per tile step */
-#define AMX_MIN_ROWS 16   /* below this, VNNI */
+#define AMX_MIN_ROWS 8    /* below this, VNNI */
 #define AMX_ROW_BLOCK 256 /* activation rows kept in L2 while a thread's panels pass */
 
 /* The epilogue of 16 channels for `rows` rows whose int32 sums are in `results` (16 a

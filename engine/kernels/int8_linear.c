@@ -21,7 +21,7 @@
  * row, so a decode step (tens of rows) reads each weight once. Rows go in blocks that
  * stay in L2 while the thread's panels pass over them.
  *
- * Where the CPU also has AMX, calls of 16 rows or more run on its tile units instead
+ * Where the CPU also has AMX, calls of 8 rows or more run on its tile units instead
  * (int8_amx.h), over the same packed panels and through the same epilogue.
  */
 #include <omp.h>

@@ -8,7 +8,7 @@ two kernels, chosen per layer at load:
 
 - "native": our kernel (kernels/int8_linear.c), where the library was built for a CPU
   with AVX512-VNNI and the layer's shape fits its panels; on CPUs with AMX it runs calls
-  of 16 rows or more on the tile units (kernels/int8_amx.h), on the same packed weights.
+  of 8 rows or more on the tile units (kernels/int8_amx.h), on the same packed weights.
   It quantizes the rows and applies each row's scale in its epilogue in the same call,
   and takes any row count; at the model's shapes the layer on it measured 1.0-1.9x the
   layer on oneDNN on a Zen 4 (VNNI) and 1.2-2.8x it on an Emerald Rapids Xeon (AMX)

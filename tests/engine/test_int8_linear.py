@@ -36,13 +36,13 @@ def needs_native(cpu_path):
 
 
 # Shapes cover every register tile edge: VNNI's 1-6 rows of a tile, one to four 16-channel
-# panels, row blocks of 120; where the CPU has AMX (k % 64 == 0, from 16 rows), one or two
-# 16-row tiles and a zero-padded last one, one or two panels a block, row blocks of 256,
+# panels, row blocks of 120; where the CPU has AMX (k % 64 == 0, from 8 rows), one or two
+# 16-row tiles and a zero-padded last one (or only one, at 8-15 rows), one or two panels a block, row blocks of 256,
 # k of one tile step; the model's own layers.
 @pytest.mark.parametrize(
     "n,k", [(16, 4), (48, 8), (112, 36), (48, 64), (80, 128), (960, 576), (576, 1536)]
 )
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 31, 32, 33, 64, 121, 250, 300])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 8, 12, 31, 32, 33, 64, 121, 250, 300])
 def test_native_linear_equals_the_integer_product(n, k, rows, needs_native):
     if needs_native is None:
         return
@@ -88,7 +88,7 @@ def test_the_layers_take_the_native_kernel_where_it_fits(needs_native):
 
 
 def test_a_cpu_with_amx_takes_the_native_kernel(monkeypatch, needs_native):
-    """Measured on an AMX CPU, the native kernel (tiles from 16 rows, VNNI below) beat the
+    """Measured on an AMX CPU, the native kernel (tiles from 8 rows, VNNI below) beat the
     layers on oneDNN's AMX kernels: oneDNN reporting AMX no longer keeps them."""
     if needs_native is None:
         return
@@ -98,10 +98,12 @@ def test_a_cpu_with_amx_takes_the_native_kernel(monkeypatch, needs_native):
     assert int8.choose_kernel(960, 576) == "native"
 
 
-@pytest.mark.parametrize("n,k,rows", [(960, 576, 300), (80, 128, 45), (576, 1536, 64)])
+@pytest.mark.parametrize(
+    "n,k,rows", [(960, 576, 300), (80, 128, 45), (576, 1536, 64), (960, 576, 12)]
+)
 def test_every_row_count_gives_the_same_bits(n, k, rows, needs_native):
     """Rows are independent: a call of many rows (AMX tiles where the CPU has them) equals,
-    bit for bit, calls of a few rows each (always VNNI) - both paths sum the same
+    bit for bit, calls of 7 rows each (VNNI: tiles take 8 or more) - both paths sum the same
     integers exactly and share one epilogue."""
     if needs_native is None:
         return
