@@ -32,25 +32,41 @@
 /* Scores of rows [0, 16 * row_tiles) of q ([rows, head_dim] bf16) against the key blocks
  * [b0, b1) of table, unscaled (the softmax scales them), into scores (rows `stride` floats
  * apart, block b at column b * 16). Tiles: 0 sums, 2-5 the query rows (head_dim / 32 of
- * them), 6-7 keys. */
+ * them), 6-7 keys. Query rows of 256 values take eight tiles, more than are free: they are
+ * loaded again for each block (from L1), through tiles 2-3. */
 static void score_blocks_amx(const tm_attention_args *a, const uint16_t *q, float *scores,
                              int64_t stride, int64_t kv_head, const int64_t *table, int64_t b0,
                              int64_t b1, int64_t row_tiles) {
     const int64_t head_dim = a->head_dim, block_elems = head_dim * 16, q_bytes = head_dim * 2;
     const uint16_t *keys = (const uint16_t *)a->k_cache;
+    const int resident = head_dim <= 128; /* the query rows stay in tiles 2-5 */
     tm_configure_full_tiles();
     for (int64_t rt = 0; rt < row_tiles; rt++) {
         const uint16_t *qt = q + rt * AMX_TILE_ROWS * head_dim;
         float *st = scores + rt * AMX_TILE_ROWS * stride;
-        _tile_loadd(2, qt, q_bytes);
-        _tile_loadd(3, qt + 32, q_bytes);
-        if (head_dim == 128) {
-            _tile_loadd(4, qt + 64, q_bytes);
-            _tile_loadd(5, qt + 96, q_bytes);
+        if (resident) {
+            _tile_loadd(2, qt, q_bytes);
+            _tile_loadd(3, qt + 32, q_bytes);
+            if (head_dim == 128) {
+                _tile_loadd(4, qt + 64, q_bytes);
+                _tile_loadd(5, qt + 96, q_bytes);
+            }
         }
         for (int64_t b = b0; b < b1; b++) {
             const uint16_t *pairs = keys + (table[b] * a->num_kv_heads + kv_head) * block_elems;
             _tile_zero(0);
+            if (!resident) {
+                for (int64_t c = 0; c < head_dim / 32; c += 2) { /* pair-rows 16c.. */
+                    _tile_loadd(2, qt + c * 32, q_bytes);
+                    _tile_loadd(6, pairs + c * 512, 64);
+                    _tile_dpbf16ps(0, 2, 6);
+                    _tile_loadd(3, qt + (c + 1) * 32, q_bytes);
+                    _tile_loadd(7, pairs + (c + 1) * 512, 64);
+                    _tile_dpbf16ps(0, 3, 7);
+                }
+                _tile_stored(0, st + b * 16, stride * 4);
+                continue;
+            }
             _tile_loadd(6, pairs, 64); /* pair-rows 0-15: elements 0-31 */
             _tile_dpbf16ps(0, 2, 6);
             _tile_loadd(7, pairs + 512, 64);

@@ -9,7 +9,7 @@
  * lays them out so (uses_bf16_pairs says when); until 2026-12 every step re-laid every
  * block it read, about a third of a decode step's attention. Scores and the softmax stay
  * fp32; the weights are rounded to bf16 for the weighted sum, as HF's eager attention
- * rounds them. Used for 16-token blocks and head_dim 64 or 128; everything else widens
+ * rounds them. Used for 16-token blocks and head_dim 64, 128 or 256; everything else widens
  * to fp32 from the plain layout.
  */
 #ifndef TOKENMILL_ATTENTION_BF16_H
@@ -23,7 +23,7 @@
  * a block before its dot products. */
 static inline int uses_bf16_pairs(int is_bf16, int64_t block_size, int64_t head_dim) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    return is_bf16 && block_size == 16 && (head_dim == 64 || head_dim == 128);
+    return is_bf16 && block_size == 16 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 #else
     (void)is_bf16, (void)block_size, (void)head_dim;
     return 0;
@@ -161,11 +161,12 @@ static void weigh_block_bf16(const uint16_t *p, int64_t stride, const uint16_t *
     int64_t r = 0;
     for (; r + step <= rows; r += step) {
         if (dv == 4) weigh_rows_bf16(p + r * stride, stride, pairs, acc + r * head_dim, 6, 4);
-        else weigh_rows_bf16(p + r * stride, stride, pairs, acc + r * head_dim, 3, 8);
+        else if (dv == 8) weigh_rows_bf16(p + r * stride, stride, pairs, acc + r * head_dim, 3, 8);
+        else weigh_rows_bf16(p + r * stride, stride, pairs, acc + r * head_dim, 1, 16);
     }
     for (; r < rows; r++) {
         if (dv == 4) weigh_rows_bf16(p + r * stride, stride, pairs, acc + r * head_dim, 1, 4);
-        else weigh_rows_bf16(p + r * stride, stride, pairs, acc + r * head_dim, 1, 8);
+        else if (dv == 8) weigh_rows_bf16(p + r * stride, stride, pairs, acc + r * head_dim, 1, 8);
     }
 }
 #endif

@@ -56,7 +56,7 @@ typedef struct {
     int64_t max_qmax;
     int64_t max_int8_k;
     int64_t int8_linear_isa; /* TM_INT8_ISA_*: which int8 linear this build has */
-    int64_t bf16_pairs;      /* 1: bf16 caches with 16-token blocks and head_dim 64 or 128
+    int64_t bf16_pairs;      /* 1: bf16 caches with 16-token blocks and head_dim 64-256
                                 are stored in the pair layout (see tm_write_kv_cache) */
     int64_t bf16_attention_amx; /* 1: attention over those caches runs whole groups of 16
                                    query rows on AMX tiles (granted by the OS here) */

@@ -48,7 +48,7 @@ def stores_pairs(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
         and native.limits.bf16_pairs
         and dtype == torch.bfloat16
         and block_size == 16
-        and head_dim in (64, 128)
+        and head_dim in (64, 128, 256)
     )
 
 

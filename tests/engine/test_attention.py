@@ -120,6 +120,7 @@ SHAPES = [(40, 40), (17, 50), (1, 77), (5, 5), (33, 100), (2, 9), (1, 1)]
     [
         (3, 64, 16),  # the vectorized paths (SmolLM2's shape)
         (4, 128, 16),  # wide heads: 8 vectors per value row
+        (4, 256, 16),  # Gemma 3's heads: query rows wider than the free AMX tiles
         (1, 64, 16),  # one query head per kv head: 48 tokens per tile
         (8, 32, 16),  # generic value path
         (3, 64, 4),  # generic score path
@@ -141,7 +142,7 @@ def test_kernel_matches_float64_reference(dtype, group, head_dim, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (4, 128)])
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (4, 128), (4, 256)])
 def test_positions_past_a_sequence_are_never_read(dtype, group, head_dim):
     """A cache block holds whatever was there past a sequence's last token: NaN there must
     not reach the output (a zero weight times NaN is NaN, so every path - vector and

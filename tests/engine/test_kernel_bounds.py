@@ -194,7 +194,7 @@ def test_fused_elementwise_ops_stay_inside_their_buffers(guarded_elementwise, ro
         _assert_stays_inside(guarded_elementwise, rows, dim, is_bf16, head_dim)
 
 
-@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 16), (64, 8)])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 16), (256, 16), (64, 8)])
 @pytest.mark.parametrize("is_bf16", [0, 1])
 def test_every_group_size_stays_inside_its_buffers(guarded_kernel, head_dim, block_size, is_bf16):
     for group in range(1, 10):
