@@ -1,7 +1,7 @@
 /* fp32 micro-kernels of the paged attention (paged_attention.c): a key block's scores for
  * up to SCORE_ROWS query rows, and a value block's weighted sum for a tile's rows,
- * register-blocked with AVX-512 where the shapes allow (16-token blocks; head_dim 64 or
- * 128 for values) and as plain loops for every other shape and CPU.
+ * register-blocked with AVX-512 where the shapes allow (16-token blocks; head_dim 64, 128
+ * or 256 for values) and as plain loops for every other shape and CPU.
  */
 #ifndef TOKENMILL_ATTENTION_FP32_H
 #define TOKENMILL_ATTENTION_FP32_H
@@ -89,16 +89,17 @@ static inline __attribute__((always_inline)) void weigh_rows_generic(
 static void weigh_block(const float *p, int64_t stride, const float *vb, int64_t m, float *acc,
                         int64_t rows, int64_t head_dim) {
 #ifdef __AVX512F__
-    if (head_dim == 64 || head_dim == 128) {
+    if (head_dim == 64 || head_dim == 128 || head_dim == 256) {
         const int dv = (int)(head_dim / 16), step = 24 / dv;
         int64_t r = 0;
         for (; r + step <= rows; r += step) {
             if (dv == 4) weigh_rows_vec(p + r * stride, stride, vb, m, acc + r * head_dim, 6, 4);
-            else weigh_rows_vec(p + r * stride, stride, vb, m, acc + r * head_dim, 3, 8);
+            else if (dv == 8) weigh_rows_vec(p + r * stride, stride, vb, m, acc + r * head_dim, 3, 8);
+            else weigh_rows_vec(p + r * stride, stride, vb, m, acc + r * head_dim, 1, 16);
         }
         for (; r < rows; r++) { /* the tile's last few rows */
             if (dv == 4) weigh_rows_vec(p + r * stride, stride, vb, m, acc + r * head_dim, 1, 4);
-            else weigh_rows_vec(p + r * stride, stride, vb, m, acc + r * head_dim, 1, 8);
+            else if (dv == 8) weigh_rows_vec(p + r * stride, stride, vb, m, acc + r * head_dim, 1, 8);
         }
         return;
     }
