@@ -84,7 +84,9 @@ static float sum_of_squares(const float *x, int64_t n) {
  *   residual != NULL: residual += x (in place), out = rmsnorm(residual) * weight
  *   residual == NULL: out = rmsnorm(x) * weight
  * As PyTorch computes it: fp32 throughout for fp32; for bf16 the sum is rounded to bf16,
- * normalised in fp32, rounded to bf16, then multiplied by the bf16 weight and rounded.
+ * normalised in fp32, rounded to bf16, then multiplied by the bf16 weight and rounded -
+ * or, with an fp32 weight (Gemma's), normalised and scaled in fp32 as for fp32 rows and
+ * rounded to bf16 once: F.rms_norm(x.float(), ..., weight).to(bf16).
  * x, residual, out, weight: contiguous, all fp32 or all bf16 (tm_rms_norm_args). */
 int tm_rms_norm(const tm_rms_norm_args *a) {
     const void *x = a->x, *weight = a->weight;
@@ -121,7 +123,14 @@ int tm_rms_norm(const tm_rms_norm_args *a) {
         /* rsqrt(mean(x^2) + eps), each step rounded as ATen rounds it. */
         const float mean = sum_of_squares(h, dim) / (float)dim;
         const float scale = 1.0f / sqrtf(mean + eps);
-        if (is_bf16) {
+        if (is_bf16 && a->fp32_weight) {
+            const float *w = (const float *)weight;
+            uint16_t *o = (uint16_t *)out + base;
+            for (int64_t i = 0; i < dim; i++) {
+                const float normed = h[i] * scale;
+                o[i] = f32_to_bf16(normed * w[i]);
+            }
+        } else if (is_bf16) {
             const uint16_t *w = (const uint16_t *)weight;
             uint16_t *o = (uint16_t *)out + base;
             for (int64_t i = 0; i < dim; i++) {

@@ -46,14 +46,18 @@ def rms_norm(
 
     Args:
         x: [..., dim], contiguous
-        weight: [dim], x's dtype
+        weight: [dim], x's dtype; or fp32 for bf16 x, which then is normalised and scaled
+            in fp32 and rounded once (Gemma's (1 + weight), as HF computes it)
         residual: like x; updated in place to residual + x
     Returns:
         rmsnorm(residual + x) * weight, or rmsnorm(x) * weight without a residual.
     """
     dim = weight.shape[0]
-    if not x.is_contiguous() or weight.dtype != x.dtype or x.shape[-1] != dim:
-        raise ValueError("rms_norm needs a contiguous x and a weight of x's dtype and width")
+    fp32_weight = x.dtype == torch.bfloat16 and weight.dtype == torch.float32
+    if not x.is_contiguous() or (weight.dtype != x.dtype and not fp32_weight) or x.shape[-1] != dim:
+        raise ValueError(
+            "rms_norm needs a contiguous x and a weight of x's width, in x's dtype (or fp32)"
+        )
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
         raise ValueError("the residual must be contiguous and shaped like x")
     if residual is not None and residual.dtype != x.dtype:
@@ -69,6 +73,7 @@ def rms_norm(
         eps=eps,
         is_bf16=_is_bf16(x),
         num_threads=torch.get_num_threads(),
+        fp32_weight=int(fp32_weight),
     )
     check_status(_library().tm_rms_norm(ctypes.byref(args)), f"rms_norm over {dim} values")
     return out

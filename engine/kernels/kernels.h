@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 5
+#define TM_ABI_VERSION 6
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -139,12 +139,14 @@ typedef struct {
     const void *x;      /* [rows, dim] fp32 or bf16 */
     void *residual;     /* like x, or NULL */
     void *out;          /* like x */
-    const void *weight; /* [dim] */
+    const void *weight; /* [dim], like x, or fp32 where fp32_weight */
     int64_t rows;
     int64_t dim;
     float eps;
     int32_t is_bf16;
     int32_t num_threads;
+    int32_t fp32_weight; /* bf16 rows, fp32 weight: normalised and scaled in fp32, rounded
+                            to bf16 once (Gemma's (1 + weight)); 0 otherwise */
 } tm_rms_norm_args;
 
 int tm_rms_norm(const tm_rms_norm_args *args);

@@ -63,6 +63,29 @@ def test_residual_add_norm_gives_torch_bits(dtype, rows):
     assert torch.equal(normed, expected)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("dim", [256, 640])
+def test_bf16_rows_with_an_fp32_weight_round_once(rows, dim):
+    """Gemma's norm in bf16: normalised and scaled by the fp32 (1 + weight), rounded to
+    bf16 once - F.rms_norm(x.float(), ..., weight).to(bf16), bit for bit; the residual
+    add rounds in bf16 as before."""
+    gen = torch.Generator().manual_seed(rows * dim)
+    weight = torch.randn(dim, generator=gen) * 0.5 + 1.0
+    x = torch.randn(rows, dim, generator=gen).bfloat16()
+    residual = (torch.randn(rows, dim, generator=gen) * 4).bfloat16()
+    expected_sum = residual + x
+
+    def reference(rows_in: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(rows_in.float(), (dim,), weight, 1e-6).to(torch.bfloat16)
+
+    assert torch.equal(elementwise.rms_norm(x, weight, 1e-6), reference(x))
+    normed = elementwise.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(residual, expected_sum)
+    assert torch.equal(normed, reference(expected_sum))
+    with pytest.raises(ValueError, match="weight"):
+        elementwise.rms_norm(x.float(), weight.bfloat16(), 1e-6)  # only bf16 rows mix
+
+
 def test_norm_module_takes_the_torch_path_for_strided_input():
     norm = make_norm(16, torch.float32)
     q = torch.randn(5, 3 * 32)[:, :32].view(5, 2, 16)  # a per-head view, as qk_norm sees
