@@ -1,13 +1,13 @@
 /* Fused elementwise ops of the Llama forward pass: residual add + RMSNorm, rotary on
- * the qkv projection's output, and SiLU-and-mul. Each is one pass over its rows where
+ * the qkv projection's output, and SiLU- (or Gemma's GELU-) and-mul. Each is one pass over its rows where
  * PyTorch makes several, with a temporary per pass.
  *
  * RMSNorm, the residual add and rotary reproduce PyTorch's CPU rounding step for step,
  * so a bf16 run gives the bits the PyTorch path gives (and fp32 RMSNorm and rotary do
  * too): every product and sum is rounded to fp32 on its own (no FMA contraction, no
  * reassociation, true division and square root), bf16 is rounded where PyTorch rounds
- * it, and RMSNorm's sum of squares adds in the order of ATen's vectorised sum. SiLU's
- * exp is not PyTorch's, so SiLU-and-mul may differ from it in the last bit.
+ * it, and RMSNorm's sum of squares adds in the order of ATen's vectorised sum. The exp
+ * of SiLU and GELU is not PyTorch's, so those may differ from it in the last bit.
  */
 #include <math.h>
 #include <stddef.h>
@@ -228,10 +228,21 @@ static void silu_row(const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = x[i] / (1.0f + expf(-x[i]));
 }
 
-/* SiLU-and-mul: out = silu(gate) * up, gate and up the two halves of each row of x
- * ([rows, 2 * dim] -> [rows, dim]). bf16 rounds silu before the multiply, as PyTorch's
+/* GELU, tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3) -
+ * which is x * sigmoid(2u) = x / (1 + exp(-2u)), so that it vectorises as SiLU does
+ * (PyTorch evaluates tanh; the last bit may differ). */
+static void gelu_tanh_row(const float *x, float *out, int64_t n) {
+    const float two_sqrt_2_over_pi = 1.5957691216057308f; /* 2 * sqrt(2 / pi) */
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i], inner = v + 0.044715f * v * v * v;
+        out[i] = v / (1.0f + expf(-two_sqrt_2_over_pi * inner));
+    }
+}
+
+/* out = act(gate) * up, gate and up the two halves of each row of x ([rows, 2 * dim] ->
+ * [rows, dim]). bf16 rounds act(gate) before the multiply, as PyTorch's
  * F.silu(gate).mul_(up) does. */
-int tm_silu_and_mul(const tm_silu_args *a) {
+static int gated_and_mul(const tm_silu_args *a, void (*act)(const float *, float *, int64_t)) {
     const void *x = a->x;
     void *out = a->out;
     const int64_t rows = a->rows, dim = a->dim;
@@ -240,20 +251,24 @@ int tm_silu_and_mul(const tm_silu_args *a) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) \
     if (num_threads > 1 && rows > 1 && rows * dim >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
-        float silu[dim];
+        float gated[dim];
         if (is_bf16) {
             const uint16_t *gate = (const uint16_t *)x + r * 2 * dim, *up = gate + dim;
             uint16_t *o = (uint16_t *)out + r * dim;
-            for (int64_t i = 0; i < dim; i++) silu[i] = bf16_to_f32(gate[i]);
-            silu_row(silu, silu, dim);
+            for (int64_t i = 0; i < dim; i++) gated[i] = bf16_to_f32(gate[i]);
+            act(gated, gated, dim);
             for (int64_t i = 0; i < dim; i++)
-                o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu[i])) * bf16_to_f32(up[i]));
+                o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gated[i])) * bf16_to_f32(up[i]));
         } else {
             const float *gate = (const float *)x + r * 2 * dim, *up = gate + dim;
             float *o = (float *)out + r * dim;
-            silu_row(gate, silu, dim);
-            for (int64_t i = 0; i < dim; i++) o[i] = silu[i] * up[i];
+            act(gate, gated, dim);
+            for (int64_t i = 0; i < dim; i++) o[i] = gated[i] * up[i];
         }
     }
     return TM_OK;
 }
+
+int tm_silu_and_mul(const tm_silu_args *a) { return gated_and_mul(a, silu_row); }
+
+int tm_gelu_tanh_and_mul(const tm_silu_args *a) { return gated_and_mul(a, gelu_tanh_row); }

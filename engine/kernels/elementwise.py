@@ -1,9 +1,9 @@
 """Fused elementwise ops for the CPU forward pass, over the native library.
 
-Residual add + RMSNorm, rotary on q and k, and SiLU-and-mul each run as one pass in C
+Residual add + RMSNorm, rotary on q and k, and SiLU- or GELU-and-mul each run as one pass in C
 (elementwise.c) where PyTorch makes several, with a temporary per pass. They compute
 what the PyTorch code in layers.py computes, to the bit for RMSNorm, the residual add
-and rotary (SiLU may differ in the last bit). Callers check `supports` first and keep
+and rotary (SiLU and GELU may differ in the last bit). Callers check `supports` first and keep
 their PyTorch code for everything else (CUDA, fp16, no compiler). Set
 TOKENMILL_FUSED_OPS=0 to keep the PyTorch code on CPU too (the native attention stays).
 """
@@ -138,6 +138,16 @@ def rotary_qkv(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] on the last dimension: [..., 2 * dim] -> [..., dim]."""
+    return _gated_and_mul(x, "silu")
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for x = [gate | up] (Gemma's GeGLU), as
+    `silu_and_mul`."""
+    return _gated_and_mul(x, "gelu_tanh")
+
+
+def _gated_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     x = x.contiguous()
     dim = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], dim, dtype=x.dtype)
@@ -149,5 +159,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         is_bf16=_is_bf16(x),
         num_threads=torch.get_num_threads(),
     )
-    check_status(_library().tm_silu_and_mul(ctypes.byref(args)), f"silu_and_mul over {dim}")
+    function = getattr(_library(), f"tm_{activation}_and_mul")
+    check_status(function(ctypes.byref(args)), f"{activation}_and_mul over {dim}")
     return out

@@ -176,8 +176,9 @@ typedef struct {
 
 int tm_rotary_qkv(const tm_rotary_args *args);
 
-/* out = silu(gate) * up for x = [gate | up] on each row: [rows, 2 * dim] -> [rows, dim],
- * dim <= TM_MAX_ROW_DIM. */
+/* out = act(gate) * up for x = [gate | up] on each row: [rows, 2 * dim] -> [rows, dim],
+ * dim <= TM_MAX_ROW_DIM; act is SiLU (tm_silu_and_mul) or tanh-approximated GELU
+ * (tm_gelu_tanh_and_mul, Gemma's GeGLU). */
 typedef struct {
     const void *x;
     void *out;
@@ -188,6 +189,7 @@ typedef struct {
 } tm_silu_args;
 
 int tm_silu_and_mul(const tm_silu_args *args);
+int tm_gelu_tanh_and_mul(const tm_silu_args *args);
 
 /* ---- quantize.c ----------------------------------------------------------------------
  * Dynamic per-row int8 quantization: with y = x * inv_smooth, scales[r] = max|y[r]| / qmax

@@ -157,6 +157,31 @@ def test_silu_and_mul_is_within_an_ulp(num_tokens, dim):
     assert int(bf16_ulps(got, expected).max()) <= 1
 
 
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("dim", [8, 100, 2048])
+def test_gelu_tanh_and_mul_is_within_an_ulp(num_tokens, dim):
+    """Gemma's GeGLU, fused: GELU (tanh approximation) evaluated as x * sigmoid(2u), the
+    same function as PyTorch's 0.5 x (1 + tanh(u)). Below x = -4 PyTorch's 1 + tanh(u)
+    cancels to a few bits (and to 0 below about -9) while x * sigmoid(2u) keeps its
+    precision, so there the two agree in absolute terms: the values are under 1e-4."""
+    torch.manual_seed(dim)
+    x = torch.randn(num_tokens, 2 * dim) * 4
+    x[0, :4] = torch.tensor([-30.0, 30.0, 0.0, -3.0])  # both tails, zero, a knee
+    for dtype in (torch.float32, torch.bfloat16):
+        x = x.to(dtype)
+        gate, up = x.split(dim, dim=-1)
+        got = elementwise.gelu_tanh_and_mul(x)
+        expected = F.gelu(gate, approximate="tanh").mul_(up)
+        assert got.shape == (num_tokens, dim)
+        tail = gate < -4
+        difference = (got.float() - expected.float()).abs()
+        assert float(torch.where(tail, difference, 0).max()) <= 1e-5 * float(up.abs().max())
+        if dtype == torch.bfloat16:
+            assert int(bf16_ulps(got, expected)[~tail].max()) <= 1
+        else:
+            torch.testing.assert_close(got[~tail], expected[~tail], rtol=1e-5, atol=1e-6)
+
+
 def native_calls(monkeypatch) -> dict[str, int]:
     """Count the fused ops the model calls."""
     calls = dict.fromkeys(["rms_norm", "rotary_qkv", "silu_and_mul"], 0)
