@@ -48,6 +48,8 @@ _FILE_FLAGS = {
     # Its integer sums are exact; the epilogue's float multiply-add may contract.
     "int8_linear.c": [],
     "elementwise.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
+    # Comparisons only; NaNs must stay NaNs.
+    "argmax.c": ["-fno-fast-math"],
 }
 # Linked without -ffast-math: with it GCC (before 13) links crtfastmath.o into the
 # library, whose constructor turns on flush-to-zero and denormals-are-zero for the whole

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 6
+ABI_VERSION = 7
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -42,6 +42,7 @@ class _Limits(ctypes.Structure):
         ("silu_args_size", _i64),
         ("quantize_args_size", _i64),
         ("int8_linear_args_size", _i64),
+        ("argmax_args_size", _i64),
     ]
 
 
@@ -183,6 +184,18 @@ class Int8LinearArgs(ctypes.Structure):
     ]
 
 
+class ArgmaxArgs(ctypes.Structure):
+    """tm_argmax_args."""
+
+    _fields_ = [
+        ("x", _ptr),
+        ("out", _ptr),
+        ("rows", _i64),
+        ("n", _i64),
+        ("num_threads", _i32),
+    ]
+
+
 # Exported function -> its argument struct, and the size field tm_limits reports for it.
 FUNCTIONS = {
     "tm_paged_attention": (AttentionArgs, "attention_args_size"),
@@ -193,6 +206,7 @@ FUNCTIONS = {
     "tm_gelu_tanh_and_mul": (SiluArgs, "silu_args_size"),
     "tm_quantize_rows_u8": (QuantizeArgs, "quantize_args_size"),
     "tm_int8_linear": (Int8LinearArgs, "int8_linear_args_size"),
+    "tm_argmax_rows": (ArgmaxArgs, "argmax_args_size"),
 }
 
 

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 6
+#define TM_ABI_VERSION 7
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -44,7 +44,7 @@ enum {
 enum {
     TM_INT8_ISA_NONE = 0,
     TM_INT8_ISA_AVX512_VNNI = 1,
-    TM_INT8_ISA_AMX = 2 /* AMX tiles from 16 rows on (k % 64 == 0), AVX512-VNNI below */
+    TM_INT8_ISA_AMX = 2 /* AMX tiles from 8 rows on (k % 64 == 0), AVX512-VNNI below */
 };
 
 typedef struct {
@@ -68,6 +68,7 @@ typedef struct {
     int64_t silu_args_size;
     int64_t quantize_args_size;
     int64_t int8_linear_args_size;
+    int64_t argmax_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -242,5 +243,19 @@ int tm_int8_linear(const tm_int8_linear_args *args);
 int tm_int8_linear_isa(void);
 int tm_internal_bf16_pairs(void);
 int tm_internal_bf16_attention_amx(void);
+
+/* ---- argmax.c: exact (comparisons only) ---- */
+
+/* out[r] = torch.argmax(x[r]) for each of `rows` rows of `n` fp32 values: the first
+ * largest value's index, or the first NaN's where a row has one. */
+typedef struct {
+    const float *x; /* [rows, n], contiguous */
+    int64_t *out;   /* [rows] */
+    int64_t rows;
+    int64_t n;
+    int32_t num_threads;
+} tm_argmax_args;
+
+int tm_argmax_rows(const tm_argmax_args *args);
 
 #endif
