@@ -167,6 +167,7 @@ def test_positions_past_a_sequence_are_never_read(dtype, group, head_dim):
     "flags",
     [
         ("-mno-avx512bf16",),  # AVX-512 without AVX512-BF16: bf16 widens to fp32
+        ("-march=x86-64-v3",),  # AVX2 and FMA (Zen 1): the AVX2 micro-kernels
         ("-march=x86-64-v2",),  # no AVX at all: the generic loops
     ],
 )
