@@ -54,7 +54,8 @@ static int64_t argmax_row(const float *x, int64_t n) {
 #ifdef __AVX2__
     const __m256 target = _mm256_set1_ps(best);
     for (; j + 8 <= n; j += 8) {
-        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ));
+        const __m256 equal = _mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ);
+        const int hits = _mm256_movemask_ps(equal);
         if (hits) return j + __builtin_ctz((unsigned)hits);
     }
 #endif

@@ -105,15 +105,16 @@ static inline __attribute__((always_inline)) void score_rows_16_avx2(
     }
 }
 
-/* acc[r] += sum_t p[r * stride + t] * v[t] over the m positions of a value block, for two
- * rows and 32 channels (four vectors each) from `channel`: eight accumulators, the
- * block's value vectors loaded once for both rows. */
+/* acc[r] += sum_t p[r * stride + t] * v[t] over the m positions of a value block, for N
+ * (1 or 2) rows and the 32 channels (four vectors) from `channel`: up to eight
+ * accumulators, each of the block's value vectors loaded once for both rows. */
 static inline __attribute__((always_inline)) void weigh_rows_avx2(
     const float *restrict p, int64_t stride, const float *restrict vb, int64_t m,
     float *restrict acc, const int N, int64_t head_dim, int64_t channel) {
     __m256 o[8];
     for (int r = 0; r < N; r++)
-        for (int c = 0; c < 4; c++) o[r * 4 + c] = _mm256_loadu_ps(acc + r * head_dim + channel + c * 8);
+        for (int c = 0; c < 4; c++)
+            o[r * 4 + c] = _mm256_loadu_ps(acc + r * head_dim + channel + c * 8);
     for (int64_t t = 0; t < m; t++) {
         const float *restrict vt = vb + t * head_dim + channel;
         const __m256 p0 = _mm256_set1_ps(p[t]);
@@ -125,7 +126,8 @@ static inline __attribute__((always_inline)) void weigh_rows_avx2(
         }
     }
     for (int r = 0; r < N; r++)
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + r * head_dim + channel + c * 8, o[r * 4 + c]);
+        for (int c = 0; c < 4; c++)
+            _mm256_storeu_ps(acc + r * head_dim + channel + c * 8, o[r * 4 + c]);
 }
 #endif
 
@@ -166,8 +168,11 @@ static void weigh_block(const float *p, int64_t stride, const float *vb, int64_t
         for (int64_t channel = 0; channel < head_dim; channel += 32) {
             int64_t r = 0;
             for (; r + 2 <= rows; r += 2)
-                weigh_rows_avx2(p + r * stride, stride, vb, m, acc + r * head_dim, 2, head_dim, channel);
-            if (r < rows) weigh_rows_avx2(p + r * stride, stride, vb, m, acc + r * head_dim, 1, head_dim, channel);
+                weigh_rows_avx2(p + r * stride, stride, vb, m, acc + r * head_dim, 2, head_dim,
+                                channel);
+            if (r < rows)
+                weigh_rows_avx2(p + r * stride, stride, vb, m, acc + r * head_dim, 1, head_dim,
+                                channel);
         }
         return;
     }
