@@ -1,6 +1,6 @@
 /* Fused elementwise ops of the Llama forward pass: residual add + RMSNorm, rotary on
- * the qkv projection's output, and SiLU- (or Gemma's GELU-) and-mul. Each is one pass over its rows where
- * PyTorch makes several, with a temporary per pass.
+ * the qkv projection's output, and SiLU- (or Gemma's GELU-) and-mul. Each is one pass
+ * over its rows where PyTorch makes several, with a temporary per pass.
  *
  * RMSNorm, the residual add and rotary reproduce PyTorch's CPU rounding step for step,
  * so a bf16 run gives the bits the PyTorch path gives (and fp32 RMSNorm and rotary do
