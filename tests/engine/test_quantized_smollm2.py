@@ -26,12 +26,16 @@ QUESTIONS = [
     "Describe a cat to someone who has never seen one.",
 ]
 NUM_TOKENS = 32
-# Greedy tokens agreeing with bf16 before each answer's first flip, out of 8 x 32 = 256,
-# measured at the commit that added this test (bf16 engine, chat prompts): int8 91,
-# int4 174, gguf 156 (gguf's Q4_1 scales are rounded to bf16 in the int4 kernel; int4
-# re-quantizes the bf16 weights). A flip early in an answer costs the rest of it, so
-# these counts move in steps; the bounds are ~70% of them.
-MIN_AGREEING = {"int8": 64, "int4": 120, "gguf": 108}
+# How often each mode's own next-token choice is the bf16 model's greedy token, fed the
+# bf16 answer so far (teacher forcing: one flip costs one token, not the rest of the
+# answer), out of 8 x 32 = 256. Measured on an Intel Xeon (Emerald Rapids, AMX) at the
+# commit that switched to this count: bf16 itself 253 (prompt and decode paths round
+# differently at near-ties), int8 239, int4 253, gguf 250. The count it replaced -
+# greedy tokens before each answer's first flip - moved with every change in the float
+# path's rounding order (int8: 98, 148, 60 across three commits on one machine, with
+# perplexity unchanged), so its bounds failed without anything being wrong. A broken
+# quantization agrees on a few tokens at most.
+MIN_AGREEING = {None: 245, "int8": 218, "int4": 218, "gguf": 218}
 
 
 @pytest.fixture(scope="module")
@@ -43,31 +47,41 @@ def model_dir() -> Path:
     return converted_smollm2_dir()
 
 
-def greedy(model_dir: Path, quantization: str | None) -> list[list[int]]:
+def bf16_answers(model_dir: Path) -> list[tuple[list[int], int]]:
+    """(chat prompt + the bf16 model's greedy answer, where the answer starts) per
+    question."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype="bfloat16")
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
+    return [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)) for o in outputs]
+
+
+def top1_agreement(model_dir: Path, quantization: str | None, answers) -> int:
+    """Answer tokens that are this mode's most likely next token given the text before
+    them (from prompt log-probabilities, top 1)."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype="bfloat16", quantization=quantization)
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)
-    return [o.token_ids for o in outputs]
+    params = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    outputs = llm.generate([tokens for tokens, _ in answers], params)
+    agreeing = 0
+    for (tokens, start), output in zip(answers, outputs):
+        for position in range(start, len(tokens)):
+            candidates = output.prompt_logprobs[position]  # the actual token and the top 1
+            agreeing += max(candidates, key=candidates.get) == tokens[position]
+    return agreeing
 
 
 @pytest.mark.slow
-def test_quantized_greedy_tokens_agree_with_bf16(model_dir):
-    reference = greedy(model_dir, None)
-    agreeing = {}
-    for quantization in MIN_AGREEING:
-        outputs = greedy(model_dir, quantization)  # gguf: the blocks the conversion kept
-        agreeing[quantization] = 0
-        for ours, theirs in zip(outputs, reference):
-            for a, b in zip(ours, theirs):
-                if a != b:
-                    break
-                agreeing[quantization] += 1
+def test_quantized_top1_tokens_agree_with_bf16(model_dir):
+    answers = bf16_answers(model_dir)
+    agreeing = {mode: top1_agreement(model_dir, mode, answers) for mode in MIN_AGREEING}
     total = len(QUESTIONS) * NUM_TOKENS
-    print("\n" + ", ".join(f"{q}: {n}/{total}" for q, n in agreeing.items()))
-    for quantization, minimum in MIN_AGREEING.items():
-        assert agreeing[quantization] >= minimum, quantization
+    print("\n" + ", ".join(f"{mode or 'bf16'}: {n}/{total}" for mode, n in agreeing.items()))
+    for mode, minimum in MIN_AGREEING.items():
+        assert agreeing[mode] >= minimum, mode
 
 
 @pytest.mark.slow
