@@ -188,7 +188,7 @@ def test_kernel_built_for_other_cpus_matches_reference(flags, tmp_path, monkeypa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("group", "head_dim", "block_size"), [(3, 64, 16), (4, 128, 16), (2, 24, 7)]
+    ("group", "head_dim", "block_size"), [(3, 64, 16), (4, 128, 16), (4, 256, 16), (2, 24, 7)]
 )
 @pytest.mark.parametrize("window", [1, 5, 16, 37])
 def test_sliding_window_matches_float64_reference(dtype, group, head_dim, block_size, window):
