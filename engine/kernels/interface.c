@@ -10,7 +10,6 @@ void tm_limits(tm_limits_t *out) {
     out->max_qmax = TM_MAX_QMAX;
     out->max_int8_k = TM_MAX_INT8_K;
     out->int8_linear_isa = tm_int8_linear_isa();
-    out->bf16_pairs = tm_internal_bf16_pairs();
     out->bf16_attention_amx = tm_internal_bf16_attention_amx();
     out->attention_args_size = sizeof(tm_attention_args);
     out->kv_write_args_size = sizeof(tm_kv_write_args);

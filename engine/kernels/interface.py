@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 7
+ABI_VERSION = 8
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -33,7 +33,6 @@ class _Limits(ctypes.Structure):
         ("max_qmax", _i64),
         ("max_int8_k", _i64),
         ("int8_linear_isa", _i64),
-        ("bf16_pairs", _i64),
         ("bf16_attention_amx", _i64),
         ("attention_args_size", _i64),
         ("kv_write_args_size", _i64),
@@ -221,13 +220,13 @@ class KernelLimits:
     max_qmax: int
     max_int8_k: int  # the int8 product's longest reduction
     int8_linear_isa: str | None  # the instructions tm_int8_linear has here, or None
-    bf16_pairs: bool  # bf16 caches of 16-token blocks, head_dim 64/128 stored in pairs
-    bf16_attention_amx: bool  # attention over those caches on AMX tiles (16-row groups)
+    bf16_attention_amx: bool  # attention over pair-layout bf16 caches on AMX tiles
 
 
 def declare(lib: ctypes.CDLL) -> KernelLimits:
     """Give lib's exported functions their signatures (one struct pointer each, an int
-    status back) after checking that lib was built from the header this module mirrors.
+    status back; tm_stores_bf16_pairs two ints) after checking that lib was built from the
+    header this module mirrors.
 
     Returns:
         The library's limits.
@@ -251,6 +250,8 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         function = getattr(lib, name)
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.POINTER(struct)]
+    lib.tm_stores_bf16_pairs.restype = ctypes.c_int
+    lib.tm_stores_bf16_pairs.argtypes = [_i64, _i64]  # block_size, head_dim
     return KernelLimits(
         max_head_dim=reported.max_head_dim,
         max_block_size=reported.max_block_size,
@@ -259,7 +260,6 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         max_qmax=reported.max_qmax,
         max_int8_k=reported.max_int8_k,
         int8_linear_isa=INT8_LINEAR_ISAS.get(reported.int8_linear_isa),
-        bf16_pairs=bool(reported.bf16_pairs),
         bf16_attention_amx=bool(reported.bf16_attention_amx),
     )
 

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 7
+#define TM_ABI_VERSION 8
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -56,10 +56,8 @@ typedef struct {
     int64_t max_qmax;
     int64_t max_int8_k;
     int64_t int8_linear_isa; /* TM_INT8_ISA_*: which int8 linear this build has */
-    int64_t bf16_pairs;      /* 1: bf16 caches with 16-token blocks and head_dim 64-256
-                                are stored in the pair layout (see tm_write_kv_cache) */
-    int64_t bf16_attention_amx; /* 1: attention over those caches runs whole groups of 16
-                                   query rows on AMX tiles (granted by the OS here) */
+    int64_t bf16_attention_amx; /* 1: attention over pair-layout bf16 caches runs whole
+                                   groups of 16 query rows on AMX tiles (granted here) */
     /* sizeof each argument struct, in the order they are declared below */
     int64_t attention_args_size;
     int64_t kv_write_args_size;
@@ -110,8 +108,8 @@ int tm_paged_attention(const tm_attention_args *args);
 
 /* Stores each new token's key and value in its cache slot (block slot_blocks[t], offset
  * slot_offsets[t]), keys transposed within the block as tm_paged_attention reads them.
- * Where tm_limits reports bf16_pairs, a bf16 cache with 16-token blocks and head_dim 64
- * or 128 is laid out for bf16 dot products instead: within a block, key element d of
+ * Where tm_stores_bf16_pairs says so for its shape, a bf16 cache is laid out for bf16 dot
+ * products instead: within a block, key element d of
  * position t at (d / 2) * 32 + t * 2 + d % 2, value element c of position t at
  * (t / 2) * 2 * head_dim + c * 2 + t % 2. Caches of that kind are written and read only
  * by these two functions. */
@@ -239,10 +237,13 @@ typedef struct {
 
 int tm_int8_linear(const tm_int8_linear_args *args);
 /* Internal (tm_limits reports them): the TM_INT8_ISA_* this build of int8_linear.c has,
- * whether it stores bf16 caches in pairs, and whether it attends to them on AMX tiles. */
+ * and whether it attends to pair-layout bf16 caches on AMX tiles. */
 int tm_int8_linear_isa(void);
-int tm_internal_bf16_pairs(void);
 int tm_internal_bf16_attention_amx(void);
+
+/* 1 where this build keeps a bf16 cache of this block size and head_dim in the pair layout
+ * (tm_write_kv_cache), else 0: the one statement of that rule, which Python asks. */
+int tm_stores_bf16_pairs(int64_t block_size, int64_t head_dim);
 
 /* ---- argmax.c: exact (comparisons only) ---- */
 

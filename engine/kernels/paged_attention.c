@@ -415,10 +415,12 @@ int tm_paged_attention(const tm_attention_args *a) {
     return failed ? TM_OUT_OF_MEMORY : TM_OK;
 }
 
-/* Internal (tm_limits reports them): whether this build stores bf16 caches in pairs, and
- * whether it attends to them on AMX tiles here. */
-int tm_internal_bf16_pairs(void) { return uses_bf16_pairs(1, 16, 64); }
+int tm_stores_bf16_pairs(int64_t block_size, int64_t head_dim) {
+    return uses_bf16_pairs(1, block_size, head_dim);
+}
 
+/* Internal (tm_limits reports it): whether this build attends to pair-layout caches on
+ * AMX tiles here. */
 int tm_internal_bf16_attention_amx(void) {
 #ifdef HAVE_AMX_ATTENTION
     return tm_internal_amx_permitted();

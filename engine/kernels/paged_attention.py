@@ -45,10 +45,8 @@ def stores_pairs(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
     native = _library()
     return (
         native is not None
-        and native.limits.bf16_pairs
         and dtype == torch.bfloat16
-        and block_size == 16
-        and head_dim in (64, 128, 256)
+        and bool(native.lib.tm_stores_bf16_pairs(block_size, head_dim))
     )
 
 
