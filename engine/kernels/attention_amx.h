@@ -55,7 +55,18 @@ static void score_blocks_amx(const tm_attention_args *a, const uint16_t *q, floa
         for (int64_t b = b0; b < b1; b++) {
             const uint16_t *pairs = keys + (table[b] * a->num_kv_heads + kv_head) * block_elems;
             _tile_zero(0);
-            if (!resident) {
+            if (resident) {
+                _tile_loadd(6, pairs, 64); /* pair-rows 0-15: elements 0-31 */
+                _tile_dpbf16ps(0, 2, 6);
+                _tile_loadd(7, pairs + 512, 64);
+                _tile_dpbf16ps(0, 3, 7);
+                if (head_dim == 128) {
+                    _tile_loadd(6, pairs + 1024, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(7, pairs + 1536, 64);
+                    _tile_dpbf16ps(0, 5, 7);
+                }
+            } else {
                 for (int64_t c = 0; c < head_dim / 32; c += 2) { /* pair-rows 16c.. */
                     _tile_loadd(2, qt + c * 32, q_bytes);
                     _tile_loadd(6, pairs + c * 512, 64);
@@ -64,18 +75,6 @@ static void score_blocks_amx(const tm_attention_args *a, const uint16_t *q, floa
                     _tile_loadd(7, pairs + (c + 1) * 512, 64);
                     _tile_dpbf16ps(0, 3, 7);
                 }
-                _tile_stored(0, st + b * 16, stride * 4);
-                continue;
-            }
-            _tile_loadd(6, pairs, 64); /* pair-rows 0-15: elements 0-31 */
-            _tile_dpbf16ps(0, 2, 6);
-            _tile_loadd(7, pairs + 512, 64);
-            _tile_dpbf16ps(0, 3, 7);
-            if (head_dim == 128) {
-                _tile_loadd(6, pairs + 1024, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_loadd(7, pairs + 1536, 64);
-                _tile_dpbf16ps(0, 5, 7);
             }
             _tile_stored(0, st + b * 16, stride * 4);
         }
