@@ -9,7 +9,9 @@ blocks scattered over the cache) on two step shapes, fp32 and bf16:
   (fp32) or its batched-matmul attention (bf16) once per chunk;
 - decode: 64 sequences, half sharing a 256-token prefix (mixed64's layout) - the
   portable path gathers every context and runs one padded SDPA.
-Best of 7 calls after a warm-up, alternating the two paths; the ratio is what to read.
+Each case also runs the native kernel over an int8 KV cache (`kv_cache_dtype="int8"`) holding
+the same values quantized. Best of 7 calls after a warm-up, alternating the paths; the
+ratios are what to read.
 --window N attends within a sliding window of N positions (Mistral's and Gemma 3's local
 layers) on both paths.
 """
@@ -29,7 +31,12 @@ from tokenmill.engine.attention import (
     _decode_attention,
     _prefill_span_attention,
 )
-from tokenmill.engine.kernels.paged_attention import AttentionEntries, native_paged_attention
+from tokenmill.engine.kernels.paged_attention import (
+    AttentionEntries,
+    kv_int8_head_bytes,
+    native_paged_attention,
+    write_kv_cache,
+)
 from tokenmill.engine.shared_prefix import group_shared_prefixes
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -51,6 +58,17 @@ class Layout:
 
     def table(self, positions: int, prefix: list[int] = ()) -> list[int]:
         return list(prefix) + [self.free.pop() for _ in range(-(-positions // BLOCK) - len(prefix))]
+
+    def int8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same keys and values in int8 caches, through the native writer."""
+        blocks = self.k.shape[0]
+        shape = (blocks, KV_HEADS, kv_int8_head_bytes(HEAD_DIM, BLOCK))
+        k8, v8 = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+        k = self.k.permute(0, 3, 1, 2).reshape(-1, KV_HEADS, HEAD_DIM)
+        v = self.v.permute(0, 2, 1, 3).reshape(-1, KV_HEADS, HEAD_DIM)
+        slots = torch.arange(blocks * BLOCK)
+        write_kv_cache(k, v, k8, v8, slots // BLOCK, slots % BLOCK)
+        return k8, v8
 
 
 def _padded(tables: list[list[int]]) -> torch.Tensor:
@@ -82,8 +100,13 @@ def prefill_case(dtype, window=None):
         _int64([0] * len(rows)),
     )
 
+    k8, v8 = layout.int8()
+
     def native():
         native_paged_attention(q, layout.k, layout.v, entries, HEAD_DIM**-0.5, window)
+
+    def native_int8():
+        native_paged_attention(q, k8, v8, entries, HEAD_DIM**-0.5, window)
 
     def portable():
         for span in spans:
@@ -91,7 +114,7 @@ def prefill_case(dtype, window=None):
 
     seen = sum(min(p + 1, window or p + 1) for n, c in PREFILL for p in range(c - n, c))
     flops = seen * 4 * HEAD_DIM * HEADS
-    return native, portable, flops
+    return native, portable, native_int8, flops
 
 
 def decode_case(dtype, window=None):
@@ -126,15 +149,20 @@ def decode_case(dtype, window=None):
         prefills=[],
     )
 
+    k8, v8 = layout.int8()
+
     def native():
         native_paged_attention(q, layout.k, layout.v, entries, HEAD_DIM**-0.5, window)
+
+    def native_int8():
+        native_paged_attention(q, k8, v8, entries, HEAD_DIM**-0.5, window)
 
     def portable():
         _decode_attention(q, layout.k, layout.v, meta, HEAD_DIM**-0.5, window)
 
     # Positions read once a shared prefix is read once (or only each window's).
     read = sum(min(n, window) for n in lengths) if window else sum(lengths) - 31 * 256
-    return native, portable, read * KV_HEADS * HEAD_DIM * 2 * layout.k.element_size()
+    return native, portable, native_int8, read * KV_HEADS * HEAD_DIM * 2 * layout.k.element_size()
 
 
 def best_of(fns, repeats: int) -> list[float]:
@@ -156,18 +184,21 @@ def main() -> None:
     args = parser.parse_args()
     print(f"threads {torch.get_num_threads()}, window {args.window or 'none'}")
     for dtype in (torch.float32, torch.bfloat16):
-        native, portable, flops = prefill_case(dtype, args.window)
-        times = best_of([native, portable], args.repeat)
+        *fns, flops = prefill_case(dtype, args.window)
+        times = best_of(fns, args.repeat)
         _report("prefill", dtype, *times, f"{flops / times[0] / 1e9:.0f} GFLOP/s")
-        native, portable, nbytes = decode_case(dtype, args.window)
-        times = best_of([native, portable], args.repeat)
+        *fns, nbytes = decode_case(dtype, args.window)
+        times = best_of(fns, args.repeat)
         _report("decode", dtype, *times, f"{nbytes / times[0] / 1e9:.1f} GB/s of keys and values")
 
 
-def _report(step: str, dtype: torch.dtype, native: float, portable: float, rate: str) -> None:
+def _report(
+    step: str, dtype: torch.dtype, native: float, portable: float, int8: float, rate: str
+) -> None:
     print(
         f"{step:<7} {str(dtype)[6:]:>8}: native {native * 1e3:6.2f} ms ({rate}), "
-        f"portable {portable * 1e3:6.2f} ms, {portable / native:.2f}x"
+        f"portable {portable * 1e3:6.2f} ms, {portable / native:.2f}x; "
+        f"native over an int8 cache {int8 * 1e3:6.2f} ms, {native / int8:.2f}x"
     )
 
 

@@ -9,6 +9,7 @@ void tm_limits(tm_limits_t *out) {
     out->max_row_dim = TM_MAX_ROW_DIM;
     out->max_qmax = TM_MAX_QMAX;
     out->max_int8_k = TM_MAX_INT8_K;
+    out->kv_int8_group = TM_KV_INT8_GROUP;
     out->int8_linear_isa = tm_int8_linear_isa();
     out->bf16_attention_amx = tm_internal_bf16_attention_amx();
     out->attention_args_size = sizeof(tm_attention_args);

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 8
+ABI_VERSION = 9
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -32,6 +32,7 @@ class _Limits(ctypes.Structure):
         ("max_row_dim", _i64),
         ("max_qmax", _i64),
         ("max_int8_k", _i64),
+        ("kv_int8_group", _i64),
         ("int8_linear_isa", _i64),
         ("bf16_attention_amx", _i64),
         ("attention_args_size", _i64),
@@ -69,6 +70,7 @@ class AttentionArgs(ctypes.Structure):
         ("scale", _f32),
         ("is_bf16", _i32),
         ("num_threads", _i32),
+        ("kv_int8", _i32),
     ]
 
 
@@ -88,6 +90,7 @@ class KVWriteArgs(ctypes.Structure):
         ("block_size", _i64),
         ("is_bf16", _i32),
         ("num_threads", _i32),
+        ("kv_int8", _i32),
     ]
 
 
@@ -219,6 +222,7 @@ class KernelLimits:
     max_row_dim: int  # RMSNorm and SiLU-and-mul row width
     max_qmax: int
     max_int8_k: int  # the int8 product's longest reduction
+    kv_int8_group: int  # values per scale in an int8 KV cache (head_dim a multiple of it)
     int8_linear_isa: str | None  # the instructions tm_int8_linear has here, or None
     bf16_attention_amx: bool  # attention over pair-layout bf16 caches on AMX tiles
 
@@ -259,6 +263,7 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         max_row_dim=reported.max_row_dim,
         max_qmax=reported.max_qmax,
         max_int8_k=reported.max_int8_k,
+        kv_int8_group=reported.kv_int8_group,
         int8_linear_isa=INT8_LINEAR_ISAS.get(reported.int8_linear_isa),
         bf16_attention_amx=bool(reported.bf16_attention_amx),
     )

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 8
+#define TM_ABI_VERSION 9
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -28,6 +28,9 @@
 #define TM_TILE_ROWS 48
 #define TM_MAX_HEADS_PER_KV_HEAD TM_TILE_ROWS
 #define TM_MAX_ROW_DIM 65536
+/* int8 KV caches keep one scale per this many values of a position's head (kv_int8.h);
+ * head_dim must be a multiple of it. */
+#define TM_KV_INT8_GROUP 32
 /* Quantization: values stored as uint8 around a zero point, so qmax + zero_point <= 255. */
 #define TM_MAX_QMAX 127
 /* int8 products sum u8 x s8 pairs in int32: 255 * 127 * k stays below 2^31 up to here. */
@@ -55,6 +58,7 @@ typedef struct {
     int64_t max_row_dim;
     int64_t max_qmax;
     int64_t max_int8_k;
+    int64_t kv_int8_group;
     int64_t int8_linear_isa; /* TM_INT8_ISA_*: which int8 linear this build has */
     int64_t bf16_attention_amx; /* 1: attention over pair-layout bf16 caches runs whole
                                    groups of 16 query rows on AMX tiles (granted here) */
@@ -102,6 +106,7 @@ typedef struct {
     float scale;          /* multiplies q . k */
     int32_t is_bf16;
     int32_t num_threads;
+    int32_t kv_int8;      /* 1: the caches are int8 (kv_int8.h); q and out stay is_bf16's */
 } tm_attention_args;
 
 int tm_paged_attention(const tm_attention_args *args);
@@ -112,7 +117,9 @@ int tm_paged_attention(const tm_attention_args *args);
  * products instead: within a block, key element d of
  * position t at (d / 2) * 32 + t * 2 + d % 2, value element c of position t at
  * (t / 2) * 2 * head_dim + c * 2 + t % 2. Caches of that kind are written and read only
- * by these two functions. */
+ * by these two functions. An int8 cache (kv_int8) holds int8 values at the positions the
+ * float cache of is_bf16's type would use, each kv head's block followed by its fp32 group
+ * scales: [num_blocks, num_kv_heads, kv_int8_head_bytes] bytes (kv_int8.h). */
 typedef struct {
     const void *k;              /* [num_tokens, num_kv_heads, head_dim], the cache's type */
     const void *v;              /* like k */
@@ -124,8 +131,9 @@ typedef struct {
     int64_t num_kv_heads;
     int64_t head_dim;
     int64_t block_size;
-    int32_t is_bf16;
+    int32_t is_bf16;      /* k and v's type (and the cache's, unless kv_int8) */
     int32_t num_threads;
+    int32_t kv_int8;      /* 1: quantize into int8 caches (kv_int8.h) */
 } tm_kv_write_args;
 
 int tm_write_kv_cache(const tm_kv_write_args *args);

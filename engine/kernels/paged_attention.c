@@ -25,7 +25,9 @@
  * different sequences); weights outside a row's range are zero, and blocks no row of a
  * part sees are never read. Storage is fp32 or bf16. Math is fp32, except that bf16
  * caches with 16-token blocks use bf16 dot products where the CPU has them
- * (attention_bf16.h).
+ * (attention_bf16.h). int8 caches (kv_int8.h) are read directly in int16 dot products
+ * where the CPU has them (attention_int8.h; rows not on AMX tiles), else widened a window
+ * of blocks at a time into scratch, where the float path reads them.
  */
 #include <math.h>
 #include <stddef.h>
@@ -35,8 +37,10 @@
 
 #include "attention_bf16.h"
 #include "attention_fp32.h"
+#include "attention_int8.h"
 #include "kernel_common.h"
 #include "kernels.h"
+#include "kv_int8.h"
 /* after kernels.h: its functions take tm_attention_args */
 #include "attention_amx.h"
 
@@ -58,6 +62,8 @@ typedef struct {
     int64_t stride;      /* a row's scores: the longest context, in whole blocks */
     int use_dot;         /* bf16 dot products (attention_bf16.h) */
     int use_amx;         /* and AMX tiles for whole groups of 16 rows (attention_amx.h) */
+    int64_t stage_blocks; /* int8 caches: blocks widened per window */
+    int int8_dot;         /* int8 caches: rows off the tiles read them directly */
     int64_t *item_start; /* [num_groups + 1]: group k's items are [item_start[k], [k + 1]) */
     int64_t num_items;
 } Plan;
@@ -79,6 +85,14 @@ typedef struct {
     float *acc, *scores, *qf, *widened;
     uint16_t *qb, *weights_bf16, *pairs;
     Part *parts;
+    /* int8 caches: a window of widened blocks, the table that maps a block index to its
+     * place there, and the call as the float path sees it over them */
+    void *stage;
+    int64_t *stage_table;
+    int16_t *q16, *wq; /* direct reads: int16 query rows and block weights, */
+    float *q_scales, *w_scales; /* and their scales */
+    tm_attention_args stage_args;
+    Plan stage_plan;
 } Scratch;
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -121,7 +135,42 @@ static int plan_items(const tm_attention_args *a, Plan *plan) {
 #else
     plan->use_amx = 0;
 #endif
+    /* Windows of ~32 KiB, so that widened blocks are read back from L1. */
+    const int64_t stage_elem = plan->use_dot ? 2 : 4;
+    plan->stage_blocks = max64(1, 32768 / (a->head_dim * a->block_size * stage_elem));
+#ifdef HAVE_INT8_DOT
+    plan->int8_dot = a->kv_int8 && plan->use_dot;
+#else
+    plan->int8_dot = 0;
+#endif
     return TM_OK;
+}
+
+/* An int8 call's window: the blocks staged by stage_window, as a call over a float cache
+ * of one kv head whose block b sits at stage_table[b]. Keys and values share the buffer
+ * (a step scores every block before it weighs any). With bf16 dot products the blocks
+ * are bf16 pairs, else fp32 - the float path would widen bf16 to fp32 anyway. */
+static int alloc_stage(const Plan *plan, Scratch *s) {
+    const tm_attention_args *a = plan->a;
+    const size_t elem = plan->use_dot ? 2 : 4;
+    s->stage = malloc(elem * (size_t)(plan->stage_blocks * a->head_dim * a->block_size));
+    s->stage_table = malloc(sizeof(int64_t) * (size_t)a->max_blocks);
+    s->stage_args = *a;
+    s->stage_args.k_cache = s->stage_args.v_cache = s->stage;
+    s->stage_args.num_kv_heads = 1;
+    s->stage_args.is_bf16 = plan->use_dot;
+    s->stage_args.kv_int8 = 0;
+    s->stage_plan = *plan;
+    s->stage_plan.a = &s->stage_args;
+    if (plan->int8_dot) {
+        const size_t rows = (size_t)plan->rows_max, dim = (size_t)a->head_dim;
+        s->q16 = malloc(sizeof(int16_t) * rows * dim);
+        s->wq = malloc(sizeof(int16_t) * rows * dim / 2);
+        s->q_scales = malloc(sizeof(float) * rows * dim / TM_KV_INT8_GROUP);
+        s->w_scales = malloc(sizeof(float) * rows * dim / TM_KV_INT8_GROUP);
+        if (!s->q16 || !s->wq || !s->q_scales || !s->w_scales) return 0;
+    }
+    return s->stage && s->stage_table;
 }
 
 /* Returns 1 when every buffer was allocated; free_scratch frees them either way. */
@@ -132,7 +181,7 @@ static int alloc_scratch(const Plan *plan, Scratch *s) {
     s->acc = malloc(sizeof(float) * rows * dim);
     s->scores = malloc(sizeof(float) * rows * stride);
     s->parts = malloc(sizeof(Part) * (size_t)plan->parts_max);
-    int ok = s->acc && s->scores && s->parts;
+    int ok = s->acc && s->scores && s->parts && (!plan->a->kv_int8 || alloc_stage(plan, s));
     if (plan->use_dot) {
         s->qb = malloc(sizeof(uint16_t) * rows * dim);
         s->weights_bf16 = malloc(sizeof(uint16_t) * rows * stride);
@@ -146,7 +195,8 @@ static int alloc_scratch(const Plan *plan, Scratch *s) {
 
 static void free_scratch(Scratch *s) {
     free(s->acc), free(s->scores), free(s->parts), free(s->qf), free(s->widened);
-    free(s->qb), free(s->weights_bf16), free(s->pairs);
+    free(s->qb), free(s->weights_bf16), free(s->pairs), free(s->stage), free(s->stage_table);
+    free(s->q16), free(s->wq), free(s->q_scales), free(s->w_scales);
 }
 
 /* The group holding `item`: the last k with item_start[k] <= item (item_start ascends;
@@ -214,6 +264,109 @@ static void gather_queries(const Plan *plan, const Item *it, Scratch *s) {
     }
     if (!plan->use_dot)
         for (int64_t i = 0; i < it->total_rows * a->head_dim; i++) s->qf[i] *= a->scale;
+#ifdef HAVE_INT8_DOT
+    if (plan->int8_dot) quantize_queries_int16(s->qb, it->total_rows, a->head_dim, s->q16, s->q_scales);
+#endif
+}
+
+/* kv_head's int8 block b of table in cache (keys or values). */
+static inline const int8_t *int8_block(const tm_attention_args *a, const void *cache,
+                                       const int64_t *table, int64_t b, int64_t kv_head) {
+    const int64_t head_bytes = kv_int8_head_bytes(a->head_dim, a->block_size);
+    return (const int8_t *)cache + (table[b] * a->num_kv_heads + kv_head) * head_bytes;
+}
+
+/* How many blocks ahead stage_window asks for: widening a block takes a fraction of the
+ * time memory needs to deliver one, so one block ahead left it waiting on latency. */
+#define STAGE_PREFETCH_AHEAD 4
+
+/* The int8 key (or value) blocks [b0, b1) of table widened into s->stage, and
+ * s->stage_table pointed at them; blocks up to `end` are prefetched ahead. */
+static void stage_window(const Plan *plan, Scratch *s, int keys, int64_t kv_head,
+                         const int64_t *table, int64_t b0, int64_t b1, int64_t end) {
+    const tm_attention_args *a = plan->a;
+    const int64_t head_bytes = kv_int8_head_bytes(a->head_dim, a->block_size);
+    const int64_t stage_bytes = a->head_dim * a->block_size * (plan->use_dot ? 2 : 4);
+    const void *cache = keys ? a->k_cache : a->v_cache;
+    for (int64_t b = b0; b < b1; b++) {
+        const int8_t *block = int8_block(a, cache, table, b, kv_head);
+        if (b == b0) /* the window's first blocks, unless the last window asked already */
+            for (int64_t f = b0; f < min64(end, b0 + STAGE_PREFETCH_AHEAD); f++)
+                prefetch_bytes(int8_block(a, cache, table, f, kv_head), head_bytes);
+        if (b + STAGE_PREFETCH_AHEAD < end)
+            prefetch_bytes(int8_block(a, cache, table, b + STAGE_PREFETCH_AHEAD, kv_head), head_bytes);
+        void *out = (char *)s->stage + (b - b0) * stage_bytes;
+        if (keys) widen_key_block(block, plan->use_dot, plan->use_dot, a->head_dim, a->block_size, out);
+        else widen_value_block(block, plan->use_dot, plan->use_dot, a->head_dim, a->block_size, out);
+        s->stage_table[b] = b - b0;
+    }
+}
+
+/* Of an int8 call's `rows` rows, how many take the widened blocks (the rest are read
+ * directly): all of them without int16 dot products, else those on AMX tiles. */
+static int64_t int8_staged_rows(const Plan *plan, int64_t rows) {
+    if (!plan->int8_dot) return rows;
+#ifdef HAVE_AMX_ATTENTION
+    if (plan->use_amx && rows >= AMX_TILE_ROWS) return rows / AMX_TILE_ROWS * AMX_TILE_ROWS;
+#endif
+    return 0;
+}
+
+static void score_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const int64_t *table,
+                         int64_t b0, int64_t b1, int64_t row0, int64_t rows);
+static void weigh_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const int64_t *table,
+                         int64_t b0, int64_t b1, int64_t visible, int64_t row0, int64_t rows);
+
+/* The int8 block b of table, with block b + 1 asked for when it is < b1. */
+static inline const int8_t *next_int8_block(const tm_attention_args *a, const void *cache,
+                                            const int64_t *table, int64_t b, int64_t b1,
+                                            int64_t kv_head) {
+    if (b + 1 < b1)
+        prefetch_bytes(int8_block(a, cache, table, b + 1, kv_head), kv_int8_head_bytes(a->head_dim, a->block_size));
+    return int8_block(a, cache, table, b, kv_head);
+}
+
+/* score_blocks over an int8 cache: the rows int8_staged_rows names through widened
+ * windows and the float path, the rest straight from the blocks. */
+static void score_blocks_int8(const Plan *plan, Scratch *s, int64_t kv_head, const int64_t *table,
+                              int64_t b0, int64_t b1, int64_t row0, int64_t rows) {
+    const int64_t staged = int8_staged_rows(plan, rows);
+    for (int64_t w = b0; w < b1 && staged > 0; w += plan->stage_blocks) {
+        const int64_t w1 = min64(b1, w + plan->stage_blocks);
+        stage_window(plan, s, 1, kv_head, table, w, w1, b1);
+        score_blocks(&s->stage_plan, s, 0, s->stage_table, w, w1, row0, staged);
+    }
+#ifdef HAVE_INT8_DOT
+    const tm_attention_args *a = plan->a;
+    const int64_t head_dim = a->head_dim, stride = plan->stride;
+    for (int64_t b = b0; b < b1 && staged < rows; b++) {
+        const int8_t *block = next_int8_block(a, a->k_cache, table, b, b1, kv_head);
+        for (int64_t r = row0 + staged; r < row0 + rows; r += SCORE_ROWS)
+            score_rows_int8_any(s->q16 + r * head_dim, s->q_scales + r * (head_dim / TM_KV_INT8_GROUP),
+                                min64(row0 + rows - r, SCORE_ROWS), block, s->scores + r * stride + b * 16,
+                                stride, head_dim);
+    }
+#endif
+}
+
+/* weigh_blocks over an int8 cache, its rows split as score_blocks_int8 splits them. */
+static void weigh_blocks_int8(const Plan *plan, Scratch *s, int64_t kv_head, const int64_t *table,
+                              int64_t b0, int64_t b1, int64_t visible, int64_t row0, int64_t rows) {
+    const int64_t staged = int8_staged_rows(plan, rows);
+    for (int64_t w = b0; w < b1 && staged > 0; w += plan->stage_blocks) {
+        const int64_t w1 = min64(b1, w + plan->stage_blocks);
+        stage_window(plan, s, 0, kv_head, table, w, w1, b1);
+        weigh_blocks(&s->stage_plan, s, 0, s->stage_table, w, w1, visible, row0, staged);
+    }
+#ifdef HAVE_INT8_DOT
+    const tm_attention_args *a = plan->a;
+    const int64_t head_dim = a->head_dim, stride = plan->stride, r = row0 + staged;
+    for (int64_t b = b0; b < b1 && staged < rows; b++)
+        weigh_block_int8(s->weights_bf16 + r * stride + b * 16, stride,
+                         next_int8_block(a, a->v_cache, table, b, b1, kv_head),
+                         min64(visible - b * a->block_size, a->block_size), s->acc + r * head_dim,
+                         rows - staged, head_dim, s->wq, s->w_scales);
+#endif
 }
 
 /* Scores of rows [row0, row0 + rows) against the key blocks [b0, b1) of table, into
@@ -225,6 +378,10 @@ static void score_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const in
     const tm_attention_args *a = plan->a;
     const int64_t head_dim = a->head_dim, block_size = a->block_size, stride = plan->stride;
     const int64_t block_elems = head_dim * block_size, elem = a->is_bf16 ? 2 : 4;
+    if (a->kv_int8) {
+        score_blocks_int8(plan, s, kv_head, table, b0, b1, row0, rows);
+        return;
+    }
 #ifdef HAVE_AMX_ATTENTION
     if (plan->use_amx && rows >= AMX_TILE_ROWS) { /* whole groups of 16 rows on tiles */
         const int64_t tiles = rows / AMX_TILE_ROWS;
@@ -317,6 +474,10 @@ static void weigh_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const in
     const tm_attention_args *a = plan->a;
     const int64_t head_dim = a->head_dim, block_size = a->block_size, stride = plan->stride;
     const int64_t block_elems = head_dim * block_size, elem = a->is_bf16 ? 2 : 4;
+    if (a->kv_int8) {
+        weigh_blocks_int8(plan, s, kv_head, table, b0, b1, visible, row0, rows);
+        return;
+    }
 #ifdef HAVE_AMX_ATTENTION
     if (plan->use_amx && rows >= AMX_TILE_ROWS) { /* whole groups of 16 rows on tiles */
         const int64_t tiles = rows / AMX_TILE_ROWS;
@@ -393,7 +554,8 @@ static void attend_item(const Plan *plan, int64_t index, Scratch *s) {
 
 int tm_paged_attention(const tm_attention_args *a) {
     if (a->head_dim > TM_MAX_HEAD_DIM || a->block_size > TM_MAX_BLOCK_SIZE ||
-        a->num_heads / a->num_kv_heads > TM_MAX_HEADS_PER_KV_HEAD || a->sliding_window < 0)
+        a->num_heads / a->num_kv_heads > TM_MAX_HEADS_PER_KV_HEAD || a->sliding_window < 0 ||
+        (a->kv_int8 && a->head_dim % TM_KV_INT8_GROUP != 0))
         return TM_UNSUPPORTED_SHAPE;
     Plan plan;
     if (plan_items(a, &plan) != TM_OK) return TM_OUT_OF_MEMORY;
@@ -436,6 +598,8 @@ int tm_write_kv_cache(const tm_kv_write_args *a) {
     const int64_t elem = a->is_bf16 ? 2 : 4;
     const int64_t row = a->num_kv_heads * a->head_dim, block_size = a->block_size;
     const int pairs = uses_bf16_pairs(a->is_bf16, block_size, a->head_dim);
+    if (a->kv_int8 && (a->head_dim > TM_MAX_HEAD_DIM || a->head_dim % TM_KV_INT8_GROUP != 0))
+        return TM_UNSUPPORTED_SHAPE;
     /* A decode step's few rows are not worth waking the other threads for. */
 #pragma omp parallel for num_threads(a->num_threads) schedule(static) if (a->num_tokens >= 256)
     for (int64_t t = 0; t < a->num_tokens; t++) {
@@ -443,6 +607,14 @@ int tm_write_kv_cache(const tm_kv_write_args *a) {
         for (int64_t h = 0; h < a->num_kv_heads; h++) {
             const int64_t head = (block * a->num_kv_heads + h) * a->head_dim * block_size;
             const int64_t src = t * row + h * a->head_dim;
+            if (a->kv_int8) {
+                const int64_t head_bytes = kv_int8_head_bytes(a->head_dim, block_size);
+                const int64_t at = (block * a->num_kv_heads + h) * head_bytes;
+                write_kv_int8((const char *)a->k + src * elem, (const char *)a->v + src * elem,
+                              a->is_bf16, pairs, offset, a->head_dim, block_size,
+                              (int8_t *)a->k_cache + at, (int8_t *)a->v_cache + at);
+                continue;
+            }
             if (pairs) { /* the layout attention's bf16 dot products read (attention_bf16.h) */
                 const uint16_t *ks = (const uint16_t *)a->k + src, *vs = (const uint16_t *)a->v + src;
                 uint16_t *kd = (uint16_t *)a->k_cache + head, *vd = (uint16_t *)a->v_cache + head;

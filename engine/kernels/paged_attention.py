@@ -50,6 +50,35 @@ def stores_pairs(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
     )
 
 
+def kv_int8_head_bytes(head_dim: int, block_size: int) -> int:
+    """Bytes of one kv head's block in an int8 cache: its int8 values, then one fp32 scale
+    per position and group of `kv_int8_group` values (kv_int8.h)."""
+    group = _library().limits.kv_int8_group
+    if head_dim % group:
+        raise ValueError(
+            f"an int8 KV cache needs head_dim to be a multiple of {group}; this model's is "
+            f"{head_dim}"
+        )
+    return block_size * head_dim + block_size * (head_dim // group) * 4
+
+
+def _int8_block_size(cache: torch.Tensor, head_dim: int) -> int:
+    """The block size of an int8 cache [num_blocks, num_kv_heads, head bytes]."""
+    per_position = kv_int8_head_bytes(head_dim, 1)
+    if cache.dim() != 3 or cache.shape[2] % per_position:
+        raise ValueError(
+            f"an int8 cache is [num_blocks, num_kv_heads, head bytes]; got {tuple(cache.shape)}"
+        )
+    return cache.shape[2] // per_position
+
+
+def _cache_shape(cache: torch.Tensor, head_dim: int, values: bool) -> tuple[int, int, int]:
+    """(num_kv_heads, block_size, kv_int8) of a key or value cache."""
+    if cache.dtype == torch.int8:
+        return cache.shape[1], _int8_block_size(cache, head_dim), 1
+    return cache.shape[1], cache.shape[2 if values else 3], 0
+
+
 def to_native_layout(
     k_cache: torch.Tensor, v_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +130,10 @@ def native_paged_attention(
 
     Args:
         q: [num_tokens, num_heads, head_dim] (fp32 or bf16, CPU)
-        k_cache: [num_blocks, num_kv_heads, head_dim, block_size], q's dtype
-        v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype
+        k_cache: [num_blocks, num_kv_heads, head_dim, block_size], q's dtype; or int8
+            [num_blocks, num_kv_heads, kv_int8_head_bytes] (an int8 cache)
+        v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype; or int8
+            like k_cache
         sliding_window: a query at position p sees positions > p - window; None = all.
     Returns:
         [num_tokens, num_heads, head_dim]; rows no entry covers are left unset.
@@ -117,7 +148,9 @@ def native_paged_attention(
     q = q.contiguous()
     out = torch.empty_like(q)
     _num_tokens, num_heads, head_dim = q.shape
-    _num_blocks, num_kv_heads, block_size, _ = v_cache.shape
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.int8):
+        raise ValueError("the caches must both be int8 or both have q's dtype")
+    num_kv_heads, block_size, kv_int8 = _cache_shape(v_cache, head_dim, values=True)
     tensors = (
         entries.rows,
         entries.queries,
@@ -149,6 +182,7 @@ def native_paged_attention(
         scale=scale,
         is_bf16=int(q.dtype == torch.bfloat16),
         num_threads=torch.get_num_threads(),
+        kv_int8=kv_int8,
     )
     status = native.lib.tm_paged_attention(ctypes.byref(args))
     limits = native.limits
@@ -157,7 +191,8 @@ def native_paged_attention(
         f"attention takes head_dim <= {limits.max_head_dim}, block_size <= "
         f"{limits.max_block_size} and up to {limits.max_heads_per_kv_head} query heads per "
         f"kv head; got head_dim {head_dim}, block_size {block_size}, "
-        f"{num_heads // num_kv_heads} heads per kv head",
+        f"{num_heads // num_kv_heads} heads per kv head"
+        + (f"; int8 caches need head_dim a multiple of {limits.kv_int8_group}" if kv_int8 else ""),
     )
     return out
 
@@ -170,20 +205,31 @@ def write_kv_cache(
     slot_blocks: torch.Tensor,
     slot_offsets: torch.Tensor,
 ) -> None:
-    """Store each token's key and value in its cache slot, in the cache's layout.
+    """Store each token's key and value in its cache slot, in the cache's layout
+    (quantized, for an int8 cache).
 
     Args:
-        k, v: [num_tokens, num_kv_heads, head_dim], the cache's dtype
-        k_cache: [num_blocks, num_kv_heads, head_dim, block_size]
-        v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+        k, v: [num_tokens, num_kv_heads, head_dim], the cache's dtype (fp32 or bf16 for an
+            int8 cache: the dtype attention will compute in)
+        k_cache: [num_blocks, num_kv_heads, head_dim, block_size], or an int8 cache
+        v_cache: [num_blocks, num_kv_heads, block_size, head_dim], or an int8 cache
         slot_blocks, slot_offsets: [num_tokens] int64, block and offset in it
     """
     if not native_attention_supports(k.device, k.dtype):
         raise RuntimeError(f"no native kernels for {k.dtype} on {k.device}")
-    if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype:
-        raise ValueError("keys and values must have the cache's dtype")
+    if (
+        k.dtype != v.dtype
+        or k_cache.dtype != v_cache.dtype
+        or k_cache.dtype
+        not in (
+            k.dtype,
+            torch.int8,
+        )
+    ):
+        raise ValueError("keys and values must have the cache's dtype (or it must be int8)")
     k, v = k.contiguous(), v.contiguous()
     num_tokens, num_kv_heads, head_dim = k.shape
+    _heads, block_size, kv_int8 = _cache_shape(v_cache, head_dim, values=True)
     args = KVWriteArgs(
         k=k.data_ptr(),
         v=v.data_ptr(),
@@ -194,8 +240,9 @@ def write_kv_cache(
         num_tokens=num_tokens,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        block_size=v_cache.shape[2],
+        block_size=block_size,
         is_bf16=int(k.dtype == torch.bfloat16),
         num_threads=torch.get_num_threads(),
+        kv_int8=kv_int8,
     )
     check_status(_library().lib.tm_write_kv_cache(ctypes.byref(args)), "kv cache write")

@@ -1,0 +1,165 @@
+"""The int8 KV cache (kernels/kv_int8.h): the writer's quantization against a reference
+quantizer, attention over it against the float path and the float64 reference, and the
+builds other CPUs get."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import pytest
+import torch
+from test_attention import SHAPES, Cache, entries_for, layout, reference
+
+from tokenmill.engine import kernels
+from tokenmill.engine.kernels import native_library, paged_attention
+from tokenmill.engine.kernels.paged_attention import (
+    kv_int8_head_bytes,
+    native_paged_attention,
+    write_kv_cache,
+)
+
+GROUP = 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernel_built():
+    if native_library() is None:
+        pytest.fail("the native kernel did not build; is a C compiler installed?")
+
+
+def positions(cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot's key and value rows, [num_blocks * block_size, num_kv_heads, head_dim]."""
+    blocks, heads, head_dim, block_size = cache.k.shape
+    k = cache.k.permute(0, 3, 1, 2).reshape(blocks * block_size, heads, head_dim)
+    v = cache.v.permute(0, 2, 1, 3).reshape(blocks * block_size, heads, head_dim)
+    return k, v
+
+
+def set_positions(cache: Cache, k: torch.Tensor, v: torch.Tensor) -> None:
+    blocks, heads, head_dim, block_size = cache.k.shape
+    cache.k = k.reshape(blocks, block_size, heads, head_dim).permute(0, 2, 3, 1).contiguous()
+    cache.v = v.reshape(blocks, block_size, heads, head_dim).permute(0, 2, 1, 3).contiguous()
+
+
+def int8_copy(cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """cache's keys and values written through the native writer into int8 caches."""
+    blocks, heads, head_dim, block_size = cache.k.shape
+    shape = (blocks, heads, kv_int8_head_bytes(head_dim, block_size))
+    k8, v8 = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+    slots = torch.arange(blocks * block_size)
+    write_kv_cache(*positions(cache), k8, v8, slots // block_size, slots % block_size)
+    return k8, v8
+
+
+def quantize_reference(x: torch.Tensor) -> torch.Tensor:
+    """What an int8 cache holds for rows x, in fp32: per 32 values, scale = max|x| / 127
+    and round(x * 127 / max|x|) * scale."""
+    groups = x.float().unflatten(-1, (-1, GROUP))
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(groups * inv).clamp(-127, 127)
+    return (q * (amax / 127.0)).flatten(-2)
+
+
+def representable(cache: Cache, seed: int) -> None:
+    """Refill cache with values an int8 cache holds exactly: per position and group, ints
+    in [-127, 127] reaching +-127, times a power of two (values up to 4, so that scores
+    stay in the range real models give)."""
+    gen = torch.Generator().manual_seed(seed)
+    k, v = positions(cache)
+
+    def draw(like):
+        ints = torch.randint(
+            -127, 128, (*like.shape[:-1], like.shape[-1] // GROUP, GROUP), generator=gen
+        )
+        ints[..., 0] = 127 * (torch.randint(0, 2, ints.shape[:-1], generator=gen) * 2 - 1)
+        scale = 2.0 ** torch.randint(-9, -4, (*ints.shape[:-1], 1), generator=gen)
+        return (ints * scale).flatten(-2).to(like.dtype)
+
+    set_positions(cache, draw(k), draw(v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (4, 128), (4, 256), (1, 64)])
+@pytest.mark.parametrize("window", [None, 5, 37])
+def test_int8_cache_of_exact_values_attends_as_the_float_cache(dtype, group, head_dim, window):
+    """Values an int8 cache holds exactly give the float path's answer: to the bit in fp32,
+    where the kernel widens int8 blocks into exactly the float blocks and runs the same
+    code on them; in bf16 to the float path's own accuracy against float64, where the
+    rows off the AMX tiles (all rows, on CPUs without AMX) read the int8 blocks in int16
+    dot products (long contexts, windows, partial last blocks)."""
+    cache = Cache(dtype, 2, head_dim, 16, num_blocks=120)
+    representable(cache, seed=head_dim + group)
+    chunks, num_tokens = layout(cache, SHAPES + [(1, 700), (48, 260)])
+    q = torch.randn(num_tokens, 2 * group, head_dim).to(dtype)
+    entries = entries_for(chunks)
+    want = native_paged_attention(q, *cache.native, entries, 0.2, window)
+    got = native_paged_attention(q, *int8_copy(cache), entries, 0.2, window)
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:  # int16 query rows and block weights: the float path's own bar against float64
+        exact = reference(q, cache, chunks, 0.2, window)
+        torch.testing.assert_close(got.double(), exact, atol=1.5e-2, rtol=1.5e-2)
+        torch.testing.assert_close(want.double(), exact, atol=1.5e-2, rtol=1.5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (256, 16), (64, 5), (32, 7)])
+def test_int8_cache_matches_float64_reference_on_the_quantized_values(dtype, head_dim, block_size):
+    """Random keys and values: attention over the int8 cache equals the float64 reference
+    over the reference quantizer's values (fp32), so the writer stored what it should and
+    the reader read it (plain and pair layouts, generic block sizes). bf16 widens the
+    values into bf16 for the tiles, which the reference does not: twice the float tests'
+    tolerance, still far below what a wrong scale or position would give."""
+    cache = Cache(dtype, 2, head_dim, block_size, num_blocks=200)
+    chunks, num_tokens = layout(cache, SHAPES)
+    q = torch.randn(num_tokens, 6, head_dim).to(dtype)
+    k8, v8 = int8_copy(cache)
+    got = native_paged_attention(q, k8, v8, entries_for(chunks), 0.2)
+    k, v = positions(cache)
+    set_positions(cache, quantize_reference(k), quantize_reference(v))
+    want = reference(q, cache, chunks, 0.2)
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
+
+
+def test_quantization_error_is_within_half_a_step():
+    """Read back through attention by a query that sees one position (its output is that
+    position's value row), each value is its input within half its group's step
+    (max|x| / 127), and not much closer: the values were quantized, not kept as floats."""
+    head_dim, block_size = 64, 16
+    cache = Cache(torch.float32, 1, head_dim, block_size, num_blocks=4)
+    k8, v8 = int8_copy(cache)
+    chunks = [(0, 1, 1, [2])]  # one query at position 0 of block 2: it sees only that value
+    q = torch.zeros(1, 1, head_dim)
+    got = native_paged_attention(q, k8, v8, entries_for(chunks), 1.0)[0, 0]
+    value = cache.v[2, 0, 0]
+    step = value.unflatten(0, (-1, GROUP)).abs().amax(-1).repeat_interleave(GROUP) / 127
+    error = (got - value).abs()
+    assert (error <= step / 2 * 1.0001).all()
+    assert error.max() > step.max() / 20
+
+
+def test_head_dims_that_are_not_whole_groups_are_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kv_int8_head_bytes(24, 16)
+
+
+@pytest.mark.parametrize(
+    "flags", [("-mno-avx512bf16",), ("-march=x86-64-v3",), ("-march=x86-64-v2",)]
+)
+def test_int8_cache_in_builds_for_other_cpus(flags, tmp_path, monkeypatch):
+    """The builds other CPUs get (no AVX512-BF16: plain layout widened to fp32; AVX2;
+    no AVX) attend over an int8 cache of exact values as over the float cache."""
+    with resources.as_file(resources.files(kernels)) as source_dir:
+        kernels._compile(source_dir, tmp_path / "lib.so", extra_flags=flags)
+    variant = kernels._load(tmp_path / "lib.so")
+    monkeypatch.setattr(paged_attention, "_library", lambda: variant)
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = Cache(dtype, 2, 64, 16, num_blocks=120)
+        representable(cache, seed=7)
+        chunks, num_tokens = layout(cache, SHAPES)
+        q = torch.randn(num_tokens, 6, 64).to(dtype)
+        want = native_paged_attention(q, *cache.native, entries_for(chunks), 0.2)
+        got = native_paged_attention(q, *int8_copy(cache), entries_for(chunks), 0.2)
+        assert torch.equal(got, want)
