@@ -220,12 +220,13 @@ class EngineConfig:
     """Knobs of the serving engine, validated on construction.
 
     kv_cache_memory is the KV cache budget in bytes; None sizes it from the device
-    (a fraction of free GPU memory, or a fixed CPU default). quantization: see
-    engine/quant/__init__.py.
+    (a fraction of free GPU memory, or a fixed CPU default). kv_cache_dtype: "auto" (the
+    model's dtype) or "int8" (kv_cache.py). quantization: see engine/quant/__init__.py.
     """
 
     block_size: int = 16
     kv_cache_memory: int | None = None
+    kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -250,3 +251,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
+        from tokenmill.engine.kv_cache import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )

@@ -1,4 +1,10 @@
-"""Sizing and allocating the KV cache: one preallocated tensor of fixed-size blocks."""
+"""Sizing and allocating the KV cache: one preallocated tensor of fixed-size blocks.
+
+The cache holds keys and values in the model's dtype, or - with kv_cache_dtype "int8"
+(CPU, native kernels) - as int8 with a scale per 32 values (kernels/kv_int8.h): 1.125
+bytes a value instead of 2 (bf16) or 4 (fp32), so a budget holds 1.8x (3.6x) the tokens
+and decoding reads that much less memory.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +21,59 @@ _CPU_MAX_BYTES = 4 << 30
 _CUDA_FREE_SHARE = 0.85
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    return per_token * block_size * torch.finfo(dtype).bits // 8
+# The values kv_cache_dtype takes: the model's dtype, or int8 (CPU, native kernels).
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
+    heads = 2 * config.num_hidden_layers * config.num_key_value_heads
+    if kv_cache_dtype == "int8":
+        from tokenmill.engine.kernels.paged_attention import kv_int8_head_bytes
+
+        return heads * kv_int8_head_bytes(config.head_dim, block_size)
+    return heads * config.head_dim * block_size * torch.finfo(dtype).bits // 8
+
+
+def check_kv_cache_dtype(
+    kv_cache_dtype: str,
+    config: ModelConfig,
+    block_size: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Raise ValueError for a cache dtype this model, block size or device cannot have -
+    before any weights load."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose from {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if kv_cache_dtype == "auto":
+        return
+    from tokenmill.engine.kernels.paged_attention import (
+        kv_int8_head_bytes,
+        native_attention_fits,
+        native_attention_supports,
+    )
+
+    if device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype='int8' runs on the CPU only, not {device}")
+    if not native_attention_supports(device, dtype):
+        raise ValueError(
+            "kv_cache_dtype='int8' needs tokenmill's native CPU kernels, which did not build "
+            "here (is a C compiler installed?)"
+        )
+    if not native_attention_fits(
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim, block_size
+    ):
+        raise ValueError(
+            "kv_cache_dtype='int8' needs the native attention kernel, which does not take "
+            f"this model's attention shape (head_dim {config.head_dim}) with block_size "
+            f"{block_size}"
+        )
+    kv_int8_head_bytes(config.head_dim, block_size)  # head_dim a whole number of groups
 
 
 def default_cache_bytes(device: torch.device) -> int:
@@ -31,13 +87,18 @@ def default_cache_bytes(device: torch.device) -> int:
 
 
 def num_blocks_for_budget(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    kv_cache_dtype: str = "auto",
 ) -> int:
-    num_blocks = budget_bytes // bytes_per_block(config, block_size, dtype)
+    block_bytes = bytes_per_block(config, block_size, dtype, kv_cache_dtype)
+    num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:
         raise ValueError(
             f"KV cache budget of {budget_bytes} bytes holds no block of {block_size} tokens "
-            f"({bytes_per_block(config, block_size, dtype)} bytes each)"
+            f"({block_bytes} bytes each)"
         )
     return num_blocks
 
@@ -53,7 +114,9 @@ class KVCache:
     [block_size, head_dim], as the weighted sum wants. Where the native kernels attend
     to a bf16 cache with bf16 dot products they keep each block in those products'
     pair layout instead, same shapes (kernels/paged_attention.py, `stores_pairs`); only
-    they read and write such a cache.
+    they read and write such a cache. An int8 cache is int8 tensors [num_layers,
+    num_blocks, num_kv_heads, bytes a kv head's block takes], each such block its values
+    (at the positions of the float layout) followed by their scales (kernels/kv_int8.h).
     """
 
     k: torch.Tensor  # [num_layers, num_blocks, num_kv_heads, head_dim, block_size]
@@ -61,11 +124,24 @@ class KVCache:
 
 
 def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> KVCache:
     """Zeroed keys and values for every layer (padding positions must never hold NaNs)."""
     heads, dim = config.num_key_value_heads, config.head_dim
     layers = config.num_hidden_layers
+    if kv_cache_dtype == "int8":
+        from tokenmill.engine.kernels.paged_attention import kv_int8_head_bytes
+
+        shape = (layers, num_blocks, heads, kv_int8_head_bytes(dim, block_size))
+        return KVCache(
+            k=torch.zeros(shape, dtype=torch.int8, device=device),
+            v=torch.zeros(shape, dtype=torch.int8, device=device),
+        )
     return KVCache(
         k=torch.zeros(layers, num_blocks, heads, dim, block_size, dtype=dtype, device=device),
         v=torch.zeros(layers, num_blocks, heads, block_size, dim, dtype=dtype, device=device),

@@ -30,6 +30,9 @@ class LLM:
         device: "cpu", "cuda", "cuda:N"; None = CUDA when available.
         enable_prefix_caching: share computed prompt blocks between requests.
         kv_cache_memory: KV cache budget in bytes (None = sized from the device).
+        kv_cache_dtype: "auto" (keys and values in `dtype`) or "int8" (int8 with a scale
+            per 32 values: 1.8x the tokens of a bf16 cache in the same memory, and less to
+            read per decode step; CPU only).
         block_size, max_num_batched_tokens, max_num_seqs, max_model_len, seed,
             overlap_steps, cuda_graphs: see EngineConfig (the last two default to on
             for CUDA devices).
@@ -47,6 +50,7 @@ class LLM:
         device: str | torch.device | None = None,
         enable_prefix_caching: bool = True,
         kv_cache_memory: int | None = None,
+        kv_cache_dtype: str = "auto",
         block_size: int = 16,
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
@@ -58,20 +62,14 @@ class LLM:
     ) -> None:
         from tokenmill.engine.hub import snapshot_revision
         from tokenmill.engine.model_files import display_name, resolve_model
-        from tokenmill.engine.quant import validate_name
         from tokenmill.engine.tokenizer import Tokenizer
 
-        validate_name(quantization)  # before a model is looked up or converted
-
-        self.model_dir = resolve_model(model, revision=revision)
-        # The Hub commit the weights came from (None for local files and aliases).
-        self.model_revision = snapshot_revision(self.model_dir)
-        self.model_name = display_name(model)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = resolve_dtype(dtype, self.device)
+        # Validated (quantization and kv_cache_dtype names included) before a model is
+        # looked up or converted.
         self.engine_config = EngineConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,
+            kv_cache_dtype=kv_cache_dtype,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
@@ -81,6 +79,12 @@ class LLM:
             overlap_steps=overlap_steps,
             cuda_graphs=cuda_graphs,
         )
+        self.model_dir = resolve_model(model, revision=revision)
+        # The Hub commit the weights came from (None for local files and aliases).
+        self.model_revision = snapshot_revision(self.model_dir)
+        self.model_name = display_name(model)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(dtype, self.device)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.engine = LLMEngine.from_model_dir(
             self.model_dir,

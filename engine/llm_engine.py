@@ -17,6 +17,7 @@ from tokenmill.engine.kv_cache import (
     KVCache,
     allocate_kv_cache,
     bytes_per_block,
+    check_kv_cache_dtype,
     default_cache_bytes,
     num_blocks_for_budget,
 )
@@ -124,6 +125,10 @@ class LLMEngine:
         )
         quantization = engine_config.quantization
         check_quantization(quantization, model_dir, model_config, device=device)
+        kv_cache_dtype = engine_config.kv_cache_dtype
+        check_kv_cache_dtype(
+            kv_cache_dtype, model_config, engine_config.block_size, dtype=dtype, device=device
+        )
         model = load_model(model_dir, model_config, dtype=dtype, device=device)
         if quantization is not None:
             quantize_model(model, quantization, model_dir, dtype=dtype)
@@ -137,11 +142,13 @@ class LLMEngine:
             most_useful = (
                 engine_config.max_num_seqs
                 * blocks_per_seq
-                * bytes_per_block(model_config, block_size, dtype)
+                * bytes_per_block(model_config, block_size, dtype, kv_cache_dtype)
             )
             budget = min(default_cache_bytes(device), most_useful)
-        num_blocks = num_blocks_for_budget(model_config, block_size, dtype, budget)
-        kv_cache = allocate_kv_cache(model_config, num_blocks, block_size, dtype, device)
+        num_blocks = num_blocks_for_budget(model_config, block_size, dtype, budget, kv_cache_dtype)
+        kv_cache = allocate_kv_cache(
+            model_config, num_blocks, block_size, dtype, device, kv_cache_dtype
+        )
         return cls(
             model,
             model_config,

@@ -88,6 +88,8 @@ class ModelRunner:
         if device.type == "cpu":
             keep_large_allocations_mapped()
         self.attention_backend = self._attention_backend()
+        if kv_cache.k.dtype == torch.int8 and self.attention_backend != "native":
+            raise ValueError("an int8 KV cache is read only by the native attention kernel")
         for layer_idx, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = kv_cache.k[layer_idx]
             layer.self_attn.v_cache = kv_cache.v[layer_idx]

@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from tokenmill.engine.aliases import DEFAULT_MODEL
+from tokenmill.engine.kv_cache import KV_CACHE_DTYPES
 from tokenmill.engine.quant import QUANTIZATIONS
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
@@ -528,6 +529,16 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "Run the model's linear layers quantized (CPU): int8 (int8 weights and "
         "activations), int4 (group-wise 4-bit weights) or gguf (a GGUF's own blocks).",
+        MODEL,
+        to=ENGINE,
+    ),
+    Option(
+        "kv_cache_dtype",
+        choice(*KV_CACHE_DTYPES),
+        "auto",
+        "KV cache storage (CPU): auto (the model's dtype) or int8 (a scale per 32 values: "
+        "1.8x the tokens of a bf16 cache in the same memory, half the bytes to read per "
+        "decode step).",
         MODEL,
         to=ENGINE,
     ),

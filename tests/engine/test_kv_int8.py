@@ -1,6 +1,6 @@
 """The int8 KV cache (kernels/kv_int8.h): the writer's quantization against a reference
-quantizer, attention over it against the float path and the float64 reference, and the
-builds other CPUs get."""
+quantizer, attention over it against the float path and the float64 reference, the
+builds other CPUs get, and the engine on it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from importlib import resources
 
 import pytest
 import torch
+from hf_models import build_hf_model, make_engine, run_all
 from test_attention import SHAPES, Cache, entries_for, layout, reference
 
 from tokenmill.engine import kernels
@@ -17,6 +18,7 @@ from tokenmill.engine.kernels.paged_attention import (
     native_paged_attention,
     write_kv_cache,
 )
+from tokenmill.engine.sampling_params import SamplingParams
 
 GROUP = 32
 
@@ -163,3 +165,100 @@ def test_int8_cache_in_builds_for_other_cpus(flags, tmp_path, monkeypatch):
         want = native_paged_attention(q, *cache.native, entries_for(chunks), 0.2)
         got = native_paged_attention(q, *int8_copy(cache), entries_for(chunks), 0.2)
         assert torch.equal(got, want)
+
+
+def _engine_prompts(seed: int) -> list[list[int]]:
+    """A 70-token shared prefix (read as a decode group) and unrelated prompts."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 256, (70,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 9, 30)]
+    return prompts + [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 90)]
+
+
+def _errors_against_transformers(hf, model_dir, dtype, kv_cache_dtype):
+    """Each step's largest log-probability error against transformers (fp32, fed the
+    engine's tokens, so one flipped near-tie does not derail the rest), and how many
+    greedy tokens are transformers' own choice; prompts in chunks, a prefix from the
+    prefix cache, decode groups."""
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(
+        block_size=16,
+        kv_cache_memory=8 << 20,
+        max_num_batched_tokens=32,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    engine = LLMEngine.from_model_dir(model_dir, config, dtype=dtype, device=torch.device("cpu"))
+    prompts = _engine_prompts(seed=3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=256)
+    errors, agreeing = [], 0
+    for prompt, out in zip(prompts, run_all(engine, prompts, params)):
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+        want = torch.log_softmax(logits.float(), dim=-1)
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            ours = torch.tensor([entry[t] for t in range(256)])
+            errors.append((ours - want[step]).abs().max().item())
+            agreeing += out.token_ids[step] == int(want[step].argmax())
+    assert engine.stats.cached_prompt_tokens > 0
+    return torch.tensor(errors), agreeing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_on_an_int8_cache_costs_what_bf16_costs(dtype, tmp_path):
+    """End to end on SmolLM2's attention shape, an int8 cache moves log-probabilities
+    about as much as running the model in bf16 does (this random-weight model amplifies
+    both: ~0.4 at the median), and the greedy tokens stay transformers' choice. A wrong
+    scale or position moves them by whole units."""
+    hf = build_hf_model(
+        "llama", tmp_path, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64
+    )
+    int8_errors, int8_agreeing = _errors_against_transformers(hf, tmp_path, dtype, "int8")
+    bf16_errors, _ = _errors_against_transformers(hf, tmp_path, torch.bfloat16, "auto")
+    allowance = 1.3 if dtype == torch.float32 else 1.6  # bf16 adds its own rounding
+    assert int8_errors.median() <= allowance * bf16_errors.median(), (int8_errors, bf16_errors)
+    assert int8_errors.max() <= 2 * bf16_errors.max()
+    assert int8_agreeing >= 36  # of 40
+
+
+def test_an_int8_cache_holds_more_tokens_in_the_same_budget(tmp_path):
+    """fp32 keys and values take 4 bytes, int8 ones 1 plus a 4-byte scale per 32."""
+    build_hf_model(
+        "llama", tmp_path, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64
+    )
+    plain = make_engine(tmp_path, block_size=16)
+    int8 = make_engine(tmp_path, block_size=16, kv_cache_dtype="int8")
+    plain_blocks, int8_blocks = plain.block_manager.num_blocks, int8.block_manager.num_blocks
+    # 8 MiB over 2 layers x 2 kv heads x (keys, values) x 16 positions x 64 values
+    assert plain_blocks == (8 << 20) // (8 * 16 * 64 * 4)
+    assert int8_blocks == (8 << 20) // (8 * (16 * 64 + 16 * 2 * 4))
+    assert int8.runner.kv_cache.k.numel() <= (8 << 20) // 2
+
+
+@pytest.mark.parametrize(
+    ("config", "options", "message"),
+    [
+        ({"head_dim": 24, "num_attention_heads": 4}, {"kv_cache_dtype": "int8"}, "multiple of 32"),
+        ({}, {"kv_cache_dtype": "fp8"}, "unknown kv_cache_dtype"),
+        ({}, {"kv_cache_dtype": "int8", "device": "cuda"}, "CPU only"),
+    ],
+)
+def test_an_int8_cache_the_model_or_device_cannot_have_fails_before_loading(
+    config, options, message, tmp_path, monkeypatch
+):
+    from tokenmill.engine import llm_engine
+
+    build_hf_model("llama", tmp_path, hidden_size=96, num_key_value_heads=2, **config)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the option was checked")
+
+    monkeypatch.setattr(llm_engine, "load_model", no_loading)
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    device = torch.device(options.pop("device", "cpu"))
+    with pytest.raises(ValueError, match=message):
+        LLMEngine.from_model_dir(
+            tmp_path, EngineConfig(block_size=16, **options), dtype=torch.float32, device=device
+        )

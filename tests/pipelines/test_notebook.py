@@ -98,3 +98,21 @@ def test_pandas_input(llm):
 def test_lazyframe(llm):
     res = generate(pl.LazyFrame({"prompt": ["hi"]}), llm=llm, max_tokens=1)
     assert res.height == 1
+
+
+def test_kv_cache_dtype_reaches_the_engine_and_a_model_that_cannot_have_it_fails_first(
+    tiny_model_dir,
+):
+    """The job option goes to LLM(kv_cache_dtype=...): the tiny model's 16-value heads
+    cannot be cut into int8 groups of 32, which is said before any row is computed."""
+    with pytest.raises(ValueError, match="head_dim to be a multiple of 32; this model's is 16"):
+        generate(
+            ["one", "two"],
+            model=str(tiny_model_dir),
+            dtype="float32",
+            kv_cache_dtype="int8",
+            engine_options=ENGINE,
+            max_tokens=2,
+        )
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        generate(["one"], model=str(tiny_model_dir), kv_cache_dtype="fp8", max_tokens=2)

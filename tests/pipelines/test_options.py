@@ -117,6 +117,7 @@ def test_engine_options_may_not_repeat_an_option():
         "dtype": "auto",
         "device": None,
         "quantization": None,
+        "kv_cache_dtype": "auto",
         "max_num_seqs": 8,
     }
     with pytest.raises(ValueError, match="engine_options may not set dtype: give it as its own"):
