@@ -8,6 +8,7 @@ transformers gets the same tokens. Each mode runs in its own process so its peak
 its own.
 
 Run:  python benchmarks/perplexity.py [--modes fp32,bf16,int8,int4,gguf,hf-fp32] [--model M]
+("-kv8" modes, e.g. bf16-kv8 or int8-kv8, keep the KV cache in int8: kv_cache_dtype="int8")
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 TEXT = Path(__file__).parent / "data" / "heldout_en.txt"
-# mode -> (dtype, quantization) for tokenmill
+# mode -> (dtype, quantization) for tokenmill; "<mode>-kv8" adds an int8 KV cache
 MODES = {
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),
@@ -45,9 +46,15 @@ def score_tokenmill(mode: str, model: str | None) -> dict:
     from tokenmill import LLM
     from tokenmill.engine.quant import weight_bytes
 
-    dtype, quantization = MODES[mode]
+    dtype, quantization = MODES[mode.removesuffix("-kv8")]
     start = time.perf_counter()
-    llm = LLM(model, dtype=dtype, quantization=quantization, enable_prefix_caching=False)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        quantization=quantization,
+        enable_prefix_caching=False,
+        kv_cache_dtype="int8" if mode.endswith("-kv8") else "auto",
+    )
     load_s = time.perf_counter() - start
     start = time.perf_counter()
     row = tokenmill.score([TEXT.read_text(encoding="utf-8")], llm=llm).row(0, named=True)

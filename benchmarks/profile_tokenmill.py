@@ -3,6 +3,7 @@
     python benchmarks/profile_tokenmill.py --preset mixed64 --dtype float32
     python benchmarks/profile_tokenmill.py --preset mixed64 --torch-profiler   # op level
     python benchmarks/profile_tokenmill.py --dtype bfloat16 --quantization int8
+    python benchmarks/profile_tokenmill.py --dtype bfloat16 --kv-cache-dtype int8
 
 The default mode times the engine's stages by wrapping them from the outside (forward
 hooks on every linear layer, wrappers around scheduling, input preparation, attention and
@@ -164,12 +165,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     parser.add_argument("--torch-profiler", action="store_true", help="op-level aten table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     workload = load_preset(args.preset, llm.model_dir)
     llm.generate(warmup_prompts(workload), SamplingParams(temperature=0.0, max_tokens=4))
     params = [

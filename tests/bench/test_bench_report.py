@@ -225,3 +225,31 @@ def test_agreeing_prefix_lengths():
     outputs = [[1, 2, 3], [4], [], [7, 8]]
     reference = [[1, 2, 4], [4], [1], [7, 8]]
     assert agreeing_prefix_lengths(outputs, reference) == [2, 1, 0, 2]
+
+
+def test_kv_cache_variants_are_compared_with_their_plain_and_default_cache_runs():
+    """--kv-cache-dtype auto,int8 runs every tokenmill system twice; an int8-cache run is
+    compared with the plain float run, the same system on the default cache and (when
+    quantized) the unquantized run on the same cache - nothing else."""
+    from tokenmill.bench.systems import counterparts, tokenmill_systems
+
+    specs = tokenmill_systems(["bfloat16"], {"seed": 1}, ["int8"], kv_cache_dtypes=["auto", "int8"])
+    labels = [s.label for s in specs]
+    assert labels == [
+        "tokenmill-bf16",
+        "tokenmill-int8",
+        "tokenmill-bf16-kv8",
+        "tokenmill-int8-kv8",
+    ]
+    assert specs[3].options["engine_args"] == {
+        "seed": 1,
+        "quantization": "int8",
+        "kv_cache_dtype": "int8",
+    }
+    compared = {s.label: [c.label for c in counterparts(s, specs)] for s in specs}
+    assert compared == {
+        "tokenmill-bf16": [],
+        "tokenmill-int8": ["tokenmill-bf16"],
+        "tokenmill-bf16-kv8": ["tokenmill-bf16"],
+        "tokenmill-int8-kv8": ["tokenmill-bf16", "tokenmill-bf16-kv8", "tokenmill-int8"],
+    }

@@ -46,6 +46,7 @@ class BenchConfig:
     threads: int | None = None
     engine_args: dict = field(default_factory=dict)
     quantizations: tuple[str, ...] = ()  # tokenmill systems with LLM(quantization=...)
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)  # each tokenmill system with each
     vllm_args: dict = field(default_factory=dict)
     vllm_python: str | None = None
     llamacpp_gguf: str | None = None
@@ -66,6 +67,16 @@ class BenchConfig:
 
         for quantization in self.quantizations:
             validate_name(quantization)
+        from tokenmill.engine.kv_cache import KV_CACHE_DTYPES
+
+        for kv_cache_dtype in self.kv_cache_dtypes:
+            if kv_cache_dtype not in KV_CACHE_DTYPES:
+                raise ValueError(
+                    f"unknown KV cache dtype {kv_cache_dtype!r}; choose from "
+                    f"{', '.join(KV_CACHE_DTYPES)}"
+                )
+        if not self.kv_cache_dtypes:
+            raise ValueError("at least one KV cache dtype is needed")
         if not self.hf_batch_sizes or min(self.hf_batch_sizes) < 1:
             raise ValueError("hf_batch_sizes must be positive")
 
@@ -107,6 +118,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
             config.engine_args,
             list(config.quantizations),
             structured=workload.json_schema is not None,
+            kv_cache_dtypes=list(config.kv_cache_dtypes),
         )
         specs += baselines
         runs: dict[str, list[RunResult | None]] = {s.label: [] for s in specs}

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from tokenmill.bench.flops import ModelShape, RequestWork, minimal_works, total_flops
 from tokenmill.bench.result import RunResult
 from tokenmill.bench.stats import Percentiles, median
-from tokenmill.bench.systems import SystemSpec, float_counterpart
+from tokenmill.bench.systems import SystemSpec, counterparts
 from tokenmill.bench.workload import Workload
 
 FLOP_FORMULA = (
@@ -197,9 +197,9 @@ def build_summaries(
     ]
     baselines = [s for s in specs if s.is_baseline]
     for spec, summary in zip(specs, summaries):
-        # A quantized system is also compared with tokenmill at its float precision.
-        counterpart = float_counterpart(spec, specs)
-        for base in baselines + ([counterpart] if counterpart else []):
+        # A quantized system is also compared with tokenmill at its float precision, one
+        # with an int8 KV cache with the same system on the default cache.
+        for base in baselines + counterparts(spec, specs):
             if base.label != spec.label:
                 ratio = paired_ratio(runs[spec.label], runs[base.label])
                 if ratio is not None:

@@ -91,10 +91,13 @@ def tokenmill_systems(
     quantizations: list[str] = (),
     *,
     structured: bool = False,
+    kv_cache_dtypes: list[str] = ("auto",),
 ) -> list[SystemSpec]:
     """tokenmill at each dtype, labelled e.g. "tokenmill-bf16", then each quantization
     ("tokenmill-int8"), which runs its float parts in the engine's best float precision
     here (bf16 on CPUs with native bf16, else fp32) - the precision it is compared with.
+    Each of those runs once per KV cache dtype; an int8 cache is labelled "-kv8"
+    ("tokenmill-int8-kv8").
 
     With `structured`, each dtype runs twice per round: first constrained to the
     workload's schema ("tokenmill-bf16-json"), then unconstrained as its baseline,
@@ -102,9 +105,27 @@ def tokenmill_systems(
     compare the same prompts and the same number of generated tokens.
     """
     specs = []
+    for kv_cache_dtype in kv_cache_dtypes:
+        args = dict(engine_args or {})
+        if kv_cache_dtype != "auto":
+            args["kv_cache_dtype"] = kv_cache_dtype
+        specs += _tokenmill_systems_with(dtypes, args, quantizations, structured)
+    return specs
+
+
+def _kv_suffix(engine_args: dict) -> str:
+    kv_cache_dtype = engine_args.get("kv_cache_dtype", "auto")
+    return "" if kv_cache_dtype == "auto" else f"-kv{kv_cache_dtype.removeprefix('int')}"
+
+
+def _tokenmill_systems_with(
+    dtypes: list[str], engine_args: dict, quantizations: list[str], structured: bool
+) -> list[SystemSpec]:
+    kv = _kv_suffix(engine_args)
+    specs = []
     for dtype in dtypes:
-        label = f"tokenmill-{DTYPE_SHORT.get(dtype, dtype)}"
-        options = {"engine_args": dict(engine_args or {})}
+        label = f"tokenmill-{DTYPE_SHORT.get(dtype, dtype)}{kv}"
+        options = {"engine_args": dict(engine_args)}
         if not structured:
             specs.append(SystemSpec(label, "tokenmill", dtype, False, options))
             continue
@@ -116,10 +137,10 @@ def tokenmill_systems(
         )
         specs += [constrained, free]
     for quantization in quantizations:
-        args = {**(engine_args or {}), "quantization": quantization}
+        args = {**engine_args, "quantization": quantization}
         specs.append(
             SystemSpec(
-                f"tokenmill-{quantization}",
+                f"tokenmill-{quantization}{kv}",
                 "tokenmill",
                 best_float_dtype(),
                 is_baseline=False,
@@ -138,20 +159,35 @@ def best_float_dtype() -> str:
     return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 
 
-def float_counterpart(spec: SystemSpec, specs: list[SystemSpec]) -> SystemSpec | None:
-    """For a quantized tokenmill system, the unquantized one at its dtype (if it ran)."""
-    if spec.kind != "tokenmill" or "quantization" not in spec.options.get("engine_args", {}):
-        return None
-    return next(
-        (
-            other
-            for other in specs
-            if other.kind == "tokenmill"
+def counterparts(spec: SystemSpec, specs: list[SystemSpec]) -> list[SystemSpec]:
+    """The tokenmill systems a tokenmill system is compared with besides the baselines
+    (those that ran): a quantized one or one with an int8 KV cache with the plain float
+    system at its dtype; a quantized one also with the unquantized one on the same KV
+    cache, and one with an int8 KV cache with the same system on the default cache."""
+    if spec.kind != "tokenmill":
+        return []
+    args = spec.options.get("engine_args", {})
+
+    def differing_only_in(other: SystemSpec, *keys: str) -> bool:
+        theirs = other.options.get("engine_args", {})
+        rest = {k: v for k, v in args.items() if k not in keys}
+        return (
+            other.kind == "tokenmill"
             and other.dtype == spec.dtype
-            and "quantization" not in other.options.get("engine_args", {})
-        ),
-        None,
-    )
+            and other.label != spec.label
+            and other.options.get("structured") == spec.options.get("structured")
+            and {k: v for k, v in theirs.items() if k not in keys} == rest
+            and not any(k in theirs for k in keys)
+        )
+
+    found = []
+    if "quantization" in args and "kv_cache_dtype" in args:
+        found += [o for o in specs if differing_only_in(o, "quantization", "kv_cache_dtype")]
+    if "quantization" in args:
+        found += [o for o in specs if differing_only_in(o, "quantization")]
+    if "kv_cache_dtype" in args:
+        found += [o for o in specs if differing_only_in(o, "kv_cache_dtype")]
+    return found
 
 
 def baseline_systems(

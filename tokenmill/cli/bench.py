@@ -50,6 +50,14 @@ from tokenmill.pipelines.options import get_option
     "its float parts in the CPU's best float precision, and compare it with that.",
 )
 @click.option(
+    "--kv-cache-dtype",
+    "kv_cache_dtypes",
+    default="auto",
+    show_default=True,
+    help="Comma-separated auto, int8: run each tokenmill system with each KV cache dtype "
+    "(int8 labelled -kv8) and compare each with its default-cache run.",
+)
+@click.option(
     "--repeat",
     type=click.IntRange(min=1),
     default=1,
@@ -113,7 +121,8 @@ from tokenmill.pipelines.options import get_option
     help="Also write the full report as JSON.",
 )
 def bench(
-    preset, model, baselines, dtype, quantizations, repeat, hf_batch_size, device, threads, engine_args,
+    preset, model, baselines, dtype, quantizations, kv_cache_dtypes, repeat, hf_batch_size, device,
+    threads, engine_args,
     vllm_args, vllm_python, llamacpp_gguf, llama_server, seed, timeout_s, json_path,
 ) -> None:  # fmt: skip
     """Benchmark tokenmill against baselines on the same prompts in one run.
@@ -134,6 +143,7 @@ def bench(
             dtypes=("float32", "bfloat16") if dtype == "both" else (dtype,),
             baselines=tuple(names),
             quantizations=tuple(q.strip() for q in quantizations.split(",") if q.strip()),
+            kv_cache_dtypes=tuple(k.strip() for k in kv_cache_dtypes.split(",") if k.strip()),
             repeat=repeat,
             hf_batch_sizes=(hf_batch_size,) if hf_batch_size else HF_BATCH_SIZES,
             device=device,
