@@ -125,6 +125,33 @@ def test_int8_cache_matches_float64_reference_on_the_quantized_values(dtype, hea
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 2 * 16 + 4])
+def test_shared_prefix_group_on_an_int8_cache_matches_sequences_alone(dtype, window):
+    """Decoding sequences grouped over a 5-block shared prefix (its blocks read once for
+    all: 32 members x 3 heads put 96 rows on the AMX tiles, the rest go direct) give what
+    each gives alone on the same int8 cache."""
+    block_size, num_kv_heads, members = 16, 2, 32
+    cache = Cache(dtype, num_kv_heads, 64, block_size, num_blocks=400, seed=4)
+    prefix = cache.table(5 * block_size)
+    chunks = []
+    for row in range(members):
+        context = 5 * block_size + row * 3
+        chunks.append((row, 1, context, cache.table(context, prefix)))
+    k8, v8 = int8_copy(cache)
+    q = torch.randn(members, num_kv_heads * 3, 64).to(dtype)
+    alone = native_paged_attention(q, k8, v8, entries_for(chunks), 0.125, window)
+    grouped_entries = entries_for(chunks, [(list(range(members)), 5)])
+    grouped = native_paged_attention(q, k8, v8, grouped_entries, 0.125, window)
+    tolerance = 1e-6 if dtype == torch.float32 else 1.5e-2
+    torch.testing.assert_close(grouped, alone, atol=tolerance, rtol=tolerance)
+    k, v = positions(cache)
+    set_positions(cache, quantize_reference(k), quantize_reference(v))
+    want = reference(q, cache, chunks, 0.125, window)
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(grouped.double(), want, atol=atol, rtol=atol)
+
+
 def test_quantization_error_is_within_half_a_step():
     """Read back through attention by a query that sees one position (its output is that
     position's value row), each value is its input within half its group's step
