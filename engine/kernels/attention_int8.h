@@ -6,11 +6,12 @@
 #ifndef TOKENMILL_ATTENTION_INT8_H
 #define TOKENMILL_ATTENTION_INT8_H
 
-#include "attention_bf16.h"
 #include "kv_int8.h"
 
-#if defined(HAVE_BF16_DOT) && defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define HAVE_INT8_DOT 1
+#include <immintrin.h>
+#include <string.h>
 
 /* acc += products of int16 pairs (vpdpwssd). Inline assembly for the reason dot4 in
  * int8_linear.c gives: GCC 12's intrinsic copies the accumulator at every use. */
@@ -22,6 +23,11 @@ static inline __attribute__((always_inline)) __m512i dot_pairs16(__m512i acc, __
 static inline __m512 bf16x16_to_ps(const uint16_t *p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* 16 values of a fp32 or bf16 array, from element i, as fp32. */
+static inline __m512 load16(const void *p, int is_bf16, int64_t i) {
+    return is_bf16 ? bf16x16_to_ps((const uint16_t *)p + i) : _mm512_loadu_ps((const float *)p + i);
 }
 
 static inline __m512i broadcast_pair16(const int16_t *p) {
@@ -36,12 +42,12 @@ static inline void store_int16(__m512 x, __m512 factor, int16_t *out) {
     _mm256_storeu_si256((__m256i *)out, packed);
 }
 
-/* bf16 query rows [rows, head_dim] as int16 per group of 32 values: q16 and, per row and
- * group, the scale that gives them back (q ~ q16 * scale, |q16| <= 32767). */
-static void quantize_queries_int16(const uint16_t *q, int64_t rows, int64_t head_dim,
+/* Query rows [rows, head_dim] (fp32 or bf16) as int16 per group of 32 values: q16 and,
+ * per row and group, the scale that gives them back (q ~ q16 * scale, |q16| <= 32767). */
+static void quantize_queries_int16(const void *q, int is_bf16, int64_t rows, int64_t head_dim,
                                    int16_t *q16, float *scales) {
     for (int64_t i = 0; i < rows * (head_dim / TM_KV_INT8_GROUP); i++) {
-        const __m512 lo = bf16x16_to_ps(q + i * 32), hi = bf16x16_to_ps(q + i * 32 + 16);
+        const __m512 lo = load16(q, is_bf16, i * 32), hi = load16(q, is_bf16, i * 32 + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         const __m512 factor = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
         scales[i] = amax / 32767.f;
@@ -113,14 +119,14 @@ static inline __attribute__((always_inline)) void weigh_rows_int8(
         }
 }
 
-/* The weighted sum for `rows` rows of bf16 weights (row r at w + r * stride, the block's
- * 16 positions) over one int8 value block whose first m positions are valid (the weights
+/* The weighted sum for `rows` rows of weights (fp32 or bf16, row r at w + r * stride, the
+ * block's 16 positions) over one int8 value block whose first m positions are valid (the weights
  * past them are zero). Per row and group, weight x value scale is quantized against its
  * largest over the block, so the block's weights keep ~15 bits however small they are
  * (bf16 weights have 8), and each int32 lane sums at most 16 * 32767 * 127. Scratch: wq
  * for rows * head_dim / 2 int16, w_scales for rows * head_dim / 32 floats. */
-static void weigh_block_int8(const uint16_t *w, int64_t stride, const int8_t *block, int64_t m,
-                             float *acc, int64_t rows, int64_t head_dim, int16_t *wq,
+static void weigh_block_int8(const void *w, int w_bf16, int64_t stride, const int8_t *block,
+                             int64_t m, float *acc, int64_t rows, int64_t head_dim, int16_t *wq,
                              float *w_scales) {
     const int64_t groups = head_dim / TM_KV_INT8_GROUP;
     const float *v_scales = (const float *)(block + 16 * head_dim);
@@ -128,7 +134,7 @@ static void weigh_block_int8(const uint16_t *w, int64_t stride, const int8_t *bl
     __m512 scales[TM_MAX_HEAD_DIM / TM_KV_INT8_GROUP];
     for (int64_t g = 0; g < groups; g++) scales[g] = _mm512_maskz_loadu_ps(valid, v_scales + g * 16);
     for (int64_t r = 0; r < rows; r++) {
-        const __m512 weights = bf16x16_to_ps(w + r * stride);
+        const __m512 weights = load16(w, w_bf16, r * stride);
         for (int64_t g = 0; g < groups; g++) {
             const __m512 products = _mm512_mul_ps(weights, scales[g]); /* >= 0 */
             const float largest = _mm512_reduce_max_ps(products);

@@ -10,6 +10,7 @@ void tm_limits(tm_limits_t *out) {
     out->max_qmax = TM_MAX_QMAX;
     out->max_int8_k = TM_MAX_INT8_K;
     out->kv_int8_group = TM_KV_INT8_GROUP;
+    out->kv_int8_direct = tm_internal_kv_int8_direct();
     out->int8_linear_isa = tm_int8_linear_isa();
     out->bf16_attention_amx = tm_internal_bf16_attention_amx();
     out->attention_args_size = sizeof(tm_attention_args);

@@ -33,6 +33,7 @@ class _Limits(ctypes.Structure):
         ("max_qmax", _i64),
         ("max_int8_k", _i64),
         ("kv_int8_group", _i64),
+        ("kv_int8_direct", _i64),
         ("int8_linear_isa", _i64),
         ("bf16_attention_amx", _i64),
         ("attention_args_size", _i64),
@@ -223,6 +224,7 @@ class KernelLimits:
     max_qmax: int
     max_int8_k: int  # the int8 product's longest reduction
     kv_int8_group: int  # values per scale in an int8 KV cache (head_dim a multiple of it)
+    kv_int8_direct: bool  # int8 caches read in int16 dot products (AVX512-VNNI), not widened
     int8_linear_isa: str | None  # the instructions tm_int8_linear has here, or None
     bf16_attention_amx: bool  # attention over pair-layout bf16 caches on AMX tiles
 
@@ -264,6 +266,7 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         max_qmax=reported.max_qmax,
         max_int8_k=reported.max_int8_k,
         kv_int8_group=reported.kv_int8_group,
+        kv_int8_direct=bool(reported.kv_int8_direct),
         int8_linear_isa=INT8_LINEAR_ISAS.get(reported.int8_linear_isa),
         bf16_attention_amx=bool(reported.bf16_attention_amx),
     )

@@ -59,6 +59,8 @@ typedef struct {
     int64_t max_qmax;
     int64_t max_int8_k;
     int64_t kv_int8_group;
+    int64_t kv_int8_direct; /* 1: this build reads int8 caches (16-token blocks, head_dim 64,
+                               128 or 256) in int16 dot products rather than widened */
     int64_t int8_linear_isa; /* TM_INT8_ISA_*: which int8 linear this build has */
     int64_t bf16_attention_amx; /* 1: attention over pair-layout bf16 caches runs whole
                                    groups of 16 query rows on AMX tiles (granted here) */
@@ -245,9 +247,11 @@ typedef struct {
 
 int tm_int8_linear(const tm_int8_linear_args *args);
 /* Internal (tm_limits reports them): the TM_INT8_ISA_* this build of int8_linear.c has,
- * and whether it attends to pair-layout bf16 caches on AMX tiles. */
+ * whether it attends to pair-layout bf16 caches on AMX tiles, and whether it reads int8
+ * caches directly. */
 int tm_int8_linear_isa(void);
 int tm_internal_bf16_attention_amx(void);
+int tm_internal_kv_int8_direct(void);
 
 /* 1 where this build keeps a bf16 cache of this block size and head_dim in the pair layout
  * (tm_write_kv_cache), else 0: the one statement of that rule, which Python asks. */

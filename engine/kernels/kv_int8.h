@@ -7,9 +7,9 @@
  * stored as round(x / scale): whole-head scales cost Gemma 3 (head_dim 256) 2.4% of
  * perplexity where groups of 32 cost 1.2% (benchmarks/README.md).
  *
- * A kv head's block is its block_size * head_dim int8 values, at the positions the float
- * cache of the call's compute type would use (plain, or bf16 pairs where uses_bf16_pairs
- * says so), followed by its scales, fp32 [head_dim / 32][block_size] (a group's scales
+ * A kv head's block is its block_size * head_dim int8 values, in the plain or the pair
+ * layout of the float caches (kernels.h, tm_write_kv_cache; which one: kv_int8_pairs),
+ * followed by its scales, fp32 [head_dim / 32][block_size] (a group's scales
  * for the block's positions side by side, one vector for 16 positions).
  *
  * Two ways to read it:
@@ -17,11 +17,11 @@
  *   where the float path - vector, AMX or fp32 - runs unchanged. Every build and row
  *   count can take it, but widening costs about as much as the dot products it feeds:
  *   a decode step measured slower than over the bf16 cache;
- * - direct, for pair-layout blocks where the CPU has AVX512-VNNI (HAVE_INT8_DOT), and
- *   the rows AMX does not take: `vpdpwssd` sums products of int16 pairs into int32,
+ * - direct, for pair-layout blocks where the CPU has AVX512-VNNI (HAVE_INT8_DOT), fp32
+ *   or bf16, for the rows AMX does not take: `vpdpwssd` sums products of int16 pairs into int32,
  *   like `vdpbf16ps` does bf16 pairs, so sign-extending a block's int8 values to int16
  *   (one instruction per 32) is all the widening it needs. The other operand is the
- *   query rows quantized to int16 per group of 32 (error ~1e-5 of the largest), or, for
+ *   query rows quantized to int16 per group of 32 (error ~1.5e-5 of the largest), or, for
  *   the weighted sum, each block's weights times the value scales, quantized to int16
  *   against the block's largest value scale. The group and block scales are applied to
  *   the int32 sums.
@@ -32,8 +32,22 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "attention_bf16.h"
 #include "kernel_common.h"
 #include "kernels.h"
+
+/* Whether an int8 cache of this shape keeps its blocks in the pair layout: wherever the
+ * int16 dot products can read it directly (AVX512-VNNI; attention_int8.h), whatever the
+ * compute type, and else where the bf16 float path would (so widened blocks are in the
+ * layout that path reads). */
+static inline int kv_int8_pairs(int is_bf16, int64_t block_size, int64_t head_dim) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    (void)is_bf16;
+    return block_size == 16 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
+#else
+    return uses_bf16_pairs(is_bf16, block_size, head_dim);
+#endif
+}
 
 /* Bytes of one kv head's block: values, then scales. */
 static inline int64_t kv_int8_head_bytes(int64_t head_dim, int64_t block_size) {

@@ -63,6 +63,7 @@ typedef struct {
     int use_dot;         /* bf16 dot products (attention_bf16.h) */
     int use_amx;         /* and AMX tiles for whole groups of 16 rows (attention_amx.h) */
     int64_t stage_blocks; /* int8 caches: blocks widened per window */
+    int int8_pairs;       /* int8 caches: in the pair layout (kv_int8_pairs) */
     int int8_dot;         /* int8 caches: rows off the tiles read them directly */
     int64_t *item_start; /* [num_groups + 1]: group k's items are [item_start[k], [k + 1]) */
     int64_t num_items;
@@ -144,8 +145,9 @@ static int plan_items(const tm_attention_args *a, Plan *plan) {
     /* Windows of ~32 KiB, so that widened blocks are read back from L1. */
     const int64_t stage_elem = plan->use_dot ? 2 : 4;
     plan->stage_blocks = max64(1, 32768 / (a->head_dim * a->block_size * stage_elem));
+    plan->int8_pairs = kv_int8_pairs(a->is_bf16, a->block_size, a->head_dim);
 #ifdef HAVE_INT8_DOT
-    plan->int8_dot = a->kv_int8 && plan->use_dot;
+    plan->int8_dot = a->kv_int8 && plan->int8_pairs;
 #else
     plan->int8_dot = 0;
 #endif
@@ -270,8 +272,10 @@ static void gather_queries(const Plan *plan, const Item *it, Scratch *s) {
     }
     if (!plan->use_dot)
         for (int64_t i = 0; i < it->total_rows * a->head_dim; i++) s->qf[i] *= a->scale;
-#ifdef HAVE_INT8_DOT
-    if (plan->int8_dot) quantize_queries_int16(s->qb, it->total_rows, a->head_dim, s->q16, s->q_scales);
+#ifdef HAVE_INT8_DOT /* bf16 rows as they are, fp32 rows pre-scaled */
+    if (plan->int8_dot)
+        quantize_queries_int16(plan->use_dot ? (const void *)s->qb : (const void *)s->qf, plan->use_dot,
+                               it->total_rows, a->head_dim, s->q16, s->q_scales);
 #endif
 }
 
@@ -302,8 +306,8 @@ static void stage_window(const Plan *plan, Scratch *s, int keys, int64_t kv_head
         if (b + STAGE_PREFETCH_AHEAD < end)
             prefetch_bytes(int8_block(a, cache, table, b + STAGE_PREFETCH_AHEAD, kv_head), head_bytes);
         void *out = (char *)s->stage + (b - b0) * stage_bytes;
-        if (keys) widen_key_block(block, plan->use_dot, plan->use_dot, a->head_dim, a->block_size, out);
-        else widen_value_block(block, plan->use_dot, plan->use_dot, a->head_dim, a->block_size, out);
+        if (keys) widen_key_block(block, plan->int8_pairs, plan->use_dot, a->head_dim, a->block_size, out);
+        else widen_value_block(block, plan->int8_pairs, plan->use_dot, a->head_dim, a->block_size, out);
         s->stage_table[b] = b - b0;
     }
 }
@@ -367,8 +371,12 @@ static void weigh_blocks_int8(const Plan *plan, Scratch *s, int64_t kv_head, con
 #ifdef HAVE_INT8_DOT
     const tm_attention_args *a = plan->a;
     const int64_t head_dim = a->head_dim, stride = plan->stride, r = row0 + staged;
+    /* the softmax's weights: bf16 for bf16 dot products, else the fp32 probabilities */
+    const void *w = plan->use_dot ? (const void *)(s->weights_bf16 + r * stride + b0 * 16)
+                                  : (const void *)(s->scores + r * stride + b0 * 16);
+    const int64_t w_elem = plan->use_dot ? 2 : 4;
     for (int64_t b = b0; b < b1 && staged < rows; b++)
-        weigh_block_int8(s->weights_bf16 + r * stride + b * 16, stride,
+        weigh_block_int8((const char *)w + (b - b0) * 16 * w_elem, plan->use_dot, stride,
                          next_int8_block(a, a->v_cache, table, b, b1, kv_head),
                          min64(visible - b * a->block_size, a->block_size), s->acc + r * head_dim,
                          rows - staged, head_dim, s->wq, s->w_scales);
@@ -587,6 +595,16 @@ int tm_stores_bf16_pairs(int64_t block_size, int64_t head_dim) {
     return uses_bf16_pairs(1, block_size, head_dim);
 }
 
+/* Internal (tm_limits reports it): whether this build reads int8 caches in int16 dot
+ * products (attention_int8.h). */
+int tm_internal_kv_int8_direct(void) {
+#ifdef HAVE_INT8_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Internal (tm_limits reports it): whether this build attends to pair-layout caches on
  * AMX tiles here. */
 int tm_internal_bf16_attention_amx(void) {
@@ -603,7 +621,8 @@ int tm_internal_bf16_attention_amx(void) {
 int tm_write_kv_cache(const tm_kv_write_args *a) {
     const int64_t elem = a->is_bf16 ? 2 : 4;
     const int64_t row = a->num_kv_heads * a->head_dim, block_size = a->block_size;
-    const int pairs = uses_bf16_pairs(a->is_bf16, block_size, a->head_dim);
+    const int pairs = a->kv_int8 ? kv_int8_pairs(a->is_bf16, block_size, a->head_dim)
+                                 : uses_bf16_pairs(a->is_bf16, block_size, a->head_dim);
     if (a->kv_int8 && (a->head_dim > TM_MAX_HEAD_DIM || a->head_dim % TM_KV_INT8_GROUP != 0))
         return TM_UNSUPPORTED_SHAPE;
     /* A decode step's few rows are not worth waking the other threads for. */
