@@ -1,5 +1,5 @@
-/* Attention straight over int8 KV blocks in int16 dot products (AVX512-VNNI), for
- * paged_attention.c. The block format and why this path exists: kv_int8.h. The blocks are
+/* Attention straight over int8 KV blocks in int16 dot products (AVX512-VNNI; the same
+ * functions for AVX2 in attention_int8_avx2.h), for paged_attention.c. The block format and why this path exists: kv_int8.h. The blocks are
  * in the pair layout (attention_bf16.h), so each 32 int8 values sign-extended to int16 are
  * 16 lanes of pairs, as `vpdpwssd` wants them - the same loop shapes as the bf16 path.
  */
@@ -158,6 +158,9 @@ static void weigh_block_int8(const void *w, int w_bf16, int64_t stride, const in
     }
 #undef WEIGH_INT8
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_INT8_DOT 1
+#include "attention_int8_avx2.h"
 #endif
 
 #endif

@@ -224,7 +224,7 @@ class KernelLimits:
     max_qmax: int
     max_int8_k: int  # the int8 product's longest reduction
     kv_int8_group: int  # values per scale in an int8 KV cache (head_dim a multiple of it)
-    kv_int8_direct: bool  # int8 caches read in int16 dot products (AVX512-VNNI), not widened
+    kv_int8_direct: bool  # int8 caches read in int16 dot products (AVX512-VNNI or AVX2)
     int8_linear_isa: str | None  # the instructions tm_int8_linear has here, or None
     bf16_attention_amx: bool  # attention over pair-layout bf16 caches on AMX tiles
 

@@ -17,8 +17,8 @@
  *   where the float path - vector, AMX or fp32 - runs unchanged. Every build and row
  *   count can take it, but widening costs about as much as the dot products it feeds:
  *   a decode step measured slower than over the bf16 cache;
- * - direct, for pair-layout blocks where the CPU has AVX512-VNNI (HAVE_INT8_DOT), fp32
- *   or bf16, for the rows AMX does not take: `vpdpwssd` sums products of int16 pairs into int32,
+ * - direct, for pair-layout blocks where the CPU has AVX512-VNNI or AVX2 (HAVE_INT8_DOT),
+ *   fp32 or bf16, for the rows AMX does not take: `vpdpwssd` sums products of int16 pairs into int32,
  *   like `vdpbf16ps` does bf16 pairs, so sign-extending a block's int8 values to int16
  *   (one instruction per 32) is all the widening it needs. The other operand is the
  *   query rows quantized to int16 per group of 32 (error ~1.5e-5 of the largest), or, for
@@ -37,11 +37,11 @@
 #include "kernels.h"
 
 /* Whether an int8 cache of this shape keeps its blocks in the pair layout: wherever the
- * int16 dot products can read it directly (AVX512-VNNI; attention_int8.h), whatever the
- * compute type, and else where the bf16 float path would (so widened blocks are in the
- * layout that path reads). */
+ * int16 dot products can read it directly (AVX512-VNNI, or AVX2 and FMA;
+ * attention_int8.h), whatever the compute type, and else where the bf16 float path would
+ * (so widened blocks are in the layout that path reads). */
 static inline int kv_int8_pairs(int is_bf16, int64_t block_size, int64_t head_dim) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
     (void)is_bf16;
     return block_size == 16 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 #else

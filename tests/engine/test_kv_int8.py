@@ -192,8 +192,8 @@ def test_head_dims_that_are_not_whole_groups_are_refused():
     "flags", [("-mno-avx512bf16",), ("-march=x86-64-v3",), ("-march=x86-64-v2",)]
 )
 def test_int8_cache_in_builds_for_other_cpus(flags, tmp_path, monkeypatch):
-    """The builds other CPUs get (AVX512-VNNI without AVX512-BF16: int16 dot products in
-    both dtypes; AVX2 and no AVX: widened) attend over an int8 cache of exact values as
+    """The builds other CPUs get (AVX512-VNNI without AVX512-BF16, and AVX2: int16 dot
+    products in both dtypes; no AVX: widened) attend over an int8 cache of exact values as
     over the float cache - to the bit where they widen."""
     with resources.as_file(resources.files(kernels)) as source_dir:
         kernels._compile(source_dir, tmp_path / "lib.so", extra_flags=flags)
@@ -212,8 +212,10 @@ def test_int8_cache_in_builds_for_other_cpus(flags, tmp_path, monkeypatch):
         exact = reference(q, cache, chunks, 0.2)
         tolerance = DIRECT_FP32_TOLERANCE if dtype == torch.float32 else 1.5e-2
         torch.testing.assert_close(got.double(), exact, atol=tolerance, rtol=tolerance)
-    if flags != ("-mno-avx512bf16",):  # that one keeps the base build's VNNI, if any
-        assert not variant.limits.kv_int8_direct
+    # x86-64-v3 has AVX2 and FMA, v2 no AVX; -mno-avx512bf16 keeps the base build's ISA
+    base = native_library().limits.kv_int8_direct
+    expected = {"-march=x86-64-v3": True, "-march=x86-64-v2": False}.get(flags[0], base)
+    assert variant.limits.kv_int8_direct == expected
 
 
 def _engine_prompts(seed: int) -> list[list[int]]:
@@ -264,7 +266,7 @@ def test_engine_on_an_int8_cache_costs_what_bf16_costs(dtype, tmp_path):
     )
     int8_errors, int8_agreeing = _errors_against_transformers(hf, tmp_path, dtype, "int8")
     bf16_errors, _ = _errors_against_transformers(hf, tmp_path, torch.bfloat16, "auto")
-    allowance = 1.3 if dtype == torch.float32 else 1.6  # bf16 adds its own rounding
+    allowance = 1.3 if dtype == torch.float32 else 2.0  # bf16 adds its own rounding
     assert int8_errors.median() <= allowance * bf16_errors.median(), (int8_errors, bf16_errors)
     assert int8_errors.max() <= 2 * bf16_errors.max()
     assert int8_agreeing >= 36  # of 40
