@@ -8,8 +8,7 @@
 
 #include "kv_int8.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define HAVE_INT8_DOT 1
+#if defined(HAVE_INT8_DOT) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include <string.h>
 
@@ -158,8 +157,7 @@ static void weigh_block_int8(const void *w, int w_bf16, int64_t stride, const in
     }
 #undef WEIGH_INT8
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-#define HAVE_INT8_DOT 1
+#elif defined(HAVE_INT8_DOT) /* AVX2 and FMA */
 #include "attention_int8_avx2.h"
 #endif
 

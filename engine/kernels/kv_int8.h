@@ -18,13 +18,12 @@
  *   count can take it, but widening costs about as much as the dot products it feeds:
  *   a decode step measured slower than over the bf16 cache;
  * - direct, for pair-layout blocks where the CPU has AVX512-VNNI or AVX2 (HAVE_INT8_DOT),
- *   fp32 or bf16, for the rows AMX does not take: `vpdpwssd` sums products of int16 pairs into int32,
- *   like `vdpbf16ps` does bf16 pairs, so sign-extending a block's int8 values to int16
- *   (one instruction per 32) is all the widening it needs. The other operand is the
- *   query rows quantized to int16 per group of 32 (error ~1.5e-5 of the largest), or, for
- *   the weighted sum, each block's weights times the value scales, quantized to int16
- *   against the block's largest value scale. The group and block scales are applied to
- *   the int32 sums.
+ *   fp32 or bf16, for the rows AMX does not take (attention_int8.h): `vpdpwssd` sums
+ *   products of int16 pairs into int32, as `vdpbf16ps` does bf16 pairs, so sign-extending
+ *   a block's int8 values to int16 (one instruction per 32) is all the widening it needs.
+ *   The other operand is the query rows quantized to int16 per group of 32 (error ~1.5e-5
+ *   of the largest), or, for the weighted sum, a row's weights times the block's value
+ *   scales, quantized to int16 against their largest. The scales apply to the int32 sums.
  */
 #ifndef TOKENMILL_KV_INT8_H
 #define TOKENMILL_KV_INT8_H
@@ -36,12 +35,16 @@
 #include "kernel_common.h"
 #include "kernels.h"
 
-/* Whether an int8 cache of this shape keeps its blocks in the pair layout: wherever the
- * int16 dot products can read it directly (AVX512-VNNI, or AVX2 and FMA;
- * attention_int8.h), whatever the compute type, and else where the bf16 float path would
- * (so widened blocks are in the layout that path reads). */
-static inline int kv_int8_pairs(int is_bf16, int64_t block_size, int64_t head_dim) {
+/* The int16 dot products that read pair-layout blocks directly (attention_int8.h). */
 #if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (defined(__AVX2__) && defined(__FMA__))
+#define HAVE_INT8_DOT 1
+#endif
+
+/* Whether an int8 cache of this shape keeps its blocks in the pair layout: wherever the
+ * int16 dot products can read it directly, whatever the compute type, and else where the
+ * bf16 float path would (so widened blocks are in the layout that path reads). */
+static inline int kv_int8_pairs(int is_bf16, int64_t block_size, int64_t head_dim) {
+#ifdef HAVE_INT8_DOT
     (void)is_bf16;
     return block_size == 16 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 #else
