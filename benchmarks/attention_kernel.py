@@ -13,7 +13,9 @@ Each case also runs the native kernel over an int8 KV cache (`kv_cache_dtype="in
 the same values quantized. Best of 7 calls after a warm-up, alternating the paths; the
 ratios are what to read.
 --window N attends within a sliding window of N positions (Mistral's and Gemma 3's local
-layers) on both paths.
+layers) on both paths. --layers N runs the decode case over N caches in turn, as a model's
+N layers do: one cache's blocks fit a large L3 (this case reads ~12 MB of a 74 MB bf16
+cache), N of them need not, and then the step reads memory, not cache.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def prefill_case(dtype, window=None):
     return native, portable, native_int8, flops
 
 
-def decode_case(dtype, window=None):
+def decode_case(dtype, window=None, layers=1):
     layout = Layout(dtype)
     rng = random.Random(1)
     prefix = layout.table(256)
@@ -149,20 +151,26 @@ def decode_case(dtype, window=None):
         prefills=[],
     )
 
-    k8, v8 = layout.int8()
+    # The other layers' caches: the same block numbers (the same shuffled free list), other values.
+    layouts = [layout] + [Layout(dtype) for _ in range(layers - 1)]
+    int8_caches = [each.int8() for each in layouts]
 
     def native():
-        native_paged_attention(q, layout.k, layout.v, entries, HEAD_DIM**-0.5, window)
+        for each in layouts:
+            native_paged_attention(q, each.k, each.v, entries, HEAD_DIM**-0.5, window)
 
     def native_int8():
-        native_paged_attention(q, k8, v8, entries, HEAD_DIM**-0.5, window)
+        for k8, v8 in int8_caches:
+            native_paged_attention(q, k8, v8, entries, HEAD_DIM**-0.5, window)
 
     def portable():
-        _decode_attention(q, layout.k, layout.v, meta, HEAD_DIM**-0.5, window)
+        for each in layouts:
+            _decode_attention(q, each.k, each.v, meta, HEAD_DIM**-0.5, window)
 
     # Positions read once a shared prefix is read once (or only each window's).
     read = sum(min(n, window) for n in lengths) if window else sum(lengths) - 31 * 256
-    return native, portable, native_int8, read * KV_HEADS * HEAD_DIM * 2 * layout.k.element_size()
+    nbytes = read * KV_HEADS * HEAD_DIM * 2 * layout.k.element_size() * layers
+    return native, portable, native_int8, nbytes
 
 
 def best_of(fns, repeats: int) -> list[float]:
@@ -181,13 +189,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--window", type=int, default=None, help="sliding window, tokens")
+    parser.add_argument("--layers", type=int, default=1, help="decode over this many caches")
     args = parser.parse_args()
-    print(f"threads {torch.get_num_threads()}, window {args.window or 'none'}")
+    print(
+        f"threads {torch.get_num_threads()}, window {args.window or 'none'}, "
+        f"decode over {args.layers} layer(s)"
+    )
     for dtype in (torch.float32, torch.bfloat16):
         *fns, flops = prefill_case(dtype, args.window)
         times = best_of(fns, args.repeat)
         _report("prefill", dtype, *times, f"{flops / times[0] / 1e9:.0f} GFLOP/s")
-        *fns, nbytes = decode_case(dtype, args.window)
+        *fns, nbytes = decode_case(dtype, args.window, args.layers)
         times = best_of(fns, args.repeat)
         _report("decode", dtype, *times, f"{nbytes / times[0] / 1e9:.1f} GB/s of keys and values")
 
