@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tokenmill.connectors.fs import display, is_local, redact_url, resolve
+from tokenmill.connectors.store_retries import describe, is_store_error
 
 log = logging.getLogger(__name__)
 
@@ -226,10 +227,26 @@ def _store_lock(
     finally:
         stop.set()
         beat.join()
+        _release_store_lock(fs, path, holder)
+
+
+def _release_store_lock(fs, path: str, holder: LockHolder) -> None:
+    """Delete the lock if it is still ours. A store that fails here fails nothing: the
+    run's work is done (or its own error is on its way, which this must not replace), and
+    the lock, no longer refreshed, goes stale and is taken over by the next run."""
+    try:
         current = _read_store_lock(fs, path)
         if current is not None and current.run_id == holder.run_id:
             with contextlib.suppress(FileNotFoundError):
                 fs.rm(path)
+    except Exception as exc:
+        if not is_store_error(exc):
+            raise
+        log.warning(
+            "could not release the lock on %s (%s); it goes stale and the next run takes it over",
+            display(fs, path),
+            describe(exc),
+        )
 
 
 def _heartbeat(fs, path: str, holder: LockHolder, stop: threading.Event, every_s: float) -> None:

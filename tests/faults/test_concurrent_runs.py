@@ -104,3 +104,39 @@ def _dead_pid() -> int:
         os._exit(0)
     os.waitpid(pid, 0)
     return pid
+
+
+def test_a_store_failing_to_release_the_lock_fails_nothing(s3, monkeypatch):
+    """The lock's delete times out after the run: the run's own outcome stands (its error
+    is not replaced), a warning says so, and the lock left behind goes stale."""
+    import logging
+
+    from botocore.exceptions import ReadTimeoutError
+
+    from tokenmill.pipelines import output_lock as module
+
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append  # the CLI tests may have stopped propagation
+    module.log.addHandler(handler)
+
+    out = s3.url(f"lock-{time.time_ns()}/out")
+    # a filesystem made after the patch below (fsspec binds cached instances' methods)
+    opts = {**s3.storage_options, "skip_instance_cache": True}
+    key = out.removeprefix("s3://") + "/_lock.json"
+
+    def timing_out(self, path, *args, **kwargs):
+        raise ReadTimeoutError(endpoint_url="http://127.0.0.1/bucket?delete")
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "rm", timing_out)
+    with pytest.raises(ValueError, match="the run's own error"), output_lock(out, opts):
+        raise ValueError("the run's own error")
+    with output_lock(out + "2", opts):
+        pass
+    module.log.removeHandler(handler)
+    assert any("could not release the lock" in r.getMessage() for r in warnings)
+    monkeypatch.undo()
+    fs = s3fs.S3FileSystem(**opts)
+    assert fs.exists(key)  # left behind; a later run takes it over once stale
+    with output_lock(out, opts, stale_after_s=0):
+        pass
