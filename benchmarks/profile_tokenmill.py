@@ -26,6 +26,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.workload import PRESETS, load_preset, warmup_prompts
+from tokenmill.engine.kv_cache import KV_CACHE_DTYPES
 
 
 class StageClock:
@@ -165,7 +166,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"])
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--torch-profiler", action="store_true", help="op-level aten table")
     args = parser.parse_args()
     if args.threads:

@@ -251,10 +251,6 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
-        from tokenmill.engine.kv_cache import KV_CACHE_DTYPES
+        from tokenmill.engine.kv_cache import validate_kv_cache_dtype
 
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from "
-                f"{', '.join(KV_CACHE_DTYPES)}"
-            )
+        validate_kv_cache_dtype(self.kv_cache_dtype)

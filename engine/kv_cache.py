@@ -25,6 +25,14 @@ _CUDA_FREE_SHARE = 0.85
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
+def validate_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """Raise ValueError for a name that is not one of KV_CACHE_DTYPES."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose from {', '.join(KV_CACHE_DTYPES)}"
+        )
+
+
 def bytes_per_block(
     config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> int:
@@ -46,10 +54,7 @@ def check_kv_cache_dtype(
 ) -> None:
     """Raise ValueError for a cache dtype this model, block size or device cannot have -
     before any weights load."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose from {', '.join(KV_CACHE_DTYPES)}"
-        )
+    validate_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "auto":
         return
     from tokenmill.engine.kernels.paged_attention import (

@@ -72,11 +72,11 @@ def _int8_block_size(cache: torch.Tensor, head_dim: int) -> int:
     return cache.shape[2] // per_position
 
 
-def _cache_shape(cache: torch.Tensor, head_dim: int, values: bool) -> tuple[int, int, int]:
-    """(num_kv_heads, block_size, kv_int8) of a key or value cache."""
-    if cache.dtype == torch.int8:
-        return cache.shape[1], _int8_block_size(cache, head_dim), 1
-    return cache.shape[1], cache.shape[2 if values else 3], 0
+def _cache_shape(v_cache: torch.Tensor, head_dim: int) -> tuple[int, int, int]:
+    """(num_kv_heads, block_size, kv_int8) of a value cache."""
+    if v_cache.dtype == torch.int8:
+        return v_cache.shape[1], _int8_block_size(v_cache, head_dim), 1
+    return v_cache.shape[1], v_cache.shape[2], 0
 
 
 def to_native_layout(
@@ -150,7 +150,7 @@ def native_paged_attention(
     _num_tokens, num_heads, head_dim = q.shape
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.int8):
         raise ValueError("the caches must both be int8 or both have q's dtype")
-    num_kv_heads, block_size, kv_int8 = _cache_shape(v_cache, head_dim, values=True)
+    num_kv_heads, block_size, kv_int8 = _cache_shape(v_cache, head_dim)
     tensors = (
         entries.rows,
         entries.queries,
@@ -229,7 +229,7 @@ def write_kv_cache(
         raise ValueError("keys and values must have the cache's dtype (or it must be int8)")
     k, v = k.contiguous(), v.contiguous()
     num_tokens, num_kv_heads, head_dim = k.shape
-    _heads, block_size, kv_int8 = _cache_shape(v_cache, head_dim, values=True)
+    _heads, block_size, kv_int8 = _cache_shape(v_cache, head_dim)
     args = KVWriteArgs(
         k=k.data_ptr(),
         v=v.data_ptr(),

@@ -67,14 +67,10 @@ class BenchConfig:
 
         for quantization in self.quantizations:
             validate_name(quantization)
-        from tokenmill.engine.kv_cache import KV_CACHE_DTYPES
+        from tokenmill.engine.kv_cache import validate_kv_cache_dtype
 
         for kv_cache_dtype in self.kv_cache_dtypes:
-            if kv_cache_dtype not in KV_CACHE_DTYPES:
-                raise ValueError(
-                    f"unknown KV cache dtype {kv_cache_dtype!r}; choose from "
-                    f"{', '.join(KV_CACHE_DTYPES)}"
-                )
+            validate_kv_cache_dtype(kv_cache_dtype)
         if not self.kv_cache_dtypes:
             raise ValueError("at least one KV cache dtype is needed")
         if not self.hf_batch_sizes or min(self.hf_batch_sizes) < 1:
