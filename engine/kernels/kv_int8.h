@@ -59,8 +59,7 @@ static inline int64_t kv_int8_head_bytes(int64_t head_dim, int64_t block_size) {
 
 /* Where element d of position t sits in a key block, a value block: the float caches'
  * layouts (kernels.h, tm_write_kv_cache). */
-static inline int64_t key_index(int pairs, int64_t t, int64_t d, int64_t head_dim, int64_t block_size) {
-    (void)head_dim;
+static inline int64_t key_index(int pairs, int64_t t, int64_t d, int64_t block_size) {
     return pairs ? (d >> 1) * 32 + t * 2 + (d & 1) : d * block_size + t;
 }
 
@@ -96,7 +95,7 @@ static inline void write_kv_int8(const void *k, const void *v, int is_bf16, int 
     float *k_scales = (float *)(k_block + values), *v_scales = (float *)(v_block + values);
     float scales[TM_MAX_HEAD_DIM / TM_KV_INT8_GROUP];
     quantize_kv_row(k, is_bf16, head_dim, q, scales);
-    for (int64_t d = 0; d < head_dim; d++) k_block[key_index(pairs, t, d, head_dim, block_size)] = q[d];
+    for (int64_t d = 0; d < head_dim; d++) k_block[key_index(pairs, t, d, block_size)] = q[d];
     for (int64_t g = 0; g < groups; g++) k_scales[g * block_size + t] = scales[g];
     quantize_kv_row(v, is_bf16, head_dim, q, scales);
     for (int64_t c = 0; c < head_dim; c++) v_block[value_index(pairs, t, c, head_dim)] = q[c];
