@@ -103,14 +103,19 @@ static inline __attribute__((always_inline)) channels16 load_channels16(const pr
     return c;
 }
 
-/* The epilogue of one row's 16 channels, the one both paths run (so they give the same
- * bits): (acc - correction) * (w_scales * x_scale) + bias, rounded once into out. */
+/* The epilogue's arithmetic for 16 channels of one row, the one both paths run (so they
+ * give the same bits): (acc - correction) * (w_scales * x_scale) + bias. */
+static inline __attribute__((always_inline)) __m512 finish_value16(const channels16 *c,
+                                                                   __m512 x_scale, __m512i acc) {
+    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, c->correction));
+    return _mm512_fmadd_ps(v, _mm512_mul_ps(c->w_scales, x_scale), c->bias);
+}
+
+/* The epilogue of one row's 16 channels, rounded once into out. */
 static inline __attribute__((always_inline)) void finish_row16(const problem *p,
                                                                const channels16 *c, int64_t row,
                                                                int64_t col, __m512i acc) {
-    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, c->correction));
-    __m512 scale = _mm512_mul_ps(c->w_scales, _mm512_set1_ps(p->x_scales[row]));
-    store16(p, row, col, _mm512_fmadd_ps(v, scale, c->bias));
+    store16(p, row, col, finish_value16(c, _mm512_set1_ps(p->x_scales[row]), acc));
 }
 
 /* The epilogue of one accumulator: 16 channels of one row. */

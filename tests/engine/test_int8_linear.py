@@ -37,8 +37,8 @@ def needs_native(cpu_path):
 
 # Shapes cover every register tile edge: VNNI's 1-6 rows of a tile, one to four 16-channel
 # panels, row blocks of 120; where the CPU has AMX (k % 64 == 0, from 8 rows), one or two
-# 16-row tiles and a zero-padded last one (or only one, at 8-15 rows), one or two panels a block, row blocks of 256,
-# k of one tile step; the model's own layers.
+# 16-row tiles and a zero-padded last one (or only one, at 8-15 rows), one or two panels a
+# block, k of one tile step; the model's own layers.
 @pytest.mark.parametrize(
     "n,k", [(16, 4), (48, 8), (112, 36), (48, 64), (80, 128), (960, 576), (576, 1536)]
 )
@@ -98,13 +98,15 @@ def test_a_cpu_with_amx_takes_the_native_kernel(monkeypatch, needs_native):
     assert int8.choose_kernel(960, 576) == "native"
 
 
+# (1120, 4096): on AMX a thread's 35 panels take three L2-sized blocks (16, 16 and an odd 3).
 @pytest.mark.parametrize(
-    "n,k,rows", [(960, 576, 300), (80, 128, 45), (576, 1536, 64), (960, 576, 12)]
+    "n,k,rows",
+    [(960, 576, 300), (80, 128, 45), (576, 1536, 64), (960, 576, 12), (1120, 4096, 45)],
 )
 def test_every_row_count_gives_the_same_bits(n, k, rows, needs_native):
     """Rows are independent: a call of many rows (AMX tiles where the CPU has them) equals,
     bit for bit, calls of 7 rows each (VNNI: tiles take 8 or more) - both paths sum the same
-    integers exactly and share one epilogue."""
+    integers exactly and share one epilogue's arithmetic."""
     if needs_native is None:
         return
     torch.manual_seed(rows)
