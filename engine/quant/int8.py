@@ -33,6 +33,7 @@ from tokenmill.engine.kernels import int8_linear as native
 from tokenmill.engine.kernels.quantize import FULL_RANGE, REDUCED_RANGE, quantize_rows_u8
 
 KERNELS = ("native", "onednn")
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernel takes as it is
 
 
 def onednn_int8_available() -> bool:
@@ -168,10 +169,14 @@ class Int8Linear(nn.Module):
         return cls(*quantize_weight(weight), bias, smooth, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "native" and x.dim() == 2 and x.dtype in _NATIVE_DTYPES:
+            # The engine's case, every call of a step: no reshapes or casts, each of which
+            # costs microseconds of dispatch on calls that take tens.
+            return native.int8_linear(x, self.packed, self.inv_smooth)
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         if self.kernel == "native":
-            dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+            dtype = x.dtype if x.dtype in _NATIVE_DTYPES else torch.float32
             y = native.int8_linear(rows.to(dtype), self.packed, self.inv_smooth).to(x.dtype)
         else:
             y = self._onednn_forward(rows, x.dtype)
