@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tokenmill.connectors.fs import display, is_local, redact_url, resolve
-from tokenmill.connectors.store_retries import describe, is_store_error
+from tokenmill.connectors.store_retries import describe, is_store_error, store_operation
 
 log = logging.getLogger(__name__)
 
@@ -200,23 +200,10 @@ def _read_local_lock(path: str) -> LockHolder | None:
 def _store_lock(
     fs, path: str, holder: LockHolder, output: str, stale_after_s: float, heartbeat_s: float
 ) -> Iterator[None]:
-    for _ in range(3):
-        try:
-            fs.pipe_file(path, holder.to_bytes(), mode="create")
-            break
-        except FileExistsError:
-            current = _read_store_lock(fs, path)
-            if current is not None and not current.is_stale(stale_after_s):
-                raise _refusal(output, current) from None
-            log.warning(
-                "taking over the stale lock of %s on %s",
-                current.describe() if current else "an unknown run",
-                display(fs, path),
-            )
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm(path)
-    else:
-        raise _refusal(output, _read_store_lock(fs, path))
+    # A store that fails here (after its retry policy) fails the run before it starts,
+    # with a StoreError that names the lock object rather than the client's raw error.
+    with store_operation("taking the lock", display(fs, path)):
+        _acquire_store_lock(fs, path, holder, output, stale_after_s)
     stop = threading.Event()
     beat = threading.Thread(
         target=_heartbeat, args=(fs, path, holder, stop, heartbeat_s), daemon=True
@@ -228,6 +215,28 @@ def _store_lock(
         stop.set()
         beat.join()
         _release_store_lock(fs, path, holder)
+
+
+def _acquire_store_lock(
+    fs, path: str, holder: LockHolder, output: str, stale_after_s: float
+) -> None:
+    """Create the lock object, taking over a stale one; raises OutputLockedError."""
+    for _ in range(3):
+        try:
+            fs.pipe_file(path, holder.to_bytes(), mode="create")
+            return
+        except FileExistsError:
+            current = _read_store_lock(fs, path)
+            if current is not None and not current.is_stale(stale_after_s):
+                raise _refusal(output, current) from None
+            log.warning(
+                "taking over the stale lock of %s on %s",
+                current.describe() if current else "an unknown run",
+                display(fs, path),
+            )
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(path)
+    raise _refusal(output, _read_store_lock(fs, path))
 
 
 def _release_store_lock(fs, path: str, holder: LockHolder) -> None:
@@ -250,16 +259,26 @@ def _release_store_lock(fs, path: str, holder: LockHolder) -> None:
 
 
 def _heartbeat(fs, path: str, holder: LockHolder, stop: threading.Event, every_s: float) -> None:
+    """Rewrite the lock's heartbeat every `every_s` until stopped. A beat the store fails
+    (reading the lock or writing it) is logged and tried again at the next one: letting
+    the error end this thread would stop the heartbeat for good, and the lock would go
+    stale under a live run."""
     while not stop.wait(every_s):
-        current = _read_store_lock(fs, path)
-        if current is None or current.run_id != holder.run_id:
-            log.error("the lock on %s was taken over by another run", display(fs, path))
-            return
-        holder.heartbeat_at = time.time()
         try:
+            current = _read_store_lock(fs, path)
+            if current is None or current.run_id != holder.run_id:
+                log.error("the lock on %s was taken over by another run", display(fs, path))
+                return
+            holder.heartbeat_at = time.time()
             fs.pipe_file(path, holder.to_bytes())
-        except OSError as exc:  # a missed beat is retried at the next one
-            log.warning("could not renew the lock on %s: %s", display(fs, path), exc)
+        except Exception as exc:
+            if not (isinstance(exc, OSError) or is_store_error(exc)):
+                raise
+            log.warning(
+                "could not renew the lock on %s (%s); trying again at the next beat",
+                display(fs, path),
+                describe(exc),
+            )
 
 
 def _read_store_lock(fs, path: str) -> LockHolder | None:

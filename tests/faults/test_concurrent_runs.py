@@ -140,3 +140,71 @@ def test_a_store_failing_to_release_the_lock_fails_nothing(s3, monkeypatch):
     assert fs.exists(key)  # left behind; a later run takes it over once stale
     with output_lock(out, opts, stale_after_s=0):
         pass
+
+
+def test_a_store_failing_to_take_the_lock_fails_the_run_with_a_store_error(s3, monkeypatch):
+    """The lock's create times out at job start: the run stops there with a StoreError
+    naming the lock object (credentials redacted), not the client's raw exception."""
+    from botocore.exceptions import ReadTimeoutError
+
+    from tokenmill.connectors.store_retries import StoreError
+
+    out = s3.url(f"lock-{time.time_ns()}/out")
+    opts = {**s3.storage_options, "skip_instance_cache": True}
+
+    def timing_out(self, path, *args, **kwargs):
+        raise ReadTimeoutError(endpoint_url="http://127.0.0.1/bucket/out/_lock.json")
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "pipe_file", timing_out)
+    body_ran = False
+    with pytest.raises(
+        StoreError, match=r"taking the lock s3://.*/_lock\.json failed: ReadTimeout"
+    ):
+        with output_lock(out, opts):
+            body_ran = True
+    assert not body_ran
+
+
+def test_the_heartbeat_outlives_a_store_that_fails_some_beats(s3, monkeypatch):
+    """Reading the lock fails on two beats in a row: each is logged and the next beat
+    renews the lock, rather than the error ending the heartbeat thread for good (which
+    would let the lock go stale under a live run)."""
+    import logging
+
+    from botocore.exceptions import ReadTimeoutError
+
+    from tokenmill.pipelines import output_lock as module
+
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    module.log.addHandler(handler)
+
+    out = s3.url(f"lock-{time.time_ns()}/out")
+    opts = {**s3.storage_options, "skip_instance_cache": True}
+    key = out.removeprefix("s3://") + "/_lock.json"
+    real_cat_file = s3fs.S3FileSystem.cat_file
+    failures = {"left": 2}
+
+    def failing_twice(self, path, *args, **kwargs):
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise ReadTimeoutError(endpoint_url="http://127.0.0.1/bucket/out/_lock.json")
+        return real_cat_file(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "cat_file", failing_twice)
+    try:
+        with output_lock(out, opts, heartbeat_s=0.2) as holder:
+            started = holder.heartbeat_at
+            deadline = time.time() + 10
+            while holder.heartbeat_at == started and time.time() < deadline:
+                time.sleep(0.1)
+            monkeypatch.undo()
+            fs = s3fs.S3FileSystem(**opts)
+            stored = json.loads(fs.cat_file(key))
+    finally:
+        module.log.removeHandler(handler)
+    assert failures["left"] == 0
+    assert stored["run_id"] == holder.run_id and stored["heartbeat_at"] > started
+    renew_failures = [r for r in warnings if "could not renew the lock" in r.getMessage()]
+    assert len(renew_failures) == 2
