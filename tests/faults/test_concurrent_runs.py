@@ -157,11 +157,11 @@ def test_a_store_failing_to_take_the_lock_fails_the_run_with_a_store_error(s3, m
 
     monkeypatch.setattr(s3fs.S3FileSystem, "pipe_file", timing_out)
     body_ran = False
-    with pytest.raises(
-        StoreError, match=r"taking the lock s3://.*/_lock\.json failed: ReadTimeout"
+    with (
+        pytest.raises(StoreError, match=r"taking the lock s3://.*/_lock\.json failed: ReadTimeout"),
+        output_lock(out, opts),
     ):
-        with output_lock(out, opts):
-            body_ran = True
+        body_ran = True
     assert not body_ran
 
 
