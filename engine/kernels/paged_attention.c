@@ -26,8 +26,9 @@
  * part sees are never read. Storage is fp32 or bf16. Math is fp32, except that bf16
  * caches with 16-token blocks use bf16 dot products where the CPU has them
  * (attention_bf16.h). int8 caches (kv_int8.h) are read directly in int16 dot products
- * where the CPU has them (attention_int8.h; rows not on AMX tiles), else widened a window
- * of blocks at a time into scratch, where the float path reads them.
+ * where the CPU has them (attention_int8.h; rows not on AMX tiles), else widened into
+ * scratch, where the float path reads them: a prompt chunk's blocks once per call, for
+ * all of its tiles (WideCopy), a decode group's a window of blocks at a time.
  */
 #include <math.h>
 #include <stddef.h>
@@ -52,6 +53,8 @@ typedef struct {
     int64_t entry, first, tokens, row, seen0, visible, first_block;
 } Part;
 
+struct WideCopy;
+
 /* Everything about one call that every item shares. */
 typedef struct {
     const tm_attention_args *a;
@@ -67,7 +70,20 @@ typedef struct {
     int int8_dot;         /* int8 caches: rows off the tiles read them directly */
     int64_t *item_start; /* [num_groups + 1]: group k's items are [item_start[k], [k + 1]) */
     int64_t num_items;
+    const struct WideCopy *wide; /* int8 caches: the prompt chunks' blocks widened, or NULL */
 } Plan;
+
+/* An int8 call's prompt chunks' blocks, widened once for the call (widen_prompt_blocks):
+ * a float cache with the int8 cache's kv heads, whose block tables (one per entry, as
+ * block_tables) point at the widened copies. A chunk's tiles read it on their staged rows
+ * instead of each tile widening the chunk's context again a window at a time. */
+typedef struct WideCopy {
+    tm_attention_args args; /* the call over the widened cache */
+    Plan plan;
+    int64_t *tables;      /* [num_entries * max_blocks] */
+    unsigned char *entry_widened; /* [num_entries] 1 where tables holds the entry's blocks */
+    void *k, *v;
+} WideCopy;
 
 /* One item: a kv head's rows of some parts, and the blocks all of its rows score together
  * ([shared_lo, shared_hi) of the group's first table, empty for a tile). */
@@ -105,14 +121,16 @@ static inline int64_t first_seen(const tm_attention_args *a, int64_t position) {
     return a->sliding_window > 0 ? max64(0, position - a->sliding_window + 1) : 0;
 }
 
-/* Over an int8 cache on AMX, prompt tiles are this many times TM_TILE_ROWS: each tile
- * widens the blocks it reads, and twice the rows per widening ran a prompt step's int8
- * attention 1.06-1.14x faster (A/B of builds in one process; four times: no better). */
+/* Over an int8 cache on AMX, prompt tiles are this many times TM_TILE_ROWS. When each
+ * tile widened the blocks it read, twice the rows per widening ran a prompt step's int8
+ * attention 1.06-1.14x faster (A/B of builds in one process; four times: no better);
+ * chunks are now widened once per call (WideCopy), and the larger tile was kept. */
 #define INT8_TILE_FACTOR 2
 
 /* Sizes every item and every thread's scratch. Returns TM_OK or TM_OUT_OF_MEMORY. */
 static int plan_items(const tm_attention_args *a, Plan *plan) {
     plan->a = a;
+    plan->wide = NULL;
     plan->group = a->num_heads / a->num_kv_heads;
     plan->use_dot = uses_bf16_pairs(a->is_bf16, a->block_size, a->head_dim);
 #ifdef HAVE_AMX_ATTENTION
@@ -322,6 +340,89 @@ static int64_t int8_staged_rows(const Plan *plan, int64_t rows) {
     return 0;
 }
 
+/* Widened copies past this many bytes (keys and values) are not made; tiles then widen
+ * windows of their own, as decode groups always do. */
+#define WIDE_COPY_MAX_BYTES ((int64_t)256 << 20)
+
+/* The blocks of every prompt chunk (a group of one entry) whose first tile has staged rows,
+ * widened into wide (see WideCopy). Returns TM_OK with wide->tables NULL when no chunk
+ * needs it or the copy would pass WIDE_COPY_MAX_BYTES, TM_OUT_OF_MEMORY when an
+ * allocation fails. */
+static int widen_prompt_blocks(const Plan *plan, WideCopy *wide) {
+    const tm_attention_args *a = plan->a;
+    const int64_t entries = a->group_starts[a->num_groups], bs = a->block_size;
+    const int64_t stage_bytes = a->head_dim * bs * (plan->use_dot ? 2 : 4);
+    memset(wide, 0, sizeof *wide);
+    int64_t slots = 0;
+    for (int64_t k = 0; k < a->num_groups; k++) {
+        const int64_t e = a->group_starts[k];
+        const int64_t first_tile = min64(a->queries[e], plan->tile_tokens) * plan->group;
+        if (a->group_starts[k + 1] - e == 1 && int8_staged_rows(plan, first_tile) > 0)
+            slots += ceil_div(a->contexts[e], bs) - first_seen(a, a->contexts[e] - a->queries[e]) / bs;
+    }
+    const int64_t bytes = 2 * slots * a->num_kv_heads * stage_bytes;
+    if (slots == 0 || bytes > WIDE_COPY_MAX_BYTES) return TM_OK;
+    wide->tables = malloc(sizeof(int64_t) * (size_t)(entries * a->max_blocks));
+    wide->entry_widened = calloc((size_t)entries, 1);
+    wide->k = malloc((size_t)(bytes / 2));
+    wide->v = malloc((size_t)(bytes / 2));
+    int64_t *slot_entry = malloc(sizeof(int64_t) * (size_t)slots); /* a slot's entry, block */
+    int64_t *slot_block = malloc(sizeof(int64_t) * (size_t)slots);
+    if (!wide->tables || !wide->entry_widened || !wide->k || !wide->v || !slot_entry || !slot_block) {
+        free(slot_entry), free(slot_block);
+        return TM_OUT_OF_MEMORY;
+    }
+    int64_t slot = 0;
+    for (int64_t k = 0; k < a->num_groups; k++) {
+        const int64_t e = a->group_starts[k];
+        const int64_t first_tile = min64(a->queries[e], plan->tile_tokens) * plan->group;
+        if (a->group_starts[k + 1] - e != 1 || int8_staged_rows(plan, first_tile) == 0) continue;
+        wide->entry_widened[e] = 1;
+        for (int64_t b = first_seen(a, a->contexts[e] - a->queries[e]) / bs; b < ceil_div(a->contexts[e], bs); b++) {
+            wide->tables[e * a->max_blocks + b] = slot;
+            slot_entry[slot] = e, slot_block[slot] = b, slot++;
+        }
+    }
+    const int64_t head_bytes = kv_int8_head_bytes(a->head_dim, bs);
+#pragma omp parallel for num_threads(a->num_threads) schedule(static)
+    for (int64_t i = 0; i < slots * a->num_kv_heads; i++) {
+        const int64_t at = i / a->num_kv_heads, h = i % a->num_kv_heads;
+        const int64_t block = a->block_tables[slot_entry[at] * a->max_blocks + slot_block[at]];
+        const int64_t from = (block * a->num_kv_heads + h) * head_bytes;
+        widen_key_block((const int8_t *)a->k_cache + from, plan->int8_pairs, plan->use_dot,
+                        a->head_dim, bs, (char *)wide->k + i * stage_bytes);
+        widen_value_block((const int8_t *)a->v_cache + from, plan->int8_pairs, plan->use_dot,
+                          a->head_dim, bs, (char *)wide->v + i * stage_bytes);
+    }
+    free(slot_entry), free(slot_block);
+    wide->args = *a;
+    wide->args.k_cache = wide->k;
+    wide->args.v_cache = wide->v;
+    wide->args.block_tables = wide->tables;
+    wide->args.is_bf16 = plan->use_dot;
+    wide->args.kv_int8 = 0;
+    wide->plan = *plan;
+    wide->plan.a = &wide->args;
+    return TM_OK;
+}
+
+static void free_wide_copy(WideCopy *wide) {
+    free(wide->tables), free(wide->entry_widened), free(wide->k), free(wide->v);
+}
+
+/* The widened copy's table for `table`, an entry's row of block_tables, or NULL where that
+ * entry was not widened (or `table` is no entry's: a window's stage_table). */
+static const int64_t *wide_table_of(const Plan *plan, const int64_t *table) {
+    const WideCopy *wide = plan->wide;
+    if (!wide) return NULL;
+    const tm_attention_args *a = plan->a;
+    const int64_t entries = a->group_starts[a->num_groups];
+    if (table < a->block_tables || table >= a->block_tables + entries * a->max_blocks) return NULL;
+    const int64_t at = table - a->block_tables;
+    if (at % a->max_blocks || !wide->entry_widened[at / a->max_blocks]) return NULL;
+    return wide->tables + at;
+}
+
 static void score_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const int64_t *table,
                          int64_t b0, int64_t b1, int64_t row0, int64_t rows);
 static void weigh_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const int64_t *table,
@@ -341,7 +442,9 @@ static inline const int8_t *next_int8_block(const tm_attention_args *a, const vo
 static void score_blocks_int8(const Plan *plan, Scratch *s, int64_t kv_head, const int64_t *table,
                               int64_t b0, int64_t b1, int64_t row0, int64_t rows) {
     const int64_t staged = int8_staged_rows(plan, rows);
-    for (int64_t w = b0; w < b1 && staged > 0; w += plan->stage_blocks) {
+    const int64_t *wide_table = staged > 0 ? wide_table_of(plan, table) : NULL;
+    if (wide_table) score_blocks(&plan->wide->plan, s, kv_head, wide_table, b0, b1, row0, staged);
+    for (int64_t w = b0; w < b1 && staged > 0 && !wide_table; w += plan->stage_blocks) {
         const int64_t w1 = min64(b1, w + plan->stage_blocks);
         stage_window(plan, s, 1, kv_head, table, w, w1, b1);
         score_blocks(&s->stage_plan, s, 0, s->stage_table, w, w1, row0, staged);
@@ -363,7 +466,10 @@ static void score_blocks_int8(const Plan *plan, Scratch *s, int64_t kv_head, con
 static void weigh_blocks_int8(const Plan *plan, Scratch *s, int64_t kv_head, const int64_t *table,
                               int64_t b0, int64_t b1, int64_t visible, int64_t row0, int64_t rows) {
     const int64_t staged = int8_staged_rows(plan, rows);
-    for (int64_t w = b0; w < b1 && staged > 0; w += plan->stage_blocks) {
+    const int64_t *wide_table = staged > 0 ? wide_table_of(plan, table) : NULL;
+    if (wide_table)
+        weigh_blocks(&plan->wide->plan, s, kv_head, wide_table, b0, b1, visible, row0, staged);
+    for (int64_t w = b0; w < b1 && staged > 0 && !wide_table; w += plan->stage_blocks) {
         const int64_t w1 = min64(b1, w + plan->stage_blocks);
         stage_window(plan, s, 0, kv_head, table, w, w1, b1);
         weigh_blocks(&s->stage_plan, s, 0, s->stage_table, w, w1, visible, row0, staged);
@@ -573,6 +679,14 @@ int tm_paged_attention(const tm_attention_args *a) {
         return TM_UNSUPPORTED_SHAPE;
     Plan plan;
     if (plan_items(a, &plan) != TM_OK) return TM_OUT_OF_MEMORY;
+    WideCopy wide = {0};
+    if (a->kv_int8) {
+        if (widen_prompt_blocks(&plan, &wide) != TM_OK) {
+            free_wide_copy(&wide), free(plan.item_start);
+            return TM_OUT_OF_MEMORY;
+        }
+        if (wide.tables) plan.wide = &wide;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(a->num_threads)
     {
@@ -587,7 +701,7 @@ int tm_paged_attention(const tm_attention_args *a) {
             if (ok) attend_item(&plan, item, &scratch);
         free_scratch(&scratch);
     }
-    free(plan.item_start);
+    free_wide_copy(&wide), free(plan.item_start);
     return failed ? TM_OUT_OF_MEMORY : TM_OK;
 }
 
