@@ -151,9 +151,21 @@ static void weigh_block_int8(const void *w, int w_bf16, int64_t stride, const in
         else if (dv == 8) WEIGH_INT8(3, 8);
         else WEIGH_INT8(1, 16);
     }
-    for (; r < rows; r++) {
-        if (dv == 4) WEIGH_INT8(1, 4);
-        else if (dv == 8) WEIGH_INT8(1, 8);
+    /* The rest - often all of a decoding sequence's G query heads - in one pass too: a
+     * pass per row widened the block's values once per row. */
+    const int64_t left = rows - r; /* < step; none for dv 16 */
+    if (dv == 4) {
+        switch (left) {
+        case 5: WEIGH_INT8(5, 4); break;
+        case 4: WEIGH_INT8(4, 4); break;
+        case 3: WEIGH_INT8(3, 4); break;
+        case 2: WEIGH_INT8(2, 4); break;
+        case 1: WEIGH_INT8(1, 4); break;
+        default: break;
+        }
+    } else if (dv == 8) {
+        if (left == 2) WEIGH_INT8(2, 8);
+        else if (left == 1) WEIGH_INT8(1, 8);
     }
 #undef WEIGH_INT8
 }

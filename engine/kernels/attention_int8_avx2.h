@@ -114,8 +114,37 @@ static void score_rows_int8_any(const int16_t *q, const float *q_scales, int64_t
     }
 }
 
-/* attention_int8.h's weigh_block_int8: per row, each 16 channels of a pair-row are two
- * vectors of int16 pairs (channels 0-7 and 8-15, positions t and t + 1). */
+/* N rows (N <= 4) of the weighted sum over one int8 value block, from wq and w_scales as
+ * weigh_block_int8 fills them: each 16 channels of a pair-row are two vectors of int16
+ * pairs (channels 0-7 and 8-15, positions t and t + 1), widened once for all N rows. */
+static inline __attribute__((always_inline)) void weigh_rows_int8_avx2(
+    const int16_t *restrict wq, const float *restrict w_scales, const int8_t *restrict block,
+    float *restrict acc, const int N, int64_t head_dim) {
+    const int64_t groups = head_dim / TM_KV_INT8_GROUP;
+    for (int64_t c = 0; c < head_dim / 16; c++) { /* channels 16c..16c + 15, group c / 2 */
+        __m256i s0[4], s1[4];
+        for (int r = 0; r < N; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+        for (int t = 0; t < 16; t += 2) {
+            const __m128i *v = (const __m128i *)(block + t * head_dim + c * 32);
+            const __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(v));
+            const __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(v + 1));
+            for (int r = 0; r < N; r++) {
+                const __m256i wp = broadcast_pair16(wq + (r * groups + c / 2) * 16 + t);
+                s0[r] = _mm256_add_epi32(s0[r], _mm256_madd_epi16(v0, wp));
+                s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(v1, wp));
+            }
+        }
+        for (int r = 0; r < N; r++) {
+            const __m256 scale = _mm256_set1_ps(w_scales[r * groups + c / 2]);
+            float *a = acc + r * head_dim + c * 16;
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[r]), scale, _mm256_loadu_ps(a)));
+            _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[r]), scale, _mm256_loadu_ps(a + 8)));
+        }
+    }
+}
+
+/* attention_int8.h's weigh_block_int8, in AVX2: the weights quantized per row and group,
+ * then the rows four at a time. */
 static void weigh_block_int8(const void *w, int w_bf16, int64_t stride, const int8_t *block,
                              int64_t m, float *acc, int64_t rows, int64_t head_dim, int16_t *wq,
                              float *w_scales) {
@@ -139,21 +168,17 @@ static void weigh_block_int8(const void *w, int w_bf16, int64_t stride, const in
                         wq + (r * groups + g) * 16);
         }
     }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < head_dim / 16; c++) { /* channels 16c..16c + 15, group c / 2 */
-            const int16_t *wr = wq + (r * groups + c / 2) * 16;
-            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-            for (int t = 0; t < 16; t += 2) {
-                const __m128i *v = (const __m128i *)(block + t * head_dim + c * 32);
-                const __m256i wp = broadcast_pair16(wr + t);
-                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(v)), wp));
-                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(v + 1)), wp));
-            }
-            const __m256 scale = _mm256_set1_ps(w_scales[r * groups + c / 2]);
-            float *a = acc + r * head_dim + c * 16;
-            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), scale, _mm256_loadu_ps(a)));
-            _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), scale, _mm256_loadu_ps(a + 8)));
+    for (int64_t r = 0; r < rows; r += 4) {
+        const int16_t *wr = wq + r * groups * 16;
+        const float *sr = w_scales + r * groups;
+        float *ar = acc + r * head_dim;
+        switch (rows - r < 4 ? rows - r : 4) {
+        case 1: weigh_rows_int8_avx2(wr, sr, block, ar, 1, head_dim); break;
+        case 2: weigh_rows_int8_avx2(wr, sr, block, ar, 2, head_dim); break;
+        case 3: weigh_rows_int8_avx2(wr, sr, block, ar, 3, head_dim); break;
+        default: weigh_rows_int8_avx2(wr, sr, block, ar, 4, head_dim); break;
         }
+    }
 }
 
 #endif

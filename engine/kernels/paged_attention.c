@@ -428,12 +428,19 @@ static void score_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const in
 static void weigh_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const int64_t *table,
                          int64_t b0, int64_t b1, int64_t visible, int64_t row0, int64_t rows);
 
-/* The int8 block b of table, with block b + 1 asked for when it is < b1. */
+/* The int8 block b of table, with the block STAGE_PREFETCH_AHEAD on asked for when it is
+ * < b1 (and, at b0, the ones before it). An int8 block is read in a fraction of the time
+ * memory takes to deliver the next one from a random place in the cache, so asking one
+ * block ahead left the direct path waiting on latency as it did the widening. */
 static inline const int8_t *next_int8_block(const tm_attention_args *a, const void *cache,
-                                            const int64_t *table, int64_t b, int64_t b1,
-                                            int64_t kv_head) {
-    if (b + 1 < b1)
-        prefetch_bytes(int8_block(a, cache, table, b + 1, kv_head), kv_int8_head_bytes(a->head_dim, a->block_size));
+                                            const int64_t *table, int64_t b, int64_t b0,
+                                            int64_t b1, int64_t kv_head) {
+    const int64_t head_bytes = kv_int8_head_bytes(a->head_dim, a->block_size);
+    if (b == b0)
+        for (int64_t f = b0 + 1; f < min64(b1, b0 + STAGE_PREFETCH_AHEAD); f++)
+            prefetch_bytes(int8_block(a, cache, table, f, kv_head), head_bytes);
+    if (b + STAGE_PREFETCH_AHEAD < b1)
+        prefetch_bytes(int8_block(a, cache, table, b + STAGE_PREFETCH_AHEAD, kv_head), head_bytes);
     return int8_block(a, cache, table, b, kv_head);
 }
 
@@ -453,7 +460,7 @@ static void score_blocks_int8(const Plan *plan, Scratch *s, int64_t kv_head, con
     const tm_attention_args *a = plan->a;
     const int64_t head_dim = a->head_dim, stride = plan->stride;
     for (int64_t b = b0; b < b1 && staged < rows; b++) {
-        const int8_t *block = next_int8_block(a, a->k_cache, table, b, b1, kv_head);
+        const int8_t *block = next_int8_block(a, a->k_cache, table, b, b0, b1, kv_head);
         for (int64_t r = row0 + staged; r < row0 + rows; r += SCORE_ROWS)
             score_rows_int8_any(s->q16 + r * head_dim, s->q_scales + r * (head_dim / TM_KV_INT8_GROUP),
                                 min64(row0 + rows - r, SCORE_ROWS), block, s->scores + r * stride + b * 16,
@@ -483,7 +490,7 @@ static void weigh_blocks_int8(const Plan *plan, Scratch *s, int64_t kv_head, con
     const int64_t w_elem = plan->use_dot ? 2 : 4;
     for (int64_t b = b0; b < b1 && staged < rows; b++)
         weigh_block_int8((const char *)w + (b - b0) * 16 * w_elem, plan->use_dot, stride,
-                         next_int8_block(a, a->v_cache, table, b, b1, kv_head),
+                         next_int8_block(a, a->v_cache, table, b, b0, b1, kv_head),
                          min64(visible - b * a->block_size, a->block_size), s->acc + r * head_dim,
                          rows - staged, head_dim, s->wq, s->w_scales);
 #endif
