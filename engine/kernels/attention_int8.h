@@ -1,7 +1,8 @@
 /* Attention straight over int8 KV blocks in int16 dot products (AVX512-VNNI; the same
- * functions for AVX2 in attention_int8_avx2.h), for paged_attention.c. The block format and why this path exists: kv_int8.h. The blocks are
- * in the pair layout (attention_bf16.h), so each 32 int8 values sign-extended to int16 are
- * 16 lanes of pairs, as `vpdpwssd` wants them - the same loop shapes as the bf16 path.
+ * functions for AVX2 in attention_int8_avx2.h), for paged_attention.c. The block format
+ * and why this path exists: kv_int8.h. The blocks are in the pair layout
+ * (attention_bf16.h), so each 32 int8 values sign-extended to int16 are 16 lanes of
+ * pairs, as `vpdpwssd` wants them - the same loop shapes as the bf16 path.
  */
 #ifndef TOKENMILL_ATTENTION_INT8_H
 #define TOKENMILL_ATTENTION_INT8_H
