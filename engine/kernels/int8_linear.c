@@ -22,7 +22,9 @@
  * stay in L2 while the thread's panels pass over them.
  *
  * Where the CPU also has AMX, calls of 8 rows or more run on its tile units instead
- * (int8_amx.h), over the same packed panels and through the same epilogue.
+ * (int8_amx.h), over the same packed panels and through the same epilogue. A build for
+ * an AVX2-only CPU (no VNNI) runs int8_avx2.h's product on the same panels instead: the
+ * same integer sums, so the same bits.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -35,16 +37,17 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define TM_HAVE_VNNI 1
+#define TM_HAVE_INT8_AVX2 0
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TM_HAVE_VNNI 0
+#define TM_HAVE_INT8_AVX2 1 /* int8_avx2.h */
 #else
 #define TM_HAVE_VNNI 0
+#define TM_HAVE_INT8_AVX2 0
 #endif
 
-#if TM_HAVE_VNNI
-
-#define MR 6          /* rows per register tile */
-#define MAX_PANELS 4  /* 16-channel panels per register tile */
-#define ROW_BLOCK 120 /* rows kept in L2 while a thread's panels pass over them */
+#if TM_HAVE_VNNI || TM_HAVE_INT8_AVX2
 /* Below this many multiply-adds a call is a few microseconds: one thread. */
 #define MATMUL_PARALLEL_MIN (1 << 20)
 
@@ -60,6 +63,13 @@ typedef struct {
     int32_t x_zero_point;
     int is_bf16;
 } problem;
+#endif
+
+#if TM_HAVE_VNNI
+
+#define MR 6          /* rows per register tile */
+#define MAX_PANELS 4  /* 16-channel panels per register tile */
+#define ROW_BLOCK 120 /* rows kept in L2 while a thread's panels pass over them */
 
 static inline void store16(const problem *p, int64_t row, int64_t col, __m512 v) {
     if (p->is_bf16) {
@@ -202,18 +212,25 @@ static void panels_all_rows(const problem *p, int64_t rows, int64_t first, int64
 #endif
 
 #include "int8_amx.h"
+#if TM_HAVE_INT8_AVX2
+#include "int8_avx2.h"
+#endif
 
 int tm_int8_linear_isa(void) {
 #if TM_HAVE_AMX
     if (tm_internal_amx_permitted()) return TM_INT8_ISA_AMX;
 #endif
+    if (TM_HAVE_INT8_AVX2) return TM_INT8_ISA_AVX2;
     return TM_HAVE_VNNI ? TM_INT8_ISA_AVX512_VNNI : TM_INT8_ISA_NONE;
 }
 
 int tm_int8_linear(const tm_int8_linear_args *a) {
-#if TM_HAVE_VNNI
+#if TM_HAVE_VNNI || TM_HAVE_INT8_AVX2
     if (a->n % 16 || a->k % 4 || a->k > TM_MAX_INT8_K || a->rows < 0) return TM_UNSUPPORTED_SHAPE;
-    const int qmax = 127, zero_point = 128; /* VNNI sums in int32: all 8 bits */
+    /* All 8 bits, as uint8 around 128. VNNI and AMX multiply those (u8 x s8) and take
+     * 128 x each channel's weight sum off in the epilogue; AVX2 turns them back into
+     * signed values first (int8_avx2.h), so its epilogue has nothing to take off. */
+    const int qmax = 127, zero_point = 128;
     const problem p = {a->qx, a->x_scales, a->w, a->w_col_sums, a->w_scales, a->bias,
                        a->out, a->n, a->k, zero_point, a->is_bf16};
     const int64_t panels = a->n / 16, rows = a->rows, k = a->k;
@@ -241,7 +258,11 @@ int tm_int8_linear(const tm_int8_linear_args *a) {
             amx_panels_all_rows(&p, rows, first, last, tail);
 #endif
         } else {
+#if TM_HAVE_VNNI
             panels_all_rows(&p, rows, first, last);
+#else
+            panels_all_rows_avx2(&p, rows, first, last);
+#endif
         }
     }
     free(tail);

@@ -1,5 +1,6 @@
-"""The int8 linear layers' forward over the native library (int8_linear.c, AVX512-VNNI):
-per-row activation quantization, the int8 product and both scales in one call."""
+"""The int8 linear layers' forward over the native library (int8_linear.c: AVX512-VNNI,
+AMX, or AVX2): per-row activation quantization, the int8 product and both scales in one
+call."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from tokenmill.engine.kernels.quantize import FULL_RANGE
 
 PANEL = 16  # output channels per packed panel
 K_STEP = 4  # k-values per vpdpbusd lane
-# The kernel quantizes to all 8 bits (VNNI sums in int32, nothing saturates): int8_linear.c
-# hard-codes this range.
+# The kernel quantizes activations to all 8 bits on every instruction set it has (AVX2
+# multiplies them as signed values, which its int16 step holds: int8_avx2.h);
+# int8_linear.c hard-codes this range.
 VALUE_RANGE = FULL_RANGE
 
 
@@ -127,5 +129,5 @@ def int8_linear(
         is_bf16=int(x.dtype == torch.bfloat16),
         num_threads=torch.get_num_threads(),
     )
-    check_status(lib.tm_int8_linear(ctypes.byref(args)), "int8 linear (AVX512-VNNI)")
+    check_status(lib.tm_int8_linear(ctypes.byref(args)), "int8 linear")
     return (out, qx, x_scales) if keep_quantized else out

@@ -47,7 +47,8 @@ enum {
 enum {
     TM_INT8_ISA_NONE = 0,
     TM_INT8_ISA_AVX512_VNNI = 1,
-    TM_INT8_ISA_AMX = 2 /* AMX tiles from 8 rows on (k % 64 == 0), AVX512-VNNI below */
+    TM_INT8_ISA_AMX = 2, /* AMX tiles from 8 rows on (k % 64 == 0), AVX512-VNNI below */
+    TM_INT8_ISA_AVX2 = 3 /* vpmaddubsw with 7-bit activations (int8_avx2.h) */
 };
 
 typedef struct {
@@ -226,8 +227,9 @@ int tm_quantize_rows_u8(const tm_quantize_args *args);
  *             * w_scales[n] + bias[n],
  * the sums exact in int32. The s8 weights are packed in panels of 16 output channels, each
  * [k / 4][16][4] (engine/kernels/int8_linear.py packs them). n % 16 == 0, k % 4 == 0,
- * k <= TM_MAX_INT8_K. Built only where the compiler targets AVX512-VNNI; elsewhere it
- * returns TM_UNSUPPORTED_ISA and tm_limits says so. */
+ * k <= TM_MAX_INT8_K. Built where the compiler targets AVX512-VNNI (with AMX tiles where
+ * it targets those too) or AVX2 and FMA; elsewhere it returns TM_UNSUPPORTED_ISA and
+ * tm_limits says so. Every build gives the same bits. */
 typedef struct {
     const void *x;             /* [rows, k] fp32 or bf16 */
     const float *inv_smooth;   /* [k] per-channel factors applied first, or NULL */

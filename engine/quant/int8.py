@@ -7,18 +7,22 @@ output on SmolLM2's outlier activations, per row 2-4%), and the product runs on 
 two kernels, chosen per layer at load:
 
 - "native": our kernel (kernels/int8_linear.c), where the library was built for a CPU
-  with AVX512-VNNI and the layer's shape fits its panels; on CPUs with AMX it runs calls
-  of 8 rows or more on the tile units (kernels/int8_amx.h), on the same packed weights.
-  It quantizes the rows and applies each row's scale in its epilogue in the same call,
-  and takes any row count; at the model's shapes the layer on it measured 1.0-1.9x the
-  layer on oneDNN on a Zen 4 (VNNI) and 1.2-2.8x it on an Emerald Rapids Xeon (AMX)
-  (benchmarks/README.md, "Kernel choice").
+  with AVX512-VNNI or AVX2 and the layer's shape fits its panels; on CPUs with AMX it
+  runs calls of 8 rows or more on the tile units (kernels/int8_amx.h), on the same packed
+  weights, and on AVX2-only CPUs it multiplies signed pairs (kernels/int8_avx2.h). It
+  quantizes the rows to 8 bits and applies each row's scale in its epilogue in the same
+  call, takes any row count, and gives the same bits on every instruction set; at the
+  model's shapes the layer on it measured 1.0-1.9x the layer on oneDNN on a Zen 4
+  (VNNI) and 1.2-2.8x it on an Emerald Rapids Xeon (AMX) (benchmarks/README.md, "Kernel
+  choice"). On AVX2 it is the only int8 path that keeps 8-bit activations (below).
 - "onednn": oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, the op
-  PyTorch's PT2E quantization lowers to) on a weight packed once at load, everywhere
-  else. oneDNN picks its kernel for the CPU at run time: AVX512-VNNI, AVX-VNNI, else
+  PyTorch's PT2E quantization lowers to) on a weight packed once at load, where ours is
+  not built. oneDNN picks its kernel for the CPU at run time: AVX512-VNNI, AVX-VNNI, else
   AVX2's vpmaddubsw multiply-add (AMX too, on a build of ours without it); ONEDNN_MAX_CPU_ISA caps
   it (tests use that to run the fallback). Without VNNI or AMX the u8 x s8 pairs are
-  summed in int16 and saturate, so activations there use 7 bits.
+  summed in int16 and saturate, so activations there use 7 bits - which cost SmolLM2
+  2.8% and Gemma 3 270M 4.9% perplexity over fp32 (benchmarks/README.md), over the 2%
+  the int8 mode promises; that is why AVX2 builds now run the native kernel.
 """
 
 from __future__ import annotations
@@ -69,9 +73,10 @@ def kernel_name() -> str | None:
 
 def choose_kernel(out_features: int, in_features: int) -> str:
     """The int8 kernel a layer of this shape runs on here: "native" where our kernel is
-    built (AVX512-VNNI, with AMX tiles for larger row counts where the CPU has them) and
-    takes the shape, else "onednn". On AMX CPUs the native kernel was measured against
-    oneDNN's AMX kernels before it took them over (benchmarks/README.md)."""
+    built (AVX512-VNNI, with AMX tiles for larger row counts where the CPU has them, or
+    AVX2) and takes the shape, else "onednn". On AMX CPUs the native kernel was measured
+    against oneDNN's AMX kernels before it took them over; on AVX2 oneDNN's 7-bit
+    activations missed the quality target (benchmarks/README.md)."""
     return "native" if native.takes_shape(out_features, in_features) else "onednn"
 
 
@@ -143,7 +148,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous()
         self.weight_bytes = qweight.numel() + 4 * scale.numel()
         if self.kernel == "native":
-            self.value_range = native.VALUE_RANGE  # VNNI sums in int32: all 8 bits
+            self.value_range = native.VALUE_RANGE  # all 8 bits on every ISA it has
             self.packed = native.pack_int8_weight(qweight, self.scale, self.bias)
             return
         self.register_buffer(

@@ -1,6 +1,7 @@
 """The native int8 linear (kernels/int8_linear.c): it quantizes rows as the quantizer
-does, its product equals the integer product it stands for at every tile edge, and it is
-chosen only where the library has its instructions."""
+does, its product equals the integer product it stands for at every tile edge, on each
+instruction set it is built for (AMX, AVX512-VNNI, AVX2), and it is chosen only where the
+library has it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from tokenmill.engine.kernels import cpu_flags
 from tokenmill.engine.kernels.int8_linear import int8_linear, native_int8_isa, pack_int8_weight
 from tokenmill.engine.kernels.quantize import FULL_RANGE, quantize_rows_u8
 from tokenmill.engine.quant.int8 import Int8Linear, choose_kernel, quantize_weight
@@ -83,7 +85,8 @@ def test_the_layers_take_the_native_kernel_where_it_fits(needs_native):
         Int8Linear.from_float(torch.randn(40, 64), kernel="native")
     layer = Int8Linear.from_float(torch.randn(96, 64))
     assert layer.kernel == "native" and not hasattr(layer, "packed_weight")
-    # Its activations use all 8 bits: VNNI sums in int32, nothing saturates.
+    # Its activations use all 8 bits on every instruction set (AVX2 included: its int16
+    # step would saturate on u8 x s8 pairs at full range, so it multiplies s8 x s8).
     assert layer.value_range == FULL_RANGE
 
 
@@ -131,30 +134,55 @@ def test_bad_arguments_are_refused_before_the_kernel_runs(needs_native):
         int8_linear(x, packed, torch.ones(12))
 
 
-_AVX2_CHILD = """
-import json, torch
+_CHILD = """
+import hashlib, json, torch
 from tokenmill.engine.kernels import native_library
-from tokenmill.engine.kernels.int8_linear import native_int8_isa
-from tokenmill.engine.quant.int8 import Int8Linear, choose_kernel
+from tokenmill.engine.kernels.int8_linear import int8_linear, native_int8_isa, pack_int8_weight
+from tokenmill.engine.kernels.quantize import FULL_RANGE, quantize_rows_u8
+from tokenmill.engine.quant.int8 import Int8Linear, choose_kernel, quantize_weight
+isa = native_int8_isa()
 layer = Int8Linear.from_float(torch.randn(96, 64))
-y = layer(torch.randn(5, 64))
-print("RESULT " + json.dumps({"built": native_library() is not None, "isa": native_int8_isa(),
-                              "choice": choose_kernel(96, 64), "layer": layer.kernel,
-                              "rows": y.shape[0]}))
+result = {"built": native_library() is not None, "isa": isa, "choice": choose_kernel(96, 64),
+          "layer": layer.kernel, "rows": layer(torch.randn(5, 64)).shape[0]}
+if isa is not None:
+    # The product against the exact integer sums at the tile edges (AVX2: 1-4 rows a
+    # tile, 120-row blocks; VNNI 1-6 rows, AMX from 8), both output types; and a digest of
+    # every output, to compare builds.
+    worst, digest = {"fp32": 0.0, "bf16": 0.0}, hashlib.sha256()
+    for n, k, rows in [(16, 4, 1), (48, 36, 3), (112, 64, 4), (32, 576, 5), (960, 576, 7),
+                       (576, 1536, 121), (80, 128, 250)]:
+        torch.manual_seed(rows)
+        qweight, w_scales = quantize_weight(torch.randn(n, k))
+        qweight[0], qweight[-1] = 127, -127
+        bias = torch.randn(n) if rows % 2 else None
+        x = torch.randn(rows, k) * torch.linspace(0.1, 8, k)
+        x[0, 0] = 50.0
+        packed = pack_int8_weight(qweight, w_scales, bias)
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            got, qx, scales = int8_linear(x.to(dtype), packed, keep_quantized=True)
+            want_qx, want_scales = quantize_rows_u8(x.to(dtype))
+            assert torch.equal(qx, want_qx) and torch.equal(scales, want_scales)
+            acc = (qx.long() - FULL_RANGE[1]) @ qweight.long().t()
+            want = acc.double() * scales.double()[:, None] * w_scales.double()[None, :]
+            want = want if bias is None else want + bias.double()
+            err = float(((got.double() - want).abs() / (want.abs() + 1e-3)).max())
+            worst[name] = max(worst[name], err)
+            digest.update(got.view(torch.int16 if name == "bf16" else torch.int32).numpy().tobytes())
+    result.update(worst=worst, digest=digest.hexdigest())
+print("RESULT " + json.dumps(result))
 """
 
 
-def test_the_kernel_is_left_out_where_the_cpu_lacks_vnni(tmp_path):
-    """A library built for an AVX2-only CPU (x86-64-v3: no AVX-512, no VNNI) has no native
-    int8 product; it says so through tm_limits and the layers run oneDNN's."""
+def _build_for(march: str, tmp_path) -> dict:
+    """Run _CHILD on a library built for `march` (any x86-64 CPU with it can run it)."""
     env = {
         **os.environ,
-        "TOKENMILL_CACHE_DIR": str(tmp_path),
-        "TOKENMILL_KERNEL_MARCH": "x86-64-v3",
+        "TOKENMILL_CACHE_DIR": str(tmp_path / march),
+        "TOKENMILL_KERNEL_MARCH": march,
         "TOKENMILL_NATIVE_KERNELS": "1",  # the suite may run with them off
     }
     done = subprocess.run(
-        [sys.executable, "-c", _AVX2_CHILD],
+        [sys.executable, "-c", _CHILD],
         env=env,
         capture_output=True,
         text=True,
@@ -162,11 +190,27 @@ def test_the_kernel_is_left_out_where_the_cpu_lacks_vnni(tmp_path):
         check=True,
     )
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    result = json.loads(line.removeprefix("RESULT "))
-    assert result == {
-        "built": True,
-        "isa": None,
-        "choice": "onednn",
-        "layer": "onednn",
-        "rows": 5,
-    }
+    return json.loads(line.removeprefix("RESULT "))
+
+
+@pytest.mark.skipif("avx2" not in cpu_flags(), reason="needs a CPU with AVX2 to run the build")
+def test_an_avx2_build_runs_the_avx2_kernel(tmp_path):
+    """A library built for an AVX2-only CPU (x86-64-v3: no AVX-512, no VNNI; AMD Zen 1/2)
+    has the AVX2 product: the layers choose it, it equals the integer product of 8-bit
+    activations, rounded once, and where this CPU has VNNI or AMX it gives the native
+    build's bits exactly (the same integer sums, the same epilogue)."""
+    avx2 = _build_for("x86-64-v3", tmp_path)
+    worst, digest = avx2.pop("worst"), avx2.pop("digest")
+    assert avx2 == {"built": True, "isa": "avx2", "choice": "native", "layer": "native", "rows": 5}
+    assert worst["fp32"] < 1e-5  # one fp32 conversion and a fused multiply-add
+    assert worst["bf16"] < 2**-8  # and one rounding to bf16
+    native = _build_for("native", tmp_path)
+    if native["isa"] not in (None, "avx2"):
+        assert native["digest"] == digest
+
+
+def test_the_kernel_is_left_out_where_the_cpu_lacks_avx2(tmp_path):
+    """A build for a CPU without AVX2 (x86-64-v2) has no native int8 product; it says so
+    through tm_limits and the layers run oneDNN's."""
+    result = _build_for("x86-64-v2", tmp_path)
+    assert result == {"built": True, "isa": None, "choice": "onednn", "layer": "onednn", "rows": 5}

@@ -1,0 +1,131 @@
+/* The int8 product on AVX2 (CPUs without AVX512-VNNI, e.g. AMD Zen 1/2 and Intel before
+ * Ice Lake), for int8_linear.c.
+ *
+ * AVX2 has no instruction that sums 8-bit products in int32. vpmaddubsw multiplies 32
+ * u8 x s8 pairs and adds neighbours into 16 int16 sums (saturating), vpmaddwd by ones
+ * widens those to 8 int32 sums of four, and vpaddd accumulates them. With the
+ * activations as uint8 around 128 (what VNNI multiplies) a pair reaches 2 * 255 * 127
+ * and saturates; oneDNN's AVX2 kernel avoids that with 7-bit activations, which cost
+ * SmolLM2-135M 2.8% and Gemma 3 270M 4.9% perplexity over fp32 (the int8 mode promises
+ * 2%). Here the activations keep all 8 bits: turned back into signed values (-127..127)
+ * and multiplied as |w| x (x with w's sign) - vpsignb, then vpmaddubsw - a pair is at
+ * most 2 * 127 * 127 = 32,258, which int16 holds. The sums are then exactly VNNI's
+ * sum((x - 128) * w), so with the shared epilogue arithmetic every build gives the same
+ * bits, and nothing is taken off for a zero point.
+ *
+ * The price is the sign: three multiply-port instructions per 32 products instead of
+ * two. On Intel cores, where vpsignb shares those two ports, this ran at 0.67-0.71x the
+ * 7-bit form (scratch A/B in one process, Emerald Rapids built for x86-64-v3); on AMD
+ * Zen 1/2 the integer multiplies have one port and vpsignb does not use it.
+ *
+ * The weights are int8_linear.c's panels ([k / 4][16][4]), read as two 32-byte halves of
+ * 8 channels each. A register tile is up to 4 rows x one panel (16 channels): 8 int32
+ * accumulators, the two weight halves and their absolute values, one broadcast of four
+ * activation bytes, the ones, the sign flip and one temporary fill AVX2's 16 registers.
+ * Rows go in L2-sized blocks while a thread's panels pass over them, as on VNNI.
+ */
+#ifndef TOKENMILL_INT8_AVX2_H
+#define TOKENMILL_INT8_AVX2_H
+
+#include <immintrin.h>
+
+#define AVX2_MR 4          /* rows per register tile */
+#define AVX2_ROW_BLOCK 120 /* rows kept in L2 while a thread's panels pass over them */
+
+/* acc += four-term s8 x s8 dot products for 8 channels: x (signed activations) times w,
+ * given |w| as well. Inline assembly for the reason int8_linear.c's dot4 is: with
+ * intrinsics GCC 12 moved every accumulator through a copy each step and kept one on the
+ * stack. */
+static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i acc, __m256i x,
+                                                               __m256i w, __m256i abs_w,
+                                                               __m256i ones) {
+    __m256i pairs;
+    __asm__("vpsignb %[w], %[x], %[pairs]\n\t"
+            "vpmaddubsw %[pairs], %[abs_w], %[pairs]\n\t"
+            "vpmaddwd %[ones], %[pairs], %[pairs]\n\t"
+            "vpaddd %[pairs], %[acc], %[acc]"
+            : [acc] "+x"(acc), [pairs] "=&x"(pairs)
+            : [x] "x"(x), [w] "x"(w), [abs_w] "x"(abs_w), [ones] "x"(ones));
+    return acc;
+}
+
+/* 8 fp32 values into out[row, col..col + 8), in the output's type. */
+static inline __attribute__((always_inline)) void store8(const problem *p, int64_t row,
+                                                         int64_t col, __m256 v) {
+    if (p->is_bf16) { /* round to nearest even, as f32_to_bf16 does */
+        __m256i u = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        const __m256i half = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
+        u = _mm256_srli_epi32(_mm256_add_epi32(u, half), 16);
+        /* packus works within 128-bit lanes: gather the two lanes' halves */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
+        _mm_storeu_si128((__m128i *)((uint16_t *)p->out + row * p->n + col),
+                         _mm256_castsi256_si128(packed));
+    } else {
+        _mm256_storeu_ps((float *)p->out + row * p->n + col, v);
+    }
+}
+
+/* The epilogue of one row's 8 channels: acc * (w_scale * x_scale) + bias, rounded once
+ * into out - finish_value16's arithmetic (the sums here are already signed, so there is
+ * no zero-point correction to take off). */
+static inline __attribute__((always_inline)) void finish8(const problem *p, int64_t row,
+                                                          int64_t col, __m256i acc) {
+    const __m256 scales = _mm256_mul_ps(_mm256_loadu_ps(p->w_scales + col),
+                                        _mm256_set1_ps(p->x_scales[row]));
+    const __m256 bias = p->bias ? _mm256_loadu_ps(p->bias + col) : _mm256_setzero_ps();
+    store8(p, row, col, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), scales, bias));
+}
+
+#define AVX2_ACC_ROW(r) __m256i a##r##0 = zero, a##r##1 = zero
+#define AVX2_STEP_ROW(r)                                          \
+    if (mr > r) {                                                 \
+        int32_t four;                                             \
+        __builtin_memcpy(&four, x + r * k + kk * 4, 4);           \
+        const __m256i xv = _mm256_xor_si256(_mm256_set1_epi32(four), flip); \
+        a##r##0 = dot4_avx2(a##r##0, xv, w0, abs_w0, ones);       \
+        a##r##1 = dot4_avx2(a##r##1, xv, w1, abs_w1, ones);       \
+    }
+#define AVX2_FINISH_ROW(r)                                        \
+    if (mr > r) {                                                 \
+        finish8(p, row + r, col, a##r##0);                        \
+        finish8(p, row + r, col + 8, a##r##1);                    \
+    }
+
+/* One register tile: rows [row, row + mr) x the 16 channels of `panel`, over all of k. */
+static inline __attribute__((always_inline)) void tile_avx2(const problem *p, int64_t row,
+                                                            int64_t panel, const int mr) {
+    const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi16(1);
+    const __m256i flip = _mm256_set1_epi8((char)0x80); /* u8 around 128 -> s8 */
+    AVX2_ACC_ROW(0); AVX2_ACC_ROW(1); AVX2_ACC_ROW(2); AVX2_ACC_ROW(3);
+    const int64_t k = p->k, k4 = k / 4;
+    const int8_t *w = p->w + panel * k4 * 64;
+    const uint8_t *x = p->x + row * k;
+    for (int64_t kk = 0; kk < k4; kk++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + kk * 64));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + kk * 64 + 32));
+        const __m256i abs_w0 = _mm256_abs_epi8(w0), abs_w1 = _mm256_abs_epi8(w1);
+        AVX2_STEP_ROW(0) AVX2_STEP_ROW(1) AVX2_STEP_ROW(2) AVX2_STEP_ROW(3)
+    }
+    const int64_t col = panel * 16;
+    AVX2_FINISH_ROW(0) AVX2_FINISH_ROW(1) AVX2_FINISH_ROW(2) AVX2_FINISH_ROW(3)
+}
+
+/* Rows [0, rows) x panels [first, last). */
+static void panels_all_rows_avx2(const problem *p, int64_t rows, int64_t first, int64_t last) {
+    for (int64_t block = 0; block < rows; block += AVX2_ROW_BLOCK) {
+        const int64_t block_end = block + AVX2_ROW_BLOCK < rows ? block + AVX2_ROW_BLOCK : rows;
+        for (int64_t panel = first; panel < last; panel++) {
+            int64_t row = block;
+            for (; row + AVX2_MR <= block_end; row += AVX2_MR) tile_avx2(p, row, panel, AVX2_MR);
+            switch (block_end - row) {
+            case 3: tile_avx2(p, row, panel, 3); break;
+            case 2: tile_avx2(p, row, panel, 2); break;
+            case 1: tile_avx2(p, row, panel, 1); break;
+            default: break;
+            }
+        }
+    }
+}
+
+#endif
