@@ -3,10 +3,12 @@
 Each candidate computes y = x @ W^T for x [rows, K] and W [N, K]; the kernels alternate
 within each round (A B C ..., A B C ...) and the table shows medians over rounds, in
 GOP/s (2 * rows * N * K / time; a multiply-add is 2 ops whatever the number format)
-and as a ratio to bf16 on oneDNN-packed weights (the engine's float path).
+and as the best quantized candidate's speed over the best float one (bf16 on
+oneDNN-packed weights where the CPU has it, else fp32: the engine's float path).
 
 Candidates (those this torch build lacks are skipped with a note):
-  fp32, bf16         the engine's PackedLinear (oneDNN, weight packed once)
+  fp32, bf16         the engine's PackedLinear (oneDNN, weight packed once; bf16 only
+                     where oneDNN has a bf16 path: AVX-512 or AVX-NE-CONVERT)
   int8-dyn-onednn    per-tensor dynamic int8 activations x per-channel int8 weights,
                      torch.ops.onednn.qlinear_pointwise on a prepacked weight (PT2E's op);
                      the time includes quantizing x
@@ -14,8 +16,9 @@ Candidates (those this torch build lacks are skipped with a note):
                      quantizer, oneDNN's int8 matmul at scale 1, the row scales applied
                      after; rows padded to few shapes): the layers' kernel where ours is
                      not built
-  int8-rows-native   the int8 layer on our AVX512-VNNI kernel (engine/kernels/int8_linear.c,
-                     row scales in its epilogue), where the library has it
+  int8-rows-native   the int8 layer on our kernel (engine/kernels/int8_linear.c: AMX,
+                     AVX512-VNNI or AVX2; row scales in its epilogue), where the library
+                     has it
                      (both int8 layer rows: the time includes quantizing x)
   int8-dyn-torchao   torchao Int8DynamicActivationInt8WeightConfig (eager)
   int8-wo            torch._weight_int8pack_mm: int8 weights, bf16 activations
@@ -65,7 +68,12 @@ def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Ten
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         linear = torch.nn.Linear(k, n, bias=False).to(dtype)
         linear.weight.data.copy_(weight)
-        out[name] = _with_input(PackedLinear(linear), dtype)
+        try:
+            out[name] = _with_input(PackedLinear(linear), dtype)
+        except RuntimeError as exc:  # oneDNN has no bf16 path on CPUs without AVX-512
+            print(f"{name}: skipped ({exc})", file=sys.stderr)
+    # The int8 layers take the engine's float dtype: bf16 where the CPU computes it, else fp32.
+    act_dtype = torch.bfloat16 if "bf16" in out else torch.float32
 
     qweight, scale = int8.quantize_weight(weight)
     w_zero = torch.zeros(n, dtype=torch.int64)
@@ -85,11 +93,11 @@ def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Ten
 
     if int8.kernel_name() is not None:
         layer = int8.Int8Linear.from_float(weight, kernel="onednn")
-        out["int8-rows-onednn"] = _with_input(layer, torch.bfloat16)
+        out["int8-rows-onednn"] = _with_input(layer, act_dtype)
     # measured wherever it is built, AMX machines included: that is the choice at stake
     if native_int8.takes_shape(n, k):
         layer = int8.Int8Linear.from_float(weight, kernel="native")
-        out["int8-rows-native"] = _with_input(layer, torch.bfloat16)
+        out["int8-rows-native"] = _with_input(layer, act_dtype)
     else:
         print("int8-rows-native: skipped (not built for this CPU)", file=sys.stderr)
     try:
@@ -158,13 +166,14 @@ def main() -> None:
                 print(
                     "| shape | rows | "
                     + " | ".join(f"{h} GOP/s" for h in header)
-                    + " | best quantized / bf16 |"
+                    + " | best quantized / best float |"
                 )
                 print("|---|---:|" + "---:|" * (len(header) + 1))
             ops = 2 * rows * n * k
             cells = [f"{ops / medians[h] / 1e9:.0f}" if h in medians else "-" for h in header]
             quantized = [medians[h] for h in medians if h.startswith("int")]
-            best = medians["bf16"] / min(quantized) if quantized else float("nan")
+            best_float = min(medians[h] for h in ("fp32", "bf16") if h in medians)
+            best = best_float / min(quantized) if quantized else float("nan")
             print(f"| {shape_name} {n}x{k} | {rows} | " + " | ".join(cells) + f" | {best:.2f} |")
             sys.stdout.flush()
 
