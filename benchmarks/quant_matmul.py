@@ -25,6 +25,7 @@ Candidates (those this torch build lacks are skipped with a note):
   int4-g32           torch._weight_int4pack_mm_for_cpu, group 32, bf16 activations
 
 Run:  python benchmarks/quant_matmul.py [--rows 1,16,64,256,2048] [--rounds 5] [--threads N]
+          [--only fp32,bf16,int8-rows-native,...]
 """
 
 from __future__ import annotations
@@ -129,6 +130,12 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated candidates to run (default: all); e.g. fp32,int8-rows-native "
+        "where the bf16-activation ones run at a few GOP/s (no AVX-512)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
     args = parser.parse_args()
@@ -155,6 +162,8 @@ def main() -> None:
         for rows in rows_list:
             x = torch.randn(rows, k)
             fns = candidates(weight, rows)
+            if args.only:
+                fns = {name: fn for name, fn in fns.items() if name in args.only.split(",")}
             inputs = {name: x for name in fns}
             times: dict[str, list[float]] = {name: [] for name in fns}
             for _ in range(args.rounds):

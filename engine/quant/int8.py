@@ -21,7 +21,7 @@ two kernels, chosen per layer at load:
   AVX2's vpmaddubsw multiply-add (AMX too, on a build of ours without it); ONEDNN_MAX_CPU_ISA caps
   it (tests use that to run the fallback). Without VNNI or AMX the u8 x s8 pairs are
   summed in int16 and saturate, so activations there use 7 bits - which cost SmolLM2
-  2.8% and Gemma 3 270M 4.9% perplexity over fp32 (benchmarks/README.md), over the 2%
+  2.8% and Gemma 3 270M 4.7% perplexity over fp32 (benchmarks/README.md), over the 2%
   the int8 mode promises; that is why AVX2 builds now run the native kernel.
 """
 
