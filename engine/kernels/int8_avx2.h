@@ -18,6 +18,11 @@
  * 7-bit form (scratch A/B in one process, Emerald Rapids built for x86-64-v3); on AMD
  * Zen 1/2 the integer multiplies have one port and vpsignb does not use it.
  *
+ * Where the compiler targets AVX-VNNI as well (AVX2 with a 256-bit vpdpbusd and no
+ * AVX-512: Intel Alder Lake clients and Sierra Forest Xeons; -march=alderlake), one
+ * vpdpbusd does the four instructions' work on u8 activations around 128, and the
+ * epilogue takes the zero point off as AVX-512's does: the same sums, the same bits.
+ *
  * The weights are int8_linear.c's panels ([k / 4][16][4]), read as two 32-byte halves of
  * 8 channels each. A register tile is up to 4 rows x one panel (16 channels): 8 int32
  * accumulators, the two weight halves and their absolute values, one broadcast of four
@@ -31,6 +36,35 @@
 
 #define AVX2_MR 4          /* rows per register tile */
 #define AVX2_ROW_BLOCK 120 /* rows kept in L2 while a thread's panels pass over them */
+
+#if defined(__AVXVNNI__)
+/* AVX-VNNI (Intel Alder Lake and Sierra Forest on: AVX2 with vpdpbusd on 256 bits, no
+ * AVX-512): u8 activations around 128 times s8 weights, summed in int32 as on AVX-512,
+ * with 128 x each channel's weight sum taken off in the epilogue. */
+#define AVX2_TAKES_OFF_ZERO_POINT 1
+
+static inline __attribute__((always_inline)) __m256i activations4(int32_t four) {
+    return _mm256_set1_epi32(four);
+}
+
+/* acc += four-term u8 x s8 dot products for 8 channels (abs_w and ones unused here).
+ * Inline assembly for the reason int8_linear.c's dot4 is: with intrinsics GCC 12 moved
+ * every accumulator through a copy each step and kept one on the stack. */
+static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i acc, __m256i x,
+                                                               __m256i w, __m256i abs_w,
+                                                               __m256i ones) {
+    (void)abs_w;
+    (void)ones;
+    __asm__("%{vex%} vpdpbusd %[w], %[x], %[acc]" : [acc] "+x"(acc) : [x] "x"(x), [w] "x"(w));
+    return acc;
+}
+#else
+#define AVX2_TAKES_OFF_ZERO_POINT 0
+
+/* Four activation bytes (uint8 around 128) as signed values, in every 32-bit lane. */
+static inline __attribute__((always_inline)) __m256i activations4(int32_t four) {
+    return _mm256_xor_si256(_mm256_set1_epi32(four), _mm256_set1_epi8((char)0x80));
+}
 
 /* acc += four-term s8 x s8 dot products for 8 channels: x (signed activations) times w,
  * given |w| as well. Inline assembly for the reason int8_linear.c's dot4 is: with
@@ -48,6 +82,7 @@ static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i acc, __m2
             : [x] "x"(x), [w] "x"(w), [abs_w] "x"(abs_w), [ones] "x"(ones));
     return acc;
 }
+#endif
 
 /* 8 fp32 values into out[row, col..col + 8), in the output's type. */
 static inline __attribute__((always_inline)) void store8(const problem *p, int64_t row,
@@ -66,11 +101,15 @@ static inline __attribute__((always_inline)) void store8(const problem *p, int64
     }
 }
 
-/* The epilogue of one row's 8 channels: acc * (w_scale * x_scale) + bias, rounded once
- * into out - finish_value16's arithmetic (the sums here are already signed, so there is
- * no zero-point correction to take off). */
+/* The epilogue of one row's 8 channels: finish_value16's arithmetic, (acc - correction)
+ * * (w_scale * x_scale) + bias rounded once into out. The signed sums need no correction;
+ * AVX-VNNI's take off 128 x each channel's weight sum, as AVX-512's do. */
 static inline __attribute__((always_inline)) void finish8(const problem *p, int64_t row,
                                                           int64_t col, __m256i acc) {
+    if (AVX2_TAKES_OFF_ZERO_POINT) {
+        const __m256i sums = _mm256_loadu_si256((const __m256i *)(p->w_col_sums + col));
+        acc = _mm256_sub_epi32(acc, _mm256_mullo_epi32(_mm256_set1_epi32(p->x_zero_point), sums));
+    }
     const __m256 scales = _mm256_mul_ps(_mm256_loadu_ps(p->w_scales + col),
                                         _mm256_set1_ps(p->x_scales[row]));
     const __m256 bias = p->bias ? _mm256_loadu_ps(p->bias + col) : _mm256_setzero_ps();
@@ -82,7 +121,7 @@ static inline __attribute__((always_inline)) void finish8(const problem *p, int6
     if (mr > r) {                                                 \
         int32_t four;                                             \
         __builtin_memcpy(&four, x + r * k + kk * 4, 4);           \
-        const __m256i xv = _mm256_xor_si256(_mm256_set1_epi32(four), flip); \
+        const __m256i xv = activations4(four);                    \
         a##r##0 = dot4_avx2(a##r##0, xv, w0, abs_w0, ones);       \
         a##r##1 = dot4_avx2(a##r##1, xv, w1, abs_w1, ones);       \
     }
@@ -96,7 +135,6 @@ static inline __attribute__((always_inline)) void finish8(const problem *p, int6
 static inline __attribute__((always_inline)) void tile_avx2(const problem *p, int64_t row,
                                                             int64_t panel, const int mr) {
     const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi16(1);
-    const __m256i flip = _mm256_set1_epi8((char)0x80); /* u8 around 128 -> s8 */
     AVX2_ACC_ROW(0); AVX2_ACC_ROW(1); AVX2_ACC_ROW(2); AVX2_ACC_ROW(3);
     const int64_t k = p->k, k4 = k / 4;
     const int8_t *w = p->w + panel * k4 * 64;

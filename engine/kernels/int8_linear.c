@@ -220,7 +220,9 @@ int tm_int8_linear_isa(void) {
 #if TM_HAVE_AMX
     if (tm_internal_amx_permitted()) return TM_INT8_ISA_AMX;
 #endif
-    if (TM_HAVE_INT8_AVX2) return TM_INT8_ISA_AVX2;
+#if TM_HAVE_INT8_AVX2
+    return AVX2_TAKES_OFF_ZERO_POINT ? TM_INT8_ISA_AVX_VNNI : TM_INT8_ISA_AVX2;
+#endif
     return TM_HAVE_VNNI ? TM_INT8_ISA_AVX512_VNNI : TM_INT8_ISA_NONE;
 }
 

@@ -20,7 +20,13 @@ ABI_VERSION = 9
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
-INT8_LINEAR_ISAS = {0: None, 1: "avx512_vnni", 2: "amx_int8+avx512_vnni", 3: "avx2"}
+INT8_LINEAR_ISAS = {
+    0: None,
+    1: "avx512_vnni",
+    2: "amx_int8+avx512_vnni",
+    3: "avx2",
+    4: "avx_vnni",
+}
 
 
 class _Limits(ctypes.Structure):

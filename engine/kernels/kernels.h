@@ -48,7 +48,8 @@ enum {
     TM_INT8_ISA_NONE = 0,
     TM_INT8_ISA_AVX512_VNNI = 1,
     TM_INT8_ISA_AMX = 2, /* AMX tiles from 8 rows on (k % 64 == 0), AVX512-VNNI below */
-    TM_INT8_ISA_AVX2 = 3 /* vpmaddubsw with 7-bit activations (int8_avx2.h) */
+    TM_INT8_ISA_AVX2 = 3,    /* vpmaddubsw on signed pairs (int8_avx2.h) */
+    TM_INT8_ISA_AVX_VNNI = 4 /* AVX2 with 256-bit vpdpbusd (int8_avx2.h) */
 };
 
 typedef struct {
@@ -228,8 +229,8 @@ int tm_quantize_rows_u8(const tm_quantize_args *args);
  * the sums exact in int32. The s8 weights are packed in panels of 16 output channels, each
  * [k / 4][16][4] (engine/kernels/int8_linear.py packs them). n % 16 == 0, k % 4 == 0,
  * k <= TM_MAX_INT8_K. Built where the compiler targets AVX512-VNNI (with AMX tiles where
- * it targets those too) or AVX2 and FMA; elsewhere it returns TM_UNSUPPORTED_ISA and
- * tm_limits says so. Every build gives the same bits. */
+ * it targets those too) or AVX2 and FMA (with AVX-VNNI where it targets that); elsewhere
+ * it returns TM_UNSUPPORTED_ISA and tm_limits says so. Every build gives the same bits. */
 typedef struct {
     const void *x;             /* [rows, k] fp32 or bf16 */
     const float *inv_smooth;   /* [k] per-channel factors applied first, or NULL */

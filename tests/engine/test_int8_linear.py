@@ -209,6 +209,18 @@ def test_an_avx2_build_runs_the_avx2_kernel(tmp_path):
         assert native["digest"] == digest
 
 
+@pytest.mark.skipif("avx_vnni" not in cpu_flags(), reason="needs a CPU with AVX-VNNI")
+def test_an_avx_vnni_build_gives_the_avx2_builds_bits(tmp_path):
+    """A build for AVX2 with AVX-VNNI and no AVX-512 (alderlake: Intel's hybrid clients,
+    Sierra Forest) sums u8 x s8 in int32 with 256-bit vpdpbusd, and takes the zero point
+    off in its epilogue: the same bits as the AVX2 build's signed pairs."""
+    vnni = _build_for("alderlake", tmp_path)
+    avx2 = _build_for("x86-64-v3", tmp_path)
+    assert vnni["isa"] == "avx_vnni" and vnni["layer"] == "native"
+    assert vnni["worst"]["fp32"] < 1e-5 and vnni["worst"]["bf16"] < 2**-8
+    assert vnni["digest"] == avx2["digest"]
+
+
 def test_the_kernel_is_left_out_where_the_cpu_lacks_avx2(tmp_path):
     """A build for a CPU without AVX2 (x86-64-v2) has no native int8 product; it says so
     through tm_limits and the layers run oneDNN's."""
