@@ -173,56 +173,66 @@ print("RESULT " + json.dumps(result))
 """
 
 
-def _build_for(march: str, tmp_path) -> dict:
-    """Run _CHILD on a library built for `march` (any x86-64 CPU with it can run it)."""
-    env = {
-        **os.environ,
-        "TOKENMILL_CACHE_DIR": str(tmp_path / march),
-        "TOKENMILL_KERNEL_MARCH": march,
-        "TOKENMILL_NATIVE_KERNELS": "1",  # the suite may run with them off
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        check=True,
-    )
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+@pytest.fixture(scope="module")
+def build_for(tmp_path_factory):
+    """march -> what _CHILD reports on a library built for it (any x86-64 CPU with that
+    march can run it). Each march is built and run once for the module's tests."""
+    results: dict[str, dict] = {}
+
+    def run(march: str) -> dict:
+        if march not in results:
+            where = tmp_path_factory.mktemp(march)
+            env = {
+                **os.environ,
+                "TOKENMILL_CACHE_DIR": str(where),
+                "TOKENMILL_KERNEL_MARCH": march,
+                "TOKENMILL_NATIVE_KERNELS": "1",  # the suite may run with them off
+            }
+            done = subprocess.run(
+                [sys.executable, "-c", _CHILD],
+                env=env,
+                capture_output=True,
+                text=True,
+                cwd=where,
+                check=True,
+            )
+            line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+            results[march] = json.loads(line.removeprefix("RESULT "))
+        return dict(results[march])
+
+    return run
 
 
 @pytest.mark.skipif("avx2" not in cpu_flags(), reason="needs a CPU with AVX2 to run the build")
-def test_an_avx2_build_runs_the_avx2_kernel(tmp_path):
+def test_an_avx2_build_runs_the_avx2_kernel(build_for):
     """A library built for an AVX2-only CPU (x86-64-v3: no AVX-512, no VNNI; AMD Zen 1/2)
     has the AVX2 product: the layers choose it, it equals the integer product of 8-bit
     activations, rounded once, and where this CPU has VNNI or AMX it gives the native
     build's bits exactly (the same integer sums, the same epilogue)."""
-    avx2 = _build_for("x86-64-v3", tmp_path)
+    avx2 = build_for("x86-64-v3")
     worst, digest = avx2.pop("worst"), avx2.pop("digest")
     assert avx2 == {"built": True, "isa": "avx2", "choice": "native", "layer": "native", "rows": 5}
     assert worst["fp32"] < 1e-5  # one fp32 conversion and a fused multiply-add
     assert worst["bf16"] < 2**-8  # and one rounding to bf16
-    native = _build_for("native", tmp_path)
+    native = build_for("native")
     if native["isa"] not in (None, "avx2"):
         assert native["digest"] == digest
 
 
 @pytest.mark.skipif("avx_vnni" not in cpu_flags(), reason="needs a CPU with AVX-VNNI")
-def test_an_avx_vnni_build_gives_the_avx2_builds_bits(tmp_path):
+def test_an_avx_vnni_build_gives_the_avx2_builds_bits(build_for):
     """A build for AVX2 with AVX-VNNI and no AVX-512 (alderlake: Intel's hybrid clients,
     Sierra Forest) sums u8 x s8 in int32 with 256-bit vpdpbusd, and takes the zero point
     off in its epilogue: the same bits as the AVX2 build's signed pairs."""
-    vnni = _build_for("alderlake", tmp_path)
-    avx2 = _build_for("x86-64-v3", tmp_path)
+    vnni = build_for("alderlake")
+    avx2 = build_for("x86-64-v3")
     assert vnni["isa"] == "avx_vnni" and vnni["layer"] == "native"
     assert vnni["worst"]["fp32"] < 1e-5 and vnni["worst"]["bf16"] < 2**-8
     assert vnni["digest"] == avx2["digest"]
 
 
-def test_the_kernel_is_left_out_where_the_cpu_lacks_avx2(tmp_path):
+def test_the_kernel_is_left_out_where_the_cpu_lacks_avx2(build_for):
     """A build for a CPU without AVX2 (x86-64-v2) has no native int8 product; it says so
     through tm_limits and the layers run oneDNN's."""
-    result = _build_for("x86-64-v2", tmp_path)
+    result = build_for("x86-64-v2")
     assert result == {"built": True, "isa": None, "choice": "onednn", "layer": "onednn", "rows": 5}
