@@ -142,6 +142,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
+    only = set(args.only.split(",")) if args.only else None
     torch.manual_seed(0)
     print(
         f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -162,8 +163,8 @@ def main() -> None:
         for rows in rows_list:
             x = torch.randn(rows, k)
             fns = candidates(weight, rows)
-            if args.only:
-                fns = {name: fn for name, fn in fns.items() if name in args.only.split(",")}
+            if only:
+                fns = {name: fn for name, fn in fns.items() if name in only}
             inputs = {name: x for name in fns}
             times: dict[str, list[float]] = {name: [] for name in fns}
             for _ in range(args.rounds):
@@ -181,8 +182,8 @@ def main() -> None:
             ops = 2 * rows * n * k
             cells = [f"{ops / medians[h] / 1e9:.0f}" if h in medians else "-" for h in header]
             quantized = [medians[h] for h in medians if h.startswith("int")]
-            best_float = min(medians[h] for h in ("fp32", "bf16") if h in medians)
-            best = best_float / min(quantized) if quantized else float("nan")
+            floats = [medians[h] for h in ("fp32", "bf16") if h in medians]
+            best = min(floats) / min(quantized) if quantized and floats else float("nan")
             print(f"| {shape_name} {n}x{k} | {rows} | " + " | ".join(cells) + f" | {best:.2f} |")
             sys.stdout.flush()
 
