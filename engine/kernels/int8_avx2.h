@@ -37,19 +37,22 @@
 #define AVX2_MR 4          /* rows per register tile */
 #define AVX2_ROW_BLOCK 120 /* rows kept in L2 while a thread's panels pass over them */
 
+/* dot4_avx2(acc, x, w, abs_w, ones): acc += the four-term dot products of 8 channels'
+ * weights w (|w| in abs_w) with the activations from activations4. Written as inline
+ * assembly in both forms for the reason int8_linear.c's dot4 is: with intrinsics GCC 12
+ * moved every accumulator through a copy each step and kept one on the stack. */
 #if defined(__AVXVNNI__)
 /* AVX-VNNI (Intel Alder Lake and Sierra Forest on: AVX2 with vpdpbusd on 256 bits, no
  * AVX-512): u8 activations around 128 times s8 weights, summed in int32 as on AVX-512,
  * with 128 x each channel's weight sum taken off in the epilogue. */
 #define AVX2_TAKES_OFF_ZERO_POINT 1
 
+/* Four activation bytes (uint8 around 128) in every 32-bit lane, as vpdpbusd takes them. */
 static inline __attribute__((always_inline)) __m256i activations4(int32_t four) {
     return _mm256_set1_epi32(four);
 }
 
-/* acc += four-term u8 x s8 dot products for 8 channels (abs_w and ones unused here).
- * Inline assembly for the reason int8_linear.c's dot4 is: with intrinsics GCC 12 moved
- * every accumulator through a copy each step and kept one on the stack. */
+/* u8 x s8 in int32 (abs_w and ones unused here). */
 static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i acc, __m256i x,
                                                                __m256i w, __m256i abs_w,
                                                                __m256i ones) {
@@ -66,10 +69,7 @@ static inline __attribute__((always_inline)) __m256i activations4(int32_t four) 
     return _mm256_xor_si256(_mm256_set1_epi32(four), _mm256_set1_epi8((char)0x80));
 }
 
-/* acc += four-term s8 x s8 dot products for 8 channels: x (signed activations) times w,
- * given |w| as well. Inline assembly for the reason int8_linear.c's dot4 is: with
- * intrinsics GCC 12 moved every accumulator through a copy each step and kept one on the
- * stack. */
+/* s8 x s8: |w| times x with w's sign, pairs summed in int16, then widened and added. */
 static inline __attribute__((always_inline)) __m256i dot4_avx2(__m256i acc, __m256i x,
                                                                __m256i w, __m256i abs_w,
                                                                __m256i ones) {
