@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -102,17 +103,19 @@ def int8_linear(
         raise RuntimeError("the native int8 linear is not built for this CPU")
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the int8 linear takes float32 or bfloat16, not {x.dtype}")
-    if x.dim() != 2 or x.shape[1] != weight.in_features:
-        raise ValueError(f"expected [rows, {weight.in_features}] activations, got {tuple(x.shape)}")
-    if inv_smooth is not None and (
-        inv_smooth.dtype != torch.float32 or inv_smooth.shape != (weight.in_features,)
-    ):
-        raise ValueError(f"expected float32 [{weight.in_features}] smoothing factors")
+    k, n = weight.in_features, weight.out_features
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"expected [rows, {k}] activations, got {tuple(x.shape)}")
+    if inv_smooth is not None and (inv_smooth.dtype != torch.float32 or inv_smooth.shape != (k,)):
+        raise ValueError(f"expected float32 [{k}] smoothing factors")
     x = x.contiguous()
     rows = x.shape[0]
-    qx = torch.empty((rows, weight.in_features), dtype=torch.uint8)
-    x_scales = torch.empty(rows, dtype=torch.float32)
-    out = torch.empty((rows, weight.out_features), dtype=x.dtype)
+    if keep_quantized:
+        qx = torch.empty((rows, k), dtype=torch.uint8)
+        x_scales = torch.empty(rows, dtype=torch.float32)
+    else:
+        qx, x_scales = _quantized_scratch(rows, k)
+    out = torch.empty((rows, n), dtype=x.dtype)
     args = Int8LinearArgs(
         x=x.data_ptr(),
         inv_smooth=None if inv_smooth is None else inv_smooth.contiguous().data_ptr(),
@@ -124,10 +127,28 @@ def int8_linear(
         bias=None if weight.bias is None else weight.bias.data_ptr(),
         out=out.data_ptr(),
         rows=rows,
-        n=weight.out_features,
-        k=weight.in_features,
+        n=n,
+        k=k,
         is_bf16=int(x.dtype == torch.bfloat16),
         num_threads=torch.get_num_threads(),
     )
     check_status(lib.tm_int8_linear(ctypes.byref(args)), "int8 linear")
     return (out, qx, x_scales) if keep_quantized else out
+
+
+# Each calling thread's buffers for the quantized activations and their scales, which
+# only the kernel reads: reused from call to call, because two allocations were a third
+# of a decode-sized call's ~20 us of Python (benchmarks/README.md, "Stop 24"). Per thread,
+# since a process may run models in several threads (notebooks, threaded Dask workers).
+_scratch = threading.local()
+
+
+def _quantized_scratch(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 and fp32 buffers of at least rows * k and rows elements, for this thread."""
+    values, scales = getattr(_scratch, "buffers", (None, None))
+    if values is None or values.numel() < rows * k or scales.numel() < rows:
+        # Grown with headroom, so that a run's rising row counts reallocate a few times.
+        values = torch.empty(max(2 * rows * k, 1 << 16), dtype=torch.uint8)
+        scales = torch.empty(max(2 * rows, 1 << 10), dtype=torch.float32)
+        _scratch.buffers = (values, scales)
+    return values, scales

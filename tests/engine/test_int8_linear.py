@@ -121,6 +121,37 @@ def test_every_row_count_gives_the_same_bits(n, k, rows, needs_native):
         assert torch.equal(whole, pieces)
 
 
+def test_reused_scratch_gives_each_call_and_thread_its_own_result(needs_native):
+    """The quantized activations go to per-thread buffers kept across calls: calls that
+    grow them, shrink back, and run in two threads at once give what fresh buffers
+    (keep_quantized) give."""
+    if needs_native is None:
+        return
+    import threading
+
+    torch.manual_seed(7)
+    packed = pack_int8_weight(*quantize_weight(torch.randn(576, 1536)))
+    inputs = [torch.randn(rows, 1536).bfloat16() for rows in (3, 700, 1, 2048, 64)]
+    wants = [int8_linear(x, packed, keep_quantized=True)[0] for x in inputs]
+    for x, want in zip(inputs, wants):
+        assert torch.equal(int8_linear(x, packed), want)
+
+    mismatches = []
+
+    def run(order):
+        for _ in range(5):
+            for i in order:
+                if not torch.equal(int8_linear(inputs[i], packed), wants[i]):
+                    mismatches.append(i)
+
+    threads = [threading.Thread(target=run, args=(o,)) for o in ([0, 1, 2, 3, 4], [3, 4, 1, 0, 2])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert mismatches == []
+
+
 def test_bad_arguments_are_refused_before_the_kernel_runs(needs_native):
     if needs_native is None:
         return
