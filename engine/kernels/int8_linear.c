@@ -48,8 +48,14 @@
 #endif
 
 #if TM_HAVE_VNNI || TM_HAVE_INT8_AVX2
-/* Below this many multiply-adds a call is a few microseconds: one thread. */
+/* Below this many multiply-adds a call is a few microseconds: one thread - unless its
+ * weights alone are this many bytes: a call of a row or two is bound by reading them
+ * (from L3 or memory), and two threads read them nearly twice as fast. On the Emerald
+ * Rapids VM, 1-row calls of SmolLM2's qkv, o and down layers ran 1.37x, 1.21x and 1.54x
+ * (A/B of the builds in one process, 30 layers' weights in turn, benchmarks/README.md
+ * "Stop 24"); 4 rows and up were already parallel or even. */
 #define MATMUL_PARALLEL_MIN (1 << 20)
+#define WEIGHT_PARALLEL_MIN (1 << 18)
 
 typedef struct {
     const uint8_t *x;
@@ -236,7 +242,7 @@ int tm_int8_linear(const tm_int8_linear_args *a) {
     const problem p = {a->qx, a->x_scales, a->w, a->w_col_sums, a->w_scales, a->bias,
                        a->out, a->n, a->k, zero_point, a->is_bf16};
     const int64_t panels = a->n / 16, rows = a->rows, k = a->k;
-    const int parallel = rows * a->n * k >= MATMUL_PARALLEL_MIN;
+    const int parallel = rows * a->n * k >= MATMUL_PARALLEL_MIN || a->n * k >= WEIGHT_PARALLEL_MIN;
     uint8_t *tail = NULL; /* the rows past the last full 16, zero-padded, for AMX tiles */
 #if TM_HAVE_AMX
     const int amx = rows >= AMX_MIN_ROWS && k % AMX_K == 0 && tm_internal_amx_permitted();
