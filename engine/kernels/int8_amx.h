@@ -43,6 +43,14 @@
 #define AMX_K 64          /* k-values per tile step */
 #define AMX_MIN_ROWS 8    /* below this, VNNI */
 #define AMX_PANEL_BYTES (1 << 20) /* weights of a panel block, kept in L2 */
+/* The first row strip of a block asks for each weight tile's 16 lines this many bytes
+ * (four k-steps) before its tile loads reach them. In a model, the KV cache's reads
+ * evict the 30 layers' weights between steps, so a decode step's first strip reads them
+ * from memory: 30 layers x SmolLM2's four shapes, a 600 MB sweep between steps, ran
+ * 1.03-1.16x at 16 rows and 1.05-1.16x at 64 (A/B of the builds in one process, both
+ * orders, benchmarks/README.md "Stop 24"); 256-2,048 rows, whose weights stay in L2,
+ * even (0.98-1.02x). 8 or 16 KiB ahead, or into L2 only, were no better. */
+#define AMX_PREFETCH_AHEAD 4096
 
 /* One row's 32 channels from two accumulator tiles' sums (lo: channels col.., hi: col +
  * 16..): finish_row16's arithmetic on each half, stored as one 64-byte run in bf16. */
@@ -101,6 +109,14 @@ static void amx_block(const problem *p, const uint8_t *a0, const uint8_t *a1, in
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kb = 0; kb < k; kb += AMX_K) {
+        if (row == 0) { /* the block's first strip: its weights may still be in memory */
+            const int8_t *ahead0 = w0 + kb / 4 * 64 + AMX_PREFETCH_AHEAD;
+            const int8_t *ahead1 = w1 + kb / 4 * 64 + AMX_PREFETCH_AHEAD;
+            for (int line = 0; line < 1024; line += 64) {
+                _mm_prefetch((const char *)ahead0 + line, _MM_HINT_T0);
+                if (np > 1) _mm_prefetch((const char *)ahead1 + line, _MM_HINT_T0);
+            }
+        }
         _tile_loadd(4, a0 + kb, k);
         _tile_loadd(6, w0 + kb / 4 * 64, 64);
         _tile_dpbusd(0, 4, 6);
