@@ -84,6 +84,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "fused_activation", None) == self.activation:
+            # An int8 gate_up whose kernel applies the activation in its epilogue
+            # (quant/int8.py): no [num_tokens, 2 * intermediate] tensor is written.
+            return self.down_proj(self.gate_up_proj(x, activation=self.activation))
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if elementwise.supports(gate_up):
             fused = getattr(elementwise, _FUSED_ACTIVATIONS[self.activation])

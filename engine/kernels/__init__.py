@@ -45,8 +45,9 @@ _FILE_FLAGS = {
     "amx.c": [],
     "paged_attention.c": ["-ffast-math"],
     "quantize.c": ["-ffast-math"],
-    # Its integer sums are exact; the epilogue's float multiply-add may contract.
-    "int8_linear.c": [],
+    # Its integer sums are exact; the epilogue's float multiply-add may contract. Without
+    # errno the gated epilogue's expf vectorises (as in elementwise.c).
+    "int8_linear.c": ["-fno-math-errno"],
     "elementwise.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
     # Comparisons only; NaNs must stay NaNs.
     "argmax.c": ["-fno-fast-math"],

@@ -64,7 +64,7 @@ static inline __attribute__((always_inline)) void finish_row32(const problem *p,
     const __m512 hi_v = finish_value16(hi_c, x_scale, hi);
 #if defined(__AVX512BF16__)
     if (p->is_bf16) {
-        _mm512_storeu_si512((uint16_t *)p->out + row * p->n + col,
+        _mm512_storeu_si512((uint16_t *)p->out + row * p->out_n + col,
                             (__m512i)_mm512_cvtne2ps_pbh(hi_v, lo_v));
         return;
     }
@@ -81,10 +81,16 @@ static inline __attribute__((always_inline)) void finish_row32(const problem *p,
         _tile_stored(hi, results + 256, 64);                                            \
         const channels16 lo_c = load_channels16(p, (col));                              \
         const channels16 hi_c = load_channels16(p, (col) + 16);                         \
-        for (int r = 0; r < (rows); r++)                                                \
-            finish_row32(p, &lo_c, &hi_c, (row) + r, (col),                             \
-                         _mm512_load_si512(results + r * 16),                           \
-                         _mm512_load_si512(results + 256 + r * 16));                    \
+        if (p->activation) /* lo: gate panel, hi: its up panel */                        \
+            for (int r = 0; r < (rows); r++)                                            \
+                finish_gated16(p, &lo_c, &hi_c, (row) + r, (col),                       \
+                               _mm512_load_si512(results + r * 16),                     \
+                               _mm512_load_si512(results + 256 + r * 16));              \
+        else                                                                            \
+            for (int r = 0; r < (rows); r++)                                            \
+                finish_row32(p, &lo_c, &hi_c, (row) + r, (col),                         \
+                             _mm512_load_si512(results + r * 16),                       \
+                             _mm512_load_si512(results + 256 + r * 16));                \
     } while (0)
 
 /* Tile `c` alone (a thread's odd last panel). */

@@ -94,10 +94,10 @@ static inline __attribute__((always_inline)) void store8(const problem *p, int64
         u = _mm256_srli_epi32(_mm256_add_epi32(u, half), 16);
         /* packus works within 128-bit lanes: gather the two lanes' halves */
         const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(u, u), 0x08);
-        _mm_storeu_si128((__m128i *)((uint16_t *)p->out + row * p->n + col),
+        _mm_storeu_si128((__m128i *)((uint16_t *)p->out + row * p->out_n + col),
                          _mm256_castsi256_si128(packed));
     } else {
-        _mm256_storeu_ps((float *)p->out + row * p->n + col, v);
+        _mm256_storeu_ps((float *)p->out + row * p->out_n + col, v);
     }
 }
 

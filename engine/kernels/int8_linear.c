@@ -25,6 +25,11 @@
  * (int8_amx.h), over the same packed panels and through the same epilogue. A build for
  * an AVX2-only CPU (no VNNI) runs int8_avx2.h's product on the same panels instead: the
  * same integer sums, so the same bits.
+ *
+ * A gated MLP's gate_up weight can be packed a gate panel and its up panel in turn; then
+ * (VNNI and AMX builds) the epilogue takes each pair's fp32 values and stores
+ * act(gate) * up (SiLU, or Gemma's GELU) once, instead of writing [gate, up] for a
+ * separate pass to read back (benchmarks/README.md, "Stop 24").
  */
 #include <omp.h>
 #include <stdint.h>
@@ -66,8 +71,10 @@ typedef struct {
     const float *bias;
     void *out;
     int64_t n, k;
+    int64_t out_n; /* out's row length: n, or n / 2 with an activation */
     int32_t x_zero_point;
     int is_bf16;
+    int activation; /* TM_GATED_* */
 } problem;
 #endif
 
@@ -81,16 +88,16 @@ static inline void store16(const problem *p, int64_t row, int64_t col, __m512 v)
     if (p->is_bf16) {
 #if defined(__AVX512BF16__)
         __m256bh h = _mm512_cvtneps_pbh(v);
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p->out + row * p->n + col), (__m256i)h);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p->out + row * p->out_n + col), (__m256i)h);
 #else /* round to nearest even by hand, as f32_to_bf16 does */
         __m512i u = _mm512_castps_si512(v);
         __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
         u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
         __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p->out + row * p->n + col), h);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p->out + row * p->out_n + col), h);
 #endif
     } else {
-        _mm512_storeu_ps((float *)p->out + row * p->n + col, v);
+        _mm512_storeu_ps((float *)p->out + row * p->out_n + col, v);
     }
 }
 
@@ -141,6 +148,53 @@ static inline __attribute__((always_inline)) void finish16(const problem *p, int
     finish_row16(p, &c, row, col, acc);
 }
 
+/* act(gate) * up over 16 channels, from their fp32 epilogue values. Written as loops over
+ * an array, marked simd, so that GCC calls glibc's vector expf for them (-fno-math-errno,
+ * the declaration below) wherever they are inlined - as elementwise.c's SiLU does with
+ * the same formulas, so an fp32 layer gives that op's bits on the same gate and up
+ * values. (Unmarked, GCC vectorised them in the VNNI tile and not in the AMX block.) */
+#pragma omp declare simd notinbranch
+float expf(float);
+
+static inline __attribute__((always_inline)) __m512 gated16(int activation, __m512 gate,
+                                                            __m512 up) {
+    float g[16] __attribute__((aligned(64))), u[16] __attribute__((aligned(64)));
+    _mm512_store_ps(g, gate);
+    _mm512_store_ps(u, up);
+    if (activation == TM_GATED_SILU) {
+#pragma omp simd
+        for (int i = 0; i < 16; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    } else { /* GELU, tanh approximation, as x * sigmoid(2u) (elementwise.c) */
+#pragma omp simd
+        for (int i = 0; i < 16; i++) {
+            const float v = g[i], inner = v + 0.044715f * v * v * v;
+            g[i] = v / (1.0f + expf(-1.5957691216057308f * inner)) * u[i];
+        }
+    }
+    return _mm512_load_ps(g);
+}
+
+/* The epilogue of a gate panel's and its up panel's accumulators for one row (channels
+ * col.. and col + 16.. of the product): 16 outputs at col / 2. */
+static inline __attribute__((always_inline)) void finish_gated16(const problem *p,
+                                                                 const channels16 *gate_c,
+                                                                 const channels16 *up_c,
+                                                                 int64_t row, int64_t col,
+                                                                 __m512i gate, __m512i up) {
+    const __m512 x_scale = _mm512_set1_ps(p->x_scales[row]);
+    store16(p, row, col / 2,
+            gated16(p->activation, finish_value16(gate_c, x_scale, gate),
+                    finish_value16(up_c, x_scale, up)));
+}
+
+/* The same, loading the channels' terms. */
+static inline __attribute__((always_inline)) void finish_pair16(const problem *p, int64_t row,
+                                                                int64_t col, __m512i gate,
+                                                                __m512i up) {
+    const channels16 gate_c = load_channels16(p, col), up_c = load_channels16(p, col + 16);
+    finish_gated16(p, &gate_c, &up_c, row, col, gate, up);
+}
+
 /* One register tile: rows [row, row + mr) x panels [panel, panel + np), over all of k.
  * mr and np are compile-time constants at every call (the switch below), so the dead
  * branches fold away; the accumulators are named variables, not an array, because GCC
@@ -157,7 +211,10 @@ static inline __attribute__((always_inline)) void finish16(const problem *p, int
         if (np > 3) a##r##3 = dot4(a##r##3, xv, w3);             \
     }
 #define FINISH_ROW(r)                                                           \
-    if (mr > r) {                                                               \
+    if (mr > r && p->activation) { /* np is 2 or 4: gate and up panels in pairs */ \
+        finish_pair16(p, row + r, col, a##r##0, a##r##1);                       \
+        if (np > 2) finish_pair16(p, row + r, col + 32, a##r##2, a##r##3);      \
+    } else if (mr > r) {                                                        \
         finish16(p, row + r, col, a##r##0);                                     \
         if (np > 1) finish16(p, row + r, col + 16, a##r##1);                    \
         if (np > 2) finish16(p, row + r, col + 32, a##r##2);                    \
@@ -235,12 +292,29 @@ int tm_int8_linear_isa(void) {
 int tm_int8_linear(const tm_int8_linear_args *a) {
 #if TM_HAVE_VNNI || TM_HAVE_INT8_AVX2
     if (a->n % 16 || a->k % 4 || a->k > TM_MAX_INT8_K || a->rows < 0) return TM_UNSUPPORTED_SHAPE;
+    if (a->activation < TM_GATED_NONE || a->activation > TM_GATED_GELU_TANH ||
+        (a->activation && a->n % 32))
+        return TM_UNSUPPORTED_SHAPE;
+#if !TM_HAVE_VNNI
+    if (a->activation) return TM_UNSUPPORTED_ISA; /* the AVX2 tile holds one panel */
+#endif
     /* All 8 bits, as uint8 around 128. VNNI and AMX multiply those (u8 x s8) and take
      * 128 x each channel's weight sum off in the epilogue; AVX2 turns them back into
      * signed values first (int8_avx2.h), so its epilogue has nothing to take off. */
     const int qmax = 127, zero_point = 128;
-    const problem p = {a->qx, a->x_scales, a->w, a->w_col_sums, a->w_scales, a->bias,
-                       a->out, a->n, a->k, zero_point, a->is_bf16};
+    const problem p = {.x = a->qx,
+                       .x_scales = a->x_scales,
+                       .w = a->w,
+                       .w_col_sums = a->w_col_sums,
+                       .w_scales = a->w_scales,
+                       .bias = a->bias,
+                       .out = a->out,
+                       .n = a->n,
+                       .k = a->k,
+                       .out_n = a->activation ? a->n / 2 : a->n,
+                       .x_zero_point = zero_point,
+                       .is_bf16 = a->is_bf16,
+                       .activation = a->activation};
     const int64_t panels = a->n / 16, rows = a->rows, k = a->k;
     const int parallel = rows * a->n * k >= MATMUL_PARALLEL_MIN || a->n * k >= WEIGHT_PARALLEL_MIN;
     uint8_t *tail = NULL; /* the rows past the last full 16, zero-padded, for AMX tiles */
@@ -258,7 +332,9 @@ int tm_int8_linear(const tm_int8_linear_args *a) {
             a->x_scales[r] = tm_internal_quantize_row_u8(a->x, r, k, a->is_bf16, a->inv_smooth,
                                                          qmax, zero_point, a->qx + r * k);
 #pragma omp barrier
-        const int64_t first = panels * t / threads, last = panels * (t + 1) / threads;
+        /* With an activation each thread takes whole gate/up pairs of panels. */
+        const int64_t unit = a->activation ? 2 : 1, units = panels / unit;
+        const int64_t first = units * t / threads * unit, last = units * (t + 1) / threads * unit;
         if (amx) {
 #if TM_HAVE_AMX
 #pragma omp single

@@ -21,6 +21,11 @@ K_STEP = 4  # k-values per vpdpbusd lane
 # multiplies them as signed values, which its int16 step holds: int8_avx2.h);
 # int8_linear.c hard-codes this range.
 VALUE_RANGE = FULL_RANGE
+# Activations the kernel applies to a gated MLP's gate in its epilogue (HF config names ->
+# TM_GATED_*), multiplying by up: SiLU-and-mul fused into the gate_up product.
+GATED_ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}
+# The builds whose epilogue does that (AVX2's tile holds one panel, not a gate/up pair).
+_GATED_ISAS = ("avx512_vnni", "amx_int8+avx512_vnni")
 
 
 @functools.cache
@@ -48,14 +53,28 @@ def takes_shape(out_features: int, in_features: int) -> bool:
     )
 
 
+def takes_gated(out_features: int, in_features: int) -> bool:
+    """Whether the kernel here can apply a gated MLP's activation in its epilogue, for a
+    gate_up weight of this shape (gate and up halves of 16-channel panels each)."""
+    return (
+        takes_shape(out_features, in_features)
+        and out_features % (2 * PANEL) == 0
+        and native_int8_isa() in _GATED_ISAS
+    )
+
+
 @dataclass(frozen=True)
 class PackedInt8Weight:
-    """An int8 weight [n, k] in the kernel's layout, with what its epilogue needs."""
+    """An int8 weight [n, k] in the kernel's layout, with what its epilogue needs. Every
+    per-channel field is in the panels' channel order."""
 
     panels: torch.Tensor  # int8 [n / 16, k / 4, 16, 4]
     col_sums: torch.Tensor  # int32 [n]: sum over k of each output channel's weights
     scales: torch.Tensor  # fp32 [n]
     bias: torch.Tensor | None  # fp32 [n]
+    # The weight's two halves (gate, up) interleaved a panel at a time: panel 2i holds gate
+    # channels 16i.., panel 2i + 1 the up channels for them (pack_int8_weight(gated=True)).
+    gated: bool = False
 
     @property
     def out_features(self) -> int:
@@ -67,17 +86,40 @@ class PackedInt8Weight:
 
 
 def pack_int8_weight(
-    qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    gated: bool = False,
 ) -> PackedInt8Weight:
-    """int8 [n, k] (n % 16 == 0, k % 4 == 0) -> the panels tm_int8_linear reads."""
+    """int8 [n, k] (n % 16 == 0, k % 4 == 0) -> the panels tm_int8_linear reads.
+
+    gated: the rows are a gated MLP's [gate; up] (n % 32 == 0), to be packed a panel of
+    each in turn so that the kernel can apply the activation (int8_linear(activation=)).
+    """
     n, k = qweight.shape
+    order = gated_channel_order(n) if gated else None
+    if order is not None:
+        qweight, scales = qweight[order], scales[order]
+        bias = None if bias is None else bias[order]
     panels = qweight.reshape(n // PANEL, PANEL, k // K_STEP, K_STEP).permute(0, 2, 1, 3)
     return PackedInt8Weight(
         panels=panels.contiguous(),
         col_sums=qweight.sum(dim=1, dtype=torch.int32).contiguous(),
         scales=scales.float().contiguous(),
         bias=None if bias is None else bias.float().contiguous(),
+        gated=gated,
     )
+
+
+def gated_channel_order(n: int) -> torch.Tensor:
+    """The channels of a [gate; up] weight of n rows in gated packing order: 16 of gate,
+    the 16 of up that go with them, and so on."""
+    if n % (2 * PANEL):
+        raise ValueError(f"a gated int8 weight needs a multiple of {2 * PANEL} rows, not {n}")
+    half = n // 2
+    gate = torch.arange(half).view(-1, PANEL)
+    return torch.stack([gate, gate + half], dim=1).reshape(-1)
 
 
 def int8_linear(
@@ -85,14 +127,18 @@ def int8_linear(
     weight: PackedInt8Weight,
     inv_smooth: torch.Tensor | None = None,
     *,
+    activation: str | None = None,
     keep_quantized: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y = quantized(x * inv_smooth) @ dequantized(weight).T + bias, in x's dtype.
+    """y = quantized(x * inv_smooth) @ dequantized(weight).T + bias, in x's dtype, its
+    channels in the weight's packed order; or, with an activation and a gated weight,
+    act(gate) * up from those channels ([rows, n / 2], rounded once).
 
     Args:
         x: [rows, k] fp32 or bf16 activations.
         weight: from pack_int8_weight.
         inv_smooth: [k] fp32 factors applied to x first, or None.
+        activation: a GATED_ACTIVATIONS name (needs takes_gated and a gated weight).
         keep_quantized: also return the quantized activations (uint8 [rows, k], around
             VALUE_RANGE's zero point) and their scales (fp32 [rows]) the product used.
     Returns:
@@ -108,6 +154,14 @@ def int8_linear(
         raise ValueError(f"expected [rows, {k}] activations, got {tuple(x.shape)}")
     if inv_smooth is not None and (inv_smooth.dtype != torch.float32 or inv_smooth.shape != (k,)):
         raise ValueError(f"expected float32 [{k}] smoothing factors")
+    code, out_features = 0, n
+    if activation is not None:
+        if activation not in GATED_ACTIVATIONS or not weight.gated:
+            raise ValueError(
+                f"activation {activation!r} needs a gated weight and one of "
+                f"{sorted(GATED_ACTIVATIONS)}"
+            )
+        code, out_features = GATED_ACTIVATIONS[activation], n // 2
     x = x.contiguous()
     rows = x.shape[0]
     if keep_quantized:
@@ -115,7 +169,7 @@ def int8_linear(
         x_scales = torch.empty(rows, dtype=torch.float32)
     else:
         qx, x_scales = _quantized_scratch(rows, k)
-    out = torch.empty((rows, n), dtype=x.dtype)
+    out = torch.empty((rows, out_features), dtype=x.dtype)
     args = Int8LinearArgs(
         x=x.data_ptr(),
         inv_smooth=None if inv_smooth is None else inv_smooth.contiguous().data_ptr(),
@@ -131,6 +185,7 @@ def int8_linear(
         k=k,
         is_bf16=int(x.dtype == torch.bfloat16),
         num_threads=torch.get_num_threads(),
+        activation=code,
     )
     check_status(lib.tm_int8_linear(ctypes.byref(args)), "int8 linear")
     return (out, qx, x_scales) if keep_quantized else out

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 9
+#define TM_ABI_VERSION 10
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -230,7 +230,13 @@ int tm_quantize_rows_u8(const tm_quantize_args *args);
  * [k / 4][16][4] (engine/kernels/int8_linear.py packs them). n % 16 == 0, k % 4 == 0,
  * k <= TM_MAX_INT8_K. Built where the compiler targets AVX512-VNNI (with AMX tiles where
  * it targets those too) or AVX2 and FMA (with AVX-VNNI where it targets that); elsewhere
- * it returns TM_UNSUPPORTED_ISA and tm_limits says so. Every build gives the same bits. */
+ * it returns TM_UNSUPPORTED_ISA and tm_limits says so. Every build gives the same bits.
+ *
+ * With `activation` set (a gated MLP's gate and up projections in one weight, VNNI and AMX
+ * builds only; TM_UNSUPPORTED_ISA elsewhere), the weight's panels alternate gate and up
+ * (panel 2i: gate channels 16i.., panel 2i + 1: the up channels for them; n % 32 == 0) and
+ * out is [rows, n / 2]: act(gate) * up, computed from the fp32 epilogue values and rounded
+ * once - SiLU-and-mul in the product's epilogue, with no gate_up tensor written. */
 typedef struct {
     const void *x;             /* [rows, k] fp32 or bf16 */
     const float *inv_smooth;   /* [k] per-channel factors applied first, or NULL */
@@ -240,13 +246,20 @@ typedef struct {
     const int32_t *w_col_sums; /* [n] sum over k of w[n, k] */
     const float *w_scales;     /* [n] */
     const float *bias;         /* [n], or NULL */
-    void *out;                 /* [rows, n], x's type */
+    void *out;                 /* [rows, n] (n / 2 with an activation), x's type */
     int64_t rows;
     int64_t n;
     int64_t k;
     int32_t is_bf16;
     int32_t num_threads;
+    int32_t activation; /* TM_GATED_*: 0 for a plain product */
 } tm_int8_linear_args;
+
+enum {
+    TM_GATED_NONE = 0,
+    TM_GATED_SILU = 1,     /* silu(gate) * up */
+    TM_GATED_GELU_TANH = 2 /* gelu_tanh(gate) * up (Gemma) */
+};
 
 int tm_int8_linear(const tm_int8_linear_args *args);
 /* Internal (tm_limits reports them): the TM_INT8_ISA_* this build of int8_linear.c has,

@@ -99,6 +99,7 @@ def quantize_model(
     Returns:
         Bytes the quantized layers' weights take (for the memory report).
     """
+    from tokenmill.engine.layers import GatedMLP
     from tokenmill.engine.quant.int4 import Int4Linear
     from tokenmill.engine.quant.int8 import Int8Linear
 
@@ -125,7 +126,12 @@ def quantize_model(
     for parent, name, linear in targets:
         bias = linear.bias
         if quantization == "int8":
-            layer = Int8Linear.from_float(linear.weight, bias, smooth[linear])
+            # A gated MLP's gate_up takes its activation into the product where it can.
+            gated = isinstance(parent, GatedMLP) and name == "gate_up_proj"
+            activation = parent.activation if gated else None
+            layer = Int8Linear.from_float(
+                linear.weight, bias, smooth[linear], gated_activation=activation
+            )
         else:
             layer = Int4Linear.from_float(linear.weight, bias, group_size=INT4_GROUP_SIZE)
         setattr(parent, name, layer)

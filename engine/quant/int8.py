@@ -123,6 +123,12 @@ class Int8Linear(nn.Module):
 
     With smoothing factors s [in_features] (calibrate.py) the stored weight is
     W * s[None, :] and the input is divided by s inside the quantizer.
+
+    A gated MLP's gate_up layer built with `gated_activation` (where the native kernel
+    takes it: native.takes_gated) also computes act(gate) * up in the product's epilogue:
+    `layer(x, activation=...)` returns that, [rows, out_features / 2], and the layer's
+    `fused_activation` says which activation it takes (None: none). Its plain forward
+    still returns [gate, up].
     """
 
     def __init__(
@@ -132,8 +138,10 @@ class Int8Linear(nn.Module):
         bias: torch.Tensor | None,
         smooth: torch.Tensor | None = None,
         kernel: str | None = None,
+        gated_activation: str | None = None,
     ) -> None:
-        """kernel: "native" or "onednn"; None takes choose_kernel's."""
+        """kernel: "native" or "onednn"; None takes choose_kernel's. gated_activation: the
+        MLP's activation, for a [gate; up] weight (fused where the native kernel can)."""
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.kernel = kernel or choose_kernel(self.out_features, self.in_features)
@@ -148,9 +156,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.float().contiguous(), persistent=False)
         self.bias = None if bias is None else bias.detach().contiguous()
         self.weight_bytes = qweight.numel() + 4 * scale.numel()
+        self.fused_activation = None
         if self.kernel == "native":
             self.value_range = native.VALUE_RANGE  # all 8 bits on every ISA it has
-            self.packed = native.pack_int8_weight(qweight, self.scale, self.bias)
+            if gated_activation in native.GATED_ACTIVATIONS and native.takes_gated(*qweight.shape):
+                self.fused_activation = gated_activation
+            gated = self.fused_activation is not None
+            self.packed = native.pack_int8_weight(qweight, self.scale, self.bias, gated=gated)
             return
         self.register_buffer(
             "packed_weight", torch.ops.onednn.qlinear_prepack(qweight, None), persistent=False
@@ -167,26 +179,39 @@ class Int8Linear(nn.Module):
         bias: torch.Tensor | None = None,
         smooth: torch.Tensor | None = None,
         kernel: str | None = None,
+        gated_activation: str | None = None,
     ) -> Int8Linear:
         """Quantize a float weight [out, in], optionally smoothed by s [in]."""
         weight = weight.detach().float()
         if smooth is not None:
             weight = weight * smooth.float()[None, :]
-        return cls(*quantize_weight(weight), bias, smooth, kernel)
+        return cls(*quantize_weight(weight), bias, smooth, kernel, gated_activation)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "native" and x.dim() == 2 and x.dtype in _NATIVE_DTYPES:
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]; with `activation` (only the
+        layer's fused_activation) act(gate) * up, [..., out_features / 2]."""
+        if activation is not None and activation != self.fused_activation:
+            raise ValueError(f"this int8 layer fuses {self.fused_activation!r}, not {activation!r}")
+        gated = self.packed.gated if self.kernel == "native" else False
+        if not gated and self.kernel == "native" and x.dim() == 2 and x.dtype in _NATIVE_DTYPES:
             # The engine's case, every call of a step: no reshapes or casts, each of which
             # costs microseconds of dispatch on calls that take tens.
             return native.int8_linear(x, self.packed, self.inv_smooth)
+        if activation is not None and x.dim() == 2 and x.dtype in _NATIVE_DTYPES:
+            return native.int8_linear(x, self.packed, self.inv_smooth, activation=activation)
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         if self.kernel == "native":
             dtype = x.dtype if x.dtype in _NATIVE_DTYPES else torch.float32
-            y = native.int8_linear(rows.to(dtype), self.packed, self.inv_smooth).to(x.dtype)
+            y = native.int8_linear(
+                rows.to(dtype), self.packed, self.inv_smooth, activation=activation
+            ).to(x.dtype)
+            if gated and activation is None:  # back from the packed gate/up order
+                y = y.view(-1, self.out_features // 32, 2, 16).transpose(1, 2)
         else:
             y = self._onednn_forward(rows, x.dtype)
-        return y.view(*shape[:-1], self.out_features)
+        width = self.out_features // 2 if activation is not None else self.out_features
+        return y.reshape(*shape[:-1], width)
 
     def _onednn_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         qx, x_scales = quantize_rows_u8(x, self.inv_smooth, self.value_range)

@@ -13,8 +13,13 @@ import sys
 import pytest
 import torch
 
-from tokenmill.engine.kernels import cpu_flags
-from tokenmill.engine.kernels.int8_linear import int8_linear, native_int8_isa, pack_int8_weight
+from tokenmill.engine.kernels import cpu_flags, elementwise
+from tokenmill.engine.kernels.int8_linear import (
+    int8_linear,
+    native_int8_isa,
+    pack_int8_weight,
+    takes_gated,
+)
 from tokenmill.engine.kernels.quantize import FULL_RANGE, quantize_rows_u8
 from tokenmill.engine.quant.int8 import Int8Linear, choose_kernel, quantize_weight
 
@@ -165,17 +170,114 @@ def test_bad_arguments_are_refused_before_the_kernel_runs(needs_native):
         int8_linear(x, packed, torch.ones(12))
 
 
+@pytest.fixture
+def needs_gated(needs_native):
+    """Whether this build applies a gated MLP's activation in the product's epilogue
+    (VNNI and AMX; an AVX2 build refuses it: test_an_avx2_build_runs_the_avx2_kernel)."""
+    return needs_native is not None and takes_gated(64, 64)
+
+
+_GATED = {"silu": elementwise.silu_and_mul, "gelu_pytorch_tanh": elementwise.gelu_tanh_and_mul}
+
+
+def _gated_reference(y: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up in float64 from a [rows, 2 * I] product's two halves."""
+    gate, up = y.double().chunk(2, dim=1)
+    if activation == "silu":
+        return gate * torch.sigmoid(gate) * up
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+# One gate/up pair of panels and several; k of one AMX step and the model's; rows on VNNI
+# (1-7), on AMX tiles (8 on, with a zero-padded tail) and past one 32-row strip.
+@pytest.mark.parametrize("half,k", [(16, 64), (48, 576), (1536, 576)])
+@pytest.mark.parametrize("rows", [1, 7, 8, 33, 300])
+@pytest.mark.parametrize("activation", sorted(_GATED))
+def test_the_gated_epilogue_gives_the_activation_of_the_product(
+    half, k, rows, activation, needs_gated
+):
+    """A [gate; up] weight packed a panel of each in turn: the kernel's act(gate) * up
+    equals the fused elementwise op on the plain product, bit for bit in fp32 (the same
+    exp, the same formula, the same fp32 gate and up), and in bf16 that value rounded
+    once."""
+    if not needs_gated:
+        return
+    torch.manual_seed(half + rows)
+    qweight, w_scales = quantize_weight(torch.randn(2 * half, k))
+    bias = torch.randn(2 * half) if rows % 2 else None
+    plain = pack_int8_weight(qweight, w_scales, bias)
+    gated = pack_int8_weight(qweight, w_scales, bias, gated=True)
+    x = torch.randn(rows, k) * 2
+    product = int8_linear(x, plain)
+    got = int8_linear(x, gated, activation=activation)
+    assert got.shape == (rows, half)
+    assert torch.equal(got, _GATED[activation](product))
+    # bf16 activations: the product of the same (bf16-valued) rows, in fp32, then rounded
+    # once - where the unfused path rounds gate_up, then act(gate), then the product.
+    x16 = x.bfloat16()
+    want = _gated_reference(int8_linear(x16.float(), plain), activation)
+    got16 = int8_linear(x16, gated, activation=activation)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.double(), want, rtol=2**-8, atol=1e-6)
+
+
+def test_a_gated_layer_computes_what_a_plain_one_does(needs_gated):
+    """An Int8Linear built as a gated MLP's gate_up fuses the activation where the kernel
+    can; its plain forward still gives [gate, up] in their order (2-D and 3-D inputs),
+    the same bits as a plain layer, and it refuses another activation."""
+    torch.manual_seed(3)
+    weight, smooth = torch.randn(96, 64), torch.rand(64) + 0.5
+    plain = Int8Linear.from_float(weight, smooth=smooth)
+    gated = Int8Linear.from_float(weight, smooth=smooth, gated_activation="silu")
+    assert plain.fused_activation is None
+    if not needs_gated:
+        assert gated.fused_activation is None
+        with pytest.raises(ValueError, match="fuses None"):
+            gated(torch.randn(3, 64), activation="silu")
+        return
+    assert gated.fused_activation == "silu" and gated.packed.gated
+    for x in (torch.randn(9, 64), torch.randn(2, 5, 64), torch.randn(9, 64).bfloat16()):
+        assert torch.equal(gated(x), plain(x))
+    x = torch.randn(12, 64)
+    assert torch.equal(gated(x, activation="silu"), elementwise.silu_and_mul(plain(x)))
+    assert gated(torch.randn(2, 5, 64), activation="silu").shape == (2, 5, 48)
+    with pytest.raises(ValueError, match="not 'gelu_pytorch_tanh'"):
+        gated(x, activation="gelu_pytorch_tanh")
+
+
+def test_a_gated_call_needs_a_gated_weight(needs_gated):
+    if not needs_gated:
+        return
+    qweight, w_scales = quantize_weight(torch.randn(64, 32))
+    x = torch.randn(3, 32)
+    with pytest.raises(ValueError, match="needs a gated weight"):
+        int8_linear(x, pack_int8_weight(qweight, w_scales), activation="silu")
+    with pytest.raises(ValueError, match="needs a gated weight"):
+        int8_linear(x, pack_int8_weight(qweight, w_scales, gated=True), activation="relu")
+    with pytest.raises(ValueError, match="multiple of 32 rows"):
+        pack_int8_weight(*quantize_weight(torch.randn(48, 32)), gated=True)
+
+
 _CHILD = """
 import hashlib, json, torch
 from tokenmill.engine.kernels import native_library
-from tokenmill.engine.kernels.int8_linear import int8_linear, native_int8_isa, pack_int8_weight
+from tokenmill.engine.kernels.int8_linear import (
+    int8_linear, native_int8_isa, pack_int8_weight, takes_gated)
 from tokenmill.engine.kernels.quantize import FULL_RANGE, quantize_rows_u8
 from tokenmill.engine.quant.int8 import Int8Linear, choose_kernel, quantize_weight
 isa = native_int8_isa()
 layer = Int8Linear.from_float(torch.randn(96, 64))
 result = {"built": native_library() is not None, "isa": isa, "choice": choose_kernel(96, 64),
-          "layer": layer.kernel, "rows": layer(torch.randn(5, 64)).shape[0]}
+          "layer": layer.kernel, "rows": layer(torch.randn(5, 64)).shape[0],
+          "takes_gated": takes_gated(96, 64)}
 if isa is not None:
+    # Asked anyway, the kernel itself refuses the gated epilogue where it lacks it.
+    try:
+        int8_linear(torch.randn(3, 64), pack_int8_weight(*quantize_weight(torch.randn(96, 64)),
+                    gated=True), activation="silu")
+        result["gated_call"] = "ran"
+    except RuntimeError as error:
+        result["gated_call"] = "refused" if "built without" in str(error) else str(error)
     # The product against the exact integer sums at the tile edges (AVX2: 1-4 rows a
     # tile, 120-row blocks; VNNI 1-6 rows, AMX from 8), both output types; and a digest of
     # every output, to compare builds.
@@ -242,7 +344,15 @@ def test_an_avx2_build_runs_the_avx2_kernel(build_for):
     build's bits exactly (the same integer sums, the same epilogue)."""
     avx2 = build_for("x86-64-v3")
     worst, digest = avx2.pop("worst"), avx2.pop("digest")
-    assert avx2 == {"built": True, "isa": "avx2", "choice": "native", "layer": "native", "rows": 5}
+    assert avx2 == {
+        "built": True,
+        "isa": "avx2",
+        "choice": "native",
+        "layer": "native",
+        "rows": 5,
+        "takes_gated": False,  # its 4 x 16 tile holds one panel, not a gate/up pair
+        "gated_call": "refused",
+    }
     assert worst["fp32"] < 1e-5  # one fp32 conversion and a fused multiply-add
     assert worst["bf16"] < 2**-8  # and one rounding to bf16
     native = build_for("native")
@@ -257,7 +367,7 @@ def test_an_avx_vnni_build_gives_the_avx2_builds_bits(build_for):
     off in its epilogue: the same bits as the AVX2 build's signed pairs."""
     vnni = build_for("alderlake")
     avx2 = build_for("x86-64-v3")
-    assert vnni["isa"] == "avx_vnni" and vnni["layer"] == "native"
+    assert vnni["isa"] == "avx_vnni" and vnni["layer"] == "native" and not vnni["takes_gated"]
     assert vnni["worst"]["fp32"] < 1e-5 and vnni["worst"]["bf16"] < 2**-8
     assert vnni["digest"] == avx2["digest"]
 
@@ -266,4 +376,11 @@ def test_the_kernel_is_left_out_where_the_cpu_lacks_avx2(build_for):
     """A build for a CPU without AVX2 (x86-64-v2) has no native int8 product; it says so
     through tm_limits and the layers run oneDNN's."""
     result = build_for("x86-64-v2")
-    assert result == {"built": True, "isa": None, "choice": "onednn", "layer": "onednn", "rows": 5}
+    assert result == {
+        "built": True,
+        "isa": None,
+        "choice": "onednn",
+        "layer": "onednn",
+        "rows": 5,
+        "takes_gated": False,
+    }

@@ -9,6 +9,7 @@ from hf_models import build_hf_model, make_engine, run_all
 from test_hf_parity import mixed_prompts
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.kernels.int8_linear import takes_gated
 from tokenmill.engine.kernels.quantize import FULL_RANGE
 from tokenmill.engine.quant import INT4_GROUP_SIZE, check_quantization, int4, quantized_targets
 from tokenmill.engine.quant.int4 import Int4Linear
@@ -34,7 +35,7 @@ def compare(outputs, reference) -> tuple[float, int, int]:
     return sum(diffs) / len(diffs), agree, total
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
 def test_int8_engine_tracks_the_float_engine(kind, tmp_path, cpu_path):
     build_hf_model(kind, tmp_path)
     prompts = mixed_prompts(256, seed=8)
@@ -42,6 +43,11 @@ def test_int8_engine_tracks_the_float_engine(kind, tmp_path, cpu_path):
     engine = make_engine(tmp_path, quantization="int8")
     layers = list(engine.runner.model.model.layers[0].modules())
     assert sum(isinstance(m, Int8Linear) for m in layers) == 4
+    # The gated MLP's activation runs in the gate_up product's epilogue where the kernel
+    # has it (VNNI, AMX), so these runs go through it there.
+    mlp = engine.runner.model.model.layers[0].mlp
+    fuses = takes_gated(mlp.gate_up_proj.out_features, mlp.gate_up_proj.in_features)
+    assert mlp.gate_up_proj.fused_activation == (mlp.activation if fuses else None)
     mean_diff, agree, total = compare(run_all(engine, prompts, PARAMS), reference)
     print(
         f"\n{kind} int8: prompt logprob |diff| mean {mean_diff:.4f}, "
