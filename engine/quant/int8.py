@@ -10,10 +10,11 @@ two kernels, chosen per layer at load:
   with AVX512-VNNI or AVX2 and the layer's shape fits its panels; on CPUs with AMX it
   runs calls of 8 rows or more on the tile units (kernels/int8_amx.h), on the same packed
   weights, and on AVX2-only CPUs it multiplies signed pairs (kernels/int8_avx2.h;
-  256-bit vpdpbusd where the CPU has AVX-VNNI). It
-  quantizes the rows to 8 bits and applies each row's scale in its epilogue in the same
-  call, takes any row count, and gives the same bits on every instruction set; at the
-  model's shapes the layer on it measured 1.0-1.9x the layer on oneDNN on a Zen 4
+  256-bit vpdpbusd where the CPU has AVX-VNNI). It quantizes the rows to 8 bits and
+  applies each row's scale in its epilogue in the same call, takes any row count, and
+  gives the same bits on every instruction set; on VNNI and AMX a gated MLP's gate_up
+  also applies the activation and the multiply by up there (`fused_activation` below).
+  At the model's shapes the layer on it measured 1.0-1.9x the layer on oneDNN on a Zen 4
   (VNNI) and 1.2-2.8x it on an Emerald Rapids Xeon (AMX) (benchmarks/README.md, "Kernel
   choice"). On AVX2 it is the only int8 path that keeps 8-bit activations (below).
 - "onednn": oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, the op
@@ -207,7 +208,8 @@ class Int8Linear(nn.Module):
                 rows.to(dtype), self.packed, self.inv_smooth, activation=activation
             ).to(x.dtype)
             if gated and activation is None:  # back from the packed gate/up order
-                y = y.view(-1, self.out_features // 32, 2, 16).transpose(1, 2)
+                pairs = self.out_features // (2 * native.PANEL)
+                y = y.view(-1, pairs, 2, native.PANEL).transpose(1, 2)
         else:
             y = self._onednn_forward(rows, x.dtype)
         width = self.out_features // 2 if activation is not None else self.out_features
