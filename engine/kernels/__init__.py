@@ -45,9 +45,9 @@ _FILE_FLAGS = {
     "amx.c": [],
     "paged_attention.c": ["-ffast-math"],
     "quantize.c": ["-ffast-math"],
-    # Its integer sums are exact; the epilogue's float multiply-add may contract. Without
-    # errno the gated epilogue's expf vectorises (as in elementwise.c).
-    "int8_linear.c": ["-fno-math-errno"],
+    # Its integer sums are exact and its epilogue's multiply-adds explicit intrinsics; no
+    # contraction and no errno, as elementwise.c, for the gated epilogue's activation.h.
+    "int8_linear.c": ["-ffp-contract=off", "-fno-math-errno"],
     "elementwise.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
     # Comparisons only; NaNs must stay NaNs.
     "argmax.c": ["-fno-fast-math"],

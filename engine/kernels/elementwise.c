@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "activation.h"
 #include "kernel_common.h"
 #include "kernels.h"
 
@@ -216,27 +217,14 @@ int tm_rotary_qkv(const tm_rotary_args *a) {
     return TM_OK;
 }
 
-/* expf has vector versions (glibc's libmvec): saying so lets the compiler call them from
- * the loop below, as it would under -ffast-math (which this file must not have). The
- * build's -fno-math-errno makes the call vectorisable; its exp is not PyTorch's, hence
- * SiLU's odd last bit. */
-#pragma omp declare simd notinbranch
-float expf(float);
-
-/* silu(x) = x / (1 + exp(-x)) over n floats. */
+/* silu(x) over n floats (activation.h). */
 static void silu_row(const float *x, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = x[i] / (1.0f + expf(-x[i]));
+    for (int64_t i = 0; i < n; i++) out[i] = silu_of(x[i]);
 }
 
-/* GELU, tanh approximation: 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3) -
- * which is x * sigmoid(2u) = x / (1 + exp(-2u)), so that it vectorises as SiLU does
- * (PyTorch evaluates tanh; the last bit may differ). */
+/* GELU, tanh approximation, over n floats (activation.h). */
 static void gelu_tanh_row(const float *x, float *out, int64_t n) {
-    const float two_sqrt_2_over_pi = 1.5957691216057308f; /* 2 * sqrt(2 / pi) */
-    for (int64_t i = 0; i < n; i++) {
-        const float v = x[i], inner = v + 0.044715f * v * v * v;
-        out[i] = v / (1.0f + expf(-two_sqrt_2_over_pi * inner));
-    }
+    for (int64_t i = 0; i < n; i++) out[i] = gelu_tanh_of(x[i]);
 }
 
 /* out = act(gate) * up, gate and up the two halves of each row of x ([rows, 2 * dim] ->
