@@ -193,12 +193,16 @@ class Int8Linear(nn.Module):
         layer's fused_activation) act(gate) * up, [..., out_features / 2]."""
         if activation is not None and activation != self.fused_activation:
             raise ValueError(f"this int8 layer fuses {self.fused_activation!r}, not {activation!r}")
-        gated = self.packed.gated if self.kernel == "native" else False
-        if not gated and self.kernel == "native" and x.dim() == 2 and x.dtype in _NATIVE_DTYPES:
+        # Channels in the packed gate/up order, unless the activation consumes them.
+        interleaved = self.fused_activation is not None and activation is None
+        if (
+            self.kernel == "native"
+            and not interleaved
+            and x.dim() == 2
+            and x.dtype in _NATIVE_DTYPES
+        ):
             # The engine's case, every call of a step: no reshapes or casts, each of which
             # costs microseconds of dispatch on calls that take tens.
-            return native.int8_linear(x, self.packed, self.inv_smooth)
-        if activation is not None and x.dim() == 2 and x.dtype in _NATIVE_DTYPES:
             return native.int8_linear(x, self.packed, self.inv_smooth, activation=activation)
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
@@ -207,7 +211,7 @@ class Int8Linear(nn.Module):
             y = native.int8_linear(
                 rows.to(dtype), self.packed, self.inv_smooth, activation=activation
             ).to(x.dtype)
-            if gated and activation is None:  # back from the packed gate/up order
+            if interleaved:  # back to [gate, up]
                 pairs = self.out_features // (2 * native.PANEL)
                 y = y.view(-1, pairs, 2, native.PANEL).transpose(1, 2)
         else:
