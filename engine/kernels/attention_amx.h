@@ -53,6 +53,8 @@ static void score_blocks_amx(const tm_attention_args *a, const uint16_t *q, floa
             }
         }
         for (int64_t b = b0; b < b1; b++) {
+            if (rt == 0) /* the later row tiles find the blocks in L2 */
+                prefetch_blocks_ahead(keys, table, b, b0, b1, a->num_kv_heads, kv_head, block_elems * 2);
             const uint16_t *pairs = keys + (table[b] * a->num_kv_heads + kv_head) * block_elems;
             _tile_zero(0);
             if (resident) {
@@ -110,6 +112,8 @@ static void weigh_blocks_amx(const tm_attention_args *a, const uint16_t *weights
             _tile_loadd(2, at + half + 32, acc_bytes);
             _tile_loadd(3, at + half + 48, acc_bytes);
             for (int64_t b = b0; b < b1; b++) {
+                if (rt == 0 && half == 0)
+                    prefetch_blocks_ahead(values, table, b, b0, b1, a->num_kv_heads, kv_head, block_elems * 2);
                 const uint16_t *pairs = partial_last && b == last ? spare : VALUE_BLOCK(b);
                 const uint16_t *channels = pairs + half * 2;
                 _tile_loadd(4, wt + b * 16, stride * 2);
