@@ -28,6 +28,11 @@
  * accumulators, the two weight halves and their absolute values, one broadcast of four
  * activation bytes, the ones, the sign flip and one temporary fill AVX2's 16 registers.
  * Rows go in L2-sized blocks while a thread's panels pass over them, as on VNNI.
+ *
+ * A gated MLP's gate_up (panels packed gate, up, gate, up...) runs each pair as two tiles
+ * over the same rows: the gate panel's keeps its fp32 values, the up panel's stores
+ * act(gate) * up from them (gated8: activation.h's formulas, as on AVX-512), so no
+ * [rows, 2 x intermediate] tensor is written and read back.
  */
 #ifndef TOKENMILL_INT8_AVX2_H
 #define TOKENMILL_INT8_AVX2_H
@@ -101,11 +106,11 @@ static inline __attribute__((always_inline)) void store8(const problem *p, int64
     }
 }
 
-/* The epilogue of one row's 8 channels: finish_value16's arithmetic, (acc - correction)
- * * (w_scale * x_scale) + bias rounded once into out. The signed sums need no correction;
- * AVX-VNNI's take off 128 x each channel's weight sum, as AVX-512's do. */
-static inline __attribute__((always_inline)) void finish8(const problem *p, int64_t row,
-                                                          int64_t col, __m256i acc) {
+/* One row's 8 channels in fp32: finish_value16's arithmetic, (acc - correction) *
+ * (w_scale * x_scale) + bias. The signed sums need no correction; AVX-VNNI's take off 128
+ * x each channel's weight sum, as AVX-512's do. */
+static inline __attribute__((always_inline)) __m256 value8(const problem *p, int64_t row,
+                                                           int64_t col, __m256i acc) {
     if (AVX2_TAKES_OFF_ZERO_POINT) {
         const __m256i sums = _mm256_loadu_si256((const __m256i *)(p->w_col_sums + col));
         acc = _mm256_sub_epi32(acc, _mm256_mullo_epi32(_mm256_set1_epi32(p->x_zero_point), sums));
@@ -113,7 +118,42 @@ static inline __attribute__((always_inline)) void finish8(const problem *p, int6
     const __m256 scales = _mm256_mul_ps(_mm256_loadu_ps(p->w_scales + col),
                                         _mm256_set1_ps(p->x_scales[row]));
     const __m256 bias = p->bias ? _mm256_loadu_ps(p->bias + col) : _mm256_setzero_ps();
-    store8(p, row, col, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), scales, bias));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), scales, bias);
+}
+
+/* act(gate) * up over 8 channels, with activation.h's formulas (gated16's, on AVX2). */
+static inline __attribute__((always_inline)) __m256 gated8(int activation, __m256 gate,
+                                                           __m256 up) {
+    float g[8] __attribute__((aligned(32))), u[8] __attribute__((aligned(32)));
+    _mm256_store_ps(g, gate);
+    _mm256_store_ps(u, up);
+    if (activation == TM_GATED_SILU) {
+#pragma omp simd
+        for (int i = 0; i < 8; i++) g[i] = silu_of(g[i]) * u[i];
+    } else {
+#pragma omp simd
+        for (int i = 0; i < 8; i++) g[i] = gelu_tanh_of(g[i]) * u[i];
+    }
+    return _mm256_load_ps(g);
+}
+
+/* What a tile's epilogue does with its fp32 values. A tile holds one panel, so a gated
+ * MLP's gate panel and its up panel (packed side by side) run as two tiles over the same
+ * rows: the first keeps the gate values, the second stores act(gate) * up. */
+enum { AVX2_STORE, AVX2_KEEP_GATE, AVX2_APPLY_GATE };
+
+/* The epilogue of one row's 8 channels: rounded once into out (AVX2_STORE); kept in
+ * `gate` (AVX2_KEEP_GATE); or, for the up panel, act(gate) * up rounded once into out at
+ * the pair's output columns (AVX2_APPLY_GATE: col is the up panel's, 16 past its gate's). */
+static inline __attribute__((always_inline)) void finish8(const problem *p, int mode,
+                                                          int64_t row, int64_t col,
+                                                          __m256i acc, float *gate) {
+    const __m256 v = value8(p, row, col, acc);
+    if (mode == AVX2_STORE) store8(p, row, col, v);
+    else if (mode == AVX2_KEEP_GATE) _mm256_storeu_ps(gate, v);
+    else /* the pair's outputs: its gate panel's columns halved */
+        store8(p, row, (col - col % 16 - 16) / 2 + col % 16,
+               gated8(p->activation, _mm256_loadu_ps(gate), v));
 }
 
 #define AVX2_ACC_ROW(r) __m256i a##r##0 = zero, a##r##1 = zero
@@ -127,13 +167,15 @@ static inline __attribute__((always_inline)) void finish8(const problem *p, int6
     }
 #define AVX2_FINISH_ROW(r)                                        \
     if (mr > r) {                                                 \
-        finish8(p, row + r, col, a##r##0);                        \
-        finish8(p, row + r, col + 8, a##r##1);                    \
+        finish8(p, mode, row + r, col, a##r##0, gate + r * 16);   \
+        finish8(p, mode, row + r, col + 8, a##r##1, gate + r * 16 + 8); \
     }
 
-/* One register tile: rows [row, row + mr) x the 16 channels of `panel`, over all of k. */
+/* One register tile: rows [row, row + mr) x the 16 channels of `panel`, over all of k;
+ * its epilogue as `mode` says (gate: [AVX2_MR][16] fp32 values, for the gated modes). */
 static inline __attribute__((always_inline)) void tile_avx2(const problem *p, int64_t row,
-                                                            int64_t panel, const int mr) {
+                                                            int64_t panel, const int mr,
+                                                            const int mode, float *gate) {
     const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi16(1);
     AVX2_ACC_ROW(0); AVX2_ACC_ROW(1); AVX2_ACC_ROW(2); AVX2_ACC_ROW(3);
     const int64_t k = p->k, k4 = k / 4;
@@ -149,17 +191,31 @@ static inline __attribute__((always_inline)) void tile_avx2(const problem *p, in
     AVX2_FINISH_ROW(0) AVX2_FINISH_ROW(1) AVX2_FINISH_ROW(2) AVX2_FINISH_ROW(3)
 }
 
-/* Rows [0, rows) x panels [first, last). */
+/* Rows [row, row + mr) of `panel` - or, with an activation, of the gate/up pair from
+ * `panel` - for mr of 1 to AVX2_MR. */
+static inline __attribute__((always_inline)) void rows_avx2(const problem *p, int64_t row,
+                                                            int64_t panel, const int mr) {
+    float gate[AVX2_MR * 16];
+    if (p->activation) {
+        tile_avx2(p, row, panel, mr, AVX2_KEEP_GATE, gate);
+        tile_avx2(p, row, panel + 1, mr, AVX2_APPLY_GATE, gate);
+    } else {
+        tile_avx2(p, row, panel, mr, AVX2_STORE, gate);
+    }
+}
+
+/* Rows [0, rows) x panels [first, last) (with an activation, whole gate/up pairs). */
 static void panels_all_rows_avx2(const problem *p, int64_t rows, int64_t first, int64_t last) {
+    const int64_t step = p->activation ? 2 : 1;
     for (int64_t block = 0; block < rows; block += AVX2_ROW_BLOCK) {
         const int64_t block_end = block + AVX2_ROW_BLOCK < rows ? block + AVX2_ROW_BLOCK : rows;
-        for (int64_t panel = first; panel < last; panel++) {
+        for (int64_t panel = first; panel < last; panel += step) {
             int64_t row = block;
-            for (; row + AVX2_MR <= block_end; row += AVX2_MR) tile_avx2(p, row, panel, AVX2_MR);
+            for (; row + AVX2_MR <= block_end; row += AVX2_MR) rows_avx2(p, row, panel, AVX2_MR);
             switch (block_end - row) {
-            case 3: tile_avx2(p, row, panel, 3); break;
-            case 2: tile_avx2(p, row, panel, 2); break;
-            case 1: tile_avx2(p, row, panel, 1); break;
+            case 3: rows_avx2(p, row, panel, 3); break;
+            case 2: rows_avx2(p, row, panel, 2); break;
+            case 1: rows_avx2(p, row, panel, 1); break;
             default: break;
             }
         }

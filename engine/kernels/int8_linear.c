@@ -27,9 +27,10 @@
  * same integer sums, so the same bits.
  *
  * A gated MLP's gate_up weight can be packed a gate panel and its up panel in turn; then
- * (VNNI and AMX builds) the epilogue takes each pair's fp32 values and stores
- * act(gate) * up (SiLU, or Gemma's GELU) once, instead of writing [gate, up] for a
- * separate pass to read back (benchmarks/README.md, "Stop 24").
+ * the epilogue takes each pair's fp32 values and stores act(gate) * up (SiLU, or Gemma's
+ * GELU) once, instead of writing [gate, up] for a separate pass to read back
+ * (benchmarks/README.md, "Stop 24"; AVX2's tile, one panel wide, runs a pair as two tiles:
+ * "Stop 25").
  */
 #include <omp.h>
 #include <stdint.h>
@@ -292,9 +293,6 @@ int tm_int8_linear(const tm_int8_linear_args *a) {
     if (a->activation < TM_GATED_NONE || a->activation > TM_GATED_GELU_TANH ||
         (a->activation && a->n % 32))
         return TM_UNSUPPORTED_SHAPE;
-#if !TM_HAVE_VNNI
-    if (a->activation) return TM_UNSUPPORTED_ISA; /* the AVX2 tile holds one panel */
-#endif
     /* All 8 bits, as uint8 around 128. VNNI and AMX multiply those (u8 x s8) and take
      * 128 x each channel's weight sum off in the epilogue; AVX2 turns them back into
      * signed values first (int8_avx2.h), so its epilogue has nothing to take off. */

@@ -24,8 +24,6 @@ VALUE_RANGE = FULL_RANGE
 # Activations the kernel applies to a gated MLP's gate in its epilogue (HF config names ->
 # TM_GATED_*), multiplying by up: SiLU-and-mul fused into the gate_up product.
 GATED_ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}
-# The builds whose epilogue does that (AVX2's tile holds one panel, not a gate/up pair).
-_GATED_ISAS = ("avx512_vnni", "amx_int8+avx512_vnni")
 
 
 @functools.cache
@@ -59,7 +57,7 @@ def takes_gated(out_features: int, in_features: int) -> bool:
     return (
         takes_shape(out_features, in_features)
         and out_features % (2 * PANEL) == 0
-        and native_int8_isa() in _GATED_ISAS
+        and native_int8_isa() is not None
     )
 
 

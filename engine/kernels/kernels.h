@@ -232,8 +232,8 @@ int tm_quantize_rows_u8(const tm_quantize_args *args);
  * it targets those too) or AVX2 and FMA (with AVX-VNNI where it targets that); elsewhere
  * it returns TM_UNSUPPORTED_ISA and tm_limits says so. Every build gives the same bits.
  *
- * With `activation` set (a gated MLP's gate and up projections in one weight, VNNI and AMX
- * builds only; TM_UNSUPPORTED_ISA elsewhere), the weight's panels alternate gate and up
+ * With `activation` set (a gated MLP's gate and up projections in one weight; every
+ * build that has the product), the weight's panels alternate gate and up
  * (panel 2i: gate channels 16i.., panel 2i + 1: the up channels for them; n % 32 == 0) and
  * out is [rows, n / 2]: act(gate) * up, computed from the fp32 epilogue values and rounded
  * once - SiLU-and-mul in the product's epilogue, with no gate_up tensor written. */

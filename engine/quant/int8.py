@@ -12,8 +12,8 @@ two kernels, chosen per layer at load:
   weights, and on AVX2-only CPUs it multiplies signed pairs (kernels/int8_avx2.h;
   256-bit vpdpbusd where the CPU has AVX-VNNI). It quantizes the rows to 8 bits and
   applies each row's scale in its epilogue in the same call, takes any row count, and
-  gives the same bits on every instruction set; on VNNI and AMX a gated MLP's gate_up
-  also applies the activation and the multiply by up there (`fused_activation` below).
+  gives the same bits on every instruction set; a gated MLP's gate_up also applies the
+  activation and the multiply by up there (`fused_activation` below).
   At the model's shapes the layer on it measured 1.0-1.9x the layer on oneDNN on a Zen 4
   (VNNI) and 1.2-2.8x it on an Emerald Rapids Xeon (AMX) (benchmarks/README.md, "Kernel
   choice"). On AVX2 it is the only int8 path that keeps 8-bit activations (below).

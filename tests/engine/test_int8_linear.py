@@ -173,7 +173,8 @@ def test_bad_arguments_are_refused_before_the_kernel_runs(needs_native):
 @pytest.fixture
 def needs_gated(needs_native):
     """Whether this build applies a gated MLP's activation in the product's epilogue
-    (VNNI and AMX; an AVX2 build refuses it: test_an_avx2_build_runs_the_avx2_kernel)."""
+    (every build with a native product; the AVX2 builds' in a subprocess:
+    test_an_avx2_build_runs_the_avx2_kernel)."""
     return needs_native is not None and takes_gated(64, 64)
 
 
@@ -278,6 +279,27 @@ if isa is not None:
         result["gated_call"] = "ran"
     except RuntimeError as error:
         result["gated_call"] = "refused" if "built without" in str(error) else str(error)
+    # The gated epilogue (act(gate) * up of each gate/up pair of panels) against this
+    # build's fused elementwise op on the plain product: the same bits in fp32 (the same
+    # vector exp, the same formula); in bf16, that fp32 value rounded once. Shapes at the
+    # AVX2 tile's row edges (1-4), past a 120-row block, and one pair to 96 pairs.
+    from tokenmill.engine.kernels import elementwise
+    fused = {"silu": elementwise.silu_and_mul, "gelu_pytorch_tanh": elementwise.gelu_tanh_and_mul}
+    gated_equal = []
+    for half, k, rows in [(16, 64, 1), (48, 576, 3), (48, 576, 4), (1536, 576, 9), (32, 128, 121)]:
+        torch.manual_seed(half + rows)
+        qweight, w_scales = quantize_weight(torch.randn(2 * half, k))
+        bias = torch.randn(2 * half) if rows % 2 else None
+        x = torch.randn(rows, k) * 2
+        product = int8_linear(x, pack_int8_weight(qweight, w_scales, bias))
+        gated = pack_int8_weight(qweight, w_scales, bias, gated=True)
+        x16 = x.bfloat16()
+        for name, op in fused.items():
+            got = int8_linear(x, gated, activation=name)
+            got16 = int8_linear(x16, gated, activation=name)
+            once = int8_linear(x16.float(), gated, activation=name).bfloat16()
+            gated_equal.append(torch.equal(got, op(product)) and torch.equal(got16, once))
+    result["gated_equal"] = all(gated_equal)
     # The product against the exact integer sums at the tile edges (AVX2: 1-4 rows a
     # tile, 120-row blocks; VNNI 1-6 rows, AMX from 8), both output types; and a digest of
     # every output, to compare builds.
@@ -341,7 +363,9 @@ def test_an_avx2_build_runs_the_avx2_kernel(build_for):
     """A library built for an AVX2-only CPU (x86-64-v3: no AVX-512, no VNNI; AMD Zen 1/2)
     has the AVX2 product: the layers choose it, it equals the integer product of 8-bit
     activations, rounded once, and where this CPU has VNNI or AMX it gives the native
-    build's bits exactly (the same integer sums, the same epilogue)."""
+    build's bits exactly (the same integer sums, the same epilogue). It applies a gated
+    MLP's activation in its epilogue too (a gate panel's tile, then its up panel's): the
+    fused elementwise op's bits in fp32, that value rounded once in bf16."""
     avx2 = build_for("x86-64-v3")
     worst, digest = avx2.pop("worst"), avx2.pop("digest")
     assert avx2 == {
@@ -350,8 +374,9 @@ def test_an_avx2_build_runs_the_avx2_kernel(build_for):
         "choice": "native",
         "layer": "native",
         "rows": 5,
-        "takes_gated": False,  # its 4 x 16 tile holds one panel, not a gate/up pair
-        "gated_call": "refused",
+        "takes_gated": True,  # a gate panel's tile, then its up panel's
+        "gated_call": "ran",
+        "gated_equal": True,
     }
     assert worst["fp32"] < 1e-5  # one fp32 conversion and a fused multiply-add
     assert worst["bf16"] < 2**-8  # and one rounding to bf16
@@ -367,7 +392,8 @@ def test_an_avx_vnni_build_gives_the_avx2_builds_bits(build_for):
     off in its epilogue: the same bits as the AVX2 build's signed pairs."""
     vnni = build_for("alderlake")
     avx2 = build_for("x86-64-v3")
-    assert vnni["isa"] == "avx_vnni" and vnni["layer"] == "native" and not vnni["takes_gated"]
+    assert vnni["isa"] == "avx_vnni" and vnni["layer"] == "native"
+    assert vnni["takes_gated"] and vnni["gated_equal"]
     assert vnni["worst"]["fp32"] < 1e-5 and vnni["worst"]["bf16"] < 2**-8
     assert vnni["digest"] == avx2["digest"]
 
