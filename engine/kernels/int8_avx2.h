@@ -121,19 +121,13 @@ static inline __attribute__((always_inline)) __m256 value8(const problem *p, int
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), scales, bias);
 }
 
-/* act(gate) * up over 8 channels, with activation.h's formulas (gated16's, on AVX2). */
+/* act(gate) * up over 8 channels, from their fp32 epilogue values (gated_in_place). */
 static inline __attribute__((always_inline)) __m256 gated8(int activation, __m256 gate,
                                                            __m256 up) {
     float g[8] __attribute__((aligned(32))), u[8] __attribute__((aligned(32)));
     _mm256_store_ps(g, gate);
     _mm256_store_ps(u, up);
-    if (activation == TM_GATED_SILU) {
-#pragma omp simd
-        for (int i = 0; i < 8; i++) g[i] = silu_of(g[i]) * u[i];
-    } else {
-#pragma omp simd
-        for (int i = 0; i < 8; i++) g[i] = gelu_tanh_of(g[i]) * u[i];
-    }
+    gated_in_place(activation, g, u, 8);
     return _mm256_load_ps(g);
 }
 

@@ -80,6 +80,24 @@ typedef struct {
 } problem;
 #endif
 
+#if TM_HAVE_VNNI || TM_HAVE_INT8_AVX2
+/* g[i] = act(g[i]) * up[i] for n values (a compile-time constant at each use), with
+ * activation.h's formulas - the ones elementwise.c's SiLU/GELU-and-mul use, so an fp32
+ * layer gives that op's bits on the same gate and up values. The loops are marked simd so
+ * that GCC calls the vector expf wherever they are inlined (unmarked, it vectorised them
+ * in the VNNI tile and not in the AMX block). */
+static inline __attribute__((always_inline)) void gated_in_place(int activation, float *g,
+                                                                 const float *up, const int n) {
+    if (activation == TM_GATED_SILU) {
+#pragma omp simd
+        for (int i = 0; i < n; i++) g[i] = silu_of(g[i]) * up[i];
+    } else {
+#pragma omp simd
+        for (int i = 0; i < n; i++) g[i] = gelu_tanh_of(g[i]) * up[i];
+    }
+}
+#endif
+
 #if TM_HAVE_VNNI
 
 #define MR 6          /* rows per register tile */
@@ -150,23 +168,13 @@ static inline __attribute__((always_inline)) void finish16(const problem *p, int
     finish_row16(p, &c, row, col, acc);
 }
 
-/* act(gate) * up over 16 channels, from their fp32 epilogue values, with activation.h's
- * formulas - the ones elementwise.c's SiLU/GELU-and-mul use, so an fp32 layer gives that
- * op's bits on the same gate and up values. The loops are marked simd so that GCC calls
- * the vector expf wherever they are inlined (unmarked, it vectorised them in the VNNI
- * tile and not in the AMX block). */
+/* act(gate) * up over 16 channels, from their fp32 epilogue values (gated_in_place). */
 static inline __attribute__((always_inline)) __m512 gated16(int activation, __m512 gate,
                                                             __m512 up) {
     float g[16] __attribute__((aligned(64))), u[16] __attribute__((aligned(64)));
     _mm512_store_ps(g, gate);
     _mm512_store_ps(u, up);
-    if (activation == TM_GATED_SILU) {
-#pragma omp simd
-        for (int i = 0; i < 16; i++) g[i] = silu_of(g[i]) * u[i];
-    } else {
-#pragma omp simd
-        for (int i = 0; i < 16; i++) g[i] = gelu_tanh_of(g[i]) * u[i];
-    }
+    gated_in_place(activation, g, u, 16);
     return _mm512_load_ps(g);
 }
 
