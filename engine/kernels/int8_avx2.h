@@ -31,7 +31,7 @@
  *
  * A gated MLP's gate_up (panels packed gate, up, gate, up...) runs each pair as two tiles
  * over the same rows: the gate panel's keeps its fp32 values, the up panel's stores
- * act(gate) * up from them (gated8: activation.h's formulas, as on AVX-512), so no
+ * act(gate) * up from them (gated_in_place, as on AVX-512), so no
  * [rows, 2 x intermediate] tensor is written and read back.
  */
 #ifndef TOKENMILL_INT8_AVX2_H
@@ -121,33 +121,30 @@ static inline __attribute__((always_inline)) __m256 value8(const problem *p, int
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), scales, bias);
 }
 
-/* act(gate) * up over 8 channels, from their fp32 epilogue values (gated_in_place). */
-static inline __attribute__((always_inline)) __m256 gated8(int activation, __m256 gate,
-                                                           __m256 up) {
-    float g[8] __attribute__((aligned(32))), u[8] __attribute__((aligned(32)));
-    _mm256_store_ps(g, gate);
-    _mm256_store_ps(u, up);
-    gated_in_place(activation, g, u, 8);
-    return _mm256_load_ps(g);
-}
-
 /* What a tile's epilogue does with its fp32 values. A tile holds one panel, so a gated
  * MLP's gate panel and its up panel (packed side by side) run as two tiles over the same
  * rows: the first keeps the gate values, the second stores act(gate) * up. */
 enum { AVX2_STORE, AVX2_KEEP_GATE, AVX2_APPLY_GATE };
 
 /* The epilogue of one row's 8 channels: rounded once into out (AVX2_STORE); kept in
- * `gate` (AVX2_KEEP_GATE); or, for the up panel, act(gate) * up rounded once into out at
- * the pair's output columns (AVX2_APPLY_GATE: col is the up panel's, 16 past its gate's). */
+ * `gate` (AVX2_KEEP_GATE); or, for the up panel, act(gate) * up computed in `gate`
+ * (gated_in_place) and rounded once into out at the pair's output columns
+ * (AVX2_APPLY_GATE: col is the up panel's, 16 past its gate panel's). */
 static inline __attribute__((always_inline)) void finish8(const problem *p, int mode,
                                                           int64_t row, int64_t col,
                                                           __m256i acc, float *gate) {
     const __m256 v = value8(p, row, col, acc);
-    if (mode == AVX2_STORE) store8(p, row, col, v);
-    else if (mode == AVX2_KEEP_GATE) _mm256_storeu_ps(gate, v);
-    else /* the pair's outputs: its gate panel's columns halved */
-        store8(p, row, (col - col % 16 - 16) / 2 + col % 16,
-               gated8(p->activation, _mm256_loadu_ps(gate), v));
+    if (mode == AVX2_STORE) {
+        store8(p, row, col, v);
+    } else if (mode == AVX2_KEEP_GATE) {
+        _mm256_storeu_ps(gate, v);
+    } else {
+        float up[8];
+        _mm256_storeu_ps(up, v);
+        gated_in_place(p->activation, gate, up, 8);
+        const int64_t half = col % 16, gate_col = col - half - 16;
+        store8(p, row, gate_col / 2 + half, _mm256_loadu_ps(gate));
+    }
 }
 
 #define AVX2_ACC_ROW(r) __m256i a##r##0 = zero, a##r##1 = zero

@@ -53,12 +53,9 @@ def takes_shape(out_features: int, in_features: int) -> bool:
 
 def takes_gated(out_features: int, in_features: int) -> bool:
     """Whether the kernel here can apply a gated MLP's activation in its epilogue, for a
-    gate_up weight of this shape (gate and up halves of 16-channel panels each)."""
-    return (
-        takes_shape(out_features, in_features)
-        and out_features % (2 * PANEL) == 0
-        and native_int8_isa() is not None
-    )
+    gate_up weight of this shape (gate and up halves of 16-channel panels each): every
+    build that has the product can."""
+    return takes_shape(out_features, in_features) and out_features % (2 * PANEL) == 0
 
 
 @dataclass(frozen=True)
