@@ -43,8 +43,8 @@ def test_int8_engine_tracks_the_float_engine(kind, tmp_path, cpu_path):
     engine = make_engine(tmp_path, quantization="int8")
     layers = list(engine.runner.model.model.layers[0].modules())
     assert sum(isinstance(m, Int8Linear) for m in layers) == 4
-    # The gated MLP's activation runs in the gate_up product's epilogue where the kernel
-    # has it (VNNI, AMX), so these runs go through it there.
+    # The gated MLP's activation runs in the gate_up product's epilogue wherever the
+    # native kernel runs (VNNI, AMX, AVX2), so these runs go through it there.
     mlp = engine.runner.model.model.layers[0].mlp
     fuses = takes_gated(mlp.gate_up_proj.out_features, mlp.gate_up_proj.in_features)
     assert mlp.gate_up_proj.fused_activation == (mlp.activation if fuses else None)
