@@ -14,22 +14,39 @@ freed blocks are reused by the next step instead. The cost is that the process k
 its peak activation memory resident until it exits, which for an inference process
 running step after step it needs again anyway. Set TOKENMILL_TUNE_MALLOC=0 to leave
 malloc alone (e.g. when the process preloads jemalloc or tcmalloc).
+
+`huge_page_zeros` is for the other end: buffers allocated once and streamed every step
+(the KV cache). A decode step reads a sequence's blocks in 2-4 KiB runs scattered over
+gigabytes, so with 4 KiB pages nearly every run needs a page walk the TLB has no room
+for - dearer still in a virtual machine, where each walk also walks the host's tables.
+Linux backs memory with 2 MiB pages only where asked (transparent_hugepage "madvise",
+the common default); this asks, for those buffers. Set TOKENMILL_HUGE_PAGES=0 to keep
+4 KiB pages.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
+import math
 import os
 import platform
 import threading
+from pathlib import Path
+
+import torch
 
 log = logging.getLogger(__name__)
 
 # mallopt parameter numbers from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+
+_MADV_HUGEPAGE = 14  # <sys/mman.h>
+HUGE_PAGE_BYTES = 2 << 20
+_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 # Blocks below this come from the heap. Above it (the KV cache, weights) mmap is
 # right: they are allocated once and live as long as the engine.
@@ -68,3 +85,51 @@ def _apply() -> bool:
     if not ok:
         log.debug("mallopt refused the thresholds; malloc left as it was")
     return ok
+
+
+def huge_page_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, *, min_bytes: int = MMAP_THRESHOLD_BYTES
+) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory the kernel is asked to back with 2 MiB pages
+    (madvise MADV_HUGEPAGE before the first touch), or plain torch.zeros where it cannot
+    be asked (not Linux, THP off, TOKENMILL_HUGE_PAGES=0, or a small buffer).
+
+    The tensor is a 2 MiB-aligned view into a slightly larger buffer (one extra huge
+    page), so that the pages it covers are whole huge pages. By default only buffers of
+    at least MMAP_THRESHOLD_BYTES are asked for (min_bytes): malloc maps those afresh,
+    tuned or not, so the advice dies with the buffer instead of staying on a stretch of
+    the heap that later holds small blocks.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    madvise = _madvise()
+    if madvise is None or nbytes < max(min_bytes, HUGE_PAGE_BYTES):
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE_BYTES
+    span = nbytes - nbytes % HUGE_PAGE_BYTES
+    if madvise(raw.data_ptr() + start, span, _MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) refused; 4 KiB pages (errno %d)", ctypes.get_errno())
+    return raw[start : start + nbytes].view(dtype).view(shape).zero_()
+
+
+def asks_for_huge_pages() -> bool:
+    """Whether huge_page_zeros asks the kernel for 2 MiB pages here."""
+    return _madvise() is not None
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise where transparent huge pages can be asked for, else None."""
+    if os.environ.get("TOKENMILL_HUGE_PAGES", "1") == "0" or platform.system() != "Linux":
+        return None
+    try:
+        mode = _THP_MODE.read_text()
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    if "[never]" in mode:
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise

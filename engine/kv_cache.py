@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.host_memory import huge_page_zeros
 
 # Without a budget, the CPU cache takes this share of RAM, capped below.
 _CPU_RAM_SHARE = 0.10
@@ -142,12 +143,15 @@ def allocate_kv_cache(
     if kv_cache_dtype == "int8":
         from tokenmill.engine.kernels.paged_attention import kv_int8_head_bytes
 
-        shape = (layers, num_blocks, heads, kv_int8_head_bytes(dim, block_size))
-        return KVCache(
-            k=torch.zeros(shape, dtype=torch.int8, device=device),
-            v=torch.zeros(shape, dtype=torch.int8, device=device),
-        )
+        dtype = torch.int8
+        k_shape = v_shape = (layers, num_blocks, heads, kv_int8_head_bytes(dim, block_size))
+    else:
+        k_shape = (layers, num_blocks, heads, dim, block_size)
+        v_shape = (layers, num_blocks, heads, block_size, dim)
+    if device.type == "cpu":
+        # Decode reads scattered blocks of this every step: on 2 MiB pages, not 4 KiB.
+        return KVCache(k=huge_page_zeros(k_shape, dtype), v=huge_page_zeros(v_shape, dtype))
     return KVCache(
-        k=torch.zeros(layers, num_blocks, heads, dim, block_size, dtype=dtype, device=device),
-        v=torch.zeros(layers, num_blocks, heads, block_size, dim, dtype=dtype, device=device),
+        k=torch.zeros(k_shape, dtype=dtype, device=device),
+        v=torch.zeros(v_shape, dtype=dtype, device=device),
     )

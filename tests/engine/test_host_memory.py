@@ -61,3 +61,59 @@ def test_freed_activations_are_reused_instead_of_faulted_again():
     # at most (measured 0.7-1.3 steps' worth: this VM's proactive reclaim takes back
     # idle heap pages now and then), against 40 steps' worth untuned.
     assert tuned["faults"] < 5 * PAGES_PER_STEP, (tuned, untuned)
+
+
+# A 256 MiB KV-cache-like buffer: where the kernel can be asked for huge pages, at least
+# some of its range must come back backed by them (smaps' AnonHugePages for its mapping).
+_HUGE_PROBE = """
+import json, torch
+from tokenmill.engine.host_memory import HUGE_PAGE_BYTES, asks_for_huge_pages, huge_page_zeros
+def huge_kb(t):
+    # AnonHugePages of the mapping that holds t
+    start, total, inside = t.data_ptr(), 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= start < hi
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+t = huge_page_zeros((128, 1024, 1024), torch.int16)
+small = huge_page_zeros((4, 1024, 1024), torch.int16)  # 8 MiB: not asked for by default
+print(json.dumps({"asked": asks_for_huge_pages(), "aligned": t.data_ptr() % HUGE_PAGE_BYTES == 0,
+                  "zeros": bool((t == 0).all() and (small == 0).all()), "shape": list(t.shape),
+                  "huge_kb": huge_kb(t), "small_huge_kb": huge_kb(small)}))
+"""
+
+
+def _huge_probe(enabled: bool) -> dict:
+    env = {**os.environ, "TOKENMILL_HUGE_PAGES": "1" if enabled else "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _HUGE_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read()
+    except OSError:
+        return "[never]"
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="transparent huge pages are Linux's")
+def test_kv_cache_buffers_are_zeroed_and_backed_by_huge_pages_where_the_kernel_allows():
+    on, off = _huge_probe(enabled=True), _huge_probe(enabled=False)
+    for probe in (on, off):
+        assert probe["zeros"] and probe["shape"] == [128, 1024, 1024], probe
+    assert off["asked"] is False
+    if "[never]" in _thp_mode():
+        assert on["asked"] is False and on["huge_kb"] == 0, on
+        return
+    # Asked before the first touch, the 2 MiB-aligned range faults in as huge pages.
+    assert on["asked"] and on["aligned"], on
+    assert on["huge_kb"] >= 2048, on
+    if "[always]" not in _thp_mode():  # "madvise": only what was asked for
+        assert off["huge_kb"] == 0 and on["small_huge_kb"] == 0, (on, off)

@@ -1,0 +1,141 @@
+"""The KV cache on 4 KiB pages against 2 MiB (transparent huge) pages, side by side.
+
+    python benchmarks/kv_cache_pages.py                  # decode attention, 30 layers' caches
+    python benchmarks/kv_cache_pages.py --engine int8    # mixed64, two engines in turn
+    python benchmarks/kv_cache_pages.py --engine none    # the same in bf16
+
+A decode step reads every sequence's blocks, 2 KiB runs scattered over a cache of
+gigabytes: with 4 KiB pages almost every run misses the TLB. Since the engine allocates
+its cache with host_memory.huge_page_zeros, this measures what that is worth:
+- the attention case is benchmarks/attention_kernel.py's decode case (64 sequences, half
+  sharing a 256-token prefix) over --layers caches, each cache once on plain pages and
+  once copied to huge pages, the two alternating call by call;
+- --engine builds two engines in one process, one with TOKENMILL_HUGE_PAGES=0, and runs
+  mixed64 on each in turn, the prefix cache emptied before every run; their greedy
+  outputs must agree.
+Ratios are 4 KiB time / 2 MiB time, per round; read their median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import attention_kernel  # noqa: E402
+
+from tokenmill.engine import host_memory  # noqa: E402
+
+
+def _on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    # One layer's cache here is smaller than the engine's whole cache, which alone
+    # passes huge_page_zeros' default threshold: ask for every one.
+    shape = tuple(tensor.shape)
+    return host_memory.huge_page_zeros(shape, tensor.dtype, min_bytes=0).copy_(tensor)
+
+
+def _best(fn, calls: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def attention(layers: int, rounds: int) -> None:
+    original = attention_kernel.Layout.__init__
+    wanted = {"huge": False}
+
+    def init(self, dtype, num_blocks=6000):
+        original(self, dtype, num_blocks)
+        if wanted["huge"]:
+            self.k, self.v = _on_huge_pages(self.k), _on_huge_pages(self.v)
+
+    original_int8 = attention_kernel.Layout.int8
+
+    def int8(self):
+        k8, v8 = original_int8(self)
+        return (_on_huge_pages(k8), _on_huge_pages(v8)) if wanted["huge"] else (k8, v8)
+
+    attention_kernel.Layout.__init__ = init
+    attention_kernel.Layout.int8 = int8
+    cases = {}
+    for huge in (False, True):
+        wanted["huge"] = huge
+        native, _portable, native_int8, _flops = attention_kernel.decode_case(
+            torch.bfloat16, None, layers
+        )
+        cases[huge] = {"bf16 cache": native, "int8 cache": native_int8}
+    for name in ("bf16 cache", "int8 cache"):
+        ratios = []
+        for _ in range(rounds):
+            plain, huge = _best(cases[False][name]), _best(cases[True][name])
+            ratios.append(plain / huge)
+        print(
+            f"decode attention, {layers} layers, {name}: 4 KiB / 2 MiB per round "
+            f"{' '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.3f} "
+            f"(last: {plain * 1e3:.1f} vs {huge * 1e3:.1f} ms)"
+        )
+
+
+def engine(quantization: str | None, rounds: int) -> None:
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.bench.workload import load_preset, warmup_prompts
+
+    engines = {}
+    for name, flag in (("4 KiB", "0"), ("2 MiB", "1")):
+        os.environ["TOKENMILL_HUGE_PAGES"] = flag
+        host_memory._madvise.cache_clear()
+        engines[name] = LLM(dtype="bfloat16", quantization=quantization)
+    workload = load_preset("mixed64", engines["4 KiB"].model_dir)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
+    for llm in engines.values():
+        llm.generate(warmup_prompts(workload), SamplingParams(temperature=0.0, max_tokens=4))
+    seconds = {name: [] for name in engines}
+    outputs = {}
+    for r in range(rounds):
+        for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
+            llm = engines[name]
+            llm.engine.block_manager.forget_cache()
+            start = time.perf_counter()
+            results = llm.generate(workload.prompt_ids, params)
+            seconds[name].append(time.perf_counter() - start)
+            outputs[name] = [result.outputs[0].token_ids for result in results]
+        print(f"round {r + 1}: " + "  ".join(f"{n} {s[-1]:.2f} s" for n, s in seconds.items()))
+    if outputs["4 KiB"] != outputs["2 MiB"]:
+        raise SystemExit("the two engines' greedy outputs differ")
+    ratios = [a / b for a, b in zip(seconds["4 KiB"], seconds["2 MiB"])]
+    print(
+        f"mixed64 {quantization or 'bf16'}: medians {statistics.median(seconds['4 KiB']):.2f} s "
+        f"(4 KiB) and {statistics.median(seconds['2 MiB']):.2f} s (2 MiB); per-round ratio "
+        f"median {statistics.median(ratios):.3f}, range {min(ratios):.2f}-{max(ratios):.2f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--engine", choices=["int8", "none"], default=None)
+    args = parser.parse_args()
+    if not host_memory.asks_for_huge_pages():
+        raise SystemExit("this machine does not give transparent huge pages on request")
+    if args.engine:
+        engine(None if args.engine == "none" else args.engine, args.rounds)
+    else:
+        attention(args.layers, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
