@@ -55,6 +55,10 @@ static inline void value_pairs_head(const uint16_t *vp, int64_t m, int64_t head_
     }
 }
 
+/* Rows up to which score_blocks scores two key blocks per pass (score_rows_bf16_two):
+ * 2 x 6 accumulators, and from 6 rows one block alone has chains enough. */
+#define SCORE_TWO_ROWS 6
+
 static inline __m512bh broadcast_pair(const uint16_t *p) {
     uint32_t pair;
     memcpy(&pair, p, sizeof pair);
@@ -85,6 +89,46 @@ static void score_rows_bf16_any(const uint16_t *q, int64_t n, const uint16_t *pa
         SCORE_BF16_CASE(1) SCORE_BF16_CASE(2) SCORE_BF16_CASE(3) SCORE_BF16_CASE(4)
         SCORE_BF16_CASE(5) SCORE_BF16_CASE(6) SCORE_BF16_CASE(7) SCORE_BF16_CASE(8)
         SCORE_BF16_CASE(9) SCORE_BF16_CASE(10) SCORE_BF16_CASE(11) SCORE_BF16_CASE(12)
+        default: break;
+    }
+}
+
+/* score_rows_bf16 over two key blocks at once (pairs0, pairs1; scores to s0 and s1):
+ * each row's sum for a block is still one chain of head_dim / 2 dot products in the same
+ * order, so the scores are the same bits. A decoding sequence has only a few rows (its
+ * query heads per kv head: 3 in SmolLM2), and one block alone gives the core that many
+ * chains of dependent vdpbf16ps, too few to cover the instruction's latency; two blocks
+ * give twice as many. */
+static inline __attribute__((always_inline)) void score_rows_bf16_two(
+    const uint16_t *restrict q, const int N, const uint16_t *restrict pairs0,
+    const uint16_t *restrict pairs1, float *restrict s0, float *restrict s1, int64_t stride,
+    const int64_t head_dim) {
+    __m512 acc0[SCORE_TWO_ROWS], acc1[SCORE_TWO_ROWS];
+    for (int r = 0; r < N; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(pairs0 + d * 16);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(pairs1 + d * 16);
+        for (int r = 0; r < N; r++) {
+            const __m512bh qr = broadcast_pair(q + r * head_dim + d);
+            acc0[r] = _mm512_dpbf16_ps(acc0[r], k0, qr);
+            acc1[r] = _mm512_dpbf16_ps(acc1[r], k1, qr);
+        }
+    }
+    for (int r = 0; r < N; r++) {
+        _mm512_storeu_ps(s0 + r * stride, acc0[r]);
+        _mm512_storeu_ps(s1 + r * stride, acc1[r]);
+    }
+}
+
+#define SCORE_TWO_CASE(N) \
+    case N: score_rows_bf16_two(q, N, pairs0, pairs1, s0, s1, stride, head_dim); break;
+
+static void score_rows_bf16_two_any(const uint16_t *q, int64_t n, const uint16_t *pairs0,
+                                    const uint16_t *pairs1, float *s0, float *s1,
+                                    int64_t stride, int64_t head_dim) {
+    switch (n) { /* n <= SCORE_TWO_ROWS */
+        SCORE_TWO_CASE(1) SCORE_TWO_CASE(2) SCORE_TWO_CASE(3)
+        SCORE_TWO_CASE(4) SCORE_TWO_CASE(5) SCORE_TWO_CASE(6)
         default: break;
     }
 }

@@ -510,6 +510,27 @@ static void score_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const in
         if (rows == 0) return;
     }
 #endif
+#ifdef HAVE_BF16_DOT
+    if (plan->use_dot && rows <= SCORE_TWO_ROWS) { /* a decoding sequence: two blocks a pass */
+        for (int64_t b = b0; b < b1; b += 2) {
+            const uint16_t *pairs0 = (const uint16_t *)a->k_cache +
+                                     (table[b] * a->num_kv_heads + kv_head) * block_elems;
+            float *s0 = s->scores + row0 * stride + b * 16;
+            prefetch_blocks_ahead(a->k_cache, table, b, b0, b1, a->num_kv_heads, kv_head, block_elems * elem);
+            if (b + 1 == b1) {
+                score_rows_bf16_any(s->qb + row0 * head_dim, rows, pairs0, s0, stride, head_dim);
+                break;
+            }
+            prefetch_blocks_ahead(a->k_cache, table, b + 1, b0, b1, a->num_kv_heads, kv_head,
+                                  block_elems * elem);
+            const uint16_t *pairs1 = (const uint16_t *)a->k_cache +
+                                     (table[b + 1] * a->num_kv_heads + kv_head) * block_elems;
+            score_rows_bf16_two_any(s->qb + row0 * head_dim, rows, pairs0, pairs1, s0, s0 + 16,
+                                    stride, head_dim);
+        }
+        return;
+    }
+#endif
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = (table[b] * a->num_kv_heads + kv_head) * block_elems;
         prefetch_blocks_ahead(a->k_cache, table, b, b0, b1, a->num_kv_heads, kv_head, block_elems * elem);
