@@ -10,7 +10,7 @@ gigabytes: with 4 KiB pages almost every run misses the TLB. Since the engine al
 its cache with host_memory.huge_page_zeros, this measures what that is worth:
 - the attention case is benchmarks/attention_kernel.py's decode case (64 sequences, half
   sharing a 256-token prefix) over --layers caches, each cache once on plain pages and
-  once copied to huge pages, the two alternating call by call;
+  once copied to huge pages, the two alternating call by call (best of 5 calls a round);
 - --engine builds two engines in one process, one with TOKENMILL_HUGE_PAGES=0, and runs
   mixed64 on each in turn, the prefix cache emptied before every run; their greedy
   outputs must agree. A fresh engine hands out blocks in order, so a sequence's blocks
@@ -45,16 +45,6 @@ def _on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     return host_memory.huge_page_zeros(shape, tensor.dtype, min_bytes=0).copy_(tensor)
 
 
-def _best(fn, calls: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def attention(layers: int, rounds: int) -> None:
     original = attention_kernel.Layout.__init__
     wanted = {"huge": False}
@@ -82,7 +72,7 @@ def attention(layers: int, rounds: int) -> None:
     for name in ("bf16 cache", "int8 cache"):
         ratios = []
         for _ in range(rounds):
-            plain, huge = _best(cases[False][name]), _best(cases[True][name])
+            plain, huge = attention_kernel.best_of([cases[False][name], cases[True][name]], 5)
             ratios.append(plain / huge)
         print(
             f"decode attention, {layers} layers, {name}: 4 KiB / 2 MiB per round "
@@ -121,7 +111,6 @@ def engine(quantization: str | None, rounds: int, scattered: bool) -> None:
     engines = {}
     for name, flag in (("4 KiB", "0"), ("2 MiB", "1")):
         os.environ["TOKENMILL_HUGE_PAGES"] = flag
-        host_memory._madvise.cache_clear()
         engines[name] = LLM(dtype="bfloat16", quantization=quantization)
     workload = load_preset("mixed64", engines["4 KiB"].model_dir)
     params = [

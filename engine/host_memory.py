@@ -101,26 +101,26 @@ def huge_page_zeros(
     the heap that later holds small blocks.
     """
     nbytes = math.prod(shape) * dtype.itemsize
-    madvise = _madvise()
-    if madvise is None or nbytes < max(min_bytes, HUGE_PAGE_BYTES):
+    if not asks_for_huge_pages() or nbytes < max(min_bytes, HUGE_PAGE_BYTES):
         return torch.zeros(shape, dtype=dtype)
     raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
     span = nbytes - nbytes % HUGE_PAGE_BYTES
-    if madvise(raw.data_ptr() + start, span, _MADV_HUGEPAGE) != 0:
+    if _madvise()(raw.data_ptr() + start, span, _MADV_HUGEPAGE) != 0:
         log.debug("madvise(MADV_HUGEPAGE) refused; 4 KiB pages (errno %d)", ctypes.get_errno())
     return raw[start : start + nbytes].view(dtype).view(shape).zero_()
 
 
 def asks_for_huge_pages() -> bool:
-    """Whether huge_page_zeros asks the kernel for 2 MiB pages here."""
-    return _madvise() is not None
+    """Whether huge_page_zeros asks the kernel for 2 MiB pages here (TOKENMILL_HUGE_PAGES
+    is read on every call)."""
+    return os.environ.get("TOKENMILL_HUGE_PAGES", "1") != "0" and _madvise() is not None
 
 
 @functools.cache
 def _madvise():
     """libc's madvise where transparent huge pages can be asked for, else None."""
-    if os.environ.get("TOKENMILL_HUGE_PAGES", "1") == "0" or platform.system() != "Linux":
+    if platform.system() != "Linux":
         return None
     try:
         mode = _THP_MODE.read_text()

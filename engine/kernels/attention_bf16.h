@@ -55,7 +55,7 @@ static inline void value_pairs_head(const uint16_t *vp, int64_t m, int64_t head_
     }
 }
 
-/* Rows up to which score_blocks scores two key blocks per pass (score_rows_bf16_two):
+/* Rows up to which score_blocks scores two key blocks per pass (score_rows_bf16):
  * 2 x 6 accumulators, and from 6 rows one block alone has chains enough. */
 #define SCORE_TWO_ROWS 6
 
@@ -65,23 +65,34 @@ static inline __m512bh broadcast_pair(const uint16_t *p) {
     return (__m512bh)_mm512_set1_epi32((int)pair);
 }
 
-/* s[r * stride + t] = q[r] . k[:, t] for N rows of bf16 q ([N, head_dim]); the softmax
- * applies the scale (softmax_row_bf16). */
+/* s[r * stride + t] = q[r] . k[:, t] for N rows of bf16 q ([N, head_dim]) against NB key
+ * blocks (1 or 2): pairs0's scores at s, pairs1's at s + 16 (the next block's columns);
+ * the softmax applies the scale (softmax_row_bf16). Each score is one chain of head_dim / 2
+ * dot products, in the same order either way, so the same bits. Two blocks a pass are for
+ * a decoding sequence's few rows (its query heads per kv head: 3 in SmolLM2): one block
+ * alone gives the core that many chains of dependent vdpbf16ps, too few to cover the
+ * instruction's latency. */
 static inline __attribute__((always_inline)) void score_rows_bf16(
-    const uint16_t *restrict q, const int N, const uint16_t *restrict pairs, float *restrict s,
-    int64_t stride, const int64_t head_dim) {
-    __m512 acc[12];
-    for (int r = 0; r < N; r++) acc[r] = _mm512_setzero_ps();
+    const uint16_t *restrict q, const int N, const int NB, const uint16_t *restrict pairs0,
+    const uint16_t *restrict pairs1, float *restrict s, int64_t stride, const int64_t head_dim) {
+    const uint16_t *pairs[2] = {pairs0, pairs1};
+    __m512 acc[2][12];
+    for (int b = 0; b < NB; b++)
+        for (int r = 0; r < N; r++) acc[b][r] = _mm512_setzero_ps();
     for (int64_t d = 0; d < head_dim; d += 2) {
-        const __m512bh k = (__m512bh)_mm512_loadu_si512(pairs + d * 16);
-        for (int r = 0; r < N; r++)
-            acc[r] = _mm512_dpbf16_ps(acc[r], k, broadcast_pair(q + r * head_dim + d));
+        __m512bh k[2];
+        for (int b = 0; b < NB; b++) k[b] = (__m512bh)_mm512_loadu_si512(pairs[b] + d * 16);
+        for (int r = 0; r < N; r++) {
+            const __m512bh qr = broadcast_pair(q + r * head_dim + d);
+            for (int b = 0; b < NB; b++) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], k[b], qr);
+        }
     }
-    for (int r = 0; r < N; r++) _mm512_storeu_ps(s + r * stride, acc[r]);
+    for (int b = 0; b < NB; b++)
+        for (int r = 0; r < N; r++) _mm512_storeu_ps(s + r * stride + b * 16, acc[b][r]);
 }
 
 #define SCORE_BF16_CASE(N) \
-    case N: score_rows_bf16(q, N, pairs, s, stride, head_dim); break;
+    case N: score_rows_bf16(q, N, 1, pairs, pairs, s, stride, head_dim); break;
 
 static void score_rows_bf16_any(const uint16_t *q, int64_t n, const uint16_t *pairs, float *s,
                                 int64_t stride, int64_t head_dim) {
@@ -93,40 +104,14 @@ static void score_rows_bf16_any(const uint16_t *q, int64_t n, const uint16_t *pa
     }
 }
 
-/* score_rows_bf16 over two key blocks at once (pairs0, pairs1; scores to s0 and s1):
- * each row's sum for a block is still one chain of head_dim / 2 dot products in the same
- * order, so the scores are the same bits. A decoding sequence has only a few rows (its
- * query heads per kv head: 3 in SmolLM2), and one block alone gives the core that many
- * chains of dependent vdpbf16ps, too few to cover the instruction's latency; two blocks
- * give twice as many. */
-static inline __attribute__((always_inline)) void score_rows_bf16_two(
-    const uint16_t *restrict q, const int N, const uint16_t *restrict pairs0,
-    const uint16_t *restrict pairs1, float *restrict s0, float *restrict s1, int64_t stride,
-    const int64_t head_dim) {
-    __m512 acc0[SCORE_TWO_ROWS], acc1[SCORE_TWO_ROWS];
-    for (int r = 0; r < N; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += 2) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(pairs0 + d * 16);
-        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(pairs1 + d * 16);
-        for (int r = 0; r < N; r++) {
-            const __m512bh qr = broadcast_pair(q + r * head_dim + d);
-            acc0[r] = _mm512_dpbf16_ps(acc0[r], k0, qr);
-            acc1[r] = _mm512_dpbf16_ps(acc1[r], k1, qr);
-        }
-    }
-    for (int r = 0; r < N; r++) {
-        _mm512_storeu_ps(s0 + r * stride, acc0[r]);
-        _mm512_storeu_ps(s1 + r * stride, acc1[r]);
-    }
-}
-
 #define SCORE_TWO_CASE(N) \
-    case N: score_rows_bf16_two(q, N, pairs0, pairs1, s0, s1, stride, head_dim); break;
+    case N: score_rows_bf16(q, N, 2, pairs0, pairs1, s, stride, head_dim); break;
 
-static void score_rows_bf16_two_any(const uint16_t *q, int64_t n, const uint16_t *pairs0,
-                                    const uint16_t *pairs1, float *s0, float *s1,
-                                    int64_t stride, int64_t head_dim) {
-    switch (n) { /* n <= SCORE_TWO_ROWS */
+/* score_rows_bf16_any over two adjacent blocks of a walk, for n <= SCORE_TWO_ROWS. */
+static void score_two_blocks_bf16_any(const uint16_t *q, int64_t n, const uint16_t *pairs0,
+                                      const uint16_t *pairs1, float *s, int64_t stride,
+                                      int64_t head_dim) {
+    switch (n) {
         SCORE_TWO_CASE(1) SCORE_TWO_CASE(2) SCORE_TWO_CASE(3)
         SCORE_TWO_CASE(4) SCORE_TWO_CASE(5) SCORE_TWO_CASE(6)
         default: break;

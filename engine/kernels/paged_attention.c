@@ -511,22 +511,25 @@ static void score_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const in
     }
 #endif
 #ifdef HAVE_BF16_DOT
-    if (plan->use_dot && rows <= SCORE_TWO_ROWS) { /* a decoding sequence: two blocks a pass */
-        for (int64_t b = b0; b < b1; b += 2) {
-            const uint16_t *pairs0 = (const uint16_t *)a->k_cache +
-                                     (table[b] * a->num_kv_heads + kv_head) * block_elems;
-            float *s0 = s->scores + row0 * stride + b * 16;
+    if (plan->use_dot) { /* the cache holds the blocks as pairs already */
+        const int64_t step = rows <= SCORE_TWO_ROWS ? 2 : 1; /* a decoding sequence: two */
+        for (int64_t b = b0; b < b1; b += step) {
+            const uint16_t *pairs = (const uint16_t *)a->k_cache +
+                                    (table[b] * a->num_kv_heads + kv_head) * block_elems;
+            float *scores = s->scores + row0 * stride + b * 16;
             prefetch_blocks_ahead(a->k_cache, table, b, b0, b1, a->num_kv_heads, kv_head, block_elems * elem);
-            if (b + 1 == b1) {
-                score_rows_bf16_any(s->qb + row0 * head_dim, rows, pairs0, s0, stride, head_dim);
-                break;
+            if (step == 2 && b + 1 < b1) {
+                prefetch_blocks_ahead(a->k_cache, table, b + 1, b0, b1, a->num_kv_heads, kv_head,
+                                      block_elems * elem);
+                const uint16_t *next = (const uint16_t *)a->k_cache +
+                                       (table[b + 1] * a->num_kv_heads + kv_head) * block_elems;
+                score_two_blocks_bf16_any(s->qb + row0 * head_dim, rows, pairs, next, scores, stride,
+                                          head_dim);
+                continue;
             }
-            prefetch_blocks_ahead(a->k_cache, table, b + 1, b0, b1, a->num_kv_heads, kv_head,
-                                  block_elems * elem);
-            const uint16_t *pairs1 = (const uint16_t *)a->k_cache +
-                                     (table[b + 1] * a->num_kv_heads + kv_head) * block_elems;
-            score_rows_bf16_two_any(s->qb + row0 * head_dim, rows, pairs0, pairs1, s0, s0 + 16,
-                                    stride, head_dim);
+            for (int64_t r = 0; r < rows; r += SCORE_ROWS)
+                score_rows_bf16_any(s->qb + (row0 + r) * head_dim, min64(rows - r, SCORE_ROWS), pairs,
+                                    scores + r * stride, stride, head_dim);
         }
         return;
     }
@@ -534,15 +537,6 @@ static void score_blocks(const Plan *plan, Scratch *s, int64_t kv_head, const in
     for (int64_t b = b0; b < b1; b++) {
         const int64_t base = (table[b] * a->num_kv_heads + kv_head) * block_elems;
         prefetch_blocks_ahead(a->k_cache, table, b, b0, b1, a->num_kv_heads, kv_head, block_elems * elem);
-#ifdef HAVE_BF16_DOT
-        if (plan->use_dot) { /* the cache holds the block as pairs already */
-            const uint16_t *pairs = (const uint16_t *)a->k_cache + base;
-            for (int64_t r = row0; r < row0 + rows; r += SCORE_ROWS)
-                score_rows_bf16_any(s->qb + r * head_dim, min64(row0 + rows - r, SCORE_ROWS), pairs,
-                                    s->scores + r * stride + b * 16, stride, head_dim);
-            continue;
-        }
-#endif
         const float *kb = (const float *)a->k_cache + base;
         if (a->is_bf16) { /* widen the block once; every row reuses it */
             load_row(a->k_cache, base, 1, block_elems, s->widened);
