@@ -23,6 +23,9 @@ Candidates (those this torch build lacks are skipped with a note):
   int8-dyn-torchao   torchao Int8DynamicActivationInt8WeightConfig (eager)
   int8-wo            torch._weight_int8pack_mm: int8 weights, bf16 activations
   int4-g32           torch._weight_int4pack_mm_for_cpu, group 32, bf16 activations
+  int4-g32-layer     the int4 layer as it runs: that kernel below int4.UNPACK_MIN_ROWS
+                     rows, from there the weights expanded to bf16 (int4_unpack.c) and
+                     the bf16 matmul; where the library is built and N % 64 == 0
 
 Run:  python benchmarks/quant_matmul.py [--rows 1,16,64,256,2048] [--rounds 5] [--threads N]
           [--only fp32,bf16,int8-rows-native,...]
@@ -115,8 +118,12 @@ def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Ten
     out["int8-wo"] = _with_input(
         lambda x: torch._weight_int8pack_mm(x, qweight, scale_bf16), torch.bfloat16
     )
+    kernel4 = int4.Int4Linear.from_float(weight, group_size=32)
+    kernel4.unpacks = False  # PyTorch's int4 kernel at every row count
+    out["int4-g32"] = _with_input(kernel4, torch.bfloat16)
     layer4 = int4.Int4Linear.from_float(weight, group_size=32)
-    out["int4-g32"] = _with_input(layer4, torch.bfloat16)
+    if layer4.unpacks:
+        out["int4-g32-layer"] = _with_input(layer4, torch.bfloat16)
     return out
 
 

@@ -51,6 +51,8 @@ _FILE_FLAGS = {
     "elementwise.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
     # Comparisons only; NaNs must stay NaNs.
     "argmax.c": ["-fno-fast-math"],
+    # Each weight rounded once from its own fp32 value, as the header states.
+    "int4_unpack.c": ["-fno-fast-math", "-ffp-contract=off"],
 }
 # Linked without -ffast-math: with it GCC (before 13) links crtfastmath.o into the
 # library, whose constructor turns on flush-to-zero and denormals-are-zero for the whole

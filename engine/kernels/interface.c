@@ -21,4 +21,5 @@ void tm_limits(tm_limits_t *out) {
     out->quantize_args_size = sizeof(tm_quantize_args);
     out->int8_linear_args_size = sizeof(tm_int8_linear_args);
     out->argmax_args_size = sizeof(tm_argmax_args);
+    out->int4_unpack_args_size = sizeof(tm_int4_unpack_args);
 }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 10
+ABI_VERSION = 11
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -50,6 +50,7 @@ class _Limits(ctypes.Structure):
         ("quantize_args_size", _i64),
         ("int8_linear_args_size", _i64),
         ("argmax_args_size", _i64),
+        ("int4_unpack_args_size", _i64),
     ]
 
 
@@ -206,6 +207,20 @@ class ArgmaxArgs(ctypes.Structure):
     ]
 
 
+class Int4UnpackArgs(ctypes.Structure):
+    """tm_int4_unpack_args."""
+
+    _fields_ = [
+        ("packed", _ptr),
+        ("scales_and_zeros", _ptr),
+        ("out", _ptr),
+        ("n", _i64),
+        ("k", _i64),
+        ("group", _i64),
+        ("num_threads", _i32),
+    ]
+
+
 # Exported function -> its argument struct, and the size field tm_limits reports for it.
 FUNCTIONS = {
     "tm_paged_attention": (AttentionArgs, "attention_args_size"),
@@ -217,6 +232,7 @@ FUNCTIONS = {
     "tm_quantize_rows_u8": (QuantizeArgs, "quantize_args_size"),
     "tm_int8_linear": (Int8LinearArgs, "int8_linear_args_size"),
     "tm_argmax_rows": (ArgmaxArgs, "argmax_args_size"),
+    "tm_int4_unpack_bf16": (Int4UnpackArgs, "int4_unpack_args_size"),
 }
 
 

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 10
+#define TM_ABI_VERSION 11
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -75,6 +75,7 @@ typedef struct {
     int64_t quantize_args_size;
     int64_t int8_linear_args_size;
     int64_t argmax_args_size;
+    int64_t int4_unpack_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -286,5 +287,21 @@ typedef struct {
 } tm_argmax_args;
 
 int tm_argmax_rows(const tm_argmax_args *args);
+
+/* ---- int4_unpack.c: exact (each weight computed in fp32, rounded once) ---- */
+
+/* out[k][n] = bf16((q[n][k] - 8) * scale[k / group][n] + zero[k / group][n]) for int4
+ * weights in PyTorch's CPU int4pack layout (n % 64 == 0; the layout: int4_unpack.c). */
+typedef struct {
+    const void *packed;           /* uint8 [n / 64][k][32] */
+    const void *scales_and_zeros; /* bf16 [k / group][n][2] */
+    void *out;                    /* bf16 [k][n] */
+    int64_t n;
+    int64_t k;
+    int64_t group;
+    int32_t num_threads;
+} tm_int4_unpack_args;
+
+int tm_int4_unpack_bf16(const tm_int4_unpack_args *args);
 
 #endif

@@ -1,9 +1,11 @@
 """`quantization="gguf"`: the decoder layers run the GGUF's own quantized weights.
 
 The 4-bit formats (Q4_0, Q4_1, Q4_K: a scale and an offset per 32 weights) are exactly
-what PyTorch's int4 CPU kernel computes (int4.py), so they run there; its fast variant
-is bf16, so the fp16 scales and offsets are rounded to bf16 (relative 2^-9, against the
-4-bit rounding of the weights themselves) and the rows must come in multiples of 16. The 5-, 6- and 8-bit formats (Q5_0, Q6_K, Q8_0), and 4-bit ones of
+what PyTorch's int4 CPU kernel computes (int4.py), so they run as Int4Linear: that kernel
+for small calls, the weights expanded to bf16 for one bf16 matmul from int4.py's
+UNPACK_MIN_ROWS rows on. Its fast variant is bf16, so the fp16 scales and offsets are
+rounded to bf16 (relative 2^-9, against the 4-bit rounding of the weights themselves)
+and the rows must come in multiples of 16. The 5-, 6- and 8-bit formats (Q5_0, Q6_K, Q8_0), and 4-bit ones of
 other widths, keep their integers and per-group scales in memory and are expanded to
 fp32 a tile of rows at a time inside each product (GroupedLinear): the same values, a
 fraction of the memory, but no faster than float - no maintained kernel takes int8

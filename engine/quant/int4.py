@@ -8,6 +8,13 @@ long outputs, bigger models). Why this kernel: benchmarks/README.md ("Kernel cho
 The kernel runs in bf16 whatever the model's dtype: its fp32 variant measured 1 GOP/s
 on the project's CPU against ~60 in bf16 (one thread, 3072 x 576), so the scales and the
 activations are rounded to bf16 and the output cast back.
+
+Calls of UNPACK_MIN_ROWS rows or more (prompt chunks, big decode batches) expand the
+layer's weights to bf16 first (kernels/int4_unpack.c, one pass over N x K) and run the
+bf16 matmul on them: that kernel computes far below the bf16 units' rate, and from a few
+tens of rows the product, not the weights' bytes, is the cost. The expanded copy lives
+for the one call, so the model keeps int4's memory. Figures: benchmarks/README.md
+("Stop 27").
 """
 
 from __future__ import annotations
@@ -15,9 +22,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.engine.kernels import int4_unpack
+
 # PyTorch's int4 layout stores each group as (q - 8) * scale + zero.
 _MID = 8
 COMPUTE_DTYPE = torch.bfloat16
+# From this many rows a call expands the weights to bf16 and runs the bf16 matmul
+# (measured crossover: benchmarks/README.md, "Stop 27").
+UNPACK_MIN_ROWS = 32
 
 
 def quantize_weight(
@@ -67,6 +79,7 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else bias.detach().to(COMPUTE_DTYPE)
         sz = self.scales_and_zeros
         self.weight_bytes = q.numel() // 2 + sz.numel() * sz.element_size()
+        self.unpacks = _unpacks(self.packed_weight, q)
 
     @classmethod
     def from_float(
@@ -82,9 +95,15 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous()
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2, self.packed_weight, self.group_size, self.scales_and_zeros
-        )
+        if self.unpacks and x2.shape[0] >= UNPACK_MIN_ROWS:
+            weight = int4_unpack.unpack_int4_bf16(
+                self.packed_weight, self.scales_and_zeros, self.group_size
+            )
+            y = torch.mm(x2, weight)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.packed_weight, self.group_size, self.scales_and_zeros
+            )
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
@@ -94,3 +113,22 @@ class Int4Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"int4 group {self.group_size}"
         )
+
+
+def _unpacks(packed: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether big calls may expand these weights natively: the library is built, the
+    channels fill whole int4pack blocks, and the packed bytes hold q in the layout
+    int4_unpack.c reads (checked on every weight, so a PyTorch that packs differently
+    keeps its own kernel rather than computing wrong products)."""
+    n, k = q.shape
+    block = int4_unpack.BLOCK_N
+    if not int4_unpack.available() or n % block or packed.dtype != torch.uint8:
+        return False
+    if packed.shape != (n, k // 2) or not packed.is_contiguous():
+        return False
+    blocks = packed.view(n // block, k, block // 2)
+    halves = q.view(n // block, 2, block // 2, k).transpose(2, 3)  # [nb, half, k, j]
+    return bool(
+        torch.equal((blocks & 15).to(q.dtype), halves[:, 0])
+        and torch.equal((blocks >> 4).to(q.dtype), halves[:, 1])
+    )

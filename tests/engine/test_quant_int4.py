@@ -1,12 +1,19 @@
-"""int4 linear layers: PyTorch's int4 kernel computes the product of the dequantized
-weights exactly (to the activation dtype's rounding), and stays near the float product."""
+"""int4 linear layers: PyTorch's int4 kernel, and from UNPACK_MIN_ROWS rows the bf16
+matmul on natively expanded weights, compute the product of the dequantized weights
+(to bf16's rounding) and stay near the float product."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenmill.engine.quant.int4 import Int4Linear, quantize_weight
+from tokenmill.engine.kernels import int4_unpack
+from tokenmill.engine.quant import int4
+from tokenmill.engine.quant.int4 import UNPACK_MIN_ROWS, Int4Linear, quantize_weight
+
+needs_native = pytest.mark.skipif(
+    not int4_unpack.available(), reason="no C compiler: the native kernels are not built"
+)
 
 
 def test_quantized_weight_reconstructs_within_half_a_step():
@@ -22,26 +29,72 @@ def test_quantized_weight_reconstructs_within_half_a_step():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64, 257])
-def test_int4_product_equals_the_dequantized_product(dtype, rows):
+@pytest.mark.parametrize("out_features", [80, 128])  # 128: whole int4pack blocks, unpackable
+def test_int4_product_equals_the_dequantized_product(dtype, rows, out_features):
     torch.manual_seed(rows)
-    weight, bias = torch.randn(80, 128) * 0.05, torch.randn(80)
+    n = out_features
+    weight, bias = torch.randn(n, 128) * 0.05, torch.randn(n)
     layer = Int4Linear.from_float(weight, bias, group_size=32)
+    assert layer.unpacks == (n % 64 == 0 and int4_unpack.available())
     q, scale, minimum = quantize_weight(weight, 32)
-    dequantized = q.reshape(80, 4, 32).float() * scale[..., None] + minimum[..., None]
+    dequantized = q.reshape(n, 4, 32).float() * scale[..., None] + minimum[..., None]
     x = torch.randn(rows, 128).to(dtype)
     got = layer(x)
-    assert got.dtype == dtype and got.shape == (rows, 80)
-    # The kernel computes in bf16: activations, scales and zeros rounded to bf16.
+    assert got.dtype == dtype and got.shape == (rows, n)
+    # Both paths compute in bf16: activations, scales and zeros rounded to bf16 (and the
+    # unpacked weights once more).
     scale_b = scale.bfloat16().double()
     zero_b = (minimum + 8 * scale).bfloat16().double()
-    restored = (q.reshape(80, 4, 32).double() - 8) * scale_b[..., None] + zero_b[..., None]
-    exact = x.bfloat16().double() @ restored.reshape(80, 128).t() + bias.bfloat16().double()
+    restored = (q.reshape(n, 4, 32).double() - 8) * scale_b[..., None] + zero_b[..., None]
+    exact = x.bfloat16().double() @ restored.reshape(n, 128).t() + bias.bfloat16().double()
     torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=2e-2)
-    near = x.double() @ dequantized.reshape(80, 128).double().t() + bias.double()
+    near = x.double() @ dequantized.reshape(n, 128).double().t() + bias.double()
     assert float((got.double() - near).norm() / near.norm()) < 0.01
     want = x.double() @ weight.double().t() + bias.to(dtype).double()
     # 4 bits with a scale and minimum per 32 weights: ~8% on Gaussian weights.
     assert float((got.double() - want).norm() / want.norm()) < 0.12
+
+
+@needs_native
+@pytest.mark.parametrize(("n", "k", "group"), [(64, 64, 32), (192, 576, 32), (128, 256, 64)])
+def test_unpacked_weights_are_each_weight_rounded_once_to_bf16(n, k, group):
+    torch.manual_seed(n + k)
+    q, scale, minimum = quantize_weight(torch.randn(n, k), group)
+    layer = Int4Linear(q, scale, minimum, None, group_size=group)
+    got = int4_unpack.unpack_int4_bf16(layer.packed_weight, layer.scales_and_zeros, group)
+    assert got.shape == (k, n) and got.dtype == torch.bfloat16
+    sz = layer.scales_and_zeros.float()  # [k // group, n, 2]
+    scale_f = sz[..., 0].t().repeat_interleave(group, dim=1)  # [n, k]
+    zero_f = sz[..., 1].t().repeat_interleave(group, dim=1)
+    want = ((q.float() - 8) * scale_f + zero_f).bfloat16().t()
+    assert torch.equal(got, want)
+
+
+@needs_native
+def test_calls_from_the_threshold_on_run_on_unpacked_weights(monkeypatch):
+    torch.manual_seed(3)
+    layer = Int4Linear.from_float(torch.randn(128, 64) * 0.05, None, group_size=32)
+    calls = []
+    real = int4_unpack.unpack_int4_bf16
+    monkeypatch.setattr(int4_unpack, "unpack_int4_bf16", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(UNPACK_MIN_ROWS, 64).bfloat16()
+    big = layer(x)
+    assert len(calls) == 1
+    layer(x[: UNPACK_MIN_ROWS - 1])
+    assert len(calls) == 1  # below the threshold: PyTorch's int4 kernel
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, layer.packed_weight, 32, layer.scales_and_zeros
+    )
+    torch.testing.assert_close(big.float(), kernel.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_native
+def test_a_packing_layout_other_than_the_one_unpacked_keeps_the_int4_kernel():
+    q, scale, minimum = quantize_weight(torch.randn(64, 64), 32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    assert int4._unpacks(packed, q)
+    swapped = torch.cat([packed[:, 16:], packed[:, :16]], dim=1).contiguous()
+    assert not int4._unpacks(swapped, q)
 
 
 def test_inputs_not_a_multiple_of_the_group_are_refused():

@@ -92,10 +92,13 @@ def test_int4_engine_computes_the_float_model_of_its_dequantized_weights(
         f"\n{kind} int4 vs fp32 on its dequantized weights: |diff| mean {mean_diff:.4f}, "
         f"greedy prefix agreement {agree}/{total}"
     )
-    # bf16 activations in the kernel, magnified by the random model's peaked logits; the
-    # weights themselves differ by 4-bit rounding (~8%), which this comparison excludes.
+    # bf16 activations in both int4 paths, and in calls of int4.UNPACK_MIN_ROWS rows or
+    # more (prompt chunks) bf16-rounded weights, magnified by the random model's peaked
+    # logits; the weights themselves differ by 4-bit rounding (~8%), which this comparison
+    # excludes. With PyTorch's int4 kernel at every size: |diff| 0.041, 63/72 and 69/72;
+    # with the unpacked prompt path: 0.048, 58/72 and 55/72 (llama, qwen2).
     assert mean_diff < 0.1
-    assert agree >= total * 0.8
+    assert agree >= total * 0.7
 
 
 def test_unknown_quantization_fails_before_the_model_is_looked_up(tmp_path):

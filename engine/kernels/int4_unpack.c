@@ -1,0 +1,58 @@
+/* int4 weights in PyTorch's CPU int4 layout, expanded to bf16 for one product
+ * (engine/quant/int4.py).
+ *
+ * torch._weight_int4pack_mm_for_cpu reads a quarter of bf16's bytes, which wins while a
+ * call is bound by reading its weights (a decode step of a few sequences); from a few
+ * tens of rows on it computes far below the bf16 units' rate (benchmarks/README.md,
+ * "Kernel choice": ~2x slower than bf16 from 64 rows). A prompt chunk's call is better
+ * served by expanding the layer's weights to bf16 once - a pass over N x K values, while
+ * the product costs rows x N x K - and running the bf16 matmul (AMX or AVX512-BF16 in
+ * oneDNN) on them. The expanded copy lives for one call, so the model keeps int4's memory.
+ *
+ * Layout read (what _convert_weight_to_int4pack_for_cpu returns for N % 64 == 0, checked
+ * against the unpacked weights on every layer's load by int4.py): [N / 64][K][32] bytes;
+ * byte j of block nb, row k holds output channel nb * 64 + j in its low nibble and
+ * nb * 64 + 32 + j in its high one. scales_and_zeros: [K / group][N][2] bf16 (scale, zero),
+ * and a weight is (q - 8) * scale + zero, computed in fp32 as the int4 kernel does and
+ * rounded once to bf16.
+ *
+ * Output: [K][N] bf16, the weight transposed - each k's row is N contiguous values, which
+ * the matmul reads as x @ w without a transpose, and which a block's 32 bytes fill 64 at a
+ * time.
+ */
+#include <stdint.h>
+
+#include "kernel_common.h"
+#include "kernels.h"
+
+#define INT4_BLOCK_N 64
+
+int tm_int4_unpack_bf16(const tm_int4_unpack_args *a) {
+    const int64_t n = a->n, k = a->k, group = a->group;
+    if (n <= 0 || k <= 0 || n % INT4_BLOCK_N || group <= 0 || k % group) return TM_UNSUPPORTED_SHAPE;
+    const uint8_t *packed = (const uint8_t *)a->packed;
+    const uint16_t *scales_and_zeros = (const uint16_t *)a->scales_and_zeros;
+    uint16_t *out = (uint16_t *)a->out;
+    const int64_t blocks = n / INT4_BLOCK_N;
+#pragma omp parallel for schedule(static) num_threads(a->num_threads)
+    for (int64_t kk = 0; kk < k; kk++) {
+        const uint16_t *sz_row = scales_and_zeros + kk / group * n * 2;
+        uint16_t *out_row = out + kk * n;
+        for (int64_t nb = 0; nb < blocks; nb++) {
+            const uint8_t *bytes = packed + (nb * k + kk) * 32;
+            const uint16_t *sz = sz_row + nb * INT4_BLOCK_N * 2;
+            uint16_t *dst = out_row + nb * INT4_BLOCK_N;
+            float lo[32], hi[32];
+            for (int j = 0; j < 32; j++) {
+                lo[j] = (float)((bytes[j] & 15) - 8) * bf16_to_f32(sz[2 * j]) + bf16_to_f32(sz[2 * j + 1]);
+                hi[j] = (float)((bytes[j] >> 4) - 8) * bf16_to_f32(sz[2 * (32 + j)]) +
+                        bf16_to_f32(sz[2 * (32 + j) + 1]);
+            }
+            for (int j = 0; j < 32; j++) {
+                dst[j] = f32_to_bf16(lo[j]);
+                dst[32 + j] = f32_to_bf16(hi[j]);
+            }
+        }
+    }
+    return TM_OK;
+}
