@@ -228,7 +228,9 @@ def baseline_systems(
                     "(pip install llama-cpp-python; builds from source in ~12 min)"
                 )
                 continue
-            systems.append(SystemSpec(label, kind, dtype, True, {"gguf": llamacpp_gguf}))
+            # Labelled without a dtype, like the server: llama.cpp runs the GGUF's own
+            # tensor types (the default model's is Q4_1), not fp32.
+            systems.append(SystemSpec(kind, kind, dtype, True, {"gguf": llamacpp_gguf}))
         elif kind == "llamacpp-server":
             binary = llama_server or os.environ.get("TOKENMILL_LLAMA_SERVER")
             if not binary or not Path(binary).is_file():
