@@ -27,6 +27,44 @@
 
 #define INT4_BLOCK_N 64
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+/* One block's 64 channels of one k: the same two roundings as the scalar loop (a
+ * multiply, then an add; the flags forbid contracting them), then bf16 by
+ * vcvtneps2bf16 (round to nearest even, as f32_to_bf16). The scalar loop, which GCC left
+ * unvectorised, expanded ~4 G weights a second; this one: benchmarks/README.md ("Stop 27"). */
+static inline void unpack_block_avx512(const uint8_t *bytes, const uint16_t *sz, uint16_t *dst) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)bytes);
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m256i low = _mm256_and_si256(raw, nibble);                       /* channels 0..31 */
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble); /* 32..63 */
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    const __m512i zero_bits = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int part = 0; part < 4; part++) { /* 16 channels each */
+        const __m256i half = part < 2 ? low : high;
+        const __m128i q8 = part % 2 ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half);
+        const __m512 q = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q8)), eight);
+        /* 16 (scale, zero) bf16 pairs: scale in each 32-bit lane's low half. */
+        const __m512i pairs = _mm512_loadu_si512(sz + part * 32);
+        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, zero_bits));
+        const __m512 w = _mm512_add_ps(_mm512_mul_ps(q, scale), zero);
+        _mm256_storeu_si256((__m256i *)(dst + part * 16), (__m256i)_mm512_cvtneps_pbh(w));
+    }
+}
+#define unpack_block unpack_block_avx512
+#else
+/* The same values, one at a time (CPUs without AVX512-BF16). */
+static inline void unpack_block(const uint8_t *bytes, const uint16_t *sz, uint16_t *dst) {
+    for (int j = 0; j < 32; j++) {
+        const float lo = (float)((bytes[j] & 15) - 8) * bf16_to_f32(sz[2 * j]);
+        const float hi = (float)((bytes[j] >> 4) - 8) * bf16_to_f32(sz[2 * (32 + j)]);
+        dst[j] = f32_to_bf16(lo + bf16_to_f32(sz[2 * j + 1]));
+        dst[32 + j] = f32_to_bf16(hi + bf16_to_f32(sz[2 * (32 + j) + 1]));
+    }
+}
+#endif
+
 int tm_int4_unpack_bf16(const tm_int4_unpack_args *a) {
     const int64_t n = a->n, k = a->k, group = a->group;
     if (n <= 0 || k <= 0 || n % INT4_BLOCK_N || group <= 0 || k % group) return TM_UNSUPPORTED_SHAPE;
@@ -42,16 +80,7 @@ int tm_int4_unpack_bf16(const tm_int4_unpack_args *a) {
             const uint8_t *bytes = packed + (nb * k + kk) * 32;
             const uint16_t *sz = sz_row + nb * INT4_BLOCK_N * 2;
             uint16_t *dst = out_row + nb * INT4_BLOCK_N;
-            float lo[32], hi[32];
-            for (int j = 0; j < 32; j++) {
-                lo[j] = (float)((bytes[j] & 15) - 8) * bf16_to_f32(sz[2 * j]) + bf16_to_f32(sz[2 * j + 1]);
-                hi[j] = (float)((bytes[j] >> 4) - 8) * bf16_to_f32(sz[2 * (32 + j)]) +
-                        bf16_to_f32(sz[2 * (32 + j) + 1]);
-            }
-            for (int j = 0; j < 32; j++) {
-                dst[j] = f32_to_bf16(lo[j]);
-                dst[32 + j] = f32_to_bf16(hi[j]);
-            }
+            unpack_block(bytes, sz, dst);
         }
     }
     return TM_OK;
