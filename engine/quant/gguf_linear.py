@@ -6,10 +6,11 @@ for small calls, the weights expanded to bf16 for one bf16 matmul from int4.py's
 UNPACK_MIN_ROWS rows on. Its fast variant is bf16, so the fp16 scales and offsets are
 rounded to bf16 (relative 2^-9, against the 4-bit rounding of the weights themselves)
 and the rows must come in multiples of 16. The 5-, 6- and 8-bit formats (Q5_0, Q6_K, Q8_0), and 4-bit ones of
-other widths, keep their integers and per-group scales in memory and are expanded to
-fp32 a tile of rows at a time inside each product (GroupedLinear): the same values, a
-fraction of the memory, but no faster than float - no maintained kernel takes int8
-weights with a scale per group. A fused projection whose parts differ in format (q, k
+other widths, keep their integers and per-group scales in memory and are expanded inside
+each product (GroupedLinear): in a bf16 engine the whole weight to bf16 for one bf16
+matmul, in fp32 a tile of rows at a time - the same values as the float mode's, a
+fraction of the memory, at about float's speed; no maintained kernel takes int8 weights
+with a scale per group. A fused projection whose parts differ in format (q, k
 and v; gate and up) runs one module per part and concatenates their outputs.
 """
 
@@ -51,6 +52,14 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if x.dtype == torch.bfloat16:
+            # A bf16 engine's weights are bf16 anyway (its float mode rounds the same
+            # decoded values once): expand the whole weight for this call and run the bf16
+            # matmul - AMX or AVX512-BF16 in oneDNN, several times fp32's rate - instead of
+            # fp32 tiles. The copy lives for the one call.
+            weight = self._decoded().to(torch.bfloat16)
+            out = F.linear(x.reshape(-1, self.in_features), weight)
+            return out.view(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).float()
         out = torch.empty(x2.shape[0], self.out_features)
         groups = self.in_features // self.group
@@ -62,6 +71,14 @@ class GroupedLinear(nn.Module):
                 tile = tile + self.offset[lo : lo + _ROWS_PER_TILE, :, None]
             out[:, lo : lo + q.shape[0]] = F.linear(x2, tile.reshape(q.shape[0], -1))
         return out.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def _decoded(self) -> torch.Tensor:
+        """The fp32 weight [N, K]: DecodedWeight.dequantize's arithmetic."""
+        groups = self.in_features // self.group
+        w = self.q.reshape(self.out_features, groups, self.group).float() * self.scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[..., None]
+        return w.reshape(self.out_features, self.in_features)
 
 
 class RowConcat(nn.Module):

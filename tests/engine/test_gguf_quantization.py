@@ -13,7 +13,12 @@ from model_fixtures import write_tiny_gguf
 from tokenmill.engine.gguf_convert import convert_gguf, hf_tensor_name
 from tokenmill.engine.quant import gguf_blocks, quantized_targets
 from tokenmill.engine.quant.gguf_blocks import BLOCK_FORMATS, decode
-from tokenmill.engine.quant.gguf_linear import RowConcat, check_gguf_blocks, gguf_module
+from tokenmill.engine.quant.gguf_linear import (
+    GroupedLinear,
+    RowConcat,
+    check_gguf_blocks,
+    gguf_module,
+)
 from tokenmill.engine.sampling_params import SamplingParams
 
 # Byte offsets of each format's f16 scale fields: random bytes there could be NaN or huge.
@@ -61,6 +66,24 @@ def test_fused_parts_in_different_formats_run_side_by_side():
     # fp32 sums of 512 products of random blocks' large values: rounding ~1e-5 relative.
     relative = (got[:, 16:] - want[:, 16:]).norm() / want[:, 16:].norm()
     assert float(relative) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_grouped_layers_in_bf16_compute_the_bf16_model_of_their_blocks(kind, rows):
+    """A bf16 engine's grouped layer is the bf16 linear of exactly its decoded weights,
+    rounded once to bf16 - the weights the float mode would hold - to the bit."""
+    blocks_per_row = 512 // (32 if kind in ("Q5_0", "Q8_0") else 256)
+    weight = decode(torch.from_numpy(random_blocks(kind, 48, blocks_per_row, 4)), kind)
+    layer = GroupedLinear(weight)
+    x = torch.randn(rows, 512).bfloat16()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+    want = torch.nn.functional.linear(x, weight.dequantize().bfloat16())
+    assert torch.equal(got, want)
+    # And near the exact product (bf16 weights and activations, fp32 sums).
+    exact = x.double() @ weight.dequantize().double().t()
+    assert float((got.double() - exact).norm() / exact.norm()) < 1e-2
 
 
 @pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
