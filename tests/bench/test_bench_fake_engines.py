@@ -152,3 +152,91 @@ def test_llamacpp_runner(monkeypatch, tmp_path):
     assert result.cached_prompt == [0, 3, 0]
     assert result.num_computed_prompt_tokens == 11 - 3
     assert all(t > 0 for t in result.ttft_s)
+
+
+# A stand-in llama-server: the same command line and HTTP API (/health, streamed
+# /completion with `timings`), recording its arguments and every request it served.
+_FAKE_SERVER = r"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+record = Path(__file__).with_suffix(".json")
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+served = []
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt, wanted = body["prompt"], body["n_predict"]
+        served.append(len(prompt))
+        record.write_text(json.dumps({"argv": argv, "served": served}))
+        cached = 3 if prompt[:3] == [5, 6, 7] and prompt[3:4] == [9] else 0
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for j in range(wanted):
+            chunk = {"tokens": [(sum(prompt) + j) % 50], "stop": False}
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        final = {"tokens": [], "stop": True,
+                 "timings": {"cache_n": cached, "prompt_n": len(prompt) - cached}}
+        self.wfile.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+
+
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def _fake_server(tmp_path):
+    path = tmp_path / "llama-server"
+    path.write_text(f"#!{sys.executable}\n{_FAKE_SERVER}")
+    path.chmod(0o755)
+    return path
+
+
+def test_llamacpp_server_runner_starts_the_server_with_the_slots_asked_for(tmp_path):
+    import json
+
+    from tokenmill.bench.run_llamacpp_server import run_llamacpp_server
+    from tokenmill.bench.workload import warmup_prompts
+
+    server = _fake_server(tmp_path)
+    options = {"gguf": "/models/x.gguf", "server": str(server), "parallel": 2}
+    result = run_llamacpp_server(_job(tmp_path, "llamacpp-server", options), WORKLOAD)
+    record = json.loads(server.with_suffix(".json").read_text())
+    argv = record["argv"]
+    assert argv[argv.index("-m") + 1] == "/models/x.gguf"
+    assert argv[argv.index("-np") + 1] == "2"
+    longest = max(len(p) + n for p, n in zip(WORKLOAD.prompt_ids, WORKLOAD.output_lens))
+    assert argv[argv.index("-c") + 1] == str(2 * (longest + 16))
+    # The warm-up prompts, then every request once.
+    assert len(record["served"]) == len(warmup_prompts(WORKLOAD)) + WORKLOAD.num_requests
+    assert result.output_ids == [_tokens(p, 3) for p in WORKLOAD.prompt_ids]
+    assert result.cached_prompt == [0, 3, 0]  # the server's own count (`timings`)
+    assert result.num_computed_prompt_tokens == 11 - 3
+    assert result.extra["parallel"] == 2
+    assert all(t > 0 for t in result.ttft_s)
+
+
+def test_llama_server_slots_reach_the_server_and_bad_counts_are_refused(tmp_path):
+    from tokenmill.bench.harness import BenchConfig
+    from tokenmill.bench.systems import baseline_systems
+
+    server = str(_fake_server(tmp_path))
+    (spec,), notes = baseline_systems(
+        ["llamacpp-server"], llama_server=server, llama_server_slots=4
+    )
+    assert notes == [] and spec.options["parallel"] == 4
+    (spec,), _ = baseline_systems(["llamacpp-server"], llama_server=server)
+    assert "parallel" not in spec.options  # the runner's default: one per request, <= 64
+    with pytest.raises(ValueError, match="llama_server_slots must be >= 1"):
+        BenchConfig(llama_server_slots=0)

@@ -51,6 +51,7 @@ class BenchConfig:
     vllm_python: str | None = None
     llamacpp_gguf: str | None = None
     llama_server: str | None = None  # llama-server binary for the llamacpp-server baseline
+    llama_server_slots: int | None = None  # its -np (None: one per request, at most 64)
     seed: int | None = None
     timeout_s: float = 1800.0  # per child process
     command: str = ""  # the command line, recorded in the report
@@ -58,6 +59,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.repeat < 1:
             raise ValueError("repeat must be >= 1")
+        if self.llama_server_slots is not None and self.llama_server_slots < 1:
+            raise ValueError("llama_server_slots must be >= 1")
         if not self.dtypes:
             raise ValueError("at least one tokenmill dtype is needed")
         for dtype in self.dtypes:
@@ -102,6 +105,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
         vllm_python=config.vllm_python,
         vllm_args=config.vllm_args,
         llama_server=config.llama_server,
+        llama_server_slots=config.llama_server_slots,
     )
     for note in notes:
         log(note)

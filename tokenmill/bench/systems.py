@@ -38,7 +38,8 @@ class SystemSpec:
     structured workload {"structured": True} (enforce its JSON schema) or
     {"output_lens_from": LABEL} (generate, EOS ignored, exactly as many tokens per request
     as system LABEL did earlier in the same round); hf: {"batch_size": N};
-    llamacpp: {"gguf": path}; llamacpp-server: {"gguf": path, "server": binary};
+    llamacpp: {"gguf": path}; llamacpp-server: {"gguf": path, "server": binary, "parallel":
+    slots (optional)};
     vllm: {"engine_args": {...}}.
     python: the interpreter that runs it (vLLM usually lives in its own environment).
     """
@@ -197,6 +198,7 @@ def baseline_systems(
     vllm_python: str | None = None,
     vllm_args: dict | None = None,
     llama_server: str | None = None,
+    llama_server_slots: int | None = None,
 ) -> tuple[list[SystemSpec], list[str]]:
     """The requested baselines that can run here, and a note for each that cannot.
 
@@ -206,6 +208,7 @@ def baseline_systems(
         vllm_python: interpreter with vLLM installed (default: this one).
         vllm_args: extra keyword arguments for vllm.LLM.
         llama_server: the llama-server binary (default: $TOKENMILL_LLAMA_SERVER).
+        llama_server_slots: its parallel slots (default: one per request, at most 64).
 
     Returns:
         (systems, notes about skipped baselines).
@@ -240,6 +243,8 @@ def baseline_systems(
                 )
                 continue
             options = {"gguf": llamacpp_gguf, "server": str(Path(binary).resolve())}
+            if llama_server_slots is not None:
+                options["parallel"] = llama_server_slots
             systems.append(SystemSpec(kind, kind, dtype, True, options))
         else:
             python = vllm_python or sys.executable

@@ -104,6 +104,12 @@ from tokenmill.pipelines.options import get_option
     default=None,
     help="llama-server binary for the llamacpp-server baseline (default: $TOKENMILL_LLAMA_SERVER).",
 )
+@click.option(
+    "--llama-server-slots",
+    type=click.IntRange(min=1),
+    default=None,
+    help="llama-server's parallel slots (-np; default: one per request, at most 64).",
+)
 @click.option("--seed", type=int, default=None, help="Override the preset's workload seed.")
 @click.option(
     "--timeout",
@@ -123,7 +129,8 @@ from tokenmill.pipelines.options import get_option
 def bench(
     preset, model, baselines, dtype, quantizations, kv_cache_dtypes, repeat, hf_batch_size, device,
     threads, engine_args,
-    vllm_args, vllm_python, llamacpp_gguf, llama_server, seed, timeout_s, json_path,
+    vllm_args, vllm_python, llamacpp_gguf, llama_server, llama_server_slots, seed, timeout_s,
+    json_path,
 ) -> None:  # fmt: skip
     """Benchmark tokenmill against baselines on the same prompts in one run.
 
@@ -153,6 +160,7 @@ def bench(
             vllm_python=vllm_python,
             llamacpp_gguf=llamacpp_gguf,
             llama_server=llama_server,
+            llama_server_slots=llama_server_slots,
             seed=seed,
             timeout_s=timeout_s,
             command=shlex.join(["tokenmill", *sys.argv[1:]]),
