@@ -5,13 +5,15 @@ what PyTorch's int4 CPU kernel computes (int4.py), so they run as Int4Linear: th
 for small calls, the weights expanded to bf16 for one bf16 matmul from int4.py's
 UNPACK_MIN_ROWS rows on. Its fast variant is bf16, so the fp16 scales and offsets are
 rounded to bf16 (relative 2^-9, against the 4-bit rounding of the weights themselves)
-and the rows must come in multiples of 16. The 5-, 6- and 8-bit formats (Q5_0, Q6_K, Q8_0), and 4-bit ones of
-other widths, keep their integers and per-group scales in memory and are expanded inside
-each product (GroupedLinear): in a bf16 engine the whole weight to bf16 for one bf16
-matmul, in fp32 a tile of rows at a time - the same values as the float mode's, a
-fraction of the memory, at about float's speed; no maintained kernel takes int8 weights
-with a scale per group. A fused projection whose parts differ in format (q, k
-and v; gate and up) runs one module per part and concatenates their outputs.
+and the rows must come in multiples of 16.
+
+The 5-, 6- and 8-bit formats (Q5_0, Q6_K, Q8_0), and 4-bit ones of other widths, keep
+their integers and per-group scales in memory and are expanded inside each product
+(GroupedLinear): in a bf16 engine the whole weight to bf16 for one bf16 matmul, in fp32
+a tile of rows at a time - the same values as the float mode's, a fraction of the
+memory, at about float's speed; no maintained kernel takes int8 weights with a scale per
+group. A fused projection whose parts differ in format (q, k and v; gate and up) runs
+one module per part and concatenates their outputs.
 """
 
 from __future__ import annotations

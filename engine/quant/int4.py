@@ -127,7 +127,7 @@ def _unpacks(packed: torch.Tensor, q: torch.Tensor) -> bool:
     if packed.shape != (n, k // 2) or not packed.is_contiguous():
         return False
     blocks = packed.view(n // block, k, block // 2)
-    halves = q.view(n // block, 2, block // 2, k).transpose(2, 3)  # [nb, half, k, j]
+    halves = q.reshape(n // block, 2, block // 2, k).transpose(2, 3)  # [nb, half, k, j]
     return bool(
         torch.equal((blocks & 15).to(q.dtype), halves[:, 0])
         and torch.equal((blocks >> 4).to(q.dtype), halves[:, 1])
