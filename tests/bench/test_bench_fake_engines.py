@@ -157,7 +157,7 @@ def test_llamacpp_runner(monkeypatch, tmp_path):
 # A stand-in llama-server: the same command line and HTTP API (/health, streamed
 # /completion with `timings`), recording its arguments and every request it served.
 _FAKE_SERVER = r"""
-import json, sys
+import json, os, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -165,6 +165,7 @@ record = Path(__file__).with_suffix(".json")
 argv = sys.argv[1:]
 port = int(argv[argv.index("--port") + 1])
 served = []
+lock = threading.Lock()  # requests arrive on several threads at once
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -178,8 +179,11 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         prompt, wanted = body["prompt"], body["n_predict"]
-        served.append(len(prompt))
-        record.write_text(json.dumps({"argv": argv, "served": served}))
+        with lock:  # one writer at a time, and the file replaced whole
+            served.append(len(prompt))
+            partial = record.with_suffix(".partial")
+            partial.write_text(json.dumps({"argv": argv, "served": served}))
+            os.replace(partial, record)
         cached = 3 if prompt[:3] == [5, 6, 7] and prompt[3:4] == [9] else 0
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
