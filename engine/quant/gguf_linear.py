@@ -59,28 +59,20 @@ class GroupedLinear(nn.Module):
             # decoded values once): expand the whole weight for this call and run the bf16
             # matmul - AMX or AVX512-BF16 in oneDNN, several times fp32's rate - instead of
             # fp32 tiles. The copy lives for the one call.
-            weight = self._decoded().to(torch.bfloat16)
+            weight = self._rows(0, self.out_features).to(torch.bfloat16)
             out = F.linear(x.reshape(-1, self.in_features), weight)
             return out.view(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).float()
         out = torch.empty(x2.shape[0], self.out_features)
-        groups = self.in_features // self.group
         for lo in range(0, self.out_features, _ROWS_PER_TILE):
-            q = self.q[lo : lo + _ROWS_PER_TILE]
-            tile = q.reshape(q.shape[0], groups, self.group).float()
-            tile = tile * self.scale[lo : lo + _ROWS_PER_TILE, :, None]
-            if self.offset is not None:
-                tile = tile + self.offset[lo : lo + _ROWS_PER_TILE, :, None]
-            out[:, lo : lo + q.shape[0]] = F.linear(x2, tile.reshape(q.shape[0], -1))
+            hi = min(lo + _ROWS_PER_TILE, self.out_features)
+            out[:, lo:hi] = F.linear(x2, self._rows(lo, hi))
         return out.to(x.dtype).view(*shape[:-1], self.out_features)
 
-    def _decoded(self) -> torch.Tensor:
-        """The fp32 weight [N, K]: DecodedWeight.dequantize's arithmetic."""
-        groups = self.in_features // self.group
-        w = self.q.reshape(self.out_features, groups, self.group).float() * self.scale[..., None]
-        if self.offset is not None:
-            w = w + self.offset[..., None]
-        return w.reshape(self.out_features, self.in_features)
+    def _rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Output rows [lo, hi) of the weight, decoded to fp32."""
+        offset = None if self.offset is None else self.offset[lo:hi]
+        return DecodedWeight(self.q[lo:hi], self.scale[lo:hi], offset, self.group).dequantize()
 
 
 class RowConcat(nn.Module):
