@@ -35,6 +35,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.workload import load_preset, warmup_prompts
+from tokenmill.engine.quant import linear_kinds
 
 # The integer units' peak multiply-adds per cycle over the bf16 units' (AMX: tdpbusd 1,024
 # against tdpbf16ps 512; AVX512: vpdpbusd 4 a lane against vdpbf16ps 2), also the weight
@@ -58,9 +59,10 @@ class LinearClock:
     def __init__(self, model: torch.nn.Module) -> None:
         self.seconds = 0.0
         timed: list[str] = []
+        kinds = linear_kinds()
         for name, module in model.model.layers.named_modules():
             # The outermost linear only: a GGUF RowConcat holds GroupedLinears.
-            if isinstance(module, _linear_kinds()) and not any(
+            if isinstance(module, kinds) and not any(
                 name.startswith(outer + ".") for outer in timed
             ):
                 module.forward = self._timed(module.forward)
@@ -78,15 +80,6 @@ class LinearClock:
                 self.seconds += time.perf_counter() - start
 
         return timed
-
-
-def _linear_kinds() -> tuple[type, ...]:
-    from tokenmill.engine.packed_linear import PackedLinear
-    from tokenmill.engine.quant.gguf_linear import GroupedLinear, RowConcat
-    from tokenmill.engine.quant.int4 import Int4Linear
-    from tokenmill.engine.quant.int8 import Int8Linear
-
-    return (torch.nn.Linear, PackedLinear, Int8Linear, Int4Linear, GroupedLinear, RowConcat)
 
 
 def run_round(llm: LLM, clock: LinearClock, prompts, params) -> Round:

@@ -131,14 +131,11 @@ def instrument(llm: LLM, clock: StageClock) -> list[str]:
         return missing
     clock.hook_module(model, "model: other ops (embedding, norms, rotary, activation, residual)")
     lm_head = getattr(model, "lm_head", None)
-    from tokenmill.engine.packed_linear import PackedLinear
-    from tokenmill.engine.quant.gguf_linear import GroupedLinear, RowConcat
-    from tokenmill.engine.quant.int4 import Int4Linear
-    from tokenmill.engine.quant.int8 import Int8Linear
+    from tokenmill.engine.quant import linear_kinds
 
-    linear_kinds = (torch.nn.Linear, PackedLinear, Int8Linear, Int4Linear, GroupedLinear, RowConcat)
+    kinds = linear_kinds()
     for module in model.modules():
-        if isinstance(module, linear_kinds):
+        if isinstance(module, kinds):
             stage = "lm_head (logits)" if module is lm_head else "model: linear layers"
             clock.hook_module(module, stage)
     if lm_head is None:

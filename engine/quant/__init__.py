@@ -91,6 +91,18 @@ def quantized_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]
     ]
 
 
+def linear_kinds() -> tuple[type, ...]:
+    """Every module class that computes a linear layer in a model the engine builds:
+    float (nn.Linear, oneDNN's PackedLinear) and each quantization's. A GGUF RowConcat
+    holds GroupedLinear or Int4Linear parts."""
+    from tokenmill.engine.packed_linear import PackedLinear
+    from tokenmill.engine.quant.gguf_linear import GroupedLinear, RowConcat
+    from tokenmill.engine.quant.int4 import Int4Linear
+    from tokenmill.engine.quant.int8 import Int8Linear
+
+    return (nn.Linear, PackedLinear, Int8Linear, Int4Linear, GroupedLinear, RowConcat)
+
+
 def quantize_model(
     model: nn.Module, quantization: str, model_dir: Path, *, dtype: torch.dtype
 ) -> int:
