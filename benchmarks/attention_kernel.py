@@ -27,19 +27,19 @@ import time
 import numpy as np
 import torch
 
-from tokenmill.engine.attention import (
-    AttentionMetadata,
-    PrefillSpan,
-    _decode_attention,
-    _prefill_span_attention,
-)
 from tokenmill.engine.kernels.paged_attention import (
     AttentionEntries,
     kv_int8_head_bytes,
     native_paged_attention,
     write_kv_cache,
 )
-from tokenmill.engine.shared_prefix import group_shared_prefixes
+from tokenmill.engine.worker.attention.portable import (
+    AttentionMetadata,
+    PrefillSpan,
+    _decode_attention,
+    _prefill_span_attention,
+)
+from tokenmill.engine.worker.attention.shared_prefix import group_shared_prefixes
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 PREFILL = [(512, 512), (256, 512), (300, 556), (948, 2048), (400, 400), (5, 261)]

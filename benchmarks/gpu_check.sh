@@ -62,7 +62,7 @@ resolve_model() {
     [[ -n "${MODEL_DIR:-}" ]] && return 0
     if ! MODEL_DIR=$("$PYTHON" -c "
 import sys
-from tokenmill.engine.model_files import resolve_model
+from tokenmill.engine.loader.model_files import resolve_model
 print(resolve_model(sys.argv[1] if len(sys.argv) > 1 else None))" ${MODEL:+"$MODEL"} 2>"$OUT_DIR/model.err"); then
         log "no model: $(tail -1 "$OUT_DIR/model.err")"; exit 2
     fi

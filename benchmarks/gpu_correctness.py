@@ -23,8 +23,8 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.workload import load_preset
-from tokenmill.engine.model_files import resolve_model
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.engine.loader.model_files import resolve_model
+from tokenmill.engine.loader.tokenizer import Tokenizer
 
 _QUESTIONS = [
     "What is the capital of France?",

@@ -175,8 +175,8 @@ class Vocab:
 def smollm2_vocab() -> Vocab:
     from tokenizers import Tokenizer
 
-    from tokenmill.engine.model_files import resolve_model
-    from tokenmill.engine.tokenizer import Tokenizer as EngineTokenizer
+    from tokenmill.engine.loader.model_files import resolve_model
+    from tokenmill.engine.loader.tokenizer import Tokenizer as EngineTokenizer
 
     model_dir = resolve_model(None)
     path = model_dir / "tokenizer.json"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import attention_kernel  # noqa: E402
 
-from tokenmill.engine import host_memory  # noqa: E402
+from tokenmill.engine.worker import host_memory  # noqa: E402
 
 
 def _on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ def _scatter_free_blocks(llm, seed: int) -> None:
 def engine(quantization: str | None, rounds: int, scattered: bool) -> None:
     from tokenmill import LLM, SamplingParams
     from tokenmill.bench.workload import load_preset, warmup_prompts
-    from tokenmill.engine import attention as engine_attention
+    from tokenmill.engine.worker.attention import portable as engine_attention
 
     # The attention calls of decode-only steps (64 query rows at most), timed apart: they
     # are what the pages change, a quarter of a run, and less noisy than the whole.

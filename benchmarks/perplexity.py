@@ -34,8 +34,8 @@ MODES = {
 
 
 def token_ids(model: str | None) -> list[int]:
-    from tokenmill.engine.model_files import resolve_model
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.engine.loader.model_files import resolve_model
+    from tokenmill.engine.loader.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(resolve_model(model))
     return tokenizer.encode_batch([TEXT.read_text(encoding="utf-8")])[0]
@@ -79,7 +79,7 @@ def score_transformers(model: str | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.engine.model_files import resolve_model
+    from tokenmill.engine.loader.model_files import resolve_model
 
     ids = token_ids(model)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32).eval()

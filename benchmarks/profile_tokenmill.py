@@ -26,7 +26,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.workload import PRESETS, load_preset, warmup_prompts
-from tokenmill.engine.kv_cache import KV_CACHE_DTYPES
+from tokenmill.engine.worker.kv_cache import KV_CACHE_DTYPES
 
 
 class StageClock:
@@ -141,7 +141,7 @@ def instrument(llm: LLM, clock: StageClock) -> list[str]:
     if lm_head is None:
         missing.append("lm_head (logits)")
     # The attention function is imported by name into each model module: wrap it there.
-    from tokenmill.engine import attention
+    from tokenmill.engine.worker.attention import portable as attention
 
     original = getattr(attention, "paged_attention", None)
     wrapped = clock.wrap("model: attention (cache write and attention)", original)

@@ -64,8 +64,8 @@ def _time(fn: Callable[[], object], min_seconds: float = 0.05) -> float:
 def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], object]]:
     """name -> fn(x_fp32) for every kernel this build has, weight [N, K] fp32."""
     from tokenmill.engine.kernels import int8_linear as native_int8
-    from tokenmill.engine.packed_linear import PackedLinear
     from tokenmill.engine.quant import int4, int8
+    from tokenmill.engine.quant.packed_linear import PackedLinear
 
     n, k = weight.shape
     out: dict[str, Callable] = {}

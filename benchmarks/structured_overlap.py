@@ -23,7 +23,7 @@ import time
 from tokenmill import LLM, SamplingParams, StructuredOutputs
 from tokenmill.bench.extract import EXTRACT_SCHEMA, build_extract_workload
 from tokenmill.engine import grammar
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.core.llm_engine import LLMEngine
 
 
 def main() -> None:

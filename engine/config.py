@@ -251,6 +251,6 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
-        from tokenmill.engine.kv_cache import validate_kv_cache_dtype
+        from tokenmill.engine.worker.kv_cache import validate_kv_cache_dtype
 
         validate_kv_cache_dtype(self.kv_cache_dtype)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.engine.config import EngineConfig, resolve_dtype
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -60,9 +60,9 @@ class LLM:
         overlap_steps: bool | None = None,
         cuda_graphs: bool | None = None,
     ) -> None:
-        from tokenmill.engine.hub import snapshot_revision
-        from tokenmill.engine.model_files import display_name, resolve_model
-        from tokenmill.engine.tokenizer import Tokenizer
+        from tokenmill.engine.loader.hub import snapshot_revision
+        from tokenmill.engine.loader.model_files import display_name, resolve_model
+        from tokenmill.engine.loader.tokenizer import Tokenizer
 
         # Validated (quantization and kv_cache_dtype names included) before a model is
         # looked up or converted.

@@ -6,7 +6,7 @@
     make_task_runner(ray_address=ADDR)      a Ray cluster (`ray://host:10001`, or "auto")
 
 Each worker process loads the engine once, on its first shard, and keeps it (see
-`engine/llm_cache.py`). A worker runs one shard at a time (`threads_per_worker=1`): a shard
+`pipelines/shared_llm.py`). A worker runs one shard at a time (`threads_per_worker=1`): a shard
 is already a full batch for the engine, and two on one device would only compete.
 
 One worker per GPU

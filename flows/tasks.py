@@ -28,10 +28,10 @@ from prefect.exceptions import MissingContextError
 from prefect.runtime import task_run
 
 from tokenmill.connectors.fs import redact_url
-from tokenmill.engine import llm_cache
 from tokenmill.flows.artifacts import publish_ledger
 from tokenmill.flows.retries import RETRY_DELAYS_S, retry_shard, retry_transient
 from tokenmill.pipelines import output as out
+from tokenmill.pipelines import shared_llm as llm_cache
 from tokenmill.pipelines.finalizing import finalize_job
 from tokenmill.pipelines.ledger import JobLedger
 from tokenmill.pipelines.plan import Shard
@@ -113,7 +113,7 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
         job_id: the plan's job id (a parameter so that the task run's name shows it).
     """
     # One engine per worker process, loaded on its first shard and reused by the rest
-    # (engine/llm_cache.py); the lock keeps this process's shard tasks from generating
+    # (pipelines/shared_llm.py); the lock keeps this process's shard tasks from generating
     # at once, since the engine is not thread-safe.
     engine = llm_cache.get_llm(**plan.spec.llm_options)
     if engine.weights_hash != plan.weights_hash:

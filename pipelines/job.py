@@ -100,7 +100,7 @@ def run_job(
         pending = [s for s in plan.shards if s.shard_id not in done]
         llm_lock: Any = nullcontext()
         if pending and llm is None:
-            from tokenmill.engine.llm_cache import get_llm
+            from tokenmill.pipelines.shared_llm import get_llm
 
             shared = get_llm(**spec.llm_options)
             llm, llm_lock = shared.llm, shared.lock

@@ -163,7 +163,7 @@ def _run(
     check_passthrough(passthrough, task=task)
     lock: Any = nullcontext()
     if llm is None:
-        from tokenmill.engine.llm_cache import get_llm
+        from tokenmill.pipelines.shared_llm import get_llm
 
         shared = get_llm(**llm_options(values))
         llm, lock = shared.llm, shared.lock

@@ -49,11 +49,11 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from tokenmill.engine.aliases import DEFAULT_MODEL
-from tokenmill.engine.kv_cache import KV_CACHE_DTYPES
+from tokenmill.engine.loader.aliases import DEFAULT_MODEL
 from tokenmill.engine.quant import QUANTIZATIONS
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.engine.worker.kv_cache import KV_CACHE_DTYPES
 from tokenmill.pipelines.option_types import (
     BATCH,
     BOOL,

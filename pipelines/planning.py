@@ -22,12 +22,16 @@ import pyarrow as pa
 from tokenmill.connectors import open_source, redact_url
 from tokenmill.connectors.fingerprint import first_difference
 from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.describe import ModelDescription, describe_model, name_with_revision
 from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
+from tokenmill.pipelines.model_description import (
+    ModelDescription,
+    describe_model,
+    name_with_revision,
+)
 from tokenmill.pipelines.plan import PlannedShard, Shard, job_id, plan_shards
 from tokenmill.pipelines.reading import Window, read_windows
 from tokenmill.pipelines.spec import ConstraintCheck, JobSpec, ParamsTable

@@ -23,7 +23,7 @@ so the conversation is scored as given. A prompt of one token has nothing to sco
 becomes an error row before compute.
 
 Cost. The engine computes prompt log-probabilities itself rather than serving them
-from the prefix cache (`engine/prompt_logprobs.py`), so every prompt token of a
+from the prefix cache (`engine/worker/prompt_logprobs.py`), so every prompt token of a
 scoring row is computed, and billed at the input price: `cached_tokens` is 0.
 """
 

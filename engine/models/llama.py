@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.engine.attention import AttentionMetadata, paged_attention
 from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.layers import GatedMLP, RMSNorm, rotary_qkv
+from tokenmill.engine.models.layers import GatedMLP, RMSNorm, rotary_qkv
+from tokenmill.engine.worker.attention.portable import AttentionMetadata, paged_attention
 
 
 class LlamaAttention(nn.Module):

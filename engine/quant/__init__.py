@@ -95,10 +95,10 @@ def linear_kinds() -> tuple[type, ...]:
     """Every module class that computes a linear layer in a model the engine builds:
     float (nn.Linear, oneDNN's PackedLinear) and each quantization's. A GGUF RowConcat
     holds GroupedLinear or Int4Linear parts."""
-    from tokenmill.engine.packed_linear import PackedLinear
     from tokenmill.engine.quant.gguf_linear import GroupedLinear, RowConcat
     from tokenmill.engine.quant.int4 import Int4Linear
     from tokenmill.engine.quant.int8 import Int8Linear
+    from tokenmill.engine.quant.packed_linear import PackedLinear
 
     return (nn.Linear, PackedLinear, Int8Linear, Int4Linear, GroupedLinear, RowConcat)
 
@@ -111,7 +111,7 @@ def quantize_model(
     Returns:
         Bytes the quantized layers' weights take (for the memory report).
     """
-    from tokenmill.engine.layers import GatedMLP
+    from tokenmill.engine.models.layers import GatedMLP
     from tokenmill.engine.quant.int4 import Int4Linear
     from tokenmill.engine.quant.int8 import Int8Linear
 

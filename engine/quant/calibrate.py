@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tokenmill.engine.kv_cache import allocate_kv_cache
-from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.core.step import ScheduledChunk, SchedulerOutput, Sequence
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.worker.kv_cache import allocate_kv_cache
+from tokenmill.engine.worker.model_runner import ModelRunner
 
 SMOOTHING_ALPHA = 0.5
 MAX_CALIBRATION_TOKENS = 512
@@ -36,7 +35,7 @@ _BLOCK_SIZE = 16
 def calibration_token_ids(model_dir: Path, vocab_size: int) -> list[int]:
     """The built-in calibration text, tokenized by the model's own tokenizer (a model
     directory without one, as in tests, gets seeded random ids instead)."""
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.engine.loader.tokenizer import Tokenizer
 
     if not (Path(model_dir) / "tokenizer.json").is_file():
         generator = torch.Generator().manual_seed(0)

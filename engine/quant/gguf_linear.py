@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokenmill.engine.quant import gguf_blocks
-from tokenmill.engine.quant.gguf_blocks import BLOCK_FORMATS, DecodedWeight
+from tokenmill.engine.loader import gguf_blocks
+from tokenmill.engine.loader.gguf_blocks import BLOCK_FORMATS, DecodedWeight
 from tokenmill.engine.quant.int4 import Int4Linear
 
 INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")

@@ -17,7 +17,7 @@ from tokenmill.bench.extract import (
 )
 from tokenmill.bench.systems import Job, tokenmill_systems
 from tokenmill.bench.workload import Workload, load_preset
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.engine.loader.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

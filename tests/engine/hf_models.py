@@ -133,8 +133,8 @@ def save_char_tokenizer(out_dir: Path, vocab_size: int = 256, eos_token: str | N
 def make_engine(model_dir: Path, **config):
     """A small fp32 CPU engine over model_dir (block_size 4 so block edges are exercised)."""
     from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.engine.core.llm_engine import LLMEngine
+    from tokenmill.engine.loader.tokenizer import Tokenizer
 
     settings = dict(block_size=4, kv_cache_memory=8 << 20, max_num_batched_tokens=64)
     settings.update(config)

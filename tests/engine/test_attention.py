@@ -12,8 +12,7 @@ import pytest
 import torch
 from hf_models import build_hf_model, hf_greedy, make_engine, run_all
 
-from tokenmill.engine import attention, kernels
-from tokenmill.engine.attention import gather_key_blocks, gather_value_blocks
+from tokenmill.engine import kernels
 from tokenmill.engine.kernels import native_library, paged_attention
 from tokenmill.engine.kernels.paged_attention import (
     AttentionEntries,
@@ -23,7 +22,9 @@ from tokenmill.engine.kernels.paged_attention import (
     write_kv_cache,
 )
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.shared_prefix import group_shared_prefixes
+from tokenmill.engine.worker.attention import portable as attention
+from tokenmill.engine.worker.attention.portable import gather_key_blocks, gather_value_blocks
+from tokenmill.engine.worker.attention.shared_prefix import group_shared_prefixes
 
 
 @pytest.fixture(autouse=True, scope="module")

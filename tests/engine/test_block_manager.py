@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-import tokenmill.engine.block_manager as bm_module
-from tokenmill.engine.block_manager import BlockManager
+import tokenmill.engine.core.block_manager as bm_module
+from tokenmill.engine.core.block_manager import BlockManager
+from tokenmill.engine.core.step import Sequence
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.sequence import Sequence
 
 _ids = iter(range(10**6))
 

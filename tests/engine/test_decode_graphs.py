@@ -12,8 +12,8 @@ import random
 import pytest
 from hf_models import build_hf_model, make_engine, run_all
 
-from tokenmill.engine.cuda.decode_graphs import DecodeGraphs
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 
 
 class EagerReplay(DecodeGraphs):

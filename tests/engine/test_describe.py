@@ -11,17 +11,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_model import build_tiny_model
 
-from tokenmill.engine import model_files, weights
 from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.describe import describe_model
-from tokenmill.engine.model_files import (
+from tokenmill.engine.loader import model_files, weights
+from tokenmill.engine.loader.model_files import (
     DEFAULT_MODEL,
     ModelFilesError,
     display_name,
     weight_files,
     weights_hash,
 )
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.engine.loader.tokenizer import Tokenizer
+from tokenmill.pipelines.model_description import describe_model
 
 INDEX = "model.safetensors.index.json"
 

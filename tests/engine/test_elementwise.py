@@ -11,9 +11,9 @@ import torch
 from hf_models import build_hf_model, hf_greedy, make_engine, run_all
 from torch.nn import functional as F
 
-from tokenmill.engine import layers
 from tokenmill.engine.kernels import elementwise
-from tokenmill.engine.layers import RMSNorm, apply_rotary
+from tokenmill.engine.models import layers
+from tokenmill.engine.models.layers import RMSNorm, apply_rotary
 from tokenmill.engine.sampling_params import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -224,7 +224,7 @@ def test_both_paths_match_transformers(kind, fused, tmp_path, monkeypatch):
 
 def bf16_run(model_dir, fused: bool, monkeypatch) -> list:
     from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.core.llm_engine import LLMEngine
 
     with monkeypatch.context() as patch:
         if not fused:

@@ -89,7 +89,7 @@ def test_gemma3_gguf_converts_to_the_hf_weights_and_tokens(tmp_path):
     from model_fixtures import sentencepiece_vocab, write_sentencepiece_gguf
     from safetensors.torch import load_file
 
-    from tokenmill.engine.gguf_convert import convert_gguf
+    from tokenmill.engine.loader.gguf_convert import convert_gguf
 
     vocab_size = len(sentencepiece_vocab("gemma3")[0])
     # llama.cpp's layout for Gemma 3: every 6th layer global, query scale from head_dim.
@@ -134,9 +134,9 @@ def test_gemma3_270m_greedy_tokens_equal_transformers_on_the_gguf(tmp_path):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from tokenmill.engine.gguf_convert import convert_gguf
     from tokenmill.engine.llm import LLM
-    from tokenmill.engine.model_files import ALIASES, alias_gguf_path
+    from tokenmill.engine.loader.gguf_convert import convert_gguf
+    from tokenmill.engine.loader.model_files import ALIASES, alias_gguf_path
 
     gguf_path = alias_gguf_path(ALIASES["gemma3-270m"])
     config = transformers.AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

@@ -24,13 +24,13 @@ from model_fixtures import (  # noqa: E402
     write_tiny_gguf,
 )
 
-from tokenmill.engine.gguf_convert import (  # noqa: E402
+from tokenmill.engine.loader.gguf_convert import (  # noqa: E402
     CONVERSION_RECORD,
     convert_gguf,
     hf_tensor_name,
     unpermute_qk,
 )
-from tokenmill.engine.model_files import ModelFilesError  # noqa: E402
+from tokenmill.engine.loader.model_files import ModelFilesError  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -133,7 +133,7 @@ def test_k_quant_tensors_use_gguf_dequantize(tmp_path, quant_type):
     writer.write_tensors_to_file()
     writer.close()
 
-    from tokenmill.engine.gguf_convert import convert_tensors
+    from tokenmill.engine.loader.gguf_convert import convert_tensors
 
     reader = gguf.GGUFReader(tmp_path / "k.gguf")
     tensors = convert_tensors(reader, {"model_type": "llama"}, torch.float32)
@@ -197,7 +197,7 @@ def test_refuses_non_empty_output_dir(tmp_path):
 
 def test_tiny_tokenizer_matches_transformers_gguf_tokenizer(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.engine.loader.tokenizer import Tokenizer
 
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
     ours = Tokenizer.from_dir(convert_gguf(tiny.path, tmp_path / "out"))

@@ -10,9 +10,10 @@ import torch
 from hf_models import make_engine, run_all
 from model_fixtures import write_tiny_gguf
 
-from tokenmill.engine.gguf_convert import convert_gguf, hf_tensor_name
-from tokenmill.engine.quant import gguf_blocks, quantized_targets
-from tokenmill.engine.quant.gguf_blocks import BLOCK_FORMATS, decode
+from tokenmill.engine.loader import gguf_blocks
+from tokenmill.engine.loader.gguf_blocks import BLOCK_FORMATS, decode
+from tokenmill.engine.loader.gguf_convert import convert_gguf, hf_tensor_name
+from tokenmill.engine.quant import quantized_targets
 from tokenmill.engine.quant.gguf_linear import (
     GroupedLinear,
     RowConcat,

@@ -9,14 +9,14 @@ import pytest
 from gguf import GGUFReader
 from model_fixtures import write_sentencepiece_gguf
 
-from tokenmill.engine.gguf_convert import read_metadata
-from tokenmill.engine.gguf_tokenizer import (
+from tokenmill.engine.loader.gguf_convert import read_metadata
+from tokenmill.engine.loader.gguf_tokenizer import (
     build_generation_config,
     build_tokenizer,
     build_tokenizer_config,
     merges_from_vocab,
 )
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.engine.loader.tokenizer import Tokenizer
 
 TRICKY = [
     "Hello world",
@@ -96,7 +96,7 @@ def test_merges_rank_by_score_then_longer_left_part():
 def test_gemma3_270m_vocabulary_encodes_as_transformers():
     """The real 262,144-token Gemma 3 vocabulary, on the same tricky text."""
     transformers = pytest.importorskip("transformers")
-    from tokenmill.engine.model_files import ALIASES, alias_gguf_path
+    from tokenmill.engine.loader.model_files import ALIASES, alias_gguf_path
 
     path = alias_gguf_path(ALIASES["gemma3-270m"])
     ours = build_tokenizer(read_metadata(GGUFReader(path)))

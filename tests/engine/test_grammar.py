@@ -15,8 +15,8 @@ from tokenmill.engine.grammar import (
     _closed_objects,
     apply_token_bitmask,
 )
+from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.structured_outputs import StructuredOutputs
-from tokenmill.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

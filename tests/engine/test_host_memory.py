@@ -17,7 +17,7 @@ import pytest
 _PROBE = """
 import json, resource
 import torch
-from tokenmill.engine.host_memory import keep_large_allocations_mapped
+from tokenmill.engine.worker.host_memory import keep_large_allocations_mapped
 applied = keep_large_allocations_mapped()
 torch.set_num_threads(1)  # one malloc arena, so the count does not depend on scheduling
 def step():
@@ -67,7 +67,7 @@ def test_freed_activations_are_reused_instead_of_faulted_again():
 # some of its range must come back backed by them (smaps' AnonHugePages for its mapping).
 _HUGE_PROBE = """
 import json, torch
-from tokenmill.engine.host_memory import HUGE_PAGE_BYTES, asks_for_huge_pages, huge_page_zeros
+from tokenmill.engine.worker.host_memory import HUGE_PAGE_BYTES, asks_for_huge_pages, huge_page_zeros
 def huge_kb(t):
     # AnonHugePages of the mapping that holds t
     start, total, inside = t.data_ptr(), 0, False

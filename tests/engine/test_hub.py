@@ -15,8 +15,8 @@ from model_fixtures import fill_hf_cache, model_dir_files
 from tiny_model import CHATML_TEMPLATE, build_tiny_model
 
 from tokenmill.cli import main
-from tokenmill.engine import hub
-from tokenmill.engine.model_files import (
+from tokenmill.engine.loader import hub
+from tokenmill.engine.loader.model_files import (
     ALIASES,
     ModelFilesError,
     list_models,
@@ -24,7 +24,7 @@ from tokenmill.engine.model_files import (
     resolve_model,
     weights_hash,
 )
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.engine.loader.tokenizer import Tokenizer
 
 REPO = "acme/tiny-chat"
 
@@ -205,7 +205,9 @@ def test_hf_home_is_honoured_in_a_fresh_process(hub_cache, tiny_files):
     commit = fill_hf_cache(hub_cache, REPO, tiny_files)
     env = dict(os.environ, HF_HOME=str(hub_cache.parent), HF_HUB_OFFLINE="1")
     env.pop("HF_HUB_CACHE", None)
-    code = "from tokenmill.engine.model_files import resolve_model; print(resolve_model('%s'))"
+    code = (
+        "from tokenmill.engine.loader.model_files import resolve_model; print(resolve_model('%s'))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code % REPO], env=env, capture_output=True, text=True, check=True
     )

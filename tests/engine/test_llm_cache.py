@@ -8,8 +8,8 @@ import threading
 import pytest
 from tiny_model import build_tiny_model
 
-from tokenmill.engine import llm_cache
-from tokenmill.engine.llm_cache import call_key, get_llm
+from tokenmill.pipelines import shared_llm as llm_cache
+from tokenmill.pipelines.shared_llm import call_key, get_llm
 
 ENGINE = {"dtype": "float32", "kv_cache_memory": 8 << 20}
 

@@ -15,10 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model
 
 from model_fixtures import write_tiny_gguf  # noqa: E402
 
-from tokenmill.engine import model_files  # noqa: E402
 from tokenmill.engine.config import ModelConfig  # noqa: E402
-from tokenmill.engine.gguf_convert import CONVERSION_RECORD, CONVERTER_VERSION  # noqa: E402
-from tokenmill.engine.model_files import (  # noqa: E402
+from tokenmill.engine.loader import model_files  # noqa: E402
+from tokenmill.engine.loader.gguf_convert import CONVERSION_RECORD, CONVERTER_VERSION  # noqa: E402
+from tokenmill.engine.loader.model_files import (  # noqa: E402
     ALIASES,
     DEFAULT_MODEL,
     ModelFilesError,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tokenmill.engine.packed_linear import (
+from tokenmill.engine.quant.packed_linear import (
     PackedLinear,
     onednn_linear_available,
     pack_linear_layers,

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model
 
 from model_fixtures import converted_smollm2_dir, smollm2_gguf_path  # noqa: E402
 
-from tokenmill.engine.model_files import ModelFilesError  # noqa: E402
+from tokenmill.engine.loader.model_files import ModelFilesError  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",

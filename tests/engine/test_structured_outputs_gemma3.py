@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from tokenmill import LLM, SamplingParams, StructuredOutputs
-from tokenmill.engine.model_files import ModelFilesError
+from tokenmill.engine.loader.model_files import ModelFilesError
 
 pytestmark = pytest.mark.slow
 

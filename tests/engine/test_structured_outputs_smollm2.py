@@ -15,7 +15,7 @@ from model_fixtures import converted_smollm2_dir, smollm2_gguf_path
 
 from tokenmill import LLM, SamplingParams, StructuredOutputs
 from tokenmill.bench.extract import EXTRACT_SCHEMA, extract_prompts
-from tokenmill.engine.model_files import ModelFilesError
+from tokenmill.engine.loader.model_files import ModelFilesError
 
 PERSON = {
     "type": "object",

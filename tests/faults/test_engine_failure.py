@@ -8,7 +8,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.faults import FaultInjected
 from tokenmill.pipelines.engine_failures import EngineBrokenError
 from tokenmill.pipelines.job import run_job

@@ -15,8 +15,8 @@ import pytest
 from store_fixtures import _isolated_cache  # noqa: F401 - fixture
 from tiny_model import build_tiny_model
 
-from tokenmill.engine.chat_sandbox import MAX_RENDER_SECONDS, ChatTemplateLimit
-from tokenmill.engine.tokenizer import Tokenizer, compile_chat_template
+from tokenmill.engine.loader.chat_sandbox import MAX_RENDER_SECONDS, ChatTemplateLimit
+from tokenmill.engine.loader.tokenizer import Tokenizer, compile_chat_template
 from tokenmill.pipelines.job import run_job
 from tokenmill.pipelines.output import read_results
 
@@ -31,7 +31,7 @@ FILE_READS = {
     "import": "{% import '/etc/passwd' as x %}{{ x }}",
     "extends": "{% extends '/etc/passwd' %}",
 }
-# Each would take gigabytes (or hours) without the limits in engine/chat_sandbox.py.
+# Each would take gigabytes (or hours) without the limits in engine/loader/chat_sandbox.py.
 BOMBS = {
     "range": "{% for i in range(10**9) %}x{% endfor %}",
     "repeat": "{{ 'x' * 10**10 }}",
@@ -102,8 +102,8 @@ def test_peak_memory_of_all_bombs_stays_small():
     script = textwrap.dedent(
         f"""
         import json, resource
-        from tokenmill.engine.tokenizer import compile_chat_template
-        from tokenmill.engine.chat_sandbox import render_limited
+        from tokenmill.engine.loader.tokenizer import compile_chat_template
+        from tokenmill.engine.loader.chat_sandbox import render_limited
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         refused = 0
         for source in {list(BOMBS.values())!r}:

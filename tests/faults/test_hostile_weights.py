@@ -16,7 +16,7 @@ from store_fixtures import _isolated_cache  # noqa: F401 - fixture
 from tiny_model import build_tiny_model
 
 from tokenmill.engine.llm import LLM
-from tokenmill.engine.model_files import ModelFilesError
+from tokenmill.engine.loader.model_files import ModelFilesError
 from tokenmill.pipelines.job import run_job
 
 PICKLED_NAMES = ["pytorch_model.bin", "model.pt", "weights.pth", "model.ckpt"]

@@ -57,7 +57,7 @@ class KillWorkerMidShard(WorkerPlugin):
 
 def _kill_inside_shard(timeout_s: float = 60.0) -> None:
     """SIGKILL this process as soon as a shard holds the engine lock (is in run_shard)."""
-    from tokenmill.engine import llm_cache
+    from tokenmill.pipelines import shared_llm as llm_cache
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -13,7 +13,7 @@ from flow_helpers import ENGINE, prompt_rows
 from prefect import get_client
 from prefect.exceptions import ObjectNotFound
 
-from tokenmill.engine.tokenizer import Tokenizer
+from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.flows import FLOW_NAME
 
 pytestmark = pytest.mark.integration

@@ -9,9 +9,9 @@ import pytest
 from flow_helpers import ENGINE
 
 from tokenmill.connectors import SourceError
-from tokenmill.engine import llm_cache
 from tokenmill.flows.tasks import plan_task, prepare_output_task, shard_task
 from tokenmill.pipelines import output as out
+from tokenmill.pipelines import shared_llm as llm_cache
 from tokenmill.pipelines.spec import JobSpec
 
 
@@ -83,7 +83,7 @@ def test_tasks_pass_a_plan_of_shard_names_not_rows(jsonl_input, tmp_path, tiny_m
 def test_prompts_follow_the_one_prompt_rule(jsonl_input, tmp_path, tiny_model, raw):
     from flow_helpers import prompt_rows
 
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.engine.loader.tokenizer import Tokenizer
     from tokenmill.pipelines.planning import load_shard
     from tokenmill.pipelines.spill import shard_rows
 

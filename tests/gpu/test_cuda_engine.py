@@ -11,7 +11,7 @@ import torch
 from hf_models import build_hf_model, run_all
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu

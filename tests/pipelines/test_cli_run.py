@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from tokenmill.cli import main
 from tokenmill.cli.options import parse_key_values
-from tokenmill.engine import llm_cache
 from tokenmill.pipelines import job as job_mod
+from tokenmill.pipelines import shared_llm as llm_cache
 from tokenmill.pipelines.output import read_results
 
 ENGINE = ["--engine-option", f"kv_cache_memory={8 << 20}", "--dtype", "float32"]

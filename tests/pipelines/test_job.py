@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tokenmill.connectors import SourceError
-from tokenmill.engine import llm_cache
 from tokenmill.pipelines import planning
+from tokenmill.pipelines import shared_llm as llm_cache
 from tokenmill.pipelines.job import (
     finalize_job,
     load_shard,

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 
 import tokenmill
-from tokenmill.engine import llm_cache
+from tokenmill.pipelines import shared_llm as llm_cache
 from tokenmill.pipelines.notebook import generate, to_arrow
 
 ENGINE = {"kv_cache_memory": 8 << 20}

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model
 from model_fixtures import converted_smollm2_dir  # noqa: E402
 
 import tokenmill  # noqa: E402
-from tokenmill.engine.model_files import ModelFilesError  # noqa: E402
+from tokenmill.engine.loader.model_files import ModelFilesError  # noqa: E402
 
 SENTENCES = [
     "The cat sat on the mat and looked out of the window at the birds.",

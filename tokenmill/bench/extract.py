@@ -137,7 +137,7 @@ def build_extract_workload(
         The Workload, with `json_schema` set to EXTRACT_SCHEMA.
     """
     from tokenmill.bench.workload import Workload
-    from tokenmill.engine.tokenizer import Tokenizer
+    from tokenmill.engine.loader.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
     texts = [

@@ -175,7 +175,7 @@ def measure_matmul_peak(
     """
     import torch
 
-    from tokenmill.engine.packed_linear import onednn_linear_available
+    from tokenmill.engine.quant.packed_linear import onednn_linear_available
 
     torch_dtype = getattr(torch, dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

@@ -70,7 +70,7 @@ class BenchConfig:
 
         for quantization in self.quantizations:
             validate_name(quantization)
-        from tokenmill.engine.kv_cache import validate_kv_cache_dtype
+        from tokenmill.engine.worker.kv_cache import validate_kv_cache_dtype
 
         for kv_cache_dtype in self.kv_cache_dtypes:
             validate_kv_cache_dtype(kv_cache_dtype)
@@ -93,7 +93,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
     Returns:
         The report (its systems in run order: tokenmill first, then the baselines).
     """
-    from tokenmill.engine.model_files import resolve_model
+    from tokenmill.engine.loader.model_files import resolve_model
 
     code_at_start = source_version()
     model_dir = str(resolve_model(config.model))

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.hub import snapshot_revision
-from tokenmill.engine.model_files import display_name, resolve_model, weights_hash
-from tokenmill.engine.tokenizer import Tokenizer, read_chat_template
+from tokenmill.engine.loader.hub import snapshot_revision
+from tokenmill.engine.loader.model_files import display_name, resolve_model, weights_hash
+from tokenmill.engine.loader.tokenizer import Tokenizer, read_chat_template
 
 
 @dataclass(frozen=True)

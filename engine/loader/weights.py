@@ -9,7 +9,7 @@ from safetensors import safe_open
 from torch import nn
 
 from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.model_files import weight_files
+from tokenmill.engine.loader.model_files import weight_files
 from tokenmill.engine.models import model_class
 
 

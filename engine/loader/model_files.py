@@ -25,9 +25,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.engine import hub
-from tokenmill.engine.aliases import ALIASES, DEFAULT_MODEL, ModelAlias
-from tokenmill.engine.gguf_convert import (
+from tokenmill.engine.loader import hub
+from tokenmill.engine.loader.aliases import ALIASES, DEFAULT_MODEL, ModelAlias
+from tokenmill.engine.loader.gguf_convert import (
     CONVERSION_RECORD,
     CONVERTER_VERSION,
     WEIGHTS_FILE,

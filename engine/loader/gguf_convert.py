@@ -22,12 +22,12 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from tokenmill.engine.gguf_tokenizer import (
+from tokenmill.engine.loader.gguf_blocks import BLOCKS_FILE, write_blocks
+from tokenmill.engine.loader.gguf_tokenizer import (
     build_generation_config,
     build_tokenizer,
     build_tokenizer_config,
 )
-from tokenmill.engine.quant.gguf_blocks import BLOCKS_FILE, write_blocks
 
 # Bumped whenever the output of a conversion changes, so cached conversions made by an
 # older converter are not reused (model_files puts it in the cache key).

@@ -14,7 +14,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.core.step import Sequence
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:

@@ -15,7 +15,7 @@ import jinja2.ext
 import jinja2.utils
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from tokenmill.engine.chat_sandbox import add_filter, make_environment, render_limited
+from tokenmill.engine.loader.chat_sandbox import add_filter, make_environment, render_limited
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -154,7 +154,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
     Returns:
         The compiled template; rendering it cannot reach Python internals (SecurityError),
-        and `render_limited` bounds its time and size (`engine/chat_sandbox.py`).
+        and `render_limited` bounds its time and size (`engine/loader/chat_sandbox.py`).
     """
     # trim_blocks/lstrip_blocks and loopcontrols match transformers, so prompts are identical.
     env = make_environment(

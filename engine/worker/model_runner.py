@@ -18,25 +18,25 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.engine import prompt_logprobs
-from tokenmill.engine.attention import AttentionMetadata, PrefillSpan
 from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.core.step import SamplerOutput, ScheduledChunk, SchedulerOutput
 from tokenmill.engine.cuda import uses_triton
-from tokenmill.engine.host_memory import keep_large_allocations_mapped
 from tokenmill.engine.kernels.paged_attention import (
     AttentionEntries,
     native_attention_fits,
     native_attention_supports,
 )
-from tokenmill.engine.kv_cache import KVCache
-from tokenmill.engine.layers import RotaryEmbedding
-from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingBatch
-from tokenmill.engine.scheduler import ScheduledChunk, SchedulerOutput
-from tokenmill.engine.shared_prefix import group_shared_prefixes
+from tokenmill.engine.models.layers import RotaryEmbedding
+from tokenmill.engine.worker import prompt_logprobs
+from tokenmill.engine.worker.attention.portable import AttentionMetadata, PrefillSpan
+from tokenmill.engine.worker.attention.shared_prefix import group_shared_prefixes
+from tokenmill.engine.worker.host_memory import keep_large_allocations_mapped
+from tokenmill.engine.worker.kv_cache import KVCache
+from tokenmill.engine.worker.sampler import Sampler, SamplingBatch
 
 if TYPE_CHECKING:
+    from tokenmill.engine.core.step import PendingStep
     from tokenmill.engine.cuda.triton_attention import TritonAttention
-    from tokenmill.engine.pending_step import PendingStep
 
 # Query rows (sequences x query heads per kv head) the native kernel attends to in one
 # item when decoding sequences share prefix blocks: enough to read a shared prefix once
@@ -97,7 +97,7 @@ class ModelRunner:
         if cuda_graphs or (cuda_graphs is None and self.attention_backend == "triton"):
             if self.attention_backend != "triton":
                 raise ValueError("cuda_graphs needs a CUDA device with Triton installed")
-            from tokenmill.engine.cuda.decode_graphs import DecodeGraphs
+            from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
 

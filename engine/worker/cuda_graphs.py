@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tokenmill.engine.attention import AttentionMetadata
 from tokenmill.engine.cuda.triton_attention import TritonAttention
+from tokenmill.engine.worker.attention.portable import AttentionMetadata
 
 if TYPE_CHECKING:
-    from tokenmill.engine.model_runner import ModelRunner
-    from tokenmill.engine.pending_step import PendingStep
-    from tokenmill.engine.scheduler import SchedulerOutput
+    from tokenmill.engine.core.step import PendingStep, SchedulerOutput
+    from tokenmill.engine.worker.model_runner import ModelRunner
 
 # Batch sizes with a graph of their own (up to max_num_seqs, which always gets one):
 # fine steps where padding would cost the most relative to the work, coarser above.

@@ -41,7 +41,7 @@ class SharedLLM:
     @cached_property
     def weights_hash(self) -> str:
         """sha256 of the weight files loaded (the hash planning recorded for them)."""
-        from tokenmill.engine.model_files import weights_hash
+        from tokenmill.engine.loader.model_files import weights_hash
 
         return weights_hash(self.llm.model_dir)
 

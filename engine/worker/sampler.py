@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenmill.engine.core.step import SamplerOutput
 from tokenmill.engine.kernels.argmax import argmax_rows
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -85,15 +86,6 @@ class SamplingBatch:
             max_logprobs=max(wanted) if wanted else None,
             token_bitmask=token_bitmask,
         )
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: torch.Tensor  # [num_rows] long
-    # With logprobs: the sampled token's logprob [num_rows], and the top-k [num_rows, k].
-    sampled_logprobs: torch.Tensor | None = None
-    top_logprobs: torch.Tensor | None = None
-    top_token_ids: torch.Tensor | None = None
 
 
 class Sampler:

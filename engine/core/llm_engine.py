@@ -10,10 +10,19 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.config import EngineConfig, ModelConfig
+from tokenmill.engine.core.block_manager import BlockManager
+from tokenmill.engine.core.scheduler import Scheduler
+from tokenmill.engine.core.step import PLACEHOLDER_TOKEN_ID, PendingStep, SamplerOutput, Sequence
 from tokenmill.engine.grammar import CompiledGrammar, GrammarCompiler, TokenBitmask
-from tokenmill.engine.kv_cache import (
+from tokenmill.engine.loader.tokenizer import IncrementalDetokenizer
+from tokenmill.engine.loader.weights import load_model
+from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from tokenmill.engine.quant import check_quantization, quantize_model
+from tokenmill.engine.quant.packed_linear import pack_linear_layers
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.engine.worker.kv_cache import (
     KVCache,
     allocate_kv_cache,
     bytes_per_block,
@@ -21,18 +30,8 @@ from tokenmill.engine.kv_cache import (
     default_cache_bytes,
     num_blocks_for_budget,
 )
-from tokenmill.engine.model_runner import ModelRunner
-from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from tokenmill.engine.packed_linear import pack_linear_layers
-from tokenmill.engine.pending_step import PLACEHOLDER_TOKEN_ID, PendingStep
-from tokenmill.engine.quant import check_quantization, quantize_model
-from tokenmill.engine.sampler import SamplerOutput, SamplingBatch
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.sequence import Sequence
-from tokenmill.engine.structured_outputs import StructuredOutputs
-from tokenmill.engine.tokenizer import IncrementalDetokenizer
-from tokenmill.engine.weights import load_model
+from tokenmill.engine.worker.model_runner import ModelRunner
+from tokenmill.engine.worker.sampler import SamplingBatch
 from tokenmill.faults import fault_point
 
 

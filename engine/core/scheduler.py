@@ -15,53 +15,10 @@ cache, rather than computing the same keys and values alongside it.
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
-from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.core.block_manager import BlockManager
+from tokenmill.engine.core.step import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 from tokenmill.engine.outputs import EngineStats
-from tokenmill.engine.prompt_logprobs import cached_tokens_allowed
-from tokenmill.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledChunk:
-    """num_new_tokens of seq's tokens, from seq.num_computed_tokens on, run this step."""
-
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def reaches_end(self) -> bool:
-        """Whether the chunk computes the sequence's last token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether the chunk's last logits are sampled: it reaches the sequence's end, and
-        the sequence generates (a prompt-only one ends there instead)."""
-        return self.reaches_end and not self.seq.params.is_prompt_only
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's work: single-token chunks (decodes) first, then longer chunks."""
-
-    decodes: list[ScheduledChunk] = field(default_factory=list)
-    prefills: list[ScheduledChunk] = field(default_factory=list)
-
-    @property
-    def chunks(self) -> list[ScheduledChunk]:
-        return self.decodes + self.prefills
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.decodes) + sum(
-            c.num_new_tokens for c in self.prefills
-        )
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
 
 
 class Scheduler:
@@ -134,7 +91,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = bm.find_cached_prefix(seq)
-            allowed = cached_tokens_allowed(seq)
+            allowed = seq.num_cacheable_tokens
             if allowed is not None:  # prompt logprobs: served only as far as recorded
                 hits = hits[: allowed // bm.block_size]
             elif self._next_block_is_inflight(seq, len(hits)):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.host_memory import huge_page_zeros
+from tokenmill.engine.worker.host_memory import huge_page_zeros
 
 # Without a budget, the CPU cache takes this share of RAM, capped below.
 _CPU_RAM_SHARE = 0.10

@@ -8,7 +8,7 @@ through the lm_head, and only those.
 
 The prefix cache would skip the positions of a cached prefix, so a sequence is served
 from it only up to what it has already recorded (the scheduler caps its hits with
-`cached_tokens_allowed`); the rest is computed again for it, at the cost of computing
+`Sequence.num_cacheable_tokens`); the rest is computed again for it, at the cost of computing
 those tokens - the price of exact scores, measured in benchmarks/README.md. After a
 preemption the recorded entries stand and only the unrecorded positions are scored.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.core.step import Sequence
 
 # Rows of logits materialised at once: [256, vocab] fp32 is 50 MB for a 49k vocabulary
 # (256 MB for a 262k one), however long the prompt chunk.
@@ -35,17 +35,6 @@ class PromptLogprobSpan:
     first_row: int  # the batch row (position first_token - 1) whose logits score first_token
     first_token: int  # index in the prompt of the first token scored
     num_tokens: int
-
-
-def cached_tokens_allowed(seq: Sequence) -> int | None:
-    """How many leading tokens seq may take from the prefix cache (None: no limit).
-
-    A token's keys and values may come from the cache only when the score it gives
-    (of the token after it) is already recorded.
-    """
-    if seq.prompt_logprobs is None:
-        return None
-    return len(seq.prompt_logprobs) - 1
 
 
 def spans_for_step(chunks) -> list[PromptLogprobSpan]:
