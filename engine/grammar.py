@@ -81,16 +81,19 @@ class GrammarCompiler:
     """
 
     @classmethod
-    def for_model(cls, tokenizer: Any, model_config: Any) -> GrammarCompiler:
+    def for_model(
+        cls, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
+    ) -> GrammarCompiler:
         """The compiler an engine for this model uses: the model's vocabulary, and the end
         tokens of its config and tokenizer together (as `LLMEngine.eos_token_ids`).
 
         Args:
             tokenizer: the engine Tokenizer (`backend`, `eos_token_ids`).
-            model_config: the model's ModelConfig (`vocab_size`, `eos_token_ids`).
+            vocab_size: the model's vocabulary (its logits' width).
+            eos_token_ids: the model config's end tokens (the tokenizer's are added).
         """
-        eos = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
-        return cls(tokenizer.backend.to_str(), model_config.vocab_size, sorted(eos))
+        eos = set(eos_token_ids) | set(tokenizer.eos_token_ids)
+        return cls(tokenizer.backend.to_str(), vocab_size, sorted(eos))
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size

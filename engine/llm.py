@@ -10,8 +10,12 @@ import torch
 
 from tokenmill.engine.config import EngineConfig, resolve_dtype
 from tokenmill.engine.core.llm_engine import LLMEngine
+from tokenmill.engine.loader.hub import snapshot_revision
+from tokenmill.engine.loader.model_files import display_name, resolve_model
+from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.worker.build import build_runner
 
 Prompt = str | list[int]
 
@@ -60,10 +64,6 @@ class LLM:
         overlap_steps: bool | None = None,
         cuda_graphs: bool | None = None,
     ) -> None:
-        from tokenmill.engine.loader.hub import snapshot_revision
-        from tokenmill.engine.loader.model_files import display_name, resolve_model
-        from tokenmill.engine.loader.tokenizer import Tokenizer
-
         # Validated (quantization and kv_cache_dtype names included) before a model is
         # looked up or converted.
         self.engine_config = EngineConfig(
@@ -86,14 +86,14 @@ class LLM:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.engine = LLMEngine.from_model_dir(
+        self.engine = build_engine(
             self.model_dir,
             self.engine_config,
             dtype=self.dtype,
             device=self.device,
             tokenizer=self.tokenizer,
         )
-        self.model_config = self.engine.model_config
+        self.model_config = self.engine.runner.config
         self.max_model_len = self.engine.max_model_len
         self._request_counter = itertools.count()
 
@@ -174,6 +174,34 @@ class LLM:
     def stats(self) -> EngineStats:
         """Cumulative counters: computed/cached prompt tokens, generated tokens, preemptions."""
         return self.engine.stats
+
+
+def build_engine(
+    model_dir: Path,
+    engine_config: EngineConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    tokenizer: Tokenizer | None = None,
+) -> LLMEngine:
+    """The engine loop over a runner loaded from model_dir (what `LLM` builds).
+
+    Args:
+        model_dir: an HF-layout model directory.
+        engine_config: the engine's settings.
+        dtype, device: where and in what the model runs.
+        tokenizer: decodes outputs and stop strings (None: token ids only).
+    """
+    loaded = build_runner(model_dir, engine_config, dtype=dtype, device=device)
+    return LLMEngine(
+        loaded.runner,
+        engine_config,
+        tokenizer,
+        num_blocks=loaded.num_blocks,
+        max_model_len=loaded.max_model_len,
+        vocab_size=loaded.model_config.vocab_size,
+        eos_token_ids=loaded.model_config.eos_token_ids,
+    )
 
 
 def _per_prompt_params(

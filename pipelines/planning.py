@@ -195,7 +195,9 @@ def _constraint_check(model: ModelDescription, tokenizer: Any, llm: Any) -> Cons
     def check(constraint: StructuredOutputs) -> None:
         if not compilers:
             config = ModelConfig.from_dir(model.model_dir)
-            compilers.append(GrammarCompiler.for_model(tokenizer, config))
+            compilers.append(
+                GrammarCompiler.for_model(tokenizer, config.vocab_size, config.eos_token_ids)
+            )
         compilers[0].compile(constraint)
 
     return check

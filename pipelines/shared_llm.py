@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from tokenmill import faults
 from tokenmill.engine.llm import LLM
 
 
@@ -72,9 +73,24 @@ def get_llm(model: str | os.PathLike | None = None, **options: Any) -> SharedLLM
         if _current is not None and _current.key == key and _current.pid == os.getpid():
             return _current
         _current = None  # drop the old engine before loading the next one
-        _current = SharedLLM(LLM(model, **options), key, os.getpid())
+        _current = SharedLLM(_with_step_fault(LLM(model, **options)), key, os.getpid())
         _num_loads += 1
         return _current
+
+
+def _with_step_fault(llm: LLM) -> LLM:
+    """Put the `engine_step` fault point before each of the engine's steps when a test
+    arms it: a job killed or failing mid-step is what the fault tests need, and the
+    engine itself imports nothing of the fault module."""
+    if faults.is_armed("engine_step"):
+        step = llm.engine.step
+
+        def step_with_fault():
+            faults.fault_point("engine_step")
+            return step()
+
+        llm.engine.step = step_with_fault
+    return llm
 
 
 def call_key(function: Callable, *args: Any, **kwargs: Any) -> tuple:

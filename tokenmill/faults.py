@@ -95,6 +95,13 @@ def fault_point(name: str, detail: str = "") -> None:
     raise FaultInjected(f"injected fault at {name} (call {spec.count})")
 
 
+def is_armed(name: str) -> bool:
+    """Whether TOKENMILL_FAULT_POINT names the point `name` (so a caller can put a point
+    around code that must not call this module itself, such as the engine's step)."""
+    spec = _spec()
+    return spec is not None and spec.name == name
+
+
 def reset() -> None:
     """Forget the parsed spec and the hit counts (tests that change the variable)."""
     _hits.clear()

@@ -6,33 +6,24 @@ import hashlib
 import itertools
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from tokenmill.engine.config import EngineConfig, ModelConfig
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.block_manager import BlockManager
+from tokenmill.engine.core.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.core.scheduler import Scheduler
-from tokenmill.engine.core.step import PLACEHOLDER_TOKEN_ID, PendingStep, SamplerOutput, Sequence
-from tokenmill.engine.grammar import CompiledGrammar, GrammarCompiler, TokenBitmask
-from tokenmill.engine.loader.tokenizer import IncrementalDetokenizer
-from tokenmill.engine.loader.weights import load_model
+from tokenmill.engine.core.step import (
+    PLACEHOLDER_TOKEN_ID,
+    PendingStep,
+    SamplerOutput,
+    Sequence,
+    StepRunner,
+)
+from tokenmill.engine.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from tokenmill.engine.quant import check_quantization, quantize_model
-from tokenmill.engine.quant.packed_linear import pack_linear_layers
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
-from tokenmill.engine.worker.kv_cache import (
-    KVCache,
-    allocate_kv_cache,
-    bytes_per_block,
-    check_kv_cache_dtype,
-    default_cache_bytes,
-    num_blocks_for_budget,
-)
-from tokenmill.engine.worker.model_runner import ModelRunner
-from tokenmill.engine.worker.sampler import SamplingBatch
-from tokenmill.faults import fault_point
 
 
 @dataclass
@@ -46,25 +37,38 @@ class _Request:
 
 
 class LLMEngine:
-    """Owns the scheduler, block manager and model runner for one model on one device."""
+    """Owns the scheduler and block manager for one model, and drives a runner with them.
+
+    The runner executes steps (`worker.ModelRunner`; `tokenmill.engine.llm.build_engine`
+    puts the two together); the loop knows it only through the step types
+    (`core/step.py`).
+
+    Args:
+        runner: executes each scheduled step.
+        engine_config: the engine's settings.
+        tokenizer: decodes outputs and stop strings (None: token ids only).
+        num_blocks: KV cache blocks the runner's cache holds.
+        max_model_len: the longest sequence served.
+        vocab_size: the model's vocabulary (prompt ids are checked against it).
+        eos_token_ids: the model's end-of-sequence ids (the tokenizer's are added).
+    """
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        model_config: ModelConfig,
+        runner: StepRunner,
         engine_config: EngineConfig,
         tokenizer,
         *,
         num_blocks: int,
-        kv_cache: KVCache,
         max_model_len: int,
-        device: torch.device,
-        dtype: torch.dtype,
+        vocab_size: int,
+        eos_token_ids: list[int],
     ) -> None:
-        self.model_config = model_config
+        self.runner = runner
         self.config = engine_config
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.stats = EngineStats()
         self.block_manager = BlockManager(
             num_blocks,
@@ -77,27 +81,15 @@ class LLMEngine:
             max_num_seqs=engine_config.max_num_seqs,
             stats=self.stats,
         )
-        self.runner = ModelRunner(
-            model,
-            model_config,
-            kv_cache,
-            block_size=engine_config.block_size,
-            max_model_len=max_model_len,
-            device=device,
-            dtype=dtype,
-            seed=engine_config.seed,
-            max_num_seqs=engine_config.max_num_seqs,
-            cuda_graphs=engine_config.cuda_graphs,
-        )
         # A sequence never outgrows the context or the whole cache.
         self.max_seq_len = min(max_model_len, num_blocks * engine_config.block_size)
-        self.eos_token_ids = set(model_config.eos_token_ids)
+        self.eos_token_ids = set(eos_token_ids)
         if tokenizer is not None:
             self.eos_token_ids |= set(tokenizer.eos_token_ids)
         # Overlap each step with resolving the previous one (default: on CUDA, where the
         # device runs ahead of the host; on the CPU the host computes the step itself).
         self.overlap_steps = (
-            device.type == "cuda"
+            runner.device.type == "cuda"
             if engine_config.overlap_steps is None
             else engine_config.overlap_steps
         )
@@ -106,59 +98,6 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._finished_early: list[RequestOutput] = []
         self._grammar_compiler: GrammarCompiler | None = None  # built on first use
-
-    @classmethod
-    def from_model_dir(
-        cls,
-        model_dir: Path,
-        engine_config: EngineConfig,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        tokenizer=None,
-    ) -> LLMEngine:
-        """Load the weights, size and allocate the KV cache, and build the engine."""
-        model_config = ModelConfig.from_dir(model_dir)
-        max_model_len = min(
-            engine_config.max_model_len or model_config.max_context, model_config.max_context
-        )
-        quantization = engine_config.quantization
-        check_quantization(quantization, model_dir, model_config, device=device)
-        kv_cache_dtype = engine_config.kv_cache_dtype
-        check_kv_cache_dtype(
-            kv_cache_dtype, model_config, engine_config.block_size, dtype=dtype, device=device
-        )
-        model = load_model(model_dir, model_config, dtype=dtype, device=device)
-        if quantization is not None:
-            quantize_model(model, quantization, model_dir, dtype=dtype)
-        pack_linear_layers(model, dtype=dtype, device=device)  # the float layers left
-        block_size = engine_config.block_size
-        if engine_config.kv_cache_memory is not None:
-            budget = engine_config.kv_cache_memory
-        else:
-            # Never more than every admissible sequence at full context could fill.
-            blocks_per_seq = -(-max_model_len // block_size)
-            most_useful = (
-                engine_config.max_num_seqs
-                * blocks_per_seq
-                * bytes_per_block(model_config, block_size, dtype, kv_cache_dtype)
-            )
-            budget = min(default_cache_bytes(device), most_useful)
-        num_blocks = num_blocks_for_budget(model_config, block_size, dtype, budget, kv_cache_dtype)
-        kv_cache = allocate_kv_cache(
-            model_config, num_blocks, block_size, dtype, device, kv_cache_dtype
-        )
-        return cls(
-            model,
-            model_config,
-            engine_config,
-            tokenizer,
-            num_blocks=num_blocks,
-            kv_cache=kv_cache,
-            max_model_len=max_model_len,
-            device=device,
-            dtype=dtype,
-        )
 
     # -- requests -----------------------------------------------------------------------
 
@@ -219,7 +158,9 @@ class LLMEngine:
         if self._grammar_compiler is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need the model's tokenizer")
-            self._grammar_compiler = GrammarCompiler.for_model(self.tokenizer, self.model_config)
+            self._grammar_compiler = GrammarCompiler.for_model(
+                self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)
+            )
         return self._grammar_compiler.compile(constraint)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
@@ -238,7 +179,7 @@ class LLMEngine:
                 f"prompt has {num} tokens but the whole KV cache holds {self.max_seq_len}; "
                 "raise kv_cache_memory"
             )
-        vocab = self.model_config.vocab_size
+        vocab = self.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             return f"prompt contains token ids outside the vocabulary [0, {vocab})"
         return None
@@ -279,7 +220,6 @@ class LLMEngine:
         runs, so the requests returned are those its predecessor finished. A step after
         one that sampled under a grammar is not overlapped: the next mask needs the token.
         """
-        fault_point("engine_step")
         finished, self._finished_early = self._finished_early, []
         if self._pending is not None and any(s.grammar is not None for s in self._pending.seqs):
             finished += self._resolve()
@@ -291,18 +231,17 @@ class LLMEngine:
             if chunk.seq.first_scheduled_time is None:
                 chunk.seq.first_scheduled_time = now
         sampling_seqs = [c.seq for c in out.chunks if c.samples]
-        batch = self._sampling_batch(sampling_seqs) if sampling_seqs else None
-        sampled = self.runner.run(out, batch, previous=self._pending)
+        out.banned_token_ids = [self._banned_token_ids(seq) for seq in sampling_seqs]
+        result = self.runner.execute(out, self._pending)
+        sampled = result.sampled
         finished += self._resolve()  # the previous step's tokens, while this one runs
         scored = [c.seq for c in out.chunks if c.reaches_end and c.seq.params.is_prompt_only]
         self.scheduler.record_computed(out)
         finished += self._finish_prompt_only(scored)
         self.stats.num_steps += 1
-        if batch is not None and batch.token_bitmask is not None:
-            masks = batch.token_bitmask
-            self.stats.num_constrained_tokens += len(masks.rows)
-            self.stats.grammar_fill_s += masks.fill_s
-            self.stats.grammar_blocking_s += masks.blocking_s
+        self.stats.num_constrained_tokens += result.num_constrained_tokens
+        self.stats.grammar_fill_s += result.grammar_fill_s
+        self.stats.grammar_blocking_s += result.grammar_blocking_s
         if sampled is not None:
             self._pending = PendingStep.launch(sampling_seqs, sampled)
             self._hold_places(self._pending)
@@ -320,21 +259,6 @@ class LLMEngine:
                 self.scheduler.finish(seq, "length")
                 finished.append(self._complete(self._requests[seq.request_id], now))
         return finished
-
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        banned = [self._banned_token_ids(seq) for seq in seqs]
-        # The step's grammar masks: every matcher is up to date here (a step that sampled
-        # under a grammar is resolved before the next is scheduled), and the fill overlaps
-        # the forward pass.
-        matchers = [seq.grammar for seq in seqs]
-        has_grammar = any(m is not None for m in matchers)
-        return SamplingBatch.build(
-            [s.params for s in seqs],
-            [s.generator for s in seqs],
-            banned,
-            self.runner.device,
-            TokenBitmask(matchers, self.model_config.vocab_size) if has_grammar else None,
-        )
 
     def _banned_token_ids(self, seq: Sequence) -> list[int]:
         """Tokens seq may not sample next: stop tokens and EOS before min_tokens.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -141,6 +141,9 @@ class SchedulerOutput:
 
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
+    # Per sampling chunk (in the order of `chunks`), the token ids it may not sample now:
+    # stop tokens and EOS before min_tokens (set by the loop before the step runs).
+    banned_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -213,3 +216,32 @@ class PendingStep:
             return self.sampled
         self._copied.synchronize()
         return self._host
+
+
+@dataclass
+class StepResult:
+    """What running one step gave back to the loop."""
+
+    # One token per sampling chunk, in the order of SchedulerOutput.chunks (on the device,
+    # maybe still being computed); None when no chunk samples.
+    sampled: SamplerOutput | None
+    # Structured outputs: tokens sampled under a grammar this step, seconds spent filling
+    # their masks, and seconds the step was held up by them.
+    num_constrained_tokens: int = 0
+    grammar_fill_s: float = 0.0
+    grammar_blocking_s: float = 0.0
+
+
+class StepRunner(Protocol):
+    """What the loop needs of whatever executes its steps (`worker.ModelRunner`)."""
+
+    device: torch.device
+
+    def execute(self, out: SchedulerOutput, previous: PendingStep | None) -> StepResult:
+        """Compute the step's tokens and sample where a chunk reaches its end.
+
+        Args:
+            previous: the step launched before this one, whose sampled tokens some of this
+                step's inputs still are (placeholders).
+        """
+        ...

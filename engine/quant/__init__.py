@@ -104,9 +104,17 @@ def linear_kinds() -> tuple[type, ...]:
 
 
 def quantize_model(
-    model: nn.Module, quantization: str, model_dir: Path, *, dtype: torch.dtype
+    model: nn.Module,
+    quantization: str,
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    measure_inputs=None,
 ) -> int:
     """Swap the decoder layers' linear layers for quantized ones, in place.
+
+    measure_inputs(model, layers, token_ids) -> {layer: max|x| per input channel} runs
+    the float model for int8's statistics (`worker/calibration.input_absmax`).
 
     Returns:
         Bytes the quantized layers' weights take (for the memory report).
@@ -124,11 +132,10 @@ def quantize_model(
     if quantization == "int8":
         from tokenmill.engine.quant import calibrate
 
-        absmax = calibrate.input_absmax(
+        absmax = measure_inputs(
             model,
             [linear for _, _, linear in targets],
             calibrate.calibration_token_ids(model_dir, model.config.vocab_size),
-            dtype=dtype,
         )
         smooth = {
             linear: calibrate.smoothing_factors(absmax[linear], linear.weight)

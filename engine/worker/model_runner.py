@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.core.step import SamplerOutput, ScheduledChunk, SchedulerOutput
+from tokenmill.engine.core.step import SamplerOutput, ScheduledChunk, SchedulerOutput, StepResult
 from tokenmill.engine.cuda import uses_triton
+from tokenmill.engine.grammar import TokenBitmask
 from tokenmill.engine.kernels.paged_attention import (
     AttentionEntries,
     native_attention_fits,
@@ -114,6 +115,31 @@ class ModelRunner:
             if supports_block_size(self.block_size):
                 return "triton"
         return "portable"
+
+    def execute(self, out: SchedulerOutput, previous: PendingStep | None) -> StepResult:
+        """Run one scheduled step (`core.step.StepRunner`): build the sampling batch of the
+        chunks that sample - their settings, bans and grammar masks, the masks filling
+        while the model runs - then compute and sample."""
+        seqs = [c.seq for c in out.chunks if c.samples]
+        batch = None
+        if seqs:
+            matchers = [seq.grammar for seq in seqs]
+            has_grammar = any(m is not None for m in matchers)
+            batch = SamplingBatch.build(
+                [s.params for s in seqs],
+                [s.generator for s in seqs],
+                out.banned_token_ids,
+                self.device,
+                TokenBitmask(matchers, self.config.vocab_size) if has_grammar else None,
+            )
+        sampled = self.run(out, batch, previous=previous)
+        result = StepResult(sampled)
+        masks = batch.token_bitmask if batch is not None else None
+        if masks is not None:
+            result.num_constrained_tokens = len(masks.rows)
+            result.grammar_fill_s = masks.fill_s
+            result.grammar_blocking_s = masks.blocking_s
+        return result
 
     @torch.inference_mode()
     def run(

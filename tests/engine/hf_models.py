@@ -133,13 +133,13 @@ def save_char_tokenizer(out_dir: Path, vocab_size: int = 256, eos_token: str | N
 def make_engine(model_dir: Path, **config):
     """A small fp32 CPU engine over model_dir (block_size 4 so block edges are exercised)."""
     from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.core.llm_engine import LLMEngine
+    from tokenmill.engine.llm import build_engine
     from tokenmill.engine.loader.tokenizer import Tokenizer
 
     settings = dict(block_size=4, kv_cache_memory=8 << 20, max_num_batched_tokens=64)
     settings.update(config)
     has_tokenizer = (Path(model_dir) / "tokenizer.json").exists()
-    return LLMEngine.from_model_dir(
+    return build_engine(
         model_dir,
         EngineConfig(**settings),
         dtype=torch.float32,

@@ -224,12 +224,12 @@ def test_both_paths_match_transformers(kind, fused, tmp_path, monkeypatch):
 
 def bf16_run(model_dir, fused: bool, monkeypatch) -> list:
     from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.core.llm_engine import LLMEngine
+    from tokenmill.engine.llm import build_engine
 
     with monkeypatch.context() as patch:
         if not fused:
             patch.setattr(elementwise, "supports", lambda x: False)
-        engine = LLMEngine.from_model_dir(
+        engine = build_engine(
             model_dir,
             EngineConfig(block_size=4, kv_cache_memory=8 << 20, max_num_batched_tokens=16),
             dtype=torch.bfloat16,

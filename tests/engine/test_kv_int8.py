@@ -232,7 +232,7 @@ def _errors_against_transformers(hf, model_dir, dtype, kv_cache_dtype):
     greedy tokens are transformers' own choice; prompts in chunks, a prefix from the
     prefix cache, decode groups."""
     from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.core.llm_engine import LLMEngine
+    from tokenmill.engine.llm import build_engine
 
     config = EngineConfig(
         block_size=16,
@@ -240,7 +240,7 @@ def _errors_against_transformers(hf, model_dir, dtype, kv_cache_dtype):
         max_num_batched_tokens=32,
         kv_cache_dtype=kv_cache_dtype,
     )
-    engine = LLMEngine.from_model_dir(model_dir, config, dtype=dtype, device=torch.device("cpu"))
+    engine = build_engine(model_dir, config, dtype=dtype, device=torch.device("cpu"))
     prompts = _engine_prompts(seed=3)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=256)
     errors, agreeing = [], 0
@@ -297,7 +297,7 @@ def test_an_int8_cache_holds_more_tokens_in_the_same_budget(tmp_path):
 def test_an_int8_cache_the_model_or_device_cannot_have_fails_before_loading(
     config, options, message, tmp_path, monkeypatch
 ):
-    from tokenmill.engine.core import llm_engine
+    from tokenmill.engine.worker import build as llm_engine
 
     build_hf_model("llama", tmp_path, hidden_size=96, num_key_value_heads=2, **config)
 
@@ -306,10 +306,10 @@ def test_an_int8_cache_the_model_or_device_cannot_have_fails_before_loading(
 
     monkeypatch.setattr(llm_engine, "load_model", no_loading)
     from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.core.llm_engine import LLMEngine
+    from tokenmill.engine.llm import build_engine
 
     device = torch.device(options.pop("device", "cpu"))
     with pytest.raises(ValueError, match=message):
-        LLMEngine.from_model_dir(
+        build_engine(
             tmp_path, EngineConfig(block_size=16, **options), dtype=torch.float32, device=device
         )

@@ -113,7 +113,7 @@ def test_unknown_quantization_fails_before_the_model_is_looked_up(tmp_path):
 def test_model_that_cannot_be_quantized_fails_before_loading(tmp_path, monkeypatch):
     # 72 inputs: not a multiple of int4's group of 32.
     build_hf_model("llama", tmp_path, hidden_size=72, intermediate_size=96)
-    import tokenmill.engine.core.llm_engine as llm_engine
+    import tokenmill.engine.worker.build as llm_engine
 
     def never(*args, **kwargs):
         raise AssertionError("weights were loaded")

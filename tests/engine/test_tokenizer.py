@@ -16,12 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model
 
 from model_fixtures import converted_smollm2_dir, smollm2_gguf_path  # noqa: E402
 
+from tokenmill.engine.core.detokenizer import IncrementalDetokenizer  # noqa: E402
 from tokenmill.engine.loader.model_files import ModelFilesError  # noqa: E402
-from tokenmill.engine.loader.tokenizer import (  # noqa: E402
-    IncrementalDetokenizer,
-    Tokenizer,
-    compile_chat_template,
-)
+from tokenmill.engine.loader.tokenizer import Tokenizer, compile_chat_template  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

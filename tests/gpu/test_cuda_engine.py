@@ -11,7 +11,7 @@ import torch
 from hf_models import build_hf_model, run_all
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.core.llm_engine import LLMEngine
+from tokenmill.engine.llm import build_engine
 from tokenmill.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +39,7 @@ def model_dir(tmp_path_factory):
 def make(model_dir, device: str, dtype=torch.float32, **config):
     settings = dict(block_size=16, kv_cache_memory=64 << 20, max_num_batched_tokens=256)
     settings.update(config)
-    return LLMEngine.from_model_dir(
+    return build_engine(
         model_dir, EngineConfig(**settings), dtype=dtype, device=torch.device(device)
     )
 

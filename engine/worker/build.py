@@ -1,0 +1,92 @@
+"""Build a model runner from a model directory: check, load, quantize, size the KV cache.
+
+Every check that can fail - the quantization mode, the KV cache dtype, the attention
+path - runs before any weight is read, so a bad option costs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill.engine.config import EngineConfig, ModelConfig
+from tokenmill.engine.loader.weights import load_model
+from tokenmill.engine.quant import check_quantization, quantize_model
+from tokenmill.engine.quant.packed_linear import pack_linear_layers
+from tokenmill.engine.worker.calibration import input_absmax
+from tokenmill.engine.worker.kv_cache import (
+    allocate_kv_cache,
+    bytes_per_block,
+    check_kv_cache_dtype,
+    default_cache_bytes,
+    num_blocks_for_budget,
+)
+from tokenmill.engine.worker.model_runner import ModelRunner
+
+
+@dataclass
+class LoadedModel:
+    """A runner ready for steps, and what the loop must know about it."""
+
+    runner: ModelRunner
+    model_config: ModelConfig
+    num_blocks: int  # KV cache blocks the runner's cache holds
+    max_model_len: int  # the longest sequence it serves
+
+
+def build_runner(
+    model_dir: Path, engine_config: EngineConfig, *, dtype: torch.dtype, device: torch.device
+) -> LoadedModel:
+    """Load the weights, quantize them if asked, size and allocate the KV cache.
+
+    Raises:
+        ValueError: the model, its quantization or its cache cannot run here (before any
+            weight is read).
+    """
+    model_config = ModelConfig.from_dir(model_dir)
+    max_model_len = min(
+        engine_config.max_model_len or model_config.max_context, model_config.max_context
+    )
+    quantization = engine_config.quantization
+    check_quantization(quantization, model_dir, model_config, device=device)
+    kv_cache_dtype = engine_config.kv_cache_dtype
+    check_kv_cache_dtype(
+        kv_cache_dtype, model_config, engine_config.block_size, dtype=dtype, device=device
+    )
+    model = load_model(model_dir, model_config, dtype=dtype, device=device)
+    if quantization is not None:
+        measure = functools.partial(input_absmax, dtype=dtype)
+        quantize_model(model, quantization, model_dir, dtype=dtype, measure_inputs=measure)
+    pack_linear_layers(model, dtype=dtype, device=device)  # the float layers left
+    block_size = engine_config.block_size
+    if engine_config.kv_cache_memory is not None:
+        budget = engine_config.kv_cache_memory
+    else:
+        # Never more than every admissible sequence at full context could fill.
+        blocks_per_seq = -(-max_model_len // block_size)
+        most_useful = (
+            engine_config.max_num_seqs
+            * blocks_per_seq
+            * bytes_per_block(model_config, block_size, dtype, kv_cache_dtype)
+        )
+        budget = min(default_cache_bytes(device), most_useful)
+    num_blocks = num_blocks_for_budget(model_config, block_size, dtype, budget, kv_cache_dtype)
+    kv_cache = allocate_kv_cache(
+        model_config, num_blocks, block_size, dtype, device, kv_cache_dtype
+    )
+    runner = ModelRunner(
+        model,
+        model_config,
+        kv_cache,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        device=device,
+        dtype=dtype,
+        seed=engine_config.seed,
+        max_num_seqs=engine_config.max_num_seqs,
+        cuda_graphs=engine_config.cuda_graphs,
+    )
+    return LoadedModel(runner, model_config, num_blocks, max_model_len)

@@ -1,0 +1,66 @@
+"""One float forward pass over a text, recording the inputs of chosen layers: the
+statistics int8 quantization smooths its activations with (`quant/calibrate.py`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.engine.core.step import ScheduledChunk, SchedulerOutput, Sequence
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.worker.kv_cache import allocate_kv_cache
+from tokenmill.engine.worker.model_runner import ModelRunner
+
+_BLOCK_SIZE = 16
+
+
+@torch.inference_mode()
+def input_absmax(
+    model: nn.Module, layers: list[nn.Module], token_ids: list[int], *, dtype: torch.dtype
+) -> dict[nn.Module, torch.Tensor]:
+    """max|x| per input channel of each of `layers`, over one forward pass of token_ids.
+
+    Args:
+        model: the loaded float model (its own config, CPU).
+        layers: modules inside it whose inputs are measured.
+        token_ids: the text to run (at least 2 tokens).
+        dtype: the model's dtype.
+    Returns:
+        layer -> fp32 [in_features].
+    """
+    config = model.config
+    num_blocks = -(-len(token_ids) // _BLOCK_SIZE)
+    device = torch.device("cpu")
+    kv_cache = allocate_kv_cache(config, num_blocks, _BLOCK_SIZE, dtype, device)
+    runner = ModelRunner(
+        model,
+        config,
+        kv_cache,
+        block_size=_BLOCK_SIZE,
+        max_model_len=len(token_ids),
+        device=device,
+        dtype=dtype,
+    )
+    seq = Sequence(
+        seq_id=-1,
+        request_id="calibration",
+        index=0,
+        token_ids=list(token_ids),
+        num_prompt_tokens=len(token_ids),
+        params=SamplingParams(max_tokens=1),
+        block_table=list(range(num_blocks)),
+    )
+    stats: dict[nn.Module, torch.Tensor] = {}
+
+    def record(layer: nn.Module, inputs: tuple[torch.Tensor, ...], _output) -> None:
+        x = inputs[0].reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
+        stats[layer] = torch.maximum(stats[layer], x) if layer in stats else x
+
+    hooks = [layer.register_forward_hook(record) for layer in layers]
+    try:
+        # All but the last token: a chunk that does not reach the end samples nothing.
+        runner.run(SchedulerOutput(prefills=[ScheduledChunk(seq, len(token_ids) - 1)]), None)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return stats
