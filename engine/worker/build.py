@@ -37,6 +37,36 @@ class LoadedModel:
     max_model_len: int  # the longest sequence it serves
 
 
+def max_model_len_of(model_config: ModelConfig, engine_config: EngineConfig) -> int:
+    """The longest sequence an engine serves: the model's context, or less if asked."""
+    return min(engine_config.max_model_len or model_config.max_context, model_config.max_context)
+
+
+def num_cache_blocks(
+    model_config: ModelConfig,
+    engine_config: EngineConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """How many KV blocks an engine with these settings holds: its `kv_cache_memory`, or
+    the device's default budget - never more than every admissible sequence at full
+    context could fill. A forecast of prefix-cache reuse uses the same number."""
+    block_size = engine_config.block_size
+    kv_cache_dtype = engine_config.kv_cache_dtype
+    if engine_config.kv_cache_memory is not None:
+        budget = engine_config.kv_cache_memory
+    else:
+        blocks_per_seq = -(-max_model_len_of(model_config, engine_config) // block_size)
+        most_useful = (
+            engine_config.max_num_seqs
+            * blocks_per_seq
+            * bytes_per_block(model_config, block_size, dtype, kv_cache_dtype)
+        )
+        budget = min(default_cache_bytes(device), most_useful)
+    return num_blocks_for_budget(model_config, block_size, dtype, budget, kv_cache_dtype)
+
+
 def build_runner(
     model_dir: Path, engine_config: EngineConfig, *, dtype: torch.dtype, device: torch.device
 ) -> LoadedModel:
@@ -47,9 +77,7 @@ def build_runner(
             weight is read).
     """
     model_config = ModelConfig.from_dir(model_dir)
-    max_model_len = min(
-        engine_config.max_model_len or model_config.max_context, model_config.max_context
-    )
+    max_model_len = max_model_len_of(model_config, engine_config)
     quantization = engine_config.quantization
     check_quantization(quantization, model_dir, model_config, device=device)
     kv_cache_dtype = engine_config.kv_cache_dtype
@@ -62,18 +90,7 @@ def build_runner(
         quantize_model(model, quantization, model_dir, dtype=dtype, measure_inputs=measure)
     pack_linear_layers(model, dtype=dtype, device=device)  # the float layers left
     block_size = engine_config.block_size
-    if engine_config.kv_cache_memory is not None:
-        budget = engine_config.kv_cache_memory
-    else:
-        # Never more than every admissible sequence at full context could fill.
-        blocks_per_seq = -(-max_model_len // block_size)
-        most_useful = (
-            engine_config.max_num_seqs
-            * blocks_per_seq
-            * bytes_per_block(model_config, block_size, dtype, kv_cache_dtype)
-        )
-        budget = min(default_cache_bytes(device), most_useful)
-    num_blocks = num_blocks_for_budget(model_config, block_size, dtype, budget, kv_cache_dtype)
+    num_blocks = num_cache_blocks(model_config, engine_config, dtype=dtype, device=device)
     kv_cache = allocate_kv_cache(
         model_config, num_blocks, block_size, dtype, device, kv_cache_dtype
     )
