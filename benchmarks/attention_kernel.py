@@ -34,7 +34,7 @@ from tokenmill.engine.kernels.paged_attention import (
     write_kv_cache,
 )
 from tokenmill.engine.worker.attention.portable import (
-    AttentionMetadata,
+    PortableMetadata,
     PrefillSpan,
     _decode_attention,
     _prefill_span_attention,
@@ -140,12 +140,10 @@ def decode_case(dtype, window=None, layers=1):
         _int64(starts),
         _int64([g.shared_blocks for g in groups] + [0] * len(alone)),
     )
-    meta = AttentionMetadata(
+    meta = PortableMetadata(
         slot_blocks=_int64([]),
         slot_offsets=_int64([]),
         num_decode_tokens=len(lengths),
-        block_size=BLOCK,
-        native=None,
         decode_block_tables=_padded(tables),
         decode_context_lens=_int64(lengths),
         prefills=[],

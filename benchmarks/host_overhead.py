@@ -68,7 +68,7 @@ def main() -> None:
     vocab = llm.model_config.vocab_size
     runner = llm.engine.runner
     runner.model = InstantModel(runner.model, vocab)
-    runner.attention_backend = "portable"  # the cheapest metadata; no kernel runs anyway
+    runner.use_attention_backend("portable")  # the cheapest metadata; no kernel runs anyway
     rng = random.Random(0)
     shared = [rng.randrange(vocab) for _ in range(256)]
     prompts = [

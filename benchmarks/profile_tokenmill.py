@@ -124,7 +124,7 @@ def instrument(llm: LLM, clock: StageClock) -> list[str]:
         setattr(owner, name, clock.wrap(stage, getattr(owner, name)))
 
     patch(getattr(engine, "scheduler", None), "schedule", "scheduler")
-    patch(runner, "_prepare", "input preparation")
+    patch(runner, "prepare", "input preparation")
     patch(runner, "sampler", "sampling")
     if model is None:
         missing.append("model")

@@ -22,9 +22,8 @@ from torch.nn import functional as F
 
 from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.kernels import elementwise
-from tokenmill.engine.models.layers import GatedMLP
+from tokenmill.engine.models.layers import GatedMLP, StepAttention
 from tokenmill.engine.models.llama import LlamaAttention, LlamaForCausalLM
-from tokenmill.engine.worker.attention.portable import AttentionMetadata
 
 
 class GemmaRMSNorm(nn.Module):
@@ -92,7 +91,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(
-        self, hidden, residual, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+        self, hidden, residual, rope: tuple[torch.Tensor, torch.Tensor], meta: StepAttention
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer.forward, with Gemma's extra norms.
 
@@ -123,7 +122,7 @@ class Gemma3Model(nn.Module):
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, cos, sin, meta: AttentionMetadata, local_rope) -> torch.Tensor:
+    def forward(self, input_ids, cos, sin, meta: StepAttention, local_rope) -> torch.Tensor:
         embeddings = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         # HF rounds the scale to the model dtype before multiplying (25.25 in bf16).
         scale = float(torch.tensor(self.embed_scale, dtype=embeddings.dtype))
@@ -148,7 +147,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         input_ids,
         cos,
         sin,
-        meta: AttentionMetadata,
+        meta: StepAttention,
         *,
         local_rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:

@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.models.layers import GatedMLP, RMSNorm, rotary_qkv
-from tokenmill.engine.worker.attention.portable import AttentionMetadata, paged_attention
+from tokenmill.engine.models.layers import GatedMLP, RMSNorm, StepAttention, rotary_qkv
 
 
 class LlamaAttention(nn.Module):
@@ -43,7 +42,7 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepAttention,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -53,9 +52,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = rotary_qkv(q, k, v, cos, sin)
-        o = paged_attention(
-            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window
-        )
+        o = meta.attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 
@@ -68,7 +65,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, hidden, residual, cos, sin, meta: AttentionMetadata
+        self, hidden, residual, cos, sin, meta: StepAttention
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried apart from each block's output, so that adding
         one to the other and normalising the sum is one fused op (vLLM's layout).
@@ -99,7 +96,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids, cos, sin, meta: StepAttention) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)
@@ -122,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids, cos, sin, meta: StepAttention) -> torch.Tensor:
         """input_ids: [num_tokens] -> hidden states [num_tokens, hidden]."""
         return self.model(input_ids, cos, sin, meta)
 
