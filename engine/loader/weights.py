@@ -8,9 +8,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.loader.model_files import weight_files
-from tokenmill.engine.models import model_class
+from tokenmill.engine.models import ModelConfig, model_class
 
 
 def load_model(

@@ -87,7 +87,7 @@ def quantized_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]
         for layer in model.model.layers
         for parent in layer.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
+        if isinstance(child, nn.Linear)
     ]
 
 

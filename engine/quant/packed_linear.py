@@ -101,7 +101,7 @@ def pack_linear_layers(model: nn.Module, *, dtype: torch.dtype, device: torch.de
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
+        if isinstance(child, nn.Linear)
     ]
     if not targets:
         return 0

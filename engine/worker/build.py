@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.engine.config import EngineConfig, ModelConfig
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader.weights import load_model
+from tokenmill.engine.models import ModelConfig, load_config
 from tokenmill.engine.quant import check_quantization, quantize_model
 from tokenmill.engine.quant.packed_linear import pack_linear_layers
 from tokenmill.engine.worker.calibration import input_absmax
@@ -76,7 +77,7 @@ def build_runner(
         ValueError: the model, its quantization or its cache cannot run here (before any
             weight is read).
     """
-    model_config = ModelConfig.from_dir(model_dir)
+    model_config = load_config(model_dir)
     max_model_len = max_model_len_of(model_config, engine_config)
     quantization = engine_config.quantization
     check_quantization(quantization, model_dir, model_config, device=device)

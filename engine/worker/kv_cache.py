@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.kernels.paged_attention import kv_int8_head_bytes
+from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.worker.attention import AttentionSpec, select_backend
 from tokenmill.engine.worker.host_memory import huge_page_zeros
 

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.core.step import (
     PendingStep,
     SamplerOutput,
@@ -23,7 +22,7 @@ from tokenmill.engine.core.step import (
     StepResult,
 )
 from tokenmill.engine.grammar import TokenBitmask
-from tokenmill.engine.models.layers import RotaryEmbedding
+from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.worker import prompt_logprobs
 from tokenmill.engine.worker.attention import (
     AttentionSpec,
@@ -59,11 +58,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        self.rotary = RotaryEmbedding(config, max_model_len, device)
-        # Gemma 3's sliding-window layers rotate with a base of their own.
-        self.local_rotary = None
-        if config.rope_local_theta is not None:
-            self.local_rotary = RotaryEmbedding(config, max_model_len, device, local=True)
+        model.attach_rotary(max_model_len, device)
         self.sampler = Sampler(seed, device)
         self.kv_cache = kv_cache
         if device.type == "cpu":
@@ -216,11 +211,7 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepAttention
     ) -> torch.Tensor:
         """The model over a flat batch: input_ids, positions [num_tokens] -> hidden states."""
-        cos, sin = self.rotary.lookup(positions, self.dtype)
-        extra = {}
-        if self.local_rotary is not None:
-            extra["local_rope"] = self.local_rotary.lookup(positions, self.dtype)
-        return self.model(input_ids, cos, sin, meta, **extra)
+        return self.model(input_ids, positions, meta)
 
     def prepare(
         self, out: SchedulerOutput, previous: PendingStep | None = None

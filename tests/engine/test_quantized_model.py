@@ -125,8 +125,8 @@ def test_model_that_cannot_be_quantized_fails_before_loading(tmp_path, monkeypat
 
 def test_quantization_is_cpu_only(tmp_path):
     build_hf_model("llama", tmp_path)
-    from tokenmill.engine.config import ModelConfig
+    from tokenmill.engine.models import load_config
 
-    config = ModelConfig.from_dir(tmp_path)
+    config = load_config(tmp_path)
     with pytest.raises(ValueError, match="runs on CPU only"):
         check_quantization("int8", tmp_path, config, device=torch.device("cuda"))
