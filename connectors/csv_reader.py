@@ -104,8 +104,11 @@ class _BadRecord(BadLine):
 
 def _decoded_records(f, decoding: Decoding) -> Iterator[Record]:
     for number, record in iter_records(open_decoded(f, decoding)):
-        record, is_replaced = decode_line(record, decoding)
-        yield number, record, is_replaced
+        if record.isascii():  # most records; stand-ins are ASCII too and stay as they are
+            yield number, record, False
+        else:
+            record, is_replaced = decode_line(record, decoding)
+            yield number, record, is_replaced
 
 
 def _header(records: Iterator[Record]) -> list[str]:

@@ -1,9 +1,10 @@
-"""Line-oriented reading shared by the JSON Lines formats.
+"""Line-oriented reading shared by the JSON Lines formats, and the bad-line stand-ins.
 
 Lines are split from an `open_decoded` stream (`connectors/decoding.py`) and checked one
 by one: a line over the size limit or whose bytes do not decode is replaced by a
-stand-in (`OversizedLine`, `UndecodableLine`) that parses as a bad line naming the
-problem, so it costs only its own row.
+stand-in (`OversizedLine`, `UndecodableLine`) that reads as a bad line naming the
+problem, so it costs only its own row. CSV records (`csv_records.py`) use the same
+stand-ins and the same check (`decode_line`).
 """
 
 from __future__ import annotations

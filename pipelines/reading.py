@@ -18,8 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tokenmill.connectors import ERROR_COLUMN
-from tokenmill.connectors.batches import REPLACED_COLUMN
+from tokenmill.connectors import ERROR_COLUMN, REPLACED_COLUMN
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.pipelines.ids import IdCheck
 from tokenmill.pipelines.options import per_row_fields

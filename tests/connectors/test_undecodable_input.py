@@ -12,8 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import s3fs
 
-from tokenmill.connectors import ERROR_COLUMN, SourceError, open_source
-from tokenmill.connectors.batches import REPLACED_COLUMN
+from tokenmill.connectors import ERROR_COLUMN, REPLACED_COLUMN, SourceError, open_source
 
 BAD = b"b\xffd"  # 0xff never occurs in UTF-8
 
