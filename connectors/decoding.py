@@ -104,6 +104,10 @@ def open_decoded(raw: Any, decoding: Decoding) -> Any:
 def to_utf8(line: bytes, decoding: Decoding) -> tuple[bytes, bool]:
     """One line or record of an `open_decoded` stream, checked.
 
+    Args:
+        line: the line's bytes, without its newline.
+        decoding: the input's encoding and what to do with bytes that do not decode.
+
     Returns:
         `(utf8_bytes, is_replaced)`; raises `UndecodableText` when the bytes are not
         valid and `decoding` does not replace.
@@ -123,7 +127,16 @@ def to_utf8(line: bytes, decoding: Decoding) -> tuple[bytes, bool]:
 
 
 def decode_value(value: bytes, decoding: Decoding) -> tuple[str, bool]:
-    """A binary value as text: `(text, is_replaced)`; raises `UndecodableText`."""
+    """A binary value as text.
+
+    Args:
+        value: the bytes (a Parquet binary value, bytes given to `tokenmill.generate`).
+        decoding: their encoding and what to do with bytes that do not decode.
+
+    Returns:
+        `(text, is_replaced)`; raises `UndecodableText` when the bytes do not decode
+        and `decoding` does not replace.
+    """
     value = bytes(value)
     try:
         return value.decode(decoding.encoding), False

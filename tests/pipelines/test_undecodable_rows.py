@@ -117,30 +117,20 @@ def test_the_options_are_on_every_surface_and_checked_there():
 
 def test_tokenmill_run_with_a_bad_row_and_the_flags(tmp_path, tiny_model_dir):
     src = _csv(tmp_path / "in.csv")
-    args = ["run", src, "--model", str(tiny_model_dir), "--id-column", "id", "--max-tokens", "2"]
-    runner = CliRunner()
 
-    plain = runner.invoke(
-        main, [*args[:2], str(tmp_path / "a"), *args[2:], "--no-progress", *ENGINE]
-    )
+    def run(out: str, *flags: str):
+        args = ["run", src, str(tmp_path / out), "--model", str(tiny_model_dir)]
+        args += ["--id-column", "id", "--max-tokens", "2", "--no-progress", *ENGINE, *flags]
+        return CliRunner().invoke(main, args)
+
+    plain = run("a")
     assert plain.exit_code == 0, plain.output
     assert "2 ok, 1 failed" in plain.output
-    replaced = runner.invoke(
-        main,
-        [
-            *args[:2],
-            str(tmp_path / "b"),
-            *args[2:],
-            "--no-progress",
-            "--on-decode-error",
-            "replace",
-            *ENGINE,
-        ],
-    )
+    replaced = run("b", "--on-decode-error", "replace")
     assert replaced.exit_code == 0, replaced.output
     assert "3 ok, 0 failed" in replaced.output
     assert _by_id(tmp_path / "b")["b"]["decode_replaced"] is True
-    refused = runner.invoke(main, [*args[:2], str(tmp_path / "c"), *args[2:], "--encoding", "nope"])
+    refused = run("c", "--encoding", "nope")
     assert refused.exit_code != 0 and "'nope' is not an encoding" in refused.output
 
 
