@@ -195,6 +195,10 @@ SCENARIOS: list[Scenario] = [
         _store_side("worker_death"),
     ),
     Scenario("hostile row ids (../../x, absolute, NUL, 5,000 chars)", _store_side("hostile_ids")),
+    Scenario(
+        "hostile input bytes (invalid UTF-8 in JSONL, CSV and gzipped CSV; a 40 MB CSV field)",
+        _store_side("hostile_bytes"),
+    ),
 ]
 
 

@@ -17,14 +17,18 @@ from typing import Any
 
 import pyarrow as pa
 
+from tokenmill.connectors import ERROR_COLUMN
+from tokenmill.connectors.decoding import Decoding, decode_values
+from tokenmill.connectors.lines import BadLine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.pipelines.engine_failures import generate_rows
 from tokenmill.pipelines.option_types import NOTEBOOK, PROMPT, SAMPLE
 from tokenmill.pipelines.options import check_options, llm_options, routed, takes_options
 from tokenmill.pipelines.parsed import with_parsed
 from tokenmill.pipelines.plan import order_rows
-from tokenmill.pipelines.reading import check_ids, params_indices
+from tokenmill.pipelines.reading import check_ids, mark_bad_rows, params_indices
 from tokenmill.pipelines.results import (
+    DECODE_REPLACED,
     build_results,
     check_passthrough,
     extra_columns,
@@ -37,19 +41,35 @@ from tokenmill.pipelines.scoring import (
     min_prompt_tokens,
 )
 from tokenmill.pipelines.spec import ParamsTable, resolve_task, sampling_params
-from tokenmill.pipelines.templating import TemplateSpec, render_rows, validate_columns
+from tokenmill.pipelines.templating import (
+    TemplateSpec,
+    render_rows,
+    required_columns,
+    validate_columns,
+)
 from tokenmill.pipelines.tokenize import chat_renderer, tokenize_rows
 
 
 def to_arrow(data: Any) -> pa.Table:
     """A polars/pandas DataFrame, polars LazyFrame, Arrow table/batch or list of strings
-    as an Arrow table; a list becomes a single `prompt` column."""
+    (or of bytes, decoded later by the job's encoding) as an Arrow table; a list becomes
+    a single `prompt` column."""
     if isinstance(data, pa.Table):
         return data
     if isinstance(data, pa.RecordBatch):
         return pa.Table.from_batches([data])
     if isinstance(data, (list, tuple)):
-        return pa.table({"prompt": pa.array(list(data), pa.string())})
+        is_bytes = [isinstance(v, (bytes, bytearray, memoryview)) for v in data]
+        if not any(is_bytes):
+            return pa.table({"prompt": pa.array(list(data), pa.string())})
+        if not all(b or v is None for b, v in zip(is_bytes, data)):
+            raise TypeError(
+                "data mixes text and bytes prompts: give all str, or all bytes (decoded "
+                "with the encoding option)"
+            )
+        return pa.table(
+            {"prompt": pa.array([None if v is None else bytes(v) for v in data], pa.binary())}
+        )
     module = type(data).__module__.split(".")[0]
     if module == "polars":
         if hasattr(data, "collect"):  # LazyFrame
@@ -171,8 +191,11 @@ def _run(
     engine = getattr(llm, "engine", None)
     params = ParamsTable(base, check=engine.compile_structured_outputs if engine else None)
     columns = table.to_pydict()
+    decoding = Decoding(values["encoding"], values["on_decode_error"])
+    replaced = _decode_text_columns(columns, table.schema, required_columns(template), decoding)
     chat = chat_renderer(llm.tokenizer, add_generation_prompt=adds_generation_prompt(task))
     rendered = render_rows(columns, template, chat=chat)
+    rendered = mark_bad_rows(rendered, columns, id_column=template.id_column, start=0)
     pairs = params_indices(columns, params, rendered, schema_column=schema_column)
     indices = [i for _, i in pairs]
     rows = tokenize_rows(
@@ -187,10 +210,13 @@ def _run(
         check_ids(rows, id_column=template.id_column, source="data")
     with lock:
         outputs = generate_rows(llm, order_rows(rows), params.params, on_output=on_output)
+    carried = table.select(list(passthrough))
+    if replaced is not None:
+        carried = carried.add_column(0, DECODE_REPLACED, pa.array(replaced, pa.bool_()))
     results = build_results(
         rows,
         outputs,
-        passthrough=table.select(list(passthrough)),
+        passthrough=carried,
         task=task,
         extras=extra_columns(params.params),
     )
@@ -198,3 +224,32 @@ def _run(
     if values["parse"]:
         frame = with_parsed(frame, values["json_schema"])
     return frame
+
+
+def _decode_text_columns(
+    columns: dict[str, list], schema: pa.Schema, names: list[str], decoding: Decoding
+) -> list[bool] | None:
+    """Decodes, in `columns`, the binary ones among `names` (what prompts and ids come
+    from), as a file's are read (`connectors/decoding.py`): a value that does not
+    decode leaves its row a message in `columns[ERROR_COLUMN]`.
+
+    Returns:
+        With on_decode_error="replace", which rows had bytes replaced; else None.
+    """
+    num_rows = len(next(iter(columns.values()))) if columns else 0
+    replaced = [False] * num_rows if decoding.replaces else None
+    errors: dict[int, str] = {}
+    for name in names:
+        dtype = schema.field(name).type
+        if not (pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype)):
+            continue
+        decoded = decode_values(columns[name], decoding)
+        columns[name] = decoded.values
+        for row, problem in decoded.errors.items():
+            error = BadLine(row, f"column {name!r}: {problem}", unit="row index")
+            errors.setdefault(row, str(error))
+        if replaced is not None:
+            replaced = [a or b for a, b in zip(replaced, decoded.replaced)]
+    if errors:
+        columns[ERROR_COLUMN] = [errors.get(i) for i in range(num_rows)]
+    return replaced

@@ -49,6 +49,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from tokenmill.connectors.decoding import ON_DECODE_ERROR
 from tokenmill.engine.loader.aliases import DEFAULT_MODEL
 from tokenmill.engine.quant import QUANTIZATIONS
 from tokenmill.engine.sampling_params import SamplingParams
@@ -58,6 +59,7 @@ from tokenmill.pipelines.option_types import (
     BATCH,
     BOOL,
     COSTS,
+    ENCODING,
     ENGINE,
     FILE_TEXT,
     FLOAT,
@@ -173,6 +175,24 @@ OPTIONS: tuple[Option, ...] = (
         metavar="COL",
     ),
     Option("limit", INT, None, "Only the first N input rows.", INPUT, surfaces=BATCH, ge=1),
+    Option(
+        "encoding",
+        ENCODING,
+        "utf-8",
+        "Text encoding of JSONL, CSV and OpenAI batch input, and of prompt, id or template "
+        "columns stored as bytes (Parquet binary, bytes in a DataFrame), e.g. latin-1, "
+        "cp1252, utf-16.",
+        INPUT,
+    ),
+    Option(
+        "on_decode_error",
+        choice(*ON_DECODE_ERROR),
+        "error-row",
+        "A row whose bytes are not valid in the encoding: error-row makes it an error row "
+        "naming its file and line; replace puts U+FFFD for the bad bytes, answers the row "
+        "and marks it true in a decode_replaced result column.",
+        INPUT,
+    ),
     # -- how rows become prompts ------------------------------------------------------------
     Option(
         "system",

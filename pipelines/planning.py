@@ -95,6 +95,9 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         columns=list(dict.fromkeys(columns)) if columns is not None else None,
         on_bad_line="skip_row",
         text_columns=text_columns(template),
+        encoding=spec.encoding,
+        on_decode_error=spec.on_decode_error,
+        decode_columns=required_columns(template),
     )
     fingerprint = source.fingerprint()
     _check_input_unchanged(spec, fingerprint)
