@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from tokenmill.cli import main
-from tokenmill.engine import llm_cache
+from tokenmill.pipelines import shared_llm as llm_cache
 from tokenmill.pipelines.job import run_job
 from tokenmill.pipelines.notebook import generate
 from tokenmill.pipelines.option_types import CLI, FLOW, JOB, NOTEBOOK
