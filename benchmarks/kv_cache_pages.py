@@ -22,7 +22,6 @@ Ratios are 4 KiB time / 2 MiB time, per round; read their median.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -39,10 +38,8 @@ from tokenmill.engine.worker import host_memory  # noqa: E402
 
 
 def _on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
-    # One layer's cache here is smaller than the engine's whole cache, which alone
-    # passes huge_page_zeros' default threshold: ask for every one.
     shape = tuple(tensor.shape)
-    return host_memory.huge_page_zeros(shape, tensor.dtype, min_bytes=0).copy_(tensor)
+    return host_memory.lazy_zeros(shape, tensor.dtype, huge_pages=True).copy_(tensor)
 
 
 def attention(layers: int, rounds: int) -> None:
@@ -109,9 +106,8 @@ def engine(quantization: str | None, rounds: int, scattered: bool) -> None:
 
     engine_attention.native_paged_attention = timed_attention
     engines = {}
-    for name, flag in (("4 KiB", "0"), ("2 MiB", "1")):
-        os.environ["TOKENMILL_HUGE_PAGES"] = flag
-        engines[name] = LLM(dtype="bfloat16", quantization=quantization)
+    for name, huge_pages in (("4 KiB", False), ("2 MiB", True)):
+        engines[name] = LLM(dtype="bfloat16", quantization=quantization, huge_pages=huge_pages)
     workload = load_preset("mixed64", engines["4 KiB"].model_dir)
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens

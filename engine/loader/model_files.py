@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.engine.env import cache_dir
 from tokenmill.engine.loader import hub
 from tokenmill.engine.loader.aliases import ALIASES, DEFAULT_MODEL, ModelAlias
 from tokenmill.engine.loader.gguf_convert import (
@@ -59,11 +60,6 @@ class ModelInfo:
     dtype: str | None  # e.g. "bfloat16", or "gguf:Q4_1" before conversion
     source: str  # "directory" | "gguf" | "alias" | "cache" | "hub ..." (+ a note)
     revision: str | None = None  # the commit of a Hub snapshot
-
-
-def cache_dir() -> Path:
-    """`$TOKENMILL_CACHE_DIR`, else `~/.cache/tokenmill`."""
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
 
 
 def resolve_model(

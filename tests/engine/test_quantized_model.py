@@ -15,6 +15,7 @@ from tokenmill.engine.quant import INT4_GROUP_SIZE, check_quantization, int4, qu
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import Int8Linear, describe_kernel
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.worker.build import check_settings
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
 
@@ -107,7 +108,7 @@ def test_unknown_quantization_fails_before_the_model_is_looked_up(tmp_path):
     with pytest.raises(ValueError, match="unknown quantization 'int3'; choose one of int8"):
         LLM(tmp_path / "no-such-model", quantization="int3")
     with pytest.raises(ValueError, match="unknown quantization"):
-        EngineConfig(quantization="fp8")
+        check_settings(EngineConfig(quantization="fp8"))
 
 
 def test_model_that_cannot_be_quantized_fails_before_loading(tmp_path, monkeypatch):
