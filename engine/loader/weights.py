@@ -29,15 +29,20 @@ def load_model(
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     packed = model.packed_modules
+    # A model whose checkpoints name tensors its own way says how (`checkpoint_name`: an
+    # encoder under "bert.", a bare decoder without "model."); None skips a tensor.
+    rename = getattr(model, "checkpoint_name", None) or (lambda name: name)
 
     for path in weight_files(model_dir):
         wanted = set()
         for entry in read_header(path):
             if entry.name.startswith("lm_head.") and config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
-            if _map_name(entry.name, packed)[0] in params:
+            ours = rename(entry.name)
+            if ours is not None and _map_name(ours, packed)[0] in params:
                 wanted.add(entry.name)  # not e.g. rotary inv_freq buffers of old checkpoints
         for name, tensor in iter_tensors(path, wanted):
+            name = rename(name)
             target, shard = _map_name(name, packed)
             param = params[target]
             if shard is None:
