@@ -105,7 +105,7 @@ class PoolingMethods:
                 unknown prompt_name.
         """
         params = PoolingParams(EMBED, dimensions=dimensions, normalize=normalize)
-        prefix = self._prompt_prefix(prompt_name, prompt)
+        prefix = self.prompt_prefix(prompt_name, prompt)
         texts = [texts] if isinstance(texts, str) else list(texts)
         _check_texts(texts, "texts")
         encoded = self.pooling_tokenizer.encode([prefix + t for t in texts], truncate=truncate)
@@ -250,7 +250,13 @@ class PoolingMethods:
             views.append(task_view(output))
         return views
 
-    def _prompt_prefix(self, prompt_name: str | None, prompt: str | None) -> str:
+    def prompt_prefix(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
+        """The text put before each text to embed: `prompt`, else the model's prompt called
+        `prompt_name` (else its default prompt name), else nothing.
+
+        Raises:
+            ValueError: both given, or the model has no prompt of that name.
+        """
         if prompt is not None and prompt_name is not None:
             raise ValueError("give prompt or prompt_name, not both")
         if prompt is not None:

@@ -177,3 +177,10 @@ def served_tasks(model_dir: str | Path) -> tuple[str, ...]:
     if GENERATE in tasks and not (model_dir / "modules.json").is_file():
         tasks = tuple(t for t in tasks if t != "embed")
     return tasks
+
+
+def embedding_size(model_dir: str | Path, config: PoolingConfig) -> int:
+    """Values in the model's embeddings: its hidden size per pooling mode (several
+    modes are concatenated)."""
+    raw = _read_json(Path(model_dir) / "config.json") or {}
+    return int(raw["hidden_size"]) * len(config.modes)
