@@ -95,3 +95,21 @@ def test_a_causal_lm_embeds_only_when_its_directory_says_how(tmp_path):
     embedding = llm.embed("hello")[0]
     assert len(text.token_ids) <= 3 and len(embedding.embedding) == 64
     assert embedding.completion_tokens == 0
+
+
+def test_a_qwen3_embedding_layout_causal_lm_loads_its_bare_checkpoint(tmp_path):
+    """Qwen3-Embedding's directory: config.json says Qwen3ForCausalLM (tied embeddings), the
+    weights are the bare model's (no "model." in their names, no lm_head), and
+    sentence-transformers' files say last-token pooling."""
+    import json
+
+    hf = build_decoder("qwen3", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_sentence_transformers_files(tmp_path, pooling_mode="lasttoken", normalize=True)
+    llm = LLM(str(tmp_path), dtype="float32")
+    assert llm.tasks == ("generate", "embed")
+    for out in llm.embed(TEXTS):
+        want = F.normalize(hf_last_hidden(hf, out.prompt_token_ids)[-1], dim=0)
+        torch.testing.assert_close(torch.tensor(out.embedding), want, atol=2e-5, rtol=1e-4)
