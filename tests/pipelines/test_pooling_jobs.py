@@ -219,3 +219,24 @@ def test_the_cli_runs_an_embed_job_and_resumes_after_a_kill(tmp_path, encoder_di
     ids = results["id"].to_pylist()
     assert sorted(ids) == sorted(f"doc{i}" for i in range(40)) and len(set(ids)) == 40
     assert ledger["rows_ok"] == 40 and ledger["task"] == "embed"
+
+
+def test_notebook_classify_and_rerank(tmp_path):
+    head = tmp_path / "head"
+    build_encoder("bert", head, num_labels=2, id2label={0: "no", 1: "yes"})
+    classifier = LLM(str(head), dtype="float32")
+    frame = pl.DataFrame({"text": TEXTS, "query": ["what is it"] * len(TEXTS)})
+    classified = tokenmill.classify(frame, column="text", llm=classifier)
+    want = classifier.classify(TEXTS)
+    assert classified["label"].to_list() == [o.label for o in want]
+    np.testing.assert_allclose(
+        np.stack(classified["probs"].to_list()), [o.probs for o in want], atol=1e-6
+    )
+
+    cross = tmp_path / "cross"
+    build_encoder("bert", cross, num_labels=1)
+    reranker = LLM(str(cross), dtype="float32")
+    ranked = tokenmill.rerank(frame, column="text", query_column="query", llm=reranker)
+    scores = [o.score for o in reranker.score("what is it", TEXTS)]
+    np.testing.assert_allclose(ranked["score"].to_numpy(), scores, atol=1e-6)
+    assert ranked["finish_reason"].to_list() == ["rerank"] * len(TEXTS)

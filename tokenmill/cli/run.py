@@ -155,8 +155,8 @@ def print_summary(ledger, output: str) -> None:
 )
 @click.pass_context
 def run(ctx: click.Context, input_uri: str, output_uri: str, as_json: bool, **_: object) -> None:
-    """Answer (or, with --task score, score) every row of INPUT and write results and a
-    cost ledger to OUTPUT."""
+    """Answer (or, with --task score, score; with --task embed, classify or rerank, pool)
+    every row of INPUT and write results and a cost ledger to OUTPUT."""
     from tokenmill.connectors import DiskFullError
     from tokenmill.pipelines.job import run_job
 
