@@ -19,11 +19,17 @@ for the one call, so the model keeps int4's memory. Figures: benchmarks/README.m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from tokenmill.engine.kernels import int4_unpack
+from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.quant.method import QuantizationMethod, quantized_targets, register
 
+# Inputs per group of weights that share a scale and a minimum.
+GROUP_SIZE = 32
 # PyTorch's int4 layout stores each group as (q - 8) * scale + zero.
 _MID = 8
 COMPUTE_DTYPE = torch.bfloat16
@@ -132,3 +138,42 @@ def _unpacks(packed: torch.Tensor, q: torch.Tensor) -> bool:
         torch.equal((blocks & 15).to(q.dtype), halves[:, 0])
         and torch.equal((blocks >> 4).to(q.dtype), halves[:, 1])
     )
+
+
+class Int4Method(QuantizationMethod):
+    """Group-wise 4-bit weights (groups of GROUP_SIZE inputs), bf16 activations."""
+
+    name = "int4"
+    help = "group-wise 4-bit weights"
+    layer_classes = (Int4Linear,)
+
+    def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
+        super().check(model_dir, config, device)
+        q_size = config.num_attention_heads * config.head_dim
+        inputs = {config.hidden_size, config.intermediate_size, q_size}
+        bad = sorted(w for w in inputs if w % GROUP_SIZE)
+        if bad:
+            raise ValueError(
+                f"quantization='int4' needs layer inputs that are multiples of "
+                f"{GROUP_SIZE}; this model has {', '.join(map(str, bad))}"
+            )
+        # PyTorch's int4 kernel packs output rows in 16s.
+        kv_size = config.num_key_value_heads * config.head_dim
+        outputs = {q_size + 2 * kv_size, config.hidden_size, 2 * config.intermediate_size}
+        bad = sorted(w for w in outputs if w % 16)
+        if bad:
+            raise ValueError(
+                "quantization='int4' needs layer outputs that are multiples of 16; this "
+                f"model has {', '.join(map(str, bad))}"
+            )
+
+    def quantize(self, model, model_dir, *, dtype, measure_inputs) -> int:
+        total = 0
+        for parent, name, linear in quantized_targets(model):
+            layer = Int4Linear.from_float(linear.weight, linear.bias, group_size=GROUP_SIZE)
+            setattr(parent, name, layer)
+            total += layer.weight_bytes
+        return total
+
+
+register(Int4Method())

@@ -30,6 +30,7 @@ two kernels, chosen per layer at load:
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -37,6 +38,10 @@ from torch import nn
 from tokenmill.engine.kernels import cpu_flags
 from tokenmill.engine.kernels import int8_linear as native
 from tokenmill.engine.kernels.quantize import FULL_RANGE, REDUCED_RANGE, quantize_rows_u8
+from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.models.layers import GatedMLP
+from tokenmill.engine.quant.calibrate import calibration_token_ids, smoothing_factors
+from tokenmill.engine.quant.method import QuantizationMethod, quantized_targets, register
 
 KERNELS = ("native", "onednn")
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernel takes as it is
@@ -252,3 +257,39 @@ class Int8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int8 {self.kernel}"
         )
+
+
+class Int8Method(QuantizationMethod):
+    """Per-channel int8 weights, dynamically quantized int8 activations, smoothed
+    SmoothQuant-style with statistics from one float pass at load (calibrate.py)."""
+
+    name = "int8"
+    help = "int8 weights and activations"
+    layer_classes = (Int8Linear,)
+
+    def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
+        super().check(model_dir, config, device)
+        if not onednn_int8_available():
+            raise ValueError("quantization='int8' needs a torch build with oneDNN's int8 ops")
+
+    def quantize(self, model, model_dir, *, dtype, measure_inputs) -> int:
+        targets = quantized_targets(model)
+        layers = [linear for _, _, linear in targets]
+        token_ids = calibration_token_ids(model_dir, model.config.vocab_size)
+        absmax = measure_inputs(model, layers, token_ids)
+        total = 0
+        for parent, name, linear in targets:
+            # A gated MLP's gate_up takes its activation into the product where it can.
+            gated = isinstance(parent, GatedMLP) and name == "gate_up_proj"
+            layer = Int8Linear.from_float(
+                linear.weight,
+                linear.bias,
+                smoothing_factors(absmax[linear], linear.weight),
+                gated_activation=parent.activation if gated else None,
+            )
+            setattr(parent, name, layer)
+            total += layer.weight_bytes
+        return total
+
+
+register(Int8Method())
