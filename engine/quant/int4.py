@@ -4,17 +4,17 @@ Each run of `group_size` weights along a row keeps a scale and a minimum
 (w ~ q * scale + minimum, q in 0..15, the GGUF Q4_1 recipe) and the product runs in
 PyTorch's own CPU kernel for it (`torch._weight_int4pack_mm_for_cpu`), which reads a
 quarter of bf16's bytes: the choice for jobs bound by memory bandwidth (small batches,
-long outputs, bigger models). Why this kernel: benchmarks/README.md ("Kernel choice").
-The kernel runs in bf16 whatever the model's dtype: its fp32 variant measured 1 GOP/s
-on the project's CPU against ~60 in bf16 (one thread, 3072 x 576), so the scales and the
-activations are rounded to bf16 and the output cast back.
+long outputs, bigger models). The kernel runs in bf16 whatever the model's dtype: its
+fp32 variant is scalar and far slower, so the scales and the activations are rounded to
+bf16 and the output cast back (benchmarks/README.md, "int4 and GGUF layers on expanded
+weights").
 
 Calls of UNPACK_MIN_ROWS rows or more (prompt chunks, big decode batches) expand the
 layer's weights to bf16 first (kernels/int4_unpack.c, one pass over N x K) and run the
 bf16 matmul on them: that kernel computes far below the bf16 units' rate, and from a few
 tens of rows the product, not the weights' bytes, is the cost. The expanded copy lives
 for the one call, so the model keeps int4's memory. Figures: benchmarks/README.md
-("Stop 27").
+("int4 and GGUF layers on expanded weights").
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ GROUP_SIZE = 32
 _MID = 8
 COMPUTE_DTYPE = torch.bfloat16
 # From this many rows a call expands the weights to bf16 and runs the bf16 matmul
-# (measured crossover: benchmarks/README.md, "Stop 27").
+# (where it pays: benchmarks/README.md, "int4 and GGUF layers on expanded weights").
 UNPACK_MIN_ROWS = 32
 
 
