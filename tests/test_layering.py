@@ -40,6 +40,7 @@ ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "tokenmill.engine.env",
             "tokenmill.engine.grammar",
             "tokenmill.engine.outputs",
+            "tokenmill.engine.profiling",
             "tokenmill.engine.sampling_params",
             "tokenmill.engine.structured_outputs",
         ),
