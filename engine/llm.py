@@ -21,6 +21,7 @@ from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.models import GENERATE
 from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.engine.pooling_llm import PoolingMethods
+from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.worker.build import (
     build_encoder_runner,
@@ -160,6 +161,13 @@ class LLM(PoolingMethods):
         for output, text in zip(outputs, prompts):
             output.prompt = text
         return outputs
+
+    def set_profiler(self, profiler: StepProfiler | None) -> None:
+        """Report every stage of every step to `profiler` from now on (None: stop); see
+        engine/profiling.py for the stages and `tokenmill.bench.profile` for a timer."""
+        profiler = profiler or NO_PROFILER
+        self.engine.profiler = profiler
+        self.engine.runner.profiler = profiler
 
     def stats(self) -> EngineStats:
         """Cumulative counters: computed/cached prompt tokens, generated tokens, preemptions."""

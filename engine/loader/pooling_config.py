@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenmill.engine.models import GENERATE, architecture_of
+
 # sentence-transformers' pooling modes, in the order it concatenates them.
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
 _LEGACY_MODE_KEYS = {
@@ -169,8 +171,6 @@ def served_tasks(model_dir: str | Path) -> tuple[str, ...]:
     tasks, less embed for a causal LM whose directory does not say how it pools (no
     sentence-transformers modules.json) - a language model's hidden states are not an
     embedding model's."""
-    from tokenmill.engine.models import GENERATE, architecture_of
-
     model_dir = Path(model_dir)
     architecture = architecture_of(_read_json(model_dir / "config.json") or {})
     tasks = architecture.tasks
