@@ -26,6 +26,7 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.outputs import EngineStats, RequestMetrics
 from tokenmill.engine.pooling_outputs import PoolingOutput
 from tokenmill.engine.pooling_params import PoolingParams
+from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
 
 
 class EncoderBatchRunner(Protocol):
@@ -75,6 +76,7 @@ class EncoderEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.stats = EngineStats()
+        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/profiling.py
         self._waiting: list[_Request] = []
         self._batches: deque[list[_Request]] = deque()
         self._finished_early: list[PoolingOutput] = []
@@ -129,7 +131,8 @@ class EncoderEngine:
         """Run the next batch; return the requests it finished (and any refused ones)."""
         finished, self._finished_early = self._finished_early, []
         if not self._batches and self._waiting:
-            self._plan()
+            with self.profiler.stage("schedule"):
+                self._plan()
         if not self._batches:
             return finished
         batch = self._batches.popleft()

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.pooling_params import RERANK, PoolingParams
+from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.worker.encoder_attention import PackedAttention
 from tokenmill.engine.worker.pooling import Pooler
 
@@ -54,6 +55,7 @@ class EncoderRunner:
         self.dtype = dtype
         self.pair_separator_id = pair_separator_id
         self._uses_token_types = getattr(model.config, "type_vocab_size", 1) > 1
+        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/profiling.py
 
     def unsupported(self, params: PoolingParams) -> str | None:
         """Why this model cannot serve params, or None."""
@@ -80,18 +82,24 @@ class EncoderRunner:
         Returns:
             One fp32 CPU tensor per sequence (`PoolingOutput.data`).
         """
-        lengths = np.fromiter((len(t) for t in token_ids), np.int64, len(token_ids))
-        starts = np.cumsum(lengths) - lengths
-        flat = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, int(lengths.sum()))
-        positions = np.arange(len(flat)) - np.repeat(starts, lengths)
-        types = self._token_types(token_ids, params, starts, len(flat))
-        hidden = self.model(
-            _to(flat, self.device),
-            _to(positions, self.device),
-            PackedAttention(lengths.tolist()),
-            None if types is None else _to(types, self.device),
-        )
-        return self.pooler.pool_packed(hidden, lengths.tolist(), params)
+        profiler = self.profiler
+        with profiler.stage("prepare"):
+            lengths = np.fromiter((len(t) for t in token_ids), np.int64, len(token_ids))
+            starts = np.cumsum(lengths) - lengths
+            num_tokens = int(lengths.sum())
+            flat = np.fromiter(itertools.chain.from_iterable(token_ids), np.int64, num_tokens)
+            positions = np.arange(len(flat)) - np.repeat(starts, lengths)
+            types = self._token_types(token_ids, params, starts, len(flat))
+            inputs = (
+                _to(flat, self.device),
+                _to(positions, self.device),
+                profiler.attention(PackedAttention(lengths.tolist())),
+                None if types is None else _to(types, self.device),
+            )
+        with profiler.stage("forward"):
+            hidden = self.model(*inputs)
+        with profiler.stage("pool"):
+            return self.pooler.pool_packed(hidden, lengths.tolist(), params)
 
     def _token_types(self, token_ids, params, starts, num_tokens) -> np.ndarray | None:
         """Each token's segment, or None when every token is segment 0."""
