@@ -183,7 +183,8 @@ def _systems(config, model_dir: str, tmp: Path, notes: list[str], log: Log) -> l
         else:
             if importlib.util.find_spec("onnxruntime") is None:
                 notes.append(
-                    "onnx: skipped - onnxruntime is not installed (pip install onnxruntime)"
+                    "onnx: skipped - onnxruntime is not installed "
+                    "(pip install onnxruntime onnx onnxscript)"
                 )
                 continue
             onnx_path = tmp / "model.onnx"
