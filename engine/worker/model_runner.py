@@ -148,7 +148,8 @@ class ModelRunner:
             with profiler.stage("forward"):
                 hidden = self.forward_model(input_ids, positions, profiler.attention(meta))
         with profiler.stage("logits"):
-            prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)
+            if prompt_spans:  # a pooling-only model has no compute_logits
+                prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)
             if pools:
                 self.pooler.record_step(out.chunks, hidden)
             if not sample_rows:
