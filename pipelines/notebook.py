@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.pipelines.dedupe import find_copies
 from tokenmill.pipelines.engine_failures import generate_rows
 from tokenmill.pipelines.option_types import NOTEBOOK, PROMPT, SAMPLE
 from tokenmill.pipelines.options import check_options, llm_options, routed, takes_options
@@ -25,6 +26,7 @@ from tokenmill.pipelines.parsed import with_parsed
 from tokenmill.pipelines.plan import order_rows
 from tokenmill.pipelines.reading import check_ids, params_indices
 from tokenmill.pipelines.results import (
+    DUPLICATE_OF,
     build_results,
     check_passthrough,
     extra_columns,
@@ -185,14 +187,19 @@ def _run(
     )
     if template.id_column is not None:
         check_ids(rows, id_column=template.id_column, source="data")
+    copies = find_copies(rows, params.params) if values["dedupe"] else {}
+    computed = [r for r in rows if r.row_index not in copies]
     with lock:
-        outputs = generate_rows(llm, order_rows(rows), params.params, on_output=on_output)
+        outputs = generate_rows(llm, order_rows(computed), params.params, on_output=on_output)
+    ids = [r.id for r in rows]  # row_index is the position in `data`
+    extras = extra_columns(params.params) + ((DUPLICATE_OF,) if copies else ())
     results = build_results(
         rows,
         outputs,
         passthrough=table.select(list(passthrough)),
         task=task,
-        extras=extra_columns(params.params),
+        extras=extras,
+        copies={copy: (source, ids[source]) for copy, source in copies.items()},
     )
     frame = pl.from_arrow(results)
     if values["parse"]:

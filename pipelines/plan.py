@@ -56,6 +56,9 @@ class Shard:
     num_rows: int
     num_tokens: int  # estimated work: prompt tokens + max completion tokens
     window: int = 0  # the planning window the shard was cut from
+    # A copy shard (pipelines/dedupe.py): its rows take earlier identical rows' answers
+    # from their published parts; nothing is computed, and it runs after every other shard.
+    is_copy: bool = False
 
     def __post_init__(self) -> None:
         if self.num_rows < 1:

@@ -22,6 +22,10 @@ has the same schema):
     completions                 list of {index, output, finish_reason,
                                 structured_output_complete}: every one of a row's n
                                 completions (`output` is the first). With any n > 1.
+    duplicate_of                string: the id of the identical row whose answer this
+                                row takes (null on rows computed themselves); such a row
+                                bills no tokens (`pipelines/dedupe.py`). With any row
+                                deduplicated.
 """
 
 from __future__ import annotations
@@ -59,10 +63,14 @@ COMPLETION_TYPE = pa.struct(
         ("structured_output_complete", pa.bool_()),
     ]
 )
+DUPLICATE_OF = "duplicate_of"
 EXTRA_FIELDS = {
     "structured_output_complete": pa.field("structured_output_complete", pa.bool_()),
     "completions": pa.field("completions", pa.list_(COMPLETION_TYPE)),
+    DUPLICATE_OF: pa.field(DUPLICATE_OF, pa.string()),
 }
+# What a copy's row bills: nothing was computed for it.
+TOKEN_COLUMNS = ("prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 def extra_columns(params: Sequence[SamplingParams]) -> tuple[str, ...]:
@@ -170,6 +178,7 @@ def build_results(
     passthrough: pa.Table | None = None,
     task: str = GENERATE,
     extras: Sequence[str] = (),
+    copies: Mapping[int, tuple[int, str]] | None = None,
 ) -> pa.Table:
     """A results table for `rows`, in their order.
 
@@ -179,11 +188,23 @@ def build_results(
         passthrough: columns to carry over, one row per entry of `rows`, same order.
         task: the job's task: its rows and schema (`result_schema`).
         extras: optional columns (`extra_columns` of the job's params).
+        copies: row index -> (source row index, source id) of rows that take an
+            identical row's answer (`pipelines/dedupe.py`); extras must then hold
+            duplicate_of.
 
     Returns:
         A table with the task's result columns, the extras, then the passthrough columns.
     """
-    records = [result_record(r, outputs.get(r.row_index), task=task) for r in rows]
+    copies = copies or {}
+
+    def record(row: PromptRow) -> dict:
+        if row.row_index not in copies:
+            return result_record(row, outputs.get(row.row_index), task=task)
+        source_index, source_id = copies[row.row_index]
+        copied = result_record(row, outputs.get(source_index), task=task)
+        return {**copied, **dict.fromkeys(TOKEN_COLUMNS, 0), DUPLICATE_OF: source_id}
+
+    records = [record(r) for r in rows]
     table = pa.Table.from_pylist(records, schema=result_schema(task, extras))
     if passthrough is not None and passthrough.num_columns:
         if passthrough.num_rows != table.num_rows:
@@ -194,6 +215,54 @@ def build_results(
         for name in passthrough.column_names:
             table = table.append_column(passthrough.schema.field(name), passthrough[name])
     return table
+
+
+def copy_results(
+    sources: pa.Table,
+    copies: Sequence[tuple[str, str]],
+    *,
+    schema: pa.Schema,
+    passthrough: pa.Table | None = None,
+) -> pa.Table:
+    """The result rows of copies, from their sources' result rows (`pipelines/dedupe.py`).
+
+    Args:
+        sources: result rows holding every source named in `copies` (any extra rows
+            or columns are ignored).
+        copies: (copy id, source id) per copy, in the order of the table to build.
+        schema: the job's results schema (`result_schema(task, extras)`), which has
+            the duplicate_of column.
+        passthrough: the copies' own passthrough columns, one row per copy.
+
+    Returns:
+        Each source's row with the copy's id, zero tokens, `duplicate_of` = the source's
+        id, then the copies' passthrough columns.
+
+    Raises:
+        KeyError: a source id that `sources` does not hold.
+    """
+    position = {rid: i for i, rid in enumerate(sources["id"].to_pylist())}
+    take = pa.array([position[source] for _, source in copies], pa.int64())
+    table = sources.select([n for n in schema.names if n in sources.column_names]).take(take)
+    zeros = pa.array([0] * len(copies), pa.int64())
+    columns = {
+        "id": pa.array([copy for copy, _ in copies], pa.string()),
+        DUPLICATE_OF: pa.array([source for _, source in copies], pa.string()),
+        **dict.fromkeys(TOKEN_COLUMNS, zeros),
+    }
+    arrays = [
+        columns[f.name]
+        if f.name in columns
+        else table[f.name]
+        if f.name in table.column_names
+        else pa.nulls(len(copies), f.type)
+        for f in schema
+    ]
+    result = pa.Table.from_arrays(arrays, schema=schema)
+    if passthrough is not None and passthrough.num_columns:
+        for name in passthrough.column_names:
+            result = result.append_column(passthrough.schema.field(name), passthrough[name])
+    return result
 
 
 def latencies(outputs: Mapping[int, RequestOutput]) -> list[float]:
