@@ -9,6 +9,8 @@
                                         job finishes
     OUTPUT/_input.json                  the input's fingerprint (files, sizes, versions): a
                                         resumed run refuses an input that changed
+    OUTPUT/_forecast.json               a dry run's forecast (`pipelines/forecast.py`); the
+                                        job's ledger shows it beside the actuals
     OUTPUT/_lock.json                   the lock of the run writing here (`output_lock`)
 
 A shard is complete iff its part exists: the stats file is written first, so a part
@@ -48,6 +50,7 @@ RESULTS_DIR = "results"
 STATS_DIR = "shard_stats"
 PLAN_DIR = "_plan"  # "_": hidden from anyone reading OUTPUT as a dataset
 INPUT_FILE = "_input.json"
+FORECAST_FILE = "_forecast.json"
 LEDGER_FILE = "ledger.json"
 OPENAI_RESULTS_FILE = "results.jsonl"
 DEFAULT_LEDGER_DIR = "ledger"
@@ -108,6 +111,13 @@ def write_shard(
     return write_part(
         table, results_uri(output), stats.shard_id, format=fmt, storage_options=storage_options
     )
+
+
+def read_shard_part(
+    output: str, shard_id: str, fmt: str, storage_options: StorageOptions = None
+) -> pa.Table:
+    """One completed shard's result rows (FileNotFoundError if its part is not published)."""
+    return read_part(join(results_uri(output), f"{shard_id}.{fmt}"), storage_options)
 
 
 def result_parts(output: str, storage_options: StorageOptions = None) -> dict[str, list[str]]:
@@ -289,6 +299,21 @@ def write_input_fingerprint(
 ) -> None:
     """Record the fingerprint of the input the output's results come from."""
     write_json_atomic(join(output, INPUT_FILE), fingerprint, storage_options)
+
+
+def write_forecast(
+    output: str, forecast: dict[str, Any], storage_options: StorageOptions = None
+) -> None:
+    """Record a dry run's forecast (a `Forecast.to_dict()`) in the output."""
+    write_json_atomic(join(output, FORECAST_FILE), forecast, storage_options)
+
+
+def read_forecast(output: str, storage_options: StorageOptions = None) -> dict[str, Any] | None:
+    """The forecast a dry run recorded in the output (None: none was)."""
+    try:
+        return read_json(join(output, FORECAST_FILE), storage_options)
+    except FileNotFoundError:
+        return None
 
 
 def remove_temp_files(output: str, storage_options: StorageOptions = None) -> int:

@@ -151,7 +151,12 @@ def test_openai_batch_output_keeps_input_order_with_copies(tmp_path, fake_llm):
         body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 4}
         lines.append(
             json.dumps(
-                {"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+                {
+                    "custom_id": f"c{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": body,
+                }
             )
         )
     src = tmp_path / "batch.jsonl"
