@@ -1,0 +1,190 @@
+"""Calibration: a short real run of a sample of a job's own rows, on the machine that
+forecasts, to estimate what only computing can tell - how long completions are and
+what an engine step costs here.
+
+The sample is spread evenly over the job's rows in run order (so it sees the job's mix
+of lengths and prefixes): `SAMPLE_SHARE` of the rows to compute, at least
+`MIN_SAMPLE_ROWS` (or every row), at most one engine batch. It runs as one `generate`
+call and is stopped after `TIME_BOUND_S`; rows still running then are left out of the
+completion estimate (the calibration reports how many finished).
+
+What it yields:
+
+- each finished row's completion tokens as a fraction of its budget (max_tokens x n):
+  the forecast gives every row of the job one of these fractions in turn, so the job's
+  estimate has the sample's spread of lengths, not just its mean;
+- the cost of an engine step, `StepCost`: seconds = per_step + per_prompt_token x prompt
+  tokens computed + per_sampled_token x tokens sampled, fitted by least squares to the
+  sample's own steps (timed between `LLM.generate`'s `on_step` calls). A step's work
+  is what the engine's counters say it computed, which `cache_forecast.simulate_engine`
+  reproduces for the whole job; the forecast's duration is the fitted cost of those
+  steps. Extrapolating from the sample's small batches to the job's large ones assumes
+  a step's cost grows linearly with its tokens - true of the matrix products that
+  dominate a step once a batch is a few dozen tokens wide.
+
+The engine's prefix cache is emptied afterwards (`LLMEngine.abort_all`), so a run in
+the same process starts as cold as the forecast assumes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tokenmill.engine.outputs import EngineStats, RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.pipelines.cache_forecast import Request, StepLoad
+
+SAMPLE_SHARE = 0.05
+MIN_SAMPLE_ROWS = 8
+TIME_BOUND_S = 30.0
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds one engine step takes here, by what it computes (see the module docstring)."""
+
+    per_step: float
+    per_prompt_token: float
+    per_sampled_token: float
+
+    def seconds(self, steps: Sequence[StepLoad]) -> float:
+        """The fitted time of these steps."""
+        prompt = sum(s.prompt_tokens for s in steps)
+        sampled = sum(s.sampled_tokens for s in steps)
+        return (
+            len(steps) * self.per_step
+            + prompt * self.per_prompt_token
+            + sampled * self.per_sampled_token
+        )
+
+
+@dataclass
+class Calibration:
+    """What a calibration run measured."""
+
+    num_rows: int  # sample rows that finished
+    num_rows_sampled: int
+    seconds: float  # its wall time
+    completion_fractions: list[float]  # per finished row: completion tokens / budget
+    step_cost: StepCost
+    stopped_early: bool = False  # the time bound ended it
+    steps: list[tuple[float, StepLoad]] = field(default_factory=list, repr=False)
+
+    def completion_tokens(self, index: int, budget: int) -> int:
+        """The completion tokens the forecast gives the `index`-th row to compute, whose
+        budget is `budget` (max_tokens x n): the sample's fractions in turn."""
+        if budget == 0:
+            return 0
+        if not self.completion_fractions:
+            return budget
+        fraction = self.completion_fractions[index % len(self.completion_fractions)]
+        return min(budget, max(1, round(fraction * budget)))
+
+
+def sample_indices(num_rows: int, max_rows: int) -> list[int]:
+    """Evenly spaced indices into `num_rows` rows in run order: the calibration sample."""
+    if num_rows <= 0:
+        return []
+    size = min(num_rows, max_rows, max(MIN_SAMPLE_ROWS, math.ceil(SAMPLE_SHARE * num_rows)))
+    return sorted({int(i * num_rows / size) for i in range(size)})
+
+
+class _TimeUp(Exception):
+    """Raised from `on_step` to end the calibration run at its time bound."""
+
+
+def calibrate(
+    llm: Any, requests: Sequence[Request], *, time_bound_s: float = TIME_BOUND_S
+) -> Calibration:
+    """Run `requests` (the sample) on `llm`, timing every step; see the module docstring.
+
+    Args:
+        llm: a loaded LLM (`generate` with `on_output` and `on_step`, `engine`).
+        requests: the sample's prompts and params, in run order.
+        time_bound_s: stop the run after this many seconds.
+
+    Returns:
+        The Calibration.
+    """
+    _warm_up(llm, requests)
+    budgets: dict[tuple[int, ...], int] = {}
+    for r in requests:
+        budgets[tuple(r.token_ids)] = r.params.max_tokens * r.params.n
+    finished: list[RequestOutput] = []
+    steps: list[tuple[float, StepLoad]] = []
+    started = time.perf_counter()
+    last: list[float] = []
+
+    def on_step(stats: EngineStats) -> None:
+        now = time.perf_counter()
+        counts = (stats.computed_prompt_tokens, stats.generated_tokens)
+        if last:
+            steps.append((now - last[0], StepLoad(counts[0] - last[1], counts[1] - last[2])))
+        else:  # the first step: its load is measured from the counters before the call
+            steps.append((now - started, StepLoad(counts[0] - before[0], counts[1] - before[1])))
+        last[:] = [now, *counts]
+        if now - started > time_bound_s:
+            raise _TimeUp
+
+    stats = llm.stats()
+    before = (stats.computed_prompt_tokens, stats.generated_tokens)
+    stopped_early = False
+    try:
+        llm.generate(
+            [list(r.token_ids) for r in requests],
+            [r.params for r in requests],
+            on_output=finished.append,
+            on_step=on_step,
+        )
+    except _TimeUp:
+        stopped_early = True  # LLM.generate dropped the rest (and emptied the cache)
+    seconds = time.perf_counter() - started
+    llm.engine.abort_all()  # the prefix cache: later work in this process starts cold
+    fractions = [
+        o.completion_tokens / budgets[tuple(o.prompt_token_ids)]
+        for o in finished
+        if o.error is None and budgets.get(tuple(o.prompt_token_ids))
+    ]
+    return Calibration(
+        num_rows=len(finished),
+        num_rows_sampled=len(requests),
+        seconds=seconds,
+        completion_fractions=fractions,
+        step_cost=fit_step_cost(steps),
+        stopped_early=stopped_early,
+        steps=steps,
+    )
+
+
+def _warm_up(llm: Any, requests: Sequence[Request]) -> None:
+    """One tiny request first: a fresh engine's first steps set up kernels, which a long
+    run pays once and a short sample would count against every step."""
+    if requests:
+        prompt = list(requests[0].token_ids)[:8]
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
+
+
+def fit_step_cost(steps: Sequence[tuple[float, StepLoad]]) -> StepCost:
+    """Least-squares StepCost of timed steps; a coefficient that fits below zero is
+    dropped (the others refitted without it), so every cost is >= 0."""
+    if not steps:
+        return StepCost(0.0, 0.0, 0.0)
+    seconds = np.array([t for t, _ in steps])
+    features = np.array(
+        [[1.0, load.prompt_tokens, load.sampled_tokens] for _, load in steps], dtype=float
+    )
+    active = [0, 1, 2]
+    coefficients = np.zeros(3)
+    while active:
+        solution, *_ = np.linalg.lstsq(features[:, active], seconds, rcond=None)
+        if (solution >= 0).all():
+            coefficients[active] = solution
+            break
+        active = [a for a, c in zip(active, solution) if c >= 0] or []
+    return StepCost(*(float(c) for c in coefficients))
