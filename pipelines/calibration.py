@@ -5,8 +5,9 @@ what an engine step costs here.
 The sample is spread evenly over the job's rows in run order (so it sees the job's mix
 of lengths and prefixes): `SAMPLE_SHARE` of the rows to compute, at least
 `MIN_SAMPLE_ROWS` (or every row), at most one engine batch. It runs as one `generate`
-call and is stopped after `TIME_BOUND_S`; rows still running then are left out of the
-completion estimate (the calibration reports how many finished).
+call, twice (the first run pays a fresh engine's one-time set-up, which is measured as
+such), and is stopped after `TIME_BOUND_S` in all; rows still running then are left
+out of the completion estimate (the calibration reports how many finished).
 
 What it yields:
 
@@ -37,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from tokenmill.engine.outputs import EngineStats, RequestOutput
-from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines.cache_forecast import Request, StepLoad
 
 SAMPLE_SHARE = 0.05
@@ -73,6 +73,7 @@ class Calibration:
     seconds: float  # its wall time
     completion_fractions: list[float]  # per finished row: completion tokens / budget
     step_cost: StepCost
+    warm_up_s: float = 0.0  # what a fresh engine's first steps take beyond their cost
     stopped_early: bool = False  # the time bound ended it
     steps: list[tuple[float, StepLoad]] = field(default_factory=list, repr=False)
 
@@ -96,7 +97,15 @@ def sample_indices(num_rows: int, max_rows: int) -> list[int]:
 
 
 class _TimeUp(Exception):
-    """Raised from `on_step` to end the calibration run at its time bound."""
+    """Raised from `on_step` to end a calibration run at its time bound."""
+
+
+@dataclass
+class _Run:
+    finished: list[RequestOutput]
+    steps: list[tuple[float, StepLoad]]
+    seconds: float
+    stopped_early: bool
 
 
 def calibrate(
@@ -104,36 +113,60 @@ def calibrate(
 ) -> Calibration:
     """Run `requests` (the sample) on `llm`, timing every step; see the module docstring.
 
+    The sample runs twice, each time from an empty prefix cache: the first run pays
+    what a fresh engine pays once (kernels set up on first use), the second is timed
+    for the step costs. The difference is the one-time `warm_up_s` a new run adds.
+
     Args:
-        llm: a loaded LLM (`generate` with `on_output` and `on_step`, `engine`).
+        llm: a loaded LLM (`generate` with `on_output` and `on_step`, `stats`, `engine`).
         requests: the sample's prompts and params, in run order.
-        time_bound_s: stop the run after this many seconds.
+        time_bound_s: both runs stop after this many seconds in all.
 
     Returns:
         The Calibration.
     """
-    _warm_up(llm, requests)
-    budgets: dict[tuple[int, ...], int] = {}
-    for r in requests:
-        budgets[tuple(r.token_ids)] = r.params.max_tokens * r.params.n
+    deadline = time.perf_counter() + time_bound_s
+    cold = _timed_run(llm, requests, deadline)
+    warm = None if cold.stopped_early else _timed_run(llm, requests, deadline)
+    timed = warm if warm is not None and warm.steps and not warm.stopped_early else cold
+    cost = fit_step_cost(timed.steps)
+    warm_up = 0.0
+    if timed is not cold:
+        warm_up = max(0.0, cold.seconds - cost.seconds([load for _, load in cold.steps]))
+    budgets = {tuple(r.token_ids): r.params.max_tokens * r.params.n for r in requests}
+    fractions = [
+        o.completion_tokens / budgets[tuple(o.prompt_token_ids)]
+        for o in cold.finished
+        if o.error is None and budgets.get(tuple(o.prompt_token_ids))
+    ]
+    return Calibration(
+        num_rows=len(cold.finished),
+        num_rows_sampled=len(requests),
+        seconds=cold.seconds + (warm.seconds if warm is not None else 0.0),
+        completion_fractions=fractions,
+        step_cost=cost,
+        warm_up_s=warm_up,
+        stopped_early=cold.stopped_early,
+        steps=timed.steps,
+    )
+
+
+def _timed_run(llm: Any, requests: Sequence[Request], deadline: float) -> _Run:
+    """One generate call of the sample, each step timed; the cache emptied after it."""
     finished: list[RequestOutput] = []
     steps: list[tuple[float, StepLoad]] = []
-    started = time.perf_counter()
-    last: list[float] = []
+    stats = llm.stats()
+    last = [time.perf_counter(), stats.computed_prompt_tokens, stats.generated_tokens]
+    started = last[0]
 
     def on_step(stats: EngineStats) -> None:
         now = time.perf_counter()
         counts = (stats.computed_prompt_tokens, stats.generated_tokens)
-        if last:
-            steps.append((now - last[0], StepLoad(counts[0] - last[1], counts[1] - last[2])))
-        else:  # the first step: its load is measured from the counters before the call
-            steps.append((now - started, StepLoad(counts[0] - before[0], counts[1] - before[1])))
+        steps.append((now - last[0], StepLoad(counts[0] - last[1], counts[1] - last[2])))
         last[:] = [now, *counts]
-        if now - started > time_bound_s:
+        if now > deadline:
             raise _TimeUp
 
-    stats = llm.stats()
-    before = (stats.computed_prompt_tokens, stats.generated_tokens)
     stopped_early = False
     try:
         llm.generate(
@@ -143,31 +176,10 @@ def calibrate(
             on_step=on_step,
         )
     except _TimeUp:
-        stopped_early = True  # LLM.generate dropped the rest (and emptied the cache)
+        stopped_early = True  # LLM.generate dropped the rest
     seconds = time.perf_counter() - started
-    llm.engine.abort_all()  # the prefix cache: later work in this process starts cold
-    fractions = [
-        o.completion_tokens / budgets[tuple(o.prompt_token_ids)]
-        for o in finished
-        if o.error is None and budgets.get(tuple(o.prompt_token_ids))
-    ]
-    return Calibration(
-        num_rows=len(finished),
-        num_rows_sampled=len(requests),
-        seconds=seconds,
-        completion_fractions=fractions,
-        step_cost=fit_step_cost(steps),
-        stopped_early=stopped_early,
-        steps=steps,
-    )
-
-
-def _warm_up(llm: Any, requests: Sequence[Request]) -> None:
-    """One tiny request first: a fresh engine's first steps set up kernels, which a long
-    run pays once and a short sample would count against every step."""
-    if requests:
-        prompt = list(requests[0].token_ids)[:8]
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
+    llm.engine.abort_all()  # the prefix cache: what follows starts cold
+    return _Run(finished, steps, seconds, stopped_early)
 
 
 def fit_step_cost(steps: Sequence[tuple[float, StepLoad]]) -> StepCost:

@@ -27,7 +27,6 @@ does; an engine already warm in a notebook may serve more from its cache.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -282,8 +281,9 @@ def _timed(
     )
     seconds = calibration.step_cost.seconds(sim.steps)
     if len(chosen) == len(scripted):
-        return seconds, sum(sim.cached_tokens)
-    return seconds * sum(sizes) / max(1, sum(sizes[i] for i in chosen)), None
+        return calibration.warm_up_s + seconds, sum(sim.cached_tokens)
+    scale = sum(sizes) / max(1, sum(sizes[i] for i in chosen))
+    return calibration.warm_up_s + seconds * scale, None
 
 
 def _spread(sizes: Sequence[int], budget: int) -> list[int]:
@@ -328,9 +328,3 @@ def _cost_range(
 def requests_of(rows: Sequence[Any], params: Sequence[SamplingParams]) -> list[Request]:
     """Prompt rows (with token ids) as the requests the engine will see."""
     return [Request(r.token_ids, params[r.params_index]) for r in rows if r.token_ids is not None]
-
-
-def timed(function, *args, **kwargs) -> tuple[Any, float]:
-    """(function's result, its wall seconds)."""
-    started = time.perf_counter()
-    return function(*args, **kwargs), time.perf_counter() - started
