@@ -65,6 +65,7 @@ class JobPlan:
     rows_deduplicated: int = 0
     # Where the planner found the model's files (a forecast sizes the engine from them).
     model_dir: str | None = None
+    min_shards: int = 1  # the fewest shards a window was cut into, rows allowing
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +78,7 @@ class JobPlan:
         return (*extras, DUPLICATE_OF) if self.rows_deduplicated else extras
 
 
-def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
+def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     """Read, template, tokenize and shard a job - everything before compute.
 
     The source is opened and validated first (missing file, corrupt file, bad URL,
@@ -91,6 +92,10 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         spec: the job.
         llm: an already loaded LLM to plan for (its model, tokenizer and context
             length); default: `spec.model`, described from its files.
+        min_shards: cut each window into at least this many shards where its rows allow
+            (one per worker that will run them: a flow on N workers asks for N). A job
+            resumed over parts of an earlier run keeps the cut that run recorded
+            (`OUTPUT/_cut.json`), so it plans the same shards whatever runs it now.
 
     Returns:
         The JobPlan.
@@ -113,6 +118,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
     )
     fingerprint = source.fingerprint()
     _check_input_unchanged(spec, fingerprint)
+    min_shards = _min_shards(spec, min_shards)
     model, tokenizer, max_model_len = _model_for(spec, llm)
     # A job-level constraint that cannot be compiled fails the job here, before any rows.
     params = ParamsTable(spec.sampling, check=_constraint_check(model, tokenizer, llm))
@@ -133,6 +139,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
                 model_key=model.model_key,
                 task=spec.task,
                 shard_tokens=spec.shard_tokens,
+                min_shards=min_shards,
                 first_index=len(shards),
                 window=window.index,
             )
@@ -172,6 +179,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         input_fingerprint=fingerprint,
         rows_deduplicated=dedupe.num_copies if dedupe is not None else 0,
         model_dir=str(model.model_dir),
+        min_shards=min_shards,
     )
     log.info(
         "planned job %s: %d rows (%d failed before compute, %d duplicates computed once), "
@@ -184,6 +192,26 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         plan.num_tokens,
     )
     return plan
+
+
+def _min_shards(spec: JobSpec, requested: int) -> int:
+    """The cut to plan with: the one recorded with results being resumed, else `requested`."""
+    if requested < 1:
+        raise ValueError(f"min_shards must be >= 1, got {requested}")
+    if not spec.resume:
+        return requested
+    recorded = out.read_cut(spec.output, spec.storage_options)
+    if recorded is None or recorded == requested:
+        return requested
+    if not out.completed_shards(spec.output, spec.storage_options):
+        return requested
+    log.info(
+        "resuming results cut into at least %d shards per window (asked for %d): the same "
+        "shards as the first run",
+        recorded,
+        requested,
+    )
+    return recorded
 
 
 def _check_input_unchanged(spec: JobSpec, fingerprint: list[dict[str, Any]]) -> None:

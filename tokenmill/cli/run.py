@@ -9,40 +9,13 @@ the job and prints its forecast instead (`pipelines/forecast.py`).
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import click
 
 from tokenmill.cli.options import given_options, job_options
 from tokenmill.pipelines.option_types import CLI
-
-NO_PRICES = "no prices set"
-
-
-def money(value: float | None, prices_set: bool = True) -> str:
-    """Dollars rounded for reading ($1,234.57, $0.0123, $0.000012)."""
-    if not prices_set:
-        return NO_PRICES
-    if value is None:
-        return "-"
-    if value == 0 or abs(value) >= 1:
-        return f"${value:,.2f}"
-    # three significant digits, never in exponent notation: $0.0123, $0.0000120
-    decimals = max(4, 2 - math.floor(math.log10(abs(value))))
-    return f"${value:.{decimals}f}"
-
-
-def _prices_given(ledger) -> bool:
-    return any(
-        getattr(ledger, name) is not None
-        for name in (
-            "price_input_per_1m",
-            "price_cached_input_per_1m",
-            "price_output_per_1m",
-            "price_device_per_hour",
-        )
-    )
+from tokenmill.pipelines.report import NO_PRICES, money, prices_given
 
 
 def print_summary(ledger, output: str) -> None:
@@ -53,7 +26,7 @@ def print_summary(ledger, output: str) -> None:
     def fmt(value, spec=",", unit=""):
         return "-" if value is None else f"{value:{spec}}{unit}"
 
-    priced = _prices_given(ledger)
+    priced = prices_given(ledger)
     table = Table(title=f"job {ledger.job_id}", show_header=False)
     rows = [
         ("task", ledger.task),
