@@ -1,5 +1,5 @@
 """`tokenmill.generate` and `tokenmill.score`: a DataFrame's rows answered (or scored) in
-a notebook, results in input order.
+a notebook, results in input order; `tokenmill.forecast`: what `generate` will cost.
 
 The same options (`pipelines/options.py`, the NOTEBOOK surface), templating,
 tokenizing, ordering and results code as a batch job, without shards or files: rows
@@ -11,8 +11,10 @@ engine options - does not load it again.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -20,10 +22,12 @@ import pyarrow as pa
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.pipelines.dedupe import find_copies
 from tokenmill.pipelines.engine_failures import generate_rows
-from tokenmill.pipelines.option_types import NOTEBOOK, PROMPT, SAMPLE
+from tokenmill.pipelines.forecast import Forecast, Work, engine_facts, forecast_work, requests_of
+from tokenmill.pipelines.option_types import JOB, NOTEBOOK, PRICES, PROMPT, SAMPLE
 from tokenmill.pipelines.options import check_options, llm_options, routed, takes_options
 from tokenmill.pipelines.parsed import with_parsed
 from tokenmill.pipelines.plan import order_rows
+from tokenmill.pipelines.pricing import Prices
 from tokenmill.pipelines.reading import check_ids, params_indices
 from tokenmill.pipelines.results import (
     DUPLICATE_OF,
@@ -40,7 +44,7 @@ from tokenmill.pipelines.scoring import (
 )
 from tokenmill.pipelines.spec import ParamsTable, resolve_task, sampling_params
 from tokenmill.pipelines.templating import TemplateSpec, render_rows, validate_columns
-from tokenmill.pipelines.tokenize import chat_renderer, tokenize_rows
+from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
 
 
 def to_arrow(data: Any) -> pa.Table:
@@ -134,6 +138,25 @@ def score(
     return _run(data, SCORE, llm=llm, on_output=on_output, options=options)
 
 
+@dataclass
+class _Prepared:
+    """A DataFrame's rows ready for the engine."""
+
+    values: dict[str, Any]  # the checked options
+    table: pa.Table
+    passthrough: list[str]
+    llm: Any
+    lock: Any
+    params: ParamsTable
+    rows: list[PromptRow]  # every row, in input order
+    copies: dict[int, int]  # copy row index -> source row index (dedupe)
+
+    @property
+    def computed(self) -> list[PromptRow]:
+        """The rows the engine computes, in the order it runs them."""
+        return order_rows([r for r in self.rows if r.row_index not in self.copies])
+
+
 def _run(
     data: Any,
     task: str,
@@ -145,6 +168,80 @@ def _run(
     """`generate` or `score`: the rows of `data` through the engine, in input order."""
     import polars as pl
 
+    job = _prepare(data, task, llm=llm, options=options)
+    with job.lock:
+        outputs = generate_rows(job.llm, job.computed, job.params.params, on_output=on_output)
+    ids = [r.id for r in job.rows]  # row_index is the position in `data`
+    extras = extra_columns(job.params.params) + ((DUPLICATE_OF,) if job.copies else ())
+    results = build_results(
+        job.rows,
+        outputs,
+        passthrough=job.table.select(list(job.passthrough)),
+        task=task,
+        extras=extras,
+        copies={copy: (source, ids[source]) for copy, source in job.copies.items()},
+    )
+    frame = pl.from_arrow(results)
+    if job.values["parse"]:
+        frame = with_parsed(frame, job.values["json_schema"])
+    return frame
+
+
+@takes_options(NOTEBOOK)
+def forecast(data: Any, *, llm: Any = None, calibrate: bool = True, **options: Any) -> Forecast:
+    """What `generate(data, **options)` will cost, before it runs (`pipelines/forecast.py`).
+
+    The rows are templated, tokenized, deduplicated and ordered exactly as `generate`
+    does, then forecast: prompt and cached tokens exact (for an engine whose prefix
+    cache starts empty), completion tokens between their bounds, costs, and - with
+    `calibrate` - estimates of completion tokens and seconds from a short run of a
+    sample of the rows.
+
+    Args:
+        data: as for `generate`.
+        llm: an already loaded LLM (default: the shared engine, loaded if needed).
+        calibrate: run the calibration sample (off: exact and bounded figures only).
+        **options: as for `generate`, plus the prices: price_input, price_cached,
+            price_output, price_device_hour (USD per 1M tokens, per device-hour).
+
+    Returns:
+        The Forecast (`job_id` None: a notebook call is not a job).
+    """
+    prices = {name: options.pop(name) for name in _PRICE_OPTIONS if name in options}
+    job = _prepare(data, GENERATE, llm=llm, options=options)
+    batch = requests_of(job.computed, job.params.params)
+    work = Work(
+        [batch],
+        rows=len(job.rows),
+        rows_failed=sum(1 for r in job.rows if r.error is not None),
+        rows_deduplicated=len(job.copies),
+    )
+    with job.lock:
+        return forecast_work(
+            work,
+            engine=engine_facts({}, None, job.llm),
+            prices=Prices(**routed(check_options(prices, surface=JOB), PRICES)),
+            task=GENERATE,
+            model=getattr(job.llm, "model_name", "model"),
+            llm=job.llm if calibrate else None,
+        )
+
+
+_PRICE_OPTIONS = ("price_input", "price_cached", "price_output", "price_device_hour")
+forecast.__signature__ = forecast.__signature__.replace(
+    parameters=[
+        *forecast.__signature__.parameters.values(),
+        *(
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+            for name in _PRICE_OPTIONS
+        ),
+    ]
+)
+
+
+def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Prepared:
+    """Check the options, load the engine if needed, and template, tokenize and
+    deduplicate the rows of `data`."""
     values = check_options(options, surface=NOTEBOOK)
     values = resolve_task({**values, "task": task})
     template = TemplateSpec(**routed(values, PROMPT))
@@ -188,20 +285,4 @@ def _run(
     if template.id_column is not None:
         check_ids(rows, id_column=template.id_column, source="data")
     copies = find_copies(rows, params.params) if values["dedupe"] else {}
-    computed = [r for r in rows if r.row_index not in copies]
-    with lock:
-        outputs = generate_rows(llm, order_rows(computed), params.params, on_output=on_output)
-    ids = [r.id for r in rows]  # row_index is the position in `data`
-    extras = extra_columns(params.params) + ((DUPLICATE_OF,) if copies else ())
-    results = build_results(
-        rows,
-        outputs,
-        passthrough=table.select(list(passthrough)),
-        task=task,
-        extras=extras,
-        copies={copy: (source, ids[source]) for copy, source in copies.items()},
-    )
-    frame = pl.from_arrow(results)
-    if values["parse"]:
-        frame = with_parsed(frame, values["json_schema"])
-    return frame
+    return _Prepared(values, table, list(passthrough), llm, lock, params, rows, copies)

@@ -18,6 +18,8 @@ _EXPORTS = {
     "RequestOutput": "tokenmill.engine.outputs",
     "CompletionOutput": "tokenmill.engine.outputs",
     "generate": "tokenmill.pipelines.notebook",
+    "forecast": "tokenmill.pipelines.notebook",
+    "Forecast": "tokenmill.pipelines.forecast",
     "score": "tokenmill.pipelines.notebook",
     "run_job": "tokenmill.pipelines.job",
     "JobLedger": "tokenmill.pipelines.ledger",
@@ -26,11 +28,13 @@ _EXPORTS = {
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "Forecast",
     "JobLedger",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputs",
     "__version__",
+    "forecast",
     "generate",
     "run_job",
     "score",
@@ -41,9 +45,10 @@ if TYPE_CHECKING:
     from tokenmill.engine.outputs import CompletionOutput, RequestOutput
     from tokenmill.engine.sampling_params import SamplingParams
     from tokenmill.engine.structured_outputs import StructuredOutputs
+    from tokenmill.pipelines.forecast import Forecast
     from tokenmill.pipelines.job import run_job
     from tokenmill.pipelines.ledger import JobLedger
-    from tokenmill.pipelines.notebook import generate, score
+    from tokenmill.pipelines.notebook import forecast, generate, score
 
 
 def __getattr__(name: str) -> Any:

@@ -239,3 +239,18 @@ def test_a_recorded_forecast_reads_back_whole(tmp_path, tiny_model_dir):
     forecast = run_job(src, out, llm=_llm(tiny_model_dir), dry_run=True, calibrate=False)
     recorded = read_forecast(out)
     assert Forecast.from_dict(json.loads(json.dumps(recorded))) == forecast
+
+
+def test_notebook_forecast_matches_generate(tiny_model_dir):
+    import tokenmill
+
+    prompts = _varied_prompts(40, seed=6)
+    llm = _llm(tiny_model_dir)
+    forecast = tokenmill.forecast(prompts, llm=llm, max_tokens=5, price_input=2.0)
+    assert forecast.job_id is None and forecast.rows == 40 and forecast.rows_deduplicated == 5
+    assert forecast.calibration_rows == 8 and forecast.cost_estimate is not None
+    frame = tokenmill.generate(prompts, llm=llm, max_tokens=5)
+    assert frame["prompt_tokens"].sum() == forecast.prompt_tokens
+    assert frame["cached_tokens"].sum() == forecast.cached_tokens
+    low, high = forecast.completion_tokens_min, forecast.completion_tokens_max
+    assert low <= frame["completion_tokens"].sum() <= high

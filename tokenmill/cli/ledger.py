@@ -33,8 +33,13 @@ DEFAULT_COLUMNS = {
     "cost_total": "cost",
     "forecast_cost": "cost fcst",
 }
-# Shown only when some job in the listing has them.
-OPTIONAL = {"rows_deduplicated", "forecast_completion_tokens", "forecast_seconds", "forecast_cost"}
+# Shown only when some job in the listing has them: column -> the field that says so.
+OPTIONAL = {
+    "rows_deduplicated": "rows_deduplicated",
+    "forecast_completion_tokens": "forecast_completion_tokens",
+    "forecast_seconds": "forecast_seconds",
+    "forecast_cost": "forecast_cost_min",
+}
 SUMMED = (
     "rows_ok",
     "rows_failed",
@@ -67,6 +72,8 @@ def _cell(value, column: str = "", row: dict | None = None) -> str:
         return f"{value:.1%}"
     if column in ("device_seconds", "forecast_seconds"):
         return f"{value:,.1f}"
+    if column == "throughput_tokens_per_s":
+        return f"{value:,.0f}"
     if isinstance(value, float):
         return f"{value:,.6g}"
     if isinstance(value, int):
@@ -134,7 +141,7 @@ def show(uri, storage_options, all_columns, as_json) -> None:
         columns = [
             c
             for c in DEFAULT_COLUMNS
-            if c in rows[0] and (c not in OPTIONAL or any(r.get(c) for r in rows))
+            if c in rows[0] and (c not in OPTIONAL or any(r.get(OPTIONAL[c]) for r in rows))
         ]
     cells = [[_cell(row.get(c), c, row) for c in columns] for row in rows]
     if len(rows) > 1:
