@@ -5,9 +5,10 @@ what an engine step costs here.
 The sample is spread evenly over the job's rows in run order (so it sees the job's mix
 of lengths and prefixes): `SAMPLE_SHARE` of the rows to compute, at least
 `MIN_SAMPLE_ROWS` (or every row), at most one engine batch. It runs as one `generate`
-call, twice (the first run pays a fresh engine's one-time set-up, which is measured as
-such), and is stopped after `TIME_BOUND_S` in all; rows still running then are left
-out of the completion estimate (the calibration reports how many finished).
+call, a few times (the first run pays a fresh engine's one-time set-up, which is
+measured as such; the others are timed), and is stopped after `TIME_BOUND_S` in all;
+rows the bound cuts off in the first run count with the tokens they had generated (the
+calibration reports how many finished).
 
 What it yields:
 
@@ -43,6 +44,10 @@ from tokenmill.pipelines.cache_forecast import Request, StepLoad
 SAMPLE_SHARE = 0.05
 MIN_SAMPLE_ROWS = 8
 TIME_BOUND_S = 30.0
+# Timed runs after the first: at least this many, and at least this many steps in all
+# (time allowing), so that noise in one step's time does not set the cost of all.
+MIN_TIMED_RUNS = 3
+MIN_TIMED_STEPS = 32
 
 
 @dataclass(frozen=True)
@@ -113,42 +118,67 @@ def calibrate(
 ) -> Calibration:
     """Run `requests` (the sample) on `llm`, timing every step; see the module docstring.
 
-    The sample runs twice, each time from an empty prefix cache: the first run pays
-    what a fresh engine pays once (kernels set up on first use), the second is timed
-    for the step costs. The difference is the one-time `warm_up_s` a new run adds.
+    The sample runs several times, each from an empty prefix cache: the first run pays
+    what a fresh engine pays once (kernels set up on first use) and gives the completion
+    lengths; later runs - until `MIN_TIMED_STEPS` steps or `MIN_TIMED_RUNS` runs are
+    timed, within the time bound - give the step costs, so a sample of one or two steps
+    (a scoring sample) is timed more than once. The first run's excess over the fitted
+    cost of its steps is the one-time `warm_up_s` a new run adds.
 
     Args:
         llm: a loaded LLM (`generate` with `on_output` and `on_step`, `stats`, `engine`).
         requests: the sample's prompts and params, in run order.
-        time_bound_s: both runs stop after this many seconds in all.
+        time_bound_s: every run stops after this many seconds in all.
 
     Returns:
         The Calibration.
     """
     deadline = time.perf_counter() + time_bound_s
     cold = _timed_run(llm, requests, deadline)
-    warm = None if cold.stopped_early else _timed_run(llm, requests, deadline)
-    timed = warm if warm is not None and warm.steps and not warm.stopped_early else cold
-    cost = fit_step_cost(timed.steps)
+    warm: list[_Run] = []
+    while not cold.stopped_early and (
+        len(warm) < MIN_TIMED_RUNS or sum(len(r.steps) for r in warm) < MIN_TIMED_STEPS
+    ):
+        run = _timed_run(llm, requests, deadline)
+        if run.stopped_early:
+            break
+        warm.append(run)
+    timed_steps = [step for run in warm for step in run.steps] or cold.steps
+    cost = fit_step_cost(timed_steps)
     warm_up = 0.0
-    if timed is not cold:
+    if warm:
         warm_up = max(0.0, cold.seconds - cost.seconds([load for _, load in cold.steps]))
-    budgets = {tuple(r.token_ids): r.params.max_tokens * r.params.n for r in requests}
-    fractions = [
-        o.completion_tokens / budgets[tuple(o.prompt_token_ids)]
-        for o in cold.finished
-        if o.error is None and budgets.get(tuple(o.prompt_token_ids))
-    ]
     return Calibration(
         num_rows=len(cold.finished),
         num_rows_sampled=len(requests),
-        seconds=cold.seconds + (warm.seconds if warm is not None else 0.0),
-        completion_fractions=fractions,
+        seconds=cold.seconds + sum(r.seconds for r in warm),
+        completion_fractions=_fractions(requests, cold),
         step_cost=cost,
         warm_up_s=warm_up,
         stopped_early=cold.stopped_early,
-        steps=timed.steps,
+        steps=timed_steps,
     )
+
+
+def _fractions(requests: Sequence[Request], run: _Run) -> list[float]:
+    """Each sample row's completion tokens over its budget. Rows the time bound cut off
+    had generated at least their share of the tokens generated but not yet returned:
+    that share is their fraction, rather than leaving out the longest completions."""
+    budgets = {tuple(r.token_ids): r.params.max_tokens * r.params.n for r in requests}
+    fractions = [
+        o.completion_tokens / budgets[tuple(o.prompt_token_ids)]
+        for o in run.finished
+        if o.error is None and budgets.get(tuple(o.prompt_token_ids))
+    ]
+    unfinished = len(requests) - len(run.finished)
+    if unfinished and run.stopped_early:
+        generated = sum(load.sampled_tokens for _, load in run.steps)
+        generated -= sum(o.completion_tokens for o in run.finished)
+        mean_budget = sum(budgets.values()) / max(1, len(budgets))
+        if mean_budget:
+            share = min(1.0, max(0, generated) / unfinished / mean_budget)
+            fractions += [share] * unfinished
+    return fractions
 
 
 def _timed_run(llm: Any, requests: Sequence[Request], deadline: float) -> _Run:
