@@ -63,11 +63,44 @@ TOPICS = [
     "plate tectonics",
     "supply and demand",
 ]
-WORDS = (
-    "the committee reviewed the proposal in detail and agreed that the budget would "
-    "need another round of revisions before the final vote next month while several "
-    "members asked for clearer figures on maintenance costs and staffing"
-).split()
+WORDS = [
+    "the",
+    "committee",
+    "reviewed",
+    "the",
+    "proposal",
+    "in",
+    "detail",
+    "and",
+    "agreed",
+    "that",
+    "the",
+    "budget",
+    "would",
+    "need",
+    "another",
+    "round",
+    "of",
+    "revisions",
+    "before",
+    "the",
+    "final",
+    "vote",
+    "next",
+    "month",
+    "while",
+    "several",
+    "members",
+    "asked",
+    "for",
+    "clearer",
+    "figures",
+    "on",
+    "maintenance",
+    "costs",
+    "and",
+    "staffing",
+]
 
 
 def varied_rows(num_rows: int, seed: int = 7) -> list[dict]:

@@ -121,7 +121,7 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Fore
                 workers,
                 workers - len(compute),
             )
-        progress = _FlowProgress(plan, pending, logger)
+        progress = _FlowProgress(plan, pending, logger, workers)
         runs: list[ShardRun] = []
         # Copy shards take their answers from the compute shards' parts: they go last.
         for shards in (compute, [s for s in pending if s.is_copy]):
@@ -153,12 +153,17 @@ def _name_after_plan(plan: JobPlan, logger: logging.LoggerAdapter) -> None:
 class _FlowProgress:
     """Publishes the job's progress artifact from the shards' progress records."""
 
-    def __init__(self, plan: JobPlan, pending: list[Shard], logger: logging.LoggerAdapter):
-        self.plan, self.pending, self.logger = plan, pending, logger
+    def __init__(
+        self, plan: JobPlan, pending: list[Shard], logger: logging.LoggerAdapter, workers: int
+    ):
+        self.plan, self.pending, self.logger, self.workers = plan, pending, logger, workers
         self.artifact = ProgressArtifact(plan.job_id)
 
     def publish(self) -> None:
-        snapshot = job_snapshot(self.plan, self.pending, read_records(self.plan), now=time.time())
+        records = read_records(self.plan)
+        snapshot = job_snapshot(
+            self.plan, self.pending, records, now=time.time(), workers=self.workers
+        )
         try:
             self.artifact.update(snapshot)
         except Exception as exc:  # progress is for people; the job goes on

@@ -21,7 +21,7 @@ from tokenmill.pipelines import output as out
 from tokenmill.pipelines import report
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan
-from tokenmill.pipelines.progress import ProgressCounter, Snapshot, step_counter
+from tokenmill.pipelines.progress import Snapshot, counter_for, step_counter
 from tokenmill.pipelines.running import ShardResult
 
 RECORD_EVERY_S = 10.0
@@ -49,15 +49,8 @@ class ShardReporter:
         before: EngineStats | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        sampling = plan.spec.sampling
         self.plan, self.shard, self.logger, self.clock = plan, shard, logger, clock
-        self.counter = ProgressCounter(
-            rows_total=shard.num_rows,
-            tokens_total=shard.num_tokens,
-            budget_per_row=sampling.max_tokens * sampling.n,
-            prices=plan.spec.prices,
-            clock=clock,
-        )
+        self.counter = counter_for(plan, [shard], clock=clock)
         self.tokens = step_counter(before)
         self.started = clock()
         self.recorded = self.logged = self.started
@@ -80,7 +73,9 @@ class ShardReporter:
         billed = result.prompt_tokens + result.completion_tokens
         if result.skipped:
             billed = self.shard.num_tokens
-        self.counter.shard_done(self.shard.num_tokens, billed, result.num_rows)
+        self.counter.shard_done(
+            self.shard.num_tokens, billed, result.num_rows, result.prompt_tokens
+        )
         self._record(done=True)
         return self.counter.snapshot()
 
@@ -96,6 +91,7 @@ class ShardReporter:
             "generated": self.counter.generated,
             "started": self.started,
             "updated": self.recorded,
+            "eta_s": snap.eta_s,
             "done": done,
         }
         spec = self.plan.spec
@@ -125,18 +121,32 @@ def _line(snap: Snapshot) -> str:
 
 
 def job_snapshot(
-    plan: JobPlan, pending: Iterable[Shard], records: dict[str, dict], *, now: float
+    plan: JobPlan,
+    pending: Iterable[Shard],
+    records: dict[str, dict],
+    *,
+    now: float,
+    workers: int = 1,
 ) -> Snapshot:
     """The job's progress from its pending shards' records (a shard without one has not
-    started: all its planned tokens are still to do)."""
+    started: all its planned tokens are still to do).
+
+    Its ETA: the running shards' own ETAs, and the unstarted shards' planned tokens at
+    the seconds per planned token the started shards take (elapsed plus ETA), spread
+    over the workers - never sooner than the slowest running shard.
+    """
     pending = list(pending)
     rows_done = tokens_done = tokens_total = 0
     computed = cached = generated = 0
     starts = []
+    timed_seconds = timed_tokens = 0.0
+    running_eta: list[float] = []
+    unstarted = 0
     for shard in pending:
         record = records.get(shard.shard_id)
         if record is None:
             tokens_total += shard.num_tokens
+            unstarted += shard.num_tokens
             continue
         rows_done += record["rows_done"]
         tokens_done += record["tokens_done"]
@@ -145,8 +155,22 @@ def job_snapshot(
         cached += record["prompt_cached"]
         generated += record["generated"]
         starts.append(record["started"])
+        eta = record.get("eta_s")
+        if record.get("done"):
+            eta = 0.0
+        elif eta is not None:
+            running_eta.append(eta)
+        if eta is not None and shard.num_tokens:
+            timed_seconds += record["updated"] - record["started"] + eta
+            timed_tokens += shard.num_tokens
     seconds = now - min(starts) if starts else 0.0
-    rate = tokens_done / seconds if seconds > 0 and tokens_done else None
+    eta = None
+    if tokens_done >= tokens_total:
+        eta = 0.0
+    elif timed_tokens:
+        queued = sum(running_eta) + unstarted * timed_seconds / timed_tokens
+        eta = max([queued / max(1, workers), *running_eta])
+    rate = tokens_total / (seconds + eta) if eta is not None and seconds + eta > 0 else None
     prices = plan.spec.prices
     cost = None
     if prices.has_token_prices:
@@ -160,7 +184,7 @@ def job_snapshot(
         tokens_total=tokens_total,
         seconds=seconds,
         tokens_per_s=rate,
-        eta_s=(tokens_total - tokens_done) / rate if rate else None,
+        eta_s=eta,
         cost=cost,
     )
 

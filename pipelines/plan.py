@@ -59,6 +59,7 @@ class Shard:
     # A copy shard (pipelines/dedupe.py): its rows take earlier identical rows' answers
     # from their published parts; nothing is computed, and it runs after every other shard.
     is_copy: bool = False
+    num_prompt_tokens: int = 0  # of num_tokens, the prompts' (the rest: completion budget)
 
     def __post_init__(self) -> None:
         if self.num_rows < 1:
@@ -229,6 +230,7 @@ def cut_shards(
                 num_rows=len(g),
                 num_tokens=c,
                 window=window,
+                num_prompt_tokens=sum(r.num_prompt_tokens for r in g),
             ),
             tuple(g),
         )

@@ -9,8 +9,21 @@ rows finish: a row that stops before its budget takes its unused tokens off the 
 (by the job's own budget per row; at the end of a shard the shard's planned tokens are
 replaced by what its rows billed, so per-row budgets are exact by then).
 
-    tokens/s   tokens done / seconds since the first engine step of this run
-    ETA        tokens left / tokens/s
+Tokens are not all alike in time: a cached prompt token costs nothing, a prompt token
+computed in a step of two thousand costs less than a token generated in a decode step,
+and a job does most of its prompts first. So the ETA is not tokens left over the rate
+so far (early on that rate, inflated by prompts and cache hits, would promise the end
+far too soon). Each step's seconds are fitted, by least squares over the steps so far,
+as `per_step + per_prompt_token x prompt tokens computed + per_generated_token x tokens
+generated` (the cost model of `pipelines/calibration.py`), and the ETA prices what is
+left: the prompt tokens still to compute (at the cache hit rate so far), the completion
+budget still open, and the steps these take (prompts `max_num_batched_tokens` a step,
+completions one per unfinished row, `max_num_seqs` rows at a time).
+
+    tokens/s   the run's average: all its tokens over the seconds they take in all
+               (elapsed + ETA) - what the job will have averaged, as the ledger counts it
+    ETA        the fitted seconds of the work left (tokens left over the rate so far
+               until three steps are timed)
     cost       the tokens done so far at the job's prices (None when none are set)
 
 Rows count when they finish (copies, and rows that failed before compute, when their
@@ -20,11 +33,18 @@ shard is published).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.pipelines.pricing import Prices
+
+# The engine's defaults (`EngineConfig`): prompt tokens and rows one step takes at most.
+STEP_TOKENS = 2048
+STEP_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -67,7 +87,7 @@ class Snapshot:
     rows_total: int
     tokens_done: int
     tokens_total: int
-    seconds: float  # since the first engine step
+    seconds: float  # since the run's compute started
     tokens_per_s: float | None
     eta_s: float | None
     cost: float | None  # USD of the tokens done; None: no token price set
@@ -77,15 +97,52 @@ class Snapshot:
         return self.tokens_done / self.tokens_total if self.tokens_total else 1.0
 
 
+class StepTimes:
+    """Least squares of step seconds on (1, prompt tokens computed, tokens generated),
+    kept as running sums so each fit costs the same however many steps there were."""
+
+    def __init__(self) -> None:
+        self.xtx = np.zeros((3, 3))
+        self.xty = np.zeros(3)
+        self.num_steps = 0
+
+    def add(self, seconds: float, prompt_computed: int, generated: int) -> None:
+        x = np.array([1.0, prompt_computed, generated])
+        self.xtx += np.outer(x, x)
+        self.xty += seconds * x
+        self.num_steps += 1
+
+    def fit(self) -> np.ndarray | None:
+        """(per step, per prompt token, per generated token), each >= 0; None until
+        three steps are timed. A coefficient that fits below zero is dropped."""
+        if self.num_steps < 3:
+            return None
+        active = [0, 1, 2]
+        while active:
+            sub = self.xtx[np.ix_(active, active)]
+            try:
+                solution = np.linalg.lstsq(sub, self.xty[active], rcond=None)[0]
+            except np.linalg.LinAlgError:
+                return None
+            if (solution >= 0).all():
+                coefficients = np.zeros(3)
+                coefficients[active] = solution
+                return coefficients
+            active = [a for a, c in zip(active, solution) if c >= 0]
+        return None
+
+
 class ProgressCounter:
-    """Counts a run's rows and tokens (see the module docstring).
+    """Counts a run's rows and tokens and prices what is left (see the module docstring).
 
     Args:
         rows_total: rows of the shards this run computes.
         tokens_total: their planned tokens (prompt + completion budget).
+        prompt_total: of those, the prompt tokens.
         budget_per_row: the job's completion budget per row (max_tokens x n).
         prices: the job's prices (cost so far), or None.
-        clock: seconds, monotonic.
+        step_tokens, step_rows: the engine's token budget and row limit per step.
+        clock: seconds, monotonic; the run's compute starts when the counter is made.
     """
 
     def __init__(
@@ -93,28 +150,38 @@ class ProgressCounter:
         *,
         rows_total: int,
         tokens_total: int,
+        prompt_total: int = 0,
         budget_per_row: int = 0,
         prices: Prices | None = None,
+        step_tokens: int = STEP_TOKENS,
+        step_rows: int = STEP_ROWS,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.rows_total = rows_total
         self.tokens_total = tokens_total
+        self.prompt_total = prompt_total
         self.budget_per_row = budget_per_row
         self.prices = prices if prices is not None and prices.has_token_prices else None
+        self.step_tokens, self.step_rows = step_tokens, step_rows
         self.clock = clock
         self.rows_done = 0
         self.rows_in_shard = 0
-        self.tokens_done = 0  # finished shards' billed tokens + the running shard's steps
-        self.shard_tokens = 0  # the running shard's tokens so far
+        self.tokens_done = 0  # finished shards' billed tokens
+        self.prompt_done = 0  # finished shards' billed prompt tokens
+        self.shard_prompt = 0  # the running shard's prompt tokens so far (computed + cached)
+        self.shard_generated = 0  # ... and tokens generated
         self.shard_cut = 0  # budget its finished rows left unused
         self.prompt_computed = self.prompt_cached = self.generated = 0
-        self.started: float | None = None
+        self.times = StepTimes()
+        self.started = self.last_step = clock()
 
     def step(self, tokens: StepTokens) -> None:
         """One engine step's tokens."""
-        if self.started is None:
-            self.started = self.clock()
-        self.shard_tokens += tokens.total
+        now = self.clock()
+        self.times.add(now - self.last_step, tokens.prompt_computed, tokens.generated)
+        self.last_step = now
+        self.shard_prompt += tokens.prompt_computed + tokens.prompt_cached
+        self.shard_generated += tokens.generated
         self.prompt_computed += tokens.prompt_computed
         self.prompt_cached += tokens.prompt_cached
         self.generated += tokens.generated
@@ -125,20 +192,26 @@ class ProgressCounter:
         if output.error is None and self.budget_per_row:
             self.shard_cut += max(0, self.budget_per_row - output.completion_tokens)
 
-    def shard_done(self, planned_tokens: int, billed_tokens: int, num_rows: int) -> None:
+    def shard_done(
+        self, planned_tokens: int, billed_tokens: int, num_rows: int, billed_prompt: int = 0
+    ) -> None:
         """A shard is published: its planned tokens give way to what its rows billed."""
         self.tokens_total += billed_tokens - planned_tokens
         self.tokens_done += billed_tokens
+        self.prompt_done += billed_prompt
         self.rows_done += num_rows
-        self.shard_tokens = self.shard_cut = self.rows_in_shard = 0
+        self.shard_prompt = self.shard_generated = self.shard_cut = self.rows_in_shard = 0
+        self.last_step = self.clock()  # the next step's time excludes the shard's writes
 
     def snapshot(self) -> Snapshot:
         """The progress now."""
         total = max(0, self.tokens_total - self.shard_cut)
-        done = min(total, self.tokens_done + self.shard_tokens)
-        seconds = 0.0 if self.started is None else self.clock() - self.started
-        rate = done / seconds if seconds > 0 and done else None
-        eta = (total - done) / rate if rate else None
+        done = min(total, self.tokens_done + self.shard_prompt + self.shard_generated)
+        seconds = self.clock() - self.started
+        eta = self._eta(total, done, seconds)
+        rate = None
+        if eta is not None and seconds + eta > 0:
+            rate = total / (seconds + eta)
         return Snapshot(
             rows_done=min(self.rows_total, self.rows_done + self.rows_in_shard),
             rows_total=self.rows_total,
@@ -150,6 +223,24 @@ class ProgressCounter:
             cost=self._cost(),
         )
 
+    def _eta(self, total: int, done: int, seconds: float) -> float | None:
+        if done >= total:
+            return 0.0
+        if done == 0 or seconds <= 0:
+            return None
+        costs = self.times.fit()
+        if costs is None:
+            return (total - done) * seconds / done
+        per_step, per_prompt, per_generated = costs
+        prompt_left = max(0, self.prompt_total - self.prompt_done - self.shard_prompt)
+        seen = self.prompt_computed + self.prompt_cached
+        to_compute = prompt_left * (self.prompt_computed / seen if seen else 1.0)
+        generated_left = max(0, total - done - prompt_left)
+        rows_left = max(1, self.rows_total - self.rows_done - self.rows_in_shard)
+        rows_per_step = min(rows_left, self.step_rows)
+        steps_left = to_compute / self.step_tokens + generated_left / rows_per_step
+        return per_step * steps_left + per_prompt * to_compute + per_generated * generated_left
+
     def _cost(self) -> float | None:
         if self.prices is None:
             return None
@@ -159,3 +250,22 @@ class ProgressCounter:
             + self.prompt_cached * p.cached_input
             + self.generated * p.output
         ) / 1e6
+
+
+def counter_for(
+    plan: Any, shards: Sequence[Any], *, clock: Callable[[], float] = time.perf_counter
+):
+    """A ProgressCounter for running `shards` of a planned job."""
+    spec = plan.spec
+    sampling = spec.sampling
+    engine = spec.engine_options
+    return ProgressCounter(
+        rows_total=sum(s.num_rows for s in shards),
+        tokens_total=sum(s.num_tokens for s in shards),
+        prompt_total=sum(s.num_prompt_tokens for s in shards),
+        budget_per_row=sampling.max_tokens * sampling.n,
+        prices=spec.prices,
+        step_tokens=int(engine.get("max_num_batched_tokens") or STEP_TOKENS),
+        step_rows=int(engine.get("max_num_seqs") or STEP_ROWS),
+        clock=clock,
+    )

@@ -130,3 +130,34 @@ def test_json_runs_print_nothing_but_the_json(tmp_path, tiny_model_dir):
 
 def test_clock_format():
     assert clock(None) == "-:--:--" and clock(59.6) == "0:01:00" and clock(3725) == "1:02:05"
+
+
+def test_eta_prices_the_work_left_not_the_rate_so_far():
+    """100 rows: 4,000 prompt tokens (half served from the cache) done in two steps,
+    then 40 decode steps of 100 tokens. A third of the tokens is done after the prompt
+    steps - and most of the time is still ahead: the ETA must say so."""
+    clock_ = Clock()
+    counter = ProgressCounter(
+        rows_total=100,
+        tokens_total=4000 + 100 * 40,
+        prompt_total=4000,
+        budget_per_row=40,
+        clock=clock_,
+    )
+    per_step, per_prompt, per_generated = 0.2, 0.0006, 0.006
+
+    def run(prompt_computed: int, prompt_cached: int, generated: int) -> None:
+        clock_.now += per_step + per_prompt * prompt_computed + per_generated * generated
+        counter.step(StepTokens(prompt_computed, prompt_cached, generated))
+
+    run(1000, 1000, 50)
+    run(1000, 1000, 50)
+    run(0, 0, 100)
+    snap = counter.snapshot()
+    assert snap.tokens_done >= 0.25 * snap.tokens_total
+    naive = (snap.tokens_total - snap.tokens_done) * snap.seconds / snap.tokens_done
+    remaining = 38 * (per_step + per_generated * 100) + per_generated * 0  # 38 decode steps
+    assert naive < remaining / 2  # tokens left over the rate so far: far too soon
+    assert abs(snap.eta_s / remaining - 1) < 0.1
+    average = snap.tokens_total / (snap.seconds + remaining)
+    assert abs(snap.tokens_per_s / average - 1) < 0.1

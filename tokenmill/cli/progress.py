@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
 from tokenmill.pipelines.job import JobProgress
-from tokenmill.pipelines.progress import ProgressCounter, StepTokens
+from tokenmill.pipelines.progress import ProgressCounter, StepTokens, counter_for
 
 
 def clock(seconds: float | None) -> str:
@@ -86,14 +86,7 @@ class TerminalProgress(JobProgress):
             self.say(f"all {plural(done, 'shard')} already complete: nothing to compute")
             return
         self.planned_tokens = {s.shard_id: s.num_tokens for s in pending}
-        sampling = plan.spec.sampling
-        self.counter = ProgressCounter(
-            rows_total=sum(s.num_rows for s in pending),
-            tokens_total=sum(s.num_tokens for s in pending),
-            budget_per_row=sampling.max_tokens * sampling.n,
-            prices=plan.spec.prices,
-            clock=self.clock,
-        )
+        self.counter = counter_for(plan, pending, clock=self.clock)
         label = "scoring" if plan.spec.task == "score" else "generating"
         self._start_bar(label)
 
@@ -113,7 +106,7 @@ class TerminalProgress(JobProgress):
         planned = self.planned_tokens.get(result.shard_id, 0)
         # A shard another run published meanwhile billed what it planned, as far as we know.
         billed = planned if result.skipped else result.prompt_tokens + result.completion_tokens
-        self.counter.shard_done(planned, billed, result.num_rows)
+        self.counter.shard_done(planned, billed, result.num_rows, result.prompt_tokens)
         self._update()
 
     def close(self) -> None:
