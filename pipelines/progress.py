@@ -9,16 +9,21 @@ rows finish: a row that stops before its budget takes its unused tokens off the 
 (by the job's own budget per row; at the end of a shard the shard's planned tokens are
 replaced by what its rows billed, so per-row budgets are exact by then).
 
-Tokens are not all alike in time: a cached prompt token costs nothing, a prompt token
-computed in a step of two thousand costs less than a token generated in a decode step,
-and a job does most of its prompts first. So the ETA is not tokens left over the rate
-so far (early on that rate, inflated by prompts and cache hits, would promise the end
-far too soon). Each step's seconds are fitted, by least squares over the steps so far,
-as `per_step + per_prompt_token x prompt tokens computed + per_generated_token x tokens
-generated` (the cost model of `pipelines/calibration.py`), and the ETA prices what is
-left: the prompt tokens still to compute (at the cache hit rate so far), the completion
-budget still open, and the steps these take (prompts `max_num_batched_tokens` a step,
-completions one per unfinished row, `max_num_seqs` rows at a time).
+Tokens are not all alike in time: a cached prompt token costs nothing, and a job does
+most of its prompts first, two thousand to a step, then generates a token per row per
+step, each step paying its own fixed costs (reading every weight, scheduling). So the
+ETA is not tokens left over the rate so far (early on that rate, inflated by prompts
+and cache hits, would promise the end far too soon). Each step's seconds are fitted, by
+least squares over the steps so far, as `per_step + per_token x tokens computed`
+(prompt tokens computed plus tokens generated: the same matrix products), and the ETA
+prices what is left: the prompt tokens still to compute (at the cache hit rate so far),
+the completion budget still open, and the steps these take (prompts
+`max_num_batched_tokens` a step, completions one per unfinished row, `max_num_seqs`
+rows at a time). Once every prompt is computed, what is left is decode steps, and they
+are priced at the median of the last `RECENT_STEPS` decode steps instead: a step or
+two held up by something else on the machine then moves the ETA little. Until a row
+finishes short of its budget the whole budget counts, so the ETA leans long rather
+than short.
 
     tokens/s   the run's average: all its tokens over the seconds they take in all
                (elapsed + ETA) - what the job will have averaged, as the ledger counts it
@@ -33,6 +38,7 @@ shard is published).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +51,8 @@ from tokenmill.pipelines.pricing import Prices
 # The engine's defaults (`EngineConfig`): prompt tokens and rows one step takes at most.
 STEP_TOKENS = 2048
 STEP_ROWS = 256
+# Decode steps whose median prices the decode steps left (at least half of them seen).
+RECENT_STEPS = 10
 
 
 @dataclass(frozen=True)
@@ -98,26 +106,26 @@ class Snapshot:
 
 
 class StepTimes:
-    """Least squares of step seconds on (1, prompt tokens computed, tokens generated),
-    kept as running sums so each fit costs the same however many steps there were."""
+    """Least squares of step seconds on (1, tokens computed), kept as running sums so
+    each fit costs the same however many steps there were."""
 
     def __init__(self) -> None:
-        self.xtx = np.zeros((3, 3))
-        self.xty = np.zeros(3)
+        self.xtx = np.zeros((2, 2))
+        self.xty = np.zeros(2)
         self.num_steps = 0
 
-    def add(self, seconds: float, prompt_computed: int, generated: int) -> None:
-        x = np.array([1.0, prompt_computed, generated])
+    def add(self, seconds: float, num_tokens: int) -> None:
+        x = np.array([1.0, num_tokens])
         self.xtx += np.outer(x, x)
         self.xty += seconds * x
         self.num_steps += 1
 
     def fit(self) -> np.ndarray | None:
-        """(per step, per prompt token, per generated token), each >= 0; None until
-        three steps are timed. A coefficient that fits below zero is dropped."""
+        """(per step, per token), each >= 0; None until three steps are timed. A
+        coefficient that fits below zero is dropped."""
         if self.num_steps < 3:
             return None
-        active = [0, 1, 2]
+        active = [0, 1]
         while active:
             sub = self.xtx[np.ix_(active, active)]
             try:
@@ -125,7 +133,7 @@ class StepTimes:
             except np.linalg.LinAlgError:
                 return None
             if (solution >= 0).all():
-                coefficients = np.zeros(3)
+                coefficients = np.zeros(2)
                 coefficients[active] = solution
                 return coefficients
             active = [a for a, c in zip(active, solution) if c >= 0]
@@ -137,6 +145,8 @@ class ProgressCounter:
 
     Args:
         rows_total: rows of the shards this run computes.
+        rows_to_compute: of those, rows the engine runs (default: all; copy shards'
+            rows take answers, they do not decode).
         tokens_total: their planned tokens (prompt + completion budget).
         prompt_total: of those, the prompt tokens.
         budget_per_row: the job's completion budget per row (max_tokens x n).
@@ -150,6 +160,7 @@ class ProgressCounter:
         *,
         rows_total: int,
         tokens_total: int,
+        rows_to_compute: int | None = None,
         prompt_total: int = 0,
         budget_per_row: int = 0,
         prices: Prices | None = None,
@@ -158,6 +169,8 @@ class ProgressCounter:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.rows_total = rows_total
+        self.rows_to_compute = rows_total if rows_to_compute is None else rows_to_compute
+        self.rows_computed = 0  # rows the engine finished
         self.tokens_total = tokens_total
         self.prompt_total = prompt_total
         self.budget_per_row = budget_per_row
@@ -173,12 +186,16 @@ class ProgressCounter:
         self.shard_cut = 0  # budget its finished rows left unused
         self.prompt_computed = self.prompt_cached = self.generated = 0
         self.times = StepTimes()
+        self.decode_steps: deque[float] = deque(maxlen=RECENT_STEPS)  # seconds
         self.started = self.last_step = clock()
 
     def step(self, tokens: StepTokens) -> None:
         """One engine step's tokens."""
         now = self.clock()
-        self.times.add(now - self.last_step, tokens.prompt_computed, tokens.generated)
+        seconds = now - self.last_step
+        self.times.add(seconds, tokens.prompt_computed + tokens.generated)
+        if tokens.generated and not tokens.prompt_computed:
+            self.decode_steps.append(seconds)
         self.last_step = now
         self.shard_prompt += tokens.prompt_computed + tokens.prompt_cached
         self.shard_generated += tokens.generated
@@ -189,6 +206,7 @@ class ProgressCounter:
     def request_done(self, output: RequestOutput) -> None:
         """A row finished: it counts, and its unused budget leaves the total."""
         self.rows_in_shard += 1
+        self.rows_computed += 1
         if output.error is None and self.budget_per_row:
             self.shard_cut += max(0, self.budget_per_row - output.completion_tokens)
 
@@ -231,15 +249,17 @@ class ProgressCounter:
         costs = self.times.fit()
         if costs is None:
             return (total - done) * seconds / done
-        per_step, per_prompt, per_generated = costs
+        per_step, per_token = costs
         prompt_left = max(0, self.prompt_total - self.prompt_done - self.shard_prompt)
         seen = self.prompt_computed + self.prompt_cached
         to_compute = prompt_left * (self.prompt_computed / seen if seen else 1.0)
         generated_left = max(0, total - done - prompt_left)
-        rows_left = max(1, self.rows_total - self.rows_done - self.rows_in_shard)
-        rows_per_step = min(rows_left, self.step_rows)
-        steps_left = to_compute / self.step_tokens + generated_left / rows_per_step
-        return per_step * steps_left + per_prompt * to_compute + per_generated * generated_left
+        rows_left = max(1, self.rows_to_compute - self.rows_computed)
+        decode_steps_left = generated_left / min(rows_left, self.step_rows)
+        if to_compute < 1 and len(self.decode_steps) > RECENT_STEPS // 2:
+            return decode_steps_left * float(np.median(self.decode_steps))
+        steps_left = to_compute / self.step_tokens + decode_steps_left
+        return per_step * steps_left + per_token * (to_compute + generated_left)
 
     def _cost(self) -> float | None:
         if self.prices is None:
@@ -261,6 +281,7 @@ def counter_for(
     engine = spec.engine_options
     return ProgressCounter(
         rows_total=sum(s.num_rows for s in shards),
+        rows_to_compute=sum(s.num_rows for s in shards if not s.is_copy),
         tokens_total=sum(s.num_tokens for s in shards),
         prompt_total=sum(s.num_prompt_tokens for s in shards),
         budget_per_row=sampling.max_tokens * sampling.n,

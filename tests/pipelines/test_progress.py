@@ -144,10 +144,10 @@ def test_eta_prices_the_work_left_not_the_rate_so_far():
         budget_per_row=40,
         clock=clock_,
     )
-    per_step, per_prompt, per_generated = 0.2, 0.0006, 0.006
+    per_step, per_token = 0.4, 0.001
 
     def run(prompt_computed: int, prompt_cached: int, generated: int) -> None:
-        clock_.now += per_step + per_prompt * prompt_computed + per_generated * generated
+        clock_.now += per_step + per_token * (prompt_computed + generated)
         counter.step(StepTokens(prompt_computed, prompt_cached, generated))
 
     run(1000, 1000, 50)
@@ -156,7 +156,7 @@ def test_eta_prices_the_work_left_not_the_rate_so_far():
     snap = counter.snapshot()
     assert snap.tokens_done >= 0.25 * snap.tokens_total
     naive = (snap.tokens_total - snap.tokens_done) * snap.seconds / snap.tokens_done
-    remaining = 38 * (per_step + per_generated * 100) + per_generated * 0  # 38 decode steps
+    remaining = 38 * (per_step + per_token * 100)  # 38 decode steps of 100 rows
     assert naive < remaining / 2  # tokens left over the rate so far: far too soon
     assert abs(snap.eta_s / remaining - 1) < 0.1
     average = snap.tokens_total / (snap.seconds + remaining)

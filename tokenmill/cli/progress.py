@@ -61,7 +61,8 @@ class TerminalProgress(JobProgress):
     def say(self, message: str) -> None:
         """One line, stamped with the seconds since the command started."""
         if self.enabled:
-            self.console.print(f"[dim]{self.clock() - self.started:6.1f}s[/dim]  {message}")
+            elapsed = self.clock() - self.started
+            self.console.print(f"[dim]{elapsed:6.1f}s[/dim]  {message}", highlight=False)
 
     def stage(self, message: str) -> None:
         self._stop_bar()
