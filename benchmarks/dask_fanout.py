@@ -161,7 +161,10 @@ def main() -> None:
                 wall = time.perf_counter() - started
                 end = time.time()
                 if done.returncode != 0:
-                    raise SystemExit(done.stderr[-3000:])
+                    log = work / f"flow-{workers}-{round_}.log"
+                    log.write_text(done.stdout + done.stderr)
+                    errors = [line for line in done.stderr.splitlines() if "Error" in line]
+                    raise SystemExit(f"flow run failed (log: {log}):\n" + "\n".join(errors[-20:]))
                 ledger = json.loads(done.stdout)
                 span, device = compute_span(out)
                 key = f"tokenmill-progress-{ledger['job_id']}"

@@ -191,6 +191,7 @@ def run_forecast(args: argparse.Namespace, work: Path) -> None:
 def run_dedupe(args: argparse.Namespace, work: Path) -> None:
     source = write_input(work / "in.parquet", args.rows)
     common = [str(source), "--id-column", "id", "--max-tokens", str(args.max_tokens)]
+    common += ["--dtype", args.dtype]
     runs: dict[str, list[dict]] = {"dedupe": [], "no-dedupe": []}
     for round_ in range(args.rounds):
         for name, flags in (("dedupe", []), ("no-dedupe", ["--no-dedupe"])):
@@ -201,13 +202,23 @@ def run_dedupe(args: argparse.Namespace, work: Path) -> None:
     each = {r["id"]: r for r in pq.read_table(work / "out-no-dedupe-0" / "results").to_pylist()}
     copies = [r for r in with_copies if r["duplicate_of"] is not None]
     same = sum(1 for r in copies if r["output"] == each[r["id"]]["output"])
+    # computing each row twice is not always one answer: in bf16 a duplicate whose prompt
+    # is all cached computes its last token in a step of another shape than its source
+    self_same = sum(
+        1 for r in copies if each[r["id"]]["output"] == each[r["duplicate_of"]]["output"]
+    )
+    rest = [r for r in with_copies if r["duplicate_of"] is None]
+    rest_same = sum(1 for r in rest if r["output"] == each[r["id"]]["output"])
     median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
     print(
         json.dumps(
             {
                 "rows": len(with_copies),
                 "rows_deduplicated": len(copies),
+                "dtype": args.dtype,
                 "copies_equal_to_computing_each": f"{same}/{len(copies)}",
+                "computed_twice_equal_to_its_source": f"{self_same}/{len(copies)}",
+                "other_rows_equal_across_runs": f"{rest_same}/{len(rest)}",
                 "completion_tokens": [r["completion_tokens"] for r in runs["dedupe"]]
                 + [r["completion_tokens"] for r in runs["no-dedupe"]],
                 "prompt_tokens": (
@@ -287,6 +298,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="dedupe: the model dtype")
     parser.add_argument("--work", type=Path, default=None, help="keep outputs here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

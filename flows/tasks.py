@@ -25,6 +25,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
@@ -162,11 +163,12 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
         logger.info("shard %s: already complete, skipped (worker %s)", shard.shard_id, run.worker)
     else:
         logger.info(
-            "shard %s: %s on worker %s (engines loaded by this worker: %d)",
+            "shard %s: %s on worker %s (engines loaded by this worker: %d, compute threads: %d)",
             shard.shard_id,
             shard_line(result, result.device_seconds or seconds, snapshot.cost),
             run.worker,
             run.engine_loads,
+            torch.get_num_threads(),
         )
     return run
 
@@ -178,8 +180,6 @@ def _worker_llm(plan: JobPlan, job_id: str) -> llm_cache.SharedLLM:
     since the engine is not thread-safe."""
     threads = worker_threads()
     if threads is not None:
-        import torch
-
         torch.set_num_threads(threads)
     engine = llm_cache.get_llm(**plan.spec.llm_options)
     if engine.weights_hash != plan.weights_hash:

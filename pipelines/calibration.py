@@ -7,8 +7,8 @@ of lengths and prefixes): `SAMPLE_SHARE` of the rows to compute, at least
 `MIN_SAMPLE_ROWS` (or every row), at most one engine batch. It runs as one `generate`
 call, a few times (the first run pays a fresh engine's one-time set-up, which is
 measured as such; the others are timed), and is stopped after `TIME_BOUND_S` in all;
-rows the bound cuts off in the first run count with the tokens they had generated (the
-calibration reports how many finished).
+rows the bound cuts off in the first run count at their whole budget (the calibration
+reports how many finished).
 
 What it yields:
 
@@ -161,23 +161,17 @@ def calibrate(
 
 
 def _fractions(requests: Sequence[Request], run: _Run) -> list[float]:
-    """Each sample row's completion tokens over its budget. Rows the time bound cut off
-    had generated at least their share of the tokens generated but not yet returned:
-    that share is their fraction, rather than leaving out the longest completions."""
+    """Each sample row's completion tokens over its budget. A row the time bound cut off
+    counts at its whole budget: rows still generating at the bound are the long ones,
+    and leaving them out would forecast the job's completions short."""
     budgets = {tuple(r.token_ids): r.params.max_tokens * r.params.n for r in requests}
     fractions = [
         o.completion_tokens / budgets[tuple(o.prompt_token_ids)]
         for o in run.finished
         if o.error is None and budgets.get(tuple(o.prompt_token_ids))
     ]
-    unfinished = len(requests) - len(run.finished)
-    if unfinished and run.stopped_early:
-        generated = sum(load.sampled_tokens for _, load in run.steps)
-        generated -= sum(o.completion_tokens for o in run.finished)
-        mean_budget = sum(budgets.values()) / max(1, len(budgets))
-        if mean_budget:
-            share = min(1.0, max(0, generated) / unfinished / mean_budget)
-            fractions += [share] * unfinished
+    if run.stopped_early:
+        fractions += [1.0] * (len(requests) - len(run.finished))
     return fractions
 
 

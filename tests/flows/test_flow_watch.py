@@ -4,6 +4,7 @@ Prefect's UI can show, a dry run's forecast - and fan-out that uses every worker
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -173,6 +174,10 @@ def test_a_two_worker_cluster_gets_two_shards_and_both_compute(
     lines = _logs(state.state_details.flow_run_id, r"on worker (\S+)", 2)
     workers = {re.search(r"on worker (\S+)", line).group(1) for line in lines}
     assert len(workers) == 2, lines
+    # the machine's cores shared between the two workers on it
+    cores = len(os.sched_getaffinity(0))
+    threads = {int(re.search(r"compute threads: (\d+)", line).group(1)) for line in lines}
+    assert threads == {max(1, cores // 2)}, lines
     assert read_ledger(str(tmp_path / "out")).num_shards_run == 2
 
 

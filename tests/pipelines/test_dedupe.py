@@ -185,3 +185,31 @@ def test_notebook_generate_computes_duplicates_once(fake_llm):
     assert frame["completion_tokens"].to_list()[3:] == [0, 0, 0]
     plain = generate(_prompts(6), llm=fake_llm, max_tokens=4, dedupe=False)
     assert sum(fake_llm.calls) == 9 and "duplicate_of" not in plain.columns
+
+
+def test_copies_get_the_answers_computing_each_row_gives(tmp_path, tiny_model_dir):
+    """On the real engine (fp32): every row's answer with dedupe equals its answer when
+    every row is computed, copies included - and the work saved is the copies' decode."""
+    from tokenmill.engine.llm import LLM
+
+    def llm():
+        return LLM(str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_memory=8 << 20)
+
+    prompts = [f"{QUESTIONS[i % 3]} ({i % 5})" for i in range(30)]
+    src = _write(tmp_path / "in.parquet", prompts)
+    once = run_job(src, str(tmp_path / "once"), llm=llm(), id_column="id", max_tokens=8)
+    each = run_job(
+        src, str(tmp_path / "each"), llm=llm(), id_column="id", max_tokens=8, dedupe=False
+    )
+    by_id = {r["id"]: r for r in read_results(str(tmp_path / "each")).to_pylist()}
+    rows = read_results(str(tmp_path / "once")).to_pylist()
+    assert once.rows_deduplicated == 15 and sum(r["duplicate_of"] is not None for r in rows) == 15
+    for row in rows:
+        assert (row["output"], row["finish_reason"]) == (
+            by_id[row["id"]]["output"],
+            by_id[row["id"]]["finish_reason"],
+        )
+    copied = [r for r in rows if r["duplicate_of"]]
+    assert each.completion_tokens - once.completion_tokens == sum(
+        by_id[r["id"]]["completion_tokens"] for r in copied
+    )
