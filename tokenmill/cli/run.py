@@ -9,10 +9,10 @@ the job and prints its forecast instead (`pipelines/forecast.py`).
 from __future__ import annotations
 
 import json
-import time
 
 import click
 
+import tokenmill.cli
 from tokenmill.cli.options import given_options, job_options
 from tokenmill.pipelines.option_types import CLI
 from tokenmill.pipelines.report import NO_PRICES, money, prices_given
@@ -183,19 +183,12 @@ def print_forecast(forecast) -> None:
 def run(ctx: click.Context, input_uri: str, output_uri: str, as_json: bool, **_: object) -> None:
     """Answer (or, with --task score, score) every row of INPUT and write results and a
     cost ledger to OUTPUT."""
-    started = time.perf_counter()
     show = ctx.params["progress"] and not as_json
-    if show:  # before the engine's imports, which take seconds
-        from rich.console import Console
-
-        Console(stderr=True).print(
-            f"[dim]{0.0:6.1f}s[/dim]  tokenmill run {input_uri} -> {output_uri}"
-        )
     from tokenmill.cli.progress import TerminalProgress
     from tokenmill.connectors import DiskFullError
     from tokenmill.pipelines.job import run_job
 
-    progress = TerminalProgress(enabled=show, started=started)
+    progress = TerminalProgress(enabled=show, started=tokenmill.cli.STARTED)
     try:
         result = run_job(input_uri, output_uri, progress=progress, **given_options(ctx))
     except (ValueError, RuntimeError, FileNotFoundError, DiskFullError) as exc:
