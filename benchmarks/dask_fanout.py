@@ -178,6 +178,7 @@ def main() -> None:
                             "device_seconds_sum": round(device, 1),
                             "shards": ledger["num_shards"],
                             "rows": ledger["rows_ok"] + ledger["rows_failed"],
+                            "load_average": round(os.getloadavg()[0], 1),
                             "progress": eta_check(watcher.seen, key, end),
                         }
                     ),

@@ -145,8 +145,11 @@ def tokenmill(*args: str) -> tuple[dict, float]:
 def check_forecast(work: Path, source: Path, extra: list[str], label: str) -> dict:
     out = work / f"out-{label}"
     args = [str(source), str(out), "--id-column", "id", *PRICES, *extra]
+    load = [os.getloadavg()[0]]
     forecast, dry_wall = tokenmill(*args, "--dry-run")
+    load.append(os.getloadavg()[0])
     ledger, run_wall = tokenmill(*args)
+    load.append(os.getloadavg()[0])
     figures = {
         "job": label,
         "rows": forecast["rows"],
@@ -172,6 +175,8 @@ def check_forecast(work: Path, source: Path, extra: list[str], label: str) -> di
         "calibration": (forecast["calibration_rows"], forecast["calibration_seconds"]),
         "dry_run_wall_s": dry_wall,
         "run_wall_s": run_wall,
+        # 1-minute load average before the dry run, between, after the run (2 cores)
+        "load_average": [round(x, 1) for x in load],
     }
     figures["exact"] = (
         forecast["prompt_tokens"] == ledger["prompt_tokens"]

@@ -117,7 +117,7 @@ class Forecast:
     cost_estimate: float | None
     seconds_estimate: float | None  # compute seconds still to run (the ledger's device_seconds)
     device_cost_estimate: float | None
-    prices_set: bool
+    prices_set: bool  # a token price was given (else its costs read "no prices set")
     calibration_rows: int | None  # sample rows that finished
     calibration_rows_sampled: int | None
     calibration_seconds: float | None
@@ -241,7 +241,7 @@ def forecast_work(
         cost_estimate=cost_estimate,
         seconds_estimate=seconds,
         device_cost_estimate=device_cost,
-        prices_set=prices.has_token_prices or prices.device_per_hour is not None,
+        prices_set=prices.has_token_prices,
         calibration_rows=calibration.num_rows if calibration else None,
         calibration_rows_sampled=calibration.num_rows_sampled if calibration else None,
         calibration_seconds=calibration.seconds if calibration else None,
