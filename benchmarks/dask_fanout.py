@@ -95,17 +95,19 @@ class ArtifactWatcher(threading.Thread):
             self.stop.wait(1.0)
 
 
-def compute_span(output: Path) -> tuple[float, float]:
-    """(first shard start to last shard end, summed device seconds) from shard_stats."""
+def compute_span(output: Path) -> tuple[float, float, float]:
+    """(first shard start to last shard end, summed device seconds, the last end) from
+    OUTPUT/shard_stats/."""
     stats = [json.loads(p.read_text()) for p in (output / "shard_stats").glob("*.json")]
     starts = [datetime.fromisoformat(s["started_at"]).timestamp() for s in stats]
     ends = [datetime.fromisoformat(s["finished_at"]).timestamp() for s in stats]
-    return max(ends) - min(starts), sum(s["device_seconds"] for s in stats)
+    return max(ends) - min(starts), sum(s["device_seconds"] for s in stats), max(ends)
 
 
-def eta_check(seen: list, key: str, end: float) -> dict | None:
-    """The first artifact reading at >= 25% of the tokens: its ETA against the time that
-    remained, its tokens/s against the job's average."""
+def eta_check(seen: list, key: str, end: float, span: float) -> dict | None:
+    """The first artifact reading at >= 25% of the tokens: its ETA against the compute
+    time that remained (to the last shard's end), its tokens/s against the job's average
+    (all its tokens over its compute span)."""
     readings = []
     for at, k, _, text in seen:
         m = PROGRESS.search(text) if k == key else None
@@ -114,9 +116,7 @@ def eta_check(seen: list, key: str, end: float) -> dict | None:
             readings.append((at, done, total, rate, eta))
     if not readings:
         return None
-    first_at = readings[0][0]
-    last = readings[-1]
-    average = last[1] / max(1e-9, last[0] - first_at) if len(readings) > 1 else None
+    average = readings[-1][2] / span if span > 0 else None
     for at, done, total, rate, eta in readings:
         if total and done >= 0.25 * total and done < total:
             remaining = end - at
@@ -159,14 +159,13 @@ def main() -> None:
                 started = time.perf_counter()
                 done = subprocess.run(command, capture_output=True, text=True, check=False)
                 wall = time.perf_counter() - started
-                end = time.time()
                 if done.returncode != 0:
                     log = work / f"flow-{workers}-{round_}.log"
                     log.write_text(done.stdout + done.stderr)
                     errors = [line for line in done.stderr.splitlines() if "Error" in line]
                     raise SystemExit(f"flow run failed (log: {log}):\n" + "\n".join(errors[-20:]))
                 ledger = json.loads(done.stdout)
-                span, device = compute_span(out)
+                span, device, compute_end = compute_span(out)
                 key = f"tokenmill-progress-{ledger['job_id']}"
                 print(
                     json.dumps(
@@ -179,7 +178,7 @@ def main() -> None:
                             "shards": ledger["num_shards"],
                             "rows": ledger["rows_ok"] + ledger["rows_failed"],
                             "load_average": round(os.getloadavg()[0], 1),
-                            "progress": eta_check(watcher.seen, key, end),
+                            "progress": eta_check(watcher.seen, key, compute_end, span),
                         }
                     ),
                     flush=True,

@@ -24,8 +24,8 @@ from tokenmill.pipelines.planning import JobPlan
 from tokenmill.pipelines.progress import Snapshot, counter_for, step_counter
 from tokenmill.pipelines.running import ShardResult
 
-RECORD_EVERY_S = 10.0
-PUBLISH_EVERY_S = 10.0
+RECORD_EVERY_S = 5.0
+PUBLISH_EVERY_S = 5.0
 LOG_EVERY_S = 30.0
 
 
@@ -159,6 +159,7 @@ def job_snapshot(
         if record.get("done"):
             eta = 0.0
         elif eta is not None:
+            eta = max(0.0, eta - (now - record["updated"]))  # the record's age is spent
             running_eta.append(eta)
         if eta is not None and shard.num_tokens:
             timed_seconds += record["updated"] - record["started"] + eta

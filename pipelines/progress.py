@@ -28,7 +28,7 @@ than short.
     tokens/s   the run's average: all its tokens over the seconds they take in all
                (elapsed + ETA) - what the job will have averaged, as the ledger counts it
     ETA        the fitted seconds of the work left (tokens left over the rate so far
-               until three steps are timed)
+               until two steps are timed)
     cost       the tokens done so far at the job's prices (None when none are set)
 
 Rows count when they finish (copies, and rows that failed before compute, when their
@@ -121,9 +121,10 @@ class StepTimes:
         self.num_steps += 1
 
     def fit(self) -> np.ndarray | None:
-        """(per step, per token), each >= 0; None until three steps are timed. A
-        coefficient that fits below zero is dropped."""
-        if self.num_steps < 3:
+        """(per step, per token), each >= 0; None until two steps are timed (a job's
+        first step takes one row's prompt, the next a full budget: the two already tell a
+        step's fixed cost from its tokens'). A coefficient that fits below zero is dropped."""
+        if self.num_steps < 2:
             return None
         active = [0, 1]
         while active:

@@ -69,12 +69,14 @@ def test_counter_tokens_rate_eta_and_tightening():
         clock=clock_,
     )
     assert counter.snapshot().eta_s is None and counter.snapshot().tokens_per_s is None
-    counter.step(StepTokens(prompt_computed=240))  # the first step starts the clock
     clock_.now += 2
+    counter.step(StepTokens(prompt_computed=240))
+    snap = counter.snapshot()  # one step timed: tokens left over the rate so far
+    assert snap.eta_s == (400 - 240) * 2 / 240 and snap.tokens_per_s == 400 / (2 + snap.eta_s)
+    clock_.now += 1
     counter.step(StepTokens(generated=4))
     snap = counter.snapshot()
     assert (snap.tokens_done, snap.tokens_total, snap.rows_done) == (244, 400, 0)
-    assert snap.tokens_per_s == 122 and snap.eta_s == (400 - 244) / 122
     assert snap.cost == (240 * 1.0 + 4 * 2.0) / 1e6
     counter.request_done(_output(10))  # stopped 30 tokens short of its budget
     snap = counter.snapshot()
