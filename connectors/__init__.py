@@ -2,12 +2,14 @@
 
 Reading: `open_source(uri, ...)` validates a dataset (files, format, schema, columns)
 before any row is read, then `Source.iter_batches()` streams `pyarrow.RecordBatch`es.
+A row that cannot be read (bad JSON, bytes not valid in the encoding - `decoding.py` -
+a line over the size limit) costs only itself: an error, or an `__error__` message.
 Writing: every file is published atomically (`write_part`, `write_json_atomic`,
 `append_to_dataset`, `lines_writer`); `list_parts`/`read_parts` see only
 complete files.
 """
 
-from tokenmill.connectors.batches import ERROR_COLUMN
+from tokenmill.connectors.batches import ERROR_COLUMN, REPLACED_COLUMN
 from tokenmill.connectors.errors import DiskFullError, SourceError
 from tokenmill.connectors.formats import FORMATS, detect_format
 from tokenmill.connectors.fs import redact_options, redact_url
@@ -38,6 +40,7 @@ __all__ = [
     "ERROR_COLUMN",
     "FORMATS",
     "OPENAI_BATCH_SCHEMA",
+    "REPLACED_COLUMN",
     "Source",
     "SourceError",
     "append_to_dataset",

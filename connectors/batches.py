@@ -8,9 +8,15 @@ from typing import Any, Literal
 
 import pyarrow as pa
 
+from tokenmill.connectors.decoding import UTF8, Decoding
+
 # Rows that could not be parsed carry their message here (null for good rows) when
 # `on_bad_line="skip_row"`, so downstream turns them into error rows instead of losing them.
 ERROR_COLUMN = "__error__"
+
+# With on_decode_error="replace": true for a row whose bytes did not all decode and were
+# replaced by U+FFFD (null or absent: nothing was replaced).
+REPLACED_COLUMN = "__replaced__"
 
 OnBadLine = Literal["error", "skip_row"]
 ON_BAD_LINE = ("error", "skip_row")
@@ -29,6 +35,12 @@ class ReadOptions:
     # Columns whose values must be text (prompts): a number or object there is a bad
     # value, not JSON text to pass on.
     text_columns: frozenset[str] = frozenset()
+    # How bytes become text, and what an undecodable row becomes.
+    decoding: Decoding = UTF8
+    # Columns the job reads as text (prompts, ids...): where a format stores them as
+    # binary (Parquet), each value is decoded by `decoding` (one that does not decode
+    # makes an error row).
+    decode_columns: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -106,6 +118,13 @@ def rechunk(batches: Iterator[pa.RecordBatch], max_rows: int) -> Iterator[pa.Rec
     for batch in batches:
         for offset in range(0, batch.num_rows, max_rows):
             yield batch.slice(offset, max_rows)
+
+
+def with_replaced(batch: pa.RecordBatch, replaced: Sequence[bool] | None) -> pa.RecordBatch:
+    """`batch` with the REPLACED_COLUMN flags, when any row had bytes replaced."""
+    if replaced is None or not any(replaced):
+        return batch
+    return batch.append_column(REPLACED_COLUMN, pa.array(replaced, pa.bool_()))
 
 
 def error_rows(messages: Sequence[str], schema: pa.Schema) -> pa.RecordBatch:

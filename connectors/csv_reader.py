@@ -1,88 +1,272 @@
-"""CSV: pyarrow's streaming reader, with types inferred from each file's first block."""
+"""CSV: records split and decoded one by one (`csv_records`), parsed by pyarrow in batches.
+
+Splitting before parsing means no record depends on the reader's block size or on its
+neighbours: a record whose bytes do not decode, that is over the size limit, that has
+the wrong number of fields or a value that does not fit its column's type is a bad line
+naming its line, and the rest of its batch is parsed. Types are inferred from the
+records in each file's first `sample_bytes`; columns empty there are text.
+"""
 
 from __future__ import annotations
 
+import io
+import re
 from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 
-from tokenmill.connectors.batches import ERROR_COLUMN, FileHead, ReadOptions, error_rows
+from tokenmill.connectors.batches import (
+    ERROR_COLUMN,
+    REPLACED_COLUMN,
+    FileHead,
+    ReadOptions,
+    with_replaced,
+)
+from tokenmill.connectors.csv_records import iter_records
+from tokenmill.connectors.decoding import Decoding, open_decoded
+from tokenmill.connectors.errors import safe_arrow_message
 from tokenmill.connectors.fs import open_text_stream
-from tokenmill.connectors.lines import BadLine
+from tokenmill.connectors.lines import (
+    MAX_CHUNK_BYTES,
+    MAX_LINE_BYTES,
+    BadLine,
+    OversizedLine,
+    UndecodableLine,
+    decode_line,
+)
 
-_BLOCK_BYTES = 1 << 20
+# (line number, record bytes or a stand-in, whether bytes were replaced)
+Record = tuple[int, bytes, bool]
 
 
 class CsvReader:
-    """Reads CSV through any fsspec filesystem, decompressing by suffix.
-
-    Rows with the wrong number of fields are bad lines. In "skip_row" mode they come
-    back as error rows right after the batch they were met in (the streaming reader
-    does not say where exactly). A value that does not fit the type inferred from the
-    first block fails the file; pass `schema=` (e.g. strings) to read such data.
-    """
+    """Reads CSV (RFC 4180, comma-separated, a header line) through any fsspec
+    filesystem, decompressing by suffix."""
 
     conflicts_to_string = True
 
     def head(self, fs, path: str, *, options: ReadOptions) -> FileHead:
         with open_text_stream(fs, path, head=True) as f:
-            reader, _ = _open(f, options, options.schema, include=False)
-            return FileHead(schema=reader.schema)
+            records = _decoded_records(f, options.decoding)
+            names = _header(records)
+            sample: list[Record] = []
+            size = 0
+            for record in records:
+                sample.append(record)
+                size += len(record[1]) + 1
+                if size >= options.sample_bytes:
+                    break
+        if options.schema is not None:
+            return FileHead(schema=options.schema)
+        table, bad = _parse_batch(sample, names, pa_csv.ConvertOptions())
+        if bad and options.on_bad_line == "error":
+            raise bad[0]
+        if table is None:
+            return FileHead(schema=pa.schema([(n, pa.string()) for n in names]))
+        # A column with no value in the sample could hold anything later: text.
+        fields = [
+            pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f for f in table.schema
+        ]
+        return FileHead(schema=pa.schema(fields))
 
     def iter_batches(
         self, fs, path: str, schema: pa.Schema, *, name: str, options: ReadOptions
     ) -> Iterator[pa.RecordBatch]:
-        data_schema = pa.schema([f for f in schema if f.name != ERROR_COLUMN])
+        data_schema = pa.schema(
+            [f for f in schema if f.name not in (ERROR_COLUMN, REPLACED_COLUMN)]
+        )
+        convert = pa_csv.ConvertOptions(
+            column_types={f.name: f.type for f in data_schema},
+            include_columns=data_schema.names,
+            # A column that only later files have is simply null in earlier ones.
+            include_missing_columns=True,
+        )
         with open_text_stream(fs, path) as f:
-            reader, invalid = _open(f, options, data_schema, include=True)
-            while True:
-                try:
-                    batch = reader.read_next_batch()
-                except StopIteration:
-                    break
-                except pa.ArrowInvalid:
-                    if invalid and options.on_bad_line == "error":
-                        raise _bad_line(invalid[-1]) from None
-                    raise
-                yield batch
-                if invalid:
-                    messages = [f"{name}: {_bad_line(row)}" for row in invalid]
-                    yield error_rows(messages, data_schema)
-                    invalid.clear()
+            records = _decoded_records(f, options.decoding)
+            names = _header(records)
+            for batch in _group(records, options.batch_size):
+                table, bad = _parse_batch(batch, names, convert)
+                if bad and options.on_bad_line == "error":
+                    raise bad[0]
+                errors = {b.index: f"{name}: {b}" for b in bad}
+                replaced = [r[2] for r in batch] if options.decoding.replaces else None
+                yield with_replaced(_in_place(table, errors, len(batch), data_schema), replaced)
 
 
-def _open(f, options: ReadOptions, schema: pa.Schema | None, *, include: bool):
-    """Opens a streaming reader (which parses the first block) and its bad-row log."""
+class _BadRecord(BadLine):
+    """A bad line that also knows its position in the batch it was read in."""
+
+    def __init__(self, index: int, line_number: int, message: str):
+        super().__init__(line_number, message)
+        self.index = index
+
+
+def _decoded_records(f, decoding: Decoding) -> Iterator[Record]:
+    for number, record in iter_records(open_decoded(f, decoding)):
+        if record.isascii():  # most records; stand-ins are ASCII too and stay as they are
+            yield number, record, False
+        else:
+            record, is_replaced = decode_line(record, decoding)
+            yield number, record, is_replaced
+
+
+def _header(records: Iterator[Record]) -> list[str]:
+    """The column names, from the first record; a header that cannot be read fails the file."""
+    first = next(records, None)
+    if first is None:
+        raise ValueError("empty CSV file: no header line")
+    number, record, _ = first
+    problem = _stand_in_problem(record)
+    if problem is not None:
+        raise BadLine(number, f"the header is {problem}")
+    header = record + b"\n"  # pyarrow reads a header-only file only if the line is ended
+    return pa_csv.read_csv(io.BytesIO(header), read_options=_read_options(header)).column_names
+
+
+def _group(records: Iterator[Record], max_records: int) -> Iterator[list[Record]]:
+    batch: list[Record] = []
+    size = 0
+    for record in records:
+        batch.append(record)
+        size += len(record[1]) + 1
+        if len(batch) >= max_records or size >= MAX_CHUNK_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _parse_batch(
+    batch: list[Record], names: list[str], convert: pa_csv.ConvertOptions
+) -> tuple[pa.Table | None, list[_BadRecord]]:
+    """The batch's good records as a table (in order; None if there are none) and its
+    bad ones."""
+    bad: list[_BadRecord] = []
+    good: list[int] = []
+    for index, (number, record, _) in enumerate(batch):
+        problem = _stand_in_problem(record)
+        if problem is None:
+            good.append(index)
+        else:
+            bad.append(_BadRecord(index, number, problem))
+    records = [batch[i][1] for i in good]
+    try:
+        table = _parse(records, names, convert)
+    except _ParseError:
+        # Only some records are bad: find them by halving, then parse the rest at once.
+        failed = _find_failures(records, names, convert)
+        bad += [_BadRecord(good[i], batch[good[i]][0], message) for i, message in failed.items()]
+        good = [g for i, g in enumerate(good) if i not in failed]
+        table = _parse([batch[i][1] for i in good], names, convert)
+    bad.sort(key=lambda b: b.index)
+    return table, bad
+
+
+def _stand_in_problem(record: bytes) -> str | None:
+    if isinstance(record, OversizedLine):
+        limit = MAX_LINE_BYTES >> 20
+        return f"longer than the record limit of {limit} MiB ({record.size:,} bytes)"
+    if isinstance(record, UndecodableLine):
+        return record.message
+    return None
+
+
+class _ParseError(ValueError):
+    """pyarrow could not read these records as rows; the message never quotes them."""
+
+
+def _parse(
+    records: list[bytes], names: list[str], convert: pa_csv.ConvertOptions
+) -> pa.Table | None:
+    """The records as rows (None for no records); raises `_ParseError` if any is bad."""
+    if not records:
+        return None
     invalid: list[pa_csv.InvalidRow] = []
 
     def on_invalid_row(row: pa_csv.InvalidRow) -> str:
         invalid.append(row)
-        return "skip" if options.on_bad_line == "skip_row" else "error"
+        return "error"
 
-    if schema is None:
-        convert = pa_csv.ConvertOptions()
-    else:
-        convert = pa_csv.ConvertOptions(
-            column_types={f.name: f.type for f in schema},
-            include_columns=schema.names if include else None,
-            # A column that only later files have is simply null in earlier ones.
-            include_missing_columns=include,
-        )
+    data = b"\n".join(records)
     try:
-        reader = pa_csv.open_csv(
-            f,
-            read_options=pa_csv.ReadOptions(use_threads=False, block_size=_BLOCK_BYTES),
-            parse_options=pa_csv.ParseOptions(invalid_row_handler=on_invalid_row),
+        table = pa_csv.read_csv(
+            io.BytesIO(data),
+            read_options=_read_options(data, names),
+            parse_options=pa_csv.ParseOptions(
+                newlines_in_values=True, invalid_row_handler=on_invalid_row
+            ),
             convert_options=convert,
         )
-    except pa.ArrowInvalid:
-        if invalid and options.on_bad_line == "error":
-            raise _bad_line(invalid[-1]) from None
-        raise
-    return reader, invalid
+    except pa.ArrowInvalid as exc:
+        if invalid:
+            row = invalid[-1]
+            raise _ParseError(
+                f"expected {row.expected_columns} columns, got {row.actual_columns}"
+            ) from None
+        raise _ParseError(_conversion_problem(str(exc), names)) from None
+    if table.num_rows != len(records):
+        # A bare carriage return outside quotes ends a row for pyarrow, not for us.
+        raise _ParseError(f"read as {table.num_rows} rows (a carriage return outside quotes?)")
+    return table
 
 
-def _bad_line(row: pa_csv.InvalidRow) -> BadLine:
-    number = row.number if row.number is not None else -1
-    return BadLine(number, f"expected {row.expected_columns} columns, got {row.actual_columns}")
+def _find_failures(
+    records: list[bytes], names: list[str], convert: pa_csv.ConvertOptions, offset: int = 0
+) -> dict[int, str]:
+    """Index -> why, for each record that cannot be parsed (found by halving)."""
+    try:
+        _parse(records, names, convert)
+        return {}
+    except _ParseError as exc:
+        if len(records) == 1:
+            return {offset: str(exc)}
+    middle = len(records) // 2
+    return {
+        **_find_failures(records[:middle], names, convert, offset),
+        **_find_failures(records[middle:], names, convert, offset + middle),
+    }
+
+
+def _in_place(
+    table: pa.Table | None, errors: dict[int, str], num_rows: int, schema: pa.Schema
+) -> pa.RecordBatch:
+    """The good rows with a row of nulls (and its message) wherever a bad record was."""
+    if table is None:
+        table = schema.empty_table()
+    if errors:
+        nulls = pa.table([pa.nulls(1, f.type) for f in schema], schema=schema)
+        table = pa.concat_tables([table, nulls])
+        null_row, indices, good = table.num_rows - 1, [], 0
+        for index in range(num_rows):
+            if index in errors:
+                indices.append(null_row)
+            else:
+                indices.append(good)
+                good += 1
+        table = table.take(pa.array(indices, pa.int64()))
+        messages = [errors.get(i) for i in range(num_rows)]
+        table = table.append_column(ERROR_COLUMN, pa.array(messages, pa.string()))
+    table = table.combine_chunks()
+    return pa.RecordBatch.from_arrays(
+        [c.chunk(0) if c.num_chunks else pa.array([], c.type) for c in table.columns],
+        schema=table.schema,
+    )
+
+
+def _read_options(data: bytes, names: list[str] | None = None) -> pa_csv.ReadOptions:
+    # The whole batch in one block: no record can straddle blocks.
+    return pa_csv.ReadOptions(
+        use_threads=False, block_size=max(1 << 16, len(data) + 1), column_names=names
+    )
+
+
+_CONVERSION = re.compile(r"column #(\d+).*conversion error to ([^:]+)", re.S)
+
+
+def _conversion_problem(message: str, names: list[str]) -> str:
+    """pyarrow's conversion error, naming the column and type but never the value."""
+    found = _CONVERSION.search(message)
+    if found is not None and int(found.group(1)) < len(names):
+        return f"column {names[int(found.group(1))]!r}: value does not fit type {found.group(2)}"
+    return safe_arrow_message(message)

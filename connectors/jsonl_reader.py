@@ -11,16 +11,29 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
-from tokenmill.connectors.batches import ERROR_COLUMN, FileHead, ReadOptions
+from tokenmill.connectors.batches import (
+    ERROR_COLUMN,
+    REPLACED_COLUMN,
+    FileHead,
+    ReadOptions,
+    with_replaced,
+)
+from tokenmill.connectors.decoding import open_decoded
 from tokenmill.connectors.fs import open_text_stream
 from tokenmill.connectors.lines import (
     MAX_LINE_BYTES,
     BadLine,
     LineChunk,
     OversizedLine,
+    UndecodableLine,
     head_lines,
     iter_line_chunks,
 )
+
+_FLAG_COLUMNS = (ERROR_COLUMN, REPLACED_COLUMN)
+
+# JSON can spell a lone UTF-16 surrogate ("\\ud800"); no UTF-8 text can hold one.
+UNPAIRED_SURROGATE = "text with an unpaired surrogate escape such as \\ud800 (not valid Unicode)"
 
 
 class JsonlReader:
@@ -31,7 +44,7 @@ class JsonlReader:
 
     def head(self, fs, path: str, *, options: ReadOptions) -> FileHead:
         with open_text_stream(fs, path, head=True) as f:
-            sample = head_lines(f, options.sample_bytes)
+            sample = head_lines(open_decoded(f, options.decoding), options.sample_bytes)
         rows = []
         for number, line in zip(sample.line_numbers, sample.lines):
             try:
@@ -47,9 +60,10 @@ class JsonlReader:
     def iter_batches(
         self, fs, path: str, schema: pa.Schema, *, name: str, options: ReadOptions
     ) -> Iterator[pa.RecordBatch]:
-        data_schema = pa.schema([f for f in schema if f.name != ERROR_COLUMN])
+        data_schema = pa.schema([f for f in schema if f.name not in _FLAG_COLUMNS])
         with open_text_stream(fs, path) as f:
-            for chunk in iter_line_chunks(f, options.batch_size):
+            lines = open_decoded(f, options.decoding)
+            for chunk in iter_line_chunks(lines, options.batch_size, options.decoding):
                 yield read_chunk(
                     chunk,
                     data_schema,
@@ -66,6 +80,8 @@ def parse_object(line: bytes, number: int) -> dict[str, Any]:
             number,
             f"longer than the line limit of {MAX_LINE_BYTES >> 20} MiB ({line.size:,} bytes)",
         )
+    if isinstance(line, UndecodableLine):
+        raise BadLine(number, line.message)
     try:
         value = json.loads(line)
     except UnicodeDecodeError:
@@ -97,7 +113,7 @@ def infer_schema(rows: Sequence[dict[str, Any]]) -> pa.Schema:
         values = [row.get(name) for row in rows]
         try:
             dtype = pa.array(values).type
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, UnicodeEncodeError):
             dtype = pa.string()
         if _is_undetermined(dtype):
             dtype = pa.string()
@@ -125,7 +141,22 @@ def read_chunk(
     on_bad_line: str,
     text_columns: frozenset[str] = frozenset(),
 ) -> pa.RecordBatch:
-    """One chunk of lines as a batch of `schema` (plus `__error__` when a line failed)."""
+    """One chunk of lines as a batch of `schema` (plus `__error__` when a line failed,
+    and `__replaced__` when a line's bytes were replaced)."""
+    return with_replaced(
+        _read_chunk(chunk, schema, name=name, on_bad_line=on_bad_line, text_columns=text_columns),
+        chunk.replaced,
+    )
+
+
+def _read_chunk(
+    chunk: LineChunk,
+    schema: pa.Schema,
+    *,
+    name: str,
+    on_bad_line: str,
+    text_columns: frozenset[str],
+) -> pa.RecordBatch:
     try:
         table = pa_json.read_json(
             io.BytesIO(b"\n".join(chunk.lines)),
@@ -218,7 +249,12 @@ def to_arrow(
                 if v is not None and not isinstance(v, str)
             }
             text = [None if i in bad else v for i, v in enumerate(values)]
-            return pa.array(text, type=field.type), bad
+            try:
+                return pa.array(text, type=field.type), bad
+            except UnicodeEncodeError:
+                unpaired = {i: UNPAIRED_SURROGATE for i, v in enumerate(text) if _is_unpaired(v)}
+                text = [None if i in unpaired else v for i, v in enumerate(text)]
+                return pa.array(text, type=field.type), {**bad, **unpaired}
         # Anything else fits a string column: non-strings keep their JSON spelling.
         values = [v if v is None or isinstance(v, str) else json.dumps(v) for v in values]
     if pa.types.is_integer(field.type):
@@ -233,7 +269,7 @@ def to_arrow(
             return rest, {**lossy, **bad}
     try:
         return pa.array(values, type=field.type), {}
-    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError, UnicodeEncodeError):
         pass
     if all(v is None or isinstance(v, str) for v in values):
         # Timestamps and decimals arrive as strings; Arrow's cast parses them.
@@ -250,6 +286,9 @@ def to_arrow(
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
             good.append(None)
             bad[index] = f"a {type(value).__name__} value does not fit type {field.type}"
+        except UnicodeEncodeError:
+            good.append(None)
+            bad[index] = UNPAIRED_SURROGATE
     if len(bad) == len(values):
         return pa.nulls(len(values), field.type), bad
     try:
@@ -259,6 +298,16 @@ def to_arrow(
         return pa.nulls(len(values), field.type), dict.fromkeys(
             range(len(values)), f"value does not fit type {field.type}"
         )
+
+
+def _is_unpaired(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
 
 
 def _block_size(chunk: LineChunk) -> int:

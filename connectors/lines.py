@@ -1,9 +1,18 @@
-"""Line-oriented reading shared by the JSON Lines formats."""
+"""Line-oriented reading shared by the JSON Lines formats, and the bad-line stand-ins.
+
+Lines are split from an `open_decoded` stream (`connectors/decoding.py`) and checked one
+by one: a line over the size limit or whose bytes do not decode is replaced by a
+stand-in (`OversizedLine`, `UndecodableLine`) that reads as a bad line naming the
+problem, so it costs only its own row. CSV records (`csv_records.py`) use the same
+stand-ins and the same check (`decode_line`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from tokenmill.connectors.decoding import UTF8, Decoding, UndecodableText, to_utf8
 
 # fsspec's readline re-reads a whole block per line; reading big chunks and splitting
 # them ourselves is fast on every filesystem and keeps memory at one chunk.
@@ -11,6 +20,9 @@ _CHUNK_BYTES = 1 << 20
 # The longest line read (a JSONL row, an OpenAI batch request): far more than any model's
 # context holds, and a bound on the memory one line can take. Longer lines are bad lines.
 MAX_LINE_BYTES = 32 << 20
+# A chunk of lines also ends at this many bytes, so its memory does not grow with the
+# number of lines asked for.
+MAX_CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -19,13 +31,19 @@ class LineChunk:
 
     line_numbers: list[int]
     lines: list[bytes]
+    # With on_decode_error="replace": which lines had undecodable bytes replaced.
+    replaced: list[bool] | None = None
 
 
 class BadLine(ValueError):
-    """One line that cannot become a row; `message` never contains the line's content."""
+    """One line that cannot become a row; `message` never contains the line's content.
 
-    def __init__(self, line_number: int, message: str):
-        super().__init__(f"line {line_number}: {message}")
+    `unit` names what `line_number` counts: "line" in text files, "row index" (0-based)
+    in Parquet.
+    """
+
+    def __init__(self, line_number: int, message: str, *, unit: str = "line"):
+        super().__init__(f"{unit} {line_number}: {message}")
         self.line_number = line_number
         self.message = message
 
@@ -66,6 +84,30 @@ class OversizedLine(bytes):
         return placeholder
 
 
+class UndecodableLine(bytes):
+    """Stands in for a line whose bytes are not valid text; `message` says why."""
+
+    def __new__(cls, message: str) -> UndecodableLine:
+        placeholder = super().__new__(cls, b"\x00undecodable line")
+        placeholder.message = message
+        return placeholder
+
+
+def decode_line(line: bytes, decoding: Decoding) -> tuple[bytes, bool]:
+    """A line of an `open_decoded` stream as valid UTF-8.
+
+    Returns:
+        `(line, is_replaced)`; a line that cannot be decoded comes back as an
+        `UndecodableLine` (and an `OversizedLine` as it is).
+    """
+    if isinstance(line, OversizedLine):
+        return line, False
+    try:
+        return to_utf8(line, decoding)
+    except UndecodableText as exc:
+        return UndecodableLine(str(exc)), False
+
+
 class _LineBuffer:
     """The pieces of the line being read; forgets them once they pass the limit."""
 
@@ -87,29 +129,45 @@ class _LineBuffer:
         return text
 
 
-def iter_line_chunks(fileobj, max_lines: int) -> Iterator[LineChunk]:
-    """Groups non-blank lines into chunks of at most `max_lines` lines."""
-    numbers: list[int] = []
-    lines: list[bytes] = []
+def iter_line_chunks(fileobj, max_lines: int, decoding: Decoding = UTF8) -> Iterator[LineChunk]:
+    """Groups non-blank lines, decoded (`decode_line`), into chunks of at most
+    `max_lines` lines (and about MAX_CHUNK_BYTES)."""
+    chunk = _ChunkBuilder(decoding)
     for number, line in iter_lines(fileobj):
-        numbers.append(number)
-        lines.append(line)
-        if len(lines) >= max_lines:
-            yield LineChunk(numbers, lines)
-            numbers, lines = [], []
-    if lines:
-        yield LineChunk(numbers, lines)
+        chunk.add(number, line)
+        if len(chunk.lines) >= max_lines or chunk.size >= MAX_CHUNK_BYTES:
+            yield chunk.take()
+    if chunk.lines:
+        yield chunk.take()
 
 
-def head_lines(fileobj, max_bytes: int) -> LineChunk:
+def head_lines(fileobj, max_bytes: int, decoding: Decoding = UTF8) -> LineChunk:
     """The first lines of a file totalling about `max_bytes` (always at least one line)."""
-    numbers: list[int] = []
-    lines: list[bytes] = []
-    size = 0
+    chunk = _ChunkBuilder(decoding)
     for number, line in iter_lines(fileobj):
-        numbers.append(number)
-        lines.append(line)
-        size += len(line) + 1
-        if size >= max_bytes:
+        chunk.add(number, line)
+        if chunk.size >= max_bytes:
             break
-    return LineChunk(numbers, lines)
+    return chunk.take()
+
+
+class _ChunkBuilder:
+    def __init__(self, decoding: Decoding):
+        self.decoding = decoding
+        self.numbers: list[int] = []
+        self.lines: list[bytes] = []
+        self.replaced: list[bool] = []
+        self.size = 0
+
+    def add(self, number: int, line: bytes) -> None:
+        line, is_replaced = decode_line(line, self.decoding)
+        self.numbers.append(number)
+        self.lines.append(line)
+        self.replaced.append(is_replaced)
+        self.size += len(line) + 1
+
+    def take(self) -> LineChunk:
+        replaced = self.replaced if self.decoding.replaces else None
+        chunk = LineChunk(self.numbers, self.lines, replaced)
+        self.numbers, self.lines, self.replaced, self.size = [], [], [], 0
+        return chunk

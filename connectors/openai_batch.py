@@ -16,9 +16,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from tokenmill.connectors.batches import ERROR_COLUMN, FileHead, ReadOptions
+from tokenmill.connectors.batches import ERROR_COLUMN, FileHead, ReadOptions, with_replaced
+from tokenmill.connectors.decoding import open_decoded
 from tokenmill.connectors.fs import open_text_stream
-from tokenmill.connectors.jsonl_reader import parse_object
+from tokenmill.connectors.jsonl_reader import UNPAIRED_SURROGATE, parse_object
 from tokenmill.connectors.lines import BadLine, iter_line_chunks
 
 CHAT_URL = "/v1/chat/completions"
@@ -67,7 +68,10 @@ class OpenAIBatchReader:
         if options.on_bad_line == "error":
             # Checking the first chunk catches a file that is not a batch file at all.
             with open_text_stream(fs, path, head=True) as f:
-                for chunk in iter_line_chunks(f, min(options.batch_size, 1000)):
+                lines = open_decoded(f, options.decoding)
+                for chunk in iter_line_chunks(
+                    lines, min(options.batch_size, 1000), options.decoding
+                ):
                     parse_request_lines(zip(chunk.line_numbers, chunk.lines))
                     break
         return FileHead(schema=OPENAI_BATCH_SCHEMA)
@@ -77,13 +81,15 @@ class OpenAIBatchReader:
     ) -> Iterator[pa.RecordBatch]:
         seen: set[str] = set()
         with open_text_stream(fs, path) as f:
-            for chunk in iter_line_chunks(f, options.batch_size):
-                yield parse_request_lines(
+            lines = open_decoded(f, options.decoding)
+            for chunk in iter_line_chunks(lines, options.batch_size, options.decoding):
+                batch = parse_request_lines(
                     zip(chunk.line_numbers, chunk.lines),
                     name=name,
                     on_bad_line=options.on_bad_line,
                     seen_ids=seen,
                 )
+                yield with_replaced(batch, chunk.replaced)
 
 
 def read_openai_batch_rows(
@@ -128,7 +134,7 @@ def parse_request_lines(
     rows: list[dict[str, Any]] = []
     errors: list[str | None] = []
     for number, line in lines:
-        raw = line.encode() if isinstance(line, str) else line
+        raw = line.encode("utf-8", "surrogatepass") if isinstance(line, str) else line
         custom_id = None
         try:
             obj = parse_object(raw, number)
@@ -136,18 +142,39 @@ def parse_request_lines(
             row = request_to_row(obj, number)
             if row["custom_id"] in seen_ids:
                 raise BadLine(number, "duplicate custom_id")
+            if not _is_unicode(row):
+                raise BadLine(number, UNPAIRED_SURROGATE)
             seen_ids.add(row["custom_id"])
             rows.append(row)
             errors.append(None)
         except BadLine as e:
             if on_bad_line == "error":
                 raise
-            rows.append({"custom_id": custom_id})
+            rows.append({"custom_id": custom_id if _is_unicode(custom_id) else None})
             errors.append(f"{name}: {e}")
     batch = pa.RecordBatch.from_pylist(rows, schema=OPENAI_BATCH_SCHEMA)
     if not any(errors):
         return batch
     return batch.append_column(ERROR_COLUMN, pa.array(errors, pa.string()))
+
+
+def _is_unicode(value: Any) -> bool:
+    """Whether every string in `value` can be written as UTF-8."""
+    if isinstance(value, str):
+        return value.isascii() or _encodes(value)
+    if isinstance(value, dict):
+        return all(_is_unicode(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_is_unicode(v) for v in value)
+    return True
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def request_to_row(obj: dict[str, Any], number: int) -> dict[str, Any]:

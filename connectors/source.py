@@ -13,6 +13,7 @@ import pyarrow as pa
 from tokenmill.connectors.batches import (
     ERROR_COLUMN,
     ON_BAD_LINE,
+    REPLACED_COLUMN,
     FileHead,
     OnBadLine,
     ReadOptions,
@@ -20,6 +21,7 @@ from tokenmill.connectors.batches import (
     rechunk,
     unify,
 )
+from tokenmill.connectors.decoding import Decoding, OnDecodeError
 from tokenmill.connectors.discovery import DataFiles, discover
 from tokenmill.connectors.errors import SourceError, safe_arrow_message
 from tokenmill.connectors.fingerprint import fingerprint_files
@@ -58,7 +60,7 @@ class Source:
     def iter_batches(self) -> Iterator[pa.RecordBatch]:
         """Streams the rows: every batch has `schema` and at most `batch_size` rows.
 
-        Raises `SourceError` naming the file (and line, for JSON Lines) when bytes past
+        Raises `SourceError` naming the file (and line, for JSONL and CSV) when bytes past
         the validated head turn out to be unreadable.
         """
         reader = get_reader(self.format)
@@ -103,6 +105,9 @@ def open_source(
     schema: pa.Schema | None = None,
     validate: Literal["head", "full"] = "head",
     text_columns: Sequence[str] = (),
+    encoding: str = "utf-8",
+    on_decode_error: OnDecodeError = "error-row",
+    decode_columns: Sequence[str] = (),
 ) -> Source:
     """Opens and validates an input dataset without reading its rows.
 
@@ -122,11 +127,19 @@ def open_source(
         text_columns: columns that must hold text (e.g. prompts). In JSONL, where a
             column can mix types, a non-text value there is a bad value (an error row
             with "skip_row") instead of being kept as its JSON spelling.
+        encoding: the text encoding of JSONL/CSV/OpenAI batch files and of binary
+            values in `decode_columns` (any Python codec: latin-1, cp1252, utf-16...).
+        on_decode_error: "error-row": a line (or binary value) that does not decode is a
+            bad line, as `on_bad_line` says; "replace": its undecodable bytes become
+            U+FFFD and the row is flagged in a `__replaced__` column.
+        decode_columns: columns read as text: where a file stores one as binary
+            (Parquet), its values are decoded by `encoding` and the column is a string.
 
     Returns:
         A `Source`; raises `SourceError` (a `ValueError`) naming the file and problem.
     """
     fmt = _check_options(format, on_bad_line, batch_size, columns, schema, validate)
+    decoding = Decoding(encoding, on_decode_error)
     fs, path = resolve(uri, storage_options)
     with store_operation("listing", redact_url(uri)):
         data = discover(fs, path)
@@ -138,6 +151,8 @@ def open_source(
         on_bad_line=on_bad_line,
         schema=schema,
         text_columns=frozenset(text_columns),
+        decoding=decoding,
+        decode_columns=frozenset(decode_columns),
     )
     reader = get_reader(fmt)
     heads = [_read_head(reader, fs, p, fmt, options) for p in data.paths]
@@ -148,7 +163,7 @@ def open_source(
         )
     except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
         raise SourceError(f"{name}: files disagree on column types ({e})") from e
-    full = _full_schema(name, data_schema, data, columns, on_bad_line)
+    full = _full_schema(name, data_schema, data, columns, on_bad_line, decoding)
     read_schema = pa.schema([f for f in data_schema if f.name in full.names])
     counts = [h.num_rows for h in heads]
     source = Source(
@@ -244,12 +259,13 @@ def _full_schema(
     data: DataFiles,
     columns: Sequence[str] | None,
     on_bad_line: str,
+    decoding: Decoding,
 ) -> pa.Schema:
     # A column stored in the files wins over a same-named partition directory.
     fields = list(data_schema) + [
         f for f in data.partition_schema if data_schema.get_field_index(f.name) < 0
     ]
-    fields = [f for f in fields if f.name != ERROR_COLUMN]
+    fields = [f for f in fields if f.name not in (ERROR_COLUMN, REPLACED_COLUMN)]
     if columns is not None:
         by_name = {f.name: f for f in fields}
         missing = [c for c in columns if c not in by_name]
@@ -261,4 +277,6 @@ def _full_schema(
         fields = [by_name[c] for c in columns]
     if on_bad_line == "skip_row":
         fields.append(pa.field(ERROR_COLUMN, pa.string()))
+    if decoding.replaces:
+        fields.append(pa.field(REPLACED_COLUMN, pa.bool_()))
     return pa.schema(fields)

@@ -1,184 +1,13 @@
-"""Configuration dataclasses: the model's shape (from config.json) and the engine's knobs."""
+"""The engine's settings (`EngineConfig`), declared once, and the dtype choice."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
 import torch
 
-# Architectures we implement, by the `architectures[0]` name in config.json.
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Gemma3ForCausalLM",
-)
-
-SLIDING_ATTENTION = "sliding_attention"  # a `layer_types` entry: the layer sees a window
-
-
-@dataclass
-class ModelConfig:
-    """The subset of an HF config.json that the Llama-family models need."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 has biases on q/k/v
-    qk_norm: bool = False  # Qwen3 RMS-normalises q and k per head
-    rope_scaling: dict | None = None
-    # Sliding-window attention: a query at position p sees keys p - window + 1 .. p. Every
-    # layer has it (Mistral) unless `layer_types` names the ones that do (Gemma 3).
-    sliding_window: int | None = None
-    layer_types: list[str] | None = None  # per layer: "sliding_attention" | "full_attention"
-    hidden_act: str = "silu"  # the gated MLP's activation: "silu" | "gelu_pytorch_tanh"
-    # Gemma 3: local (sliding) layers rotate with their own base; queries are scaled by
-    # query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5; logits may be soft-capped.
-    rope_local_theta: float | None = None
-    query_pre_attn_scalar: float | None = None
-    final_logit_softcapping: float | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for "
-                f"{self.num_hidden_layers} layers"
-            )
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> ModelConfig:
-        architecture = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
-        if architecture == "Gemma3ForCausalLM" or raw.get("model_type") == "gemma3_text":
-            return cls._from_gemma3_dict(raw)
-        num_heads = raw["num_attention_heads"]
-        # transformers 5 moved rope settings into `rope_parameters`; older files keep
-        # `rope_theta` and `rope_scaling` at the top level.
-        rope = dict(raw.get("rope_parameters") or {})
-        rope_theta = raw.get("rope_theta", rope.pop("rope_theta", 10000.0))
-        rope_scaling = raw.get("rope_scaling") or (rope or None)
-        if rope_scaling is not None:
-            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            rope_scaling = None if kind == "default" else {**rope_scaling, "rope_type": kind}
-        eos = raw.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
-        return cls(
-            architecture=architecture,
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=num_heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", is_qwen2)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
-            rope_scaling=rope_scaling,
-            sliding_window=_sliding_window(raw),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-
-    @classmethod
-    def _from_gemma3_dict(cls, raw: dict) -> ModelConfig:
-        """Gemma 3 text configs: transformers 5 nests the rope bases by layer type in
-        `rope_parameters`; older files keep `rope_theta` and `rope_local_base_freq`."""
-        num_layers = raw["num_hidden_layers"]
-        layer_types = raw.get("layer_types")
-        if layer_types is None:  # transformers' default: every 6th layer is global
-            pattern = raw.get("sliding_window_pattern", 6)
-            layer_types = [
-                SLIDING_ATTENTION if (i + 1) % pattern else "full_attention"
-                for i in range(num_layers)
-            ]
-        rope = raw.get("rope_parameters") or {}
-        full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
-        rope_scaling = raw.get("rope_scaling") or {
-            k: v for k, v in full.items() if k != "rope_theta"
-        }
-        kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-        if raw.get("attn_logit_softcapping") is not None:
-            raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
-        eos = raw.get("eos_token_id", 1)
-        return cls(
-            architecture="Gemma3ForCausalLM",
-            vocab_size=raw.get("vocab_size", 262_208),
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=num_layers,
-            num_attention_heads=raw["num_attention_heads"],
-            num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-            head_dim=raw.get("head_dim", 256),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(raw.get("rope_theta", full.get("rope_theta", 1_000_000.0))),
-            max_position_embeddings=raw.get("max_position_embeddings", 131_072),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            qk_norm=True,
-            rope_scaling=None if kind == "default" else {**rope_scaling, "rope_type": kind},
-            sliding_window=raw.get("sliding_window", 4096),
-            layer_types=list(layer_types),
-            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
-            rope_local_theta=float(
-                raw.get("rope_local_base_freq", local.get("rope_theta", 10_000.0))
-            ),
-            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
-            final_logit_softcapping=raw.get("final_logit_softcapping"),
-            bos_token_id=raw.get("bos_token_id", 2),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-        )
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        with open(Path(model_dir) / "config.json") as f:
-            return cls.from_dict(json.load(f))
-
-    @property
-    def max_context(self) -> int:
-        """The longest sequence this implementation computes exactly: the model's own
-        limit (attention honours sliding windows on every path)."""
-        return self.max_position_embeddings
-
-    def layer_sliding_window(self, layer_idx: int) -> int | None:
-        """The attention window of layer `layer_idx`; None for a layer that sees everything."""
-        if self.sliding_window is None:
-            return None
-        if self.layer_types is None or self.layer_types[layer_idx] == SLIDING_ATTENTION:
-            return self.sliding_window
-        return None
-
-
-def _sliding_window(raw: dict) -> int | None:
-    # Qwen2 configs carry a window but switch it off with use_sliding_window.
-    if raw.get("use_sliding_window") is False:
-        return None
-    return raw.get("sliding_window") or None
-
+from tokenmill.engine import env
 
 _DTYPES = {
     "float32": torch.float32,
@@ -215,34 +44,95 @@ def cpu_has_fast_bf16() -> bool:
         return False
 
 
+def setting(default: Any, help: str, *, job: bool = False) -> Any:
+    """A field of EngineConfig: its default, its help text, and whether the job definition
+    offers it as an option of its own (`job=True`; the rest are reachable through the
+    `engine_options` job option)."""
+    return field(default=default, metadata={"help": help, "job": job})
+
+
 @dataclass
 class EngineConfig:
-    """Knobs of the serving engine, validated on construction.
+    """The engine's settings, declared once: each field is a keyword of `LLM(...)` (its
+    help text is LLM's documentation of it), and a field marked `job=True` is also an
+    option of every job surface (pipelines/options.py derives those entries).
 
-    kv_cache_memory is the KV cache budget in bytes; None sizes it from the device
-    (a fraction of free GPU memory, or a fixed CPU default). kv_cache_dtype: "auto" (the
-    model's dtype) or "int8" (kv_cache.py). quantization: see engine/quant/__init__.py.
+    How to add an engine setting
+    ----------------------------
+    Add one field with `setting(default, help)`, check its value in `__post_init__`, and
+    read `config.<name>` where it matters. `LLM(name=...)`, help(LLM), the shared engine
+    cache's key and `--engine-option name=...` follow; `job=True` makes it a job option
+    too. A setting whose choices are registered elsewhere (quantization modes, KV cache
+    dtypes) is checked against them by `worker/build.check_settings`, before any model is
+    looked up.
     """
 
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    kv_cache_dtype: str = "auto"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    # None, or how the linear layers hold their weights: "int8", "int4", "gguf" (quant/)
-    quantization: str | None = None
-    # Launch each step before resolving the previous one's sampled tokens (None: on CUDA).
-    overlap_steps: bool | None = None
-    # Replay decode-only steps from CUDA graphs (None: on CUDA when Triton is installed).
-    cuda_graphs: bool | None = None
+    dtype: str | torch.dtype = setting(
+        "auto",
+        "Model dtype: auto (bf16 on CUDA and on CPUs with native bf16, else fp32), "
+        "float32 or bfloat16.",
+        job=True,
+    )
+    device: str | torch.device | None = setting(
+        None, "cpu, cuda, cuda:N (default: CUDA when available).", job=True
+    )
+    quantization: str | None = setting(
+        None,
+        "Run the model's linear layers quantized (CPU): int8 (int8 weights and "
+        "activations), int4 (group-wise 4-bit weights) or gguf (a GGUF's own blocks).",
+        job=True,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache storage (CPU): auto (the model's dtype) or int8 (a scale per 32 values: "
+        "1.8x the tokens of a bf16 cache in the same memory, half the bytes to read per "
+        "decode step).",
+        job=True,
+    )
+    kv_cache_memory: int | None = setting(
+        None,
+        "KV cache budget in bytes (default: sized from the device - a share of free GPU "
+        "memory, or of RAM - and never more than max_num_seqs sequences at full context "
+        "can fill). CPU memory is committed as blocks are first used.",
+    )
+    enable_prefix_caching: bool = setting(
+        True, "Share computed prompt blocks between requests (a prefix is computed once)."
+    )
+    block_size: int = setting(16, "Tokens per KV cache block.")
+    max_num_batched_tokens: int = setting(
+        2048, "Tokens computed per engine step at most (prompt chunks and decodes together)."
+    )
+    max_num_seqs: int = setting(256, "Sequences running at once at most.")
+    max_model_len: int | None = setting(
+        None, "The longest sequence served (default and maximum: the model's context)."
+    )
+    seed: int = setting(0, "Seed of sampled rows that have no seed of their own.")
+    overlap_steps: bool | None = setting(
+        None,
+        "Launch each step before the previous step's sampled tokens reach the host "
+        "(default: on CUDA).",
+    )
+    cuda_graphs: bool | None = setting(
+        None, "Replay decode-only steps from CUDA graphs (default: on CUDA with Triton)."
+    )
+    packed_linear: bool | None = setting(
+        None,
+        "CPU float linear layers on weights packed once for oneDNN; False: F.linear "
+        "(default: TOKENMILL_PACKED_LINEAR, on).",
+    )
+    huge_pages: bool | None = setting(
+        None,
+        "Ask Linux for 2 MiB pages for the CPU KV cache (default: TOKENMILL_HUGE_PAGES, "
+        "off: where the kernel compacts memory to find a huge page, each first touch of "
+        'one can stall for milliseconds - benchmarks/README.md, "The KV cache").',
+    )
 
     def __post_init__(self) -> None:
-        from tokenmill.engine.quant import validate_name
-
-        validate_name(self.quantization)
+        # The environment gives the defaults of these; what is given wins.
+        if self.packed_linear is None:
+            self.packed_linear = env.PACKED_LINEAR.is_on()
+        if self.huge_pages is None:
+            self.huge_pages = env.HUGE_PAGES.is_on()
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_batched_tokens < 1:
@@ -251,6 +141,12 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
-        from tokenmill.engine.worker.kv_cache import validate_kv_cache_dtype
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(_DTYPES)}")
 
-        validate_kv_cache_dtype(self.kv_cache_dtype)
+
+def engine_settings() -> tuple[Field, ...]:
+    """EngineConfig's fields, in declaration order (help text in `.metadata["help"]`)."""
+    return fields(EngineConfig)

@@ -14,10 +14,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.loader.hub import snapshot_revision
 from tokenmill.engine.loader.model_files import display_name, resolve_model, weights_hash
 from tokenmill.engine.loader.tokenizer import Tokenizer, read_chat_template
+from tokenmill.engine.models import load_config
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def describe_model(
     return ModelDescription(
         name=name_with_revision(display_name(model), commit),
         model_dir=model_dir,
-        max_context=ModelConfig.from_dir(model_dir).max_context,
+        max_context=load_config(model_dir).max_context,
         weights_hash=weights_hash(model_dir),
         chat_template=read_chat_template(model_dir),
         revision=commit,

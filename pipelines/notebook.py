@@ -19,6 +19,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from tokenmill.connectors import ERROR_COLUMN
+from tokenmill.connectors.decoding import Decoding, decode_values
+from tokenmill.connectors.lines import BadLine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.pipelines.dedupe import find_copies
 from tokenmill.pipelines.engine_failures import generate_rows
@@ -28,8 +31,9 @@ from tokenmill.pipelines.options import check_options, llm_options, routed, take
 from tokenmill.pipelines.parsed import with_parsed
 from tokenmill.pipelines.plan import order_rows
 from tokenmill.pipelines.pricing import Prices
-from tokenmill.pipelines.reading import check_ids, params_indices
+from tokenmill.pipelines.reading import check_ids, mark_bad_rows, params_indices
 from tokenmill.pipelines.results import (
+    DECODE_REPLACED,
     DUPLICATE_OF,
     build_results,
     check_passthrough,
@@ -43,19 +47,35 @@ from tokenmill.pipelines.scoring import (
     min_prompt_tokens,
 )
 from tokenmill.pipelines.spec import ParamsTable, resolve_task, sampling_params
-from tokenmill.pipelines.templating import TemplateSpec, render_rows, validate_columns
+from tokenmill.pipelines.templating import (
+    TemplateSpec,
+    render_rows,
+    required_columns,
+    validate_columns,
+)
 from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
 
 
 def to_arrow(data: Any) -> pa.Table:
     """A polars/pandas DataFrame, polars LazyFrame, Arrow table/batch or list of strings
-    as an Arrow table; a list becomes a single `prompt` column."""
+    (or of bytes, decoded later by the job's encoding) as an Arrow table; a list becomes
+    a single `prompt` column."""
     if isinstance(data, pa.Table):
         return data
     if isinstance(data, pa.RecordBatch):
         return pa.Table.from_batches([data])
     if isinstance(data, (list, tuple)):
-        return pa.table({"prompt": pa.array(list(data), pa.string())})
+        is_bytes = [isinstance(v, (bytes, bytearray, memoryview)) for v in data]
+        if not any(is_bytes):
+            return pa.table({"prompt": pa.array(list(data), pa.string())})
+        if not all(b or v is None for b, v in zip(is_bytes, data)):
+            raise TypeError(
+                "data mixes text and bytes prompts: give all str, or all bytes (decoded "
+                "with the encoding option)"
+            )
+        return pa.table(
+            {"prompt": pa.array([None if v is None else bytes(v) for v in data], pa.binary())}
+        )
     module = type(data).__module__.split(".")[0]
     if module == "polars":
         if hasattr(data, "collect"):  # LazyFrame
@@ -150,6 +170,7 @@ class _Prepared:
     params: ParamsTable
     rows: list[PromptRow]  # every row, in input order
     copies: dict[int, int]  # copy row index -> source row index (dedupe)
+    replaced: list[bool] | None  # rows whose input bytes were replaced (or None)
 
     @property
     def computed(self) -> list[PromptRow]:
@@ -173,10 +194,13 @@ def _run(
         outputs = generate_rows(job.llm, job.computed, job.params.params, on_output=on_output)
     ids = [r.id for r in job.rows]  # row_index is the position in `data`
     extras = extra_columns(job.params.params) + ((DUPLICATE_OF,) if job.copies else ())
+    carried = job.table.select(list(job.passthrough))
+    if job.replaced is not None:
+        carried = carried.add_column(0, DECODE_REPLACED, pa.array(job.replaced, pa.bool_()))
     results = build_results(
         job.rows,
         outputs,
-        passthrough=job.table.select(list(job.passthrough)),
+        passthrough=carried,
         task=task,
         extras=extras,
         copies={copy: (source, ids[source]) for copy, source in job.copies.items()},
@@ -270,8 +294,11 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
     engine = getattr(llm, "engine", None)
     params = ParamsTable(base, check=engine.compile_structured_outputs if engine else None)
     columns = table.to_pydict()
+    decoding = Decoding(values["encoding"], values["on_decode_error"])
+    replaced = _decode_text_columns(columns, table.schema, required_columns(template), decoding)
     chat = chat_renderer(llm.tokenizer, add_generation_prompt=adds_generation_prompt(task))
     rendered = render_rows(columns, template, chat=chat)
+    rendered = mark_bad_rows(rendered, columns, id_column=template.id_column, start=0)
     pairs = params_indices(columns, params, rendered, schema_column=schema_column)
     indices = [i for _, i in pairs]
     rows = tokenize_rows(
@@ -285,4 +312,33 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
     if template.id_column is not None:
         check_ids(rows, id_column=template.id_column, source="data")
     copies = find_copies(rows, params.params) if values["dedupe"] else {}
-    return _Prepared(values, table, list(passthrough), llm, lock, params, rows, copies)
+    return _Prepared(values, table, list(passthrough), llm, lock, params, rows, copies, replaced)
+
+
+def _decode_text_columns(
+    columns: dict[str, list], schema: pa.Schema, names: list[str], decoding: Decoding
+) -> list[bool] | None:
+    """Decodes, in `columns`, the binary ones among `names` (what prompts and ids come
+    from), as a file's are read (`connectors/decoding.py`): a value that does not
+    decode leaves its row a message in `columns[ERROR_COLUMN]`.
+
+    Returns:
+        With on_decode_error="replace", which rows had bytes replaced; else None.
+    """
+    num_rows = len(next(iter(columns.values()))) if columns else 0
+    replaced = [False] * num_rows if decoding.replaces else None
+    errors: dict[int, str] = {}
+    for name in names:
+        dtype = schema.field(name).type
+        if not (pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype)):
+            continue
+        decoded = decode_values(columns[name], decoding)
+        columns[name] = decoded.values
+        for row, problem in decoded.errors.items():
+            error = BadLine(row, f"column {name!r}: {problem}", unit="row index")
+            errors.setdefault(row, str(error))
+        if replaced is not None:
+            replaced = [a or b for a, b in zip(replaced, decoded.replaced)]
+    if errors:
+        columns[ERROR_COLUMN] = [errors.get(i) for i in range(num_rows)]
+    return replaced

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tokenmill.connectors.decoding import check_encoding
+
 # Surfaces: where an option is shown.
 CLI = "cli"  # a flag of `tokenmill run` (and of `tokenmill generate`, unless about input)
 FLOW = "flow"  # a parameter of the batch_inference flow (and a flag of `flow run`, `serve`)
@@ -117,6 +119,10 @@ JSON = ValueType(
     lambda v: isinstance(v, (Mapping, str, bool)),
     "FILE_OR_JSON",
     convert=_json_value,
+)
+# A Python text codec name (utf-8, latin-1, utf-16...): an unknown one is refused anywhere.
+ENCODING = ValueType(
+    "a text encoding", str, str, lambda v: isinstance(v, str), "ENCODING", convert=check_encoding
 )
 # Text that the command line reads from a file (a grammar); Python and flows give the text.
 FILE_TEXT = ValueType("text", str, _read_text_file, lambda v: isinstance(v, str), "FILE")

@@ -22,8 +22,8 @@ import pyarrow as pa
 
 from tokenmill.connectors import open_source, redact_url
 from tokenmill.connectors.fingerprint import first_difference
-from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.grammar import GrammarCompiler
+from tokenmill.engine.models import load_config
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.faults import fault_point
@@ -115,6 +115,9 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         columns=list(dict.fromkeys(columns)) if columns is not None else None,
         on_bad_line="skip_row",
         text_columns=text_columns(template),
+        encoding=spec.encoding,
+        on_decode_error=spec.on_decode_error,
+        decode_columns=required_columns(template),
     )
     fingerprint = source.fingerprint()
     _check_input_unchanged(spec, fingerprint)
@@ -259,7 +262,7 @@ def _constraint_check(model: ModelDescription, tokenizer: Any, llm: Any) -> Cons
 
     def check(constraint: StructuredOutputs) -> None:
         if not compilers:
-            config = ModelConfig.from_dir(model.model_dir)
+            config = load_config(model.model_dir)
             compilers.append(
                 GrammarCompiler.for_model(tokenizer, config.vocab_size, config.eos_token_ids)
             )

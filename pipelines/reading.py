@@ -18,10 +18,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from tokenmill.connectors import ERROR_COLUMN
+from tokenmill.connectors import ERROR_COLUMN, REPLACED_COLUMN
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.pipelines.ids import IdCheck
 from tokenmill.pipelines.options import per_row_fields
+from tokenmill.pipelines.results import DECODE_REPLACED
 from tokenmill.pipelines.scoring import adds_generation_prompt, min_prompt_tokens
 from tokenmill.pipelines.spec import UNCHANGED, JobSpec, ParamsTable
 from tokenmill.pipelines.templating import ChatRenderer, RenderedRow, render_rows, row_ids
@@ -39,7 +40,8 @@ class Window:
     index: int
     start: int  # row index of the window's first row
     rows: list[PromptRow] = field(default_factory=list)
-    passthrough: pa.Table | None = None  # the job's passthrough columns
+    # The job's passthrough columns, after `decode_replaced` when the job replaces bytes.
+    passthrough: pa.Table | None = None
     endpoints: list[str | None] | None = None  # OpenAI batch: each row's request url
 
 
@@ -84,8 +86,9 @@ def read_windows(
         rows = _read_batch(columns, start, spec, tokenizer, chat, params, max_model_len)
         ids.add([r.id for r in rows])
         window.rows += rows
-        if spec.passthrough:
-            passthrough.append(batch.select(list(spec.passthrough)))
+        carried = _carried(batch, spec)
+        if carried is not None:
+            passthrough.append(carried)
         if window.endpoints is not None:
             window.endpoints += columns["url"]
     if window is not None and not ids.num_nulls:
@@ -101,6 +104,19 @@ def _finish(window: Window, passthrough: list[pa.RecordBatch]) -> Window:
     if passthrough:
         window.passthrough = pa.Table.from_batches(passthrough)
     return window
+
+
+def _carried(batch: pa.RecordBatch, spec: JobSpec) -> pa.RecordBatch | None:
+    """The columns a batch's rows carry into their results: `decode_replaced` (with
+    on_decode_error="replace") and the passthrough columns; None when there are none."""
+    batch_columns = batch.select(list(spec.passthrough))
+    if spec.on_decode_error != "replace":
+        return batch_columns if spec.passthrough else None
+    flags = pa.array([False] * batch.num_rows)
+    if REPLACED_COLUMN in batch.schema.names:
+        flags = batch.column(REPLACED_COLUMN).fill_null(False)
+    schema = pa.schema([pa.field(DECODE_REPLACED, pa.bool_()), *batch_columns.schema])
+    return pa.RecordBatch.from_arrays([flags, *batch_columns.columns], schema=schema)
 
 
 def _batches(source: Any, spec: JobSpec) -> Iterator[tuple[int, pa.RecordBatch]]:
@@ -131,10 +147,7 @@ def _read_batch(
     max_model_len: int,
 ) -> list[PromptRow]:
     rendered = render_rows(columns, spec.template_spec, start=start, chat=chat)
-    errors = columns.get(ERROR_COLUMN)
-    if errors is not None:  # only a connector that met unparseable lines adds the column
-        ids = _batch_ids(columns, spec, start, len(rendered))
-        rendered = _mark_bad_lines(rendered, errors, ids)
+    rendered = mark_bad_rows(rendered, columns, id_column=spec.id_column, start=start)
     params_index = _params_index(columns, spec, params, rendered)
     indices = [i for _, i in params_index]
     return tokenize_rows(
@@ -150,15 +163,15 @@ def _read_batch(
 def _ids_of(batch: pa.RecordBatch, spec: JobSpec, start: int) -> list[str | None]:
     """A batch's ids, reading only the columns they come from."""
     names = [n for n in (spec.id_column, ERROR_COLUMN) if n and n in batch.schema.names]
-    return _batch_ids(batch.select(names).to_pydict(), spec, start, batch.num_rows)
+    return _batch_ids(batch.select(names).to_pydict(), spec.id_column, start, batch.num_rows)
 
 
 def _batch_ids(
-    columns: dict[str, list], spec: JobSpec, start: int, num_rows: int
+    columns: dict[str, list], id_column: str | None, start: int, num_rows: int
 ) -> list[str | None]:
     """A batch's ids as its result rows carry them: a line the connector could not parse
     and that has no id gets its position id."""
-    ids = row_ids(columns[spec.id_column] if spec.id_column else None, start, num_rows)
+    ids = row_ids(columns[id_column] if id_column else None, start, num_rows)
     errors = columns.get(ERROR_COLUMN)
     if errors is None:
         return ids
@@ -168,10 +181,25 @@ def _batch_ids(
     ]
 
 
-def _mark_bad_lines(
-    rendered: list[RenderedRow], errors: list, ids: list[str | None]
+def mark_bad_rows(
+    rendered: list[RenderedRow], columns: dict[str, list], *, id_column: str | None, start: int
 ) -> list[RenderedRow]:
-    """Rows the connector could not parse become error rows."""
+    """Rows a reader could not read (a message in `columns[ERROR_COLUMN]`) become error
+    rows; one whose id could not be read either gets its position id.
+
+    Args:
+        rendered: the batch's rendered rows.
+        columns: the batch's columns; without ERROR_COLUMN every row was read.
+        id_column: the id column, or None for position ids.
+        start: the global index of the batch's first row.
+
+    Returns:
+        The rows, bad ones replaced by error rows carrying the reader's message.
+    """
+    errors = columns.get(ERROR_COLUMN)
+    if errors is None:  # only a reader that met unreadable rows adds the column
+        return rendered
+    ids = _batch_ids(columns, id_column, start, len(rendered))
     return [
         row if error is None else RenderedRow(row.row_index, rid, error=error)
         for row, error, rid in zip(rendered, errors, ids)

@@ -26,6 +26,14 @@ has the same schema):
                                 row takes (null on rows computed themselves); such a row
                                 bills no tokens (`pipelines/dedupe.py`). With any row
                                 deduplicated.
+
+and one when the job reads its input with `on_decode_error="replace"`:
+
+    decode_replaced             bool: true when bytes of the row's input were not valid
+                                in the input's encoding and were replaced by U+FFFD
+                                (the row was answered from the replaced text). It is
+                                read with the input, so it travels with the passthrough
+                                columns (`DECODE_REPLACED`) and comes before them.
 """
 
 from __future__ import annotations
@@ -64,10 +72,12 @@ COMPLETION_TYPE = pa.struct(
     ]
 )
 DUPLICATE_OF = "duplicate_of"
+DECODE_REPLACED = "decode_replaced"
 EXTRA_FIELDS = {
     "structured_output_complete": pa.field("structured_output_complete", pa.bool_()),
     "completions": pa.field("completions", pa.list_(COMPLETION_TYPE)),
     DUPLICATE_OF: pa.field(DUPLICATE_OF, pa.string()),
+    DECODE_REPLACED: pa.field(DECODE_REPLACED, pa.bool_(), nullable=False),
 }
 # What a copy's row bills: nothing was computed for it.
 TOKEN_COLUMNS = ("prompt_tokens", "cached_tokens", "completion_tokens")
@@ -185,7 +195,8 @@ def build_results(
     Args:
         rows: the prompt rows (good and bad), in the order the table should have.
         outputs: engine output by row index, for the rows that ran.
-        passthrough: columns to carry over, one row per entry of `rows`, same order.
+        passthrough: columns to carry over, one row per entry of `rows`, same order;
+            a `decode_replaced` column among them goes before the others.
         task: the job's task: its rows and schema (`result_schema`).
         extras: optional columns (`extra_columns` of the job's params).
         copies: row index -> (source row index, source id) of rows that take an
@@ -206,6 +217,10 @@ def build_results(
 
     records = [record(r) for r in rows]
     table = pa.Table.from_pylist(records, schema=result_schema(task, extras))
+    if passthrough is not None and DECODE_REPLACED in passthrough.column_names:
+        flags = passthrough[DECODE_REPLACED].cast(pa.bool_()).fill_null(False)
+        table = table.append_column(EXTRA_FIELDS[DECODE_REPLACED], flags)
+        passthrough = passthrough.drop_columns([DECODE_REPLACED])
     if passthrough is not None and passthrough.num_columns:
         if passthrough.num_rows != table.num_rows:
             raise ValueError(

@@ -4,11 +4,10 @@
  * or 256 for values), with AVX2 and FMA on CPUs without AVX-512 (16-token blocks; head_dim
  * a multiple of 32 for values), and as plain loops for every other shape and CPU.
  *
- * The plain loops keep their sums in memory: built for AVX2 (x86-64-v3, the Zen 1 class),
- * a prompt chunk's native attention ran 2.7x slower than the portable path's oneDNN
- * matmuls (128.85 vs 47.60 ms on benchmarks/attention_kernel.py's fp32 prefill, AVX2
- * emulated on an AVX-512 Xeon), where the register-blocked AVX2 kernels below keep every
- * sum in a register across the block.
+ * The plain loops keep their sums in memory, which left an AVX2 build (x86-64-v3, the
+ * Zen 1 class) far behind the portable path's oneDNN matmuls; the register-blocked AVX2
+ * kernels below keep every sum in a register across the block (benchmarks/README.md,
+ * "AVX2 attention kernels").
  */
 #ifndef TOKENMILL_ATTENTION_FP32_H
 #define TOKENMILL_ATTENTION_FP32_H

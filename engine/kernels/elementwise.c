@@ -22,10 +22,9 @@
  * -ffp-contract=off (engine/kernels/__init__.py, _FILE_FLAGS), and refuses a compiler it
  * does not know to honour those flags. */
 
-/* Below this many elements a pass is too short to be worth waking threads. Measured on
- * the 2-core Emerald Rapids VM (two builds A/B'd in one process, 7 rounds): with 65536
- * here a decode step's 64 x 576 RMSNorm ran on one thread in 39 us, with 16384 on two in
- * 21 us (rotary over 64 tokens 1.22x). Each row's arithmetic is the same either way. */
+/* Below this many elements a pass is too short to be worth waking threads; a decode
+ * step's 64 x 576 RMSNorm is above it (benchmarks/README.md, "Fused elementwise ops and
+ * the native argmax"). Each row's arithmetic is the same either way. */
 #define PARALLEL_MIN_ELEMENTS 16384
 
 /* ATen's CPU sum over a contiguous row (SumKernel.cpp: vectorized_inner_sum, row_sum,

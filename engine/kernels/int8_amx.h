@@ -16,20 +16,14 @@
  *
  * Loop order: a thread's panels go in blocks whose weights fit its L2 (AMX_PANEL_BYTES);
  * within a block, 32-row strips of activations (in L1) go once over every panel pair, so
- * each output row is written as one contiguous run of the block's channels. The earlier
- * order (256-row blocks, each panel pair down every strip) wrote 64 bytes into each of
- * 256 rows in turn: on a 2,048-row prompt chunk, whose outputs (12 MB for gate_up) do
- * not stay in L2, those scattered stores, not the product, were most of the call. In
- * one process, best of 9 (scratch A/B, Emerald Rapids VM): gate_up 1.31x, o 1.12x, qkv
- * 1.07x, down 1.04x at 2,048 rows; even or better at 64 and 512.
+ * each output row is written as one contiguous run of the block's channels. Storing 64
+ * bytes into each of many rows in turn instead scatters a prompt chunk's outputs (12 MB
+ * for gate_up at 2,048 rows, past L2), and those stores, not the product, become most of
+ * the call (benchmarks/README.md, "int8 on AMX tiles").
  *
- * Measured on a 2-core Intel Xeon (Emerald Rapids) VM at SmolLM2's shapes
- * (benchmarks/quant_matmul.py, benchmarks/README.md, separate runs): tiles ran 1.3-2.2x
- * VNNI at 64 rows and even or behind at 1 row, where a mostly empty tile and the round
- * trip of the sums through memory cost more than they save. Two builds A/B'd in one
- * process (9 rounds, the qkv, gate_up and down shapes): tiles ran 1.03-1.59x VNNI from 8
- * rows (12 rows: 1.17-1.59x), mixed at 6-7 (0.93-1.31x) and behind at 2-4 (0.82-0.97x);
- * so calls of fewer than AMX_MIN_ROWS rows stay on VNNI.
+ * With few rows a mostly empty tile and the round trip of the sums through memory cost
+ * more than the tiles save, so calls of fewer than AMX_MIN_ROWS rows stay on VNNI (where
+ * the two cross: benchmarks/README.md, "int8 on AMX tiles").
  */
 #ifndef TOKENMILL_INT8_AMX_H
 #define TOKENMILL_INT8_AMX_H
@@ -45,11 +39,9 @@
 #define AMX_PANEL_BYTES (1 << 20) /* weights of a panel block, kept in L2 */
 /* The first row strip of a block asks for each weight tile's 16 lines this many bytes
  * (four k-steps) before its tile loads reach them. In a model, the KV cache's reads
- * evict the 30 layers' weights between steps, so a decode step's first strip reads them
- * from memory: 30 layers x SmolLM2's four shapes, a 600 MB sweep between steps, ran
- * 1.03-1.16x at 16 rows and 1.05-1.16x at 64 (A/B of the builds in one process, both
- * orders, benchmarks/README.md "Stop 24"); 256-2,048 rows, whose weights stay in L2,
- * even (0.98-1.02x). 8 or 16 KiB ahead, or into L2 only, were no better. */
+ * evict the layers' weights between steps, so a decode step's first strip reads them
+ * from memory; later strips find them in L2. Why 4 KiB: benchmarks/README.md, "int8 on
+ * AMX tiles". */
 #define AMX_PREFETCH_AHEAD 4096
 
 /* One row's 32 channels from two accumulator tiles' sums (lo: channels col.., hi: col +

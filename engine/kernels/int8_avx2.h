@@ -5,18 +5,18 @@
  * u8 x s8 pairs and adds neighbours into 16 int16 sums (saturating), vpmaddwd by ones
  * widens those to 8 int32 sums of four, and vpaddd accumulates them. With the
  * activations as uint8 around 128 (what VNNI multiplies) a pair reaches 2 * 255 * 127
- * and saturates; oneDNN's AVX2 kernel avoids that with 7-bit activations, which cost
- * SmolLM2-135M 2.8% and Gemma 3 270M 4.7% perplexity over fp32 (the int8 mode promises
- * 2%). Here the activations keep all 8 bits: turned back into signed values (-127..127)
+ * and saturates; oneDNN's AVX2 kernel avoids that with 7-bit activations, which miss the
+ * int8 mode's 2% perplexity promise (benchmarks/README.md, "int8 on AVX2: all 8 bits").
+ * Here the activations keep all 8 bits: turned back into signed values (-127..127)
  * and multiplied as |w| x (x with w's sign) - vpsignb, then vpmaddubsw - a pair is at
  * most 2 * 127 * 127 = 32,258, which int16 holds. The sums are then exactly VNNI's
  * sum((x - 128) * w), so with the shared epilogue arithmetic every build gives the same
  * bits, and nothing is taken off for a zero point.
  *
  * The price is the sign: three multiply-port instructions per 32 products instead of
- * two. On Intel cores, where vpsignb shares those two ports, this ran at 0.67-0.71x the
- * 7-bit form (scratch A/B in one process, Emerald Rapids built for x86-64-v3); on AMD
- * Zen 1/2 the integer multiplies have one port and vpsignb does not use it.
+ * two. On Intel cores vpsignb shares those two ports, so the 8-bit form runs slower than
+ * the 7-bit one there (figures: the same section); on AMD Zen 1/2 the integer multiplies
+ * have one port and vpsignb does not use it.
  *
  * Where the compiler targets AVX-VNNI as well (AVX2 with a 256-bit vpdpbusd and no
  * AVX-512: Intel Alder Lake clients and Sierra Forest Xeons; -march=alderlake), one

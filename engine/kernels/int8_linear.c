@@ -7,8 +7,8 @@
  * takes one activation scale per tensor, so per-token scales cost a second pass over the
  * output (and a bf16 rounding before it); it JIT-builds a kernel for every new row
  * count, which forced padding decode steps to a few fixed sizes; and at the model's
- * shapes it measured well below the VNNI units' rate (benchmarks/README.md, "Kernel
- * choice"). Here each row's scale is applied in the epilogue, rows are taken as they
+ * shapes it ran well below the VNNI units' rate (benchmarks/README.md, "Our own int8
+ * kernel"). Here each row's scale is applied in the epilogue, rows are taken as they
  * come, and nothing is built at run time. Quantizing inside the same call saves a
  * second trip through Python and a second wake-up of the threads per layer.
  *
@@ -28,9 +28,9 @@
  *
  * A gated MLP's gate_up weight can be packed a gate panel and its up panel in turn; then
  * the epilogue takes each pair's fp32 values and stores act(gate) * up (SiLU, or Gemma's
- * GELU) once, instead of writing [gate, up] for a separate pass to read back
- * (benchmarks/README.md, "Stop 24"; AVX2's tile, one panel wide, runs a pair as two tiles:
- * "Stop 25").
+ * GELU) once, instead of writing [gate, up] for a separate pass to read back; AVX2's
+ * tile, one panel wide, runs a pair as two tiles (benchmarks/README.md, "The gated MLP
+ * in the int8 epilogue").
  */
 #include <omp.h>
 #include <stdint.h>
@@ -57,10 +57,8 @@
 #if TM_HAVE_VNNI || TM_HAVE_INT8_AVX2
 /* Below this many multiply-adds a call is a few microseconds: one thread - unless its
  * weights alone are this many bytes: a call of a row or two is bound by reading them
- * (from L3 or memory), and two threads read them nearly twice as fast. On the Emerald
- * Rapids VM, 1-row calls of SmolLM2's qkv, o and down layers ran 1.37x, 1.21x and 1.54x
- * (A/B of the builds in one process, 30 layers' weights in turn, benchmarks/README.md
- * "Stop 24"); 4 rows and up were already parallel or even. */
+ * (from L3 or memory), and two threads read them nearly twice as fast. Why these
+ * thresholds: benchmarks/README.md, "Our own int8 kernel". */
 #define MATMUL_PARALLEL_MIN (1 << 20)
 #define WEIGHT_PARALLEL_MIN (1 << 18)
 
@@ -123,7 +121,7 @@ static inline void store16(const problem *p, int64_t row, int64_t col, __m512 v)
 
 /* acc += u8 x s8 dot products of four (vpdpbusd). Written as inline assembly because GCC
  * 12's intrinsic copies the accumulator through a spare register (or the stack) at every
- * use, which halved the kernel's rate; GCC and Clang both take this form. */
+ * use (benchmarks/README.md, "Our own int8 kernel"); GCC and Clang both take this form. */
 static inline __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i u8, __m512i s8) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
     return acc;
@@ -180,8 +178,8 @@ static inline __attribute__((always_inline)) __m512 gated16(int activation, __m5
 
 /* The epilogue of a gate panel's and its up panel's accumulators for one row (channels
  * col.. and col + 16.. of the product): 16 outputs at col / 2. Kept apart from the AMX
- * path's finish_row32, whose arithmetic it shares: as a branch inside that function the
- * gated AMX calls ran 0.79-0.94x (A/B of the builds in one process, both orders). */
+ * path's finish_row32, whose arithmetic it shares: a branch inside that function slowed
+ * the gated AMX calls (benchmarks/README.md, "The gated MLP in the int8 epilogue"). */
 static inline __attribute__((always_inline)) void finish_gated16(const problem *p,
                                                                  const channels16 *gate_c,
                                                                  const channels16 *up_c,

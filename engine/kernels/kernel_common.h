@@ -19,12 +19,10 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Blocks sit at random places in the cache, so the hardware prefetcher cannot see the
- * next one coming: ask for it while the current one is being used. Into L2 (T1), not L1:
- * decode attention over 30 layers' caches ran 1.06x faster so (attention_kernel.py
- * --layers 30, two builds alternating; Emerald Rapids VM), as it spends most of its time
- * waiting on these lines. Every line: every other one (the adjacent-line prefetcher's
- * pairs) ran 0.87x. */
+/* Asks for `bytes` from `start`, every 64-byte line, into L2 (T1). Blocks sit at random
+ * places in the cache, so the hardware prefetcher cannot see the next one coming, and
+ * decode spends most of its time waiting on these lines. Why L2 and every line:
+ * benchmarks/README.md, "Decode attention". */
 static inline void prefetch_bytes(const void *start, int64_t bytes) {
     const char *p = (const char *)start;
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
@@ -32,15 +30,15 @@ static inline void prefetch_bytes(const void *start, int64_t bytes) {
 
 /* How many blocks ahead a walk over a kv head's blocks asks for: using a block takes a
  * fraction of the time memory needs to deliver the next one from a random place in the
- * cache, so one block ahead left the walk waiting on latency (bf16 decode over 30
- * layers: 4 ahead ran 1.04x 1 ahead; the int8 direct path's earlier measure, below). */
+ * cache, so one block ahead leaves the walk waiting on latency. Why 4:
+ * benchmarks/README.md, "Decode attention". */
 #define BLOCK_PREFETCH_AHEAD 4
 
 /* Before block b of a walk over [first, end) of table, in a cache laid out
  * [blocks][num_kv_heads][head_bytes]: at the walk's first block the next
  * BLOCK_PREFETCH_AHEAD - 1 of kv_head's are asked for, then at each block the one that
- * many on. Always inlined: as a call, it ran the int8 direct decode path 1.6x slower
- * (int8 cache 0.85-0.97x the bf16 cache against 1.35-1.42x inlined). */
+ * many on. Must stay inlined into the walk's loop: as a call it cost the int8 direct
+ * decode path most of its gain (benchmarks/README.md, "Decode attention"). */
 static inline __attribute__((always_inline)) void prefetch_blocks_ahead(
     const void *cache, const int64_t *table, int64_t b, int64_t first, int64_t end,
     int64_t num_kv_heads, int64_t kv_head, int64_t head_bytes) {

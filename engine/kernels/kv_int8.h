@@ -1,11 +1,11 @@
 /* The int8 KV cache, for paged_attention.c: how a block is stored, quantized and read.
  *
  * Decoding reads every key and value it attends to from memory once per step, and on a
- * CPU that read is the step's attention time (a bf16 decode step ran at the VM's
- * bandwidth). Storing them as int8 halves the bytes. Each position's head_dim values are
- * cut into groups of TM_KV_INT8_GROUP (32) with one fp32 scale each, max|x| / 127, and
- * stored as round(x / scale): whole-head scales cost Gemma 3 (head_dim 256) 2.4% of
- * perplexity where groups of 32 cost 1.2% (benchmarks/README.md).
+ * CPU that read is the step's attention time: it runs at the memory's bandwidth. Storing
+ * them as int8 halves the bytes. Each position's head_dim values are cut into groups of
+ * TM_KV_INT8_GROUP (32) with one fp32 scale each, max|x| / 127, and stored as
+ * round(x / scale); whole-head scales lose too much for head_dim 256 (Gemma 3). Why 32:
+ * benchmarks/README.md, "The int8 KV cache, scaled per 32 values".
  *
  * A kv head's block is its block_size * head_dim int8 values, in the plain or the pair
  * layout of the float caches (kernels.h, tm_write_kv_cache; which one: kv_int8_pairs),
@@ -15,8 +15,8 @@
  * Two ways to read it:
  * - widened: a few blocks at a time into a float block of that layout in scratch (L1),
  *   where the float path - vector, AMX or fp32 - runs unchanged. Every build and row
- *   count can take it, but widening costs about as much as the dot products it feeds:
- *   a decode step measured slower than over the bf16 cache;
+ *   count can take it, but widening costs about as much as the dot products it feeds,
+ *   so a decode step is slower than over the bf16 cache;
  * - direct, for pair-layout blocks where the CPU has AVX512-VNNI or AVX2 (HAVE_INT8_DOT),
  *   fp32 or bf16, for the rows AMX does not take (attention_int8.h): `vpdpwssd` sums
  *   products of int16 pairs into int32, as `vdpbf16ps` does bf16 pairs, so sign-extending

@@ -121,10 +121,10 @@ static inline int64_t first_seen(const tm_attention_args *a, int64_t position) {
     return a->sliding_window > 0 ? max64(0, position - a->sliding_window + 1) : 0;
 }
 
-/* Over an int8 cache on AMX, prompt tiles are this many times TM_TILE_ROWS. When each
- * tile widened the blocks it read, twice the rows per widening ran a prompt step's int8
- * attention 1.06-1.14x faster (A/B of builds in one process; four times: no better);
- * chunks are now widened once per call (WideCopy), and the larger tile was kept. */
+/* Over an int8 cache on AMX, prompt tiles are this many times TM_TILE_ROWS, so that more
+ * rows share each widening where a tile widens windows of its own (no WideCopy: a call
+ * past WIDE_COPY_MAX_BYTES). Why 2: benchmarks/README.md, "The int8 KV cache, scaled per
+ * 32 values". */
 #define INT8_TILE_FACTOR 2
 
 /* Bytes of one kv head's block widened from an int8 cache: bf16 pairs for bf16 dot
@@ -707,9 +707,9 @@ int tm_paged_attention(const tm_attention_args *a) {
             failed = 1;
         }
         /* A sequence's (or a tile's) kv heads are adjacent items, and their blocks adjacent
-         * in the cache: one thread takes them all. Decode attention over 30 layers' caches
-         * ran 1.13x faster so than with the heads dealt out one at a time (the threads then
-         * read neighbouring parts of each block at once); prompt tiles even. */
+         * in the cache: one thread takes them all, so that two threads never read
+         * neighbouring parts of one block at once (benchmarks/README.md, "Decode
+         * attention"). */
 #pragma omp for schedule(dynamic, a->num_kv_heads)
         for (int64_t item = 0; item < plan.num_items; item++)
             if (ok) attend_item(&plan, item, &scratch);

@@ -1,9 +1,12 @@
-"""GGUF file -> HF-layout model directory (config, bf16 safetensors, tokenizer files).
+"""GGUF file -> HF-layout model directory (config, fp32 safetensors, tokenizer files).
 
 The engine only reads HF-layout directories, so a GGUF is converted once, up front:
-every tensor is dequantized to float (`gguf.quants.dequantize`: F32/F16/BF16, Q4_0 ...
-Q8_0, the K-quants), renamed to its HF name (Llama family or Gemma 3), and the tokenizer
-is rebuilt from the GGUF metadata (gguf_tokenizer.py).
+every tensor is dequantized (`gguf.quants.dequantize`: F32/F16/BF16, Q4_0 ... Q8_0, the
+K-quants) and kept in fp32, which holds every value a GGUF encodes exactly - an fp32
+engine runs the file's own values, and a bf16 engine rounds them once as it loads.
+Tensors are renamed to HF names as the architecture's `GGUFLayout` says (each model
+module declares its own), and the tokenizer is rebuilt from the metadata
+(gguf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -28,51 +31,15 @@ from tokenmill.engine.loader.gguf_tokenizer import (
     build_tokenizer,
     build_tokenizer_config,
 )
+from tokenmill.engine.models import gguf_layout
+from tokenmill.engine.models.registry import architecture_of
 
 # Bumped whenever the output of a conversion changes, so cached conversions made by an
 # older converter are not reused (model_files puts it in the cache key).
-CONVERTER_VERSION = 2  # 2: the decoder layers' quantized blocks are kept too
+CONVERTER_VERSION = 3
 
 WEIGHTS_FILE = "model.safetensors"
 CONVERSION_RECORD = "tokenmill_conversion.json"
-
-# GGUF architecture -> (HF architectures entry, HF model_type).
-_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-}
-
-_TOP_LEVEL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-# Gemma's four norms per layer: llama.cpp's `ffn_norm` is the one before the MLP there.
-_GEMMA_BLOCK_NAMES = {
-    **_BLOCK_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-# llama.cpp's Gemma 3 constants, not written as metadata: every 6th layer is global, the
-# local layers' rope base is 10k.
-_GEMMA3_SLIDING_WINDOW_PATTERN = 6
-_GEMMA3_ROPE_LOCAL_BASE = 10_000.0
 
 # Meta's Llama 3.1-3.3 rope scaling constants (all but `factor`), which llama.cpp bakes
 # into the `rope_freqs` tensor instead of writing them as metadata.
@@ -84,7 +51,7 @@ _LLAMA3_ROPE = {
 
 
 def convert_gguf(
-    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16
+    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32
 ) -> Path:
     """Convert a GGUF model file into an HF-layout directory (plus the decoder layers'
     quantized blocks as they are, for `quantization="gguf"`: quant/gguf_blocks.py).
@@ -93,7 +60,8 @@ def convert_gguf(
         gguf_path: the `.gguf` file (llama, qwen2, qwen3 or gemma3 architecture; byte-level
             BPE or SentencePiece vocabulary).
         out_dir: directory to write; created if missing, must be empty if it exists.
-        dtype: dtype of the written weights (the tensors are dequantized to float32 first).
+        dtype: dtype of the written weights (the tensors are dequantized to float32 first;
+            the default keeps every value exact).
 
     Returns:
         `out_dir` as a Path, holding config.json, generation_config.json, model.safetensors,
@@ -104,6 +72,7 @@ def convert_gguf(
         raise ValueError(f"refusing to convert into non-empty directory {out_dir}")
     reader = GGUFReader(gguf_path)
     meta = read_metadata(reader)
+    layout = gguf_layout(meta["general.architecture"])
     config = build_config(meta, {t.name: t for t in reader.tensors}, dtype)
     tensors = convert_tensors(reader, config, dtype)
     tokenizer = build_tokenizer(meta)
@@ -114,7 +83,7 @@ def convert_gguf(
     save_file(tensors, weights_path, metadata={"format": "pt"})
     # safetensors creates its file 0600 whatever the umask; match the files we write.
     shutil.copymode(out_dir / "config.json", weights_path)
-    kept = write_blocks(reader, config, out_dir, hf_tensor_name, _unpermute_rows(config))
+    kept = write_blocks(reader, config, out_dir, layout.hf_tensor_name, _unpermute_rows(config))
     if kept:
         shutil.copymode(out_dir / "config.json", out_dir / BLOCKS_FILE)
     _write_json(out_dir / "generation_config.json", build_generation_config(meta))
@@ -149,10 +118,7 @@ def build_config(
         The config as a dict.
     """
     arch = meta["general.architecture"]
-    if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}"
-        )
+    layout = gguf_layout(arch)
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -162,10 +128,9 @@ def build_config(
     head_dim = (
         get("attention.key_length") or get("rope.dimension_count") or hidden_size // num_heads
     )
-    architecture, model_type = _ARCHITECTURES[arch]
     config = {
-        "architectures": [architecture],
-        "model_type": model_type,
+        "architectures": [layout.hf_architecture],
+        "model_type": layout.model_type,
         "hidden_size": hidden_size,
         "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"),
@@ -177,7 +142,7 @@ def build_config(
         "max_position_embeddings": get("context_length"),
         # The embedding's rows, which may exceed the tokenizer's vocabulary (padding).
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
-        "hidden_act": "silu",
+        layout.activation[0]: layout.activation[1],
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -189,33 +154,9 @@ def build_config(
     if "rope_freqs.weight" in tensors:
         rope_freqs = dequantize(tensors["rope_freqs.weight"].data, GGMLQuantizationType.F32)
         config["rope_scaling"] = llama3_rope_scaling(rope_freqs, head_dim, config["rope_theta"])
-    if arch == "gemma3":
-        del config["hidden_act"]  # Gemma's config names it hidden_activation
-        config.update(_gemma3_config(config, get))
+    if layout.extra_config is not None:
+        config.update(layout.extra_config(config, get))
     return config
-
-
-def _gemma3_config(config: dict, get) -> dict:
-    """The Gemma 3 fields of config.json, as llama.cpp reads the file."""
-    num_layers = config["num_hidden_layers"]
-    pattern = _GEMMA3_SLIDING_WINDOW_PATTERN
-    # llama.cpp scales queries by head_dim ** -0.5, except for the 62-layer 27B model, whose
-    # query_pre_attn_scalar is hidden_size / num_heads.
-    scalar = config["head_dim"]
-    if num_layers == 62:
-        scalar = config["hidden_size"] // config["num_attention_heads"]
-    return {
-        "hidden_activation": "gelu_pytorch_tanh",
-        "sliding_window": get("attention.sliding_window"),
-        "layer_types": [
-            "sliding_attention" if (i + 1) % pattern else "full_attention"
-            for i in range(num_layers)
-        ],
-        "rope_local_base_freq": _GEMMA3_ROPE_LOCAL_BASE,
-        "query_pre_attn_scalar": scalar,
-        "final_logit_softcapping": get("final_logit_softcapping"),
-        "attn_logit_softcapping": None,
-    }
 
 
 def llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, rope_theta: float) -> dict:
@@ -255,26 +196,21 @@ def llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, rope_theta: float
 def convert_tensors(
     reader: GGUFReader, config: dict, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor, undo llama.cpp's q/k permutation or Gemma's norm offset, and
-    rename to HF names."""
-    permute_qk = config["model_type"] == "llama"
-    is_gemma = config["model_type"] == "gemma3_text"
+    """Dequantize every tensor, undo llama.cpp's q/k permutation and norm offset where the
+    layout has them, and rename to HF names."""
+    layout = gguf_layout(_gguf_architecture(reader))
+    unpermute = _unpermute_rows(config)
     tensors = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # not a weight: build_config turns it into `rope_scaling`
-        name = hf_tensor_name(tensor.name, gemma=is_gemma)
+        name = layout.hf_tensor_name(tensor.name)
         # GGUF lists dims fastest-first; numpy (and torch) order is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        weight = torch.from_numpy(array.reshape(shape))
-        if permute_qk and ".q_proj." in name:
-            weight = unpermute_qk(weight, config["num_attention_heads"])
-        elif permute_qk and ".k_proj." in name:
-            weight = unpermute_qk(weight, config["num_key_value_heads"])
-        elif is_gemma and name.endswith("norm.weight"):
-            # llama.cpp stores Gemma's norm scales as 1 + w; HF keeps w (and adds the 1).
-            weight = weight - 1.0
+        weight = unpermute(torch.from_numpy(array.reshape(shape)), name)
+        if layout.norm_offset and name.endswith("norm.weight"):
+            weight = weight - layout.norm_offset  # stored as offset + w; HF keeps w
         tensors[name] = weight.to(dtype).contiguous()
     return tensors
 
@@ -282,30 +218,26 @@ def convert_tensors(
 def _unpermute_rows(config: dict):
     """(rows, HF name) -> rows in HF order: llama.cpp's q/k permutation undone."""
 
+    permuted = architecture_of(config).gguf.permuted_qk
+
     def unpermute(rows: torch.Tensor, name: str) -> torch.Tensor:
-        if config["model_type"] == "llama" and ".q_proj." in name:
+        if permuted and ".q_proj." in name:
             return unpermute_qk(rows, config["num_attention_heads"])
-        if config["model_type"] == "llama" and ".k_proj." in name:
+        if permuted and ".k_proj." in name:
             return unpermute_qk(rows, config["num_key_value_heads"])
         return rows
 
     return unpermute
 
 
-def hf_tensor_name(gguf_name: str, *, gemma: bool = False) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names raise.
+def hf_tensor_name(gguf_name: str, *, architecture: str = "llama") -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` for a GGUF of
+    `architecture` (its general.architecture); unknown names raise ValueError."""
+    return gguf_layout(architecture).hf_tensor_name(gguf_name)
 
-    Args:
-        gemma: name Gemma's layer norms (four per layer) rather than Llama's two.
-    """
-    parts = gguf_name.split(".")
-    block_names = _GEMMA_BLOCK_NAMES if gemma else _BLOCK_NAMES
-    if len(parts) == 2 and parts[0] in _TOP_LEVEL_NAMES:
-        return f"{_TOP_LEVEL_NAMES[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in block_names:
-        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
-    # Dropping a tensor we do not understand would give a silently wrong model.
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
+
+def _gguf_architecture(reader: GGUFReader) -> str:
+    return reader.fields["general.architecture"].contents()
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,23 +1,80 @@
-"""Model classes by the architecture name in config.json."""
+"""Model architectures: one module each, registered by the module itself.
+
+`parse_config` / `load_config` read a model directory's config.json into its
+architecture's `ModelConfig`; `model_class` gives the nn.Module that runs it.
+
+How to add an architecture
+--------------------------
+Write one module in this package (llama.py is the model to follow; qwen2.py shows an
+architecture that differs only in its config). It holds:
+- the model: an nn.Module over a flat batch, `forward(input_ids, positions, meta)` ->
+  hidden states, `compute_logits(hidden)`, `attach_rotary(max_positions, device)`, and
+  `packed_modules` (checkpoint names that load into fused projections);
+- `parse_config(raw)`: config.json -> a ModelConfig (or a subclass with the fields only
+  this family has), defaults as transformers has them;
+- a GGUFLayout, if llama.cpp writes the family: its general.architecture, tensor names,
+  q/k permutation and norm offset, and the config.json fields its metadata gives;
+- `register(Architecture(names=(...), model_class=..., parse_config=..., gguf=...))`.
+This package imports every module in it, so nothing else changes. Prove it against
+transformers with random weights (tests/engine/test_hf_parity.py and hf_models.py).
+"""
 
 from __future__ import annotations
 
+import importlib
+import json
+import os
+import pkgutil
+from pathlib import Path
+
 from torch import nn
 
-from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.models.gemma3 import Gemma3ForCausalLM
-from tokenmill.engine.models.llama import LlamaForCausalLM
-from tokenmill.engine.models.qwen2 import Qwen2ForCausalLM
-from tokenmill.engine.models.qwen3 import Qwen3ForCausalLM
+from tokenmill.engine.models.config import ModelConfig
+from tokenmill.engine.models.registry import (
+    Architecture,
+    GGUFLayout,
+    architecture_of,
+    gguf_layout,
+    register,
+    supported_architectures,
+)
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-}
+# Modules of this package that are not architectures.
+_NOT_ARCHITECTURES = frozenset({"config", "layers", "registry"})
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in _NOT_ARCHITECTURES:
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+
+def parse_config(raw: dict) -> ModelConfig:
+    """A config.json's contents -> its architecture's ModelConfig.
+
+    Raises:
+        ValueError: an architecture the engine does not implement (naming those it does).
+    """
+    return architecture_of(raw).parse_config(raw)
+
+
+def load_config(model_dir: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of an HF-layout model directory's config.json."""
+    with open(Path(model_dir) / "config.json", encoding="utf-8") as f:
+        return parse_config(json.load(f))
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
-    return MODEL_CLASSES[config.architecture]
+    """The nn.Module class that runs a model of this config."""
+    return architecture_of({"architectures": [config.architecture]}).model_class
+
+
+__all__ = [
+    "Architecture",
+    "GGUFLayout",
+    "ModelConfig",
+    "gguf_layout",
+    "load_config",
+    "model_class",
+    "parse_config",
+    "register",
+    "supported_architectures",
+]

@@ -16,15 +16,84 @@ residual adds fold into the pre-attention and pre-MLP norms: fused on CPU in fp3
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.kernels import elementwise
-from tokenmill.engine.models.layers import GatedMLP
+from tokenmill.engine.models.config import (
+    SLIDING_ATTENTION,
+    ModelConfig,
+    rope_scaling_of,
+    token_ids_of,
+)
+from tokenmill.engine.models.layers import (
+    Embedding,
+    GatedMLP,
+    Linear,
+    RotaryEmbedding,
+    StepAttention,
+)
 from tokenmill.engine.models.llama import LlamaAttention, LlamaForCausalLM
-from tokenmill.engine.worker.attention.portable import AttentionMetadata
+from tokenmill.engine.models.registry import (
+    LLAMA_GGUF_BLOCK_NAMES,
+    Architecture,
+    GGUFLayout,
+    register,
+)
+
+
+@dataclass
+class Gemma3Config(ModelConfig):
+    """ModelConfig plus what only Gemma 3 has."""
+
+    rope_local_theta: float = 10_000.0  # the rotary base of the sliding-window layers
+    query_pre_attn_scalar: float = 256.0  # queries are scaled by its -1/2 power
+    final_logit_softcapping: float | None = None  # logits -> tanh(logits / cap) * cap
+
+
+def parse_config(raw: dict) -> Gemma3Config:
+    """Gemma 3 text configs: transformers 5 nests the rope bases by layer type in
+    `rope_parameters`; older files keep `rope_theta` and `rope_local_base_freq`."""
+    num_layers = raw["num_hidden_layers"]
+    layer_types = raw.get("layer_types")
+    if layer_types is None:  # transformers' default: every 6th layer is global
+        pattern = raw.get("sliding_window_pattern", 6)
+        layer_types = [
+            SLIDING_ATTENTION if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+        ]
+    rope = raw.get("rope_parameters") or {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    rope_scaling = raw.get("rope_scaling") or {k: v for k, v in full.items() if k != "rope_theta"}
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+    return Gemma3Config(
+        architecture="Gemma3ForCausalLM",
+        vocab_size=raw.get("vocab_size", 262_208),
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=num_layers,
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        head_dim=raw.get("head_dim", 256),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(raw.get("rope_theta", full.get("rope_theta", 1_000_000.0))),
+        max_position_embeddings=raw.get("max_position_embeddings", 131_072),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=True,
+        rope_scaling=rope_scaling_of(rope_scaling),
+        sliding_window=raw.get("sliding_window", 4096),
+        layer_types=list(layer_types),
+        hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
+        rope_local_theta=float(raw.get("rope_local_base_freq", local.get("rope_theta", 10_000.0))),
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+        bos_token_id=raw.get("bos_token_id", 2),
+        eos_token_ids=token_ids_of(raw.get("eos_token_id", 1)),
+    )
 
 
 class GemmaRMSNorm(nn.Module):
@@ -72,12 +141,12 @@ class Gemma3Attention(LlamaAttention):
     """Llama attention with Gemma's q/k norms and query scale; the window comes from the
     layer's type."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: Gemma3Config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.scale = config.query_pre_attn_scalar**-0.5
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.is_local = config.layer_types[layer_idx] == "sliding_attention"
+        self.is_local = config.layer_types[layer_idx] == SLIDING_ATTENTION
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -92,7 +161,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(
-        self, hidden, residual, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+        self, hidden, residual, rope: tuple[torch.Tensor, torch.Tensor], meta: StepAttention
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer.forward, with Gemma's extra norms.
 
@@ -116,14 +185,14 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, cos, sin, meta: AttentionMetadata, local_rope) -> torch.Tensor:
+    def forward(self, input_ids, cos, sin, meta: StepAttention, local_rope) -> torch.Tensor:
         embeddings = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         # HF rounds the scale to the model dtype before multiplying (25.25 in bf16).
         scale = float(torch.tensor(self.embed_scale, dtype=embeddings.dtype))
@@ -135,29 +204,28 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3 text model. Its forward takes a second rotary table for the local layers."""
+    """Gemma 3 text model: a second rotary table, of the local base, for the local layers."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: Gemma3Config) -> None:
         nn.Module.__init__(self)
         self.config = config
         self.model = Gemma3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None
+        self.local_rotary: RotaryEmbedding | None = None
 
-    def forward(
-        self,
-        input_ids,
-        cos,
-        sin,
-        meta: AttentionMetadata,
-        *,
-        local_rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        """input_ids: [num_tokens] -> hidden states [num_tokens, hidden].
+    def attach_rotary(self, max_positions: int, device: torch.device) -> None:
+        super().attach_rotary(max_positions, device)
+        c = self.config  # the local layers' base has no scaling
+        self.local_rotary = RotaryEmbedding(
+            c.head_dim, c.rope_local_theta, None, max_positions, device
+        )
 
-        Args:
-            cos, sin: [num_tokens, 1, head_dim] rotary of the global layers
-            local_rope: (cos, sin) of the local layers' base
-        """
+    def forward(self, input_ids, positions, meta: StepAttention) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
+        dtype = self.model.embed_tokens.weight.dtype
+        cos, sin = self.rotary.lookup(positions, dtype)
+        local_rope = self.local_rotary.lookup(positions, dtype)
         return self.model(input_ids, cos, sin, meta, local_rope)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -168,3 +236,55 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap).mul_(cap)
         return logits
+
+
+# llama.cpp's Gemma 3 constants, not written as metadata: every 6th layer is global, the
+# local layers' rope base is 10k.
+_GGUF_SLIDING_WINDOW_PATTERN = 6
+_GGUF_ROPE_LOCAL_BASE = 10_000.0
+
+
+def _gguf_config(config: dict, get) -> dict:
+    """The Gemma 3 fields of config.json, as llama.cpp reads the file."""
+    num_layers = config["num_hidden_layers"]
+    pattern = _GGUF_SLIDING_WINDOW_PATTERN
+    # llama.cpp scales queries by head_dim ** -0.5, except for the 62-layer 27B model, whose
+    # query_pre_attn_scalar is hidden_size / num_heads.
+    scalar = config["head_dim"]
+    if num_layers == 62:
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "sliding_window": get("attention.sliding_window"),
+        "layer_types": [
+            SLIDING_ATTENTION if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+        ],
+        "rope_local_base_freq": _GGUF_ROPE_LOCAL_BASE,
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": get("final_logit_softcapping"),
+        "attn_logit_softcapping": None,
+    }
+
+
+register(
+    Architecture(
+        names=("Gemma3ForCausalLM",),
+        model_class=Gemma3ForCausalLM,
+        parse_config=parse_config,
+        model_types=("gemma3_text",),
+        gguf=GGUFLayout(
+            "gemma3",
+            "Gemma3ForCausalLM",
+            "gemma3_text",
+            # Four norms per layer: llama.cpp's `ffn_norm` is the one before the MLP here.
+            block_names={
+                **LLAMA_GGUF_BLOCK_NAMES,
+                "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm",
+            },
+            norm_offset=1.0,
+            activation=("hidden_activation", "gelu_pytorch_tanh"),
+            extra_config=_gguf_config,
+        ),
+    )
+)

@@ -9,13 +9,47 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.kernels import elementwise
+
+
+class StepAttention(Protocol):
+    """What a model's layers need of a step's attention: one object per step, built by the
+    runner's attention backend (`worker/attention/`) and passed down through forward."""
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Store k and v in the layer's cache and attend: q [num_tokens, num_heads,
+        head_dim] -> [num_tokens, num_heads, head_dim]."""
+        ...
+
+
+class Linear(nn.Linear):
+    """nn.Linear that skips initialisation: a model's weights are always loaded, and even
+    dispatching an init on the meta device costs a second at start."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding that skips initialisation (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        pass
 
 
 class RMSNorm(nn.Module):
@@ -97,16 +131,14 @@ class GatedMLP(nn.Module):
         return self.down_proj(_ACTIVATIONS[self.activation](gate).mul_(up))
 
 
-def rope_inv_freq(config: ModelConfig, *, local: bool = False) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], with Llama 3 / linear rope scaling applied.
 
     Args:
-        local: for Gemma 3's sliding-window layers: their own base, no scaling.
+        theta: the rotary base.
+        scaling: an HF rope_scaling dict with "rope_type" (ModelConfig.rope_scaling).
     """
-    dim = config.head_dim
-    theta = config.rope_local_theta if local else config.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = None if local else config.rope_scaling
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq.float()
     kind = scaling["rope_type"]
@@ -134,9 +166,14 @@ class RotaryEmbedding:
     """Precomputed cos/sin tables, looked up once per step for all layers."""
 
     def __init__(
-        self, config: ModelConfig, max_positions: int, device: torch.device, *, local: bool = False
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict | None,
+        max_positions: int,
+        device: torch.device,
     ) -> None:
-        inv_freq = rope_inv_freq(config, local=local).to(device)
+        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
         # Full-width tables, the sine signed for the halves-swapped input, so rotating is

@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama 2/3, Mistral, SmolLM; Qwen2/Qwen3 via config flags).
+"""Llama-family decoder: Llama 2/3, Mistral, SmolLM - and the base Qwen2, Qwen3 and Gemma 3
+build on.
 
-The model is a plain nn.Module over a flat, unpadded batch of tokens: it embeds
-them, runs the layers with attention over the paged cache, and returns hidden states.
-Logits are computed separately, and only for the positions that sample.
+The model is a plain nn.Module over a flat, unpadded batch of tokens: it embeds them,
+runs the layers with attention over the paged cache (through the step's attention
+metadata), and returns hidden states. Logits are computed separately, and only for the
+positions that sample.
 """
 
 from __future__ import annotations
@@ -10,9 +12,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.models.layers import GatedMLP, RMSNorm, rotary_qkv
-from tokenmill.engine.worker.attention.portable import AttentionMetadata, paged_attention
+from tokenmill.engine.models.config import ModelConfig, common_fields
+from tokenmill.engine.models.layers import (
+    Embedding,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    StepAttention,
+    rotary_qkv,
+)
+from tokenmill.engine.models.registry import Architecture, GGUFLayout, register
 
 
 class LlamaAttention(nn.Module):
@@ -24,10 +34,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -39,11 +49,7 @@ class LlamaAttention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: StepAttention
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -53,9 +59,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = rotary_qkv(q, k, v, cos, sin)
-        o = paged_attention(
-            q, k, v, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window
-        )
+        o = meta.attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 
@@ -68,7 +72,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, hidden, residual, cos, sin, meta: AttentionMetadata
+        self, hidden, residual, cos, sin, meta: StepAttention
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is carried apart from each block's output, so that adding
         one to the other and normalising the sum is one fused op (vLLM's layout).
@@ -93,13 +97,13 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids, cos, sin, meta: StepAttention) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)
@@ -120,12 +124,36 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None
 
-    def forward(self, input_ids, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids: [num_tokens] -> hidden states [num_tokens, hidden]."""
+    def attach_rotary(self, max_positions: int, device: torch.device) -> None:
+        """Build the rotary tables for positions [0, max_positions) once, after loading."""
+        c = self.config
+        self.rotary = RotaryEmbedding(
+            c.head_dim, c.rope_theta, c.rope_scaling, max_positions, device
+        )
+
+    def forward(self, input_ids, positions, meta: StepAttention) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
+        cos, sin = self.rotary.lookup(positions, self.model.embed_tokens.weight.dtype)
         return self.model(input_ids, cos, sin, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_samples, hidden] -> fp32 logits [num_samples, vocab]."""
         return self.lm_head(hidden).float()
+
+
+def parse_config(raw: dict) -> ModelConfig:
+    return ModelConfig(**common_fields(raw))
+
+
+register(
+    Architecture(
+        names=("LlamaForCausalLM", "MistralForCausalLM"),
+        model_class=LlamaForCausalLM,
+        parse_config=parse_config,
+        model_types=("llama", "mistral"),
+        gguf=GGUFLayout("llama", "LlamaForCausalLM", "llama", permuted_qk=True),
+    )
+)

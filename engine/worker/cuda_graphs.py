@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
 
+from tokenmill.engine.core.step import PendingStep, SchedulerOutput
 from tokenmill.engine.cuda.triton_attention import TritonAttention
-from tokenmill.engine.worker.attention.portable import AttentionMetadata
-
-if TYPE_CHECKING:
-    from tokenmill.engine.core.step import PendingStep, SchedulerOutput
-    from tokenmill.engine.worker.model_runner import ModelRunner
+from tokenmill.engine.worker.attention.triton import TritonMetadata
 
 # Batch sizes with a graph of their own (up to max_num_seqs, which always gets one):
 # fine steps where padding would cost the most relative to the work, coarser above.
@@ -43,12 +40,12 @@ class DecodeGraphs:
     """One captured forward pass per bucket, over shared static inputs.
 
     Args:
-        runner: the model runner whose model, rotary tables and cache are captured.
+        runner: the `ModelRunner` whose model, rotary tables and cache are captured.
         max_num_seqs: the largest decode batch the scheduler forms.
         max_model_len: bounds every block table's width.
     """
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, runner: Any, max_num_seqs: int, max_model_len: int) -> None:
         self.runner = runner
         self.sizes = sorted({b for b in _BUCKETS if b < max_num_seqs} | {max_num_seqs})
         self.max_blocks = -(-max_model_len // runner.block_size)
@@ -80,16 +77,10 @@ class DecodeGraphs:
         """The model over the first `size` rows of the static inputs -> [size, hidden]."""
         runner = self.runner
         x = {name: t[:size] for name, t in self.inputs.items()}
-        meta = AttentionMetadata(
+        meta = TritonMetadata(
             slot_blocks=x["slot_blocks"],
             slot_offsets=x["slot_offsets"],
-            num_decode_tokens=size,
-            block_size=runner.block_size,
-            native=None,
-            decode_block_tables=None,
-            decode_context_lens=None,
-            prefills=[],
-            triton=TritonAttention(
+            sequences=TritonAttention(
                 query_starts=self.query_starts[: size + 1],
                 seq_lens=x["seq_lens"],
                 block_tables=self.block_tables[:size],

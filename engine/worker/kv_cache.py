@@ -8,12 +8,15 @@ and decoding reads that much less memory.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.config import ModelConfig
-from tokenmill.engine.worker.host_memory import huge_page_zeros
+from tokenmill.engine.kernels.paged_attention import kv_int8_head_bytes
+from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.worker.attention import AttentionSpec, select_backend
+from tokenmill.engine.worker.host_memory import lazy_zeros
 
 # Without a budget, the CPU cache takes this share of RAM, capped below.
 _CPU_RAM_SHARE = 0.10
@@ -39,8 +42,6 @@ def bytes_per_block(
 ) -> int:
     heads = 2 * config.num_hidden_layers * config.num_key_value_heads
     if kv_cache_dtype == "int8":
-        from tokenmill.engine.kernels.paged_attention import kv_int8_head_bytes
-
         return heads * kv_int8_head_bytes(config.head_dim, block_size)
     return heads * config.head_dim * block_size * torch.finfo(dtype).bits // 8
 
@@ -53,41 +54,31 @@ def check_kv_cache_dtype(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """Raise ValueError for a cache dtype this model, block size or device cannot have -
-    before any weights load."""
+    """Raise ValueError for a cache dtype no attention backend reads for this model, block
+    size and device - before any weights load."""
     validate_kv_cache_dtype(kv_cache_dtype)
-    if kv_cache_dtype == "auto":
-        return
-    from tokenmill.engine.kernels.paged_attention import (
-        kv_int8_head_bytes,
-        native_attention_fits,
-        native_attention_supports,
+    select_backend(
+        AttentionSpec(
+            device=device,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            block_size=block_size,
+        )
     )
 
-    if device.type != "cpu":
-        raise ValueError(f"kv_cache_dtype='int8' runs on the CPU only, not {device}")
-    if not native_attention_supports(device, dtype):
-        raise ValueError(
-            "kv_cache_dtype='int8' needs tokenmill's native CPU kernels, which did not build "
-            "here (is a C compiler installed?)"
-        )
-    if not native_attention_fits(
-        config.num_attention_heads, config.num_key_value_heads, config.head_dim, block_size
-    ):
-        raise ValueError(
-            "kv_cache_dtype='int8' needs the native attention kernel, which does not take "
-            f"this model's attention shape (head_dim {config.head_dim}) with block_size "
-            f"{block_size}"
-        )
-    kv_int8_head_bytes(config.head_dim, block_size)  # head_dim a whole number of groups
+
+def kv_cache_dtype_of(cache: KVCache) -> str:
+    """The kv_cache_dtype a cache was allocated with."""
+    return "int8" if cache.k.dtype == torch.int8 else "auto"
 
 
 def default_cache_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * _CUDA_FREE_SHARE)
-    import os
-
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return min(int(ram * _CPU_RAM_SHARE), _CPU_MAX_BYTES)
 
@@ -136,13 +127,17 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     kv_cache_dtype: str = "auto",
+    *,
+    huge_pages: bool = False,
 ) -> KVCache:
-    """Zeroed keys and values for every layer (padding positions must never hold NaNs)."""
+    """Zeroed keys and values for every layer (padding positions must never hold NaNs).
+
+    On the CPU the memory is committed as blocks are first written (host_memory.lazy_zeros):
+    a large budget costs nothing until the job uses it.
+    """
     heads, dim = config.num_key_value_heads, config.head_dim
     layers = config.num_hidden_layers
     if kv_cache_dtype == "int8":
-        from tokenmill.engine.kernels.paged_attention import kv_int8_head_bytes
-
         dtype = torch.int8
         k_shape = v_shape = (layers, num_blocks, heads, kv_int8_head_bytes(dim, block_size))
     else:
@@ -150,7 +145,10 @@ def allocate_kv_cache(
         v_shape = (layers, num_blocks, heads, block_size, dim)
     if device.type == "cpu":
         # Decode reads scattered blocks of this every step: on 2 MiB pages, not 4 KiB.
-        return KVCache(k=huge_page_zeros(k_shape, dtype), v=huge_page_zeros(v_shape, dtype))
+        return KVCache(
+            k=lazy_zeros(k_shape, dtype, huge_pages=huge_pages),
+            v=lazy_zeros(v_shape, dtype, huge_pages=huge_pages),
+        )
     return KVCache(
         k=torch.zeros(k_shape, dtype=dtype, device=device),
         v=torch.zeros(v_shape, dtype=dtype, device=device),

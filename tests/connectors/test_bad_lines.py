@@ -111,11 +111,12 @@ def test_csv_rows_with_wrong_field_count(tmp_path):
         open_source(str(path))
     assert str(info.value) == f"{path}: line 3: expected 2 columns, got 3"
 
+    # The error row stands where the bad line was, so position ids follow the file.
     table = open_source(str(path), on_bad_line="skip_row").to_table()
     assert table.to_pylist() == [
         {"a": 1, "b": "x", ERROR_COLUMN: None},
-        {"a": 3, "b": "z", ERROR_COLUMN: None},
         {"a": None, "b": None, ERROR_COLUMN: f"{path}: line 3: expected 2 columns, got 3"},
+        {"a": 3, "b": "z", ERROR_COLUMN: None},
     ]
 
 

@@ -132,7 +132,7 @@ def test_csv_type_conflict_message_has_no_cell_value(tmp_path):
     path.write_text("a,b\n" + rows + "SECRET-CELL,x\n")
     with pytest.raises(SourceError) as info:
         open_source(str(path), validate="full")
-    assert "data.csv: not a readable csv file" in str(info.value)
+    assert str(info.value) == f"{path}: line 200002: column 'a': value does not fit type int64"
     assert "SECRET-CELL" not in str(info.value)
     assert info.value.__cause__ is None
 

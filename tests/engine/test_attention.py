@@ -356,29 +356,28 @@ def test_every_attention_path_matches_transformers(backend, tmp_path):
     engine = make_engine(
         tmp_path, block_size=16, max_num_batched_tokens=64, enable_prefix_caching=True
     )
-    engine.runner.attention_backend = backend
+    engine.runner.use_attention_backend(backend)
     steps = []
-    prepare = engine.runner._prepare
+    build = engine.runner.attention.build
 
-    def recording(out, previous=None):
-        prepared = prepare(out, previous)
-        steps.append(prepared[2])
-        return prepared
+    def recording(step, out):
+        meta = build(step, out)
+        steps.append(meta)
+        return meta
 
-    engine.runner._prepare = recording
+    engine.runner.attention.build = recording
     prompts = _prompts(256, seed=5)[: 4 if backend == "triton" else None]
     outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == hf_greedy(hf, prompt, 8)[0]
+    assert {type(meta).__name__ for meta in steps} == {f"{backend.capitalize()}Metadata"}
     if backend == "native":
-        shared = [int(s) for meta in steps for s in meta.native.group_shared_blocks]
+        shared = [int(s) for meta in steps for s in meta.entries.group_shared_blocks]
         assert max(shared) >= 4, "no decode step read the shared prefix as a group"
     elif backend == "triton":
-        assert all(meta.triton is not None and meta.native is None for meta in steps)
-        assert any(meta.triton.num_decodes for meta in steps)
-        assert any(meta.triton.tile_seqs.numel() for meta in steps)
+        assert any(meta.sequences.num_decodes for meta in steps)
+        assert any(meta.sequences.tile_seqs.numel() for meta in steps)
     else:
-        assert all(meta.native is None and meta.triton is None for meta in steps)
         assert any(meta.prefills for meta in steps) and any(m.num_decode_tokens for m in steps)
 
 
@@ -399,7 +398,7 @@ def test_every_attention_path_honours_sliding_windows(backend, tmp_path):
     engine = make_engine(
         tmp_path, block_size=16, max_num_batched_tokens=32, enable_prefix_caching=True
     )
-    engine.runner.attention_backend = backend
+    engine.runner.use_attention_backend(backend)
     prompts = _prompts(256, seed=7)[: 3 if backend == "triton" else None]
     outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):
@@ -419,7 +418,7 @@ def test_shapes_the_kernel_does_not_take_use_the_portable_path(tmp_path):
         "llama", tmp_path, hidden_size=128, num_attention_heads=64, num_key_value_heads=1
     )
     engine = make_engine(tmp_path, block_size=16)
-    assert engine.runner.attention_backend == "portable"
+    assert engine.runner.attention.name == "portable"
     prompts = _prompts(256, seed=6)[3:7]
     outputs = run_all(engine, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):

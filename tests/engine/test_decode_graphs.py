@@ -48,7 +48,7 @@ def test_graph_steps_compute_what_eager_steps_compute(model_dir):
 
     engine = make_engine(model_dir, block_size=16, max_num_seqs=7, overlap_steps=True)
     runner = engine.runner
-    runner.attention_backend = "triton"
+    runner.use_attention_backend("triton")
     runner.decode_graphs = EagerReplay(runner, max_num_seqs=7, max_model_len=512)
     assert runner.decode_graphs.sizes == [1, 2, 4, 7]
     replayed = []

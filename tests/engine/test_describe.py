@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_model import build_tiny_model
 
-from tokenmill.engine.config import ModelConfig
 from tokenmill.engine.loader import model_files, weights
 from tokenmill.engine.loader.model_files import (
     DEFAULT_MODEL,
@@ -21,6 +20,7 @@ from tokenmill.engine.loader.model_files import (
     weights_hash,
 )
 from tokenmill.engine.loader.tokenizer import Tokenizer
+from tokenmill.engine.models import load_config
 from tokenmill.pipelines.model_description import describe_model
 
 INDEX = "model.safetensors.index.json"
@@ -55,19 +55,19 @@ def sharded(tmp_path):
 def loaded_and_hashed(path, monkeypatch) -> tuple[list[str], list[str]]:
     """The files `load_model` opens and the files `weights_hash` reads, by name."""
     opened, hashed = [], []
-    real_open, real_sha = weights.safe_open, model_files.file_sha256
+    real_open, real_sha = weights.iter_tensors, model_files.file_sha256
 
     def recording_open(file, *args, **kwargs):
-        opened.append(file.rsplit("/", 1)[-1])
+        opened.append(str(file).rsplit("/", 1)[-1])
         return real_open(file, *args, **kwargs)
 
     def recording_sha(file, **kwargs):
         hashed.append(str(file).rsplit("/", 1)[-1])
         return real_sha(file, **kwargs)
 
-    monkeypatch.setattr(weights, "safe_open", recording_open)
+    monkeypatch.setattr(weights, "iter_tensors", recording_open)
     monkeypatch.setattr(model_files, "file_sha256", recording_sha)
-    config = ModelConfig.from_dir(path)
+    config = load_config(path)
     weights.load_model(path, config, dtype=torch.float32, device=torch.device("cpu"))
     weights_hash(path)
     return opened, hashed
@@ -91,7 +91,7 @@ def test_weights_under_another_name_neither_load_nor_hash(tmp_path):
     # Loading used to fall back to any *.safetensors while hashing did not.
     path = build_tiny_model(tmp_path / "renamed")
     (path / "model.safetensors").rename(path / "weights.safetensors")
-    config = ModelConfig.from_dir(path)
+    config = load_config(path)
     with pytest.raises(ModelFilesError, match=r"model\.safetensors or model\.safetensors\.index"):
         weights.load_model(path, config, dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(ModelFilesError, match=r"model\.safetensors or model\.safetensors\.index"):

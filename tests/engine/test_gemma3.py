@@ -15,13 +15,13 @@ from hf_models import (
 )
 from test_hf_parity import mixed_prompts
 
-from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.models import load_config, parse_config
 from tokenmill.engine.sampling_params import SamplingParams
 
 
 def test_config_reads_gemma3_fields(tmp_path):
     build_hf_model("gemma3", tmp_path, final_logit_softcapping=30.0)
-    config = ModelConfig.from_dir(tmp_path)
+    config = load_config(tmp_path)
     assert config.architecture == "Gemma3ForCausalLM"
     assert (config.rope_theta, config.rope_local_theta) == (1_000_000.0, 10_000.0)
     assert config.query_pre_attn_scalar == 24 and config.final_logit_softcapping == 30.0
@@ -43,7 +43,7 @@ def test_config_of_older_gemma3_files():
         "sliding_window": 512,
         "sliding_window_pattern": 6,
     }
-    config = ModelConfig.from_dict(raw)
+    config = parse_config(raw)
     assert [i for i in range(12) if config.layer_sliding_window(i) is None] == [5, 11]
     assert (config.rope_theta, config.rope_local_theta, config.head_dim) == (1e6, 1e4, 256)
     assert config.eos_token_ids == [1] and config.bos_token_id == 2
@@ -112,7 +112,7 @@ def test_gemma3_gguf_converts_to_the_hf_weights_and_tokens(tmp_path):
     for name, tensor in expected.items():
         # Exact but for the norms: 1 + w was rounded to fp32 in the file (|1 + w| < 4 here).
         torch.testing.assert_close(ours[name], tensor, atol=2.4e-7, rtol=0, msg=name)
-    config = ModelConfig.from_dir(out)
+    config = load_config(out)
     assert config.layer_types == layer_types and config.sliding_window == 64
     assert (config.rope_theta, config.rope_local_theta) == (1_000_000.0, 10_000.0)
     engine = make_engine(out, max_num_batched_tokens=16)

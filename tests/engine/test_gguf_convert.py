@@ -93,14 +93,14 @@ def test_tiny_f32_round_trip_is_exact(tmp_path):
     assert record["gguf_tensor_types"] == {"F32": len(tiny.hf_tensors)}
 
 
-def test_default_dtype_is_bf16_and_untied_head_is_kept(tmp_path):
+def test_default_dtype_keeps_every_value_and_untied_head_is_kept(tmp_path):
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf", tie_word_embeddings=False)
     out = convert_gguf(tiny.path, tmp_path / "out")
     tensors = load_file(out / "model.safetensors")
-    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
-    assert torch.equal(tensors["lm_head.weight"], tiny.hf_tensors["lm_head.weight"].bfloat16())
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
+    assert torch.equal(tensors["lm_head.weight"], tiny.hf_tensors["lm_head.weight"])
     q = "model.layers.1.self_attn.q_proj.weight"
-    assert torch.equal(tensors[q], tiny.hf_tensors[q].bfloat16())
+    assert torch.equal(tensors[q], tiny.hf_tensors[q])
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
 
 
@@ -231,11 +231,11 @@ def test_smollm2_config(smollm2_dir):
         "tie_word_embeddings": True,
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": "float32",
     }
     assert {k: config[k] for k in expected} == expected
     size = (smollm2_dir / "model.safetensors").stat().st_size
-    assert 265e6 < size < 275e6  # 134.5 M parameters in bf16
+    assert 535e6 < size < 545e6  # 134.5 M parameters in fp32: the GGUF's values, exactly
 
 
 def test_smollm2_attention_weights_equal_transformers_processing(smollm2_dir):
@@ -258,7 +258,7 @@ def test_smollm2_attention_weights_equal_transformers_processing(smollm2_dir):
         if tensor.name in wanted:
             weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             expected = processor.process(weights=weights, name=tensor.name).weights
-            expected = torch.from_numpy(np.array(expected)).to(torch.bfloat16)
+            expected = torch.from_numpy(np.array(expected, dtype=np.float32))
             assert torch.equal(ours[wanted[tensor.name]], expected), tensor.name
             types[tensor.name] = tensor.tensor_type.name
     assert types == {
@@ -282,8 +282,8 @@ def test_smollm2_weights_equal_transformers_gguf_loader(smollm2_dir):
     ours = load_file(smollm2_dir / "model.safetensors")
     assert set(ours) == set(reference["tensors"])
     for name, tensor in reference["tensors"].items():
-        # Same dequantization and q/k unpermutation; we then store bf16.
-        assert torch.equal(ours[name], tensor.to(torch.bfloat16)), name
+        # Same dequantization and q/k unpermutation, stored exactly.
+        assert torch.equal(ours[name], tensor.float()), name
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from hf_models import (
     run_all,
 )
 
-from tokenmill.engine.config import ModelConfig
+from tokenmill.engine.models import load_config
 from tokenmill.engine.sampling_params import SamplingParams
 
 
@@ -64,7 +64,7 @@ def test_mistral_sliding_window_matches_transformers(tmp_path):
     """Every Mistral layer sees the last 16 positions; prompts run to 100 tokens, in chunks
     of 16, with prefix-cache hits - and the context is no longer capped to the window."""
     hf = build_hf_model("mistral", tmp_path, sliding_window=16)
-    assert ModelConfig.from_dir(tmp_path).max_context == 512
+    assert load_config(tmp_path).max_context == 512
     engine = make_engine(tmp_path, max_num_batched_tokens=16, enable_prefix_caching=True)
     prompts = mixed_prompts(256, seed=5)
     outputs = run_all(

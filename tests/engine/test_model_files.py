@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model
 
 from model_fixtures import write_tiny_gguf  # noqa: E402
 
-from tokenmill.engine.config import ModelConfig  # noqa: E402
 from tokenmill.engine.loader import model_files  # noqa: E402
 from tokenmill.engine.loader.gguf_convert import CONVERSION_RECORD, CONVERTER_VERSION  # noqa: E402
 from tokenmill.engine.loader.model_files import (  # noqa: E402
@@ -28,6 +27,7 @@ from tokenmill.engine.loader.model_files import (  # noqa: E402
     resolve_model,
     weights_hash,
 )
+from tokenmill.engine.models import load_config  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -129,7 +129,7 @@ def test_assembled_alias_resolves_to_the_file_assemble_returns(tmp_path, monkeyp
     alias = dataclasses.replace(ALIASES["gemma3-270m"], package="tokenmill_fake_joined")
     monkeypatch.setitem(ALIASES, "gemma3-270m", alias)
     assert model_info("gemma3-270m").path == tiny
-    assert ModelConfig.from_dir(resolve_model("gemma3-270m")).architecture == "LlamaForCausalLM"
+    assert load_config(resolve_model("gemma3-270m")).architecture == "LlamaForCausalLM"
 
 
 def test_unknown_model_and_non_gguf_file(tmp_path):
@@ -243,7 +243,7 @@ def test_model_info_and_list_models(tmp_path, tiny_gguf, monkeypatch):
     assert (after.path, after.architecture, after.dtype, after.source) == (
         model_dir,
         "LlamaForCausalLM",
-        "bfloat16",
+        "float32",  # converted exactly: the GGUF's values, not rounded to bf16
         "gguf",
     )
     assert after.num_parameters == before.num_parameters == 2 * 30_848 + 265 * 64 + 64

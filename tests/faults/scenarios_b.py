@@ -1,4 +1,4 @@
-"""Part B's fault scenarios, one function each, for benchmarks/fault_matrix.py.
+"""Part B's fault scenarios, one function each, for tests/faults/fault_matrix.py.
 
 Each function sets up what it needs (moto on loopback, the tiny model, temporary
 directories), runs its scenario once and returns `(rows_lost, rows_duplicated)`;
@@ -120,12 +120,41 @@ def hostile_ids() -> tuple[int, int]:
     return lost_and_duplicated(ids, HOSTILE_IDS)
 
 
+def hostile_bytes(field_mib: int = 40) -> tuple[int, int]:
+    """Invalid UTF-8 in a JSONL prompt, a JSONL id, a CSV row and a gzipped CSV with a
+    BOM, and a `field_mib` MB CSV field: one job each; the good rows must be answered and
+    each bad row must be one error row naming its line."""
+    from hostile_bytes import write_hostile_inputs
+
+    from tokenmill.pipelines.job import run_job
+    from tokenmill.pipelines.output import read_results
+
+    lost = duplicated = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = build_tiny_model(tmp / "tiny")
+        for index, hostile in enumerate(write_hostile_inputs(tmp / "in", field_mib=field_mib)):
+            out = tmp / f"out-{index}"
+            run_job(
+                str(hostile.path),
+                str(out),
+                model=str(model),
+                id_column="id",
+                max_tokens=2,
+                **ENGINE,
+            )
+            rows_lost, rows_duplicated = hostile.check(read_results(str(out)))
+            lost, duplicated = lost + rows_lost, duplicated + rows_duplicated
+    return lost, duplicated
+
+
 SCENARIOS = {
     "store_transient": store_transient,
     "store_past_budget": store_past_budget,
     "store_random": store_random,
     "worker_death": worker_death,
     "hostile_ids": hostile_ids,
+    "hostile_bytes": hostile_bytes,
 }
 
 

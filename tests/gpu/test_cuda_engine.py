@@ -63,7 +63,7 @@ def test_cuda_fp32_greedy_equals_the_cpu_path(model_dir):
     batch = prompts()
     cpu = ids(run_all(make(model_dir, "cpu"), batch, GREEDY))
     gpu_engine = make(model_dir, "cuda")
-    assert gpu_engine.runner.attention_backend == "triton"
+    assert gpu_engine.runner.attention.name == "triton"
     assert gpu_engine.runner.decode_graphs is not None and gpu_engine.overlap_steps
     gpu = ids(run_all(gpu_engine, batch, GREEDY))
     same = sum(a == b for a, b in zip(cpu, gpu))

@@ -42,9 +42,9 @@ class ModelShape:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelShape:
         """The shape the engine reads from config.json (one parser for both)."""
-        from tokenmill.engine.config import ModelConfig
+        from tokenmill.engine.models import load_config
 
-        config = ModelConfig.from_dir(model_dir)
+        config = load_config(model_dir)
         return cls(
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,

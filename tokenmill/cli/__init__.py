@@ -8,7 +8,11 @@ doing before that import, so its first line appears at once.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import os
 import sys
+import threading
 import time
 from importlib import import_module
 
@@ -71,3 +75,37 @@ def _announce_run(args: list[str]) -> None:
 @click.version_option(__version__, prog_name="tokenmill")
 def main() -> None:
     """tokenmill: batch LLM inference over datasets, with a token-cost ledger."""
+
+
+def entry_point() -> None:
+    """The `tokenmill` console script: run the command, then leave without the
+    interpreter's teardown.
+
+    Tearing down an interpreter that has imported torch costs about 0.4 s (its operator
+    registry is destroyed object by object) after the command's work is done; for a
+    one-prompt `tokenmill generate` that is a tenth of the wall time. What exit must
+    still do is done here: non-daemon threads are waited for by falling back to a normal
+    exit, atexit handlers run (logging, temporary directories, Prefect), and the
+    standard streams are flushed.
+    """
+    try:
+        main()
+        code: object = 0
+    except SystemExit as exc:
+        code = exc.code
+    if any(
+        t.is_alive() and not t.daemon
+        for t in threading.enumerate()
+        if t is not threading.main_thread()
+    ):
+        sys.exit(code)
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing to say
+            stream.flush()
+    os._exit(code)

@@ -1,39 +1,35 @@
-"""Attention over the paged KV cache.
+"""The portable backend: attention over the paged KV cache in PyTorch ops, for any device
+and dtype (the fallback where no kernel backend applies: other dtypes or devices, no C
+compiler, no Triton, an attention shape the kernels do not take).
 
-A step's tokens arrive flattened, with no padding: first one query token for each
-decoding sequence, then the query chunks of the sequences still prefilling. On CPU in
-fp32 or bf16 one native kernel call per layer attends to all of them, reading the
-cache in place (`tokenmill.engine.kernels`, paged_attention.c).
-
-On CUDA the Triton kernels (`engine.cuda.triton_attention`) read the cache in place the
-same way. Elsewhere (other dtypes or devices, no C compiler, no Triton) the portable path
-runs: decoding sequences are attended to in one batched SDPA over gathered copies of
-their context, and each prefill chunk gets its own call, reading its earlier context
-back from the cache when it has any. Its bf16/fp16 chunks on CPU are two batched matmuls around the
-softmax rather than SDPA, whose fused CPU kernel keeps its tiles in fp32.
+Decoding sequences are attended to in one batched SDPA over gathered copies of their
+context, and each prefill chunk gets its own call, reading its earlier context back
+from the cache when it has any. Its bf16/fp16 chunks on CPU are two batched matmuls
+around the softmax rather than SDPA, whose fused CPU kernel keeps its tiles in fp32.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
-from tokenmill.engine.kernels.paged_attention import (
-    AttentionEntries,
-    native_paged_attention,
-    write_kv_cache,
+from tokenmill.engine.core.step import SchedulerOutput
+from tokenmill.engine.worker.attention.backend import (
+    AttentionBackend,
+    AttentionSpec,
+    StepAttention,
+    StepTokens,
+    padded_block_tables,
+    upload,
 )
-
-if TYPE_CHECKING:
-    from tokenmill.engine.cuda.triton_attention import TritonAttention
 
 
 @dataclass
 class PrefillSpan:
-    """One sequence's chunk of query tokens in the flat batch (portable path)."""
+    """One sequence's chunk of query tokens in the flat batch."""
 
     start: int  # offset of the chunk's first token in the flat batch
     num_query_tokens: int
@@ -44,76 +40,73 @@ class PrefillSpan:
 
 
 @dataclass
-class AttentionMetadata:
-    """Everything attention needs about one step, built once and shared by all layers."""
-
+class PortableMetadata(StepAttention):
     # Where each new token's key and value go: cache block and offset in it [num_tokens].
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
     num_decode_tokens: int  # the first num_decode_tokens tokens decode, one per sequence
-    block_size: int
-    # Every query token, for the native kernel; None on the portable path, which uses
-    # the three fields after it instead.
-    native: AttentionEntries | None
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with 0
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillSpan]
-    # Every sequence of the step, for the Triton kernels (CUDA); None on other paths.
-    triton: TritonAttention | None = None
+
+    def attend(self, q, k, v, k_cache, v_cache, scale, sliding_window=None):
+        k_cache[self.slot_blocks, :, :, self.slot_offsets] = k
+        v_cache[self.slot_blocks, :, self.slot_offsets] = v
+        out = torch.empty_like(q)
+        num_decodes = self.num_decode_tokens
+        if num_decodes:
+            out[:num_decodes] = _decode_attention(
+                q[:num_decodes], k_cache, v_cache, self, scale, sliding_window
+            )
+        for span in self.prefills:
+            out[span.start : span.start + span.num_query_tokens] = _prefill_span_attention(
+                q, k, v, k_cache, v_cache, span, scale, sliding_window
+            )
+        return out
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Write this step's keys/values into the cache, then attend.
+class PortableBackend(AttentionBackend):
+    name = "portable"
 
-    Args:
-        q: [num_tokens, num_heads, head_dim]
-        k, v: [num_tokens, num_kv_heads, head_dim]
-        k_cache: [num_blocks, num_kv_heads, head_dim, block_size] (see KVCache)
-        v_cache: [num_blocks, num_kv_heads, block_size, head_dim] (see KVCache)
-        sliding_window: the layer's window: a query at position p sees the keys at
-            positions (p - sliding_window, p], as transformers masks Mistral's and Gemma 3's
-            local layers; None sees every earlier position.
-    Returns:
-        [num_tokens, num_heads, head_dim]
-    """
-    if meta.native is not None:
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
-        return native_paged_attention(q, k_cache, v_cache, meta.native, scale, sliding_window)
-    if meta.triton is not None:
-        from tokenmill.engine.cuda import triton_attention
+    @classmethod
+    def unsupported(cls, spec: AttentionSpec) -> str | None:
+        if spec.kv_cache_dtype != "auto":
+            return f"reads caches in the model's dtype, not {spec.kv_cache_dtype}"
+        return None
 
-        triton_attention.store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
-        return triton_attention.paged_attention(
-            q, k_cache, v_cache, meta.triton, scale, sliding_window=sliding_window
+    def build(self, step: StepTokens, out: SchedulerOutput) -> PortableMetadata:
+        device, bs = self.spec.device, self.spec.block_size
+        num_decodes = len(out.decodes)
+        decode_tables, prefill_tables = step.tables[:num_decodes], step.tables[num_decodes:]
+        prefills = []
+        for chunk, table in zip(out.prefills, prefill_tables):
+            start = chunk.seq.num_computed_tokens
+            num_context = start + chunk.num_new_tokens
+            # Earlier context is read back from the cache; a whole-prompt chunk attends to
+            # its own keys and values directly.
+            ids = upload(table[: -(-num_context // bs)], device) if start else None
+            prefills.append(
+                PrefillSpan(step.offsets[id(chunk)], chunk.num_new_tokens, num_context, ids)
+            )
+        decode_tables_padded = decode_lens = None
+        if decode_tables:
+            lens = [chunk.seq.num_computed_tokens + 1 for chunk in out.decodes]
+            decode_tables_padded = padded_block_tables(decode_tables, lens, bs, device)
+            decode_lens = upload(np.asarray(lens), device)
+        return PortableMetadata(
+            slot_blocks=upload(step.slots // bs, device),
+            slot_offsets=upload(step.slots % bs, device),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=decode_tables_padded,
+            decode_context_lens=decode_lens,
+            prefills=prefills,
         )
-    k_cache[meta.slot_blocks, :, :, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, :, meta.slot_offsets] = v
-    out = torch.empty_like(q)
-    num_decodes = meta.num_decode_tokens
-    if num_decodes:
-        out[:num_decodes] = _decode_attention(
-            q[:num_decodes], k_cache, v_cache, meta, scale, sliding_window
-        )
-    for span in meta.prefills:
-        out[span.start : span.start + span.num_query_tokens] = _prefill_span_attention(
-            q, k, v, k_cache, v_cache, span, scale, sliding_window
-        )
-    return out
 
 
 def _prefill_span_attention(
     q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float, sliding_window: int | None = None
 ):
-    """One prefill chunk on the portable path -> [num_query_tokens, num_heads, head_dim]."""
+    """One prefill chunk -> [num_query_tokens, num_heads, head_dim]."""
     rows = slice(span.start, span.start + span.num_query_tokens)
     num_cached = span.num_context_tokens - span.num_query_tokens
     # 4-D [1, heads, tokens, head_dim] operands: with 3-D ones PyTorch's CPU
@@ -181,7 +174,7 @@ def prefill_attention_by_matmul(
         q: [num_heads, num_query_tokens, head_dim]
         k, v: [num_kv_heads, num_cached + num_query_tokens, head_dim]
         num_cached: context tokens before the chunk (read back from the cache).
-        sliding_window: see `paged_attention`.
+        sliding_window: see `StepAttention.attend`.
     Returns:
         [num_heads, num_query_tokens, head_dim]
     """
@@ -221,9 +214,9 @@ def prefill_attention_by_matmul(
 
 
 def _decode_attention(
-    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None = None
+    q, k_cache, v_cache, meta: PortableMetadata, scale: float, sliding_window: int | None = None
 ) -> torch.Tensor:
-    """Portable path, q: [B, H, D] one token per sequence -> [B, H, D]: copy the context
+    """q: [B, H, D] one token per sequence -> [B, H, D]: copy the context
     out block by block, then one batched SDPA that masks the padding past each
     sequence's length (and the positions before its window)."""
     kd = gather_key_blocks(k_cache, meta.decode_block_tables)

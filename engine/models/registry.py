@@ -1,0 +1,131 @@
+"""The architecture registry: each model module registers what it implements.
+
+An `Architecture` names the config.json `architectures` entries a model class serves,
+parses their config, and - when llama.cpp has a layout for it - says how a GGUF file
+stores it (`GGUFLayout`). `models/__init__.py` imports every module of the package once,
+so a new architecture module is found without an edit anywhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from tokenmill.engine.models.config import ModelConfig
+
+# llama.cpp's names for a decoder layer's tensors (`blk.N.<name>.weight`) -> the HF
+# module path inside `model.layers.N`; an architecture adds or overrides entries.
+LLAMA_GGUF_BLOCK_NAMES: Mapping[str, str] = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Tensors outside the layers: llama.cpp's name -> the HF module path.
+GGUF_TOP_LEVEL_NAMES: Mapping[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How llama.cpp writes an architecture into a GGUF file, and how to read it back.
+
+    extra_config(config, get) -> the config.json fields beyond the ones every GGUF
+    architecture shares (`get(key)` reads `<arch>.<key>` from the metadata); the result
+    is merged over them.
+    """
+
+    gguf_architecture: str  # the file's general.architecture
+    hf_architecture: str  # config.json's architectures entry
+    model_type: str  # config.json's model_type
+    block_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_BLOCK_NAMES)
+    # llama.cpp interleaves each q/k head's two rotary halves (its own rope layout).
+    permuted_qk: bool = False
+    # llama.cpp stores the norm scales as `offset + w` where HF keeps w (Gemma: 1).
+    norm_offset: float = 0.0
+    # The MLP's activation as config.json spells it: (key, value).
+    activation: tuple[str, str] = ("hidden_act", "silu")
+    extra_config: Callable[[dict, Callable[..., Any]], dict] | None = None
+
+    def hf_tensor_name(self, gguf_name: str) -> str:
+        """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`.
+
+        Raises:
+            ValueError: a name this layout does not know (dropping a tensor we do not
+                understand would give a silently wrong model).
+        """
+        parts = gguf_name.split(".")
+        if len(parts) == 2 and parts[0] in GGUF_TOP_LEVEL_NAMES:
+            return f"{GGUF_TOP_LEVEL_NAMES[parts[0]]}.{parts[1]}"
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in self.block_names:
+            return f"model.layers.{parts[1]}.{self.block_names[parts[2]]}.{parts[3]}"
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One model class and the config.json architectures it serves."""
+
+    names: tuple[str, ...]  # config.json `architectures` entries, e.g. "LlamaForCausalLM"
+    model_class: type[nn.Module]
+    parse_config: Callable[[dict], ModelConfig]  # config.json -> its ModelConfig
+    # config.json `model_type`s that identify it when `architectures` is missing.
+    model_types: tuple[str, ...] = ()
+    gguf: GGUFLayout | None = None
+
+
+_ARCHITECTURES: dict[str, Architecture] = {}
+_BY_MODEL_TYPE: dict[str, Architecture] = {}
+
+
+def register(architecture: Architecture) -> Architecture:
+    """Make an architecture known by each of its names (a model module calls this once)."""
+    for name in architecture.names:
+        if name in _ARCHITECTURES:
+            raise ValueError(f"architecture {name!r} is registered twice")
+        _ARCHITECTURES[name] = architecture
+    for model_type in architecture.model_types:
+        _BY_MODEL_TYPE[model_type] = architecture
+    return architecture
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """Every config.json architecture name the engine runs, sorted."""
+    return tuple(sorted(_ARCHITECTURES))
+
+
+def architecture_of(raw: dict) -> Architecture:
+    """The registered architecture of a config.json (ValueError naming the supported)."""
+    names = raw.get("architectures") or []
+    found = _ARCHITECTURES.get(names[0]) if names else None
+    if found is None and not names:  # an old config: its model_type, else the Llama family
+        found = _BY_MODEL_TYPE.get(raw.get("model_type")) or _ARCHITECTURES["LlamaForCausalLM"]
+    if found is None:
+        raise ValueError(
+            f"unsupported architecture {names[0]!r}; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    return found
+
+
+def gguf_layout(gguf_architecture: str) -> GGUFLayout:
+    """The layout of a GGUF file's general.architecture (ValueError naming the supported)."""
+    layouts = {a.gguf.gguf_architecture: a.gguf for a in _ARCHITECTURES.values() if a.gguf}
+    if gguf_architecture not in layouts:
+        raise ValueError(
+            f"unsupported GGUF architecture {gguf_architecture!r}; supported: {sorted(layouts)}"
+        )
+    return layouts[gguf_architecture]

@@ -1,0 +1,129 @@
+"""The attention backend interface: what a backend says it supports, and the per-step
+metadata it builds, through which a model's layers attend.
+
+A backend is a class with a name, a check (`unsupported`) that says why it cannot serve
+a model's attention - or None when it can - and `build`, which turns a step's flattened
+tokens into the metadata every layer of that step shares. The metadata's `attend`
+writes the layer's new keys and values into the cache and attends over it; the model
+calls it and knows nothing of which backend built it. The runner picks one backend when
+it starts (`select_backend`) and never branches on it again.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from tokenmill.engine.core.step import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a model's attention needs from a backend."""
+
+    device: torch.device
+    dtype: torch.dtype  # of queries, keys and values
+    kv_cache_dtype: str  # "auto" (the model's dtype) or "int8"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    @property
+    def heads_per_kv_head(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass
+class StepTokens:
+    """A step's tokens on the host, flattened chunk by chunk (decodes first)."""
+
+    token_ids: np.ndarray  # [num_tokens] int64; placeholders where a sample is pending
+    positions: np.ndarray  # [num_tokens]
+    slots: np.ndarray  # [num_tokens] cache slot: block id * block_size + offset
+    offsets: dict[int, int]  # id(chunk) -> the row of its first token
+    tables: list[list[int]]  # each chunk's block table (the sequence's own list), in order
+    sample_rows: list[int]  # rows whose logits are sampled, in the order of out.chunks
+    placeholder_rows: list[int]  # rows holding a pending sample ...
+    previous_rows: list[int]  # ... and that sample's row in the previous step
+
+
+class StepAttention(ABC):
+    """One step's attention metadata, built once by a backend and shared by all layers."""
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Write this step's keys and values into the cache, then attend.
+
+        Args:
+            q: [num_tokens, num_heads, head_dim]
+            k, v: [num_tokens, num_kv_heads, head_dim]
+            k_cache: [num_blocks, num_kv_heads, head_dim, block_size] (worker/kv_cache.py)
+            v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+            sliding_window: the layer's window: a query at position p sees the keys at
+                positions (p - sliding_window, p], as transformers masks Mistral's and
+                Gemma 3's local layers; None sees every earlier position.
+        Returns:
+            [num_tokens, num_heads, head_dim]
+        """
+
+
+class AttentionBackend(ABC):
+    """A way to attend over the paged KV cache (see the module docstring)."""
+
+    name: ClassVar[str]
+    # Whether decode-only steps may be captured as CUDA graphs (worker/cuda_graphs.py).
+    supports_cuda_graphs: ClassVar[bool] = False
+    # Whether the cache it reads keeps bf16 blocks in a layout of its own (native kernels).
+    owns_cache_layout: ClassVar[bool] = False
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    @classmethod
+    @abstractmethod
+    def unsupported(cls, spec: AttentionSpec) -> str | None:
+        """Why this backend cannot serve `spec` (None: it can)."""
+
+    @abstractmethod
+    def build(self, step: StepTokens, out: SchedulerOutput) -> StepAttention:
+        """The step's metadata, uploaded to the device without waiting for it."""
+
+
+def upload(array: np.ndarray | list[int], device: torch.device) -> torch.Tensor:
+    """An int64 copy of array on the device, uploaded without waiting on CUDA."""
+    return staged(array, device).to(device, non_blocking=True)
+
+
+def staged(array: np.ndarray | list[int], device: torch.device) -> torch.Tensor:
+    """array as an int64 host tensor to upload from: in pinned memory on CUDA, where a
+    pageable source would make the copy synchronous. Pinned blocks come from torch's
+    caching host allocator, which does not reuse one before its copy has run."""
+    host = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    return host.pin_memory() if device.type == "cuda" else host
+
+
+def padded_block_tables(
+    tables: list[list[int]], lengths: list[int], block_size: int, device: torch.device
+) -> torch.Tensor:
+    """[len(tables), max_blocks] block ids, padded with block 0 to the blocks the longest
+    of `lengths` (one per table) needs."""
+    max_blocks = -(-max(lengths) // block_size)
+    padded = np.zeros((len(tables), max_blocks), dtype=np.int64)
+    for row, table in enumerate(tables):
+        n = min(len(table), max_blocks)
+        padded[row, :n] = table[:n]
+    return upload(padded, device)
