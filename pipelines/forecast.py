@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from tokenmill.engine.config import EngineConfig, ModelConfig, resolve_dtype
+from tokenmill.engine.config import EngineConfig, resolve_dtype
+from tokenmill.engine.models import load_config
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines.cache_forecast import (
     Request,
@@ -77,7 +78,7 @@ def engine_facts(llm_options: dict[str, Any], model_dir: Any, llm: Any = None) -
             str(llm.device),
         )
     config = engine_config_of(llm_options)
-    model_config = ModelConfig.from_dir(model_dir)
+    model_config = load_config(model_dir)
     device_name = llm_options.get("device")
     device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(llm_options.get("dtype") or "auto", device)

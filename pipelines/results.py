@@ -217,6 +217,12 @@ def build_results(
 
     records = [record(r) for r in rows]
     table = pa.Table.from_pylist(records, schema=result_schema(task, extras))
+    return _with_passthrough(table, passthrough, task=task)
+
+
+def _with_passthrough(table: pa.Table, passthrough: pa.Table | None, *, task: str) -> pa.Table:
+    """`table` then the passthrough columns, `decode_replaced` first (as its result
+    field: non-null bool), so a copy shard's part has its compute shards' schema."""
     if passthrough is not None and DECODE_REPLACED in passthrough.column_names:
         flags = passthrough[DECODE_REPLACED].cast(pa.bool_()).fill_null(False)
         table = table.append_column(EXTRA_FIELDS[DECODE_REPLACED], flags)
@@ -236,7 +242,8 @@ def copy_results(
     sources: pa.Table,
     copies: Sequence[tuple[str, str]],
     *,
-    schema: pa.Schema,
+    task: str = GENERATE,
+    extras: Sequence[str] = (DUPLICATE_OF,),
     passthrough: pa.Table | None = None,
 ) -> pa.Table:
     """The result rows of copies, from their sources' result rows (`pipelines/dedupe.py`).
@@ -245,9 +252,10 @@ def copy_results(
         sources: result rows holding every source named in `copies` (any extra rows
             or columns are ignored).
         copies: (copy id, source id) per copy, in the order of the table to build.
-        schema: the job's results schema (`result_schema(task, extras)`), which has
-            the duplicate_of column.
-        passthrough: the copies' own passthrough columns, one row per copy.
+        task: the job's task.
+        extras: the job's optional columns, duplicate_of among them.
+        passthrough: the copies' own passthrough columns, one row per copy (as for
+            `build_results`).
 
     Returns:
         Each source's row with the copy's id, zero tokens, `duplicate_of` = the source's
@@ -256,6 +264,7 @@ def copy_results(
     Raises:
         KeyError: a source id that `sources` does not hold.
     """
+    schema = result_schema(task, extras)
     position = {rid: i for i, rid in enumerate(sources["id"].to_pylist())}
     take = pa.array([position[source] for _, source in copies], pa.int64())
     table = sources.select([n for n in schema.names if n in sources.column_names]).take(take)
@@ -274,10 +283,7 @@ def copy_results(
         for f in schema
     ]
     result = pa.Table.from_arrays(arrays, schema=schema)
-    if passthrough is not None and passthrough.num_columns:
-        for name in passthrough.column_names:
-            result = result.append_column(passthrough.schema.field(name), passthrough[name])
-    return result
+    return _with_passthrough(result, passthrough, task=task)
 
 
 def latencies(outputs: Mapping[int, RequestOutput]) -> list[float]:

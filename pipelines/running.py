@@ -24,7 +24,7 @@ from tokenmill.pipelines.engine_failures import generate_with_rule
 from tokenmill.pipelines.ledger import ShardStats, now_iso, token_sums
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard
-from tokenmill.pipelines.results import build_results, copy_results, latencies, result_schema
+from tokenmill.pipelines.results import build_results, copy_results, latencies
 from tokenmill.pipelines.spill import ShardRows, shard_rows
 
 log = logging.getLogger(__name__)
@@ -222,6 +222,7 @@ def _copies_table(plan: JobPlan, shard: Shard, planned: ShardRows) -> pa.Table:
     return copy_results(
         sources,
         copies,
-        schema=result_schema(spec.task, plan.result_extras),
+        task=spec.task,
+        extras=plan.result_extras,
         passthrough=planned.passthrough,
     )

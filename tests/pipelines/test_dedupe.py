@@ -111,6 +111,33 @@ def test_no_dedupe_computes_every_row(tmp_path, fake_llm):
     assert "duplicate_of" not in read_results(str(tmp_path / "out")).column_names
 
 
+def test_copies_keep_their_own_decode_replaced_flag_in_the_jobs_schema(tmp_path, fake_llm):
+    # b and d are the same text once their bad byte is replaced: d is b's copy, in a copy
+    # shard whose part must have the compute shards' columns and types.
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(
+        b'{"id": "a", "prompt": "first"}\n'
+        b'{"id": "b", "prompt": "b\xffd"}\n'
+        b'{"id": "c", "prompt": "first"}\n'
+        b'{"id": "d", "prompt": "b\xffd"}\n'
+    )
+    out = str(tmp_path / "out")
+    ledger = run_job(
+        str(src), out, llm=fake_llm, id_column="id", on_decode_error="replace", plan_window_rows=2
+    )
+    assert ledger.rows_deduplicated == 2
+    parts = sorted((tmp_path / "out" / "results").glob("*.parquet"))
+    schemas = {pq.read_schema(p) for p in parts}
+    assert len(parts) >= 2 and len(schemas) == 1
+    rows = {r["id"]: r for r in read_results(out).to_pylist()}
+    assert {i: (r["duplicate_of"], r["decode_replaced"]) for i, r in rows.items()} == {
+        "a": (None, False),
+        "b": (None, True),
+        "c": ("a", False),
+        "d": ("b", True),
+    }
+
+
 def test_copy_shards_come_last_and_wait_for_their_sources(tmp_path, fake_llm):
     src = _write(tmp_path / "in.parquet", _prompts())
     spec = JobSpec(src, str(tmp_path / "out"), id_column="id", plan_window_rows=5)
