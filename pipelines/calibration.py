@@ -122,7 +122,8 @@ def calibrate(
     what a fresh engine pays once (kernels set up on first use) and gives the completion
     lengths; later runs - until `MIN_TIMED_STEPS` steps or `MIN_TIMED_RUNS` runs are
     timed, within the time bound - give the step costs, so a sample of one or two steps
-    (a scoring sample) is timed more than once. The first run's excess over the fitted
+    (a scoring sample) is timed more than once. They run the whole sample and its first
+    half in turn, so the timed steps have more than one size. The first run's excess over the fitted
     cost of its steps is the one-time `warm_up_s` a new run adds.
 
     Args:
@@ -135,11 +136,15 @@ def calibrate(
     """
     deadline = time.perf_counter() + time_bound_s
     cold = _timed_run(llm, requests, deadline)
+    # Timed runs alternate the whole sample and its first half: steps of one shape only
+    # (a scoring sample is one step) cannot tell a step's fixed cost from its tokens',
+    # and the job's steps are larger than the sample's.
+    shapes = [requests, requests[: len(requests) // 2] or requests]
     warm: list[_Run] = []
     while not cold.stopped_early and (
         len(warm) < MIN_TIMED_RUNS or sum(len(r.steps) for r in warm) < MIN_TIMED_STEPS
     ):
-        run = _timed_run(llm, requests, deadline)
+        run = _timed_run(llm, shapes[len(warm) % 2], deadline)
         if run.stopped_early:
             break
         warm.append(run)

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tokenmill.engine.outputs import EngineStats
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.pipelines import shared_llm
+from tokenmill.pipelines import calibration, shared_llm
 from tokenmill.pipelines.cache_forecast import (
     Request,
     StepLoad,
@@ -19,7 +22,7 @@ from tokenmill.pipelines.cache_forecast import (
     replay_prefix_cache,
     simulate_engine,
 )
-from tokenmill.pipelines.calibration import fit_step_cost, sample_indices
+from tokenmill.pipelines.calibration import calibrate, fit_step_cost, sample_indices
 from tokenmill.pipelines.forecast import Forecast
 from tokenmill.pipelines.job import plan_job, prepare_output, run_job, run_shard
 from tokenmill.pipelines.output import read_forecast, read_ledger
@@ -224,6 +227,46 @@ def test_step_cost_is_fitted_to_the_steps_and_never_negative():
     # time that falls as the batch grows cannot be a negative cost per token
     cost = fit_step_cost([(0.5, StepLoad(0, 1)), (0.3, StepLoad(0, 8)), (0.2, StepLoad(0, 16))])
     assert cost.per_sampled_token == 0 and cost.per_step > 0
+
+
+class _ScoringClockLLM:
+    """A stand-in engine that scores its whole batch in one step taking 0.05 s plus
+    0.001 s per prompt token, on a scripted clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.counters = EngineStats()
+        self.engine = self
+
+    def clock(self) -> float:
+        return self.now
+
+    def stats(self) -> EngineStats:
+        return replace(self.counters)
+
+    def abort_all(self) -> None:
+        pass
+
+    def generate(self, prompts, params, *, on_output, on_step):
+        tokens = sum(len(p) for p in prompts)
+        self.now += 0.05 + 0.001 * tokens
+        self.counters.computed_prompt_tokens += tokens
+        on_step(self.stats())
+        for prompt in prompts:
+            on_output(SimpleNamespace(error=None, prompt_token_ids=prompt, completion_tokens=0))
+
+
+def test_calibration_tells_a_steps_fixed_cost_from_its_tokens(monkeypatch):
+    # A scoring sample is one step a run: timed at one size only, all of a step's time
+    # would be put on its tokens, and the job's larger steps forecast too long.
+    llm = _ScoringClockLLM()
+    monkeypatch.setattr(calibration.time, "perf_counter", llm.clock)
+    scoring = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    sample = [Request(list(range(100)), scoring) for _ in range(8)]
+    cost = calibrate(llm, sample).step_cost
+    assert cost.per_step == pytest.approx(0.05)
+    assert cost.per_prompt_token == pytest.approx(0.001)
+    assert cost.seconds([StepLoad(2048, 0)]) == pytest.approx(0.05 + 2.048)
 
 
 def test_the_sample_is_five_percent_spread_over_the_run_order():
