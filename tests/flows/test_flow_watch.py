@@ -130,7 +130,7 @@ def test_job_snapshot_adds_up_the_shards_records(tmp_path, jsonl_input, tiny_mod
     plan = plan_job(spec)
     first, second, *rest = plan.shards
     records = {
-        first.shard_id: {
+        first.shard_id: {  # done: ran 5 s
             "rows_done": first.num_rows,
             "tokens_done": 50,
             "tokens_total": 50,
@@ -138,8 +138,11 @@ def test_job_snapshot_adds_up_the_shards_records(tmp_path, jsonl_input, tiny_mod
             "prompt_cached": 10,
             "generated": 10,
             "started": 1000.0,
+            "updated": 1005.0,
+            "eta_s": 0.0,
+            "done": True,
         },
-        second.shard_id: {
+        second.shard_id: {  # running: its record, 2 s old, said 6 s to go
             "rows_done": 1,
             "tokens_done": 20,
             "tokens_total": second.num_tokens,
@@ -147,13 +150,24 @@ def test_job_snapshot_adds_up_the_shards_records(tmp_path, jsonl_input, tiny_mod
             "prompt_cached": 0,
             "generated": 0,
             "started": 1004.0,
+            "updated": 1008.0,
+            "eta_s": 6.0,
+            "done": False,
         },
     }
     snap = job_snapshot(plan, plan.shards, records, now=1010.0)
     total = 50 + second.num_tokens + sum(s.num_tokens for s in rest)
     assert (snap.rows_done, snap.rows_total) == (first.num_rows + 1, 16)
     assert (snap.tokens_done, snap.tokens_total) == (70, total)
-    assert snap.tokens_per_s == 7.0 and snap.eta_s == (total - 70) / 7.0
+    # the running shard's 4 s left, then the unstarted shards' planned tokens at the
+    # seconds per planned token the started ones take: 5 + (4 + 4) s for their tokens
+    per_token = (5.0 + 8.0) / (first.num_tokens + second.num_tokens)
+    eta = 4.0 + sum(s.num_tokens for s in rest) * per_token
+    assert snap.eta_s == pytest.approx(eta)
+    assert snap.tokens_per_s == pytest.approx(total / (10.0 + eta))
+    # two workers share the queue; never sooner than the running shard
+    two = job_snapshot(plan, plan.shards, records, now=1010.0, workers=2)
+    assert two.eta_s == pytest.approx(max(eta / 2, 4.0))
     assert snap.cost is None  # no prices in this job
     assert progress_text(snap).startswith(f"{first.num_rows + 1} of 16 rows, 70 of {total:,}")
 
