@@ -40,7 +40,7 @@ from tokenmill.connectors.fs import redact_url
 from tokenmill.flows.artifacts import ProgressArtifact
 from tokenmill.flows.parameters import build_spec, job_parameters
 from tokenmill.flows.progress import PUBLISH_EVERY_S, job_snapshot, read_records
-from tokenmill.flows.runners import make_task_runner, num_workers
+from tokenmill.flows.runners import make_task_runner, num_workers, replicate_to_workers
 from tokenmill.flows.tasks import (
     ShardRun,
     forecast_task,
@@ -121,6 +121,8 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Fore
                 workers,
                 workers - len(compute),
             )
+        if workers > 1 and len(compute) > 1:
+            replicate_to_workers(FlowRunContext.get().task_runner, plan_future)
         progress = _FlowProgress(plan, pending, logger, workers)
         runs: list[ShardRun] = []
         # Copy shards take their answers from the compute shards' parts: they go last.

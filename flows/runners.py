@@ -141,3 +141,22 @@ def worker_threads() -> int | None:
         on_host = 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(1, on_host))
+
+
+def replicate_to_workers(task_runner: Any, future: Any) -> None:
+    """Copy a task's result to every worker of the task runner's Dask cluster.
+
+    Dask runs a task where its inputs are: the tasks that all take the job plan would
+    queue on the one worker that planned, and only work stealing (which weighs the
+    plan's transfer against a shard's unknown duration) would move them. With the plan
+    on every worker, each shard goes to the least busy one. Best effort: a plan left on
+    one worker still runs every shard, only less spread.
+    """
+    client = getattr(task_runner, "_client", None)
+    wrapped = getattr(future, "wrapped_future", None)
+    if client is None or wrapped is None:
+        return
+    try:
+        client.replicate([wrapped])
+    except Exception as exc:
+        log.warning("could not copy the job plan to every Dask worker: %s", exc)
