@@ -89,6 +89,7 @@ class LLM(PoolingMethods):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         on_output: Callable[[RequestOutput], None] | None = None,
+        on_step: Callable[[EngineStats], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched continuously.
 
@@ -96,6 +97,9 @@ class LLM(PoolingMethods):
             prompts: strings (tokenized here) or token-id lists, or one of either.
             sampling_params: one for all prompts, or one per prompt; None = defaults.
             on_output: called with each RequestOutput as its request finishes.
+            on_step: called after each engine step with the engine's cumulative
+                EngineStats (the same object, updated in place): progress per token.
+                An exception it raises ends the call as a failed step does.
         Returns:
             One RequestOutput per prompt, in input order. A prompt the engine cannot
             serve comes back with finish_reason "error" and .error set.
@@ -133,6 +137,8 @@ class LLM(PoolingMethods):
                     results[position[output.request_id]] = output
                     if on_output is not None:
                         on_output(output)
+                if on_step is not None:
+                    on_step(self.engine.stats)
         except BaseException:
             # A failed step (or an interrupt) must not leave these requests queued for
             # the next call: the engine is reset and the error goes to the caller.
@@ -147,6 +153,7 @@ class LLM(PoolingMethods):
         *,
         add_generation_prompt: bool = True,
         on_output: Callable[[RequestOutput], None] | None = None,
+        on_step: Callable[[EngineStats], None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         if conversations and isinstance(conversations[0], dict):
@@ -157,7 +164,7 @@ class LLM(PoolingMethods):
         ]
         # The template already carries any BOS; encode without adding special tokens.
         ids = self.tokenizer.encode_batch(prompts, add_special_tokens=False)
-        outputs = self.generate(ids, sampling_params, on_output=on_output)
+        outputs = self.generate(ids, sampling_params, on_output=on_output, on_step=on_step)
         for output, text in zip(outputs, prompts):
             output.prompt = text
         return outputs
