@@ -110,8 +110,9 @@ def like_for_like_table(reports: list[BenchReport]) -> Table | None:
     """Per preset, each tokenmill system with llama.cpp peers against the fastest of them
     (None when no tokenmill system had a peer)."""
     table = Table(title="Like for like: tokenmill against llama.cpp's best run of the same class")
-    for name in ("preset", "tokenmill", "tok/s", "CPU/wall", "llama.cpp (fastest of class)",
-                 "tok/s ", "CPU/wall ", "x", "load 1m"):  # fmt: skip
+    for name in ("preset", "tokenmill", "tok/s", "CPU/wall", "roofline",
+                 "llama.cpp (fastest of class)", "tok/s ", "CPU/wall ", "roofline ", "x",
+                 "load 1m"):  # fmt: skip
         table.add_column(name, justify="left" if name in ("preset", "tokenmill") else "right")
     rows = 0
     for report in reports:
@@ -126,9 +127,11 @@ def like_for_like_table(reports: list[BenchReport]) -> Table | None:
                 s.label,
                 f"{s.total_tok_s:,.0f}",
                 f"{s.cpu_util:.2f}",
+                _roofline(s),
                 _peer_name(peer),
                 f"{peer.total_tok_s:,.0f}",
                 f"{peer.cpu_util:.2f}",
+                _roofline(peer),
                 f"{s.peer_ratio:.2f}",
                 "-" if not loads else f"{min(loads):.1f}-{max(loads):.1f}",
             )
