@@ -28,7 +28,9 @@ def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     rows, k = x.shape
     blocks = x.float().reshape(rows, k // 32, 32)
     amax = blocks.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A tensor over a tensor: `127.0 / amax` runs as 127 * (1 / amax) in PyTorch, one more
+    # rounding than the contract's single division, which moves ties (x * inv = n + 0.5).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = (blocks * inv[..., None]).round().clamp(-127, 127)
     return q.to(torch.int8).reshape(rows, k), amax / 127.0, q.sum(-1).int()
 
