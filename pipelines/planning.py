@@ -22,7 +22,9 @@ import pyarrow as pa
 from tokenmill.connectors import open_source, redact_url
 from tokenmill.connectors.fingerprint import first_difference
 from tokenmill.engine.grammar import GrammarCompiler
-from tokenmill.engine.models import load_config
+from tokenmill.engine.loader.pooling_config import embedding_size, read_pooling_config
+from tokenmill.engine.loader.pooling_tokenizer import PoolingTokenizer
+from tokenmill.engine.models import architecture_for, load_config
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.faults import fault_point
@@ -33,6 +35,11 @@ from tokenmill.pipelines.model_description import (
     name_with_revision,
 )
 from tokenmill.pipelines.plan import PlannedShard, Shard, job_id, plan_shards
+from tokenmill.pipelines.pooling import (
+    POOLING_JOB_TASKS,
+    PoolingInputs,
+    PoolingLayout,
+)
 from tokenmill.pipelines.reading import Window, read_windows
 from tokenmill.pipelines.spec import ConstraintCheck, JobSpec, ParamsTable
 from tokenmill.pipelines.spill import shard_table
@@ -56,6 +63,8 @@ class JobPlan:
     num_failed: int = 0  # rows that failed before compute (bad prompt, too long, ...)
     # The input files' URLs, sizes and versions when planned (connectors/fingerprint.py).
     input_fingerprint: list[dict[str, Any]] = field(default_factory=list)
+    # A pooling job's results layout: its embedding size and dtype, its label names.
+    layout: PoolingLayout | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,8 +94,9 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
     """
     template = spec.template_spec
     columns = None
+    queries = [spec.query_column] if spec.query_column else []
     if not spec.is_openai_batch:
-        columns = [*required_columns(template), *spec.passthrough]
+        columns = [*required_columns(template), *queries, *spec.passthrough]
         columns += [spec.json_schema_column] if spec.json_schema_column else []
     source = open_source(
         spec.input,
@@ -94,14 +104,15 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         storage_options=spec.storage_options,
         columns=list(dict.fromkeys(columns)) if columns is not None else None,
         on_bad_line="skip_row",
-        text_columns=text_columns(template),
+        text_columns=[*text_columns(template), *queries],
         encoding=spec.encoding,
         on_decode_error=spec.on_decode_error,
-        decode_columns=required_columns(template),
+        decode_columns=[*required_columns(template), *queries],
     )
     fingerprint = source.fingerprint()
     _check_input_unchanged(spec, fingerprint)
     model, tokenizer, max_model_len = _model_for(spec, llm)
+    pooling = _pooling_for(spec, model, tokenizer, max_model_len, llm)
     # A job-level constraint that cannot be compiled fails the job here, before any rows.
     params = ParamsTable(spec.sampling, check=_constraint_check(model, tokenizer, llm))
     shards: list[Shard] = []
@@ -109,7 +120,9 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
     # Another plan's files may have our shard ids (same rows, same id): if this planning
     # fails, it removes only the files it added.
     existing = out.planned_shards(spec.output, spec.storage_options)
-    windows = read_windows(source, spec, tokenizer, max_model_len=max_model_len, params=params)
+    windows = read_windows(
+        source, spec, tokenizer, max_model_len=max_model_len, params=params, pooling=pooling
+    )
     try:
         for window in windows:
             for planned in plan_shards(
@@ -140,6 +153,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         num_rows=num_rows,
         num_failed=num_failed,
         input_fingerprint=fingerprint,
+        layout=_layout(spec, pooling),
     )
     log.info(
         "planned job %s: %d rows (%d failed before compute), %d shards, ~%d tokens",
@@ -184,6 +198,69 @@ def _model_for(spec: JobSpec, llm: Any) -> tuple[ModelDescription, Any, int]:
     model = describe_model(spec.model, revision=spec.revision)
     limit = spec.engine_options.get("max_model_len") or model.max_context
     return model, model.load_tokenizer(), min(model.max_context, limit)
+
+
+def _pooling_for(
+    spec: JobSpec, model: ModelDescription, tokenizer: Any, max_model_len: int, llm: Any
+) -> PoolingInputs | None:
+    """The model's pooling inputs (None when it serves no pooling task), from the loaded
+    LLM or its files.
+
+    Raises:
+        ValueError: the job's task is one the model does not serve, its dimensions are
+            more than the model's embedding, or its prompt_name is not the model's.
+    """
+    # An LLM-like object that says nothing of its tasks (a test double) serves the model's.
+    tasks = tuple(getattr(llm, "tasks", model.tasks))
+    if spec.task in POOLING_JOB_TASKS and spec.task not in tasks:
+        raise ValueError(
+            f"model {model.name} serves {', '.join(tasks)}, not {spec.task}: use an "
+            "embedding, classification or cross-encoder model (a sentence-transformers "
+            "directory, an encoder, or a *ForSequenceClassification checkpoint)"
+        )
+    if not set(tasks) & set(POOLING_JOB_TASKS):
+        return None
+    if llm is not None:
+        config, pooling_tokenizer = llm.pooling_config, llm.pooling_tokenizer
+    else:
+        is_encoder = architecture_for(load_config(model.model_dir)).is_encoder
+        config = read_pooling_config(model.model_dir, is_encoder=is_encoder)
+        limit = min(max_model_len, config.max_seq_length or max_model_len)
+        pooling_tokenizer = PoolingTokenizer(
+            tokenizer, max_length=limit, lowercase=config.lowercase
+        )
+    prefix = ""
+    if spec.prompt_name is not None:
+        if spec.prompt_name not in config.prompts:
+            known = ", ".join(config.prompts) or "none"
+            raise ValueError(
+                f"model {model.name} has no prompt named {spec.prompt_name!r} (its prompts: {known})"
+            )
+        prefix = config.prompts[spec.prompt_name]
+    inputs = PoolingInputs(
+        pooling_tokenizer,
+        tasks,
+        embedding_size(model.model_dir, config) if "embed" in tasks else None,
+        prefix=prefix,
+        label_names=config.labels,
+    )
+    if spec.task in POOLING_JOB_TASKS:
+        problem = inputs.check_dimensions(spec.dimensions)
+        if problem is not None:
+            raise ValueError(problem)
+    return inputs
+
+
+def _layout(spec: JobSpec, pooling: PoolingInputs | None) -> PoolingLayout | None:
+    """A pooling job's results layout (None for other jobs)."""
+    if spec.task not in POOLING_JOB_TASKS:
+        return None
+    return PoolingLayout(
+        spec.task,
+        embedding_size=spec.dimensions or pooling.embedding_size,
+        embedding_dtype=spec.embedding_dtype,
+        label_names=pooling.label_names,
+    )
 
 
 def _constraint_check(model: ModelDescription, tokenizer: Any, llm: Any) -> ConstraintCheck:

@@ -109,6 +109,7 @@ def run_shard(
         passthrough=planned.passthrough,
         task=spec.task,
         extras=extra_columns(plan.params),
+        layout=plan.layout,
     )
     stats = ShardStats(
         shard_id=shard.shard_id,

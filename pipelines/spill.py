@@ -10,6 +10,7 @@ reads just its own rows. The table, one row per planned row, in run order:
     token_ids     list<int32>    prompt tokens; null for an error row
     error         string         why the row failed before compute; null otherwise
     params_index  int32          index into the job's distinct SamplingParams
+    truncated     bool           the text was cut to the model's max_seq_length (pooling)
     url           string         OpenAI batch input only: the request's endpoint
     passthrough/<name>           each passthrough column, as read
 
@@ -70,6 +71,7 @@ def shard_table(
         "token_ids": token_ids,
         "error": pa.array([r.error for r in rows], pa.string()),
         "params_index": pa.array([r.params_index for r in rows], pa.int32()),
+        "truncated": pa.array([r.truncated for r in rows], pa.bool_()),
     }
     if endpoints is not None:
         columns[URL_COLUMN] = pa.array(list(endpoints), pa.string())
@@ -92,6 +94,10 @@ def shard_rows(table: pa.Table) -> ShardRows:
         name: table[name].to_pylist()
         for name in ("row_index", "id", "error", "params_index", "token_ids")
     }
+    num_rows = table.num_rows
+    truncated = (
+        table["truncated"].to_pylist() if "truncated" in table.column_names else [False] * num_rows
+    )
     rows = [
         PromptRow(
             row_index,
@@ -99,8 +105,11 @@ def shard_rows(table: pa.Table) -> ShardRows:
             token_ids=None if tokens is None else array("i", tokens),
             error=error,
             params_index=params_index,
+            truncated=bool(cut),
         )
-        for row_index, rid, error, params_index, tokens in zip(*columns.values())
+        for (row_index, rid, error, params_index, tokens), cut in zip(
+            zip(*columns.values()), truncated
+        )
     ]
     names = [n for n in table.column_names if n.startswith(PASSTHROUGH_PREFIX)]
     passthrough = None

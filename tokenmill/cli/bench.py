@@ -22,7 +22,8 @@ from tokenmill.pipelines.options import get_option
     show_default=True,
     help=f"Comma-separated, run in turn within each round: {', '.join(PRESET_NAMES)}. "
     "extract64 compares constrained (JSON schema) and unconstrained generation; single8 "
-    "runs its requests one at a time.",
+    "runs its requests one at a time; embed4k (embed-smoke), run alone, compares "
+    "embeddings with sentence-transformers and ONNX Runtime.",
 )
 @click.option(
     "--model",
@@ -34,7 +35,8 @@ from tokenmill.pipelines.options import get_option
     "baselines",
     default="hf",
     show_default=True,
-    help="Comma-separated: hf, hf-bf16, llamacpp, llamacpp-server, vllm; 'none' for "
+    help="Comma-separated: hf, hf-bf16, llamacpp, llamacpp-server, vllm; for an embedding "
+    "preset st (sentence-transformers), onnx (ONNX Runtime; both by default); 'none' for "
     "tokenmill alone.",
 )
 @click.option(
@@ -174,6 +176,16 @@ def bench(
     from tokenmill.bench.table import render_all
 
     names = [b.strip() for b in baselines.split(",") if b.strip() and b.strip() != "none"]
+    preset_names = _split(presets)
+    if any(p.startswith("embed") for p in preset_names):
+        if len(preset_names) != 1:
+            raise click.BadParameter("an embedding preset runs alone", param_hint="--preset")
+        preset = preset_names[0]
+        if baselines == "hf":  # the generation presets' default: an embedding preset has its own
+            names = ["st", "onnx"]
+        dtypes = ("float32", "bfloat16") if dtype == "both" else (dtype,)
+        _embedding_bench(preset, model, names, dtypes, repeat, threads, engine_args, json_path)
+        return
     try:
         slots = tuple(int(n) for n in _split(llama_server_slots))
     except ValueError:
@@ -182,7 +194,7 @@ def bench(
         ) from None
     try:
         config = BenchConfig(
-            presets=_split(presets),
+            presets=preset_names,
             model=model,
             dtypes=("float32", "bfloat16") if dtype == "both" else (dtype,),
             baselines=tuple(names),
@@ -210,16 +222,48 @@ def bench(
     except (ValueError, FileNotFoundError) as error:
         raise click.ClickException(str(error)) from error
     render_all(reports)
+    # One preset: its report; several: {"reports": [...]} in the order run.
+    _write_json(
+        json_path,
+        reports[0].to_dict() if len(reports) == 1 else {"reports": [r.to_dict() for r in reports]},
+    )
+    if all(s.wall_s is None for r in reports for s in r.systems if not s.is_baseline):
+        raise click.ClickException("no tokenmill run succeeded")
+
+
+def _write_json(json_path, data: dict) -> None:
     if json_path is not None:
-        # One preset: its report; several: {"reports": [...]} in the order run.
-        data = (
-            reports[0].to_dict()
-            if len(reports) == 1
-            else {"reports": [r.to_dict() for r in reports]}
-        )
         json_path.write_text(json.dumps(data, indent=2))
         click.echo(f"wrote {json_path}", err=True)
-    if all(s.wall_s is None for r in reports for s in r.systems if not s.is_baseline):
+
+
+def _embedding_bench(
+    preset, model, names, dtypes, repeat, threads, engine_args, json_path
+) -> None:  # fmt: skip
+    """An embedding preset: tokenmill against sentence-transformers and ONNX Runtime."""
+    from tokenmill.bench.embed_harness import (
+        EmbedBenchConfig,
+        render_embedding_report,
+        run_embedding_benchmark,
+    )
+
+    try:
+        config = EmbedBenchConfig(
+            preset=preset,
+            model=model or "all-minilm-l6-v2",
+            dtypes=dtypes,
+            baselines=tuple(names),
+            repeat=repeat,
+            threads=threads,
+            engine_args=engine_args,
+            command=shlex.join(["tokenmill", *sys.argv[1:]]),
+        )
+        report = run_embedding_benchmark(config, log=lambda line: click.echo(line, err=True))
+    except (ValueError, FileNotFoundError) as error:
+        raise click.ClickException(str(error)) from error
+    render_embedding_report(report)
+    _write_json(json_path, report.to_dict())
+    if all(s.wall_s is None for s in report.systems if not s.is_baseline):
         raise click.ClickException("no tokenmill run succeeded")
 
 
