@@ -228,13 +228,22 @@ def _timed_run(llm: Any, requests: Sequence[Request], deadline: float) -> _Run:
 
 def fit_step_cost(steps: Sequence[tuple[float, StepLoad]]) -> StepCost:
     """Least-squares StepCost of timed steps; a coefficient that fits below zero is
-    dropped (the others refitted without it), so every cost is >= 0."""
+    dropped (the others refitted without it), so every cost is >= 0.
+
+    Steps of the same load (the sample runs more than once, so each of its steps is
+    timed several times) count as one point at their median time, weighted by how many
+    they are: on a shared machine a step now and then takes many times its usual time
+    (another process had the cores), and a mean over those would price every step of
+    the job as if each were interrupted - a sample of few, short steps (an encoder's,
+    one per run) is forecast several times too slow."""
     if not steps:
         return StepCost(0.0, 0.0, 0.0)
-    seconds = np.array([t for t, _ in steps])
-    features = np.array(
-        [[1.0, load.prompt_tokens, load.sampled_tokens] for _, load in steps], dtype=float
-    )
+    by_load: dict[tuple[int, int], list[float]] = {}
+    for t, load in steps:
+        by_load.setdefault((load.prompt_tokens, load.sampled_tokens), []).append(t)
+    weights = np.sqrt([len(times) for times in by_load.values()])
+    seconds = np.array([float(np.median(times)) for times in by_load.values()]) * weights
+    features = np.array([[1.0, p, g] for p, g in by_load], dtype=float) * weights[:, None]
     active = [0, 1, 2]
     coefficients = np.zeros(3)
     while active:
