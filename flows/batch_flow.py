@@ -191,6 +191,10 @@ def _shard_runs(plan: JobPlan, futures: list, progress: _FlowProgress) -> list[S
     runs: list[ShardRun] = []
     failed: list[str] = []
     for shard_future in futures:
+        # A Dask future's `state` is read from the Prefect API until `wait` has taken
+        # the final state from the worker's result; the API may not have the task's
+        # final state yet, and a shard that completed would read as failed.
+        shard_future.wait()
         state = shard_future.state
         if state.is_completed():
             runs.append(shard_future.result())

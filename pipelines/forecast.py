@@ -9,8 +9,11 @@ row, so before any compute the forecast knows, exactly:
                         ledger will report (`cache_forecast.py`: exact whenever the cache
                         cannot have to evict; otherwise `cached_tokens_exact` is false,
                         the figure is the engine replayed with the calibrated completion
-                        lengths, and `cached_tokens_min`/`_max` bound it)
-    completion bounds   min: one token per completion (or min_tokens); max: the budget
+                        lengths, and `cached_tokens_min`/`_max` bound it). An encoder
+                        (embed, classify, rerank on a BERT-family model) keeps no cache:
+                        0; a decoder's pooling rows replay as the scheduler serves them
+    completion bounds   min: one token per completion (or min_tokens); max: the budget;
+                        scoring and pooling rows: none
 
 and, from a short calibration run on this machine (`calibration.py`), estimates of the
 completion tokens and of the compute seconds (the ledger's `device_seconds`). Costs are
@@ -32,6 +35,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from tokenmill.engine.config import EngineConfig, resolve_dtype
+from tokenmill.engine.core.encoder_engine import EncoderEngine
 from tokenmill.engine.loader.pooling_config import PoolingConfig, read_pooling_config
 from tokenmill.engine.models import architecture_for, load_config
 from tokenmill.engine.pooling_params import PoolingParams
@@ -89,15 +93,15 @@ def engine_facts(llm_options: dict[str, Any], model_dir: Any, llm: Any = None) -
     from tokenmill.engine.worker.build import max_model_len_of, num_cache_blocks
 
     if llm is not None and getattr(llm, "engine", None) is not None:
-        block_manager = getattr(llm.engine, "block_manager", None)
-        pooler = getattr(llm.engine.runner, "pooler", None)
+        is_encoder = isinstance(llm.engine, EncoderEngine)
+        pooler = getattr(getattr(llm.engine, "runner", None), "pooler", None)
         return EngineFacts(
             llm.engine_config,
-            block_manager.num_blocks if block_manager is not None else 0,
+            0 if is_encoder else llm.engine.block_manager.num_blocks,
             llm.max_model_len,
             llm.model_config.vocab_size,
             str(llm.device),
-            is_encoder=block_manager is None,
+            is_encoder=is_encoder,
             pooling_config=llm.pooling_config if pooler is not None else None,
             head_pooling=pooler.head_pooling if pooler is not None else None,
         )
