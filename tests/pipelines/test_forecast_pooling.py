@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from pooling_models import build_decoder, build_encoder, write_sentence_transformers_files
 from tiny_model import build_tiny_model
 
+import tokenmill
 from tokenmill.cli import main
 from tokenmill.engine.llm import LLM
 from tokenmill.engine.pooling_params import PoolingParams
@@ -205,3 +206,29 @@ def test_the_real_minilm_embed_job(tmp_path):
     llm = LLM("all-minilm-l6-v2", dtype="float32")
     forecast = run_job(src, out, llm=llm, dry_run=True, calibrate=False, **options)
     _check_against_ledger(forecast, run_job(src, out, llm=llm, **options))
+
+
+def test_notebook_forecast_of_pooling_calls(tmp_path, encoder_dir):
+    texts = [t for t in _texts(50, seed=4) if t is not None and t.strip()]
+    encoder = LLM(str(encoder_dir), dtype="float32")
+    forecast = tokenmill.forecast(texts, task="embed", llm=encoder, **PRICES)
+    frame = tokenmill.embed(texts, llm=encoder)
+    assert forecast.task == "embed" and forecast.rows_deduplicated > 0
+    assert forecast.prompt_tokens == frame["prompt_tokens"].sum() > 0
+    assert forecast.cached_tokens == frame["cached_tokens"].sum() == 0
+    assert forecast.seconds_estimate > 0 and forecast.completion_tokens_max == 0
+
+    model = tmp_path / "qwen3"
+    build_decoder("qwen3", model)
+    write_sentence_transformers_files(model, pooling_mode="lasttoken", prompts={"q": INSTRUCTION})
+    decoder = LLM(str(model), dtype="float32")
+    forecast = tokenmill.forecast(
+        texts, task="embed", llm=decoder, prompt_name="q", calibrate=False
+    )
+    frame = tokenmill.embed(texts, llm=decoder, prompt_name="q")
+    assert forecast.prompt_tokens == frame["prompt_tokens"].sum()
+    assert forecast.cached_tokens == frame["cached_tokens"].sum() > 0
+    with pytest.raises(ValueError, match="task must be one of"):
+        tokenmill.forecast(texts, task="summarise", llm=encoder)
+    with pytest.raises(ValueError, match="generates nothing"):
+        tokenmill.forecast(texts, task="embed", llm=encoder, max_tokens=5)
