@@ -35,6 +35,7 @@ from tokenmill.engine.worker.attention.backend import staged, upload
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 from tokenmill.engine.worker.host_memory import keep_large_allocations_mapped
 from tokenmill.engine.worker.kv_cache import KVCache, kv_cache_dtype_of
+from tokenmill.engine.worker.logit_controls import LogitControls
 from tokenmill.engine.worker.sampler import Sampler, SamplingBatch
 
 
@@ -89,8 +90,8 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, previous: PendingStep | None) -> StepResult:
         """Run one scheduled step (`core.step.StepRunner`): build the sampling batch of the
-        chunks that sample - their settings, bans and grammar masks, the masks filling
-        while the model runs - then compute and sample."""
+        chunks that sample - their settings, bans, logit controls and grammar masks, the
+        masks filling while the model runs - then compute and sample."""
         seqs = [c.seq for c in out.chunks if c.samples]
         batch = None
         if seqs:
@@ -102,6 +103,12 @@ class ModelRunner:
                 out.banned_token_ids,
                 self.device,
                 TokenBitmask(matchers, self.config.vocab_size) if has_grammar else None,
+                LogitControls.build(
+                    seqs,
+                    out.conditional_bans or [[] for _ in seqs],
+                    self.device,
+                    previous.device_token_ids if previous is not None else None,
+                ),
             )
         sampled = self.run(out, batch, previous=previous)
         result = StepResult(sampled)
