@@ -105,7 +105,7 @@ class SamplingParams:
             if not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.logit_bias is not None:
-            self.logit_bias = _token_bias(self.logit_bias) or None
+            self.logit_bias = token_bias(self.logit_bias) or None
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
             if not self.allowed_token_ids:
@@ -141,8 +141,13 @@ def _is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _token_bias(bias) -> dict[int, float]:
-    """{token id: bias}; keys may be the ids' text (JSON objects have string keys)."""
+def token_bias(bias) -> dict[int, float]:
+    """A logit bias checked and made canonical: {token id: bias in [-100, 100]}; keys
+    may be the ids' text (JSON objects have string keys).
+
+    Raises:
+        ValueError: a key that is no token id, or a bias that is no number in range.
+    """
     if not isinstance(bias, dict):
         raise ValueError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
     out = {}

@@ -32,6 +32,7 @@ from tokenmill.pipelines.results import (
     build_results,
     check_passthrough,
     extra_columns,
+    logprobs_column,
     reserved_columns,
 )
 from tokenmill.pipelines.scoring import (
@@ -219,6 +220,7 @@ def _run(
         passthrough=carried,
         task=task,
         extras=extra_columns(params.params),
+        logprobs=logprobs_column(llm, params.params),
     )
     frame = pl.from_arrow(results)
     if values["parse"]:

@@ -218,7 +218,10 @@ def _spill(spec: JobSpec, planned: PlannedShard, window: Window) -> None:
     if window.passthrough is not None:
         passthrough = window.passthrough.take(pa.array(local, pa.int64()))
     endpoints = [window.endpoints[i] for i in local] if window.endpoints is not None else None
-    table = shard_table(planned.rows, passthrough=passthrough, endpoints=endpoints)
+    tool_calls = [window.tool_calls[i] for i in local] if window.tool_calls is not None else None
+    table = shard_table(
+        planned.rows, passthrough=passthrough, endpoints=endpoints, tool_calls=tool_calls
+    )
     out.write_plan_shard(spec.output, planned.shard.shard_id, table, spec.storage_options)
 
 

@@ -22,6 +22,10 @@ has the same schema):
     completions                 list of {index, output, finish_reason,
                                 structured_output_complete}: every one of a row's n
                                 completions (`output` is the first). With any n > 1.
+    logprobs                    list of {token, logprob, bytes, top_logprobs}: each
+                                generated token of `output` (`pipelines/logprobs.py`);
+                                each completion has its own in `completions`. With any
+                                logprobs asked for; null on rows that did not ask.
 
 and one when the job reads its input with `on_decode_error="replace"`:
 
@@ -35,11 +39,13 @@ and one when the job reads its input with `on_decode_error="replace"`:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.pipelines.logprobs import LOGPROBS_TYPE, LogprobsColumn
 from tokenmill.pipelines.scoring import GENERATE, SCORE, SCORE_FINISH_REASON, prompt_score
 from tokenmill.pipelines.tokenize import PromptRow
 
@@ -71,8 +77,14 @@ DECODE_REPLACED = "decode_replaced"
 EXTRA_FIELDS = {
     "structured_output_complete": pa.field("structured_output_complete", pa.bool_()),
     "completions": pa.field("completions", pa.list_(COMPLETION_TYPE)),
+    "logprobs": pa.field("logprobs", LOGPROBS_TYPE),
     DECODE_REPLACED: pa.field(DECODE_REPLACED, pa.bool_(), nullable=False),
 }
+# With logprobs too, each completion carries its own.
+_COMPLETIONS_WITH_LOGPROBS = pa.field(
+    "completions",
+    pa.list_(pa.struct([*COMPLETION_TYPE, pa.field("logprobs", LOGPROBS_TYPE)])),
+)
 
 
 def extra_columns(params: Sequence[SamplingParams]) -> tuple[str, ...]:
@@ -82,6 +94,8 @@ def extra_columns(params: Sequence[SamplingParams]) -> tuple[str, ...]:
         extras.append("structured_output_complete")
     if any(p.n > 1 for p in params):
         extras.append("completions")
+    if any(p.logprobs is not None for p in params):
+        extras.append("logprobs")
     return tuple(extras)
 
 
@@ -89,7 +103,10 @@ def result_schema(task: str = GENERATE, extras: Sequence[str] = ()) -> pa.Schema
     """The schema of a `task` job's results (before passthrough columns), with the
     optional columns `extras` (`extra_columns` of the job's params) after its own."""
     base = SCORE_RESULT_SCHEMA if task == SCORE else RESULT_SCHEMA
-    return pa.schema([*base, *(EXTRA_FIELDS[name] for name in extras)])
+    fields = [EXTRA_FIELDS[name] for name in extras]
+    if "logprobs" in extras and "completions" in extras:
+        fields = [_COMPLETIONS_WITH_LOGPROBS if f.name == "completions" else f for f in fields]
+    return pa.schema([*base, *fields])
 
 
 def reserved_columns(task: str = GENERATE) -> tuple[str, ...]:
@@ -111,8 +128,15 @@ def check_passthrough(names: Sequence[str], *, task: str = GENERATE) -> None:
         raise ValueError("passthrough columns repeat")
 
 
-def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = GENERATE) -> dict:
-    """One result row as a dict, from a prompt row and (if it ran) its engine output."""
+def result_record(
+    row: PromptRow,
+    output: RequestOutput | None,
+    *,
+    task: str = GENERATE,
+    logprobs: LogprobsColumn | None = None,
+) -> dict:
+    """One result row as a dict, from a prompt row and (if it ran) its engine output;
+    `logprobs` builds the logprobs column's values (None: the job has none)."""
     if row.error is not None:
         return _error_record(row.id, row.error)
     if output is None:
@@ -122,6 +146,10 @@ def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = G
     reason = output.finish_reason if output.outputs else "error"
     if output.error is not None or reason not in FINISH_REASONS or reason == "error":
         return _error_record(row.id, output.error or f"engine finished with {reason!r}")
+    completions = [_completion(c) for c in output.outputs]
+    if logprobs is not None:
+        for record, completion in zip(completions, output.outputs):
+            record["logprobs"] = logprobs(row.params_index, completion)
     return {
         "id": row.id,
         "output": output.text,
@@ -131,7 +159,8 @@ def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = G
         "completion_tokens": int(output.completion_tokens),
         "error": None,
         "structured_output_complete": output.structured_output_complete,
-        "completions": [_completion(c) for c in output.outputs],
+        "completions": completions,
+        "logprobs": completions[0].get("logprobs"),
     }
 
 
@@ -173,6 +202,13 @@ def _error_record(row_id: str, message: str) -> dict:
     }
 
 
+def logprobs_column(llm: Any, params: Sequence[SamplingParams]) -> LogprobsColumn | None:
+    """The `logprobs` column's builder for a job's params on `llm` (None: none asks)."""
+    if not any(p.logprobs is not None for p in params):
+        return None
+    return LogprobsColumn(llm.tokenizer.token_bytes, params)
+
+
 def build_results(
     rows: Sequence[PromptRow],
     outputs: Mapping[int, RequestOutput],
@@ -180,6 +216,7 @@ def build_results(
     passthrough: pa.Table | None = None,
     task: str = GENERATE,
     extras: Sequence[str] = (),
+    logprobs: LogprobsColumn | None = None,
 ) -> pa.Table:
     """A results table for `rows`, in their order.
 
@@ -190,11 +227,16 @@ def build_results(
             a `decode_replaced` column among them goes before the others.
         task: the job's task: its rows and schema (`result_schema`).
         extras: optional columns (`extra_columns` of the job's params).
+        logprobs: builds the `logprobs` column (needed when it is among the extras).
 
     Returns:
         A table with the task's result columns, the extras, then the passthrough columns.
     """
-    records = [result_record(r, outputs.get(r.row_index), task=task) for r in rows]
+    if "logprobs" in extras and logprobs is None:
+        raise ValueError("a logprobs column needs its LogprobsColumn")
+    records = [
+        result_record(r, outputs.get(r.row_index), task=task, logprobs=logprobs) for r in rows
+    ]
     table = pa.Table.from_pylist(records, schema=result_schema(task, extras))
     if passthrough is not None and DECODE_REPLACED in passthrough.column_names:
         flags = passthrough[DECODE_REPLACED].cast(pa.bool_()).fill_null(False)

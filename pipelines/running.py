@@ -21,7 +21,7 @@ from tokenmill.pipelines.engine_failures import generate_with_rule
 from tokenmill.pipelines.ledger import ShardStats, now_iso
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard
-from tokenmill.pipelines.results import build_results, extra_columns, latencies
+from tokenmill.pipelines.results import build_results, extra_columns, latencies, logprobs_column
 from tokenmill.pipelines.spill import shard_rows
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ def run_shard(
         passthrough=planned.passthrough,
         task=spec.task,
         extras=extra_columns(plan.params),
+        logprobs=logprobs_column(llm, plan.params),
     )
     stats = ShardStats(
         shard_id=shard.shard_id,

@@ -11,6 +11,8 @@ reads just its own rows. The table, one row per planned row, in run order:
     error         string         why the row failed before compute; null otherwise
     params_index  int32          index into the job's distinct SamplingParams
     url           string         OpenAI batch input only: the request's endpoint
+    tool_calls    string         OpenAI batch input only: how the answer is read as tool
+                                 calls (JSON; null: it is not)
     passthrough/<name>           each passthrough column, as read
 
 Passthrough columns carry a prefix so that no input column name can clash with ours.
@@ -29,6 +31,7 @@ from tokenmill.pipelines.tokenize import PromptRow
 
 PASSTHROUGH_PREFIX = "passthrough/"
 URL_COLUMN = "url"
+TOOL_CALLS_COLUMN = "tool_calls"
 
 
 @dataclass
@@ -45,6 +48,7 @@ def shard_table(
     *,
     passthrough: pa.Table | None = None,
     endpoints: Sequence[str | None] | None = None,
+    tool_calls: Sequence[str | None] | None = None,
 ) -> pa.Table:
     """The table for a shard's rows (in run order).
 
@@ -52,6 +56,7 @@ def shard_table(
         rows: the shard's rows.
         passthrough: passthrough columns, one row per entry of `rows`, same order.
         endpoints: each row's request url (OpenAI batch input), same order.
+        tool_calls: each row's tool call reading (OpenAI batch input), same order.
 
     Returns:
         The table described in the module docstring.
@@ -73,6 +78,8 @@ def shard_table(
     }
     if endpoints is not None:
         columns[URL_COLUMN] = pa.array(list(endpoints), pa.string())
+    if tool_calls is not None:
+        columns[TOOL_CALLS_COLUMN] = pa.array(list(tool_calls), pa.string())
     table = pa.table(columns)
     if passthrough is not None:
         for name in passthrough.column_names:

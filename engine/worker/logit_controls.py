@@ -40,9 +40,8 @@ class PenaltyInputs:
     # Pairs whose token is the previous step's sample: positions and that step's rows.
     pending_positions: torch.Tensor | None
     pending_rows: torch.Tensor | None
-    repetition: torch.Tensor  # [num_penalized] float
-    presence: torch.Tensor  # [num_penalized] float
-    frequency: torch.Tensor  # [num_penalized] float
+    # [num_penalized, 3] float: each row's repetition, frequency and presence penalty.
+    penalties: torch.Tensor
     num_penalized: int
 
 
@@ -200,10 +199,9 @@ def apply_penalties(
     flat = logits.view(-1)
     keys = inputs.rows * vocab + token_ids
     values = flat[keys]
-    penalty = inputs.repetition[inputs.local_rows]
-    values = torch.where(values > 0, values / penalty, values * penalty)
-    values -= inputs.frequency[inputs.local_rows] * count
-    values -= inputs.presence[inputs.local_rows] * (count > 0).to(values.dtype)
+    repetition, frequency, presence = inputs.penalties.index_select(0, inputs.local_rows).unbind(1)
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    values -= frequency * count + presence * (count > 0).to(values.dtype)
     flat[keys] = values
 
 
@@ -266,9 +264,11 @@ def _penalty_inputs(penalized: list[tuple[int, Sequence]], device: torch.device)
         is_output=_put(is_output, torch.float32, device),
         pending_positions=_put(pending_positions, torch.int64, device) if pending_rows else None,
         pending_rows=_put(pending_rows, torch.int64, device) if pending_rows else None,
-        repetition=_put([p.repetition_penalty for p in params], torch.float32, device),
-        presence=_put([p.presence_penalty for p in params], torch.float32, device),
-        frequency=_put([p.frequency_penalty for p in params], torch.float32, device),
+        penalties=_put(
+            [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
+            torch.float32,
+            device,
+        ),
         num_penalized=len(penalized),
     )
 

@@ -1,0 +1,67 @@
+"""What penalties cost: a workload with and without them, alternately, in one process.
+
+"plain" is the bench's own tokenmill run (greedy, each request generates exactly its
+output length); "penalized" is the same with a repetition, presence and frequency penalty
+on every request - the costliest case, since the repetition penalty also lists each
+prompt's distinct tokens every step. EOS is ignored, so both generate the same number of
+tokens whatever the penalties change. Runs alternate A B A B over fresh engines (a cold
+prefix cache each run), and the medians are compared as a ratio.
+
+Run:  python benchmarks/penalties_cost.py [--preset mixed64] [--dtype auto] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.result import Stopwatch
+from tokenmill.bench.workload import load_preset, warmup_prompts
+
+PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.3)
+
+
+def timed_run(dtype: str, workload, penalized: bool) -> float:
+    """Wall seconds of one generate over the whole workload, on a fresh engine."""
+    llm = LLM(dtype=dtype)
+    extra = PENALTIES if penalized else {}
+    llm.generate(warmup_prompts(workload), SamplingParams(temperature=0, max_tokens=4, **extra))
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **extra)
+        for n in workload.output_lens
+    ]
+    with Stopwatch() as clock:
+        outputs = llm.generate(workload.prompt_ids, params)
+    assert all(o.error is None for o in outputs)
+    return clock.wall_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="mixed64")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    workload = load_preset(args.preset, LLM(dtype=args.dtype).model_dir)
+    walls: dict[str, list[float]] = {"plain": [], "penalized": []}
+    for _ in range(args.rounds):
+        for mode in walls:
+            walls[mode].append(timed_run(args.dtype, workload, mode == "penalized"))
+            print(f"{mode:10s} {walls[mode][-1]:.2f} s", flush=True)
+    plain, penalized = (statistics.median(walls[m]) for m in ("plain", "penalized"))
+    print(
+        f"# {args.preset}: {workload.num_requests} prompts, {workload.num_output_tokens:,} "
+        f"generated tokens, dtype {args.dtype}, {platform.processor() or platform.machine()}"
+    )
+    print(f"# penalties: {PENALTIES}")
+    print(f"| run | wall s (median of {args.rounds}) | tokens/s |")
+    print("|---|---|---|")
+    for mode, wall in (("plain", plain), ("penalized", penalized)):
+        print(f"| {mode} | {wall:.2f} | {workload.num_output_tokens / wall:,.0f} |")
+    print(f"penalized / plain wall: {penalized / plain:.3f}")
+
+
+if __name__ == "__main__":
+    main()
