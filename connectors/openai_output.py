@@ -200,7 +200,11 @@ def _response_body(row: dict, model_name: str, created: int, digest: str) -> dic
         "tools": [],
         "usage": {
             "input_tokens": prompt_tokens,
-            "input_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)},
+            # Cache writes are not billed apart here: none are reported.
+            "input_tokens_details": {
+                "cached_tokens": int(row.get("cached_tokens") or 0),
+                "cache_write_tokens": 0,
+            },
             "output_tokens": completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + completion_tokens,
