@@ -5,7 +5,8 @@ output length); "penalized" is the same with a repetition, presence and frequenc
 on every request - the costliest case, since the repetition penalty also lists each
 prompt's distinct tokens every step. EOS is ignored, so both generate the same number of
 tokens whatever the penalties change. Runs alternate A B A B over fresh engines (a cold
-prefix cache each run), and the medians are compared as a ratio.
+prefix cache each run), and the medians are compared as a ratio - of wall time and of
+this process's CPU time, which other work on a shared machine disturbs less.
 
 Run:  python benchmarks/penalties_cost.py [--preset mixed64] [--dtype auto] [--rounds 3]
 """
@@ -17,14 +18,14 @@ import platform
 import statistics
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.result import Stopwatch
+from tokenmill.bench.result import Stopwatch, load_avg_1m
 from tokenmill.bench.workload import load_preset, warmup_prompts
 
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.3)
 
 
-def timed_run(dtype: str, workload, penalized: bool) -> float:
-    """Wall seconds of one generate over the whole workload, on a fresh engine."""
+def timed_run(dtype: str, workload, penalized: bool) -> tuple[float, float]:
+    """(wall, CPU) seconds of one generate over the whole workload, on a fresh engine."""
     llm = LLM(dtype=dtype)
     extra = PENALTIES if penalized else {}
     llm.generate(warmup_prompts(workload), SamplingParams(temperature=0, max_tokens=4, **extra))
@@ -35,7 +36,7 @@ def timed_run(dtype: str, workload, penalized: bool) -> float:
     with Stopwatch() as clock:
         outputs = llm.generate(workload.prompt_ids, params)
     assert all(o.error is None for o in outputs)
-    return clock.wall_s
+    return clock.wall_s, clock.cpu_s
 
 
 def main() -> None:
@@ -45,22 +46,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     workload = load_preset(args.preset, LLM(dtype=args.dtype).model_dir)
-    walls: dict[str, list[float]] = {"plain": [], "penalized": []}
+    runs: dict[str, list[tuple[float, float]]] = {"plain": [], "penalized": []}
     for _ in range(args.rounds):
-        for mode in walls:
-            walls[mode].append(timed_run(args.dtype, workload, mode == "penalized"))
-            print(f"{mode:10s} {walls[mode][-1]:.2f} s", flush=True)
-    plain, penalized = (statistics.median(walls[m]) for m in ("plain", "penalized"))
+        for mode in runs:
+            runs[mode].append(timed_run(args.dtype, workload, mode == "penalized"))
+            wall, cpu = runs[mode][-1]
+            print(f"{mode:10s} wall {wall:.2f} s  cpu {cpu:.2f} s  load {load_avg_1m():.1f}")
+    medians = {
+        mode: (statistics.median(w for w, _ in r), statistics.median(c for _, c in r))
+        for mode, r in runs.items()
+    }
     print(
         f"# {args.preset}: {workload.num_requests} prompts, {workload.num_output_tokens:,} "
         f"generated tokens, dtype {args.dtype}, {platform.processor() or platform.machine()}"
     )
     print(f"# penalties: {PENALTIES}")
-    print(f"| run | wall s (median of {args.rounds}) | tokens/s |")
-    print("|---|---|---|")
-    for mode, wall in (("plain", plain), ("penalized", penalized)):
-        print(f"| {mode} | {wall:.2f} | {workload.num_output_tokens / wall:,.0f} |")
-    print(f"penalized / plain wall: {penalized / plain:.3f}")
+    print(f"| run | wall s (median of {args.rounds}) | CPU s | tokens/s |")
+    print("|---|---|---|---|")
+    for mode, (wall, cpu) in medians.items():
+        print(f"| {mode} | {wall:.2f} | {cpu:.2f} | {workload.num_output_tokens / wall:,.0f} |")
+    (plain_wall, plain_cpu), (pen_wall, pen_cpu) = medians["plain"], medians["penalized"]
+    print(f"penalized / plain: wall {pen_wall / plain_wall:.3f}, CPU {pen_cpu / plain_cpu:.3f}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ templating  row -> prompt text or chat messages (bad row -> error record)
 tokenize    batch-encode; over-long prompts -> error rows
 plan        order by shared prefix and length; cut each window into content-addressed shards
 results     the results schema; a shard's table from engine outputs
+logprobs    generated tokens' logprobs as a results column (token, bytes, top alternatives)
 pricing     prices and exact cost arithmetic
 ledger      the per-job ledger, computed from the result rows
 options     the job definition: every option, declared once; every surface derived
