@@ -1,10 +1,13 @@
-"""The engine's settings (`EngineConfig`) and the dtype choice."""
+"""The engine's settings (`EngineConfig`), declared once, and the dtype choice."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
 import torch
+
+from tokenmill.engine import env
 
 _DTYPES = {
     "float32": torch.float32,
@@ -41,34 +44,95 @@ def cpu_has_fast_bf16() -> bool:
         return False
 
 
+def setting(default: Any, help: str, *, job: bool = False) -> Any:
+    """A field of EngineConfig: its default, its help text, and whether the job definition
+    offers it as an option of its own (`job=True`; the rest are reachable through the
+    `engine_options` job option)."""
+    return field(default=default, metadata={"help": help, "job": job})
+
+
 @dataclass
 class EngineConfig:
-    """Knobs of the serving engine, validated on construction.
+    """The engine's settings, declared once: each field is a keyword of `LLM(...)` (its
+    help text is LLM's documentation of it), and a field marked `job=True` is also an
+    option of every job surface (pipelines/options.py derives those entries).
 
-    kv_cache_memory is the KV cache budget in bytes; None sizes it from the device
-    (a fraction of free GPU memory, or a fixed CPU default). kv_cache_dtype: "auto" (the
-    model's dtype) or "int8" (kv_cache.py). quantization: see engine/quant/__init__.py.
+    How to add an engine setting
+    ----------------------------
+    Add one field with `setting(default, help)`, check its value in `__post_init__`, and
+    read `config.<name>` where it matters. `LLM(name=...)`, help(LLM), the shared engine
+    cache's key and `--engine-option name=...` follow; `job=True` makes it a job option
+    too. A setting whose choices are registered elsewhere (quantization modes, KV cache
+    dtypes) is checked against them by `worker/build.check_settings`, before any model is
+    looked up.
     """
 
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    kv_cache_dtype: str = "auto"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    # None, or how the linear layers hold their weights: "int8", "int4", "gguf" (quant/)
-    quantization: str | None = None
-    # Launch each step before resolving the previous one's sampled tokens (None: on CUDA).
-    overlap_steps: bool | None = None
-    # Replay decode-only steps from CUDA graphs (None: on CUDA when Triton is installed).
-    cuda_graphs: bool | None = None
+    dtype: str | torch.dtype = setting(
+        "auto",
+        "Model dtype: auto (bf16 on CUDA and on CPUs with native bf16, else fp32), "
+        "float32 or bfloat16.",
+        job=True,
+    )
+    device: str | torch.device | None = setting(
+        None, "cpu, cuda, cuda:N (default: CUDA when available).", job=True
+    )
+    quantization: str | None = setting(
+        None,
+        "Run the model's linear layers quantized (CPU): int8 (int8 weights and "
+        "activations), int4 (group-wise 4-bit weights) or gguf (a GGUF's own blocks).",
+        job=True,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache storage (CPU): auto (the model's dtype) or int8 (a scale per 32 values: "
+        "1.8x the tokens of a bf16 cache in the same memory, half the bytes to read per "
+        "decode step).",
+        job=True,
+    )
+    kv_cache_memory: int | None = setting(
+        None,
+        "KV cache budget in bytes (default: sized from the device - a share of free GPU "
+        "memory, or of RAM - and never more than max_num_seqs sequences at full context "
+        "can fill). CPU memory is committed as blocks are first used.",
+    )
+    enable_prefix_caching: bool = setting(
+        True, "Share computed prompt blocks between requests (a prefix is computed once)."
+    )
+    block_size: int = setting(16, "Tokens per KV cache block.")
+    max_num_batched_tokens: int = setting(
+        2048, "Tokens computed per engine step at most (prompt chunks and decodes together)."
+    )
+    max_num_seqs: int = setting(256, "Sequences running at once at most.")
+    max_model_len: int | None = setting(
+        None, "The longest sequence served (default and maximum: the model's context)."
+    )
+    seed: int = setting(0, "Seed of sampled rows that have no seed of their own.")
+    overlap_steps: bool | None = setting(
+        None,
+        "Launch each step before the previous step's sampled tokens reach the host "
+        "(default: on CUDA).",
+    )
+    cuda_graphs: bool | None = setting(
+        None, "Replay decode-only steps from CUDA graphs (default: on CUDA with Triton)."
+    )
+    packed_linear: bool | None = setting(
+        None,
+        "CPU float linear layers on weights packed once for oneDNN; False: F.linear "
+        "(default: TOKENMILL_PACKED_LINEAR, on).",
+    )
+    huge_pages: bool | None = setting(
+        None,
+        "Ask Linux for 2 MiB pages for the CPU KV cache (default: TOKENMILL_HUGE_PAGES, "
+        "off: where the kernel compacts memory to find a huge page, each first touch of "
+        'one can stall for milliseconds - benchmarks/README.md, "The KV cache").',
+    )
 
     def __post_init__(self) -> None:
-        from tokenmill.engine.quant import validate_name
-
-        validate_name(self.quantization)
+        # The environment gives the defaults of these; what is given wins.
+        if self.packed_linear is None:
+            self.packed_linear = env.PACKED_LINEAR.is_on()
+        if self.huge_pages is None:
+            self.huge_pages = env.HUGE_PAGES.is_on()
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_batched_tokens < 1:
@@ -77,6 +141,12 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
-        from tokenmill.engine.worker.kv_cache import validate_kv_cache_dtype
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(_DTYPES)}")
 
-        validate_kv_cache_dtype(self.kv_cache_dtype)
+
+def engine_settings() -> tuple[Field, ...]:
+    """EngineConfig's fields, in declaration order (help text in `.metadata["help"]`)."""
+    return fields(EngineConfig)

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from tokenmill.engine.config import EngineConfig, resolve_dtype
+from tokenmill.engine.config import EngineConfig, engine_settings, resolve_dtype
 from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.engine.loader.hub import snapshot_revision
 from tokenmill.engine.loader.model_files import display_name, resolve_model
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.outputs import EngineStats, RequestOutput
+from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.worker.build import build_runner
+from tokenmill.engine.worker.build import build_runner, check_settings
 
 Prompt = str | list[int]
 
@@ -26,72 +29,41 @@ class LLM:
     Args:
         model: an HF-layout directory, a .gguf file, an alias, or a Hugging Face Hub repo
             id ("org/name", fetched into the HF cache); None = the default model
-            (`model_files.DEFAULT_MODEL`).
+            (`loader.aliases.DEFAULT_MODEL`).
         revision: branch, tag or commit of a Hub repo id (default "main"); the commit it
             resolved to is `model_revision`.
-        dtype: "auto" (bf16 on CUDA and on CPUs with native bf16, else fp32),
-            "float32", "bfloat16" or a torch dtype.
-        device: "cpu", "cuda", "cuda:N"; None = CUDA when available.
-        enable_prefix_caching: share computed prompt blocks between requests.
-        kv_cache_memory: KV cache budget in bytes (None = sized from the device).
-        kv_cache_dtype: "auto" (keys and values in `dtype`) or "int8" (int8 with a scale
-            per 32 values: 1.8x the tokens of a bf16 cache in the same memory, and less to
-            read per decode step; CPU only).
-        block_size, max_num_batched_tokens, max_num_seqs, max_model_len, seed,
-            overlap_steps, cuda_graphs: see EngineConfig (the last two default to on
-            for CUDA devices).
-        quantization: None (the weights in `dtype`), "int8" (int8 weights and
-            activations), "int4" (group-wise 4-bit weights) or "gguf" (a GGUF model's
-            own quantized blocks); CPU only. The rest of the model runs in `dtype`.
+        **settings: engine settings, each a field of `EngineConfig` (listed below, and
+            in this signature).
+
+    Raises:
+        TypeError: a keyword that is not an engine setting.
+        ValueError: a setting's value is invalid or cannot run here (before the model is
+            looked up, converted or loaded).
     """
 
     def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        revision: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device | None = None,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory: int | None = None,
-        kv_cache_dtype: str = "auto",
-        block_size: int = 16,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        quantization: str | None = None,
-        overlap_steps: bool | None = None,
-        cuda_graphs: bool | None = None,
+        self, model: str | Path | None = None, *, revision: str | None = None, **settings: Any
     ) -> None:
-        # Validated (quantization and kv_cache_dtype names included) before a model is
-        # looked up or converted.
-        self.engine_config = EngineConfig(
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            kv_cache_dtype=kv_cache_dtype,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            quantization=quantization,
-            overlap_steps=overlap_steps,
-            cuda_graphs=cuda_graphs,
-        )
+        unknown = sorted(set(settings) - {f.name for f in engine_settings()})
+        if unknown:
+            raise TypeError(
+                f"LLM() got unknown engine settings {', '.join(map(repr, unknown))}; "
+                f"settings: {', '.join(f.name for f in engine_settings())}"
+            )
+        self.engine_config = EngineConfig(**settings)
+        check_settings(self.engine_config)
         self.model_dir = resolve_model(model, revision=revision)
         # The Hub commit the weights came from (None for local files and aliases).
         self.model_revision = snapshot_revision(self.model_dir)
         self.model_name = display_name(model)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = resolve_dtype(dtype, self.device)
+        config = self.engine_config
+        self.device = torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.engine = build_engine(
-            self.model_dir,
-            self.engine_config,
-            dtype=self.dtype,
-            device=self.device,
-            tokenizer=self.tokenizer,
+            self.model_dir, config, dtype=self.dtype, device=self.device, tokenizer=self.tokenizer
         )
         self.model_config = self.engine.runner.config
         self.max_model_len = self.engine.max_model_len
@@ -171,6 +143,13 @@ class LLM:
             output.prompt = text
         return outputs
 
+    def set_profiler(self, profiler: StepProfiler | None) -> None:
+        """Report every stage of every step to `profiler` from now on (None: stop); see
+        engine/profiling.py for the stages and `tokenmill.bench.profile` for a timer."""
+        profiler = profiler or NO_PROFILER
+        self.engine.profiler = profiler
+        self.engine.runner.profiler = profiler
+
     def stats(self) -> EngineStats:
         """Cumulative counters: computed/cached prompt tokens, generated tokens, preemptions."""
         return self.engine.stats
@@ -215,3 +194,23 @@ def _per_prompt_params(
     if len(params) != num_prompts:
         raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
     return params
+
+
+def _documented_signature(cls: type) -> None:
+    """Give `cls.__init__` the engine settings as keyword-only parameters (help(), IDEs,
+    `inspect.signature`) and append each setting's help to the class docstring."""
+    init = cls.__init__
+    signature = inspect.signature(init)
+    own = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
+    settings = [
+        inspect.Parameter(
+            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type
+        )
+        for f in engine_settings()
+    ]
+    init.__signature__ = signature.replace(parameters=[*own, *settings])
+    lines = [f"    {f.name}: {f.metadata['help']}" for f in engine_settings()]
+    cls.__doc__ = cls.__doc__.rstrip() + "\n\n    Engine settings:\n" + "\n".join(lines) + "\n"
+
+
+_documented_signature(LLM)

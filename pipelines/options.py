@@ -50,11 +50,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from tokenmill.connectors.decoding import ON_DECODE_ERROR
+from tokenmill.engine.config import engine_settings
 from tokenmill.engine.loader.aliases import DEFAULT_MODEL
-from tokenmill.engine.quant import QUANTIZATIONS
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
-from tokenmill.engine.worker.kv_cache import KV_CACHE_DTYPES
+from tokenmill.engine.worker.build import setting_choices
 from tokenmill.pipelines.option_types import (
     BATCH,
     BOOL,
@@ -85,6 +85,26 @@ from tokenmill.pipelines.option_types import (
 )
 from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS, DEFAULT_SHARD_TOKENS
 from tokenmill.pipelines.scoring import TASKS
+
+
+def _engine_options() -> tuple[Option, ...]:
+    """The engine settings marked as job options (`EngineConfig`, `job=True`), each as an
+    option: its name, default and help come from the setting's declaration, its choices
+    from the registry that owns them."""
+    choices = setting_choices()
+    return tuple(
+        Option(
+            setting.name,
+            choice(*choices[setting.name]) if setting.name in choices else TEXT,
+            setting.default,
+            setting.metadata["help"],
+            MODEL,
+            to=ENGINE,
+        )
+        for setting in engine_settings()
+        if setting.metadata["job"]
+    )
+
 
 OPTIONS: tuple[Option, ...] = (
     # -- what the job does ---------------------------------------------------------------
@@ -611,48 +631,14 @@ OPTIONS: tuple[Option, ...] = (
         surfaces=frozenset({FLOW}),
         metavar="BLOCK",
     ),
-    # -- the engine ---------------------------------------------------------------------------------
-    Option(
-        "dtype",
-        TEXT,
-        "auto",
-        "Model dtype: auto (bf16 on CUDA and on CPUs with native bf16, else fp32), "
-        "float32 or bfloat16.",
-        MODEL,
-        to=ENGINE,
-    ),
-    Option(
-        "device",
-        TEXT,
-        None,
-        "cpu, cuda, cuda:N (default: CUDA when available).",
-        MODEL,
-        to=ENGINE,
-    ),
-    Option(
-        "quantization",
-        choice(*QUANTIZATIONS),
-        None,
-        "Run the model's linear layers quantized (CPU): int8 (int8 weights and "
-        "activations), int4 (group-wise 4-bit weights) or gguf (a GGUF's own blocks).",
-        MODEL,
-        to=ENGINE,
-    ),
-    Option(
-        "kv_cache_dtype",
-        choice(*KV_CACHE_DTYPES),
-        "auto",
-        "KV cache storage (CPU): auto (the model's dtype) or int8 (a scale per 32 values: "
-        "1.8x the tokens of a bf16 cache in the same memory, half the bytes to read per "
-        "decode step).",
-        MODEL,
-        to=ENGINE,
-    ),
+    # -- the engine: its job settings (engine/config.py), then any other as engine_options -------
+    *_engine_options(),
     Option(
         "engine_options",
         KEY_VALUES,
         None,
-        "More LLM(...) options, e.g. kv_cache_memory=268435456 or max_num_seqs=128.",
+        "Any other engine setting (see help(tokenmill.LLM)), e.g. "
+        "kv_cache_memory=268435456 or max_num_seqs=128.",
         MODEL,
         flag="--engine-option",
     ),

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from tokenmill.engine import env
 from tokenmill.engine.kernels import interface
 from tokenmill.engine.kernels.interface import KernelLimits
 
@@ -75,7 +76,7 @@ class NativeLibrary:
 def kernel_march() -> str:
     """The -march the kernels are built for: TOKENMILL_KERNEL_MARCH, default "native"
     (set x86-64-v3 to build what an AVX2-only CPU runs, on any x86-64 machine)."""
-    march = os.environ.get("TOKENMILL_KERNEL_MARCH", "native")
+    march = env.KERNEL_MARCH.value()
     if not _MARCH_PATTERN.fullmatch(march):
         raise ValueError(f"TOKENMILL_KERNEL_MARCH={march!r} is not an architecture name")
     return march
@@ -139,13 +140,11 @@ def _cpu_fingerprint() -> str:
 
 
 def _library_path(sources: dict[str, str]) -> Path:
-    from tokenmill.engine.loader.model_files import cache_dir
-
     parts = [f"{name}\0{text}" for name, text in sorted(sources.items())]
     flags = [f for name in sorted(_FILE_FLAGS) for f in (name, *compile_flags(name))]
     identity = [*parts, *flags, *_LINK_FLAGS, c_compiler()[1], _cpu_fingerprint()]
     key = hashlib.sha256("\0".join(identity).encode()).hexdigest()
-    return cache_dir() / "kernels" / f"tokenmill-kernels-{key[:16]}.so"
+    return env.cache_dir() / "kernels" / f"tokenmill-kernels-{key[:16]}.so"
 
 
 def _compile(source_dir: Path, target: Path, extra_flags: tuple[str, ...] = ()) -> None:
@@ -187,7 +186,7 @@ def _sources(source_dir: Path) -> dict[str, str]:
 @functools.cache
 def native_library() -> NativeLibrary | None:
     """The compiled native kernels, or None when they cannot be built here."""
-    if os.environ.get("TOKENMILL_NATIVE_KERNELS", "1") == "0":
+    if not env.NATIVE_KERNELS.is_on():
         return None
     try:
         with resources.as_file(resources.files(__name__)) as source_dir:

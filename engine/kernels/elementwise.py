@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
+from tokenmill.engine import env
 from tokenmill.engine.kernels import native_library
 from tokenmill.engine.kernels.interface import RMSNormArgs, RotaryArgs, SiluArgs, check_status
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    native = native_library() if os.environ.get("TOKENMILL_FUSED_OPS", "1") != "0" else None
+    native = native_library() if env.FUSED_OPS.is_on() else None
     return None if native is None else native.lib
 
 

@@ -25,6 +25,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf import GGUFReader
+
+from tokenmill.engine.env import cache_dir
 from tokenmill.engine.loader import hub
 from tokenmill.engine.loader.aliases import ALIASES, DEFAULT_MODEL, ModelAlias
 from tokenmill.engine.loader.gguf_convert import (
@@ -59,11 +62,6 @@ class ModelInfo:
     dtype: str | None  # e.g. "bfloat16", or "gguf:Q4_1" before conversion
     source: str  # "directory" | "gguf" | "alias" | "cache" | "hub ..." (+ a note)
     revision: str | None = None  # the commit of a Hub snapshot
-
-
-def cache_dir() -> Path:
-    """`$TOKENMILL_CACHE_DIR`, else `~/.cache/tokenmill`."""
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
 
 
 def resolve_model(
@@ -357,8 +355,6 @@ def _dir_info(name: str, path: Path, source: str) -> ModelInfo:
 
 
 def _gguf_info(name: str, path: Path, source: str) -> ModelInfo:
-    from gguf import GGUFReader
-
     reader = GGUFReader(path)
     num_by_type: Counter[str] = Counter()
     for tensor in reader.tensors:

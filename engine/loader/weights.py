@@ -1,14 +1,15 @@
-"""Build a model on the meta device and fill it from safetensors files (never pickle)."""
+"""Build a model on the meta device and fill it from safetensors files (never pickle),
+one tensor at a time."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from tokenmill.engine.loader.model_files import weight_files
+from tokenmill.engine.loader.safetensors_files import iter_tensors, read_header
 from tokenmill.engine.models import ModelConfig, model_class
 
 
@@ -20,29 +21,30 @@ def load_model(
     Raises:
         ValueError: a parameter is missing from the checkpoint or has the wrong shape.
     """
+    # Built on the meta device and cast there, then given memory of the final dtype once:
+    # nothing is initialised or allocated twice (every parameter is loaded below).
     with torch.device("meta"):
-        model = model_class(config)(config)
-    model.to_empty(device=device)
-    model.to(dtype)
+        model = model_class(config)(config).to(dtype)
+    _materialize(model, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     packed = model.packed_modules
 
     for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.startswith("lm_head.") and config.tie_word_embeddings:
-                    continue  # tied: the embedding is the head
-                target, shard = _map_name(name, packed)
-                if target not in params:
-                    continue  # e.g. rotary inv_freq buffers saved by old checkpoints
-                tensor = f.get_tensor(name)
-                param = params[target]
-                if shard is None:
-                    _copy_checked(param.data, tensor, name)
-                else:
-                    _copy_shard(param.data, tensor, shard, target, config)
-                loaded.add(target if shard is None else f"{target}#{shard}")
+        wanted = set()
+        for entry in read_header(path):
+            if entry.name.startswith("lm_head.") and config.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            if _map_name(entry.name, packed)[0] in params:
+                wanted.add(entry.name)  # not e.g. rotary inv_freq buffers of old checkpoints
+        for name, tensor in iter_tensors(path, wanted):
+            target, shard = _map_name(name, packed)
+            param = params[target]
+            if shard is None:
+                _copy_checked(param.data, tensor, name)
+            else:
+                _copy_shard(param.data, tensor, shard, target, config)
+            loaded.add(target if shard is None else f"{target}#{shard}")
 
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -51,6 +53,22 @@ def load_model(
     if missing:
         raise ValueError(f"checkpoint in {model_dir} is missing weights: {', '.join(missing[:8])}")
     return model.eval()
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialised memory on `device`.
+
+    What `Module.to_empty` does, without its first call's cost: it routes through the meta
+    dispatcher, which imports torch's symbolic-shape machinery (a third of a second).
+    """
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+                module._parameters[name] = nn.Parameter(empty, requires_grad=False)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:

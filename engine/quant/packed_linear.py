@@ -1,24 +1,21 @@
 """CPU linear layers through oneDNN, each weight packed once at load.
 
 `F.linear` on CPU goes to MKL, which on AMD processors reaches about half of what the
-hardware does (it does not pick its AVX-512 kernels there, by all appearances): on
-the project's AMD EPYC machine an fp32 [1900, 576] x [576, 960] product takes 10.1 ms
-there and 4.4 ms through oneDNN with the weight already in oneDNN's blocked layout
-(2.1-2.5x across SmolLM2's projections; bf16 1.05x for prefill, 1.2-1.4x for 64-row
-decode batches, where MKL-DNN otherwise repacks the weight every call). The results
-are fp32 to rounding (relative error 9e-7 against float64, MKL's is 4e-7).
+hardware does (it does not pick its AVX-512 kernels there, by all appearances). oneDNN
+on a weight packed once into its blocked layout avoids that, and the per-call repack
+MKL-DNN does on decode batches; results are fp32 to rounding. Figures: benchmarks/
+README.md, "oneDNN-packed linear layers".
 
 `pack_linear_layers` swaps every nn.Linear of a loaded model for a PackedLinear. It
 runs only on CPU for fp32, and bf16 where the CPU has oneDNN's bf16 reorder
 (`packs_dtype`), only when this torch build has the oneDNN ops, and only after one
 packed projection has matched F.linear on random input; otherwise the model
-is left as it was. Set TOKENMILL_PACKED_LINEAR=0 to keep F.linear.
+is left as it was. The packed_linear setting (EngineConfig) False keeps F.linear.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
@@ -85,20 +82,20 @@ def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
     return torch.allclose(got, want, rtol=tolerance, atol=tolerance * want.abs().max().item())
 
 
-def pack_linear_layers(model: nn.Module, *, dtype: torch.dtype, device: torch.device) -> int:
-    """Replace model's nn.Linear layers by PackedLinear ones, in place.
+def pack_linear_layers(
+    model: nn.Module, *, dtype: torch.dtype, device: torch.device, enabled: bool = True
+) -> int:
+    """Replace model's nn.Linear layers by PackedLinear ones, in place (when enabled).
 
     Returns:
         How many layers were replaced (0 when packing does not apply here).
     """
-    if (
-        device.type != "cpu"
-        or os.environ.get("TOKENMILL_PACKED_LINEAR", "1") == "0"
-        or not packs_dtype(dtype)
-    ):
+    if not enabled or device.type != "cpu" or not packs_dtype(dtype):
         return 0
+    # (parent, attribute) only: holding the layers themselves would keep every unpacked
+    # weight alive until the last one is packed - the model's size again at peak.
     targets = [
-        (parent, name, child)
+        (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
@@ -106,15 +103,14 @@ def pack_linear_layers(model: nn.Module, *, dtype: torch.dtype, device: torch.de
     if not targets:
         return 0
     try:
-        first = PackedLinear(targets[0][2])
-        if not _agrees(targets[0][2], first):
+        first = PackedLinear(getattr(*targets[0]))
+        if not _agrees(getattr(*targets[0]), first):
             log.warning("oneDNN linear disagrees with F.linear here; keeping F.linear")
             return 0
     except RuntimeError as exc:
         log.warning("oneDNN linear unavailable (%s); keeping F.linear", exc)
         return 0
-    parent, name, _ = targets[0]
-    setattr(parent, name, first)  # already packed for the check
-    for parent, name, child in targets[1:]:
-        setattr(parent, name, PackedLinear(child))
+    setattr(*targets[0], first)  # already packed for the check
+    for parent, name in targets[1:]:
+        setattr(parent, name, PackedLinear(getattr(parent, name)))
     return len(targets)

@@ -15,15 +15,17 @@ import torch
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader.weights import load_model
 from tokenmill.engine.models import ModelConfig, load_config
-from tokenmill.engine.quant import check_quantization, quantize_model
+from tokenmill.engine.quant import QUANTIZATIONS, check_quantization, quantize_model, validate_name
 from tokenmill.engine.quant.packed_linear import pack_linear_layers
 from tokenmill.engine.worker.calibration import input_absmax
 from tokenmill.engine.worker.kv_cache import (
+    KV_CACHE_DTYPES,
     allocate_kv_cache,
     bytes_per_block,
     check_kv_cache_dtype,
     default_cache_bytes,
     num_blocks_for_budget,
+    validate_kv_cache_dtype,
 )
 from tokenmill.engine.worker.model_runner import ModelRunner
 
@@ -36,6 +38,18 @@ class LoadedModel:
     model_config: ModelConfig
     num_blocks: int  # KV cache blocks the runner's cache holds
     max_model_len: int  # the longest sequence it serves
+
+
+def setting_choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of the engine settings whose choices are registered outside
+    EngineConfig: quantization modes (quant/) and KV cache dtypes (kv_cache.py)."""
+    return {"quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
+
+
+def check_settings(engine_config: EngineConfig) -> None:
+    """Raise ValueError for a setting outside its registered choices (see setting_choices)."""
+    validate_name(engine_config.quantization)
+    validate_kv_cache_dtype(engine_config.kv_cache_dtype)
 
 
 def max_model_len_of(model_config: ModelConfig, engine_config: EngineConfig) -> int:
@@ -79,6 +93,7 @@ def build_runner(
     """
     model_config = load_config(model_dir)
     max_model_len = max_model_len_of(model_config, engine_config)
+    check_settings(engine_config)
     quantization = engine_config.quantization
     check_quantization(quantization, model_dir, model_config, device=device)
     kv_cache_dtype = engine_config.kv_cache_dtype
@@ -89,11 +104,18 @@ def build_runner(
     if quantization is not None:
         measure = functools.partial(input_absmax, dtype=dtype)
         quantize_model(model, quantization, model_dir, dtype=dtype, measure_inputs=measure)
-    pack_linear_layers(model, dtype=dtype, device=device)  # the float layers left
+    # the float layers left
+    pack_linear_layers(model, dtype=dtype, device=device, enabled=engine_config.packed_linear)
     block_size = engine_config.block_size
     num_blocks = num_cache_blocks(model_config, engine_config, dtype=dtype, device=device)
     kv_cache = allocate_kv_cache(
-        model_config, num_blocks, block_size, dtype, device, kv_cache_dtype
+        model_config,
+        num_blocks,
+        block_size,
+        dtype,
+        device,
+        kv_cache_dtype,
+        huge_pages=engine_config.huge_pages,
     )
     runner = ModelRunner(
         model,

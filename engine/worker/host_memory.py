@@ -4,24 +4,25 @@ Every CPU forward pass allocates activations of a few to a few hundred megabytes
 (a 2,048-token step's MLP output is [2048, 2 * intermediate]) and frees them a moment
 later. glibc's malloc serves blocks that size with a fresh mmap and returns them
 with munmap, so each step pays a page fault, and the kernel zeroes a page, for every
-4 KiB it touches: measured here, an fp32 rms_norm over [1900, 576] took 2.4 ms that
-way and 0.17 ms with the pages kept (rotary: 4.4 ms vs 0.4 ms), and the mixed64
-benchmark spent more time faulting than in its norms, rotary and residuals together.
+4 KiB it touches - more, on the mixed64 benchmark, than its norms, rotary and residuals
+cost together (benchmarks/README.md, "Page faults").
 
 `keep_large_allocations_mapped` raises malloc's mmap threshold so those blocks come
 from the heap, and its trim threshold so the heap is not shrunk after each step; the
 freed blocks are reused by the next step instead. The cost is that the process keeps
 its peak activation memory resident until it exits, which for an inference process
 running step after step it needs again anyway. Set TOKENMILL_TUNE_MALLOC=0 to leave
-malloc alone (e.g. when the process preloads jemalloc or tcmalloc).
+malloc alone (e.g. when the process preloads jemalloc or tcmalloc; engine/env.py).
 
-`huge_page_zeros` is for the other end: buffers allocated once and streamed every step
-(the KV cache). A decode step reads a sequence's blocks in 2-4 KiB runs scattered over
-gigabytes, so with 4 KiB pages nearly every run needs a page walk the TLB has no room
-for - dearer still in a virtual machine, where each walk also walks the host's tables.
-Linux backs memory with 2 MiB pages only where asked (transparent_hugepage "madvise",
-the common default); this asks, for those buffers. Set TOKENMILL_HUGE_PAGES=0 to keep
-4 KiB pages.
+`lazy_zeros` is for the other end: buffers allocated once and streamed every step (the
+KV cache). They come from an anonymous mapping of their own, which the kernel fills
+with zero pages only as they are first touched: a cache sized for the longest job costs
+no time and no memory until its blocks are used, and a block never read before it is
+written holds zeros, never NaNs. A decode step reads a sequence's blocks in 2-4 KiB runs
+scattered over gigabytes, so with 4 KiB pages nearly every run needs a page walk the TLB
+has no room for - dearer still in a virtual machine, where each walk also walks the
+host's tables. Linux backs memory with 2 MiB pages only where asked (transparent_hugepage
+"madvise", the common default); `huge_pages=True` asks, for those buffers.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ import ctypes.util
 import functools
 import logging
 import math
-import os
+import mmap
 import platform
 import threading
 from pathlib import Path
 
 import torch
+
+from tokenmill.engine import env
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ def keep_large_allocations_mapped() -> bool:
 
 
 def _apply() -> bool:
-    if os.environ.get("TOKENMILL_TUNE_MALLOC", "1") == "0":
+    if not env.TUNE_MALLOC.is_on():
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
@@ -87,34 +90,30 @@ def _apply() -> bool:
     return ok
 
 
-def huge_page_zeros(
-    shape: tuple[int, ...], dtype: torch.dtype, *, min_bytes: int = MMAP_THRESHOLD_BYTES
-) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory the kernel is asked to back with 2 MiB pages
-    (madvise MADV_HUGEPAGE before the first touch), or plain torch.zeros where it cannot
-    be asked (not Linux, THP off, TOKENMILL_HUGE_PAGES=0, or a small buffer).
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, *, huge_pages: bool) -> torch.Tensor:
+    """A zeroed CPU tensor on an anonymous mapping of its own: no page is committed (or
+    zeroed) until it is first touched. With huge_pages, the kernel is asked to back it
+    with 2 MiB pages (madvise MADV_HUGEPAGE before the first touch) where it can be asked.
 
-    The tensor is a 2 MiB-aligned view into a slightly larger buffer (one extra huge
-    page), so that the pages it covers are whole huge pages. By default only buffers of
-    at least MMAP_THRESHOLD_BYTES are asked for (min_bytes): malloc maps those afresh,
-    tuned or not, so the advice dies with the buffer instead of staying on a stretch of
-    the heap that later holds small blocks.
+    The tensor is a 2 MiB-aligned view into a mapping one huge page larger, so the pages
+    it covers are whole huge pages. The mapping lives as long as the tensor.
     """
     nbytes = math.prod(shape) * dtype.itemsize
-    if not asks_for_huge_pages() or nbytes < max(min_bytes, HUGE_PAGE_BYTES):
+    if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps `mapping` alive
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
-    span = nbytes - nbytes % HUGE_PAGE_BYTES
-    if _madvise()(raw.data_ptr() + start, span, _MADV_HUGEPAGE) != 0:
-        log.debug("madvise(MADV_HUGEPAGE) refused; 4 KiB pages (errno %d)", ctypes.get_errno())
-    return raw[start : start + nbytes].view(dtype).view(shape).zero_()
+    if huge_pages and asks_for_huge_pages():
+        span = nbytes - nbytes % HUGE_PAGE_BYTES
+        if span and _madvise()(raw.data_ptr() + start, span, _MADV_HUGEPAGE) != 0:
+            log.debug("madvise(MADV_HUGEPAGE) refused; 4 KiB pages (errno %d)", ctypes.get_errno())
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 def asks_for_huge_pages() -> bool:
-    """Whether huge_page_zeros asks the kernel for 2 MiB pages here (TOKENMILL_HUGE_PAGES
-    is read on every call)."""
-    return os.environ.get("TOKENMILL_HUGE_PAGES", "1") != "0" and _madvise() is not None
+    """Whether 2 MiB pages can be asked for here (Linux, transparent huge pages not off)."""
+    return _madvise() is not None
 
 
 @functools.cache

@@ -16,7 +16,7 @@ import torch
 from tokenmill.engine.kernels.paged_attention import kv_int8_head_bytes
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.worker.attention import AttentionSpec, select_backend
-from tokenmill.engine.worker.host_memory import huge_page_zeros
+from tokenmill.engine.worker.host_memory import lazy_zeros
 
 # Without a budget, the CPU cache takes this share of RAM, capped below.
 _CPU_RAM_SHARE = 0.10
@@ -127,8 +127,14 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     kv_cache_dtype: str = "auto",
+    *,
+    huge_pages: bool = False,
 ) -> KVCache:
-    """Zeroed keys and values for every layer (padding positions must never hold NaNs)."""
+    """Zeroed keys and values for every layer (padding positions must never hold NaNs).
+
+    On the CPU the memory is committed as blocks are first written (host_memory.lazy_zeros):
+    a large budget costs nothing until the job uses it.
+    """
     heads, dim = config.num_key_value_heads, config.head_dim
     layers = config.num_hidden_layers
     if kv_cache_dtype == "int8":
@@ -139,7 +145,10 @@ def allocate_kv_cache(
         v_shape = (layers, num_blocks, heads, block_size, dim)
     if device.type == "cpu":
         # Decode reads scattered blocks of this every step: on 2 MiB pages, not 4 KiB.
-        return KVCache(k=huge_page_zeros(k_shape, dtype), v=huge_page_zeros(v_shape, dtype))
+        return KVCache(
+            k=lazy_zeros(k_shape, dtype, huge_pages=huge_pages),
+            v=lazy_zeros(v_shape, dtype, huge_pages=huge_pages),
+        )
     return KVCache(
         k=torch.zeros(k_shape, dtype=dtype, device=device),
         v=torch.zeros(v_shape, dtype=dtype, device=device),

@@ -55,17 +55,17 @@ def sharded(tmp_path):
 def loaded_and_hashed(path, monkeypatch) -> tuple[list[str], list[str]]:
     """The files `load_model` opens and the files `weights_hash` reads, by name."""
     opened, hashed = [], []
-    real_open, real_sha = weights.safe_open, model_files.file_sha256
+    real_open, real_sha = weights.iter_tensors, model_files.file_sha256
 
     def recording_open(file, *args, **kwargs):
-        opened.append(file.rsplit("/", 1)[-1])
+        opened.append(str(file).rsplit("/", 1)[-1])
         return real_open(file, *args, **kwargs)
 
     def recording_sha(file, **kwargs):
         hashed.append(str(file).rsplit("/", 1)[-1])
         return real_sha(file, **kwargs)
 
-    monkeypatch.setattr(weights, "safe_open", recording_open)
+    monkeypatch.setattr(weights, "iter_tensors", recording_open)
     monkeypatch.setattr(model_files, "file_sha256", recording_sha)
     config = load_config(path)
     weights.load_model(path, config, dtype=torch.float32, device=torch.device("cpu"))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.quant.packed_linear import (
     PackedLinear,
     onednn_linear_available,
@@ -56,9 +57,13 @@ def test_packing_is_skipped_where_it_does_not_apply(monkeypatch):
     model = _mlp(torch.float32)
     assert pack_linear_layers(model, dtype=torch.float32, device=torch.device("cuda")) == 0
     assert pack_linear_layers(model, dtype=torch.float16, device=torch.device("cpu")) == 0
-    monkeypatch.setenv("TOKENMILL_PACKED_LINEAR", "0")
-    assert pack_linear_layers(model, dtype=torch.float32, device=torch.device("cpu")) == 0
+    off = pack_linear_layers(model, dtype=torch.float32, device=torch.device("cpu"), enabled=False)
+    assert off == 0
     assert isinstance(model[0], nn.Linear)
+    # The setting's default comes from the environment; a given value wins.
+    monkeypatch.setenv("TOKENMILL_PACKED_LINEAR", "0")
+    assert EngineConfig().packed_linear is False
+    assert EngineConfig(packed_linear=True).packed_linear is True
 
 
 def test_the_engine_runs_packed_layers(tmp_path):
