@@ -40,7 +40,8 @@ class PenaltyInputs:
     # Pairs whose token is the previous step's sample: positions and that step's rows.
     pending_positions: torch.Tensor | None
     pending_rows: torch.Tensor | None
-    # [num_penalized, 3] float: each row's repetition, frequency and presence penalty.
+    # [3, num_pairs] float: each pair's row's repetition, frequency and presence penalty
+    # (repeated on the host: a gather of a [rows, 3] table per pair costs more).
     penalties: torch.Tensor
     num_penalized: int
 
@@ -199,7 +200,7 @@ def apply_penalties(
     flat = logits.view(-1)
     keys = inputs.rows * vocab + token_ids
     values = flat[keys]
-    repetition, frequency, presence = inputs.penalties.index_select(0, inputs.local_rows).unbind(1)
+    repetition, frequency, presence = inputs.penalties.unbind(0)
     values = torch.where(values > 0, values / repetition, values * repetition)
     values -= frequency * count + presence * (count > 0).to(values.dtype)
     flat[keys] = values
@@ -265,7 +266,17 @@ def _penalty_inputs(penalized: list[tuple[int, Sequence]], device: torch.device)
         pending_positions=_put(pending_positions, torch.int64, device) if pending_rows else None,
         pending_rows=_put(pending_rows, torch.int64, device) if pending_rows else None,
         penalties=_put(
-            [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
+            np.repeat(
+                np.asarray(
+                    [
+                        (p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                        for p in params
+                    ],
+                    dtype=np.float32,
+                ).T,
+                sizes_np,
+                axis=1,
+            ),
             torch.float32,
             device,
         ),

@@ -19,6 +19,7 @@ from tokenmill.engine.core.step import (
     PendingStep,
     SamplerOutput,
     SchedulerOutput,
+    Sequence,
     StepResult,
 )
 from tokenmill.engine.grammar import TokenBitmask
@@ -97,21 +98,8 @@ class ModelRunner:
         seqs = [c.seq for c in out.chunks if c.samples]
         batch = None
         if seqs:
-            matchers = [seq.grammar for seq in seqs]
-            has_grammar = any(m is not None for m in matchers)
-            batch = SamplingBatch.build(
-                [s.params for s in seqs],
-                [s.generator for s in seqs],
-                out.banned_token_ids,
-                self.device,
-                TokenBitmask(matchers, self.config.vocab_size) if has_grammar else None,
-                LogitControls.build(
-                    seqs,
-                    out.conditional_bans or [[] for _ in seqs],
-                    self.device,
-                    previous.device_token_ids if previous is not None else None,
-                ),
-            )
+            with self.profiler.stage("prepare"):
+                batch = self._sampling_batch(seqs, out, previous)
         sampled = self.run(out, batch, previous=previous)
         result = StepResult(sampled)
         masks = batch.token_bitmask if batch is not None else None
@@ -120,6 +108,25 @@ class ModelRunner:
             result.grammar_fill_s = masks.fill_s
             result.grammar_blocking_s = masks.blocking_s
         return result
+
+    def _sampling_batch(
+        self, seqs: list[Sequence], out: SchedulerOutput, previous: PendingStep | None
+    ) -> SamplingBatch:
+        matchers = [seq.grammar for seq in seqs]
+        has_grammar = any(m is not None for m in matchers)
+        return SamplingBatch.build(
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            out.banned_token_ids,
+            self.device,
+            TokenBitmask(matchers, self.config.vocab_size) if has_grammar else None,
+            LogitControls.build(
+                seqs,
+                out.conditional_bans or [[] for _ in seqs],
+                self.device,
+                previous.device_token_ids if previous is not None else None,
+            ),
+        )
 
     @torch.inference_mode()
     def run(
