@@ -1,21 +1,16 @@
-"""What penalties cost: a workload with and without them, alternately, in one process.
+"""What repetition, presence and frequency penalties cost a whole workload.
 
-"plain" is the bench's own tokenmill run (greedy, each request generates exactly its
-output length); "penalized" is the same with a repetition, presence and frequency penalty
-on every request - the costliest case, since the repetition penalty also lists each
-prompt's distinct tokens every step. EOS is ignored, so both generate the same number of
-tokens whatever the penalties change. Runs alternate A B A B over fresh engines (a cold
-prefix cache each run), and the medians are compared as a ratio - of wall time and of
-this process's CPU time, which other work on a shared machine disturbs less.
+Runs a preset (default mixed64) greedy with each request's fixed output length, with and
+without penalties on every request, so both generate the same number of tokens whatever
+the penalties change. Each run is a fresh engine (mixed64's shared prefix is computed
+once per run, as in a fresh job); runs alternate A B A B (`tokenmill.bench.timing.
+alternate`) and the medians are compared as ratios: of wall time, of this process's
+CPU time (which other work on a shared machine disturbs less), and of the two step
+stages the penalties add work to, timed through the engine's profiling hook
+(`LLM.set_profiler`): `prepare` (their inputs built on the host and uploaded) and
+`sample` (applied to the logits) - the penalties' own cost, apart from the model.
 
-`--per-step` also times, apart from the model, what the penalties add to one decode step
-of the workload: the penalty inputs built on the host and applied to [64, vocab] fp32
-logits (the minimum of 20 runs at each of the 64 decode positions, summed), against
-the plain runs' median wall time - a figure a noisy machine disturbs far less than the
-whole-run ratio.
-
-Run:  python benchmarks/penalties_cost.py [--preset mixed64] [--dtype auto] [--rounds 3]
-      [--per-step]
+Run:  python benchmarks/penalties_cost.py [--preset mixed64] [--dtype auto] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -23,96 +18,80 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
+from dataclasses import dataclass
 
-import torch
-
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
+from tokenmill.bench.profile import StageTimer
 from tokenmill.bench.result import Stopwatch, load_avg_1m
-from tokenmill.bench.workload import load_preset, warmup_prompts
-from tokenmill.engine.core.step import Sequence
-from tokenmill.engine.worker.logit_controls import LogitControls, PenaltyScratch
+from tokenmill.bench.timing import alternate, fixed_length_params, warm_up
+from tokenmill.bench.workload import PRESETS, load_preset
 
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.3)
+STAGES = ("prepare", "sample")
 
 
-def timed_run(dtype: str, workload, penalized: bool) -> tuple[float, float]:
-    """(wall, CPU) seconds of one generate over the whole workload, on a fresh engine."""
+@dataclass
+class Run:
+    wall_s: float
+    cpu_s: float
+    stage_s: dict[str, float]  # the STAGES' seconds
+
+
+def timed_run(dtype: str, workload, penalized: bool) -> Run:
+    """One generate over the whole workload on a fresh engine."""
     llm = LLM(dtype=dtype)
-    extra = PENALTIES if penalized else {}
-    llm.generate(warmup_prompts(workload), SamplingParams(temperature=0, max_tokens=4, **extra))
-    params = [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **extra)
-        for n in workload.output_lens
-    ]
+    warm_up(llm, workload)
+    params = fixed_length_params(workload, **(PENALTIES if penalized else {}))
+    timer = StageTimer()
+    llm.set_profiler(timer)
     with Stopwatch() as clock:
         outputs = llm.generate(workload.prompt_ids, params)
-    assert all(o.error is None for o in outputs)
-    return clock.wall_s, clock.cpu_s
-
-
-def penalty_seconds_per_run(workload, vocab_size: int) -> float:
-    """Host + sampler seconds the penalties add over the workload's decode steps: every
-    request decoding together, position by position (min of 20 runs per position)."""
-    params = SamplingParams(temperature=0, **PENALTIES)
-    device = torch.device("cpu")
-    scratch = PenaltyScratch()
-    total = 0.0
-    for position in range(max(workload.output_lens)):
-        seqs = [
-            Sequence(i, str(i), 0, ids + ids[:1] * position, len(ids), params)
-            for i, (ids, n) in enumerate(zip(workload.prompt_ids, workload.output_lens))
-            if position < n
-        ]
-        logits = torch.randn(len(seqs), vocab_size)
-        best = float("inf")
-        for _ in range(20):
-            start = time.perf_counter()
-            controls = LogitControls.build(seqs, [[] for _ in seqs], device)
-            controls.apply_before_mask(logits, scratch)
-            best = min(best, time.perf_counter() - start)
-        total += best
-    return total
+    if any(o.error is not None for o in outputs):
+        raise RuntimeError("a request failed")
+    if sum(len(o.outputs[0].token_ids) for o in outputs) != workload.num_output_tokens:
+        raise RuntimeError("the runs did not generate the workload's tokens")
+    return Run(clock.wall_s, clock.cpu_s, {s: timer.seconds.get(s, 0.0) for s in STAGES})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="mixed64")
+    parser.add_argument("--preset", default="mixed64", choices=list(PRESETS))
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--per-step", action="store_true")
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    probe = LLM(dtype=args.dtype)
-    workload = load_preset(args.preset, probe.model_dir)
-    vocab_size = probe.engine.vocab_size
-    del probe
-    runs: dict[str, list[tuple[float, float]]] = {"plain": [], "penalized": []}
-    for _ in range(args.rounds):
-        for mode in runs:
-            runs[mode].append(timed_run(args.dtype, workload, mode == "penalized"))
-            wall, cpu = runs[mode][-1]
-            print(f"{mode:10s} wall {wall:.2f} s  cpu {cpu:.2f} s  load {load_avg_1m():.1f}")
-    medians = {
-        mode: (statistics.median(w for w, _ in r), statistics.median(c for _, c in r))
-        for mode, r in runs.items()
-    }
-    print(
-        f"# {args.preset}: {workload.num_requests} prompts, {workload.num_output_tokens:,} "
-        f"generated tokens, dtype {args.dtype}, {platform.processor() or platform.machine()}"
+    workload = load_preset(args.preset, LLM(dtype=args.dtype).model_dir)
+    runs = alternate(
+        {
+            "plain": lambda: timed_run(args.dtype, workload, penalized=False),
+            "penalized": lambda: timed_run(args.dtype, workload, penalized=True),
+        },
+        args.rounds,
     )
-    print(f"# penalties: {PENALTIES}")
-    print(f"| run | wall s (median of {args.rounds}) | CPU s | tokens/s |")
-    print("|---|---|---|---|")
-    for mode, (wall, cpu) in medians.items():
-        print(f"| {mode} | {wall:.2f} | {cpu:.2f} | {workload.num_output_tokens / wall:,.0f} |")
-    (plain_wall, plain_cpu), (pen_wall, pen_cpu) = medians["plain"], medians["penalized"]
-    print(f"penalized / plain: wall {pen_wall / plain_wall:.3f}, CPU {pen_cpu / plain_cpu:.3f}")
-    if args.per_step:
-        added = penalty_seconds_per_run(workload, vocab_size)
+    print(
+        f"{args.preset}: {workload.num_requests} requests, {workload.num_output_tokens:,} "
+        f"output tokens; dtype {args.dtype}; {args.rounds} rounds A B; "
+        f"{platform.processor() or platform.machine()}; load {load_avg_1m():.2f}"
+    )
+    print(f"penalties: {PENALTIES}")
+    print("| run | wall s (each) | CPU s | prepare s | sample s | output tok/s |")
+    print("|---|---|---|---|---|---|")
+    medians = {}
+    for mode, results in runs.items():
+        wall = statistics.median(r.wall_s for r in results)
+        cpu = statistics.median(r.cpu_s for r in results)
+        stages = {s: statistics.median(r.stage_s[s] for r in results) for s in STAGES}
+        medians[mode] = (wall, cpu, stages)
+        each = ", ".join(f"{r.wall_s:.2f}" for r in results)
         print(
-            f"penalties per run, apart from the model: {added:.3f} s "
-            f"= {added / plain_wall:.1%} of the plain median wall"
+            f"| {mode} | {wall:.2f} ({each}) | {cpu:.2f} | {stages['prepare']:.3f} "
+            f"| {stages['sample']:.3f} | {workload.num_output_tokens / wall:,.0f} |"
         )
+    (plain_wall, plain_cpu, plain_st), (pen_wall, pen_cpu, pen_st) = medians.values()
+    added = sum(pen_st.values()) - sum(plain_st.values())
+    print(
+        f"penalized / plain: wall {pen_wall / plain_wall:.3f}, CPU {pen_cpu / plain_cpu:.3f}; "
+        f"prepare + sample add {added:.3f} s = {added / plain_wall:.1%} of the plain wall"
+    )
 
 
 if __name__ == "__main__":
