@@ -1,13 +1,14 @@
 """OpenAI batch input files: one request per line, turned into prompt rows.
 
 A line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
-"/v1/completions" | "/v1/responses", "body": {...}}`. Each becomes a row with
-`custom_id`, `url`, `messages` (chat, responses) or `prompt` (completions), and the
-columns its body's fields fill - one per sampling option (null when the request does not
-set it, so the pipeline applies per-row overrides), `response_format` (JSON text),
-`tools` and `tool_calls` (JSON text). Which field fills what, is ignored or is refused is
-the one table in `connectors/openai_fields.py`; a refused field makes the line an error
-line naming it.
+"/v1/completions" | "/v1/responses" | "/v1/embeddings", "body": {...}}`. Each
+becomes a row with `custom_id`, `url`, `messages` (chat, responses) or `prompt`
+(completions), and the columns its body's fields fill - one per sampling option (null
+when the request does not set it, so the pipeline applies per-row overrides),
+`response_format` (JSON text), `tools` and `tool_calls` (JSON text). Which field fills
+what, is ignored or is refused is the one table in `connectors/openai_fields.py`; a
+refused field makes the line an error line naming it. An embeddings line becomes one row
+per input string, with its `dimensions` (`openai_embeddings.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tokenmill.connectors.decoding import open_decoded
 from tokenmill.connectors.fs import open_text_stream
 from tokenmill.connectors.jsonl_reader import UNPAIRED_SURROGATE, parse_object
 from tokenmill.connectors.lines import BadLine, iter_line_chunks
+from tokenmill.connectors.openai_embeddings import EMBEDDINGS_URL, embedding_request_rows
 from tokenmill.connectors.openai_fields import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -54,6 +56,7 @@ OPENAI_BATCH_SCHEMA = pa.schema(
         ("response_format", pa.string()),
         ("tools", pa.string()),  # the function tools, for the chat template
         ("tool_calls", pa.string()),  # how to read the answer as tool calls (openai_tools.py)
+        ("dimensions", pa.int64()),  # /v1/embeddings
     ]
 )
 
@@ -138,14 +141,14 @@ def parse_request_lines(
         try:
             obj = parse_object(raw, number)
             custom_id = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
-            row = request_to_row(obj, number)
-            if row["custom_id"] in seen_ids:
+            line_rows = request_rows(obj, number)
+            if any(row["custom_id"] in seen_ids for row in line_rows):
                 raise BadLine(number, "duplicate custom_id")
-            if not _is_unicode(row):
+            if not _is_unicode(line_rows):
                 raise BadLine(number, UNPAIRED_SURROGATE)
-            seen_ids.add(row["custom_id"])
-            rows.append(row)
-            errors.append(None)
+            seen_ids.update(row["custom_id"] for row in line_rows)
+            rows += line_rows
+            errors += [None] * len(line_rows)
         except BadLine as e:
             if on_bad_line == "error":
                 raise
@@ -176,6 +179,17 @@ def _encodes(text: str) -> bool:
         return False
 
 
+def request_rows(obj: dict[str, Any], number: int) -> list[dict[str, Any]]:
+    """One request object as rows: one, or for an embeddings line one per input."""
+    if obj.get("url") == EMBEDDINGS_URL and isinstance(obj.get("custom_id"), str):
+        if obj.get("method", "POST") != "POST":
+            raise BadLine(number, "method must be POST")
+        if not obj["custom_id"]:
+            raise BadLine(number, "custom_id must be a non-empty string")
+        return embedding_request_rows(obj, number)
+    return [request_to_row(obj, number)]
+
+
 def request_to_row(obj: dict[str, Any], number: int) -> dict[str, Any]:
     """One request object as a row dict; raises `BadLine` naming the offending key."""
     custom_id = obj.get("custom_id")
@@ -186,7 +200,7 @@ def request_to_row(obj: dict[str, Any], number: int) -> dict[str, Any]:
         raise BadLine(number, "method must be POST")
     url = obj.get("url")
     if url not in URLS:
-        raise BadLine(number, f"url must be one of {', '.join(URLS)}")
+        raise BadLine(number, f"url must be one of {', '.join((*URLS, EMBEDDINGS_URL))}")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise BadLine(number, "body must be a JSON object")

@@ -11,20 +11,32 @@ from typing import Any
 import torch
 
 from tokenmill.engine.config import EngineConfig, engine_settings, resolve_dtype
+from tokenmill.engine.core.encoder_engine import EncoderEngine
 from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.engine.loader.hub import snapshot_revision
 from tokenmill.engine.loader.model_files import display_name, resolve_model
+from tokenmill.engine.loader.pooling_config import served_tasks
+from tokenmill.engine.loader.pooling_tokenizer import pair_separator_id
 from tokenmill.engine.loader.tokenizer import Tokenizer
+from tokenmill.engine.models import GENERATE
 from tokenmill.engine.outputs import EngineStats, RequestOutput
+from tokenmill.engine.pooling_llm import PoolingMethods
 from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.worker.build import build_runner, check_settings
+from tokenmill.engine.worker.build import (
+    build_encoder_runner,
+    build_runner,
+    check_settings,
+    is_encoder_dir,
+)
 
 Prompt = str | list[int]
 
 
-class LLM:
-    """A model loaded for batch generation.
+class LLM(PoolingMethods):
+    """A model loaded for batch generation - or for embedding, classification and
+    reranking (`embed`, `classify`, `score`, `encode`: engine/pooling_llm.py), as its
+    architecture serves (`tasks`).
 
     Args:
         model: an HF-layout directory, a .gguf file, an alias, or a Hugging Face Hub repo
@@ -62,6 +74,8 @@ class LLM:
         )
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        # What the model can be asked: generate, embed, classify, rerank.
+        self.tasks = served_tasks(self.model_dir)
         self.engine = build_engine(
             self.model_dir, config, dtype=self.dtype, device=self.device, tokenizer=self.tokenizer
         )
@@ -75,6 +89,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         on_output: Callable[[RequestOutput], None] | None = None,
+        on_step: Callable[[EngineStats], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched continuously.
 
@@ -82,6 +97,9 @@ class LLM:
             prompts: strings (tokenized here) or token-id lists, or one of either.
             sampling_params: one for all prompts, or one per prompt; None = defaults.
             on_output: called with each RequestOutput as its request finishes.
+            on_step: called after each engine step with the engine's cumulative
+                EngineStats (the same object, updated in place): progress per token.
+                An exception it raises ends the call as a failed step does.
         Returns:
             One RequestOutput per prompt, in input order. A prompt the engine cannot
             serve comes back with finish_reason "error" and .error set.
@@ -89,9 +107,14 @@ class LLM:
             the error propagates; the LLM stays usable.
 
         Raises:
-            ValueError: a structured outputs constraint is invalid or cannot be enforced
-                (raised before any prompt is queued).
+            ValueError: a structured outputs constraint is invalid or cannot be enforced,
+                or the model does not generate (raised before any prompt is queued).
         """
+        if GENERATE not in self.tasks:
+            raise ValueError(
+                f"this model serves {', '.join(self.tasks)}, not generate: use "
+                "embed, classify or score"
+            )
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -114,6 +137,8 @@ class LLM:
                     results[position[output.request_id]] = output
                     if on_output is not None:
                         on_output(output)
+                if on_step is not None:
+                    on_step(self.engine.stats)
         except BaseException:
             # A failed step (or an interrupt) must not leave these requests queued for
             # the next call: the engine is reset and the error goes to the caller.
@@ -128,6 +153,7 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         on_output: Callable[[RequestOutput], None] | None = None,
+        on_step: Callable[[EngineStats], None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         if conversations and isinstance(conversations[0], dict):
@@ -138,7 +164,7 @@ class LLM:
         ]
         # The template already carries any BOS; encode without adding special tokens.
         ids = self.tokenizer.encode_batch(prompts, add_special_tokens=False)
-        outputs = self.generate(ids, sampling_params, on_output=on_output)
+        outputs = self.generate(ids, sampling_params, on_output=on_output, on_step=on_step)
         for output, text in zip(outputs, prompts):
             output.prompt = text
         return outputs
@@ -162,15 +188,31 @@ def build_engine(
     dtype: torch.dtype,
     device: torch.device,
     tokenizer: Tokenizer | None = None,
-) -> LLMEngine:
-    """The engine loop over a runner loaded from model_dir (what `LLM` builds).
+) -> LLMEngine | EncoderEngine:
+    """The engine loop over a runner loaded from model_dir (what `LLM` builds): the
+    decode loop, or for an encoder the encoder loop.
 
     Args:
         model_dir: an HF-layout model directory.
         engine_config: the engine's settings.
         dtype, device: where and in what the model runs.
-        tokenizer: decodes outputs and stop strings (None: token ids only).
+        tokenizer: decodes outputs and stop strings (None: token ids only); an encoder
+            reads its pair template.
     """
+    if is_encoder_dir(model_dir):
+        encoder = build_encoder_runner(
+            model_dir,
+            engine_config,
+            dtype=dtype,
+            device=device,
+            pair_separator_id=pair_separator_id(tokenizer.backend) if tokenizer else None,
+        )
+        return EncoderEngine(
+            encoder.runner,
+            engine_config,
+            max_model_len=encoder.max_model_len,
+            vocab_size=encoder.model_config.vocab_size,
+        )
     loaded = build_runner(model_dir, engine_config, dtype=dtype, device=device)
     return LLMEngine(
         loaded.runner,

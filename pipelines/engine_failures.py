@@ -23,13 +23,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.engine.outputs import RequestMetrics, RequestOutput
+from tokenmill.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from tokenmill.engine.pooling_outputs import PoolingOutput
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines.tokenize import PromptRow
 
 log = logging.getLogger(__name__)
 
 OnOutput = Callable[[RequestOutput], None]
+OnStep = Callable[[EngineStats], None]
 
 
 class EngineBrokenError(RuntimeError):
@@ -43,6 +46,7 @@ def generate_with_rule(
     *,
     shard_id: str,
     on_output: OnOutput | None = None,
+    on_step: OnStep | None = None,
 ) -> dict[int, RequestOutput]:
     """Generate `rows` (all with prompts) under the engine-failure rule above.
 
@@ -52,6 +56,7 @@ def generate_with_rule(
         params: the job's distinct SamplingParams, indexed by `PromptRow.params_index`.
         shard_id: the shard's id, for messages.
         on_output: called with each RequestOutput as it finishes.
+        on_step: called after each engine step with the engine's cumulative stats.
 
     Returns:
         The engine's output per row index; a request that failed alone has an output
@@ -65,7 +70,7 @@ def generate_with_rule(
     error: Exception | None = None
     for attempt in (1, 2):
         try:
-            return generate_rows(llm, rows, params, on_output=on_output)
+            return generate_rows(llm, rows, params, on_output=on_output, on_step=on_step)
         except Exception as exc:
             error = exc
             log.warning(
@@ -80,7 +85,7 @@ def generate_with_rule(
     num_failed = 0
     for row in rows:
         try:
-            results.update(generate_rows(llm, [row], params, on_output=on_output))
+            results.update(generate_rows(llm, [row], params, on_output=on_output, on_step=on_step))
         except Exception as exc:
             results[row.row_index] = _failed(row, f"engine error: {type(exc).__name__}: {exc}")
             num_failed += 1
@@ -105,7 +110,8 @@ def generate_rows(
     params: list[SamplingParams],
     *,
     on_output: OnOutput | None = None,
-) -> dict[int, RequestOutput]:
+    on_step: OnStep | None = None,
+) -> dict[int, RequestOutput | PoolingOutput]:
     """Generate every row that has a prompt, in the given order, each with its params -
     one `LLM.generate` call, no rule (notebooks call it directly; jobs through
     `generate_with_rule`).
@@ -115,19 +121,36 @@ def generate_rows(
         rows: prompt rows; error rows are left out.
         params: the job's distinct SamplingParams, indexed by `PromptRow.params_index`.
         on_output: called with each RequestOutput as it finishes.
+        on_step: called after each engine step with the engine's cumulative stats
+            (passed on only when given, so an LLM stand-in without it still works).
 
     Returns:
-        The engine's output per row index.
+        The engine's output per row index (a PoolingOutput for a pooling row).
     """
     good = [r for r in rows if r.token_ids is not None]
-    if not good:
-        return {}
-    generated = llm.generate(
-        [r.token_ids for r in good],
-        [params[r.params_index] for r in good],
-        on_output=on_output,
-    )
-    return {r.row_index: o for r, o in zip(good, generated)}
+    # Pooling rows (embed, classify, rerank: an OpenAI batch file may mix them with
+    # generation rows) go through `LLM.encode`, the rest through `LLM.generate`.
+    pooled = [r for r in good if isinstance(params[r.params_index], PoolingParams)]
+    generating = [r for r in good if not isinstance(params[r.params_index], PoolingParams)]
+    hooks: dict[str, Any] = {"on_output": on_output}
+    if on_step is not None:
+        hooks["on_step"] = on_step
+    outputs: dict[int, RequestOutput | PoolingOutput] = {}
+    if generating:
+        generated = llm.generate(
+            [r.token_ids for r in generating],
+            [params[r.params_index] for r in generating],
+            **hooks,
+        )
+        outputs.update((r.row_index, o) for r, o in zip(generating, generated))
+    if pooled:
+        encoded = llm.encode(
+            [r.token_ids for r in pooled],
+            [params[r.params_index] for r in pooled],
+            on_output=on_output,
+        )
+        outputs.update((r.row_index, o) for r, o in zip(pooled, encoded))
+    return outputs
 
 
 def _failed(row: PromptRow, message: str) -> RequestOutput:

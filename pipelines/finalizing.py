@@ -16,6 +16,7 @@ import uuid
 import pyarrow as pa
 
 from tokenmill.connectors import openai_batch_output_lines, read_part
+from tokenmill.connectors.openai_embeddings import EmbeddingResponses, is_embeddings_url
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.ledger import (
     JobLedger,
@@ -67,6 +68,9 @@ def finalize_job(
         spec.output, [s.shard_id for s in plan.shards], spec.storage_options
     )
     starts = [s.started_at for s in stats] + ([run_started_at] if run_started_at else [])
+    forecast = out.read_forecast(spec.output, spec.storage_options)
+    if forecast is not None and forecast.get("job_id") != plan.job_id:
+        forecast = None  # a dry run of another job (other input or options)
     ledger = compute_ledger(
         sums,
         stats,
@@ -83,6 +87,7 @@ def finalize_job(
         num_shards=len(plan.shards),
         num_shards_run=num_shards_run,
         task=spec.task,
+        forecast=forecast,
     )
     out.write_ledger(
         ledger,
@@ -92,6 +97,7 @@ def finalize_job(
     )
     try:
         out.remove_plan(spec.output, spec.storage_options)
+        out.remove_progress(spec.output, spec.storage_options)
     except OSError as exc:  # the job is done; leftover plan files are only clutter
         log.warning("job %s: could not remove its plan files: %s", plan.job_id, exc)
     log.info(
@@ -133,15 +139,20 @@ def _write_openai_output(plan: JobPlan, parts: dict[str, list[str]]) -> TokenSum
     """Check and add up every part, and write `OUTPUT/results.jsonl` from them in input
     order, in one pass over the parts.
 
-    A window's shards cover a contiguous range of rows, so sorting each window's rows
-    by row index and writing the windows in order gives the input order. The file is
-    written atomically: a part that fails its check leaves no output file behind.
+    A window's shards (its copy shard included, which comes after every compute shard)
+    cover a contiguous range of rows, so sorting each window's rows by row index and
+    writing the windows in order gives the input order. The file is written atomically:
+    a part that fails its check leaves no output file behind. /v1/embeddings rows are
+    joined into one response per request line (`connectors/openai_embeddings.py`),
+    whichever windows its rows fell in.
     """
     spec = plan.spec
     sums = token_sums(RESULT_SCHEMA.empty_table())
     created = int(time.time())
+    embeddings = EmbeddingResponses(model_name=plan.model_name, batch_id=plan.job_id)
+    by_window = sorted(plan.shards, key=lambda shard: shard.window)  # stable: plan order kept
     with out.openai_results_writer(spec.output, spec.storage_options) as write:
-        for _, shards in itertools.groupby(plan.shards, key=lambda shard: shard.window):
+        for _, shards in itertools.groupby(by_window, key=lambda shard: shard.window):
             tables = []
             for shard in shards:
                 # The plan file is read with the columns the output lines need too, so no
@@ -155,14 +166,32 @@ def _write_openai_output(plan: JobPlan, parts: dict[str, list[str]]) -> TokenSum
                 sums = add_token_sums(sums, results)
                 tables.append(_with_plan_columns(results, planned))
             window = pa.concat_tables(tables, promote_options="permissive").sort_by("_row_index")
-            for line in openai_batch_output_lines(
-                window.drop_columns(["_row_index"]),
-                model_name=plan.model_name,
-                batch_id=plan.job_id,
-                created=created,
-            ):
-                write(line)
+            window = window.drop_columns(["_row_index"])
+            for is_embedding, run in _runs_by_endpoint(window):
+                if is_embedding:
+                    lines = embeddings.add(run.to_pylist())
+                else:
+                    lines = [
+                        *embeddings.flush(),
+                        *openai_batch_output_lines(
+                            run, model_name=plan.model_name, batch_id=plan.job_id, created=created
+                        ),
+                    ]
+                for line in lines:
+                    write(line)
+        for line in embeddings.flush():
+            write(line)
     return sums
+
+
+def _runs_by_endpoint(window: pa.Table):
+    """(is /v1/embeddings, table) for each run of consecutive rows of one kind."""
+    kinds = [is_embeddings_url(url) for url in window["url"].to_pylist()]
+    start = 0
+    for end in range(1, len(kinds) + 1):
+        if end == len(kinds) or kinds[end] != kinds[start]:
+            yield kinds[start], window.slice(start, end - start)
+            start = end
 
 
 def _checked_part(

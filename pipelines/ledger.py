@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -64,9 +65,10 @@ class JobLedger:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    price_input_per_1m: float
-    price_cached_input_per_1m: float
-    price_output_per_1m: float
+    # None: the price was not given (it charged nothing).
+    price_input_per_1m: float | None
+    price_cached_input_per_1m: float | None
+    price_output_per_1m: float | None
     price_device_per_hour: float | None
     cost_input: float
     cost_cached_input: float
@@ -85,9 +87,26 @@ class JobLedger:
     latency_p50_s: float | None
     latency_p95_s: float | None
     latency_p99_s: float | None
-    # generate | score (pipelines/scoring.py: a scoring job bills prompt tokens only).
+    # generate | score (pipelines/scoring.py: a scoring job bills prompt tokens only) |
+    # embed | classify | rerank (pipelines/pooling.py: prompt tokens only, too).
     # Last, with a default: ledgers written before there were tasks are generation jobs.
     task: str = GENERATE
+    # Rows answered per device-second (the figure embedding jobs are judged by); None for
+    # ledgers written before it was kept.
+    throughput_rows_per_s: float | None = None
+    # Rows that took an identical row's answer and billed no tokens (pipelines/dedupe.py).
+    rows_deduplicated: int = 0
+    # The dry run's forecast of this job (pipelines/forecast.py), beside the actuals
+    # above; None when the job was not forecast. Seconds: compute seconds the dry run
+    # expected to run; completion tokens and cost: its estimates, with their bounds.
+    forecast_prompt_tokens: int | None = None
+    forecast_cached_tokens: int | None = None
+    forecast_completion_tokens: int | None = None
+    forecast_completion_tokens_max: int | None = None
+    forecast_cost: float | None = None
+    forecast_cost_min: float | None = None
+    forecast_cost_max: float | None = None
+    forecast_seconds: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,6 +135,10 @@ def _arrow_type(annotation: str) -> pa.DataType:
 LEDGER_SCHEMA = pa.schema([pa.field(f.name, _arrow_type(f.type)) for f in fields(JobLedger)])
 
 
+def _price(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100) by linear interpolation (numpy's default); None if empty."""
     if not 0 <= q <= 100:
@@ -129,19 +152,23 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def token_sums(results: pa.Table) -> dict[str, int]:
-    """rows_ok, rows_failed and token sums over a results table."""
+    """rows_ok, rows_failed, token sums and rows_deduplicated over a results table."""
 
     def total(name: str) -> int:
         value = pc.sum(results[name]).as_py()
         return int(value or 0)
 
     failed = int(pc.sum(pc.equal(results["finish_reason"], "error")).as_py() or 0)
+    copies = 0
+    if "duplicate_of" in results.column_names:
+        copies = results.num_rows - results["duplicate_of"].null_count
     return {
         "rows_ok": results.num_rows - failed,
         "rows_failed": failed,
         "prompt_tokens": total("prompt_tokens"),
         "cached_tokens": total("cached_tokens"),
         "completion_tokens": total("completion_tokens"),
+        "rows_deduplicated": copies,
     }
 
 
@@ -168,6 +195,7 @@ def compute_ledger(
     num_shards: int,
     num_shards_run: int,
     task: str = GENERATE,
+    forecast: Mapping[str, Any] | None = None,
 ) -> JobLedger:
     """Build a job's ledger from its result rows and its shards' stats.
 
@@ -179,6 +207,8 @@ def compute_ledger(
         started_at, finished_at: ISO times of the job's first shard and of now.
         task: generate or score; a scoring job's rows have no completion tokens, so
             its cost is the prompt tokens' at the input and cached-input prices.
+        forecast: the job's dry-run forecast (`Forecast.to_dict()`), recorded beside
+            the actuals.
         (the rest are recorded as given; URIs are redacted of credentials)
 
     Returns:
@@ -211,9 +241,9 @@ def compute_ledger(
         num_shards=num_shards,
         num_shards_run=num_shards_run,
         **sums,
-        price_input_per_1m=float(prices.input_per_1m),
-        price_cached_input_per_1m=float(prices.cached_input),
-        price_output_per_1m=float(prices.output_per_1m),
+        price_input_per_1m=_price(prices.input_per_1m),
+        price_cached_input_per_1m=_price(prices.cached_input_given),
+        price_output_per_1m=_price(prices.output_per_1m),
         price_device_per_hour=prices.device_per_hour,
         **asdict(costs),
         device=",".join(devices),
@@ -227,4 +257,25 @@ def compute_ledger(
         latency_p95_s=percentile(latencies, 95),
         latency_p99_s=percentile(latencies, 99),
         task=task,
+        throughput_rows_per_s=rate(sums["rows_ok"]),
+        **_forecast_fields(forecast),
     )
+
+
+# ledger field -> the forecast's field it records
+FORECAST_FIELDS = {
+    "forecast_prompt_tokens": "prompt_tokens",
+    "forecast_cached_tokens": "cached_tokens",
+    "forecast_completion_tokens": "completion_tokens_estimate",
+    "forecast_completion_tokens_max": "completion_tokens_max",
+    "forecast_cost": "cost_estimate",
+    "forecast_cost_min": "cost_min",
+    "forecast_cost_max": "cost_max",
+    "forecast_seconds": "seconds_estimate",
+}
+
+
+def _forecast_fields(forecast: Mapping[str, Any] | None) -> dict[str, Any]:
+    if forecast is None:
+        return {}
+    return {name: forecast.get(source) for name, source in FORECAST_FIELDS.items()}

@@ -1,5 +1,6 @@
-"""`tokenmill.generate` and `tokenmill.score`: a DataFrame's rows answered (or scored) in
-a notebook, results in input order.
+"""`tokenmill.generate`, `tokenmill.score` and `tokenmill.embed` / `classify` / `rerank`: a
+DataFrame's rows answered, scored or pooled in a notebook, results in input order;
+`tokenmill.forecast`: what `generate` will cost.
 
 The same options (`pipelines/options.py`, the NOTEBOOK surface), templating,
 tokenizing, ordering and results code as a batch job, without shards or files: rows
@@ -11,8 +12,10 @@ engine options - does not load it again.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -21,14 +24,26 @@ from tokenmill.connectors import ERROR_COLUMN
 from tokenmill.connectors.decoding import Decoding, decode_values
 from tokenmill.connectors.lines import BadLine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.pipelines.dedupe import find_copies
 from tokenmill.pipelines.engine_failures import generate_rows
-from tokenmill.pipelines.option_types import NOTEBOOK, PROMPT, SAMPLE
+from tokenmill.pipelines.forecast import Forecast, Work, engine_facts, forecast_work, requests_of
+from tokenmill.pipelines.option_types import JOB, NOTEBOOK, POOL, PRICES, PROMPT, SAMPLE
 from tokenmill.pipelines.options import check_options, llm_options, routed, takes_options
 from tokenmill.pipelines.parsed import with_parsed
 from tokenmill.pipelines.plan import order_rows
+from tokenmill.pipelines.pooling import (
+    CLASSIFY,
+    EMBED,
+    POOLING_JOB_TASKS,
+    RERANK,
+    PoolingLayout,
+    tokenize_pooling_rows,
+)
+from tokenmill.pipelines.pricing import Prices
 from tokenmill.pipelines.reading import check_ids, mark_bad_rows, params_indices
 from tokenmill.pipelines.results import (
     DECODE_REPLACED,
+    DUPLICATE_OF,
     build_results,
     check_passthrough,
     extra_columns,
@@ -48,7 +63,7 @@ from tokenmill.pipelines.templating import (
     required_columns,
     validate_columns,
 )
-from tokenmill.pipelines.tokenize import chat_renderer, tokenize_rows
+from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
 
 
 def to_arrow(data: Any) -> pa.Table:
@@ -84,7 +99,7 @@ def to_arrow(data: Any) -> pa.Table:
     )
 
 
-@takes_options(NOTEBOOK)
+@takes_options(NOTEBOOK, skip_sections=(POOL,))
 def generate(
     data: Any,
     *,
@@ -121,7 +136,7 @@ def generate(
     return _run(data, GENERATE, llm=llm, on_output=on_output, options=options)
 
 
-@takes_options(NOTEBOOK, skip_sections=(SAMPLE,))
+@takes_options(NOTEBOOK, skip_sections=(SAMPLE, POOL))
 def score(
     data: Any,
     *,
@@ -153,6 +168,95 @@ def score(
     return _run(data, SCORE, llm=llm, on_output=on_output, options=options)
 
 
+@takes_options(NOTEBOOK, skip_sections=(SAMPLE,))
+def embed(
+    data: Any,
+    column: str | None = None,
+    *,
+    llm: Any = None,
+    on_output: Callable[[Any], None] | None = None,
+    **options: Any,
+) -> Any:
+    """Embed every row's text with an embedding model; results in input order.
+
+    Args:
+        data: polars/pandas DataFrame, Arrow table, or a list of texts.
+        column: the column holding the text (the `prompt_column` option; a template
+            works too).
+        llm: an already loaded LLM (default: the shared engine for `model`, ...).
+        on_output: called with each PoolingOutput as it finishes.
+        **options: the job options a notebook takes, less the sampling ones: model,
+            dimensions, normalize, embedding_dtype, prompt_name, truncate, ...
+            (`pipelines/pooling.py` says what is embedded and how bad rows end).
+
+    Returns:
+        A polars DataFrame: id, output (null), finish_reason ("embed"), prompt_tokens,
+        cached_tokens, completion_tokens (0), error, embedding (Array(Float32, n)),
+        truncated, then the input's columns. Bad rows have finish_reason "error" and a
+        null embedding.
+    """
+    return _run(data, EMBED, llm=llm, on_output=on_output, options=_column(options, column))
+
+
+@takes_options(NOTEBOOK, skip_sections=(SAMPLE,))
+def classify(
+    data: Any,
+    column: str | None = None,
+    *,
+    llm: Any = None,
+    on_output: Callable[[Any], None] | None = None,
+    **options: Any,
+) -> Any:
+    """Classify every row's text with a sequence-classification model; results in
+    input order, with `label` (config.json's id2label) and `probs` (one per label)."""
+    return _run(data, CLASSIFY, llm=llm, on_output=on_output, options=_column(options, column))
+
+
+@takes_options(NOTEBOOK, skip_sections=(SAMPLE,))
+def rerank(
+    data: Any,
+    column: str | None = None,
+    *,
+    query_column: str = "query",
+    llm: Any = None,
+    on_output: Callable[[Any], None] | None = None,
+    **options: Any,
+) -> Any:
+    """Score every (query, text) row with a cross-encoder; results in input order, with
+    `score`. `query_column` holds each row's query, `column` its document."""
+    options = {**_column(options, column), "query_column": query_column}
+    return _run(data, RERANK, llm=llm, on_output=on_output, options=options)
+
+
+def _column(options: dict[str, Any], column: str | None) -> dict[str, Any]:
+    if column is None:
+        return options
+    if options.get("prompt_column") not in (None, column):
+        raise ValueError("give column or prompt_column, not both")
+    return {**options, "prompt_column": column}
+
+
+@dataclass
+class _Prepared:
+    """A DataFrame's rows ready for the engine."""
+
+    values: dict[str, Any]  # the checked options
+    table: pa.Table
+    passthrough: list[str]
+    llm: Any
+    lock: Any
+    params: ParamsTable
+    rows: list[PromptRow]  # every row, in input order
+    copies: dict[int, int]  # copy row index -> source row index (dedupe)
+    replaced: list[bool] | None  # rows whose input bytes were replaced (or None)
+    layout: PoolingLayout | None  # a pooling task's results layout
+
+    @property
+    def computed(self) -> list[PromptRow]:
+        """The rows the engine computes, in the order it runs them."""
+        return order_rows([r for r in self.rows if r.row_index not in self.copies])
+
+
 def _run(
     data: Any,
     task: str,
@@ -161,15 +265,98 @@ def _run(
     on_output: Callable[[RequestOutput], None] | None,
     options: dict[str, Any],
 ) -> Any:
-    """`generate` or `score`: the rows of `data` through the engine, in input order."""
+    """`generate`, `score` or a pooling task: the rows of `data` through the engine, in
+    input order."""
     import polars as pl
 
+    job = _prepare(data, task, llm=llm, options=options)
+    with job.lock:
+        outputs = generate_rows(job.llm, job.computed, job.params.params, on_output=on_output)
+    ids = [r.id for r in job.rows]  # row_index is the position in `data`
+    extras = extra_columns(job.params.params) + ((DUPLICATE_OF,) if job.copies else ())
+    carried = job.table.select(list(job.passthrough))
+    if job.replaced is not None:
+        carried = carried.add_column(0, DECODE_REPLACED, pa.array(job.replaced, pa.bool_()))
+    results = build_results(
+        job.rows,
+        outputs,
+        passthrough=carried,
+        task=task,
+        extras=extras,
+        layout=job.layout,
+        copies={copy: (source, ids[source]) for copy, source in job.copies.items()},
+        logprobs=logprobs_column(job.llm, job.params.params),
+    )
+    frame = pl.from_arrow(results)
+    if job.values["parse"]:
+        frame = with_parsed(frame, job.values["json_schema"])
+    return frame
+
+
+@takes_options(NOTEBOOK)
+def forecast(data: Any, *, llm: Any = None, calibrate: bool = True, **options: Any) -> Forecast:
+    """What `generate(data, **options)` will cost, before it runs (`pipelines/forecast.py`).
+
+    The rows are templated, tokenized, deduplicated and ordered exactly as `generate`
+    does, then forecast: prompt and cached tokens exact (for an engine whose prefix
+    cache starts empty), completion tokens between their bounds, costs, and - with
+    `calibrate` - estimates of completion tokens and seconds from a short run of a
+    sample of the rows.
+
+    Args:
+        data: as for `generate`.
+        llm: an already loaded LLM (default: the shared engine, loaded if needed).
+        calibrate: run the calibration sample (off: exact and bounded figures only).
+        **options: as for `generate`, plus the prices: price_input, price_cached,
+            price_output, price_device_hour (USD per 1M tokens, per device-hour).
+
+    Returns:
+        The Forecast (`job_id` None: a notebook call is not a job).
+    """
+    prices = {name: options.pop(name) for name in _PRICE_OPTIONS if name in options}
+    job = _prepare(data, GENERATE, llm=llm, options=options)
+    batch = requests_of(job.computed, job.params.params)
+    work = Work(
+        [batch],
+        rows=len(job.rows),
+        rows_failed=sum(1 for r in job.rows if r.error is not None),
+        rows_deduplicated=len(job.copies),
+    )
+    with job.lock:
+        return forecast_work(
+            work,
+            engine=engine_facts({}, None, job.llm),
+            prices=Prices(**routed(check_options(prices, surface=JOB), PRICES)),
+            task=GENERATE,
+            model=getattr(job.llm, "model_name", "model"),
+            llm=job.llm if calibrate else None,
+        )
+
+
+_PRICE_OPTIONS = ("price_input", "price_cached", "price_output", "price_device_hour")
+forecast.__signature__ = forecast.__signature__.replace(
+    parameters=[
+        *forecast.__signature__.parameters.values(),
+        *(
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+            for name in _PRICE_OPTIONS
+        ),
+    ]
+)
+
+
+def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Prepared:
+    """Check the options, load the engine if needed, and template, tokenize and
+    deduplicate the rows of `data`."""
     values = check_options(options, surface=NOTEBOOK)
     values = resolve_task({**values, "task": task})
     template = TemplateSpec(**routed(values, PROMPT))
     base = sampling_params(values)
     table = to_arrow(data)
     validate_columns(template, table.column_names, source="data")
+    query_column = values["query_column"]
+    if query_column is not None and query_column not in table.column_names:
+        raise ValueError(f"data has no column {query_column!r} (query_column)")
     schema_column = values["json_schema_column"]
     if schema_column is not None and schema_column not in table.column_names:
         raise ValueError(f"data has no column {schema_column!r} (json_schema_column)")
@@ -193,39 +380,61 @@ def _run(
     params = ParamsTable(base, check=engine.compile_structured_outputs if engine else None)
     columns = table.to_pydict()
     decoding = Decoding(values["encoding"], values["on_decode_error"])
-    replaced = _decode_text_columns(columns, table.schema, required_columns(template), decoding)
+    decoded = [*required_columns(template), *([query_column] if query_column else [])]
+    replaced = _decode_text_columns(columns, table.schema, decoded, decoding)
     chat = chat_renderer(llm.tokenizer, add_generation_prompt=adds_generation_prompt(task))
     rendered = render_rows(columns, template, chat=chat)
     rendered = mark_bad_rows(rendered, columns, id_column=template.id_column, start=0)
-    pairs = params_indices(columns, params, rendered, schema_column=schema_column)
-    indices = [i for _, i in pairs]
-    rows = tokenize_rows(
-        llm.tokenizer,
-        [r for r, _ in pairs],
-        max_model_len=llm.max_model_len,
-        max_tokens=[params.params[i].max_tokens for i in indices],
-        params_index=indices,
-        min_prompt_tokens=min_prompt_tokens(task),
-    )
+    layout = None
+    if task in POOLING_JOB_TASKS:
+        rows, layout = _pooling_rows(llm, task, values, rendered, columns)
+    else:
+        pairs = params_indices(columns, params, rendered, schema_column=schema_column)
+        indices = [i for _, i in pairs]
+        rows = tokenize_rows(
+            llm.tokenizer,
+            [r for r, _ in pairs],
+            max_model_len=llm.max_model_len,
+            max_tokens=[params.params[i].max_tokens for i in indices],
+            params_index=indices,
+            min_prompt_tokens=min_prompt_tokens(task),
+        )
     if template.id_column is not None:
         check_ids(rows, id_column=template.id_column, source="data")
-    with lock:
-        outputs = generate_rows(llm, order_rows(rows), params.params, on_output=on_output)
-    carried = table.select(list(passthrough))
-    if replaced is not None:
-        carried = carried.add_column(0, DECODE_REPLACED, pa.array(replaced, pa.bool_()))
-    results = build_results(
-        rows,
-        outputs,
-        passthrough=carried,
-        task=task,
-        extras=extra_columns(params.params),
-        logprobs=logprobs_column(llm, params.params),
+    copies = find_copies(rows, params.params) if values["dedupe"] else {}
+    return _Prepared(
+        values, table, list(passthrough), llm, lock, params, rows, copies, replaced, layout
     )
-    frame = pl.from_arrow(results)
-    if values["parse"]:
-        frame = with_parsed(frame, values["json_schema"])
-    return frame
+
+
+def _pooling_rows(
+    llm: Any, task: str, values: dict[str, Any], rendered: list, columns: dict[str, list]
+) -> tuple[list, PoolingLayout]:
+    """A pooling task's rows tokenized for the loaded model, and its results layout.
+
+    Raises:
+        ValueError: the model does not serve the task, or an option it cannot honour.
+    """
+    if task not in llm.tasks:
+        raise ValueError(f"this model serves {', '.join(llm.tasks)}, not {task}")
+    prefix = llm.prompt_prefix(values["prompt_name"]) if values["prompt_name"] else ""
+    size = llm.embedding_size if task == EMBED else None
+    if values["dimensions"] is not None and size is not None and values["dimensions"] > size:
+        raise ValueError(f"dimensions={values['dimensions']} is more than the model's {size}")
+    rows = tokenize_pooling_rows(
+        llm.pooling_tokenizer,
+        rendered,
+        truncate=values["truncate"],
+        prefix=prefix,
+        queries=columns[values["query_column"]] if task == RERANK else None,
+    )
+    layout = PoolingLayout(
+        task,
+        embedding_size=values["dimensions"] or size,
+        embedding_dtype=values["embedding_dtype"],
+        label_names=llm.label_names,
+    )
+    return rows, layout
 
 
 def _decode_text_columns(

@@ -70,6 +70,7 @@ from tokenmill.pipelines.option_types import (
     KEY_VALUES,
     MODEL,
     NOTEBOOK,
+    POOL,
     PRICES,
     PROMPT,
     PROMPTS,
@@ -84,6 +85,7 @@ from tokenmill.pipelines.option_types import (
     choice,
 )
 from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS, DEFAULT_SHARD_TOKENS
+from tokenmill.pipelines.pooling import EMBEDDING_DTYPES, TRUNCATE
 from tokenmill.pipelines.scoring import TASKS
 
 
@@ -113,7 +115,10 @@ OPTIONS: tuple[Option, ...] = (
         choice(*TASKS),
         "generate",
         "generate: answer each row. score: generate nothing; give each row's prompt "
-        "log-probability sum and perplexity (text is scored as it is unless --chat).",
+        "log-probability sum and perplexity (text is scored as it is unless --chat). "
+        "embed: each row's embedding; classify: its label and class probabilities; "
+        "rerank: the relevance score of (query_column, text) - with an embedding, "
+        "classification or cross-encoder model.",
         RUN,
         surfaces=BATCH,
     ),
@@ -193,6 +198,15 @@ OPTIONS: tuple[Option, ...] = (
         "column unless given).",
         INPUT,
         repeatable=True,
+        metavar="COL",
+    ),
+    Option(
+        "query_column",
+        TEXT,
+        None,
+        "rerank: the column holding each row's query; the row's prompt column (or "
+        "template) is the document it is scored with.",
+        INPUT,
         metavar="COL",
     ),
     Option("limit", INT, None, "Only the first N input rows.", INPUT, surfaces=BATCH, ge=1),
@@ -515,12 +529,56 @@ OPTIONS: tuple[Option, ...] = (
         SAMPLE,
         surfaces=frozenset({NOTEBOOK}),
     ),
+    # -- pooling: embed, classify and rerank jobs (pipelines/pooling.py) ---------------------
+    Option(
+        "dimensions",
+        INT,
+        None,
+        "embed: keep the first N values of each embedding and normalise it again "
+        "(Matryoshka models); default: all of them.",
+        POOL,
+        ge=1,
+    ),
+    Option(
+        "normalize",
+        BOOL,
+        None,
+        "embed: unit-normalise embeddings (default: as the model's sentence-transformers "
+        "modules say).",
+        POOL,
+        flag="--normalize/--no-normalize",
+    ),
+    Option(
+        "embedding_dtype",
+        choice(*EMBEDDING_DTYPES),
+        "float32",
+        "embed: the embedding column's storage type (float16 halves the output).",
+        POOL,
+    ),
+    Option(
+        "prompt_name",
+        TEXT,
+        None,
+        "embed: put the model's named prompt (config_sentence_transformers.json, e.g. "
+        "query) before each text.",
+        POOL,
+        metavar="NAME",
+    ),
+    Option(
+        "truncate",
+        choice(*TRUNCATE),
+        "end",
+        "embed, classify, rerank: a text longer than the model's max_seq_length is cut at "
+        "the end as sentence-transformers does (truncated: true in the results), or with "
+        "never becomes an error row.",
+        POOL,
+    ),
     # -- costs --------------------------------------------------------------------------------
     Option(
         "price_input",
         FLOAT,
-        0.0,
-        "USD per 1M uncached prompt tokens.",
+        None,
+        "USD per 1M uncached prompt tokens (default: not set, charged 0).",
         COSTS,
         surfaces=BATCH,
         to=PRICES,
@@ -541,8 +599,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "price_output",
         FLOAT,
-        0.0,
-        "USD per 1M completion tokens.",
+        None,
+        "USD per 1M completion tokens (default: not set, charged 0).",
         COSTS,
         surfaces=BATCH,
         to=PRICES,
@@ -585,6 +643,36 @@ OPTIONS: tuple[Option, ...] = (
         BOOL,
         True,
         "Skip shards already complete in the output; off recomputes everything.",
+        RUN,
+        surfaces=BATCH,
+    ),
+    Option(
+        "dedupe",
+        BOOL,
+        True,
+        "Compute rows whose prompt and sampling parameters are identical once, when their "
+        "answer is deterministic (greedy, or a seed); each copy gets the answer, its "
+        "`duplicate_of` column names the row computed, and it bills no tokens.",
+        RUN,
+    ),
+    Option(
+        "dry_run",
+        BOOL,
+        False,
+        "Plan the job and forecast it - rows, prompt and cached tokens (exact), completion "
+        "tokens, cost and duration - without computing it; only OUTPUT/_forecast.json is "
+        "written, which the job's ledger later shows beside the actuals.",
+        RUN,
+        surfaces=BATCH,
+        flag="--dry-run/--no-dry-run",
+    ),
+    Option(
+        "calibrate",
+        BOOL,
+        True,
+        "With dry_run: time a short run of a sample of the job's own rows (at most 5% of "
+        "them, about 30 s) to estimate completion tokens and duration; off, the forecast "
+        "gives the exact and bounded figures only and loads no model.",
         RUN,
         surfaces=BATCH,
     ),

@@ -7,8 +7,9 @@ Pure functions. One result row per input row:
 
 A scoring job's rows (`pipelines/scoring.py`) have the same columns - output null,
 finish_reason score | error, completion_tokens 0 - plus `prompt_logprob_sum` and
-`perplexity` after `error`. The schema is fixed by the task, so every part of a job
-has the same one, and a job's rows are all of one task.
+`perplexity` after `error`; a pooling job's (`pipelines/pooling.py`: embed, classify,
+rerank) its task's columns there, as its `PoolingLayout` says. The schema is fixed by
+the task, so every part of a job has the same one, and a job's rows are all of one task.
 
 Error rows (bad input, over-long prompts, requests the engine could not serve) carry
 zero tokens: nothing was billed for them, and the ledger sums the rows as they are.
@@ -26,6 +27,14 @@ has the same schema):
                                 generated token of `output` (`pipelines/logprobs.py`);
                                 each completion has its own in `completions`. With any
                                 logprobs asked for; null on rows that did not ask.
+    duplicate_of                string: the id of the identical row whose answer this
+                                row takes (null on rows computed themselves); such a row
+                                bills no tokens (`pipelines/dedupe.py`). With any row
+                                deduplicated.
+
+    embedding, truncated        an OpenAI batch file's /v1/embeddings lines: each
+                                line's embedding (list of float32; null on other rows)
+                                and whether its text was cut. With any such line.
 
 and one when the job reads its input with `on_decode_error="replace"`:
 
@@ -44,8 +53,11 @@ from typing import Any
 import pyarrow as pa
 
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.pooling_outputs import PoolingOutput
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines.logprobs import LOGPROBS_TYPE, LogprobsColumn
+from tokenmill.pipelines.pooling import POOLING_JOB_TASKS, PoolingLayout, pooling_columns
 from tokenmill.pipelines.scoring import GENERATE, SCORE, SCORE_FINISH_REASON, prompt_score
 from tokenmill.pipelines.tokenize import PromptRow
 
@@ -73,13 +85,21 @@ COMPLETION_TYPE = pa.struct(
         ("structured_output_complete", pa.bool_()),
     ]
 )
+DUPLICATE_OF = "duplicate_of"
 DECODE_REPLACED = "decode_replaced"
+# An OpenAI batch file's embeddings in a generation job's results (sizes may differ).
+_LINE_EMBEDDINGS = PoolingLayout("embed")
 EXTRA_FIELDS = {
     "structured_output_complete": pa.field("structured_output_complete", pa.bool_()),
     "completions": pa.field("completions", pa.list_(COMPLETION_TYPE)),
     "logprobs": pa.field("logprobs", LOGPROBS_TYPE),
+    "embedding": _LINE_EMBEDDINGS.fields()[0],
+    "truncated": _LINE_EMBEDDINGS.fields()[1],
+    DUPLICATE_OF: pa.field(DUPLICATE_OF, pa.string()),
     DECODE_REPLACED: pa.field(DECODE_REPLACED, pa.bool_(), nullable=False),
 }
+# What a copy's row bills: nothing was computed for it.
+TOKEN_COLUMNS = ("prompt_tokens", "cached_tokens", "completion_tokens")
 # With logprobs too, each completion carries its own.
 _COMPLETIONS_WITH_LOGPROBS = pa.field(
     "completions",
@@ -87,22 +107,37 @@ _COMPLETIONS_WITH_LOGPROBS = pa.field(
 )
 
 
-def extra_columns(params: Sequence[SamplingParams]) -> tuple[str, ...]:
-    """The optional result columns a job's distinct params call for, in schema order."""
+def extra_columns(params: Sequence[SamplingParams | PoolingParams]) -> tuple[str, ...]:
+    """The optional result columns a job's distinct params call for, in schema order.
+
+    A generation job whose rows include pooling ones (an OpenAI batch file with
+    /v1/embeddings lines) gains `embedding` and `truncated`; a pooling job has its
+    task's columns in its schema already (all its params are pooling ones).
+    """
+    sampling = [p for p in params if isinstance(p, SamplingParams)]
     extras = []
-    if any(p.structured_outputs is not None for p in params):
+    if any(p.structured_outputs is not None for p in sampling):
         extras.append("structured_output_complete")
-    if any(p.n > 1 for p in params):
+    if any(p.n > 1 for p in sampling):
         extras.append("completions")
-    if any(p.logprobs is not None for p in params):
+    if any(p.logprobs is not None for p in sampling):
         extras.append("logprobs")
+    if sampling and len(sampling) < len(params):
+        extras += ["embedding", "truncated"]
     return tuple(extras)
 
 
-def result_schema(task: str = GENERATE, extras: Sequence[str] = ()) -> pa.Schema:
+def result_schema(
+    task: str = GENERATE, extras: Sequence[str] = (), layout: PoolingLayout | None = None
+) -> pa.Schema:
     """The schema of a `task` job's results (before passthrough columns), with the
-    optional columns `extras` (`extra_columns` of the job's params) after its own."""
-    base = SCORE_RESULT_SCHEMA if task == SCORE else RESULT_SCHEMA
+    optional columns `extras` (`extra_columns` of the job's params) after its own; a
+    pooling job's columns are its `layout`'s (default: its task's, embeddings of any
+    size)."""
+    if task in POOLING_JOB_TASKS:
+        base = [*RESULT_SCHEMA, *(layout or PoolingLayout(task)).fields()]
+    else:
+        base = SCORE_RESULT_SCHEMA if task == SCORE else RESULT_SCHEMA
     fields = [EXTRA_FIELDS[name] for name in extras]
     if "logprobs" in extras and "completions" in extras:
         fields = [_COMPLETIONS_WITH_LOGPROBS if f.name == "completions" else f for f in fields]
@@ -141,6 +176,8 @@ def result_record(
         return _error_record(row.id, row.error)
     if output is None:
         return _error_record(row.id, "no output from the engine")
+    if isinstance(output, PoolingOutput):
+        return _pooled_record(row, output)
     if task == SCORE:
         return _score_record(row, output)
     reason = output.finish_reason if output.outputs else "error"
@@ -190,6 +227,24 @@ def _score_record(row: PromptRow, output: RequestOutput) -> dict:
     }
 
 
+def _pooled_record(row: PromptRow, output: PoolingOutput) -> dict:
+    """A pooling row's columns every job has (a pooling job adds its task's columns
+    column-wise; a generation job's OpenAI embeddings line gets `embedding` here)."""
+    if output.error is not None or output.data is None:
+        return _error_record(row.id, output.error or "the engine returned no pooled value")
+    return {
+        "id": row.id,
+        "output": None,
+        "finish_reason": output.task,
+        "prompt_tokens": int(output.prompt_tokens),
+        "cached_tokens": int(output.cached_tokens),
+        "completion_tokens": 0,
+        "error": None,
+        "embedding": output.data.tolist(),
+        "truncated": bool(row.truncated),
+    }
+
+
 def _error_record(row_id: str, message: str) -> dict:
     return {
         "id": row_id,
@@ -217,6 +272,8 @@ def build_results(
     task: str = GENERATE,
     extras: Sequence[str] = (),
     logprobs: LogprobsColumn | None = None,
+    layout: PoolingLayout | None = None,
+    copies: Mapping[int, tuple[int, str]] | None = None,
 ) -> pa.Table:
     """A results table for `rows`, in their order.
 
@@ -228,16 +285,50 @@ def build_results(
         task: the job's task: its rows and schema (`result_schema`).
         extras: optional columns (`extra_columns` of the job's params).
         logprobs: builds the `logprobs` column (needed when it is among the extras).
+        layout: a pooling job's layout (its embedding size and dtype, label names).
+        copies: row index -> (source row index, source id) of rows that take an
+            identical row's answer (`pipelines/dedupe.py`); extras must then hold
+            duplicate_of.
 
     Returns:
         A table with the task's result columns, the extras, then the passthrough columns.
     """
     if "logprobs" in extras and logprobs is None:
         raise ValueError("a logprobs column needs its LogprobsColumn")
-    records = [
-        result_record(r, outputs.get(r.row_index), task=task, logprobs=logprobs) for r in rows
-    ]
-    table = pa.Table.from_pylist(records, schema=result_schema(task, extras))
+    copies = copies or {}
+    if copies:  # a copy's answer (and vectors) are its source's
+        outputs = {
+            **outputs,
+            **{i: outputs[src] for i, (src, _) in copies.items() if src in outputs},
+        }
+
+    def record(row: PromptRow) -> dict:
+        result = result_record(row, outputs.get(row.row_index), task=task, logprobs=logprobs)
+        if row.row_index in copies:
+            result.update(dict.fromkeys(TOKEN_COLUMNS, 0))
+            result[DUPLICATE_OF] = copies[row.row_index][1]
+        return result
+
+    records = [record(r) for r in rows]
+    if task in POOLING_JOB_TASKS:
+        # Vectors are built column-wise (pipelines/pooling.py): a shard's embeddings
+        # are one array, never a Python float each.
+        layout = layout or PoolingLayout(task)
+        table = pa.Table.from_pylist(
+            [{k: r[k] for k in RESULT_COLUMNS} for r in records], schema=RESULT_SCHEMA
+        )
+        errors = [r["error"] for r in records]
+        for field, column in zip(layout.fields(), pooling_columns(rows, outputs, layout, errors)):
+            table = table.append_column(field, column)
+        table = _with_extras(table, records, extras)
+    else:
+        table = pa.Table.from_pylist(records, schema=result_schema(task, extras))
+    return _with_passthrough(table, passthrough, task=task)
+
+
+def _with_passthrough(table: pa.Table, passthrough: pa.Table | None, *, task: str) -> pa.Table:
+    """`table` then the passthrough columns, `decode_replaced` first (as its result
+    field: non-null bool), so a copy shard's part has its compute shards' schema."""
     if passthrough is not None and DECODE_REPLACED in passthrough.column_names:
         flags = passthrough[DECODE_REPLACED].cast(pa.bool_()).fill_null(False)
         table = table.append_column(EXTRA_FIELDS[DECODE_REPLACED], flags)
@@ -251,6 +342,63 @@ def build_results(
         for name in passthrough.column_names:
             table = table.append_column(passthrough.schema.field(name), passthrough[name])
     return table
+
+
+def _with_extras(table: pa.Table, records: list[dict], extras: Sequence[str]) -> pa.Table:
+    for name in extras:
+        field = EXTRA_FIELDS[name]
+        table = table.append_column(field, pa.array([r.get(name) for r in records], field.type))
+    return table
+
+
+def copy_results(
+    sources: pa.Table,
+    copies: Sequence[tuple[str, str]],
+    *,
+    task: str = GENERATE,
+    extras: Sequence[str] = (DUPLICATE_OF,),
+    layout: PoolingLayout | None = None,
+    passthrough: pa.Table | None = None,
+) -> pa.Table:
+    """The result rows of copies, from their sources' result rows (`pipelines/dedupe.py`).
+
+    Args:
+        sources: result rows holding every source named in `copies` (any extra rows
+            or columns are ignored).
+        copies: (copy id, source id) per copy, in the order of the table to build.
+        task: the job's task.
+        extras: the job's optional columns, duplicate_of among them.
+        layout: a pooling job's layout (as for `build_results`).
+        passthrough: the copies' own passthrough columns, one row per copy (as for
+            `build_results`).
+
+    Returns:
+        Each source's row with the copy's id, zero tokens, `duplicate_of` = the source's
+        id, then the copies' passthrough columns.
+
+    Raises:
+        KeyError: a source id that `sources` does not hold.
+    """
+    schema = result_schema(task, extras, layout)
+    position = {rid: i for i, rid in enumerate(sources["id"].to_pylist())}
+    take = pa.array([position[source] for _, source in copies], pa.int64())
+    table = sources.select([n for n in schema.names if n in sources.column_names]).take(take)
+    zeros = pa.array([0] * len(copies), pa.int64())
+    columns = {
+        "id": pa.array([copy for copy, _ in copies], pa.string()),
+        DUPLICATE_OF: pa.array([source for _, source in copies], pa.string()),
+        **dict.fromkeys(TOKEN_COLUMNS, zeros),
+    }
+    arrays = [
+        columns[f.name]
+        if f.name in columns
+        else table[f.name]
+        if f.name in table.column_names
+        else pa.nulls(len(copies), f.type)
+        for f in schema
+    ]
+    result = pa.Table.from_arrays(arrays, schema=schema)
+    return _with_passthrough(result, passthrough, task=task)
 
 
 def latencies(outputs: Mapping[int, RequestOutput]) -> list[float]:

@@ -10,9 +10,12 @@ reads just its own rows. The table, one row per planned row, in run order:
     token_ids     list<int32>    prompt tokens; null for an error row
     error         string         why the row failed before compute; null otherwise
     params_index  int32          index into the job's distinct SamplingParams
+    truncated     bool           the text was cut to the model's max_seq_length (pooling)
     url           string         OpenAI batch input only: the request's endpoint
     tool_calls    string         OpenAI batch input only: how the answer is read as tool
                                  calls (JSON; null: it is not)
+    source_row_index  int64      copy shards only (pipelines/dedupe.py): the row whose
+    source_shard      string     answer each copy takes, and the shard that computes it
     passthrough/<name>           each passthrough column, as read
 
 Passthrough columns carry a prefix so that no input column name can clash with ours.
@@ -32,6 +35,8 @@ from tokenmill.pipelines.tokenize import PromptRow
 PASSTHROUGH_PREFIX = "passthrough/"
 URL_COLUMN = "url"
 TOOL_CALLS_COLUMN = "tool_calls"
+SOURCE_ROW_COLUMN = "source_row_index"
+SOURCE_SHARD_COLUMN = "source_shard"
 
 
 @dataclass
@@ -41,6 +46,8 @@ class ShardRows:
     rows: list[PromptRow]  # in run order
     passthrough: pa.Table | None  # one row per entry of `rows`, same order
     endpoints: list[str | None] | None  # OpenAI batch: each row's request url
+    # A copy shard's rows: (source row index, source shard id) per row; None otherwise.
+    sources: list[tuple[int, str]] | None = None
 
 
 def shard_table(
@@ -49,6 +56,7 @@ def shard_table(
     passthrough: pa.Table | None = None,
     endpoints: Sequence[str | None] | None = None,
     tool_calls: Sequence[str | None] | None = None,
+    sources: Sequence[tuple[int, str]] | None = None,
 ) -> pa.Table:
     """The table for a shard's rows (in run order).
 
@@ -57,6 +65,7 @@ def shard_table(
         passthrough: passthrough columns, one row per entry of `rows`, same order.
         endpoints: each row's request url (OpenAI batch input), same order.
         tool_calls: each row's tool call reading (OpenAI batch input), same order.
+        sources: a copy shard's (source row index, source shard id) per row.
 
     Returns:
         The table described in the module docstring.
@@ -75,11 +84,15 @@ def shard_table(
         "token_ids": token_ids,
         "error": pa.array([r.error for r in rows], pa.string()),
         "params_index": pa.array([r.params_index for r in rows], pa.int32()),
+        "truncated": pa.array([r.truncated for r in rows], pa.bool_()),
     }
     if endpoints is not None:
         columns[URL_COLUMN] = pa.array(list(endpoints), pa.string())
     if tool_calls is not None:
         columns[TOOL_CALLS_COLUMN] = pa.array(list(tool_calls), pa.string())
+    if sources is not None:
+        columns[SOURCE_ROW_COLUMN] = pa.array([s[0] for s in sources], pa.int64())
+        columns[SOURCE_SHARD_COLUMN] = pa.array([s[1] for s in sources], pa.string())
     table = pa.table(columns)
     if passthrough is not None:
         for name in passthrough.column_names:
@@ -99,6 +112,10 @@ def shard_rows(table: pa.Table) -> ShardRows:
         name: table[name].to_pylist()
         for name in ("row_index", "id", "error", "params_index", "token_ids")
     }
+    num_rows = table.num_rows
+    truncated = (
+        table["truncated"].to_pylist() if "truncated" in table.column_names else [False] * num_rows
+    )
     rows = [
         PromptRow(
             row_index,
@@ -106,8 +123,11 @@ def shard_rows(table: pa.Table) -> ShardRows:
             token_ids=None if tokens is None else array("i", tokens),
             error=error,
             params_index=params_index,
+            truncated=bool(cut),
         )
-        for row_index, rid, error, params_index, tokens in zip(*columns.values())
+        for (row_index, rid, error, params_index, tokens), cut in zip(
+            zip(*columns.values()), truncated
+        )
     ]
     names = [n for n in table.column_names if n.startswith(PASSTHROUGH_PREFIX)]
     passthrough = None
@@ -116,4 +136,9 @@ def shard_rows(table: pa.Table) -> ShardRows:
             [n[len(PASSTHROUGH_PREFIX) :] for n in names]
         )
     endpoints = table[URL_COLUMN].to_pylist() if URL_COLUMN in table.column_names else None
-    return ShardRows(rows, passthrough, endpoints)
+    sources = None
+    if SOURCE_ROW_COLUMN in table.column_names:
+        sources = list(
+            zip(table[SOURCE_ROW_COLUMN].to_pylist(), table[SOURCE_SHARD_COLUMN].to_pylist())
+        )
+    return ShardRows(rows, passthrough, endpoints, sources)

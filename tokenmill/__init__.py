@@ -18,20 +18,38 @@ _EXPORTS = {
     "RequestOutput": "tokenmill.engine.outputs",
     "CompletionOutput": "tokenmill.engine.outputs",
     "generate": "tokenmill.pipelines.notebook",
+    "forecast": "tokenmill.pipelines.notebook",
+    "Forecast": "tokenmill.pipelines.forecast",
     "score": "tokenmill.pipelines.notebook",
+    "embed": "tokenmill.pipelines.notebook",
+    "classify": "tokenmill.pipelines.notebook",
+    "rerank": "tokenmill.pipelines.notebook",
+    "PoolingParams": "tokenmill.engine.pooling_params",
+    "EmbeddingOutput": "tokenmill.engine.pooling_outputs",
+    "ClassificationOutput": "tokenmill.engine.pooling_outputs",
+    "ScoringOutput": "tokenmill.engine.pooling_outputs",
     "run_job": "tokenmill.pipelines.job",
     "JobLedger": "tokenmill.pipelines.ledger",
 }
 
 __all__ = [
     "LLM",
+    "ClassificationOutput",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "Forecast",
     "JobLedger",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringOutput",
     "StructuredOutputs",
     "__version__",
+    "classify",
+    "embed",
+    "forecast",
     "generate",
+    "rerank",
     "run_job",
     "score",
 ]
@@ -39,11 +57,18 @@ __all__ = [
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
     from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+    from tokenmill.engine.pooling_outputs import (
+        ClassificationOutput,
+        EmbeddingOutput,
+        ScoringOutput,
+    )
+    from tokenmill.engine.pooling_params import PoolingParams
     from tokenmill.engine.sampling_params import SamplingParams
     from tokenmill.engine.structured_outputs import StructuredOutputs
+    from tokenmill.pipelines.forecast import Forecast
     from tokenmill.pipelines.job import run_job
     from tokenmill.pipelines.ledger import JobLedger
-    from tokenmill.pipelines.notebook import generate, score
+    from tokenmill.pipelines.notebook import classify, embed, forecast, generate, rerank, score
 
 
 def __getattr__(name: str) -> Any:

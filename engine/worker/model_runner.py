@@ -38,6 +38,7 @@ from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 from tokenmill.engine.worker.host_memory import keep_large_allocations_mapped
 from tokenmill.engine.worker.kv_cache import KVCache, kv_cache_dtype_of
 from tokenmill.engine.worker.logit_controls import LogitControls
+from tokenmill.engine.worker.pooling import Pooler
 from tokenmill.engine.worker.sampler import Sampler, SamplingBatch
 
 
@@ -55,8 +56,12 @@ class ModelRunner:
         seed: int = 0,
         max_num_seqs: int = 256,
         cuda_graphs: bool | None = None,
+        pooler: Pooler | None = None,
     ) -> None:
         self.model = model
+        # Pools the prompt-only requests that ask for it (worker/pooling.py); None when
+        # the model serves no pooling task.
+        self.pooler = pooler
         self.config = config
         self.block_size = block_size
         self.device = device
@@ -146,8 +151,9 @@ class ModelRunner:
         """
         profiler = self.profiler
         prompt_spans = prompt_logprobs.spans_for_step(out.chunks)
+        pools = self.pooler is not None and any(c.seq.pooling is not None for c in out.chunks)
         graphs = self.decode_graphs
-        if graphs is not None and not prompt_spans and graphs.can_run(out):
+        if graphs is not None and not prompt_spans and not pools and graphs.can_run(out):
             with profiler.stage("forward"):
                 hidden, sample_rows = graphs.run(out, previous)
         else:
@@ -156,7 +162,10 @@ class ModelRunner:
             with profiler.stage("forward"):
                 hidden = self.forward_model(input_ids, positions, profiler.attention(meta))
         with profiler.stage("logits"):
-            prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)
+            if prompt_spans:  # a pooling-only model has no compute_logits
+                prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)
+            if pools:
+                self.pooler.record_step(out.chunks, hidden)
             if not sample_rows:
                 return None
             rows = upload(np.asarray(sample_rows), self.device)

@@ -29,16 +29,37 @@ NUM_ROWS = 40
 PLAN_WINDOW_ROWS = 10  # 4 planning windows: room for kills while planning
 TOKENS = ["--max-tokens", "4", "--shard-tokens", "60", "--plan-window-rows", str(PLAN_WINDOW_ROWS)]
 ENGINE = ["--dtype", "float32", "--engine-option", f"kv_cache_memory={8 << 20}"]
+# An embedding job generates nothing (no --max-tokens); its encoder computes a batch of
+# at most 16 tokens per step, so a 60-token shard takes several steps (room for a kill
+# or a fault mid-shard, as a generation shard's decode steps give).
+EMBED_ARGS = [
+    "--task",
+    "embed",
+    "--shard-tokens",
+    "60",
+    "--plan-window-rows",
+    str(PLAN_WINDOW_ROWS),
+    "--dtype",
+    "float32",
+    "--engine-option",
+    "max_num_batched_tokens=16",
+]
 TOKENMILL = str(Path(sys.executable).with_name("tokenmill"))
 
 
-def write_input(path: Path, num_rows: int = NUM_ROWS, *, variant: str = "") -> Path:
-    """A Parquet input of `num_rows` prompts with ids id-0..; `variant` changes the text."""
+def write_input(
+    path: Path, num_rows: int = NUM_ROWS, *, variant: str = "", duplicates: bool = False
+) -> Path:
+    """A Parquet input of `num_rows` prompts with ids id-0..; `variant` changes the text.
+    With `duplicates`, every third row repeats the prompt of an earlier row (often in an
+    earlier planning window), so the job has copy shards (`pipelines/dedupe.py`)."""
     prompts = [
         ("Summarise the following text in one sentence: " if i % 2 else "")
         + f"item {i}{variant} " * (1 + i % 4)
         for i in range(num_rows)
     ]
+    if duplicates:
+        prompts = [prompts[i // 3] if i % 3 == 2 else p for i, p in enumerate(prompts)]
     ids = [f"id-{i}" for i in range(num_rows)]
     pq.write_table(pa.table({"id": ids, "prompt": prompts}), path)
     return path
@@ -66,12 +87,15 @@ class Outcome:
     ledger_matches: bool  # ledger.json exists and its sums equal the rows'
     rows_failed: int = 0
     problems: list[str] = field(default_factory=list)
+    # Rows that take an identical row's answer, and those whose answer is not that row's.
+    rows_copied: int = 0
+    copies_wrong: int = 0
 
     @property
     def ok(self) -> bool:
-        return not (self.rows_lost or self.rows_duplicated or self.temp_files) and (
-            self.ledger_matches
-        )
+        return not (
+            self.rows_lost or self.rows_duplicated or self.temp_files or self.copies_wrong
+        ) and (self.ledger_matches)
 
 
 @dataclass
@@ -83,6 +107,7 @@ class FaultJob:
     output: Path
     num_rows: int = NUM_ROWS
     extra_args: list[str] = field(default_factory=list)
+    task: str = "generate"  # or "embed": the model is then an embedding model
 
     def command(self, *more: str) -> list[str]:
         return [
@@ -96,8 +121,7 @@ class FaultJob:
             "id",
             "--no-progress",
             "--json",
-            *TOKENS,
-            *ENGINE,
+            *(EMBED_ARGS if self.task == "embed" else [*TOKENS, *ENGINE]),
             *self.extra_args,
             *more,
         ]
@@ -165,7 +189,41 @@ class FaultJob:
                 matches = False
                 problems.append("ledger row counts != rows")
         failed = sum(1 for r in rows["finish_reason"].to_pylist() if r == "error") if ids else 0
-        return Outcome(lost, duplicated, temps, matches, failed, problems)
+        copied, wrong = _check_copies(rows)
+        return Outcome(lost, duplicated, temps, matches, failed, problems, copied, wrong)
+
+
+def _check_copies(rows: pa.Table) -> tuple[int, int]:
+    """(rows copied, copies whose answer or bill is not what the rule says): a copy has
+    its source's output and finish reason, bills nothing, and its source is computed."""
+    if "duplicate_of" not in rows.column_names:
+        return 0, 0
+    by_id = {r["id"]: r for r in rows.to_pylist()}
+    copies = [r for r in by_id.values() if r["duplicate_of"] is not None]
+    wrong = 0
+    for copy in copies:
+        source = by_id.get(copy["duplicate_of"])
+        if (
+            source is None
+            or source["duplicate_of"] is not None
+            or (copy["output"], copy["finish_reason"])
+            != (source["output"], source["finish_reason"])
+            or (copy["prompt_tokens"], copy["cached_tokens"], copy["completion_tokens"])
+            != (0, 0, 0)
+        ):
+            wrong += 1
+    return len(copies), wrong
+
+
+def build_embedding_model(directory: Path) -> Path:
+    """A tiny random BERT embedding model (mean pooling, normalised, sentence-transformers'
+    files) for embedding fault jobs; built once per directory."""
+    from pooling_models import build_encoder, write_sentence_transformers_files
+
+    if not (directory / "modules.json").is_file():
+        build_encoder("bert", directory)
+        write_sentence_transformers_files(directory, normalize=True)
+    return directory
 
 
 # -- process kills at random points ---------------------------------------------------
@@ -239,15 +297,16 @@ def count_shards(job: FaultJob) -> int:
     from tokenmill.pipelines.spec import JobSpec
 
     scratch = job.output.with_name(job.output.name + "-plan-probe")
+    options = {"task": "embed"} if job.task == "embed" else {"max_tokens": int(TOKENS[1])}
     spec = JobSpec(
         str(job.input),
         str(scratch),
         model=str(job.model_dir),
         id_column="id",
-        max_tokens=int(TOKENS[1]),
         shard_tokens=int(TOKENS[3]),
         plan_window_rows=PLAN_WINDOW_ROWS,
         dtype="float32",
+        **options,
     )
     return len(plan_job(spec).shards)
 
