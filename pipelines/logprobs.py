@@ -41,7 +41,7 @@ class LogprobsColumn:
     def __call__(self, params_index: int, completion: CompletionOutput) -> list[dict] | None:
         """[{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}] per generated
         token; None when the row asked for none."""
-        k = self._params[params_index].logprobs
+        k = getattr(self._params[params_index], "logprobs", None)  # pooling rows: none
         if k is None or completion.logprobs is None:
             return None
         steps = []

@@ -259,7 +259,7 @@ def _error_record(row_id: str, message: str) -> dict:
 
 def logprobs_column(llm: Any, params: Sequence[SamplingParams]) -> LogprobsColumn | None:
     """The `logprobs` column's builder for a job's params on `llm` (None: none asks)."""
-    if not any(p.logprobs is not None for p in params):
+    if not any(getattr(p, "logprobs", None) is not None for p in params):  # pooling: none
         return None
     return LogprobsColumn(llm.tokenizer.token_bytes, params)
 
