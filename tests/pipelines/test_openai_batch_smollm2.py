@@ -195,7 +195,7 @@ def honoured_lines(baseline_ids: list[int], words: list[str]) -> dict[str, tuple
             RESPONSES_URL,
             response(instructions="Answer in French only."),
         ),
-        "responses:max_output_tokens": (RESPONSES_URL, response(max_output_tokens=5)),
+        "responses:max_output_tokens": (RESPONSES_URL, response(max_output_tokens=7)),
         # The Responses API has no seed: a hot temperature makes a different answer sure.
         "responses:temperature": (RESPONSES_URL, response(temperature=2.0)),
         "responses:top_p": (RESPONSES_URL, response(temperature=2.0, top_p=0.01)),
@@ -384,7 +384,7 @@ def test_structured_answers_and_responses(answers):
     assert _text(lines, "responses:instructions") != plain
     assert _text(lines, "responses:truncation") == plain
     cut = _body(lines, "responses:max_output_tokens")
-    assert cut["status"] == "incomplete" and cut["usage"]["output_tokens"] == 5
+    assert cut["status"] == "incomplete" and cut["usage"]["output_tokens"] == 7
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
     assert _text(lines, "responses:temperature") != plain
     assert _text(lines, "responses:top_p") == plain
