@@ -86,7 +86,9 @@ def main() -> None:
         def once() -> tuple[float, dict[str, float], int]:
             timer = timers[name]
             timer.reset()
-            result = timed_generate(llms[name], workload.prompt_ids, params)
+            result = timed_generate(
+                llms[name], workload.prompt_ids, params, sequential=workload.sequential
+            )
             return result.wall_s, dict(timer.seconds), result.stats.num_steps
 
         return once

@@ -26,6 +26,12 @@ Candidates (those this torch build lacks are skipped with a note):
   int4-g32-layer     the int4 layer as it runs: that kernel below int4.UNPACK_MIN_ROWS
                      rows, from there the weights expanded to bf16 (int4_unpack.c) and
                      the bf16 matmul; where the library is built and N % 64 == 0
+  q4-native          a GGUF Q4_0 layer on our 4-bit kernel (engine/kernels/q4_linear.c:
+                     activations quantized per block of 32, integer dot products on the
+                     nibbles) at every row count; the time includes quantizing x
+  q4-expand          the same blocks expanded to bf16 (exactly) and the bf16 matmul
+  q4-layer           the GGUF Q4_0 layer as it runs (gguf_linear.Q4Linear): q4-native, or
+                     on AMX CPUs q4-expand from gguf_linear.EXPAND_MIN_ROWS rows
 
 Run:  python benchmarks/quant_matmul.py [--rows 1,16,64,256,2048] [--rounds 5] [--threads N]
           [--only fp32,bf16,int8-rows-native,...]
@@ -114,7 +120,33 @@ def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Ten
     layer4 = int4.Int4Linear.from_float(weight, group_size=32)
     if layer4.unpacks:
         out["int4-g32-layer"] = _with_input(layer4, torch.bfloat16)
+    out.update(q4_candidates(weight))
     return out
+
+
+def q4_candidates(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], object]]:
+    """The Q4_0 layer's paths (where the native 4-bit kernel is built): the weight rounded
+    to Q4_0 blocks (fp16 scale amax / 8 per 32 weights, nibbles q + 8), as a GGUF holds it."""
+    from tokenmill.engine.kernels import q4_linear as native_q4
+    from tokenmill.engine.quant.gguf_linear import Q4Linear
+
+    n, k = weight.shape
+    if not native_q4.takes_shape(n, k):
+        print("q4-*: skipped (the native 4-bit kernel is not built for this CPU)", file=sys.stderr)
+        return {}
+    blocks = weight.reshape(n, k // 32, 32)
+    scale = (blocks.abs().amax(-1) / 8).clamp_min(1e-6).half().float()
+    q = torch.round(blocks / scale[..., None]).clamp_(-8, 7).add_(8).reshape(n, k)
+    packed = native_q4.pack_q4_weight(q.to(torch.uint8), scale, None)
+    layer = Q4Linear(packed)
+    return {
+        "q4-native": _with_input(lambda x: native_q4.q4_linear(x, packed), torch.bfloat16),
+        "q4-expand": _with_input(
+            lambda x: torch.nn.functional.linear(x, native_q4.unpack_q4_bf16(packed)),
+            torch.bfloat16,
+        ),
+        "q4-layer": _with_input(layer, torch.bfloat16),
+    }
 
 
 def _with_input(fn: Callable, dtype: torch.dtype) -> Callable[[torch.Tensor], object]:
@@ -178,7 +210,7 @@ def main() -> None:
                 print("|---|---:|" + "---:|" * (len(header) + 1))
             ops = 2 * rows * n * k
             cells = [f"{ops / medians[h] / 1e9:.0f}" if h in medians else "-" for h in header]
-            quantized = [medians[h] for h in medians if h.startswith("int")]
+            quantized = [medians[h] for h in medians if h.startswith(("int", "q4"))]
             floats = [medians[h] for h in ("fp32", "bf16") if h in medians]
             best = min(floats) / min(quantized) if quantized and floats else float("nan")
             print(f"| {shape_name} {n}x{k} | {rows} | " + " | ".join(cells) + f" | {best:.2f} |")

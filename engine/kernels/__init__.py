@@ -54,6 +54,9 @@ _FILE_FLAGS = {
     "argmax.c": ["-fno-fast-math"],
     # Each weight rounded once from its own fp32 value, as the header states.
     "int4_unpack.c": ["-fno-fast-math", "-ffp-contract=off"],
+    # Exact integer sums; the float steps are the ones the header states (explicit
+    # multiply-adds, IEEE divisions and round-to-nearest-even), the same on every build.
+    "q4_linear.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
 }
 # Linked without -ffast-math: with it GCC (before 13) links crtfastmath.o into the
 # library, whose constructor turns on flush-to-zero and denormals-are-zero for the whole

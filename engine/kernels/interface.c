@@ -13,6 +13,7 @@ void tm_limits(tm_limits_t *out) {
     out->kv_int8_direct = tm_internal_kv_int8_direct();
     out->int8_linear_isa = tm_int8_linear_isa();
     out->bf16_attention_amx = tm_internal_bf16_attention_amx();
+    out->q4_linear_isa = tm_q4_linear_isa();
     out->attention_args_size = sizeof(tm_attention_args);
     out->kv_write_args_size = sizeof(tm_kv_write_args);
     out->rms_norm_args_size = sizeof(tm_rms_norm_args);
@@ -22,4 +23,6 @@ void tm_limits(tm_limits_t *out) {
     out->int8_linear_args_size = sizeof(tm_int8_linear_args);
     out->argmax_args_size = sizeof(tm_argmax_args);
     out->int4_unpack_args_size = sizeof(tm_int4_unpack_args);
+    out->q4_linear_args_size = sizeof(tm_q4_linear_args);
+    out->q4_unpack_args_size = sizeof(tm_q4_unpack_args);
 }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 11
+ABI_VERSION = 12
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -42,6 +42,7 @@ class _Limits(ctypes.Structure):
         ("kv_int8_direct", _i64),
         ("int8_linear_isa", _i64),
         ("bf16_attention_amx", _i64),
+        ("q4_linear_isa", _i64),
         ("attention_args_size", _i64),
         ("kv_write_args_size", _i64),
         ("rms_norm_args_size", _i64),
@@ -51,6 +52,8 @@ class _Limits(ctypes.Structure):
         ("int8_linear_args_size", _i64),
         ("argmax_args_size", _i64),
         ("int4_unpack_args_size", _i64),
+        ("q4_linear_args_size", _i64),
+        ("q4_unpack_args_size", _i64),
     ]
 
 
@@ -221,6 +224,39 @@ class Int4UnpackArgs(ctypes.Structure):
     ]
 
 
+class Q4LinearArgs(ctypes.Structure):
+    """tm_q4_linear_args."""
+
+    _fields_ = [
+        ("x", _ptr),
+        ("qx", _ptr),
+        ("x_scales", _ptr),
+        ("x_sums", _ptr),
+        ("w", _ptr),
+        ("bias", _ptr),
+        ("out", _ptr),
+        ("rows", _i64),
+        ("n", _i64),
+        ("k", _i64),
+        ("is_bf16", _i32),
+        ("num_threads", _i32),
+        ("affine", _i32),
+    ]
+
+
+class Q4UnpackArgs(ctypes.Structure):
+    """tm_q4_unpack_args."""
+
+    _fields_ = [
+        ("w", _ptr),
+        ("out", _ptr),
+        ("n", _i64),
+        ("k", _i64),
+        ("affine", _i32),
+        ("num_threads", _i32),
+    ]
+
+
 # Exported function -> its argument struct, and the size field tm_limits reports for it.
 FUNCTIONS = {
     "tm_paged_attention": (AttentionArgs, "attention_args_size"),
@@ -233,6 +269,8 @@ FUNCTIONS = {
     "tm_int8_linear": (Int8LinearArgs, "int8_linear_args_size"),
     "tm_argmax_rows": (ArgmaxArgs, "argmax_args_size"),
     "tm_int4_unpack_bf16": (Int4UnpackArgs, "int4_unpack_args_size"),
+    "tm_q4_linear": (Q4LinearArgs, "q4_linear_args_size"),
+    "tm_q4_unpack_bf16": (Q4UnpackArgs, "q4_unpack_args_size"),
 }
 
 
@@ -250,6 +288,7 @@ class KernelLimits:
     kv_int8_direct: bool  # int8 caches read in int16 dot products (AVX512-VNNI or AVX2)
     int8_linear_isa: str | None  # the instructions tm_int8_linear has here, or None
     bf16_attention_amx: bool  # attention over pair-layout bf16 caches on AMX tiles
+    q4_linear_isa: str | None  # the instructions tm_q4_linear has here, or None
 
 
 def declare(lib: ctypes.CDLL) -> KernelLimits:
@@ -292,6 +331,7 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         kv_int8_direct=bool(reported.kv_int8_direct),
         int8_linear_isa=INT8_LINEAR_ISAS.get(reported.int8_linear_isa),
         bf16_attention_amx=bool(reported.bf16_attention_amx),
+        q4_linear_isa=INT8_LINEAR_ISAS.get(reported.q4_linear_isa),
     )
 
 

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 11
+#define TM_ABI_VERSION 12
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -66,6 +66,7 @@ typedef struct {
     int64_t int8_linear_isa; /* TM_INT8_ISA_*: which int8 linear this build has */
     int64_t bf16_attention_amx; /* 1: attention over pair-layout bf16 caches runs whole
                                    groups of 16 query rows on AMX tiles (granted here) */
+    int64_t q4_linear_isa; /* TM_INT8_ISA_* (never AMX): which 4-bit linear this build has */
     /* sizeof each argument struct, in the order they are declared below */
     int64_t attention_args_size;
     int64_t kv_write_args_size;
@@ -76,6 +77,8 @@ typedef struct {
     int64_t int8_linear_args_size;
     int64_t argmax_args_size;
     int64_t int4_unpack_args_size;
+    int64_t q4_linear_args_size;
+    int64_t q4_unpack_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -303,5 +306,53 @@ typedef struct {
 } tm_int4_unpack_args;
 
 int tm_int4_unpack_bf16(const tm_int4_unpack_args *args);
+
+/* ---- q4_linear.c: integer dot products on 4-bit GGUF blocks ---------------------------
+ * A Q4_0 or Q4_1 layer's forward as llama.cpp computes it: each row of x quantized in
+ * blocks of 32 values (x_scales[m, b] = max|block| / 127, qx = round(x * 127 / max|block|),
+ * to nearest even; a block with a NaN or infinity gets a NaN scale), then
+ * out[m, n] = sum over blocks b, in order, of
+ *     xs[m, b] * (d[n, b] * sum_j q[n, 32b + j] * qx[m, 32b + j] + min[n, b] * sum_j qx[m, 32b + j])
+ *     + bias[n],
+ * q in 0..15 and min = -8 * d for symmetric (Q4_0) blocks; the integer sums exact, the
+ * float steps fixed by q4_linear.c's contract (the same bits on every build). Weights in
+ * q4_linear.c's layout: [n / 16][k / 32][block bytes] (engine/kernels/q4_linear.py packs
+ * them). n % 16 == 0, k % 32 == 0, k <= TM_MAX_INT8_K. Built where the compiler targets
+ * AVX512-VNNI, or AVX2 with FMA (AVX-VNNI where it targets that); elsewhere it returns
+ * TM_UNSUPPORTED_ISA and tm_limits says so. */
+typedef struct {
+    const void *x;       /* [rows, k] fp32 or bf16 */
+    int8_t *qx;          /* [rows, k] out: the quantized rows */
+    float *x_scales;     /* [rows, k / 32] out: their block scales */
+    int32_t *x_sums;     /* [rows, k / 32] out: each block's sum of qx */
+    const uint8_t *w;    /* [n / 16, k / 32, 288 (symmetric) or 320 (affine) bytes] */
+    const float *bias;   /* [n], or NULL */
+    void *out;           /* [rows, n], x's type */
+    int64_t rows;
+    int64_t n;
+    int64_t k;
+    int32_t is_bf16;
+    int32_t num_threads;
+    int32_t affine;      /* 1: blocks carry fp16 minimums (Q4_1); 0: min = -8 * d (Q4_0) */
+} tm_q4_linear_args;
+
+int tm_q4_linear(const tm_q4_linear_args *args);
+
+/* The weights of a tm_q4_linear layout expanded to bf16, out[n][k] = bf16(d * q + min)
+ * (symmetric: bf16(d * (q - 8))), each computed in fp32 - where the CPU's bf16 matmul
+ * outruns the integer product at a call's row count (engine/quant/gguf_linear.py). Every
+ * build has it. */
+typedef struct {
+    const uint8_t *w; /* as tm_q4_linear_args.w */
+    void *out;        /* bf16 [n, k] */
+    int64_t n;
+    int64_t k;
+    int32_t affine;
+    int32_t num_threads;
+} tm_q4_unpack_args;
+
+int tm_q4_unpack_bf16(const tm_q4_unpack_args *args);
+/* Internal (tm_limits reports it): the TM_INT8_ISA_* this build of q4_linear.c has. */
+int tm_q4_linear_isa(void);
 
 #endif

@@ -1,11 +1,18 @@
 """`quantization="gguf"`: the decoder layers run the GGUF's own quantized weights.
 
-The 4-bit formats (Q4_0, Q4_1, Q4_K: a scale and an offset per 32 weights) are exactly
-what PyTorch's int4 CPU kernel computes (int4.py), so they run as Int4Linear: that kernel
-for small calls, the weights expanded to bf16 for one bf16 matmul from int4.py's
-UNPACK_MIN_ROWS rows on. Its fast variant is bf16, so the fp16 scales and offsets are
-rounded to bf16 (relative 2^-9, against the 4-bit rounding of the weights themselves)
-and the rows must come in multiples of 16.
+The 4-bit formats (Q4_0, Q4_1, Q4_K: a scale and an offset per 32 weights) run as
+Q4Linear where the native library has its 4-bit product (kernels/q4_linear.c) and the
+block's scales and offsets are fp16 values (Q4_0 and Q4_1 always): integer dot products
+on the file's own nibbles with the activations quantized per block of 32, llama.cpp's
+arithmetic for these formats - except, on CPUs whose bf16 matmul runs on AMX tiles, for
+calls of EXPAND_MIN_ROWS rows or more, which expand the weights to bf16 (exactly, from
+the fp16 scales) for one bf16 matmul (benchmarks/README.md, "4-bit GGUF layers in
+integer dot products"). Elsewhere they are exactly what PyTorch's int4 CPU kernel
+computes (int4.py), so they run as Int4Linear: that kernel for small calls, the weights
+expanded to bf16 for one bf16 matmul from int4.py's UNPACK_MIN_ROWS rows on. Its fast
+variant is bf16, so the fp16 scales and offsets are rounded to bf16 (relative 2^-9,
+against the 4-bit rounding of the weights themselves) and the rows must come in
+multiples of 16.
 
 The 5-, 6- and 8-bit formats (Q5_0, Q6_K, Q8_0), and 4-bit ones of other widths, keep
 their integers and per-group scales in memory and are expanded inside each product
@@ -24,6 +31,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.engine.kernels import cpu_flags
+from tokenmill.engine.kernels import q4_linear as native_q4
 from tokenmill.engine.loader import gguf_blocks
 from tokenmill.engine.loader.gguf_blocks import BLOCK_FORMATS, DecodedWeight
 from tokenmill.engine.models import ModelConfig
@@ -31,6 +40,11 @@ from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.method import QuantizationMethod, register
 
 INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+# From this many rows a Q4Linear call on a CPU with AMX expands its weights to bf16 and
+# runs the bf16 matmul on the tiles instead of the integer product on the vector units
+# (where the two cross: benchmarks/README.md, "4-bit GGUF layers in integer dot
+# products"). Without AMX the integer product is the faster one at every row count.
+EXPAND_MIN_ROWS = 128
 # Output rows expanded to fp32 at once in GroupInt8Linear: 256 x 2,048 inputs is 2 MB.
 _ROWS_PER_TILE = 256
 # Our fused parameters -> the HF parts they are made of, in row order.
@@ -77,6 +91,55 @@ class GroupedLinear(nn.Module):
         return DecodedWeight(self.q[lo:hi], self.scale[lo:hi], offset, self.group).dequantize()
 
 
+class Q4Linear(nn.Module):
+    """A 4-bit GGUF layer on the native 4-bit product (module docstring); output in the
+    input's dtype."""
+
+    def __init__(self, packed: native_q4.PackedQ4Weight) -> None:
+        super().__init__()
+        self.packed = packed
+        self.out_features, self.in_features = packed.out_features, packed.in_features
+        self.weight_bytes = packed.nbytes
+        self.expand_min_rows = EXPAND_MIN_ROWS if "amx_bf16" in cpu_flags() else None
+        self._bias16 = None if packed.bias is None else packed.bias.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype not in (torch.float32, torch.bfloat16):
+            x2 = x2.float()
+        if (
+            self.expand_min_rows is not None
+            and x2.shape[0] >= self.expand_min_rows
+            and x2.dtype == torch.bfloat16
+        ):
+            y = F.linear(x2, native_q4.unpack_q4_bf16(self.packed), self._bias16)
+        else:
+            y = native_q4.q4_linear(x2, self.packed)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        blocks = "affine (Q4_1)" if self.packed.affine else "symmetric (Q4_0)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {blocks}"
+
+
+def as_q4(weights: list[DecodedWeight], kinds: list[str], bias) -> Q4Linear | None:
+    """The weights (a fused projection's parts, in row order) as one Q4Linear, or None
+    where the native 4-bit product cannot take them: not built here, a shape it does not
+    take, or scales and offsets that are not fp16 values (Q4_K's products of two)."""
+    rows = sum(w.q.shape[0] for w in weights)
+    if not all(k in INT4_FORMATS for k in kinds) or not native_q4.takes_shape(
+        rows, weights[0].q.shape[1]
+    ):
+        return None
+    q, scale, minimum = (torch.cat(t) for t in zip(*map(as_int4, weights, kinds)))
+    symmetric = all(k == "Q4_0" for k in kinds)
+    if not native_q4.exact_in_fp16(scale) or not (symmetric or native_q4.exact_in_fp16(minimum)):
+        return None
+    packed = native_q4.pack_q4_weight(q, scale, None if symmetric else minimum, bias)
+    return Q4Linear(packed)
+
+
 class RowConcat(nn.Module):
     """A fused projection whose parts are different modules: outputs side by side."""
 
@@ -119,6 +182,9 @@ def gguf_module(
     """The module that runs these weights' rows one after another (a fused projection's
     parts, or one weight), with the fused bias."""
     rows = sum(w.q.shape[0] for w in weights)
+    native = as_q4(weights, kinds, bias)
+    if native is not None:
+        return native
     if rows % 16 == 0 and all(k in INT4_FORMATS for k in kinds):
         q, scale, minimum = (torch.cat(t) for t in zip(*map(as_int4, weights, kinds)))
         return Int4Linear(q, scale, minimum, bias, group_size=32)
@@ -196,7 +262,7 @@ class GGUFMethod(QuantizationMethod):
 
     name = "gguf"
     help = "a GGUF model's own quantized blocks"
-    layer_classes = (GroupedLinear, RowConcat, Int4Linear)
+    layer_classes = (GroupedLinear, RowConcat, Int4Linear, Q4Linear)
 
     def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
         super().check(model_dir, config, device)

@@ -243,4 +243,4 @@ def test_llama_server_slots_reach_the_server_and_bad_counts_are_refused(tmp_path
     (spec,), _ = baseline_systems(["llamacpp-server"], llama_server=server)
     assert "parallel" not in spec.options  # the runner's default: one per request, <= 64
     with pytest.raises(ValueError, match="llama_server_slots must be >= 1"):
-        BenchConfig(llama_server_slots=0)
+        BenchConfig(llama_server_slots=(8, 0))

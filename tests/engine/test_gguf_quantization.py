@@ -10,16 +10,19 @@ import torch
 from hf_models import make_engine, run_all
 from model_fixtures import write_tiny_gguf
 
+from tokenmill.engine.kernels.q4_linear import native_q4_isa
 from tokenmill.engine.loader import gguf_blocks
 from tokenmill.engine.loader.gguf_blocks import BLOCK_FORMATS, decode
 from tokenmill.engine.loader.gguf_convert import convert_gguf, hf_tensor_name
 from tokenmill.engine.quant import quantized_targets
 from tokenmill.engine.quant.gguf_linear import (
     GroupedLinear,
+    Q4Linear,
     RowConcat,
     check_gguf_blocks,
     gguf_module,
 )
+from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.sampling_params import SamplingParams
 
 # Byte offsets of each format's f16 scale fields: random bytes there could be NaN or huge.
@@ -87,6 +90,33 @@ def test_grouped_layers_in_bf16_compute_the_bf16_model_of_their_blocks(kind, row
     assert float((got.double() - exact).norm() / exact.norm()) < 1e-2
 
 
+@pytest.mark.parametrize("kinds", [["Q4_0"], ["Q4_1"], ["Q4_0", "Q4_1", "Q4_0"]])
+def test_4bit_blocks_run_on_the_native_product_where_it_is_built(kinds, cpu_path):
+    """Q4_0 and Q4_1 layers (a fused projection's parts too) take the native 4-bit product
+    where the library has it: the float model of their blocks to within the activations'
+    8-bit block quantization; its bf16 expansion, for large calls on AMX, gives the bf16
+    linear of exactly the decoded weights. Elsewhere they stay on PyTorch's int4 kernel."""
+    isa = native_q4_isa()
+    cpu_path("gguf 4-bit layers", f"native 4-bit product ({isa})" if isa else "int4 kernel")
+    weights = [decode(torch.from_numpy(random_blocks(k, 16, 4, i)), k) for i, k in enumerate(kinds)]
+    bias = torch.randn(16 * len(kinds))
+    module = gguf_module(weights, kinds, bias)
+    if isa is None:
+        assert isinstance(module, Int4Linear)
+        return
+    assert isinstance(module, Q4Linear) and module.packed.affine == ("Q4_1" in kinds)
+    full = torch.cat([w.dequantize() for w in weights])
+    x = torch.randn(7, 128)
+    want = x.double() @ full.double().t() + bias.double()
+    got = module(x)
+    assert got.dtype == torch.float32
+    assert float((got.double() - want).norm() / want.norm()) < 1e-2
+    module.expand_min_rows = 1  # what AMX CPUs do for calls of EXPAND_MIN_ROWS or more
+    x16 = x.bfloat16()
+    expected = torch.nn.functional.linear(x16, full.bfloat16(), bias.bfloat16())
+    assert torch.equal(module(x16), expected)
+
+
 @pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_engine_computes_the_float_model_of_the_gguf_weights(quant_type, tmp_path, monkeypatch):
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf", quant_type=quant_type, hidden_size=64)
@@ -118,7 +148,8 @@ def test_engine_computes_the_float_model_of_the_gguf_weights(quant_type, tmp_pat
         reference_engine.runner.model.model.layers
     )
     reference = run_all(reference_engine, prompts, params)
-    # 8- and 5-bit blocks compute in fp32, exactly the GGUF's weights; 4-bit ones run
+    # 8- and 5-bit blocks compute in fp32, exactly the GGUF's weights; 4-bit ones take
+    # activations quantized to 8 bits per block of 32 (the native product) or run
     # PyTorch's int4 kernel in bf16 (activations and scales rounded).
     tolerance = 1e-2 if quant_type in ("Q4_0", "Q4_1") else 1e-4
     for out, ref in zip(outputs, reference):

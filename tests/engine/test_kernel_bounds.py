@@ -10,7 +10,9 @@ optimizer-generated over-read of q in an earlier decode kernel was found: it cra
 real jobs whenever a thread's scratch happened to end at the edge of its heap. The
 store of each step's keys and values into the cache runs first, into the cache's last
 block. The fused elementwise ops (RMSNorm with and without a residual, rotary over
-strided q/k/v views of one qkv row, SiLU-and-mul) get the same treatment.
+strided q/k/v views of one qkv row, SiLU-and-mul) get the same treatment, and so does
+the 4-bit GGUF linear (its activation scratch, the packed blocks, the output) and its
+bf16 expansion.
 """
 
 from __future__ import annotations
@@ -129,6 +131,37 @@ int main(int argc, char **argv) {
 """
 
 
+_Q4_DRIVER = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kernels.h"
+int main(int argc, char **argv) {
+    const int64_t rows = atoi(argv[1]), n = atoi(argv[2]), k = atoi(argv[3]);
+    const int32_t is_bf16 = atoi(argv[4]), affine = atoi(argv[5]);
+    const int64_t nb = k / 32, block = affine ? 320 : 288, elem = is_bf16 ? 2 : 4;
+    /* Every buffer is its own allocation, flush against a guard page. */
+    char *x = calloc(rows * k, elem);
+    for (int64_t i = 0; i < rows * k * elem; i++) x[i] = (char)(i * 7 % 61);  /* finite */
+    int8_t *qx = malloc(rows * k);
+    float *x_scales = malloc(rows * nb * sizeof(float));
+    int32_t *x_sums = malloc(rows * nb * sizeof(int32_t));
+    uint8_t *w = malloc(n / 16 * nb * block);
+    memset(w, 0x3C, n / 16 * nb * block);  /* fp16 scales of 1.06 */
+    float *bias = calloc(n, sizeof(float));
+    void *out = malloc(rows * n * elem), *expanded = malloc(n * k * 2);
+    const tm_q4_linear_args args = {x, qx, x_scales, x_sums, w, bias, out, rows, n, k,
+                                    is_bf16, 2, affine};
+    int rc = tm_q4_linear(&args);
+    const tm_q4_unpack_args unpack = {w, expanded, n, k, affine, 2};
+    rc |= tm_q4_unpack_bf16(&unpack);
+    printf("%d\n", rc);
+    return rc;
+}
+"""
+
+
 def _build_guarded(work: Path, name: str, driver: str, *kernel_files: str) -> Path:
     """driver (which includes kernels.h) + the guarded malloc + the kernel sources, each
     compiled with the engine's flags for it (the driver and guard with the first's)."""
@@ -178,6 +211,12 @@ def guarded_elementwise(tmp_path_factory) -> Path:
     return _build_guarded(work, "elementwise_driver", _ELEMENTWISE_DRIVER, "elementwise.c")
 
 
+@pytest.fixture(scope="module")
+def guarded_q4(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("q4-bounds")
+    return _build_guarded(work, "q4_driver", _Q4_DRIVER, "q4_linear.c")
+
+
 def _assert_stays_inside(binary: Path, *args: int) -> None:
     done = subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True)
     assert done.returncode == 0, (
@@ -207,3 +246,13 @@ def test_sliding_windows_stay_inside_their_buffers(guarded_kernel, window, is_bf
     """Windows shorter than a block, across block edges, and past the shared prefix."""
     for group in (1, 3, 7):
         _assert_stays_inside(guarded_kernel, group, is_bf16, 64, 16, window)
+
+
+# Rows at every register tile remainder and past a 96-row block; one panel (an odd last
+# panel per thread), the model's shapes; both block kinds and output types.
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("is_bf16", [0, 1])
+def test_the_4bit_linear_stays_inside_its_buffers(guarded_q4, n, k, is_bf16):
+    for rows in (1, 2, 3, 5, 97):
+        for affine in (0, 1):
+            _assert_stays_inside(guarded_q4, rows, n, k, is_bf16, affine)

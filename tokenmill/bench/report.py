@@ -3,6 +3,8 @@
 Every figure comes from runs made in the same benchmark invocation. Runs are in rounds
 (A B C, A B C, ...): a ratio between two systems is the median over rounds of the ratio
 within each round, so a disturbance that slows one round slows both sides of its ratio.
+A tokenmill system's like-for-like ratio is, per round, against the fastest llama.cpp run
+of its precision class in that round (its peers), so it always faces llama.cpp's best.
 """
 
 from __future__ import annotations
@@ -50,7 +52,11 @@ class SystemSummary:
     roofline: float | None = None  # useful FLOPs / wall / peak
     executed_roofline: float | None = None  # executed FLOPs / wall / peak
     cpu_util: float | None = None  # CPU seconds per wall second during the timed run
+    load_avg: float | None = None  # the machine's 1-minute load average after each run
     ratios: dict[str, float] = field(default_factory=dict)  # baseline -> x its total tok/s
+    peers: list[str] = field(default_factory=list)  # llama.cpp systems of its class
+    peer_ratio: float | None = None  # x the fastest peer of each round (median)
+    best_peer: str | None = None  # the peer with the highest median tok/s
     outputs_match: str | None = None  # "61/64 vs tokenmill-fp32": identical greedy outputs
     # Mean number of leading generated tokens equal to the reference's (how late they diverge).
     mean_agreeing_tokens: float | None = None
@@ -96,6 +102,7 @@ def summarize_system(
         summary.roofline = roofline_fraction(useful, summary.wall_s, peak_gflops)
         summary.executed_roofline = roofline_fraction(executed, summary.wall_s, peak_gflops)
     summary.cpu_util = median([r.cpu_s / r.wall_s for r in done])
+    summary.load_avg = median([r.load_avg_1m for r in done])
     summary.extra = first.extra
     return summary
 
@@ -145,6 +152,23 @@ def paired_ratio(
     return median(ratios) if ratios else None
 
 
+def best_of_ratio(
+    runs: list[RunResult | None], candidates: list[list[RunResult | None]]
+) -> float | None:
+    """Median over rounds of (system tokens/s) / (the fastest candidate's tokens/s in
+    that round). Rounds where the system or every candidate failed are left out."""
+    ratios = []
+    for index, run in enumerate(runs):
+        rivals = [c[index] for c in candidates if index < len(c) and c[index] is not None]
+        if run is None or not rivals:
+            continue
+        fastest = min(
+            rivals, key=lambda r: r.wall_s / (r.num_prompt_tokens + r.num_generated_tokens)
+        )
+        ratios.append(paired_ratio([run], [fastest]))
+    return median(ratios) if ratios else None
+
+
 def count_matching_outputs(outputs: list[list[int]], reference: list[list[int]]) -> int:
     """How many requests produced exactly the reference's tokens."""
     return sum(a == b for a, b in zip(outputs, reference))
@@ -161,9 +185,12 @@ class BenchReport:
     machine: dict
     peaks_gflops: dict[str, float]
     systems: list[SystemSummary]
-    hf_sweep: list[dict] = field(default_factory=list)
+    sweeps: list[dict] = field(default_factory=list)  # HF batch sizes, llama-server slots
     runs: list[dict] = field(default_factory=list)  # every timed run, in the order run
     notes: list[str] = field(default_factory=list)
+    # The GGUF files llama.cpp ran (format, path, tensor types) and llama.cpp's own
+    # benchmarks on them, when run.
+    llamacpp: dict = field(default_factory=dict)
     flop_formula: str = FLOP_FORMULA
 
     def to_dict(self) -> dict:
@@ -178,11 +205,13 @@ def build_summaries(
     workload: Workload,
     shape: ModelShape,
     peaks_gflops: dict[str, float],
+    peers: dict[str, list[str]] | None = None,
 ) -> list[SystemSummary]:
     """Per-system summaries with ratios to every baseline and output agreement.
 
     Outputs are compared with tokenmill at fp32 when it ran, else with the first system
     that has outputs: the count says how many greedy completions are token-identical.
+    peers: label -> the llama.cpp systems of its precision class (like-for-like ratio).
     """
     summaries = [
         summarize_system(
@@ -204,6 +233,14 @@ def build_summaries(
                 ratio = paired_ratio(runs[spec.label], runs[base.label])
                 if ratio is not None:
                     summary.ratios[base.label] = ratio
+    by_label = {s.label: s for s in summaries}
+    for spec, summary in zip(specs, summaries):
+        ran = [p for p in (peers or {}).get(spec.label, []) if by_label[p].wall_s is not None]
+        if not ran:
+            continue
+        summary.peers = ran
+        summary.peer_ratio = best_of_ratio(runs[spec.label], [runs[p] for p in ran])
+        summary.best_peer = max(ran, key=lambda p: by_label[p].total_tok_s)
     reference = _reference_outputs(specs, runs)
     if reference is not None:
         ref_label, ref_outputs = reference

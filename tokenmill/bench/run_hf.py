@@ -40,7 +40,8 @@ def run_hf(job: Job, workload: Workload) -> RunResult:
     ).to(device)
     model.eval()
     pad_id = _pad_id(model)
-    batch_size = int(job.system.options.get("batch_size", 32))
+    # A sequential workload's requests run one at a time, as the same user would send them.
+    batch_size = 1 if workload.sequential else int(job.system.options.get("batch_size", 32))
 
     def generate(prompts: list[list[int]], num_new: int, clock: _StepClock | None = None):
         width = max(len(p) for p in prompts)
@@ -72,12 +73,13 @@ def run_hf(job: Job, workload: Workload) -> RunResult:
             # rows that asked for fewer tokens keep only theirs.
             num_new = max(workload.output_lens[i] for i in rows)
             steps = _StepClock()
+            submitted = time.perf_counter() if workload.sequential else clock.start
             new_ids, width = generate([workload.prompt_ids[i] for i in rows], num_new, steps)
             for row, i in enumerate(rows):
                 wanted = workload.output_lens[i]
                 outputs[i] = new_ids[row][:wanted]
                 computed[i], generated[i] = width, num_new  # padding is computed too
-                ttft[i] = steps.times[0] - clock.start
+                ttft[i] = steps.times[0] - submitted
                 tpots[i] = tpot(steps.times[0], steps.times[wanted - 1], wanted)
     return RunResult(
         system=job.system.label,

@@ -21,7 +21,7 @@ def run_llamacpp(job: Job, workload: Workload) -> RunResult:
     """Load the GGUF, warm up, time greedy generation of every request in turn."""
     from llama_cpp import Llama
 
-    gguf = job.system.options.get("gguf") or _source_gguf(job.model_dir)
+    gguf = job.system.options.get("gguf") or source_gguf(job.model_dir)
     longest = max(len(p) + n for p, n in zip(workload.prompt_ids, workload.output_lens))
     threads = job.threads or os.cpu_count() or 1
     llm = Llama(
@@ -90,7 +90,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _source_gguf(model_dir: str) -> Path:
+def source_gguf(model_dir: str) -> Path:
     """The GGUF a cached conversion was made from, when it is a built-in alias's file."""
     from tokenmill.engine.loader.model_files import ALIASES, alias_gguf_path
 

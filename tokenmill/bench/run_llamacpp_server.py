@@ -8,6 +8,7 @@ on a loopback port for this run only and is stopped afterwards. Each request is 
 streamed `/completion` call over the workload's token ids, greedy, EOS ignored; the
 first streamed chunk times the first token, and the server's own counters (`timings`)
 say how many prompt tokens it computed and how many it took from its prompt cache.
+A sequential workload runs on one slot, each request sent when the previous one ended.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from tokenmill.bench.result import RunResult, Stopwatch, tpot
-from tokenmill.bench.run_llamacpp import _source_gguf
+from tokenmill.bench.run_llamacpp import source_gguf
 from tokenmill.bench.systems import Job
 from tokenmill.bench.workload import Workload, warmup_prompts
 
@@ -38,8 +39,11 @@ def run_llamacpp_server(job: Job, workload: Workload) -> RunResult:
     binary = options.get("server") or os.environ.get("TOKENMILL_LLAMA_SERVER")
     if not binary or not Path(binary).is_file():
         raise FileNotFoundError("llama-server binary not found: pass --llama-server PATH")
-    gguf = options.get("gguf") or _source_gguf(job.model_dir)
-    slots = int(options.get("parallel") or min(64, workload.num_requests))
+    gguf = options.get("gguf") or source_gguf(job.model_dir)
+    # A sequential workload is one user's requests in turn: one slot serves them.
+    slots = (
+        1 if workload.sequential else int(options.get("parallel") or min(64, workload.num_requests))
+    )
     longest = max(len(p) + n for p, n in zip(workload.prompt_ids, workload.output_lens))
     threads = job.threads or os.cpu_count() or 1
     port = _free_port()
@@ -47,13 +51,16 @@ def run_llamacpp_server(job: Job, workload: Workload) -> RunResult:
         str(binary), "-m", str(gguf), "--host", _HOST, "--port", str(port),
         "-np", str(slots), "-c", str(slots * (longest + 16)), "--cont-batching",
         "-t", str(threads), "-tb", str(threads), "--no-webui", "--log-disable",
+        *options.get("args", []),
     ]  # fmt: skip
     with tempfile.TemporaryFile() as log, _Server(command, port, log) as server:
         for prompt in warmup_prompts(workload):
             server.complete(prompt, 4)
         results: list[dict | None] = [None] * workload.num_requests
+        submitted = [0.0] * workload.num_requests
 
         def send(i: int) -> None:
+            submitted[i] = time.perf_counter()
             results[i] = server.complete(workload.prompt_ids[i], workload.output_lens[i])
 
         threads_list = [
@@ -61,10 +68,14 @@ def run_llamacpp_server(job: Job, workload: Workload) -> RunResult:
         ]
         cpu_before = server.cpu_seconds()
         with Stopwatch() as clock:
-            for thread in threads_list:
-                thread.start()
-            for thread in threads_list:
-                thread.join()
+            if workload.sequential:
+                for i in range(workload.num_requests):
+                    send(i)
+            else:
+                for thread in threads_list:
+                    thread.start()
+                for thread in threads_list:
+                    thread.join()
         server_cpu_s = server.cpu_seconds() - cpu_before
         server_peak_rss = server.peak_rss_bytes()
     failed = [i for i, r in enumerate(results) if r is None or "error" in r]
@@ -84,12 +95,23 @@ def run_llamacpp_server(job: Job, workload: Workload) -> RunResult:
         computed_prompt=computed,
         cached_prompt=cached,
         generated=[len(r["tokens"]) for r in results],
-        ttft_s=[r["first"] - clock.start for r in results],
+        # From each request's own submission when they go one at a time.
+        ttft_s=[
+            r["first"] - (t if workload.sequential else clock.start)
+            for r, t in zip(results, submitted)
+        ],
         tpot_s=[tpot(r["first"], r["finish"], len(r["tokens"])) for r in results],
         # The server is another process: its CPU time and memory are what count.
         cpu_s=server_cpu_s,
         peak_rss_bytes=server_peak_rss,
-        extra={"gguf": str(gguf), "threads": threads, "parallel": slots, "binary": str(binary)},
+        extra={
+            "gguf": str(gguf),
+            "format": options.get("format"),
+            "threads": threads,
+            "parallel": slots,
+            "binary": str(binary),
+            "args": options.get("args", []),
+        },
         output_ids=[r["tokens"] for r in results],
     )
 

@@ -10,7 +10,8 @@ from tokenmill.bench.workload import Workload, warmup_prompts
 
 
 def run_tokenmill(job: Job, workload: Workload) -> RunResult:
-    """Load the model, warm up, then time one `LLM.generate` over the whole workload.
+    """Load the model, warm up, then time one `LLM.generate` over the whole workload (or
+    one per request, in turn, for a sequential workload).
 
     A structured system enforces the workload's JSON schema: greedy, max_tokens the
     workload's output length, each request ending where its grammar does. Otherwise every
@@ -42,7 +43,12 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
             for n in job.output_lens or workload.output_lens
         ]
     with Stopwatch() as clock:
-        outputs = llm.generate(workload.prompt_ids, params)
+        if workload.sequential:  # one request at a time: nothing to batch
+            outputs = []
+            for prompt, param in zip(workload.prompt_ids, params):
+                outputs += llm.generate([prompt], [param])
+        else:
+            outputs = llm.generate(workload.prompt_ids, params)
     after = llm.stats()
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
@@ -61,11 +67,13 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
             "num_complete": sum(bool(o.structured_output_complete) for o in outputs),
         }
 
-    t0 = clock.start
     ttft, tpots = [], []
     for out in outputs:
         m = out.metrics
-        ttft.append(m.first_token_time - t0)
+        # From the request's own submission when they go one at a time, else from the
+        # moment the whole workload was handed over.
+        start = m.arrival_time if workload.sequential else clock.start
+        ttft.append(m.first_token_time - start)
         tpots.append(tpot(m.first_token_time, m.finish_time, out.completion_tokens))
     return RunResult(
         system=job.system.label,

@@ -21,8 +21,14 @@ def run_vllm(job: Job, workload: Workload) -> RunResult:
 
     llm, engine_args = _build_and_warm_up(job, workload, params(4))
     prompts = [{"prompt_token_ids": p} for p in workload.prompt_ids]
+    per_request = [params(n) for n in workload.output_lens]
     with Stopwatch() as clock:
-        outputs = llm.generate(prompts, [params(n) for n in workload.output_lens], use_tqdm=False)
+        if workload.sequential:  # one request at a time
+            outputs = []
+            for prompt, param in zip(prompts, per_request):
+                outputs += llm.generate([prompt], [param], use_tqdm=False)
+        else:
+            outputs = llm.generate(prompts, per_request, use_tqdm=False)
 
     generated = [len(o.outputs[0].token_ids) for o in outputs]
     cached = [int(getattr(o, "num_cached_tokens", None) or 0) for o in outputs]

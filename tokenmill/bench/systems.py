@@ -16,6 +16,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tokenmill.bench.llamacpp import FORMATS
+
 KINDS = ("tokenmill", "hf", "llamacpp", "llamacpp-server", "vllm")
 # Baseline names accepted by `--baseline` -> (kind, dtype).
 BASELINES = {
@@ -39,7 +41,9 @@ class SystemSpec:
     {"output_lens_from": LABEL} (generate, EOS ignored, exactly as many tokens per request
     as system LABEL did earlier in the same round); hf: {"batch_size": N};
     llamacpp: {"gguf": path}; llamacpp-server: {"gguf": path, "server": binary, "parallel":
-    slots (optional)};
+    slots (optional), "args": [extra command-line arguments] (optional)}; either with
+    "format" (the llama.cpp format the GGUF was made in, e.g. "Q4_0").
+    tokenmill may run another model file than the benchmark's ({"model": path}).
     vllm: {"engine_args": {...}}.
     python: the interpreter that runs it (vLLM usually lives in its own environment).
     """
@@ -93,12 +97,17 @@ def tokenmill_systems(
     *,
     structured: bool = False,
     kv_cache_dtypes: list[str] = ("auto",),
+    gguf_files: dict[str, str] | None = None,
 ) -> list[SystemSpec]:
     """tokenmill at each dtype, labelled e.g. "tokenmill-bf16", then each quantization
     ("tokenmill-int8"), which runs its float parts in the engine's best float precision
     here (bf16 on CPUs with native bf16, else fp32) - the precision it is compared with.
     Each of those runs once per KV cache dtype; an int8 cache is labelled "-kv8"
     ("tokenmill-int8-kv8").
+
+    "gguf:FMT" is the gguf mode on the model's file in llama.cpp format FMT, taken from
+    gguf_files (FMT -> path; the harness makes them with llama-quantize), labelled
+    "tokenmill-gguf-FMT".
 
     With `structured`, each dtype runs twice per round: first constrained to the
     workload's schema ("tokenmill-bf16-json"), then unconstrained as its baseline,
@@ -110,7 +119,7 @@ def tokenmill_systems(
         args = dict(engine_args or {})
         if kv_cache_dtype != "auto":
             args["kv_cache_dtype"] = kv_cache_dtype
-        specs += _tokenmill_systems_with(dtypes, args, quantizations, structured)
+        specs += _tokenmill_systems_with(dtypes, args, quantizations, structured, gguf_files or {})
     return specs
 
 
@@ -120,7 +129,11 @@ def _kv_suffix(engine_args: dict) -> str:
 
 
 def _tokenmill_systems_with(
-    dtypes: list[str], engine_args: dict, quantizations: list[str], structured: bool
+    dtypes: list[str],
+    engine_args: dict,
+    quantizations: list[str],
+    structured: bool,
+    gguf_files: dict[str, str],
 ) -> list[SystemSpec]:
     kv = _kv_suffix(engine_args)
     specs = []
@@ -138,17 +151,49 @@ def _tokenmill_systems_with(
         )
         specs += [constrained, free]
     for quantization in quantizations:
-        args = {**engine_args, "quantization": quantization}
-        specs.append(
-            SystemSpec(
-                f"tokenmill-{quantization}{kv}",
-                "tokenmill",
-                best_float_dtype(),
-                is_baseline=False,
-                options={"engine_args": args},
-            )
-        )
+        method, _, fmt = quantization.partition(":")
+        options: dict = {"engine_args": {**engine_args, "quantization": method}}
+        if fmt:
+            if fmt not in gguf_files:
+                raise ValueError(f"{quantization}: no {fmt} GGUF was prepared")
+            options |= {"model": gguf_files[fmt], "format": fmt}
+        label = f"tokenmill-{method}{'-' + fmt if fmt else ''}{kv}"
+        specs.append(SystemSpec(label, "tokenmill", best_float_dtype(), False, options))
     return specs
+
+
+def split_quantization(name: str) -> tuple[str, str | None]:
+    """ "gguf:Q4_0" -> ("gguf", "Q4_0"); "int8" -> ("int8", None)."""
+    method, _, fmt = name.partition(":")
+    if fmt and method != "gguf":
+        raise ValueError(f"{name}: only gguf takes a file format (gguf:FMT)")
+    return method, fmt or None
+
+
+# A tokenmill mode's weights -> the llama.cpp formats of the same precision class, the
+# runs it is compared with like for like: bf16 with BF16, int8 with the 8- and 4-bit
+# integer formats (llama.cpp computes both with int8 dot products), a GGUF's own blocks
+# with the same file's format.
+_PEERS = {
+    "float32": ("F32",),
+    "bfloat16": ("BF16",),
+    "int8": ("Q8_0", "Q4_0"),
+    "int4": ("Q4_0", "Q4_1"),
+}
+
+
+def peer_formats(spec: SystemSpec, source_format: str | None = None) -> tuple[str, ...]:
+    """The llama.cpp formats tokenmill system `spec` is compared with like for like.
+
+    source_format: the layer format of the model's own GGUF (the file plain "gguf" runs).
+    """
+    if spec.kind != "tokenmill":
+        return ()
+    quantization = spec.options.get("engine_args", {}).get("quantization")
+    if quantization == "gguf":
+        fmt = spec.options.get("format") or source_format
+        return (fmt,) if fmt else ()
+    return _PEERS.get(quantization or spec.dtype, ())
 
 
 def best_float_dtype() -> str:
@@ -199,6 +244,8 @@ def baseline_systems(
     vllm_args: dict | None = None,
     llama_server: str | None = None,
     llama_server_slots: int | None = None,
+    llamacpp_ggufs: dict[str, str] | None = None,
+    llama_server_args: tuple[str, ...] = (),
 ) -> tuple[list[SystemSpec], list[str]]:
     """The requested baselines that can run here, and a note for each that cannot.
 
@@ -208,12 +255,17 @@ def baseline_systems(
         vllm_python: interpreter with vLLM installed (default: this one).
         vllm_args: extra keyword arguments for vllm.LLM.
         llama_server: the llama-server binary (default: $TOKENMILL_LLAMA_SERVER).
-        llama_server_slots: its parallel slots (default: one per request, at most 64).
+        llama_server_slots: its parallel slots (default: one per request, at most 64, or
+            the harness's sweep).
+        llamacpp_ggufs: {format: GGUF path}: llama.cpp runs each, as a system of its own
+            labelled with the format ("llama-server-Q4_0"), instead of llamacpp_gguf.
+        llama_server_args: extra command-line arguments for llama-server.
 
     Returns:
         (systems, notes about skipped baselines).
     """
     systems, notes = [], []
+    files = llamacpp_ggufs or {None: llamacpp_gguf}
     for name in names:
         if name not in BASELINES:
             raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
@@ -233,19 +285,29 @@ def baseline_systems(
                 continue
             # Labelled without a dtype, like the server: llama.cpp runs the GGUF's own
             # tensor types (the default model's is Q4_1), not fp32.
-            systems.append(SystemSpec(kind, kind, dtype, True, {"gguf": llamacpp_gguf}))
+            for fmt, gguf in files.items():
+                options = {"gguf": gguf} | ({"format": fmt} if fmt else {})
+                label = f"{kind}-{fmt}" if fmt else kind
+                systems.append(SystemSpec(label, kind, _format_dtype(fmt, dtype), True, options))
         elif kind == "llamacpp-server":
             binary = llama_server or os.environ.get("TOKENMILL_LLAMA_SERVER")
             if not binary or not Path(binary).is_file():
                 notes.append(
                     "llamacpp-server: skipped - no llama-server binary (build it from "
-                    "llama.cpp's sources and pass --llama-server PATH; see benchmarks/README.md)"
+                    "llama.cpp's sources and pass --llama-bin-dir DIR or --llama-server PATH; "
+                    "see benchmarks/README.md)"
                 )
                 continue
-            options = {"gguf": llamacpp_gguf, "server": str(Path(binary).resolve())}
-            if llama_server_slots is not None:
-                options["parallel"] = llama_server_slots
-            systems.append(SystemSpec(kind, kind, dtype, True, options))
+            for fmt, gguf in files.items():
+                options = {"gguf": gguf, "server": str(Path(binary).resolve())}
+                if fmt:
+                    options["format"] = fmt
+                if llama_server_slots is not None:
+                    options["parallel"] = llama_server_slots
+                if llama_server_args:
+                    options["args"] = list(llama_server_args)
+                label = f"llama-server-{fmt}" if fmt else kind
+                systems.append(SystemSpec(label, kind, _format_dtype(fmt, dtype), True, options))
         else:
             python = vllm_python or sys.executable
             if not _importable("vllm", python):
@@ -254,6 +316,11 @@ def baseline_systems(
             options = {"engine_args": dict(vllm_args or {})}
             systems.append(SystemSpec(label, kind, dtype, True, options, python=vllm_python))
     return systems, notes
+
+
+def _format_dtype(fmt: str | None, default: str) -> str:
+    """The matmul peak a llama.cpp run in this format is measured against."""
+    return FORMATS[fmt].dtype if fmt else default
 
 
 def _importable(module: str, python: str | None = None) -> bool:

@@ -1,4 +1,6 @@
-"""Renders a BenchReport as two rich tables: throughput, then latency and memory."""
+"""Renders BenchReports as rich tables: per preset throughput, then latency and memory;
+across presets each tokenmill mode against llama.cpp's best run of its precision class
+(like for like), and llama.cpp's own benchmarks when they ran."""
 
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ def render(report: BenchReport, console: Console | None = None) -> None:
         f"({w['num_unique_prompt_tokens']:,} prompt tokens with shared prefixes once); "
         f"useful work {w['useful_tflop']:.2f} TFLOP"
     )
+    if w.get("sequential"):
+        console.print("requests run one at a time, each after the previous one finished")
     peaks = ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in report.peaks_gflops.items())
     console.print(f"matmul peak measured in this run: {peaks or 'not measured'}")
     console.print(throughput_table(report.systems))
@@ -30,6 +34,20 @@ def render(report: BenchReport, console: Console | None = None) -> None:
         console.print(line)
     for note in report.notes:
         console.print(f"note: {note}")
+
+
+def render_all(reports: list[BenchReport], console: Console | None = None) -> None:
+    """Every preset's report, then the like-for-like table and llama.cpp's own benchmarks."""
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    for report in reports:
+        render(report, console)
+    for table in (like_for_like_table(reports), llama_reference_table(reports)):
+        if table is not None:
+            console.print(table)
+    files = next((r.llamacpp.get("files") for r in reports if r.llamacpp), None)
+    for fmt, facts in (files or {}).items():
+        types = ", ".join(f"{kind} {count}" for kind, count in facts["tensor_types"].items())
+        console.print(f"llama.cpp {fmt}: {facts['path']} ({types})")
 
 
 def throughput_table(systems: list[SystemSummary]) -> Table:
@@ -43,6 +61,9 @@ def throughput_table(systems: list[SystemSummary]) -> Table:
     table.add_column("roofline (exec)", justify="right")
     for base in baselines:
         table.add_column(f"x {base}", justify="right")
+    with_peers = any(s.peer_ratio is not None for s in systems)
+    if with_peers:
+        table.add_column("x best llama.cpp, same class", justify="right")
     for s in systems:
         if s.wall_s is None:
             table.add_row(s.label, "0", f"failed: {s.error or 'no run'}"[:60])
@@ -57,13 +78,17 @@ def throughput_table(systems: list[SystemSummary]) -> Table:
             _roofline(s),
         ]
         row += [f"{s.ratios[b]:.2f}" if b in s.ratios else "-" for b in baselines]
+        if with_peers:
+            row.append(f"{s.peer_ratio:.2f}" if s.peer_ratio is not None else "-")
         table.add_row(*row)
     return table
 
 
 def latency_table(systems: list[SystemSummary]) -> Table:
     table = Table(title="Per-request latency within the batch, memory, agreement")
-    for name in ("system", "TTFT p50/p95/p99 s", "TPOT p50/p95/p99 ms", "peak RSS MB", "CPU/wall"):
+    for name in (
+        "system", "TTFT p50/p95/p99 s", "TPOT p50/p95/p99 ms", "peak RSS MB", "CPU/wall", "load 1m",
+    ):  # fmt: skip
         table.add_column(name, justify="left" if name == "system" else "right")
     table.add_column("greedy outputs identical (mean tokens agreeing)")
     for s in systems:
@@ -75,9 +100,68 @@ def latency_table(systems: list[SystemSummary]) -> Table:
             _percentiles(s.tpot_s, 1000.0, "{:.1f}"),
             f"{s.peak_rss_mb:,.0f}" if s.peak_rss_mb is not None else "-",
             f"{s.cpu_util:.2f}" if s.cpu_util is not None else "-",
+            f"{s.load_avg:.1f}" if s.load_avg is not None else "-",
             _agreement(s),
         )
     return table
+
+
+def like_for_like_table(reports: list[BenchReport]) -> Table | None:
+    """Per preset, each tokenmill system with llama.cpp peers against the fastest of them
+    (None when no tokenmill system had a peer)."""
+    table = Table(title="Like for like: tokenmill against llama.cpp's best run of the same class")
+    for name in ("preset", "tokenmill", "tok/s", "CPU/wall", "roofline",
+                 "llama.cpp (fastest of class)", "tok/s ", "CPU/wall ", "roofline ", "x",
+                 "load 1m"):  # fmt: skip
+        table.add_column(name, justify="left" if name in ("preset", "tokenmill") else "right")
+    rows = 0
+    for report in reports:
+        by_label = {s.label: s for s in report.systems}
+        for s in report.systems:
+            if s.peer_ratio is None or s.wall_s is None:
+                continue
+            peer = by_label[s.best_peer]
+            loads = [x.load_avg for x in (s, peer) if x.load_avg is not None]
+            table.add_row(
+                report.preset,
+                s.label,
+                f"{s.total_tok_s:,.0f}",
+                f"{s.cpu_util:.2f}",
+                _roofline(s),
+                _peer_name(peer),
+                f"{peer.total_tok_s:,.0f}",
+                f"{peer.cpu_util:.2f}",
+                _roofline(peer),
+                f"{s.peer_ratio:.2f}",
+                "-" if not loads else f"{min(loads):.1f}-{max(loads):.1f}",
+            )
+            rows += 1
+    return table if rows else None
+
+
+def llama_reference_table(reports: list[BenchReport]) -> Table | None:
+    """llama.cpp's own benchmarks per format (None when they did not run)."""
+    references = next((r.llamacpp.get("reference") for r in reports if r.llamacpp), None)
+    if not references:
+        return None
+    table = Table(title="llama.cpp's own benchmarks (its shapes, not the workload)")
+    for name in ("format", "tool", "figures", "load 1m"):
+        table.add_column(name, justify="left" if name != "load 1m" else "right")
+    for ref in references:
+        if "error" in ref:
+            figures = f"failed: {ref['error'][:80]}"
+        elif ref["tool"] == "llama-bench":
+            figures = f"pp512 {ref.get('pp_tok_s', 0):,.0f} tok/s, tg128 {ref.get('tg_tok_s', 0):,.1f} tok/s"
+        else:
+            figures = ", ".join(f"{n}: {v:,.0f}" for n, v in ref["by_parallel"].items())
+            figures = f"tok/s by parallel sequences {figures}"
+        table.add_row(ref["format"], ref["tool"], figures, f"{ref['load_avg_1m']:.1f}")
+    return table
+
+
+def _peer_name(peer: SystemSummary) -> str:
+    slots = (peer.extra or {}).get("parallel")
+    return f"{peer.label}, {slots} slot{'s' if slots != 1 else ''}" if slots else peer.label
 
 
 def structured_lines(systems: list[SystemSummary]) -> list[str]:

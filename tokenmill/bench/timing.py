@@ -34,11 +34,18 @@ def warm_up(llm: Any, workload: Workload) -> None:
     llm.generate(warmup_prompts(workload), SamplingParams(temperature=0.0, max_tokens=4))
 
 
-def timed_generate(llm: Any, prompts: Sequence, params: Any) -> GenerateRun:
-    """Time one `llm.generate(prompts, params)`; fails if any request errored."""
+def timed_generate(
+    llm: Any, prompts: Sequence, params: Any, *, sequential: bool = False
+) -> GenerateRun:
+    """Time one `llm.generate(prompts, params)` - or, `sequential`, one call per prompt in
+    turn (a workload run one request at a time); fails if any request errored."""
     before = replace(llm.stats())
     start = time.perf_counter()
-    outputs = llm.generate(list(prompts), params)
+    if sequential:
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        outputs = [out for p, q in zip(prompts, per_prompt) for out in llm.generate([p], [q])]
+    else:
+        outputs = llm.generate(list(prompts), params)
     wall = time.perf_counter() - start
     errors = [o.error for o in outputs if o.error is not None]
     if errors:

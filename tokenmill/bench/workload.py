@@ -40,6 +40,10 @@ class WorkloadSpec:
         chat: wrap each prompt in the model's chat template (user turn + assistant header);
             a group's prefix then includes the template's opening.
         shuffle: interleave shared and unique requests instead of grouping them.
+        distinct_prefixes: give every "shared" request a prefix of its own (same lengths,
+            nothing shared): the same token counts with no prefix-cache hits to be had.
+        sequential: run the requests one at a time, each after the previous one finished
+            (batch-1 decode), instead of handing the whole workload over at once.
         seed: the random seed; the spec plus the vocabulary fix every token.
     """
 
@@ -53,6 +57,8 @@ class WorkloadSpec:
     output_len: IntRange = (64, 64)
     chat: bool = False
     shuffle: bool = True
+    distinct_prefixes: bool = False
+    sequential: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -106,8 +112,20 @@ PRESETS: dict[str, WorkloadSpec] = {
         suffix_len=(16, 64),
         output_len=(64, 64),
     ),
+    # mixed64's token counts with nothing shared: what is left of a lead without the
+    # prefix cache.
+    "mixed64-noprefix": replace(_MIXED64, name="mixed64-noprefix", distinct_prefixes=True),
     # mixed64's shape in chat form, as `tokenmill run --messages-column` would send it.
     "chat64": replace(_MIXED64, name="chat64", chat=True),
+    # One sequence at a time, mostly decoding: where a batch engine has nothing to batch
+    # (llama-bench's tg128 is the same measure without the short prompts).
+    "single8": WorkloadSpec(
+        "single8",
+        num_prompts=8,
+        unique_len=(16, 48),
+        output_len=(128, 128),
+        sequential=True,
+    ),
     # Seconds on a tiny model: for tests and for checking an installation.
     "smoke": WorkloadSpec(
         "smoke",
@@ -161,6 +179,10 @@ def build_workload(
     requests: list[tuple[list[int], int | None, int]] = []
     for i in range(spec.num_shared):
         group = i % spec.num_prefix_groups
+        if spec.distinct_prefixes:  # the same lengths, a prefix of its own
+            body = draw(spec.prefix_len) + draw(lengths.randint(*spec.suffix_len))
+            requests.append((opening + body + closing, None, 0))
+            continue
         body = prefixes[group] + draw(lengths.randint(*spec.suffix_len))
         requests.append((opening + body + closing, group, len(opening) + spec.prefix_len))
     for _ in range(spec.num_prompts - spec.num_shared):
@@ -178,6 +200,7 @@ def build_workload(
         prefix_group=[r[1] for r in requests],
         shared_len=[r[2] for r in requests],
         spec=asdict(spec),
+        sequential=spec.sequential,
     )
 
 

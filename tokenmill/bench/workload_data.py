@@ -24,6 +24,9 @@ class Workload:
     spec: dict = field(default_factory=dict)
     # A structured workload: the JSON schema its constrained runs enforce.
     json_schema: dict | None = None
+    # Requests run one at a time, each submitted when the previous one has finished;
+    # their latencies count from their own submission.
+    sequential: bool = False
 
     @property
     def num_requests(self) -> int:

@@ -17,11 +17,13 @@ from tokenmill.pipelines.options import get_option
 @click.command("bench")
 @click.option(
     "--preset",
-    type=click.Choice(PRESET_NAMES),
+    "presets",
     default="mixed64",
     show_default=True,
-    help="extract64 compares constrained (JSON schema) and unconstrained generation; embed4k "
-    "(embed-smoke) compares embeddings with sentence-transformers and ONNX Runtime.",
+    help=f"Comma-separated, run in turn within each round: {', '.join(PRESET_NAMES)}. "
+    "extract64 compares constrained (JSON schema) and unconstrained generation; single8 "
+    "runs its requests one at a time; embed4k (embed-smoke), run alone, compares "
+    "embeddings with sentence-transformers and ONNX Runtime.",
 )
 @click.option(
     "--model",
@@ -48,8 +50,10 @@ from tokenmill.pipelines.options import get_option
     "--quantization",
     "quantizations",
     default="",
-    help="Comma-separated int8, int4, gguf: also run tokenmill with LLM(quantization=...), "
-    "its float parts in the CPU's best float precision, and compare it with that.",
+    help="Comma-separated int8, int4, gguf, gguf:FMT: also run tokenmill with "
+    "LLM(quantization=...), its float parts in the CPU's best float precision, and compare "
+    "it with that; gguf:FMT runs the model's GGUF requantized to llama.cpp format FMT "
+    "(e.g. gguf:Q4_0, made with llama-quantize).",
 )
 @click.option(
     "--kv-cache-dtype",
@@ -99,18 +103,45 @@ from tokenmill.pipelines.options import get_option
 @click.option(
     "--llamacpp-gguf",
     default=None,
-    help="GGUF file for llama.cpp (default: the model's source GGUF).",
+    help="GGUF file llama.cpp's formats are made from (default: the model's source GGUF).",
+)
+@click.option(
+    "--llama-bin-dir",
+    default=None,
+    help="Directory of the built llama.cpp binaries (llama-server, llama-bench, "
+    "llama-batched-bench, llama-quantize).",
 )
 @click.option(
     "--llama-server",
     default=None,
-    help="llama-server binary for the llamacpp-server baseline (default: $TOKENMILL_LLAMA_SERVER).",
+    help="llama-server binary for the llamacpp-server baseline (default: the one in "
+    "--llama-bin-dir, else $TOKENMILL_LLAMA_SERVER).",
+)
+@click.option(
+    "--llamacpp-formats",
+    default="",
+    help="Comma-separated llama.cpp formats (Q4_0, Q4_1, Q8_0, BF16, F16, F32, Q4_K): run "
+    "each llama.cpp baseline on the model's GGUF in each (made with llama-quantize, cached). "
+    "Default: the file as it is.",
 )
 @click.option(
     "--llama-server-slots",
-    type=click.IntRange(min=1),
-    default=None,
-    help="llama-server's parallel slots (-np; default: one per request, at most 64).",
+    default="",
+    help="llama-server's parallel slots (-np): one count, or several to try per preset "
+    "before the rounds, keeping the fastest (default: 4,8,16,64).",
+)
+@click.option(
+    "--llama-server-arg",
+    "llama_server_args",
+    multiple=True,
+    metavar="ARG",
+    help="Extra llama-server argument, e.g. --llama-server-arg=-fa --llama-server-arg=on; "
+    "repeatable.",
+)
+@click.option(
+    "--llama-reference/--no-llama-reference",
+    default=False,
+    help="Also run llama-bench (pp512, tg128) and llama-batched-bench on each format once.",
 )
 @click.option("--seed", type=int, default=None, help="Override the preset's workload seed.")
 @click.option(
@@ -129,10 +160,10 @@ from tokenmill.pipelines.options import get_option
     help="Also write the full report as JSON.",
 )
 def bench(
-    preset, model, baselines, dtype, quantizations, kv_cache_dtypes, repeat, hf_batch_size, device,
-    threads, engine_args,
-    vllm_args, vllm_python, llamacpp_gguf, llama_server, llama_server_slots, seed, timeout_s,
-    json_path,
+    presets, model, baselines, dtype, quantizations, kv_cache_dtypes, repeat, hf_batch_size,
+    device, threads, engine_args, vllm_args, vllm_python, llamacpp_gguf, llama_bin_dir,
+    llama_server, llamacpp_formats, llama_server_slots, llama_server_args, llama_reference,
+    seed, timeout_s, json_path,
 ) -> None:  # fmt: skip
     """Benchmark tokenmill against baselines on the same prompts in one run.
 
@@ -142,18 +173,28 @@ def bench(
     """
     from tokenmill.bench.harness import BenchConfig, run_benchmark
     from tokenmill.bench.systems import HF_BATCH_SIZES
-    from tokenmill.bench.table import render
+    from tokenmill.bench.table import render_all
 
     names = [b.strip() for b in baselines.split(",") if b.strip() and b.strip() != "none"]
-    if preset.startswith("embed"):
+    preset_names = _split(presets)
+    if any(p.startswith("embed") for p in preset_names):
+        if len(preset_names) != 1:
+            raise click.BadParameter("an embedding preset runs alone", param_hint="--preset")
+        preset = preset_names[0]
         if baselines == "hf":  # the generation presets' default: an embedding preset has its own
             names = ["st", "onnx"]
         dtypes = ("float32", "bfloat16") if dtype == "both" else (dtype,)
         _embedding_bench(preset, model, names, dtypes, repeat, threads, engine_args, json_path)
         return
     try:
+        slots = tuple(int(n) for n in _split(llama_server_slots))
+    except ValueError:
+        raise click.BadParameter(
+            "counts, comma-separated", param_hint="--llama-server-slots"
+        ) from None
+    try:
         config = BenchConfig(
-            preset=preset,
+            presets=preset_names,
             model=model,
             dtypes=("float32", "bfloat16") if dtype == "both" else (dtype,),
             baselines=tuple(names),
@@ -168,23 +209,31 @@ def bench(
             vllm_python=vllm_python,
             llamacpp_gguf=llamacpp_gguf,
             llama_server=llama_server,
-            llama_server_slots=llama_server_slots,
+            llama_bin_dir=llama_bin_dir,
+            llamacpp_formats=_split(llamacpp_formats),
+            llama_server_slots=slots,
+            llama_server_args=tuple(llama_server_args),
+            llama_reference=llama_reference,
             seed=seed,
             timeout_s=timeout_s,
             command=shlex.join(["tokenmill", *sys.argv[1:]]),
         )
-        report = run_benchmark(config, log=lambda line: click.echo(line, err=True))
+        reports = run_benchmark(config, log=lambda line: click.echo(line, err=True))
     except (ValueError, FileNotFoundError) as error:
         raise click.ClickException(str(error)) from error
-    render(report)
-    _write_json(json_path, report)
-    if all(s.wall_s is None for s in report.systems if not s.is_baseline):
+    render_all(reports)
+    # One preset: its report; several: {"reports": [...]} in the order run.
+    _write_json(
+        json_path,
+        reports[0].to_dict() if len(reports) == 1 else {"reports": [r.to_dict() for r in reports]},
+    )
+    if all(s.wall_s is None for r in reports for s in r.systems if not s.is_baseline):
         raise click.ClickException("no tokenmill run succeeded")
 
 
-def _write_json(json_path, report) -> None:
+def _write_json(json_path, data: dict) -> None:
     if json_path is not None:
-        json_path.write_text(json.dumps(report.to_dict(), indent=2))
+        json_path.write_text(json.dumps(data, indent=2))
         click.echo(f"wrote {json_path}", err=True)
 
 
@@ -213,6 +262,10 @@ def _embedding_bench(
     except (ValueError, FileNotFoundError) as error:
         raise click.ClickException(str(error)) from error
     render_embedding_report(report)
-    _write_json(json_path, report)
+    _write_json(json_path, report.to_dict())
     if all(s.wall_s is None for s in report.systems if not s.is_baseline):
         raise click.ClickException("no tokenmill run succeeded")
+
+
+def _split(values: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in values.split(",") if v.strip())

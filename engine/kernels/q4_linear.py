@@ -1,0 +1,197 @@
+"""The GGUF 4-bit layers' forward over the native library (q4_linear.c: AVX512-VNNI,
+AVX-VNNI or AVX2): the rows quantized in blocks of 32, the integer product on the
+blocks' nibbles and their scales in one call."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.kernels import native_library
+from tokenmill.engine.kernels.interface import Q4LinearArgs, Q4UnpackArgs, check_status
+
+PANEL = 16  # output channels per packed panel
+BLOCK = 32  # k-values per block: one scale (and minimum) per channel and block
+_NIBBLE_BYTES = PANEL * BLOCK // 2
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    native = native_library()
+    if native is None or native.limits.q4_linear_isa is None:
+        return None
+    return native.lib
+
+
+def native_q4_isa() -> str | None:
+    """The instructions the native 4-bit linear runs on here (None: not built for this
+    CPU, or no native library)."""
+    native = native_library()
+    return None if native is None else native.limits.q4_linear_isa
+
+
+def takes_shape(out_features: int, in_features: int) -> bool:
+    """Whether the native 4-bit linear takes a layer of this shape on this machine."""
+    return (
+        _library() is not None
+        and out_features % PANEL == 0
+        and in_features % BLOCK == 0
+        and in_features <= native_library().limits.max_int8_k
+    )
+
+
+@dataclass(frozen=True)
+class PackedQ4Weight:
+    """A 4-bit weight [n, k] in the kernel's layout (q4_linear.c): per 16-channel panel,
+    k / 32 blocks of nibbles, fp16 scales and (affine) fp16 minimums."""
+
+    blocks: torch.Tensor  # uint8 [n / 16, k / 32, 288 or 320]
+    bias: torch.Tensor | None  # fp32 [n]
+    out_features: int
+    in_features: int
+    affine: bool  # minimums stored (Q4_1); else min = -8 * scale (Q4_0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() + (0 if self.bias is None else 4 * self.bias.numel())
+
+
+def exact_in_fp16(values: torch.Tensor) -> bool:
+    """Whether every value survives a round trip through fp16 unchanged (the kernel keeps
+    scales and minimums in fp16, as GGUF's Q4_0 and Q4_1 blocks do)."""
+    return bool(torch.equal(values.float().half().float(), values.float()))
+
+
+def pack_q4_weight(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> PackedQ4Weight:
+    """4-bit weights (q in 0..15 [n, k], weight = scale * q + minimum per block of 32
+    along k; minimum None for symmetric blocks, where it is -8 * scale) -> the layout
+    tm_q4_linear reads. n % 16 == 0, k % 32 == 0; scale and minimum [n, k / 32], each
+    exact in fp16 (exact_in_fp16), so the kernel computes with the file's own values.
+    """
+    n, k = q.shape
+    if n % PANEL or k % BLOCK:
+        raise ValueError(
+            f"a 4-bit weight needs n % {PANEL} == 0 and k % {BLOCK} == 0, not {n} x {k}"
+        )
+    if int(q.min()) < 0 or int(q.max()) > 15:
+        raise ValueError("4-bit weights must lie in 0..15")
+    for name, values in (("scales", scale), ("minimums", minimum)):
+        if values is not None and not exact_in_fp16(values):
+            raise ValueError(f"the 4-bit kernel keeps {name} in fp16; these are not exact in it")
+    nb = k // BLOCK
+    # [panels, 16 channels, blocks, 8 k-steps, 4] -> [panels, blocks, k-step, channel, 4]
+    steps = q.to(torch.uint8).reshape(n // PANEL, PANEL, nb, 8, 4).permute(0, 2, 3, 1, 4)
+    nibbles = (steps[:, :, :4] | (steps[:, :, 4:] << 4)).reshape(n // PANEL, nb, _NIBBLE_BYTES)
+
+    def per_panel(values: torch.Tensor) -> torch.Tensor:  # [n, nb] -> [panels, nb, 32 bytes]
+        half = values.float().half().reshape(n // PANEL, PANEL, nb).transpose(1, 2)
+        return half.contiguous().view(torch.uint8).reshape(n // PANEL, nb, 2 * PANEL)
+
+    parts = [nibbles, per_panel(scale)]
+    if minimum is not None:
+        parts.append(per_panel(minimum))
+    return PackedQ4Weight(
+        blocks=torch.cat(parts, dim=2).contiguous(),
+        bias=None if bias is None else bias.detach().float().contiguous(),
+        out_features=n,
+        in_features=k,
+        affine=minimum is not None,
+    )
+
+
+def q4_linear(
+    x: torch.Tensor, weight: PackedQ4Weight, *, keep_quantized: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y = blockwise-quantized(x) @ weight.T + bias, in x's dtype (kernels.h states the
+    arithmetic).
+
+    Args:
+        x: [rows, k] fp32 or bf16 activations.
+        weight: from pack_q4_weight.
+        keep_quantized: also return the quantized activations (int8 [rows, k]), their
+            block scales (fp32 [rows, k / 32]) and block sums (int32 [rows, k / 32]).
+    Returns:
+        y [rows, n], or (y, qx, x_scales, x_sums) with keep_quantized.
+    """
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native 4-bit linear is not built for this CPU")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the 4-bit linear takes float32 or bfloat16, not {x.dtype}")
+    k, n = weight.in_features, weight.out_features
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"expected [rows, {k}] activations, got {tuple(x.shape)}")
+    x = x.contiguous()
+    rows = x.shape[0]
+    if keep_quantized:
+        qx = torch.empty((rows, k), dtype=torch.int8)
+        x_scales = torch.empty((rows, k // BLOCK), dtype=torch.float32)
+        x_sums = torch.empty((rows, k // BLOCK), dtype=torch.int32)
+    else:
+        qx, x_scales, x_sums = _scratch_for(rows, k)
+    out = torch.empty((rows, n), dtype=x.dtype)
+    args = Q4LinearArgs(
+        x=x.data_ptr(),
+        qx=qx.data_ptr(),
+        x_scales=x_scales.data_ptr(),
+        x_sums=x_sums.data_ptr(),
+        w=weight.blocks.data_ptr(),
+        bias=None if weight.bias is None else weight.bias.data_ptr(),
+        out=out.data_ptr(),
+        rows=rows,
+        n=n,
+        k=k,
+        is_bf16=int(x.dtype == torch.bfloat16),
+        num_threads=torch.get_num_threads(),
+        affine=int(weight.affine),
+    )
+    check_status(lib.tm_q4_linear(ctypes.byref(args)), "4-bit linear")
+    if keep_quantized:
+        return out, qx, x_scales, x_sums
+    return out
+
+
+# Each calling thread's buffers for the quantized activations, reused from call to call
+# as int8_linear.py's are (allocating them was much of a decode-sized call's Python).
+_scratch = threading.local()
+
+
+def _scratch_for(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8, fp32 and int32 buffers of at least rows * k, rows * k / 32 (twice)."""
+    values, scales, sums = getattr(_scratch, "buffers", (None, None, None))
+    blocks = rows * k // BLOCK
+    if values is None or values.numel() < rows * k or scales.numel() < blocks:
+        # Grown with headroom, so that a run's rising row counts reallocate a few times.
+        values = torch.empty(max(2 * rows * k, 1 << 16), dtype=torch.int8)
+        scales = torch.empty(max(2 * blocks, 1 << 11), dtype=torch.float32)
+        sums = torch.empty(max(2 * blocks, 1 << 11), dtype=torch.int32)
+        _scratch.buffers = (values, scales, sums)
+    return values, scales, sums
+
+
+def unpack_q4_bf16(weight: PackedQ4Weight) -> torch.Tensor:
+    """The weight expanded to bf16 [n, k] (kernels.h: tm_q4_unpack_bf16), for one bf16
+    matmul."""
+    native = native_library()
+    if native is None:
+        raise RuntimeError("the native kernels are not built here")
+    out = torch.empty((weight.out_features, weight.in_features), dtype=torch.bfloat16)
+    args = Q4UnpackArgs(
+        w=weight.blocks.data_ptr(),
+        out=out.data_ptr(),
+        n=weight.out_features,
+        k=weight.in_features,
+        affine=int(weight.affine),
+        num_threads=torch.get_num_threads(),
+    )
+    check_status(native.lib.tm_q4_unpack_bf16(ctypes.byref(args)), "4-bit unpack")
+    return out
