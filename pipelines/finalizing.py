@@ -158,7 +158,10 @@ def _write_openai_output(plan: JobPlan, parts: dict[str, list[str]]) -> TokenSum
                 # The plan file is read with the columns the output lines need too, so no
                 # part or plan file is read twice.
                 results, planned = _checked_part(
-                    plan, shard, parts[shard.shard_id], columns=["id", "row_index", "url"]
+                    plan,
+                    shard,
+                    parts[shard.shard_id],
+                    columns=["id", "row_index", "url", "tool_calls"],
                 )
                 sums = add_token_sums(sums, results)
                 tables.append(_with_plan_columns(results, planned))
@@ -218,8 +221,10 @@ def _checked_part(
 
 
 def _with_plan_columns(results: pa.Table, planned: pa.Table) -> pa.Table:
-    """`results` with each row's request url and its input position (`_row_index`)."""
+    """`results` with each row's request url, how its answer is read as tool calls, and
+    its input position (`_row_index`)."""
     where = {rid: i for i, rid in enumerate(planned["id"].to_pylist())}
     take = pa.array([where[rid] for rid in results["id"].to_pylist()], pa.int64())
     results = results.append_column("url", planned["url"].take(take))
+    results = results.append_column("tool_calls", planned["tool_calls"].take(take))
     return results.append_column("_row_index", planned["row_index"].take(take))

@@ -47,6 +47,7 @@ from tokenmill.pipelines.results import (
     build_results,
     check_passthrough,
     extra_columns,
+    logprobs_column,
     reserved_columns,
 )
 from tokenmill.pipelines.scoring import (
@@ -284,6 +285,7 @@ def _run(
         extras=extras,
         layout=job.layout,
         copies={copy: (source, ids[source]) for copy, source in job.copies.items()},
+        logprobs=logprobs_column(job.llm, job.params.params),
     )
     frame = pl.from_arrow(results)
     if job.values["parse"]:

@@ -104,12 +104,27 @@ def order_rows(
     return good + bad
 
 
+# SamplingParams fields left out of a params key while at their default: a job that does
+# not use them keeps the shard ids it had before they existed, so its results resume.
+_KEYED_WHEN_SET = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+}
+
+
 def params_key(params: SamplingParams) -> str:
     """A string equal for equal SamplingParams. A structured outputs constraint enters by
     its own key, which keeps a schema's property order (part of what it produces); an
     unconstrained params' key is what it was before constraints existed."""
     values = asdict(params)
     constraint = values.pop("structured_outputs", None)  # PoolingParams have none
+    for name, default in _KEYED_WHEN_SET.items():
+        if name in values and values[name] == default:
+            del values[name]
     key = json.dumps(values, sort_keys=True)
     if constraint is not None:
         key += "\x00" + params.structured_outputs.key

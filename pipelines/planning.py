@@ -367,7 +367,10 @@ def _spill(
     if window.passthrough is not None:
         passthrough = window.passthrough.take(pa.array(local, pa.int64()))
     endpoints = [window.endpoints[i] for i in local] if window.endpoints is not None else None
-    table = shard_table(rows, passthrough=passthrough, endpoints=endpoints, sources=sources)
+    tool_calls = [window.tool_calls[i] for i in local] if window.tool_calls is not None else None
+    table = shard_table(
+        rows, passthrough=passthrough, endpoints=endpoints, tool_calls=tool_calls, sources=sources
+    )
     out.write_plan_shard(spec.output, shard_id, table, spec.storage_options)
 
 

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from tokenmill.connectors import ERROR_COLUMN, REPLACED_COLUMN
 from tokenmill.connectors.openai_embeddings import is_embeddings_url
+from tokenmill.connectors.openai_tools import AUTO, renders_hermes_tools
 from tokenmill.engine.pooling_params import EMBED, PoolingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.pipelines.ids import IdCheck
@@ -41,7 +42,7 @@ from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
 class Window:
     """Consecutive input rows, tokenized: the unit of planning.
 
-    `passthrough` and `endpoints` hold one entry per row, in input order
+    `passthrough`, `endpoints` and `tool_calls` hold one entry per row, in input order
     (row `r` is at `r.row_index - start`).
     """
 
@@ -51,6 +52,8 @@ class Window:
     # The job's passthrough columns, after `decode_replaced` when the job replaces bytes.
     passthrough: pa.Table | None = None
     endpoints: list[str | None] | None = None  # OpenAI batch: each row's request url
+    # OpenAI batch: how each row's answer is read as tool calls (JSON; None: it is not).
+    tool_calls: list[str | None] | None = None
 
 
 def read_windows(
@@ -92,7 +95,9 @@ def read_windows(
             yield _finish(window, passthrough)
             window, passthrough = None, []
         if window is None:
-            window = Window(start // size, start, endpoints=[] if spec.is_openai_batch else None)
+            window = Window(start // size, start)
+            if spec.is_openai_batch:
+                window.endpoints, window.tool_calls = [], []
         columns = batch.to_pydict()
         rows = _read_batch(columns, start, spec, tokenizer, chat, params, max_model_len, pooling)
         ids.add([r.id for r in rows])
@@ -102,6 +107,7 @@ def read_windows(
             passthrough.append(carried)
         if window.endpoints is not None:
             window.endpoints += columns["url"]
+            window.tool_calls += columns.get("tool_calls") or [None] * batch.num_rows
     if window is not None and not ids.num_nulls:
         yield _finish(window, passthrough)
     ids.check(
@@ -169,6 +175,7 @@ def _read_batch(
             queries=columns[spec.query_column] if spec.query_column else None,
         )
     if spec.is_openai_batch:
+        rendered = _refuse_unread_tool_calls(rendered, columns, tokenizer)
         return _read_openai_rows(
             columns, start, spec, tokenizer, chat, params, max_model_len, pooling, rendered
         )
@@ -193,6 +200,28 @@ def _generation_rows(
         params_index=indices,
         min_prompt_tokens=min_prompt_tokens(spec.task),
     )
+
+
+def _refuse_unread_tool_calls(
+    rendered: list[RenderedRow], columns: dict[str, list], tokenizer: Any
+) -> list[RenderedRow]:
+    """Rows whose tool_choice "auto" this model cannot serve become error rows naming it:
+    its answer is unconstrained text, read back as tool calls only in the format of a
+    chat template that renders tools (`connectors/openai_tools.py`)."""
+    specs = columns.get("tool_calls")
+    if specs is None or renders_hermes_tools(getattr(tokenizer, "chat_template", None)):
+        return rendered
+    message = (
+        'body.tool_choice "auto" is refused for this model: its chat template does not '
+        "render tools in a format tokenmill reads back (Hermes / Qwen <tool_call>); give "
+        'tool_choice "required", a named function or "none"'
+    )
+    return [
+        replace(row, text=None, error=message)
+        if row.error is None and spec is not None and json.loads(spec)["choice"] == AUTO
+        else row
+        for row, spec in zip(rendered, specs)
+    ]
 
 
 def _read_openai_rows(

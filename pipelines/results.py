@@ -23,6 +23,10 @@ has the same schema):
     completions                 list of {index, output, finish_reason,
                                 structured_output_complete}: every one of a row's n
                                 completions (`output` is the first). With any n > 1.
+    logprobs                    list of {token, logprob, bytes, top_logprobs}: each
+                                generated token of `output` (`pipelines/logprobs.py`);
+                                each completion has its own in `completions`. With any
+                                logprobs asked for; null on rows that did not ask.
     duplicate_of                string: the id of the identical row whose answer this
                                 row takes (null on rows computed themselves); such a row
                                 bills no tokens (`pipelines/dedupe.py`). With any row
@@ -44,6 +48,7 @@ and one when the job reads its input with `on_decode_error="replace"`:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -51,6 +56,7 @@ from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.engine.pooling_outputs import PoolingOutput
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.pipelines.logprobs import LOGPROBS_TYPE, LogprobsColumn
 from tokenmill.pipelines.pooling import POOLING_JOB_TASKS, PoolingLayout, pooling_columns
 from tokenmill.pipelines.scoring import GENERATE, SCORE, SCORE_FINISH_REASON, prompt_score
 from tokenmill.pipelines.tokenize import PromptRow
@@ -86,6 +92,7 @@ _LINE_EMBEDDINGS = PoolingLayout("embed")
 EXTRA_FIELDS = {
     "structured_output_complete": pa.field("structured_output_complete", pa.bool_()),
     "completions": pa.field("completions", pa.list_(COMPLETION_TYPE)),
+    "logprobs": pa.field("logprobs", LOGPROBS_TYPE),
     "embedding": _LINE_EMBEDDINGS.fields()[0],
     "truncated": _LINE_EMBEDDINGS.fields()[1],
     DUPLICATE_OF: pa.field(DUPLICATE_OF, pa.string()),
@@ -93,6 +100,11 @@ EXTRA_FIELDS = {
 }
 # What a copy's row bills: nothing was computed for it.
 TOKEN_COLUMNS = ("prompt_tokens", "cached_tokens", "completion_tokens")
+# With logprobs too, each completion carries its own.
+_COMPLETIONS_WITH_LOGPROBS = pa.field(
+    "completions",
+    pa.list_(pa.struct([*COMPLETION_TYPE, pa.field("logprobs", LOGPROBS_TYPE)])),
+)
 
 
 def extra_columns(params: Sequence[SamplingParams | PoolingParams]) -> tuple[str, ...]:
@@ -108,6 +120,8 @@ def extra_columns(params: Sequence[SamplingParams | PoolingParams]) -> tuple[str
         extras.append("structured_output_complete")
     if any(p.n > 1 for p in sampling):
         extras.append("completions")
+    if any(p.logprobs is not None for p in sampling):
+        extras.append("logprobs")
     if sampling and len(sampling) < len(params):
         extras += ["embedding", "truncated"]
     return tuple(extras)
@@ -124,7 +138,10 @@ def result_schema(
         base = [*RESULT_SCHEMA, *(layout or PoolingLayout(task)).fields()]
     else:
         base = SCORE_RESULT_SCHEMA if task == SCORE else RESULT_SCHEMA
-    return pa.schema([*base, *(EXTRA_FIELDS[name] for name in extras)])
+    fields = [EXTRA_FIELDS[name] for name in extras]
+    if "logprobs" in extras and "completions" in extras:
+        fields = [_COMPLETIONS_WITH_LOGPROBS if f.name == "completions" else f for f in fields]
+    return pa.schema([*base, *fields])
 
 
 def reserved_columns(task: str = GENERATE) -> tuple[str, ...]:
@@ -146,8 +163,15 @@ def check_passthrough(names: Sequence[str], *, task: str = GENERATE) -> None:
         raise ValueError("passthrough columns repeat")
 
 
-def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = GENERATE) -> dict:
-    """One result row as a dict, from a prompt row and (if it ran) its engine output."""
+def result_record(
+    row: PromptRow,
+    output: RequestOutput | None,
+    *,
+    task: str = GENERATE,
+    logprobs: LogprobsColumn | None = None,
+) -> dict:
+    """One result row as a dict, from a prompt row and (if it ran) its engine output;
+    `logprobs` builds the logprobs column's values (None: the job has none)."""
     if row.error is not None:
         return _error_record(row.id, row.error)
     if output is None:
@@ -159,6 +183,10 @@ def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = G
     reason = output.finish_reason if output.outputs else "error"
     if output.error is not None or reason not in FINISH_REASONS or reason == "error":
         return _error_record(row.id, output.error or f"engine finished with {reason!r}")
+    completions = [_completion(c) for c in output.outputs]
+    if logprobs is not None:
+        for record, completion in zip(completions, output.outputs):
+            record["logprobs"] = logprobs(row.params_index, completion)
     return {
         "id": row.id,
         "output": output.text,
@@ -168,7 +196,8 @@ def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = G
         "completion_tokens": int(output.completion_tokens),
         "error": None,
         "structured_output_complete": output.structured_output_complete,
-        "completions": [_completion(c) for c in output.outputs],
+        "completions": completions,
+        "logprobs": completions[0].get("logprobs"),
     }
 
 
@@ -228,6 +257,13 @@ def _error_record(row_id: str, message: str) -> dict:
     }
 
 
+def logprobs_column(llm: Any, params: Sequence[SamplingParams]) -> LogprobsColumn | None:
+    """The `logprobs` column's builder for a job's params on `llm` (None: none asks)."""
+    if not any(getattr(p, "logprobs", None) is not None for p in params):  # pooling: none
+        return None
+    return LogprobsColumn(llm.tokenizer.token_bytes, params)
+
+
 def build_results(
     rows: Sequence[PromptRow],
     outputs: Mapping[int, RequestOutput],
@@ -235,6 +271,7 @@ def build_results(
     passthrough: pa.Table | None = None,
     task: str = GENERATE,
     extras: Sequence[str] = (),
+    logprobs: LogprobsColumn | None = None,
     layout: PoolingLayout | None = None,
     copies: Mapping[int, tuple[int, str]] | None = None,
 ) -> pa.Table:
@@ -247,6 +284,7 @@ def build_results(
             a `decode_replaced` column among them goes before the others.
         task: the job's task: its rows and schema (`result_schema`).
         extras: optional columns (`extra_columns` of the job's params).
+        logprobs: builds the `logprobs` column (needed when it is among the extras).
         layout: a pooling job's layout (its embedding size and dtype, label names).
         copies: row index -> (source row index, source id) of rows that take an
             identical row's answer (`pipelines/dedupe.py`); extras must then hold
@@ -255,6 +293,8 @@ def build_results(
     Returns:
         A table with the task's result columns, the extras, then the passthrough columns.
     """
+    if "logprobs" in extras and logprobs is None:
+        raise ValueError("a logprobs column needs its LogprobsColumn")
     copies = copies or {}
     if copies:  # a copy's answer (and vectors) are its source's
         outputs = {
@@ -263,7 +303,7 @@ def build_results(
         }
 
     def record(row: PromptRow) -> dict:
-        result = result_record(row, outputs.get(row.row_index), task=task)
+        result = result_record(row, outputs.get(row.row_index), task=task, logprobs=logprobs)
         if row.row_index in copies:
             result.update(dict.fromkeys(TOKEN_COLUMNS, 0))
             result[DUPLICATE_OF] = copies[row.row_index][1]

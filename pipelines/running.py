@@ -24,7 +24,12 @@ from tokenmill.pipelines.engine_failures import generate_with_rule
 from tokenmill.pipelines.ledger import ShardStats, now_iso, token_sums
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard
-from tokenmill.pipelines.results import build_results, copy_results, latencies
+from tokenmill.pipelines.results import (
+    build_results,
+    copy_results,
+    latencies,
+    logprobs_column,
+)
 from tokenmill.pipelines.spill import ShardRows, shard_rows
 
 log = logging.getLogger(__name__)
@@ -143,6 +148,7 @@ def run_shard(
         task=spec.task,
         extras=plan.result_extras,
         layout=plan.layout,
+        logprobs=logprobs_column(llm, plan.params),
     )
     device = str(getattr(llm, "device", ""))
     device_seconds = seconds if good else 0.0

@@ -118,7 +118,11 @@ class JobSpec:
     def template_spec(self) -> TemplateSpec:
         """How rows become prompts. OpenAI batch completion requests (a prompt, no
         messages) are sent raw, as OpenAI's completions endpoint does."""
-        return TemplateSpec(**routed(vars(self), PROMPT), fallback_prompt=self.is_openai_batch)
+        return TemplateSpec(
+            **routed(vars(self), PROMPT),
+            fallback_prompt=self.is_openai_batch,
+            tools_column="tools" if self.is_openai_batch else None,
+        )
 
     @property
     def llm_options(self) -> dict[str, Any]:

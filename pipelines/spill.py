@@ -12,6 +12,8 @@ reads just its own rows. The table, one row per planned row, in run order:
     params_index  int32          index into the job's distinct SamplingParams
     truncated     bool           the text was cut to the model's max_seq_length (pooling)
     url           string         OpenAI batch input only: the request's endpoint
+    tool_calls    string         OpenAI batch input only: how the answer is read as tool
+                                 calls (JSON; null: it is not)
     source_row_index  int64      copy shards only (pipelines/dedupe.py): the row whose
     source_shard      string     answer each copy takes, and the shard that computes it
     passthrough/<name>           each passthrough column, as read
@@ -32,6 +34,7 @@ from tokenmill.pipelines.tokenize import PromptRow
 
 PASSTHROUGH_PREFIX = "passthrough/"
 URL_COLUMN = "url"
+TOOL_CALLS_COLUMN = "tool_calls"
 SOURCE_ROW_COLUMN = "source_row_index"
 SOURCE_SHARD_COLUMN = "source_shard"
 
@@ -52,6 +55,7 @@ def shard_table(
     *,
     passthrough: pa.Table | None = None,
     endpoints: Sequence[str | None] | None = None,
+    tool_calls: Sequence[str | None] | None = None,
     sources: Sequence[tuple[int, str]] | None = None,
 ) -> pa.Table:
     """The table for a shard's rows (in run order).
@@ -60,6 +64,7 @@ def shard_table(
         rows: the shard's rows.
         passthrough: passthrough columns, one row per entry of `rows`, same order.
         endpoints: each row's request url (OpenAI batch input), same order.
+        tool_calls: each row's tool call reading (OpenAI batch input), same order.
         sources: a copy shard's (source row index, source shard id) per row.
 
     Returns:
@@ -83,6 +88,8 @@ def shard_table(
     }
     if endpoints is not None:
         columns[URL_COLUMN] = pa.array(list(endpoints), pa.string())
+    if tool_calls is not None:
+        columns[TOOL_CALLS_COLUMN] = pa.array(list(tool_calls), pa.string())
     if sources is not None:
         columns[SOURCE_ROW_COLUMN] = pa.array([s[0] for s in sources], pa.int64())
         columns[SOURCE_SHARD_COLUMN] = pa.array([s[1] for s in sources], pa.string())

@@ -143,9 +143,9 @@ def chat_renderer(tokenizer: Any, *, add_generation_prompt: bool = True) -> Chat
         tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
     )
 
-    def _render(messages: list[dict[str, str]]) -> str:
+    def _render(messages: list[dict[str, Any]], **variables: Any) -> str:
         try:
-            return render(messages)
+            return render(messages, **variables)
         except ValueError:
             raise
         except Exception as exc:  # jinja2 errors and the like: this row only

@@ -19,6 +19,7 @@ from tokenmill.engine.core.step import (
     PendingStep,
     SamplerOutput,
     SchedulerOutput,
+    Sequence,
     StepResult,
 )
 from tokenmill.engine.grammar import TokenBitmask
@@ -36,6 +37,7 @@ from tokenmill.engine.worker.attention.backend import staged, upload
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 from tokenmill.engine.worker.host_memory import keep_large_allocations_mapped
 from tokenmill.engine.worker.kv_cache import KVCache, kv_cache_dtype_of
+from tokenmill.engine.worker.logit_controls import LogitControls
 from tokenmill.engine.worker.pooling import Pooler
 from tokenmill.engine.worker.sampler import Sampler, SamplingBatch
 
@@ -96,20 +98,13 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, previous: PendingStep | None) -> StepResult:
         """Run one scheduled step (`core.step.StepRunner`): build the sampling batch of the
-        chunks that sample - their settings, bans and grammar masks, the masks filling
-        while the model runs - then compute and sample."""
+        chunks that sample - their settings, bans, logit controls and grammar masks, the
+        masks filling while the model runs - then compute and sample."""
         seqs = [c.seq for c in out.chunks if c.samples]
         batch = None
         if seqs:
-            matchers = [seq.grammar for seq in seqs]
-            has_grammar = any(m is not None for m in matchers)
-            batch = SamplingBatch.build(
-                [s.params for s in seqs],
-                [s.generator for s in seqs],
-                out.banned_token_ids,
-                self.device,
-                TokenBitmask(matchers, self.config.vocab_size) if has_grammar else None,
-            )
+            with self.profiler.stage("prepare"):
+                batch = self._sampling_batch(seqs, out, previous)
         sampled = self.run(out, batch, previous=previous)
         result = StepResult(sampled)
         masks = batch.token_bitmask if batch is not None else None
@@ -118,6 +113,25 @@ class ModelRunner:
             result.grammar_fill_s = masks.fill_s
             result.grammar_blocking_s = masks.blocking_s
         return result
+
+    def _sampling_batch(
+        self, seqs: list[Sequence], out: SchedulerOutput, previous: PendingStep | None
+    ) -> SamplingBatch:
+        matchers = [seq.grammar for seq in seqs]
+        has_grammar = any(m is not None for m in matchers)
+        return SamplingBatch.build(
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            out.banned_token_ids,
+            self.device,
+            TokenBitmask(matchers, self.config.vocab_size) if has_grammar else None,
+            LogitControls.build(
+                seqs,
+                out.conditional_bans or [[] for _ in seqs],
+                self.device,
+                previous.device_token_ids if previous is not None else None,
+            ),
+        )
 
     @torch.inference_mode()
     def run(
