@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "tokenmill.engine.llm",
     "SamplingParams": "tokenmill.engine.sampling_params",
+    "LoRARequest": "tokenmill.engine.lora_request",
     "StructuredOutputs": "tokenmill.engine.structured_outputs",
     "RequestOutput": "tokenmill.engine.outputs",
     "CompletionOutput": "tokenmill.engine.outputs",
@@ -27,6 +28,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "JobLedger",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputs",
@@ -38,6 +40,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
+    from tokenmill.engine.lora_request import LoRARequest
     from tokenmill.engine.outputs import CompletionOutput, RequestOutput
     from tokenmill.engine.sampling_params import SamplingParams
     from tokenmill.engine.structured_outputs import StructuredOutputs

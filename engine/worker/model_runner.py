@@ -35,6 +35,7 @@ from tokenmill.engine.worker.attention.backend import staged, upload
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 from tokenmill.engine.worker.host_memory import keep_large_allocations_mapped
 from tokenmill.engine.worker.kv_cache import KVCache, kv_cache_dtype_of
+from tokenmill.engine.worker.lora import LoRAManager
 from tokenmill.engine.worker.sampler import Sampler, SamplingBatch
 
 
@@ -52,6 +53,7 @@ class ModelRunner:
         seed: int = 0,
         max_num_seqs: int = 256,
         cuda_graphs: bool | None = None,
+        max_loras: int = 8,
     ) -> None:
         self.model = model
         self.config = config
@@ -76,6 +78,8 @@ class ModelRunner:
         for layer_idx, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = kv_cache.k[layer_idx]
             layer.self_attn.v_cache = kv_cache.v[layer_idx]
+        # LoRA adapters (worker/lora.py); the model is unchanged until one is registered.
+        self.lora = LoRAManager(model, config, max_loras=max_loras, dtype=dtype, device=device)
         self.decode_graphs = None
         if cuda_graphs or (cuda_graphs is None and self.attention.supports_cuda_graphs):
             if not self.attention.supports_cuda_graphs:
@@ -130,11 +134,16 @@ class ModelRunner:
         """
         prompt_spans = prompt_logprobs.spans_for_step(out.chunks)
         graphs = self.decode_graphs
-        if graphs is not None and not prompt_spans and graphs.can_run(out):
-            hidden, sample_rows = graphs.run(out, previous)
-        else:
-            input_ids, positions, meta, sample_rows = self.prepare(out, previous)
-            hidden = self.forward_model(input_ids, positions, meta)
+        # Graphs were captured without adapters: a step with adapter rows runs eagerly.
+        uses_lora = self.lora.begin_step(out) is not None
+        try:
+            if graphs is not None and not prompt_spans and not uses_lora and graphs.can_run(out):
+                hidden, sample_rows = graphs.run(out, previous)
+            else:
+                input_ids, positions, meta, sample_rows = self.prepare(out, previous)
+                hidden = self.forward_model(input_ids, positions, meta)
+        finally:
+            self.lora.end_step()
         prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)
         if not sample_rows:
             return None
