@@ -43,6 +43,7 @@ def generate_with_rule(
     *,
     shard_id: str,
     on_output: OnOutput | None = None,
+    loras: list | None = None,
 ) -> dict[int, RequestOutput]:
     """Generate `rows` (all with prompts) under the engine-failure rule above.
 
@@ -52,6 +53,8 @@ def generate_with_rule(
         params: the job's distinct SamplingParams, indexed by `PromptRow.params_index`.
         shard_id: the shard's id, for messages.
         on_output: called with each RequestOutput as it finishes.
+        loras: the job's LoRARequests, indexed by `PromptRow.lora_index` (None: no
+            adapters).
 
     Returns:
         The engine's output per row index; a request that failed alone has an output
@@ -65,7 +68,7 @@ def generate_with_rule(
     error: Exception | None = None
     for attempt in (1, 2):
         try:
-            return generate_rows(llm, rows, params, on_output=on_output)
+            return generate_rows(llm, rows, params, on_output=on_output, loras=loras)
         except Exception as exc:
             error = exc
             log.warning(
@@ -80,7 +83,7 @@ def generate_with_rule(
     num_failed = 0
     for row in rows:
         try:
-            results.update(generate_rows(llm, [row], params, on_output=on_output))
+            results.update(generate_rows(llm, [row], params, on_output=on_output, loras=loras))
         except Exception as exc:
             results[row.row_index] = _failed(row, f"engine error: {type(exc).__name__}: {exc}")
             num_failed += 1
@@ -105,6 +108,7 @@ def generate_rows(
     params: list[SamplingParams],
     *,
     on_output: OnOutput | None = None,
+    loras: list | None = None,
 ) -> dict[int, RequestOutput]:
     """Generate every row that has a prompt, in the given order, each with its params -
     one `LLM.generate` call, no rule (notebooks call it directly; jobs through
@@ -115,6 +119,8 @@ def generate_rows(
         rows: prompt rows; error rows are left out.
         params: the job's distinct SamplingParams, indexed by `PromptRow.params_index`.
         on_output: called with each RequestOutput as it finishes.
+        loras: the job's LoRARequests, indexed by `PromptRow.lora_index` (None: no
+            adapters, and `generate` is called without lora_request).
 
     Returns:
         The engine's output per row index.
@@ -122,10 +128,14 @@ def generate_rows(
     good = [r for r in rows if r.token_ids is not None]
     if not good:
         return {}
+    adapters = {}
+    if loras is not None:
+        adapters["lora_request"] = [loras[r.lora_index] for r in good]
     generated = llm.generate(
         [r.token_ids for r in good],
         [params[r.params_index] for r in good],
         on_output=on_output,
+        **adapters,
     )
     return {r.row_index: o for r, o in zip(good, generated)}
 

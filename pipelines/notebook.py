@@ -21,12 +21,18 @@ from tokenmill.connectors import ERROR_COLUMN
 from tokenmill.connectors.decoding import Decoding, decode_values
 from tokenmill.connectors.lines import BadLine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.pipelines.adapters import (
+    adapter_names,
+    check_lora_option,
+    describe_job_adapters,
+    lora_requests,
+)
 from tokenmill.pipelines.engine_failures import generate_rows
 from tokenmill.pipelines.option_types import NOTEBOOK, PROMPT, SAMPLE
 from tokenmill.pipelines.options import check_options, llm_options, routed, takes_options
 from tokenmill.pipelines.parsed import with_parsed
 from tokenmill.pipelines.plan import order_rows
-from tokenmill.pipelines.reading import check_ids, mark_bad_rows, params_indices
+from tokenmill.pipelines.reading import check_ids, lora_indices, mark_bad_rows, params_indices
 from tokenmill.pipelines.results import (
     DECODE_REPLACED,
     build_results,
@@ -176,6 +182,12 @@ def _run(
         values["json_schema"] is not None or values["json_object"] or schema_column
     ):
         raise ValueError("parse=True needs json_schema, json_object or json_schema_column")
+    check_lora_option(values["lora"])
+    lora_column = values["lora_column"]
+    if lora_column is not None and not values["lora"]:
+        raise ValueError("lora_column names adapters: register them with lora={name: path}")
+    if lora_column is not None and lora_column not in table.column_names:
+        raise ValueError(f"data has no column {lora_column!r} (lora_column)")
     passthrough = values["passthrough"]
     if options.get("passthrough") is None:
         reserved = reserved_columns(task)
@@ -188,6 +200,14 @@ def _run(
         shared = get_llm(**llm_options(values))
         llm, lock = shared.llm, shared.lock
 
+    adapters = []
+    if values["lora"]:  # each checked against the model before any compute
+        adapters = describe_job_adapters(
+            values["lora"],
+            llm.model_config,
+            model_names=llm.model_names,
+            max_rank=llm.engine_config.max_lora_rank,
+        )
     engine = getattr(llm, "engine", None)
     params = ParamsTable(base, check=engine.compile_structured_outputs if engine else None)
     columns = table.to_pydict()
@@ -196,6 +216,7 @@ def _run(
     chat = chat_renderer(llm.tokenizer, add_generation_prompt=adds_generation_prompt(task))
     rendered = render_rows(columns, template, chat=chat)
     rendered = mark_bad_rows(rendered, columns, id_column=template.id_column, start=0)
+    rendered, loras = lora_indices(columns, rendered, adapters, column=lora_column)
     pairs = params_indices(columns, params, rendered, schema_column=schema_column)
     indices = [i for _, i in pairs]
     rows = tokenize_rows(
@@ -205,11 +226,18 @@ def _run(
         max_tokens=[params.params[i].max_tokens for i in indices],
         params_index=indices,
         min_prompt_tokens=min_prompt_tokens(task),
+        lora_index=loras,
     )
     if template.id_column is not None:
         check_ids(rows, id_column=template.id_column, source="data")
     with lock:
-        outputs = generate_rows(llm, order_rows(rows), params.params, on_output=on_output)
+        outputs = generate_rows(
+            llm,
+            order_rows(rows),
+            params.params,
+            on_output=on_output,
+            loras=lora_requests(adapters) if adapters else None,
+        )
     carried = table.select(list(passthrough))
     if replaced is not None:
         carried = carried.add_column(0, DECODE_REPLACED, pa.array(replaced, pa.bool_()))
@@ -218,7 +246,8 @@ def _run(
         outputs,
         passthrough=carried,
         task=task,
-        extras=extra_columns(params.params),
+        extras=extra_columns(params.params, has_adapters=bool(adapters)),
+        adapters=adapter_names(adapters),
     )
     frame = pl.from_arrow(results)
     if values["parse"]:

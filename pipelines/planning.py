@@ -21,12 +21,15 @@ import pyarrow as pa
 
 from tokenmill.connectors import open_source, redact_url
 from tokenmill.connectors.fingerprint import first_difference
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.grammar import GrammarCompiler
+from tokenmill.engine.loader.adapters import model_names
 from tokenmill.engine.models import load_config
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
+from tokenmill.pipelines.adapters import JobAdapter, describe_job_adapters, lora_requests
 from tokenmill.pipelines.model_description import (
     ModelDescription,
     describe_model,
@@ -56,10 +59,18 @@ class JobPlan:
     num_failed: int = 0  # rows that failed before compute (bad prompt, too long, ...)
     # The input files' URLs, sizes and versions when planned (connectors/fingerprint.py).
     input_fingerprint: list[dict[str, Any]] = field(default_factory=list)
+    # The LoRA adapters rows may run with, in lora index order from 1 (pipelines/adapters.py).
+    adapters: list[JobAdapter] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.shards)
+
+    @property
+    def lora_requests(self) -> list | None:
+        """Each lora index's LoRARequest (None at 0: the base model); None without
+        adapters."""
+        return lora_requests(self.adapters) if self.adapters else None
 
 
 def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
@@ -88,6 +99,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
     if not spec.is_openai_batch:
         columns = [*required_columns(template), *spec.passthrough]
         columns += [spec.json_schema_column] if spec.json_schema_column else []
+        columns += [spec.lora_column] if spec.lora_column else []
     source = open_source(
         spec.input,
         format=spec.format,
@@ -102,6 +114,8 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
     fingerprint = source.fingerprint()
     _check_input_unchanged(spec, fingerprint)
     model, tokenizer, max_model_len = _model_for(spec, llm)
+    # An adapter that is missing or does not fit the model fails the job here.
+    adapters = _adapters_for(spec, model, llm)
     # A job-level constraint that cannot be compiled fails the job here, before any rows.
     params = ParamsTable(spec.sampling, check=_constraint_check(model, tokenizer, llm))
     shards: list[Shard] = []
@@ -109,7 +123,9 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
     # Another plan's files may have our shard ids (same rows, same id): if this planning
     # fails, it removes only the files it added.
     existing = out.planned_shards(spec.output, spec.storage_options)
-    windows = read_windows(source, spec, tokenizer, max_model_len=max_model_len, params=params)
+    windows = read_windows(
+        source, spec, tokenizer, max_model_len=max_model_len, params=params, adapters=adapters
+    )
     try:
         for window in windows:
             for planned in plan_shards(
@@ -120,6 +136,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
                 shard_tokens=spec.shard_tokens,
                 first_index=len(shards),
                 window=window.index,
+                adapter_keys=[a.weights_hash for a in adapters],
             ):
                 _spill(spec, planned, window)
                 shards.append(planned.shard)
@@ -140,6 +157,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         num_rows=num_rows,
         num_failed=num_failed,
         input_fingerprint=fingerprint,
+        adapters=adapters,
     )
     log.info(
         "planned job %s: %d rows (%d failed before compute), %d shards, ~%d tokens",
@@ -184,6 +202,21 @@ def _model_for(spec: JobSpec, llm: Any) -> tuple[ModelDescription, Any, int]:
     model = describe_model(spec.model, revision=spec.revision)
     limit = spec.engine_options.get("max_model_len") or model.max_context
     return model, model.load_tokenizer(), min(model.max_context, limit)
+
+
+def _adapters_for(spec: JobSpec, model: ModelDescription, llm: Any) -> list[JobAdapter]:
+    """The job's LoRA adapters, each checked against the model (ValueError naming one that
+    is missing or does not fit): by the loaded engine's settings when there is one."""
+    if not spec.lora:
+        return []
+    if llm is not None:
+        names, max_rank = llm.model_names, llm.engine_config.max_lora_rank
+    else:
+        names = model_names(spec.model)
+        max_rank = spec.engine_options.get("max_lora_rank", EngineConfig.max_lora_rank)
+    return describe_job_adapters(
+        spec.lora, load_config(model.model_dir), model_names=names, max_rank=max_rank
+    )
 
 
 def _constraint_check(model: ModelDescription, tokenizer: Any, llm: Any) -> ConstraintCheck:

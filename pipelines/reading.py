@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from tokenmill.connectors import ERROR_COLUMN, REPLACED_COLUMN
 from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.pipelines.adapters import JobAdapter, row_adapters
 from tokenmill.pipelines.ids import IdCheck
 from tokenmill.pipelines.options import per_row_fields
 from tokenmill.pipelines.results import DECODE_REPLACED
@@ -52,6 +53,7 @@ def read_windows(
     *,
     max_model_len: int,
     params: ParamsTable,
+    adapters: list[JobAdapter] | None = None,
 ) -> Iterator[Window]:
     """Read, template and tokenize the input (up to `spec.limit`), window by window.
 
@@ -61,6 +63,8 @@ def read_windows(
         tokenizer: the model's tokenizer (`encode_batch`, `apply_chat_template`).
         max_model_len: the model's context length.
         params: the job's distinct sampling params; rows' overrides are added to it.
+        adapters: the job's LoRA adapters (`pipelines/adapters.py`), which rows choose
+            by `spec.lora_column` or an OpenAI batch line's body.model.
 
     Yields:
         Windows in input order; row indices run 0..n-1 across them.
@@ -83,7 +87,9 @@ def read_windows(
         if window is None:
             window = Window(start // size, start, endpoints=[] if spec.is_openai_batch else None)
         columns = batch.to_pydict()
-        rows = _read_batch(columns, start, spec, tokenizer, chat, params, max_model_len)
+        rows = _read_batch(
+            columns, start, spec, tokenizer, chat, params, max_model_len, adapters or []
+        )
         ids.add([r.id for r in rows])
         window.rows += rows
         carried = _carried(batch, spec)
@@ -145,9 +151,17 @@ def _read_batch(
     chat: ChatRenderer | None,
     params: ParamsTable,
     max_model_len: int,
+    adapters: list[JobAdapter],
 ) -> list[PromptRow]:
     rendered = render_rows(columns, spec.template_spec, start=start, chat=chat)
     rendered = mark_bad_rows(rendered, columns, id_column=spec.id_column, start=start)
+    rendered, loras = lora_indices(
+        columns,
+        rendered,
+        adapters,
+        column=spec.lora_column,
+        per_row=spec.is_openai_batch,
+    )
     params_index = _params_index(columns, spec, params, rendered)
     indices = [i for _, i in params_index]
     return tokenize_rows(
@@ -157,7 +171,32 @@ def _read_batch(
         max_tokens=[params.params[i].max_tokens for i in indices],
         params_index=indices,
         min_prompt_tokens=min_prompt_tokens(spec.task),
+        lora_index=loras,
     )
+
+
+def lora_indices(
+    columns: dict[str, list],
+    rendered: list[RenderedRow],
+    adapters: list[JobAdapter],
+    *,
+    column: str | None,
+    per_row: bool = False,
+) -> tuple[list[RenderedRow], list[int]]:
+    """Each row's LoRA adapter index, from `column` (a name that is no adapter makes the
+    row an error) or, with `per_row` (OpenAI batch input), from the `model` column (a
+    name that is no adapter is the model itself). All 0 without adapters."""
+    if not adapters or (column is None and not per_row):
+        return rendered, [0] * len(rendered)
+    names = columns[column] if column is not None else columns.get("model", [])
+    if not names:
+        names = [None] * len(rendered)
+    chosen = row_adapters(names, adapters, strict=column is not None)
+    rows = [
+        row if error is None or row.error is not None else replace(row, text=None, error=error)
+        for row, (_, error) in zip(rendered, chosen)
+    ]
+    return rows, [index for index, _ in chosen]
 
 
 def _ids_of(batch: pa.RecordBatch, spec: JobSpec, start: int) -> list[str | None]:

@@ -23,6 +23,10 @@ has the same schema):
                                 structured_output_complete}: every one of a row's n
                                 completions (`output` is the first). With any n > 1.
 
+    adapter                     string: the LoRA adapter the row ran with (or asked for,
+                                on an error row); null for the base model. With any
+                                LoRA adapters (`pipelines/adapters.py`).
+
 and one when the job reads its input with `on_decode_error="replace"`:
 
     decode_replaced             bool: true when bytes of the row's input were not valid
@@ -68,20 +72,27 @@ COMPLETION_TYPE = pa.struct(
     ]
 )
 DECODE_REPLACED = "decode_replaced"
+ADAPTER = "adapter"
 EXTRA_FIELDS = {
     "structured_output_complete": pa.field("structured_output_complete", pa.bool_()),
     "completions": pa.field("completions", pa.list_(COMPLETION_TYPE)),
+    ADAPTER: pa.field(ADAPTER, pa.string()),
     DECODE_REPLACED: pa.field(DECODE_REPLACED, pa.bool_(), nullable=False),
 }
 
 
-def extra_columns(params: Sequence[SamplingParams]) -> tuple[str, ...]:
-    """The optional result columns a job's distinct params call for, in schema order."""
+def extra_columns(
+    params: Sequence[SamplingParams], *, has_adapters: bool = False
+) -> tuple[str, ...]:
+    """The optional result columns a job's distinct params (and LoRA adapters) call for,
+    in schema order."""
     extras = []
     if any(p.structured_outputs is not None for p in params):
         extras.append("structured_output_complete")
     if any(p.n > 1 for p in params):
         extras.append("completions")
+    if has_adapters:
+        extras.append(ADAPTER)
     return tuple(extras)
 
 
@@ -180,6 +191,7 @@ def build_results(
     passthrough: pa.Table | None = None,
     task: str = GENERATE,
     extras: Sequence[str] = (),
+    adapters: Sequence[str | None] = (),
 ) -> pa.Table:
     """A results table for `rows`, in their order.
 
@@ -190,11 +202,16 @@ def build_results(
             a `decode_replaced` column among them goes before the others.
         task: the job's task: its rows and schema (`result_schema`).
         extras: optional columns (`extra_columns` of the job's params).
+        adapters: each lora index's adapter name (None: the base model), for the
+            `adapter` column.
 
     Returns:
         A table with the task's result columns, the extras, then the passthrough columns.
     """
     records = [result_record(r, outputs.get(r.row_index), task=task) for r in rows]
+    if ADAPTER in extras:
+        for row, record in zip(rows, records):
+            record[ADAPTER] = adapters[row.lora_index]
     table = pa.Table.from_pylist(records, schema=result_schema(task, extras))
     if passthrough is not None and DECODE_REPLACED in passthrough.column_names:
         flags = passthrough[DECODE_REPLACED].cast(pa.bool_()).fill_null(False)

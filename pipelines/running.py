@@ -17,6 +17,7 @@ from typing import Any
 
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.pipelines import output as out
+from tokenmill.pipelines.adapters import adapter_names
 from tokenmill.pipelines.engine_failures import generate_with_rule
 from tokenmill.pipelines.ledger import ShardStats, now_iso
 from tokenmill.pipelines.plan import Shard
@@ -100,7 +101,12 @@ def run_shard(
     good = [r for r in rows if r.token_ids is not None]
     started_at, t0 = now_iso(), time.perf_counter()
     outputs = generate_with_rule(
-        llm, good, plan.params, shard_id=shard.shard_id, on_output=on_output
+        llm,
+        good,
+        plan.params,
+        shard_id=shard.shard_id,
+        on_output=on_output,
+        loras=plan.lora_requests,
     )
     seconds = time.perf_counter() - t0
     table = build_results(
@@ -108,7 +114,8 @@ def run_shard(
         outputs,
         passthrough=planned.passthrough,
         task=spec.task,
-        extras=extra_columns(plan.params),
+        extras=extra_columns(plan.params, has_adapters=bool(plan.adapters)),
+        adapters=adapter_names(plan.adapters),
     )
     stats = ShardStats(
         shard_id=shard.shard_id,

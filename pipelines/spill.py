@@ -10,6 +10,8 @@ reads just its own rows. The table, one row per planned row, in run order:
     token_ids     list<int32>    prompt tokens; null for an error row
     error         string         why the row failed before compute; null otherwise
     params_index  int32          index into the job's distinct SamplingParams
+    lora_index    int32          the row's LoRA adapter (0: the base model); only in the
+                                 plans of jobs with adapters
     url           string         OpenAI batch input only: the request's endpoint
     passthrough/<name>           each passthrough column, as read
 
@@ -29,6 +31,7 @@ from tokenmill.pipelines.tokenize import PromptRow
 
 PASSTHROUGH_PREFIX = "passthrough/"
 URL_COLUMN = "url"
+LORA_COLUMN = "lora_index"
 
 
 @dataclass
@@ -71,6 +74,8 @@ def shard_table(
         "error": pa.array([r.error for r in rows], pa.string()),
         "params_index": pa.array([r.params_index for r in rows], pa.int32()),
     }
+    if any(r.lora_index for r in rows):
+        columns[LORA_COLUMN] = pa.array([r.lora_index for r in rows], pa.int32())
     if endpoints is not None:
         columns[URL_COLUMN] = pa.array(list(endpoints), pa.string())
     table = pa.table(columns)
@@ -92,6 +97,11 @@ def shard_rows(table: pa.Table) -> ShardRows:
         name: table[name].to_pylist()
         for name in ("row_index", "id", "error", "params_index", "token_ids")
     }
+    loras = (
+        table[LORA_COLUMN].to_pylist()
+        if LORA_COLUMN in table.column_names
+        else [0] * table.num_rows
+    )
     rows = [
         PromptRow(
             row_index,
@@ -99,8 +109,9 @@ def shard_rows(table: pa.Table) -> ShardRows:
             token_ids=None if tokens is None else array("i", tokens),
             error=error,
             params_index=params_index,
+            lora_index=lora_index,
         )
-        for row_index, rid, error, params_index, tokens in zip(*columns.values())
+        for row_index, rid, error, params_index, tokens, lora_index in zip(*columns.values(), loras)
     ]
     names = [n for n in table.column_names if n.startswith(PASSTHROUGH_PREFIX)]
     passthrough = None

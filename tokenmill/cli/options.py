@@ -97,7 +97,8 @@ def _click_option(option: Option, default: Any) -> Callable:
             flag = f"{flag}/--no-{flag[2:]}"
         kwargs.pop("metavar")
     elif option.type is KEY_VALUES:
-        kwargs.update(multiple=True, metavar="KEY=VALUE", callback=key_values_callback(flag))
+        metavar = option.metavar or "KEY=VALUE"
+        kwargs.update(multiple=True, metavar=metavar, callback=key_values_callback(flag))
         kwargs["default"] = None
     else:
         kwargs["type"] = _click_type(option)
