@@ -112,6 +112,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
     with tempfile.TemporaryDirectory(prefix="tokenmill-bench-") as tmp:
         runner = _ChildRunner(Path(tmp), model_dir, config, log)
         workload.to_json(runner.workload_path)
+        adapters = _lora_adapters(workload, model_dir, Path(tmp), log)
         baselines, sweep = _pick_hf_batch_sizes(runner, baselines, config.hf_batch_sizes, workload)
         specs = tokenmill_systems(
             list(config.dtypes),
@@ -119,6 +120,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
             list(config.quantizations),
             structured=workload.json_schema is not None,
             kv_cache_dtypes=list(config.kv_cache_dtypes),
+            lora_adapters=adapters,
         )
         specs += baselines
         runs: dict[str, list[RunResult | None]] = {s.label: [] for s in specs}
@@ -155,6 +157,19 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> BenchReport
         runs=runner.records,
         notes=notes + runner.notes,
     )
+
+
+def _lora_adapters(workload: Workload, model_dir: str, tmp: Path, log: Log) -> list[str]:
+    """A LoRA workload's adapters, written once for every run of this invocation."""
+    if not workload.adapters:
+        return []
+    from tokenmill.bench.lora import make_adapters
+
+    spec = workload.spec
+    num, rank = spec["num_adapters"], spec["adapter_rank"]
+    log(f"writing {num} LoRA adapters of rank {rank} on every linear layer")
+    paths = make_adapters(model_dir, tmp / "adapters", num_adapters=num, rank=rank)
+    return [str(p) for p in paths]
 
 
 class _ChildRunner:

@@ -37,6 +37,9 @@ class WorkloadSpec:
             a group's prefix then includes the template's opening.
         shuffle: interleave shared and unique requests instead of grouping them.
         seed: the random seed; the spec plus the vocabulary fix every token.
+        num_adapters: serve the requests with this many LoRA adapters, request i with
+            adapter i mod num_adapters (tokenmill/bench/lora.py makes them); 0: none.
+        adapter_rank: their rank, on every linear layer of the decoder.
     """
 
     name: str
@@ -50,6 +53,8 @@ class WorkloadSpec:
     chat: bool = False
     shuffle: bool = True
     seed: int = 0
+    num_adapters: int = 0
+    adapter_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -102,6 +107,9 @@ PRESETS: dict[str, WorkloadSpec] = {
         suffix_len=(16, 64),
         output_len=(64, 64),
     ),
+    # mixed64's rows spread evenly over 8 LoRA adapters of rank 16 on every linear layer:
+    # compared with the base model and with merging each adapter in turn.
+    "lora8": replace(_MIXED64, name="lora8", num_adapters=8, adapter_rank=16),
     # mixed64's shape in chat form, as `tokenmill run --messages-column` would send it.
     "chat64": replace(_MIXED64, name="chat64", chat=True),
     # Seconds on a tiny model: for tests and for checking an installation.
@@ -137,6 +145,8 @@ class Workload:
     spec: dict = field(default_factory=dict)
     # A structured workload: the JSON schema its constrained runs enforce.
     json_schema: dict | None = None
+    # A LoRA workload: the adapter of each request (WorkloadSpec.num_adapters).
+    adapters: list[int] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -222,6 +232,9 @@ def build_workload(
         prefix_group=[r[1] for r in requests],
         shared_len=[r[2] for r in requests],
         spec=asdict(spec),
+        adapters=[i % spec.num_adapters for i in range(len(requests))]
+        if spec.num_adapters
+        else None,
     )
 
 
