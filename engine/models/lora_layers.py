@@ -8,11 +8,14 @@ slice of a fused layer's output: its rows `[offset, offset + out)`.
 
 `LoRALinear` wraps one such layer. Its base (float, oneDNN-packed or quantized) runs once
 on the whole step; then, for each run of rows that share an adapter (the step's
-`LoRAStep.segments`, set by the runner), it adds `(x @ A^T) @ B^T` for that adapter:
-A stacks the adapter's lora_A of every target in the layer ([r_total, in]), B places
-each target's lora_B, pre-multiplied by its scaling, in that target's output rows and
-rank columns ([out, r_total], zero elsewhere). One shrink and one expand per adapter per
-layer, whatever subset of the layer's targets the adapter has.
+`LoRAStep`, set by the runner), it adds `(x @ A^T) @ B^T` for that adapter: A stacks the
+adapter's lora_A of every target in the layer ([r_total, in]), B places each target's
+lora_B, pre-multiplied by its scaling, in that target's output rows and rank columns
+([out, r_total], zero elsewhere). One shrink and one expand per adapter per layer,
+whatever subset of the layer's targets the adapter has - as two matmuls for a long run of
+rows (a prompt chunk), or, for the short runs of a decode step, one batched matmul pair
+over every adapter's rows at once (each matmul call costs microseconds of dispatch, which
+outweigh a few rows' arithmetic: benchmarks/README.md, "LoRA adapters").
 """
 
 from __future__ import annotations
@@ -64,16 +67,6 @@ def target_shapes(config: ModelConfig) -> dict[str, TargetShape]:
 
 
 @dataclass
-class LoRAStep:
-    """The step's rows by adapter, shared by every LoRALinear of a model; the runner sets
-    `segments` before the forward pass and clears it after."""
-
-    # (slot, first row, end row): rows [first, end) of the step's batch use the adapter in
-    # `slot`. None: no row of this step uses an adapter - the wrappers only run their base.
-    segments: list[tuple[int, int, int]] | None = None
-
-
-@dataclass
 class SlotWeights:
     """One adapter's term for one layer, ready to multiply: x @ a_t @ b_t."""
 
@@ -82,8 +75,42 @@ class SlotWeights:
     targets: tuple[str, ...] = field(default=())  # the PEFT targets it covers
 
 
+@dataclass
+class BatchedRows:
+    """Short runs of rows (decode steps: a few rows per adapter), computed together: each
+    slot of `lo..hi` gets `rows_per_slot` rows of the batch, padded, as one batched matmul
+    over the slots' stacked weights - one call where a loop would make two per adapter."""
+
+    lo: int  # the first slot of the span
+    hi: int  # one past the last
+    rows_per_slot: int
+    index: torch.Tensor  # [(hi - lo) * rows_per_slot] long: the batch row of each entry
+    mask: torch.Tensor  # [hi - lo, rows_per_slot, 1]: 1 for a row, 0 for padding
+
+
+@dataclass
+class LoRAStep:
+    """The step's rows by adapter, shared by every LoRALinear of a model; the runner sets
+    it before the forward pass and clears it after (`is_active` False: no row of the step
+    uses an adapter, and the wrappers only run their base)."""
+
+    # (slot, first row, end row): rows [first, end) use the adapter in `slot`, each run
+    # computed with its own two matmuls.
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    batched: BatchedRows | None = None
+    is_active: bool = False
+
+    def clear(self) -> None:
+        self.segments, self.batched, self.is_active = [], None, False
+
+
 class LoRALinear(nn.Module):
     """A linear layer (any of the engine's kinds) plus per-row LoRA terms.
+
+    Slot s's term is x @ a[s, :, :r[s]] @ b[s, :r[s]]: `a` [num_slots, in, R] stacks each
+    loaded adapter's lora_A of every target in the layer (transposed), `b` [num_slots, R,
+    out] places each target's scaled lora_B in its output columns; R is the largest
+    r_total loaded, the rest zero. r[s] == 0: the adapter in slot s leaves this layer be.
 
     Args:
         base: the layer; it keeps computing the whole batch.
@@ -95,29 +122,68 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base_layer = base
         self.step = step
-        self.slots: list[SlotWeights | None] = [None] * num_slots
+        self.num_slots = num_slots
+        self.a: torch.Tensor | None = None  # allocated by the first set_slot
+        self.b: torch.Tensor | None = None
+        self.ranks = [0] * num_slots
+        self.targets: list[tuple[str, ...]] = [()] * num_slots
 
     @property
     def fused_activation(self) -> str | None:
         """The base's fused activation (an int8 gate_up, quant/int8.py), on steps without
         adapters only: an adapter's term must be added before the activation."""
-        if self.step.segments is not None:
+        if self.step.is_active:
             return None
         return getattr(self.base_layer, "fused_activation", None)
+
+    def set_slot(self, slot: int, weights: SlotWeights | None) -> None:
+        """Load one adapter's term into `slot` (None: the adapter has no target here)."""
+        if weights is None:
+            if self.a is not None:
+                self.a[slot].zero_()
+                self.b[slot].zero_()
+            self.ranks[slot], self.targets[slot] = 0, ()
+            return
+        rank = weights.a_t.shape[1]
+        if self.a is None or rank > self.a.shape[2]:
+            self._grow(rank, weights)
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.a[slot, :, :rank] = weights.a_t
+        self.b[slot, :rank] = weights.b_t
+        self.ranks[slot], self.targets[slot] = rank, weights.targets
+
+    def _grow(self, rank: int, weights: SlotWeights) -> None:
+        """Stacks with room for `rank`, keeping the slots loaded so far."""
+        a = weights.a_t.new_zeros(self.num_slots, weights.a_t.shape[0], rank)
+        b = weights.b_t.new_zeros(self.num_slots, rank, weights.b_t.shape[1])
+        if self.a is not None:
+            old = self.a.shape[2]
+            a[:, :, :old] = self.a
+            b[:, :old] = self.b
+        self.a, self.b = a, b
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         """x [num_tokens, in] -> [num_tokens, out] (or the base's fused activation's)."""
         y = self.base_layer(x, **kwargs)
-        segments = self.step.segments
-        if segments is None:
+        step = self.step
+        if not step.is_active or self.a is None:
             return y
-        for slot, start, end in segments:
-            weights = self.slots[slot]
-            if weights is not None:
+        for slot, start, end in step.segments:
+            rank = self.ranks[slot]
+            if rank:
                 # y[start:end] is a view: the term is added in place, in y's dtype.
-                y[start:end].addmm_(x[start:end] @ weights.a_t, weights.b_t)
+                a, b = self.a[slot, :, :rank], self.b[slot, :rank]
+                y[start:end].addmm_(x[start:end] @ a, b)
+        rows = step.batched
+        if rows is not None:
+            span = rows.hi - rows.lo
+            xs = x.index_select(0, rows.index).view(span, rows.rows_per_slot, -1)
+            t = torch.bmm(xs, self.a[rows.lo : rows.hi]).mul_(rows.mask)
+            delta = torch.bmm(t, self.b[rows.lo : rows.hi])  # padding rows add 0
+            y.index_add_(0, rows.index, delta.view(span * rows.rows_per_slot, -1))
         return y
 
     def extra_repr(self) -> str:
-        loaded = sum(1 for s in self.slots if s is not None)
-        return f"slots={len(self.slots)}, loaded={loaded}"
+        loaded = sum(1 for r in self.ranks if r)
+        return f"slots={self.num_slots}, loaded={loaded}"

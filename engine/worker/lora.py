@@ -6,11 +6,13 @@ weights ready for the model's layers, and each step's rows by adapter.
                            targets are wrapped in LoRALinear the first time any adapter
                            targets them, so a model that never sees an adapter is the
                            model as loaded.
-    begin_step(out)        map the step's rows to slots - one (slot, first, end) segment
-                           per run of rows with the same adapter (the scheduler orders
-                           them so each adapter's rows are one run) - loading adapters
-                           into slots as needed; None when no row has an adapter, and
-                           then every wrapper only runs its base layer.
+    begin_step(out)        map the step's rows to slots, loading adapters into slots as
+                           needed: runs of rows with the same adapter (the scheduler
+                           orders them so each adapter's rows are one run of the decodes
+                           and one of the prompt chunks); runs of more than
+                           BATCHED_ROWS rows are (slot, first, end) segments, the others
+                           one padded batch (`lora_layers.BatchedRows`). Nothing when no
+                           row has an adapter: every wrapper then only runs its base.
     end_step()             clear the mapping.
 
 Slots are reused least recently used first: an adapter evicted from its slot keeps its
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,6 +33,7 @@ from tokenmill.engine.core.step import SchedulerOutput
 from tokenmill.engine.loader.adapters import AdapterDescription, AdapterTarget, load_adapter
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.lora_layers import (
+    BatchedRows,
     LoRALinear,
     LoRAStep,
     SlotWeights,
@@ -38,6 +42,10 @@ from tokenmill.engine.models.lora_layers import (
 )
 
 HostWeights = dict[AdapterTarget, tuple[torch.Tensor, torch.Tensor]]
+
+# Runs of at most this many rows go into the step's one padded batch; longer ones (prompt
+# chunks) get matmuls of their own. ref: benchmarks/README.md, "LoRA adapters".
+BATCHED_ROWS = 32
 
 
 class LoRAManager:
@@ -102,13 +110,12 @@ class LoRAManager:
             self._wrap(key)
         return lora_id
 
-    def begin_step(self, out: SchedulerOutput) -> list[tuple[int, int, int]] | None:
-        """Set the step's row -> slot segments for every wrapper (None: no adapter rows).
-
-        Rows follow the runner's batch order: out.chunks, num_new_tokens rows each.
-        """
+    def begin_step(self, out: SchedulerOutput) -> bool:
+        """Set the step's rows by slot for every wrapper; False (and nothing set) when no
+        row uses an adapter. Rows follow the runner's batch order: out.chunks,
+        num_new_tokens rows each."""
         if not self._ids:
-            return None
+            return False
         runs: list[list[int]] = []  # [lora id, first row, end row]
         row = 0
         for chunk in out.chunks:
@@ -120,13 +127,40 @@ class LoRAManager:
                     runs.append([lora_id, row, row + num])
             row += num
         if not runs:
-            return None
+            return False
         slots = self._slots_for({lora_id for lora_id, _, _ in runs})
-        self.step.segments = [(slots[lora_id], start, end) for lora_id, start, end in runs]
-        return self.step.segments
+        step = self.step
+        short = [(slots[i], a, b) for i, a, b in runs if b - a <= BATCHED_ROWS]
+        step.segments = [(slots[i], a, b) for i, a, b in runs if b - a > BATCHED_ROWS]
+        if len(short) > 1:
+            step.batched = self._batched(short)
+        else:
+            step.segments += short
+        step.is_active = True
+        return True
 
     def end_step(self) -> None:
-        self.step.segments = None
+        self.step.clear()
+
+    def _batched(self, runs: list[tuple[int, int, int]]) -> BatchedRows:
+        """Short runs as one padded batch over the span of their slots."""
+        rows: dict[int, list[int]] = defaultdict(list)
+        for slot, start, end in runs:
+            rows[slot].extend(range(start, end))
+        lo, hi = min(rows), max(rows) + 1
+        per_slot = max(len(r) for r in rows.values())
+        index = np.zeros((hi - lo, per_slot), dtype=np.int64)  # padding gathers row 0 ...
+        mask = np.zeros((hi - lo, per_slot, 1), dtype=np.float32)  # ... and adds nothing
+        for slot, slot_rows in rows.items():
+            index[slot - lo, : len(slot_rows)] = slot_rows
+            mask[slot - lo, : len(slot_rows)] = 1.0
+        return BatchedRows(
+            lo=lo,
+            hi=hi,
+            rows_per_slot=per_slot,
+            index=torch.from_numpy(index.reshape(-1)).to(self.device),
+            mask=torch.from_numpy(mask).to(self.device, self.dtype),
+        )
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -157,7 +191,7 @@ class LoRAManager:
         by_layer = self._by_layer(lora_id)
         for key, wrapper in self.layers.items():
             parts = by_layer.get(key)
-            wrapper.slots[slot] = self._prepare(key[1], parts) if parts else None
+            wrapper.set_slot(slot, self._prepare(key[1], parts) if parts else None)
         self.num_slot_loads += 1
 
     def _by_layer(self, lora_id: int) -> dict[tuple[int, str], list]:
@@ -200,4 +234,4 @@ class LoRAManager:
         self.layers[key] = wrapper
         for lora_id, slot in self._slots.items():
             parts = self._by_layer(lora_id).get(key)
-            wrapper.slots[slot] = self._prepare(name, parts) if parts else None
+            wrapper.set_slot(slot, self._prepare(name, parts) if parts else None)

@@ -135,7 +135,7 @@ class ModelRunner:
         prompt_spans = prompt_logprobs.spans_for_step(out.chunks)
         graphs = self.decode_graphs
         # Graphs were captured without adapters: a step with adapter rows runs eagerly.
-        uses_lora = self.lora.begin_step(out) is not None
+        uses_lora = self.lora.begin_step(out)
         try:
             if graphs is not None and not prompt_spans and not uses_lora and graphs.can_run(out):
                 hidden, sample_rows = graphs.run(out, previous)

@@ -15,6 +15,7 @@ from peft_adapters import ALL_TARGETS, save_adapter
 from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.engine.loader.adapters import AdapterError
 from tokenmill.engine.models.lora_layers import LoRALinear
+from tokenmill.engine.worker import lora as worker_lora
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -82,9 +83,12 @@ def test_adapters_change_the_answers(base, adapters):
         assert hf_greedy(adapter.merged, prompt, 8)[0] != expected, adapter.name
 
 
-def test_mixed_adapters_in_one_call_match_peft(base, adapters):
+@pytest.mark.parametrize("batched_rows", [0, 32, 10**6])
+def test_mixed_adapters_in_one_call_match_peft(base, adapters, batched_rows, monkeypatch):
+    """Every run of rows on its own matmuls (0), short ones batched (32), all batched."""
+    monkeypatch.setattr(worker_lora, "BATCHED_ROWS", batched_rows)
     root, _ = base
-    llm = make_llm(root, max_num_batched_tokens=16)  # chunked prefill
+    llm = make_llm(root, max_num_batched_tokens=48)  # chunked prefill
     prompts, requests = mixed_rows(adapters, 15)
     outputs = llm.generate(prompts, GREEDY, lora_request=requests)
     assert_equals_peft(base, adapters, prompts, requests, outputs)
@@ -135,9 +139,8 @@ def test_more_adapters_than_slots_complete_in_order(base, adapters):
     begin = runner.lora.begin_step
 
     def record(out):
-        segments = begin(out)
-        seen.append(len({slot for slot, _, _ in segments or ()}))
-        return segments
+        seen.append(len({c.seq.lora_id for c in out.chunks} - {0}))
+        return begin(out)
 
     runner.lora.begin_step = record
     prompts, requests = mixed_rows(adapters, 20, seed=2)
