@@ -198,7 +198,7 @@ def test_other_architectures_match_peft(kind, tmp_path):
     assert outputs[1].token_ids == hf_greedy(hf, prompts[1], 8)[0]
 
 
-def test_bf16_and_int8_bases_serve_adapters(base, adapters):
+def test_bf16_and_quantized_bases_serve_adapters(base, adapters):
     """Other precisions run the same path: the adapter's answers differ from the base's
     and bf16 stays close to fp32 (the first tokens agree)."""
     root, _ = base
@@ -209,9 +209,12 @@ def test_bf16_and_int8_bases_serve_adapters(base, adapters):
     got = bf16.generate([prompt, prompt], GREEDY, lora_request=[request, None])
     assert got[0].token_ids[:2] == expected[:2]
     assert got[0].token_ids != got[1].token_ids
-    int8 = LLM(root, dtype="float32", device="cpu", quantization="int8", kv_cache_memory=8 << 20)
-    got = int8.generate([prompt, prompt], GREEDY, lora_request=[request, None])
-    assert got[0].token_ids != got[1].token_ids
+    for quantization in ("int8", "int4"):
+        quantized = LLM(
+            root, dtype="float32", device="cpu", quantization=quantization, kv_cache_memory=8 << 20
+        )
+        got = quantized.generate([prompt, prompt], GREEDY, lora_request=[request, None])
+        assert got[0].token_ids != got[1].token_ids, quantization
 
 
 # -- adapters that cannot be served ---------------------------------------------------------

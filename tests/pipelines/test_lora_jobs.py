@@ -258,3 +258,25 @@ def test_lora_options_are_checked(tmp_path, data, tiny_model_dir):
         run_job(str(data), str(tmp_path / "o"), lora_column="adapter_name")
     with pytest.raises(ValueError, match="give a directory or Hub repo id"):
         run_job(str(data), str(tmp_path / "o"), lora={"x": 3})
+
+
+def test_a_scoring_job_scores_each_row_under_its_adapter(tmp_path, data, tiny_model_dir, adapters):
+    run_job(
+        str(data),
+        str(tmp_path / "out"),
+        task="score",
+        model=str(tiny_model_dir),
+        prompt_column="question",
+        id_column="id",
+        lora={name: str(a.path) for name, a in adapters.items()},
+        lora_column="adapter_name",
+        **ENGINE,
+    )
+    rows = {r["id"]: r for r in read_results(str(tmp_path / "out")).to_pylist()}
+    # r0 (fr) and r5 (de) score QUESTIONS[0]: the same text under different adapters
+    # scores differently; r1 (de) and r6 (the base model) likewise.
+    assert rows["r0"]["adapter"] == "fr" and rows["r5"]["adapter"] == "de"
+    assert rows["r0"]["prompt_tokens"] == rows["r5"]["prompt_tokens"]
+    assert rows["r0"]["perplexity"] != rows["r5"]["perplexity"]
+    assert rows["r6"]["adapter"] is None
+    assert rows["r1"]["perplexity"] != rows["r6"]["perplexity"]
