@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
 import numpy as np
 import torch
 
+from tokenmill.bench.timing import best_of
 from tokenmill.engine.kernels.paged_attention import (
     AttentionEntries,
     kv_int8_head_bytes,
@@ -171,16 +171,10 @@ def decode_case(dtype, window=None, layers=1):
     return native, portable, native_int8, nbytes
 
 
-def best_of(fns, repeats: int) -> list[float]:
+def warmed_best_of(fns, repeats: int) -> list[float]:
     for fn in fns:
         fn()
-    best = [float("inf")] * len(fns)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):  # alternate, so drift hits both alike
-            start = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
+    return best_of(fns, repeats)  # the calls alternate, so drift hits all alike
 
 
 def main() -> None:
@@ -195,10 +189,10 @@ def main() -> None:
     )
     for dtype in (torch.float32, torch.bfloat16):
         *fns, flops = prefill_case(dtype, args.window)
-        times = best_of(fns, args.repeat)
+        times = warmed_best_of(fns, args.repeat)
         _report("prefill", dtype, *times, f"{flops / times[0] / 1e9:.0f} GFLOP/s")
         *fns, nbytes = decode_case(dtype, args.window, args.layers)
-        times = best_of(fns, args.repeat)
+        times = warmed_best_of(fns, args.repeat)
         _report("decode", dtype, *times, f"{nbytes / times[0] / 1e9:.1f} GB/s of keys and values")
 
 

@@ -1,159 +1,50 @@
-"""Where tokenmill's time goes on a benchmark workload.
+"""Where tokenmill's time goes on a benchmark workload, for one engine configuration or
+several side by side.
 
     python benchmarks/profile_tokenmill.py --preset mixed64 --dtype float32
+    python benchmarks/profile_tokenmill.py --dtype bfloat16 --vs quantization=int8 --rounds 5
+    python benchmarks/profile_tokenmill.py --dtype bfloat16 --vs huge_pages=true
     python benchmarks/profile_tokenmill.py --preset mixed64 --torch-profiler   # op level
-    python benchmarks/profile_tokenmill.py --dtype bfloat16 --quantization int8
-    python benchmarks/profile_tokenmill.py --dtype bfloat16 --kv-cache-dtype int8
 
-The default mode times the engine's stages by wrapping them from the outside (forward
-hooks on every linear layer, wrappers around scheduling, input preparation, attention and
-sampling): on CPU every op is synchronous, so wall-clock time inside a stage is that
-stage's cost, and what is left is Python and engine bookkeeping. Hooks add about a
-microsecond per call; the run is otherwise the benchmark's own tokenmill run.
-`--torch-profiler` lists the aten ops with the most self time instead.
-Nothing is edited in the engine; a stage it no longer has is reported as absent.
+Each configuration is its own engine (`LLM(...)` with the `--engine-option`s, then each
+`--vs` option over them); the configurations run the workload in turn, round after round
+(A B A B ...), each run timed by `tokenmill.bench.profile.StageTimer` through the
+engine's profiling hook (`LLM.set_profiler`): the step stages of engine/profiling.py,
+with the linear layers, the lm_head and attention as stages of their own. "rest" is the
+time outside every stage - Python around the steps, detokenization.
+
+With a second configuration it also prints what the linear layers decide: the run-time
+ratio, the ratio of the linear layers' time (L) alone, the L ratio the target `--ratio`
+would need given the rest (S), and the ratio if L sped up by the hardware's
+`--peak-ratio` (e.g. 2 for int8 against bf16 on AMX).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import json
+import statistics
 import time
-from collections import defaultdict
-from functools import wraps
 
 import torch
 
-from tokenmill import LLM, SamplingParams
-from tokenmill.bench.workload import PRESETS, load_preset, warmup_prompts
-from tokenmill.engine.worker.kv_cache import KV_CACHE_DTYPES
+from tokenmill import LLM
+from tokenmill.bench.profile import LINEAR, profile_llm
+from tokenmill.bench.timing import alternate, fixed_length_params, timed_generate, warm_up
+from tokenmill.bench.workload import PRESETS, load_preset
+from tokenmill.engine.profiling import STAGES
 
 
-class StageClock:
-    """Accumulates wall time per stage; a stage entered inside another is subtracted
-    from the outer one, so the shares add up to the total."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
-        # The same time split by the kind of step it happened in ("" = outside any step).
-        self.phase = ""
-        self.by_phase: dict[tuple[str, str], float] = defaultdict(float)
-        self._stack: list[list] = []  # [stage, start, time spent in nested stages]
-
-    def enter(self, stage: str) -> None:
-        self._stack.append([stage, time.perf_counter(), 0.0])
-
-    def exit(self) -> None:
-        stage, start, nested = self._stack.pop()
-        elapsed = time.perf_counter() - start
-        self.seconds[stage] += elapsed - nested
-        self.by_phase[self.phase, stage] += elapsed - nested
-        self.calls[stage] += 1
-        if self._stack:
-            self._stack[-1][2] += elapsed
-
-    def wrap(self, stage: str, fn):
-        @wraps(fn)
-        def timed(*args, **kwargs):
-            self.enter(stage)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.exit()
-
-        return timed
-
-    def hook_module(self, module: torch.nn.Module, stage: str) -> None:
-        module.register_forward_pre_hook(lambda *_: self.enter(stage))
-        module.register_forward_hook(lambda *_: self.exit())
-
-
-PROMPT_STEPS = "steps with prompt tokens"
-DECODE_STEPS = "decode-only steps"
-
-
-class StepLog:
-    """Wall time of each runner step, split into steps that carry prompt tokens and
-    decode-only steps (the two behave very differently: big matmuls vs small ones)."""
-
-    def __init__(self, clock: StageClock) -> None:
-        self.clock = clock
-        self.steps: list[tuple[bool, int, float]] = []  # (has prefill, tokens, seconds)
-
-    def wrap(self, run):
-        @wraps(run)
-        def timed(out, *args, **kwargs):
-            has_prefill = bool(getattr(out, "prefills", None))
-            self.clock.phase = PROMPT_STEPS if has_prefill else DECODE_STEPS
-            start = time.perf_counter()
-            try:
-                return run(out, *args, **kwargs)
-            finally:
-                tokens = getattr(out, "num_tokens", 0)
-                self.steps.append((has_prefill, tokens, time.perf_counter() - start))
-                self.clock.phase = ""
-
-        return timed
-
-    def lines(self) -> list[str]:
-        lines = []
-        for has_prefill, name in ((True, PROMPT_STEPS), (False, DECODE_STEPS)):
-            kind = [(n, t) for p, n, t in self.steps if p == has_prefill]
-            if kind:
-                seconds = sum(t for _, t in kind)
-                tokens = sum(n for n, _ in kind)
-                lines.append(
-                    f"  {name}: {len(kind)} steps, {seconds:.2f} s, {tokens:,} tokens "
-                    f"({seconds / len(kind) * 1e3:.0f} ms/step, {tokens / seconds:,.0f} tok/s)"
-                )
-        return lines
-
-
-def instrument(llm: LLM, clock: StageClock) -> list[str]:
-    """Wrap the engine's stages in place; return the stages that could not be found."""
-    missing = []
-    engine = llm.engine
-    runner = getattr(engine, "runner", None)
-    model = getattr(runner, "model", None)
-
-    def patch(owner, name: str, stage: str) -> None:
-        if owner is None or not callable(getattr(owner, name, None)):
-            missing.append(stage)
-            return
-        setattr(owner, name, clock.wrap(stage, getattr(owner, name)))
-
-    patch(getattr(engine, "scheduler", None), "schedule", "scheduler")
-    patch(runner, "prepare", "input preparation")
-    patch(runner, "sampler", "sampling")
-    if model is None:
-        missing.append("model")
-        return missing
-    clock.hook_module(model, "model: other ops (embedding, norms, rotary, activation, residual)")
-    lm_head = getattr(model, "lm_head", None)
-    from tokenmill.engine.quant import linear_kinds
-
-    kinds = linear_kinds()
-    for module in model.modules():
-        if isinstance(module, kinds):
-            stage = "lm_head (logits)" if module is lm_head else "model: linear layers"
-            clock.hook_module(module, stage)
-    if lm_head is None:
-        missing.append("lm_head (logits)")
-    # The attention function is imported by name into each model module: wrap it there.
-    from tokenmill.engine.worker.attention import portable as attention
-
-    original = getattr(attention, "paged_attention", None)
-    wrapped = clock.wrap("model: attention (cache write and attention)", original)
-    found = False
-    for module in list(sys.modules.values()):
-        is_user = module is not attention and module is not None
-        if is_user and getattr(module, "paged_attention", None) is original:
-            module.paged_attention = wrapped
-            found = True
-    if original is None or not found:
-        missing.append("model: attention")
-    return missing
+def _options(pairs: list[str]) -> dict:
+    """KEY=VALUE strings -> {key: JSON value (or the string itself)}."""
+    options = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def main() -> None:
@@ -161,67 +52,97 @@ def main() -> None:
     parser.add_argument("--preset", default="mixed64", choices=list(PRESETS))
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--vs", action="append", default=[], metavar="KEY=VALUE",
+        help="a second configuration: the first with this option changed (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--ratio", type=float, default=1.5, help="the target run-time ratio")
+    parser.add_argument("--peak-ratio", type=float, default=2.0)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"])
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--torch-profiler", action="store_true", help="op-level aten table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
-    workload = load_preset(args.preset, llm.model_dir)
-    llm.generate(warmup_prompts(workload), SamplingParams(temperature=0.0, max_tokens=4))
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
-    ]
+    base = {"dtype": args.dtype, **_options(args.engine_option)}
+    configs = {"base": base}
+    if args.vs:
+        configs[" ".join(args.vs)] = {**base, **_options(args.vs)}
+    llms = {name: LLM(args.model, **options) for name, options in configs.items()}
+    workload = load_preset(args.preset, next(iter(llms.values())).model_dir)
+    params = fixed_length_params(workload)
+    for llm in llms.values():
+        warm_up(llm, workload)
 
     if args.torch_profiler:
-        from torch.profiler import ProfilerActivity, profile
-
-        start = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            llm.generate(workload.prompt_ids, params)
-        wall = time.perf_counter() - start
-        print(
-            f"{args.preset} {args.dtype}: {wall:.2f} s under the profiler (slower than a real run)"
-        )
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        _torch_profile(llms["base"], workload, params)
         return
 
-    clock = StageClock()
-    missing = instrument(llm, clock)
-    step_log = StepLog(clock)
-    runner = llm.engine.runner
-    runner.run = step_log.wrap(runner.run)
-    steps_before = llm.stats().num_steps
-    start = time.perf_counter()
-    llm.generate(workload.prompt_ids, params)
-    wall = time.perf_counter() - start
-    num_steps = llm.stats().num_steps - steps_before
+    timers = {name: profile_llm(llm) for name, llm in llms.items()}
+
+    def run(name: str):
+        def once() -> tuple[float, dict[str, float], int]:
+            timer = timers[name]
+            timer.reset()
+            result = timed_generate(llms[name], workload.prompt_ids, params)
+            return result.wall_s, dict(timer.seconds), result.stats.num_steps
+
+        return once
+
+    results = alternate({name: run(name) for name in configs}, args.rounds)
     tokens = workload.num_prompt_tokens + workload.num_output_tokens
-    print(f"{args.preset} {args.dtype}: {wall:.2f} s, {tokens / wall:,.0f} tok/s, {num_steps} steps "
-          f"({wall / num_steps * 1e3:.1f} ms/step), threads {torch.get_num_threads()}")  # fmt: skip
-    accounted = sum(clock.seconds.values())
-    rows = sorted(clock.seconds.items(), key=lambda kv: -kv[1])
-    rows.append(("rest: engine bookkeeping, Python, detokenization", wall - accounted))
-    width = max(len(name) for name, _ in rows)
-    print(
-        f"  {'stage':<{width}}  {'total':>9}  {'share':>6}  {'prompt steps':>12}  {'decode steps':>12}"
-    )
-    for name, seconds in rows:
-        split = [clock.by_phase.get((phase, name)) for phase in (PROMPT_STEPS, DECODE_STEPS)]
-        cells = "".join(f"  {t:10.2f} s" if t is not None else f"  {'':>12}" for t in split)
-        print(f"  {name:<{width}}  {seconds:7.2f} s  {seconds / wall:6.1%}{cells}")
-    for line in step_log.lines():
-        print(line)
-    for stage in missing:
-        print(f"  (not found in this engine: {stage})")
+    print(f"{args.preset}: {workload.num_requests} requests, {tokens:,} tokens; "
+          f"threads {torch.get_num_threads()}; {args.rounds} round(s), medians")  # fmt: skip
+    for name, runs in results.items():
+        _print_config(name, runs, tokens)
+    if len(results) == 2:
+        _print_bound(results, args.ratio, args.peak_ratio)
+
+
+def _median_stages(runs) -> dict[str, float]:
+    names = {stage for _, seconds, _ in runs for stage in seconds}
+    return {n: statistics.median(s.get(n, 0.0) for _, s, _ in runs) for n in names}
+
+
+def _print_config(name: str, runs, tokens: int) -> None:
+    wall = statistics.median(w for w, _, _ in runs)
+    steps = statistics.median(n for _, _, n in runs)
+    stages = _median_stages(runs)
+    print(f"\n[{name}] {wall:.2f} s ({', '.join(f'{w:.2f}' for w, _, _ in runs)}), "
+          f"{tokens / wall:,.0f} tok/s, {steps:.0f} steps, {wall / steps * 1e3:.1f} ms/step")  # fmt: skip
+    order = [LINEAR, "lm_head", "attention", *STAGES]
+    rows = [(s, stages[s]) for s in order if s in stages]
+    rows += [(s, t) for s, t in stages.items() if s not in order]
+    rows.append(("rest", wall - sum(stages.values())))
+    for stage, seconds in rows:
+        print(f"  {stage:<14} {seconds:7.2f} s  {seconds / wall:6.1%}")
+
+
+def _print_bound(results, target: float, peak: float) -> None:
+    (a, runs_a), (b, runs_b) = results.items()
+    wall_a = statistics.median(w for w, _, _ in runs_a)
+    wall_b = statistics.median(w for w, _, _ in runs_b)
+    linear_a = _median_stages(runs_a).get(LINEAR, 0.0)
+    linear_b = _median_stages(runs_b).get(LINEAR, 0.0)
+    rest_b = wall_b - linear_b
+    print(f"\n[{b}] against [{a}]: run time {wall_a / wall_b:.2f}x, linear layers "
+          f"{linear_a / linear_b:.2f}x")  # fmt: skip
+    needed = linear_a / (wall_a / target - rest_b) if wall_a / target > rest_b else float("inf")
+    print(f"  a {target:.2f}x run needs the linear layers {needed:.2f}x as fast; at {peak:.2f}x "
+          f"they would give {wall_a / (linear_a / peak + rest_b):.2f}x, free ones "
+          f"{wall_a / rest_b:.2f}x")  # fmt: skip
+
+
+def _torch_profile(llm: LLM, workload, params) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        timed_generate(llm, workload.prompt_ids, params)
+    print(f"{time.perf_counter() - start:.2f} s under the profiler (slower than a real run)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 if __name__ == "__main__":

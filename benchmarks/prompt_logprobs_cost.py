@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bench.workload import load_preset, warmup_prompts
+from tokenmill.bench.timing import alternate, timed_generate, warm_up
+from tokenmill.bench.workload import load_preset
 
 MODES = {
     "plain": SamplingParams(temperature=0, max_tokens=1),
@@ -29,13 +29,8 @@ MODES = {
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int, int]:
     """(wall seconds, prompt tokens computed, prompt tokens served from the cache)."""
-    before = llm.stats()
-    computed, cached = before.computed_prompt_tokens, before.cached_prompt_tokens
-    start = time.perf_counter()
-    llm.generate(prompts, params)
-    wall = time.perf_counter() - start
-    after = llm.stats()
-    return wall, after.computed_prompt_tokens - computed, after.cached_prompt_tokens - cached
+    result = timed_generate(llm, prompts, params)
+    return result.wall_s, result.stats.computed_prompt_tokens, result.stats.cached_prompt_tokens
 
 
 def main() -> None:
@@ -46,13 +41,17 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype)
     workload = load_preset(args.preset, llm.model_dir)
-    results: dict[str, list[tuple[float, int, int]]] = {mode: [] for mode in MODES}
-    for _ in range(args.rounds):
-        for mode in results:
+
+    def case(mode: str):
+        def once() -> tuple[float, int, int]:
             # A fresh cache each run: the previous run's blocks would be hits.
-            llm = LLM(dtype=args.dtype)
-            llm.generate(warmup_prompts(workload), SamplingParams(max_tokens=2))
-            results[mode].append(run(llm, workload.prompt_ids, MODES[mode]))
+            fresh = LLM(dtype=args.dtype)
+            warm_up(fresh, workload)
+            return run(fresh, workload.prompt_ids, MODES[mode])
+
+        return once
+
+    results = alternate({mode: case(mode) for mode in MODES}, args.rounds)
     print(
         f"# {args.preset}: {workload.num_requests} prompts, {workload.num_prompt_tokens:,} "
         f"prompt tokens, {args.dtype}, 1 generated token each (prompt-only: none)"

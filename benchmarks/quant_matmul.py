@@ -36,10 +36,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
+
+from tokenmill.bench.timing import time_per_call
 
 SHAPES = {  # name -> (N, K) of SmolLM2-135M's projections
     "qkv": (960, 576),
@@ -48,17 +49,6 @@ SHAPES = {  # name -> (N, K) of SmolLM2-135M's projections
     "down": (576, 1536),
     "lm_head": (49152, 576),
 }
-
-
-def _time(fn: Callable[[], object], min_seconds: float = 0.05) -> float:
-    fn()
-    calls, start = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds:
-            return elapsed / calls
 
 
 def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], object]]:
@@ -176,7 +166,7 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in fns}
             for _ in range(args.rounds):
                 for name, fn in fns.items():
-                    times[name].append(_time(lambda fn=fn, x=inputs[name]: fn(x)))
+                    times[name].append(time_per_call(lambda fn=fn, x=inputs[name]: fn(x)))
             medians = {name: statistics.median(t) for name, t in times.items()}
             if header is None:
                 header = list(fns)

@@ -18,6 +18,7 @@ from tokenmill.engine.loader.model_files import display_name, resolve_model
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.outputs import EngineStats, RequestOutput
+from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.worker.build import build_runner, check_settings
 
@@ -179,6 +180,13 @@ class LLM:
             max_rank=self.engine_config.max_lora_rank,
         )
         return self.engine.runner.lora.register(description)
+
+    def set_profiler(self, profiler: StepProfiler | None) -> None:
+        """Report every stage of every step to `profiler` from now on (None: stop); see
+        engine/profiling.py for the stages and `tokenmill.bench.profile` for a timer."""
+        profiler = profiler or NO_PROFILER
+        self.engine.profiler = profiler
+        self.engine.runner.profiler = profiler
 
     def stats(self) -> EngineStats:
         """Cumulative counters: computed/cached prompt tokens, generated tokens, preemptions."""

@@ -29,6 +29,7 @@ from tokenmill.pipelines.ledger import (
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard
 from tokenmill.pipelines.results import RESULT_SCHEMA
+from tokenmill.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,6 @@ def finalize_job(
     Raises:
         RuntimeError: shards are missing or the parts do not match the plan.
     """
-    from tokenmill import __version__
-
     spec = plan.spec
     parts = out.result_parts(spec.output, spec.storage_options)
     _check_parts_are_the_plans(plan, parts)

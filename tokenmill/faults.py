@@ -2,7 +2,7 @@
 
 A fault point is a call `fault_point("name", detail)` at a place where a real job can
 die: planning a window, an engine step, an atomic file write. Tests (tests/faults/,
-benchmarks/fault_matrix.py) set, in the job's environment,
+tests/faults/fault_matrix.py) set, in the job's environment,
 
     TOKENMILL_FAULT_POINT=NAME[@SUBSTRING]:COUNT[+][:ACTION]
 

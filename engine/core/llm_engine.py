@@ -22,6 +22,7 @@ from tokenmill.engine.core.step import (
 )
 from tokenmill.engine.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
 
@@ -99,6 +100,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._finished_early: list[RequestOutput] = []
         self._grammar_compiler: GrammarCompiler | None = None  # built on first use
+        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/profiling.py
 
     # -- requests -----------------------------------------------------------------------
 
@@ -230,7 +232,8 @@ class LLMEngine:
         finished, self._finished_early = self._finished_early, []
         if self._pending is not None and any(s.grammar is not None for s in self._pending.seqs):
             finished += self._resolve()
-        out = self.scheduler.schedule()
+        with self.profiler.stage("schedule"):
+            out = self.scheduler.schedule()
         if out.is_empty:
             return finished + self._resolve()
         now = time.perf_counter()
@@ -305,6 +308,10 @@ class LLMEngine:
         step, self._pending = self._pending, None
         if step is None:
             return []
+        with self.profiler.stage("resolve"):
+            return self._resolve_step(step)
+
+    def _resolve_step(self, step: PendingStep) -> list[RequestOutput]:
         sampled = step.host_sampled()  # waits for this step's copies only
         token_ids = sampled.token_ids.tolist()
         now = time.perf_counter()

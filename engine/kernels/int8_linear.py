@@ -187,8 +187,8 @@ def int8_linear(
 
 
 # Each calling thread's buffers for the quantized activations and their scales, which
-# only the kernel reads: reused from call to call, because two allocations were a third
-# of a decode-sized call's ~20 us of Python (benchmarks/README.md, "Stop 24"). Per thread,
+# only the kernel reads: reused from call to call, since allocating them was a large share
+# of a decode-sized call's Python (benchmarks/README.md, "Our own int8 kernel"). Per thread,
 # since a process may run models in several threads (notebooks, threaded Dask workers).
 _scratch = threading.local()
 

@@ -11,6 +11,9 @@ the exact commit it holds, which is what identifies the model in a ledger or a j
 (`snapshot_revision`). Everything that can go wrong (offline and not cached, an unknown,
 private or gated repo, a repo without safetensors) raises HubError with a message that
 names the repo and what to do; tokens never appear in messages.
+
+`huggingface_hub` is imported where it is used: a few hundred milliseconds that only a
+job naming a Hub model should pay.
 """
 
 from __future__ import annotations

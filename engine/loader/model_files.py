@@ -25,6 +25,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf import GGUFReader
+
 from tokenmill.engine.env import cache_dir
 from tokenmill.engine.loader import hub
 from tokenmill.engine.loader.aliases import ALIASES, DEFAULT_MODEL, ModelAlias
@@ -353,8 +355,6 @@ def _dir_info(name: str, path: Path, source: str) -> ModelInfo:
 
 
 def _gguf_info(name: str, path: Path, source: str) -> ModelInfo:
-    from gguf import GGUFReader
-
     reader = GGUFReader(path)
     num_by_type: Counter[str] = Counter()
     for tensor in reader.tensors:

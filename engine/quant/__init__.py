@@ -1,10 +1,10 @@
-"""Quantized linear layers: `LLM(..., quantization="int8" | "int4" | "gguf")`.
+"""Quantized linear layers: `LLM(..., quantization=NAME)`, one method object per mode.
 
 Quantization is a property of the loaded model's linear layers: after the weights load,
 `quantize_model` swaps the decoder layers' projections (q/k/v, o, gate/up, down) for
 quantized modules with nn.Linear's forward. The scheduler, the KV cache and everything
 else in the engine never see it; the rest of the model (embeddings, norms, attention,
-the lm_head) runs in the engine's float dtype.
+the lm_head) runs in the engine's float dtype. The modes:
 
 - "int8": per-channel int8 weights, dynamically quantized int8 activations (int8.py),
   smoothed SmoothQuant-style with statistics from a short float run at load
@@ -13,26 +13,60 @@ the lm_head) runs in the engine's float dtype.
 - "gguf": the GGUF's own quantized blocks, kept as they are (gguf_linear.py).
 
 Every check that can fail runs before any weight is touched (`check_quantization`).
+
+How to add a quantization mode
+------------------------------
+Write one module here with a `QuantizationMethod` subclass (method.py): its `name`,
+`help`, the `layer_classes` it makes, a `check` that refuses models or devices it cannot
+run, and a `quantize` that swaps a loaded model's linear layers (`quantized_targets`
+lists them) - then `register(YourMethod())` at the module's end. This package imports
+every module in it, so the job option's choices, `LLM(quantization=...)`'s check and the
+tools that walk a model follow with no other edit.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("int8", "int4", "gguf")
-INT4_GROUP_SIZE = 32
+from tokenmill.engine.quant.method import (
+    MeasureInputs,
+    QuantizationMethod,
+    quantized_targets,
+    registered,
+)
+from tokenmill.engine.quant.packed_linear import PackedLinear
+
+# Modules of this package that are not quantization modes.
+_NOT_MODES = frozenset({"calibrate", "method", "packed_linear"})
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in _NOT_MODES:
+        importlib.import_module(f"{__name__}.{_module.name}")
+
+QUANTIZATIONS: tuple[str, ...] = tuple(sorted(registered()))
+
+
+def get_method(quantization: str) -> QuantizationMethod:
+    """The method called `quantization`; raises ValueError naming the choices."""
+    methods = registered()
+    if quantization not in methods:
+        raise ValueError(
+            f"unknown quantization {quantization!r}; choose one of "
+            f"{', '.join(QUANTIZATIONS)} or None"
+        )
+    return methods[quantization]
 
 
 def validate_name(quantization: str | None) -> str | None:
     """The quantization name, checked; raises ValueError naming the choices."""
-    if quantization is None or quantization in QUANTIZATIONS:
-        return quantization
-    raise ValueError(
-        f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)} or None"
-    )
+    if quantization is not None:
+        get_method(quantization)
+    return quantization
 
 
 def check_quantization(
@@ -46,61 +80,8 @@ def check_quantization(
         config: its ModelConfig.
         device: where it will run.
     """
-    if quantization is None:
-        return
-    validate_name(quantization)
-    if device.type != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on CPU only, not {device.type}")
-    if quantization == "int8":
-        from tokenmill.engine.quant.int8 import onednn_int8_available
-
-        if not onednn_int8_available():
-            raise ValueError("quantization='int8' needs a torch build with oneDNN's int8 ops")
-    elif quantization == "int4":
-        q_size = config.num_attention_heads * config.head_dim
-        inputs = {config.hidden_size, config.intermediate_size, q_size}
-        bad = sorted(w for w in inputs if w % INT4_GROUP_SIZE)
-        if bad:
-            raise ValueError(
-                f"quantization='int4' needs layer inputs that are multiples of "
-                f"{INT4_GROUP_SIZE}; this model has {', '.join(map(str, bad))}"
-            )
-        # PyTorch's int4 kernel packs output rows in 16s.
-        kv_size = config.num_key_value_heads * config.head_dim
-        outputs = {q_size + 2 * kv_size, config.hidden_size, 2 * config.intermediate_size}
-        bad = sorted(w for w in outputs if w % 16)
-        if bad:
-            raise ValueError(
-                "quantization='int4' needs layer outputs that are multiples of 16; this "
-                f"model has {', '.join(map(str, bad))}"
-            )
-    else:
-        from tokenmill.engine.quant.gguf_linear import check_gguf_blocks
-
-        check_gguf_blocks(model_dir)
-
-
-def quantized_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, layer) for every nn.Linear inside the decoder layers."""
-    return [
-        (parent, name, child)
-        for layer in model.model.layers
-        for parent in layer.modules()
-        for name, child in parent.named_children()
-        if isinstance(child, nn.Linear)
-    ]
-
-
-def linear_kinds() -> tuple[type, ...]:
-    """Every module class that computes a linear layer in a model the engine builds:
-    float (nn.Linear, oneDNN's PackedLinear) and each quantization's. A GGUF RowConcat
-    holds GroupedLinear or Int4Linear parts."""
-    from tokenmill.engine.quant.gguf_linear import GroupedLinear, RowConcat
-    from tokenmill.engine.quant.int4 import Int4Linear
-    from tokenmill.engine.quant.int8 import Int8Linear
-    from tokenmill.engine.quant.packed_linear import PackedLinear
-
-    return (nn.Linear, PackedLinear, Int8Linear, Int4Linear, GroupedLinear, RowConcat)
+    if quantization is not None:
+        get_method(quantization).check(model_dir, config, device)
 
 
 def quantize_model(
@@ -109,53 +90,41 @@ def quantize_model(
     model_dir: Path,
     *,
     dtype: torch.dtype,
-    measure_inputs=None,
+    measure_inputs: MeasureInputs,
 ) -> int:
     """Swap the decoder layers' linear layers for quantized ones, in place.
 
-    measure_inputs(model, layers, token_ids) -> {layer: max|x| per input channel} runs
-    the float model for int8's statistics (`worker/calibration.input_absmax`).
-
+    Args:
+        measure_inputs: runs the float model for statistics a method needs (int8's),
+            see method.MeasureInputs.
     Returns:
         Bytes the quantized layers' weights take (for the memory report).
     """
-    from tokenmill.engine.models.layers import GatedMLP
-    from tokenmill.engine.quant.int4 import Int4Linear
-    from tokenmill.engine.quant.int8 import Int8Linear
+    return get_method(quantization).quantize(
+        model, model_dir, dtype=dtype, measure_inputs=measure_inputs
+    )
 
-    if quantization == "gguf":
-        from tokenmill.engine.quant.gguf_linear import load_gguf_layers
 
-        return load_gguf_layers(model, model_dir, dtype=dtype)
-    targets = quantized_targets(model)
-    smooth: dict[nn.Module, torch.Tensor] = {}
-    if quantization == "int8":
-        from tokenmill.engine.quant import calibrate
+def linear_kinds() -> tuple[type, ...]:
+    """Every module class that computes a linear layer in a model the engine builds:
+    float (nn.Linear, oneDNN's PackedLinear) and each quantization's."""
+    kinds = [nn.Linear, PackedLinear]
+    for method in registered().values():
+        kinds += [c for c in method.layer_classes if c not in kinds]
+    return tuple(kinds)
 
-        absmax = measure_inputs(
-            model,
-            [linear for _, _, linear in targets],
-            calibrate.calibration_token_ids(model_dir, model.config.vocab_size),
-        )
-        smooth = {
-            linear: calibrate.smoothing_factors(absmax[linear], linear.weight)
-            for _, _, linear in targets
-        }
-    total = 0
-    for parent, name, linear in targets:
-        bias = linear.bias
-        if quantization == "int8":
-            # A gated MLP's gate_up takes its activation into the product where it can.
-            gated = isinstance(parent, GatedMLP) and name == "gate_up_proj"
-            activation = parent.activation if gated else None
-            layer = Int8Linear.from_float(
-                linear.weight, bias, smooth[linear], gated_activation=activation
-            )
-        else:
-            layer = Int4Linear.from_float(linear.weight, bias, group_size=INT4_GROUP_SIZE)
-        setattr(parent, name, layer)
-        total += layer.weight_bytes
-    return total
+
+__all__ = [
+    "QUANTIZATIONS",
+    "QuantizationMethod",
+    "check_quantization",
+    "get_method",
+    "linear_kinds",
+    "quantize_model",
+    "quantized_targets",
+    "validate_name",
+    "weight_bytes",
+]
 
 
 def weight_bytes(model: nn.Module) -> int:

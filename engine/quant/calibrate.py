@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.engine.loader.tokenizer import Tokenizer
+
 SMOOTHING_ALPHA = 0.5
 MAX_CALIBRATION_TOKENS = 512
 
@@ -29,8 +31,6 @@ MAX_CALIBRATION_TOKENS = 512
 def calibration_token_ids(model_dir: Path, vocab_size: int) -> list[int]:
     """The built-in calibration text, tokenized by the model's own tokenizer (a model
     directory without one, as in tests, gets seeded random ids instead)."""
-    from tokenmill.engine.loader.tokenizer import Tokenizer
-
     if not (Path(model_dir) / "tokenizer.json").is_file():
         generator = torch.Generator().manual_seed(0)
         return torch.randint(vocab_size, (256,), generator=generator).tolist()

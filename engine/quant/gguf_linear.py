@@ -26,7 +26,9 @@ from torch.nn import functional as F
 
 from tokenmill.engine.loader import gguf_blocks
 from tokenmill.engine.loader.gguf_blocks import BLOCK_FORMATS, DecodedWeight
+from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.quant.int4 import Int4Linear
+from tokenmill.engine.quant.method import QuantizationMethod, register
 
 INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 # Output rows expanded to fp32 at once in GroupInt8Linear: 256 x 2,048 inputs is 2 MB.
@@ -161,7 +163,7 @@ def load_gguf_layers(model: nn.Module, model_dir: Path, *, dtype: torch.dtype) -
     for index, layer in enumerate(model.model.layers):
         for parent in layer.modules():
             for name, linear in list(parent.named_children()):
-                if type(linear) is not nn.Linear:
+                if not isinstance(linear, nn.Linear):
                     continue
                 prefix = _hf_prefix(model, parent, index)
                 parts = _FUSED.get(name, (name,))
@@ -187,3 +189,21 @@ def _hf_prefix(model: nn.Module, parent: nn.Module, index: int) -> str:
         if module is parent:
             return f"model.layers.{index}.{name}" if name else f"model.layers.{index}"
     raise ValueError("module is not inside the decoder layer")
+
+
+class GGUFMethod(QuantizationMethod):
+    """The GGUF's own quantized blocks, kept as they are (see module docstring)."""
+
+    name = "gguf"
+    help = "a GGUF model's own quantized blocks"
+    layer_classes = (GroupedLinear, RowConcat, Int4Linear)
+
+    def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
+        super().check(model_dir, config, device)
+        check_gguf_blocks(model_dir)
+
+    def quantize(self, model, model_dir, *, dtype, measure_inputs) -> int:
+        return load_gguf_layers(model, model_dir, dtype=dtype)
+
+
+register(GGUFMethod())

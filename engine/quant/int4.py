@@ -4,31 +4,37 @@ Each run of `group_size` weights along a row keeps a scale and a minimum
 (w ~ q * scale + minimum, q in 0..15, the GGUF Q4_1 recipe) and the product runs in
 PyTorch's own CPU kernel for it (`torch._weight_int4pack_mm_for_cpu`), which reads a
 quarter of bf16's bytes: the choice for jobs bound by memory bandwidth (small batches,
-long outputs, bigger models). Why this kernel: benchmarks/README.md ("Kernel choice").
-The kernel runs in bf16 whatever the model's dtype: its fp32 variant measured 1 GOP/s
-on the project's CPU against ~60 in bf16 (one thread, 3072 x 576), so the scales and the
-activations are rounded to bf16 and the output cast back.
+long outputs, bigger models). The kernel runs in bf16 whatever the model's dtype: its
+fp32 variant is scalar and far slower, so the scales and the activations are rounded to
+bf16 and the output cast back (benchmarks/README.md, "int4 and GGUF layers on expanded
+weights").
 
 Calls of UNPACK_MIN_ROWS rows or more (prompt chunks, big decode batches) expand the
 layer's weights to bf16 first (kernels/int4_unpack.c, one pass over N x K) and run the
 bf16 matmul on them: that kernel computes far below the bf16 units' rate, and from a few
 tens of rows the product, not the weights' bytes, is the cost. The expanded copy lives
 for the one call, so the model keeps int4's memory. Figures: benchmarks/README.md
-("Stop 27").
+("int4 and GGUF layers on expanded weights").
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from tokenmill.engine.kernels import int4_unpack
+from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.quant.method import QuantizationMethod, quantized_targets, register
 
+# Inputs per group of weights that share a scale and a minimum.
+GROUP_SIZE = 32
 # PyTorch's int4 layout stores each group as (q - 8) * scale + zero.
 _MID = 8
 COMPUTE_DTYPE = torch.bfloat16
 # From this many rows a call expands the weights to bf16 and runs the bf16 matmul
-# (measured crossover: benchmarks/README.md, "Stop 27").
+# (where it pays: benchmarks/README.md, "int4 and GGUF layers on expanded weights").
 UNPACK_MIN_ROWS = 32
 
 
@@ -132,3 +138,42 @@ def _unpacks(packed: torch.Tensor, q: torch.Tensor) -> bool:
         torch.equal((blocks & 15).to(q.dtype), halves[:, 0])
         and torch.equal((blocks >> 4).to(q.dtype), halves[:, 1])
     )
+
+
+class Int4Method(QuantizationMethod):
+    """Group-wise 4-bit weights (groups of GROUP_SIZE inputs), bf16 activations."""
+
+    name = "int4"
+    help = "group-wise 4-bit weights"
+    layer_classes = (Int4Linear,)
+
+    def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
+        super().check(model_dir, config, device)
+        q_size = config.num_attention_heads * config.head_dim
+        inputs = {config.hidden_size, config.intermediate_size, q_size}
+        bad = sorted(w for w in inputs if w % GROUP_SIZE)
+        if bad:
+            raise ValueError(
+                f"quantization='int4' needs layer inputs that are multiples of "
+                f"{GROUP_SIZE}; this model has {', '.join(map(str, bad))}"
+            )
+        # PyTorch's int4 kernel packs output rows in 16s.
+        kv_size = config.num_key_value_heads * config.head_dim
+        outputs = {q_size + 2 * kv_size, config.hidden_size, 2 * config.intermediate_size}
+        bad = sorted(w for w in outputs if w % 16)
+        if bad:
+            raise ValueError(
+                "quantization='int4' needs layer outputs that are multiples of 16; this "
+                f"model has {', '.join(map(str, bad))}"
+            )
+
+    def quantize(self, model, model_dir, *, dtype, measure_inputs) -> int:
+        total = 0
+        for parent, name, linear in quantized_targets(model):
+            layer = Int4Linear.from_float(linear.weight, linear.bias, group_size=GROUP_SIZE)
+            setattr(parent, name, layer)
+            total += layer.weight_bytes
+        return total
+
+
+register(Int4Method())

@@ -14,22 +14,22 @@ two kernels, chosen per layer at load:
   applies each row's scale in its epilogue in the same call, takes any row count, and
   gives the same bits on every instruction set; a gated MLP's gate_up also applies the
   activation and the multiply by up there (`fused_activation` below).
-  At the model's shapes the layer on it measured 1.0-1.9x the layer on oneDNN on a Zen 4
-  (VNNI) and 1.2-2.8x it on an Emerald Rapids Xeon (AMX) (benchmarks/README.md, "Kernel
-  choice"). On AVX2 it is the only int8 path that keeps 8-bit activations (below).
+  Why ours and not oneDNN's: benchmarks/README.md, "Our own int8 kernel" and "int8 on
+  AMX tiles". On AVX2 it is the only int8 path that keeps 8-bit activations (below).
 - "onednn": oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, the op
   PyTorch's PT2E quantization lowers to) on a weight packed once at load, where ours is
   not built. oneDNN picks its kernel for the CPU at run time: AVX512-VNNI, AVX-VNNI, else
   AVX2's vpmaddubsw multiply-add (AMX too, on a build of ours without it); ONEDNN_MAX_CPU_ISA caps
   it (tests use that to run the fallback). Without VNNI or AMX the u8 x s8 pairs are
-  summed in int16 and saturate, so activations there use 7 bits - which cost SmolLM2
-  2.8% and Gemma 3 270M 4.7% perplexity over fp32 (benchmarks/README.md), over the 2%
-  the int8 mode promises; that is why AVX2 builds now run the native kernel.
+  summed in int16 and saturate, so activations there use 7 bits, which miss the 2% the
+  int8 mode promises (benchmarks/README.md, "int8 on AVX2: all 8 bits"); AVX2 builds
+  therefore run the native kernel.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -37,6 +37,10 @@ from torch import nn
 from tokenmill.engine.kernels import cpu_flags
 from tokenmill.engine.kernels import int8_linear as native
 from tokenmill.engine.kernels.quantize import FULL_RANGE, REDUCED_RANGE, quantize_rows_u8
+from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.models.layers import GatedMLP
+from tokenmill.engine.quant.calibrate import calibration_token_ids, smoothing_factors
+from tokenmill.engine.quant.method import QuantizationMethod, quantized_targets, register
 
 KERNELS = ("native", "onednn")
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernel takes as it is
@@ -76,9 +80,8 @@ def kernel_name() -> str | None:
 def choose_kernel(out_features: int, in_features: int) -> str:
     """The int8 kernel a layer of this shape runs on here: "native" where our kernel is
     built (AVX512-VNNI, with AMX tiles for larger row counts where the CPU has them, or
-    AVX2) and takes the shape, else "onednn". On AMX CPUs the native kernel was measured
-    against oneDNN's AMX kernels before it took them over; on AVX2 oneDNN's 7-bit
-    activations missed the quality target (benchmarks/README.md)."""
+    AVX2) and takes the shape, else "onednn". Why native on AMX and AVX2:
+    benchmarks/README.md, "int8 on AMX tiles" and "int8 on AVX2: all 8 bits"."""
     return "native" if native.takes_shape(out_features, in_features) else "onednn"
 
 
@@ -100,8 +103,8 @@ def padded_rows(num_rows: int) -> int:
     """The row count an int8 product runs at: up to 32 rows the next power of two (at
     least 8), above it the next multiple of 64.
 
-    oneDNN builds (JIT-compiles) a kernel for every new input shape, which measured
-    tens to hundreds of milliseconds a shape on this machine, and a serving step's row
+    oneDNN builds (JIT-compiles) a kernel for every new input shape, at tens to hundreds
+    of milliseconds a shape (benchmarks/README.md, "Our own int8 kernel"), and a step's row
     count changes nearly every step; padding to a few dozen sizes lets the kernels be
     reused, at the price of at most 63 rows of zeros on a long chunk.
     """
@@ -252,3 +255,39 @@ class Int8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int8 {self.kernel}"
         )
+
+
+class Int8Method(QuantizationMethod):
+    """Per-channel int8 weights, dynamically quantized int8 activations, smoothed
+    SmoothQuant-style with statistics from one float pass at load (calibrate.py)."""
+
+    name = "int8"
+    help = "int8 weights and activations"
+    layer_classes = (Int8Linear,)
+
+    def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
+        super().check(model_dir, config, device)
+        if not onednn_int8_available():
+            raise ValueError("quantization='int8' needs a torch build with oneDNN's int8 ops")
+
+    def quantize(self, model, model_dir, *, dtype, measure_inputs) -> int:
+        targets = quantized_targets(model)
+        layers = [linear for _, _, linear in targets]
+        token_ids = calibration_token_ids(model_dir, model.config.vocab_size)
+        absmax = measure_inputs(model, layers, token_ids)
+        total = 0
+        for parent, name, linear in targets:
+            # A gated MLP's gate_up takes its activation into the product where it can.
+            gated = isinstance(parent, GatedMLP) and name == "gate_up_proj"
+            layer = Int8Linear.from_float(
+                linear.weight,
+                linear.bias,
+                smoothing_factors(absmax[linear], linear.weight),
+                gated_activation=parent.activation if gated else None,
+            )
+            setattr(parent, name, layer)
+            total += layer.weight_bytes
+        return total
+
+
+register(Int8Method())

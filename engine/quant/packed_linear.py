@@ -1,12 +1,10 @@
 """CPU linear layers through oneDNN, each weight packed once at load.
 
 `F.linear` on CPU goes to MKL, which on AMD processors reaches about half of what the
-hardware does (it does not pick its AVX-512 kernels there, by all appearances): on
-the project's AMD EPYC machine an fp32 [1900, 576] x [576, 960] product takes 10.1 ms
-there and 4.4 ms through oneDNN with the weight already in oneDNN's blocked layout
-(2.1-2.5x across SmolLM2's projections; bf16 1.05x for prefill, 1.2-1.4x for 64-row
-decode batches, where MKL-DNN otherwise repacks the weight every call). The results
-are fp32 to rounding (relative error 9e-7 against float64, MKL's is 4e-7).
+hardware does (it does not pick its AVX-512 kernels there, by all appearances). oneDNN
+on a weight packed once into its blocked layout avoids that, and the per-call repack
+MKL-DNN does on decode batches; results are fp32 to rounding. Figures: benchmarks/
+README.md, "oneDNN-packed linear layers".
 
 `pack_linear_layers` swaps every nn.Linear of a loaded model for a PackedLinear. It
 runs only on CPU for fp32, and bf16 where the CPU has oneDNN's bf16 reorder

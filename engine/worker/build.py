@@ -109,7 +109,13 @@ def build_runner(
     block_size = engine_config.block_size
     num_blocks = num_cache_blocks(model_config, engine_config, dtype=dtype, device=device)
     kv_cache = allocate_kv_cache(
-        model_config, num_blocks, block_size, dtype, device, kv_cache_dtype
+        model_config,
+        num_blocks,
+        block_size,
+        dtype,
+        device,
+        kv_cache_dtype,
+        huge_pages=engine_config.huge_pages,
     )
     runner = ModelRunner(
         model,

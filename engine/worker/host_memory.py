@@ -4,9 +4,8 @@ Every CPU forward pass allocates activations of a few to a few hundred megabytes
 (a 2,048-token step's MLP output is [2048, 2 * intermediate]) and frees them a moment
 later. glibc's malloc serves blocks that size with a fresh mmap and returns them
 with munmap, so each step pays a page fault, and the kernel zeroes a page, for every
-4 KiB it touches: measured here, an fp32 rms_norm over [1900, 576] took 2.4 ms that
-way and 0.17 ms with the pages kept (rotary: 4.4 ms vs 0.4 ms), and the mixed64
-benchmark spent more time faulting than in its norms, rotary and residuals together.
+4 KiB it touches - more, on the mixed64 benchmark, than its norms, rotary and residuals
+cost together (benchmarks/README.md, "Page faults").
 
 `keep_large_allocations_mapped` raises malloc's mmap threshold so those blocks come
 from the heap, and its trim threshold so the heap is not shrunk after each step; the

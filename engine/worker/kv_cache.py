@@ -128,7 +128,7 @@ def allocate_kv_cache(
     device: torch.device,
     kv_cache_dtype: str = "auto",
     *,
-    huge_pages: bool = True,
+    huge_pages: bool = False,
 ) -> KVCache:
     """Zeroed keys and values for every layer (padding positions must never hold NaNs).
 

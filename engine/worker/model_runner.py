@@ -23,6 +23,7 @@ from tokenmill.engine.core.step import (
 )
 from tokenmill.engine.grammar import TokenBitmask
 from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.worker import prompt_logprobs
 from tokenmill.engine.worker.attention import (
     AttentionSpec,
@@ -75,6 +76,7 @@ class ModelRunner:
             block_size=block_size,
         )
         self.attention = select_backend(self.attention_spec)
+        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/profiling.py
         for layer_idx, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = kv_cache.k[layer_idx]
             layer.self_attn.v_cache = kv_cache.v[layer_idx]
@@ -132,24 +134,30 @@ class ModelRunner:
             previous: the step launched before this one, whose sampled tokens some of this
                 step's inputs still are (placeholders); they are read on the device.
         """
+        profiler = self.profiler
         prompt_spans = prompt_logprobs.spans_for_step(out.chunks)
         graphs = self.decode_graphs
         # Graphs were captured without adapters: a step with adapter rows runs eagerly.
         uses_lora = self.lora.begin_step(out)
         try:
             if graphs is not None and not prompt_spans and not uses_lora and graphs.can_run(out):
-                hidden, sample_rows = graphs.run(out, previous)
+                with profiler.stage("forward"):
+                    hidden, sample_rows = graphs.run(out, previous)
             else:
-                input_ids, positions, meta, sample_rows = self.prepare(out, previous)
-                hidden = self.forward_model(input_ids, positions, meta)
+                with profiler.stage("prepare"):
+                    input_ids, positions, meta, sample_rows = self.prepare(out, previous)
+                with profiler.stage("forward"):
+                    hidden = self.forward_model(input_ids, positions, profiler.attention(meta))
         finally:
             self.lora.end_step()
-        prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)
-        if not sample_rows:
-            return None
-        rows = upload(np.asarray(sample_rows), self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return self.sampler(logits, sampling)
+        with profiler.stage("logits"):
+            prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)
+            if not sample_rows:
+                return None
+            rows = upload(np.asarray(sample_rows), self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        with profiler.stage("sample"):
+            return self.sampler(logits, sampling)
 
     def step_tokens(self, out: SchedulerOutput) -> StepTokens:
         """The step's tokens flattened, chunk by chunk (decodes first): what every

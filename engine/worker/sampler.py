@@ -9,13 +9,12 @@ Sampling draws Gumbel-style exponential noise and takes argmax(probs / noise), w
 samples exactly from probs. Requests with a seed draw their noise from their own
 generator, so a seeded request samples the same tokens whatever else is in the batch.
 
-Everything vocabulary-wide is one tensor op over the batch. With Gemma's 262,144-token
-vocabulary the CPU costs per row are (2 threads, Zen 4, loaded machine): exponential_()
-noise 12 ms against 3 ms for -log(rand()), a full sort ~50 ms against ~2 ms for the best
-1,024 - so on CPU top-k and top-p work on each row's best candidates, and only a row whose
-nucleus is wider is sorted whole. On CUDA the sort is cheap and needs no host decision.
-Every argmax on CPU is the native one (kernels/argmax.py): PyTorch's took 19 ms for 64
-such rows on a 2-core Xeon, the native one 2.
+Everything vocabulary-wide is one tensor op over the batch. On CPU a full sort of a large
+vocabulary costs far more than taking its best candidates, so top-k and top-p work on each
+row's best 1,024 and only a row whose nucleus is wider is sorted whole; the noise is
+-log(rand()), a quarter of exponential_()'s cost (benchmarks/README.md, "Sampling on the
+CPU"). On CUDA the sort is cheap and needs no host decision. Every argmax on CPU is the
+native one (kernels/argmax.py).
 """
 
 from __future__ import annotations

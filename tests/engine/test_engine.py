@@ -170,3 +170,28 @@ def test_top_k_one_is_greedy(model_dir):
     assert run_all(engine, [prompt], tiny_p)[0].token_ids == greedy.token_ids
     full_min_p = SamplingParams(temperature=1.5, min_p=1.0, max_tokens=16, ignore_eos=True)
     assert run_all(engine, [prompt], full_min_p)[0].token_ids == greedy.token_ids
+
+
+def _madvised_huge(ptr: int) -> bool:
+    """Whether the mapping holding ptr was madvised for huge pages (smaps VmFlags 'hg')."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()[1:]
+    raise AssertionError("no mapping holds the KV cache")
+
+
+def test_huge_pages_setting_reaches_the_kv_cache(model_dir):
+    from tokenmill.engine.worker.host_memory import asks_for_huge_pages
+
+    if not asks_for_huge_pages():
+        pytest.skip("this kernel cannot be asked for huge pages (not Linux, or THP off)")
+    for asked in (False, True):
+        cache = make_engine(model_dir, kv_cache_memory=64 << 20, huge_pages=asked).runner.kv_cache
+        assert _madvised_huge(cache.k.data_ptr()) is asked
+        assert _madvised_huge(cache.v.data_ptr()) is asked

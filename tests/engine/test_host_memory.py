@@ -69,28 +69,26 @@ def test_freed_activations_are_reused_instead_of_faulted_again():
 _HUGE_PROBE = """
 import json, sys, torch
 from tokenmill.engine.worker.host_memory import HUGE_PAGE_BYTES, asks_for_huge_pages, lazy_zeros
-def rss_kb():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
-def huge_kb(t):
-    # AnonHugePages of the mapping that holds t
+def mapping_kb(t, field):
+    # one smaps field (Rss, AnonHugePages) of the mapping that holds t: the process's
+    # RSS would also count whatever torch allocates on the side
     start, total, inside = t.data_ptr(), 0, False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= start < hi
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == field + ":":
             total += int(line.split()[1])
     return total
 huge = sys.argv[1] == "1"
-before = rss_kb()
 t = lazy_zeros((128, 1024, 1024), torch.int16, huge_pages=huge)
-committed_kb = rss_kb() - before
+committed_kb = mapping_kb(t, "Rss")
 t[::2].fill_(0)  # touch half the pages, as a cache's first blocks are written
 print(json.dumps({"asked": huge and asks_for_huge_pages(),
                   "aligned": t.data_ptr() % HUGE_PAGE_BYTES == 0,
                   "zeros": bool((t == 0).all()), "shape": list(t.shape),
-                  "committed_kb": committed_kb, "huge_kb": huge_kb(t)}))
+                  "committed_kb": committed_kb, "huge_kb": mapping_kb(t, "AnonHugePages")}))
 """
 
 

@@ -11,12 +11,13 @@ from test_hf_parity import mixed_prompts
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kernels.int8_linear import takes_gated
 from tokenmill.engine.kernels.quantize import FULL_RANGE
-from tokenmill.engine.quant import INT4_GROUP_SIZE, check_quantization, int4, quantized_targets
+from tokenmill.engine.quant import check_quantization, int4, quantized_targets
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import Int8Linear, describe_kernel
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.worker.build import check_settings
 
+INT4_GROUP_SIZE = int4.GROUP_SIZE
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
 
 
@@ -105,7 +106,9 @@ def test_int4_engine_computes_the_float_model_of_its_dequantized_weights(
 def test_unknown_quantization_fails_before_the_model_is_looked_up(tmp_path):
     from tokenmill import LLM
 
-    with pytest.raises(ValueError, match="unknown quantization 'int3'; choose one of int8"):
+    with pytest.raises(
+        ValueError, match="unknown quantization 'int3'; choose one of gguf, int4, int8"
+    ):
         LLM(tmp_path / "no-such-model", quantization="int3")
     with pytest.raises(ValueError, match="unknown quantization"):
         check_settings(EngineConfig(quantization="fp8"))

@@ -1,6 +1,6 @@
 """Real `tokenmill run` jobs in child processes, faults injected, and the checks after.
 
-Shared by tests/faults/ and benchmarks/fault_matrix.py. A `FaultJob` is one input and
+Shared by tests/faults/ and tests/faults/fault_matrix.py. A `FaultJob` is one input and
 one output directory on the tiny random model; `run()` starts the CLI, optionally with
 a fault point armed (`tokenmill/faults.py`), and `outcome()` reads the output back the
 way a user of the results would and counts what went wrong.

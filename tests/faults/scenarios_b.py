@@ -1,4 +1,4 @@
-"""Part B's fault scenarios, one function each, for benchmarks/fault_matrix.py.
+"""Part B's fault scenarios, one function each, for tests/faults/fault_matrix.py.
 
 Each function sets up what it needs (moto on loopback, the tiny model, temporary
 directories), runs its scenario once and returns `(rows_lost, rows_duplicated)`;

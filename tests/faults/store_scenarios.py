@@ -1,7 +1,7 @@
 """Object-store fault runs: a batch job on S3 through the fault-injecting proxy.
 
 `run_through_proxy` is what the tests call with their fixtures; `store_faults_once`
-sets everything up itself (moto, the tiny model) for benchmarks/fault_matrix.py and
+sets everything up itself (moto, the tiny model) for tests/faults/fault_matrix.py and
 returns `(rows_lost, rows_duplicated)`.
 """
 

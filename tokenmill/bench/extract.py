@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import random
 
+from tokenmill.bench.workload_data import Workload
+from tokenmill.engine.loader.tokenizer import Tokenizer
+
 INDUSTRIES = ["software", "retail", "logistics", "finance", "health", "energy", "media"]
 COUNTRIES = ["US", "DE", "FR", "GB", "PT", "other"]
 
@@ -136,9 +139,6 @@ def build_extract_workload(
     Returns:
         The Workload, with `json_schema` set to EXTRACT_SCHEMA.
     """
-    from tokenmill.bench.workload import Workload
-    from tokenmill.engine.loader.tokenizer import Tokenizer
-
     tokenizer = Tokenizer.from_dir(model_dir)
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}])

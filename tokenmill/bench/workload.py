@@ -12,10 +12,14 @@ system produces exactly the same number of tokens.
 
 from __future__ import annotations
 
-import json
 import random
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from tokenmill.bench.extract import build_extract_workload
+from tokenmill.bench.workload_data import Workload
+
+__all__ = ["Workload", "load_preset", "warmup_prompts", "build_workload", "PRESETS", "PRESET_NAMES"]
 
 IntRange = tuple[int, int]  # inclusive bounds, drawn uniformly
 
@@ -129,57 +133,6 @@ PRESETS: dict[str, WorkloadSpec] = {
 PRESET_NAMES = [*PRESETS, "extract64"]
 
 
-@dataclass
-class Workload:
-    """Concrete requests: prompt token ids and how many tokens to generate for each.
-
-    prefix_group[i] is the prefix group of request i (None for a unique prompt) and
-    shared_len[i] the number of its leading tokens shared with the rest of its group.
-    """
-
-    name: str
-    prompt_ids: list[list[int]]
-    output_lens: list[int]
-    prefix_group: list[int | None]
-    shared_len: list[int]
-    spec: dict = field(default_factory=dict)
-    # A structured workload: the JSON schema its constrained runs enforce.
-    json_schema: dict | None = None
-    # A LoRA workload: the adapter of each request (WorkloadSpec.num_adapters).
-    adapters: list[int] | None = None
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompt_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-    @property
-    def num_unique_prompt_tokens(self) -> int:
-        """Prompt tokens left to compute when each group's shared prefix is computed once."""
-        seen: set[int] = set()
-        total = 0
-        for ids, group, shared in zip(self.prompt_ids, self.prefix_group, self.shared_len):
-            skip = shared if group is not None and group in seen else 0
-            if group is not None:
-                seen.add(group)
-            total += len(ids) - skip
-        return total
-
-    def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self)))
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> Workload:
-        return cls(**json.loads(Path(path).read_text()))
-
-
 def build_workload(
     spec: WorkloadSpec,
     token_pool: list[int],
@@ -284,8 +237,6 @@ def load_preset(name: str, model_dir: str | Path, *, seed: int | None = None) ->
         The workload.
     """
     if name == "extract64":
-        from tokenmill.bench.extract import build_extract_workload
-
         return build_extract_workload(model_dir, seed=seed or 0)
     try:
         spec = PRESETS[name]

@@ -1,7 +1,7 @@
 """The fault matrix: each fault scenario run N times, rows lost and rows duplicated.
 
-    python benchmarks/fault_matrix.py                    # every scenario, 5 runs each
-    python benchmarks/fault_matrix.py --runs 10 --seed 7 --only kill
+    python tests/faults/fault_matrix.py                    # every scenario, 5 runs each
+    python tests/faults/fault_matrix.py --runs 10 --seed 7 --only kill
 
 Each run is a fresh 40-row `tokenmill run` job (the CLI, in child processes) on a tiny
 random Llama model built in the work directory, with a fault injected through
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
+TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS), str(TESTS / "faults")]
 
 from fault_jobs import (  # noqa: E402
@@ -281,7 +281,7 @@ def main() -> None:
         rows = run_matrix(scenarios, args.runs, seed, workdir)
     print(table(rows))
     print(
-        f"\n(seed {seed}; rerun with: python benchmarks/fault_matrix.py --runs {args.runs} --seed {seed})"
+        f"\n(seed {seed}; rerun with: python tests/faults/fault_matrix.py --runs {args.runs} --seed {seed})"
     )
     if any(r.lost or r.duplicated or r.failed_runs for r in rows):
         sys.exit(1)

@@ -1,0 +1,77 @@
+"""The quantization method interface, and the registry each mode joins.
+
+A method is an object with a name and help text that checks whether a model can run
+quantized its way here (`check`, before any weight is read) and swaps a loaded model's
+linear layers for its own (`quantize`); `layer_classes` lists the modules it makes, so
+tools that walk a model (profiling, memory reports) know them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from tokenmill.engine.models import ModelConfig
+
+# (model, layers, calibration token ids) -> {layer: max|x| per input channel}: one float
+# forward pass recording the layers' inputs, run by the worker (worker/calibration.py).
+MeasureInputs = Callable[[nn.Module, list[nn.Module], list[int]], dict[nn.Module, torch.Tensor]]
+
+
+class QuantizationMethod(ABC):
+    """One way for a model's linear layers to hold their weights (see module docstring)."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+    layer_classes: ClassVar[tuple[type[nn.Module], ...]]
+
+    def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
+        """Raise ValueError when this model cannot run this way on `device`; by default
+        a method runs on the CPU only."""
+        if device.type != "cpu":
+            raise ValueError(f"quantization={self.name!r} runs on CPU only, not {device.type}")
+
+    @abstractmethod
+    def quantize(
+        self,
+        model: nn.Module,
+        model_dir: Path,
+        *,
+        dtype: torch.dtype,
+        measure_inputs: MeasureInputs,
+    ) -> int:
+        """Swap the model's decoder linear layers in place; returns the bytes their
+        weights now take."""
+
+
+_METHODS: dict[str, QuantizationMethod] = {}
+
+
+def register(method: QuantizationMethod) -> QuantizationMethod:
+    """Make a method known by its name (its module calls this once)."""
+    if method.name in _METHODS:
+        raise ValueError(f"quantization {method.name!r} is registered twice")
+    _METHODS[method.name] = method
+    return method
+
+
+def registered() -> dict[str, QuantizationMethod]:
+    """Every registered method by name."""
+    return dict(_METHODS)
+
+
+def quantized_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, layer) for every float linear layer inside the decoder layers
+    (the embeddings and the lm_head are never quantized)."""
+    return [
+        (parent, name, child)
+        for layer in model.model.layers
+        for parent in layer.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]

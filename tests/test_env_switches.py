@@ -1,0 +1,28 @@
+"""Every TOKENMILL_* variable the engine reads is declared in engine/env.py, read nowhere
+else, and documented in the README with its default."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tokenmill.engine import env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_engine_reads_the_environment_only_in_env_py():
+    readers = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "engine").rglob("*.py")
+        if path.name != "env.py"
+        and re.search(r"(environ|getenv)\W[^\n]*TOKENMILL_", path.read_text())
+    ]
+    assert readers == []
+
+
+def test_the_readme_lists_every_switch_with_its_default():
+    readme = (ROOT / "README.md").read_text()
+    for switch in env.SWITCHES:
+        default = "~/.cache/tokenmill" if switch is env.CACHE_DIR else switch.default
+        assert f"| `{switch.name}` | `{default}` |" in readme, switch.name

@@ -1,0 +1,228 @@
+"""The import graph: no cycles anywhere, and the engine's layers import only downwards.
+
+Every module of the package is parsed (nothing is imported), and every import counts -
+at module top, inside functions, or under TYPE_CHECKING. Run this file as a script to
+print the engine's floors with their files and line counts.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Top-level folders -> the import names they are mapped to (pyproject's package-dir).
+PACKAGES = {
+    "tokenmill": "tokenmill",
+    "engine": "tokenmill.engine",
+    "connectors": "tokenmill.connectors",
+    "pipelines": "tokenmill.pipelines",
+    "flows": "tokenmill.flows",
+}
+
+# The engine's floors, top to bottom (DESIGN.md, "The engine, in layers"): a module may
+# import modules of its own floor or of floors below it, never above.
+ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("api", ("tokenmill.engine.llm",)),
+    ("worker", ("tokenmill.engine.worker",)),
+    ("quant", ("tokenmill.engine.quant",)),
+    ("loader", ("tokenmill.engine.loader",)),
+    ("models", ("tokenmill.engine.models",)),
+    ("core", ("tokenmill.engine.core",)),
+    ("kernels", ("tokenmill.engine.kernels", "tokenmill.engine.cuda")),
+    (
+        "base",
+        (
+            "tokenmill.engine.config",
+            "tokenmill.engine.env",
+            "tokenmill.engine.grammar",
+            "tokenmill.engine.outputs",
+            "tokenmill.engine.profiling",
+            "tokenmill.engine.sampling_params",
+            "tokenmill.engine.structured_outputs",
+        ),
+    ),
+)
+# Third-party modules the engine may import inside a function: heavy, and needed only by
+# some jobs (each deferral says why where it is made).
+DEFERRED_IMPORTS = ("llguidance", "huggingface_hub", "tokenmill.engine.cuda.triton_kernels")
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    imports: set[str] = field(default_factory=set)
+    deferred: set[str] = field(default_factory=set)  # imported inside a function
+
+
+def load_modules() -> dict[str, Module]:
+    """Every module of the package by import name, with what it imports."""
+    modules = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join((package, *parts))
+            modules[name] = Module(name, path)
+    for module in modules.values():
+        _read_imports(module, modules)
+    return modules
+
+
+def _read_imports(module: Module, modules: dict[str, Module]) -> None:
+    tree = ast.parse(module.path.read_text(encoding="utf-8"))
+    in_function: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            in_function |= {id(n) for n in ast.walk(node) if n is not node}
+    is_package = module.path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = module.name.split(".")
+                keep = len(parent) - node.level + (1 if is_package else 0)
+                base = ".".join(parent[:keep] + ([base] if base else []))
+            # `from package import submodule` imports the submodule, not the package body.
+            subs = [f"{base}.{alias.name}" for alias in node.names]
+            known = [s for s in subs if s in modules]
+            targets = known if len(known) == len(subs) else [base, *known]
+        else:
+            continue
+        for target in targets:
+            if id(node) in in_function:
+                module.deferred.add(target)
+            if target in modules and target != module.name:
+                module.imports.add(target)
+
+
+def cycles(modules: dict[str, Module]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(name: str) -> None:
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        on_stack.add(name)
+        for target in sorted(modules[name].imports):
+            if target not in index:
+                visit(target)
+                low[name] = min(low[name], low[target])
+            elif target in on_stack:
+                low[name] = min(low[name], index[target])
+        if low[name] == index[name]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == name:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
+    for name in sorted(modules):
+        if name not in index:
+            visit(name)
+    return found
+
+
+def engine_floor(name: str) -> int | None:
+    """The floor of an engine module (0 = top); None for modules outside the engine."""
+    best, floor = -1, None
+    for number, (_, prefixes) in enumerate(ENGINE_FLOORS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+                best, floor = len(prefix), number
+    return floor
+
+
+def _engine_modules(modules: dict[str, Module]) -> list[Module]:
+    return [
+        m
+        for n, m in modules.items()
+        if n == "tokenmill.engine" or n.startswith("tokenmill.engine.")
+    ]
+
+
+def test_no_module_imports_itself_in_a_loop():
+    assert cycles(load_modules()) == []
+
+
+def test_every_engine_module_has_a_floor():
+    unplaced = [
+        m.name
+        for m in _engine_modules(load_modules())
+        if m.name != "tokenmill.engine" and engine_floor(m.name) is None
+    ]
+    assert unplaced == []
+
+
+def test_the_engine_imports_only_downwards():
+    modules = load_modules()
+    upward = [
+        f"{m.name} -> {target}"
+        for m in _engine_modules(modules)
+        if m.name != "tokenmill.engine"
+        for target in sorted(m.imports)
+        if target.startswith("tokenmill.engine.") and engine_floor(target) < engine_floor(m.name)
+    ]
+    assert upward == []
+
+
+def test_the_engine_imports_nothing_of_the_pipeline_or_the_cli():
+    outside = [
+        f"{m.name} -> {target}"
+        for m in _engine_modules(load_modules())
+        for target in sorted(m.imports)
+        if target.startswith("tokenmill.") and not target.startswith("tokenmill.engine")
+    ]
+    assert outside == []
+
+
+def test_engine_imports_inside_functions_are_the_deferred_heavy_ones():
+    deferred = sorted(
+        f"{m.name}: {target}"
+        for m in _engine_modules(load_modules())
+        for target in m.deferred
+        if not target.startswith(DEFERRED_IMPORTS)
+    )
+    assert deferred == []
+
+
+def _report() -> None:
+    modules = load_modules()
+    engine = _engine_modules(modules)
+    print(f"{len(modules)} modules, {len(cycles(modules))} cycles")
+    for number, (floor, _) in enumerate(ENGINE_FLOORS):
+        members = sorted(
+            (m for m in engine if engine_floor(m.name) == number), key=lambda m: m.name
+        )
+        lines = sum(len(m.path.read_text().splitlines()) for m in members)
+        names = ", ".join(m.name.removeprefix("tokenmill.engine.") for m in members)
+        print(f"{number} {floor:8} {len(members):3} files {lines:6} lines: {names}")
+    edges = defaultdict(set)
+    for m in engine:
+        for target in m.imports:
+            if engine_floor(m.name) is not None and engine_floor(target) is not None:
+                edges[ENGINE_FLOORS[engine_floor(m.name)][0]].add(
+                    ENGINE_FLOORS[engine_floor(target)][0]
+                )
+    for floor, below in edges.items():
+        print(f"  {floor} imports {', '.join(sorted(below - {floor}))}")
+
+
+if __name__ == "__main__":
+    _report()

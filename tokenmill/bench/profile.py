@@ -1,0 +1,107 @@
+"""Where an engine's time goes: a `StepProfiler` that times each stage of each step.
+
+Installed with `LLM.set_profiler` (engine/profiling.py names the stages), it adds the
+linear layers and attention as stages of their own - linear layers through torch's
+module hooks, attention through the metadata the runner hands it - and subtracts a
+stage's time from the stage it runs inside, so the stages add up to the time spent in
+steps. On the CPU every op is synchronous, so time inside a stage is that stage's cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+from tokenmill.engine.profiling import StepProfiler
+from tokenmill.engine.quant import linear_kinds
+
+LINEAR = "linear layers"
+LM_HEAD = "lm_head"
+ATTENTION = "attention"
+
+
+class StageTimer(StepProfiler):
+    """Accumulates exclusive wall time and calls per stage."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[list] = []  # [stage, start, time spent in nested stages]
+        self._hooks: list[Any] = []
+
+    def enter(self, stage: str) -> None:
+        self._stack.append([stage, time.perf_counter(), 0.0])
+
+    def exit(self) -> None:
+        stage, start, nested = self._stack.pop()
+        elapsed = time.perf_counter() - start
+        self.seconds[stage] += elapsed - nested
+        self.calls[stage] += 1
+        if self._stack:
+            self._stack[-1][2] += elapsed
+
+    @contextmanager
+    def stage(self, name: str):
+        self.enter(name)
+        try:
+            yield
+        finally:
+            self.exit()
+
+    def attention(self, meta: Any) -> Any:
+        return _TimedAttention(meta, self)
+
+    def time_linear_layers(self, model: nn.Module) -> None:
+        """Time every linear module of `model` (float, packed or quantized) as a stage;
+        the lm_head apart."""
+        lm_head = getattr(model, "lm_head", None)
+        for module in model.modules():
+            if isinstance(module, linear_kinds()):
+                name = LM_HEAD if module is lm_head else LINEAR
+                self._hooks.append(module.register_forward_pre_hook(self._pre(name)))
+                self._hooks.append(module.register_forward_hook(self._post))
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def _pre(self, name: str):
+        def enter(*_: Any) -> None:
+            self.enter(name)
+
+        return enter
+
+    def _post(self, *_: Any) -> None:
+        self.exit()
+
+
+class _TimedAttention:
+    """A step's attention metadata whose `attend` is timed as the attention stage."""
+
+    def __init__(self, meta: Any, timer: StageTimer) -> None:
+        self._meta = meta
+        self._timer = timer
+
+    def attend(self, *args: Any, **kwargs: Any):
+        self._timer.enter(ATTENTION)
+        try:
+            return self._meta.attend(*args, **kwargs)
+        finally:
+            self._timer.exit()
+
+
+def profile_llm(llm: Any) -> StageTimer:
+    """A StageTimer installed on `llm`, its linear layers hooked."""
+    timer = StageTimer()
+    timer.time_linear_layers(llm.engine.runner.model)
+    llm.set_profiler(timer)
+    return timer
