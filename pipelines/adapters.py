@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenmill.engine.loader.adapters import describe_adapter
 from tokenmill.engine.lora_request import LoRARequest
 
 BASE_INDEX = 0  # PromptRow.lora_index of a row on the base model
@@ -80,8 +81,6 @@ def describe_job_adapters(
         ValueError (AdapterError): an adapter is missing, stored only as pickle, not a
             plain LoRA or does not fit the model; the message names it.
     """
-    from tokenmill.engine.loader.adapters import describe_adapter
-
     adapters = []
     for name in sorted(lora):
         path, revision = parse_adapter_location(name, lora[name])

@@ -39,6 +39,7 @@ ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "tokenmill.engine.config",
             "tokenmill.engine.env",
             "tokenmill.engine.grammar",
+            "tokenmill.engine.lora_request",
             "tokenmill.engine.outputs",
             "tokenmill.engine.profiling",
             "tokenmill.engine.sampling_params",

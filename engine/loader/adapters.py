@@ -21,6 +21,7 @@ alpha per module from rank_pattern / alpha_pattern where they match (PEFT's matc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -221,8 +222,6 @@ def _short_name(name: str) -> str:
 
 
 def _sha256(text: str) -> str:
-    import hashlib
-
     return hashlib.sha256(text.encode()).hexdigest()
 
 

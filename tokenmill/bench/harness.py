@@ -163,6 +163,8 @@ def _lora_adapters(workload: Workload, model_dir: str, tmp: Path, log: Log) -> l
     """A LoRA workload's adapters, written once for every run of this invocation."""
     if not workload.adapters:
         return []
+    # Deferred: it imports torch, which the parent process otherwise never loads (the
+    # systems run in children).
     from tokenmill.bench.lora import make_adapters
 
     spec = workload.spec

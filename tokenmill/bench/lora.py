@@ -16,8 +16,13 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from tokenmill.engine.models.lora_layers import LORA_TARGETS
+from tokenmill.engine.loader.adapters import describe_adapter, load_adapter
+from tokenmill.engine.loader.model_files import CONVERSION_RECORD, weight_files
+from tokenmill.engine.loader.safetensors_files import iter_tensors
+from tokenmill.engine.models import load_config
+from tokenmill.engine.models.lora_layers import LORA_TARGETS, target_shapes
 
 ALL_TARGETS = tuple(LORA_TARGETS)
 
@@ -39,11 +44,6 @@ def make_adapters(
     Returns:
         Their directories, adapter-00 ... in order.
     """
-    from safetensors.torch import save_file
-
-    from tokenmill.engine.models import load_config
-    from tokenmill.engine.models.lora_layers import target_shapes
-
     config = load_config(model_dir)
     shapes = target_shapes(config)
     paths = []
@@ -81,12 +81,6 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     Returns:
         out_dir: the base's config and tokenizer files and a merged model.safetensors.
     """
-    from safetensors.torch import save_file
-
-    from tokenmill.engine.loader.adapters import describe_adapter, load_adapter
-    from tokenmill.engine.loader.model_files import CONVERSION_RECORD, weight_files
-    from tokenmill.engine.loader.safetensors_files import iter_tensors
-    from tokenmill.engine.models import load_config
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     config = load_config(model_dir)
