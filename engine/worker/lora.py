@@ -133,7 +133,7 @@ class LoRAManager:
         short = [(slots[i], a, b) for i, a, b in runs if b - a <= BATCHED_ROWS]
         step.segments = [(slots[i], a, b) for i, a, b in runs if b - a > BATCHED_ROWS]
         if len(short) > 1:
-            step.batched = self._batched(short)
+            step.batched = batched_rows(short, device=self.device, dtype=self.dtype)
         else:
             step.segments += short
         step.is_active = True
@@ -141,26 +141,6 @@ class LoRAManager:
 
     def end_step(self) -> None:
         self.step.clear()
-
-    def _batched(self, runs: list[tuple[int, int, int]]) -> BatchedRows:
-        """Short runs as one padded batch over the span of their slots."""
-        rows: dict[int, list[int]] = defaultdict(list)
-        for slot, start, end in runs:
-            rows[slot].extend(range(start, end))
-        lo, hi = min(rows), max(rows) + 1
-        per_slot = max(len(r) for r in rows.values())
-        index = np.zeros((hi - lo, per_slot), dtype=np.int64)  # padding gathers row 0 ...
-        mask = np.zeros((hi - lo, per_slot, 1), dtype=np.float32)  # ... and adds nothing
-        for slot, slot_rows in rows.items():
-            index[slot - lo, : len(slot_rows)] = slot_rows
-            mask[slot - lo, : len(slot_rows)] = 1.0
-        return BatchedRows(
-            lo=lo,
-            hi=hi,
-            rows_per_slot=per_slot,
-            index=torch.from_numpy(index.reshape(-1)).to(self.device),
-            mask=torch.from_numpy(mask).to(self.device, self.dtype),
-        )
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -235,3 +215,27 @@ class LoRAManager:
         for lora_id, slot in self._slots.items():
             parts = self._by_layer(lora_id).get(key)
             wrapper.set_slot(slot, self._prepare(name, parts) if parts else None)
+
+
+def batched_rows(
+    runs: list[tuple[int, int, int]], *, device: torch.device, dtype: torch.dtype
+) -> BatchedRows:
+    """Short runs of rows, (slot, first row, end row) each, as one padded batch over the
+    span of their slots."""
+    rows: dict[int, list[int]] = defaultdict(list)
+    for slot, start, end in runs:
+        rows[slot].extend(range(start, end))
+    lo, hi = min(rows), max(rows) + 1
+    per_slot = max(len(r) for r in rows.values())
+    index = np.zeros((hi - lo, per_slot), dtype=np.int64)  # padding gathers row 0 ...
+    mask = np.zeros((hi - lo, per_slot, 1), dtype=np.float32)  # ... and adds nothing
+    for slot, slot_rows in rows.items():
+        index[slot - lo, : len(slot_rows)] = slot_rows
+        mask[slot - lo, : len(slot_rows)] = 1.0
+    return BatchedRows(
+        lo=lo,
+        hi=hi,
+        rows_per_slot=per_slot,
+        index=torch.from_numpy(index.reshape(-1)).to(device),
+        mask=torch.from_numpy(mask).to(device, dtype),
+    )
