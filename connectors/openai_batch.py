@@ -1,9 +1,11 @@
 """OpenAI batch input files: one request per line, turned into prompt rows.
 
 A line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
-"/v1/completions", "body": {...}}`. Each becomes a row with `custom_id`, `messages`
-(chat) or `prompt` (completions) and one column per sampling parameter, null when the
-request does not set it, so the pipeline can apply per-row overrides. A body's
+"/v1/completions" | "/v1/embeddings", "body": {...}}`. Each becomes a row with
+`custom_id`, `messages` (chat) or `prompt` (completions) and one column per sampling
+parameter, null when the request does not set it, so the pipeline can apply per-row
+overrides; an embeddings line becomes one row per input string, with its `dimensions`
+(`openai_embeddings.py`). A body's
 `response_format` (`text`, `json_object`, or `json_schema` with its `schema` and
 `strict`) is checked for shape here and kept as its JSON text.
 """
@@ -21,6 +23,7 @@ from tokenmill.connectors.decoding import open_decoded
 from tokenmill.connectors.fs import open_text_stream
 from tokenmill.connectors.jsonl_reader import UNPAIRED_SURROGATE, parse_object
 from tokenmill.connectors.lines import BadLine, iter_line_chunks
+from tokenmill.connectors.openai_embeddings import EMBEDDINGS_URL, embedding_request_rows
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -54,6 +57,7 @@ OPENAI_BATCH_SCHEMA = pa.schema(
         ("prompt", pa.string()),
         *SAMPLING_FIELDS.items(),
         ("response_format", pa.string()),
+        ("dimensions", pa.int64()),  # /v1/embeddings
     ]
 )
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -139,14 +143,14 @@ def parse_request_lines(
         try:
             obj = parse_object(raw, number)
             custom_id = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
-            row = request_to_row(obj, number)
-            if row["custom_id"] in seen_ids:
+            line_rows = request_rows(obj, number)
+            if any(row["custom_id"] in seen_ids for row in line_rows):
                 raise BadLine(number, "duplicate custom_id")
-            if not _is_unicode(row):
+            if not _is_unicode(line_rows):
                 raise BadLine(number, UNPAIRED_SURROGATE)
-            seen_ids.add(row["custom_id"])
-            rows.append(row)
-            errors.append(None)
+            seen_ids.update(row["custom_id"] for row in line_rows)
+            rows += line_rows
+            errors += [None] * len(line_rows)
         except BadLine as e:
             if on_bad_line == "error":
                 raise
@@ -177,6 +181,17 @@ def _encodes(text: str) -> bool:
         return False
 
 
+def request_rows(obj: dict[str, Any], number: int) -> list[dict[str, Any]]:
+    """One request object as rows: one, or for an embeddings line one per input."""
+    if obj.get("url") == EMBEDDINGS_URL and isinstance(obj.get("custom_id"), str):
+        if obj.get("method", "POST") != "POST":
+            raise BadLine(number, "method must be POST")
+        if not obj["custom_id"]:
+            raise BadLine(number, "custom_id must be a non-empty string")
+        return embedding_request_rows(obj, number)
+    return [request_to_row(obj, number)]
+
+
 def request_to_row(obj: dict[str, Any], number: int) -> dict[str, Any]:
     """One request object as a row dict; raises `BadLine` naming the offending key."""
     custom_id = obj.get("custom_id")
@@ -187,7 +202,7 @@ def request_to_row(obj: dict[str, Any], number: int) -> dict[str, Any]:
         raise BadLine(number, "method must be POST")
     url = obj.get("url")
     if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise BadLine(number, f"url must be {CHAT_URL} or {COMPLETIONS_URL}")
+        raise BadLine(number, f"url must be {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise BadLine(number, "body must be a JSON object")

@@ -11,23 +11,35 @@ from typing import Any
 import torch
 
 from tokenmill.engine.config import EngineConfig, engine_settings, resolve_dtype
+from tokenmill.engine.core.encoder_engine import EncoderEngine
 from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.engine.loader.adapters import describe_adapter, model_names
 from tokenmill.engine.loader.hub import snapshot_revision
 from tokenmill.engine.loader.model_files import display_name, resolve_model
+from tokenmill.engine.loader.pooling_config import served_tasks
+from tokenmill.engine.loader.pooling_tokenizer import pair_separator_id
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.lora_request import LoRARequest
+from tokenmill.engine.models import GENERATE
 from tokenmill.engine.outputs import EngineStats, RequestOutput
+from tokenmill.engine.pooling_llm import PoolingMethods
 from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.worker.build import build_runner, check_settings
+from tokenmill.engine.worker.build import (
+    build_encoder_runner,
+    build_runner,
+    check_settings,
+    is_encoder_dir,
+)
 
 Prompt = str | list[int]
 LoRARequests = LoRARequest | Sequence[LoRARequest | None] | None
 
 
-class LLM:
-    """A model loaded for batch generation.
+class LLM(PoolingMethods):
+    """A model loaded for batch generation - or for embedding, classification and
+    reranking (`embed`, `classify`, `score`, `encode`: engine/pooling_llm.py), as its
+    architecture serves (`tasks`).
 
     Args:
         model: an HF-layout directory, a .gguf file, an alias, or a Hugging Face Hub repo
@@ -67,6 +79,8 @@ class LLM:
         )
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        # What the model can be asked: generate, embed, classify, rerank.
+        self.tasks = served_tasks(self.model_dir)
         self.engine = build_engine(
             self.model_dir, config, dtype=self.dtype, device=self.device, tokenizer=self.tokenizer
         )
@@ -100,9 +114,14 @@ class LLM:
         Raises:
             ValueError: a structured outputs constraint is invalid or cannot be enforced,
                 or a LoRA adapter is missing or does not fit the model
-                (`loader.adapters.AdapterError`, naming it) - raised before any prompt is
-                queued.
+                (`loader.adapters.AdapterError`, naming it), or the model does not
+                generate - raised before any prompt is queued.
         """
+        if GENERATE not in self.tasks:
+            raise ValueError(
+                f"this model serves {', '.join(self.tasks)}, not generate: use "
+                "embed, classify or score"
+            )
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -200,15 +219,31 @@ def build_engine(
     dtype: torch.dtype,
     device: torch.device,
     tokenizer: Tokenizer | None = None,
-) -> LLMEngine:
-    """The engine loop over a runner loaded from model_dir (what `LLM` builds).
+) -> LLMEngine | EncoderEngine:
+    """The engine loop over a runner loaded from model_dir (what `LLM` builds): the
+    decode loop, or for an encoder the encoder loop.
 
     Args:
         model_dir: an HF-layout model directory.
         engine_config: the engine's settings.
         dtype, device: where and in what the model runs.
-        tokenizer: decodes outputs and stop strings (None: token ids only).
+        tokenizer: decodes outputs and stop strings (None: token ids only); an encoder
+            reads its pair template.
     """
+    if is_encoder_dir(model_dir):
+        encoder = build_encoder_runner(
+            model_dir,
+            engine_config,
+            dtype=dtype,
+            device=device,
+            pair_separator_id=pair_separator_id(tokenizer.backend) if tokenizer else None,
+        )
+        return EncoderEngine(
+            encoder.runner,
+            engine_config,
+            max_model_len=encoder.max_model_len,
+            vocab_size=encoder.model_config.vocab_size,
+        )
     loaded = build_runner(model_dir, engine_config, dtype=dtype, device=device)
     return LLMEngine(
         loaded.runner,

@@ -10,6 +10,7 @@ tool that wants the figures subclasses it and installs it with `LLM.set_profiler
     prepare    the step's inputs and attention metadata, built and uploaded (runner)
     forward    the model over the step's tokens, attention included (runner)
     logits     the lm_head where a token is sampled or a prompt scored (runner)
+    pool       an encoder batch's pooling and classification head (encoder runner)
     sample     the sampler (runner)
     resolve    sampled tokens become sequence updates and finished requests (the loop)
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-STAGES = ("schedule", "prepare", "forward", "logits", "sample", "resolve")
+STAGES = ("schedule", "prepare", "forward", "logits", "pool", "sample", "resolve")
 _NOTHING = nullcontext()
 
 

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill.engine.outputs import RequestMetrics, RequestOutput
+from tokenmill.engine.pooling_outputs import PoolingOutput
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.pipelines.tokenize import PromptRow
 
@@ -123,21 +125,33 @@ def generate_rows(
             adapters, and `generate` is called without lora_request).
 
     Returns:
-        The engine's output per row index.
+        The engine's output per row index (a PoolingOutput for a pooling row).
     """
     good = [r for r in rows if r.token_ids is not None]
-    if not good:
-        return {}
-    adapters = {}
-    if loras is not None:
-        adapters["lora_request"] = [loras[r.lora_index] for r in good]
-    generated = llm.generate(
-        [r.token_ids for r in good],
-        [params[r.params_index] for r in good],
-        on_output=on_output,
-        **adapters,
-    )
-    return {r.row_index: o for r, o in zip(good, generated)}
+    # Pooling rows (embed, classify, rerank: an OpenAI batch file may mix them with
+    # generation rows) go through `LLM.encode`, the rest through `LLM.generate`.
+    pooled = [r for r in good if isinstance(params[r.params_index], PoolingParams)]
+    generating = [r for r in good if not isinstance(params[r.params_index], PoolingParams)]
+    outputs: dict[int, RequestOutput | PoolingOutput] = {}
+    if generating:
+        adapters = {}
+        if loras is not None:
+            adapters["lora_request"] = [loras[r.lora_index] for r in generating]
+        generated = llm.generate(
+            [r.token_ids for r in generating],
+            [params[r.params_index] for r in generating],
+            on_output=on_output,
+            **adapters,
+        )
+        outputs.update((r.row_index, o) for r, o in zip(generating, generated))
+    if pooled:
+        encoded = llm.encode(
+            [r.token_ids for r in pooled],
+            [params[r.params_index] for r in pooled],
+            on_output=on_output,
+        )
+        outputs.update((r.row_index, o) for r, o in zip(pooled, encoded))
+    return outputs
 
 
 def _failed(row: PromptRow, message: str) -> RequestOutput:

@@ -16,6 +16,7 @@ import uuid
 import pyarrow as pa
 
 from tokenmill.connectors import openai_batch_output_lines, read_part
+from tokenmill.connectors.openai_embeddings import EmbeddingResponses, is_embeddings_url
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.ledger import (
     AdapterSums,
@@ -152,10 +153,13 @@ def _write_openai_output(
     A window's shards cover a contiguous range of rows, so sorting each window's rows
     by row index and writing the windows in order gives the input order. The file is
     written atomically: a part that fails its check leaves no output file behind.
+    /v1/embeddings rows are joined into one response per request line
+    (`connectors/openai_embeddings.py`), whichever windows its rows fell in.
     """
     spec = plan.spec
     sums = token_sums(RESULT_SCHEMA.empty_table())
     created = int(time.time())
+    embeddings = EmbeddingResponses(model_name=plan.model_name, batch_id=plan.job_id)
     with out.openai_results_writer(spec.output, spec.storage_options) as write:
         for _, shards in itertools.groupby(plan.shards, key=lambda shard: shard.window):
             tables = []
@@ -169,14 +173,32 @@ def _write_openai_output(
                 _add_per_adapter(plan, per_adapter, results)
                 tables.append(_with_plan_columns(results, planned))
             window = pa.concat_tables(tables, promote_options="permissive").sort_by("_row_index")
-            for line in openai_batch_output_lines(
-                window.drop_columns(["_row_index"]),
-                model_name=plan.model_name,
-                batch_id=plan.job_id,
-                created=created,
-            ):
-                write(line)
+            window = window.drop_columns(["_row_index"])
+            for is_embedding, run in _runs_by_endpoint(window):
+                if is_embedding:
+                    lines = embeddings.add(run.to_pylist())
+                else:
+                    lines = [
+                        *embeddings.flush(),
+                        *openai_batch_output_lines(
+                            run, model_name=plan.model_name, batch_id=plan.job_id, created=created
+                        ),
+                    ]
+                for line in lines:
+                    write(line)
+        for line in embeddings.flush():
+            write(line)
     return sums
+
+
+def _runs_by_endpoint(window: pa.Table):
+    """(is /v1/embeddings, table) for each run of consecutive rows of one kind."""
+    kinds = [is_embeddings_url(url) for url in window["url"].to_pylist()]
+    start = 0
+    for end in range(1, len(kinds) + 1):
+        if end == len(kinds) or kinds[end] != kinds[start]:
+            yield kinds[start], window.slice(start, end - start)
+            start = end
 
 
 def _checked_part(

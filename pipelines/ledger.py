@@ -91,12 +91,16 @@ class JobLedger:
     latency_p50_s: float | None
     latency_p95_s: float | None
     latency_p99_s: float | None
-    # generate | score (pipelines/scoring.py: a scoring job bills prompt tokens only).
+    # generate | score (pipelines/scoring.py: a scoring job bills prompt tokens only) |
+    # embed | classify | rerank (pipelines/pooling.py: prompt tokens only, too).
     # Last, with a default: ledgers written before there were tasks are generation jobs.
     task: str = GENERATE
     # With LoRA adapters: per adapter (None: the base model) its weights hash, rows, token
     # sums and token costs (`ADAPTER_FIELDS`); a JSON text column in the ledger dataset.
     adapters: list[dict] | None = None
+    # Rows answered per device-second (the figure embedding jobs are judged by); None for
+    # ledgers written before it was kept.
+    throughput_rows_per_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -298,4 +302,5 @@ def compute_ledger(
         latency_p99_s=percentile(latencies, 99),
         task=task,
         adapters=adapter_split(adapter_sums or {}, adapters, prices) if adapters else None,
+        throughput_rows_per_s=rate(sums["rows_ok"]),
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tokenmill.engine.loader.hub import snapshot_revision
 from tokenmill.engine.loader.model_files import display_name, resolve_model, weights_hash
+from tokenmill.engine.loader.pooling_config import served_tasks
 from tokenmill.engine.loader.tokenizer import Tokenizer, read_chat_template
 from tokenmill.engine.models import load_config
 
@@ -30,6 +31,8 @@ class ModelDescription:
     weights_hash: str  # sha256 over exactly the weight files that load
     chat_template: str | None  # jinja2 source; None: the model has none (prompts run raw)
     revision: str | None = None  # the Hub commit; None for local files and aliases
+    # What it serves: generate, embed, classify, rerank (engine/loader/pooling_config.py).
+    tasks: tuple[str, ...] = ("generate",)
 
     @property
     def model_key(self) -> str:
@@ -77,6 +80,7 @@ def describe_model(
         weights_hash=weights_hash(model_dir),
         chat_template=read_chat_template(model_dir),
         revision=commit,
+        tasks=served_tasks(model_dir),
     )
 
 

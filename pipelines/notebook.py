@@ -1,5 +1,5 @@
-"""`tokenmill.generate` and `tokenmill.score`: a DataFrame's rows answered (or scored) in
-a notebook, results in input order.
+"""`tokenmill.generate`, `tokenmill.score` and `tokenmill.embed` / `classify` / `rerank`: a
+DataFrame's rows answered, scored or pooled in a notebook, results in input order.
 
 The same options (`pipelines/options.py`, the NOTEBOOK surface), templating,
 tokenizing, ordering and results code as a batch job, without shards or files: rows
@@ -28,10 +28,18 @@ from tokenmill.pipelines.adapters import (
     lora_requests,
 )
 from tokenmill.pipelines.engine_failures import generate_rows
-from tokenmill.pipelines.option_types import NOTEBOOK, PROMPT, SAMPLE
+from tokenmill.pipelines.option_types import NOTEBOOK, POOL, PROMPT, SAMPLE
 from tokenmill.pipelines.options import check_options, llm_options, routed, takes_options
 from tokenmill.pipelines.parsed import with_parsed
 from tokenmill.pipelines.plan import order_rows
+from tokenmill.pipelines.pooling import (
+    CLASSIFY,
+    EMBED,
+    POOLING_JOB_TASKS,
+    RERANK,
+    PoolingLayout,
+    tokenize_pooling_rows,
+)
 from tokenmill.pipelines.reading import check_ids, lora_indices, mark_bad_rows, params_indices
 from tokenmill.pipelines.results import (
     DECODE_REPLACED,
@@ -89,7 +97,7 @@ def to_arrow(data: Any) -> pa.Table:
     )
 
 
-@takes_options(NOTEBOOK)
+@takes_options(NOTEBOOK, skip_sections=(POOL,))
 def generate(
     data: Any,
     *,
@@ -126,7 +134,7 @@ def generate(
     return _run(data, GENERATE, llm=llm, on_output=on_output, options=options)
 
 
-@takes_options(NOTEBOOK, skip_sections=(SAMPLE,))
+@takes_options(NOTEBOOK, skip_sections=(SAMPLE, POOL))
 def score(
     data: Any,
     *,
@@ -158,6 +166,74 @@ def score(
     return _run(data, SCORE, llm=llm, on_output=on_output, options=options)
 
 
+@takes_options(NOTEBOOK, skip_sections=(SAMPLE,))
+def embed(
+    data: Any,
+    column: str | None = None,
+    *,
+    llm: Any = None,
+    on_output: Callable[[Any], None] | None = None,
+    **options: Any,
+) -> Any:
+    """Embed every row's text with an embedding model; results in input order.
+
+    Args:
+        data: polars/pandas DataFrame, Arrow table, or a list of texts.
+        column: the column holding the text (the `prompt_column` option; a template
+            works too).
+        llm: an already loaded LLM (default: the shared engine for `model`, ...).
+        on_output: called with each PoolingOutput as it finishes.
+        **options: the job options a notebook takes, less the sampling ones: model,
+            dimensions, normalize, embedding_dtype, prompt_name, truncate, ...
+            (`pipelines/pooling.py` says what is embedded and how bad rows end).
+
+    Returns:
+        A polars DataFrame: id, output (null), finish_reason ("embed"), prompt_tokens,
+        cached_tokens, completion_tokens (0), error, embedding (Array(Float32, n)),
+        truncated, then the input's columns. Bad rows have finish_reason "error" and a
+        null embedding.
+    """
+    return _run(data, EMBED, llm=llm, on_output=on_output, options=_column(options, column))
+
+
+@takes_options(NOTEBOOK, skip_sections=(SAMPLE,))
+def classify(
+    data: Any,
+    column: str | None = None,
+    *,
+    llm: Any = None,
+    on_output: Callable[[Any], None] | None = None,
+    **options: Any,
+) -> Any:
+    """Classify every row's text with a sequence-classification model; results in
+    input order, with `label` (config.json's id2label) and `probs` (one per label)."""
+    return _run(data, CLASSIFY, llm=llm, on_output=on_output, options=_column(options, column))
+
+
+@takes_options(NOTEBOOK, skip_sections=(SAMPLE,))
+def rerank(
+    data: Any,
+    column: str | None = None,
+    *,
+    query_column: str = "query",
+    llm: Any = None,
+    on_output: Callable[[Any], None] | None = None,
+    **options: Any,
+) -> Any:
+    """Score every (query, text) row with a cross-encoder; results in input order, with
+    `score`. `query_column` holds each row's query, `column` its document."""
+    options = {**_column(options, column), "query_column": query_column}
+    return _run(data, RERANK, llm=llm, on_output=on_output, options=options)
+
+
+def _column(options: dict[str, Any], column: str | None) -> dict[str, Any]:
+    if column is None:
+        return options
+    if options.get("prompt_column") not in (None, column):
+        raise ValueError("give column or prompt_column, not both")
+    return {**options, "prompt_column": column}
+
+
 def _run(
     data: Any,
     task: str,
@@ -166,7 +242,8 @@ def _run(
     on_output: Callable[[RequestOutput], None] | None,
     options: dict[str, Any],
 ) -> Any:
-    """`generate` or `score`: the rows of `data` through the engine, in input order."""
+    """`generate`, `score` or a pooling task: the rows of `data` through the engine, in
+    input order."""
     import polars as pl
 
     values = check_options(options, surface=NOTEBOOK)
@@ -175,6 +252,9 @@ def _run(
     base = sampling_params(values)
     table = to_arrow(data)
     validate_columns(template, table.column_names, source="data")
+    query_column = values["query_column"]
+    if query_column is not None and query_column not in table.column_names:
+        raise ValueError(f"data has no column {query_column!r} (query_column)")
     schema_column = values["json_schema_column"]
     if schema_column is not None and schema_column not in table.column_names:
         raise ValueError(f"data has no column {schema_column!r} (json_schema_column)")
@@ -183,6 +263,8 @@ def _run(
     ):
         raise ValueError("parse=True needs json_schema, json_object or json_schema_column")
     check_lora_option(values["lora"])
+    if values["lora"] and task in POOLING_JOB_TASKS:
+        raise ValueError(f"LoRA adapters serve generate and score jobs, not {task}")
     lora_column = values["lora_column"]
     if lora_column is not None and not values["lora"]:
         raise ValueError("lora_column names adapters: register them with lora={name: path}")
@@ -212,22 +294,27 @@ def _run(
     params = ParamsTable(base, check=engine.compile_structured_outputs if engine else None)
     columns = table.to_pydict()
     decoding = Decoding(values["encoding"], values["on_decode_error"])
-    replaced = _decode_text_columns(columns, table.schema, required_columns(template), decoding)
+    decoded = [*required_columns(template), *([query_column] if query_column else [])]
+    replaced = _decode_text_columns(columns, table.schema, decoded, decoding)
     chat = chat_renderer(llm.tokenizer, add_generation_prompt=adds_generation_prompt(task))
     rendered = render_rows(columns, template, chat=chat)
     rendered = mark_bad_rows(rendered, columns, id_column=template.id_column, start=0)
-    rendered, loras = lora_indices(columns, rendered, adapters, column=lora_column)
-    pairs = params_indices(columns, params, rendered, schema_column=schema_column)
-    indices = [i for _, i in pairs]
-    rows = tokenize_rows(
-        llm.tokenizer,
-        [r for r, _ in pairs],
-        max_model_len=llm.max_model_len,
-        max_tokens=[params.params[i].max_tokens for i in indices],
-        params_index=indices,
-        min_prompt_tokens=min_prompt_tokens(task),
-        lora_index=loras,
-    )
+    layout = None
+    if task in POOLING_JOB_TASKS:
+        rows, layout = _pooling_rows(llm, task, values, rendered, columns)
+    else:
+        rendered, loras = lora_indices(columns, rendered, adapters, column=lora_column)
+        pairs = params_indices(columns, params, rendered, schema_column=schema_column)
+        indices = [i for _, i in pairs]
+        rows = tokenize_rows(
+            llm.tokenizer,
+            [r for r, _ in pairs],
+            max_model_len=llm.max_model_len,
+            max_tokens=[params.params[i].max_tokens for i in indices],
+            params_index=indices,
+            min_prompt_tokens=min_prompt_tokens(task),
+            lora_index=loras,
+        )
     if template.id_column is not None:
         check_ids(rows, id_column=template.id_column, source="data")
     with lock:
@@ -248,11 +335,42 @@ def _run(
         task=task,
         extras=extra_columns(params.params, has_adapters=bool(adapters)),
         adapters=adapter_names(adapters),
+        layout=layout,
     )
     frame = pl.from_arrow(results)
     if values["parse"]:
         frame = with_parsed(frame, values["json_schema"])
     return frame
+
+
+def _pooling_rows(
+    llm: Any, task: str, values: dict[str, Any], rendered: list, columns: dict[str, list]
+) -> tuple[list, PoolingLayout]:
+    """A pooling task's rows tokenized for the loaded model, and its results layout.
+
+    Raises:
+        ValueError: the model does not serve the task, or an option it cannot honour.
+    """
+    if task not in llm.tasks:
+        raise ValueError(f"this model serves {', '.join(llm.tasks)}, not {task}")
+    prefix = llm.prompt_prefix(values["prompt_name"]) if values["prompt_name"] else ""
+    size = llm.embedding_size if task == EMBED else None
+    if values["dimensions"] is not None and size is not None and values["dimensions"] > size:
+        raise ValueError(f"dimensions={values['dimensions']} is more than the model's {size}")
+    rows = tokenize_pooling_rows(
+        llm.pooling_tokenizer,
+        rendered,
+        truncate=values["truncate"],
+        prefix=prefix,
+        queries=columns[values["query_column"]] if task == RERANK else None,
+    )
+    layout = PoolingLayout(
+        task,
+        embedding_size=values["dimensions"] or size,
+        embedding_dtype=values["embedding_dtype"],
+        label_names=llm.label_names,
+    )
+    return rows, layout
 
 
 def _decode_text_columns(

@@ -31,8 +31,10 @@ PROMPT = "prompt"  # pipelines.templating.TemplateSpec
 ENGINE = "engine"  # LLM(...)
 STRUCTURED = "structured"  # engine StructuredOutputs, as SamplingParams.structured_outputs
 
-# Sections: what an option is about (`tokenmill generate` shows no INPUT options).
+# Sections: what an option is about (`tokenmill generate` shows no INPUT options, and
+# `tokenmill.generate` no POOL ones: those are embed, classify and rerank options).
 INPUT, PROMPTS, SAMPLE, COSTS, RUN, MODEL = "input", "prompts", "sampling", "costs", "run", "model"
+POOL = "pooling"
 
 
 @dataclass(frozen=True)

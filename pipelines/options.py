@@ -70,6 +70,7 @@ from tokenmill.pipelines.option_types import (
     KEY_VALUES,
     MODEL,
     NOTEBOOK,
+    POOL,
     PRICES,
     PROMPT,
     PROMPTS,
@@ -83,6 +84,7 @@ from tokenmill.pipelines.option_types import (
     choice,
 )
 from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS, DEFAULT_SHARD_TOKENS
+from tokenmill.pipelines.pooling import EMBEDDING_DTYPES, TRUNCATE
 from tokenmill.pipelines.scoring import TASKS
 
 
@@ -112,7 +114,10 @@ OPTIONS: tuple[Option, ...] = (
         choice(*TASKS),
         "generate",
         "generate: answer each row. score: generate nothing; give each row's prompt "
-        "log-probability sum and perplexity (text is scored as it is unless --chat).",
+        "log-probability sum and perplexity (text is scored as it is unless --chat). "
+        "embed: each row's embedding; classify: its label and class probabilities; "
+        "rerank: the relevance score of (query_column, text) - with an embedding, "
+        "classification or cross-encoder model.",
         RUN,
         surfaces=BATCH,
     ),
@@ -212,6 +217,15 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "Column naming each row's LoRA adapter (a --lora NAME); null runs the base model, "
         "and a name that is not an adapter makes the row an error.",
+        INPUT,
+        metavar="COL",
+    ),
+    Option(
+        "query_column",
+        TEXT,
+        None,
+        "rerank: the column holding each row's query; the row's prompt column (or "
+        "template) is the document it is scored with.",
         INPUT,
         metavar="COL",
     ),
@@ -449,6 +463,50 @@ OPTIONS: tuple[Option, ...] = (
         "complete output's fields (null where the output is incomplete or an error).",
         SAMPLE,
         surfaces=frozenset({NOTEBOOK}),
+    ),
+    # -- pooling: embed, classify and rerank jobs (pipelines/pooling.py) ---------------------
+    Option(
+        "dimensions",
+        INT,
+        None,
+        "embed: keep the first N values of each embedding and normalise it again "
+        "(Matryoshka models); default: all of them.",
+        POOL,
+        ge=1,
+    ),
+    Option(
+        "normalize",
+        BOOL,
+        None,
+        "embed: unit-normalise embeddings (default: as the model's sentence-transformers "
+        "modules say).",
+        POOL,
+        flag="--normalize/--no-normalize",
+    ),
+    Option(
+        "embedding_dtype",
+        choice(*EMBEDDING_DTYPES),
+        "float32",
+        "embed: the embedding column's storage type (float16 halves the output).",
+        POOL,
+    ),
+    Option(
+        "prompt_name",
+        TEXT,
+        None,
+        "embed: put the model's named prompt (config_sentence_transformers.json, e.g. "
+        "query) before each text.",
+        POOL,
+        metavar="NAME",
+    ),
+    Option(
+        "truncate",
+        choice(*TRUNCATE),
+        "end",
+        "embed, classify, rerank: a text longer than the model's max_seq_length is cut at "
+        "the end as sentence-transformers does (truncated: true in the results), or with "
+        "never becomes an error row.",
+        POOL,
     ),
     # -- costs --------------------------------------------------------------------------------
     Option(

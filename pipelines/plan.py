@@ -112,9 +112,9 @@ def params_key(params: SamplingParams) -> str:
     its own key, which keeps a schema's property order (part of what it produces); an
     unconstrained params' key is what it was before constraints existed."""
     values = asdict(params)
-    del values["structured_outputs"]
+    constraint = values.pop("structured_outputs", None)  # PoolingParams have none
     key = json.dumps(values, sort_keys=True)
-    if params.structured_outputs is not None:
+    if constraint is not None:
         key += "\x00" + params.structured_outputs.key
     return key
 

@@ -24,7 +24,9 @@ from tokenmill.connectors.fingerprint import first_difference
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.loader.adapters import model_names
-from tokenmill.engine.models import load_config
+from tokenmill.engine.loader.pooling_config import embedding_size, read_pooling_config
+from tokenmill.engine.loader.pooling_tokenizer import PoolingTokenizer
+from tokenmill.engine.models import architecture_for, load_config
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.faults import fault_point
@@ -36,6 +38,11 @@ from tokenmill.pipelines.model_description import (
     name_with_revision,
 )
 from tokenmill.pipelines.plan import PlannedShard, Shard, job_id, plan_shards
+from tokenmill.pipelines.pooling import (
+    POOLING_JOB_TASKS,
+    PoolingInputs,
+    PoolingLayout,
+)
 from tokenmill.pipelines.reading import Window, read_windows
 from tokenmill.pipelines.spec import ConstraintCheck, JobSpec, ParamsTable
 from tokenmill.pipelines.spill import shard_table
@@ -61,6 +68,8 @@ class JobPlan:
     input_fingerprint: list[dict[str, Any]] = field(default_factory=list)
     # The LoRA adapters rows may run with, in lora index order from 1 (pipelines/adapters.py).
     adapters: list[JobAdapter] = field(default_factory=list)
+    # A pooling job's results layout: its embedding size and dtype, its label names.
+    layout: PoolingLayout | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -96,8 +105,9 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
     """
     template = spec.template_spec
     columns = None
+    queries = [spec.query_column] if spec.query_column else []
     if not spec.is_openai_batch:
-        columns = [*required_columns(template), *spec.passthrough]
+        columns = [*required_columns(template), *queries, *spec.passthrough]
         columns += [spec.json_schema_column] if spec.json_schema_column else []
         columns += [spec.lora_column] if spec.lora_column else []
     source = open_source(
@@ -106,16 +116,17 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         storage_options=spec.storage_options,
         columns=list(dict.fromkeys(columns)) if columns is not None else None,
         on_bad_line="skip_row",
-        text_columns=text_columns(template),
+        text_columns=[*text_columns(template), *queries],
         encoding=spec.encoding,
         on_decode_error=spec.on_decode_error,
-        decode_columns=required_columns(template),
+        decode_columns=[*required_columns(template), *queries],
     )
     fingerprint = source.fingerprint()
     _check_input_unchanged(spec, fingerprint)
     model, tokenizer, max_model_len = _model_for(spec, llm)
     # An adapter that is missing or does not fit the model fails the job here.
     adapters = _adapters_for(spec, model, llm)
+    pooling = _pooling_for(spec, model, tokenizer, max_model_len, llm)
     # A job-level constraint that cannot be compiled fails the job here, before any rows.
     params = ParamsTable(spec.sampling, check=_constraint_check(model, tokenizer, llm))
     shards: list[Shard] = []
@@ -124,7 +135,13 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
     # fails, it removes only the files it added.
     existing = out.planned_shards(spec.output, spec.storage_options)
     windows = read_windows(
-        source, spec, tokenizer, max_model_len=max_model_len, params=params, adapters=adapters
+        source,
+        spec,
+        tokenizer,
+        max_model_len=max_model_len,
+        params=params,
+        pooling=pooling,
+        adapters=adapters,
     )
     try:
         for window in windows:
@@ -158,6 +175,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         num_failed=num_failed,
         input_fingerprint=fingerprint,
         adapters=adapters,
+        layout=_layout(spec, pooling),
     )
     log.info(
         "planned job %s: %d rows (%d failed before compute), %d shards, ~%d tokens",
@@ -209,6 +227,8 @@ def _adapters_for(spec: JobSpec, model: ModelDescription, llm: Any) -> list[JobA
     is missing or does not fit): by the loaded engine's settings when there is one."""
     if not spec.lora:
         return []
+    if spec.task in POOLING_JOB_TASKS:
+        raise ValueError(f"LoRA adapters serve generate and score jobs, not {spec.task}")
     if llm is not None:
         names, max_rank = llm.model_names, llm.engine_config.max_lora_rank
     else:
@@ -216,6 +236,69 @@ def _adapters_for(spec: JobSpec, model: ModelDescription, llm: Any) -> list[JobA
         max_rank = spec.engine_options.get("max_lora_rank", EngineConfig.max_lora_rank)
     return describe_job_adapters(
         spec.lora, load_config(model.model_dir), model_names=names, max_rank=max_rank
+    )
+
+
+def _pooling_for(
+    spec: JobSpec, model: ModelDescription, tokenizer: Any, max_model_len: int, llm: Any
+) -> PoolingInputs | None:
+    """The model's pooling inputs (None when it serves no pooling task), from the loaded
+    LLM or its files.
+
+    Raises:
+        ValueError: the job's task is one the model does not serve, its dimensions are
+            more than the model's embedding, or its prompt_name is not the model's.
+    """
+    # An LLM-like object that says nothing of its tasks (a test double) serves the model's.
+    tasks = tuple(getattr(llm, "tasks", model.tasks))
+    if spec.task in POOLING_JOB_TASKS and spec.task not in tasks:
+        raise ValueError(
+            f"model {model.name} serves {', '.join(tasks)}, not {spec.task}: use an "
+            "embedding, classification or cross-encoder model (a sentence-transformers "
+            "directory, an encoder, or a *ForSequenceClassification checkpoint)"
+        )
+    if not set(tasks) & set(POOLING_JOB_TASKS):
+        return None
+    if llm is not None:
+        config, pooling_tokenizer = llm.pooling_config, llm.pooling_tokenizer
+    else:
+        is_encoder = architecture_for(load_config(model.model_dir)).is_encoder
+        config = read_pooling_config(model.model_dir, is_encoder=is_encoder)
+        limit = min(max_model_len, config.max_seq_length or max_model_len)
+        pooling_tokenizer = PoolingTokenizer(
+            tokenizer, max_length=limit, lowercase=config.lowercase
+        )
+    prefix = ""
+    if spec.prompt_name is not None:
+        if spec.prompt_name not in config.prompts:
+            known = ", ".join(config.prompts) or "none"
+            raise ValueError(
+                f"model {model.name} has no prompt named {spec.prompt_name!r} (its prompts: {known})"
+            )
+        prefix = config.prompts[spec.prompt_name]
+    inputs = PoolingInputs(
+        pooling_tokenizer,
+        tasks,
+        embedding_size(model.model_dir, config) if "embed" in tasks else None,
+        prefix=prefix,
+        label_names=config.labels,
+    )
+    if spec.task in POOLING_JOB_TASKS:
+        problem = inputs.check_dimensions(spec.dimensions)
+        if problem is not None:
+            raise ValueError(problem)
+    return inputs
+
+
+def _layout(spec: JobSpec, pooling: PoolingInputs | None) -> PoolingLayout | None:
+    """A pooling job's results layout (None for other jobs)."""
+    if spec.task not in POOLING_JOB_TASKS:
+        return None
+    return PoolingLayout(
+        spec.task,
+        embedding_size=spec.dimensions or pooling.embedding_size,
+        embedding_dtype=spec.embedding_dtype,
+        label_names=pooling.label_names,
     )
 
 

@@ -19,12 +19,20 @@ from typing import Any
 import pyarrow as pa
 
 from tokenmill.connectors import ERROR_COLUMN, REPLACED_COLUMN
+from tokenmill.connectors.openai_embeddings import is_embeddings_url
+from tokenmill.engine.pooling_params import EMBED, PoolingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.pipelines.adapters import JobAdapter, row_adapters
 from tokenmill.pipelines.ids import IdCheck
 from tokenmill.pipelines.options import per_row_fields
+from tokenmill.pipelines.pooling import (
+    POOLING_JOB_TASKS,
+    PoolingInputs,
+    served_error,
+    tokenize_pooling_rows,
+)
 from tokenmill.pipelines.results import DECODE_REPLACED
-from tokenmill.pipelines.scoring import adds_generation_prompt, min_prompt_tokens
+from tokenmill.pipelines.scoring import GENERATE, adds_generation_prompt, min_prompt_tokens
 from tokenmill.pipelines.spec import UNCHANGED, JobSpec, ParamsTable
 from tokenmill.pipelines.templating import ChatRenderer, RenderedRow, render_rows, row_ids
 from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
@@ -53,6 +61,7 @@ def read_windows(
     *,
     max_model_len: int,
     params: ParamsTable,
+    pooling: PoolingInputs | None = None,
     adapters: list[JobAdapter] | None = None,
 ) -> Iterator[Window]:
     """Read, template and tokenize the input (up to `spec.limit`), window by window.
@@ -63,6 +72,8 @@ def read_windows(
         tokenizer: the model's tokenizer (`encode_batch`, `apply_chat_template`).
         max_model_len: the model's context length.
         params: the job's distinct sampling params; rows' overrides are added to it.
+        pooling: the model's pooling inputs (a pooling job, or OpenAI batch input with
+            /v1/embeddings lines); None when it serves no pooling task.
         adapters: the job's LoRA adapters (`pipelines/adapters.py`), which rows choose
             by `spec.lora_column` or an OpenAI batch line's body.model.
 
@@ -88,7 +99,7 @@ def read_windows(
             window = Window(start // size, start, endpoints=[] if spec.is_openai_batch else None)
         columns = batch.to_pydict()
         rows = _read_batch(
-            columns, start, spec, tokenizer, chat, params, max_model_len, adapters or []
+            columns, start, spec, tokenizer, chat, params, max_model_len, pooling, adapters or []
         )
         ids.add([r.id for r in rows])
         window.rows += rows
@@ -151,10 +162,45 @@ def _read_batch(
     chat: ChatRenderer | None,
     params: ParamsTable,
     max_model_len: int,
-    adapters: list[JobAdapter],
+    pooling: PoolingInputs | None = None,
+    adapters: list[JobAdapter] | None = None,
 ) -> list[PromptRow]:
     rendered = render_rows(columns, spec.template_spec, start=start, chat=chat)
     rendered = mark_bad_rows(rendered, columns, id_column=spec.id_column, start=start)
+    if spec.task in POOLING_JOB_TASKS:
+        return tokenize_pooling_rows(
+            pooling.tokenizer,
+            rendered,
+            truncate=spec.truncate,
+            prefix=pooling.prefix,
+            queries=columns[spec.query_column] if spec.query_column else None,
+        )
+    adapters = adapters or []
+    if spec.is_openai_batch:
+        return _read_openai_rows(
+            columns,
+            start,
+            spec,
+            tokenizer,
+            chat,
+            params,
+            max_model_len,
+            pooling,
+            rendered,
+            adapters,
+        )
+    return _generation_rows(columns, spec, tokenizer, params, max_model_len, rendered, adapters)
+
+
+def _generation_rows(
+    columns: dict[str, list],
+    spec: JobSpec,
+    tokenizer: Any,
+    params: ParamsTable,
+    max_model_len: int,
+    rendered: list[RenderedRow],
+    adapters: list[JobAdapter],
+) -> list[PromptRow]:
     rendered, loras = lora_indices(
         columns,
         rendered,
@@ -197,6 +243,68 @@ def lora_indices(
         for row, (_, error) in zip(rendered, chosen)
     ]
     return rows, [index for index, _ in chosen]
+
+
+def _read_openai_rows(
+    columns: dict[str, list],
+    start: int,
+    spec: JobSpec,
+    tokenizer: Any,
+    chat: ChatRenderer | None,
+    params: ParamsTable,
+    max_model_len: int,
+    pooling: PoolingInputs | None,
+    rendered: list[RenderedRow],
+    adapters: list[JobAdapter],
+) -> list[PromptRow]:
+    """An OpenAI batch file's rows: each by its line's endpoint - /v1/embeddings lines
+    embedded, the others generated - and an error row for an endpoint the model does
+    not serve."""
+    urls = columns["url"]
+    tasks = pooling.tasks if pooling is not None else (GENERATE,)
+    model = spec.model or "the default model"
+    rows: list[PromptRow | None] = [None] * len(rendered)
+    generate, embed = [], []
+    for i, row in enumerate(rendered):
+        is_embed = is_embeddings_url(urls[i])
+        # An unreadable line has no url and keeps the reader's message; a line the
+        # model cannot serve says so, whatever its rendering met.
+        problem = urls[i] and served_error(EMBED if is_embed else GENERATE, urls[i], tasks, model)
+        if problem:
+            rendered[i] = replace(row, text=None, error=problem)
+        (embed if is_embed else generate).append(i)
+    if generate:
+        subset = {k: [v[i] for i in generate] for k, v in columns.items()}
+        for i, row in zip(
+            generate,
+            _generation_rows(
+                subset,
+                spec,
+                tokenizer,
+                params,
+                max_model_len,
+                [rendered[i] for i in generate],
+                adapters,
+            ),
+        ):
+            rows[i] = row
+    if embed:
+        indices = []
+        for i in embed:
+            dimensions = columns["dimensions"][i]
+            problem = pooling.check_dimensions(dimensions) if pooling is not None else None
+            if problem is not None and rendered[i].error is None:
+                rendered[i] = replace(rendered[i], text=None, error=problem)
+            indices.append(params.add(PoolingParams(EMBED, dimensions=dimensions)))
+        embedded = tokenize_pooling_rows(
+            pooling.tokenizer if pooling is not None else None,
+            [rendered[i] for i in embed],
+            truncate=spec.truncate,
+            params_index=indices,
+        )
+        for i, row in zip(embed, embedded):
+            rows[i] = row
+    return rows
 
 
 def _ids_of(batch: pa.RecordBatch, spec: JobSpec, start: int) -> list[str | None]:

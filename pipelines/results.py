@@ -7,8 +7,9 @@ Pure functions. One result row per input row:
 
 A scoring job's rows (`pipelines/scoring.py`) have the same columns - output null,
 finish_reason score | error, completion_tokens 0 - plus `prompt_logprob_sum` and
-`perplexity` after `error`. The schema is fixed by the task, so every part of a job
-has the same one, and a job's rows are all of one task.
+`perplexity` after `error`; a pooling job's (`pipelines/pooling.py`: embed, classify,
+rerank) its task's columns there, as its `PoolingLayout` says. The schema is fixed by
+the task, so every part of a job has the same one, and a job's rows are all of one task.
 
 Error rows (bad input, over-long prompts, requests the engine could not serve) carry
 zero tokens: nothing was billed for them, and the ledger sums the rows as they are.
@@ -23,6 +24,9 @@ has the same schema):
                                 structured_output_complete}: every one of a row's n
                                 completions (`output` is the first). With any n > 1.
 
+    embedding, truncated        an OpenAI batch file's /v1/embeddings lines: each
+                                line's embedding (list of float32; null on other rows)
+                                and whether its text was cut. With any such line.
     adapter                     string: the LoRA adapter the row ran with (or asked for,
                                 on an error row); null for the base model. With any
                                 LoRA adapters (`pipelines/adapters.py`).
@@ -43,7 +47,10 @@ from collections.abc import Mapping, Sequence
 import pyarrow as pa
 
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+from tokenmill.engine.pooling_outputs import PoolingOutput
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.pipelines.pooling import POOLING_JOB_TASKS, PoolingLayout, pooling_columns
 from tokenmill.pipelines.scoring import GENERATE, SCORE, SCORE_FINISH_REASON, prompt_score
 from tokenmill.pipelines.tokenize import PromptRow
 
@@ -73,33 +80,52 @@ COMPLETION_TYPE = pa.struct(
 )
 DECODE_REPLACED = "decode_replaced"
 ADAPTER = "adapter"
+# An OpenAI batch file's embeddings in a generation job's results (sizes may differ).
+_LINE_EMBEDDINGS = PoolingLayout("embed")
 EXTRA_FIELDS = {
     "structured_output_complete": pa.field("structured_output_complete", pa.bool_()),
     "completions": pa.field("completions", pa.list_(COMPLETION_TYPE)),
+    "embedding": _LINE_EMBEDDINGS.fields()[0],
+    "truncated": _LINE_EMBEDDINGS.fields()[1],
     ADAPTER: pa.field(ADAPTER, pa.string()),
     DECODE_REPLACED: pa.field(DECODE_REPLACED, pa.bool_(), nullable=False),
 }
 
 
 def extra_columns(
-    params: Sequence[SamplingParams], *, has_adapters: bool = False
+    params: Sequence[SamplingParams | PoolingParams], *, has_adapters: bool = False
 ) -> tuple[str, ...]:
     """The optional result columns a job's distinct params (and LoRA adapters) call for,
-    in schema order."""
+    in schema order.
+
+    A generation job whose rows include pooling ones (an OpenAI batch file with
+    /v1/embeddings lines) gains `embedding` and `truncated`; a pooling job has its
+    task's columns in its schema already (all its params are pooling ones).
+    """
+    sampling = [p for p in params if isinstance(p, SamplingParams)]
     extras = []
-    if any(p.structured_outputs is not None for p in params):
+    if any(p.structured_outputs is not None for p in sampling):
         extras.append("structured_output_complete")
-    if any(p.n > 1 for p in params):
+    if any(p.n > 1 for p in sampling):
         extras.append("completions")
+    if sampling and len(sampling) < len(params):
+        extras += ["embedding", "truncated"]
     if has_adapters:
         extras.append(ADAPTER)
     return tuple(extras)
 
 
-def result_schema(task: str = GENERATE, extras: Sequence[str] = ()) -> pa.Schema:
+def result_schema(
+    task: str = GENERATE, extras: Sequence[str] = (), layout: PoolingLayout | None = None
+) -> pa.Schema:
     """The schema of a `task` job's results (before passthrough columns), with the
-    optional columns `extras` (`extra_columns` of the job's params) after its own."""
-    base = SCORE_RESULT_SCHEMA if task == SCORE else RESULT_SCHEMA
+    optional columns `extras` (`extra_columns` of the job's params) after its own; a
+    pooling job's columns are its `layout`'s (default: its task's, embeddings of any
+    size)."""
+    if task in POOLING_JOB_TASKS:
+        base = [*RESULT_SCHEMA, *(layout or PoolingLayout(task)).fields()]
+    else:
+        base = SCORE_RESULT_SCHEMA if task == SCORE else RESULT_SCHEMA
     return pa.schema([*base, *(EXTRA_FIELDS[name] for name in extras)])
 
 
@@ -128,6 +154,8 @@ def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = G
         return _error_record(row.id, row.error)
     if output is None:
         return _error_record(row.id, "no output from the engine")
+    if isinstance(output, PoolingOutput):
+        return _pooled_record(row, output)
     if task == SCORE:
         return _score_record(row, output)
     reason = output.finish_reason if output.outputs else "error"
@@ -172,6 +200,24 @@ def _score_record(row: PromptRow, output: RequestOutput) -> dict:
     }
 
 
+def _pooled_record(row: PromptRow, output: PoolingOutput) -> dict:
+    """A pooling row's columns every job has (a pooling job adds its task's columns
+    column-wise; a generation job's OpenAI embeddings line gets `embedding` here)."""
+    if output.error is not None or output.data is None:
+        return _error_record(row.id, output.error or "the engine returned no pooled value")
+    return {
+        "id": row.id,
+        "output": None,
+        "finish_reason": output.task,
+        "prompt_tokens": int(output.prompt_tokens),
+        "cached_tokens": int(output.cached_tokens),
+        "completion_tokens": 0,
+        "error": None,
+        "embedding": output.data.tolist(),
+        "truncated": bool(row.truncated),
+    }
+
+
 def _error_record(row_id: str, message: str) -> dict:
     return {
         "id": row_id,
@@ -192,6 +238,7 @@ def build_results(
     task: str = GENERATE,
     extras: Sequence[str] = (),
     adapters: Sequence[str | None] = (),
+    layout: PoolingLayout | None = None,
 ) -> pa.Table:
     """A results table for `rows`, in their order.
 
@@ -204,6 +251,7 @@ def build_results(
         extras: optional columns (`extra_columns` of the job's params).
         adapters: each lora index's adapter name (None: the base model), for the
             `adapter` column.
+        layout: a pooling job's layout (its embedding size and dtype, label names).
 
     Returns:
         A table with the task's result columns, the extras, then the passthrough columns.
@@ -212,7 +260,19 @@ def build_results(
     if ADAPTER in extras:
         for row, record in zip(rows, records):
             record[ADAPTER] = adapters[row.lora_index]
-    table = pa.Table.from_pylist(records, schema=result_schema(task, extras))
+    if task in POOLING_JOB_TASKS:
+        # Vectors are built column-wise (pipelines/pooling.py): a shard's embeddings
+        # are one array, never a Python float each.
+        layout = layout or PoolingLayout(task)
+        table = pa.Table.from_pylist(
+            [{k: r[k] for k in RESULT_COLUMNS} for r in records], schema=RESULT_SCHEMA
+        )
+        errors = [r["error"] for r in records]
+        for field, column in zip(layout.fields(), pooling_columns(rows, outputs, layout, errors)):
+            table = table.append_column(field, column)
+        table = _with_extras(table, records, extras)
+    else:
+        table = pa.Table.from_pylist(records, schema=result_schema(task, extras))
     if passthrough is not None and DECODE_REPLACED in passthrough.column_names:
         flags = passthrough[DECODE_REPLACED].cast(pa.bool_()).fill_null(False)
         table = table.append_column(EXTRA_FIELDS[DECODE_REPLACED], flags)
@@ -225,6 +285,13 @@ def build_results(
         check_passthrough(passthrough.column_names, task=task)
         for name in passthrough.column_names:
             table = table.append_column(passthrough.schema.field(name), passthrough[name])
+    return table
+
+
+def _with_extras(table: pa.Table, records: list[dict], extras: Sequence[str]) -> pa.Table:
+    for name in extras:
+        field = EXTRA_FIELDS[name]
+        table = table.append_column(field, pa.array([r.get(name) for r in records], field.type))
     return table
 
 

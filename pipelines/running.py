@@ -116,6 +116,7 @@ def run_shard(
         task=spec.task,
         extras=extra_columns(plan.params, has_adapters=bool(plan.adapters)),
         adapters=adapter_names(plan.adapters),
+        layout=plan.layout,
     )
     stats = ShardStats(
         shard_id=shard.shard_id,

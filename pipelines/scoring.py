@@ -32,10 +32,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from tokenmill.engine.pooling_params import POOLING_TASKS
 from tokenmill.engine.sampling_params import SamplingParams
 
 GENERATE, SCORE = "generate", "score"
-TASKS = (GENERATE, SCORE)
+# Every job task: generate, score, and the pooling tasks embed, classify, rerank
+# (pipelines/pooling.py).
+TASKS = (GENERATE, SCORE, *POOLING_TASKS)
 SCORE_FINISH_REASON = "score"
 # A score needs a token with a context: the second one.
 MIN_SCORED_PROMPT_TOKENS = 2
@@ -47,8 +50,9 @@ def scoring_params() -> SamplingParams:
 
 
 def default_raw(task: str) -> bool:
-    """Whether prompt text is sent as it is when `raw` is not given."""
-    return task == SCORE
+    """Whether prompt text is sent as it is when `raw` is not given (scored and pooled
+    text is)."""
+    return task != GENERATE
 
 
 def min_prompt_tokens(task: str) -> int:
@@ -58,7 +62,7 @@ def min_prompt_tokens(task: str) -> int:
 
 def adds_generation_prompt(task: str) -> bool:
     """Whether chat-rendered prompts end with the assistant header a model answers after."""
-    return task != SCORE
+    return task == GENERATE
 
 
 def prompt_score(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from tokenmill.connectors.formats import normalize_format
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.pipelines.adapters import check_lora_option
@@ -29,6 +30,12 @@ from tokenmill.pipelines.options import (
     routed,
 )
 from tokenmill.pipelines.plan import params_key
+from tokenmill.pipelines.pooling import (
+    POOLING_JOB_TASKS,
+    POOLING_OPTIONS,
+    check_pooling_options,
+    pooling_params,
+)
 from tokenmill.pipelines.pricing import Prices
 from tokenmill.pipelines.results import check_passthrough
 from tokenmill.pipelines.scoring import GENERATE, SCORE, default_raw, scoring_params
@@ -75,6 +82,8 @@ class JobSpec:
             self.format = normalize_format(self.format)
         if self.task == SCORE:
             _check_scoring_formats(self.format, self.output_format)
+        if self.task in POOLING_JOB_TASKS:
+            _check_pooling_formats(self.task, self.format, self.output_format)
         if self.is_openai_batch:
             if self.template is not None:
                 raise ValueError("OpenAI batch input carries its own prompts; drop --template")
@@ -103,10 +112,10 @@ class JobSpec:
         self.llm_options  # noqa: B018 - and that engine_options repeats no option of its own
 
     @property
-    def sampling(self) -> SamplingParams:
+    def sampling(self) -> SamplingParams | PoolingParams:
         """The job's sampling parameters (OpenAI batch rows and a schema column may
         override some); a scoring job's are `scoring_params()`: score the prompt, sample
-        nothing."""
+        nothing; a pooling job's are its PoolingParams (pipelines/pooling.py)."""
         return sampling_params(vars(self))
 
     @property
@@ -153,7 +162,10 @@ def resolve_task(values: Mapping[str, Any]) -> dict[str, Any]:
     """
     values = dict(values)
     task = values.get("task", GENERATE)
-    if task == SCORE:
+    check_pooling_options(
+        values, {n: get_option(n).check(get_option(n).default) for n in POOLING_OPTIONS}
+    )
+    if task == SCORE or task in POOLING_JOB_TASKS:
         given = [
             option.name
             for option in OPTIONS
@@ -163,10 +175,16 @@ def resolve_task(values: Mapping[str, Any]) -> dict[str, Any]:
         ]
         if given:
             raise ValueError(
-                f"{', '.join(given)}: a scoring job generates nothing, so it takes no "
+                f"{', '.join(given)}: a {'scoring' if task == SCORE else task} job generates "
+                "nothing, so it takes no "
                 "sampling or structured output options; drop them (or run task 'generate')"
             )
-        if values.get("raw") is None and values.get("system") and not values.get("messages_column"):
+        if (
+            task == SCORE
+            and values.get("raw") is None
+            and values.get("system")
+            and not values.get("messages_column")
+        ):
             raise ValueError(
                 "a scoring job scores text as it is, and a system prompt goes through the chat "
                 "template: add --chat (raw=False) to score the text as a user message after it"
@@ -179,8 +197,11 @@ def resolve_task(values: Mapping[str, Any]) -> dict[str, Any]:
 def sampling_params(values: Mapping[str, Any]) -> SamplingParams:
     """The engine parameters of a job's rows, from its option values: the sampling
     options, or for a scoring job `scoring_params()` (score the prompt, sample nothing)."""
-    if values.get("task", GENERATE) == SCORE:
+    task = values.get("task", GENERATE)
+    if task == SCORE:
         return scoring_params()
+    if task in POOLING_JOB_TASKS:
+        return pooling_params(values)
     return generation_params(values)
 
 
@@ -196,6 +217,16 @@ def _check_scoring_formats(input_format: str | None, output_format: str) -> None
         raise ValueError(
             "a scoring job reads text rows (Parquet, JSONL, CSV); an OpenAI batch file holds "
             "generation requests: score their prompts from a column of a plain dataset"
+        )
+
+
+def _check_pooling_formats(task: str, input_format: str | None, output_format: str) -> None:
+    """Raise ValueError for OpenAI batch files in a pooling job: their lines name their
+    own endpoint (an embeddings line is embedded in any job that reads the file)."""
+    if input_format == "openai-batch" or output_format == "openai-batch":
+        raise ValueError(
+            f"an OpenAI batch file's lines name their own endpoint (/v1/embeddings lines are "
+            f"embedded): leave task unset for it, not {task!r}"
         )
 
 
@@ -227,8 +258,10 @@ class ParamsTable:
     def add(self, params: SamplingParams) -> int:
         key = params_key(params)
         if key not in self._index:
-            if params.structured_outputs is not None and self._check is not None:
-                self._check(params.structured_outputs)
+            # PoolingParams (embed, classify, rerank rows) carry no constraint.
+            constraint = getattr(params, "structured_outputs", None)
+            if constraint is not None and self._check is not None:
+                self._check(constraint)
             self._index[key] = len(self.params)
             self.params.append(params)
         return self._index[key]

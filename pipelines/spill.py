@@ -10,6 +10,7 @@ reads just its own rows. The table, one row per planned row, in run order:
     token_ids     list<int32>    prompt tokens; null for an error row
     error         string         why the row failed before compute; null otherwise
     params_index  int32          index into the job's distinct SamplingParams
+    truncated     bool           the text was cut to the model's max_seq_length (pooling)
     lora_index    int32          the row's LoRA adapter (0: the base model); only in the
                                  plans of jobs with adapters
     url           string         OpenAI batch input only: the request's endpoint
@@ -73,6 +74,7 @@ def shard_table(
         "token_ids": token_ids,
         "error": pa.array([r.error for r in rows], pa.string()),
         "params_index": pa.array([r.params_index for r in rows], pa.int32()),
+        "truncated": pa.array([r.truncated for r in rows], pa.bool_()),
     }
     if any(r.lora_index for r in rows):
         columns[LORA_COLUMN] = pa.array([r.lora_index for r in rows], pa.int32())
@@ -97,11 +99,11 @@ def shard_rows(table: pa.Table) -> ShardRows:
         name: table[name].to_pylist()
         for name in ("row_index", "id", "error", "params_index", "token_ids")
     }
-    loras = (
-        table[LORA_COLUMN].to_pylist()
-        if LORA_COLUMN in table.column_names
-        else [0] * table.num_rows
+    num_rows = table.num_rows
+    truncated = (
+        table["truncated"].to_pylist() if "truncated" in table.column_names else [False] * num_rows
     )
+    loras = table[LORA_COLUMN].to_pylist() if LORA_COLUMN in table.column_names else [0] * num_rows
     rows = [
         PromptRow(
             row_index,
@@ -109,9 +111,12 @@ def shard_rows(table: pa.Table) -> ShardRows:
             token_ids=None if tokens is None else array("i", tokens),
             error=error,
             params_index=params_index,
+            truncated=bool(cut),
             lora_index=lora_index,
         )
-        for row_index, rid, error, params_index, tokens, lora_index in zip(*columns.values(), loras)
+        for (row_index, rid, error, params_index, tokens), cut, lora_index in zip(
+            zip(*columns.values()), truncated, loras
+        )
     ]
     names = [n for n in table.column_names if n.startswith(PASSTHROUGH_PREFIX)]
     passthrough = None

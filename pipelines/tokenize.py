@@ -40,6 +40,8 @@ class PromptRow:
     error: str | None = None
     params_index: int = 0
     lora_index: int = 0
+    # Pooling rows: the text was cut to the model's max_seq_length (pipelines/pooling.py).
+    truncated: bool = False
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) == (self.error is None):

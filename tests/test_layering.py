@@ -26,7 +26,7 @@ PACKAGES = {
 # The engine's floors, top to bottom (DESIGN.md, "The engine, in layers"): a module may
 # import modules of its own floor or of floors below it, never above.
 ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("api", ("tokenmill.engine.llm",)),
+    ("api", ("tokenmill.engine.llm", "tokenmill.engine.pooling_llm")),
     ("worker", ("tokenmill.engine.worker",)),
     ("quant", ("tokenmill.engine.quant",)),
     ("loader", ("tokenmill.engine.loader",)),
@@ -41,6 +41,8 @@ ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "tokenmill.engine.grammar",
             "tokenmill.engine.lora_request",
             "tokenmill.engine.outputs",
+            "tokenmill.engine.pooling_outputs",
+            "tokenmill.engine.pooling_params",
             "tokenmill.engine.profiling",
             "tokenmill.engine.sampling_params",
             "tokenmill.engine.structured_outputs",

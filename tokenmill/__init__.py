@@ -20,20 +20,34 @@ _EXPORTS = {
     "CompletionOutput": "tokenmill.engine.outputs",
     "generate": "tokenmill.pipelines.notebook",
     "score": "tokenmill.pipelines.notebook",
+    "embed": "tokenmill.pipelines.notebook",
+    "classify": "tokenmill.pipelines.notebook",
+    "rerank": "tokenmill.pipelines.notebook",
+    "PoolingParams": "tokenmill.engine.pooling_params",
+    "EmbeddingOutput": "tokenmill.engine.pooling_outputs",
+    "ClassificationOutput": "tokenmill.engine.pooling_outputs",
+    "ScoringOutput": "tokenmill.engine.pooling_outputs",
     "run_job": "tokenmill.pipelines.job",
     "JobLedger": "tokenmill.pipelines.ledger",
 }
 
 __all__ = [
     "LLM",
+    "ClassificationOutput",
     "CompletionOutput",
+    "EmbeddingOutput",
     "JobLedger",
     "LoRARequest",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringOutput",
     "StructuredOutputs",
     "__version__",
+    "classify",
+    "embed",
     "generate",
+    "rerank",
     "run_job",
     "score",
 ]
@@ -42,11 +56,17 @@ if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
     from tokenmill.engine.lora_request import LoRARequest
     from tokenmill.engine.outputs import CompletionOutput, RequestOutput
+    from tokenmill.engine.pooling_outputs import (
+        ClassificationOutput,
+        EmbeddingOutput,
+        ScoringOutput,
+    )
+    from tokenmill.engine.pooling_params import PoolingParams
     from tokenmill.engine.sampling_params import SamplingParams
     from tokenmill.engine.structured_outputs import StructuredOutputs
     from tokenmill.pipelines.job import run_job
     from tokenmill.pipelines.ledger import JobLedger
-    from tokenmill.pipelines.notebook import generate, score
+    from tokenmill.pipelines.notebook import classify, embed, generate, rerank, score
 
 
 def __getattr__(name: str) -> Any:

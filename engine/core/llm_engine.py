@@ -16,12 +16,14 @@ from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.core.step import (
     PLACEHOLDER_TOKEN_ID,
     PendingStep,
+    PoolingState,
     SamplerOutput,
     Sequence,
     StepRunner,
 )
 from tokenmill.engine.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from tokenmill.engine.pooling_outputs import PoolingOutput
 from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
@@ -35,6 +37,7 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
+    pooling: PoolingState | None = None  # a pooling request: it ends with a PoolingOutput
 
 
 class LLMEngine:
@@ -113,12 +116,16 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         lora_id: int = 0,
+        pooling: PoolingState | None = None,
     ) -> None:
         """Queue a request.
 
+        With `pooling` the request samples nothing: it ends once its prompt is computed,
+        with a PoolingOutput holding the runner's pooled result (`params` is then unused).
+
         Args:
             lora_id: the LoRA adapter it runs with, as registered with the runner
-                (`worker.lora.LoRAManager.add`); 0 = the base model.
+                (`worker.lora.LoRAManager.register`); 0 = the base model.
 
         Raises:
             ValueError: its structured outputs constraint is invalid or cannot be enforced
@@ -128,14 +135,14 @@ class LLMEngine:
         if params.structured_outputs is not None:
             grammar = self.compile_structured_outputs(params.structured_outputs)
         metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
-        request = _Request(request_id, prompt, list(prompt_token_ids), params, [], metrics)
-        error = self._validate(request.prompt_token_ids, params)
+        request = _Request(request_id, prompt, list(prompt_token_ids), params, [], metrics, pooling)
+        error = self._validate(request.prompt_token_ids, params, pooling is not None)
         if error is not None:
             metrics.finish_time = time.perf_counter()
             self.stats.num_errors += 1
             self._finished_early.append(self._error_output(request, error))
             return
-        for index in range(params.n):
+        for index in range(1 if pooling is not None else params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids),
                 request_id=request_id,
@@ -147,6 +154,7 @@ class LLMEngine:
                 generator=_seeded_generator(params.seed, index, self.runner.device),
                 detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop else None,
                 grammar=grammar.new_matcher() if grammar is not None else None,
+                pooling=pooling,
             )
             if params.prompt_logprobs is not None and index == 0:
                 seq.prompt_logprobs = [None]
@@ -172,10 +180,12 @@ class LLMEngine:
             )
         return self._grammar_compiler.compile(constraint)
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> str | None:
+    def _validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, pools: bool = False
+    ) -> str | None:
         num = len(prompt_token_ids)
         # A generating request needs room for one token more; a prompt-only one does not.
-        room = 0 if params.is_prompt_only else 1
+        room = 0 if params.is_prompt_only or pools else 1
         if num == 0:
             return "prompt is empty (0 tokens)"
         if num + room > self.max_model_len:
@@ -245,7 +255,7 @@ class LLMEngine:
         result = self.runner.execute(out, self._pending)
         sampled = result.sampled
         finished += self._resolve()  # the previous step's tokens, while this one runs
-        scored = [c.seq for c in out.chunks if c.reaches_end and c.seq.params.is_prompt_only]
+        scored = [c.seq for c in out.chunks if c.reaches_end and c.seq.is_prompt_only]
         self.scheduler.record_computed(out)
         finished += self._finish_prompt_only(scored)
         self.stats.num_steps += 1
@@ -380,8 +390,10 @@ class LLMEngine:
 
     # -- outputs ------------------------------------------------------------------------------
 
-    def _complete(self, request: _Request, now: float) -> RequestOutput:
+    def _complete(self, request: _Request, now: float) -> RequestOutput | PoolingOutput:
         del self._requests[request.request_id]
+        if request.pooling is not None:
+            return self._pooling_output(request, now)
         completions = []
         for seq in request.seqs:
             if seq.stop_text is not None:
@@ -422,7 +434,35 @@ class LLMEngine:
             prompt_logprobs=first.prompt_logprobs,
         )
 
-    def _error_output(self, request: _Request, error: str) -> RequestOutput:
+    def _pooling_output(self, request: _Request, now: float) -> PoolingOutput:
+        seq = request.seqs[0]
+        request.metrics.first_scheduled_time = seq.first_scheduled_time
+        request.metrics.finish_time = now
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
+        return PoolingOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            task=request.pooling.params.task,
+            data=request.pooling.result,
+            prompt_tokens=len(request.prompt_token_ids),
+            cached_tokens=seq.num_cached_prompt_tokens or 0,
+            metrics=request.metrics,
+        )
+
+    def _error_output(self, request: _Request, error: str) -> RequestOutput | PoolingOutput:
+        if request.pooling is not None:
+            return PoolingOutput(
+                request_id=request.request_id,
+                prompt=request.prompt,
+                prompt_token_ids=request.prompt_token_ids,
+                task=request.pooling.params.task,
+                data=None,
+                prompt_tokens=len(request.prompt_token_ids),
+                cached_tokens=0,
+                metrics=request.metrics,
+                error=error,
+            )
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,6 +32,24 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class PoolingState:
+    """A pooling request's progress through its prompt (decoders in the decode loop).
+
+    The worker (`worker/pooling.py`) folds each computed prompt chunk into `partial` and
+    sets `result` when the last one is computed; the loop only carries it.
+    """
+
+    params: PoolingParams
+    # The pooling reads every prompt row (mean, max, first token ...), so the prefix
+    # cache may serve only rows already folded in; last-token pooling reads one row,
+    # always computed.
+    reads_every_token: bool
+    num_pooled: int = 0  # leading prompt positions folded into `partial`
+    partial: Any = None  # the worker's running sums
+    result: torch.Tensor | None = None  # fp32 on the CPU, once the prompt is computed
 
 
 @dataclass(eq=False)
@@ -86,6 +105,8 @@ class Sequence:
     is_finishing: bool = False
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
+    # A pooling request (nothing is sampled): its progress and result.
+    pooling: PoolingState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,15 +130,25 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def is_prompt_only(self) -> bool:
+        """The request ends once its prompt is computed: it scores the prompt
+        (max_tokens=0) or pools it."""
+        return self.params.is_prompt_only or self.pooling is not None
+
+    @property
     def num_cacheable_tokens(self) -> int | None:
         """How many leading tokens may come from the prefix cache (None: no limit).
 
         With prompt log-probabilities a token's keys and values may come from the cache
-        only when the score it gives (of the token after it) is already recorded.
+        only when the score it gives (of the token after it) is already recorded; a
+        pooling that reads every row, only when the row is folded in.
         """
-        if self.prompt_logprobs is None:
-            return None
-        return len(self.prompt_logprobs) - 1
+        limits = []
+        if self.prompt_logprobs is not None:
+            limits.append(len(self.prompt_logprobs) - 1)
+        if self.pooling is not None and self.pooling.reads_every_token:
+            limits.append(self.pooling.num_pooled)
+        return min(limits) if limits else None
 
 
 @dataclass
@@ -136,7 +167,7 @@ class ScheduledChunk:
     def samples(self) -> bool:
         """Whether the chunk's last logits are sampled: it reaches the sequence's end, and
         the sequence generates (a prompt-only one ends there instead)."""
-        return self.reaches_end and not self.seq.params.is_prompt_only
+        return self.reaches_end and not self.seq.is_prompt_only
 
 
 @dataclass

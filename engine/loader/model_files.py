@@ -21,6 +21,7 @@ import shutil
 import struct
 import tempfile
 import time
+import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,8 @@ def resolve_model(
         check_model_dir(path)
         return path
     root = Path(cache_root) if cache_root is not None else cache_dir()
+    if kind == "archive":
+        return _extract_cached(path, root, _display_name(model))
     return _convert_cached(path, root, _display_name(model))
 
 
@@ -201,6 +204,8 @@ def model_info(model: str | os.PathLike | None = None, *, revision: str | None =
         check_model_dir(path)
         return _dir_info(name, path, "directory")
     source = "alias" if name in ALIASES else "gguf"
+    if kind == "archive":
+        return _dir_info(name, _extract_cached(path, cache_dir(), name), source)
     converted = _converted_path(path, cache_dir())
     if converted.is_dir():
         return _dir_info(name, converted, source)
@@ -255,7 +260,8 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> hub.HubSnapshot:
 
 
 def alias_gguf_path(alias: ModelAlias) -> Path:
-    """The GGUF file of an alias, found in its installed package without importing it."""
+    """The file of an alias (its GGUF, or its model archive), found in its installed
+    package without importing it."""
     spec = importlib.util.find_spec(alias.package)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     missing = ModelFilesError(
@@ -276,11 +282,12 @@ def alias_gguf_path(alias: ModelAlias) -> Path:
 
 
 def _locate(model: str | os.PathLike | None) -> tuple[str, Path]:
-    """("directory" | "gguf", path) for a model argument."""
+    """("directory" | "gguf" | "archive", path) for a model argument."""
     if model is None:
         model = DEFAULT_MODEL
     if isinstance(model, str) and model in ALIASES:
-        return "gguf", alias_gguf_path(ALIASES[model])
+        alias = ALIASES[model]
+        return ("archive" if alias.is_archive else "gguf"), alias_gguf_path(alias)
     path = Path(model).expanduser()
     if path.is_dir():
         return "directory", path.resolve()
@@ -325,9 +332,45 @@ def _convert_cached(gguf_path: Path, root: Path, name: str) -> Path:
     return final
 
 
+def _extract_cached(archive: Path, root: Path, name: str) -> Path:
+    """An alias's zipped HF-layout directory, extracted once into the cache (keyed by the
+    archive's sha256), with the same atomic rename as a GGUF conversion.
+
+    Raises:
+        ModelFilesError: the archive holds a path outside its directory, or not a model.
+    """
+    digest = file_sha256(archive, cache_root=root)
+    final = root / "models" / f"zip-{digest[:32]}"
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(final.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            for member in zipped.namelist():
+                target = (tmp / member).resolve()
+                if not target.is_relative_to(tmp.resolve()):
+                    raise ModelFilesError(f"{archive} holds a path outside its model: {member}")
+            zipped.extractall(tmp)
+        check_model_dir(tmp)
+        source = {"name": name, "archive": str(archive), "archive_sha256": digest}
+        _write_json_atomic(tmp / SOURCE_RECORD, source)
+        shutil.copymode(tmp / "config.json", tmp / SOURCE_RECORD)
+        shutil.copymode(final.parent, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # another process extracted it first: keep that one
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
 def _remove_stale_tmp(parent: Path) -> None:
     cutoff = time.time() - _STALE_TMP_SECONDS
-    for entry in parent.glob(".gguf-*.tmp-*"):
+    for entry in [*parent.glob(".gguf-*.tmp-*"), *parent.glob(".zip-*.tmp-*")]:
         try:
             if entry.stat().st_mtime < cutoff:
                 shutil.rmtree(entry, ignore_errors=True)

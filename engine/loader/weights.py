@@ -3,6 +3,7 @@ one tensor at a time."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -29,15 +30,24 @@ def load_model(
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     packed = model.packed_modules
+    # A model whose checkpoints name tensors its own way says how (`checkpoint_name`: an
+    # encoder under "bert.", a bare decoder without "model."); None skips a tensor. Other
+    # models take a tensor saved from their bare base model (no "model." before its
+    # name: a sentence-transformers decoder such as Qwen3-Embedding) under "model.".
+    rename = getattr(model, "checkpoint_name", None) or functools.partial(
+        _under_model, params=params, packed=packed
+    )
 
     for path in weight_files(model_dir):
         wanted = set()
         for entry in read_header(path):
             if entry.name.startswith("lm_head.") and config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
-            if _map_name(entry.name, packed)[0] in params:
+            ours = rename(entry.name)
+            if ours is not None and _map_name(ours, packed)[0] in params:
                 wanted.add(entry.name)  # not e.g. rotary inv_freq buffers of old checkpoints
         for name, tensor in iter_tensors(path, wanted):
+            name = rename(name)
             target, shard = _map_name(name, packed)
             param = params[target]
             if shard is None:
@@ -69,6 +79,14 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+
+
+def _under_model(name: str, *, params: dict, packed: dict[str, tuple[str, int]]) -> str:
+    """`name`, or "model." + name when only that is a parameter."""
+    if _map_name(name, packed)[0] in params:
+        return name
+    prefixed = f"model.{name}"
+    return prefixed if _map_name(prefixed, packed)[0] in params else name
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:

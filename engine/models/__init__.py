@@ -14,7 +14,13 @@ architecture that differs only in its config). It holds:
   this family has), defaults as transformers has them;
 - a GGUFLayout, if llama.cpp writes the family: its general.architecture, tensor names,
   q/k permutation and norm offset, and the config.json fields its metadata gives;
-- `register(Architecture(names=(...), model_class=..., parse_config=..., gguf=...))`.
+- `register(Architecture(names=(...), model_class=..., parse_config=..., gguf=...,
+  tasks=...))`: `tasks` says what it serves (generate, embed, classify, rerank).
+An encoder (bert.py: `is_encoder = True`, `forward(input_ids, positions, meta,
+token_type_ids)` with bidirectional attention, no cache) runs in the encoder runner; a
+pooling decoder (decoder_heads.py) has no lm_head and runs in the decode loop. A model
+with a classification head names the token it reads (`head_pooling`) and gives
+`classify(hidden) -> logits`.
 This package imports every module in it, so nothing else changes. Prove it against
 transformers with random weights (tests/engine/test_hf_parity.py and hf_models.py).
 """
@@ -31,6 +37,8 @@ from torch import nn
 
 from tokenmill.engine.models.config import ModelConfig
 from tokenmill.engine.models.registry import (
+    GENERATE,
+    TASKS,
     Architecture,
     GGUFLayout,
     architecture_of,
@@ -64,11 +72,20 @@ def load_config(model_dir: str | os.PathLike) -> ModelConfig:
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
     """The nn.Module class that runs a model of this config."""
-    return architecture_of({"architectures": [config.architecture]}).model_class
+    return architecture_for(config).model_class
+
+
+def architecture_for(config: ModelConfig) -> Architecture:
+    """The registered architecture of a parsed config."""
+    return architecture_of({"architectures": [config.architecture]})
 
 
 __all__ = [
+    "GENERATE",
+    "TASKS",
     "Architecture",
+    "architecture_for",
+    "architecture_of",
     "GGUFLayout",
     "ModelConfig",
     "gguf_layout",

@@ -75,6 +75,13 @@ class GGUFLayout:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
 
 
+# What a model can be asked to do (`Architecture.tasks`): generate text (and score
+# prompts), or pool its hidden states into an embedding, class probabilities or a
+# rerank score (engine/pooling_params.py).
+GENERATE = "generate"
+TASKS = (GENERATE, "embed", "classify", "rerank")
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One model class and the config.json architectures it serves."""
@@ -85,6 +92,20 @@ class Architecture:
     # config.json `model_type`s that identify it when `architectures` is missing.
     model_types: tuple[str, ...] = ()
     gguf: GGUFLayout | None = None
+    # The TASKS it serves. A causal LM embeds only when its directory says how it pools
+    # (sentence-transformers' modules.json): `engine/tasks.served_tasks` applies that.
+    tasks: tuple[str, ...] = (GENERATE, "embed")
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; tasks are {TASKS}")
+
+    @property
+    def is_encoder(self) -> bool:
+        """Bidirectional attention and no KV cache (the BERT family): run by the
+        encoder runner (`worker/encoder_runner.py`), never by the decode loop."""
+        return bool(getattr(self.model_class, "is_encoder", False))
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}

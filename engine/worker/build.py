@@ -13,11 +13,14 @@ from pathlib import Path
 import torch
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.loader.pooling_config import read_pooling_config, served_tasks
 from tokenmill.engine.loader.weights import load_model
-from tokenmill.engine.models import ModelConfig, load_config
+from tokenmill.engine.models import GENERATE, ModelConfig, architecture_for, load_config
+from tokenmill.engine.pooling_params import POOLING_TASKS
 from tokenmill.engine.quant import QUANTIZATIONS, check_quantization, quantize_model, validate_name
 from tokenmill.engine.quant.packed_linear import pack_linear_layers
 from tokenmill.engine.worker.calibration import input_absmax
+from tokenmill.engine.worker.encoder_runner import EncoderRunner
 from tokenmill.engine.worker.kv_cache import (
     KV_CACHE_DTYPES,
     allocate_kv_cache,
@@ -28,6 +31,7 @@ from tokenmill.engine.worker.kv_cache import (
     validate_kv_cache_dtype,
 )
 from tokenmill.engine.worker.model_runner import ModelRunner
+from tokenmill.engine.worker.pooling import Pooler
 
 
 @dataclass
@@ -129,5 +133,68 @@ def build_runner(
         max_num_seqs=engine_config.max_num_seqs,
         cuda_graphs=engine_config.cuda_graphs,
         max_loras=engine_config.max_loras,
+        pooler=build_pooler(model_dir, model),
     )
     return LoadedModel(runner, model_config, num_blocks, max_model_len)
+
+
+def build_pooler(model_dir: Path, model) -> Pooler | None:
+    """The pooling of a loaded model, or None when it serves no pooling task."""
+    tasks = [t for t in served_tasks(model_dir) if t in POOLING_TASKS]
+    if not tasks:
+        return None
+    is_encoder = architecture_for(model.config).is_encoder
+    return Pooler(model, read_pooling_config(model_dir, is_encoder=is_encoder), tasks)
+
+
+def is_encoder_dir(model_dir: Path) -> bool:
+    """Whether a model directory holds an encoder (run by `build_encoder_runner`)."""
+    return architecture_for(load_config(model_dir)).is_encoder
+
+
+@dataclass
+class LoadedEncoder:
+    """An encoder runner ready for batches, and what its loop must know."""
+
+    runner: EncoderRunner
+    model_config: ModelConfig
+    max_model_len: int  # the longest sequence it serves
+
+
+def build_encoder_runner(
+    model_dir: Path,
+    engine_config: EngineConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    pair_separator_id: int | None = None,
+) -> LoadedEncoder:
+    """Load an encoder (no KV cache) and its pooling.
+
+    Its longest sequence is the model's positions, sentence-transformers'
+    max_seq_length where the directory declares one, or `max_model_len` if less.
+
+    Raises:
+        ValueError: a setting an encoder cannot use (quantization, an int8 KV cache).
+    """
+    model_config = load_config(model_dir)
+    check_settings(engine_config)
+    if engine_config.quantization is not None:
+        raise ValueError("quantization is not available for encoder models; leave it unset")
+    if engine_config.kv_cache_dtype != "auto":
+        raise ValueError("an encoder keeps no KV cache; leave kv_cache_dtype unset")
+    pooling = read_pooling_config(model_dir, is_encoder=True)
+    max_model_len = max_model_len_of(model_config, engine_config)
+    if pooling.max_seq_length:
+        max_model_len = min(max_model_len, pooling.max_seq_length)
+    model = load_model(model_dir, model_config, dtype=dtype, device=device)
+    pack_linear_layers(model, dtype=dtype, device=device, enabled=engine_config.packed_linear)
+    tasks = [t for t in served_tasks(model_dir) if t != GENERATE]
+    runner = EncoderRunner(
+        model,
+        Pooler(model, pooling, tasks),
+        device=device,
+        dtype=dtype,
+        pair_separator_id=pair_separator_id,
+    )
+    return LoadedEncoder(runner, model_config, max_model_len)

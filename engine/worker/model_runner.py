@@ -37,6 +37,7 @@ from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 from tokenmill.engine.worker.host_memory import keep_large_allocations_mapped
 from tokenmill.engine.worker.kv_cache import KVCache, kv_cache_dtype_of
 from tokenmill.engine.worker.lora import LoRAManager
+from tokenmill.engine.worker.pooling import Pooler
 from tokenmill.engine.worker.sampler import Sampler, SamplingBatch
 
 
@@ -55,8 +56,12 @@ class ModelRunner:
         max_num_seqs: int = 256,
         cuda_graphs: bool | None = None,
         max_loras: int = 8,
+        pooler: Pooler | None = None,
     ) -> None:
         self.model = model
+        # Pools the prompt-only requests that ask for it (worker/pooling.py); None when
+        # the model serves no pooling task.
+        self.pooler = pooler
         self.config = config
         self.block_size = block_size
         self.device = device
@@ -136,11 +141,18 @@ class ModelRunner:
         """
         profiler = self.profiler
         prompt_spans = prompt_logprobs.spans_for_step(out.chunks)
+        pools = self.pooler is not None and any(c.seq.pooling is not None for c in out.chunks)
         graphs = self.decode_graphs
         # Graphs were captured without adapters: a step with adapter rows runs eagerly.
         uses_lora = self.lora.begin_step(out)
         try:
-            if graphs is not None and not prompt_spans and not uses_lora and graphs.can_run(out):
+            if (
+                graphs is not None
+                and not prompt_spans
+                and not pools
+                and not uses_lora
+                and graphs.can_run(out)
+            ):
                 with profiler.stage("forward"):
                     hidden, sample_rows = graphs.run(out, previous)
             else:
@@ -151,7 +163,10 @@ class ModelRunner:
         finally:
             self.lora.end_step()
         with profiler.stage("logits"):
-            prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)
+            if prompt_spans:  # a pooling-only model has no compute_logits
+                prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)
+            if pools:
+                self.pooler.record_step(out.chunks, hidden)
             if not sample_rows:
                 return None
             rows = upload(np.asarray(sample_rows), self.device)

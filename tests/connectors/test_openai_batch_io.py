@@ -95,7 +95,9 @@ def test_column_types():
 
 BAD_REQUESTS = [
     ({**CHAT, "custom_id": 5}, "custom_id must be a non-empty string"),
-    ({**CHAT, "url": "/v1/embeddings"}, "url must be"),
+    ({**CHAT, "url": "/v1/responses"}, "url must be"),
+    # A chat body sent to /v1/embeddings: its fields are refused by name.
+    ({**CHAT, "url": "/v1/embeddings"}, "body.max_completion_tokens is not supported"),
     ({**CHAT, "method": "GET"}, "method must be POST"),
     ({**CHAT, "body": {"model": "m"}}, "body.messages must be a non-empty list"),
     ({**COMPLETION, "body": {"prompt": ["a", "b"]}}, "body.prompt must be a string"),

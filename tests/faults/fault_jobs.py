@@ -29,6 +29,21 @@ NUM_ROWS = 40
 PLAN_WINDOW_ROWS = 10  # 4 planning windows: room for kills while planning
 TOKENS = ["--max-tokens", "4", "--shard-tokens", "60", "--plan-window-rows", str(PLAN_WINDOW_ROWS)]
 ENGINE = ["--dtype", "float32", "--engine-option", f"kv_cache_memory={8 << 20}"]
+# An embedding job generates nothing (no --max-tokens); its encoder computes a batch of
+# at most 16 tokens per step, so a 60-token shard takes several steps (room for a kill
+# or a fault mid-shard, as a generation shard's decode steps give).
+EMBED_ARGS = [
+    "--task",
+    "embed",
+    "--shard-tokens",
+    "60",
+    "--plan-window-rows",
+    str(PLAN_WINDOW_ROWS),
+    "--dtype",
+    "float32",
+    "--engine-option",
+    "max_num_batched_tokens=16",
+]
 TOKENMILL = str(Path(sys.executable).with_name("tokenmill"))
 
 
@@ -83,6 +98,7 @@ class FaultJob:
     output: Path
     num_rows: int = NUM_ROWS
     extra_args: list[str] = field(default_factory=list)
+    task: str = "generate"  # or "embed": the model is then an embedding model
 
     def command(self, *more: str) -> list[str]:
         return [
@@ -96,8 +112,7 @@ class FaultJob:
             "id",
             "--no-progress",
             "--json",
-            *TOKENS,
-            *ENGINE,
+            *(EMBED_ARGS if self.task == "embed" else [*TOKENS, *ENGINE]),
             *self.extra_args,
             *more,
         ]
@@ -166,6 +181,17 @@ class FaultJob:
                 problems.append("ledger row counts != rows")
         failed = sum(1 for r in rows["finish_reason"].to_pylist() if r == "error") if ids else 0
         return Outcome(lost, duplicated, temps, matches, failed, problems)
+
+
+def build_embedding_model(directory: Path) -> Path:
+    """A tiny random BERT embedding model (mean pooling, normalised, sentence-transformers'
+    files) for embedding fault jobs; built once per directory."""
+    from pooling_models import build_encoder, write_sentence_transformers_files
+
+    if not (directory / "modules.json").is_file():
+        build_encoder("bert", directory)
+        write_sentence_transformers_files(directory, normalize=True)
+    return directory
 
 
 # -- process kills at random points ---------------------------------------------------
@@ -239,15 +265,16 @@ def count_shards(job: FaultJob) -> int:
     from tokenmill.pipelines.spec import JobSpec
 
     scratch = job.output.with_name(job.output.name + "-plan-probe")
+    options = {"task": "embed"} if job.task == "embed" else {"max_tokens": int(TOKENS[1])}
     spec = JobSpec(
         str(job.input),
         str(scratch),
         model=str(job.model_dir),
         id_column="id",
-        max_tokens=int(TOKENS[1]),
         shard_tokens=int(TOKENS[3]),
         plan_window_rows=PLAN_WINDOW_ROWS,
         dtype="float32",
+        **options,
     )
     return len(plan_job(spec).shards)
 

@@ -4,7 +4,8 @@
     python tests/faults/fault_matrix.py --runs 10 --seed 7 --only kill
 
 Each run is a fresh 40-row `tokenmill run` job (the CLI, in child processes) on a tiny
-random Llama model built in the work directory, with a fault injected through
+random Llama model built in the work directory (an embedding job's scenarios: `--task
+embed` on a tiny random BERT embedding model), with a fault injected through
 TOKENMILL_FAULT_POINT (`tokenmill/faults.py`) or from outside (a filled disk, a second
 run, an edited input). After the scenario's recovery step (a rerun, freeing space,
 --no-resume) a reader counts, against the input's ids: rows lost, rows duplicated,
@@ -34,6 +35,7 @@ from fault_jobs import (  # noqa: E402
     FaultJob,
     NoSmallDisk,
     Outcome,
+    build_embedding_model,
     fill_after_first_part,
     kill_and_resume,
     small_disk,
@@ -150,6 +152,18 @@ def changed_input(ctx: RunContext) -> Outcome:
     return ctx.job.outcome()
 
 
+def embedding(scenario: Callable[[RunContext], Outcome]) -> Callable[[RunContext], Outcome]:
+    """`scenario` on an embedding job (`--task embed`, a tiny BERT embedding model built
+    once in the work directory) instead of a generation job."""
+
+    def run(ctx: RunContext) -> Outcome:
+        model_dir = build_embedding_model(ctx.workdir.parent / "encoder")
+        job = FaultJob(model_dir, ctx.job.input, ctx.job.output, task="embed")
+        return scenario(RunContext(job, ctx.workdir, ctx.rng))
+
+    return run
+
+
 def _store_side(name: str, **kwargs) -> Callable[[RunContext], Outcome]:
     """A scenario of tests/faults/scenarios_b.py (its own moto S3 server, fault proxy or
     Dask cluster; the worker-death one needs PREFECT_API_URL), run once with this run's
@@ -193,6 +207,24 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "Dask worker SIGKILLed inside a shard (flow, LocalCluster, Prefect server)",
         _store_side("worker_death"),
+    ),
+    Scenario("embed job: SIGKILL at 5 random points, resumed", embedding(kills)),
+    Scenario("embed job: engine step raises once mid-shard", embedding(engine_transient)),
+    Scenario(
+        "embed job: engine raises on every step from a random one on, then rerun",
+        embedding(engine_broken),
+    ),
+    Scenario(
+        "embed job: object store resets, 500s and 503 SlowDown (through a proxy)",
+        _store_side("store_transient", task="embed"),
+    ),
+    Scenario(
+        "embed job: object store, every part PUT 503 past the retry budget, then rerun",
+        _store_side("store_past_budget", task="embed"),
+    ),
+    Scenario(
+        "embed job: object store, 20% of requests stalled past the read timeout",
+        _store_side("store_random", kind="stall", task="embed"),
     ),
     Scenario("hostile row ids (../../x, absolute, NUL, 5,000 chars)", _store_side("hostile_ids")),
     Scenario(

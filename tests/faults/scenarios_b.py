@@ -26,50 +26,52 @@ ENGINE = {"dtype": "float32", "engine_options": {"kv_cache_memory": 8 << 20}}
 
 
 @contextmanager
-def _store() -> Iterator[tuple]:
+def _store(task: str = "generate") -> Iterator[tuple]:
     from s3_server import moto_s3
 
     with tempfile.TemporaryDirectory() as tmp, moto_s3(bucket=BUCKET) as endpoint:
-        yield endpoint, load_tiny_llm(Path(tmp))
+        yield endpoint, load_tiny_llm(Path(tmp), task)
 
 
-def _resumed(endpoint, llm, run, prefix: str) -> tuple[int, int]:
+def _resumed(endpoint, llm, run, prefix: str, task: str = "generate") -> tuple[int, int]:
     if run.error is None:
         return run.rows_lost, run.rows_duplicated
-    again = run_through_proxy(endpoint, llm, [], prefix=prefix)
+    again = run_through_proxy(endpoint, llm, [], prefix=prefix, task=task)
     if again.error is not None:
         raise again.error
     return again.rows_lost, again.rows_duplicated
 
 
-def store_transient(seed: int = 0) -> tuple[int, int]:
+def store_transient(seed: int = 0, task: str = "generate") -> tuple[int, int]:
     """Reset, 500, 503 SlowDown on reads and writes, a few times each: retried, completes."""
-    with _store() as (endpoint, llm):
-        run = run_through_proxy(endpoint, llm, transient_rules(), seed=seed)
+    with _store(task) as (endpoint, llm):
+        run = run_through_proxy(endpoint, llm, transient_rules(), seed=seed, task=task)
     if run.error is not None:
         raise run.error
     return run.rows_lost, run.rows_duplicated
 
 
-def store_past_budget(seed: int = 0) -> tuple[int, int]:
+def store_past_budget(seed: int = 0, task: str = "generate") -> tuple[int, int]:
     """Every part PUT answered 503 until the job fails; then the store heals and it resumes."""
     rules = [FaultRule("503", WRITES, probability=1.0, path_contains="/out/results/")]
     prefix = f"budget-{uuid.uuid4().hex[:8]}"
-    with _store() as (endpoint, llm):
-        run = run_through_proxy(endpoint, llm, rules, prefix=prefix, seed=seed)
+    with _store(task) as (endpoint, llm):
+        run = run_through_proxy(endpoint, llm, rules, prefix=prefix, seed=seed, task=task)
         assert run.error is not None, "the job should have run out of attempts"
-        return _resumed(endpoint, llm, run, prefix)
+        return _resumed(endpoint, llm, run, prefix, task)
 
 
-def store_random(kind: str = "503", seed: int = 0, probability: float = 0.2) -> tuple[int, int]:
+def store_random(
+    kind: str = "503", seed: int = 0, probability: float = 0.2, task: str = "generate"
+) -> tuple[int, int]:
     """A fault of `kind` on any request with `probability`; resumed once if it failed."""
     rules = [FaultRule(kind, ALL, probability=probability, stall_s=1.5)]
     prefix = f"random-{kind}-{uuid.uuid4().hex[:8]}"
-    with _store() as (endpoint, llm):
+    with _store(task) as (endpoint, llm):
         run = run_through_proxy(
-            endpoint, llm, rules, prefix=prefix, seed=seed, timeouts=kind == "stall"
+            endpoint, llm, rules, prefix=prefix, seed=seed, timeouts=kind == "stall", task=task
         )
-        return _resumed(endpoint, llm, run, prefix)
+        return _resumed(endpoint, llm, run, prefix, task)
 
 
 def worker_death(num_rows: int = 16) -> tuple[int, int]:

@@ -78,10 +78,20 @@ def bucket_objects(endpoint: S3Endpoint, prefix: str) -> list[str]:
     return sorted(fs.find(f"{endpoint.bucket}/{prefix}"))
 
 
-def load_tiny_llm(directory: Path):
-    """The tiny random Llama model, built in `directory` and loaded on CPU in fp32."""
+# An embedding job's options: a short job of several shards, as JOB_OPTIONS.
+EMBED_JOB_OPTIONS = {"task": "embed", "shard_tokens": 60, "id_column": "id"}
+
+
+def load_tiny_llm(directory: Path, task: str = "generate"):
+    """The tiny random Llama model (or for task "embed" a tiny BERT embedding model),
+    built in `directory` and loaded on CPU in fp32."""
     from tokenmill.engine.llm import LLM
 
+    if task == "embed":
+        from fault_jobs import build_embedding_model
+
+        model_dir = build_embedding_model(directory / "encoder")
+        return LLM(str(model_dir), device="cpu", dtype="float32", max_num_batched_tokens=16)
     model_dir = build_tiny_model(directory / "tiny")
     return LLM(str(model_dir), device="cpu", dtype="float32", **ENGINE)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from proxy import READS, WRITES, FaultProxy, FaultRule
 from store_fixtures import (
     BUCKET,
+    EMBED_JOB_OPTIONS,
     JOB_OPTIONS,
     load_tiny_llm,
     lost_and_duplicated,
@@ -60,6 +61,7 @@ def run_through_proxy(
     prefix: str | None = None,
     seed: int = 0,
     timeouts: bool = False,
+    task: str = "generate",
 ) -> StoreRun:
     """Runs one job on S3 with every request going through a proxy with `rules`.
 
@@ -70,6 +72,7 @@ def run_through_proxy(
         prefix: the job's key prefix in the bucket (default: a fresh one).
         seed: the proxy's random seed (for probability rules).
         timeouts: use 1 s connect/read timeouts (for stall rules).
+        task: "generate", or "embed" (then `llm` is an embedding model).
 
     Returns:
         Rows lost and duplicated (counted straight from moto, without faults), the
@@ -88,7 +91,7 @@ def run_through_proxy(
                 out,
                 llm=llm,
                 storage_options=through(endpoint, proxy.url, timeouts=timeouts),
-                **JOB_OPTIONS,
+                **(EMBED_JOB_OPTIONS if task == "embed" else JOB_OPTIONS),
             )
             num_shards = ledger.num_shards
         except Exception as exc:  # the caller judges the failure

@@ -129,8 +129,9 @@ PRESETS: dict[str, WorkloadSpec] = {
 }
 
 
-# Every preset `tokenmill bench --preset` takes: the drawn ones and the structured one.
-PRESET_NAMES = [*PRESETS, "extract64"]
+# Every preset `tokenmill bench --preset` takes: the drawn ones, the structured one, and
+# the embedding ones (tokenmill/bench/embed_workload.py, run by embed_harness.py).
+PRESET_NAMES = [*PRESETS, "extract64", "embed4k", "embed-smoke"]
 
 
 def build_workload(

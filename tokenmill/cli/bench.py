@@ -20,7 +20,8 @@ from tokenmill.pipelines.options import get_option
     type=click.Choice(PRESET_NAMES),
     default="mixed64",
     show_default=True,
-    help="extract64 compares constrained (JSON schema) and unconstrained generation.",
+    help="extract64 compares constrained (JSON schema) and unconstrained generation; embed4k "
+    "(embed-smoke) compares embeddings with sentence-transformers and ONNX Runtime.",
 )
 @click.option(
     "--model",
@@ -32,7 +33,8 @@ from tokenmill.pipelines.options import get_option
     "baselines",
     default="hf",
     show_default=True,
-    help="Comma-separated: hf, hf-bf16, llamacpp, llamacpp-server, vllm; 'none' for "
+    help="Comma-separated: hf, hf-bf16, llamacpp, llamacpp-server, vllm; for an embedding "
+    "preset st (sentence-transformers), onnx (ONNX Runtime; both by default); 'none' for "
     "tokenmill alone.",
 )
 @click.option(
@@ -143,6 +145,12 @@ def bench(
     from tokenmill.bench.table import render
 
     names = [b.strip() for b in baselines.split(",") if b.strip() and b.strip() != "none"]
+    if preset.startswith("embed"):
+        if baselines == "hf":  # the generation presets' default: an embedding preset has its own
+            names = ["st", "onnx"]
+        dtypes = ("float32", "bfloat16") if dtype == "both" else (dtype,)
+        _embedding_bench(preset, model, names, dtypes, repeat, threads, engine_args, json_path)
+        return
     try:
         config = BenchConfig(
             preset=preset,
@@ -169,8 +177,42 @@ def bench(
     except (ValueError, FileNotFoundError) as error:
         raise click.ClickException(str(error)) from error
     render(report)
+    _write_json(json_path, report)
+    if all(s.wall_s is None for s in report.systems if not s.is_baseline):
+        raise click.ClickException("no tokenmill run succeeded")
+
+
+def _write_json(json_path, report) -> None:
     if json_path is not None:
         json_path.write_text(json.dumps(report.to_dict(), indent=2))
         click.echo(f"wrote {json_path}", err=True)
+
+
+def _embedding_bench(
+    preset, model, names, dtypes, repeat, threads, engine_args, json_path
+) -> None:  # fmt: skip
+    """An embedding preset: tokenmill against sentence-transformers and ONNX Runtime."""
+    from tokenmill.bench.embed_harness import (
+        EmbedBenchConfig,
+        render_embedding_report,
+        run_embedding_benchmark,
+    )
+
+    try:
+        config = EmbedBenchConfig(
+            preset=preset,
+            model=model or "all-minilm-l6-v2",
+            dtypes=dtypes,
+            baselines=tuple(names),
+            repeat=repeat,
+            threads=threads,
+            engine_args=engine_args,
+            command=shlex.join(["tokenmill", *sys.argv[1:]]),
+        )
+        report = run_embedding_benchmark(config, log=lambda line: click.echo(line, err=True))
+    except (ValueError, FileNotFoundError) as error:
+        raise click.ClickException(str(error)) from error
+    render_embedding_report(report)
+    _write_json(json_path, report)
     if all(s.wall_s is None for s in report.systems if not s.is_baseline):
         raise click.ClickException("no tokenmill run succeeded")

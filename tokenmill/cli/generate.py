@@ -11,7 +11,7 @@ from __future__ import annotations
 import click
 
 from tokenmill.cli.options import given_options, job_options
-from tokenmill.pipelines.option_types import CLI, INPUT, NOTEBOOK
+from tokenmill.pipelines.option_types import CLI, INPUT, NOTEBOOK, POOL
 
 # A few prompts read on a terminal: short answers unless asked for more.
 _DEFAULTS = {"max_tokens": 64}
@@ -19,7 +19,7 @@ _DEFAULTS = {"max_tokens": 64}
 
 @click.command("generate")
 @click.argument("prompts", nargs=-1, required=True)
-@job_options(CLI, only=NOTEBOOK, skip_sections=[INPUT], defaults=_DEFAULTS)
+@job_options(CLI, only=NOTEBOOK, skip_sections=[INPUT, POOL], defaults=_DEFAULTS)
 @click.pass_context
 def generate(ctx: click.Context, prompts: tuple[str, ...], **_: object) -> None:
     """Generate completions for PROMPTS and print them."""

@@ -58,7 +58,9 @@ def _progress_class():
             if skipped:
                 self.console.print(f"resuming: {skipped} of {len(plan.shards)} shards already done")
             self.bar.start()
-            label = "scoring" if plan.spec.task == "score" else "generating"
+            label = {"score": "scoring", "embed": "embedding", "classify": "classifying"}.get(
+                plan.spec.task, "reranking" if plan.spec.task == "rerank" else "generating"
+            )
             self.task = self.bar.add_task(label, total=total, rate=0.0, hit=0.0)
             self.started = time.perf_counter()
 
@@ -113,7 +115,8 @@ def print_summary(ledger, output: str) -> None:
         (
             "throughput",
             fmt(ledger.throughput_tokens_per_s, ",.0f", " tok/s")
-            + f" ({fmt(ledger.output_tokens_per_s, ',.0f', ' output tok/s')})",
+            + f" ({fmt(ledger.output_tokens_per_s, ',.0f', ' output tok/s')}, "
+            + f"{fmt(ledger.throughput_rows_per_s, ',.1f', ' rows/s')})",
         ),
         (
             "latency p50/p95/p99",
@@ -152,8 +155,8 @@ def print_summary(ledger, output: str) -> None:
 )
 @click.pass_context
 def run(ctx: click.Context, input_uri: str, output_uri: str, as_json: bool, **_: object) -> None:
-    """Answer (or, with --task score, score) every row of INPUT and write results and a
-    cost ledger to OUTPUT."""
+    """Answer (or, with --task score, score; with --task embed, classify or rerank, pool)
+    every row of INPUT and write results and a cost ledger to OUTPUT."""
     from tokenmill.connectors import DiskFullError
     from tokenmill.pipelines.job import run_job
 
