@@ -260,6 +260,20 @@ def test_lora_options_are_checked(tmp_path, data, tiny_model_dir):
         run_job(str(data), str(tmp_path / "o"), lora={"x": 3})
 
 
+def test_pooling_jobs_refuse_adapters(tmp_path, data, tiny_model_dir, adapters):
+    with pytest.raises(ValueError, match="LoRA adapters serve generate and score jobs, not embed"):
+        run_job(
+            str(data),
+            str(tmp_path / "o"),
+            task="embed",
+            model=str(tiny_model_dir),
+            prompt_column="question",
+            lora={"fr": str(adapters["fr"].path)},
+            **ENGINE,
+        )
+    assert not (tmp_path / "o" / "results").exists()
+
+
 def test_a_scoring_job_scores_each_row_under_its_adapter(tmp_path, data, tiny_model_dir, adapters):
     run_job(
         str(data),
