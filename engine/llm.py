@@ -95,6 +95,7 @@ class LLM(PoolingMethods):
         *,
         lora_request: LoRARequests = None,
         on_output: Callable[[RequestOutput], None] | None = None,
+        on_step: Callable[[EngineStats], None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched continuously.
 
@@ -105,6 +106,9 @@ class LLM(PoolingMethods):
                 prompt (None: the base model). Prompts of different adapters share steps;
                 each adapter is read once per LLM and checked before anything is queued.
             on_output: called with each RequestOutput as its request finishes.
+            on_step: called after each engine step with the engine's cumulative
+                EngineStats (the same object, updated in place): progress per token.
+                An exception it raises ends the call as a failed step does.
         Returns:
             One RequestOutput per prompt, in input order. A prompt the engine cannot
             serve comes back with finish_reason "error" and .error set.
@@ -149,6 +153,8 @@ class LLM(PoolingMethods):
                     results[index] = output
                     if on_output is not None:
                         on_output(output)
+                if on_step is not None:
+                    on_step(self.engine.stats)
         except BaseException:
             # A failed step (or an interrupt) must not leave these requests queued for
             # the next call: the engine is reset and the error goes to the caller.
@@ -164,6 +170,7 @@ class LLM(PoolingMethods):
         add_generation_prompt: bool = True,
         lora_request: LoRARequests = None,
         on_output: Callable[[RequestOutput], None] | None = None,
+        on_step: Callable[[EngineStats], None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate (with
         `lora_request` as for `generate`)."""
@@ -176,7 +183,11 @@ class LLM(PoolingMethods):
         # The template already carries any BOS; encode without adding special tokens.
         ids = self.tokenizer.encode_batch(prompts, add_special_tokens=False)
         outputs = self.generate(
-            ids, sampling_params, lora_request=lora_request, on_output=on_output
+            ids,
+            sampling_params,
+            lora_request=lora_request,
+            on_output=on_output,
+            on_step=on_step,
         )
         for output, text in zip(outputs, prompts):
             output.prompt = text

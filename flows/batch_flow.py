@@ -1,7 +1,9 @@
 """`batch_inference`: a tokenmill batch job as a Prefect flow.
 
     plan_task (on a worker) -> prepare_output_task -> shard_task per pending shard
+                            -> shard_task per pending copy shard (dedupe's copies)
                             -> ledger_task (ledger.json, ledger dataset, artifacts)
+    with dry_run:   plan_task -> forecast_task (OUTPUT/_forecast.json, artifact)
 
 The flow only orchestrates; every stage is a call into `tokenmill.pipelines`. Its
 parameters are the job definition's FLOW options (`pipelines/options.py`), flat and
@@ -15,30 +17,43 @@ The flow holds the output's lock (`pipelines/output_lock.py`) from planning to t
 ledger, so a second run on the same output is refused. Rerunning the flow with the
 same parameters resumes the job: shards whose part is in the output are not
 submitted again, and the ledger is rebuilt from all parts.
+
+The plan cuts at least one shard per worker of the task runner (when the job has the
+rows), and the run says so when it cannot use every worker. While shards run, the
+flow publishes a progress artifact (`tokenmill-progress-<job id>`, `flows/progress.py`)
+whenever a shard ends and at least every few seconds.
 """
 
 # No `from __future__ import annotations` here: Prefect reads the flow's signature (built
 # from the job definition by `job_parameters`) at run time, in served runs' subprocesses too.
 import logging
+import time
 from datetime import datetime, timezone
 from typing import Any
 
 from prefect import flow, get_run_logger, unmapped
-from prefect.futures import wait
+from prefect.context import FlowRunContext
+from prefect.futures import as_completed
 from prefect.runtime import flow_run
 
 from tokenmill.connectors.fs import redact_url
+from tokenmill.flows.artifacts import ProgressArtifact
 from tokenmill.flows.parameters import build_spec, job_parameters
-from tokenmill.flows.runners import make_task_runner
+from tokenmill.flows.progress import PUBLISH_EVERY_S, job_snapshot, read_records
+from tokenmill.flows.runners import make_task_runner, num_workers, replicate_to_workers
 from tokenmill.flows.tasks import (
     ShardRun,
+    forecast_task,
     ledger_task,
     plan_task,
     prepare_output_task,
     shard_task,
 )
+from tokenmill.pipelines import output as out
+from tokenmill.pipelines.forecast import Forecast
 from tokenmill.pipelines.ledger import JobLedger, now_iso
 from tokenmill.pipelines.output_lock import claimed_output
+from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan
 
 FLOW_NAME = "batch-inference"
@@ -57,7 +72,7 @@ def _flow_run_name() -> str:
     log_prints=False,
 )
 @job_parameters
-def batch_inference(input: str, output: str, **options: Any) -> JobLedger:
+def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Forecast:
     """Run a tokenmill batch job: prompts in, results and a token-cost ledger out.
 
     Args:
@@ -68,21 +83,27 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger:
         {job options}
 
     Returns:
-        The job's JobLedger (also in OUTPUT/ledger.json and the ledger dataset).
+        The job's JobLedger (also in OUTPUT/ledger.json and the ledger dataset); with
+        dry_run, its Forecast (also in OUTPUT/_forecast.json).
     """
     logger = get_run_logger()
     run_started_at = now_iso()
     scheduled = flow_run.scheduled_start_time or datetime.now(timezone.utc)
     spec = build_spec(input, output, scheduled=scheduled, **options)
+    workers = num_workers(FlowRunContext.get().task_runner)
     # One run per output at a time, held by the flow's own process.
     with claimed_output(spec.output, spec.storage_options):
+        planned_before = out.planned_shards(spec.output, spec.storage_options)
         # Submitted, not called: on a cluster the plan then stays on the worker that made
         # it, and each shard task's worker fetches it from there once (not once per shard).
-        plan_future = plan_task.submit(spec)
+        plan_future = plan_task.submit(spec, min_shards=workers)
         plan = plan_future.result()
         _name_after_plan(plan, logger)
+        if spec.dry_run:
+            return forecast_task.submit(plan_future, planned_before=planned_before).result()
         done = prepare_output_task(plan)
         pending = [s for s in plan.shards if s.shard_id not in done]
+        compute = [s for s in pending if not s.is_copy]
         logger.info(
             "job %s: %d rows in %d shards; %d already complete, %d to run",
             plan.job_id,
@@ -91,10 +112,26 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger:
             len(plan.shards) - len(pending),
             len(pending),
         )
-        futures = shard_task.map(
-            plan=unmapped(plan_future), shard=pending, job_id=unmapped(plan.job_id)
-        )
-        runs = _shard_runs(plan, futures)
+        if 0 < len(compute) < workers:
+            logger.warning(
+                "job %s: %d shard(s) to compute for %d workers: %d worker(s) will idle "
+                "(the job has too few rows or tokens left to cut more shards)",
+                plan.job_id,
+                len(compute),
+                workers,
+                workers - len(compute),
+            )
+        if workers > 1 and len(compute) > 1:
+            replicate_to_workers(FlowRunContext.get().task_runner, plan_future)
+        progress = _FlowProgress(plan, pending, logger, workers)
+        runs: list[ShardRun] = []
+        # Copy shards take their answers from the compute shards' parts: they go last.
+        for shards in (compute, [s for s in pending if s.is_copy]):
+            if shards:
+                futures = shard_task.map(
+                    plan=unmapped(plan_future), shard=shards, job_id=unmapped(plan.job_id)
+                )
+                runs += _shard_runs(plan, futures, progress)
         return ledger_task(
             plan,
             run_id=str(flow_run.id),
@@ -115,13 +152,42 @@ def _name_after_plan(plan: JobPlan, logger: logging.LoggerAdapter) -> None:
         logger.warning("could not rename the flow run to %r: %s", name, exc)
 
 
-def _shard_runs(plan: JobPlan, futures: list) -> list[ShardRun]:
-    """Wait for every shard, then fail if any failed.
+class _FlowProgress:
+    """Publishes the job's progress artifact from the shards' progress records."""
+
+    def __init__(
+        self, plan: JobPlan, pending: list[Shard], logger: logging.LoggerAdapter, workers: int
+    ):
+        self.plan, self.pending, self.logger, self.workers = plan, pending, logger, workers
+        self.artifact = ProgressArtifact(plan.job_id)
+
+    def publish(self) -> None:
+        records = read_records(self.plan)
+        snapshot = job_snapshot(
+            self.plan, self.pending, records, now=time.time(), workers=self.workers
+        )
+        try:
+            self.artifact.update(snapshot)
+        except Exception as exc:  # progress is for people; the job goes on
+            self.logger.warning("could not update the progress artifact: %s", exc)
+
+
+def _shard_runs(plan: JobPlan, futures: list, progress: _FlowProgress) -> list[ShardRun]:
+    """Wait for every shard, publishing progress as each ends and at least every
+    `PUBLISH_EVERY_S`, then fail if any failed.
 
     All shards are waited for before failing, so one bad shard does not cancel the
     work of the others: their parts are kept, and a rerun computes only what failed.
     """
-    wait(futures)
+    remaining = list(futures)
+    progress.publish()
+    while remaining:
+        try:
+            for future in as_completed(remaining, timeout=PUBLISH_EVERY_S):
+                remaining.remove(future)
+                progress.publish()
+        except TimeoutError:
+            progress.publish()
     runs: list[ShardRun] = []
     failed: list[str] = []
     for shard_future in futures:

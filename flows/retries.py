@@ -30,7 +30,12 @@ _PERMANENT_OS_ERRORS = (
 # not subclass OSError; matched by name so none of them has to be importable.
 _TRANSIENT_NAME_PARTS = ("Timeout", "ConnectionError", "ConnectionClosed", "ServerDisconnected")
 
-RETRY_DELAYS_S = [2.0, 10.0]
+# One delay for every retry: Prefect's UI shows a task's retry delay as a number of
+# seconds, and a list of delays there reads "NaNs". Jitter spreads retries of many
+# shards hitting the same store.
+NUM_RETRIES = 2
+RETRY_DELAY_S = 5
+RETRY_JITTER = 0.5
 
 
 def is_transient(exc: BaseException) -> bool:

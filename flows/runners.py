@@ -9,6 +9,12 @@ Each worker process loads the engine once, on its first shard, and keeps it (see
 `pipelines/shared_llm.py`). A worker runs one shard at a time (`threads_per_worker=1`): a shard
 is already a full batch for the engine, and two on one device would only compete.
 
+Fan-out never slows a job down: the flow cuts at least as many shards as the cluster has
+workers (`num_workers`; planning's `min_shards`), says so when a job is too small to use
+them all, and each worker's engine computes on the cores its worker owns
+(`worker_threads`: the machine's cores shared among the Dask workers on it - Dask's
+nanny would otherwise start every worker with one thread).
+
 One worker per GPU
 ------------------
 Give every worker process exactly one GPU and `device=None` (the default), so each
@@ -27,9 +33,13 @@ engine takes "cuda" - that worker's only visible GPU:
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
+
+log = logging.getLogger(__name__)
 
 
 def local_cluster_kwargs(num_workers: int) -> dict[str, Any]:
@@ -100,3 +110,53 @@ def _ray_runner(address: str) -> TaskRunner:
             "the Ray task runner needs prefect-ray: pip install 'tokenmill[ray]'"
         ) from exc
     return RayTaskRunner(address=address)
+
+
+def num_workers(task_runner: Any) -> int:
+    """How many shards the task runner computes at once: its Dask cluster's workers, or
+    1 (the default runner's threads share the flow process's one engine)."""
+    client = getattr(task_runner, "_client", None)
+    if client is not None:
+        try:
+            return max(1, len(client.scheduler_info(n_workers=-1)["workers"]))
+        except Exception as exc:  # a plan for one worker still runs, only slower
+            log.warning("could not count the Dask cluster's workers: %s", exc)
+    cluster_kwargs = getattr(task_runner, "cluster_kwargs", None) or {}
+    return max(1, int(cluster_kwargs.get("n_workers") or 1))
+
+
+def worker_threads() -> int | None:
+    """The threads this Dask worker's engine should compute with: the machine's cores
+    shared among the Dask workers on it (None outside a Dask worker)."""
+    try:
+        from distributed import get_client, get_worker
+
+        worker = get_worker()
+    except (ImportError, ValueError):
+        return None
+    try:
+        workers = get_client().scheduler_info(n_workers=-1)["workers"].values()
+        on_host = sum(1 for w in workers if w.get("host") == worker.ip)
+    except Exception:  # scheduler unreachable for a moment: assume it is alone
+        on_host = 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, on_host))
+
+
+def replicate_to_workers(task_runner: Any, future: Any) -> None:
+    """Copy a task's result to every worker of the task runner's Dask cluster.
+
+    Dask runs a task where its inputs are: the tasks that all take the job plan would
+    queue on the one worker that planned, and only work stealing (which weighs the
+    plan's transfer against a shard's unknown duration) would move them. With the plan
+    on every worker, each shard goes to the least busy one. Best effort: a plan left on
+    one worker still runs every shard, only less spread.
+    """
+    client = getattr(task_runner, "_client", None)
+    wrapped = getattr(future, "wrapped_future", None)
+    if client is None or wrapped is None:
+        return
+    try:
+        client.replicate([wrapped])
+    except Exception as exc:
+        log.warning("could not copy the job plan to every Dask worker: %s", exc)

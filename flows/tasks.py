@@ -5,6 +5,7 @@
     prepare_output_task  which shards are already complete    (I/O: retried)
     shard_task           read its rows, generate, write part  (I/O: retried; idempotent)
     ledger_task          check parts, write ledger, artifacts (I/O: retried)
+    forecast_task        a dry run: forecast, OUTPUT/_forecast.json, artifact (I/O: retried)
 
 None of them uses Prefect's result cache (`NO_CACHE`): a job's progress lives in its
 output directory - a shard is done iff its part exists - which survives a killed
@@ -20,24 +21,48 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
+import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 from prefect.runtime import task_run
 
 from tokenmill.connectors.fs import redact_url
-from tokenmill.flows.artifacts import publish_ledger
-from tokenmill.flows.retries import RETRY_DELAYS_S, retry_shard, retry_transient
+from tokenmill.flows.artifacts import publish_forecast, publish_ledger
+from tokenmill.flows.progress import ShardReporter, shard_line
+from tokenmill.flows.retries import (
+    NUM_RETRIES,
+    RETRY_DELAY_S,
+    RETRY_JITTER,
+    retry_shard,
+    retry_transient,
+)
+from tokenmill.flows.runners import worker_threads
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines import shared_llm as llm_cache
+from tokenmill.pipelines.dry_run import dry_run
 from tokenmill.pipelines.finalizing import finalize_job
+from tokenmill.pipelines.forecast import Forecast
 from tokenmill.pipelines.ledger import JobLedger
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, plan_job
-from tokenmill.pipelines.running import ShardResult, prepare_output, run_shard
+from tokenmill.pipelines.running import (
+    ShardResult,
+    completed_shards,
+    prepare_output,
+    run_shard,
+)
 from tokenmill.pipelines.spec import JobSpec
+
+RETRIES = {
+    "retries": NUM_RETRIES,
+    "retry_delay_seconds": RETRY_DELAY_S,
+    "retry_jitter_factor": RETRY_JITTER,
+}
 
 
 @dataclass(frozen=True)
@@ -71,21 +96,24 @@ def _plan_run_name() -> str:
 # in Prefect's result storage.
 @task(
     task_run_name=_plan_run_name,
-    retries=len(RETRY_DELAYS_S),
-    retry_delay_seconds=RETRY_DELAYS_S,
+    **RETRIES,
     retry_condition_fn=retry_transient,
     cache_policy=NO_CACHE,
     persist_result=False,
 )
-def plan_task(spec: JobSpec) -> JobPlan:
-    """Read, template, tokenize and shard the input; bad input fails here, before compute."""
-    return plan_job(spec)
+def plan_task(spec: JobSpec, min_shards: int = 1) -> JobPlan:
+    """Read, template, tokenize and shard the input; bad input fails here, before compute.
+
+    Args:
+        spec: the job.
+        min_shards: cut at least this many shards where the rows allow: one per worker.
+    """
+    return plan_job(spec, min_shards=min_shards)
 
 
 @task(
     task_run_name="prepare-output job-{plan.job_id}",
-    retries=len(RETRY_DELAYS_S),
-    retry_delay_seconds=RETRY_DELAYS_S,
+    **RETRIES,
     retry_condition_fn=retry_transient,
     cache_policy=NO_CACHE,
 )
@@ -96,8 +124,7 @@ def prepare_output_task(plan: JobPlan) -> set[str]:
 
 @task(
     task_run_name="job-{job_id} shard-{shard.shard_id}",
-    retries=len(RETRY_DELAYS_S),
-    retry_delay_seconds=RETRY_DELAYS_S,
+    **RETRIES,
     retry_condition_fn=retry_shard,
     cache_policy=NO_CACHE,
 )
@@ -112,9 +139,48 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
         shard: one of `plan.shards`.
         job_id: the plan's job id (a parameter so that the task run's name shows it).
     """
-    # One engine per worker process, loaded on its first shard and reused by the rest
-    # (pipelines/shared_llm.py); the lock keeps this process's shard tasks from generating
-    # at once, since the engine is not thread-safe.
+    logger = _logger()
+    llm = None
+    if not shard.is_copy:  # a copy shard reads its sources' parts: no engine
+        llm = _worker_llm(plan, job_id)
+    with llm.lock if llm else nullcontext():
+        # Counted from the engine's counters as this shard starts: under the lock, after
+        # any other shard of this process has finished with the engine.
+        reporter = ShardReporter(plan, shard, logger, before=llm.llm.stats() if llm else None)
+        started = time.perf_counter()
+        result = run_shard(
+            llm.llm if llm else None,
+            plan,
+            shard,
+            on_output=reporter.request_done,
+            on_step=reporter.step,
+        )
+    seconds = time.perf_counter() - started
+    snapshot = reporter.finish(result)
+    run = ShardRun(result, socket.gethostname(), os.getpid(), llm_cache.num_loads())
+    # Where each shard ran, in the task run's log: counts and names only, never text.
+    if result.skipped:
+        logger.info("shard %s: already complete, skipped (worker %s)", shard.shard_id, run.worker)
+    else:
+        logger.info(
+            "shard %s: %s on worker %s (engines loaded by this worker: %d, compute threads: %d)",
+            shard.shard_id,
+            shard_line(result, result.device_seconds or seconds, snapshot.cost),
+            run.worker,
+            run.engine_loads,
+            torch.get_num_threads(),
+        )
+    return run
+
+
+def _worker_llm(plan: JobPlan, job_id: str) -> llm_cache.SharedLLM:
+    """This worker's engine for the job: one per worker process, loaded on its first
+    shard and reused by the rest (pipelines/shared_llm.py), computing on the cores the
+    worker owns; its lock keeps this process's shard tasks from generating at once,
+    since the engine is not thread-safe."""
+    threads = worker_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     engine = llm_cache.get_llm(**plan.spec.llm_options)
     if engine.weights_hash != plan.weights_hash:
         # A remote worker resolved the model name to other files than the planner did.
@@ -123,25 +189,12 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
             f"with weights {engine.weights_hash[:12]}, but job {job_id} was planned with "
             f"{plan.weights_hash[:12]}: give every worker the same model files"
         )
-    with engine.lock:
-        result = run_shard(engine.llm, plan, shard)
-    run = ShardRun(result, socket.gethostname(), os.getpid(), llm_cache.num_loads())
-    # Where each shard ran, in the task run's log: counts and names only, never text.
-    _logger().info(
-        "shard %s: %d rows, %s on worker %s (engines loaded by this worker: %d)",
-        shard.shard_id,
-        result.num_rows,
-        "already complete, skipped" if result.skipped else f"{result.device_seconds:.2f} s",
-        run.worker,
-        run.engine_loads,
-    )
-    return run
+    return engine
 
 
 @task(
     task_run_name="ledger job-{plan.job_id}",
-    retries=len(RETRY_DELAYS_S),
-    retry_delay_seconds=RETRY_DELAYS_S,
+    **RETRIES,
     retry_condition_fn=retry_transient,
     cache_policy=NO_CACHE,
 )
@@ -166,3 +219,30 @@ def ledger_task(
         ledger_uri=redact_url(out.join(spec.output, out.LEDGER_FILE)),
     )
     return ledger
+
+
+@task(
+    task_run_name="forecast job-{plan.job_id}",
+    **RETRIES,
+    retry_condition_fn=retry_transient,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def forecast_task(plan: JobPlan, *, planned_before: set[str]) -> Forecast:
+    """A dry run: forecast the planned job (calibrated on this worker's engine unless
+    calibrate is off), record it in OUTPUT/_forecast.json, publish it as an artifact.
+
+    Args:
+        plan: the job plan.
+        planned_before: the plan files in the output before this run planned (kept).
+    """
+    spec = plan.spec
+    done = completed_shards(plan)
+    computes = any(not s.is_copy and s.shard_id not in done for s in plan.shards)
+    engine = _worker_llm(plan, plan.job_id) if spec.calibrate and computes else None
+    with engine.lock if engine else nullcontext():
+        forecast = dry_run(
+            plan, done=done, planned_before=planned_before, llm=engine.llm if engine else None
+        )
+    publish_forecast(forecast)
+    return forecast

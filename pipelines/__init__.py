@@ -3,8 +3,10 @@
 templating  row -> prompt text or chat messages (bad row -> error record)
 tokenize    batch-encode; over-long prompts -> error rows
 plan        order by shared prefix and length; cut each window into content-addressed shards
+dedupe      identical deterministic rows computed once; copy shards give copies the answer
 results     the results schema; a shard's table from engine outputs
 pricing     prices and exact cost arithmetic
+report      figures as people read them ("not set", "no prices set", $0.0123)
 ledger      the per-job ledger, computed from the result rows
 options     the job definition: every option, declared once; every surface derived
 spec        JobSpec: a job's options, validated before any work
@@ -13,8 +15,13 @@ ids         null/duplicate ids over a stream, in 8 bytes a row
 spill       a shard's planned rows as a table (the plan files under OUTPUT/_plan/)
 output      the output directory layout and its atomic reads/writes
 planning    plan_job: read, template, tokenize, shard - before any model is loaded
+cache_forecast  the prefix cache's hits over the plan's order; the engine's loop, scripted
+calibration a short timed run of a sample: completion lengths and step costs
+forecast    the bill before the job runs: exact tokens, bounds, estimates
+progress    a run's progress per engine step: tokens, rate, ETA, cost so far
 running     prepare_output / run_shard: generate one shard, publish its part
+dry_run     forecast a planned job, record it, keep nothing else
 finalizing  finalize_job: check the parts, write the ledger
-job         run_job: the three stages composed
-notebook    generate(): DataFrame in, DataFrame out, in input order
+job         run_job: the three stages composed (or the dry run)
+notebook    generate(), forecast(): DataFrame in, DataFrame out, in input order
 """

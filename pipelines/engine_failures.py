@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.engine.outputs import RequestMetrics, RequestOutput
+from tokenmill.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from tokenmill.engine.pooling_outputs import PoolingOutput
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
@@ -32,6 +32,7 @@ from tokenmill.pipelines.tokenize import PromptRow
 log = logging.getLogger(__name__)
 
 OnOutput = Callable[[RequestOutput], None]
+OnStep = Callable[[EngineStats], None]
 
 
 class EngineBrokenError(RuntimeError):
@@ -46,6 +47,7 @@ def generate_with_rule(
     shard_id: str,
     on_output: OnOutput | None = None,
     loras: list | None = None,
+    on_step: OnStep | None = None,
 ) -> dict[int, RequestOutput]:
     """Generate `rows` (all with prompts) under the engine-failure rule above.
 
@@ -57,6 +59,7 @@ def generate_with_rule(
         on_output: called with each RequestOutput as it finishes.
         loras: the job's LoRARequests, indexed by `PromptRow.lora_index` (None: no
             adapters).
+        on_step: called after each engine step with the engine's cumulative stats.
 
     Returns:
         The engine's output per row index; a request that failed alone has an output
@@ -70,7 +73,9 @@ def generate_with_rule(
     error: Exception | None = None
     for attempt in (1, 2):
         try:
-            return generate_rows(llm, rows, params, on_output=on_output, loras=loras)
+            return generate_rows(
+                llm, rows, params, on_output=on_output, on_step=on_step, loras=loras
+            )
         except Exception as exc:
             error = exc
             log.warning(
@@ -85,7 +90,9 @@ def generate_with_rule(
     num_failed = 0
     for row in rows:
         try:
-            results.update(generate_rows(llm, [row], params, on_output=on_output, loras=loras))
+            results.update(
+                generate_rows(llm, [row], params, on_output=on_output, on_step=on_step, loras=loras)
+            )
         except Exception as exc:
             results[row.row_index] = _failed(row, f"engine error: {type(exc).__name__}: {exc}")
             num_failed += 1
@@ -110,8 +117,9 @@ def generate_rows(
     params: list[SamplingParams],
     *,
     on_output: OnOutput | None = None,
+    on_step: OnStep | None = None,
     loras: list | None = None,
-) -> dict[int, RequestOutput]:
+) -> dict[int, RequestOutput | PoolingOutput]:
     """Generate every row that has a prompt, in the given order, each with its params -
     one `LLM.generate` call, no rule (notebooks call it directly; jobs through
     `generate_with_rule`).
@@ -123,6 +131,8 @@ def generate_rows(
         on_output: called with each RequestOutput as it finishes.
         loras: the job's LoRARequests, indexed by `PromptRow.lora_index` (None: no
             adapters, and `generate` is called without lora_request).
+        on_step: called after each engine step with the engine's cumulative stats
+            (passed on only when given, so an LLM stand-in without it still works).
 
     Returns:
         The engine's output per row index (a PoolingOutput for a pooling row).
@@ -132,6 +142,9 @@ def generate_rows(
     # generation rows) go through `LLM.encode`, the rest through `LLM.generate`.
     pooled = [r for r in good if isinstance(params[r.params_index], PoolingParams)]
     generating = [r for r in good if not isinstance(params[r.params_index], PoolingParams)]
+    hooks: dict[str, Any] = {"on_output": on_output}
+    if on_step is not None:
+        hooks["on_step"] = on_step
     outputs: dict[int, RequestOutput | PoolingOutput] = {}
     if generating:
         adapters = {}
@@ -140,7 +153,7 @@ def generate_rows(
         generated = llm.generate(
             [r.token_ids for r in generating],
             [params[r.params_index] for r in generating],
-            on_output=on_output,
+            **hooks,
             **adapters,
         )
         outputs.update((r.row_index, o) for r, o in zip(generating, generated))

@@ -71,6 +71,9 @@ def finalize_job(
         spec.output, [s.shard_id for s in plan.shards], spec.storage_options
     )
     starts = [s.started_at for s in stats] + ([run_started_at] if run_started_at else [])
+    forecast = out.read_forecast(spec.output, spec.storage_options)
+    if forecast is not None and forecast.get("job_id") != plan.job_id:
+        forecast = None  # a dry run of another job (other input or options)
     ledger = compute_ledger(
         sums,
         stats,
@@ -89,6 +92,7 @@ def finalize_job(
         task=spec.task,
         adapters=[(a.name, a.weights_hash) for a in plan.adapters],
         adapter_sums=per_adapter,
+        forecast=forecast,
     )
     out.write_ledger(
         ledger,
@@ -98,6 +102,7 @@ def finalize_job(
     )
     try:
         out.remove_plan(spec.output, spec.storage_options)
+        out.remove_progress(spec.output, spec.storage_options)
     except OSError as exc:  # the job is done; leftover plan files are only clutter
         log.warning("job %s: could not remove its plan files: %s", plan.job_id, exc)
     log.info(
@@ -150,18 +155,20 @@ def _write_openai_output(
     """Check and add up every part, and write `OUTPUT/results.jsonl` from them in input
     order, in one pass over the parts.
 
-    A window's shards cover a contiguous range of rows, so sorting each window's rows
-    by row index and writing the windows in order gives the input order. The file is
-    written atomically: a part that fails its check leaves no output file behind.
-    /v1/embeddings rows are joined into one response per request line
-    (`connectors/openai_embeddings.py`), whichever windows its rows fell in.
+    A window's shards (its copy shard included, which comes after every compute shard)
+    cover a contiguous range of rows, so sorting each window's rows by row index and
+    writing the windows in order gives the input order. The file is written atomically:
+    a part that fails its check leaves no output file behind. /v1/embeddings rows are
+    joined into one response per request line (`connectors/openai_embeddings.py`),
+    whichever windows its rows fell in.
     """
     spec = plan.spec
     sums = token_sums(RESULT_SCHEMA.empty_table())
     created = int(time.time())
     embeddings = EmbeddingResponses(model_name=plan.model_name, batch_id=plan.job_id)
+    by_window = sorted(plan.shards, key=lambda shard: shard.window)  # stable: plan order kept
     with out.openai_results_writer(spec.output, spec.storage_options) as write:
-        for _, shards in itertools.groupby(plan.shards, key=lambda shard: shard.window):
+        for _, shards in itertools.groupby(by_window, key=lambda shard: shard.window):
             tables = []
             for shard in shards:
                 # The plan file is read with the columns the output lines need too, so no

@@ -19,6 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -70,9 +71,10 @@ class JobLedger:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    price_input_per_1m: float
-    price_cached_input_per_1m: float
-    price_output_per_1m: float
+    # None: the price was not given (it charged nothing).
+    price_input_per_1m: float | None
+    price_cached_input_per_1m: float | None
+    price_output_per_1m: float | None
     price_device_per_hour: float | None
     cost_input: float
     cost_cached_input: float
@@ -101,6 +103,19 @@ class JobLedger:
     # Rows answered per device-second (the figure embedding jobs are judged by); None for
     # ledgers written before it was kept.
     throughput_rows_per_s: float | None = None
+    # Rows that took an identical row's answer and billed no tokens (pipelines/dedupe.py).
+    rows_deduplicated: int = 0
+    # The dry run's forecast of this job (pipelines/forecast.py), beside the actuals
+    # above; None when the job was not forecast. Seconds: compute seconds the dry run
+    # expected to run; completion tokens and cost: its estimates, with their bounds.
+    forecast_prompt_tokens: int | None = None
+    forecast_cached_tokens: int | None = None
+    forecast_completion_tokens: int | None = None
+    forecast_completion_tokens_max: int | None = None
+    forecast_cost: float | None = None
+    forecast_cost_min: float | None = None
+    forecast_cost_max: float | None = None
+    forecast_seconds: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,6 +149,10 @@ def _arrow_type(annotation: str) -> pa.DataType:
 LEDGER_SCHEMA = pa.schema([pa.field(f.name, _arrow_type(f.type)) for f in fields(JobLedger)])
 
 
+def _price(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100) by linear interpolation (numpy's default); None if empty."""
     if not 0 <= q <= 100:
@@ -147,19 +166,23 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def token_sums(results: pa.Table) -> dict[str, int]:
-    """rows_ok, rows_failed and token sums over a results table."""
+    """rows_ok, rows_failed, token sums and rows_deduplicated over a results table."""
 
     def total(name: str) -> int:
         value = pc.sum(results[name]).as_py()
         return int(value or 0)
 
     failed = int(pc.sum(pc.equal(results["finish_reason"], "error")).as_py() or 0)
+    copies = 0
+    if "duplicate_of" in results.column_names:
+        copies = results.num_rows - results["duplicate_of"].null_count
     return {
         "rows_ok": results.num_rows - failed,
         "rows_failed": failed,
         "prompt_tokens": total("prompt_tokens"),
         "cached_tokens": total("cached_tokens"),
         "completion_tokens": total("completion_tokens"),
+        "rows_deduplicated": copies,
     }
 
 
@@ -240,6 +263,7 @@ def compute_ledger(
     task: str = GENERATE,
     adapters: Sequence[tuple[str, str]] = (),
     adapter_sums: AdapterSums | None = None,
+    forecast: Mapping[str, Any] | None = None,
 ) -> JobLedger:
     """Build a job's ledger from its result rows and its shards' stats.
 
@@ -253,6 +277,8 @@ def compute_ledger(
             its cost is the prompt tokens' at the input and cached-input prices.
         adapters: the job's LoRA adapters, (name, weights hash) each; with them,
             `adapter_sums` (`add_adapter_sums` over the parts) gives the split.
+        forecast: the job's dry-run forecast (`Forecast.to_dict()`), recorded beside
+            the actuals.
         (the rest are recorded as given; URIs are redacted of credentials)
 
     Returns:
@@ -285,9 +311,9 @@ def compute_ledger(
         num_shards=num_shards,
         num_shards_run=num_shards_run,
         **sums,
-        price_input_per_1m=float(prices.input_per_1m),
-        price_cached_input_per_1m=float(prices.cached_input),
-        price_output_per_1m=float(prices.output_per_1m),
+        price_input_per_1m=_price(prices.input_per_1m),
+        price_cached_input_per_1m=_price(prices.cached_input_given),
+        price_output_per_1m=_price(prices.output_per_1m),
         price_device_per_hour=prices.device_per_hour,
         **asdict(costs),
         device=",".join(devices),
@@ -303,4 +329,24 @@ def compute_ledger(
         task=task,
         adapters=adapter_split(adapter_sums or {}, adapters, prices) if adapters else None,
         throughput_rows_per_s=rate(sums["rows_ok"]),
+        **_forecast_fields(forecast),
     )
+
+
+# ledger field -> the forecast's field it records
+FORECAST_FIELDS = {
+    "forecast_prompt_tokens": "prompt_tokens",
+    "forecast_cached_tokens": "cached_tokens",
+    "forecast_completion_tokens": "completion_tokens_estimate",
+    "forecast_completion_tokens_max": "completion_tokens_max",
+    "forecast_cost": "cost_estimate",
+    "forecast_cost_min": "cost_min",
+    "forecast_cost_max": "cost_max",
+    "forecast_seconds": "seconds_estimate",
+}
+
+
+def _forecast_fields(forecast: Mapping[str, Any] | None) -> dict[str, Any]:
+    if forecast is None:
+        return {}
+    return {name: forecast.get(source) for name, source in FORECAST_FIELDS.items()}

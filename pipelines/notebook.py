@@ -1,5 +1,6 @@
 """`tokenmill.generate`, `tokenmill.score` and `tokenmill.embed` / `classify` / `rerank`: a
-DataFrame's rows answered, scored or pooled in a notebook, results in input order.
+DataFrame's rows answered, scored or pooled in a notebook, results in input order;
+`tokenmill.forecast`: what `generate` will cost.
 
 The same options (`pipelines/options.py`, the NOTEBOOK surface), templating,
 tokenizing, ordering and results code as a batch job, without shards or files: rows
@@ -11,8 +12,10 @@ engine options - does not load it again.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -27,8 +30,10 @@ from tokenmill.pipelines.adapters import (
     describe_job_adapters,
     lora_requests,
 )
+from tokenmill.pipelines.dedupe import find_copies
 from tokenmill.pipelines.engine_failures import generate_rows
-from tokenmill.pipelines.option_types import NOTEBOOK, POOL, PROMPT, SAMPLE
+from tokenmill.pipelines.forecast import Forecast, Work, engine_facts, forecast_work, requests_of
+from tokenmill.pipelines.option_types import JOB, NOTEBOOK, POOL, PRICES, PROMPT, SAMPLE
 from tokenmill.pipelines.options import check_options, llm_options, routed, takes_options
 from tokenmill.pipelines.parsed import with_parsed
 from tokenmill.pipelines.plan import order_rows
@@ -40,9 +45,11 @@ from tokenmill.pipelines.pooling import (
     PoolingLayout,
     tokenize_pooling_rows,
 )
+from tokenmill.pipelines.pricing import Prices
 from tokenmill.pipelines.reading import check_ids, lora_indices, mark_bad_rows, params_indices
 from tokenmill.pipelines.results import (
     DECODE_REPLACED,
+    DUPLICATE_OF,
     build_results,
     check_passthrough,
     extra_columns,
@@ -61,7 +68,7 @@ from tokenmill.pipelines.templating import (
     required_columns,
     validate_columns,
 )
-from tokenmill.pipelines.tokenize import chat_renderer, tokenize_rows
+from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
 
 
 def to_arrow(data: Any) -> pa.Table:
@@ -234,6 +241,28 @@ def _column(options: dict[str, Any], column: str | None) -> dict[str, Any]:
     return {**options, "prompt_column": column}
 
 
+@dataclass
+class _Prepared:
+    """A DataFrame's rows ready for the engine."""
+
+    values: dict[str, Any]  # the checked options
+    table: pa.Table
+    passthrough: list[str]
+    llm: Any
+    lock: Any
+    params: ParamsTable
+    rows: list[PromptRow]  # every row, in input order
+    copies: dict[int, int]  # copy row index -> source row index (dedupe)
+    replaced: list[bool] | None  # rows whose input bytes were replaced (or None)
+    layout: PoolingLayout | None  # a pooling task's results layout
+    adapters: list  # the LoRA adapters rows may choose (pipelines/adapters.py)
+
+    @property
+    def computed(self) -> list[PromptRow]:
+        """The rows the engine computes, in the order it runs them."""
+        return order_rows([r for r in self.rows if r.row_index not in self.copies])
+
+
 def _run(
     data: Any,
     task: str,
@@ -246,6 +275,92 @@ def _run(
     input order."""
     import polars as pl
 
+    job = _prepare(data, task, llm=llm, options=options)
+    with job.lock:
+        outputs = generate_rows(
+            job.llm,
+            job.computed,
+            job.params.params,
+            on_output=on_output,
+            loras=lora_requests(job.adapters) if job.adapters else None,
+        )
+    ids = [r.id for r in job.rows]  # row_index is the position in `data`
+    extras = extra_columns(job.params.params, has_adapters=bool(job.adapters))
+    extras += (DUPLICATE_OF,) if job.copies else ()
+    carried = job.table.select(list(job.passthrough))
+    if job.replaced is not None:
+        carried = carried.add_column(0, DECODE_REPLACED, pa.array(job.replaced, pa.bool_()))
+    results = build_results(
+        job.rows,
+        outputs,
+        passthrough=carried,
+        task=task,
+        extras=extras,
+        adapters=adapter_names(job.adapters),
+        layout=job.layout,
+        copies={copy: (source, ids[source]) for copy, source in job.copies.items()},
+    )
+    frame = pl.from_arrow(results)
+    if job.values["parse"]:
+        frame = with_parsed(frame, job.values["json_schema"])
+    return frame
+
+
+@takes_options(NOTEBOOK)
+def forecast(data: Any, *, llm: Any = None, calibrate: bool = True, **options: Any) -> Forecast:
+    """What `generate(data, **options)` will cost, before it runs (`pipelines/forecast.py`).
+
+    The rows are templated, tokenized, deduplicated and ordered exactly as `generate`
+    does, then forecast: prompt and cached tokens exact (for an engine whose prefix
+    cache starts empty), completion tokens between their bounds, costs, and - with
+    `calibrate` - estimates of completion tokens and seconds from a short run of a
+    sample of the rows.
+
+    Args:
+        data: as for `generate`.
+        llm: an already loaded LLM (default: the shared engine, loaded if needed).
+        calibrate: run the calibration sample (off: exact and bounded figures only).
+        **options: as for `generate`, plus the prices: price_input, price_cached,
+            price_output, price_device_hour (USD per 1M tokens, per device-hour).
+
+    Returns:
+        The Forecast (`job_id` None: a notebook call is not a job).
+    """
+    prices = {name: options.pop(name) for name in _PRICE_OPTIONS if name in options}
+    job = _prepare(data, GENERATE, llm=llm, options=options)
+    batch = requests_of(job.computed, job.params.params)
+    work = Work(
+        [batch],
+        rows=len(job.rows),
+        rows_failed=sum(1 for r in job.rows if r.error is not None),
+        rows_deduplicated=len(job.copies),
+    )
+    with job.lock:
+        return forecast_work(
+            work,
+            engine=engine_facts({}, None, job.llm),
+            prices=Prices(**routed(check_options(prices, surface=JOB), PRICES)),
+            task=GENERATE,
+            model=getattr(job.llm, "model_name", "model"),
+            llm=job.llm if calibrate else None,
+        )
+
+
+_PRICE_OPTIONS = ("price_input", "price_cached", "price_output", "price_device_hour")
+forecast.__signature__ = forecast.__signature__.replace(
+    parameters=[
+        *forecast.__signature__.parameters.values(),
+        *(
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+            for name in _PRICE_OPTIONS
+        ),
+    ]
+)
+
+
+def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Prepared:
+    """Check the options, load the engine if needed, and template, tokenize and
+    deduplicate the rows of `data`."""
     values = check_options(options, surface=NOTEBOOK)
     values = resolve_task({**values, "task": task})
     template = TemplateSpec(**routed(values, PROMPT))
@@ -317,30 +432,20 @@ def _run(
         )
     if template.id_column is not None:
         check_ids(rows, id_column=template.id_column, source="data")
-    with lock:
-        outputs = generate_rows(
-            llm,
-            order_rows(rows),
-            params.params,
-            on_output=on_output,
-            loras=lora_requests(adapters) if adapters else None,
-        )
-    carried = table.select(list(passthrough))
-    if replaced is not None:
-        carried = carried.add_column(0, DECODE_REPLACED, pa.array(replaced, pa.bool_()))
-    results = build_results(
+    copies = find_copies(rows, params.params) if values["dedupe"] else {}
+    return _Prepared(
+        values,
+        table,
+        list(passthrough),
+        llm,
+        lock,
+        params,
         rows,
-        outputs,
-        passthrough=carried,
-        task=task,
-        extras=extra_columns(params.params, has_adapters=bool(adapters)),
-        adapters=adapter_names(adapters),
-        layout=layout,
+        copies,
+        replaced,
+        layout,
+        adapters,
     )
-    frame = pl.from_arrow(results)
-    if values["parse"]:
-        frame = with_parsed(frame, values["json_schema"])
-    return frame
 
 
 def _pooling_rows(

@@ -512,8 +512,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "price_input",
         FLOAT,
-        0.0,
-        "USD per 1M uncached prompt tokens.",
+        None,
+        "USD per 1M uncached prompt tokens (default: not set, charged 0).",
         COSTS,
         surfaces=BATCH,
         to=PRICES,
@@ -534,8 +534,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "price_output",
         FLOAT,
-        0.0,
-        "USD per 1M completion tokens.",
+        None,
+        "USD per 1M completion tokens (default: not set, charged 0).",
         COSTS,
         surfaces=BATCH,
         to=PRICES,
@@ -578,6 +578,36 @@ OPTIONS: tuple[Option, ...] = (
         BOOL,
         True,
         "Skip shards already complete in the output; off recomputes everything.",
+        RUN,
+        surfaces=BATCH,
+    ),
+    Option(
+        "dedupe",
+        BOOL,
+        True,
+        "Compute rows whose prompt and sampling parameters are identical once, when their "
+        "answer is deterministic (greedy, or a seed); each copy gets the answer, its "
+        "`duplicate_of` column names the row computed, and it bills no tokens.",
+        RUN,
+    ),
+    Option(
+        "dry_run",
+        BOOL,
+        False,
+        "Plan the job and forecast it - rows, prompt and cached tokens (exact), completion "
+        "tokens, cost and duration - without computing it; only OUTPUT/_forecast.json is "
+        "written, which the job's ledger later shows beside the actuals.",
+        RUN,
+        surfaces=BATCH,
+        flag="--dry-run/--no-dry-run",
+    ),
+    Option(
+        "calibrate",
+        BOOL,
+        True,
+        "With dry_run: time a short run of a sample of the job's own rows (at most 5% of "
+        "them, about 30 s) to estimate completion tokens and duration; off, the forecast "
+        "gives the exact and bounded figures only and loads no model.",
         RUN,
         surfaces=BATCH,
     ),

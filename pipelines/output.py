@@ -9,6 +9,12 @@
                                         job finishes
     OUTPUT/_input.json                  the input's fingerprint (files, sizes, versions): a
                                         resumed run refuses an input that changed
+    OUTPUT/_forecast.json               a dry run's forecast (`pipelines/forecast.py`); the
+                                        job's ledger shows it beside the actuals
+    OUTPUT/_cut.json                    how the job's shards were cut ({"min_shards": N}), so a
+                                        resume on another number of workers cuts the same
+    OUTPUT/_progress/<shard_id>.json    a running flow shard's progress (`flows/progress.py`);
+                                        removed when the job finishes
     OUTPUT/_lock.json                   the lock of the run writing here (`output_lock`)
 
 A shard is complete iff its part exists: the stats file is written first, so a part
@@ -48,6 +54,9 @@ RESULTS_DIR = "results"
 STATS_DIR = "shard_stats"
 PLAN_DIR = "_plan"  # "_": hidden from anyone reading OUTPUT as a dataset
 INPUT_FILE = "_input.json"
+FORECAST_FILE = "_forecast.json"
+CUT_FILE = "_cut.json"
+PROGRESS_DIR = "_progress"
 LEDGER_FILE = "ledger.json"
 OPENAI_RESULTS_FILE = "results.jsonl"
 DEFAULT_LEDGER_DIR = "ledger"
@@ -108,6 +117,13 @@ def write_shard(
     return write_part(
         table, results_uri(output), stats.shard_id, format=fmt, storage_options=storage_options
     )
+
+
+def read_shard_part(
+    output: str, shard_id: str, fmt: str, storage_options: StorageOptions = None
+) -> pa.Table:
+    """One completed shard's result rows (FileNotFoundError if its part is not published)."""
+    return read_part(join(results_uri(output), f"{shard_id}.{fmt}"), storage_options)
 
 
 def result_parts(output: str, storage_options: StorageOptions = None) -> dict[str, list[str]]:
@@ -291,6 +307,68 @@ def write_input_fingerprint(
     write_json_atomic(join(output, INPUT_FILE), fingerprint, storage_options)
 
 
+def write_cut(output: str, min_shards: int, storage_options: StorageOptions = None) -> None:
+    """Record how the job's shards were cut (`planning.plan_job`'s min_shards)."""
+    write_json_atomic(join(output, CUT_FILE), {"min_shards": min_shards}, storage_options)
+
+
+def read_cut(output: str, storage_options: StorageOptions = None) -> int | None:
+    """The min_shards the output's results were cut with (None: not recorded)."""
+    try:
+        return int(read_json(join(output, CUT_FILE), storage_options)["min_shards"])
+    except FileNotFoundError:
+        return None
+
+
+def write_progress(
+    output: str, shard_id: str, progress: dict[str, Any], storage_options: StorageOptions = None
+) -> None:
+    """Record a running shard's progress (replacing its last record)."""
+    write_json_atomic(join(output, PROGRESS_DIR, f"{shard_id}.json"), progress, storage_options)
+
+
+def read_progress(output: str, storage_options: StorageOptions = None) -> dict[str, dict]:
+    """Every shard's last progress record, by shard id (a record being replaced is skipped)."""
+    fs, directory = resolve(join(output, PROGRESS_DIR), storage_options)
+    fs.invalidate_cache(directory)
+    if not fs.isdir(directory):
+        return {}
+    records = {}
+    for path in fs.ls(directory, detail=False):
+        name = posixpath.basename(path.rstrip("/"))
+        if is_temp_name(name) or not name.endswith(".json"):
+            continue
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            records[name[: -len(".json")]] = read_json(
+                join(output, PROGRESS_DIR, name), storage_options
+            )
+    return records
+
+
+def remove_progress(output: str, storage_options: StorageOptions = None) -> None:
+    """Delete the progress records (the job is finished)."""
+    fs, directory = resolve(join(output, PROGRESS_DIR), storage_options)
+    fs.invalidate_cache(directory)
+    with store_operation("removing", display(fs, directory)):
+        if fs.exists(directory):
+            fs.rm(directory, recursive=True)
+
+
+def write_forecast(
+    output: str, forecast: dict[str, Any], storage_options: StorageOptions = None
+) -> None:
+    """Record a dry run's forecast (a `Forecast.to_dict()`) in the output."""
+    write_json_atomic(join(output, FORECAST_FILE), forecast, storage_options)
+
+
+def read_forecast(output: str, storage_options: StorageOptions = None) -> dict[str, Any] | None:
+    """The forecast a dry run recorded in the output (None: none was)."""
+    try:
+        return read_json(join(output, FORECAST_FILE), storage_options)
+    except FileNotFoundError:
+        return None
+
+
 def remove_temp_files(output: str, storage_options: StorageOptions = None) -> int:
     """Delete temporary files that killed runs left in the output's directories.
 
@@ -306,6 +384,7 @@ def remove_temp_files(output: str, storage_options: StorageOptions = None) -> in
         results_uri(output),
         join(output, STATS_DIR),
         plan_uri(output),
+        join(output, PROGRESS_DIR),
         default_ledger_dataset(output),
     ):
         fs, path = resolve(directory, storage_options)

@@ -61,6 +61,10 @@ class Shard:
     num_rows: int
     num_tokens: int  # estimated work: prompt tokens + max completion tokens
     window: int = 0  # the planning window the shard was cut from
+    # A copy shard (pipelines/dedupe.py): its rows take earlier identical rows' answers
+    # from their published parts; nothing is computed, and it runs after every other shard.
+    is_copy: bool = False
+    num_prompt_tokens: int = 0  # of num_tokens, the prompts' (the rest: completion budget)
 
     def __post_init__(self) -> None:
         if self.num_rows < 1:
@@ -149,12 +153,50 @@ def shard_id(
     return h.hexdigest()[:20]
 
 
+def _greedy_cut(costs: Sequence[int], budget: int, max_rows: int | None = None) -> list[int]:
+    """Where `cut_shards` closes its shards: the end index of each (rows of `costs`)."""
+    ends = []
+    current_cost = current_rows = 0
+    for i, cost in enumerate(costs):
+        full = max_rows is not None and current_rows >= max_rows
+        # An error row costs nothing: it rides along, and never opens a shard of its own.
+        if current_rows and (full or (cost and current_cost + cost > budget)):
+            ends.append(i)
+            current_cost = current_rows = 0
+        current_rows += 1
+        current_cost += cost
+    if current_rows:
+        ends.append(len(costs))
+    return ends
+
+
+def budget_for(costs: Sequence[int], shard_tokens: int, min_shards: int) -> int:
+    """The budget that cuts rows of these costs (in order) into `min_shards` shards as
+    even as the order allows - the smallest budget that needs no more than that many -
+    or `shard_tokens` when that already cuts at least as many. When no budget gives
+    exactly `min_shards` (a few rows far costlier than the rest), the next one that
+    gives more."""
+    if min_shards <= 1 or len(_greedy_cut(costs, shard_tokens)) >= min_shards:
+        return shard_tokens
+    low, high = 1, shard_tokens
+    while low < high:  # the greedy cut's shard count never grows with the budget
+        middle = (low + high) // 2
+        if len(_greedy_cut(costs, middle)) <= min_shards:
+            high = middle
+        else:
+            low = middle + 1
+    if len(_greedy_cut(costs, low)) < min_shards and low > 1:
+        return low - 1
+    return low
+
+
 def cut_shards(
     ordered: Sequence[PromptRow],
     params: Sequence[SamplingParams],
     *,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     max_rows: int | None = None,
+    min_shards: int = 1,
     model_key: str,
     task: str = GENERATE,
     first_index: int = 0,
@@ -172,6 +214,8 @@ def cut_shards(
         params: the job's distinct SamplingParams, indexed by `PromptRow.params_index`.
         shard_tokens: the token budget per shard (prompt + max completion tokens).
         max_rows: optional cap on rows per shard.
+        min_shards: cut at least this many shards where the rows allow (one per worker
+            that will run them), by lowering the budget as little as that takes.
         model_key: identifies the model (e.g. its weights hash) for the shard ids.
         task: the job's task (`pipelines/scoring.py`), also in the shard ids.
         first_index: the first shard's `index` (the shards of earlier windows come first).
@@ -185,23 +229,14 @@ def cut_shards(
         raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-    groups: list[list[PromptRow]] = []
-    costs: list[int] = []
-    current: list[PromptRow] = []
-    current_cost = 0
-    for row in ordered:
-        row_params = params[row.params_index]
-        cost = row_cost(row, row_params.max_tokens * row_params.n)
-        full = max_rows is not None and len(current) >= max_rows
-        if current and (current_cost + cost > shard_tokens or full):
-            groups.append(current)
-            costs.append(current_cost)
-            current, current_cost = [], 0
-        current.append(row)
-        current_cost += cost
-    if current:
-        groups.append(current)
-        costs.append(current_cost)
+    row_costs = [
+        row_cost(r, params[r.params_index].max_tokens * params[r.params_index].n) for r in ordered
+    ]
+    budget = budget_for(row_costs, shard_tokens, min_shards)
+    ends = _greedy_cut(row_costs, budget, max_rows)
+    starts = [0, *ends[:-1]]
+    groups = [list(ordered[a:b]) for a, b in zip(starts, ends)]
+    costs = [sum(row_costs[a:b]) for a, b in zip(starts, ends)]
     return [
         PlannedShard(
             Shard(
@@ -211,6 +246,7 @@ def cut_shards(
                 num_rows=len(g),
                 num_tokens=c,
                 window=window,
+                num_prompt_tokens=sum(r.num_prompt_tokens for r in g),
             ),
             tuple(g),
         )
@@ -227,6 +263,7 @@ def plan_shards(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     group_tokens: int = DEFAULT_GROUP_TOKENS,
     max_rows: int | None = None,
+    min_shards: int = 1,
     first_index: int = 0,
     window: int = 0,
     adapter_keys: Sequence[str] = (),
@@ -238,6 +275,7 @@ def plan_shards(
         params,
         shard_tokens=shard_tokens,
         max_rows=max_rows,
+        min_shards=min_shards,
         model_key=model_key,
         task=task,
         first_index=first_index,

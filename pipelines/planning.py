@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,21 +33,24 @@ from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.adapters import JobAdapter, describe_job_adapters, lora_requests
+from tokenmill.pipelines.dedupe import Deduplicator, copy_shard
 from tokenmill.pipelines.model_description import (
     ModelDescription,
     describe_model,
     name_with_revision,
 )
-from tokenmill.pipelines.plan import PlannedShard, Shard, job_id, plan_shards
+from tokenmill.pipelines.plan import Shard, job_id, plan_shards
 from tokenmill.pipelines.pooling import (
     POOLING_JOB_TASKS,
     PoolingInputs,
     PoolingLayout,
 )
 from tokenmill.pipelines.reading import Window, read_windows
+from tokenmill.pipelines.results import DUPLICATE_OF, extra_columns
 from tokenmill.pipelines.spec import ConstraintCheck, JobSpec, ParamsTable
 from tokenmill.pipelines.spill import shard_table
 from tokenmill.pipelines.templating import required_columns, text_columns
+from tokenmill.pipelines.tokenize import PromptRow
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,12 @@ class JobPlan:
     adapters: list[JobAdapter] = field(default_factory=list)
     # A pooling job's results layout: its embedding size and dtype, its label names.
     layout: PoolingLayout | None = None
+    # Rows that take an identical earlier row's answer (pipelines/dedupe.py); they are in
+    # the copy shards, which come after every compute shard in `shards`.
+    rows_deduplicated: int = 0
+    # Where the planner found the model's files (a forecast sizes the engine from them).
+    model_dir: str | None = None
+    min_shards: int = 1  # the fewest shards a window was cut into, rows allowing
 
     @property
     def num_tokens(self) -> int:
@@ -81,8 +91,14 @@ class JobPlan:
         adapters."""
         return lora_requests(self.adapters) if self.adapters else None
 
+    @property
+    def result_extras(self) -> tuple[str, ...]:
+        """The optional result columns every part of this job has (`results.py`)."""
+        extras = extra_columns(self.params, has_adapters=bool(self.adapters))
+        return (*extras, DUPLICATE_OF) if self.rows_deduplicated else extras
 
-def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
+
+def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     """Read, template, tokenize and shard a job - everything before compute.
 
     The source is opened and validated first (missing file, corrupt file, bad URL,
@@ -96,6 +112,10 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         spec: the job.
         llm: an already loaded LLM to plan for (its model, tokenizer and context
             length); default: `spec.model`, described from its files.
+        min_shards: cut each window into at least this many shards where its rows allow
+            (one per worker that will run them: a flow on N workers asks for N). A job
+            resumed over parts of an earlier run keeps the cut that run recorded
+            (`OUTPUT/_cut.json`), so it plans the same shards whatever runs it now.
 
     Returns:
         The JobPlan.
@@ -123,6 +143,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
     )
     fingerprint = source.fingerprint()
     _check_input_unchanged(spec, fingerprint)
+    min_shards = _min_shards(spec, min_shards)
     model, tokenizer, max_model_len = _model_for(spec, llm)
     # An adapter that is missing or does not fit the model fails the job here.
     adapters = _adapters_for(spec, model, llm)
@@ -130,7 +151,9 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
     # A job-level constraint that cannot be compiled fails the job here, before any rows.
     params = ParamsTable(spec.sampling, check=_constraint_check(model, tokenizer, llm))
     shards: list[Shard] = []
+    copy_shards: list[Shard] = []
     num_rows = num_failed = 0
+    dedupe = Deduplicator(params.params) if spec.dedupe else None
     # Another plan's files may have our shard ids (same rows, same id): if this planning
     # fails, it removes only the files it added.
     existing = out.planned_shards(spec.output, spec.storage_options)
@@ -145,25 +168,43 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
     )
     try:
         for window in windows:
-            for planned in plan_shards(
-                window.rows,
+            rows = dedupe.split(window.rows) if dedupe is not None else window.rows
+            planned_shards = plan_shards(
+                rows,
                 params.params,
                 model_key=model.model_key,
                 task=spec.task,
                 shard_tokens=spec.shard_tokens,
+                min_shards=min_shards,
                 first_index=len(shards),
                 window=window.index,
                 adapter_keys=[a.weights_hash for a in adapters],
-            ):
-                _spill(spec, planned, window)
+            )
+            for planned in planned_shards:
+                _spill(spec, planned.shard.shard_id, planned.rows, window)
                 shards.append(planned.shard)
+            copies = dedupe.sources_cut(planned_shards) if dedupe is not None else []
+            if copies:
+                shard = copy_shard(
+                    copies,
+                    params.params,
+                    model_key=model.model_key,
+                    task=spec.task,
+                    window=window.index,
+                    adapter_keys=[a.weights_hash for a in adapters],
+                )
+                sources = [(c.source_row_index, c.source_shard) for c in copies]
+                _spill(spec, shard.shard_id, [c.row for c in copies], window, sources)
+                copy_shards.append(shard)
             num_rows += len(window.rows)
             num_failed += sum(1 for r in window.rows if r.error is not None)
             fault_point("plan_window")
     except BaseException:
-        added = [s.shard_id for s in shards if s.shard_id not in existing]
+        added = [s.shard_id for s in shards + copy_shards if s.shard_id not in existing]
         out.remove_plan(spec.output, spec.storage_options, shard_ids=added)
         raise
+    # Copy shards read their sources' parts: they come after every compute shard.
+    shards += [replace(s, index=len(shards) + i) for i, s in enumerate(copy_shards)]
     plan = JobPlan(
         spec=spec,
         job_id=job_id(shards, output=_canonical_location(spec.output)),
@@ -176,16 +217,41 @@ def plan_job(spec: JobSpec, *, llm: Any = None) -> JobPlan:
         input_fingerprint=fingerprint,
         adapters=adapters,
         layout=_layout(spec, pooling),
+        rows_deduplicated=dedupe.num_copies if dedupe is not None else 0,
+        model_dir=str(model.model_dir),
+        min_shards=min_shards,
     )
     log.info(
-        "planned job %s: %d rows (%d failed before compute), %d shards, ~%d tokens",
+        "planned job %s: %d rows (%d failed before compute, %d duplicates computed once), "
+        "%d shards, ~%d tokens",
         plan.job_id,
         plan.num_rows,
         plan.num_failed,
+        plan.rows_deduplicated,
         len(shards),
         plan.num_tokens,
     )
     return plan
+
+
+def _min_shards(spec: JobSpec, requested: int) -> int:
+    """The cut to plan with: the one recorded with results being resumed, else `requested`."""
+    if requested < 1:
+        raise ValueError(f"min_shards must be >= 1, got {requested}")
+    if not spec.resume:
+        return requested
+    recorded = out.read_cut(spec.output, spec.storage_options)
+    if recorded is None or recorded == requested:
+        return requested
+    if not out.completed_shards(spec.output, spec.storage_options):
+        return requested
+    log.info(
+        "resuming results cut into at least %d shards per window (asked for %d): the same "
+        "shards as the first run",
+        recorded,
+        requested,
+    )
+    return recorded
 
 
 def _check_input_unchanged(spec: JobSpec, fingerprint: list[dict[str, Any]]) -> None:
@@ -327,15 +393,22 @@ def _canonical_location(uri: str) -> str:
     return uri if "://" in uri else os.path.abspath(uri)
 
 
-def _spill(spec: JobSpec, planned: PlannedShard, window: Window) -> None:
-    """Write a shard's rows, with their passthrough columns and urls, to its plan file."""
-    local = [r.row_index - window.start for r in planned.rows]
+def _spill(
+    spec: JobSpec,
+    shard_id: str,
+    rows: Sequence[PromptRow],
+    window: Window,
+    sources: Sequence[tuple[int, str]] | None = None,
+) -> None:
+    """Write a shard's rows, with their passthrough columns and urls (and a copy shard's
+    sources), to its plan file."""
+    local = [r.row_index - window.start for r in rows]
     passthrough = None
     if window.passthrough is not None:
         passthrough = window.passthrough.take(pa.array(local, pa.int64()))
     endpoints = [window.endpoints[i] for i in local] if window.endpoints is not None else None
-    table = shard_table(planned.rows, passthrough=passthrough, endpoints=endpoints)
-    out.write_plan_shard(spec.output, planned.shard.shard_id, table, spec.storage_options)
+    table = shard_table(rows, passthrough=passthrough, endpoints=endpoints, sources=sources)
+    out.write_plan_shard(spec.output, shard_id, table, spec.storage_options)
 
 
 def load_shard(plan: JobPlan, shard: Shard, *, columns: list[str] | None = None) -> pa.Table:

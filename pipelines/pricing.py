@@ -19,13 +19,14 @@ MILLION = Decimal(1_000_000)
 class Prices:
     """USD per 1M tokens (input, cached input, output) and optionally per device-hour.
 
-    `cached_input_per_1m` defaults to the input price: a cache hit is only cheaper
-    when you say so.
+    A price left out (None) is "not set": it charges nothing, and ledgers and reports
+    say "not set" rather than showing a price of 0. `cached_input_per_1m` defaults to
+    the input price: a cache hit is only cheaper when you say so.
     """
 
-    input_per_1m: float = 0.0
+    input_per_1m: float | None = None
     cached_input_per_1m: float | None = None
-    output_per_1m: float = 0.0
+    output_per_1m: float | None = None
     device_per_hour: float | None = None
 
     def __post_init__(self) -> None:
@@ -39,8 +40,31 @@ class Prices:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
     @property
+    def input(self) -> float:
+        """The input price charged (0 when not set)."""
+        return self.input_per_1m or 0.0
+
+    @property
+    def output(self) -> float:
+        """The output price charged (0 when not set)."""
+        return self.output_per_1m or 0.0
+
+    @property
     def cached_input(self) -> float:
+        """The cached-input price charged: its own, else the input price, else 0."""
+        return self.input if self.cached_input_per_1m is None else self.cached_input_per_1m
+
+    @property
+    def cached_input_given(self) -> float | None:
+        """The cached-input price in force when one was given (its own or the input's)."""
         return self.input_per_1m if self.cached_input_per_1m is None else self.cached_input_per_1m
+
+    @property
+    def has_token_prices(self) -> bool:
+        """Whether any token price was given (else every token cost is 0 by omission)."""
+        return any(
+            p is not None for p in (self.input_per_1m, self.cached_input_per_1m, self.output_per_1m)
+        )
 
 
 @dataclass(frozen=True)
@@ -98,9 +122,9 @@ def token_costs(
     if cached_tokens > prompt_tokens:
         raise ValueError(f"cached_tokens ({cached_tokens}) > prompt_tokens ({prompt_tokens})")
     uncached = prompt_tokens - cached_tokens
-    c_in = Decimal(uncached) * _dec(prices.input_per_1m) / MILLION
+    c_in = Decimal(uncached) * _dec(prices.input) / MILLION
     c_cached = Decimal(cached_tokens) * _dec(prices.cached_input) / MILLION
-    c_out = Decimal(completion_tokens) * _dec(prices.output_per_1m) / MILLION
+    c_out = Decimal(completion_tokens) * _dec(prices.output) / MILLION
     # round the parts first and sum the rounded parts, so total == sum of the parts
     c_in, c_cached, c_out = (
         d.quantize(NANO, rounding=ROUND_HALF_EVEN) for d in (c_in, c_cached, c_out)

@@ -23,6 +23,10 @@ has the same schema):
     completions                 list of {index, output, finish_reason,
                                 structured_output_complete}: every one of a row's n
                                 completions (`output` is the first). With any n > 1.
+    duplicate_of                string: the id of the identical row whose answer this
+                                row takes (null on rows computed themselves); such a row
+                                bills no tokens (`pipelines/dedupe.py`). With any row
+                                deduplicated.
 
     embedding, truncated        an OpenAI batch file's /v1/embeddings lines: each
                                 line's embedding (list of float32; null on other rows)
@@ -78,6 +82,7 @@ COMPLETION_TYPE = pa.struct(
         ("structured_output_complete", pa.bool_()),
     ]
 )
+DUPLICATE_OF = "duplicate_of"
 DECODE_REPLACED = "decode_replaced"
 ADAPTER = "adapter"
 # An OpenAI batch file's embeddings in a generation job's results (sizes may differ).
@@ -87,9 +92,12 @@ EXTRA_FIELDS = {
     "completions": pa.field("completions", pa.list_(COMPLETION_TYPE)),
     "embedding": _LINE_EMBEDDINGS.fields()[0],
     "truncated": _LINE_EMBEDDINGS.fields()[1],
+    DUPLICATE_OF: pa.field(DUPLICATE_OF, pa.string()),
     ADAPTER: pa.field(ADAPTER, pa.string()),
     DECODE_REPLACED: pa.field(DECODE_REPLACED, pa.bool_(), nullable=False),
 }
+# What a copy's row bills: nothing was computed for it.
+TOKEN_COLUMNS = ("prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 def extra_columns(
@@ -239,6 +247,7 @@ def build_results(
     extras: Sequence[str] = (),
     adapters: Sequence[str | None] = (),
     layout: PoolingLayout | None = None,
+    copies: Mapping[int, tuple[int, str]] | None = None,
 ) -> pa.Table:
     """A results table for `rows`, in their order.
 
@@ -252,14 +261,31 @@ def build_results(
         adapters: each lora index's adapter name (None: the base model), for the
             `adapter` column.
         layout: a pooling job's layout (its embedding size and dtype, label names).
+        copies: row index -> (source row index, source id) of rows that take an
+            identical row's answer (`pipelines/dedupe.py`); extras must then hold
+            duplicate_of.
 
     Returns:
         A table with the task's result columns, the extras, then the passthrough columns.
     """
-    records = [result_record(r, outputs.get(r.row_index), task=task) for r in rows]
+    copies = copies or {}
+    if copies:  # a copy's answer (and vectors) are its source's
+        outputs = {
+            **outputs,
+            **{i: outputs[src] for i, (src, _) in copies.items() if src in outputs},
+        }
+
+    def record(row: PromptRow) -> dict:
+        result = result_record(row, outputs.get(row.row_index), task=task)
+        if row.row_index in copies:
+            result.update(dict.fromkeys(TOKEN_COLUMNS, 0))
+            result[DUPLICATE_OF] = copies[row.row_index][1]
+        return result
+
+    records = [record(r) for r in rows]
     if ADAPTER in extras:
-        for row, record in zip(rows, records):
-            record[ADAPTER] = adapters[row.lora_index]
+        for row, rec in zip(rows, records):
+            rec[ADAPTER] = adapters[row.lora_index]
     if task in POOLING_JOB_TASKS:
         # Vectors are built column-wise (pipelines/pooling.py): a shard's embeddings
         # are one array, never a Python float each.
@@ -273,6 +299,12 @@ def build_results(
         table = _with_extras(table, records, extras)
     else:
         table = pa.Table.from_pylist(records, schema=result_schema(task, extras))
+    return _with_passthrough(table, passthrough, task=task)
+
+
+def _with_passthrough(table: pa.Table, passthrough: pa.Table | None, *, task: str) -> pa.Table:
+    """`table` then the passthrough columns, `decode_replaced` first (as its result
+    field: non-null bool), so a copy shard's part has its compute shards' schema."""
     if passthrough is not None and DECODE_REPLACED in passthrough.column_names:
         flags = passthrough[DECODE_REPLACED].cast(pa.bool_()).fill_null(False)
         table = table.append_column(EXTRA_FIELDS[DECODE_REPLACED], flags)
@@ -293,6 +325,56 @@ def _with_extras(table: pa.Table, records: list[dict], extras: Sequence[str]) ->
         field = EXTRA_FIELDS[name]
         table = table.append_column(field, pa.array([r.get(name) for r in records], field.type))
     return table
+
+
+def copy_results(
+    sources: pa.Table,
+    copies: Sequence[tuple[str, str]],
+    *,
+    task: str = GENERATE,
+    extras: Sequence[str] = (DUPLICATE_OF,),
+    layout: PoolingLayout | None = None,
+    passthrough: pa.Table | None = None,
+) -> pa.Table:
+    """The result rows of copies, from their sources' result rows (`pipelines/dedupe.py`).
+
+    Args:
+        sources: result rows holding every source named in `copies` (any extra rows
+            or columns are ignored).
+        copies: (copy id, source id) per copy, in the order of the table to build.
+        task: the job's task.
+        extras: the job's optional columns, duplicate_of among them.
+        layout: a pooling job's layout (as for `build_results`).
+        passthrough: the copies' own passthrough columns, one row per copy (as for
+            `build_results`).
+
+    Returns:
+        Each source's row with the copy's id, zero tokens, `duplicate_of` = the source's
+        id, then the copies' passthrough columns.
+
+    Raises:
+        KeyError: a source id that `sources` does not hold.
+    """
+    schema = result_schema(task, extras, layout)
+    position = {rid: i for i, rid in enumerate(sources["id"].to_pylist())}
+    take = pa.array([position[source] for _, source in copies], pa.int64())
+    table = sources.select([n for n in schema.names if n in sources.column_names]).take(take)
+    zeros = pa.array([0] * len(copies), pa.int64())
+    columns = {
+        "id": pa.array([copy for copy, _ in copies], pa.string()),
+        DUPLICATE_OF: pa.array([source for _, source in copies], pa.string()),
+        **dict.fromkeys(TOKEN_COLUMNS, zeros),
+    }
+    arrays = [
+        columns[f.name]
+        if f.name in columns
+        else table[f.name]
+        if f.name in table.column_names
+        else pa.nulls(len(copies), f.type)
+        for f in schema
+    ]
+    result = pa.Table.from_arrays(arrays, schema=schema)
+    return _with_passthrough(result, passthrough, task=task)
 
 
 def latencies(outputs: Mapping[int, RequestOutput]) -> list[float]:

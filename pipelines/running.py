@@ -4,7 +4,8 @@ A shard is done when its results part exists; parts are published atomically and
 never overwritten, so `run_shard` is idempotent: a retried, resumed or duplicated
 shard task finds the part and computes nothing. An engine failure mid-shard is
 handled by the one rule of `pipelines/engine_failures.py` (retry once, then isolate
-the failing requests as error rows).
+the failing requests as error rows). A copy shard (`pipelines/dedupe.py`) computes
+nothing: its rows take their sources' answers from the sources' published parts.
 """
 
 from __future__ import annotations
@@ -15,19 +16,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.outputs import RequestOutput
+import pyarrow as pa
+
+from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.adapters import adapter_names
 from tokenmill.pipelines.engine_failures import generate_with_rule
-from tokenmill.pipelines.ledger import ShardStats, now_iso
+from tokenmill.pipelines.ledger import ShardStats, now_iso, token_sums
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard
-from tokenmill.pipelines.results import build_results, extra_columns, latencies
-from tokenmill.pipelines.spill import shard_rows
+from tokenmill.pipelines.results import build_results, copy_results, latencies
+from tokenmill.pipelines.spill import ShardRows, shard_rows
 
 log = logging.getLogger(__name__)
 
 OnOutput = Callable[[RequestOutput], None]
+OnStep = Callable[[EngineStats], None]
 
 
 @dataclass
@@ -39,6 +43,31 @@ class ShardResult:
     num_rows: int
     rows_failed: int = 0
     device_seconds: float = 0.0
+    prompt_tokens: int = 0  # billed by the part's rows (0 when skipped)
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def completed_shards(plan: JobPlan) -> set[str]:
+    """The plan's shards already complete in the output (none with resume off), read only.
+
+    Raises:
+        ValueError: with resume on, the output holds parts that are not shards of this
+            plan: another job's results, which a rerun must not mix with its own.
+    """
+    spec = plan.spec
+    if not spec.resume:
+        return set()
+    done = out.completed_shards(spec.output, spec.storage_options)
+    foreign = sorted(done - {s.shard_id for s in plan.shards})
+    if foreign:
+        raise ValueError(
+            f"{out.results_uri(spec.output)} holds {len(foreign)} part(s) that are not "
+            f"shards of this job (e.g. {foreign[0]}): the input, model or options changed "
+            "since they were written. Use a new output location, or resume=False "
+            "(--no-resume) to replace them."
+        )
+    return done
 
 
 def prepare_output(plan: JobPlan) -> set[str]:
@@ -57,24 +86,20 @@ def prepare_output(plan: JobPlan) -> set[str]:
         stale = out.planned_shards(spec.output, spec.storage_options)
         stale -= {s.shard_id for s in plan.shards}
         out.remove_plan(spec.output, spec.storage_options, shard_ids=stale)
-        done: set[str] = set()
-    else:
-        done = out.completed_shards(spec.output, spec.storage_options)
-        foreign = sorted(done - {s.shard_id for s in plan.shards})
-        if foreign:
-            raise ValueError(
-                f"{out.results_uri(spec.output)} holds {len(foreign)} part(s) that are not "
-                f"shards of this job (e.g. {foreign[0]}): the input, model or options changed "
-                "since they were written. Use a new output location, or resume=False "
-                "(--no-resume) to replace them."
-            )
+    done = completed_shards(plan)
     # Recorded before any part of this input is published (planning checked it).
     out.write_input_fingerprint(spec.output, plan.input_fingerprint, spec.storage_options)
+    out.write_cut(spec.output, plan.min_shards, spec.storage_options)
     return done
 
 
 def run_shard(
-    llm: Any, plan: JobPlan, shard: Shard, *, on_output: OnOutput | None = None
+    llm: Any,
+    plan: JobPlan,
+    shard: Shard,
+    *,
+    on_output: OnOutput | None = None,
+    on_step: OnStep | None = None,
 ) -> ShardResult:
     """Generate one shard's rows and publish its results part.
 
@@ -83,13 +108,19 @@ def run_shard(
 
     Args:
         llm: a loaded `tokenmill.engine.llm.LLM` (anything with its `generate`); the
-            caller holds its lock if other threads share it.
+            caller holds its lock if other threads share it. Unused by a copy shard.
         plan: the job plan.
         shard: one of `plan.shards`.
         on_output: called with each RequestOutput as it finishes (progress bars).
+        on_step: called after each engine step with the engine's cumulative stats
+            (progress per token; `LLM.generate`'s hook).
 
     Returns:
         The ShardResult.
+
+    Raises:
+        RuntimeError: a copy shard whose sources are not all published (copy shards
+            run after every compute shard).
     """
     spec = plan.spec
     if spec.resume and out.part_exists(
@@ -97,6 +128,8 @@ def run_shard(
     ):
         return ShardResult(shard.shard_id, skipped=True, num_rows=shard.num_rows)
     planned = shard_rows(load_shard(plan, shard))
+    if shard.is_copy:
+        return _publish(plan, shard, _copies_table(plan, shard, planned), now_iso(), 0.0, [])
     rows = planned.rows
     good = [r for r in rows if r.token_ids is not None]
     started_at, t0 = now_iso(), time.perf_counter()
@@ -106,6 +139,7 @@ def run_shard(
         plan.params,
         shard_id=shard.shard_id,
         on_output=on_output,
+        on_step=on_step,
         loras=plan.lora_requests,
     )
     seconds = time.perf_counter() - t0
@@ -114,18 +148,34 @@ def run_shard(
         outputs,
         passthrough=planned.passthrough,
         task=spec.task,
-        extras=extra_columns(plan.params, has_adapters=bool(plan.adapters)),
+        extras=plan.result_extras,
         adapters=adapter_names(plan.adapters),
         layout=plan.layout,
     )
+    device = str(getattr(llm, "device", ""))
+    device_seconds = seconds if good else 0.0
+    return _publish(plan, shard, table, started_at, device_seconds, latencies(outputs), device)
+
+
+def _publish(
+    plan: JobPlan,
+    shard: Shard,
+    table: pa.Table,
+    started_at: str,
+    device_seconds: float,
+    request_latencies: list[float],
+    device: str = "",
+) -> ShardResult:
+    """Write a shard's stats and part; the ShardResult."""
+    spec = plan.spec
     stats = ShardStats(
         shard_id=shard.shard_id,
-        num_rows=len(rows),
-        device=str(getattr(llm, "device", "")),
-        device_seconds=seconds if good else 0.0,
+        num_rows=table.num_rows,
+        device=device,
+        device_seconds=device_seconds,
         started_at=started_at,
         finished_at=now_iso(),
-        latencies=latencies(outputs),
+        latencies=request_latencies,
     )
     try:
         out.write_shard(
@@ -135,12 +185,16 @@ def run_shard(
         # Another worker published this shard first; its part stands, ours is dropped.
         log.info("shard %s was completed elsewhere meanwhile; keeping that part", shard.shard_id)
         return ShardResult(shard.shard_id, skipped=True, num_rows=shard.num_rows)
+    sums = token_sums(table)
     result = ShardResult(
         shard.shard_id,
         skipped=False,
-        num_rows=len(rows),
-        rows_failed=sum(1 for r in table["finish_reason"].to_pylist() if r == "error"),
+        num_rows=table.num_rows,
+        rows_failed=sums["rows_failed"],
         device_seconds=stats.device_seconds,
+        prompt_tokens=sums["prompt_tokens"],
+        cached_tokens=sums["cached_tokens"],
+        completion_tokens=sums["completion_tokens"],
     )
     log.info(
         "shard %s: %d rows (%d failed), %.2fs",
@@ -150,3 +204,35 @@ def run_shard(
         result.device_seconds,
     )
     return result
+
+
+def _copies_table(plan: JobPlan, shard: Shard, planned: ShardRows) -> pa.Table:
+    """A copy shard's results, from its sources' published parts."""
+    spec = plan.spec
+    by_id = {s.shard_id: s for s in plan.shards}
+    source_ids: dict[int, str] = {}
+    parts = []
+    for source_shard in dict.fromkeys(s for _, s in planned.sources):
+        ids = load_shard(plan, by_id[source_shard], columns=["row_index", "id"])
+        source_ids.update(zip(ids["row_index"].to_pylist(), ids["id"].to_pylist()))
+        try:
+            parts.append(
+                out.read_shard_part(
+                    spec.output, source_shard, spec.part_format, spec.storage_options
+                )
+            )
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"copy shard {shard.shard_id} takes answers from shard {source_shard}, "
+                "which is not complete: run the job's compute shards first (rerun the job)"
+            ) from None
+    sources = pa.concat_tables(parts, promote_options="permissive")
+    copies = [(row.id, source_ids[index]) for row, (index, _) in zip(planned.rows, planned.sources)]
+    return copy_results(
+        sources,
+        copies,
+        task=spec.task,
+        extras=plan.result_extras,
+        layout=plan.layout,
+        passthrough=planned.passthrough,
+    )

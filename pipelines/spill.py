@@ -14,6 +14,8 @@ reads just its own rows. The table, one row per planned row, in run order:
     lora_index    int32          the row's LoRA adapter (0: the base model); only in the
                                  plans of jobs with adapters
     url           string         OpenAI batch input only: the request's endpoint
+    source_row_index  int64      copy shards only (pipelines/dedupe.py): the row whose
+    source_shard      string     answer each copy takes, and the shard that computes it
     passthrough/<name>           each passthrough column, as read
 
 Passthrough columns carry a prefix so that no input column name can clash with ours.
@@ -33,6 +35,8 @@ from tokenmill.pipelines.tokenize import PromptRow
 PASSTHROUGH_PREFIX = "passthrough/"
 URL_COLUMN = "url"
 LORA_COLUMN = "lora_index"
+SOURCE_ROW_COLUMN = "source_row_index"
+SOURCE_SHARD_COLUMN = "source_shard"
 
 
 @dataclass
@@ -42,6 +46,8 @@ class ShardRows:
     rows: list[PromptRow]  # in run order
     passthrough: pa.Table | None  # one row per entry of `rows`, same order
     endpoints: list[str | None] | None  # OpenAI batch: each row's request url
+    # A copy shard's rows: (source row index, source shard id) per row; None otherwise.
+    sources: list[tuple[int, str]] | None = None
 
 
 def shard_table(
@@ -49,6 +55,7 @@ def shard_table(
     *,
     passthrough: pa.Table | None = None,
     endpoints: Sequence[str | None] | None = None,
+    sources: Sequence[tuple[int, str]] | None = None,
 ) -> pa.Table:
     """The table for a shard's rows (in run order).
 
@@ -56,6 +63,7 @@ def shard_table(
         rows: the shard's rows.
         passthrough: passthrough columns, one row per entry of `rows`, same order.
         endpoints: each row's request url (OpenAI batch input), same order.
+        sources: a copy shard's (source row index, source shard id) per row.
 
     Returns:
         The table described in the module docstring.
@@ -80,6 +88,9 @@ def shard_table(
         columns[LORA_COLUMN] = pa.array([r.lora_index for r in rows], pa.int32())
     if endpoints is not None:
         columns[URL_COLUMN] = pa.array(list(endpoints), pa.string())
+    if sources is not None:
+        columns[SOURCE_ROW_COLUMN] = pa.array([s[0] for s in sources], pa.int64())
+        columns[SOURCE_SHARD_COLUMN] = pa.array([s[1] for s in sources], pa.string())
     table = pa.table(columns)
     if passthrough is not None:
         for name in passthrough.column_names:
@@ -125,4 +136,9 @@ def shard_rows(table: pa.Table) -> ShardRows:
             [n[len(PASSTHROUGH_PREFIX) :] for n in names]
         )
     endpoints = table[URL_COLUMN].to_pylist() if URL_COLUMN in table.column_names else None
-    return ShardRows(rows, passthrough, endpoints)
+    sources = None
+    if SOURCE_ROW_COLUMN in table.column_names:
+        sources = list(
+            zip(table[SOURCE_ROW_COLUMN].to_pylist(), table[SOURCE_SHARD_COLUMN].to_pylist())
+        )
+    return ShardRows(rows, passthrough, endpoints, sources)

@@ -19,6 +19,8 @@ _EXPORTS = {
     "RequestOutput": "tokenmill.engine.outputs",
     "CompletionOutput": "tokenmill.engine.outputs",
     "generate": "tokenmill.pipelines.notebook",
+    "forecast": "tokenmill.pipelines.notebook",
+    "Forecast": "tokenmill.pipelines.forecast",
     "score": "tokenmill.pipelines.notebook",
     "embed": "tokenmill.pipelines.notebook",
     "classify": "tokenmill.pipelines.notebook",
@@ -36,6 +38,7 @@ __all__ = [
     "ClassificationOutput",
     "CompletionOutput",
     "EmbeddingOutput",
+    "Forecast",
     "JobLedger",
     "LoRARequest",
     "PoolingParams",
@@ -46,6 +49,7 @@ __all__ = [
     "__version__",
     "classify",
     "embed",
+    "forecast",
     "generate",
     "rerank",
     "run_job",
@@ -64,9 +68,10 @@ if TYPE_CHECKING:
     from tokenmill.engine.pooling_params import PoolingParams
     from tokenmill.engine.sampling_params import SamplingParams
     from tokenmill.engine.structured_outputs import StructuredOutputs
+    from tokenmill.pipelines.forecast import Forecast
     from tokenmill.pipelines.job import run_job
     from tokenmill.pipelines.ledger import JobLedger
-    from tokenmill.pipelines.notebook import classify, embed, generate, rerank, score
+    from tokenmill.pipelines.notebook import classify, embed, forecast, generate, rerank, score
 
 
 def __getattr__(name: str) -> Any:

@@ -47,13 +47,19 @@ EMBED_ARGS = [
 TOKENMILL = str(Path(sys.executable).with_name("tokenmill"))
 
 
-def write_input(path: Path, num_rows: int = NUM_ROWS, *, variant: str = "") -> Path:
-    """A Parquet input of `num_rows` prompts with ids id-0..; `variant` changes the text."""
+def write_input(
+    path: Path, num_rows: int = NUM_ROWS, *, variant: str = "", duplicates: bool = False
+) -> Path:
+    """A Parquet input of `num_rows` prompts with ids id-0..; `variant` changes the text.
+    With `duplicates`, every third row repeats the prompt of an earlier row (often in an
+    earlier planning window), so the job has copy shards (`pipelines/dedupe.py`)."""
     prompts = [
         ("Summarise the following text in one sentence: " if i % 2 else "")
         + f"item {i}{variant} " * (1 + i % 4)
         for i in range(num_rows)
     ]
+    if duplicates:
+        prompts = [prompts[i // 3] if i % 3 == 2 else p for i, p in enumerate(prompts)]
     ids = [f"id-{i}" for i in range(num_rows)]
     pq.write_table(pa.table({"id": ids, "prompt": prompts}), path)
     return path
@@ -81,12 +87,15 @@ class Outcome:
     ledger_matches: bool  # ledger.json exists and its sums equal the rows'
     rows_failed: int = 0
     problems: list[str] = field(default_factory=list)
+    # Rows that take an identical row's answer, and those whose answer is not that row's.
+    rows_copied: int = 0
+    copies_wrong: int = 0
 
     @property
     def ok(self) -> bool:
-        return not (self.rows_lost or self.rows_duplicated or self.temp_files) and (
-            self.ledger_matches
-        )
+        return not (
+            self.rows_lost or self.rows_duplicated or self.temp_files or self.copies_wrong
+        ) and (self.ledger_matches)
 
 
 @dataclass
@@ -180,7 +189,30 @@ class FaultJob:
                 matches = False
                 problems.append("ledger row counts != rows")
         failed = sum(1 for r in rows["finish_reason"].to_pylist() if r == "error") if ids else 0
-        return Outcome(lost, duplicated, temps, matches, failed, problems)
+        copied, wrong = _check_copies(rows)
+        return Outcome(lost, duplicated, temps, matches, failed, problems, copied, wrong)
+
+
+def _check_copies(rows: pa.Table) -> tuple[int, int]:
+    """(rows copied, copies whose answer or bill is not what the rule says): a copy has
+    its source's output and finish reason, bills nothing, and its source is computed."""
+    if "duplicate_of" not in rows.column_names:
+        return 0, 0
+    by_id = {r["id"]: r for r in rows.to_pylist()}
+    copies = [r for r in by_id.values() if r["duplicate_of"] is not None]
+    wrong = 0
+    for copy in copies:
+        source = by_id.get(copy["duplicate_of"])
+        if (
+            source is None
+            or source["duplicate_of"] is not None
+            or (copy["output"], copy["finish_reason"])
+            != (source["output"], source["finish_reason"])
+            or (copy["prompt_tokens"], copy["cached_tokens"], copy["completion_tokens"])
+            != (0, 0, 0)
+        ):
+            wrong += 1
+    return len(copies), wrong
 
 
 def build_embedding_model(directory: Path) -> Path:

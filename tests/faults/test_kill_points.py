@@ -4,8 +4,17 @@ temporary file left for a reader of the results."""
 
 from __future__ import annotations
 
+import json
+
+import pyarrow.parquet as pq
 import pytest
-from fault_jobs import REQUIRED_KINDS, choose_kill_points, kill_and_resume
+from fault_jobs import (
+    REQUIRED_KINDS,
+    FaultJob,
+    choose_kill_points,
+    kill_and_resume,
+    write_input,
+)
 
 
 def test_kinds_cover_the_required_points(fault_rng):
@@ -74,3 +83,29 @@ def test_kill_on_s3_then_resume_takes_over_the_dead_runs_lock(s3, fault_job):
     assert sorted(ids) == sorted(f"id-{i}" for i in range(fault_job.num_rows))
     ledger = read_ledger(fault_job.output, s3.storage_options)
     assert ledger.num_shards_run == ledger.num_shards - 2
+
+
+def test_duplicates_are_answered_exactly_once_across_kills(tmp_path, tiny_model_dir):
+    """Copies live in copy shards that read their sources' parts: killed while a source
+    computes, while a copy part or its stats are written, the job resumes to one row per
+    id, every copy with its source's answer and no tokens billed."""
+    job = FaultJob(
+        tiny_model_dir, write_input(tmp_path / "in.parquet", duplicates=True), tmp_path / "out"
+    )
+    for spec in (
+        "engine_step:3",
+        "write@/results/:2",
+        "write@/shard_stats/copies-:1",
+        "write@/results/copies-:2",
+    ):
+        result = job.run(spec)
+        assert result.killed, f"{spec}: rc {result.returncode}: {result.output[-1500:]}"
+    final = job.run()
+    assert final.returncode == 0, final.output[-2000:]
+    outcome = job.outcome()
+    assert outcome.ok, outcome
+    prompts = pq.read_table(job.input, columns=["prompt"])["prompt"].to_pylist()
+    repeats = len(prompts) - len(set(prompts))
+    assert repeats >= 8 and outcome.rows_copied == repeats and outcome.copies_wrong == 0
+    ledger = json.loads((job.output / "ledger.json").read_text())
+    assert ledger["rows_deduplicated"] == repeats

@@ -1,4 +1,5 @@
-"""The ledger's artifacts hold the ledger's own figures, and no prompt or output text."""
+"""The ledger's artifacts read as a report of the ledger's own figures (rounded, with
+separators, "not set" for a price never given), and hold no prompt or output text."""
 
 from __future__ import annotations
 
@@ -60,16 +61,50 @@ def make_ledger():
     )
 
 
-def test_table_rows_are_the_ledger_figures_exactly():
+def test_table_reads_as_a_report_of_the_ledger():
     ledger = make_ledger()
     table = ledger_table(ledger)
-    assert [row["figure"] for row in table] == [name for name, _ in TABLE_FIGURES]
-    for row in table:
-        assert row["value"] == getattr(ledger, row["figure"])
+    assert [row["figure"] for row in table] == [label for label, *_ in TABLE_FIGURES]
     by_name = {row["figure"]: row["value"] for row in table}
-    assert by_name["prompt_tokens"] == 10 and by_name["cached_tokens"] == 4
-    assert by_name["rows_ok"] == 1 and by_name["rows_failed"] == 1
-    assert by_name["cost_total"] == ledger.cost_total == 0.000018
+    assert by_name["model"] == f"tiny ({'f' * 12})" and by_name["device"] == "cpu"
+    assert by_name["input"] == ledger.input_uri and "pw" not in by_name["input"]
+    assert by_name["prompt tokens"] == "10" and by_name["cached tokens"] == "4"
+    assert by_name["rows ok"] == "1" and by_name["rows failed"] == "1"
+    assert ledger.cost_total == 0.000018 and by_name["cost total"] == "$0.0000180"
+    assert by_name["price input"] == "$1 USD / 1M tokens"
+    assert by_name["price device"] == "$3.6 USD / device-hour"
+    assert by_name["prefix cache hit rate"] == "40.0%"
+    assert by_name["device seconds"] == "1.50 s"
+    assert all("forecast" not in row for row in table)  # the job had no dry run
+
+
+def test_prices_not_given_read_not_set():
+    ledger = make_ledger()
+    for name in ("price_input_per_1m", "price_cached_input_per_1m", "price_output_per_1m"):
+        setattr(ledger, name, None)
+    ledger.price_device_per_hour = ledger.cost_device = None
+    by_name = {row["figure"]: row["value"] for row in ledger_table(ledger)}
+    assert by_name["price input"] == by_name["price output"] == "not set"
+    assert by_name["price device"] == by_name["cost device time"] == "not set"
+    assert by_name["cost total"] == "no prices set"
+    text = ledger_markdown(ledger, results_uri="r", ledger_uri="l")
+    assert "**cost**: no prices set" in text and "0.000000" not in text
+
+
+def test_the_forecast_stands_beside_the_actuals():
+    ledger = make_ledger()
+    ledger.forecast_prompt_tokens, ledger.forecast_cached_tokens = 10, 4
+    ledger.forecast_completion_tokens, ledger.forecast_seconds = 6, 1.25
+    ledger.forecast_cost, ledger.forecast_cost_min, ledger.forecast_cost_max = 2e-5, 1e-5, 3e-5
+    rows = {row["figure"]: row for row in ledger_table(ledger)}
+    assert rows["prompt tokens"]["forecast"] == "10"
+    assert rows["completion tokens"] == {
+        "figure": "completion tokens",
+        "value": "5",
+        "forecast": "6",
+    }
+    assert rows["cost total"]["forecast"] == "$0.0000200 ($0.0000100 - $0.0000300)"
+    assert rows["device seconds"]["forecast"] == "1.25 s" and rows["model"]["forecast"] == "-"
 
 
 def test_markdown_summarises_counts_and_money_only():
@@ -77,7 +112,7 @@ def test_markdown_summarises_counts_and_money_only():
     text = ledger_markdown(ledger, results_uri="s3://b/out/results", ledger_uri="s3://b/out/l")
     assert "ABC123" in text and "1 ok, 1 failed" in text
     assert "3 (1 computed by this run, 2 already complete)" in text
-    assert f"{ledger.cost_total:.6f} USD" in text
+    assert "**cost**: $0.0000180 (input $0.00000600" in text
     assert "SECRET ANSWER" not in text and "prompt is null" not in text
     assert "pw" not in text and "sig=1" not in text  # the ledger's URIs are redacted
 

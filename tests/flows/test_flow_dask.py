@@ -16,8 +16,10 @@ from tokenmill.pipelines.output import read_results
 
 pytestmark = pytest.mark.integration
 
+# A shard's line: its rows, tokens, tokens/s and cost, and where it ran.
 SHARD_LOG = re.compile(
-    r"shard (\S+): \d+ rows, .* on worker (\S+) \(engines loaded by this worker: (\d+)\)"
+    r"shard (\S+): [\d,]+ rows \(.*\), [\d,]+ tokens \(.*\) in .* s, .*, cost .* "
+    r"on worker (\S+) \(engines loaded by this worker: (\d+), compute threads: \d+\)"
 )
 # cached_tokens depends on which shards shared an engine's prefix cache, so it may differ.
 COMPARED = ["id", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error", "topic"]

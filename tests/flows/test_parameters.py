@@ -27,7 +27,9 @@ def test_schema_has_every_job_option_typed():
     assert props["shard_tokens"]["minimum"] == 1
     assert props["plan_window_rows"]["minimum"] == 1
     assert props["plan_window_rows"]["default"] == 32_768
-    assert props["price_input"]["minimum"] == 0
+    # not set unless given (a price of 0 is a price)
+    assert props["price_input"]["default"] is None
+    assert {"minimum": 0, "type": "number"} in props["price_input"]["anyOf"]
     assert props["output_format"]["enum"] == ["parquet", "jsonl", "openai-batch"]
     # documented with the job definition's help text
     assert props["max_tokens"]["description"] == get_option("max_tokens").help

@@ -5,7 +5,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+)
 from tokenmill.engine.sampling_params import SamplingParams
 
 BOS = 1
@@ -43,7 +48,8 @@ class FakeLLM:
     """Answers each prompt with its token count; counts its generate calls.
 
     Prefix caching is imitated: a prompt's tokens shared with any earlier prompt's
-    leading tokens count as cached.
+    leading tokens count as cached. `on_step` is called once per request, with
+    counters that grow as the engine's do.
     """
 
     def __init__(
@@ -56,8 +62,12 @@ class FakeLLM:
         self.calls: list[int] = []
         self.fail_on = fail_on  # a token id whose presence makes the engine error
         self._seen: list[list[int]] = []
+        self.engine_stats = EngineStats()
 
-    def generate(self, prompts, sampling_params=None, *, on_output=None):
+    def stats(self):
+        return self.engine_stats
+
+    def generate(self, prompts, sampling_params=None, *, on_output=None, on_step=None):
         self.calls.append(len(prompts))
         params = sampling_params
         if not isinstance(params, list):
@@ -96,8 +106,14 @@ class FakeLLM:
                     metrics,
                 )
             outs.append(out)
+            stats = self.engine_stats
+            stats.computed_prompt_tokens += out.prompt_tokens - out.cached_tokens
+            stats.cached_prompt_tokens += out.cached_tokens
+            stats.generated_tokens += out.completion_tokens
             if on_output is not None:
                 on_output(out)
+            if on_step is not None:
+                on_step(stats)
         return outs
 
 

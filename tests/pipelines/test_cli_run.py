@@ -139,3 +139,30 @@ def test_plan_window_rows_reaches_the_job(tmp_path, data, monkeypatch):
     assert "plan_window_rows" not in seen  # unset: the JobSpec default
     refused = CliRunner().invoke(main, [*args, "--plan-window-rows", "0"])
     assert refused.exit_code == 2 and "--plan-window-rows" in refused.output
+
+
+def test_dry_run_then_run_then_ledger_show_lists_forecast_and_actual(tmp_path, tiny_model_dir):
+    src = tmp_path / "in.parquet"
+    prompts = ["What is 2+2?", "Name a colour.", "What is 2+2?", "Say hi."]
+    pq.write_table(pa.table({"prompt": prompts}), src)
+    out = tmp_path / "out"
+    args = ["run", str(src), str(out), "--model", str(tiny_model_dir), *ENGINE]
+    args += ["--max-tokens", "4", "--price-input", "1", "--price-output", "2"]
+    runner = CliRunner()
+    dry = runner.invoke(main, [*args, "--dry-run", "--json"])
+    assert dry.exit_code == 0, dry.output
+    forecast = json.loads(dry.stdout)
+    assert forecast["rows_deduplicated"] == 1 and forecast["calibration_rows"] >= 1
+    assert sorted(p.name for p in out.iterdir()) == ["_forecast.json"]
+    table = runner.invoke(main, [*args, "--dry-run", "--no-calibrate"])
+    assert "forecast of job" in table.stdout and "(exact)" in table.stdout
+    assert runner.invoke(main, args).exit_code == 0
+    shown = runner.invoke(main, ["ledger", "show", str(out / "ledger")], catch_exceptions=False)
+    assert "cost fcst" in shown.output and "dedup" in shown.output
+    unpriced = tmp_path / "unpriced"
+    run = runner.invoke(
+        main, ["run", str(src), str(unpriced), "--model", str(tiny_model_dir), *ENGINE]
+    )
+    assert run.exit_code == 0 and "no prices set" in run.stdout and "$0.00" not in run.stdout
+    shown = runner.invoke(main, ["ledger", "show", str(unpriced / "ledger")])
+    assert "no prices set" in shown.output

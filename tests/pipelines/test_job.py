@@ -382,3 +382,20 @@ def test_non_string_prompts_mixed_into_jsonl_give_row_errors(tmp_path, fake_llm)
     assert "line 2: column 'prompt': a int value where text was expected" in results["error"][1]
     assert "a list value where text was expected" in results["error"][2]
     assert ledger.rows_ok == 2 and ledger.rows_failed == 2
+
+
+def test_a_resume_keeps_the_cut_of_the_first_run(tmp_path, fake_llm):
+    """A job first cut for two workers, resumed by a run asking for one, plans the same
+    shards (the cut is recorded in OUTPUT/_cut.json)."""
+    src = _write_input(tmp_path / "in.parquet", [f"Question {i}?" for i in range(12)])
+    out = str(tmp_path / "out")
+    spec = JobSpec(src, out, max_tokens=4)
+    assert len(plan_job(spec, llm=fake_llm).shards) == 1
+    plan = plan_job(spec, llm=fake_llm, min_shards=2)
+    assert len(plan.shards) == 2 and plan.min_shards == 2
+    prepare_output(plan)
+    run_shard(fake_llm, plan, plan.shards[0])
+    again = plan_job(spec, llm=fake_llm, min_shards=1)  # e.g. `tokenmill run` resuming it
+    assert [s.shard_id for s in again.shards] == [s.shard_id for s in plan.shards]
+    ledger = run_job(src, out, llm=fake_llm, max_tokens=4)
+    assert ledger.num_shards == 2 and ledger.num_shards_run == 1

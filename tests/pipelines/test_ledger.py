@@ -103,6 +103,7 @@ def test_token_sums_equal_result_rows():
         "prompt_tokens": 220,
         "cached_tokens": 96,
         "completion_tokens": 26,
+        "rows_deduplicated": 0,
     }
 
 

@@ -91,6 +91,10 @@ def test_cli_job_runs_each_row_with_its_adapter(tmp_path, data, tiny_model_dir, 
     ]  # fmt: skip
     assert rows["r4"]["finish_reason"] == "error"
     assert "LoRA adapter 'nope' is not one of the job's adapters (de, fr)" in rows["r4"]["error"]
+    # Equal prompts under different adapters (r0 fr / r5 de, ...) are not duplicates: each
+    # is computed and billed (dedupe is on by default).
+    assert all(r.get("duplicate_of") is None for r in rows.values())
+    assert rows["r5"]["prompt_tokens"] > 0 and rows["r0"]["output"] != rows["r5"]["output"]
 
     # The answers are the engine's for each row's adapter, asked directly.
     llm = llm_cache.get_llm(str(tiny_model_dir), dtype="float32", kv_cache_memory=8 << 20).llm

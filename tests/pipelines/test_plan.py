@@ -117,3 +117,26 @@ def test_a_later_window_continues_the_shard_indices():
     # the index prefixes the id; the content hash after it is the same
     assert [s.shard.shard_id[6:] for s in later] == [s.shard.shard_id[6:] for s in first]
     assert later[0].shard.shard_id.startswith("00007-")
+
+
+def test_budget_for_min_shards_lowers_the_budget_only_as_far_as_needed():
+    from tokenmill.pipelines.plan import budget_for
+
+    costs = [10] * 16
+    assert budget_for(costs, 1000, 1) == 1000
+    assert budget_for(costs, 1000, 2) == 80  # 8 + 8 rows
+    assert budget_for(costs, 1000, 3) == 60  # 6 + 6 + 4 rows
+    assert budget_for(costs, 50, 2) == 50  # already 4 shards
+    assert budget_for([10, 1, 1], 1000, 3) == 1  # a shard per row
+    assert budget_for([30, 1, 1, 1], 1000, 2) == 3  # [30] (a row over budget), [1, 1, 1]
+    assert budget_for([5], 1000, 4) == 1  # one row: one shard, whatever the budget
+
+
+def test_min_shards_cuts_a_small_window_for_every_worker():
+    rows = [_row(i, [1, 2, 3 + i % 4] * (1 + i % 3)) for i in range(20)]
+    params = [SamplingParams(max_tokens=4)]
+    one = plan_shards(rows, params, model_key="m", shard_tokens=10_000)
+    two = plan_shards(rows, params, model_key="m", shard_tokens=10_000, min_shards=2)
+    assert len(one) == 1 and len(two) == 2
+    assert sorted(r.row_index for p in two for r in p.rows) == list(range(20))
+    assert abs(two[0].shard.num_rows - two[1].shard.num_rows) <= 4

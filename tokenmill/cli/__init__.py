@@ -1,4 +1,10 @@
-"""The `tokenmill` command line. Each subcommand lives in its own module here."""
+"""The `tokenmill` command line. Each subcommand lives in its own module here.
+
+Subcommands are imported when they are run (or listed by --help): the job options of
+`run`, `flow` and `serve` come from the job definition, which imports the engine and
+torch, and `tokenmill ledger show` needs none of that. `tokenmill run` says what it is
+doing before that import, so its first line appears at once.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +13,68 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from importlib import import_module
 
 import click
 
 from tokenmill import __version__
 
-# module name -> attribute holding the click command; imported when the CLI starts,
-# heavy libraries (torch, prefect) are imported inside the commands themselves.
+# When the command started: `tokenmill run` stamps its stage lines from here (the
+# import, for the command line; each call, where one process runs several).
+STARTED = time.perf_counter()
+_calls = 0
+
+# command name -> (module, attribute holding the click command)
 _SUBCOMMANDS = {
-    "generate": "generate",
-    "models": "models",
-    "bench": "bench",
-    "run": "run",
-    "ledger": "ledger",
-    "serve": "serve",
-    "flow": "flow",
+    "generate": ("generate", "generate"),
+    "models": ("models", "models"),
+    "bench": ("bench", "bench"),
+    "run": ("run", "run"),
+    "ledger": ("ledger", "ledger"),
+    "serve": ("serve", "serve"),
+    "flow": ("flow", "flow"),
 }
+# Flags after which `tokenmill run` prints nothing but its result (or its help).
+_QUIET_FLAGS = {"--json", "--no-progress", "--help", "-h"}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(click.Group):
+    """A group whose subcommands are imported when asked for."""
+
+    def main(self, *args, **kwargs):
+        global STARTED, _calls
+        if _calls:
+            STARTED = time.perf_counter()
+        _calls += 1
+        return super().main(*args, **kwargs)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(_SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in _SUBCOMMANDS:
+            return None
+        module, attribute = _SUBCOMMANDS[name]
+        return getattr(import_module(f"tokenmill.cli.{module}"), attribute)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        if args and args[0] == "run" and not _QUIET_FLAGS & set(args):
+            _announce_run(args[1:])
+        return super().resolve_command(ctx, args)
+
+
+def _announce_run(args: list[str]) -> None:
+    """`tokenmill run`'s first line, on stderr, before the engine's imports."""
+    given = args[:2] if len(args) >= 2 and not any(a.startswith("-") for a in args[:2]) else []
+    where = f" {given[0]} -> {given[1]}" if given else ""
+    print(f"{time.perf_counter() - STARTED:6.1f}s  tokenmill run{where}", file=sys.stderr)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tokenmill")
 def main() -> None:
     """tokenmill: batch LLM inference over datasets, with a token-cost ledger."""
-
-
-for _module, _attr in _SUBCOMMANDS.items():
-    main.add_command(getattr(import_module(f"tokenmill.cli.{_module}"), _attr))
 
 
 def entry_point() -> None:

@@ -126,7 +126,7 @@ def flow() -> None:
 @click.pass_context
 def run_flow(ctx: click.Context, input_uri: str, output_uri: str, as_json: bool, **_: Any) -> None:
     """Run the batch-inference flow over INPUT, writing results and ledger to OUTPUT."""
-    from tokenmill.cli.run import print_summary
+    from tokenmill.cli.run import print_forecast, print_summary
     from tokenmill.flows.batch_flow import batch_inference
 
     runner = task_runner_from(ctx.params)
@@ -135,8 +135,10 @@ def run_flow(ctx: click.Context, input_uri: str, output_uri: str, as_json: bool,
     if not state.is_completed():
         # The flow run's logs (Prefect UI / API) hold the traceback; say why in one line.
         raise click.ClickException(f"flow run {state.name}: {state.message}")
-    ledger = state.result()
+    result = state.result()
     if as_json:
-        click.echo(json.dumps(ledger.to_dict(), indent=2))
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    elif ctx.params["dry_run"]:
+        print_forecast(result)
     else:
-        print_summary(ledger, ledger.output_uri)
+        print_summary(result, result.output_uri)

@@ -2,93 +2,20 @@
 
 Results go to OUTPUT/results/ (one part per shard), the ledger to OUTPUT/ledger.json
 and to the ledger dataset (`--ledger-dataset`, env TOKENMILL_LEDGER_DATASET, default
-OUTPUT/ledger/). Rerunning the same command resumes a killed job.
+OUTPUT/ledger/). Rerunning the same command resumes a killed job. `--dry-run` plans
+the job and prints its forecast instead (`pipelines/forecast.py`).
 """
 
 from __future__ import annotations
 
 import json
-import time
 
 import click
 
+import tokenmill.cli
 from tokenmill.cli.options import given_options, job_options
 from tokenmill.pipelines.option_types import CLI
-
-
-def _progress_class():
-    # Imported when the command runs: the pipelines pull in pyarrow and the engine.
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from tokenmill.pipelines.job import JobProgress
-
-    class RichProgress(JobProgress):
-        """Rows done, tokens/s, prefix-cache hit rate and ETA, on stderr."""
-
-        def __init__(self, *, enabled: bool) -> None:
-            self.console = Console(stderr=True)
-            self.bar = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total} rows"),
-                TextColumn("{task.fields[rate]:>8.0f} tok/s"),
-                TextColumn("cache hit {task.fields[hit]:>4.0%}"),
-                TimeElapsedColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-                console=self.console,
-                disable=not enabled,
-            )
-            self.task = None
-            self.rows_in_done_shards = 0
-            self.requests_in_shard = 0
-            self.tokens = self.prompt_tokens = self.cached_tokens = 0
-            self.started = time.perf_counter()
-
-        def planned(self, plan, pending) -> None:
-            total = sum(s.num_rows for s in pending)
-            skipped = len(plan.shards) - len(pending)
-            if skipped:
-                self.console.print(f"resuming: {skipped} of {len(plan.shards)} shards already done")
-            self.bar.start()
-            label = {"score": "scoring", "embed": "embedding", "classify": "classifying"}.get(
-                plan.spec.task, "reranking" if plan.spec.task == "rerank" else "generating"
-            )
-            self.task = self.bar.add_task(label, total=total, rate=0.0, hit=0.0)
-            self.started = time.perf_counter()
-
-        def request_done(self, output) -> None:
-            self.requests_in_shard += 1
-            self.tokens += output.prompt_tokens + output.completion_tokens
-            self.prompt_tokens += output.prompt_tokens
-            self.cached_tokens += output.cached_tokens
-            self._update()
-
-        def shard_done(self, result) -> None:
-            self.rows_in_done_shards += result.num_rows
-            self.requests_in_shard = 0
-            self._update()
-
-        def _update(self) -> None:
-            elapsed = max(time.perf_counter() - self.started, 1e-9)
-            self.bar.update(
-                self.task,
-                completed=self.rows_in_done_shards + self.requests_in_shard,
-                rate=self.tokens / elapsed,
-                hit=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            )
-
-        def close(self) -> None:
-            self.bar.stop()
-
-    return RichProgress
+from tokenmill.pipelines.report import NO_PRICES, money, prices_given
 
 
 def print_summary(ledger, output: str) -> None:
@@ -99,11 +26,20 @@ def print_summary(ledger, output: str) -> None:
     def fmt(value, spec=",", unit=""):
         return "-" if value is None else f"{value:{spec}}{unit}"
 
+    priced = prices_given(ledger)
     table = Table(title=f"job {ledger.job_id}", show_header=False)
     rows = [
         ("task", ledger.task),
         ("model", f"{ledger.model} ({ledger.weights_hash[:12]})"),
-        ("rows", f"{ledger.rows_ok:,} ok, {ledger.rows_failed:,} failed"),
+        (
+            "rows",
+            f"{ledger.rows_ok:,} ok, {ledger.rows_failed:,} failed"
+            + (
+                f" ({ledger.rows_deduplicated:,} duplicates computed once)"
+                if ledger.rows_deduplicated
+                else ""
+            ),
+        ),
         ("shards", f"{ledger.num_shards} ({ledger.num_shards_run} computed by this run)"),
         (
             "tokens",
@@ -125,21 +61,108 @@ def print_summary(ledger, output: str) -> None:
                 for v in (ledger.latency_p50_s, ledger.latency_p95_s, ledger.latency_p99_s)
             ),
         ),
-        (
-            "cost (tokens)",
-            f"${ledger.cost_total:.6f} = input ${ledger.cost_input:.6f} + cached "
-            f"${ledger.cost_cached_input:.6f} + output ${ledger.cost_output:.6f}",
-        ),
-        (
-            "cost per 1K requests / 1M tokens",
-            f"{fmt(ledger.cost_per_1k_requests, '.6f')} / {fmt(ledger.cost_per_1m_tokens, '.6f')} USD",
-        ),
     ]
+    if priced:
+        rows += [
+            (
+                "cost (tokens)",
+                f"{money(ledger.cost_total)} = input {money(ledger.cost_input)} + cached "
+                f"{money(ledger.cost_cached_input)} + output {money(ledger.cost_output)}",
+            ),
+            (
+                "cost per 1K requests / 1M tokens",
+                f"{money(ledger.cost_per_1k_requests)} / {money(ledger.cost_per_1m_tokens)}",
+            ),
+        ]
+    else:
+        rows.append(("cost", NO_PRICES))
     if ledger.cost_device is not None:
-        rows.append(("cost (device time)", f"${ledger.cost_device:.6f}"))
+        rows.append(("cost (device time)", money(ledger.cost_device)))
+    if ledger.forecast_prompt_tokens is not None:
+        rows.append(("forecast (dry run)", _forecast_versus_actual(ledger, priced)))
     rows.append(
         ("results", f"{output.rstrip('/')}/results/  ledger: {output.rstrip('/')}/ledger.json")
     )
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)
+
+
+def _forecast_versus_actual(ledger, priced: bool) -> str:
+    parts = [
+        f"prompt {ledger.forecast_prompt_tokens:,} (cached {ledger.forecast_cached_tokens:,})",
+    ]
+    if ledger.forecast_completion_tokens is not None:
+        parts.append(f"completion ~{ledger.forecast_completion_tokens:,}")
+    if priced:
+        parts.append(
+            f"cost {money(ledger.forecast_cost_min)}-{money(ledger.forecast_cost_max)}"
+            + (f", ~{money(ledger.forecast_cost)}" if ledger.forecast_cost is not None else "")
+        )
+    if ledger.forecast_seconds is not None:
+        parts.append(f"~{ledger.forecast_seconds:,.1f} s")
+    return "; ".join(parts)
+
+
+def print_forecast(forecast) -> None:
+    """A dry run's forecast as a table on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    f = forecast
+    priced = f.prices_set
+    table = Table(title=f"forecast of job {f.job_id} (nothing computed)", show_header=False)
+    rows = [
+        ("model", f"{f.model} on {f.device}"),
+        (
+            "rows",
+            f"{f.rows:,}: {f.rows_computed:,} to compute, {f.rows_deduplicated:,} duplicates "
+            f"computed once, {f.rows_failed:,} failing before compute",
+        ),
+        (
+            "shards",
+            f"{f.shards:,}" + (f" ({f.shards_done:,} already complete)" if f.shards_done else ""),
+        ),
+        ("prompt tokens", f"{f.prompt_tokens:,} (exact)"),
+        (
+            "cached tokens",
+            f"{f.cached_tokens:,} (exact: prefix cache of {f.cache_blocks:,} blocks of "
+            f"{f.block_size} tokens)"
+            if f.cached_tokens_exact
+            else f"~{f.cached_tokens:,} (between {f.cached_tokens_min:,} and "
+            f"{f.cached_tokens_max:,}: the cache of {f.cache_blocks:,} blocks may evict)",
+        ),
+        (
+            "completion tokens",
+            (
+                f"~{f.completion_tokens_estimate:,}, "
+                if f.completion_tokens_estimate is not None
+                else ""
+            )
+            + f"between {f.completion_tokens_min:,} and {f.completion_tokens_max:,} (the budget)",
+        ),
+        (
+            "cost (tokens)",
+            NO_PRICES
+            if not priced
+            else (f"~{money(f.cost_estimate)}, " if f.cost_estimate is not None else "")
+            + f"between {money(f.cost_min)} and {money(f.cost_max)}",
+        ),
+    ]
+    if f.seconds_estimate is not None:
+        rows.append(("compute time", f"~{f.seconds_estimate:,.1f} s on {f.device}"))
+    if f.device_cost_estimate is not None:
+        rows.append(("cost (device time)", f"~{money(f.device_cost_estimate)}"))
+    if f.calibration_rows_sampled is not None:
+        rows.append(
+            (
+                "calibration",
+                f"{f.calibration_rows:,} of {f.calibration_rows_sampled:,} sampled rows run in "
+                f"{f.calibration_seconds:,.1f} s",
+            )
+        )
+    else:
+        rows.append(("calibration", "none (--no-calibrate): exact and bounded figures only"))
     for key, value in rows:
         table.add_row(key, value)
     Console().print(table)
@@ -151,24 +174,32 @@ def print_summary(ledger, output: str) -> None:
 @job_options(CLI)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 @click.option(
-    "--json", "as_json", is_flag=True, help="Print the ledger as JSON instead of a summary table."
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the ledger (with --dry-run: the forecast) as JSON instead of a table; "
+    "nothing else is printed.",
 )
 @click.pass_context
 def run(ctx: click.Context, input_uri: str, output_uri: str, as_json: bool, **_: object) -> None:
     """Answer (or, with --task score, score; with --task embed, classify or rerank, pool)
     every row of INPUT and write results and a cost ledger to OUTPUT."""
+    show = ctx.params["progress"] and not as_json
+    from tokenmill.cli.progress import TerminalProgress
     from tokenmill.connectors import DiskFullError
     from tokenmill.pipelines.job import run_job
 
-    progress = _progress_class()(enabled=ctx.params["progress"])
+    progress = TerminalProgress(enabled=show, started=tokenmill.cli.STARTED)
     try:
-        ledger = run_job(input_uri, output_uri, progress=progress, **given_options(ctx))
+        result = run_job(input_uri, output_uri, progress=progress, **given_options(ctx))
     except (ValueError, RuntimeError, FileNotFoundError, DiskFullError) as exc:
         # Input and option problems are reported, not traced back (SourceError is a ValueError).
         raise click.ClickException(str(exc)) from None
     finally:
         progress.close()
     if as_json:
-        click.echo(json.dumps(ledger.to_dict(), indent=2))
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    elif ctx.params["dry_run"]:
+        print_forecast(result)
     else:
-        print_summary(ledger, output_uri)
+        print_summary(result, output_uri)

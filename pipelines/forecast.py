@@ -1,0 +1,331 @@
+"""The bill before the job runs: tokens, cost and time, from the plan.
+
+Planning already reads, templates, tokenizes, deduplicates, orders and shards every
+row, so before any compute the forecast knows, exactly:
+
+    prompt_tokens       the sum over the rows the engine will compute (copies bill none)
+    cached_tokens       what the prefix cache will serve given the plan's order, the
+                        block size and the engine's cache capacity - the number the
+                        ledger will report (`cache_forecast.py`: exact whenever the cache
+                        cannot have to evict; otherwise `cached_tokens_exact` is false,
+                        the figure is the engine replayed with the calibrated completion
+                        lengths, and `cached_tokens_min`/`_max` bound it)
+    completion bounds   min: one token per completion (or min_tokens); max: the budget
+
+and, from a short calibration run on this machine (`calibration.py`), estimates of the
+completion tokens and of the compute seconds (the ledger's `device_seconds`). Costs are
+token costs at the job's prices: `cost_min` and `cost_max` bound what the ledger will
+charge when every row computes (a row the engine fails bills nothing, which can only
+lower it); `cost_estimate` uses the completion estimate; `device_cost_estimate` prices
+the estimated seconds at the device-hour price.
+
+A resumed job's finished shards are counted from their parts (exact), the rest
+forecast; `seconds_estimate` is then the time still to run. The forecast assumes the
+run starts with an empty prefix cache, as a new `tokenmill run` process or flow worker
+does; an engine already warm in a notebook may serve more from its cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from tokenmill.engine.config import EngineConfig, resolve_dtype
+from tokenmill.engine.models import load_config
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.pipelines.cache_forecast import (
+    Request,
+    engine_config_of,
+    never_evicts,
+    replay_prefix_cache,
+    simulate_engine,
+)
+from tokenmill.pipelines.calibration import Calibration, calibrate, sample_indices
+from tokenmill.pipelines.pricing import Prices, token_costs
+
+# The most tokens a forecast replays through the engine's loop to time a job (about a
+# minute of simulation); a larger job is timed on evenly spread shards and scaled up.
+SIMULATED_TOKENS = 4_000_000
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the forecast must know of the engine that will run the job."""
+
+    config: EngineConfig
+    num_blocks: int  # KV cache blocks: the prefix cache's capacity
+    max_model_len: int
+    vocab_size: int
+    device: str
+
+
+def engine_facts(llm_options: dict[str, Any], model_dir: Any, llm: Any = None) -> EngineFacts:
+    """The engine a job's LLM options build for a model: that LLM's own when it is
+    loaded (`llm`), else sized as the engine sizes itself (`worker.build`), without
+    loading anything. On CUDA an engine not yet loaded is sized from the memory free
+    now, before its weights take their share: the capacity is then an upper bound."""
+    import torch
+
+    from tokenmill.engine.worker.build import max_model_len_of, num_cache_blocks
+
+    if llm is not None and getattr(llm, "engine", None) is not None:
+        return EngineFacts(
+            llm.engine_config,
+            llm.engine.block_manager.num_blocks,
+            llm.max_model_len,
+            llm.model_config.vocab_size,
+            str(llm.device),
+        )
+    config = engine_config_of(llm_options)
+    model_config = load_config(model_dir)
+    device_name = llm_options.get("device")
+    device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(llm_options.get("dtype") or "auto", device)
+    return EngineFacts(
+        config,
+        num_cache_blocks(model_config, config, dtype=dtype, device=device),
+        max_model_len_of(model_config, config),
+        model_config.vocab_size,
+        str(device),
+    )
+
+
+@dataclass
+class Forecast:
+    """A job's forecast (see the module docstring); flat, so it is one JSON object."""
+
+    job_id: str | None
+    task: str
+    model: str
+    device: str
+    rows: int
+    rows_failed: int  # fail before compute (bad or over-long prompt): bill nothing
+    rows_deduplicated: int  # take an identical row's answer: bill nothing
+    rows_computed: int
+    shards: int
+    shards_done: int  # already complete (resume): counted from their parts
+    prompt_tokens: int
+    cached_tokens: int
+    cached_tokens_exact: bool
+    cached_tokens_min: int
+    cached_tokens_max: int
+    completion_tokens_min: int
+    completion_tokens_max: int
+    completion_tokens_estimate: int | None
+    cost_min: float
+    cost_max: float
+    cost_estimate: float | None
+    seconds_estimate: float | None  # compute seconds still to run (the ledger's device_seconds)
+    device_cost_estimate: float | None
+    prices_set: bool  # a token price was given (else its costs read "no prices set")
+    calibration_rows: int | None  # sample rows that finished
+    calibration_rows_sampled: int | None
+    calibration_seconds: float | None
+    block_size: int
+    cache_blocks: int
+    planning_seconds: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Forecast:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+@dataclass
+class Work:
+    """What a forecast is made of: the requests still to compute, call by call, and what
+    is known of the rest."""
+
+    batches: list[list[Request]]  # per generate call (shard), rows in run order
+    rows: int
+    rows_failed: int = 0
+    rows_deduplicated: int = 0
+    shards: int = 1
+    shards_done: int = 0
+    done_sums: dict[str, int] | None = None  # token sums of finished shards' rows
+
+
+def forecast_work(
+    work: Work,
+    *,
+    engine: EngineFacts,
+    prices: Prices,
+    task: str,
+    model: str,
+    job_id: str | None = None,
+    llm: Any = None,
+) -> Forecast:
+    """Forecast `work` on `engine`; with a loaded `llm`, calibrated on it.
+
+    Args:
+        work: the requests to compute and the finished part.
+        engine: the engine that will run them.
+        prices: the job's prices.
+        task, model, job_id: recorded in the forecast.
+        llm: a loaded LLM to calibrate on (None: no calibration, no estimates).
+
+    Returns:
+        The Forecast.
+    """
+    requests = [r for batch in work.batches for r in batch]
+    block_size = engine.config.block_size
+    replayed = replay_prefix_cache(requests, block_size)
+    exact = never_evicts(requests, block_size, engine.num_blocks)
+    cached = cached_max = sum(replayed)
+    cached_min = cached if exact else 0
+    completion_min = sum(
+        0 if r.params.is_prompt_only else r.params.n * max(1, r.params.min_tokens) for r in requests
+    )
+    completion_max = sum(r.params.n * r.params.max_tokens for r in requests)
+    estimate = seconds = None
+    calibration: Calibration | None = None
+    if llm is not None and requests:
+        calibration = _calibrate(llm, requests, engine)
+        budgets = [r.params.n * r.params.max_tokens for r in requests]
+        lengths = [
+            calibration.completion_tokens(i, b) // max(1, r.params.n)
+            for i, (r, b) in enumerate(zip(requests, budgets))
+        ]
+        estimate = sum(r.params.n * n for r, n in zip(requests, lengths))
+        seconds, simulated_cached = _timed(work.batches, lengths, engine, calibration)
+        if not exact and simulated_cached is not None:
+            cached = simulated_cached
+    prompt = sum(len(r.token_ids) for r in requests)
+    done = work.done_sums or {}
+    prompt += done.get("prompt_tokens", 0)
+    cached, cached_min, cached_max = (
+        c + done.get("cached_tokens", 0) for c in (cached, cached_min, cached_max)
+    )
+    finished = done.get("completion_tokens", 0)
+    completion_min += finished
+    completion_max += finished
+    if estimate is not None:
+        estimate += finished
+    costs = _cost_range(prices, prompt, cached_min, cached_max, completion_min, completion_max)
+    cost_estimate = device_cost = None
+    if estimate is not None:
+        cost_estimate = _cost(prices, prompt, cached, estimate)
+    if seconds is not None and prices.device_per_hour is not None:
+        device_cost = token_costs(
+            prices,
+            prompt_tokens=0,
+            cached_tokens=0,
+            completion_tokens=0,
+            num_requests=0,
+            device_seconds=seconds,
+        ).cost_device
+    return Forecast(
+        job_id=job_id,
+        task=task,
+        model=model,
+        device=engine.device,
+        rows=work.rows,
+        rows_failed=work.rows_failed,
+        rows_deduplicated=work.rows_deduplicated,
+        rows_computed=len(requests),
+        shards=work.shards,
+        shards_done=work.shards_done,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        cached_tokens_exact=exact,
+        cached_tokens_min=cached_min,
+        cached_tokens_max=cached_max,
+        completion_tokens_min=completion_min,
+        completion_tokens_max=completion_max,
+        completion_tokens_estimate=estimate,
+        cost_min=costs[0],
+        cost_max=costs[1],
+        cost_estimate=cost_estimate,
+        seconds_estimate=seconds,
+        device_cost_estimate=device_cost,
+        prices_set=prices.has_token_prices,
+        calibration_rows=calibration.num_rows if calibration else None,
+        calibration_rows_sampled=calibration.num_rows_sampled if calibration else None,
+        calibration_seconds=calibration.seconds if calibration else None,
+        block_size=block_size,
+        cache_blocks=engine.num_blocks,
+    )
+
+
+def _calibrate(llm: Any, requests: list[Request], engine: EngineFacts) -> Calibration:
+    chosen = sample_indices(len(requests), engine.config.max_num_seqs)
+    return calibrate(llm, [requests[i] for i in chosen])
+
+
+def _timed(
+    batches: list[list[Request]],
+    lengths: list[int],
+    engine: EngineFacts,
+    calibration: Calibration,
+) -> tuple[float, int | None]:
+    """(estimated seconds, cached tokens when every batch was simulated) of the batches
+    with the calibrated completion lengths, through the engine's own loop."""
+    scripted: list[list[Request]] = []
+    i = 0
+    for batch in batches:
+        scripted.append(
+            [Request(r.token_ids, r.params, n) for r, n in zip(batch, lengths[i : i + len(batch)])]
+        )
+        i += len(batch)
+    sizes = [sum(len(r.token_ids) + r.params.n * r.completion_tokens for r in b) for b in scripted]
+    chosen = _spread(sizes, SIMULATED_TOKENS)
+    sim = simulate_engine(
+        [scripted[i] for i in chosen],
+        engine.config,
+        num_blocks=engine.num_blocks,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+    )
+    seconds = calibration.step_cost.seconds(sim.steps)
+    if len(chosen) == len(scripted):
+        return calibration.warm_up_s + seconds, sum(sim.cached_tokens)
+    scale = sum(sizes) / max(1, sum(sizes[i] for i in chosen))
+    return calibration.warm_up_s + seconds * scale, None
+
+
+def _spread(sizes: Sequence[int], budget: int) -> list[int]:
+    """Indices of batches to simulate: all of them when they fit `budget` tokens, else
+    evenly spread ones that do (at least one)."""
+    if sum(sizes) <= budget:
+        return list(range(len(sizes)))
+    mean = max(1, sum(sizes) // len(sizes))
+    count = max(1, min(len(sizes), budget // mean))
+    return sorted({int(k * len(sizes) / count) for k in range(count)})
+
+
+def _cost(prices: Prices, prompt: int, cached: int, completion: int) -> float:
+    return token_costs(
+        prices,
+        prompt_tokens=prompt,
+        cached_tokens=min(cached, prompt),
+        completion_tokens=completion,
+        num_requests=0,
+    ).cost_total
+
+
+def _cost_range(
+    prices: Prices,
+    prompt: int,
+    cached_min: int,
+    cached_max: int,
+    completion_min: int,
+    completion_max: int,
+) -> tuple[float, float]:
+    """(least, most) token cost over the cached and completion ranges."""
+    cheaper_cached = prices.cached_input <= prices.input
+    low_cached, high_cached = (
+        (cached_max, cached_min) if cheaper_cached else (cached_min, cached_max)
+    )
+    return (
+        _cost(prices, prompt, low_cached, completion_min),
+        _cost(prices, prompt, high_cached, completion_max),
+    )
+
+
+def requests_of(rows: Sequence[Any], params: Sequence[SamplingParams]) -> list[Request]:
+    """Prompt rows (with token ids) as the requests the engine will see."""
+    return [Request(r.token_ids, params[r.params_index]) for r in rows if r.token_ids is not None]
