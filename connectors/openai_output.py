@@ -45,7 +45,8 @@ def openai_batch_output_lines(
             `completions` column list them ({output, finish_reason, logprobs?} each).
             Optional: `logprobs` (the results column), `tool_calls` (the request's
             tool_calls column: its answer is read as tool calls).
-        model_name: reported as the responses' `model`.
+        model_name: reported as the responses' `model` (a row's `adapter`, the LoRA
+            adapter it ran with, when it has one).
         endpoint: the URL every request used; None takes each row's `url` column
             (passed through from the batch input) and falls back to chat completions.
         created: Unix time for `created` (default: now).
@@ -122,7 +123,7 @@ def _body(row: dict, url: str, model_name: str, created: int, digest: str) -> di
         "id": f"{'chatcmpl' if is_chat else 'cmpl'}-{digest[:24]}",
         "object": "chat.completion" if is_chat else "text_completion",
         "created": created,
-        "model": model_name,
+        "model": row.get("adapter") or model_name,
         "choices": choices,
         "usage": {
             "prompt_tokens": prompt_tokens,

@@ -142,6 +142,18 @@ OPTIONS: tuple[Option, ...] = (
         MODEL,
         to=ENGINE,
     ),
+    Option(
+        "lora",
+        KEY_VALUES,
+        None,
+        "A LoRA adapter rows may run with, NAME=PATH_OR_REPO: a PEFT adapter directory or "
+        "a Hub repo id (org/name, org/name@revision). Rows choose one by --lora-column; "
+        "OpenAI batch lines by body.model. Checked against the model before any compute.",
+        MODEL,
+        flag="--lora",
+        metavar="NAME=PATH_OR_REPO",
+        path="if_exists",
+    ),
     # -- reading the input ---------------------------------------------------------------
     Option(
         "format",
@@ -198,6 +210,15 @@ OPTIONS: tuple[Option, ...] = (
         "column unless given).",
         INPUT,
         repeatable=True,
+        metavar="COL",
+    ),
+    Option(
+        "lora_column",
+        TEXT,
+        None,
+        "Column naming each row's LoRA adapter (a --lora NAME); null runs the base model, "
+        "and a name that is not an adapter makes the row an error.",
+        INPUT,
         metavar="COL",
     ),
     Option(

@@ -23,6 +23,7 @@ from tokenmill.connectors.openai_embeddings import is_embeddings_url
 from tokenmill.connectors.openai_tools import AUTO, renders_hermes_tools
 from tokenmill.engine.pooling_params import EMBED, PoolingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.pipelines.adapters import JobAdapter, row_adapters
 from tokenmill.pipelines.ids import IdCheck
 from tokenmill.pipelines.options import per_row_fields
 from tokenmill.pipelines.pooling import (
@@ -64,6 +65,7 @@ def read_windows(
     max_model_len: int,
     params: ParamsTable,
     pooling: PoolingInputs | None = None,
+    adapters: list[JobAdapter] | None = None,
 ) -> Iterator[Window]:
     """Read, template and tokenize the input (up to `spec.limit`), window by window.
 
@@ -75,6 +77,8 @@ def read_windows(
         params: the job's distinct sampling params; rows' overrides are added to it.
         pooling: the model's pooling inputs (a pooling job, or OpenAI batch input with
             /v1/embeddings lines); None when it serves no pooling task.
+        adapters: the job's LoRA adapters (`pipelines/adapters.py`), which rows choose
+            by `spec.lora_column` or an OpenAI batch line's body.model.
 
     Yields:
         Windows in input order; row indices run 0..n-1 across them.
@@ -99,7 +103,9 @@ def read_windows(
             if spec.is_openai_batch:
                 window.endpoints, window.tool_calls = [], []
         columns = batch.to_pydict()
-        rows = _read_batch(columns, start, spec, tokenizer, chat, params, max_model_len, pooling)
+        rows = _read_batch(
+            columns, start, spec, tokenizer, chat, params, max_model_len, pooling, adapters or []
+        )
         ids.add([r.id for r in rows])
         window.rows += rows
         carried = _carried(batch, spec)
@@ -163,6 +169,7 @@ def _read_batch(
     params: ParamsTable,
     max_model_len: int,
     pooling: PoolingInputs | None = None,
+    adapters: list[JobAdapter] | None = None,
 ) -> list[PromptRow]:
     rendered = render_rows(columns, spec.template_spec, start=start, chat=chat)
     rendered = mark_bad_rows(rendered, columns, id_column=spec.id_column, start=start)
@@ -174,12 +181,22 @@ def _read_batch(
             prefix=pooling.prefix,
             queries=columns[spec.query_column] if spec.query_column else None,
         )
+    adapters = adapters or []
     if spec.is_openai_batch:
         rendered = _refuse_unread_tool_calls(rendered, columns, tokenizer)
         return _read_openai_rows(
-            columns, start, spec, tokenizer, chat, params, max_model_len, pooling, rendered
+            columns,
+            start,
+            spec,
+            tokenizer,
+            chat,
+            params,
+            max_model_len,
+            pooling,
+            rendered,
+            adapters,
         )
-    return _generation_rows(columns, spec, tokenizer, params, max_model_len, rendered)
+    return _generation_rows(columns, spec, tokenizer, params, max_model_len, rendered, adapters)
 
 
 def _generation_rows(
@@ -189,7 +206,15 @@ def _generation_rows(
     params: ParamsTable,
     max_model_len: int,
     rendered: list[RenderedRow],
+    adapters: list[JobAdapter],
 ) -> list[PromptRow]:
+    rendered, loras = lora_indices(
+        columns,
+        rendered,
+        adapters,
+        column=spec.lora_column,
+        per_row=spec.is_openai_batch,
+    )
     params_index = _params_index(columns, spec, params, rendered)
     indices = [i for _, i in params_index]
     return tokenize_rows(
@@ -199,6 +224,7 @@ def _generation_rows(
         max_tokens=[params.params[i].max_tokens for i in indices],
         params_index=indices,
         min_prompt_tokens=min_prompt_tokens(spec.task),
+        lora_index=loras,
     )
 
 
@@ -224,6 +250,30 @@ def _refuse_unread_tool_calls(
     ]
 
 
+def lora_indices(
+    columns: dict[str, list],
+    rendered: list[RenderedRow],
+    adapters: list[JobAdapter],
+    *,
+    column: str | None,
+    per_row: bool = False,
+) -> tuple[list[RenderedRow], list[int]]:
+    """Each row's LoRA adapter index, from `column` (a name that is no adapter makes the
+    row an error) or, with `per_row` (OpenAI batch input), from the `model` column (a
+    name that is no adapter is the model itself). All 0 without adapters."""
+    if not adapters or (column is None and not per_row):
+        return rendered, [0] * len(rendered)
+    names = columns[column] if column is not None else columns.get("model", [])
+    if not names:
+        names = [None] * len(rendered)
+    chosen = row_adapters(names, adapters, strict=column is not None)
+    rows = [
+        row if error is None or row.error is not None else replace(row, text=None, error=error)
+        for row, (_, error) in zip(rendered, chosen)
+    ]
+    return rows, [index for index, _ in chosen]
+
+
 def _read_openai_rows(
     columns: dict[str, list],
     start: int,
@@ -234,6 +284,7 @@ def _read_openai_rows(
     max_model_len: int,
     pooling: PoolingInputs | None,
     rendered: list[RenderedRow],
+    adapters: list[JobAdapter],
 ) -> list[PromptRow]:
     """An OpenAI batch file's rows: each by its line's endpoint - /v1/embeddings lines
     embedded, the others generated - and an error row for an endpoint the model does
@@ -256,7 +307,13 @@ def _read_openai_rows(
         for i, row in zip(
             generate,
             _generation_rows(
-                subset, spec, tokenizer, params, max_model_len, [rendered[i] for i in generate]
+                subset,
+                spec,
+                tokenizer,
+                params,
+                max_model_len,
+                [rendered[i] for i in generate],
+                adapters,
             ),
         ):
             rows[i] = row

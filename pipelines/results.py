@@ -35,6 +35,9 @@ has the same schema):
     embedding, truncated        an OpenAI batch file's /v1/embeddings lines: each
                                 line's embedding (list of float32; null on other rows)
                                 and whether its text was cut. With any such line.
+    adapter                     string: the LoRA adapter the row ran with (or asked for,
+                                on an error row); null for the base model. With any
+                                LoRA adapters (`pipelines/adapters.py`).
 
 and one when the job reads its input with `on_decode_error="replace"`:
 
@@ -87,6 +90,7 @@ COMPLETION_TYPE = pa.struct(
 )
 DUPLICATE_OF = "duplicate_of"
 DECODE_REPLACED = "decode_replaced"
+ADAPTER = "adapter"
 # An OpenAI batch file's embeddings in a generation job's results (sizes may differ).
 _LINE_EMBEDDINGS = PoolingLayout("embed")
 EXTRA_FIELDS = {
@@ -96,6 +100,7 @@ EXTRA_FIELDS = {
     "embedding": _LINE_EMBEDDINGS.fields()[0],
     "truncated": _LINE_EMBEDDINGS.fields()[1],
     DUPLICATE_OF: pa.field(DUPLICATE_OF, pa.string()),
+    ADAPTER: pa.field(ADAPTER, pa.string()),
     DECODE_REPLACED: pa.field(DECODE_REPLACED, pa.bool_(), nullable=False),
 }
 # What a copy's row bills: nothing was computed for it.
@@ -107,8 +112,11 @@ _COMPLETIONS_WITH_LOGPROBS = pa.field(
 )
 
 
-def extra_columns(params: Sequence[SamplingParams | PoolingParams]) -> tuple[str, ...]:
-    """The optional result columns a job's distinct params call for, in schema order.
+def extra_columns(
+    params: Sequence[SamplingParams | PoolingParams], *, has_adapters: bool = False
+) -> tuple[str, ...]:
+    """The optional result columns a job's distinct params (and LoRA adapters) call for,
+    in schema order.
 
     A generation job whose rows include pooling ones (an OpenAI batch file with
     /v1/embeddings lines) gains `embedding` and `truncated`; a pooling job has its
@@ -124,6 +132,8 @@ def extra_columns(params: Sequence[SamplingParams | PoolingParams]) -> tuple[str
         extras.append("logprobs")
     if sampling and len(sampling) < len(params):
         extras += ["embedding", "truncated"]
+    if has_adapters:
+        extras.append(ADAPTER)
     return tuple(extras)
 
 
@@ -272,6 +282,7 @@ def build_results(
     task: str = GENERATE,
     extras: Sequence[str] = (),
     logprobs: LogprobsColumn | None = None,
+    adapters: Sequence[str | None] = (),
     layout: PoolingLayout | None = None,
     copies: Mapping[int, tuple[int, str]] | None = None,
 ) -> pa.Table:
@@ -285,6 +296,8 @@ def build_results(
         task: the job's task: its rows and schema (`result_schema`).
         extras: optional columns (`extra_columns` of the job's params).
         logprobs: builds the `logprobs` column (needed when it is among the extras).
+        adapters: each lora index's adapter name (None: the base model), for the
+            `adapter` column.
         layout: a pooling job's layout (its embedding size and dtype, label names).
         copies: row index -> (source row index, source id) of rows that take an
             identical row's answer (`pipelines/dedupe.py`); extras must then hold
@@ -310,6 +323,9 @@ def build_results(
         return result
 
     records = [record(r) for r in rows]
+    if ADAPTER in extras:
+        for row, rec in zip(rows, records):
+            rec[ADAPTER] = adapters[row.lora_index]
     if task in POOLING_JOB_TASKS:
         # Vectors are built column-wise (pipelines/pooling.py): a shard's embeddings
         # are one array, never a Python float each.

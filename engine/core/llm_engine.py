@@ -86,6 +86,7 @@ class LLMEngine:
             max_num_batched_tokens=engine_config.max_num_batched_tokens,
             max_num_seqs=engine_config.max_num_seqs,
             stats=self.stats,
+            max_loras=engine_config.max_loras,
         )
         # A sequence never outgrows the context or the whole cache.
         self.max_seq_len = min(max_model_len, num_blocks * engine_config.block_size)
@@ -116,12 +117,17 @@ class LLMEngine:
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora_id: int = 0,
         pooling: PoolingState | None = None,
     ) -> None:
         """Queue a request.
 
         With `pooling` the request samples nothing: it ends once its prompt is computed,
         with a PoolingOutput holding the runner's pooled result (`params` is then unused).
+
+        Args:
+            lora_id: the LoRA adapter it runs with, as registered with the runner
+                (`worker.lora.LoRAManager.register`); 0 = the base model.
 
         Raises:
             ValueError: its structured outputs constraint is invalid or cannot be enforced,
@@ -151,6 +157,7 @@ class LLMEngine:
                 token_ids=list(request.prompt_token_ids),
                 num_prompt_tokens=len(request.prompt_token_ids),
                 params=params,
+                lora_id=lora_id,
                 generator=_seeded_generator(params.seed, index, self.runner.device),
                 detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop else None,
                 grammar=grammar.new_matcher() if grammar is not None else None,

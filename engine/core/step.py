@@ -68,6 +68,10 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None = None
+    # The LoRA adapter its tokens run with (0: the base model). The runner maps it to a
+    # slot of loaded adapter weights; it keys the sequence's prefix-cache blocks, so KV
+    # computed under one adapter is never served to another.
+    lora_id: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_blocks: int = 0  # leading blocks registered in (or served from) the prefix cache
