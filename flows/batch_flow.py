@@ -191,6 +191,9 @@ def _shard_runs(plan: JobPlan, futures: list, progress: _FlowProgress) -> list[S
     runs: list[ShardRun] = []
     failed: list[str] = []
     for shard_future in futures:
+        # wait() takes the final state from the task runner's own future; `state` alone
+        # may read the API's copy, which can lag behind a task that has just finished.
+        shard_future.wait()
         state = shard_future.state
         if state.is_completed():
             runs.append(shard_future.result())
