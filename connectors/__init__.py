@@ -13,12 +13,8 @@ from tokenmill.connectors.batches import ERROR_COLUMN, REPLACED_COLUMN
 from tokenmill.connectors.errors import DiskFullError, SourceError
 from tokenmill.connectors.formats import FORMATS, detect_format
 from tokenmill.connectors.fs import redact_options, redact_url
-from tokenmill.connectors.openai_batch import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    OPENAI_BATCH_SCHEMA,
-    read_openai_batch_rows,
-)
+from tokenmill.connectors.openai_batch import OPENAI_BATCH_SCHEMA, read_openai_batch_rows
+from tokenmill.connectors.openai_fields import CHAT_URL, COMPLETIONS_URL, RESPONSES_URL
 from tokenmill.connectors.openai_output import openai_batch_output_lines
 from tokenmill.connectors.sink import (
     append_to_dataset,
@@ -41,6 +37,7 @@ __all__ = [
     "FORMATS",
     "OPENAI_BATCH_SCHEMA",
     "REPLACED_COLUMN",
+    "RESPONSES_URL",
     "Source",
     "SourceError",
     "append_to_dataset",

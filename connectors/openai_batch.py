@@ -1,13 +1,14 @@
 """OpenAI batch input files: one request per line, turned into prompt rows.
 
 A line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
-"/v1/completions" | "/v1/embeddings", "body": {...}}`. Each becomes a row with
-`custom_id`, `messages` (chat) or `prompt` (completions) and one column per sampling
-parameter, null when the request does not set it, so the pipeline can apply per-row
-overrides; an embeddings line becomes one row per input string, with its `dimensions`
-(`openai_embeddings.py`). A body's
-`response_format` (`text`, `json_object`, or `json_schema` with its `schema` and
-`strict`) is checked for shape here and kept as its JSON text.
+"/v1/completions" | "/v1/responses" | "/v1/embeddings", "body": {...}}`. Each
+becomes a row with `custom_id`, `url`, `messages` (chat, responses) or `prompt`
+(completions), and the columns its body's fields fill - one per sampling option (null
+when the request does not set it, so the pipeline applies per-row overrides),
+`response_format` (JSON text), `tools` and `tool_calls` (JSON text). Which field fills
+what, is ignored or is refused is the one table in `connectors/openai_fields.py`; a
+refused field makes the line an error line naming it. An embeddings line becomes one row
+per input string, with its `dimensions` (`openai_embeddings.py`).
 """
 
 from __future__ import annotations
@@ -24,29 +25,25 @@ from tokenmill.connectors.fs import open_text_stream
 from tokenmill.connectors.jsonl_reader import UNPAIRED_SURROGATE, parse_object
 from tokenmill.connectors.lines import BadLine, iter_line_chunks
 from tokenmill.connectors.openai_embeddings import EMBEDDINGS_URL, embedding_request_rows
+from tokenmill.connectors.openai_fields import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    SAMPLING_COLUMNS,
+    URLS,
+    body_columns,
+)
 
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
-
-MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
-
-# body key -> column type. Keys outside this table and response_format (tools...) are ignored.
-SAMPLING_FIELDS: dict[str, pa.DataType] = {
-    "max_tokens": pa.int64(),
-    "min_tokens": pa.int64(),
-    "temperature": pa.float64(),
-    "top_p": pa.float64(),
-    "top_k": pa.int64(),
-    "min_p": pa.float64(),
-    "seed": pa.int64(),
-    "stop": pa.list_(pa.string()),
-    "stop_token_ids": pa.list_(pa.int64()),
-    "n": pa.int64(),
-    "logprobs": pa.bool_(),
-    "top_logprobs": pa.int64(),
-    "presence_penalty": pa.float64(),
-    "frequency_penalty": pa.float64(),
-}
+# A message's fields the chat template receives (tool_calls as JSON text); any other
+# field of a message (name, refusal, audio, function_call) is refused.
+MESSAGE_TYPE = pa.struct(
+    [
+        ("role", pa.string()),
+        ("content", pa.string()),
+        ("tool_calls", pa.string()),
+        ("tool_call_id", pa.string()),
+    ]
+)
+_MESSAGE_FIELDS = frozenset(MESSAGE_TYPE.names)
 
 OPENAI_BATCH_SCHEMA = pa.schema(
     [
@@ -55,12 +52,13 @@ OPENAI_BATCH_SCHEMA = pa.schema(
         ("model", pa.string()),
         ("messages", pa.list_(MESSAGE_TYPE)),
         ("prompt", pa.string()),
-        *SAMPLING_FIELDS.items(),
+        *SAMPLING_COLUMNS.items(),
         ("response_format", pa.string()),
+        ("tools", pa.string()),  # the function tools, for the chat template
+        ("tool_calls", pa.string()),  # how to read the answer as tool calls (openai_tools.py)
         ("dimensions", pa.int64()),  # /v1/embeddings
     ]
 )
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
 class OpenAIBatchReader:
@@ -201,8 +199,8 @@ def request_to_row(obj: dict[str, Any], number: int) -> dict[str, Any]:
     if method != "POST":
         raise BadLine(number, "method must be POST")
     url = obj.get("url")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        raise BadLine(number, f"url must be {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}")
+    if url not in URLS:
+        raise BadLine(number, f"url must be one of {', '.join((*URLS, EMBEDDINGS_URL))}")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise BadLine(number, "body must be a JSON object")
@@ -214,41 +212,35 @@ def request_to_row(obj: dict[str, Any], number: int) -> dict[str, Any]:
     }
     if url == CHAT_URL:
         row["messages"] = _messages(body.get("messages"), number)
-    else:
+    elif url == COMPLETIONS_URL:
         row["prompt"] = _prompt(body.get("prompt"), number)
-    row.update(_sampling(body, number))
-    if body.get("response_format") is not None:
-        row["response_format"] = _response_format(body["response_format"], number)
+    else:  # /v1/responses
+        row["messages"] = _response_input(body, number)
+    row.update(body_columns(url, body, number))
     return row
-
-
-def _response_format(value: Any, number: int) -> str:
-    """A response_format's JSON text, once its shape is OpenAI's; else BadLine."""
-    kinds = ", ".join(RESPONSE_FORMAT_TYPES)
-    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMAT_TYPES:
-        raise BadLine(number, f"body.response_format must be an object with type one of {kinds}")
-    if value["type"] == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise BadLine(
-                number, "body.response_format.json_schema must be an object with a schema object"
-            )
-        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-            raise BadLine(number, "body.response_format.json_schema.strict must be a boolean")
-    return json.dumps(value, ensure_ascii=False)
 
 
 def _messages(messages: Any, number: int) -> list[dict[str, str | None]]:
     if not isinstance(messages, list) or not messages:
         raise BadLine(number, "body.messages must be a non-empty list for chat completions")
-    out = []
-    for i, message in enumerate(messages):
-        where = f"body.messages[{i}]"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadLine(number, f"{where} must be an object with a string role")
-        out.append(
-            {"role": message["role"], "content": _content(message.get("content"), where, number)}
-        )
+    return [_message(m, f"body.messages[{i}]", number) for i, m in enumerate(messages)]
+
+
+def _message(message: Any, where: str, number: int) -> dict[str, str | None]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise BadLine(number, f"{where} must be an object with a string role")
+    for key, value in message.items():
+        if key not in _MESSAGE_FIELDS and value is not None:
+            raise BadLine(number, f"{where}.{key} is refused: not a message field tokenmill serves")
+    out = {"role": message["role"], "content": _content(message.get("content"), where, number)}
+    call_id = message.get("tool_call_id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise BadLine(number, f"{where}.tool_call_id must be a string")
+    out["tool_call_id"] = call_id
+    calls = message.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise BadLine(number, f"{where}.tool_calls must be a list")
+    out["tool_calls"] = json.dumps(calls, ensure_ascii=False) if calls else None
     return out
 
 
@@ -256,10 +248,12 @@ def _content(content: Any, where: str, number: int) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
-        # The "parts" form: only text parts can be served by a text model.
+        # The "parts" form: only text parts can be served by a text model (the Responses
+        # API names them input_text and output_text).
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "input_text", "output_text"):
                 raise BadLine(number, f"{where}.content: only text parts are supported")
             if not isinstance(part.get("text"), str):
                 raise BadLine(number, f"{where}.content: a text part needs a string text")
@@ -268,51 +262,38 @@ def _content(content: Any, where: str, number: int) -> str | None:
     raise BadLine(number, f"{where}.content must be a string or a list of text parts")
 
 
+def _response_input(body: dict[str, Any], number: int) -> list[dict[str, str | None]]:
+    """A Responses request's `instructions` and `input` as chat messages."""
+    value = body.get("input")
+    if isinstance(value, str):
+        messages = [_plain_message("user", value)]
+    elif isinstance(value, list) and value:
+        messages = []
+        for i, item in enumerate(value):
+            where = f"body.input[{i}]"
+            if isinstance(item, dict) and item.get("type", "message") != "message":
+                raise BadLine(number, f"{where} is refused: only message items are served")
+            item = (
+                {k: v for k, v in item.items() if k != "type"} if isinstance(item, dict) else item
+            )
+            messages.append(_message(item, where, number))
+    else:
+        raise BadLine(number, "body.input must be a string or a non-empty list of messages")
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise BadLine(number, "body.instructions must be a string")
+        messages.insert(0, _plain_message("system", instructions))
+    return messages
+
+
+def _plain_message(role: str, content: str) -> dict[str, str | None]:
+    return {"role": role, "content": content, "tool_calls": None, "tool_call_id": None}
+
+
 def _prompt(prompt: Any, number: int) -> str:
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise BadLine(number, "body.prompt must be a string (one prompt per request)")
     return prompt
-
-
-def _sampling(body: dict[str, Any], number: int) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for key, dtype in SAMPLING_FIELDS.items():
-        value = body.get(key)
-        if key == "max_tokens" and body.get("max_completion_tokens") is not None:
-            # The newer name wins: OpenAI deprecated max_tokens for chat in its favour.
-            value = body["max_completion_tokens"]
-            key_name = "max_completion_tokens"
-        else:
-            key_name = key
-        if value is None:
-            continue
-        if key == "stop" and isinstance(value, str):
-            value = [value]
-        if not _fits(value, dtype):
-            raise BadLine(number, f"body.{key_name} must be {_describe(dtype)}")
-        values[key] = value
-    return values
-
-
-def _fits(value: Any, dtype: pa.DataType) -> bool:
-    if pa.types.is_boolean(dtype):
-        return isinstance(value, bool)
-    if pa.types.is_integer(dtype):
-        return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**63
-    if pa.types.is_floating(dtype):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if pa.types.is_list(dtype):
-        return isinstance(value, list) and all(_fits(v, dtype.value_type) for v in value)
-    return isinstance(value, str)
-
-
-def _describe(dtype: pa.DataType) -> str:
-    if pa.types.is_list(dtype):
-        return f"a list of {_describe(dtype.value_type)}s"
-    if pa.types.is_boolean(dtype):
-        return "a boolean"
-    if pa.types.is_integer(dtype):
-        return "an integer"
-    return "a number" if pa.types.is_floating(dtype) else "a string"

@@ -120,6 +120,15 @@ class EngineConfig:
         "CPU float linear layers on weights packed once for oneDNN; False: F.linear "
         "(default: TOKENMILL_PACKED_LINEAR, on).",
     )
+    max_loras: int = setting(
+        8,
+        "LoRA adapters whose weights are ready for a step at once (slots): the sequences "
+        "running together use at most this many distinct adapters; others wait, and an "
+        "adapter out of a slot stays loaded in host memory.",
+    )
+    max_lora_rank: int = setting(
+        64, "The largest LoRA rank an adapter may have (its r, per layer)."
+    )
     huge_pages: bool | None = setting(
         None,
         "Ask Linux for 2 MiB pages for the CPU KV cache (default: TOKENMILL_HUGE_PAGES, "
@@ -141,6 +150,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:

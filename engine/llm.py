@@ -13,11 +13,13 @@ import torch
 from tokenmill.engine.config import EngineConfig, engine_settings, resolve_dtype
 from tokenmill.engine.core.encoder_engine import EncoderEngine
 from tokenmill.engine.core.llm_engine import LLMEngine
+from tokenmill.engine.loader.adapters import describe_adapter, model_names
 from tokenmill.engine.loader.hub import snapshot_revision
 from tokenmill.engine.loader.model_files import display_name, resolve_model
 from tokenmill.engine.loader.pooling_config import served_tasks
 from tokenmill.engine.loader.pooling_tokenizer import pair_separator_id
 from tokenmill.engine.loader.tokenizer import Tokenizer
+from tokenmill.engine.lora_request import LoRARequest
 from tokenmill.engine.models import GENERATE
 from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.engine.pooling_llm import PoolingMethods
@@ -31,6 +33,7 @@ from tokenmill.engine.worker.build import (
 )
 
 Prompt = str | list[int]
+LoRARequests = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM(PoolingMethods):
@@ -68,6 +71,8 @@ class LLM(PoolingMethods):
         # The Hub commit the weights came from (None for local files and aliases).
         self.model_revision = snapshot_revision(self.model_dir)
         self.model_name = display_name(model)
+        # What a LoRA adapter's base_model_name_or_path may call this model (None: unknown).
+        self.model_names = model_names(model)
         config = self.engine_config
         self.device = torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,6 +93,7 @@ class LLM(PoolingMethods):
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        lora_request: LoRARequests = None,
         on_output: Callable[[RequestOutput], None] | None = None,
         on_step: Callable[[EngineStats], None] | None = None,
     ) -> list[RequestOutput]:
@@ -96,6 +102,9 @@ class LLM(PoolingMethods):
         Args:
             prompts: strings (tokenized here) or token-id lists, or one of either.
             sampling_params: one for all prompts, or one per prompt; None = defaults.
+            lora_request: the LoRA adapter to run with: one for all prompts, or one per
+                prompt (None: the base model). Prompts of different adapters share steps;
+                each adapter is read once per LLM and checked before anything is queued.
             on_output: called with each RequestOutput as its request finishes.
             on_step: called after each engine step with the engine's cumulative
                 EngineStats (the same object, updated in place): progress per token.
@@ -108,7 +117,9 @@ class LLM(PoolingMethods):
 
         Raises:
             ValueError: a structured outputs constraint is invalid or cannot be enforced,
-                or the model does not generate (raised before any prompt is queued).
+                or a LoRA adapter is missing or does not fit the model
+                (`loader.adapters.AdapterError`, naming it), or the model does not
+                generate - raised before any prompt is queued.
         """
         if GENERATE not in self.tasks:
             raise ValueError(
@@ -119,8 +130,10 @@ class LLM(PoolingMethods):
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt_params(sampling_params, len(prompts))
+        loras = _per_prompt_loras(lora_request, len(prompts))
         for constraint in {p.structured_outputs for p in params} - {None}:
             self.engine.compile_structured_outputs(constraint)
+        lora_ids = {r: self.lora_id(r) for r in dict.fromkeys(loras) if r is not None}
         texts = [p if isinstance(p, str) else None for p in prompts]
         to_encode = [p for p in prompts if isinstance(p, str)]
         encoded = iter(self.tokenizer.encode_batch(to_encode) if to_encode else [])
@@ -128,13 +141,16 @@ class LLM(PoolingMethods):
 
         request_ids = [str(next(self._request_counter)) for _ in prompts]
         position = {rid: i for i, rid in enumerate(request_ids)}
-        for rid, prompt_ids, text, p in zip(request_ids, ids, texts, params):
-            self.engine.add_request(rid, prompt_ids, p, prompt=text)
+        for rid, prompt_ids, text, p, lora in zip(request_ids, ids, texts, params, loras):
+            lora_id = lora_ids[lora] if lora is not None else 0
+            self.engine.add_request(rid, prompt_ids, p, prompt=text, lora_id=lora_id)
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:
             while self.engine.has_unfinished:
                 for output in self.engine.step():
-                    results[position[output.request_id]] = output
+                    index = position[output.request_id]
+                    output.lora_request = loras[index]
+                    results[index] = output
                     if on_output is not None:
                         on_output(output)
                 if on_step is not None:
@@ -152,10 +168,12 @@ class LLM(PoolingMethods):
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequests = None,
         on_output: Callable[[RequestOutput], None] | None = None,
         on_step: Callable[[EngineStats], None] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate (with
+        `lora_request` as for `generate`)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = [
@@ -164,10 +182,34 @@ class LLM(PoolingMethods):
         ]
         # The template already carries any BOS; encode without adding special tokens.
         ids = self.tokenizer.encode_batch(prompts, add_special_tokens=False)
-        outputs = self.generate(ids, sampling_params, on_output=on_output, on_step=on_step)
+        outputs = self.generate(
+            ids,
+            sampling_params,
+            lora_request=lora_request,
+            on_output=on_output,
+            on_step=on_step,
+        )
         for output, text in zip(outputs, prompts):
             output.prompt = text
         return outputs
+
+    def lora_id(self, lora_request: LoRARequest) -> int:
+        """The engine's id of an adapter (>= 1), its files checked against this model and
+        read on first use; requests with the same files get the same id.
+
+        Raises:
+            AdapterError (a ValueError): the adapter is missing, stored only as pickle,
+                not a plain LoRA, or does not fit this model; the message names it.
+        """
+        description = describe_adapter(
+            lora_request.name,
+            lora_request.path,
+            self.model_config,
+            revision=lora_request.revision,
+            model_names=self.model_names,
+            max_rank=self.engine_config.max_lora_rank,
+        )
+        return self.engine.runner.lora.register(description)
 
     def set_profiler(self, profiler: StepProfiler | None) -> None:
         """Report every stage of every step to `profiler` from now on (None: stop); see
@@ -236,6 +278,18 @@ def _per_prompt_params(
     if len(params) != num_prompts:
         raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
     return params
+
+
+def _per_prompt_loras(lora_request: LoRARequests, num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {len(loras)} LoRA requests for {num_prompts} prompts")
+    bad = [r for r in loras if r is not None and not isinstance(r, LoRARequest)]
+    if bad:
+        raise TypeError(f"lora_request entries must be LoRARequest or None, got {bad[0]!r}")
+    return loras
 
 
 def _documented_signature(cls: type) -> None:

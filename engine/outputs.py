@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.engine.lora_request import LoRARequest
+
 
 @dataclass
 class CompletionOutput:
@@ -67,6 +69,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then one
     # {token_id: logprob} per prompt token (the token itself plus the top k).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The LoRA adapter the request ran with (None: the base model).
+    lora_request: LoRARequest | None = None
 
     # Conveniences for the common n == 1 case.
     @property

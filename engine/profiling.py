@@ -7,7 +7,8 @@ tool that wants the figures subclasses it and installs it with `LLM.set_profiler
 `tokenmill.bench.profile.StageTimer` is one. The stages, in a step's order:
 
     schedule   the scheduler picks the step's chunks (the loop)
-    prepare    the step's inputs and attention metadata, built and uploaded (runner)
+    prepare    the step's inputs, sampling batch (settings, bans, penalties, grammar
+               masks) and attention metadata, built and uploaded (runner)
     forward    the model over the step's tokens, attention included (runner)
     logits     the lm_head where a token is sampled or a prompt scored (runner)
     pool       an encoder batch's pooling and classification head (encoder runner)

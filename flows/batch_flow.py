@@ -191,9 +191,8 @@ def _shard_runs(plan: JobPlan, futures: list, progress: _FlowProgress) -> list[S
     runs: list[ShardRun] = []
     failed: list[str] = []
     for shard_future in futures:
-        # A Dask future's `state` is read from the Prefect API until `wait` has taken
-        # the final state from the worker's result; the API may not have the task's
-        # final state yet, and a shard that completed would read as failed.
+        # wait() takes the final state from the task runner's own future; `state` alone
+        # may read the API's copy, which can lag behind a task that has just finished.
         shard_future.wait()
         state = shard_future.state
         if state.is_completed():

@@ -24,7 +24,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from tokenmill.pipelines.option_types import FLOW, KEY_VALUES, Option
+from tokenmill.pipelines.option_types import FLOW, Option
 from tokenmill.pipelines.options import options_for, takes_options
 from tokenmill.pipelines.spec import JobSpec
 
@@ -50,7 +50,7 @@ def job_parameters(function: Callable) -> Callable:
 def flow_annotation(option: Option) -> Any:
     """An option's type as Prefect's schema shows it: bounds as pydantic constraints,
     lists and mappings as JSON arrays and objects, None allowed where it means unset."""
-    if option.type is KEY_VALUES:
+    if option.type.mapping:
         return dict[str, Any] | None
     annotation = option.type.annotation
     bounds = {k: getattr(option, k) for k in ("ge", "gt", "le") if getattr(option, k) is not None}

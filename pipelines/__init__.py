@@ -5,6 +5,7 @@ tokenize    batch-encode; over-long prompts -> error rows
 plan        order by shared prefix and length; cut each window into content-addressed shards
 dedupe      identical deterministic rows computed once; copy shards give copies the answer
 results     the results schema; a shard's table from engine outputs
+logprobs    generated tokens' logprobs as a results column (token, bytes, top alternatives)
 pricing     prices and exact cost arithmetic
 report      figures as people read them ("not set", "no prices set", $0.0123)
 ledger      the per-job ledger, computed from the result rows

@@ -53,9 +53,12 @@ def is_deterministic(params: SamplingParams | PoolingParams) -> bool:
 
 
 def row_digest(row: PromptRow) -> bytes:
-    """16 bytes naming what a row computes: its params entry and its prompt tokens."""
+    """16 bytes naming what a row computes: its params entry, its LoRA adapter and its
+    prompt tokens (rows of different adapters answer differently)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(row.params_index.to_bytes(4, "little"))
+    if row.lora_index:  # base-model rows keep the digests they had before adapters
+        h.update(b"lora" + row.lora_index.to_bytes(4, "little"))
     ids = row.token_ids
     h.update((ids if isinstance(ids, array) and ids.typecode == "i" else array("i", ids)).tobytes())
     return h.digest()
@@ -198,10 +201,15 @@ def copy_shard(
     model_key: str,
     task: str = GENERATE,
     window: int,
+    adapter_keys: Sequence[str] = (),
 ) -> Shard:
-    """The copy shard of one window's copies (its index is set once all are planned)."""
+    """The copy shard of one window's copies (its index is set once all are planned);
+    `adapter_keys` as for `plan.shard_id`."""
     h = hashlib.sha256(b"copies\x00")
-    h.update(shard_id([c.row for c in copies], params, model_key=model_key, task=task).encode())
+    rows = [c.row for c in copies]
+    h.update(
+        shard_id(rows, params, model_key=model_key, task=task, adapter_keys=adapter_keys).encode()
+    )
     for c in copies:
         h.update(f"\x00{c.source_row_index}:{c.source_shard}".encode())
     return Shard(

@@ -46,6 +46,7 @@ def generate_with_rule(
     *,
     shard_id: str,
     on_output: OnOutput | None = None,
+    loras: list | None = None,
     on_step: OnStep | None = None,
 ) -> dict[int, RequestOutput]:
     """Generate `rows` (all with prompts) under the engine-failure rule above.
@@ -56,6 +57,8 @@ def generate_with_rule(
         params: the job's distinct SamplingParams, indexed by `PromptRow.params_index`.
         shard_id: the shard's id, for messages.
         on_output: called with each RequestOutput as it finishes.
+        loras: the job's LoRARequests, indexed by `PromptRow.lora_index` (None: no
+            adapters).
         on_step: called after each engine step with the engine's cumulative stats.
 
     Returns:
@@ -70,7 +73,9 @@ def generate_with_rule(
     error: Exception | None = None
     for attempt in (1, 2):
         try:
-            return generate_rows(llm, rows, params, on_output=on_output, on_step=on_step)
+            return generate_rows(
+                llm, rows, params, on_output=on_output, on_step=on_step, loras=loras
+            )
         except Exception as exc:
             error = exc
             log.warning(
@@ -85,7 +90,9 @@ def generate_with_rule(
     num_failed = 0
     for row in rows:
         try:
-            results.update(generate_rows(llm, [row], params, on_output=on_output, on_step=on_step))
+            results.update(
+                generate_rows(llm, [row], params, on_output=on_output, on_step=on_step, loras=loras)
+            )
         except Exception as exc:
             results[row.row_index] = _failed(row, f"engine error: {type(exc).__name__}: {exc}")
             num_failed += 1
@@ -111,6 +118,7 @@ def generate_rows(
     *,
     on_output: OnOutput | None = None,
     on_step: OnStep | None = None,
+    loras: list | None = None,
 ) -> dict[int, RequestOutput | PoolingOutput]:
     """Generate every row that has a prompt, in the given order, each with its params -
     one `LLM.generate` call, no rule (notebooks call it directly; jobs through
@@ -121,6 +129,8 @@ def generate_rows(
         rows: prompt rows; error rows are left out.
         params: the job's distinct SamplingParams, indexed by `PromptRow.params_index`.
         on_output: called with each RequestOutput as it finishes.
+        loras: the job's LoRARequests, indexed by `PromptRow.lora_index` (None: no
+            adapters, and `generate` is called without lora_request).
         on_step: called after each engine step with the engine's cumulative stats
             (passed on only when given, so an LLM stand-in without it still works).
 
@@ -137,10 +147,14 @@ def generate_rows(
         hooks["on_step"] = on_step
     outputs: dict[int, RequestOutput | PoolingOutput] = {}
     if generating:
+        adapters = {}
+        if loras is not None:
+            adapters["lora_request"] = [loras[r.lora_index] for r in generating]
         generated = llm.generate(
             [r.token_ids for r in generating],
             [params[r.params_index] for r in generating],
             **hooks,
+            **adapters,
         )
         outputs.update((r.row_index, o) for r, o in zip(generating, generated))
     if pooled:

@@ -19,7 +19,9 @@ from tokenmill.connectors import openai_batch_output_lines, read_part
 from tokenmill.connectors.openai_embeddings import EmbeddingResponses, is_embeddings_url
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.ledger import (
+    AdapterSums,
     JobLedger,
+    add_adapter_sums,
     add_token_sums,
     compute_ledger,
     now_iso,
@@ -60,10 +62,11 @@ def finalize_job(
     spec = plan.spec
     parts = out.result_parts(spec.output, spec.storage_options)
     _check_parts_are_the_plans(plan, parts)
+    per_adapter: AdapterSums = {}
     if spec.output_format == "openai-batch":
-        sums = _write_openai_output(plan, parts)
+        sums = _write_openai_output(plan, parts, per_adapter)
     else:
-        sums = _add_up_parts(plan, parts)
+        sums = _add_up_parts(plan, parts, per_adapter)
     stats = out.read_shard_stats(
         spec.output, [s.shard_id for s in plan.shards], spec.storage_options
     )
@@ -87,6 +90,8 @@ def finalize_job(
         num_shards=len(plan.shards),
         num_shards_run=num_shards_run,
         task=spec.task,
+        adapters=[(a.name, a.weights_hash) for a in plan.adapters],
+        adapter_sums=per_adapter,
         forecast=forecast,
     )
     out.write_ledger(
@@ -126,16 +131,27 @@ def _check_parts_are_the_plans(plan: JobPlan, parts: dict[str, list[str]]) -> No
         )
 
 
-def _add_up_parts(plan: JobPlan, parts: dict[str, list[str]]) -> TokenSums:
-    """Token sums over every shard's part, each checked against its shard."""
+def _add_up_parts(
+    plan: JobPlan, parts: dict[str, list[str]], per_adapter: AdapterSums
+) -> TokenSums:
+    """Token sums over every shard's part, each checked against its shard (and, for a
+    job with LoRA adapters, added to `per_adapter` by adapter)."""
     sums = token_sums(RESULT_SCHEMA.empty_table())
     for shard in plan.shards:
         results, _ = _checked_part(plan, shard, parts[shard.shard_id], columns=["id"])
         sums = add_token_sums(sums, results)
+        _add_per_adapter(plan, per_adapter, results)
     return sums
 
 
-def _write_openai_output(plan: JobPlan, parts: dict[str, list[str]]) -> TokenSums:
+def _add_per_adapter(plan: JobPlan, per_adapter: AdapterSums, results: pa.Table) -> None:
+    if plan.adapters:
+        per_adapter.update(add_adapter_sums(per_adapter, results))
+
+
+def _write_openai_output(
+    plan: JobPlan, parts: dict[str, list[str]], per_adapter: AdapterSums
+) -> TokenSums:
     """Check and add up every part, and write `OUTPUT/results.jsonl` from them in input
     order, in one pass over the parts.
 
@@ -158,9 +174,13 @@ def _write_openai_output(plan: JobPlan, parts: dict[str, list[str]]) -> TokenSum
                 # The plan file is read with the columns the output lines need too, so no
                 # part or plan file is read twice.
                 results, planned = _checked_part(
-                    plan, shard, parts[shard.shard_id], columns=["id", "row_index", "url"]
+                    plan,
+                    shard,
+                    parts[shard.shard_id],
+                    columns=["id", "row_index", "url", "tool_calls"],
                 )
                 sums = add_token_sums(sums, results)
+                _add_per_adapter(plan, per_adapter, results)
                 tables.append(_with_plan_columns(results, planned))
             window = pa.concat_tables(tables, promote_options="permissive").sort_by("_row_index")
             window = window.drop_columns(["_row_index"])
@@ -218,8 +238,10 @@ def _checked_part(
 
 
 def _with_plan_columns(results: pa.Table, planned: pa.Table) -> pa.Table:
-    """`results` with each row's request url and its input position (`_row_index`)."""
+    """`results` with each row's request url, how its answer is read as tool calls, and
+    its input position (`_row_index`)."""
     where = {rid: i for i, rid in enumerate(planned["id"].to_pylist())}
     take = pa.array([where[rid] for rid in results["id"].to_pylist()], pa.int64())
     results = results.append_column("url", planned["url"].take(take))
+    results = results.append_column("tool_calls", planned["tool_calls"].take(take))
     return results.append_column("_row_index", planned["row_index"].take(take))

@@ -5,10 +5,16 @@ from the written parts), never from counters kept while running, so they equal t
 sums over the rows - including after a resume. Timing figures (device-seconds,
 latencies) come from the per-shard stats saved next to each part, so a resumed job
 still reports the time its earlier runs spent.
+
+A job with LoRA adapters also splits its rows, tokens and token costs per adapter
+(`JobLedger.adapters`: the base model's rows first, then each adapter's, every one
+listed even with no rows), summed from the results' `adapter` column - so the split
+adds up to the job's totals.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -91,6 +97,9 @@ class JobLedger:
     # embed | classify | rerank (pipelines/pooling.py: prompt tokens only, too).
     # Last, with a default: ledgers written before there were tasks are generation jobs.
     task: str = GENERATE
+    # With LoRA adapters: per adapter (None: the base model) its weights hash, rows, token
+    # sums and token costs (`ADAPTER_FIELDS`); a JSON text column in the ledger dataset.
+    adapters: list[dict] | None = None
     # Rows answered per device-second (the figure embedding jobs are judged by); None for
     # ledgers written before it was kept.
     throughput_rows_per_s: float | None = None
@@ -114,11 +123,16 @@ class JobLedger:
     @classmethod
     def from_dict(cls, raw: dict) -> JobLedger:
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in names})
+        values = {k: v for k, v in raw.items() if k in names}
+        if isinstance(values.get("adapters"), str):  # a ledger dataset row
+            values["adapters"] = json.loads(values["adapters"])
+        return cls(**values)
 
     def to_arrow(self) -> pa.Table:
         """This ledger as a one-row table with the fixed `LEDGER_SCHEMA`."""
         row = self.to_dict()
+        if row["adapters"] is not None:
+            row["adapters"] = json.dumps(row["adapters"])
         return pa.Table.from_pylist([row], schema=LEDGER_SCHEMA)
 
 
@@ -178,6 +192,58 @@ def add_token_sums(total: Mapping[str, int] | None, part: pa.Table) -> dict[str,
     return {k: v + total[k] for k, v in sums.items()} if total is not None else sums
 
 
+AdapterSums = dict[str | None, dict[str, int]]
+
+
+def add_adapter_sums(total: AdapterSums | None, part: pa.Table) -> AdapterSums:
+    """`total` plus the `token_sums` of each adapter's rows of a results part (by its
+    `adapter` column; None: the base model)."""
+    total = {k: dict(v) for k, v in (total or {}).items()}
+    if "adapter" not in part.column_names:
+        return add_token_sums_into(total, None, part)
+    names = part["adapter"]
+    for name in pc.unique(names).to_pylist():
+        rows = part.filter(pc.is_null(names) if name is None else pc.equal(names, name))
+        total = add_token_sums_into(total, name, rows)
+    return total
+
+
+def add_token_sums_into(total: AdapterSums, name: str | None, rows: pa.Table) -> AdapterSums:
+    total[name] = add_token_sums(total.get(name), rows)
+    return total
+
+
+def adapter_split(
+    sums: AdapterSums, adapters: Sequence[tuple[str, str]], prices: Prices
+) -> list[dict]:
+    """`JobLedger.adapters`: the base model, then each (name, weights hash) adapter, with
+    its rows, token sums and token costs."""
+    split = []
+    empty = dict.fromkeys(("rows_ok", "rows_failed", *TOKEN_FIELDS), 0)
+    for name, weights_hash in [(None, None), *adapters]:
+        counts = sums.get(name, empty)
+        costs = token_costs(
+            prices,
+            prompt_tokens=counts["prompt_tokens"],
+            cached_tokens=counts["cached_tokens"],
+            completion_tokens=counts["completion_tokens"],
+            num_requests=counts["rows_ok"],
+        )
+        split.append(
+            {
+                "adapter": name,
+                "weights_hash": weights_hash,
+                **counts,
+                **{k: getattr(costs, k) for k in ADAPTER_COSTS},
+            }
+        )
+    return split
+
+
+TOKEN_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens")
+ADAPTER_COSTS = ("cost_input", "cost_cached_input", "cost_output", "cost_total")
+
+
 def compute_ledger(
     results: pa.Table | Mapping[str, int],
     stats: Sequence[ShardStats],
@@ -195,6 +261,8 @@ def compute_ledger(
     num_shards: int,
     num_shards_run: int,
     task: str = GENERATE,
+    adapters: Sequence[tuple[str, str]] = (),
+    adapter_sums: AdapterSums | None = None,
     forecast: Mapping[str, Any] | None = None,
 ) -> JobLedger:
     """Build a job's ledger from its result rows and its shards' stats.
@@ -207,6 +275,8 @@ def compute_ledger(
         started_at, finished_at: ISO times of the job's first shard and of now.
         task: generate or score; a scoring job's rows have no completion tokens, so
             its cost is the prompt tokens' at the input and cached-input prices.
+        adapters: the job's LoRA adapters, (name, weights hash) each; with them,
+            `adapter_sums` (`add_adapter_sums` over the parts) gives the split.
         forecast: the job's dry-run forecast (`Forecast.to_dict()`), recorded beside
             the actuals.
         (the rest are recorded as given; URIs are redacted of credentials)
@@ -257,6 +327,7 @@ def compute_ledger(
         latency_p95_s=percentile(latencies, 95),
         latency_p99_s=percentile(latencies, 99),
         task=task,
+        adapters=adapter_split(adapter_sums or {}, adapters, prices) if adapters else None,
         throughput_rows_per_s=rate(sums["rows_ok"]),
         **_forecast_fields(forecast),
     )

@@ -24,6 +24,12 @@ from tokenmill.connectors import ERROR_COLUMN
 from tokenmill.connectors.decoding import Decoding, decode_values
 from tokenmill.connectors.lines import BadLine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.pipelines.adapters import (
+    adapter_names,
+    check_lora_option,
+    describe_job_adapters,
+    lora_requests,
+)
 from tokenmill.pipelines.dedupe import find_copies
 from tokenmill.pipelines.engine_failures import generate_rows
 from tokenmill.pipelines.forecast import Forecast, Work, engine_facts, forecast_work, requests_of
@@ -40,13 +46,14 @@ from tokenmill.pipelines.pooling import (
     tokenize_pooling_rows,
 )
 from tokenmill.pipelines.pricing import Prices
-from tokenmill.pipelines.reading import check_ids, mark_bad_rows, params_indices
+from tokenmill.pipelines.reading import check_ids, lora_indices, mark_bad_rows, params_indices
 from tokenmill.pipelines.results import (
     DECODE_REPLACED,
     DUPLICATE_OF,
     build_results,
     check_passthrough,
     extra_columns,
+    logprobs_column,
     reserved_columns,
 )
 from tokenmill.pipelines.scoring import (
@@ -249,6 +256,7 @@ class _Prepared:
     copies: dict[int, int]  # copy row index -> source row index (dedupe)
     replaced: list[bool] | None  # rows whose input bytes were replaced (or None)
     layout: PoolingLayout | None  # a pooling task's results layout
+    adapters: list  # the LoRA adapters rows may choose (pipelines/adapters.py)
 
     @property
     def computed(self) -> list[PromptRow]:
@@ -270,9 +278,16 @@ def _run(
 
     job = _prepare(data, task, llm=llm, options=options)
     with job.lock:
-        outputs = generate_rows(job.llm, job.computed, job.params.params, on_output=on_output)
+        outputs = generate_rows(
+            job.llm,
+            job.computed,
+            job.params.params,
+            on_output=on_output,
+            loras=lora_requests(job.adapters) if job.adapters else None,
+        )
     ids = [r.id for r in job.rows]  # row_index is the position in `data`
-    extras = extra_columns(job.params.params) + ((DUPLICATE_OF,) if job.copies else ())
+    extras = extra_columns(job.params.params, has_adapters=bool(job.adapters))
+    extras += (DUPLICATE_OF,) if job.copies else ()
     carried = job.table.select(list(job.passthrough))
     if job.replaced is not None:
         carried = carried.add_column(0, DECODE_REPLACED, pa.array(job.replaced, pa.bool_()))
@@ -282,8 +297,10 @@ def _run(
         passthrough=carried,
         task=task,
         extras=extras,
+        adapters=adapter_names(job.adapters),
         layout=job.layout,
         copies={copy: (source, ids[source]) for copy, source in job.copies.items()},
+        logprobs=logprobs_column(job.llm, job.params.params),
     )
     frame = pl.from_arrow(results)
     if job.values["parse"]:
@@ -375,6 +392,14 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
         values["json_schema"] is not None or values["json_object"] or schema_column
     ):
         raise ValueError("parse=True needs json_schema, json_object or json_schema_column")
+    check_lora_option(values["lora"])
+    if values["lora"] and task in POOLING_JOB_TASKS:
+        raise ValueError(f"LoRA adapters serve generate and score jobs, not {task}")
+    lora_column = values["lora_column"]
+    if lora_column is not None and not values["lora"]:
+        raise ValueError("lora_column names adapters: register them with lora={name: path}")
+    if lora_column is not None and lora_column not in table.column_names:
+        raise ValueError(f"data has no column {lora_column!r} (lora_column)")
     passthrough = values["passthrough"]
     if options.get("passthrough") is None:
         reserved = reserved_columns(task)
@@ -387,6 +412,14 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
         shared = get_llm(**llm_options(values))
         llm, lock = shared.llm, shared.lock
 
+    adapters = []
+    if values["lora"]:  # each checked against the model before any compute
+        adapters = describe_job_adapters(
+            values["lora"],
+            llm.model_config,
+            model_names=llm.model_names,
+            max_rank=llm.engine_config.max_lora_rank,
+        )
     engine = getattr(llm, "engine", None)
     params = ParamsTable(base, check=engine.compile_structured_outputs if engine else None)
     columns = table.to_pydict()
@@ -400,6 +433,7 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
     if task in POOLING_JOB_TASKS:
         rows, layout = _pooling_rows(llm, task, values, rendered, columns)
     else:
+        rendered, loras = lora_indices(columns, rendered, adapters, column=lora_column)
         pairs = params_indices(columns, params, rendered, schema_column=schema_column)
         indices = [i for _, i in pairs]
         rows = tokenize_rows(
@@ -409,12 +443,23 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
             max_tokens=[params.params[i].max_tokens for i in indices],
             params_index=indices,
             min_prompt_tokens=min_prompt_tokens(task),
+            lora_index=loras,
         )
     if template.id_column is not None:
         check_ids(rows, id_column=template.id_column, source="data")
     copies = find_copies(rows, params.params) if values["dedupe"] else {}
     return _Prepared(
-        values, table, list(passthrough), llm, lock, params, rows, copies, replaced, layout
+        values,
+        table,
+        list(passthrough),
+        llm,
+        lock,
+        params,
+        rows,
+        copies,
+        replaced,
+        layout,
+        adapters,
     )
 
 

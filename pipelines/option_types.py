@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tokenmill.connectors.decoding import check_encoding
+from tokenmill.engine.sampling_params import token_bias
 
 # Surfaces: where an option is shown.
 CLI = "cli"  # a flag of `tokenmill run` (and of `tokenmill generate`, unless about input)
@@ -48,6 +49,9 @@ class ValueType:
     metavar: str
     convert: Callable[[Any], Any] = lambda value: value  # an accepted value -> canonical
     choices: tuple[str, ...] = ()  # the only values there are, when listed
+    # A mapping: KEY=VALUE pairs on the command line (repeated), a JSON object in a flow,
+    # a dict in Python; None means empty.
+    mapping: bool = False
 
 
 def choice(*values: str) -> ValueType:
@@ -80,6 +84,24 @@ KEY_VALUES = ValueType(
     lambda v: isinstance(v, Mapping),
     "KEY=VALUE",
     convert=dict,
+    mapping=True,
+)
+
+
+def _token_bias(value: Any) -> dict[int, float]:
+    return token_bias(_json_value(value))
+
+
+# token id -> logit bias: TOKEN_ID=BIAS pairs on the command line, a JSON object (or its
+# text, as an OpenAI batch line's logit_bias column holds it) in a flow or in Python.
+TOKEN_BIAS = ValueType(
+    "a mapping of token ids to biases in [-100, 100]",
+    dict[int, float],
+    lambda text: text,  # pairs are parsed together: tokenmill/cli/options.py
+    lambda v: isinstance(v, (Mapping, str)),
+    "TOKEN_ID=BIAS",
+    convert=_token_bias,
+    mapping=True,
 )
 
 
@@ -180,7 +202,7 @@ class Option:
             if isinstance(value, (str, Mapping)) or not isinstance(value, Iterable):
                 value = [value]
             return tuple(self._check_one(v) for v in value)
-        if self.type is KEY_VALUES and value is None:
+        if self.type.mapping and value is None:
             return {}
         if value is None:
             if self.accepts_none:

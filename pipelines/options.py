@@ -80,6 +80,7 @@ from tokenmill.pipelines.option_types import (
     SAMPLING,
     STRUCTURED,
     TEXT,
+    TOKEN_BIAS,
     Option,
     choice,
 )
@@ -141,6 +142,18 @@ OPTIONS: tuple[Option, ...] = (
         MODEL,
         to=ENGINE,
     ),
+    Option(
+        "lora",
+        KEY_VALUES,
+        None,
+        "A LoRA adapter rows may run with, NAME=PATH_OR_REPO: a PEFT adapter directory or "
+        "a Hub repo id (org/name, org/name@revision). Rows choose one by --lora-column; "
+        "OpenAI batch lines by body.model. Checked against the model before any compute.",
+        MODEL,
+        flag="--lora",
+        metavar="NAME=PATH_OR_REPO",
+        path="if_exists",
+    ),
     # -- reading the input ---------------------------------------------------------------
     Option(
         "format",
@@ -197,6 +210,15 @@ OPTIONS: tuple[Option, ...] = (
         "column unless given).",
         INPUT,
         repeatable=True,
+        metavar="COL",
+    ),
+    Option(
+        "lora_column",
+        TEXT,
+        None,
+        "Column naming each row's LoRA adapter (a --lora NAME); null runs the base model, "
+        "and a name that is not an adapter makes the row an error.",
+        INPUT,
         metavar="COL",
     ),
     Option(
@@ -371,6 +393,91 @@ OPTIONS: tuple[Option, ...] = (
         to=SAMPLING,
         per_row=True,
         ge=1,
+    ),
+    Option(
+        "logprobs",
+        INT,
+        None,
+        "Per generated token, its log-probability and the N likeliest tokens' (0: its own "
+        "only); the results gain a `logprobs` column of {token, logprob, bytes, "
+        "top_logprobs}.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        ge=0,
+        le=20,
+    ),
+    # -- penalties and token controls (engine/worker/logit_controls.py) -----------------------
+    Option(
+        "repetition_penalty",
+        FLOAT,
+        1.0,
+        "Penalize every token already in the prompt or the output: its logit is divided "
+        "by this when positive, multiplied when negative (transformers' and vLLM's "
+        "definition); 1 is off, above 1 discourages repeats.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        gt=0,
+    ),
+    Option(
+        "presence_penalty",
+        FLOAT,
+        0.0,
+        "Subtract this from the logit of every token the output already holds (OpenAI's "
+        "definition, in [-2, 2]); positive values push towards new tokens.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        ge=-2,
+        le=2,
+    ),
+    Option(
+        "frequency_penalty",
+        FLOAT,
+        0.0,
+        "Subtract this times its count so far from the logit of each token the output "
+        "holds (OpenAI's definition, in [-2, 2]); breaks loops such as a JSON value "
+        "repeated until max_tokens.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        ge=-2,
+        le=2,
+    ),
+    Option(
+        "logit_bias",
+        TOKEN_BIAS,
+        None,
+        "Add a bias in [-100, 100] to these token ids' logits (-100 bans a token, 100 all "
+        "but forces it): TOKEN_ID=BIAS, repeated, on the command line; a mapping in Python "
+        "and flows.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+    ),
+    Option(
+        "allowed_token_ids",
+        INT,
+        None,
+        "Only these token ids may be generated.",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        repeatable=True,
+        metavar="TOKEN_ID",
+    ),
+    Option(
+        "bad_words",
+        TEXT,
+        None,
+        "Words the output must not contain: the last token of a word is refused where the "
+        "output ends with its other tokens (vLLM's rule).",
+        SAMPLE,
+        to=SAMPLING,
+        per_row=True,
+        repeatable=True,
+        metavar="WORD",
     ),
     # -- structured outputs (at most one; each output must match it) ---------------------------
     Option(
@@ -719,7 +826,10 @@ def generation_params(values: Mapping[str, Any]) -> SamplingParams:
     """The SamplingParams of a generation job's checked option values: the SAMPLING
     options, with the structured output options as its `structured_outputs` (a job's
     params, task included, come from `spec.sampling_params`)."""
-    return SamplingParams(**routed(values, SAMPLING), structured_outputs=structured_outputs(values))
+    sampling = routed(values, SAMPLING)
+    if sampling.get("allowed_token_ids") == ():  # the repeatable option left unset: no limit
+        sampling["allowed_token_ids"] = None
+    return SamplingParams(**sampling, structured_outputs=structured_outputs(values))
 
 
 def structured_outputs(values: Mapping[str, Any]) -> StructuredOutputs | None:

@@ -14,10 +14,15 @@ only if the engine's prefix cache still holds it when the later shard runs (like
 adjacent windows on one worker, not otherwise). Shards never span windows.
 
 A shard's id is a hash of what it computes - model, task (scoring; a generation
-job's ids are what they were before there were tasks), sampling params, row ids and
-prompt token ids - so planning the same job twice yields the same shards, and a
-changed job cannot mistake another job's finished shard for its own: a scoring job
-and a generation job over the same rows never share a shard or a job id.
+job's ids are what they were before there were tasks), sampling params, the LoRA
+adapters its rows use (their weights hashes), row ids and prompt token ids - so
+planning the same job twice yields the same shards, and a changed job cannot mistake
+another job's finished shard for its own: a scoring job and a generation job over the
+same rows never share a shard or a job id, nor do rows run with different adapters.
+
+Rows of a LoRA adapter are planned together (the adapter is the first sort key): only
+rows of one adapter can share cached prefixes, and an engine with fewer adapter slots
+than the job has adapters then serves one group after another.
 """
 
 from __future__ import annotations
@@ -99,9 +104,23 @@ def order_rows(
     """
     good = [r for r in rows if r.token_ids is not None]
     bad = [r for r in rows if r.token_ids is None]
-    good.sort(key=lambda r: (r.token_ids[:group_tokens], len(r.token_ids), r.row_index))
+    good.sort(
+        key=lambda r: (r.lora_index, r.token_ids[:group_tokens], len(r.token_ids), r.row_index)
+    )
     bad.sort(key=lambda r: r.row_index)
     return good + bad
+
+
+# SamplingParams fields left out of a params key while at their default: a job that does
+# not use them keeps the shard ids it had before they existed, so its results resume.
+_KEYED_WHEN_SET = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+}
 
 
 def params_key(params: SamplingParams) -> str:
@@ -110,6 +129,9 @@ def params_key(params: SamplingParams) -> str:
     unconstrained params' key is what it was before constraints existed."""
     values = asdict(params)
     constraint = values.pop("structured_outputs", None)  # PoolingParams have none
+    for name, default in _KEYED_WHEN_SET.items():
+        if name in values and values[name] == default:
+            del values[name]
     key = json.dumps(values, sort_keys=True)
     if constraint is not None:
         key += "\x00" + params.structured_outputs.key
@@ -122,8 +144,10 @@ def shard_id(
     *,
     model_key: str,
     task: str = GENERATE,
+    adapter_keys: Sequence[str] = (),
 ) -> str:
-    """A content hash naming a shard: same rows, prompts, params, task and model -> same id."""
+    """A content hash naming a shard: same rows, prompts, params, adapters, task and
+    model -> same id. `adapter_keys[i - 1]` identifies lora index i (its weights hash)."""
     h = hashlib.sha256()
     h.update(model_key.encode())
     if task != GENERATE:
@@ -132,7 +156,11 @@ def shard_id(
     for i in used:
         h.update(f"\x00p{i}:".encode())
         h.update(params_key(params[i]).encode())
+    for i in sorted({r.lora_index for r in rows} - {0}):
+        h.update(f"\x00a{i}:{adapter_keys[i - 1]}".encode())
     for r in rows:
+        if r.lora_index:
+            h.update(f"\x00l{r.lora_index}".encode())
         h.update(b"\x00r")
         h.update(r.id.encode())
         h.update(b"\x01")
@@ -188,6 +216,7 @@ def cut_shards(
     task: str = GENERATE,
     first_index: int = 0,
     window: int = 0,
+    adapter_keys: Sequence[str] = (),
 ) -> list[PlannedShard]:
     """Cut ordered rows into consecutive shards of at most `shard_tokens` each.
 
@@ -206,6 +235,7 @@ def cut_shards(
         task: the job's task (`pipelines/scoring.py`), also in the shard ids.
         first_index: the first shard's `index` (the shards of earlier windows come first).
         window: the planning window these rows belong to.
+        adapter_keys: the job's LoRA adapters' weights hashes, by lora index - 1.
 
     Returns:
         Shards in run order, `index` first_index, first_index + 1, ...
@@ -225,7 +255,8 @@ def cut_shards(
     return [
         PlannedShard(
             Shard(
-                shard_id=f"{i:05d}-{shard_id(g, params, model_key=model_key, task=task)}",
+                shard_id=f"{i:05d}-"
+                + shard_id(g, params, model_key=model_key, task=task, adapter_keys=adapter_keys),
                 index=i,
                 num_rows=len(g),
                 num_tokens=c,
@@ -250,6 +281,7 @@ def plan_shards(
     min_shards: int = 1,
     first_index: int = 0,
     window: int = 0,
+    adapter_keys: Sequence[str] = (),
 ) -> list[PlannedShard]:
     """`order_rows` then `cut_shards`: the whole packing step for one window."""
     ordered = order_rows(rows, group_tokens=group_tokens)
@@ -263,6 +295,7 @@ def plan_shards(
         task=task,
         first_index=first_index,
         window=window,
+        adapter_keys=adapter_keys,
     )
 
 

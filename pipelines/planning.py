@@ -22,7 +22,9 @@ import pyarrow as pa
 
 from tokenmill.connectors import open_source, redact_url
 from tokenmill.connectors.fingerprint import first_difference
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.grammar import GrammarCompiler
+from tokenmill.engine.loader.adapters import model_names
 from tokenmill.engine.loader.pooling_config import embedding_size, read_pooling_config
 from tokenmill.engine.loader.pooling_tokenizer import PoolingTokenizer
 from tokenmill.engine.models import architecture_for, load_config
@@ -30,6 +32,7 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
 from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
+from tokenmill.pipelines.adapters import JobAdapter, describe_job_adapters, lora_requests
 from tokenmill.pipelines.dedupe import Deduplicator, copy_shard
 from tokenmill.pipelines.model_description import (
     ModelDescription,
@@ -67,6 +70,8 @@ class JobPlan:
     num_failed: int = 0  # rows that failed before compute (bad prompt, too long, ...)
     # The input files' URLs, sizes and versions when planned (connectors/fingerprint.py).
     input_fingerprint: list[dict[str, Any]] = field(default_factory=list)
+    # The LoRA adapters rows may run with, in lora index order from 1 (pipelines/adapters.py).
+    adapters: list[JobAdapter] = field(default_factory=list)
     # A pooling job's results layout: its embedding size and dtype, its label names.
     layout: PoolingLayout | None = None
     # Rows that take an identical earlier row's answer (pipelines/dedupe.py); they are in
@@ -81,9 +86,15 @@ class JobPlan:
         return sum(s.num_tokens for s in self.shards)
 
     @property
+    def lora_requests(self) -> list | None:
+        """Each lora index's LoRARequest (None at 0: the base model); None without
+        adapters."""
+        return lora_requests(self.adapters) if self.adapters else None
+
+    @property
     def result_extras(self) -> tuple[str, ...]:
         """The optional result columns every part of this job has (`results.py`)."""
-        extras = extra_columns(self.params)
+        extras = extra_columns(self.params, has_adapters=bool(self.adapters))
         return (*extras, DUPLICATE_OF) if self.rows_deduplicated else extras
 
 
@@ -118,6 +129,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     if not spec.is_openai_batch:
         columns = [*required_columns(template), *queries, *spec.passthrough]
         columns += [spec.json_schema_column] if spec.json_schema_column else []
+        columns += [spec.lora_column] if spec.lora_column else []
     source = open_source(
         spec.input,
         format=spec.format,
@@ -133,6 +145,8 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     _check_input_unchanged(spec, fingerprint)
     min_shards = _min_shards(spec, min_shards)
     model, tokenizer, max_model_len = _model_for(spec, llm)
+    # An adapter that is missing or does not fit the model fails the job here.
+    adapters = _adapters_for(spec, model, llm)
     pooling = _pooling_for(spec, model, tokenizer, max_model_len, llm)
     # A job-level constraint that cannot be compiled fails the job here, before any rows.
     params = ParamsTable(spec.sampling, check=_constraint_check(model, tokenizer, llm))
@@ -144,7 +158,13 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     # fails, it removes only the files it added.
     existing = out.planned_shards(spec.output, spec.storage_options)
     windows = read_windows(
-        source, spec, tokenizer, max_model_len=max_model_len, params=params, pooling=pooling
+        source,
+        spec,
+        tokenizer,
+        max_model_len=max_model_len,
+        params=params,
+        pooling=pooling,
+        adapters=adapters,
     )
     try:
         for window in windows:
@@ -158,6 +178,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
                 min_shards=min_shards,
                 first_index=len(shards),
                 window=window.index,
+                adapter_keys=[a.weights_hash for a in adapters],
             )
             for planned in planned_shards:
                 _spill(spec, planned.shard.shard_id, planned.rows, window)
@@ -170,6 +191,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
                     model_key=model.model_key,
                     task=spec.task,
                     window=window.index,
+                    adapter_keys=[a.weights_hash for a in adapters],
                 )
                 sources = [(c.source_row_index, c.source_shard) for c in copies]
                 _spill(spec, shard.shard_id, [c.row for c in copies], window, sources)
@@ -193,6 +215,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         num_rows=num_rows,
         num_failed=num_failed,
         input_fingerprint=fingerprint,
+        adapters=adapters,
         layout=_layout(spec, pooling),
         rows_deduplicated=dedupe.num_copies if dedupe is not None else 0,
         model_dir=str(model.model_dir),
@@ -263,6 +286,23 @@ def _model_for(spec: JobSpec, llm: Any) -> tuple[ModelDescription, Any, int]:
     model = describe_model(spec.model, revision=spec.revision)
     limit = spec.engine_options.get("max_model_len") or model.max_context
     return model, model.load_tokenizer(), min(model.max_context, limit)
+
+
+def _adapters_for(spec: JobSpec, model: ModelDescription, llm: Any) -> list[JobAdapter]:
+    """The job's LoRA adapters, each checked against the model (ValueError naming one that
+    is missing or does not fit): by the loaded engine's settings when there is one."""
+    if not spec.lora:
+        return []
+    if spec.task in POOLING_JOB_TASKS:
+        raise ValueError(f"LoRA adapters serve generate and score jobs, not {spec.task}")
+    if llm is not None:
+        names, max_rank = llm.model_names, llm.engine_config.max_lora_rank
+    else:
+        names = model_names(spec.model)
+        max_rank = spec.engine_options.get("max_lora_rank", EngineConfig.max_lora_rank)
+    return describe_job_adapters(
+        spec.lora, load_config(model.model_dir), model_names=names, max_rank=max_rank
+    )
 
 
 def _pooling_for(
@@ -367,7 +407,10 @@ def _spill(
     if window.passthrough is not None:
         passthrough = window.passthrough.take(pa.array(local, pa.int64()))
     endpoints = [window.endpoints[i] for i in local] if window.endpoints is not None else None
-    table = shard_table(rows, passthrough=passthrough, endpoints=endpoints, sources=sources)
+    tool_calls = [window.tool_calls[i] for i in local] if window.tool_calls is not None else None
+    table = shard_table(
+        rows, passthrough=passthrough, endpoints=endpoints, tool_calls=tool_calls, sources=sources
+    )
     out.write_plan_shard(spec.output, shard_id, table, spec.storage_options)
 
 

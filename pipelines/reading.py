@@ -20,8 +20,10 @@ import pyarrow as pa
 
 from tokenmill.connectors import ERROR_COLUMN, REPLACED_COLUMN
 from tokenmill.connectors.openai_embeddings import is_embeddings_url
+from tokenmill.connectors.openai_tools import AUTO, renders_hermes_tools
 from tokenmill.engine.pooling_params import EMBED, PoolingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.pipelines.adapters import JobAdapter, row_adapters
 from tokenmill.pipelines.ids import IdCheck
 from tokenmill.pipelines.options import per_row_fields
 from tokenmill.pipelines.pooling import (
@@ -41,7 +43,7 @@ from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
 class Window:
     """Consecutive input rows, tokenized: the unit of planning.
 
-    `passthrough` and `endpoints` hold one entry per row, in input order
+    `passthrough`, `endpoints` and `tool_calls` hold one entry per row, in input order
     (row `r` is at `r.row_index - start`).
     """
 
@@ -51,6 +53,8 @@ class Window:
     # The job's passthrough columns, after `decode_replaced` when the job replaces bytes.
     passthrough: pa.Table | None = None
     endpoints: list[str | None] | None = None  # OpenAI batch: each row's request url
+    # OpenAI batch: how each row's answer is read as tool calls (JSON; None: it is not).
+    tool_calls: list[str | None] | None = None
 
 
 def read_windows(
@@ -61,6 +65,7 @@ def read_windows(
     max_model_len: int,
     params: ParamsTable,
     pooling: PoolingInputs | None = None,
+    adapters: list[JobAdapter] | None = None,
 ) -> Iterator[Window]:
     """Read, template and tokenize the input (up to `spec.limit`), window by window.
 
@@ -72,6 +77,8 @@ def read_windows(
         params: the job's distinct sampling params; rows' overrides are added to it.
         pooling: the model's pooling inputs (a pooling job, or OpenAI batch input with
             /v1/embeddings lines); None when it serves no pooling task.
+        adapters: the job's LoRA adapters (`pipelines/adapters.py`), which rows choose
+            by `spec.lora_column` or an OpenAI batch line's body.model.
 
     Yields:
         Windows in input order; row indices run 0..n-1 across them.
@@ -92,9 +99,13 @@ def read_windows(
             yield _finish(window, passthrough)
             window, passthrough = None, []
         if window is None:
-            window = Window(start // size, start, endpoints=[] if spec.is_openai_batch else None)
+            window = Window(start // size, start)
+            if spec.is_openai_batch:
+                window.endpoints, window.tool_calls = [], []
         columns = batch.to_pydict()
-        rows = _read_batch(columns, start, spec, tokenizer, chat, params, max_model_len, pooling)
+        rows = _read_batch(
+            columns, start, spec, tokenizer, chat, params, max_model_len, pooling, adapters or []
+        )
         ids.add([r.id for r in rows])
         window.rows += rows
         carried = _carried(batch, spec)
@@ -102,6 +113,7 @@ def read_windows(
             passthrough.append(carried)
         if window.endpoints is not None:
             window.endpoints += columns["url"]
+            window.tool_calls += columns.get("tool_calls") or [None] * batch.num_rows
     if window is not None and not ids.num_nulls:
         yield _finish(window, passthrough)
     ids.check(
@@ -157,6 +169,7 @@ def _read_batch(
     params: ParamsTable,
     max_model_len: int,
     pooling: PoolingInputs | None = None,
+    adapters: list[JobAdapter] | None = None,
 ) -> list[PromptRow]:
     rendered = render_rows(columns, spec.template_spec, start=start, chat=chat)
     rendered = mark_bad_rows(rendered, columns, id_column=spec.id_column, start=start)
@@ -168,11 +181,22 @@ def _read_batch(
             prefix=pooling.prefix,
             queries=columns[spec.query_column] if spec.query_column else None,
         )
+    adapters = adapters or []
     if spec.is_openai_batch:
+        rendered = _refuse_unread_tool_calls(rendered, columns, tokenizer)
         return _read_openai_rows(
-            columns, start, spec, tokenizer, chat, params, max_model_len, pooling, rendered
+            columns,
+            start,
+            spec,
+            tokenizer,
+            chat,
+            params,
+            max_model_len,
+            pooling,
+            rendered,
+            adapters,
         )
-    return _generation_rows(columns, spec, tokenizer, params, max_model_len, rendered)
+    return _generation_rows(columns, spec, tokenizer, params, max_model_len, rendered, adapters)
 
 
 def _generation_rows(
@@ -182,7 +206,15 @@ def _generation_rows(
     params: ParamsTable,
     max_model_len: int,
     rendered: list[RenderedRow],
+    adapters: list[JobAdapter],
 ) -> list[PromptRow]:
+    rendered, loras = lora_indices(
+        columns,
+        rendered,
+        adapters,
+        column=spec.lora_column,
+        per_row=spec.is_openai_batch,
+    )
     params_index = _params_index(columns, spec, params, rendered)
     indices = [i for _, i in params_index]
     return tokenize_rows(
@@ -192,7 +224,54 @@ def _generation_rows(
         max_tokens=[params.params[i].max_tokens for i in indices],
         params_index=indices,
         min_prompt_tokens=min_prompt_tokens(spec.task),
+        lora_index=loras,
     )
+
+
+def _refuse_unread_tool_calls(
+    rendered: list[RenderedRow], columns: dict[str, list], tokenizer: Any
+) -> list[RenderedRow]:
+    """Rows whose tool_choice "auto" this model cannot serve become error rows naming it:
+    its answer is unconstrained text, read back as tool calls only in the format of a
+    chat template that renders tools (`connectors/openai_tools.py`)."""
+    specs = columns.get("tool_calls")
+    if specs is None or renders_hermes_tools(getattr(tokenizer, "chat_template", None)):
+        return rendered
+    message = (
+        'body.tool_choice "auto" is refused for this model: its chat template does not '
+        "render tools in a format tokenmill reads back (Hermes / Qwen <tool_call>); give "
+        'tool_choice "required", a named function or "none"'
+    )
+    return [
+        replace(row, text=None, error=message)
+        if row.error is None and spec is not None and json.loads(spec)["choice"] == AUTO
+        else row
+        for row, spec in zip(rendered, specs)
+    ]
+
+
+def lora_indices(
+    columns: dict[str, list],
+    rendered: list[RenderedRow],
+    adapters: list[JobAdapter],
+    *,
+    column: str | None,
+    per_row: bool = False,
+) -> tuple[list[RenderedRow], list[int]]:
+    """Each row's LoRA adapter index, from `column` (a name that is no adapter makes the
+    row an error) or, with `per_row` (OpenAI batch input), from the `model` column (a
+    name that is no adapter is the model itself). All 0 without adapters."""
+    if not adapters or (column is None and not per_row):
+        return rendered, [0] * len(rendered)
+    names = columns[column] if column is not None else columns.get("model", [])
+    if not names:
+        names = [None] * len(rendered)
+    chosen = row_adapters(names, adapters, strict=column is not None)
+    rows = [
+        row if error is None or row.error is not None else replace(row, text=None, error=error)
+        for row, (_, error) in zip(rendered, chosen)
+    ]
+    return rows, [index for index, _ in chosen]
 
 
 def _read_openai_rows(
@@ -205,6 +284,7 @@ def _read_openai_rows(
     max_model_len: int,
     pooling: PoolingInputs | None,
     rendered: list[RenderedRow],
+    adapters: list[JobAdapter],
 ) -> list[PromptRow]:
     """An OpenAI batch file's rows: each by its line's endpoint - /v1/embeddings lines
     embedded, the others generated - and an error row for an endpoint the model does
@@ -227,7 +307,13 @@ def _read_openai_rows(
         for i, row in zip(
             generate,
             _generation_rows(
-                subset, spec, tokenizer, params, max_model_len, [rendered[i] for i in generate]
+                subset,
+                spec,
+                tokenizer,
+                params,
+                max_model_len,
+                [rendered[i] for i in generate],
+                adapters,
             ),
         ):
             rows[i] = row

@@ -23,6 +23,10 @@ has the same schema):
     completions                 list of {index, output, finish_reason,
                                 structured_output_complete}: every one of a row's n
                                 completions (`output` is the first). With any n > 1.
+    logprobs                    list of {token, logprob, bytes, top_logprobs}: each
+                                generated token of `output` (`pipelines/logprobs.py`);
+                                each completion has its own in `completions`. With any
+                                logprobs asked for; null on rows that did not ask.
     duplicate_of                string: the id of the identical row whose answer this
                                 row takes (null on rows computed themselves); such a row
                                 bills no tokens (`pipelines/dedupe.py`). With any row
@@ -31,6 +35,9 @@ has the same schema):
     embedding, truncated        an OpenAI batch file's /v1/embeddings lines: each
                                 line's embedding (list of float32; null on other rows)
                                 and whether its text was cut. With any such line.
+    adapter                     string: the LoRA adapter the row ran with (or asked for,
+                                on an error row); null for the base model. With any
+                                LoRA adapters (`pipelines/adapters.py`).
 
 and one when the job reads its input with `on_decode_error="replace"`:
 
@@ -44,6 +51,7 @@ and one when the job reads its input with `on_decode_error="replace"`:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -51,6 +59,7 @@ from tokenmill.engine.outputs import CompletionOutput, RequestOutput
 from tokenmill.engine.pooling_outputs import PoolingOutput
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.pipelines.logprobs import LOGPROBS_TYPE, LogprobsColumn
 from tokenmill.pipelines.pooling import POOLING_JOB_TASKS, PoolingLayout, pooling_columns
 from tokenmill.pipelines.scoring import GENERATE, SCORE, SCORE_FINISH_REASON, prompt_score
 from tokenmill.pipelines.tokenize import PromptRow
@@ -81,22 +90,33 @@ COMPLETION_TYPE = pa.struct(
 )
 DUPLICATE_OF = "duplicate_of"
 DECODE_REPLACED = "decode_replaced"
+ADAPTER = "adapter"
 # An OpenAI batch file's embeddings in a generation job's results (sizes may differ).
 _LINE_EMBEDDINGS = PoolingLayout("embed")
 EXTRA_FIELDS = {
     "structured_output_complete": pa.field("structured_output_complete", pa.bool_()),
     "completions": pa.field("completions", pa.list_(COMPLETION_TYPE)),
+    "logprobs": pa.field("logprobs", LOGPROBS_TYPE),
     "embedding": _LINE_EMBEDDINGS.fields()[0],
     "truncated": _LINE_EMBEDDINGS.fields()[1],
     DUPLICATE_OF: pa.field(DUPLICATE_OF, pa.string()),
+    ADAPTER: pa.field(ADAPTER, pa.string()),
     DECODE_REPLACED: pa.field(DECODE_REPLACED, pa.bool_(), nullable=False),
 }
 # What a copy's row bills: nothing was computed for it.
 TOKEN_COLUMNS = ("prompt_tokens", "cached_tokens", "completion_tokens")
+# With logprobs too, each completion carries its own.
+_COMPLETIONS_WITH_LOGPROBS = pa.field(
+    "completions",
+    pa.list_(pa.struct([*COMPLETION_TYPE, pa.field("logprobs", LOGPROBS_TYPE)])),
+)
 
 
-def extra_columns(params: Sequence[SamplingParams | PoolingParams]) -> tuple[str, ...]:
-    """The optional result columns a job's distinct params call for, in schema order.
+def extra_columns(
+    params: Sequence[SamplingParams | PoolingParams], *, has_adapters: bool = False
+) -> tuple[str, ...]:
+    """The optional result columns a job's distinct params (and LoRA adapters) call for,
+    in schema order.
 
     A generation job whose rows include pooling ones (an OpenAI batch file with
     /v1/embeddings lines) gains `embedding` and `truncated`; a pooling job has its
@@ -108,8 +128,12 @@ def extra_columns(params: Sequence[SamplingParams | PoolingParams]) -> tuple[str
         extras.append("structured_output_complete")
     if any(p.n > 1 for p in sampling):
         extras.append("completions")
+    if any(p.logprobs is not None for p in sampling):
+        extras.append("logprobs")
     if sampling and len(sampling) < len(params):
         extras += ["embedding", "truncated"]
+    if has_adapters:
+        extras.append(ADAPTER)
     return tuple(extras)
 
 
@@ -124,7 +148,10 @@ def result_schema(
         base = [*RESULT_SCHEMA, *(layout or PoolingLayout(task)).fields()]
     else:
         base = SCORE_RESULT_SCHEMA if task == SCORE else RESULT_SCHEMA
-    return pa.schema([*base, *(EXTRA_FIELDS[name] for name in extras)])
+    fields = [EXTRA_FIELDS[name] for name in extras]
+    if "logprobs" in extras and "completions" in extras:
+        fields = [_COMPLETIONS_WITH_LOGPROBS if f.name == "completions" else f for f in fields]
+    return pa.schema([*base, *fields])
 
 
 def reserved_columns(task: str = GENERATE) -> tuple[str, ...]:
@@ -146,8 +173,15 @@ def check_passthrough(names: Sequence[str], *, task: str = GENERATE) -> None:
         raise ValueError("passthrough columns repeat")
 
 
-def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = GENERATE) -> dict:
-    """One result row as a dict, from a prompt row and (if it ran) its engine output."""
+def result_record(
+    row: PromptRow,
+    output: RequestOutput | None,
+    *,
+    task: str = GENERATE,
+    logprobs: LogprobsColumn | None = None,
+) -> dict:
+    """One result row as a dict, from a prompt row and (if it ran) its engine output;
+    `logprobs` builds the logprobs column's values (None: the job has none)."""
     if row.error is not None:
         return _error_record(row.id, row.error)
     if output is None:
@@ -159,6 +193,10 @@ def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = G
     reason = output.finish_reason if output.outputs else "error"
     if output.error is not None or reason not in FINISH_REASONS or reason == "error":
         return _error_record(row.id, output.error or f"engine finished with {reason!r}")
+    completions = [_completion(c) for c in output.outputs]
+    if logprobs is not None:
+        for record, completion in zip(completions, output.outputs):
+            record["logprobs"] = logprobs(row.params_index, completion)
     return {
         "id": row.id,
         "output": output.text,
@@ -168,7 +206,8 @@ def result_record(row: PromptRow, output: RequestOutput | None, *, task: str = G
         "completion_tokens": int(output.completion_tokens),
         "error": None,
         "structured_output_complete": output.structured_output_complete,
-        "completions": [_completion(c) for c in output.outputs],
+        "completions": completions,
+        "logprobs": completions[0].get("logprobs"),
     }
 
 
@@ -228,6 +267,13 @@ def _error_record(row_id: str, message: str) -> dict:
     }
 
 
+def logprobs_column(llm: Any, params: Sequence[SamplingParams]) -> LogprobsColumn | None:
+    """The `logprobs` column's builder for a job's params on `llm` (None: none asks)."""
+    if not any(getattr(p, "logprobs", None) is not None for p in params):  # pooling: none
+        return None
+    return LogprobsColumn(llm.tokenizer.token_bytes, params)
+
+
 def build_results(
     rows: Sequence[PromptRow],
     outputs: Mapping[int, RequestOutput],
@@ -235,6 +281,8 @@ def build_results(
     passthrough: pa.Table | None = None,
     task: str = GENERATE,
     extras: Sequence[str] = (),
+    logprobs: LogprobsColumn | None = None,
+    adapters: Sequence[str | None] = (),
     layout: PoolingLayout | None = None,
     copies: Mapping[int, tuple[int, str]] | None = None,
 ) -> pa.Table:
@@ -247,6 +295,9 @@ def build_results(
             a `decode_replaced` column among them goes before the others.
         task: the job's task: its rows and schema (`result_schema`).
         extras: optional columns (`extra_columns` of the job's params).
+        logprobs: builds the `logprobs` column (needed when it is among the extras).
+        adapters: each lora index's adapter name (None: the base model), for the
+            `adapter` column.
         layout: a pooling job's layout (its embedding size and dtype, label names).
         copies: row index -> (source row index, source id) of rows that take an
             identical row's answer (`pipelines/dedupe.py`); extras must then hold
@@ -255,6 +306,8 @@ def build_results(
     Returns:
         A table with the task's result columns, the extras, then the passthrough columns.
     """
+    if "logprobs" in extras and logprobs is None:
+        raise ValueError("a logprobs column needs its LogprobsColumn")
     copies = copies or {}
     if copies:  # a copy's answer (and vectors) are its source's
         outputs = {
@@ -263,13 +316,16 @@ def build_results(
         }
 
     def record(row: PromptRow) -> dict:
-        result = result_record(row, outputs.get(row.row_index), task=task)
+        result = result_record(row, outputs.get(row.row_index), task=task, logprobs=logprobs)
         if row.row_index in copies:
             result.update(dict.fromkeys(TOKEN_COLUMNS, 0))
             result[DUPLICATE_OF] = copies[row.row_index][1]
         return result
 
     records = [record(r) for r in rows]
+    if ADAPTER in extras:
+        for row, rec in zip(rows, records):
+            rec[ADAPTER] = adapters[row.lora_index]
     if task in POOLING_JOB_TASKS:
         # Vectors are built column-wise (pipelines/pooling.py): a shard's embeddings
         # are one array, never a Python float each.

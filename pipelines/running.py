@@ -20,11 +20,17 @@ import pyarrow as pa
 
 from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.pipelines import output as out
+from tokenmill.pipelines.adapters import adapter_names
 from tokenmill.pipelines.engine_failures import generate_with_rule
 from tokenmill.pipelines.ledger import ShardStats, now_iso, token_sums
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard
-from tokenmill.pipelines.results import build_results, copy_results, latencies
+from tokenmill.pipelines.results import (
+    build_results,
+    copy_results,
+    latencies,
+    logprobs_column,
+)
 from tokenmill.pipelines.spill import ShardRows, shard_rows
 
 log = logging.getLogger(__name__)
@@ -133,7 +139,13 @@ def run_shard(
     good = [r for r in rows if r.token_ids is not None]
     started_at, t0 = now_iso(), time.perf_counter()
     outputs = generate_with_rule(
-        llm, good, plan.params, shard_id=shard.shard_id, on_output=on_output, on_step=on_step
+        llm,
+        good,
+        plan.params,
+        shard_id=shard.shard_id,
+        on_output=on_output,
+        on_step=on_step,
+        loras=plan.lora_requests,
     )
     seconds = time.perf_counter() - t0
     table = build_results(
@@ -142,7 +154,9 @@ def run_shard(
         passthrough=planned.passthrough,
         task=spec.task,
         extras=plan.result_extras,
+        adapters=adapter_names(plan.adapters),
         layout=plan.layout,
+        logprobs=logprobs_column(llm, plan.params),
     )
     device = str(getattr(llm, "device", ""))
     device_seconds = seconds if good else 0.0

@@ -16,6 +16,7 @@ from tokenmill.connectors.formats import normalize_format
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.pipelines.adapters import check_lora_option
 from tokenmill.pipelines.option_types import JOB, PRICES, PROMPT, SAMPLING, STRUCTURED
 from tokenmill.pipelines.options import (
     OPTIONS,
@@ -95,6 +96,13 @@ class JobSpec:
             raise ValueError(
                 "OpenAI batch lines carry their own response_format; drop json_schema_column"
             )
+        check_lora_option(self.lora)
+        if self.lora_column is not None and not self.lora:
+            raise ValueError("lora_column names adapters: register them with --lora NAME=PATH")
+        if self.is_openai_batch and self.lora_column is not None:
+            raise ValueError(
+                "OpenAI batch lines choose their adapter by body.model; drop lora_column"
+            )
         if self.output_format == "openai-batch" and not self.is_openai_batch:
             raise ValueError(
                 "output_format 'openai-batch' needs OpenAI batch input (format='openai-batch')"
@@ -118,7 +126,11 @@ class JobSpec:
     def template_spec(self) -> TemplateSpec:
         """How rows become prompts. OpenAI batch completion requests (a prompt, no
         messages) are sent raw, as OpenAI's completions endpoint does."""
-        return TemplateSpec(**routed(vars(self), PROMPT), fallback_prompt=self.is_openai_batch)
+        return TemplateSpec(
+            **routed(vars(self), PROMPT),
+            fallback_prompt=self.is_openai_batch,
+            tools_column="tools" if self.is_openai_batch else None,
+        )
 
     @property
     def llm_options(self) -> dict[str, Any]:

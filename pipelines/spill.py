@@ -11,7 +11,11 @@ reads just its own rows. The table, one row per planned row, in run order:
     error         string         why the row failed before compute; null otherwise
     params_index  int32          index into the job's distinct SamplingParams
     truncated     bool           the text was cut to the model's max_seq_length (pooling)
+    lora_index    int32          the row's LoRA adapter (0: the base model); only in the
+                                 plans of jobs with adapters
     url           string         OpenAI batch input only: the request's endpoint
+    tool_calls    string         OpenAI batch input only: how the answer is read as tool
+                                 calls (JSON; null: it is not)
     source_row_index  int64      copy shards only (pipelines/dedupe.py): the row whose
     source_shard      string     answer each copy takes, and the shard that computes it
     passthrough/<name>           each passthrough column, as read
@@ -32,6 +36,8 @@ from tokenmill.pipelines.tokenize import PromptRow
 
 PASSTHROUGH_PREFIX = "passthrough/"
 URL_COLUMN = "url"
+TOOL_CALLS_COLUMN = "tool_calls"
+LORA_COLUMN = "lora_index"
 SOURCE_ROW_COLUMN = "source_row_index"
 SOURCE_SHARD_COLUMN = "source_shard"
 
@@ -52,6 +58,7 @@ def shard_table(
     *,
     passthrough: pa.Table | None = None,
     endpoints: Sequence[str | None] | None = None,
+    tool_calls: Sequence[str | None] | None = None,
     sources: Sequence[tuple[int, str]] | None = None,
 ) -> pa.Table:
     """The table for a shard's rows (in run order).
@@ -60,6 +67,7 @@ def shard_table(
         rows: the shard's rows.
         passthrough: passthrough columns, one row per entry of `rows`, same order.
         endpoints: each row's request url (OpenAI batch input), same order.
+        tool_calls: each row's tool call reading (OpenAI batch input), same order.
         sources: a copy shard's (source row index, source shard id) per row.
 
     Returns:
@@ -81,8 +89,12 @@ def shard_table(
         "params_index": pa.array([r.params_index for r in rows], pa.int32()),
         "truncated": pa.array([r.truncated for r in rows], pa.bool_()),
     }
+    if any(r.lora_index for r in rows):
+        columns[LORA_COLUMN] = pa.array([r.lora_index for r in rows], pa.int32())
     if endpoints is not None:
         columns[URL_COLUMN] = pa.array(list(endpoints), pa.string())
+    if tool_calls is not None:
+        columns[TOOL_CALLS_COLUMN] = pa.array(list(tool_calls), pa.string())
     if sources is not None:
         columns[SOURCE_ROW_COLUMN] = pa.array([s[0] for s in sources], pa.int64())
         columns[SOURCE_SHARD_COLUMN] = pa.array([s[1] for s in sources], pa.string())
@@ -109,6 +121,7 @@ def shard_rows(table: pa.Table) -> ShardRows:
     truncated = (
         table["truncated"].to_pylist() if "truncated" in table.column_names else [False] * num_rows
     )
+    loras = table[LORA_COLUMN].to_pylist() if LORA_COLUMN in table.column_names else [0] * num_rows
     rows = [
         PromptRow(
             row_index,
@@ -117,9 +130,10 @@ def shard_rows(table: pa.Table) -> ShardRows:
             error=error,
             params_index=params_index,
             truncated=bool(cut),
+            lora_index=lora_index,
         )
-        for (row_index, rid, error, params_index, tokens), cut in zip(
-            zip(*columns.values()), truncated
+        for (row_index, rid, error, params_index, tokens), cut, lora_index in zip(
+            zip(*columns.values()), truncated, loras
         )
     ]
     names = [n for n in table.column_names if n.startswith(PASSTHROUGH_PREFIX)]

@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# messages -> prompt text; raises ValueError on malformed messages.
-ChatRenderer = Callable[[list[dict[str, str]]], str]
+# messages (and template variables such as tools=) -> prompt text; raises ValueError on
+# malformed messages.
+ChatRenderer = Callable[..., str]
 
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -34,7 +35,9 @@ class TemplateSpec:
     One source is used, in this order: `messages_column`, `template`, `prompt_column`
     (the job definition lets a job give a messages column or a template, not both).
     With `fallback_prompt` (OpenAI batch input) a row whose messages are null falls
-    back to its prompt column, sent raw: that is a completions request.
+    back to its prompt column, sent raw: that is a completions request. `tools_column`
+    holds a row's function tools (a list, or its JSON text), handed to the chat template
+    as its `tools` variable, as transformers does.
     """
 
     prompt_column: str | None = "prompt"
@@ -44,6 +47,7 @@ class TemplateSpec:
     raw: bool = False
     id_column: str | None = None
     fallback_prompt: bool = False
+    tools_column: str | None = None
 
     def __post_init__(self) -> None:
         if self.messages_column is None and self.template is None and not self.prompt_column:
@@ -170,12 +174,15 @@ def check_text(value: Any, what: str) -> str | None:
     return None
 
 
-def normalize_messages(value: Any, *, system: str | None = None) -> list[dict[str, str]]:
+def normalize_messages(value: Any, *, system: str | None = None) -> list[dict[str, Any]]:
     """Validate a row's messages and return them as plain dicts.
 
-    Accepts a list of {role, content} mappings or a JSON string holding one. The
-    shared `system` prompt is prepended unless the row starts with its own system
-    message (a row's own instructions win).
+    Accepts a list of {role, content} mappings or a JSON string holding one. A message
+    may also carry `tool_call_id` and `tool_calls` (a list, or its JSON text), which
+    reach the chat template as given; other keys are dropped. An assistant message that
+    only calls tools may have a null content (the template sees ""). The shared `system` prompt is
+    prepended unless the row starts with its own system message (a row's own
+    instructions win).
 
     Raises:
         ValueError: with a message that names the problem but not the content.
@@ -198,14 +205,47 @@ def normalize_messages(value: Any, *, system: str | None = None) -> list[dict[st
         role, content = msg.get("role"), msg.get("content")
         if role not in VALID_ROLES:
             raise ValueError(f"message {i} has invalid role {role!r}")
+        calls = _tool_calls(msg.get("tool_calls"), i)
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise ValueError(f"message {i} content is not a string")
-        messages.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if msg.get("tool_call_id") is not None:
+            message["tool_call_id"] = str(msg["tool_call_id"])
+        if calls:
+            message["tool_calls"] = calls
+        messages.append(message)
     if not any(m["role"] == "user" for m in messages):
         raise ValueError("messages contain no user message")
     if system is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
     return messages
+
+
+def _tool_calls(value: Any, index: int) -> list | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"message {index} tool_calls are not valid JSON") from None
+    if value is not None and not isinstance(value, list):
+        raise ValueError(f"message {index} tool_calls must be a list")
+    return value or None
+
+
+def _tools(value: Any) -> dict[str, Any]:
+    """A row's tools as the chat template's variables ({} when it has none)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError("tools are not valid JSON") from None
+    if not isinstance(value, list):
+        raise ValueError("tools must be a list")
+    return {"tools": value}
 
 
 def _render_one(
@@ -218,7 +258,8 @@ def _render_one(
             return _render_text(row.get(spec.prompt_column), None, None, "prompt")
         if chat is None:
             raise ValueError("a messages column needs a tokenizer with a chat template")
-        return chat(normalize_messages(value, system=spec.system)), True
+        tools = _tools(row.get(spec.tools_column)) if spec.tools_column else {}
+        return chat(normalize_messages(value, system=spec.system), **tools), True
     if spec.mode == "template":
         for name in template_fields(spec.template):
             if row.get(name) is None:

@@ -28,7 +28,8 @@ class PromptRow:
     """One input row on its way to the engine.
 
     `params_index` points into the job's list of distinct SamplingParams so rows that
-    share settings (the usual case) share one object.
+    share settings (the usual case) share one object; `lora_index` into the job's LoRA
+    adapters (0: the base model; `pipelines/adapters.py`).
     """
 
     row_index: int
@@ -38,6 +39,7 @@ class PromptRow:
     token_ids: Sequence[int] | None = None
     error: str | None = None
     params_index: int = 0
+    lora_index: int = 0
     # Pooling rows: the text was cut to the model's max_seq_length (pipelines/pooling.py).
     truncated: bool = False
 
@@ -85,6 +87,7 @@ def tokenize_rows(
     max_tokens: Sequence[int] | int,
     params_index: Sequence[int] | int = 0,
     min_prompt_tokens: int = 1,
+    lora_index: Sequence[int] | int = 0,
 ) -> list[PromptRow]:
     """Batch-encode rendered rows and turn over-long (or too short) prompts into error rows.
 
@@ -96,6 +99,7 @@ def tokenize_rows(
         params_index: index of each row's SamplingParams (one for all, or per row).
         min_prompt_tokens: the fewest tokens a prompt may have (2 to score one:
             `scoring.min_prompt_tokens`).
+        lora_index: each row's LoRA adapter (one for all, or per row).
 
     Returns:
         One PromptRow per rendered row, same order.
@@ -103,6 +107,7 @@ def tokenize_rows(
     n = len(rendered)
     budgets = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
     params = [params_index] * n if isinstance(params_index, int) else list(params_index)
+    loras = [lora_index] * n if isinstance(lora_index, int) else list(lora_index)
     encoded: dict[int, list[int]] = {}
     for is_chat in (False, True):
         positions = [i for i, r in enumerate(rendered) if r.error is None and r.is_chat == is_chat]
@@ -113,16 +118,17 @@ def tokenize_rows(
         encoded.update(zip(positions, ids))
     rows = []
     for i, r in enumerate(rendered):
+        indices = {"params_index": params[i], "lora_index": loras[i]}
         if r.error is not None:
-            rows.append(PromptRow(r.row_index, r.id, error=r.error, params_index=params[i]))
+            rows.append(PromptRow(r.row_index, r.id, error=r.error, **indices))
             continue
         token_ids = array("i", encoded[i])
         problem = short_error(len(token_ids), min_prompt_tokens)
         problem = problem or overlong_error(len(token_ids), budgets[i], max_model_len)
         if problem is not None:
-            rows.append(PromptRow(r.row_index, r.id, error=problem, params_index=params[i]))
+            rows.append(PromptRow(r.row_index, r.id, error=problem, **indices))
         else:
-            rows.append(PromptRow(r.row_index, r.id, token_ids=token_ids, params_index=params[i]))
+            rows.append(PromptRow(r.row_index, r.id, token_ids=token_ids, **indices))
     return rows
 
 
@@ -143,9 +149,9 @@ def chat_renderer(tokenizer: Any, *, add_generation_prompt: bool = True) -> Chat
         tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
     )
 
-    def _render(messages: list[dict[str, str]]) -> str:
+    def _render(messages: list[dict[str, Any]], **variables: Any) -> str:
         try:
-            return render(messages)
+            return render(messages, **variables)
         except ValueError:
             raise
         except Exception as exc:  # jinja2 errors and the like: this row only

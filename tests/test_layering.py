@@ -39,6 +39,7 @@ ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "tokenmill.engine.config",
             "tokenmill.engine.env",
             "tokenmill.engine.grammar",
+            "tokenmill.engine.lora_request",
             "tokenmill.engine.outputs",
             "tokenmill.engine.pooling_outputs",
             "tokenmill.engine.pooling_params",

@@ -14,6 +14,7 @@ from tokenmill.version import __version__
 _EXPORTS = {
     "LLM": "tokenmill.engine.llm",
     "SamplingParams": "tokenmill.engine.sampling_params",
+    "LoRARequest": "tokenmill.engine.lora_request",
     "StructuredOutputs": "tokenmill.engine.structured_outputs",
     "RequestOutput": "tokenmill.engine.outputs",
     "CompletionOutput": "tokenmill.engine.outputs",
@@ -39,6 +40,7 @@ __all__ = [
     "EmbeddingOutput",
     "Forecast",
     "JobLedger",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
@@ -56,6 +58,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
+    from tokenmill.engine.lora_request import LoRARequest
     from tokenmill.engine.outputs import CompletionOutput, RequestOutput
     from tokenmill.engine.pooling_outputs import (
         ClassificationOutput,

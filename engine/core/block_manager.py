@@ -1,8 +1,9 @@
 """The KV cache's block pool, with prefix caching.
 
 Every full block is identified by a chained hash of (parent block's hash, its token
-ids). A lookup is a hit only when the stored tokens and the parent block match too,
-so a hash collision can never serve another prefix's keys and values. Freed blocks
+ids, and the LoRA adapter the sequence runs with - keys and values differ per adapter).
+A lookup is a hit only when the stored tokens, adapter and parent block match too, so a
+hash collision can never serve another prefix's keys and values. Freed blocks
 keep their hash and sit in an LRU free queue; they are evicted (their hash dropped)
 only when the pool needs a block and none is free of cached content.
 """
@@ -17,9 +18,15 @@ from dataclasses import dataclass
 from tokenmill.engine.core.step import Sequence
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
-    """Content hash of a full block, chained on its parent's hash."""
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: tuple[int, ...], lora_id: int = 0
+) -> bytes:
+    """Content hash of a full block, chained on its parent's hash. The adapter enters the
+    root block's hash (a chain inherits it); the base model's hashes are what they were
+    before there were adapters."""
     digest = hashlib.blake2b(digest_size=16)
+    if parent_hash is None and lora_id:
+        digest.update(b"lora:%d:" % lora_id)
     digest.update(parent_hash or b"root")
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
@@ -32,11 +39,13 @@ class Block:
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None  # set while the block is registered as cached
     parent_block_id: int | None = None  # the cached block before it in its chain
+    lora_id: int = 0  # the adapter its keys and values were computed with
 
     def reset(self) -> None:
         self.block_hash = None
         self.token_ids = None
         self.parent_block_id = None
+        self.lora_id = 0
 
 
 class BlockManager:
@@ -71,7 +80,7 @@ class BlockManager:
         # A pending placeholder token has no id yet: its block is hashed once it has.
         for i in range(len(hashes), seq.num_resolved_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens, seq.lora_id))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -92,7 +101,11 @@ class BlockManager:
                 break
             block = self.blocks[block_id]
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            if block.token_ids != tokens or block.parent_block_id != parent_id:
+            if (
+                block.token_ids != tokens
+                or block.parent_block_id != parent_id
+                or block.lora_id != seq.lora_id
+            ):
                 break  # a hash collision, not a hit
             hits.append(block_id)
             parent_id = block_id
@@ -180,6 +193,7 @@ class BlockManager:
             block.block_hash = hashes[i]
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             block.parent_block_id = parent_id
+            block.lora_id = seq.lora_id
             # If an identical block was computed concurrently, the first one registered
             # stays the cached copy (this one is still correct for its owner), and the
             # chain continues from it so lookups can follow it.

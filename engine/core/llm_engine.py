@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,8 @@ class _Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     pooling: PoolingState | None = None  # a pooling request: it ends with a PoolingOutput
+    # SamplingParams.bad_words as token sequences (`bad_words_token_ids`).
+    bad_words: list[list[int]] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -84,6 +86,7 @@ class LLMEngine:
             max_num_batched_tokens=engine_config.max_num_batched_tokens,
             max_num_seqs=engine_config.max_num_seqs,
             stats=self.stats,
+            max_loras=engine_config.max_loras,
         )
         # A sequence never outgrows the context or the whole cache.
         self.max_seq_len = min(max_model_len, num_blocks * engine_config.block_size)
@@ -114,6 +117,7 @@ class LLMEngine:
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora_id: int = 0,
         pooling: PoolingState | None = None,
     ) -> None:
         """Queue a request.
@@ -121,15 +125,24 @@ class LLMEngine:
         With `pooling` the request samples nothing: it ends once its prompt is computed,
         with a PoolingOutput holding the runner's pooled result (`params` is then unused).
 
+        Args:
+            lora_id: the LoRA adapter it runs with, as registered with the runner
+                (`worker.lora.LoRAManager.register`); 0 = the base model.
+
         Raises:
-            ValueError: its structured outputs constraint is invalid or cannot be enforced
-                (raised before anything is queued).
+            ValueError: its structured outputs constraint is invalid or cannot be enforced,
+                or it has bad words and the engine no tokenizer (raised before anything is
+                queued).
         """
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.compile_structured_outputs(params.structured_outputs)
         metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         request = _Request(request_id, prompt, list(prompt_token_ids), params, [], metrics, pooling)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need the model's tokenizer")
+            request.bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         error = self._validate(request.prompt_token_ids, params, pooling is not None)
         if error is not None:
             metrics.finish_time = time.perf_counter()
@@ -144,6 +157,7 @@ class LLMEngine:
                 token_ids=list(request.prompt_token_ids),
                 num_prompt_tokens=len(request.prompt_token_ids),
                 params=params,
+                lora_id=lora_id,
                 generator=_seeded_generator(params.seed, index, self.runner.device),
                 detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop else None,
                 grammar=grammar.new_matcher() if grammar is not None else None,
@@ -194,6 +208,10 @@ class LLMEngine:
         vocab = self.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             return f"prompt contains token ids outside the vocabulary [0, {vocab})"
+        for name in ("logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name) or ()
+            if any(t >= vocab for t in ids):
+                return f"{name} names token ids outside the vocabulary [0, {vocab})"
         return None
 
     @property
@@ -244,7 +262,9 @@ class LLMEngine:
             if chunk.seq.first_scheduled_time is None:
                 chunk.seq.first_scheduled_time = now
         sampling_seqs = [c.seq for c in out.chunks if c.samples]
-        out.banned_token_ids = [self._banned_token_ids(seq) for seq in sampling_seqs]
+        bans = [self._bans(seq) for seq in sampling_seqs]
+        out.banned_token_ids = [banned for banned, _ in bans]
+        out.conditional_bans = [conditional for _, conditional in bans]
         result = self.runner.execute(out, self._pending)
         sampled = result.sampled
         finished += self._resolve()  # the previous step's tokens, while this one runs
@@ -272,6 +292,16 @@ class LLMEngine:
                 self.scheduler.finish(seq, "length")
                 finished.append(self._complete(self._requests[seq.request_id], now))
         return finished
+
+    def _bans(self, seq: Sequence) -> tuple[list[int], list[tuple[int, int]]]:
+        """What seq may not sample next: token ids, and (token id, pending token id)
+        pairs banned only if its pending token turns out to be that one."""
+        banned = self._banned_token_ids(seq)
+        words = self._requests[seq.request_id].bad_words
+        if not words:
+            return banned, []
+        word_bans, conditional = _bad_word_bans(seq, words)
+        return sorted(set(banned) | set(word_bans)), conditional
 
     def _banned_token_ids(self, seq: Sequence) -> list[int]:
         """Tokens seq may not sample next: stop tokens and EOS before min_tokens.
@@ -467,6 +497,48 @@ class LLMEngine:
             metrics=request.metrics,
             error=error,
         )
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token sequences, as vLLM forms them: the word as written (leading
+    spaces stripped) and, where it tokenizes to a different first token of the same
+    count, with one leading space - a word at the start of the text and in its middle."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if bare:
+            out.append(bare)
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
+def _bad_word_bans(
+    seq: Sequence, words: list[list[int]]
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Bad words' last tokens seq may not sample next: a one-token word always; a longer
+    one when the output ends with the word's other tokens. While the output's last token
+    is pending, a word whose earlier tokens match up to it is banned on condition that
+    the pending token is the one it needs."""
+    output_len = seq.num_completion_tokens
+    pending = seq.num_pending_tokens > 0
+    banned: list[int] = []
+    conditional: list[tuple[int, int]] = []
+    for word in words:
+        *prefix, last = word
+        if not prefix:
+            banned.append(last)
+            continue
+        if len(prefix) > output_len:
+            continue
+        tail = seq.token_ids[len(seq.token_ids) - len(prefix) :]
+        if not pending:
+            if tail == prefix:
+                banned.append(last)
+        elif tail[:-1] == prefix[:-1]:
+            conditional.append((last, prefix[-1]))
+    return banned, conditional
 
 
 def _is_complete(seq: Sequence) -> bool | None:

@@ -10,6 +10,12 @@ blocks freed, to be recomputed later - mostly from the prefix cache).
 Shared prefixes are computed once: a waiting sequence whose next uncached block is
 being computed by a running sequence waits until that block lands in the prefix
 cache, rather than computing the same keys and values alongside it.
+
+LoRA adapters: the sequences running at once use at most `max_loras` distinct adapters
+(the runner's slots); a waiting sequence of another adapter waits until one of them has
+no sequence left running, and the sequences behind it are admitted meanwhile. Within a
+step, single-token and longer chunks are each ordered by adapter, so every adapter's rows
+form one contiguous run of the step's batch (what the runner's LoRA layers slice).
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         stats: EngineStats,
+        max_loras: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras  # distinct adapters running at once (None: no limit)
         self.stats = stats
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -83,13 +91,24 @@ class Scheduler:
         # 2. Waiting sequences, first come first served, unless this step had to preempt.
         if not preempted:
             budget = self._admit_waiting(out, budget)
+        _group_by_adapter(out.decodes)
+        _group_by_adapter(out.prefills)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
         deferred: list[Sequence] = []
+        adapters = self._running_adapters()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if (
+                seq.lora_id
+                and self.max_loras is not None
+                and seq.lora_id not in adapters
+                and len(adapters) >= self.max_loras
+            ):
+                deferred.append(self.waiting.popleft())  # every adapter slot is taken
+                continue
             hits = bm.find_cached_prefix(seq)
             allowed = seq.num_cacheable_tokens
             if allowed is not None:  # prompt logprobs: served only as far as recorded
@@ -109,11 +128,19 @@ class Scheduler:
                 self.stats.cached_prompt_tokens += seq.num_cached_prompt_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.lora_id:
+                adapters.add(seq.lora_id)
             self._track_inflight(seq, len(hits))
             self._add_chunk(out, ScheduledChunk(seq, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _running_adapters(self) -> set[int]:
+        """The adapters of the running sequences (none counted without a limit)."""
+        if self.max_loras is None:
+            return set()
+        return {seq.lora_id for seq in self.running if seq.lora_id}
 
     def _next_block_is_inflight(self, seq: Sequence, num_hit_blocks: int) -> bool:
         if not self.block_manager.enable_prefix_caching:
@@ -179,3 +206,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:  # preempted while its last token was being sampled
             self.waiting.remove(seq)
+
+
+def _group_by_adapter(chunks: list[ScheduledChunk]) -> None:
+    """Order chunks by adapter, in place (stable: admission order within an adapter), so
+    each adapter's rows are contiguous; a step without adapters is left as it is."""
+    if any(c.seq.lora_id for c in chunks):
+        chunks.sort(key=lambda c: c.seq.lora_id)

@@ -68,6 +68,10 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     generator: torch.Generator | None = None
+    # The LoRA adapter its tokens run with (0: the base model). The runner maps it to a
+    # slot of loaded adapter weights; it keys the sequence's prefix-cache blocks, so KV
+    # computed under one adapter is never served to another.
+    lora_id: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_blocks: int = 0  # leading blocks registered in (or served from) the prefix cache
@@ -173,8 +177,12 @@ class SchedulerOutput:
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     # Per sampling chunk (in the order of `chunks`), the token ids it may not sample now:
-    # stop tokens and EOS before min_tokens (set by the loop before the step runs).
+    # stop tokens, EOS before min_tokens, bad words (set by the loop before the step runs).
     banned_token_ids: list[list[int]] = field(default_factory=list)
+    # Per sampling chunk, bans that depend on the sequence's pending token (overlapped
+    # steps): (token id, the pending token id that bans it). A bad word's last token is
+    # banned when the output ends with the rest of the word, the pending token included.
+    conditional_bans: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:

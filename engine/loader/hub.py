@@ -72,17 +72,31 @@ def download(repo_id: str, revision: str | None = None) -> HubSnapshot:
         HubError: offline and not cached, unknown/private/gated repo, unknown revision, or a
             repo without safetensors weights.
     """
+    label = f"{repo_id}" + (f" (revision {revision})" if revision else "")
+    path = download_files(repo_id, revision, HUB_FILE_PATTERNS)
+    check_snapshot(path, label)
+    return HubSnapshot(repo_id, path.name, path)
+
+
+def download_files(
+    repo_id: str, revision: str | None, patterns: tuple[str, ...], *, kind: str = "model"
+) -> Path:
+    """The snapshot directory of `repo_id` at `revision` holding the files that match
+    `patterns` (fetched unless cached); its name is the commit.
+
+    Args:
+        kind: what the repo holds, for messages ("model", "LoRA adapter").
+
+    Raises:
+        HubError: as `download`, naming the repo as a `kind`.
+    """
     from huggingface_hub import snapshot_download
 
     label = f"{repo_id}" + (f" (revision {revision})" if revision else "")
     try:
-        path = Path(
-            snapshot_download(repo_id, revision=revision, allow_patterns=list(HUB_FILE_PATTERNS))
-        )
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(patterns)))
     except Exception as error:  # huggingface_hub's errors, mapped to what to do
-        raise _hub_error(error, repo_id, label) from None
-    check_snapshot(path, label)
-    return HubSnapshot(repo_id, path.name, path)
+        raise _hub_error(error, repo_id, label, kind) from None
 
 
 def check_snapshot(path: Path, label: str) -> None:
@@ -125,8 +139,11 @@ def cached_snapshots() -> list[HubSnapshot]:
     return snapshots
 
 
-def _hub_error(error: Exception, repo_id: str, label: str) -> HubError:
+def _hub_error(error: Exception, repo_id: str, label: str, kind: str = "model") -> HubError:
     from huggingface_hub import errors
+
+    if kind != "model":
+        return _files_error(error, repo_id, label, kind)
 
     if isinstance(error, errors.GatedRepoError):
         return HubError(
@@ -165,3 +182,24 @@ def _is_offline() -> bool:
     from huggingface_hub import constants
 
     return bool(constants.HF_HUB_OFFLINE)
+
+
+def _files_error(error: Exception, repo_id: str, label: str, kind: str) -> HubError:
+    """`_hub_error` for a repo that is not a model (no `tokenmill models pull` for it)."""
+    from huggingface_hub import errors
+
+    if isinstance(error, errors.GatedRepoError):
+        return HubError(f"{kind} {label} is gated: set HF_TOKEN with an account that has access")
+    if isinstance(error, errors.RepositoryNotFoundError):
+        return HubError(f"no {kind} {repo_id!r} on the Hugging Face Hub: check the spelling")
+    if isinstance(error, errors.RevisionNotFoundError):
+        return HubError(f"{kind} {label}: no such revision (branch, tag or commit) in the repo")
+    if isinstance(error, errors.LocalEntryNotFoundError):
+        where = "HF_HUB_OFFLINE is set" if _is_offline() else "the Hub did not answer"
+        return HubError(
+            f"{kind} {label} is not in the Hugging Face cache and {where}: download it "
+            f"where the Hub can be reached (`hf download {repo_id}`, same HF_HOME)"
+        )
+    if isinstance(error, errors.HFValidationError):
+        return HubError(f"{repo_id!r} is not a valid Hub repo id")
+    return HubError(f"{kind} {label} could not be fetched: {type(error).__name__}: {error}")

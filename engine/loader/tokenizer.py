@@ -105,6 +105,25 @@ class Tokenizer:
         """Text of many id lists."""
         return self._backend.decode_batch([list(ids) for ids in batch], skip_special_tokens)
 
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each token's own bytes: a byte-level token may hold part of a UTF-8 character,
+        which its decoded text cannot show (it comes out as U+FFFD)."""
+        lltokenizer = self._lltokenizer
+        if lltokenizer is None:
+            return [self.decode([i], skip_special_tokens=False).encode() for i in ids]
+        return [lltokenizer.decode_bytes([i]) for i in ids]
+
+    @cached_property
+    def _lltokenizer(self) -> Any:
+        """llguidance's view of the vocabulary, which knows each token's bytes (None for a
+        tokenizer it cannot read)."""
+        import llguidance
+
+        try:
+            return llguidance.LLTokenizer(self._backend.to_str())
+        except Exception:  # llguidance raises plain exceptions for formats it does not know
+            return None
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string, or None if it is not in the vocabulary."""
         return self._backend.token_to_id(token)

@@ -132,6 +132,7 @@ def build_runner(
         seed=engine_config.seed,
         max_num_seqs=engine_config.max_num_seqs,
         cuda_graphs=engine_config.cuda_graphs,
+        max_loras=engine_config.max_loras,
         pooler=build_pooler(model_dir, model),
     )
     return LoadedModel(runner, model_config, num_blocks, max_model_len)

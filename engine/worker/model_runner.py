@@ -19,6 +19,7 @@ from tokenmill.engine.core.step import (
     PendingStep,
     SamplerOutput,
     SchedulerOutput,
+    Sequence,
     StepResult,
 )
 from tokenmill.engine.grammar import TokenBitmask
@@ -36,6 +37,8 @@ from tokenmill.engine.worker.attention.backend import staged, upload
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 from tokenmill.engine.worker.host_memory import keep_large_allocations_mapped
 from tokenmill.engine.worker.kv_cache import KVCache, kv_cache_dtype_of
+from tokenmill.engine.worker.logit_controls import LogitControls
+from tokenmill.engine.worker.lora import LoRAManager
 from tokenmill.engine.worker.pooling import Pooler
 from tokenmill.engine.worker.sampler import Sampler, SamplingBatch
 
@@ -54,6 +57,7 @@ class ModelRunner:
         seed: int = 0,
         max_num_seqs: int = 256,
         cuda_graphs: bool | None = None,
+        max_loras: int = 8,
         pooler: Pooler | None = None,
     ) -> None:
         self.model = model
@@ -83,6 +87,8 @@ class ModelRunner:
         for layer_idx, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = kv_cache.k[layer_idx]
             layer.self_attn.v_cache = kv_cache.v[layer_idx]
+        # LoRA adapters (worker/lora.py); the model is unchanged until one is registered.
+        self.lora = LoRAManager(model, config, max_loras=max_loras, dtype=dtype, device=device)
         self.decode_graphs = None
         if cuda_graphs or (cuda_graphs is None and self.attention.supports_cuda_graphs):
             if not self.attention.supports_cuda_graphs:
@@ -96,20 +102,13 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, previous: PendingStep | None) -> StepResult:
         """Run one scheduled step (`core.step.StepRunner`): build the sampling batch of the
-        chunks that sample - their settings, bans and grammar masks, the masks filling
-        while the model runs - then compute and sample."""
+        chunks that sample - their settings, bans, logit controls and grammar masks, the
+        masks filling while the model runs - then compute and sample."""
         seqs = [c.seq for c in out.chunks if c.samples]
         batch = None
         if seqs:
-            matchers = [seq.grammar for seq in seqs]
-            has_grammar = any(m is not None for m in matchers)
-            batch = SamplingBatch.build(
-                [s.params for s in seqs],
-                [s.generator for s in seqs],
-                out.banned_token_ids,
-                self.device,
-                TokenBitmask(matchers, self.config.vocab_size) if has_grammar else None,
-            )
+            with self.profiler.stage("prepare"):
+                batch = self._sampling_batch(seqs, out, previous)
         sampled = self.run(out, batch, previous=previous)
         result = StepResult(sampled)
         masks = batch.token_bitmask if batch is not None else None
@@ -118,6 +117,25 @@ class ModelRunner:
             result.grammar_fill_s = masks.fill_s
             result.grammar_blocking_s = masks.blocking_s
         return result
+
+    def _sampling_batch(
+        self, seqs: list[Sequence], out: SchedulerOutput, previous: PendingStep | None
+    ) -> SamplingBatch:
+        matchers = [seq.grammar for seq in seqs]
+        has_grammar = any(m is not None for m in matchers)
+        return SamplingBatch.build(
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            out.banned_token_ids,
+            self.device,
+            TokenBitmask(matchers, self.config.vocab_size) if has_grammar else None,
+            LogitControls.build(
+                seqs,
+                out.conditional_bans or [[] for _ in seqs],
+                self.device,
+                previous.device_token_ids if previous is not None else None,
+            ),
+        )
 
     @torch.inference_mode()
     def run(
@@ -139,14 +157,25 @@ class ModelRunner:
         prompt_spans = prompt_logprobs.spans_for_step(out.chunks)
         pools = self.pooler is not None and any(c.seq.pooling is not None for c in out.chunks)
         graphs = self.decode_graphs
-        if graphs is not None and not prompt_spans and not pools and graphs.can_run(out):
-            with profiler.stage("forward"):
-                hidden, sample_rows = graphs.run(out, previous)
-        else:
-            with profiler.stage("prepare"):
-                input_ids, positions, meta, sample_rows = self.prepare(out, previous)
-            with profiler.stage("forward"):
-                hidden = self.forward_model(input_ids, positions, profiler.attention(meta))
+        # Graphs were captured without adapters: a step with adapter rows runs eagerly.
+        uses_lora = self.lora.begin_step(out)
+        try:
+            if (
+                graphs is not None
+                and not prompt_spans
+                and not pools
+                and not uses_lora
+                and graphs.can_run(out)
+            ):
+                with profiler.stage("forward"):
+                    hidden, sample_rows = graphs.run(out, previous)
+            else:
+                with profiler.stage("prepare"):
+                    input_ids, positions, meta, sample_rows = self.prepare(out, previous)
+                with profiler.stage("forward"):
+                    hidden = self.forward_model(input_ids, positions, profiler.attention(meta))
+        finally:
+            self.lora.end_step()
         with profiler.stage("logits"):
             if prompt_spans:  # a pooling-only model has no compute_logits
                 prompt_logprobs.record(prompt_spans, hidden, self.model.compute_logits)

@@ -1,9 +1,10 @@
 """Turn a step's logits into next tokens: greedy, temperature, top-k, top-p, min-p.
 
-Structured outputs arrive as a bit-packed mask of each constrained row's allowed tokens
-(engine/grammar.py); it is applied first, as tensor ops on the logits' device, so every
-later step - bans, logprobs, temperature, filters, sampling - sees the constrained
-distribution.
+Before sampling, in this order: penalties and logit bias (`worker/logit_controls.py`),
+the structured outputs mask - a bit-packed mask of each constrained row's allowed tokens
+(engine/grammar.py) - then allowed_token_ids and the bans. All are tensor ops on the
+logits' device, so every later step - logprobs, temperature, filters, sampling - sees
+the distribution they leave.
 
 Sampling draws Gumbel-style exponential noise and takes argmax(probs / noise), which
 samples exactly from probs. Requests with a seed draw their noise from their own
@@ -27,6 +28,7 @@ import torch
 from tokenmill.engine.core.step import SamplerOutput
 from tokenmill.engine.kernels.argmax import argmax_rows
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.worker.logit_controls import LogitControls, PenaltyScratch
 
 if TYPE_CHECKING:
     from tokenmill.engine.grammar import TokenBitmask
@@ -51,6 +53,8 @@ class SamplingBatch:
     use_min_p: bool
     max_logprobs: int | None  # None when no row asked for logprobs
     token_bitmask: TokenBitmask | None = None  # allowed tokens of constrained rows
+    # Penalties, logit bias, allowed tokens, bans on a pending token (None: no row has any).
+    controls: LogitControls | None = None
 
     @classmethod
     def build(
@@ -60,6 +64,7 @@ class SamplingBatch:
         banned_token_ids: list[list[int]],
         device: torch.device,
         token_bitmask: TokenBitmask | None = None,
+        controls: LogitControls | None = None,
     ) -> SamplingBatch:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         banned = [(row, t) for row, ids in enumerate(banned_token_ids) for t in ids]
@@ -84,6 +89,7 @@ class SamplingBatch:
             use_min_p=any(p.min_p > 0 and not p.is_greedy for p in params),
             max_logprobs=max(wanted) if wanted else None,
             token_bitmask=token_bitmask,
+            controls=controls,
         )
 
 
@@ -95,11 +101,18 @@ class Sampler:
         device = device or torch.device("cpu")
         # Noise for rows without a seed of their own, drawn where the logits are.
         self.shared_generator = torch.Generator(device).manual_seed(seed)
+        self.penalty_scratch = PenaltyScratch()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [num_rows, vocab] fp32 -> one token per row."""
+        controls = batch.controls
+        if controls is not None:
+            logits = logits.contiguous()
+            controls.apply_before_mask(logits, self.penalty_scratch)
         if batch.token_bitmask is not None:
             batch.token_bitmask.apply(logits)
+        if controls is not None:
+            controls.apply_after_mask(logits)
         if batch.banned_rows is not None:
             logits[batch.banned_rows, batch.banned_token_ids] = float("-inf")
         if batch.all_greedy:
@@ -108,8 +121,8 @@ class Sampler:
             token_ids = self._sample(logits, batch)
         out = SamplerOutput(token_ids=token_ids)
         if batch.max_logprobs is not None:
-            # Logprobs of the model's distribution, before temperature and filtering but
-            # after the grammar and EOS bans: what the request could actually sample.
+            # Logprobs of the distribution before temperature and filtering but after
+            # penalties, bias, the grammar and the bans: what the request could sample.
             logprobs = torch.log_softmax(logits, dim=-1)
             out.sampled_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)
             if batch.max_logprobs > 0:

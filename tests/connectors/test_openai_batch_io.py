@@ -46,6 +46,11 @@ COMPLETION = {
 }
 
 
+def _msg(role: str, content: str | None) -> dict:
+    """A message row as the reader gives it: the fields it passes to the chat template."""
+    return {"role": role, "content": content, "tool_calls": None, "tool_call_id": None}
+
+
 def _write(path, lines) -> str:
     path.write_text("".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines))
     return str(path)
@@ -63,10 +68,7 @@ def test_chat_and_completion_lines_become_rows(tmp_path):
         "custom_id": "req-1",
         "url": "/v1/chat/completions",
         "model": "smollm2",
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Hi"},
-        ],
+        "messages": [_msg("system", "Be brief."), _msg("user", "Hi")],
         "max_tokens": 16,
         "temperature": 0.2,
         "seed": 7,
@@ -86,7 +88,14 @@ def test_chat_and_completion_lines_become_rows(tmp_path):
 
 def test_column_types():
     assert OPENAI_BATCH_SCHEMA.field("messages").type == pa.list_(
-        pa.struct([("role", pa.string()), ("content", pa.string())])
+        pa.struct(
+            [
+                ("role", pa.string()),
+                ("content", pa.string()),
+                ("tool_calls", pa.string()),
+                ("tool_call_id", pa.string()),
+            ]
+        )
     )
     assert OPENAI_BATCH_SCHEMA.field("stop").type == pa.list_(pa.string())
     assert OPENAI_BATCH_SCHEMA.field("max_tokens").type == pa.int64()
@@ -95,7 +104,7 @@ def test_column_types():
 
 BAD_REQUESTS = [
     ({**CHAT, "custom_id": 5}, "custom_id must be a non-empty string"),
-    ({**CHAT, "url": "/v1/responses"}, "url must be"),
+    ({**CHAT, "url": "/v1/moderations"}, "url must be"),
     # A chat body sent to /v1/embeddings: its fields are refused by name.
     ({**CHAT, "url": "/v1/embeddings"}, "body.max_completion_tokens is not supported"),
     ({**CHAT, "method": "GET"}, "method must be POST"),

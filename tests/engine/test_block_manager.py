@@ -12,7 +12,7 @@ from tokenmill.engine.sampling_params import SamplingParams
 _ids = iter(range(10**6))
 
 
-def seq(tokens: list[int]) -> Sequence:
+def seq(tokens: list[int], lora_id: int = 0) -> Sequence:
     return Sequence(
         seq_id=next(_ids),
         request_id="r",
@@ -20,6 +20,7 @@ def seq(tokens: list[int]) -> Sequence:
         token_ids=list(tokens),
         num_prompt_tokens=len(tokens),
         params=SamplingParams(),
+        lora_id=lora_id,
     )
 
 
@@ -107,11 +108,33 @@ def test_can_allocate_counts_revived_blocks():
 def test_hash_collision_never_serves_other_tokens(monkeypatch):
     # Every block hashes the same: only the token (and parent) check stands between a
     # lookup and another prefix's keys and values.
-    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens: b"same")
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens, lora_id=0: b"same")
     bm = BlockManager(8, 4)
     admit(bm, seq([1, 2, 3, 4, 5]))
     assert bm.find_cached_prefix(seq([9, 9, 9, 9, 5])) == []
     assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5])) == [0]
+
+
+def test_blocks_are_shared_only_under_the_same_adapter():
+    bm = BlockManager(8, 4)
+    admit(bm, seq([1, 2, 3, 4, 5, 6, 7, 8, 0], lora_id=1))  # blocks 0, 1 under adapter 1
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5, 6, 7, 8, 0])) == []  # the base model
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5, 6, 7, 8, 0], lora_id=2)) == []
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5, 6, 7, 8, 0], lora_id=1)) == [0, 1]
+    # The base model's hashes are what they were before there were adapters.
+    assert bm_module.hash_block_tokens(None, (1, 2)) == bm_module.hash_block_tokens(None, (1, 2), 0)
+    assert bm_module.hash_block_tokens(None, (1, 2), 1) != bm_module.hash_block_tokens(
+        None, (1, 2), 2
+    )
+
+
+def test_hash_collision_across_adapters_is_a_miss(monkeypatch):
+    # Every block hashes the same, adapter or not: the stored adapter is checked too.
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens, lora_id=0: b"same")
+    bm = BlockManager(8, 4)
+    admit(bm, seq([1, 2, 3, 4, 5], lora_id=3))
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5], lora_id=4)) == []
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5], lora_id=3)) == [0]
 
 
 def test_same_block_under_another_prefix_is_a_miss():

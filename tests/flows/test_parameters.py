@@ -35,7 +35,8 @@ def test_schema_has_every_job_option_typed():
     assert props["max_tokens"]["description"] == get_option("max_tokens").help
     # unset: the task's default (chat to generate, raw to score)
     assert props["raw"]["default"] is None
-    assert props["task"]["enum"] == ["generate", "score"] and props["task"]["default"] == "generate"
+    tasks = ["generate", "score", "embed", "classify", "rerank"]
+    assert props["task"]["enum"] == tasks and props["task"]["default"] == "generate"
     assert {"type": "array", "items": {"type": "string"}} in props["passthrough"]["anyOf"]
     assert props["storage_secret"]["default"] is None
 
@@ -50,7 +51,7 @@ def test_schema_has_every_job_option_typed():
         {"shard_tokens": "many"},
         {"plan_window_rows": 0},
         {"output_format": "xlsx"},
-        {"task": "embed"},
+        {"task": "summarize"},
     ],
 )
 def test_schema_rejects_bad_values_before_the_run(bad):

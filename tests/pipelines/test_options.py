@@ -45,6 +45,13 @@ def test_the_per_row_overrides_are_the_openai_sampling_fields():
         "stop",
         "stop_token_ids",
         "n",
+        "logprobs",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
     }
 
 

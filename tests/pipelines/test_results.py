@@ -81,3 +81,35 @@ def test_passthrough_checks():
 
 def test_latencies_skip_errors():
     assert latencies({0: _out(latency=0.25), 1: _out(error="e", reason="error")}) == [0.25]
+
+
+def test_logprobs_column_keeps_each_rows_top_k_and_the_token_bytes():
+    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.pipelines.logprobs import LogprobsColumn
+    from tokenmill.pipelines.results import extra_columns
+
+    params = [SamplingParams(), SamplingParams(logprobs=1), SamplingParams(n=2, logprobs=2)]
+    texts = {3: b"\xf0\x9f", 4: b"ab", 5: b"c", 6: b"d"}
+    column = LogprobsColumn(lambda ids: [texts[i] for i in ids], params)
+    # Token 3 was sampled but is not among the top 1: it is reported, not listed.
+    first = CompletionOutput(0, "x", [3, 4], "stop", logprobs=[{3: -2.0, 5: -0.5}, {4: -0.1}])
+    second = CompletionOutput(1, "y", [6], "stop", logprobs=[{6: -0.2, 5: -1.0, 4: -3.0}])
+    out = RequestOutput("0", None, [1], [first, second], 1, 0, 3, RequestMetrics(arrival_time=0.0))
+    rows = [
+        PromptRow(0, "a", token_ids=[1], params_index=1),
+        PromptRow(1, "b", token_ids=[1], params_index=2),
+    ]
+    extras = extra_columns(params)
+    assert extras == ("completions", "logprobs")
+    table = build_results(rows, {0: out, 1: out}, extras=extras, logprobs=column)
+    a, b = table.to_pylist()
+    assert a["logprobs"][0] == {
+        "token": "\ufffd",
+        "logprob": -2.0,
+        "bytes": [0xF0, 0x9F],
+        "top_logprobs": [{"token": "c", "logprob": -0.5, "bytes": [99]}],
+    }
+    assert [t["token"] for t in b["completions"][1]["logprobs"][0]["top_logprobs"]] == ["d", "c"]
+    assert b["completions"][0]["logprobs"] == b["logprobs"]
+    with pytest.raises(ValueError, match="LogprobsColumn"):
+        build_results(rows, {}, extras=extras)

@@ -153,6 +153,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> list[BenchR
         for preset, workload in workloads.items():
             workload.to_json(runner.workload_path(preset))
             runner.preset = preset
+            adapters = _lora_adapters(workload, model_dir, Path(tmp) / preset, log)
             specs = tokenmill_systems(
                 list(config.dtypes),
                 config.engine_args,
@@ -160,6 +161,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> list[BenchR
                 structured=workload.json_schema is not None,
                 kv_cache_dtypes=list(config.kv_cache_dtypes),
                 gguf_files={fmt: str(path) for fmt, path in ggufs.items()},
+                lora_adapters=adapters,
             )
             specs = [_with_model_dir(spec, log) for spec in specs]
             picked, sweep = _pick_hf_batch_sizes(runner, baselines, config.hf_batch_sizes, workload)
@@ -325,6 +327,21 @@ def _llamacpp_facts(ggufs: dict[str, Path], source_format: str | None, reference
         },
         "reference": references,
     }
+
+
+def _lora_adapters(workload: Workload, model_dir: str, tmp: Path, log: Log) -> list[str]:
+    """A LoRA workload's adapters, written once for every run of this invocation."""
+    if not workload.adapters:
+        return []
+    # Deferred: it imports torch, which the parent process otherwise never loads (the
+    # systems run in children).
+    from tokenmill.bench.lora import make_adapters
+
+    spec = workload.spec
+    num, rank = spec["num_adapters"], spec["adapter_rank"]
+    log(f"writing {num} LoRA adapters of rank {rank} on every linear layer")
+    paths = make_adapters(model_dir, tmp / "adapters", num_adapters=num, rank=rank)
+    return [str(p) for p in paths]
 
 
 class _ChildRunner:

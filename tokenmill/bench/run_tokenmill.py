@@ -19,6 +19,8 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
     """
     from tokenmill import LLM, SamplingParams, StructuredOutputs
 
+    if job.system.options.get("lora") == "merged":
+        return run_merged(job, workload)
     llm = LLM(
         job.model_dir,
         dtype=job.system.dtype,
@@ -42,13 +44,19 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             for n in job.output_lens or workload.output_lens
         ]
+    lora = None
+    if job.system.options.get("lora") == "mixed":
+        lora = _lora_requests(job, workload)
+        llm.generate(warmup_prompts(workload), warmup, lora_request=lora[:2])  # loads them
+        llm.engine.block_manager.forget_cache()
     with Stopwatch() as clock:
         if workload.sequential:  # one request at a time: nothing to batch
             outputs = []
-            for prompt, param in zip(workload.prompt_ids, params):
-                outputs += llm.generate([prompt], [param])
+            for i, (prompt, param) in enumerate(zip(workload.prompt_ids, params)):
+                one = None if lora is None else [lora[i]]
+                outputs += llm.generate([prompt], [param], lora_request=one)
         else:
-            outputs = llm.generate(workload.prompt_ids, params)
+            outputs = llm.generate(workload.prompt_ids, params, lora_request=lora)
     after = llm.stats()
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
@@ -67,12 +75,18 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
             "num_complete": sum(bool(o.structured_output_complete) for o in outputs),
         }
 
+    return _result(job, llm, outputs, clock, before, after, extra, sequential=workload.sequential)
+
+
+def _result(
+    job: Job, llm, outputs, clock, before, after, extra: dict, *, sequential: bool = False
+) -> RunResult:
     ttft, tpots = [], []
     for out in outputs:
         m = out.metrics
         # From the request's own submission when they go one at a time, else from the
         # moment the whole workload was handed over.
-        start = m.arrival_time if workload.sequential else clock.start
+        start = m.arrival_time if sequential else clock.start
         ttft.append(m.first_token_time - start)
         tpots.append(tpot(m.first_token_time, m.finish_time, out.completion_tokens))
     return RunResult(
@@ -99,6 +113,58 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
         },
         output_ids=[o.token_ids for o in outputs],
     )
+
+
+def _lora_requests(job: Job, workload: Workload) -> list:
+    from tokenmill import LoRARequest
+
+    paths = job.system.options["adapters"]
+    return [LoRARequest(f"adapter-{i:02d}", paths[i]) for i in workload.adapters]
+
+
+def run_merged(job: Job, workload: Workload) -> RunResult:
+    """The merge-per-adapter baseline: for each adapter in turn, merge it into the base
+    weights, load the merged model, run that adapter's requests; all of it timed."""
+    import tempfile
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.bench.lora import merge_adapter
+    from tokenmill.engine.outputs import EngineStats
+
+    paths = job.system.options["adapters"]
+    lens = job.output_lens or workload.output_lens
+    outputs: list = [None] * workload.num_requests
+    before, after = EngineStats(), EngineStats()
+    llm = None
+    with tempfile.TemporaryDirectory(prefix="tokenmill-merged-") as tmp, Stopwatch() as clock:
+        for index, path in enumerate(paths):
+            rows = [i for i, a in enumerate(workload.adapters) if a == index]
+            if not rows:
+                continue
+            llm = None  # the previous merged model's memory goes first
+            merged = merge_adapter(job.model_dir, path, f"{tmp}/{index}")
+            llm = LLM(
+                str(merged),
+                dtype=job.system.dtype,
+                device=job.device,
+                **job.system.options.get("engine_args", {}),
+            )
+            params = [
+                SamplingParams(temperature=0.0, max_tokens=lens[i], ignore_eos=True) for i in rows
+            ]
+            for i, output in zip(
+                rows, llm.generate([workload.prompt_ids[i] for i in rows], params)
+            ):
+                outputs[i] = output
+            stats = llm.stats()
+            for name in (
+                "computed_prompt_tokens",
+                "cached_prompt_tokens",
+                "num_steps",
+                "num_preemptions",
+            ):
+                setattr(after, name, getattr(after, name) + getattr(stats, name))
+    return _result(job, llm, outputs, clock, before, after, {"num_merges": len(paths)})
 
 
 def _per_token(seconds: float, num_tokens: int) -> float:

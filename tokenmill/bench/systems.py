@@ -39,7 +39,10 @@ class SystemSpec:
     options by kind - tokenmill: {"engine_args": {...LLM keyword arguments}}, plus on a
     structured workload {"structured": True} (enforce its JSON schema) or
     {"output_lens_from": LABEL} (generate, EOS ignored, exactly as many tokens per request
-    as system LABEL did earlier in the same round); hf: {"batch_size": N};
+    as system LABEL did earlier in the same round), on a LoRA workload {"lora": "mixed"}
+    (each request with its adapter, one generate call) or {"lora": "merged"} (merge each
+    adapter into the weights, load, run its requests, in turn) with {"adapters": [dirs]};
+    hf: {"batch_size": N};
     llamacpp: {"gguf": path}; llamacpp-server: {"gguf": path, "server": binary, "parallel":
     slots (optional), "args": [extra command-line arguments] (optional)}; either with
     "format" (the llama.cpp format the GGUF was made in, e.g. "Q4_0").
@@ -98,6 +101,7 @@ def tokenmill_systems(
     structured: bool = False,
     kv_cache_dtypes: list[str] = ("auto",),
     gguf_files: dict[str, str] | None = None,
+    lora_adapters: list[str] = (),
 ) -> list[SystemSpec]:
     """tokenmill at each dtype, labelled e.g. "tokenmill-bf16", then each quantization
     ("tokenmill-int8"), which runs its float parts in the engine's best float precision
@@ -113,14 +117,41 @@ def tokenmill_systems(
     workload's schema ("tokenmill-bf16-json"), then unconstrained as its baseline,
     generating exactly the token counts the constrained run produced - so the two walls
     compare the same prompts and the same number of generated tokens.
+
+    With `lora_adapters` (a LoRA workload), each dtype runs three ways per round: merging
+    each adapter in turn ("tokenmill-fp32-merged"), every adapter in one call
+    ("tokenmill-fp32-lora"), and the base model on the same requests ("tokenmill-fp32").
     """
     specs = []
     for kv_cache_dtype in kv_cache_dtypes:
         args = dict(engine_args or {})
         if kv_cache_dtype != "auto":
             args["kv_cache_dtype"] = kv_cache_dtype
-        specs += _tokenmill_systems_with(dtypes, args, quantizations, structured, gguf_files or {})
+        plain = _tokenmill_systems_with(dtypes, args, quantizations, structured, gguf_files or {})
+        specs += _with_lora(plain, list(lora_adapters)) if lora_adapters else plain
     return specs
+
+
+def _with_lora(specs: list[SystemSpec], adapters: list[str]) -> list[SystemSpec]:
+    """Before each system, its merge-per-adapter and mixed-adapter runs."""
+    out = []
+    for spec in specs:
+        for mode in ("merged", "lora"):
+            out.append(
+                SystemSpec(
+                    f"{spec.label}-{mode}",
+                    spec.kind,
+                    spec.dtype,
+                    False,
+                    {
+                        **spec.options,
+                        "lora": "mixed" if mode == "lora" else mode,
+                        "adapters": adapters,
+                    },
+                )
+            )
+        out.append(spec)
+    return out
 
 
 def _kv_suffix(engine_args: dict) -> str:
@@ -227,6 +258,15 @@ def counterparts(spec: SystemSpec, specs: list[SystemSpec]) -> list[SystemSpec]:
         )
 
     found = []
+    if spec.options.get("lora") == "mixed":  # against the base model and merging
+        found += [
+            o
+            for o in specs
+            if o.kind == "tokenmill"
+            and o.dtype == spec.dtype
+            and o.options.get("lora") in (None, "merged")
+            and o.options.get("engine_args", {}) == args
+        ]
     if "quantization" in args and "kv_cache_dtype" in args:
         found += [o for o in specs if differing_only_in(o, "quantization", "kv_cache_dtype")]
     if "quantization" in args:

@@ -45,6 +45,9 @@ class WorkloadSpec:
         sequential: run the requests one at a time, each after the previous one finished
             (batch-1 decode), instead of handing the whole workload over at once.
         seed: the random seed; the spec plus the vocabulary fix every token.
+        num_adapters: serve the requests with this many LoRA adapters, request i with
+            adapter i mod num_adapters (tokenmill/bench/lora.py makes them); 0: none.
+        adapter_rank: their rank, on every linear layer of the decoder.
     """
 
     name: str
@@ -60,6 +63,8 @@ class WorkloadSpec:
     distinct_prefixes: bool = False
     sequential: bool = False
     seed: int = 0
+    num_adapters: int = 0
+    adapter_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -115,6 +120,9 @@ PRESETS: dict[str, WorkloadSpec] = {
     # mixed64's token counts with nothing shared: what is left of a lead without the
     # prefix cache.
     "mixed64-noprefix": replace(_MIXED64, name="mixed64-noprefix", distinct_prefixes=True),
+    # mixed64's rows spread evenly over 8 LoRA adapters of rank 16 on every linear layer:
+    # compared with the base model and with merging each adapter in turn.
+    "lora8": replace(_MIXED64, name="lora8", num_adapters=8, adapter_rank=16),
     # mixed64's shape in chat form, as `tokenmill run --messages-column` would send it.
     "chat64": replace(_MIXED64, name="chat64", chat=True),
     # One sequence at a time, mostly decoding: where a batch engine has nothing to batch
@@ -201,6 +209,9 @@ def build_workload(
         shared_len=[r[2] for r in requests],
         spec=asdict(spec),
         sequential=spec.sequential,
+        adapters=[i % spec.num_adapters for i in range(len(requests))]
+        if spec.num_adapters
+        else None,
     )
 
 

@@ -27,6 +27,8 @@ class Workload:
     # Requests run one at a time, each submitted when the previous one has finished;
     # their latencies count from their own submission.
     sequential: bool = False
+    # A LoRA workload: the adapter of each request (WorkloadSpec.num_adapters).
+    adapters: list[int] | None = None
 
     @property
     def num_requests(self) -> int:

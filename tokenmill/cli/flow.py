@@ -81,10 +81,19 @@ def flow_parameters(input_uri: str, output_uri: str, options: dict[str, Any]) ->
         path = get_option(name).path
         if path == "always":
             value = absolute(value)
+        elif path == "if_exists" and isinstance(value, dict):  # e.g. adapters by name
+            value = {k: _resolved_if_exists(v) for k, v in value.items()}
         elif path == "if_exists" and value and Path(value).exists():  # else e.g. an alias
             value = str(Path(value).resolve())
         params[name] = list(value) if isinstance(value, tuple) else value
     return params
+
+
+def _resolved_if_exists(value: Any) -> Any:
+    """A local path as an absolute one; anything else (a repo id) as it is."""
+    if isinstance(value, str) and value and Path(value).exists():
+        return str(Path(value).resolve())
+    return value
 
 
 def task_runner_from(params: dict[str, Any]):

@@ -17,7 +17,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from tokenmill.pipelines.option_types import BOOL, CLI, FLOAT, INT, KEY_VALUES, Option
+from tokenmill.pipelines.option_types import BOOL, CLI, FLOAT, INT, Option
 from tokenmill.pipelines.options import options_for
 
 
@@ -84,7 +84,7 @@ def given_options(ctx: click.Context, surface: str = CLI) -> dict[str, Any]:
 
 def _click_option(option: Option, default: Any) -> Callable:
     flag = option.flag or "--" + option.name.replace("_", "-")
-    repeatable = option.repeatable or option.type is KEY_VALUES
+    repeatable = option.repeatable or option.type.mapping
     kwargs: dict[str, Any] = {
         "help": option.help + (" Repeatable." if repeatable else ""),
         "default": default,
@@ -96,8 +96,9 @@ def _click_option(option: Option, default: Any) -> Callable:
         if "/" not in flag:
             flag = f"{flag}/--no-{flag[2:]}"
         kwargs.pop("metavar")
-    elif option.type is KEY_VALUES:
-        kwargs.update(multiple=True, metavar="KEY=VALUE", callback=key_values_callback(flag))
+    elif option.type.mapping:
+        metavar = option.metavar or option.type.metavar
+        kwargs.update(multiple=True, metavar=metavar, callback=key_values_callback(flag))
         kwargs["default"] = None
     else:
         kwargs["type"] = _click_type(option)
