@@ -4,11 +4,15 @@ ETA - on a job of a few hundred varied rows, through the CLI, as a user runs it.
     python benchmarks/forecast_check.py forecast [--rows 300] [--max-tokens 48]
     python benchmarks/forecast_check.py dedupe   [--rows 300] [--rounds 2]
     python benchmarks/forecast_check.py progress [--rows 300]
+    python benchmarks/forecast_check.py embed    [--rows 300] [--embed-model all-minilm-l6-v2]
 
 forecast  `tokenmill run ... --dry-run --json`, then the same job for real: prompt and
           cached tokens must be equal, the cost within [cost_min, cost_max]; prints the
           ratio of the forecast seconds to the ledger's device seconds. Then the same
           for a scoring job (`--task score`).
+embed     the forecast check on an embedding job (`--task embed`, the rows' prompts as
+          texts): an encoder caches nothing and generates nothing, so prompt tokens
+          and cost must be exact and cached tokens 0.
 dedupe    the job with and without `--no-dedupe`, alternating (A B A B): completion
           tokens and device seconds saved, and whether each copy's answer equals the
           answer its row got when computed itself.
@@ -193,6 +197,12 @@ def run_forecast(args: argparse.Namespace, work: Path) -> None:
     print(json.dumps(check_forecast(work, source, ["--task", "score"], "score")))
 
 
+def run_embed(args: argparse.Namespace, work: Path) -> None:
+    source = write_input(work / "in.parquet", args.rows)
+    extra = ["--task", "embed", "--model", args.embed_model, "--prompt-column", "prompt"]
+    print(json.dumps(check_forecast(work, source, extra, "embed")))
+
+
 def run_dedupe(args: argparse.Namespace, work: Path) -> None:
     source = write_input(work / "in.parquet", args.rows)
     common = [str(source), "--id-column", "id", "--max-tokens", str(args.max_tokens)]
@@ -299,19 +309,24 @@ def run_progress(args: argparse.Namespace, work: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("check", choices=["forecast", "dedupe", "progress"])
+    parser.add_argument("check", choices=["forecast", "dedupe", "progress", "embed"])
     parser.add_argument("--rows", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dtype", default="auto", help="dedupe: the model dtype")
+    parser.add_argument("--embed-model", default="all-minilm-l6-v2", help="embed: the model")
     parser.add_argument("--work", type=Path, default=None, help="keep outputs here")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = args.work or Path(tempfile.mkdtemp(prefix="tokenmill-forecast-"))
     work.mkdir(parents=True, exist_ok=True)
-    {"forecast": run_forecast, "dedupe": run_dedupe, "progress": run_progress}[args.check](
-        args, work
-    )
+    checks = {
+        "forecast": run_forecast,
+        "dedupe": run_dedupe,
+        "progress": run_progress,
+        "embed": run_embed,
+    }
+    checks[args.check](args, work)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from tokenmill.engine.core.encoder_engine import EncoderEngine
 from tokenmill.engine.loader.pooling_config import PoolingConfig, read_pooling_config
 from tokenmill.engine.loader.pooling_tokenizer import EncodedText, PoolingTokenizer
 from tokenmill.engine.models import architecture_for
-from tokenmill.engine.outputs import RequestMetrics
+from tokenmill.engine.outputs import EngineStats, RequestMetrics
 from tokenmill.engine.pooling_outputs import (
     ClassificationOutput,
     EmbeddingOutput,
@@ -155,6 +155,7 @@ class PoolingMethods:
         params: PoolingParams | Sequence[PoolingParams],
         *,
         on_output: OnPooled | None = None,
+        on_step: Callable[[EngineStats], None] | None = None,
     ) -> list[PoolingOutput]:
         """Pool token-id prompts (tokenized already, e.g. by a job's planner).
 
@@ -163,6 +164,8 @@ class PoolingMethods:
                 out by the tokenizer's pair template (`loader/pooling_tokenizer.py`).
             params: one for all, or one per prompt.
             on_output: called with each output as it finishes.
+            on_step: called after each engine step with the engine's cumulative stats
+                (as `LLM.generate`'s: a dry run's calibration times the steps).
 
         Returns:
             One PoolingOutput per prompt, in input order; a prompt the model cannot
@@ -189,6 +192,8 @@ class PoolingMethods:
                     results[position[output.request_id]] = output
                     if on_output is not None:
                         on_output(output)
+                if on_step is not None:
+                    on_step(self.engine.stats)
         except BaseException:
             self.engine.abort_all()
             raise

@@ -22,6 +22,14 @@ gets it from the cache. Two ways to know the count beforehand:
     steps (tokens computed and sampled per step) are what `pipelines/calibration.py`
     prices in seconds.
 
+`simulate_encoder` - the same for an encoder (`EncoderEngine`): no KV cache, so nothing
+    is ever cached; its steps are the loop's own length-sorted batches of each call.
+
+Pooling requests on a decoder run through the decode loop prompt-only: one whose pooling
+reads only the last row (last-token) shares cached prefixes as a generation does; one
+that reads every row (mean, CLS ...) is served nothing at its first admission, as a
+scoring request (`Request.reads_every_token`, the scheduler's `num_cacheable_tokens`).
+
 What neither can see: a prompt block equal to tokens another request *generated* (a
 prompt that continues an earlier answer word for word) is served from the cache by the
 engine and counted by neither.
@@ -36,8 +44,10 @@ import torch
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.block_manager import hash_block_tokens
+from tokenmill.engine.core.encoder_engine import EncoderEngine
 from tokenmill.engine.core.llm_engine import LLMEngine
-from tokenmill.engine.core.step import SamplerOutput, SchedulerOutput, StepResult
+from tokenmill.engine.core.step import PoolingState, SamplerOutput, SchedulerOutput, StepResult
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 
 
@@ -47,8 +57,28 @@ class Request:
     tokens each of its completions will have."""
 
     token_ids: Sequence[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     completion_tokens: int = 1  # per completion; ignored by `replay_prefix_cache`
+    # A pooling request whose pooling reads every prompt row (see the module docstring).
+    reads_every_token: bool = False
+
+    @property
+    def is_pooling(self) -> bool:
+        return isinstance(self.params, PoolingParams)
+
+    @property
+    def is_prompt_only(self) -> bool:
+        """It ends once its prompt is computed: it scores or pools the prompt."""
+        return self.is_pooling or self.params.is_prompt_only
+
+    @property
+    def served_from_cache(self) -> bool:
+        """Whether the prefix cache may serve it at its first admission: not a request
+        that records prompt log-probabilities (scoring) or folds every row into a
+        pooling - each must compute the rows it reads."""
+        if self.is_pooling:
+            return not self.reads_every_token
+        return not self.params.is_prompt_only
 
 
 def engine_config_of(llm_options: dict) -> EngineConfig:
@@ -75,9 +105,9 @@ def replay_prefix_cache(requests: Sequence[Request], block_size: int) -> list[in
             parent = hash_block_tokens(parent, tuple(ids[i * block_size : (i + 1) * block_size]))
             hashes.append(parent)
         hits = 0
-        # Prompt-only requests (scoring) record prompt log-probabilities as they compute
-        # them: the engine serves none of their prompt from the cache.
-        if not request.params.is_prompt_only:
+        # Scoring requests record prompt log-probabilities as they compute them, and a
+        # pooling over every row folds each in: the engine serves neither from the cache.
+        if request.served_from_cache:
             for block_hash in hashes[: (len(ids) - 1) // block_size]:
                 if block_hash not in filled:
                     break
@@ -138,6 +168,13 @@ class _ScriptedRunner:
         self.lengths = lengths  # request id -> completion tokens
 
     def execute(self, out: SchedulerOutput, previous) -> StepResult:
+        for c in out.chunks:
+            # What the worker's pooler records of a chunk (`Pooler.record_step`): the
+            # scheduler lets the cache serve such a sequence only rows folded in.
+            state = c.seq.pooling
+            if state is not None and state.reads_every_token:
+                end = c.seq.num_computed_tokens + c.num_new_tokens
+                state.num_pooled = max(state.num_pooled, end)
         token_ids = [
             self.EOS
             if c.seq.num_completion_tokens + 1 >= self.lengths[c.seq.request_id]
@@ -194,7 +231,11 @@ def simulate_engine(
             rid = str(next_id)
             next_id += 1
             lengths[rid] = max(1, request.completion_tokens)
-            engine.add_request(rid, list(request.token_ids), _plain(request.params))
+            if request.is_pooling:
+                state = PoolingState(request.params, request.reads_every_token)
+                engine.add_request(rid, list(request.token_ids), SamplingParams(), pooling=state)
+            else:
+                engine.add_request(rid, list(request.token_ids), _plain(request.params))
             ids.append(rid)
         done = {}
         while engine.has_unfinished:
@@ -209,6 +250,56 @@ def simulate_engine(
         sim.cached_tokens += [done[rid].cached_tokens for rid in ids]
         sim.completion_tokens += [done[rid].completion_tokens for rid in ids]
     sim.num_preemptions = stats.num_preemptions
+    return sim
+
+
+class _PooledNothing:
+    """Stands in for an encoder: every batch pools to nothing (only steps are counted)."""
+
+    device = torch.device("cpu")
+
+    def unsupported(self, params: PoolingParams) -> str | None:
+        return None
+
+    def run(self, token_ids: list[list[int]], params: list[PoolingParams]) -> list:
+        return [None] * len(token_ids)
+
+
+def simulate_encoder(
+    batches: Sequence[Sequence[Request]],
+    engine_config: EngineConfig,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+) -> Simulation:
+    """Run an encoder's loop (`EncoderEngine`) over `batches` (one `encode` call each, in
+    order) with a stand-in model: the steps it takes, and nothing cached.
+
+    Args:
+        batches: the requests of each call, in order.
+        engine_config: the engine's settings (max_num_batched_tokens, max_num_seqs).
+        max_model_len: the longest sequence the encoder serves.
+        vocab_size: the model's vocabulary (prompt ids are checked against it).
+
+    Returns:
+        The Simulation: zero cached and completion tokens per request, every step.
+    """
+    engine = EncoderEngine(
+        _PooledNothing(), engine_config, max_model_len=max_model_len, vocab_size=vocab_size
+    )
+    sim = Simulation([], [])
+    stats = engine.stats
+    next_id = 0
+    for batch in batches:
+        for request in batch:
+            engine.add_request(str(next_id), list(request.token_ids), request.params)
+            next_id += 1
+        while engine.has_unfinished:
+            computed = stats.computed_prompt_tokens
+            engine.step()
+            sim.steps.append(StepLoad(stats.computed_prompt_tokens - computed, 0))
+        sim.cached_tokens += [0] * len(batch)
+        sim.completion_tokens += [0] * len(batch)
     return sim
 
 

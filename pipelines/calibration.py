@@ -117,6 +117,8 @@ def calibrate(
     llm: Any, requests: Sequence[Request], *, time_bound_s: float = TIME_BOUND_S
 ) -> Calibration:
     """Run `requests` (the sample) on `llm`, timing every step; see the module docstring.
+    A pooling sample (embed, classify, rerank) has no completions: it gives step costs
+    only, through `LLM.encode`.
 
     The sample runs several times, each from an empty prefix cache: the first run pays
     what a fresh engine pays once (kernels set up on first use) and gives the completion
@@ -127,7 +129,8 @@ def calibrate(
     cost of its steps is the one-time `warm_up_s` a new run adds.
 
     Args:
-        llm: a loaded LLM (`generate` with `on_output` and `on_step`, `stats`, `engine`).
+        llm: a loaded LLM (`generate` - and `encode` for pooling requests - with
+            `on_output` and `on_step`, `stats`, `engine`).
         requests: the sample's prompts and params, in run order.
         time_bound_s: every run stops after this many seconds in all.
 
@@ -181,7 +184,7 @@ def _fractions(requests: Sequence[Request], run: _Run) -> list[float]:
 
 
 def _timed_run(llm: Any, requests: Sequence[Request], deadline: float) -> _Run:
-    """One generate call of the sample, each step timed; the cache emptied after it."""
+    """The sample's generate (and encode) call, each step timed; the cache emptied after it."""
     finished: list[RequestOutput] = []
     steps: list[tuple[float, StepLoad]] = []
     stats = llm.stats()
@@ -197,13 +200,25 @@ def _timed_run(llm: Any, requests: Sequence[Request], deadline: float) -> _Run:
             raise _TimeUp
 
     stopped_early = False
+    # As a job's shard runs them (`engine_failures.generate_rows`): generation requests
+    # in one `generate` call, then pooling ones in one `encode` call.
+    generating = [r for r in requests if not r.is_pooling]
+    pooled = [r for r in requests if r.is_pooling]
     try:
-        llm.generate(
-            [list(r.token_ids) for r in requests],
-            [r.params for r in requests],
-            on_output=finished.append,
-            on_step=on_step,
-        )
+        if generating:
+            llm.generate(
+                [list(r.token_ids) for r in generating],
+                [r.params for r in generating],
+                on_output=finished.append,
+                on_step=on_step,
+            )
+        if pooled:
+            llm.encode(
+                [list(r.token_ids) for r in pooled],
+                [r.params for r in pooled],
+                on_output=finished.append,
+                on_step=on_step,
+            )
     except _TimeUp:
         stopped_early = True  # LLM.generate dropped the rest
     seconds = time.perf_counter() - started
@@ -213,13 +228,22 @@ def _timed_run(llm: Any, requests: Sequence[Request], deadline: float) -> _Run:
 
 def fit_step_cost(steps: Sequence[tuple[float, StepLoad]]) -> StepCost:
     """Least-squares StepCost of timed steps; a coefficient that fits below zero is
-    dropped (the others refitted without it), so every cost is >= 0."""
+    dropped (the others refitted without it), so every cost is >= 0.
+
+    Steps of the same load (the sample runs more than once, so each of its steps is
+    timed several times) count as one point at their median time, weighted by how many
+    they are: on a shared machine a step now and then takes many times its usual time
+    (another process had the cores), and a mean over those would price every step of
+    the job as if each were interrupted - a sample of few, short steps (an encoder's,
+    one per run) is forecast several times too slow."""
     if not steps:
         return StepCost(0.0, 0.0, 0.0)
-    seconds = np.array([t for t, _ in steps])
-    features = np.array(
-        [[1.0, load.prompt_tokens, load.sampled_tokens] for _, load in steps], dtype=float
-    )
+    by_load: dict[tuple[int, int], list[float]] = {}
+    for t, load in steps:
+        by_load.setdefault((load.prompt_tokens, load.sampled_tokens), []).append(t)
+    weights = np.sqrt([len(times) for times in by_load.values()])
+    seconds = np.array([float(np.median(times)) for times in by_load.values()]) * weights
+    features = np.array([[1.0, p, g] for p, g in by_load], dtype=float) * weights[:, None]
     active = [0, 1, 2]
     coefficients = np.zeros(3)
     while active:

@@ -50,9 +50,17 @@ def forecast_job(plan: JobPlan, *, done: Iterable[str] = (), llm: Any = None) ->
             sums = add_token_sums(sums, part)
         elif not shard.is_copy:
             rows = shard_rows(load_shard(plan, shard)).rows
-            batches.append(
-                [Request(r.token_ids, plan.params[r.params_index]) for r in rows if r.error is None]
-            )
+            requests = [
+                Request(r.token_ids, plan.params[r.params_index]) for r in rows if r.error is None
+            ]
+            # A shard runs its generation rows in one call, then its pooling rows in
+            # another (`engine_failures.generate_rows`): the forecast sees both in order.
+            for call in (
+                [r for r in requests if not r.is_pooling],
+                [r for r in requests if r.is_pooling],
+            ):
+                if call:
+                    batches.append(call)
     work = Work(
         batches,
         rows=plan.num_rows,

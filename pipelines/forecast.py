@@ -9,8 +9,11 @@ row, so before any compute the forecast knows, exactly:
                         ledger will report (`cache_forecast.py`: exact whenever the cache
                         cannot have to evict; otherwise `cached_tokens_exact` is false,
                         the figure is the engine replayed with the calibrated completion
-                        lengths, and `cached_tokens_min`/`_max` bound it)
-    completion bounds   min: one token per completion (or min_tokens); max: the budget
+                        lengths, and `cached_tokens_min`/`_max` bound it). An encoder
+                        (embed, classify, rerank on a BERT-family model) keeps no cache:
+                        0; a decoder's pooling rows replay as the scheduler serves them
+    completion bounds   min: one token per completion (or min_tokens); max: the budget;
+                        scoring and pooling rows: none
 
 and, from a short calibration run on this machine (`calibration.py`), estimates of the
 completion tokens and of the compute seconds (the ledger's `device_seconds`). Costs are
@@ -28,17 +31,23 @@ does; an engine already warm in a notebook may serve more from its cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from tokenmill.engine.config import EngineConfig, resolve_dtype
-from tokenmill.engine.models import load_config
+from tokenmill.engine.core.encoder_engine import EncoderEngine
+from tokenmill.engine.loader.pooling_config import PoolingConfig, read_pooling_config
+from tokenmill.engine.models import architecture_for, load_config
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.worker.pooling import reads_every_token
 from tokenmill.pipelines.cache_forecast import (
     Request,
+    Simulation,
     engine_config_of,
     never_evicts,
     replay_prefix_cache,
+    simulate_encoder,
     simulate_engine,
 )
 from tokenmill.pipelines.calibration import Calibration, calibrate, sample_indices
@@ -54,10 +63,24 @@ class EngineFacts:
     """What the forecast must know of the engine that will run the job."""
 
     config: EngineConfig
-    num_blocks: int  # KV cache blocks: the prefix cache's capacity
+    num_blocks: int  # KV cache blocks: the prefix cache's capacity (an encoder: none)
     max_model_len: int
     vocab_size: int
     device: str
+    # An encoder runs its own loop (`EncoderEngine`): no KV cache, nothing cached.
+    is_encoder: bool = False
+    # How a pooling model pools, and the token its head reads: whether a decoder's
+    # pooling request may be served from the prefix cache (`reads_every_token`).
+    pooling_config: PoolingConfig | None = None
+    head_pooling: str | None = None
+
+    def request(self, request: Request) -> Request:
+        """`request` as this engine treats it: a pooling one knows whether its pooling
+        reads every row."""
+        if not request.is_pooling or self.pooling_config is None:
+            return request
+        every = reads_every_token(self.pooling_config, self.head_pooling, request.params)
+        return replace(request, reads_every_token=every)
 
 
 def engine_facts(llm_options: dict[str, Any], model_dir: Any, llm: Any = None) -> EngineFacts:
@@ -70,25 +93,56 @@ def engine_facts(llm_options: dict[str, Any], model_dir: Any, llm: Any = None) -
     from tokenmill.engine.worker.build import max_model_len_of, num_cache_blocks
 
     if llm is not None and getattr(llm, "engine", None) is not None:
+        is_encoder = isinstance(llm.engine, EncoderEngine)
+        pooler = getattr(getattr(llm.engine, "runner", None), "pooler", None)
         return EngineFacts(
             llm.engine_config,
-            llm.engine.block_manager.num_blocks,
+            0 if is_encoder else llm.engine.block_manager.num_blocks,
             llm.max_model_len,
             llm.model_config.vocab_size,
             str(llm.device),
+            is_encoder=is_encoder,
+            pooling_config=llm.pooling_config if pooler is not None else None,
+            head_pooling=pooler.head_pooling if pooler is not None else None,
         )
     config = engine_config_of(llm_options)
     model_config = load_config(model_dir)
-    device_name = llm_options.get("device")
-    device = torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    architecture = architecture_for(model_config)
+    pooling = read_pooling_config(model_dir, is_encoder=architecture.is_encoder)
+    head_pooling = getattr(architecture.model_class, "head_pooling", None)
+    max_model_len = max_model_len_of(model_config, config)
+    if architecture.is_encoder:
+        # as `worker.build.build_encoder_runner` sizes it
+        if pooling.max_seq_length:
+            max_model_len = min(max_model_len, pooling.max_seq_length)
+        return EngineFacts(
+            config,
+            0,
+            max_model_len,
+            model_config.vocab_size,
+            _device_of(llm_options),
+            is_encoder=True,
+            pooling_config=pooling,
+            head_pooling=head_pooling,
+        )
+    device = torch.device(_device_of(llm_options))
     dtype = resolve_dtype(llm_options.get("dtype") or "auto", device)
     return EngineFacts(
         config,
         num_cache_blocks(model_config, config, dtype=dtype, device=device),
-        max_model_len_of(model_config, config),
+        max_model_len,
         model_config.vocab_size,
         str(device),
+        pooling_config=pooling,
+        head_pooling=head_pooling,
     )
+
+
+def _device_of(llm_options: dict[str, Any]) -> str:
+    import torch
+
+    device_name = llm_options.get("device")
+    return str(torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu")))
 
 
 @dataclass
@@ -171,14 +225,18 @@ def forecast_work(
     Returns:
         The Forecast.
     """
-    requests = [r for batch in work.batches for r in batch]
+    batches = [[engine.request(r) for r in batch] for batch in work.batches]
+    requests = [r for batch in batches for r in batch]
     block_size = engine.config.block_size
-    replayed = replay_prefix_cache(requests, block_size)
-    exact = never_evicts(requests, block_size, engine.num_blocks)
-    cached = cached_max = sum(replayed)
+    if engine.is_encoder:  # no KV cache: nothing is ever served from a cache
+        exact, cached = True, 0
+    else:
+        exact = never_evicts(requests, block_size, engine.num_blocks)
+        cached = sum(replay_prefix_cache(requests, block_size))
+    cached_max = cached
     cached_min = cached if exact else 0
     completion_min = sum(
-        0 if r.params.is_prompt_only else r.params.n * max(1, r.params.min_tokens) for r in requests
+        0 if r.is_prompt_only else r.params.n * max(1, r.params.min_tokens) for r in requests
     )
     completion_max = sum(r.params.n * r.params.max_tokens for r in requests)
     estimate = seconds = None
@@ -191,7 +249,7 @@ def forecast_work(
             for i, (r, b) in enumerate(zip(requests, budgets))
         ]
         estimate = sum(r.params.n * n for r, n in zip(requests, lengths))
-        seconds, simulated_cached = _timed(work.batches, lengths, engine, calibration)
+        seconds, simulated_cached = _timed(batches, lengths, engine, calibration)
         if not exact and simulated_cached is not None:
             cached = simulated_cached
     prompt = sum(len(r.token_ids) for r in requests)
@@ -268,23 +326,32 @@ def _timed(
     i = 0
     for batch in batches:
         scripted.append(
-            [Request(r.token_ids, r.params, n) for r, n in zip(batch, lengths[i : i + len(batch)])]
+            [replace(r, completion_tokens=n) for r, n in zip(batch, lengths[i : i + len(batch)])]
         )
         i += len(batch)
     sizes = [sum(len(r.token_ids) + r.params.n * r.completion_tokens for r in b) for b in scripted]
     chosen = _spread(sizes, SIMULATED_TOKENS)
-    sim = simulate_engine(
-        [scripted[i] for i in chosen],
-        engine.config,
-        num_blocks=engine.num_blocks,
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size,
-    )
+    sim = _simulate([scripted[i] for i in chosen], engine)
     seconds = calibration.step_cost.seconds(sim.steps)
     if len(chosen) == len(scripted):
         return calibration.warm_up_s + seconds, sum(sim.cached_tokens)
     scale = sum(sizes) / max(1, sum(sizes[i] for i in chosen))
     return calibration.warm_up_s + seconds * scale, None
+
+
+def _simulate(batches: list[list[Request]], engine: EngineFacts) -> Simulation:
+    """The engine's own loop over the batches, with a stand-in model."""
+    if engine.is_encoder:
+        return simulate_encoder(
+            batches, engine.config, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
+        )
+    return simulate_engine(
+        batches,
+        engine.config,
+        num_blocks=engine.num_blocks,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+    )
 
 
 def _spread(sizes: Sequence[int], budget: int) -> list[int]:
@@ -326,6 +393,8 @@ def _cost_range(
     )
 
 
-def requests_of(rows: Sequence[Any], params: Sequence[SamplingParams]) -> list[Request]:
+def requests_of(
+    rows: Sequence[Any], params: Sequence[SamplingParams | PoolingParams]
+) -> list[Request]:
     """Prompt rows (with token ids) as the requests the engine will see."""
     return [Request(r.token_ids, params[r.params_index]) for r in rows if r.token_ids is not None]

@@ -309,10 +309,18 @@ def _run(
 
 
 @takes_options(NOTEBOOK)
-def forecast(data: Any, *, llm: Any = None, calibrate: bool = True, **options: Any) -> Forecast:
-    """What `generate(data, **options)` will cost, before it runs (`pipelines/forecast.py`).
+def forecast(
+    data: Any,
+    *,
+    task: str = GENERATE,
+    llm: Any = None,
+    calibrate: bool = True,
+    **options: Any,
+) -> Forecast:
+    """What `generate(data, **options)` - or `score`, `embed`, `classify`, `rerank` with
+    `task` - will cost, before it runs (`pipelines/forecast.py`).
 
-    The rows are templated, tokenized, deduplicated and ordered exactly as `generate`
+    The rows are templated, tokenized, deduplicated and ordered exactly as that call
     does, then forecast: prompt and cached tokens exact (for an engine whose prefix
     cache starts empty), completion tokens between their bounds, costs, and - with
     `calibrate` - estimates of completion tokens and seconds from a short run of a
@@ -320,6 +328,8 @@ def forecast(data: Any, *, llm: Any = None, calibrate: bool = True, **options: A
 
     Args:
         data: as for `generate`.
+        task: generate, score, embed, classify or rerank (the call forecast; a pooling
+            task's text column is the `prompt_column` option).
         llm: an already loaded LLM (default: the shared engine, loaded if needed).
         calibrate: run the calibration sample (off: exact and bounded figures only).
         **options: as for `generate`, plus the prices: price_input, price_cached,
@@ -328,8 +338,11 @@ def forecast(data: Any, *, llm: Any = None, calibrate: bool = True, **options: A
     Returns:
         The Forecast (`job_id` None: a notebook call is not a job).
     """
+    if task not in (GENERATE, SCORE, *POOLING_JOB_TASKS):
+        choices = ", ".join((GENERATE, SCORE, *POOLING_JOB_TASKS))
+        raise ValueError(f"task must be one of {choices}, got {task!r}")
     prices = {name: options.pop(name) for name in _PRICE_OPTIONS if name in options}
-    job = _prepare(data, GENERATE, llm=llm, options=options)
+    job = _prepare(data, task, llm=llm, options=options)
     batch = requests_of(job.computed, job.params.params)
     work = Work(
         [batch],
@@ -342,7 +355,7 @@ def forecast(data: Any, *, llm: Any = None, calibrate: bool = True, **options: A
             work,
             engine=engine_facts({}, None, job.llm),
             prices=Prices(**routed(check_options(prices, surface=JOB), PRICES)),
-            task=GENERATE,
+            task=task,
             model=getattr(job.llm, "model_name", "model"),
             llm=job.llm if calibrate else None,
         )

@@ -37,6 +37,22 @@ _EVERY_TOKEN = frozenset({"max", "mean", "mean_sqrt_len_tokens", "weightedmean"}
 _HEAD_ACTIVATIONS = {"sigmoid": torch.sigmoid, "identity": lambda x: x, "tanh": torch.tanh}
 
 
+def _modes(config: PoolingConfig, head_pooling: str | None, params: PoolingParams) -> tuple:
+    if params.task == EMBED:
+        return config.modes
+    return (head_pooling or "cls",)
+
+
+def reads_every_token(
+    config: PoolingConfig, head_pooling: str | None, params: PoolingParams
+) -> bool:
+    """Whether a decoder's pooling of `params` reads rows before its last (mean, max,
+    CLS ...): then the prefix cache may serve such a request only rows it has folded in
+    - nothing at its first admission. Known from the model's files and class alone, so
+    a forecast knows it before any weights load."""
+    return bool(set(_modes(config, head_pooling, params)) & (_EVERY_TOKEN | {"cls"}))
+
+
 @dataclass
 class _Partial:
     """A decoder sequence's running pooling sums over the rows folded in so far."""
@@ -92,13 +108,12 @@ class Pooler:
 
     def state_for(self, params: PoolingParams) -> PoolingState:
         """A decoder request's pooling state (the loop carries it on the Sequence)."""
-        modes = set(self._modes(params))
-        return PoolingState(params, reads_every_token=bool(modes & (_EVERY_TOKEN | {"cls"})))
+        return PoolingState(
+            params, reads_every_token=reads_every_token(self.config, self.head_pooling, params)
+        )
 
     def _modes(self, params: PoolingParams) -> tuple[str, ...]:
-        if params.task == EMBED:
-            return self.config.modes
-        return (self.head_pooling or "cls",)
+        return _modes(self.config, self.head_pooling, params)
 
     # -- whole sequences, packed (the encoder runner) ---------------------------------------
 

@@ -229,6 +229,19 @@ def test_step_cost_is_fitted_to_the_steps_and_never_negative():
     assert cost.per_sampled_token == 0 and cost.per_step > 0
 
 
+def test_step_cost_ignores_steps_another_process_interrupted():
+    """An encoder's sample: two step shapes timed 16 times each, a few of them many
+    times too slow (the shared machine's other processes); the fit is the usual cost."""
+    steps = []
+    for i in range(16):
+        for tokens in (700, 160):
+            usual = 0.005 + 0.00004 * tokens
+            steps.append((usual * (25 if i % 6 == 1 else 1), StepLoad(tokens, 0)))
+    cost = fit_step_cost(steps)
+    assert cost.per_step == pytest.approx(0.005)
+    assert cost.per_prompt_token == pytest.approx(0.00004)
+
+
 class _ScoringClockLLM:
     """A stand-in engine that scores its whole batch in one step taking 0.05 s plus
     0.001 s per prompt token, on a scripted clock."""
