@@ -24,6 +24,7 @@ from tokenmill.engine.models import GENERATE
 from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.engine.pooling_llm import PoolingMethods
 from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
+from tokenmill.engine.request_loop import per_prompt, run_to_completion
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.worker.build import (
     build_encoder_runner,
@@ -140,27 +141,20 @@ class LLM(PoolingMethods):
         ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
         request_ids = [str(next(self._request_counter)) for _ in prompts]
-        position = {rid: i for i, rid in enumerate(request_ids)}
         for rid, prompt_ids, text, p, lora in zip(request_ids, ids, texts, params, loras):
             lora_id = lora_ids[lora] if lora is not None else 0
             self.engine.add_request(rid, prompt_ids, p, prompt=text, lora_id=lora_id)
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        try:
-            while self.engine.has_unfinished:
-                for output in self.engine.step():
-                    index = position[output.request_id]
-                    output.lora_request = loras[index]
-                    results[index] = output
-                    if on_output is not None:
-                        on_output(output)
-                if on_step is not None:
-                    on_step(self.engine.stats)
-        except BaseException:
-            # A failed step (or an interrupt) must not leave these requests queued for
-            # the next call: the engine is reset and the error goes to the caller.
-            self.engine.abort_all()
-            raise
-        return results
+
+        def with_adapter(index: int, output: RequestOutput) -> None:
+            output.lora_request = loras[index]
+
+        return run_to_completion(
+            self.engine,
+            request_ids,
+            on_output=on_output,
+            on_step=on_step,
+            annotate=with_adapter,
+        )
 
     def chat(
         self,
@@ -270,22 +264,12 @@ def build_engine(
 def _per_prompt_params(
     sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
 ) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * num_prompts
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * num_prompts
-    params = list(sampling_params)
-    if len(params) != num_prompts:
-        raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
-    return params
+    default = SamplingParams() if sampling_params is None else sampling_params
+    return per_prompt(default, SamplingParams, num_prompts, "sampling params")
 
 
 def _per_prompt_loras(lora_request: LoRARequests, num_prompts: int) -> list[LoRARequest | None]:
-    if lora_request is None or isinstance(lora_request, LoRARequest):
-        return [lora_request] * num_prompts
-    loras = list(lora_request)
-    if len(loras) != num_prompts:
-        raise ValueError(f"got {len(loras)} LoRA requests for {num_prompts} prompts")
+    loras = per_prompt(lora_request, LoRARequest, num_prompts, "LoRA requests")
     bad = [r for r in loras if r is not None and not isinstance(r, LoRARequest)]
     if bad:
         raise TypeError(f"lora_request entries must be LoRARequest or None, got {bad[0]!r}")

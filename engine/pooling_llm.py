@@ -33,6 +33,7 @@ from tokenmill.engine.pooling_outputs import (
     task_view,
 )
 from tokenmill.engine.pooling_params import CLASSIFY, EMBED, RERANK, PoolingParams
+from tokenmill.engine.request_loop import per_prompt, run_to_completion
 from tokenmill.engine.sampling_params import SamplingParams
 
 OnPooled = Callable[[PoolingOutput], None]
@@ -176,28 +177,13 @@ class PoolingMethods:
                 is queued).
         """
         prompts = list(prompts)
-        per_prompt = [params] * len(prompts) if isinstance(params, PoolingParams) else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"got {len(per_prompt)} pooling params for {len(prompts)} prompts")
-        for p in set(per_prompt):
+        per_prompt_params = per_prompt(params, PoolingParams, len(prompts), "pooling params")
+        for p in set(per_prompt_params):
             self._check_pooling(p)
         request_ids = [str(next(self._request_counter)) for _ in prompts]
-        position = {rid: i for i, rid in enumerate(request_ids)}
-        for rid, ids, p in zip(request_ids, prompts, per_prompt):
+        for rid, ids, p in zip(request_ids, prompts, per_prompt_params):
             self._add_pooling_request(rid, list(ids), p)
-        results: list[PoolingOutput | None] = [None] * len(prompts)
-        try:
-            while self.engine.has_unfinished:
-                for output in self.engine.step():
-                    results[position[output.request_id]] = output
-                    if on_output is not None:
-                        on_output(output)
-                if on_step is not None:
-                    on_step(self.engine.stats)
-        except BaseException:
-            self.engine.abort_all()
-            raise
-        return results
+        return run_to_completion(self.engine, request_ids, on_output=on_output, on_step=on_step)
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -26,7 +26,10 @@ PACKAGES = {
 # The engine's floors, top to bottom (DESIGN.md, "The engine, in layers"): a module may
 # import modules of its own floor or of floors below it, never above.
 ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("api", ("tokenmill.engine.llm", "tokenmill.engine.pooling_llm")),
+    (
+        "api",
+        ("tokenmill.engine.llm", "tokenmill.engine.pooling_llm", "tokenmill.engine.request_loop"),
+    ),
     ("worker", ("tokenmill.engine.worker",)),
     ("quant", ("tokenmill.engine.quant",)),
     ("loader", ("tokenmill.engine.loader",)),
