@@ -23,6 +23,7 @@ import tempfile
 import time
 import zipfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -308,28 +309,12 @@ def _converted_path(gguf_path: Path, root: Path) -> Path:
 
 def _convert_cached(gguf_path: Path, root: Path, name: str) -> Path:
     digest = file_sha256(gguf_path, cache_root=root)
-    final = _converted_path(gguf_path, root)
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(final.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+
+    def convert(tmp: Path) -> dict:
         convert_gguf(gguf_path, tmp)
-        source = {"name": name, "gguf_file": str(gguf_path), "gguf_sha256": digest}
-        _write_json_atomic(tmp / SOURCE_RECORD, source)
-        # mkdtemp/mkstemp create private entries; give them the umask's mode like the rest.
-        shutil.copymode(tmp / "config.json", tmp / SOURCE_RECORD)
-        shutil.copymode(final.parent, tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process renamed its conversion first; it is identical, keep that one.
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        return {"name": name, "gguf_file": str(gguf_path), "gguf_sha256": digest}
+
+    return _build_once(_converted_path(gguf_path, root), convert)
 
 
 def _extract_cached(archive: Path, root: Path, name: str) -> Path:
@@ -340,13 +325,8 @@ def _extract_cached(archive: Path, root: Path, name: str) -> Path:
         ModelFilesError: the archive holds a path outside its directory, or not a model.
     """
     digest = file_sha256(archive, cache_root=root)
-    final = root / "models" / f"zip-{digest[:32]}"
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(final.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+
+    def extract(tmp: Path) -> dict:
         with zipfile.ZipFile(archive) as zipped:
             for member in zipped.namelist():
                 target = (tmp / member).resolve()
@@ -354,14 +334,31 @@ def _extract_cached(archive: Path, root: Path, name: str) -> Path:
                     raise ModelFilesError(f"{archive} holds a path outside its model: {member}")
             zipped.extractall(tmp)
         check_model_dir(tmp)
-        source = {"name": name, "archive": str(archive), "archive_sha256": digest}
+        return {"name": name, "archive": str(archive), "archive_sha256": digest}
+
+    return _build_once(root / "models" / f"zip-{digest[:32]}", extract)
+
+
+def _build_once(final: Path, build: Callable[[Path], dict]) -> Path:
+    """The model directory `final`, built by `build` into a private temporary directory
+    beside it (returning its source record) and renamed into place in one step, unless
+    it exists: a reader never sees half a model, and of two processes building it at
+    once, the first rename wins and the other's identical copy is dropped."""
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(final.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        source = build(tmp)
         _write_json_atomic(tmp / SOURCE_RECORD, source)
+        # mkdtemp/mkstemp create private entries; give them the umask's mode like the rest.
         shutil.copymode(tmp / "config.json", tmp / SOURCE_RECORD)
         shutil.copymode(final.parent, tmp)
         try:
             os.rename(tmp, final)
         except OSError:
-            if not final.is_dir():  # another process extracted it first: keep that one
+            if not final.is_dir():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
