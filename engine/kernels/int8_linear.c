@@ -102,29 +102,10 @@ static inline __attribute__((always_inline)) void gated_in_place(int activation,
 #define MAX_PANELS 4  /* 16-channel panels per register tile */
 #define ROW_BLOCK 120 /* rows kept in L2 while a thread's panels pass over them */
 
-static inline void store16(const problem *p, int64_t row, int64_t col, __m512 v) {
-    if (p->is_bf16) {
-#if defined(__AVX512BF16__)
-        __m256bh h = _mm512_cvtneps_pbh(v);
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p->out + row * p->out_n + col), (__m256i)h);
-#else /* round to nearest even by hand, as f32_to_bf16 does */
-        __m512i u = _mm512_castps_si512(v);
-        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-        __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p->out + row * p->out_n + col), h);
-#endif
-    } else {
-        _mm512_storeu_ps((float *)p->out + row * p->out_n + col, v);
-    }
-}
+#include "avx512_epilogue.h"
 
-/* acc += u8 x s8 dot products of four (vpdpbusd). Written as inline assembly because GCC
- * 12's intrinsic copies the accumulator through a spare register (or the stack) at every
- * use (benchmarks/README.md, "Our own int8 kernel"); GCC and Clang both take this form. */
-static inline __attribute__((always_inline)) __m512i dot4(__m512i acc, __m512i u8, __m512i s8) {
-    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
-    return acc;
+static inline void store16(const problem *p, int64_t row, int64_t col, __m512 v) {
+    tm_store16(p->out, p->is_bf16, row * p->out_n + col, v);
 }
 
 /* The epilogue's terms for 16 output channels: the zero-point correction, the weights'
@@ -209,10 +190,10 @@ static inline __attribute__((always_inline)) void finish_pair16(const problem *p
         int32_t four;                                                           \
         __builtin_memcpy(&four, x + r * k + kk * 4, 4);                         \
         const __m512i xv = _mm512_set1_epi32(four);                             \
-        a##r##0 = dot4(a##r##0, xv, w0);                         \
-        if (np > 1) a##r##1 = dot4(a##r##1, xv, w1);             \
-        if (np > 2) a##r##2 = dot4(a##r##2, xv, w2);             \
-        if (np > 3) a##r##3 = dot4(a##r##3, xv, w3);             \
+        a##r##0 = tm_dot4(a##r##0, xv, w0);                         \
+        if (np > 1) a##r##1 = tm_dot4(a##r##1, xv, w1);             \
+        if (np > 2) a##r##2 = tm_dot4(a##r##2, xv, w2);             \
+        if (np > 3) a##r##3 = tm_dot4(a##r##3, xv, w3);             \
     }
 #define FINISH_ROW(r)                                                           \
     if (mr > r && p->activation) { /* np is 2 or 4: gate and up panels in pairs */ \

@@ -150,29 +150,10 @@ static float quantize_block(const void *x, int64_t offset, int is_bf16, int8_t *
 #define Q4_MR 4 /* rows per register tile */
 #define Q4_NP 2 /* 16-channel panels per register tile */
 
-/* acc += u8 x s8 dot products of four (vpdpbusd): the weights' nibbles are the unsigned
- * operand, the activations the signed one. Inline assembly for the reason int8_linear.c
- * gives (GCC 12's intrinsic copies the accumulator at every use). */
-static inline __attribute__((always_inline)) __m512i q4_dot4(__m512i acc, __m512i u8, __m512i s8) {
-    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
-    return acc;
-}
+#include "avx512_epilogue.h"
 
 static inline void q4_store16(const q4_problem *p, int64_t row, int64_t col, __m512 v) {
-    if (p->is_bf16) {
-#if defined(__AVX512BF16__)
-        __m256bh h = _mm512_cvtneps_pbh(v);
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p->out + row * p->n + col), (__m256i)h);
-#else /* round to nearest even by hand, as f32_to_bf16 does */
-        __m512i u = _mm512_castps_si512(v);
-        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-        __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p->out + row * p->n + col), h);
-#endif
-    } else {
-        _mm512_storeu_ps((float *)p->out + row * p->n + col, v);
-    }
+    tm_store16(p->out, p->is_bf16, row * p->n + col, v);
 }
 
 #define Q4_ACC(r) __m512 f##r##0 = _mm512_setzero_ps(), f##r##1 = _mm512_setzero_ps()
@@ -182,13 +163,14 @@ static inline void q4_store16(const q4_problem *p, int64_t row, int64_t col, __m
         a##r##0 = _mm512_set1_epi32(-8 * p->x_sums[(row + r) * nb + b]);                 \
         a##r##1 = a##r##0;                                                               \
     }
+/* In tm_dot4 the weights' nibbles are the unsigned operand, the activations the signed one. */
 #define Q4_STEP(r, lo0, lo1, kstep)                                                      \
     if (mr > r) {                                                                        \
         int32_t four;                                                                    \
         __builtin_memcpy(&four, xb + r * k + (kstep) * 4, 4);                            \
         const __m512i xv = _mm512_set1_epi32(four);                                      \
-        a##r##0 = q4_dot4(a##r##0, lo0, xv);                                             \
-        if (np > 1) a##r##1 = q4_dot4(a##r##1, lo1, xv);                                 \
+        a##r##0 = tm_dot4(a##r##0, lo0, xv);                                             \
+        if (np > 1) a##r##1 = tm_dot4(a##r##1, lo1, xv);                                 \
     }
 #define Q4_FOLD(r)                                                                       \
     if (mr > r) {                                                                        \
