@@ -7,36 +7,13 @@ must stay close to a 10k-row job's. The results are checked here, in the parent.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-import time
-
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import pytest
+from child_jobs import run_job_in_child
 from pooling_models import build_encoder, write_sentence_transformers_files
 
-from tokenmill.pipelines.output import read_results
-
 pytestmark = pytest.mark.slow
-
-MIB = 1 << 20
-
-CHILD = textwrap.dedent(
-    """
-    import json, resource, sys
-    from tokenmill.pipelines.job import run_job
-
-    src, out, model = sys.argv[1:4]
-    ledger = run_job(src, out, model=model, id_column="id", task="embed", dtype="float32",
-                     engine_options={"max_num_batched_tokens": 8192})
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    print(json.dumps({"ledger": ledger.to_dict(), "maxrss": maxrss}))
-    """
-)
 
 
 @pytest.fixture(scope="module")
@@ -48,28 +25,14 @@ def encoder_dir(tmp_path_factory):
 
 
 def _run(tmp_path, model_dir, num_rows) -> dict:
-    src = tmp_path / f"in-{num_rows}.parquet"
     words = ["the quick brown fox", "search the web", "a red car on the road", "data model"]
-    table = pa.table(
-        {
-            "id": [f"id-{i}" for i in range(num_rows)],
-            "prompt": [f"{words[i % 4]} {i % 97} {words[(i // 4) % 4]}" for i in range(num_rows)],
-        }
-    )
-    pq.write_table(table, src, row_group_size=8192)
-    out = tmp_path / f"out-{num_rows}"
-    started = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(src), str(out), str(model_dir)],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    report["wall_s"] = time.perf_counter() - started
-    print(f"{num_rows} rows: {report['wall_s']:.1f} s, peak RSS {report['maxrss'] / MIB:.0f} MiB")
-    results = read_results(str(out))
+    prompts = [f"{words[i % 4]} {i % 97} {words[(i // 4) % 4]}" for i in range(num_rows)]
+    options = {
+        "task": "embed",
+        "dtype": "float32",
+        "engine_options": {"max_num_batched_tokens": 8192},
+    }
+    report, results, out = run_job_in_child(tmp_path, model_dir, prompts, options)
     ledger = report["ledger"]
     assert results.num_rows == num_rows == ledger["rows_ok"]
     assert pc.count_distinct(results["id"]).as_py() == num_rows
