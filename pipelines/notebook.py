@@ -34,7 +34,13 @@ from tokenmill.pipelines.dedupe import find_copies
 from tokenmill.pipelines.engine_failures import generate_rows
 from tokenmill.pipelines.forecast import Forecast, Work, engine_facts, forecast_work, requests_of
 from tokenmill.pipelines.option_types import JOB, NOTEBOOK, POOL, PRICES, PROMPT, SAMPLE
-from tokenmill.pipelines.options import check_options, llm_options, routed, takes_options
+from tokenmill.pipelines.options import (
+    OPTIONS,
+    check_options,
+    llm_options,
+    routed,
+    takes_options,
+)
 from tokenmill.pipelines.parsed import with_parsed
 from tokenmill.pipelines.plan import order_rows
 from tokenmill.pipelines.pooling import (
@@ -223,15 +229,14 @@ def rerank(
     data: Any,
     column: str | None = None,
     *,
-    query_column: str = "query",
     llm: Any = None,
     on_output: Callable[[Any], None] | None = None,
     **options: Any,
 ) -> Any:
     """Score every (query, text) row with a cross-encoder; results in input order, with
-    `score`. `query_column` holds each row's query, `column` its document."""
-    options = {**_column(options, column), "query_column": query_column}
-    return _run(data, RERANK, llm=llm, on_output=on_output, options=options)
+    `score`. The `query_column` option (as for a rerank job) names the column holding each
+    row's query, `column` its document."""
+    return _run(data, RERANK, llm=llm, on_output=on_output, options=_column(options, column))
 
 
 def _column(options: dict[str, Any], column: str | None) -> dict[str, Any]:
@@ -361,7 +366,8 @@ def forecast(
         )
 
 
-_PRICE_OPTIONS = ("price_input", "price_cached", "price_output", "price_device_hour")
+# The job definition's price options: a notebook's generate takes none, its forecast all.
+_PRICE_OPTIONS = tuple(option.name for option in OPTIONS if option.to == PRICES)
 forecast.__signature__ = forecast.__signature__.replace(
     parameters=[
         *forecast.__signature__.parameters.values(),
