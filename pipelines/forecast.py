@@ -110,15 +110,11 @@ def engine_facts(llm_options: dict[str, Any], model_dir: Any, llm: Any = None) -
     architecture = architecture_for(model_config)
     pooling = read_pooling_config(model_dir, is_encoder=architecture.is_encoder)
     head_pooling = getattr(architecture.model_class, "head_pooling", None)
-    max_model_len = max_model_len_of(model_config, config)
     if architecture.is_encoder:
-        # as `worker.build.build_encoder_runner` sizes it
-        if pooling.max_seq_length:
-            max_model_len = min(max_model_len, pooling.max_seq_length)
         return EngineFacts(
             config,
             0,
-            max_model_len,
+            max_model_len_of(model_config, config, pooling.max_seq_length),
             model_config.vocab_size,
             _device_of(llm_options),
             is_encoder=True,
@@ -130,7 +126,7 @@ def engine_facts(llm_options: dict[str, Any], model_dir: Any, llm: Any = None) -
     return EngineFacts(
         config,
         num_cache_blocks(model_config, config, dtype=dtype, device=device),
-        max_model_len,
+        max_model_len_of(model_config, config),
         model_config.vocab_size,
         str(device),
         pooling_config=pooling,

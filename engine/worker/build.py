@@ -56,9 +56,14 @@ def check_settings(engine_config: EngineConfig) -> None:
     validate_kv_cache_dtype(engine_config.kv_cache_dtype)
 
 
-def max_model_len_of(model_config: ModelConfig, engine_config: EngineConfig) -> int:
-    """The longest sequence an engine serves: the model's context, or less if asked."""
-    return min(engine_config.max_model_len or model_config.max_context, model_config.max_context)
+def max_model_len_of(
+    model_config: ModelConfig, engine_config: EngineConfig, max_seq_length: int | None = None
+) -> int:
+    """The longest sequence an engine serves: the model's context, or less if asked - and
+    for an encoder, no more than sentence-transformers' `max_seq_length` where the
+    model's directory declares one."""
+    longest = min(engine_config.max_model_len or model_config.max_context, model_config.max_context)
+    return min(longest, max_seq_length) if max_seq_length else longest
 
 
 def num_cache_blocks(
@@ -184,9 +189,7 @@ def build_encoder_runner(
     if engine_config.kv_cache_dtype != "auto":
         raise ValueError("an encoder keeps no KV cache; leave kv_cache_dtype unset")
     pooling = read_pooling_config(model_dir, is_encoder=True)
-    max_model_len = max_model_len_of(model_config, engine_config)
-    if pooling.max_seq_length:
-        max_model_len = min(max_model_len, pooling.max_seq_length)
+    max_model_len = max_model_len_of(model_config, engine_config, pooling.max_seq_length)
     model = load_model(model_dir, model_config, dtype=dtype, device=device)
     pack_linear_layers(model, dtype=dtype, device=device, enabled=engine_config.packed_linear)
     tasks = [t for t in served_tasks(model_dir) if t != GENERATE]
