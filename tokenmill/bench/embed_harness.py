@@ -13,7 +13,6 @@ sentence-transformers in fp32): the lowest cosine over all texts.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenmill.bench.child_process import run_child
 from tokenmill.bench.embed_child import EmbedRun, EmbedSystem
 from tokenmill.bench.embed_workload import (
     EMBED_PRESETS,
@@ -225,15 +225,7 @@ def _peaks(shape: EncoderShape, dtypes: list[str]) -> dict[str, float]:
 
 
 def _spawn(args: list[str], timeout_s: float) -> str | None:
-    command = [sys.executable, "-m", "tokenmill.bench.embed_child", *args]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return f"timed out after {timeout_s:.0f} s"
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        return (lines[-1] if lines else f"exit status {done.returncode}")[:300]
-    return None
+    return run_child([sys.executable, "-m", "tokenmill.bench.embed_child", *args], timeout_s)
 
 
 def _summaries(systems, runs, errors, shape: EncoderShape, peaks):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmill.bench import llamacpp
+from tokenmill.bench.child_process import run_child
 from tokenmill.bench.flops import ModelShape
 from tokenmill.bench.llamacpp import LlamaTools
 from tokenmill.bench.report import BenchReport, build_summaries, useful_flops
@@ -427,16 +428,7 @@ class _ChildRunner:
             root = str(Path(__file__).resolve().parents[2])
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         command = [python or sys.executable, "-m", "tokenmill.bench.child", *args]
-        try:
-            done = subprocess.run(
-                command, env=env, capture_output=True, text=True, timeout=self.config.timeout_s
-            )
-        except subprocess.TimeoutExpired:
-            return f"timed out after {self.config.timeout_s:.0f} s"
-        if done.returncode != 0:
-            lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-            return (lines[-1] if lines else f"exit status {done.returncode}")[:300]
-        return None
+        return run_child(command, self.config.timeout_s, env)
 
 
 def _pick_hf_batch_sizes(
