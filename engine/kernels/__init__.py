@@ -203,6 +203,14 @@ def native_library() -> NativeLibrary | None:
         return None
 
 
+def kernel_isa(limit: str) -> str | None:
+    """The instructions a native kernel with an ISA field in KernelLimits (`limit`, e.g.
+    "int8_linear_isa") runs on here; None where it is not built for this CPU, or there
+    is no native library."""
+    native = native_library()
+    return None if native is None else getattr(native.limits, limit)
+
+
 def _load(path: Path) -> NativeLibrary:
     """Load a built library and declare its functions from the header's mirror."""
     lib = ctypes.CDLL(str(path))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.kernels import native_library
+from tokenmill.engine.kernels import kernel_isa, native_library
 from tokenmill.engine.kernels.interface import Int8LinearArgs, check_status
 from tokenmill.engine.kernels.quantize import FULL_RANGE
 
@@ -28,17 +28,13 @@ GATED_ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    native = native_library()
-    if native is None or native.limits.int8_linear_isa is None:
-        return None
-    return native.lib
+    return native_library().lib if native_int8_isa() is not None else None
 
 
 def native_int8_isa() -> str | None:
     """The instructions the native int8 linear runs on here (None: not built for this
     CPU, or no native library)."""
-    native = native_library()
-    return None if native is None else native.limits.int8_linear_isa
+    return kernel_isa("int8_linear_isa")
 
 
 def takes_shape(out_features: int, in_features: int) -> bool:

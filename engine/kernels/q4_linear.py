@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.kernels import native_library
+from tokenmill.engine.kernels import kernel_isa, native_library
 from tokenmill.engine.kernels.interface import Q4LinearArgs, Q4UnpackArgs, check_status
 
 PANEL = 16  # output channels per packed panel
@@ -21,17 +21,13 @@ _NIBBLE_BYTES = PANEL * BLOCK // 2
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    native = native_library()
-    if native is None or native.limits.q4_linear_isa is None:
-        return None
-    return native.lib
+    return native_library().lib if native_q4_isa() is not None else None
 
 
 def native_q4_isa() -> str | None:
     """The instructions the native 4-bit linear runs on here (None: not built for this
     CPU, or no native library)."""
-    native = native_library()
-    return None if native is None else native.limits.q4_linear_isa
+    return kernel_isa("q4_linear_isa")
 
 
 def takes_shape(out_features: int, in_features: int) -> bool:
