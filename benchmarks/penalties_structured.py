@@ -5,7 +5,9 @@ A small model under a JSON schema can fall into a loop - a number or a digit rep
 (`length`, structured_output_complete false). This runs extraction prompts of the kind
 batch jobs send, constrained, greedy, with each frequency penalty given, and counts the
 rows that finished (a complete, schema-valid output) and those cut by max_tokens, with
-the tail of each cut output so the loops can be seen.
+the tail of each cut output so the loops can be seen. A penalty also pushes against
+values the text really repeats, so for `readings` it counts the finished rows whose
+serial and readings equal the text's (`exact`).
 
 Two prompt sets: `extract64` (the bench's company-record extraction, tokenmill/bench/
 extract.py) and `readings` - records with unbounded arrays of numbers and digit strings
@@ -51,10 +53,11 @@ READINGS_SCHEMA = {
 }
 
 
-def readings_prompts(num_prompts: int, seed: int = 0) -> list[str]:
-    """Logs with repetitive numbers: what small models loop on."""
+def readings_prompts(num_prompts: int, seed: int = 0) -> tuple[list[str], list[dict]]:
+    """Logs with repetitive numbers (what small models loop on), and for each the
+    serial and readings the text holds."""
     fields = json.dumps(READINGS_SCHEMA["properties"], separators=(",", ":"))
-    prompts = []
+    prompts, truths = [], []
     for i in range(num_prompts):
         rng = random.Random(f"readings:{seed}:{i}")
         base = rng.choice([10.2, 0.5, 101.3, 3.3])
@@ -73,10 +76,18 @@ def readings_prompts(num_prompts: int, seed: int = 0) -> list[str]:
         prompts.append(
             f"Extract the record from the text as JSON with these fields: {fields}\n\nText: {text}"
         )
-    return prompts
+        truths.append({"serial": serial, "readings": values})
+    return prompts, truths
 
 
-def run(llm: LLM, prompts: list[str], schema: dict, penalty: float, max_tokens: int):
+def run(
+    llm: LLM,
+    prompts: list[str],
+    truths: list[dict] | None,
+    schema: dict,
+    penalty: float,
+    max_tokens: int,
+):
     params = SamplingParams(
         temperature=0,
         max_tokens=max_tokens,
@@ -84,15 +95,18 @@ def run(llm: LLM, prompts: list[str], schema: dict, penalty: float, max_tokens: 
         structured_outputs=StructuredOutputs(json=schema),
     )
     outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    finished, cut = 0, []
-    for out in outputs:
+    finished, exact, cut = 0, 0, []
+    for index, out in enumerate(outputs):
         completion = out.outputs[0]
         if completion.finish_reason == "stop" and completion.structured_output_complete:
-            jsonschema.validate(json.loads(completion.text), schema)
+            record = json.loads(completion.text)
+            jsonschema.validate(record, schema)
             finished += 1
+            truth = truths[index] if truths else None
+            exact += truth is not None and all(record[k] == v for k, v in truth.items())
         else:
             cut.append(completion.text[-40:])
-    return finished, cut
+    return finished, (exact if truths else None), cut
 
 
 def main() -> None:
@@ -106,19 +120,21 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype)
     sets = {
-        "extract64": (extract_prompts(args.num_prompts), EXTRACT_SCHEMA),
-        "readings": (readings_prompts(args.num_readings), READINGS_SCHEMA),
+        "extract64": (extract_prompts(args.num_prompts), None, EXTRACT_SCHEMA),
+        "readings": (*readings_prompts(args.num_readings), READINGS_SCHEMA),
     }
     print(f"# greedy, max_tokens {args.max_tokens}, dtype {args.dtype}")
-    print("| prompts | frequency_penalty | finished | cut by max_tokens |")
-    print("|---|---|---|---|")
+    print("| prompts | frequency_penalty | finished | exact | cut by max_tokens |")
+    print("|---|---|---|---|---|")
     tails = {}
     for name in args.sets:
-        prompts, schema = sets[name]
+        prompts, truths, schema = sets[name]
         for penalty in args.penalties:
-            finished, cut = run(llm, prompts, schema, penalty, args.max_tokens)
+            finished, exact, cut = run(llm, prompts, truths, schema, penalty, args.max_tokens)
+            shown = "-" if exact is None else f"{exact} / {len(prompts)}"
             print(
-                f"| {name} | {penalty:g} | {finished} / {len(prompts)} | {len(cut)} |", flush=True
+                f"| {name} | {penalty:g} | {finished} / {len(prompts)} | {shown} | {len(cut)} |",
+                flush=True,
             )
             tails[(name, penalty)] = cut
     for (name, penalty), cut in tails.items():
