@@ -179,8 +179,20 @@ def _encodes(text: str) -> bool:
         return False
 
 
+# The keys of a batch line itself; the request's own fields go in `body`.
+LINE_KEYS = ("custom_id", "method", "url", "body")
+
+
 def request_rows(obj: dict[str, Any], number: int) -> list[dict[str, Any]]:
     """One request object as rows: one, or for an embeddings line one per input."""
+    for key in obj:
+        if key not in LINE_KEYS:
+            # A request field written beside `body` would otherwise be dropped unseen.
+            raise BadLine(
+                number,
+                f"{key} is refused: a batch line holds only {', '.join(LINE_KEYS)} "
+                "(request fields go in body)",
+            )
     if obj.get("url") == EMBEDDINGS_URL and isinstance(obj.get("custom_id"), str):
         if obj.get("method", "POST") != "POST":
             raise BadLine(number, "method must be POST")

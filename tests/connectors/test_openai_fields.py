@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.connectors.lines import BadLine
-from tokenmill.connectors.openai_batch import request_to_row
+from tokenmill.connectors.openai_batch import request_rows, request_to_row
 from tokenmill.connectors.openai_fields import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -215,6 +215,17 @@ def test_unknown_fields_are_refused_by_name():
     for url, body in BASE_BODIES.items():
         with pytest.raises(BadLine, match=rf"body\.frobnicate is refused: not a field .* {url}"):
             _row(url, {**body, "frobnicate": 1})
+
+
+@pytest.mark.parametrize(
+    "url, body", [*BASE_BODIES.items(), ("/v1/embeddings", {"input": "a text"})]
+)
+def test_keys_beside_body_are_refused_by_name(url, body):
+    line = {"custom_id": "c", "method": "POST", "url": url, "body": body}
+    assert request_rows(line, 1)  # the line itself is good
+
+    with pytest.raises(BadLine, match=r"line 1: temperature is refused: a batch line holds"):
+        request_rows({**line, "temperature": 0}, 1)
 
 
 def test_null_means_absent():
