@@ -82,6 +82,13 @@ class EngineConfig:
         "activations), int4 (group-wise 4-bit weights) or gguf (a GGUF's own blocks).",
         job=True,
     )
+    quantize_lm_head: bool = setting(
+        False,
+        "With quantization='int8', run the lm_head in int8 too, smoothed as the other "
+        "layers are: the largest weight a one-sequence decode step reads, 13% faster "
+        "there, at about +0.5% perplexity (+2.2% with an int8 KV cache, past int8's 2%, "
+        "which is why it is off by default).",
+    )
     kv_cache_dtype: str = setting(
         "auto",
         "KV cache storage (CPU): auto (the model's dtype) or int8 (a scale per 32 values: "

@@ -4,11 +4,11 @@ Quantization is a property of the loaded model's linear layers: after the weight
 `quantize_model` swaps the decoder layers' projections (q/k/v, o, gate/up, down) for
 quantized modules with nn.Linear's forward. The scheduler, the KV cache and everything
 else in the engine never see it; the rest of the model (embeddings, norms, attention,
-the lm_head) runs in the engine's float dtype. The modes:
+and the lm_head unless the mode quantizes it) runs in the engine's float dtype. The modes:
 
 - "int8": per-channel int8 weights, dynamically quantized int8 activations (int8.py),
   smoothed SmoothQuant-style with statistics from a short float run at load
-  (calibrate.py).
+  (calibrate.py); the lm_head too with `quantize_lm_head=True`.
 - "int4": group-wise 4-bit weights (group 32), bf16 activations (int4.py).
 - "gguf": the GGUF's own quantized blocks, kept as they are (gguf_linear.py).
 
@@ -69,6 +69,18 @@ def validate_name(quantization: str | None) -> str | None:
     return quantization
 
 
+def validate_lm_head(quantization: str | None, quantize_lm_head: bool) -> None:
+    """Raise ValueError when `quantize_lm_head=True` asks what the mode cannot do."""
+    if not quantize_lm_head:
+        return
+    offering = sorted(n for n, m in registered().items() if m.quantizes_lm_head)
+    if quantization is None or not get_method(quantization).quantizes_lm_head:
+        raise ValueError(
+            f"quantize_lm_head=True needs quantization={' or '.join(map(repr, offering))}, "
+            f"not {quantization!r}"
+        )
+
+
 def check_quantization(
     quantization: str | None, model_dir: Path, config, *, device: torch.device
 ) -> None:
@@ -91,17 +103,24 @@ def quantize_model(
     *,
     dtype: torch.dtype,
     measure_inputs: MeasureInputs,
+    lm_head: bool = False,
 ) -> int:
     """Swap the decoder layers' linear layers for quantized ones, in place.
 
     Args:
         measure_inputs: runs the float model for statistics a method needs (int8's),
             see method.MeasureInputs.
+        lm_head: quantize the lm_head too (validate_lm_head has checked that the method
+            can; a model with no lm_head, a pooling decoder, has none to quantize).
     Returns:
         Bytes the quantized layers' weights take (for the memory report).
     """
     return get_method(quantization).quantize(
-        model, model_dir, dtype=dtype, measure_inputs=measure_inputs
+        model,
+        model_dir,
+        dtype=dtype,
+        measure_inputs=measure_inputs,
+        lm_head=lm_head and hasattr(model, "lm_head"),
     )
 
 
@@ -122,6 +141,7 @@ __all__ = [
     "linear_kinds",
     "quantize_model",
     "quantized_targets",
+    "validate_lm_head",
     "validate_name",
     "weight_bytes",
 ]

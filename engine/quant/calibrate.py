@@ -28,6 +28,10 @@ SMOOTHING_ALPHA = 0.5
 MAX_CALIBRATION_TOKENS = 512
 
 
+# Rows of a weight converted to fp32 at once when scanning or quantizing it.
+ROWS_PER_CHUNK = 4096
+
+
 def calibration_token_ids(model_dir: Path, vocab_size: int) -> list[int]:
     """The built-in calibration text, tokenized by the model's own tokenizer (a model
     directory without one, as in tests, gets seeded random ids instead)."""
@@ -43,6 +47,10 @@ def smoothing_factors(
     x_absmax: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTHING_ALPHA
 ) -> torch.Tensor:
     """s [in_features] for x_absmax [in_features] and weight [out, in] (see module doc)."""
-    w_absmax = weight.detach().float().abs().amax(dim=0).clamp(min=1e-5)
+    w_absmax = torch.zeros(weight.shape[1])
+    # A chunk of rows at a time: an lm_head's fp32 copy would be the model's size again.
+    for rows in weight.detach().split(ROWS_PER_CHUNK):
+        w_absmax = torch.maximum(w_absmax, rows.float().abs().amax(dim=0))
+    w_absmax = w_absmax.clamp(min=1e-5)
     s = x_absmax.clamp(min=1e-5) ** alpha / w_absmax ** (1 - alpha)
     return s.clamp(min=1e-5)

@@ -268,7 +268,7 @@ class GGUFMethod(QuantizationMethod):
         super().check(model_dir, config, device)
         check_gguf_blocks(model_dir)
 
-    def quantize(self, model, model_dir, *, dtype, measure_inputs) -> int:
+    def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head=False) -> int:
         return load_gguf_layers(model, model_dir, dtype=dtype)
 
 

@@ -39,7 +39,11 @@ from tokenmill.engine.kernels import int8_linear as native
 from tokenmill.engine.kernels.quantize import FULL_RANGE, REDUCED_RANGE, quantize_rows_u8
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.layers import GatedMLP
-from tokenmill.engine.quant.calibrate import calibration_token_ids, smoothing_factors
+from tokenmill.engine.quant.calibrate import (
+    ROWS_PER_CHUNK,
+    calibration_token_ids,
+    smoothing_factors,
+)
 from tokenmill.engine.quant.method import QuantizationMethod, quantized_targets, register
 
 KERNELS = ("native", "onednn")
@@ -113,12 +117,23 @@ def padded_rows(num_rows: int) -> int:
     return -(-num_rows // 64) * 64
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], fp32 scale [N]) with weight ~ int8 * scale[:, None]."""
-    weight = weight.detach().float()
-    absmax = weight.abs().amax(dim=1)
-    scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
-    qweight = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+def quantize_weight(
+    weight: torch.Tensor, smooth: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], fp32 scale [N]) with weight * smooth[None, :] ~
+    int8 * scale[:, None]. Rows are independent, so a large weight (an lm_head) is
+    quantized a chunk of rows at a time, never through a whole fp32 copy."""
+    qweight = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0])
+    start = 0
+    for rows in weight.detach().split(ROWS_PER_CHUNK):
+        rows = rows.float() if smooth is None else rows.float() * smooth.float()[None, :]
+        absmax = rows.abs().amax(dim=1)
+        chunk_scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+        stop = start + rows.shape[0]
+        qweight[start:stop] = torch.round(rows / chunk_scale[:, None]).clamp_(-127, 127)
+        scale[start:stop] = chunk_scale
+        start = stop
     return qweight, scale
 
 
@@ -186,10 +201,7 @@ class Int8Linear(nn.Module):
         gated_activation: str | None = None,
     ) -> Int8Linear:
         """Quantize a float weight [out, in], optionally smoothed by s [in]."""
-        weight = weight.detach().float()
-        if smooth is not None:
-            weight = weight * smooth.float()[None, :]
-        return cls(*quantize_weight(weight), bias, smooth, kernel, gated_activation)
+        return cls(*quantize_weight(weight, smooth), bias, smooth, kernel, gated_activation)
 
     def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features]; with `activation` (only the
@@ -264,14 +276,20 @@ class Int8Method(QuantizationMethod):
     name = "int8"
     help = "int8 weights and activations"
     layer_classes = (Int8Linear,)
+    # A one-sequence decode step reads the lm_head as a quarter of the decoder's
+    # weights again (SmolLM2: 57 MB beside 212 MB in bf16); smoothed, int8 costs it about
+    # +0.5% perplexity (benchmarks/README.md, "int8 lm_head").
+    quantizes_lm_head = True
 
     def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
         super().check(model_dir, config, device)
         if not onednn_int8_available():
             raise ValueError("quantization='int8' needs a torch build with oneDNN's int8 ops")
 
-    def quantize(self, model, model_dir, *, dtype, measure_inputs) -> int:
+    def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head=False) -> int:
         targets = quantized_targets(model)
+        if lm_head:
+            targets.append((model, "lm_head", model.lm_head))
         layers = [linear for _, _, linear in targets]
         token_ids = calibration_token_ids(model_dir, model.config.vocab_size)
         absmax = measure_inputs(model, layers, token_ids)

@@ -29,6 +29,8 @@ class QuantizationMethod(ABC):
     name: ClassVar[str]
     help: ClassVar[str]
     layer_classes: ClassVar[tuple[type[nn.Module], ...]]
+    # Whether `quantize(..., lm_head=True)` also quantizes the lm_head.
+    quantizes_lm_head: ClassVar[bool] = False
 
     def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
         """Raise ValueError when this model cannot run this way on `device`; by default
@@ -44,9 +46,11 @@ class QuantizationMethod(ABC):
         *,
         dtype: torch.dtype,
         measure_inputs: MeasureInputs,
+        lm_head: bool = False,
     ) -> int:
-        """Swap the model's decoder linear layers in place; returns the bytes their
-        weights now take."""
+        """Swap the model's decoder linear layers in place - and its lm_head with
+        `lm_head` (only where `quantizes_lm_head`); returns the bytes their weights now
+        take."""
 
 
 _METHODS: dict[str, QuantizationMethod] = {}
@@ -67,7 +71,7 @@ def registered() -> dict[str, QuantizationMethod]:
 
 def quantized_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, layer) for every float linear layer inside the decoder layers
-    (the embeddings and the lm_head are never quantized)."""
+    (the embeddings are never quantized; the lm_head only where a method offers it)."""
     return [
         (parent, name, child)
         for layer in model.model.layers

@@ -17,7 +17,13 @@ from tokenmill.engine.loader.pooling_config import read_pooling_config, served_t
 from tokenmill.engine.loader.weights import load_model
 from tokenmill.engine.models import GENERATE, ModelConfig, architecture_for, load_config
 from tokenmill.engine.pooling_params import POOLING_TASKS
-from tokenmill.engine.quant import QUANTIZATIONS, check_quantization, quantize_model, validate_name
+from tokenmill.engine.quant import (
+    QUANTIZATIONS,
+    check_quantization,
+    quantize_model,
+    validate_lm_head,
+    validate_name,
+)
 from tokenmill.engine.quant.packed_linear import pack_linear_layers
 from tokenmill.engine.worker.calibration import input_absmax
 from tokenmill.engine.worker.encoder_runner import EncoderRunner
@@ -53,6 +59,7 @@ def setting_choices() -> dict[str, tuple[str, ...]]:
 def check_settings(engine_config: EngineConfig) -> None:
     """Raise ValueError for a setting outside its registered choices (see setting_choices)."""
     validate_name(engine_config.quantization)
+    validate_lm_head(engine_config.quantization, engine_config.quantize_lm_head)
     validate_kv_cache_dtype(engine_config.kv_cache_dtype)
 
 
@@ -112,7 +119,14 @@ def build_runner(
     model = load_model(model_dir, model_config, dtype=dtype, device=device)
     if quantization is not None:
         measure = functools.partial(input_absmax, dtype=dtype)
-        quantize_model(model, quantization, model_dir, dtype=dtype, measure_inputs=measure)
+        quantize_model(
+            model,
+            quantization,
+            model_dir,
+            dtype=dtype,
+            measure_inputs=measure,
+            lm_head=engine_config.quantize_lm_head,
+        )
     # the float layers left
     pack_linear_layers(model, dtype=dtype, device=device, enabled=engine_config.packed_linear)
     block_size = engine_config.block_size

@@ -52,11 +52,24 @@ def input_absmax(
     )
     stats: dict[nn.Module, torch.Tensor] = {}
 
-    def record(layer: nn.Module, inputs: tuple[torch.Tensor, ...], _output) -> None:
-        x = inputs[0].reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
+    def add(layer: nn.Module, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
         stats[layer] = torch.maximum(stats[layer], x) if layer in stats else x
 
-    hooks = [layer.register_forward_hook(record) for layer in layers]
+    hooks = []
+    for layer in layers:
+        if layer is getattr(model, "lm_head", None):
+            # A pass that samples nothing never calls the lm_head; its input at every
+            # position is what the decoder stack returns (the final norm's output).
+            hooks.append(
+                model.model.register_forward_hook(
+                    lambda _module, _inputs, output, head=layer: add(head, output)
+                )
+            )
+        else:
+            hooks.append(
+                layer.register_forward_hook(lambda module, inputs, _output: add(module, inputs[0]))
+            )
     try:
         # All but the last token: a chunk that does not reach the end samples nothing.
         runner.run(SchedulerOutput(prefills=[ScheduledChunk(seq, len(token_ids) - 1)]), None)
