@@ -8,7 +8,8 @@ transformers gets the same tokens. Each mode runs in its own process so its peak
 its own.
 
 Run:  python benchmarks/perplexity.py [--modes fp32,bf16,int8,int4,gguf,hf-fp32] [--model M]
-("-kv8" modes, e.g. bf16-kv8 or int8-kv8, keep the KV cache in int8: kv_cache_dtype="int8")
+("-kv8" modes, e.g. bf16-kv8 or int8-kv8, keep the KV cache in int8: kv_cache_dtype="int8";
+int8-head is int8 with its lm_head in int8 too: quantize_lm_head=True)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ MODES = {
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),
     "int8": ("auto", "int8"),
+    "int8-head": ("auto", "int8"),
     "int4": ("auto", "int4"),
     "gguf": ("auto", "gguf"),
 }
@@ -54,6 +56,7 @@ def score_tokenmill(mode: str, model: str | None) -> dict:
         quantization=quantization,
         enable_prefix_caching=False,
         kv_cache_dtype="int8" if mode.endswith("-kv8") else "auto",
+        quantize_lm_head=mode.startswith("int8-head"),
     )
     load_s = time.perf_counter() - start
     start = time.perf_counter()

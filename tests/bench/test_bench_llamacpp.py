@@ -141,6 +141,14 @@ for pl, speed in ((1, 120.0), (8, 240.5), (64, 150.0)):
     assert batched["best_parallel"] == 8 and batched["best_tok_s"] == 240.5
 
 
+def test_int8_head_is_int8_with_its_lm_head_quantized():
+    plain, spec = tokenmill_systems(["bfloat16"], {}, ["int8-head"])
+    assert (plain.label, spec.label) == ("tokenmill-bf16", "tokenmill-int8-head")
+    assert spec.options == {"engine_args": {"quantization": "int8", "quantize_lm_head": True}}
+    assert peer_formats(spec) == ("Q8_0", "Q4_0")
+    assert split_quantization("int8-head") == ("int8", None)
+
+
 def test_gguf_formats_label_tokenmill_and_llama_systems():
     files = {"Q4_0": "/m/x.Q4_0.gguf", "BF16": "/m/x.BF16.gguf"}
     specs = tokenmill_systems(["bfloat16"], {}, ["int8", "gguf", "gguf:Q4_0"], gguf_files=files)

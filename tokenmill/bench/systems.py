@@ -182,23 +182,28 @@ def _tokenmill_systems_with(
         )
         specs += [constrained, free]
     for quantization in quantizations:
-        method, _, fmt = quantization.partition(":")
-        options: dict = {"engine_args": {**engine_args, "quantization": method}}
+        name, _, fmt = quantization.partition(":")
+        method, variant_args = QUANTIZATION_VARIANTS.get(name, (name, {}))
+        options: dict = {"engine_args": {**engine_args, "quantization": method, **variant_args}}
         if fmt:
             if fmt not in gguf_files:
                 raise ValueError(f"{quantization}: no {fmt} GGUF was prepared")
             options |= {"model": gguf_files[fmt], "format": fmt}
-        label = f"tokenmill-{method}{'-' + fmt if fmt else ''}{kv}"
+        label = f"tokenmill-{name}{'-' + fmt if fmt else ''}{kv}"
         specs.append(SystemSpec(label, "tokenmill", best_float_dtype(), False, options))
     return specs
 
 
+# Bench names for a quantization mode with other settings: name -> (mode, LLM settings).
+QUANTIZATION_VARIANTS = {"int8-head": ("int8", {"quantize_lm_head": True})}
+
+
 def split_quantization(name: str) -> tuple[str, str | None]:
-    """ "gguf:Q4_0" -> ("gguf", "Q4_0"); "int8" -> ("int8", None)."""
+    """ "gguf:Q4_0" -> ("gguf", "Q4_0"); "int8" and "int8-head" -> ("int8", None)."""
     method, _, fmt = name.partition(":")
     if fmt and method != "gguf":
         raise ValueError(f"{name}: only gguf takes a file format (gguf:FMT)")
-    return method, fmt or None
+    return QUANTIZATION_VARIANTS.get(method, (method,))[0], fmt or None
 
 
 # A tokenmill mode's weights -> the llama.cpp formats of the same precision class, the

@@ -50,7 +50,8 @@ from tokenmill.pipelines.options import get_option
     "--quantization",
     "quantizations",
     default="",
-    help="Comma-separated int8, int4, gguf, gguf:FMT: also run tokenmill with "
+    help="Comma-separated int8, int8-head (its lm_head in int8 too), int4, gguf, gguf:FMT: "
+    "also run tokenmill with "
     "LLM(quantization=...), its float parts in the CPU's best float precision, and compare "
     "it with that; gguf:FMT runs the model's GGUF requantized to llama.cpp format FMT "
     "(e.g. gguf:Q4_0, made with llama-quantize).",
