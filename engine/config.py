@@ -85,7 +85,7 @@ class EngineConfig:
     quantize_lm_head: bool = setting(
         False,
         "With quantization='int8', run the lm_head in int8 too, smoothed as the other "
-        "layers are: the largest weight a one-sequence decode step reads, 13% faster "
+        "layers are: the largest weight a one-sequence decode step reads, 11-13% faster "
         "there, at about +0.5% perplexity (+2.2% with an int8 KV cache, past int8's 2%, "
         "which is why it is off by default).",
     )

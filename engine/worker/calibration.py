@@ -22,7 +22,8 @@ def input_absmax(
 
     Args:
         model: the loaded float model (its own config, CPU).
-        layers: modules inside it whose inputs are measured.
+        layers: modules inside it whose inputs are measured (the lm_head's too: it is
+            read from what the decoder stack returns).
         token_ids: the text to run (at least 2 tokens).
         dtype: the model's dtype.
     Returns:
