@@ -159,9 +159,7 @@ def generate_rows(
         outputs.update((r.row_index, o) for r, o in zip(generating, generated))
     if pooled:
         encoded = llm.encode(
-            [r.token_ids for r in pooled],
-            [params[r.params_index] for r in pooled],
-            on_output=on_output,
+            [r.token_ids for r in pooled], [params[r.params_index] for r in pooled], **hooks
         )
         outputs.update((r.row_index, o) for r, o in zip(pooled, encoded))
     return outputs
