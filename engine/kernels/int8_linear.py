@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.engine.kernels import kernel_isa, native_library
 from tokenmill.engine.kernels.interface import Int8LinearArgs, check_status
+from tokenmill.engine.kernels.linear_calls import checked_activations, reused_buffers
 from tokenmill.engine.kernels.quantize import FULL_RANGE
 
 PANEL = 16  # output channels per packed panel
@@ -138,11 +138,8 @@ def int8_linear(
     lib = _library()
     if lib is None:
         raise RuntimeError("the native int8 linear is not built for this CPU")
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"the int8 linear takes float32 or bfloat16, not {x.dtype}")
     k, n = weight.in_features, weight.out_features
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"expected [rows, {k}] activations, got {tuple(x.shape)}")
+    x = checked_activations(x, k, "int8 linear")
     if inv_smooth is not None and (inv_smooth.dtype != torch.float32 or inv_smooth.shape != (k,)):
         raise ValueError(f"expected float32 [{k}] smoothing factors")
     code, out_features = 0, n
@@ -153,13 +150,14 @@ def int8_linear(
                 f"{sorted(GATED_ACTIVATIONS)}"
             )
         code, out_features = GATED_ACTIVATIONS[activation], n // 2
-    x = x.contiguous()
     rows = x.shape[0]
     if keep_quantized:
         qx = torch.empty((rows, k), dtype=torch.uint8)
         x_scales = torch.empty(rows, dtype=torch.float32)
     else:
-        qx, x_scales = _quantized_scratch(rows, k)
+        qx, x_scales = reused_buffers(
+            "int8_linear", ((rows * k, torch.uint8), (rows, torch.float32))
+        )
     out = torch.empty((rows, out_features), dtype=x.dtype)
     args = Int8LinearArgs(
         x=x.data_ptr(),
@@ -180,21 +178,3 @@ def int8_linear(
     )
     check_status(lib.tm_int8_linear(ctypes.byref(args)), "int8 linear")
     return (out, qx, x_scales) if keep_quantized else out
-
-
-# Each calling thread's buffers for the quantized activations and their scales, which
-# only the kernel reads: reused from call to call, since allocating them was a large share
-# of a decode-sized call's Python (benchmarks/README.md, "Our own int8 kernel"). Per thread,
-# since a process may run models in several threads (notebooks, threaded Dask workers).
-_scratch = threading.local()
-
-
-def _quantized_scratch(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 and fp32 buffers of at least rows * k and rows elements, for this thread."""
-    values, scales = getattr(_scratch, "buffers", (None, None))
-    if values is None or values.numel() < rows * k or scales.numel() < rows:
-        # Grown with headroom, so that a run's rising row counts reallocate a few times.
-        values = torch.empty(max(2 * rows * k, 1 << 16), dtype=torch.uint8)
-        scales = torch.empty(max(2 * rows, 1 << 10), dtype=torch.float32)
-        _scratch.buffers = (values, scales)
-    return values, scales

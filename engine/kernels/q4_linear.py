@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.engine.kernels import kernel_isa, native_library
 from tokenmill.engine.kernels.interface import Q4LinearArgs, Q4UnpackArgs, check_status
+from tokenmill.engine.kernels.linear_calls import checked_activations, reused_buffers
 
 PANEL = 16  # output channels per packed panel
 BLOCK = 32  # k-values per block: one scale (and minimum) per channel and block
@@ -121,19 +121,18 @@ def q4_linear(
     lib = _library()
     if lib is None:
         raise RuntimeError("the native 4-bit linear is not built for this CPU")
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"the 4-bit linear takes float32 or bfloat16, not {x.dtype}")
     k, n = weight.in_features, weight.out_features
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"expected [rows, {k}] activations, got {tuple(x.shape)}")
-    x = x.contiguous()
+    x = checked_activations(x, k, "4-bit linear")
     rows = x.shape[0]
     if keep_quantized:
         qx = torch.empty((rows, k), dtype=torch.int8)
         x_scales = torch.empty((rows, k // BLOCK), dtype=torch.float32)
         x_sums = torch.empty((rows, k // BLOCK), dtype=torch.int32)
     else:
-        qx, x_scales, x_sums = _scratch_for(rows, k)
+        blocks = rows * k // BLOCK
+        qx, x_scales, x_sums = reused_buffers(
+            "q4_linear", ((rows * k, torch.int8), (blocks, torch.float32), (blocks, torch.int32))
+        )
     out = torch.empty((rows, n), dtype=x.dtype)
     args = Q4LinearArgs(
         x=x.data_ptr(),
@@ -154,24 +153,6 @@ def q4_linear(
     if keep_quantized:
         return out, qx, x_scales, x_sums
     return out
-
-
-# Each calling thread's buffers for the quantized activations, reused from call to call
-# as int8_linear.py's are (allocating them was much of a decode-sized call's Python).
-_scratch = threading.local()
-
-
-def _scratch_for(rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int8, fp32 and int32 buffers of at least rows * k, rows * k / 32 (twice)."""
-    values, scales, sums = getattr(_scratch, "buffers", (None, None, None))
-    blocks = rows * k // BLOCK
-    if values is None or values.numel() < rows * k or scales.numel() < blocks:
-        # Grown with headroom, so that a run's rising row counts reallocate a few times.
-        values = torch.empty(max(2 * rows * k, 1 << 16), dtype=torch.int8)
-        scales = torch.empty(max(2 * blocks, 1 << 11), dtype=torch.float32)
-        sums = torch.empty(max(2 * blocks, 1 << 11), dtype=torch.int32)
-        _scratch.buffers = (values, scales, sums)
-    return values, scales, sums
 
 
 def unpack_q4_bf16(weight: PackedQ4Weight) -> torch.Tensor:
