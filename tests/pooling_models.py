@@ -229,6 +229,14 @@ def build_decoder(kind: str, out_dir: Path, *, num_labels: int = 0, **overrides)
     return model
 
 
+def build_sentence_encoder(out_dir: Path, *, max_seq_length: int | None = None) -> Path:
+    """A random BERT embedding model as sentence-transformers saves one (mean pooling,
+    normalized), the one the job, flow and fault tests embed with."""
+    build_encoder("bert", out_dir)
+    write_sentence_transformers_files(out_dir, normalize=True, max_seq_length=max_seq_length)
+    return Path(out_dir)
+
+
 def write_sentence_transformers_files(
     model_dir: Path,
     *,

@@ -218,11 +218,10 @@ def _check_copies(rows: pa.Table) -> tuple[int, int]:
 def build_embedding_model(directory: Path) -> Path:
     """A tiny random BERT embedding model (mean pooling, normalised, sentence-transformers'
     files) for embedding fault jobs; built once per directory."""
-    from pooling_models import build_encoder, write_sentence_transformers_files
+    from pooling_models import build_sentence_encoder
 
     if not (directory / "modules.json").is_file():
-        build_encoder("bert", directory)
-        write_sentence_transformers_files(directory, normalize=True)
+        build_sentence_encoder(directory)
     return directory
 
 

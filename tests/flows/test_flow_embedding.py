@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import s3fs
 from flow_helpers import prompt_rows
-from pooling_models import build_encoder, write_sentence_transformers_files
+from pooling_models import build_sentence_encoder
 
 from tokenmill.flows import batch_inference
 from tokenmill.pipelines.output import read_ledger, read_results
@@ -20,10 +20,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def encoder_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("encoder")
-    build_encoder("bert", path)
-    write_sentence_transformers_files(path, normalize=True)
-    return str(path)
+    return str(build_sentence_encoder(tmp_path_factory.mktemp("encoder")))
 
 
 def test_an_embedding_flow_on_s3(prefect_api, s3, encoder_dir, unique):

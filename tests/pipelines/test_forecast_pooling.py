@@ -12,7 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from pooling_models import build_decoder, build_encoder, write_sentence_transformers_files
+from pooling_models import (
+    build_decoder,
+    build_encoder,
+    build_sentence_encoder,
+    write_sentence_transformers_files,
+)
 from tiny_model import build_tiny_model
 
 import tokenmill
@@ -77,10 +82,7 @@ def _check_against_ledger(forecast: Forecast, ledger) -> None:
 
 @pytest.fixture(scope="module")
 def encoder_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("encoder")
-    build_encoder("bert", path)
-    write_sentence_transformers_files(path, normalize=True, max_seq_length=16)
-    return path
+    return build_sentence_encoder(tmp_path_factory.mktemp("encoder"), max_seq_length=16)
 
 
 def test_an_encoder_embed_job_forecasts_its_prompt_tokens_and_nothing_cached(tmp_path, encoder_dir):

@@ -11,17 +11,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from child_jobs import run_job_in_child
-from pooling_models import build_encoder, write_sentence_transformers_files
+from pooling_models import build_sentence_encoder
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def encoder_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("encoder")
-    build_encoder("bert", path)
-    write_sentence_transformers_files(path, normalize=True)
-    return path
+    return build_sentence_encoder(tmp_path_factory.mktemp("encoder"))
 
 
 def _run(tmp_path, model_dir, num_rows) -> dict:

@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from pooling_models import build_encoder, write_sentence_transformers_files
+from pooling_models import build_sentence_encoder, write_sentence_transformers_files
 from tiny_model import build_tiny_model
 
 from tokenmill.engine.llm import LLM
@@ -112,8 +112,7 @@ def test_embedding_lines_beside_chat_lines_on_a_model_that_serves_both(tmp_path)
 
 
 def test_chat_lines_are_error_lines_on_an_embedding_model(tmp_path):
-    build_encoder("bert", tmp_path / "model")
-    write_sentence_transformers_files(tmp_path / "model", normalize=True)
+    build_sentence_encoder(tmp_path / "model")
     llm = LLM(str(tmp_path / "model"), dtype="float32")
     answers, _ = run_file(tmp_path, llm)
     embedding_body(answers["e2"])

@@ -15,7 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 from child_jobs import kill_after_first_part, published_parts
 from click.testing import CliRunner
-from pooling_models import build_decoder, build_encoder, write_sentence_transformers_files
+from pooling_models import (
+    build_decoder,
+    build_encoder,
+    build_sentence_encoder,
+    write_sentence_transformers_files,
+)
 from tiny_model import build_tiny_model
 
 import tokenmill
@@ -37,10 +42,7 @@ LONG = " ".join(["the quick brown fox"] * 10)  # 42 tokens: over max_seq_length 
 
 @pytest.fixture(scope="module")
 def encoder_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("encoder")
-    build_encoder("bert", path)
-    write_sentence_transformers_files(path, normalize=True, max_seq_length=16)
-    return path
+    return build_sentence_encoder(tmp_path_factory.mktemp("encoder"), max_seq_length=16)
 
 
 @pytest.fixture(scope="module")
