@@ -149,28 +149,18 @@ def _change_weights(path) -> None:
 
 def test_notebook_generate_matches_the_job(tmp_path, data, tiny_model_dir, adapters):
     table = pq.read_table(data)
-    lora = {name: str(a.path) for name, a in adapters.items()}
-    frame = generate(
-        table,
+    # The same job definition through both surfaces.
+    options = dict(
         model=str(tiny_model_dir),
         prompt_column="question",
         id_column="id",
-        lora=lora,
+        lora={name: str(a.path) for name, a in adapters.items()},
         lora_column="adapter_name",
         max_tokens=6,
         **ENGINE,
     )
-    ledger = run_job(
-        str(data),
-        str(tmp_path / "out"),
-        model=str(tiny_model_dir),
-        prompt_column="question",
-        id_column="id",
-        lora=lora,
-        lora_column="adapter_name",
-        max_tokens=6,
-        **ENGINE,
-    )
+    frame = generate(table, **options)
+    ledger = run_job(str(data), str(tmp_path / "out"), **options)
     results = read_results(str(tmp_path / "out")).sort_by("id")
     assert frame["output"].to_list() == results["output"].to_pylist()
     assert frame["adapter"].to_list() == results["adapter"].to_pylist()
