@@ -57,6 +57,8 @@ _FILE_FLAGS = {
     # Exact integer sums; the float steps are the ones the header states (explicit
     # multiply-adds, IEEE divisions and round-to-nearest-even), the same on every build.
     "q4_linear.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
+    # Sums in k order per output; contracting them into FMAs is what the vector path does.
+    "lora.c": ["-ffp-contract=fast"],
 }
 # Linked without -ffast-math: with it GCC (before 13) links crtfastmath.o into the
 # library, whose constructor turns on flush-to-zero and denormals-are-zero for the whole

@@ -14,6 +14,8 @@ void tm_limits(tm_limits_t *out) {
     out->int8_linear_isa = tm_int8_linear_isa();
     out->bf16_attention_amx = tm_internal_bf16_attention_amx();
     out->q4_linear_isa = tm_q4_linear_isa();
+    out->lora_isa = tm_lora_isa();
+    out->lora_max_blocks = TM_LORA_MAX_BLOCKS;
     out->attention_args_size = sizeof(tm_attention_args);
     out->kv_write_args_size = sizeof(tm_kv_write_args);
     out->rms_norm_args_size = sizeof(tm_rms_norm_args);
@@ -25,4 +27,5 @@ void tm_limits(tm_limits_t *out) {
     out->int4_unpack_args_size = sizeof(tm_int4_unpack_args);
     out->q4_linear_args_size = sizeof(tm_q4_linear_args);
     out->q4_unpack_args_size = sizeof(tm_q4_unpack_args);
+    out->lora_args_size = sizeof(tm_lora_args);
 }

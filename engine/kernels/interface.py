@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 12
+ABI_VERSION = 13
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -27,6 +27,9 @@ INT8_LINEAR_ISAS = {
     3: "avx2",
     4: "avx_vnni",
 }
+
+# tm_limits_t.lora_isa values (TM_LORA_ISA_*), by name.
+LORA_ISAS = {0: "generic", 1: "avx512_bf16", 2: "amx_bf16+avx512_bf16"}
 
 
 class _Limits(ctypes.Structure):
@@ -43,6 +46,8 @@ class _Limits(ctypes.Structure):
         ("int8_linear_isa", _i64),
         ("bf16_attention_amx", _i64),
         ("q4_linear_isa", _i64),
+        ("lora_isa", _i64),
+        ("lora_max_blocks", _i64),
         ("attention_args_size", _i64),
         ("kv_write_args_size", _i64),
         ("rms_norm_args_size", _i64),
@@ -54,6 +59,7 @@ class _Limits(ctypes.Structure):
         ("int4_unpack_args_size", _i64),
         ("q4_linear_args_size", _i64),
         ("q4_unpack_args_size", _i64),
+        ("lora_args_size", _i64),
     ]
 
 
@@ -257,6 +263,32 @@ class Q4UnpackArgs(ctypes.Structure):
     ]
 
 
+class LoRAArgs(ctypes.Structure):
+    """tm_lora_args."""
+
+    _fields_ = [
+        ("x", _ptr),
+        ("y", _ptr),
+        ("a", _ptr),
+        ("b", _ptr),
+        ("scratch", _ptr),
+        ("runs", _ptr),
+        ("slot_ranks", _ptr),
+        ("slot_blocks", _ptr),
+        ("slot_num_blocks", _ptr),
+        ("rows", _i64),
+        ("num_runs", _i64),
+        ("num_slots", _i64),
+        ("in_features", _i64),
+        ("out_features", _i64),
+        ("a_cols", _i64),
+        ("b_rows", _i64),
+        ("b_cols", _i64),
+        ("is_bf16", _i32),
+        ("num_threads", _i32),
+    ]
+
+
 # Exported function -> its argument struct, and the size field tm_limits reports for it.
 FUNCTIONS = {
     "tm_paged_attention": (AttentionArgs, "attention_args_size"),
@@ -271,6 +303,7 @@ FUNCTIONS = {
     "tm_int4_unpack_bf16": (Int4UnpackArgs, "int4_unpack_args_size"),
     "tm_q4_linear": (Q4LinearArgs, "q4_linear_args_size"),
     "tm_q4_unpack_bf16": (Q4UnpackArgs, "q4_unpack_args_size"),
+    "tm_lora": (LoRAArgs, "lora_args_size"),
 }
 
 
@@ -289,6 +322,8 @@ class KernelLimits:
     int8_linear_isa: str | None  # the instructions tm_int8_linear has here, or None
     bf16_attention_amx: bool  # attention over pair-layout bf16 caches on AMX tiles
     q4_linear_isa: str | None  # the instructions tm_q4_linear has here, or None
+    lora_isa: str  # how tm_lora computes here: LORA_ISAS' names
+    lora_max_blocks: int  # blocks (PEFT targets) per adapter in one LoRA layer
 
 
 def declare(lib: ctypes.CDLL) -> KernelLimits:
@@ -332,6 +367,8 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         int8_linear_isa=INT8_LINEAR_ISAS.get(reported.int8_linear_isa),
         bf16_attention_amx=bool(reported.bf16_attention_amx),
         q4_linear_isa=INT8_LINEAR_ISAS.get(reported.q4_linear_isa),
+        lora_isa=LORA_ISAS[reported.lora_isa],
+        lora_max_blocks=reported.lora_max_blocks,
     )
 
 

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 12
+#define TM_ABI_VERSION 13
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -31,6 +31,8 @@
 /* int8 KV caches keep one scale per this many values of a position's head (kv_int8.h);
  * head_dim must be a multiple of it. */
 #define TM_KV_INT8_GROUP 32
+/* A LoRA layer's blocks per adapter: one per PEFT target a fused layer holds (q, k, v). */
+#define TM_LORA_MAX_BLOCKS 4
 /* Quantization: values stored as uint8 around a zero point, so qmax + zero_point <= 255. */
 #define TM_MAX_QMAX 127
 /* int8 products sum u8 x s8 pairs in int32: 255 * 127 * k stays below 2^31 up to here. */
@@ -67,6 +69,8 @@ typedef struct {
     int64_t bf16_attention_amx; /* 1: attention over pair-layout bf16 caches runs whole
                                    groups of 16 query rows on AMX tiles (granted here) */
     int64_t q4_linear_isa; /* TM_INT8_ISA_* (never AMX): which 4-bit linear this build has */
+    int64_t lora_isa;      /* TM_LORA_ISA_*: how tm_lora computes here */
+    int64_t lora_max_blocks;
     /* sizeof each argument struct, in the order they are declared below */
     int64_t attention_args_size;
     int64_t kv_write_args_size;
@@ -79,6 +83,7 @@ typedef struct {
     int64_t int4_unpack_args_size;
     int64_t q4_linear_args_size;
     int64_t q4_unpack_args_size;
+    int64_t lora_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -354,5 +359,51 @@ typedef struct {
 int tm_q4_unpack_bf16(const tm_q4_unpack_args *args);
 /* Internal (tm_limits reports it): the TM_INT8_ISA_* this build of q4_linear.c has. */
 int tm_q4_linear_isa(void);
+
+/* ---- lora.c: every run of rows' LoRA terms in one call --------------------------------
+ * For each run (slot, first, end) of `runs`:
+ *     scratch[first:end, :rank] = x[first:end] @ a[slot][:, :rank]
+ *     y[first:end, out_lo:out_hi] += scratch[first:end, col_lo:col_hi]
+ *                                    @ b[slot][col_lo:col_hi, out_lo:out_hi]
+ * for each (col_lo, col_hi, out_lo, out_hi) of the slot's blocks (their output ranges
+ * disjoint), with rank = slot_ranks[slot]. Sums in fp32; bf16 rounds scratch to bf16 and
+ * y once after its add. Layouts: fp32 a [num_slots][in][a_cols], b
+ * [num_slots][b_rows][b_cols]; bf16 in pairs of k, a [num_slots][in / 2][a_cols][2], b
+ * [num_slots][b_rows / 2][b_cols][2], with in, b_rows and every col_lo, col_hi even.
+ * Runs cover disjoint rows. Where bf16 runs on AMX (lora_isa) the tiles read k in whole
+ * 16s and 16 columns past a block, so there b_cols >= out + 16, col_lo + (col_hi - col_lo)
+ * rounded up to 16 <= b_rows, b is zero outside the blocks' rows and columns and the
+ * scratch's columns past each rank hold finite values (zeros). Every build has it. */
+typedef struct {
+    const void *x;                 /* [rows, in] fp32 or bf16 */
+    void *y;                       /* [rows, out], x's type: added to */
+    const void *a;                 /* as above, x's type */
+    const void *b;
+    void *scratch;                 /* [rows, b_rows], x's type */
+    const int64_t *runs;           /* [num_runs][3]: slot, first row, end row */
+    const int64_t *slot_ranks;     /* [num_slots] */
+    const int64_t *slot_blocks;    /* [num_slots][TM_LORA_MAX_BLOCKS][4] */
+    const int64_t *slot_num_blocks; /* [num_slots] */
+    int64_t rows;
+    int64_t num_runs;
+    int64_t num_slots;
+    int64_t in_features;
+    int64_t out_features;
+    int64_t a_cols;
+    int64_t b_rows;
+    int64_t b_cols;
+    int32_t is_bf16;
+    int32_t num_threads;
+} tm_lora_args;
+
+enum {
+    TM_LORA_ISA_GENERIC = 0,     /* plain loops */
+    TM_LORA_ISA_AVX512_BF16 = 1, /* AVX-512 FMA in fp32, vdpbf16ps in bf16 */
+    TM_LORA_ISA_AMX = 2          /* the same, and bf16 items of 16 rows on AMX tiles */
+};
+
+int tm_lora(const tm_lora_args *args);
+/* Internal (tm_limits reports it). */
+int tm_lora_isa(void);
 
 #endif

@@ -11,11 +11,13 @@ on the whole step; then, for each run of rows that share an adapter (the step's
 `LoRAStep`, set by the runner), it adds `(x @ A^T) @ B^T` for that adapter: A stacks the
 adapter's lora_A of every target in the layer ([r_total, in]), B places each target's
 lora_B, pre-multiplied by its scaling, in that target's output rows and rank columns
-([out, r_total], zero elsewhere). One shrink and one expand per adapter per layer,
-whatever subset of the layer's targets the adapter has - as two matmuls for a long run of
-rows (a prompt chunk), or, for the short runs of a decode step, one batched matmul pair
-over every adapter's rows at once (each matmul call costs microseconds of dispatch, which
-outweigh a few rows' arithmetic: benchmarks/README.md, "LoRA adapters").
+([out, r_total], zero elsewhere), and each target is a block (its rank columns, its output
+rows). On a CPU with the native kernels every run's terms are one call per layer
+(engine/kernels/lora.c), which multiplies only each target's block; elsewhere each long
+run of rows (a prompt chunk) gets its own two matmuls and the short runs of a decode step
+one batched matmul pair over every adapter's rows at once. Each matmul call costs
+microseconds of dispatch, which outweigh a few rows' arithmetic (benchmarks/README.md,
+"LoRA adapters").
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tokenmill.engine.kernels import lora as lora_kernel
 from tokenmill.engine.models.config import ModelConfig
 
 # PEFT target name -> (the decoder block's submodule, the engine's layer there).
@@ -73,6 +76,10 @@ class SlotWeights:
     a_t: torch.Tensor  # [in, r_total]: lora_A of each target, stacked and transposed
     b_t: torch.Tensor  # [r_total, out]: scaling * lora_B of each target, in its rows
     targets: tuple[str, ...] = field(default=())  # the PEFT targets it covers
+    # (first rank column, end, first output, end) of each target: b_t is zero outside
+    # them. Empty: one block, the whole of b_t. Blocks start on even columns (the native
+    # bf16 kernel multiplies pairs of them).
+    blocks: tuple[tuple[int, int, int, int], ...] = field(default=())
 
 
 @dataclass
@@ -98,10 +105,12 @@ class LoRAStep:
     # computed with its own two matmuls.
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     batched: BatchedRows | None = None
+    # Every run as (slot, first row, end row), int64 [num_runs, 3], for native wrappers.
+    runs: torch.Tensor | None = None
     is_active: bool = False
 
     def clear(self) -> None:
-        self.segments, self.batched, self.is_active = [], None, False
+        self.segments, self.batched, self.runs, self.is_active = [], None, None, False
 
 
 class LoRALinear(nn.Module):
@@ -110,23 +119,35 @@ class LoRALinear(nn.Module):
     Slot s's term is x @ a[s, :, :r[s]] @ b[s, :r[s]]: `a` [num_slots, in, R] stacks each
     loaded adapter's lora_A of every target in the layer (transposed), `b` [num_slots, R,
     out] places each target's scaled lora_B in its output columns; R is the largest
-    r_total loaded, the rest zero. r[s] == 0: the adapter in slot s leaves this layer be.
+    r_total loaded (even), the rest zero. r[s] == 0: the adapter in slot s leaves this
+    layer be. Native bf16 wrappers keep `a` and `b` in pairs of rows instead
+    (`lora_kernel.to_pairs`), as their kernel reads them, with B padded as it asks
+    (kernels.h, tm_lora_args).
 
     Args:
         base: the layer; it keeps computing the whole batch.
         step: the model's shared LoRAStep.
         num_slots: how many adapters can be loaded at once (max_loras).
+        native: add the terms with the native kernel (`step.runs`), not matmuls.
     """
 
-    def __init__(self, base: nn.Module, step: LoRAStep, num_slots: int) -> None:
+    def __init__(
+        self, base: nn.Module, step: LoRAStep, num_slots: int, *, native: bool = False
+    ) -> None:
         super().__init__()
         self.base_layer = base
         self.step = step
         self.num_slots = num_slots
+        self.native = native
+        self.pairs = False  # set with the first slot's dtype
         self.a: torch.Tensor | None = None  # allocated by the first set_slot
         self.b: torch.Tensor | None = None
         self.ranks = [0] * num_slots
         self.targets: list[tuple[str, ...]] = [()] * num_slots
+        if native:
+            self.slot_ranks = torch.zeros(num_slots, dtype=torch.int64)
+            self.slot_blocks = torch.zeros(num_slots, lora_kernel.max_blocks(), 4, dtype=torch.int64)
+            self.slot_num_blocks = torch.zeros(num_slots, dtype=torch.int64)
 
     @property
     def fused_activation(self) -> str | None:
@@ -143,24 +164,58 @@ class LoRALinear(nn.Module):
                 self.a[slot].zero_()
                 self.b[slot].zero_()
             self.ranks[slot], self.targets[slot] = 0, ()
+            if self.native:
+                self.slot_ranks[slot] = self.slot_num_blocks[slot] = 0
             return
-        rank = weights.a_t.shape[1]
-        if self.a is None or rank > self.a.shape[2]:
-            self._grow(rank, weights)
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-        self.a[slot, :, :rank] = weights.a_t
-        self.b[slot, :rank] = weights.b_t
+        a_t, b_t = weights.a_t, weights.b_t
+        (in_features, rank), out_features = a_t.shape, b_t.shape[1]
+        rank += rank % 2  # pairs of rank columns: pad an odd rank
+        blocks = weights.blocks or ((0, rank, 0, out_features),)
+        if self.a is None:
+            self.pairs = self.native and a_t.dtype == torch.bfloat16
+        # The native bf16 kernel reads each block's rank rows of b in whole 16s.
+        b_rows = max(rank, *(lo + -(hi - lo) // 16 * -16 for lo, hi, _, _ in blocks))
+        if self.a is None or rank > self.a_cols or (self.pairs and b_rows > self.b_rows):
+            grown = max(rank, self.a_cols)
+            self._grow(grown, max(b_rows, self.b_rows) if self.pairs else grown, a_t, b_t)
+        a = a_t.new_zeros(in_features, self.a_cols)
+        b = b_t.new_zeros(self.b_rows, self.b.shape[2])
+        a[:, : a_t.shape[1]] = a_t
+        b[: b_t.shape[0], :out_features] = b_t
+        self.a[slot] = lora_kernel.to_pairs(a) if self.pairs else a
+        self.b[slot] = lora_kernel.to_pairs(b) if self.pairs else b
         self.ranks[slot], self.targets[slot] = rank, weights.targets
+        if self.native:
+            self.slot_ranks[slot] = rank
+            self.slot_num_blocks[slot] = len(blocks)
+            self.slot_blocks[slot].zero_()
+            self.slot_blocks[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
 
-    def _grow(self, rank: int, weights: SlotWeights) -> None:
-        """Stacks with room for `rank`, keeping the slots loaded so far."""
-        a = weights.a_t.new_zeros(self.num_slots, weights.a_t.shape[0], rank)
-        b = weights.b_t.new_zeros(self.num_slots, rank, weights.b_t.shape[1])
+    @property
+    def a_cols(self) -> int:
+        """The rank columns each slot's A has room for."""
+        return 0 if self.a is None else self.a.shape[2]
+
+    @property
+    def b_rows(self) -> int:
+        """The rank rows each slot's B has (as many as A's columns, or more in pairs)."""
+        if self.b is None:
+            return 0
+        return self.b.shape[1] * 2 if self.pairs else self.b.shape[1]
+
+    def _grow(self, a_cols: int, b_rows: int, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
+        """Stacks with room for a_cols and b_rows, keeping the slots loaded so far. Pairs
+        give B 16 spare columns: the AMX tiles read up to 16 past a block."""
+        in_features, out_features = a_t.shape[0], b_t.shape[1]
+        if self.pairs:
+            a = a_t.new_zeros(self.num_slots, in_features // 2, a_cols, 2)
+            b = b_t.new_zeros(self.num_slots, b_rows // 2, out_features + 16, 2)
+        else:
+            a = a_t.new_zeros(self.num_slots, in_features, a_cols)
+            b = b_t.new_zeros(self.num_slots, b_rows, out_features)
         if self.a is not None:
-            old = self.a.shape[2]
-            a[:, :, :old] = self.a
-            b[:, :old] = self.b
+            a[:, :, : self.a_cols] = self.a
+            b[:, : self.b.shape[1]] = self.b
         self.a, self.b = a, b
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -168,6 +223,15 @@ class LoRALinear(nn.Module):
         y = self.base_layer(x, **kwargs)
         step = self.step
         if not step.is_active or self.a is None:
+            return y
+        if self.native:
+            if step.runs is not None:
+                y = y.contiguous()
+                lora_kernel.add_lora_terms(
+                    x.contiguous(), y, self.a, self.b, step.runs,
+                    self.slot_ranks, self.slot_blocks, self.slot_num_blocks,
+                    pairs=self.pairs,
+                )  # fmt: skip
             return y
         for slot, start, end in step.segments:
             rank = self.ranks[slot]

@@ -9,10 +9,12 @@ weights ready for the model's layers, and each step's rows by adapter.
     begin_step(out)        map the step's rows to slots, loading adapters into slots as
                            needed: runs of rows with the same adapter (the scheduler
                            orders them so each adapter's rows are one run of the decodes
-                           and one of the prompt chunks); runs of more than
-                           BATCHED_ROWS rows are (slot, first, end) segments, the others
-                           one padded batch (`lora_layers.BatchedRows`). Nothing when no
-                           row has an adapter: every wrapper then only runs its base.
+                           and one of the prompt chunks). With the native kernel
+                           every run goes to it in one table; otherwise runs of more
+                           than BATCHED_ROWS rows are (slot, first, end) segments, the
+                           others one padded batch (`lora_layers.BatchedRows`). Nothing
+                           when no row has an adapter: every wrapper then only runs its
+                           base.
     end_step()             clear the mapping.
 
 Slots are reused least recently used first: an adapter evicted from its slot keeps its
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.core.step import SchedulerOutput
+from tokenmill.engine.kernels import lora as lora_kernel
 from tokenmill.engine.loader.adapters import AdapterDescription, AdapterTarget, load_adapter
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.lora_layers import (
@@ -80,6 +83,12 @@ class LoRAManager:
             )
             for s in self.shapes.values()
         }
+        # One native call per layer for every run of rows, where the kernel takes every
+        # layer an adapter could target.
+        self.native = all(
+            lora_kernel.available(dtype, device, shape.in_features)
+            for shape in self.shapes.values()
+        )
         self.layers: dict[tuple[int, str], LoRALinear] = {}  # (layer index, name) -> wrapper
         self.descriptions: dict[int, AdapterDescription] = {}
         self._ids: dict[str, int] = {}  # weights hash -> lora id
@@ -130,13 +139,16 @@ class LoRAManager:
             return False
         slots = self._slots_for({lora_id for lora_id, _, _ in runs})
         step = self.step
+        step.is_active = True
+        if self.native:
+            step.runs = torch.tensor([(slots[i], a, b) for i, a, b in runs], dtype=torch.int64)
+            return True
         short = [(slots[i], a, b) for i, a, b in runs if b - a <= BATCHED_ROWS]
         step.segments = [(slots[i], a, b) for i, a, b in runs if b - a > BATCHED_ROWS]
         if len(short) > 1:
             step.batched = batched_rows(short, device=self.device, dtype=self.dtype)
         else:
             step.segments += short
-        step.is_active = True
         return True
 
     def end_step(self) -> None:
@@ -187,19 +199,27 @@ class LoRAManager:
         parts: list[tuple[TargetShape, AdapterTarget, torch.Tensor, torch.Tensor]],
     ) -> SlotWeights:
         """One adapter's targets in one engine layer as a single shrink and expand: A
-        stacked over the targets, B with each target's rows and rank columns (scaled)."""
+        stacked over the targets, B with each target's rows and rank columns (scaled).
+        Each target's columns start on an even one (a zero column after an odd rank),
+        as the native bf16 kernel's pairs need."""
         parts = sorted(parts, key=lambda p: p[0].offset)
-        a = torch.cat([p[2] for p in parts])  # [r_total, in]
-        b = torch.zeros(self.layer_out[layer_name], a.shape[0])  # [out, r_total]
-        col = 0
-        for shape, target, _, lora_b in parts:
+        width = sum(p[1].rank + p[1].rank % 2 for p in parts)
+        in_features = parts[0][2].shape[1]
+        a = torch.zeros(width, in_features)  # [r_total, in]
+        b = torch.zeros(self.layer_out[layer_name], width)  # [out, r_total]
+        blocks, col = [], 0
+        for shape, target, lora_a, lora_b in parts:
+            a[col : col + target.rank] = lora_a
             rows = slice(shape.offset, shape.offset + shape.out_features)
             b[rows, col : col + target.rank] = lora_b * target.scaling
-            col += target.rank
+            end = col + target.rank + target.rank % 2
+            blocks.append((col, end, shape.offset, shape.offset + shape.out_features))
+            col = end
         return SlotWeights(
             a_t=a.t().contiguous().to(self.device, self.dtype),
             b_t=b.t().contiguous().to(self.device, self.dtype),
             targets=tuple(p[1].module for p in parts),
+            blocks=tuple(blocks),
         )
 
     def _wrap(self, key: tuple[int, str]) -> None:
@@ -209,7 +229,7 @@ class LoRAManager:
         layer_idx, name = key
         parent_name = next(s.parent for s in self.shapes.values() if s.layer == name)
         parent = getattr(self.model.model.layers[layer_idx], parent_name)
-        wrapper = LoRALinear(getattr(parent, name), self.step, self.max_loras)
+        wrapper = LoRALinear(getattr(parent, name), self.step, self.max_loras, native=self.native)
         setattr(parent, name, wrapper)
         self.layers[key] = wrapper
         for lora_id, slot in self._slots.items():

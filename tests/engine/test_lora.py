@@ -13,6 +13,7 @@ from hf_models import build_hf_model, hf_greedy, save_char_tokenizer
 from peft_adapters import ALL_TARGETS, save_adapter
 
 from tokenmill import LLM, LoRARequest, SamplingParams
+from tokenmill.engine.kernels import lora as lora_kernel
 from tokenmill.engine.loader.adapters import AdapterError
 from tokenmill.engine.models.lora_layers import LoRALinear
 from tokenmill.engine.worker import lora as worker_lora
@@ -83,18 +84,25 @@ def test_adapters_change_the_answers(base, adapters):
         assert hf_greedy(adapter.merged, prompt, 8)[0] != expected, adapter.name
 
 
-@pytest.mark.parametrize("batched_rows", [0, 32, 10**6])
-def test_mixed_adapters_in_one_call_match_peft(base, adapters, batched_rows, monkeypatch):
-    """Every run of rows on its own matmuls (0), short ones batched (32), all batched."""
-    monkeypatch.setattr(worker_lora, "BATCHED_ROWS", batched_rows)
+@pytest.mark.parametrize(
+    ("native", "batched_rows"), [(True, None), (False, 0), (False, 32), (False, 10**6)]
+)
+def test_mixed_adapters_in_one_call_match_peft(base, adapters, native, batched_rows, monkeypatch):
+    """Every run in the native kernel's one call per layer; or, without it, every run of
+    rows on its own matmuls (0), short ones batched (32), all batched."""
+    if native:
+        assert lora_kernel.available(torch.float32, torch.device("cpu"), 64)
+    else:
+        monkeypatch.setattr(lora_kernel, "available", lambda *_: False)
+        monkeypatch.setattr(worker_lora, "BATCHED_ROWS", batched_rows)
     root, _ = base
     llm = make_llm(root, max_num_batched_tokens=48)  # chunked prefill
     prompts, requests = mixed_rows(adapters, 15)
     outputs = llm.generate(prompts, GREEDY, lora_request=requests)
     assert_equals_peft(base, adapters, prompts, requests, outputs)
     # Only the layers some adapter targets are wrapped; each holds its targets' slots.
-    wrapped = {type(m) for m in llm.engine.runner.model.modules()}
-    assert LoRALinear in wrapped
+    wrapped = [m for m in llm.engine.runner.model.modules() if isinstance(m, LoRALinear)]
+    assert wrapped and all(m.native == native for m in wrapped)
 
 
 @pytest.mark.parametrize("num_blocks", [24, 400])

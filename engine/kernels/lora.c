@@ -1,0 +1,381 @@
+/* LoRA terms of every run of rows in a step, in one call per layer
+ * (engine/models/lora_layers.py).
+ *
+ * A step holds runs of rows that share an adapter; the base layer has computed y for all
+ * of them. Done as two matmuls per run, each costs tens of microseconds of dispatch
+ * whatever its size, which outweighs the few rows' arithmetic (benchmarks/README.md,
+ * "LoRA adapters"). Here each run (slot, first, end) gets
+ *
+ *     t = x[first:end] @ A[slot][:, :rank]                         (the shrink)
+ *     y[first:end, out_lo:out_hi] += t[:, col_lo:col_hi] @ B[slot][col_lo:col_hi, out_lo:out_hi]
+ *
+ * for each of the slot's blocks (one per PEFT target the adapter has in the layer): the
+ * expand touches only the output columns each target owns, not the zero blocks a fused
+ * layer's B holds for the others. Sums are fp32. bf16 rounds t to bf16, as the matmul it
+ * replaces would, and y once, after its add.
+ *
+ * Two phases with one OpenMP team: every run's shrink items, then (after the for's
+ * barrier) every run's expand items; an item is 16 rows of one run (one block of the
+ * slot's, in the expand). bf16 multiplies pairs of k (vdpbf16ps and AMX both take them),
+ * so its right operands are stored in pairs (kernels.h). Where Linux grants AMX, a bf16
+ * item of 16 rows runs on AMX tiles and shorter ones (a decode step's few rows per
+ * adapter) on vdpbf16ps; fp32 is AVX-512 FMA; builds without AVX512-BF16 run plain loops
+ * that compute the same sums.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "amx.h"
+#include "kernel_common.h"
+#include "kernels.h"
+
+#define MR 8 /* rows per vector tile */
+#define ITEM_ROWS 16 /* rows per work item: one AMX tile, two vector tiles */
+#define NC 32 /* columns per tile: two vectors of 16 */
+
+/* One product tile's operands: out[row, col] (+)= sum_k x[row, k] * w[k, col]. */
+typedef struct {
+    const void *x; /* row-major, ldx values a row */
+    int64_t ldx;
+    const void *w; /* fp32: [k][ldw]; bf16: [k / 2][ldw][2] */
+    int64_t ldw;
+    void *out; /* row-major, ldo values a row */
+    int64_t ldo;
+    int64_t k;
+    int is_bf16;
+    int add; /* 1: out += product; 0: out = product */
+    int amx; /* 1: 16-row items on AMX tiles (bf16, k % 16 == 0 or w zero past k) */
+} operands;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define LORA_ISA TM_LORA_ISA_AVX512_BF16
+
+static inline __mmask16 column_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+/* 16 values of row r at column c, stored (or added) from fp32 acc. */
+static inline __attribute__((always_inline)) void finish16(const operands *o, int64_t r, int64_t c,
+                                                           __mmask16 m, __m512 acc) {
+    if (!m) return;
+    if (o->is_bf16) {
+        uint16_t *p = (uint16_t *)o->out + r * o->ldo + c;
+        if (o->add) {
+            const __m512i old = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+            acc = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(old, 16)), acc);
+        }
+        _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(acc));
+    } else {
+        float *p = (float *)o->out + r * o->ldo + c;
+        if (o->add) acc = _mm512_add_ps(_mm512_maskz_loadu_ps(m, p), acc);
+        _mm512_mask_storeu_ps(p, m, acc);
+    }
+}
+
+/* Named accumulators, not an array: GCC moves an array of vectors through the stack. */
+#define ACC(r) __m512 c##r##0 = _mm512_setzero_ps(), c##r##1 = _mm512_setzero_ps()
+#define FMA_ROW(r)                                                             \
+    if (mr > r) {                                                              \
+        const __m512 xv = _mm512_set1_ps(x[(row + r) * ldx + i]);              \
+        c##r##0 = _mm512_fmadd_ps(xv, w0, c##r##0);                            \
+        if (nv > 1) c##r##1 = _mm512_fmadd_ps(xv, w1, c##r##1);                \
+    }
+#define DOT_ROW(r)                                                             \
+    if (mr > r) {                                                              \
+        int32_t pair;                                                          \
+        __builtin_memcpy(&pair, xb + (row + r) * ldx + 2 * i, 4);              \
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                 \
+        c##r##0 = _mm512_dpbf16_ps(c##r##0, xv, (__m512bh)w0);                 \
+        if (nv > 1) c##r##1 = _mm512_dpbf16_ps(c##r##1, xv, (__m512bh)w1);     \
+    }
+#define FINISH_ROW(r)                                                          \
+    if (mr > r) {                                                              \
+        finish16(o, row + r, col, m0, c##r##0);                                \
+        if (nv > 1) finish16(o, row + r, col + 16, m1, c##r##1);               \
+    }
+
+/* Rows [row, row + mr) x columns [col, col + 32) cut at `end`; mr and nv are constants at
+ * every call (tile_any's switch), so the unused rows and vector fold away. */
+static inline __attribute__((always_inline)) void tile(const operands *o, int64_t row, int64_t col,
+                                                       int64_t end, const int mr, const int nv) {
+    ACC(0); ACC(1); ACC(2); ACC(3); ACC(4); ACC(5); ACC(6); ACC(7);
+    const __mmask16 m0 = column_mask(end - col), m1 = column_mask(end - col - 16);
+    const int64_t ldx = o->ldx, ldw = o->ldw;
+    if (o->is_bf16) {
+        const uint16_t *xb = (const uint16_t *)o->x, *w = (const uint16_t *)o->w;
+        for (int64_t i = 0; i < o->k / 2; i++) {
+            const __m512i w0 = _mm512_maskz_loadu_epi32(m0, w + (i * ldw + col) * 2);
+            const __m512i w1 = nv > 1 ? _mm512_maskz_loadu_epi32(m1, w + (i * ldw + col + 16) * 2)
+                                      : _mm512_setzero_si512();
+            DOT_ROW(0) DOT_ROW(1) DOT_ROW(2) DOT_ROW(3) DOT_ROW(4) DOT_ROW(5) DOT_ROW(6) DOT_ROW(7)
+        }
+    } else {
+        const float *x = (const float *)o->x, *w = (const float *)o->w;
+        for (int64_t i = 0; i < o->k; i++) {
+            const __m512 w0 = _mm512_maskz_loadu_ps(m0, w + i * ldw + col);
+            const __m512 w1 = nv > 1 ? _mm512_maskz_loadu_ps(m1, w + i * ldw + col + 16)
+                                     : _mm512_setzero_ps();
+            FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5) FMA_ROW(6) FMA_ROW(7)
+        }
+    }
+    FINISH_ROW(0) FINISH_ROW(1) FINISH_ROW(2) FINISH_ROW(3) FINISH_ROW(4) FINISH_ROW(5) FINISH_ROW(6)
+    FINISH_ROW(7)
+}
+
+#define TILE_ROWS(nv)                                        \
+    switch (mr) {                                            \
+    case 8: tile(o, row, col, end, 8, nv); break;            \
+    case 7: tile(o, row, col, end, 7, nv); break;            \
+    case 6: tile(o, row, col, end, 6, nv); break;            \
+    case 5: tile(o, row, col, end, 5, nv); break;            \
+    case 4: tile(o, row, col, end, 4, nv); break;            \
+    case 3: tile(o, row, col, end, 3, nv); break;            \
+    case 2: tile(o, row, col, end, 2, nv); break;            \
+    default: tile(o, row, col, end, 1, nv); break;           \
+    }
+
+static void tile_any(const operands *o, int64_t row, int mr, int64_t col, int64_t end) {
+    if (end - col > 16) {
+        TILE_ROWS(2);
+    } else {
+        TILE_ROWS(1);
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LORA_AMX 1
+#define AMX_ROWS 16
+
+/* Tiles 0-5 16 rows x 64 bytes; 6 and 7 for k's last 16: 16 rows x 16 k of x, and the
+ * 8 pair rows of w that meet them. */
+static void configure_tiles(void) {
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 8};
+    const uint16_t bytes[8] = {64, 64, 64, 64, 64, 64, 32, 64};
+    tm_configure_tiles(rows, bytes);
+}
+
+/* Rows [row, row + 16) x columns [first, end) on AMX tiles, 64 columns (four fp32
+ * accumulator tiles, 0-3) at a time: tile 4 holds 16 rows x 32 k of x, tile 5 a block
+ * of w's pair rows; k is read in whole 16s. Past `end` the tiles read w's next columns
+ * (tm_lora_args's padding keeps them inside w) and the finish leaves those sums out. */
+static void amx_band(const operands *o, int64_t row, int64_t first, int64_t end) {
+    float acc[AMX_ROWS][64] __attribute__((aligned(64)));
+    const uint16_t *x = (const uint16_t *)o->x + row * o->ldx, *w = (const uint16_t *)o->w;
+    const int64_t x_bytes = o->ldx * 2, w_bytes = o->ldw * 4;
+    const int64_t k = (o->k + 15) / 16 * 16, whole = k / 32 * 32;
+    for (int64_t col = first; col < end; col += 64) {
+        const int64_t left = end - col;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t kk = 0; kk < whole; kk += 32) {
+            const uint16_t *pairs = w + ((kk / 2) * o->ldw + col) * 2;
+            _tile_loadd(4, x + kk, x_bytes);
+            _tile_loadd(5, pairs, w_bytes);
+            _tile_dpbf16ps(0, 4, 5);
+            if (left > 16) { _tile_loadd(5, pairs + 32, w_bytes); _tile_dpbf16ps(1, 4, 5); }
+            if (left > 32) { _tile_loadd(5, pairs + 64, w_bytes); _tile_dpbf16ps(2, 4, 5); }
+            if (left > 48) { _tile_loadd(5, pairs + 96, w_bytes); _tile_dpbf16ps(3, 4, 5); }
+        }
+        if (k > whole) {
+            const uint16_t *pairs = w + ((whole / 2) * o->ldw + col) * 2;
+            _tile_loadd(6, x + whole, x_bytes);
+            _tile_loadd(7, pairs, w_bytes);
+            _tile_dpbf16ps(0, 6, 7);
+            if (left > 16) { _tile_loadd(7, pairs + 32, w_bytes); _tile_dpbf16ps(1, 6, 7); }
+            if (left > 32) { _tile_loadd(7, pairs + 64, w_bytes); _tile_dpbf16ps(2, 6, 7); }
+            if (left > 48) { _tile_loadd(7, pairs + 96, w_bytes); _tile_dpbf16ps(3, 6, 7); }
+        }
+        _tile_stored(0, acc[0], sizeof acc[0]);
+        if (left > 16) _tile_stored(1, acc[0] + 16, sizeof acc[0]);
+        if (left > 32) _tile_stored(2, acc[0] + 32, sizeof acc[0]);
+        if (left > 48) _tile_stored(3, acc[0] + 48, sizeof acc[0]);
+        for (int r = 0; r < AMX_ROWS; r++)
+            for (int g = 0; g < 4 && 16 * g < left; g++)
+                finish16(o, row + r, col + 16 * g, column_mask(left - 16 * g),
+                         _mm512_load_ps(acc[r] + 16 * g));
+    }
+}
+#endif
+
+#else
+#define LORA_ISA TM_LORA_ISA_GENERIC
+
+/* The same sums in plain loops (k in order, fp32), for builds without AVX512-BF16. */
+static void tile_any(const operands *o, int64_t row, int mr, int64_t col, int64_t end) {
+    float acc[MR][NC] = {{0}};
+    const int64_t nc = end - col < NC ? end - col : NC;
+    for (int64_t i = 0; i < o->k; i++) {
+        for (int r = 0; r < mr; r++) {
+            float xv;
+            float *a = acc[r];
+            if (o->is_bf16) {
+                const uint16_t *w = (const uint16_t *)o->w + ((i / 2) * o->ldw + col) * 2 + i % 2;
+                xv = bf16_to_f32(((const uint16_t *)o->x)[(row + r) * o->ldx + i]);
+                for (int64_t c = 0; c < nc; c++) a[c] += xv * bf16_to_f32(w[2 * c]);
+            } else {
+                const float *w = (const float *)o->w + i * o->ldw + col;
+                xv = ((const float *)o->x)[(row + r) * o->ldx + i];
+                for (int64_t c = 0; c < nc; c++) a[c] += xv * w[c];
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        for (int64_t c = 0; c < nc; c++) {
+            const int64_t at = (row + r) * o->ldo + col + c;
+            if (o->is_bf16) {
+                uint16_t *p = (uint16_t *)o->out + at;
+                *p = f32_to_bf16((o->add ? bf16_to_f32(*p) : 0.0f) + acc[r][c]);
+            } else {
+                float *p = (float *)o->out + at;
+                *p = (o->add ? *p : 0.0f) + acc[r][c];
+            }
+        }
+    }
+}
+#endif
+
+/* 1 where this build has AMX tiles and Linux grants them: bf16 calls then use them. */
+static int amx_usable(void) {
+#ifdef LORA_AMX
+    return tm_internal_amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+int tm_lora_isa(void) {
+    return LORA_ISA == TM_LORA_ISA_AVX512_BF16 && amx_usable() ? TM_LORA_ISA_AMX : LORA_ISA;
+}
+
+/* Rows [row, row + rows) of one product over columns [first, end): a whole AMX tile of
+ * rows where this build and call have them, else vector tiles. */
+static void row_band(const operands *o, int64_t row, int64_t rows, int64_t first, int64_t end) {
+#ifdef LORA_AMX
+    if (o->amx && rows == AMX_ROWS) {
+        amx_band(o, row, first, end);
+        return;
+    }
+#endif
+    for (int64_t part = row; part < row + rows; part += MR) {
+        const int mr = (int)(row + rows - part < MR ? row + rows - part : MR);
+        for (int64_t col = first; col < end; col += NC) tile_any(o, part, mr, col, end);
+    }
+}
+
+static int64_t tiles_in(int64_t rows) { return (rows + ITEM_ROWS - 1) / ITEM_ROWS; }
+
+/* The run a tile index falls in: tile_starts[run] <= t < tile_starts[run + 1]. */
+static int64_t run_of(const int64_t *tile_starts, int64_t num_runs, int64_t t) {
+    int64_t lo = 0, hi = num_runs - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (tile_starts[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
+static int check(const tm_lora_args *a) {
+    const int amx = a->is_bf16 && amx_usable();
+    if (a->num_runs < 0 || a->num_slots <= 0 || a->in_features <= 0 || a->out_features <= 0 ||
+        a->a_cols <= 0 || a->b_rows <= 0 || a->b_cols < a->out_features)
+        return TM_UNSUPPORTED_SHAPE;
+    if (a->is_bf16 && (a->in_features % 2 || a->b_rows % 2)) return TM_UNSUPPORTED_SHAPE;
+    if (amx && a->b_cols < a->out_features + 16) return TM_UNSUPPORTED_SHAPE;
+    for (int64_t s = 0; s < a->num_slots; s++) {
+        const int64_t rank = a->slot_ranks[s], blocks = a->slot_num_blocks[s];
+        if (rank < 0 || rank > a->a_cols || blocks < 0 || blocks > TM_LORA_MAX_BLOCKS)
+            return TM_UNSUPPORTED_SHAPE;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t *blk = a->slot_blocks + (s * TM_LORA_MAX_BLOCKS + b) * 4;
+            const int64_t k_read = amx ? round16(blk[1] - blk[0]) : blk[1] - blk[0];
+            if (blk[0] < 0 || blk[0] > blk[1] || blk[1] > rank || blk[0] + k_read > a->b_rows ||
+                blk[2] < 0 || blk[2] > blk[3] || blk[3] > a->out_features ||
+                (a->is_bf16 && (blk[0] % 2 || blk[1] % 2)))
+                return TM_UNSUPPORTED_SHAPE;
+            /* Blocks write their own output columns: tiles of two blocks run at once. */
+            for (int64_t other = 0; other < b; other++) {
+                const int64_t *prev = a->slot_blocks + (s * TM_LORA_MAX_BLOCKS + other) * 4;
+                if (blk[2] < prev[3] && prev[2] < blk[3]) return TM_UNSUPPORTED_SHAPE;
+            }
+        }
+    }
+    for (int64_t r = 0; r < a->num_runs; r++) {
+        const int64_t *run = a->runs + r * 3;
+        if (run[0] < 0 || run[0] >= a->num_slots || run[1] < 0 || run[1] > run[2] ||
+            run[2] > a->rows)
+            return TM_UNSUPPORTED_SHAPE;
+    }
+    return TM_OK;
+}
+
+int tm_lora(const tm_lora_args *a) {
+    const int status = check(a);
+    if (status != TM_OK || a->num_runs == 0) return status;
+    const int64_t num_runs = a->num_runs, in = a->in_features, out = a->out_features;
+    const int64_t a_cols = a->a_cols, b_rows = a->b_rows, b_cols = a->b_cols;
+    const int64_t value_bytes = a->is_bf16 ? 2 : 4;
+    /* tile_starts[r]: tiles before run r in the shrink; expand tiles are those times the
+     * run's blocks, counted in block_tile_starts. */
+    int64_t *tile_starts = malloc((size_t)(2 * num_runs + 2) * sizeof(int64_t));
+    if (!tile_starts) return TM_OUT_OF_MEMORY;
+    int64_t *block_tile_starts = tile_starts + num_runs + 1;
+    tile_starts[0] = block_tile_starts[0] = 0;
+    for (int64_t r = 0; r < num_runs; r++) {
+        const int64_t *run = a->runs + r * 3;
+        const int64_t tiles = a->slot_ranks[run[0]] ? tiles_in(run[2] - run[1]) : 0;
+        tile_starts[r + 1] = tile_starts[r] + tiles;
+        block_tile_starts[r + 1] = block_tile_starts[r] + tiles * a->slot_num_blocks[run[0]];
+    }
+    const int64_t shrink_tiles = tile_starts[num_runs], expand_tiles = block_tile_starts[num_runs];
+    const int threads = shrink_tiles + expand_tiles > 1 ? a->num_threads : 1;
+    const int amx = a->is_bf16 && amx_usable();
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef LORA_AMX
+        if (amx) configure_tiles();
+#endif
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < shrink_tiles; t++) {
+            const int64_t r = run_of(tile_starts, num_runs, t);
+            const int64_t *run = a->runs + r * 3;
+            const int64_t slot = run[0], row = run[1] + (t - tile_starts[r]) * ITEM_ROWS;
+            const int64_t rows = run[2] - row < ITEM_ROWS ? run[2] - row : ITEM_ROWS;
+            const operands o = {
+                .x = a->x, .ldx = in,
+                .w = (const char *)a->a + slot * in * a_cols * value_bytes, .ldw = a_cols,
+                .out = a->scratch, .ldo = b_rows,
+                .k = in, .is_bf16 = a->is_bf16, .add = 0, .amx = amx && in % 16 == 0,
+            };
+            row_band(&o, row, rows, 0, a->slot_ranks[slot]);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < expand_tiles; t++) {
+            const int64_t r = run_of(block_tile_starts, num_runs, t);
+            const int64_t *run = a->runs + r * 3;
+            const int64_t slot = run[0], blocks = a->slot_num_blocks[slot];
+            const int64_t local = t - block_tile_starts[r];
+            /* Block-major: consecutive items reuse one block of b from the cache. */
+            const int64_t tiles = tiles_in(run[2] - run[1]);
+            const int64_t row = run[1] + (local % tiles) * ITEM_ROWS;
+            const int64_t *blk = a->slot_blocks + (slot * TM_LORA_MAX_BLOCKS + local / tiles) * 4;
+            const int64_t rows = run[2] - row < ITEM_ROWS ? run[2] - row : ITEM_ROWS;
+            /* t's columns [col_lo, col_hi) are the k of this block's product; B's rows
+             * from col_lo (pairs of them in bf16: the same element offset). */
+            const operands o = {
+                .x = (const char *)a->scratch + blk[0] * value_bytes, .ldx = b_rows,
+                .w = (const char *)a->b + (slot * b_rows + blk[0]) * b_cols * value_bytes,
+                .ldw = b_cols,
+                .out = a->y, .ldo = out,
+                .k = blk[1] - blk[0], .is_bf16 = a->is_bf16, .add = 1, .amx = amx,
+            };
+            row_band(&o, row, rows, blk[2], blk[3]);
+        }
+#ifdef LORA_AMX
+        if (amx) _tile_release();
+#endif
+    }
+    free(tile_starts);
+    return TM_OK;
+}

@@ -1,0 +1,101 @@
+"""Python side of lora.c: every run of rows' LoRA terms added to a layer's output in one
+call (engine/models/lora_layers.py keeps the weights in the layout it reads)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tokenmill.engine.kernels import native_library
+from tokenmill.engine.kernels.interface import LoRAArgs, check_status
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    native = native_library()
+    return None if native is None else native.lib
+
+
+def available(dtype: torch.dtype, device: torch.device, in_features: int) -> bool:
+    """Whether the native call serves a layer of this dtype, device and input width (bf16
+    pairs its k, so needs an even one)."""
+    if device.type != "cpu" or dtype not in DTYPES or _library() is None:
+        return False
+    return dtype != torch.bfloat16 or in_features % 2 == 0
+
+
+def max_blocks() -> int:
+    """Blocks (PEFT targets of one fused layer) an adapter may have in a layer."""
+    return native_library().limits.lora_max_blocks
+
+
+def to_pairs(t: torch.Tensor) -> torch.Tensor:
+    """[k, n] -> [k / 2, n, 2]: rows 2i and 2i + 1 side by side, as vdpbf16ps takes them."""
+    k, n = t.shape
+    return t.view(k // 2, 2, n).transpose(1, 2).contiguous()
+
+
+def add_lora_terms(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    runs: torch.Tensor,
+    ranks: torch.Tensor,
+    blocks: torch.Tensor,
+    num_blocks: torch.Tensor,
+    *,
+    pairs: bool,
+) -> None:
+    """y[first:end] += the term of the adapter in `slot`, for each (slot, first, end) run.
+
+    Args:
+        x: [rows, in] fp32 or bf16, contiguous.
+        y: [rows, out], x's type, contiguous: the base layer's output, added to in place.
+        a: [slots, in, a_cols]; in pairs [slots, in / 2, a_cols, 2] (`to_pairs` of each
+            slot's).
+        b: [slots, b_rows, b_cols]; in pairs [slots, b_rows / 2, b_cols, 2]; b_cols >= out,
+            and padded as kernels.h asks where bf16 runs on AMX tiles.
+        runs: int64 [num_runs, 3], disjoint rows.
+        ranks: int64 [slots]: columns of a in use per slot.
+        blocks: int64 [slots, max_blocks(), 4]: (col_lo, col_hi, out_lo, out_hi) each.
+        num_blocks: int64 [slots].
+        pairs: a and b are in pairs (bf16 takes only those; fp32 only the plain layout).
+    """
+    is_bf16 = x.dtype == torch.bfloat16
+    if pairs != is_bf16:
+        raise ValueError("bf16 LoRA weights must be in pairs, fp32 ones plain")
+    num_slots, a_cols = a.shape[0], a.shape[2]
+    b_rows, b_cols = (b.shape[1] * 2, b.shape[2]) if pairs else (b.shape[1], b.shape[2])
+    if not (x.is_contiguous() and y.is_contiguous() and a.is_contiguous() and b.is_contiguous()):
+        raise ValueError("LoRA operands must be contiguous")
+    if y.dtype != x.dtype or a.dtype != x.dtype or b.dtype != x.dtype:
+        raise ValueError("LoRA operands must share one dtype")
+    # Zeros: AMX tiles read a block's rank columns in whole 16s, past what the shrink wrote.
+    scratch = torch.zeros((x.shape[0], b_rows), dtype=x.dtype)
+    args = LoRAArgs(
+        x=x.data_ptr(),
+        y=y.data_ptr(),
+        a=a.data_ptr(),
+        b=b.data_ptr(),
+        scratch=scratch.data_ptr(),
+        runs=runs.data_ptr(),
+        slot_ranks=ranks.data_ptr(),
+        slot_blocks=blocks.data_ptr(),
+        slot_num_blocks=num_blocks.data_ptr(),
+        rows=x.shape[0],
+        num_runs=runs.shape[0],
+        num_slots=num_slots,
+        in_features=x.shape[1],
+        out_features=y.shape[1],
+        a_cols=a_cols,
+        b_rows=b_rows,
+        b_cols=b_cols,
+        is_bf16=int(is_bf16),
+        num_threads=torch.get_num_threads(),
+    )
+    check_status(_library().tm_lora(ctypes.byref(args)), f"LoRA {tuple(x.shape)} -> {tuple(y.shape)}")
