@@ -32,6 +32,12 @@
 #define MR 8 /* rows per vector tile */
 #define ITEM_ROWS 16 /* rows per work item: one AMX tile, two vector tiles */
 #define NC 32 /* columns per tile: two vectors of 16 */
+/* Prefetch distance in the vector tiles, in rows of w (pairs of rows in bf16): a decode
+ * step's few rows per adapter make each call stream its adapters' weights from memory
+ * once, and the hardware prefetcher alone left it at a third of the memory's rate
+ * (benchmarks/README.md, "LoRA adapters"). Within the last rows of a short k (an expand)
+ * the same rows' next two tiles of columns are asked for instead. */
+#define PREFETCH_ROWS 16
 
 /* One product tile's operands: out[row, col] (+)= sum_k x[row, k] * w[k, col]. */
 typedef struct {
@@ -104,7 +110,12 @@ static inline __attribute__((always_inline)) void tile(const operands *o, int64_
     const int64_t ldx = o->ldx, ldw = o->ldw;
     if (o->is_bf16) {
         const uint16_t *xb = (const uint16_t *)o->x, *w = (const uint16_t *)o->w;
-        for (int64_t i = 0; i < o->k / 2; i++) {
+        const int64_t k2 = o->k / 2;
+        for (int64_t i = 0; i < k2; i++) {
+            const uint16_t *ahead = i + PREFETCH_ROWS < k2 ? w + ((i + PREFETCH_ROWS) * ldw + col) * 2
+                                                           : w + (i * ldw + col + 2 * NC) * 2;
+            __builtin_prefetch(ahead);
+            if (nv > 1) __builtin_prefetch(ahead + 32); /* 32 columns: two lines of pairs */
             const __m512i w0 = _mm512_maskz_loadu_epi32(m0, w + (i * ldw + col) * 2);
             const __m512i w1 = nv > 1 ? _mm512_maskz_loadu_epi32(m1, w + (i * ldw + col + 16) * 2)
                                       : _mm512_setzero_si512();
@@ -113,6 +124,8 @@ static inline __attribute__((always_inline)) void tile(const operands *o, int64_
     } else {
         const float *x = (const float *)o->x, *w = (const float *)o->w;
         for (int64_t i = 0; i < o->k; i++) {
+            __builtin_prefetch(i + PREFETCH_ROWS < o->k ? w + (i + PREFETCH_ROWS) * ldw + col
+                                                        : w + i * ldw + col + 2 * NC);
             const __m512 w0 = _mm512_maskz_loadu_ps(m0, w + i * ldw + col);
             const __m512 w1 = nv > 1 ? _mm512_maskz_loadu_ps(m1, w + i * ldw + col + 16)
                                      : _mm512_setzero_ps();
