@@ -46,7 +46,9 @@ NUM_ADAPTERS = 8
 STEPS = {"decode 64": 8, "prompt 512": 64}  # step shape -> rows per adapter
 
 
-def build(dtype: torch.dtype, step: LoRAStep, native: bool) -> dict[str, tuple[nn.Module, LoRALinear]]:
+def build(
+    dtype: torch.dtype, step: LoRAStep, native: bool
+) -> dict[str, tuple[nn.Module, LoRALinear]]:
     """The four layers: base and wrapper, with 8 adapters whose B is zero outside each
     target's block (as the runner prepares them)."""
     generator = torch.Generator().manual_seed(0)
@@ -56,12 +58,17 @@ def build(dtype: torch.dtype, step: LoRAStep, native: bool) -> dict[str, tuple[n
         base = PackedLinear(linear) if packs_dtype(dtype) else linear
         wrapper = LoRALinear(base, step, NUM_ADAPTERS, native=native)
         targets = rank // 16
-        blocks = [(16 * t, 16 * (t + 1), out * t // targets, out * (t + 1) // targets) for t in range(targets)]
+        blocks = [
+            (16 * t, 16 * (t + 1), out * t // targets, out * (t + 1) // targets)
+            for t in range(targets)
+        ]
         for slot in range(NUM_ADAPTERS):
             a = torch.randn(inp, rank, generator=generator) * 0.02
             b = torch.zeros(rank, out)
             for lo, hi, out_lo, out_hi in blocks:
-                b[lo:hi, out_lo:out_hi] = torch.randn(hi - lo, out_hi - out_lo, generator=generator) * 0.02
+                b[lo:hi, out_lo:out_hi] = (
+                    torch.randn(hi - lo, out_hi - out_lo, generator=generator) * 0.02
+                )
             wrapper.set_slot(slot, SlotWeights(a.to(dtype), b.to(dtype), blocks=tuple(blocks)))
         layers[name] = (base, wrapper)
     return layers

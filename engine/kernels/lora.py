@@ -98,4 +98,6 @@ def add_lora_terms(
         is_bf16=int(is_bf16),
         num_threads=torch.get_num_threads(),
     )
-    check_status(_library().tm_lora(ctypes.byref(args)), f"LoRA {tuple(x.shape)} -> {tuple(y.shape)}")
+    check_status(
+        _library().tm_lora(ctypes.byref(args)), f"LoRA {tuple(x.shape)} -> {tuple(y.shape)}"
+    )

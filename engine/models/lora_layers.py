@@ -146,7 +146,9 @@ class LoRALinear(nn.Module):
         self.targets: list[tuple[str, ...]] = [()] * num_slots
         if native:
             self.slot_ranks = torch.zeros(num_slots, dtype=torch.int64)
-            self.slot_blocks = torch.zeros(num_slots, lora_kernel.max_blocks(), 4, dtype=torch.int64)
+            self.slot_blocks = torch.zeros(
+                num_slots, lora_kernel.max_blocks(), 4, dtype=torch.int64
+            )
             self.slot_num_blocks = torch.zeros(num_slots, dtype=torch.int64)
 
     @property

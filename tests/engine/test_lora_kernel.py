@@ -174,7 +174,14 @@ def test_bad_tables_are_refused(what, change):
     before = y.clone()
     with pytest.raises(ValueError, match="do not take this shape"):
         lora_kernel.add_lora_terms(
-            x, y, layer.a, layer.b, runs, layer.slot_ranks, blocks, layer.slot_num_blocks,
+            x,
+            y,
+            layer.a,
+            layer.b,
+            runs,
+            layer.slot_ranks,
+            blocks,
+            layer.slot_num_blocks,
             pairs=False,
         )
     assert torch.equal(y, before), what  # refused before writing anything

@@ -1,0 +1,96 @@
+"""The native LoRA call's cost per engine step at SmolLM2-135M's shapes, weights cold.
+
+`lora_layer.py` times four wrapped layers with their weights hot in cache; a real step
+walks 30 layers x 4 projections, each with its own 8 adapters' weights, so every call
+reads them from L3 or memory. This script builds those 120 layers' slots (8 adapters of
+rank 16 on every target, bf16 or fp32), cycles through them as a step does, and times the
+native call alone: the whole term, and the shrink alone (the expand is the difference).
+
+Run:  python benchmarks/lora_step.py [--rows 64,1872] [--dtype bfloat16] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tokenmill.engine.kernels import lora as lora_kernel
+from tokenmill.engine.models.lora_layers import LoRALinear, LoRAStep, SlotWeights
+
+# name -> (out, in, r_total) of SmolLM2-135M's fused projections, rank 16 per target.
+LAYERS = {
+    "qkv": (960, 576, 48),
+    "o": (576, 576, 16),
+    "gate_up": (3072, 576, 32),
+    "down": (576, 1536, 16),
+}
+NUM_LAYERS, NUM_ADAPTERS = 30, 8
+
+
+def build(dtype: torch.dtype, rows: int) -> list[tuple[LoRALinear, torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(NUM_LAYERS):
+        for out, inp, rank in LAYERS.values():
+            wrapper = LoRALinear(torch.nn.Identity(), LoRAStep(), NUM_ADAPTERS, native=True)
+            targets = rank // 16
+            blocks = tuple(
+                (16 * t, 16 * (t + 1), out * t // targets, out * (t + 1) // targets)
+                for t in range(targets)
+            )
+            for slot in range(NUM_ADAPTERS):
+                a = torch.randn(inp, rank, generator=generator) * 0.02
+                b = torch.randn(rank, out, generator=generator) * 0.02
+                wrapper.set_slot(slot, SlotWeights(a.to(dtype), b.to(dtype), blocks=blocks))
+            x = torch.randn(rows, inp, generator=generator).to(dtype)
+            layers.append((wrapper, x, torch.zeros(rows, out, dtype=dtype)))
+    return layers
+
+
+def step(layers, runs: torch.Tensor, shrink_only: bool) -> None:
+    for wrapper, x, y in layers:
+        blocks = (
+            torch.zeros_like(wrapper.slot_num_blocks) if shrink_only else wrapper.slot_num_blocks
+        )
+        lora_kernel.add_lora_terms(
+            x, y, wrapper.a, wrapper.b, runs, wrapper.slot_ranks, wrapper.slot_blocks, blocks,
+            pairs=wrapper.pairs,
+        )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="64,1872", help="rows per step, split over 8 adapters")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    if not lora_kernel.available(dtype, torch.device("cpu"), 576):
+        raise SystemExit("the native kernels are not built here")
+    print(
+        f"threads {torch.get_num_threads()}, {args.dtype}, {NUM_LAYERS * len(LAYERS)} layers cycled"
+    )
+    print("| rows | term ms/step | shrink ms/step | expand ms/step | us per call |")
+    print("|---:|---:|---:|---:|---:|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        per = rows // NUM_ADAPTERS
+        runs = torch.tensor([(s, s * per, (s + 1) * per) for s in range(NUM_ADAPTERS)])
+        layers = build(dtype, rows)
+        times = {}
+        for shrink_only in (False, True, False, True):  # the first of each warms up
+            step(layers, runs, shrink_only)
+            start = time.perf_counter()
+            for _ in range(args.rounds):
+                step(layers, runs, shrink_only)
+            times[shrink_only] = (time.perf_counter() - start) / args.rounds * 1e3
+        whole, shrink = times[False], times[True]
+        calls = len(layers)
+        print(
+            f"| {rows} | {whole:.2f} | {shrink:.2f} | {whole - shrink:.2f} | {whole / calls * 1e3:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
