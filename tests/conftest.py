@@ -7,12 +7,17 @@ torch may import it while the suite runs - so it is set here, once, for the sess
 Tests of a CPU-specific fast path check the fast path where this CPU has it and the
 fallback where it has not; they record which one ran with the `cpu_path` fixture, and
 the run ends with that list, so a log from an AVX2-only machine says what it tested.
+
+Every test starts from the same random state, so a test drawing from the global
+generators draws the same numbers whatever ran before it, and a failure reproduces alone.
 """
 
 from __future__ import annotations
 
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +25,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _CPU_PATHS: dict[str, str] = {}
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture

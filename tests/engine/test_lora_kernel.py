@@ -144,11 +144,12 @@ def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatc
         torch.testing.assert_close(got.double(), reference(x, y, weights, RUNS), atol=tol, rtol=tol)
 
 
-def test_this_cpu_gets_its_fastest_path():
+def test_this_cpu_gets_its_fastest_path(cpu_path):
     """Where the CPU has AVX512-BF16 (and AMX) the build uses it: no slow path by accident.
     (Linux may withhold AMX's tile state; then the vector path is the right one.)"""
     flags = kernels.cpu_flags()
     isa = native_library().limits.lora_isa
+    cpu_path("LoRA terms, native call", isa)
     if {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
         assert isa in ("amx_bf16+avx512_bf16", "avx512_bf16")
     elif {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
