@@ -168,6 +168,19 @@ static void configure_tiles(void) {
     tm_configure_tiles(rows, bytes);
 }
 
+/* One step of k from kk into accumulator tiles 0-3: x's rows into tile xt, w's pair rows
+ * into tile wt (tile numbers must be constants: 4 and 5 for 32 k, 6 and 7 for 16). */
+#define AMX_K_STEP(kk, xt, wt)                                                           \
+    do {                                                                                 \
+        const uint16_t *pairs = w + (((kk) / 2) * o->ldw + col) * 2;                     \
+        _tile_loadd(xt, x + (kk), x_bytes);                                              \
+        _tile_loadd(wt, pairs, w_bytes);                                                 \
+        _tile_dpbf16ps(0, xt, wt);                                                       \
+        if (left > 16) { _tile_loadd(wt, pairs + 32, w_bytes); _tile_dpbf16ps(1, xt, wt); } \
+        if (left > 32) { _tile_loadd(wt, pairs + 64, w_bytes); _tile_dpbf16ps(2, xt, wt); } \
+        if (left > 48) { _tile_loadd(wt, pairs + 96, w_bytes); _tile_dpbf16ps(3, xt, wt); } \
+    } while (0)
+
 /* Rows [row, row + 16) x columns [first, end) on AMX tiles, 64 columns (four fp32
  * accumulator tiles, 0-3) at a time: tile 4 holds 16 rows x 32 k of x, tile 5 a block
  * of w's pair rows; k is read in whole 16s. Past `end` the tiles read w's next columns
@@ -180,24 +193,8 @@ static void amx_band(const operands *o, int64_t row, int64_t first, int64_t end)
     for (int64_t col = first; col < end; col += 64) {
         const int64_t left = end - col;
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t kk = 0; kk < whole; kk += 32) {
-            const uint16_t *pairs = w + ((kk / 2) * o->ldw + col) * 2;
-            _tile_loadd(4, x + kk, x_bytes);
-            _tile_loadd(5, pairs, w_bytes);
-            _tile_dpbf16ps(0, 4, 5);
-            if (left > 16) { _tile_loadd(5, pairs + 32, w_bytes); _tile_dpbf16ps(1, 4, 5); }
-            if (left > 32) { _tile_loadd(5, pairs + 64, w_bytes); _tile_dpbf16ps(2, 4, 5); }
-            if (left > 48) { _tile_loadd(5, pairs + 96, w_bytes); _tile_dpbf16ps(3, 4, 5); }
-        }
-        if (k > whole) {
-            const uint16_t *pairs = w + ((whole / 2) * o->ldw + col) * 2;
-            _tile_loadd(6, x + whole, x_bytes);
-            _tile_loadd(7, pairs, w_bytes);
-            _tile_dpbf16ps(0, 6, 7);
-            if (left > 16) { _tile_loadd(7, pairs + 32, w_bytes); _tile_dpbf16ps(1, 6, 7); }
-            if (left > 32) { _tile_loadd(7, pairs + 64, w_bytes); _tile_dpbf16ps(2, 6, 7); }
-            if (left > 48) { _tile_loadd(7, pairs + 96, w_bytes); _tile_dpbf16ps(3, 6, 7); }
-        }
+        for (int64_t kk = 0; kk < whole; kk += 32) AMX_K_STEP(kk, 4, 5);
+        if (k > whole) AMX_K_STEP(whole, 6, 7);
         _tile_stored(0, acc[0], sizeof acc[0]);
         if (left > 16) _tile_stored(1, acc[0] + 16, sizeof acc[0]);
         if (left > 32) _tile_stored(2, acc[0] + 32, sizeof acc[0]);
