@@ -33,8 +33,8 @@
 #define ITEM_ROWS 16 /* rows per work item: one AMX tile, two vector tiles */
 #define NC 32 /* columns per tile: two vectors of 16 */
 /* Prefetch distance in the vector tiles, in rows of w (pairs of rows in bf16): a decode
- * step's few rows per adapter make each call stream its adapters' weights from memory
- * once, and the hardware prefetcher alone left it at a third of the memory's rate
+ * step's few rows per adapter make each call stream its adapters' weights from L3 or
+ * memory once, waiting on each load; asking ahead made such a step 1.4x faster
  * (benchmarks/README.md, "LoRA adapters"). Within the last rows of a short k (an expand)
  * the same rows' next two tiles of columns are asked for instead. */
 #define PREFETCH_ROWS 16
@@ -364,7 +364,7 @@ int tm_lora(const tm_lora_args *a) {
         for (int64_t t = 0; t < expand_tiles; t++) {
             const int64_t r = run_of(block_tile_starts, num_runs, t);
             const int64_t *run = a->runs + r * 3;
-            const int64_t slot = run[0], blocks = a->slot_num_blocks[slot];
+            const int64_t slot = run[0];
             const int64_t local = t - block_tile_starts[r];
             /* Block-major: consecutive items reuse one block of b from the cache. */
             const int64_t tiles = tiles_in(run[2] - run[1]);
