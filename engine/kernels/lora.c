@@ -14,9 +14,9 @@
  * layer's B holds for the others. Sums are fp32. bf16 rounds t to bf16, as the matmul it
  * replaces would, and y once, after its add.
  *
- * Two phases with one OpenMP team: every run's shrink items, then (after the for's
- * barrier) every run's expand items; an item is 16 rows of one run (one block of the
- * slot's, in the expand). bf16 multiplies pairs of k (vdpbf16ps and AMX both take them),
+ * An item is 16 rows of one run: their shrink, then their expand for each of the slot's
+ * blocks, on one thread - t stays in that core's cache, and no barrier waits between
+ * the two (items of different runs touch different rows). bf16 multiplies pairs of k (vdpbf16ps and AMX both take them),
  * so its right operands are stored in pairs (kernels.h). Where Linux grants AMX, a bf16
  * item of 16 rows runs on AMX tiles and shorter ones (a decode step's few rows per
  * adapter) on vdpbf16ps; fp32 is AVX-512 FMA; builds without AVX512-BF16 run plain loops
@@ -272,14 +272,14 @@ static void row_band(const operands *o, int64_t row, int64_t rows, int64_t first
     }
 }
 
-static int64_t tiles_in(int64_t rows) { return (rows + ITEM_ROWS - 1) / ITEM_ROWS; }
+static int64_t items_in(int64_t rows) { return (rows + ITEM_ROWS - 1) / ITEM_ROWS; }
 
-/* The run a tile index falls in: tile_starts[run] <= t < tile_starts[run + 1]. */
-static int64_t run_of(const int64_t *tile_starts, int64_t num_runs, int64_t t) {
+/* The run an item falls in: item_starts[run] <= t < item_starts[run + 1]. */
+static int64_t run_of(const int64_t *item_starts, int64_t num_runs, int64_t t) {
     int64_t lo = 0, hi = num_runs - 1;
     while (lo < hi) {
         const int64_t mid = (lo + hi + 1) / 2;
-        if (tile_starts[mid] <= t) lo = mid; else hi = mid - 1;
+        if (item_starts[mid] <= t) lo = mid; else hi = mid - 1;
     }
     return lo;
 }
@@ -326,20 +326,16 @@ int tm_lora(const tm_lora_args *a) {
     const int64_t num_runs = a->num_runs, in = a->in_features, out = a->out_features;
     const int64_t a_cols = a->a_cols, b_rows = a->b_rows, b_cols = a->b_cols;
     const int64_t value_bytes = a->is_bf16 ? 2 : 4;
-    /* tile_starts[r]: tiles before run r in the shrink; expand tiles are those times the
-     * run's blocks, counted in block_tile_starts. */
-    int64_t *tile_starts = malloc((size_t)(2 * num_runs + 2) * sizeof(int64_t));
-    if (!tile_starts) return TM_OUT_OF_MEMORY;
-    int64_t *block_tile_starts = tile_starts + num_runs + 1;
-    tile_starts[0] = block_tile_starts[0] = 0;
+    /* item_starts[r]: items before run r (none for a run whose adapter has no term here). */
+    int64_t *item_starts = malloc((size_t)(num_runs + 1) * sizeof(int64_t));
+    if (!item_starts) return TM_OUT_OF_MEMORY;
+    item_starts[0] = 0;
     for (int64_t r = 0; r < num_runs; r++) {
         const int64_t *run = a->runs + r * 3;
-        const int64_t tiles = a->slot_ranks[run[0]] ? tiles_in(run[2] - run[1]) : 0;
-        tile_starts[r + 1] = tile_starts[r] + tiles;
-        block_tile_starts[r + 1] = block_tile_starts[r] + tiles * a->slot_num_blocks[run[0]];
+        item_starts[r + 1] = item_starts[r] + (a->slot_ranks[run[0]] ? items_in(run[2] - run[1]) : 0);
     }
-    const int64_t shrink_tiles = tile_starts[num_runs], expand_tiles = block_tile_starts[num_runs];
-    const int threads = shrink_tiles + expand_tiles > 1 ? a->num_threads : 1;
+    const int64_t items = item_starts[num_runs];
+    const int threads = items > 1 ? a->num_threads : 1;
     const int amx = a->is_bf16 && amx_usable();
 #pragma omp parallel num_threads(threads)
     {
@@ -347,45 +343,36 @@ int tm_lora(const tm_lora_args *a) {
         if (amx) configure_tiles();
 #endif
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < shrink_tiles; t++) {
-            const int64_t r = run_of(tile_starts, num_runs, t);
+        for (int64_t t = 0; t < items; t++) {
+            const int64_t r = run_of(item_starts, num_runs, t);
             const int64_t *run = a->runs + r * 3;
-            const int64_t slot = run[0], row = run[1] + (t - tile_starts[r]) * ITEM_ROWS;
+            const int64_t slot = run[0], row = run[1] + (t - item_starts[r]) * ITEM_ROWS;
             const int64_t rows = run[2] - row < ITEM_ROWS ? run[2] - row : ITEM_ROWS;
-            const operands o = {
+            const operands shrink = {
                 .x = a->x, .ldx = in,
                 .w = (const char *)a->a + slot * in * a_cols * value_bytes, .ldw = a_cols,
                 .out = a->scratch, .ldo = b_rows,
                 .k = in, .is_bf16 = a->is_bf16, .add = 0, .amx = amx && in % 16 == 0,
             };
-            row_band(&o, row, rows, 0, a->slot_ranks[slot]);
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < expand_tiles; t++) {
-            const int64_t r = run_of(block_tile_starts, num_runs, t);
-            const int64_t *run = a->runs + r * 3;
-            const int64_t slot = run[0];
-            const int64_t local = t - block_tile_starts[r];
-            /* Block-major: consecutive items reuse one block of b from the cache. */
-            const int64_t tiles = tiles_in(run[2] - run[1]);
-            const int64_t row = run[1] + (local % tiles) * ITEM_ROWS;
-            const int64_t *blk = a->slot_blocks + (slot * TM_LORA_MAX_BLOCKS + local / tiles) * 4;
-            const int64_t rows = run[2] - row < ITEM_ROWS ? run[2] - row : ITEM_ROWS;
-            /* t's columns [col_lo, col_hi) are the k of this block's product; B's rows
-             * from col_lo (pairs of them in bf16: the same element offset). */
-            const operands o = {
-                .x = (const char *)a->scratch + blk[0] * value_bytes, .ldx = b_rows,
-                .w = (const char *)a->b + (slot * b_rows + blk[0]) * b_cols * value_bytes,
-                .ldw = b_cols,
-                .out = a->y, .ldo = out,
-                .k = blk[1] - blk[0], .is_bf16 = a->is_bf16, .add = 1, .amx = amx,
-            };
-            row_band(&o, row, rows, blk[2], blk[3]);
+            row_band(&shrink, row, rows, 0, a->slot_ranks[slot]);
+            for (int64_t b = 0; b < a->slot_num_blocks[slot]; b++) {
+                const int64_t *blk = a->slot_blocks + (slot * TM_LORA_MAX_BLOCKS + b) * 4;
+                /* t's columns [col_lo, col_hi) are the k of this block's product; B's rows
+                 * from col_lo (pairs of them in bf16: the same element offset). */
+                const operands expand = {
+                    .x = (const char *)a->scratch + blk[0] * value_bytes, .ldx = b_rows,
+                    .w = (const char *)a->b + (slot * b_rows + blk[0]) * b_cols * value_bytes,
+                    .ldw = b_cols,
+                    .out = a->y, .ldo = out,
+                    .k = blk[1] - blk[0], .is_bf16 = a->is_bf16, .add = 1, .amx = amx,
+                };
+                row_band(&expand, row, rows, blk[2], blk[3]);
+            }
         }
 #ifdef LORA_AMX
         if (amx) _tile_release();
 #endif
     }
-    free(tile_starts);
+    free(item_starts);
     return TM_OK;
 }
