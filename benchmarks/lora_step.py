@@ -56,7 +56,6 @@ def step(layers, runs: torch.Tensor, shrink_only: bool) -> None:
         )
         lora_kernel.add_lora_terms(
             x, y, wrapper.a, wrapper.b, runs, wrapper.slot_ranks, wrapper.slot_blocks, blocks,
-            pairs=wrapper.pairs,
         )  # fmt: skip
 
 

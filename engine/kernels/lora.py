@@ -48,29 +48,26 @@ def add_lora_terms(
     ranks: torch.Tensor,
     blocks: torch.Tensor,
     num_blocks: torch.Tensor,
-    *,
-    pairs: bool,
 ) -> None:
     """y[first:end] += the term of the adapter in `slot`, for each (slot, first, end) run.
 
     Args:
         x: [rows, in] fp32 or bf16, contiguous.
         y: [rows, out], x's type, contiguous: the base layer's output, added to in place.
-        a: [slots, in, a_cols]; in pairs [slots, in / 2, a_cols, 2] (`to_pairs` of each
-            slot's).
-        b: [slots, b_rows, b_cols]; in pairs [slots, b_rows / 2, b_cols, 2]; b_cols >= out,
+        a: fp32 [slots, in, a_cols]; bf16 in pairs, [slots, in / 2, a_cols, 2] (`to_pairs`
+            of each slot's).
+        b: fp32 [slots, b_rows, b_cols]; bf16 [slots, b_rows / 2, b_cols, 2]; b_cols >= out,
             and padded as kernels.h asks where bf16 runs on AMX tiles.
         runs: int64 [num_runs, 3], disjoint rows.
         ranks: int64 [slots]: columns of a in use per slot.
         blocks: int64 [slots, max_blocks(), 4]: (col_lo, col_hi, out_lo, out_hi) each.
         num_blocks: int64 [slots].
-        pairs: a and b are in pairs (bf16 takes only those; fp32 only the plain layout).
     """
     is_bf16 = x.dtype == torch.bfloat16
-    if pairs != is_bf16:
+    if a.dim() != (4 if is_bf16 else 3) or b.dim() != a.dim():
         raise ValueError("bf16 LoRA weights must be in pairs, fp32 ones plain")
     num_slots, a_cols = a.shape[0], a.shape[2]
-    b_rows, b_cols = (b.shape[1] * 2, b.shape[2]) if pairs else (b.shape[1], b.shape[2])
+    b_rows, b_cols = (b.shape[1] * 2 if is_bf16 else b.shape[1]), b.shape[2]
     if not (x.is_contiguous() and y.is_contiguous() and a.is_contiguous() and b.is_contiguous()):
         raise ValueError("LoRA operands must be contiguous")
     if y.dtype != x.dtype or a.dtype != x.dtype or b.dtype != x.dtype:

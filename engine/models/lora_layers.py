@@ -139,7 +139,6 @@ class LoRALinear(nn.Module):
         self.step = step
         self.num_slots = num_slots
         self.native = native
-        self.pairs = False  # set with the first slot's dtype
         self.a: torch.Tensor | None = None  # allocated by the first set_slot
         self.b: torch.Tensor | None = None
         self.ranks = [0] * num_slots
@@ -173,25 +172,33 @@ class LoRALinear(nn.Module):
         (in_features, rank), out_features = a_t.shape, b_t.shape[1]
         rank += rank % 2  # pairs of rank columns: pad an odd rank
         blocks = weights.blocks or ((0, rank, 0, out_features),)
-        if self.a is None:
-            self.pairs = self.native and a_t.dtype == torch.bfloat16
+        pairs = self._pairs_for(a_t.dtype)
         # The native bf16 kernel reads each block's rank rows of b in whole 16s.
         b_rows = max(rank, *(lo + -(hi - lo) // 16 * -16 for lo, hi, _, _ in blocks))
-        if self.a is None or rank > self.a_cols or (self.pairs and b_rows > self.b_rows):
+        if self.a is None or rank > self.a_cols or (pairs and b_rows > self.b_rows):
             grown = max(rank, self.a_cols)
-            self._grow(grown, max(b_rows, self.b_rows) if self.pairs else grown, a_t, b_t)
+            self._grow(grown, max(b_rows, self.b_rows) if pairs else grown, a_t, b_t)
         a = a_t.new_zeros(in_features, self.a_cols)
         b = b_t.new_zeros(self.b_rows, self.b.shape[2])
         a[:, : a_t.shape[1]] = a_t
         b[: b_t.shape[0], :out_features] = b_t
-        self.a[slot] = lora_kernel.to_pairs(a) if self.pairs else a
-        self.b[slot] = lora_kernel.to_pairs(b) if self.pairs else b
+        self.a[slot] = lora_kernel.to_pairs(a) if pairs else a
+        self.b[slot] = lora_kernel.to_pairs(b) if pairs else b
         self.ranks[slot], self.targets[slot] = rank, weights.targets
         if self.native:
             self.slot_ranks[slot] = rank
             self.slot_num_blocks[slot] = len(blocks)
             self.slot_blocks[slot].zero_()
             self.slot_blocks[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+
+    def _pairs_for(self, dtype: torch.dtype) -> bool:
+        """Whether slots of this dtype are kept in pairs of rows (native bf16)."""
+        return self.native and dtype == torch.bfloat16
+
+    @property
+    def pairs(self) -> bool:
+        """Whether `a` and `b` are in pairs of rows."""
+        return self.a is not None and self._pairs_for(self.a.dtype)
 
     @property
     def a_cols(self) -> int:
@@ -209,7 +216,7 @@ class LoRALinear(nn.Module):
         """Stacks with room for a_cols and b_rows, keeping the slots loaded so far. Pairs
         give B 16 spare columns: the AMX tiles read up to 16 past a block."""
         in_features, out_features = a_t.shape[0], b_t.shape[1]
-        if self.pairs:
+        if self._pairs_for(a_t.dtype):
             a = a_t.new_zeros(self.num_slots, in_features // 2, a_cols, 2)
             b = b_t.new_zeros(self.num_slots, b_rows // 2, out_features + 16, 2)
         else:
@@ -232,7 +239,6 @@ class LoRALinear(nn.Module):
                 lora_kernel.add_lora_terms(
                     x.contiguous(), y, self.a, self.b, step.runs,
                     self.slot_ranks, self.slot_blocks, self.slot_num_blocks,
-                    pairs=self.pairs,
                 )  # fmt: skip
             return y
         for slot, start, end in step.segments:

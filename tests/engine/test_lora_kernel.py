@@ -81,7 +81,7 @@ def test_every_run_matches_float64(dtype, in_features):
     got = y.clone()
     lora_kernel.add_lora_terms(
         x, got, layer.a, layer.b, torch.tensor(RUNS), layer.slot_ranks,
-        layer.slot_blocks, layer.slot_num_blocks, pairs=layer.pairs,
+        layer.slot_blocks, layer.slot_num_blocks,
     )  # fmt: skip
     want = reference(x, y, weights, RUNS)
     tol = 2e-5 if dtype == torch.float32 else 1.6e-2
@@ -138,7 +138,7 @@ def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatc
         got = y.clone()
         lora_kernel.add_lora_terms(
             x, got, layer.a, layer.b, torch.tensor(RUNS), layer.slot_ranks,
-            layer.slot_blocks, layer.slot_num_blocks, pairs=layer.pairs,
+            layer.slot_blocks, layer.slot_num_blocks,
         )  # fmt: skip
         tol = 2e-5 if dtype == torch.float32 else 1.6e-2
         torch.testing.assert_close(got.double(), reference(x, y, weights, RUNS), atol=tol, rtol=tol)
@@ -183,6 +183,5 @@ def test_bad_tables_are_refused(what, change):
             layer.slot_ranks,
             blocks,
             layer.slot_num_blocks,
-            pairs=False,
         )
     assert torch.equal(y, before), what  # refused before writing anything
