@@ -46,30 +46,39 @@ NUM_ADAPTERS = 8
 STEPS = {"decode 64": 8, "prompt 512": 64}  # step shape -> rows per adapter
 
 
+def load_adapters(
+    wrapper: LoRALinear, shape: tuple[int, int, int], dtype: torch.dtype, generator
+) -> None:
+    """Fill every slot of `wrapper` (a layer of `shape`, a LAYERS value) with a random
+    adapter of rank 16 per target, B zero outside each target's block as the runner
+    prepares them."""
+    out, inp, rank = shape
+    targets = rank // 16
+    blocks = tuple(
+        (16 * t, 16 * (t + 1), out * t // targets, out * (t + 1) // targets) for t in range(targets)
+    )
+    for slot in range(wrapper.num_slots):
+        a = torch.randn(inp, rank, generator=generator) * 0.02
+        b = torch.zeros(rank, out)
+        for lo, hi, out_lo, out_hi in blocks:
+            b[lo:hi, out_lo:out_hi] = (
+                torch.randn(hi - lo, out_hi - out_lo, generator=generator) * 0.02
+            )
+        wrapper.set_slot(slot, SlotWeights(a.to(dtype), b.to(dtype), blocks=blocks))
+
+
 def build(
     dtype: torch.dtype, step: LoRAStep, native: bool
 ) -> dict[str, tuple[nn.Module, LoRALinear]]:
-    """The four layers: base and wrapper, with 8 adapters whose B is zero outside each
-    target's block (as the runner prepares them)."""
+    """The four layers: base and wrapper, with NUM_ADAPTERS adapters loaded."""
     generator = torch.Generator().manual_seed(0)
     layers = {}
-    for name, (out, inp, rank) in LAYERS.items():
+    for name, shape in LAYERS.items():
+        out, inp, _ = shape
         linear = nn.Linear(inp, out, bias=False).to(dtype)
         base = PackedLinear(linear) if packs_dtype(dtype) else linear
         wrapper = LoRALinear(base, step, NUM_ADAPTERS, native=native)
-        targets = rank // 16
-        blocks = [
-            (16 * t, 16 * (t + 1), out * t // targets, out * (t + 1) // targets)
-            for t in range(targets)
-        ]
-        for slot in range(NUM_ADAPTERS):
-            a = torch.randn(inp, rank, generator=generator) * 0.02
-            b = torch.zeros(rank, out)
-            for lo, hi, out_lo, out_hi in blocks:
-                b[lo:hi, out_lo:out_hi] = (
-                    torch.randn(hi - lo, out_hi - out_lo, generator=generator) * 0.02
-                )
-            wrapper.set_slot(slot, SlotWeights(a.to(dtype), b.to(dtype), blocks=tuple(blocks)))
+        load_adapters(wrapper, shape, dtype, generator)
         layers[name] = (base, wrapper)
     return layers
 

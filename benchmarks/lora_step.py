@@ -15,35 +15,22 @@ import argparse
 import time
 
 import torch
+from lora_layer import LAYERS, NUM_ADAPTERS, load_adapters
 
 from tokenmill.engine.kernels import lora as lora_kernel
-from tokenmill.engine.models.lora_layers import LoRALinear, LoRAStep, SlotWeights
+from tokenmill.engine.models.lora_layers import LoRALinear, LoRAStep
 
-# name -> (out, in, r_total) of SmolLM2-135M's fused projections, rank 16 per target.
-LAYERS = {
-    "qkv": (960, 576, 48),
-    "o": (576, 576, 16),
-    "gate_up": (3072, 576, 32),
-    "down": (576, 1536, 16),
-}
-NUM_LAYERS, NUM_ADAPTERS = 30, 8
+NUM_LAYERS = 30
 
 
 def build(dtype: torch.dtype, rows: int) -> list[tuple[LoRALinear, torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(NUM_LAYERS):
-        for out, inp, rank in LAYERS.values():
+        for shape in LAYERS.values():
+            out, inp, _ = shape
             wrapper = LoRALinear(torch.nn.Identity(), LoRAStep(), NUM_ADAPTERS, native=True)
-            targets = rank // 16
-            blocks = tuple(
-                (16 * t, 16 * (t + 1), out * t // targets, out * (t + 1) // targets)
-                for t in range(targets)
-            )
-            for slot in range(NUM_ADAPTERS):
-                a = torch.randn(inp, rank, generator=generator) * 0.02
-                b = torch.randn(rank, out, generator=generator) * 0.02
-                wrapper.set_slot(slot, SlotWeights(a.to(dtype), b.to(dtype), blocks=blocks))
+            load_adapters(wrapper, shape, dtype, generator)
             x = torch.randn(rows, inp, generator=generator).to(dtype)
             layers.append((wrapper, x, torch.zeros(rows, out, dtype=dtype)))
     return layers
