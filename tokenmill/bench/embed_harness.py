@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenmill.bench.child_process import run_child
+from tokenmill.bench.cpu import cpu_name
 from tokenmill.bench.embed_child import EmbedRun, EmbedSystem
 from tokenmill.bench.embed_workload import (
     EMBED_PRESETS,
@@ -146,7 +147,7 @@ def run_embedding_benchmark(config: EmbedBenchConfig, log: Log = lambda _: None)
         summaries, reference = _summaries(systems, runs, errors, shape, peaks)
     if source_version() == "unknown":
         notes.append("not run from a git checkout: the code version is unknown")
-    machine = _machine_facts(_Device()) | {"source": source_version(), "cpu": _cpu_name()}
+    machine = _machine_facts(_Device()) | {"source": source_version(), "cpu": cpu_name()}
     lengths = next((r.lengths for rs in runs.values() for r in rs if r is not None), [])
     return EmbedReport(
         preset=config.preset,
@@ -291,7 +292,7 @@ def render_embedding_report(report: EmbedReport, console=None) -> None:
         f"[bold]{report.preset}[/]: {report.num_texts} texts, useful work "
         f"{report.useful_tflop:.2f} TFLOP; matmul peak at {PEAK_ROWS}-row encoder shapes: {peaks}"
     )
-    console.print(f"CPU: {_cpu_name()}")
+    console.print(f"CPU: {cpu_name()}")
     baselines = [s.label for s in report.systems if s.is_baseline]
     table = Table(title="Embedding throughput (medians over rounds)")
     columns = ["system", "runs", "wall s", "tok/s", "rows/s", "computed / useful tok", "roofline"]
@@ -322,24 +323,3 @@ def render_embedding_report(report: EmbedReport, console=None) -> None:
         )
     for note in report.notes:
         console.print(f"note: {note}")
-
-
-def _cpu_name() -> str:
-    """The CPU's name with its family and model numbers (CPUs of one name differ)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    if "model name" not in fields:
-        import platform
-
-        return platform.processor() or platform.machine()
-    flags = set(fields.get("flags", "").split())
-    isa = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return (
-        f"{fields['model name']} (family {fields.get('cpu family', '?')}, model "
-        f"{fields.get('model', '?')}; {' '.join(isa) or 'no AVX-512'})"
-    )
