@@ -59,6 +59,9 @@ _FILE_FLAGS = {
     "q4_linear.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
     # Sums in k order per output; contracting them into FMAs is what the vector path does.
     "lora.c": ["-ffp-contract=fast"],
+    # Sums in fp32 in its own order (pairs of k, two running sums), as oneDNN's own are;
+    # tested against a tolerance.
+    "packed_matvec.c": ["-ffp-contract=fast"],
 }
 # Linked without -ffast-math: with it GCC (before 13) links crtfastmath.o into the
 # library, whose constructor turns on flush-to-zero and denormals-are-zero for the whole

@@ -16,6 +16,7 @@ void tm_limits(tm_limits_t *out) {
     out->q4_linear_isa = tm_q4_linear_isa();
     out->lora_isa = tm_lora_isa();
     out->lora_max_blocks = TM_LORA_MAX_BLOCKS;
+    out->packed_matvec_vector = tm_packed_matvec_vector();
     out->attention_args_size = sizeof(tm_attention_args);
     out->kv_write_args_size = sizeof(tm_kv_write_args);
     out->rms_norm_args_size = sizeof(tm_rms_norm_args);
@@ -28,4 +29,5 @@ void tm_limits(tm_limits_t *out) {
     out->q4_linear_args_size = sizeof(tm_q4_linear_args);
     out->q4_unpack_args_size = sizeof(tm_q4_unpack_args);
     out->lora_args_size = sizeof(tm_lora_args);
+    out->packed_matvec_args_size = sizeof(tm_packed_matvec_args);
 }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 13
+ABI_VERSION = 14
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -48,6 +48,7 @@ class _Limits(ctypes.Structure):
         ("q4_linear_isa", _i64),
         ("lora_isa", _i64),
         ("lora_max_blocks", _i64),
+        ("packed_matvec_vector", _i64),
         ("attention_args_size", _i64),
         ("kv_write_args_size", _i64),
         ("rms_norm_args_size", _i64),
@@ -60,6 +61,7 @@ class _Limits(ctypes.Structure):
         ("q4_linear_args_size", _i64),
         ("q4_unpack_args_size", _i64),
         ("lora_args_size", _i64),
+        ("packed_matvec_args_size", _i64),
     ]
 
 
@@ -289,6 +291,21 @@ class LoRAArgs(ctypes.Structure):
     ]
 
 
+class PackedMatvecArgs(ctypes.Structure):
+    """tm_packed_matvec_args."""
+
+    _fields_ = [
+        ("x", _ptr),
+        ("w", _ptr),
+        ("bias", _ptr),
+        ("y", _ptr),
+        ("in_features", _i64),
+        ("out_features", _i64),
+        ("block_cols", _i64),
+        ("num_threads", _i32),
+    ]
+
+
 # Exported function -> its argument struct, and the size field tm_limits reports for it.
 FUNCTIONS = {
     "tm_paged_attention": (AttentionArgs, "attention_args_size"),
@@ -304,6 +321,7 @@ FUNCTIONS = {
     "tm_q4_linear": (Q4LinearArgs, "q4_linear_args_size"),
     "tm_q4_unpack_bf16": (Q4UnpackArgs, "q4_unpack_args_size"),
     "tm_lora": (LoRAArgs, "lora_args_size"),
+    "tm_packed_matvec": (PackedMatvecArgs, "packed_matvec_args_size"),
 }
 
 
@@ -324,6 +342,7 @@ class KernelLimits:
     q4_linear_isa: str | None  # the instructions tm_q4_linear has here, or None
     lora_isa: str  # how tm_lora computes here: LORA_ISAS' names
     lora_max_blocks: int  # blocks (PEFT targets) per adapter in one LoRA layer
+    packed_matvec_vector: bool  # tm_packed_matvec runs vdpbf16ps here (else plain loops)
 
 
 def declare(lib: ctypes.CDLL) -> KernelLimits:
@@ -369,6 +388,7 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         q4_linear_isa=INT8_LINEAR_ISAS.get(reported.q4_linear_isa),
         lora_isa=LORA_ISAS[reported.lora_isa],
         lora_max_blocks=reported.lora_max_blocks,
+        packed_matvec_vector=bool(reported.packed_matvec_vector),
     )
 
 

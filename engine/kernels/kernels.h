@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 13
+#define TM_ABI_VERSION 14
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -71,6 +71,7 @@ typedef struct {
     int64_t q4_linear_isa; /* TM_INT8_ISA_* (never AMX): which 4-bit linear this build has */
     int64_t lora_isa;      /* TM_LORA_ISA_*: how tm_lora computes here */
     int64_t lora_max_blocks;
+    int64_t packed_matvec_vector; /* 1: tm_packed_matvec runs vdpbf16ps; 0: plain loops */
     /* sizeof each argument struct, in the order they are declared below */
     int64_t attention_args_size;
     int64_t kv_write_args_size;
@@ -84,6 +85,7 @@ typedef struct {
     int64_t q4_linear_args_size;
     int64_t q4_unpack_args_size;
     int64_t lora_args_size;
+    int64_t packed_matvec_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -405,5 +407,29 @@ enum {
 int tm_lora(const tm_lora_args *args);
 /* Internal (tm_limits reports it). */
 int tm_lora_isa(void);
+
+/* ---- packed_matvec.c: one row through a bf16 weight as oneDNN packs it ----------------
+ *     y[o] = bf16(sum_k x[k] * w[o, k] + bias[o])
+ * with the sum in fp32 and bias optional, for w in the layout oneDNN gives a packed bf16
+ * linear weight on AVX-512 and AMX CPUs: output blocks of block_cols (16, 32 or 64) in
+ * order, each [in / 2][block_cols][2], so that element (o, k) lies at
+ *     ((o / block_cols) * (in / 2) + k / 2) * block_cols * 2 + (o % block_cols) * 2 + k % 2.
+ * in_features even, out_features a multiple of block_cols. The caller establishes that a
+ * packed weight has this layout (engine/quant/packed_linear.py checks each against
+ * oneDNN's own product). Every build has it. */
+typedef struct {
+    const void *x;    /* bf16 [in_features] */
+    const void *w;    /* bf16, as above */
+    const void *bias; /* bf16 [out_features], or NULL */
+    void *y;          /* bf16 [out_features] */
+    int64_t in_features;
+    int64_t out_features;
+    int64_t block_cols;
+    int32_t num_threads;
+} tm_packed_matvec_args;
+
+int tm_packed_matvec(const tm_packed_matvec_args *args);
+/* Internal (tm_limits reports it). */
+int tm_packed_matvec_vector(void);
 
 #endif

@@ -22,6 +22,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.engine.config import cpu_has_fast_bf16
+from tokenmill.engine.kernels import packed_matvec
+from tokenmill.engine.kernels.packed_matvec import PackedMatvec
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,13 @@ def packs_dtype(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear's forward on a weight held in oneDNN's blocked layout."""
+    """nn.Linear's forward on a weight held in oneDNN's blocked layout.
+
+    A bf16 layer called with one row (one-sequence decode) goes to the native matvec,
+    which reads the same packed weight faster than oneDNN's matmul does at one row
+    (benchmarks/README.md, "One-row linear layers"), where the layout is one it reads;
+    `one_row_block_cols` finds out, per layer.
+    """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -60,14 +68,66 @@ class PackedLinear(nn.Module):
             persistent=False,
         )
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.one_row: PackedMatvec | None = None
+        if weight.dtype == torch.bfloat16 and packed_matvec.vectorized():
+            block_cols = one_row_block_cols(self)
+            if block_cols is not None:
+                self.one_row = self._matvec(block_cols)
+
+    def _matvec(self, block_cols: int) -> PackedMatvec:
+        bias = None if self.bias is None else self.bias.contiguous()
+        return PackedMatvec(
+            self.packed_weight, self.in_features, self.out_features, block_cols, bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        one_row = self.one_row
+        if (
+            one_row is not None
+            and x.numel() == self.in_features
+            and x.dtype == torch.bfloat16
+            and one_row.weight is self.packed_weight
+        ):
+            return one_row(x.contiguous())
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.packed_weight, self.bias, "none", [], ""
         )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def one_row_block_cols(packed: PackedLinear) -> int | None:
+    """The output block width with which the native matvec reads this layer's packed bf16
+    weight as oneDNN computes with it, or None where no width does.
+
+    oneDNN's packed layout is its own to choose (by CPU, shape and version); the widths
+    the kernel reads are tried in turn, each checked against oneDNN's product of the same
+    weight on random rows. A wrong layout gives unrelated sums, so agreement to bf16
+    rounding settles it.
+    """
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 1, packed.in_features, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = [
+            torch.ops.mkldnn._linear_pointwise(
+                row, packed.packed_weight, packed.bias, "none", [], ""
+            ).float()
+            for row in rows
+        ]
+        for block_cols in packed_matvec.BLOCK_COLS:
+            try:
+                call = packed._matvec(block_cols)
+            except ValueError:
+                continue  # this width does not tile the layer, or the sizes differ
+            if all(_close(call(row).float(), ref) for row, ref in zip(rows, want)):
+                return block_cols
+    return None
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal to bf16 rounding: both sum in fp32, in different orders, and round once."""
+    return torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
 def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
