@@ -9,7 +9,7 @@ its own.
 
 Run:  python benchmarks/perplexity.py [--modes fp32,bf16,int8,int4,gguf,hf-fp32] [--model M]
 ("-kv8" modes, e.g. bf16-kv8 or int8-kv8, keep the KV cache in int8: kv_cache_dtype="int8";
-int8-head is int8 with its lm_head in int8 too: quantize_lm_head=True)
+int8-head and gguf-head are int8 and gguf with the lm_head in int8 too: quantize_lm_head=True)
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ MODES = {
     "int8-head": ("auto", "int8"),
     "int4": ("auto", "int4"),
     "gguf": ("auto", "gguf"),
+    "gguf-head": ("auto", "gguf"),
 }
 
 
@@ -56,7 +57,7 @@ def score_tokenmill(mode: str, model: str | None) -> dict:
         quantization=quantization,
         enable_prefix_caching=False,
         kv_cache_dtype="int8" if mode.endswith("-kv8") else "auto",
-        quantize_lm_head=mode.startswith("int8-head"),
+        quantize_lm_head=mode.removesuffix("-kv8").endswith("-head"),
     )
     load_s = time.perf_counter() - start
     start = time.perf_counter()

@@ -37,6 +37,7 @@ from tokenmill.engine.loader import gguf_blocks
 from tokenmill.engine.loader.gguf_blocks import BLOCK_FORMATS, DecodedWeight
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.quant.int4 import Int4Linear
+from tokenmill.engine.quant.int8 import quantize_lm_head
 from tokenmill.engine.quant.method import QuantizationMethod, register
 
 INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
@@ -263,13 +264,20 @@ class GGUFMethod(QuantizationMethod):
     name = "gguf"
     help = "a GGUF model's own quantized blocks"
     layer_classes = (GroupedLinear, RowConcat, Int4Linear, Q4Linear)
+    # The output layer is loaded in the engine's float dtype, whatever the file holds
+    # (llama.cpp's 4-bit files keep it in Q8_0): at one sequence it is the largest read of
+    # a step, so quantize_lm_head runs it as the int8 mode's smoothed int8 lm_head.
+    quantizes_lm_head = True
 
     def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
         super().check(model_dir, config, device)
         check_gguf_blocks(model_dir)
 
     def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head=False) -> int:
-        return load_gguf_layers(model, model_dir, dtype=dtype)
+        total = load_gguf_layers(model, model_dir, dtype=dtype)
+        if lm_head:
+            total += quantize_lm_head(model, model_dir, measure_inputs)
+        return total
 
 
 register(GGUFMethod())

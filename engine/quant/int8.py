@@ -308,4 +308,20 @@ class Int8Method(QuantizationMethod):
         return total
 
 
+def quantize_lm_head(model, model_dir: Path, measure_inputs) -> int:
+    """Swap `model.lm_head` for an Int8Linear smoothed from one calibration pass over the
+    model as it stands (its decoder layers may be another mode's already: gguf's);
+    returns the new layer's weight bytes."""
+    if not onednn_int8_available():
+        raise ValueError("quantize_lm_head=True needs a torch build with oneDNN's int8 ops")
+    head = model.lm_head
+    token_ids = calibration_token_ids(model_dir, model.config.vocab_size)
+    absmax = measure_inputs(model, [head], token_ids)
+    layer = Int8Linear.from_float(
+        head.weight, head.bias, smoothing_factors(absmax[head], head.weight)
+    )
+    model.lm_head = layer
+    return layer.weight_bytes
+
+
 register(Int8Method())

@@ -149,6 +149,19 @@ def test_int8_head_is_int8_with_its_lm_head_quantized():
     assert split_quantization("int8-head") == ("int8", None)
 
 
+def test_gguf_head_is_gguf_with_its_lm_head_quantized():
+    files = {"Q4_0": "/m/x.Q4_0.gguf"}
+    _, spec = tokenmill_systems(["bfloat16"], {}, ["gguf-head:Q4_0"], gguf_files=files)
+    assert spec.label == "tokenmill-gguf-head-Q4_0"
+    assert spec.options == {
+        "engine_args": {"quantization": "gguf", "quantize_lm_head": True},
+        "model": "/m/x.Q4_0.gguf",
+        "format": "Q4_0",
+    }
+    assert peer_formats(spec) == ("Q4_0",)
+    assert split_quantization("gguf-head:Q4_0") == ("gguf", "Q4_0")
+
+
 def test_gguf_formats_label_tokenmill_and_llama_systems():
     files = {"Q4_0": "/m/x.Q4_0.gguf", "BF16": "/m/x.BF16.gguf"}
     specs = tokenmill_systems(["bfloat16"], {}, ["int8", "gguf", "gguf:Q4_0"], gguf_files=files)

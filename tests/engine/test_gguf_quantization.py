@@ -23,6 +23,7 @@ from tokenmill.engine.quant.gguf_linear import (
     gguf_module,
 )
 from tokenmill.engine.quant.int4 import Int4Linear
+from tokenmill.engine.quant.int8 import Int8Linear
 from tokenmill.engine.sampling_params import SamplingParams
 
 # Byte offsets of each format's f16 scale fields: random bytes there could be NaN or huge.
@@ -157,6 +158,35 @@ def test_engine_computes_the_float_model_of_the_gguf_weights(quant_type, tmp_pat
         for ours, theirs in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
             for token, value in theirs.items():
                 assert abs(ours[token] - value) < tolerance
+
+
+def test_quantize_lm_head_runs_the_output_layer_in_int8(tmp_path):
+    """The GGUF's decoder blocks as they are, and the lm_head as the int8 mode's: smoothed
+    from a calibration pass over the gguf model itself, close to the float lm_head."""
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", quant_type="Q4_0", hidden_size=64)
+    model_dir = convert_gguf(tiny.path, tmp_path / "model", dtype=torch.float32)
+    prompts = [[3, 5, 7, 9, 11, 4, 6], [8, 8, 2, 10, 12, 13, 1, 5, 9, 3, 3]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+    float_head = make_engine(model_dir, quantization="gguf")
+    int8_head = make_engine(model_dir, quantization="gguf", quantize_lm_head=True)
+    head = int8_head.runner.model.lm_head
+    assert isinstance(head, Int8Linear) and not isinstance(
+        float_head.runner.model.lm_head, Int8Linear
+    )
+    assert head.inv_smooth is not None and bool((head.inv_smooth != 1).any())
+    layers = int8_head.runner.model.model.layers
+    assert isinstance(
+        layers[0].mlp.down_proj, type(float_head.runner.model.model.layers[0].mlp.down_proj)
+    )
+    diffs = []
+    outputs = run_all(int8_head, prompts, params)
+    for prompt, out, ref in zip(prompts, outputs, run_all(float_head, prompts, params)):
+        for token, ours, theirs in zip(
+            prompt[1:], out.prompt_logprobs[1:], ref.prompt_logprobs[1:]
+        ):
+            diffs.append(abs(ours[token] - theirs[token]))
+    print(f"\ngguf int8 lm_head: prompt logprob |diff| max {max(diffs):.4f}")
+    assert max(diffs) < 0.03, max(diffs)  # measured: 0.005
 
 
 def test_models_without_blocks_or_with_other_formats_are_refused(tmp_path):

@@ -195,15 +195,20 @@ def _tokenmill_systems_with(
 
 
 # Bench names for a quantization mode with other settings: name -> (mode, LLM settings).
-QUANTIZATION_VARIANTS = {"int8-head": ("int8", {"quantize_lm_head": True})}
+QUANTIZATION_VARIANTS = {
+    "int8-head": ("int8", {"quantize_lm_head": True}),
+    "gguf-head": ("gguf", {"quantize_lm_head": True}),
+}
 
 
 def split_quantization(name: str) -> tuple[str, str | None]:
-    """ "gguf:Q4_0" -> ("gguf", "Q4_0"); "int8" and "int8-head" -> ("int8", None)."""
-    method, _, fmt = name.partition(":")
+    """ "gguf:Q4_0" and "gguf-head:Q4_0" -> ("gguf", "Q4_0"); "int8" and "int8-head" ->
+    ("int8", None)."""
+    name, _, fmt = name.partition(":")
+    method = QUANTIZATION_VARIANTS.get(name, (name,))[0]
     if fmt and method != "gguf":
-        raise ValueError(f"{name}: only gguf takes a file format (gguf:FMT)")
-    return QUANTIZATION_VARIANTS.get(method, (method,))[0], fmt or None
+        raise ValueError(f"{name}:{fmt}: only gguf takes a file format (gguf:FMT)")
+    return method, fmt or None
 
 
 # A tokenmill mode's weights -> the llama.cpp formats of the same precision class, the

@@ -50,7 +50,8 @@ from tokenmill.pipelines.options import get_option
     "--quantization",
     "quantizations",
     default="",
-    help="Comma-separated int8, int8-head (its lm_head in int8 too), int4, gguf, gguf:FMT: "
+    help="Comma-separated int8, int8-head (its lm_head in int8 too), int4, gguf, gguf:FMT, "
+    "gguf-head[:FMT] (gguf with its lm_head in int8): "
     "also run tokenmill with "
     "LLM(quantization=...), its float parts in the CPU's best float precision, and compare "
     "it with that; gguf:FMT runs the model's GGUF requantized to llama.cpp format FMT "
