@@ -5,10 +5,9 @@ on the same weights."""
 
 from __future__ import annotations
 
-from importlib import resources
-
 import pytest
 import torch
+from kernel_builds import OTHER_CPUS, build_with
 
 from tokenmill.engine import kernels
 from tokenmill.engine.kernels import lora as lora_kernel
@@ -119,17 +118,9 @@ def test_native_and_matmul_paths_agree(dtype):
     torch.testing.assert_close(outputs[0], outputs[1], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ("-mno-avx512bf16",),  # AVX-512 without AVX512-BF16: the plain loops
-        ("-march=x86-64-v3",),  # AVX2 and FMA (Zen 1)
-    ],
-)
+@OTHER_CPUS
 def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatch):
-    with resources.as_file(resources.files(kernels)) as source_dir:
-        kernels._compile(source_dir, tmp_path / "lib.so", extra_flags=flags)
-    variant = kernels._load(tmp_path / "lib.so")
+    variant = build_with(flags, tmp_path)
     assert variant.limits.lora_isa == "generic"
     monkeypatch.setattr(lora_kernel, "_library", lambda: variant.lib)
     for dtype in (torch.float32, torch.bfloat16):

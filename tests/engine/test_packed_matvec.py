@@ -5,10 +5,9 @@ PackedLinear's use of it - only where the layout is proven, never with a stale w
 
 from __future__ import annotations
 
-from importlib import resources
-
 import pytest
 import torch
+from kernel_builds import OTHER_CPUS, build_with
 from torch import nn
 from torch.nn import functional as F
 
@@ -70,17 +69,9 @@ def test_matches_float64(out_features, in_features, block_cols, with_bias, threa
     assert_matches(got, reference(x, weight, bias), in_features)
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        ("-mno-avx512bf16",),  # AVX-512 without AVX512-BF16: the plain loops
-        ("-march=x86-64-v3",),  # AVX2 and FMA (Zen 1)
-    ],
-)
+@OTHER_CPUS
 def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatch):
-    with resources.as_file(resources.files(kernels)) as source_dir:
-        kernels._compile(source_dir, tmp_path / "lib.so", extra_flags=flags)
-    variant = kernels._load(tmp_path / "lib.so")
+    variant = build_with(flags, tmp_path)
     assert not variant.limits.packed_matvec_vector
     monkeypatch.setattr(matvec_kernel, "_library", lambda: variant.lib)
     for block_cols in matvec_kernel.BLOCK_COLS:
