@@ -155,15 +155,17 @@ def read_part(
     """
     if url.endswith(PART_FORMATS["parquet"]):
         fs, path = resolve(url, storage_options)
-        # No Arrow thread pools: reading a Python file object on them (decoding on the CPU
-        # pool, pre-buffering on the IO pool), a process could abort at exit after its
+        # No Arrow thread: reading a Python file object on Arrow's pools (decoding on the
+        # CPU pool, pre-buffering on the IO pool), a process could abort at exit after its
         # work was done ("terminate called without an active exception", SIGABRT;
         # apache/arrow#34314, #50482). Fresh processes reading one file, 2 cores busy: 9
-        # of 60 aborted; 2 of 60 without the CPU pool; 0 of 60 without either. A part is
-        # one shard's rows.
+        # of 60 aborted; 2 of 60 without the CPU pool; 0 of 60 without either - and yet
+        # 1 of 8 in a CI run, because pq.read_table goes through the dataset reader, which
+        # starts an IO-pool thread even then. ParquetFile.read starts none. A part is one
+        # shard's rows.
         with store_operation("reading", display(fs, path)), fs.open(path, "rb") as f:
             columns = list(columns) if columns is not None else None
-            return pq.read_table(f, columns=columns, use_threads=False, pre_buffer=False)
+            return pq.ParquetFile(f, pre_buffer=False).read(columns=columns, use_threads=False)
     table = open_source(url, storage_options=storage_options).to_table()
     return table.select(list(columns)) if columns is not None else table
 
