@@ -32,7 +32,10 @@ def _storage(weight: torch.Tensor) -> tuple[int, int]:
     """(address, size in bytes) of a weight's values: a oneDNN-packed (mkldnn) tensor's
     opaque storage, or a dense tensor's."""
     if weight.is_mkldnn:
-        return torch.ops.mkldnn.data_ptr(weight), torch.ops.mkldnn._nbytes(weight)
+        ops = torch.ops.mkldnn
+        if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
+            raise ValueError("this torch build does not expose a packed weight's storage")
+        return ops.data_ptr(weight), ops._nbytes(weight)
     if not weight.is_contiguous():
         raise ValueError("a dense weight must be contiguous")
     return weight.data_ptr(), weight.numel() * weight.element_size()
