@@ -297,12 +297,7 @@ class Int8Method(QuantizationMethod):
         for parent, name, linear in targets:
             # A gated MLP's gate_up takes its activation into the product where it can.
             gated = isinstance(parent, GatedMLP) and name == "gate_up_proj"
-            layer = Int8Linear.from_float(
-                linear.weight,
-                linear.bias,
-                smoothing_factors(absmax[linear], linear.weight),
-                gated_activation=parent.activation if gated else None,
-            )
+            layer = _smoothed(linear, absmax, parent.activation if gated else None)
             setattr(parent, name, layer)
             total += layer.weight_bytes
         return total
@@ -316,12 +311,19 @@ def quantize_lm_head(model, model_dir: Path, measure_inputs) -> int:
         raise ValueError("quantize_lm_head=True needs a torch build with oneDNN's int8 ops")
     head = model.lm_head
     token_ids = calibration_token_ids(model_dir, model.config.vocab_size)
-    absmax = measure_inputs(model, [head], token_ids)
-    layer = Int8Linear.from_float(
-        head.weight, head.bias, smoothing_factors(absmax[head], head.weight)
-    )
+    layer = _smoothed(head, measure_inputs(model, [head], token_ids))
     model.lm_head = layer
     return layer.weight_bytes
+
+
+def _smoothed(linear: nn.Linear, absmax: dict, gated_activation=None) -> Int8Linear:
+    """`linear` in int8, smoothed by the input statistics the calibration pass measured."""
+    return Int8Linear.from_float(
+        linear.weight,
+        linear.bias,
+        smoothing_factors(absmax[linear], linear.weight),
+        gated_activation=gated_activation,
+    )
 
 
 register(Int8Method())
