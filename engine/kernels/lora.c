@@ -16,11 +16,11 @@
  *
  * An item is 16 rows of one run: their shrink, then their expand for each of the slot's
  * blocks, on one thread - t stays in that core's cache, and no barrier waits between
- * the two (items of different runs touch different rows). bf16 multiplies pairs of k (vdpbf16ps and AMX both take them),
- * so its right operands are stored in pairs (kernels.h). Where Linux grants AMX, a bf16
- * item of 16 rows runs on AMX tiles and shorter ones (a decode step's few rows per
- * adapter) on vdpbf16ps; fp32 is AVX-512 FMA; builds without AVX512-BF16 run plain loops
- * that compute the same sums.
+ * the two (items of different runs touch different rows). bf16 multiplies pairs of k
+ * (vdpbf16ps and AMX both take them), so its right operands are stored in pairs
+ * (kernels.h). Where Linux grants AMX, a bf16 item of 16 rows runs on AMX tiles and
+ * shorter ones (a decode step's few rows per adapter) on vdpbf16ps; fp32 is AVX-512 FMA;
+ * builds without AVX512-BF16 run plain loops that compute the same sums.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -79,6 +79,7 @@ class PackedMatvec:
         self.out_features = out_features
         self.in_features = in_features
         self._bias = bias  # kept alive: the struct holds its address
+        self._what = f"packed matvec {in_features} -> {out_features}"
         self._args = PackedMatvecArgs(
             w=address,
             bias=None if bias is None else bias.data_ptr(),
@@ -95,7 +96,5 @@ class PackedMatvec:
         args.x = x.data_ptr()
         args.y = y.data_ptr()
         args.num_threads = torch.get_num_threads()
-        status = _library().tm_packed_matvec(ctypes.byref(args))
-        if status:
-            check_status(status, f"packed matvec {self.in_features} -> {self.out_features}")
+        check_status(_library().tm_packed_matvec(ctypes.byref(args)), self._what)
         return y
