@@ -27,19 +27,13 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.cpu import cpu_name
+from tokenmill.bench.timing import time_per_call
 from tokenmill.engine.loader.model_files import resolve_model
 from tokenmill.engine.quant.packed_linear import PackedLinear
 
 STREAM_BYTES = 1 << 30
 PROMPT_TOKENS, OUTPUT_TOKENS = 200, 128
-
-
-def seconds(fn, repeat: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - start) / repeat
+MIN_SECONDS = 0.3  # per timing of the stream and of the layers, in each round
 
 
 def main() -> None:
@@ -81,12 +75,12 @@ def main() -> None:
     with torch.inference_mode():
         step(True)  # warm-up
         for _ in range(args.rounds):
-            for name, fn, repeat in (
-                ("stream", lambda: stream.sum(), 5),
-                ("layers oneDNN", onednn_layers, 20),
-                ("layers native", native_layers, 20),
+            for name, fn in (
+                ("stream", stream.sum),
+                ("layers oneDNN", onednn_layers),
+                ("layers native", native_layers),
             ):
-                results.setdefault(name, []).append(seconds(fn, repeat))
+                results.setdefault(name, []).append(time_per_call(fn, MIN_SECONDS))
             for name, native in (("step oneDNN", False), ("step native", True)):
                 results.setdefault(name, []).append(step(native))
     for m, call in zip(layers, calls):
