@@ -26,6 +26,10 @@ static inline void tm_configure_tiles(const uint8_t rows[8], const uint16_t byte
     tm_tile_config config = {0};
     config.palette_id = 1;
     for (int t = 0; t < 8; t++) config.rows[t] = rows[t], config.bytes_per_row[t] = bytes_per_row[t];
+    /* GCC 12 does not count ldtilecfg as reading all 64 bytes: where rows[] is not a
+     * constant it dropped the stores above and loaded stack garbage (a #GP). The empty asm
+     * that may read the whole struct keeps them. */
+    __asm__ volatile("" : : "m"(config) : "memory");
     _tile_loadconfig(&config);
 }
 

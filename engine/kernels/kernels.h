@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 14
+#define TM_ABI_VERSION 15
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -364,24 +364,23 @@ int tm_q4_linear_isa(void);
 
 /* ---- lora.c: every run of rows' LoRA terms in one call --------------------------------
  * For each run (slot, first, end) of `runs`:
- *     scratch[first:end, :rank] = x[first:end] @ a[slot][:, :rank]
- *     y[first:end, out_lo:out_hi] += scratch[first:end, col_lo:col_hi]
+ *     t = x[first:end] @ a[slot][:, :rank]
+ *     y[first:end, out_lo:out_hi] += t[:, col_lo:col_hi]
  *                                    @ b[slot][col_lo:col_hi, out_lo:out_hi]
  * for each (col_lo, col_hi, out_lo, out_hi) of the slot's blocks (their output ranges
- * disjoint), with rank = slot_ranks[slot]. Sums in fp32; bf16 rounds scratch to bf16 and
+ * disjoint), with rank = slot_ranks[slot]. Sums in fp32; bf16 rounds t to bf16 and
  * y once after its add. Layouts: fp32 a [num_slots][in][a_cols], b
  * [num_slots][b_rows][b_cols]; bf16 in pairs of k, a [num_slots][in / 2][a_cols][2], b
  * [num_slots][b_rows / 2][b_cols][2], with in, b_rows and every col_lo, col_hi even.
  * Runs cover disjoint rows. Where bf16 runs on AMX (lora_isa) the tiles read k in whole
  * 16s and 16 columns past a block, so there b_cols >= out + 16, col_lo + (col_hi - col_lo)
- * rounded up to 16 <= b_rows, b is zero outside the blocks' rows and columns and the
- * scratch's columns past each rank hold finite values (zeros). Every build has it. */
+ * rounded up to 16 <= b_rows, and b is zero outside the blocks' rows and columns. Every
+ * build has it. */
 typedef struct {
     const void *x;                 /* [rows, in] fp32 or bf16 */
     void *y;                       /* [rows, out], x's type: added to */
     const void *a;                 /* as above, x's type */
     const void *b;
-    void *scratch;                 /* [rows, b_rows], x's type */
     const int64_t *runs;           /* [num_runs][3]: slot, first row, end row */
     const int64_t *slot_ranks;     /* [num_slots] */
     const int64_t *slot_blocks;    /* [num_slots][TM_LORA_MAX_BLOCKS][4] */

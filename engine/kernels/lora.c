@@ -18,12 +18,13 @@
  * blocks, on one thread - t stays in that core's cache, and no barrier waits between
  * the two (items of different runs touch different rows). bf16 multiplies pairs of k
  * (vdpbf16ps and AMX both take them), so its right operands are stored in pairs
- * (kernels.h). Where Linux grants AMX, a bf16 item of 16 rows runs on AMX tiles and
- * shorter ones (a decode step's few rows per adapter) on vdpbf16ps; fp32 is AVX-512 FMA;
- * builds without AVX512-BF16 run plain loops that compute the same sums.
+ * (kernels.h). Where Linux grants AMX, bf16 items run on AMX tiles, configured for the
+ * item's rows (a decode step has a few per adapter); elsewhere on vdpbf16ps; fp32 is
+ * AVX-512 FMA; builds without AVX512-BF16 run plain loops that compute the same sums.
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "amx.h"
 #include "kernel_common.h"
@@ -50,7 +51,7 @@ typedef struct {
     int64_t k;
     int is_bf16;
     int add; /* 1: out += product; 0: out = product */
-    int amx; /* 1: 16-row items on AMX tiles (bf16, k % 16 == 0 or w zero past k) */
+    int amx; /* 1: on AMX tiles (bf16, k % 16 == 0 or w zero past k) */
 } operands;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -160,10 +161,13 @@ static void tile_any(const operands *o, int64_t row, int mr, int64_t col, int64_
 #define LORA_AMX 1
 #define AMX_ROWS 16
 
-/* Tiles 0-5 16 rows x 64 bytes; 6 and 7 for k's last 16: 16 rows x 16 k of x, and the
- * 8 pair rows of w that meet them. */
-static void configure_tiles(void) {
-    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 8};
+/* Tiles for items of m rows (1-16): 0-3 accumulate m rows x 16 fp32; 4 holds m rows x 32 k
+ * of x and 5 the 16 pair rows of w that meet them; 6 and 7 the same for k's last 16. A
+ * decode step's runs are a few rows each: their tiles carry only those rows, so that AMX
+ * serves them too rather than vdpbf16ps, whose one product per cycle makes a few rows'
+ * terms compute-bound (benchmarks/README.md, "LoRA adapters"). */
+static void configure_tiles(int m) {
+    const uint8_t rows[8] = {m, m, m, m, m, 16, m, 8};
     const uint16_t bytes[8] = {64, 64, 64, 64, 64, 64, 32, 64};
     tm_configure_tiles(rows, bytes);
 }
@@ -181,13 +185,14 @@ static void configure_tiles(void) {
         if (left > 48) { _tile_loadd(wt, pairs + 96, w_bytes); _tile_dpbf16ps(3, xt, wt); } \
     } while (0)
 
-/* Rows [row, row + 16) x columns [first, end) on AMX tiles, 64 columns (four fp32
- * accumulator tiles, 0-3) at a time: tile 4 holds 16 rows x 32 k of x, tile 5 a block
- * of w's pair rows; k is read in whole 16s. Past `end` the tiles read w's next columns
- * (tm_lora_args's padding keeps them inside w) and the finish leaves those sums out. */
-static void amx_band(const operands *o, int64_t row, int64_t first, int64_t end) {
+/* Rows [0, rows) x columns [first, end) on AMX tiles configured for `rows` rows, 64
+ * columns (four fp32 accumulator tiles, 0-3) at a time: tile 4 holds 32 k of x, tile 5 a
+ * block of w's pair rows; k is read in whole 16s. Past `end` the tiles read w's next
+ * columns (tm_lora_args's padding keeps them inside w) and the finish leaves those sums
+ * out. */
+static void amx_band(const operands *o, int64_t rows, int64_t first, int64_t end) {
     float acc[AMX_ROWS][64] __attribute__((aligned(64)));
-    const uint16_t *x = (const uint16_t *)o->x + row * o->ldx, *w = (const uint16_t *)o->w;
+    const uint16_t *x = (const uint16_t *)o->x, *w = (const uint16_t *)o->w;
     const int64_t x_bytes = o->ldx * 2, w_bytes = o->ldw * 4;
     const int64_t k = (o->k + 15) / 16 * 16, whole = k / 32 * 32;
     for (int64_t col = first; col < end; col += 64) {
@@ -199,9 +204,9 @@ static void amx_band(const operands *o, int64_t row, int64_t first, int64_t end)
         if (left > 16) _tile_stored(1, acc[0] + 16, sizeof acc[0]);
         if (left > 32) _tile_stored(2, acc[0] + 32, sizeof acc[0]);
         if (left > 48) _tile_stored(3, acc[0] + 48, sizeof acc[0]);
-        for (int r = 0; r < AMX_ROWS; r++)
+        for (int64_t r = 0; r < rows; r++)
             for (int g = 0; g < 4 && 16 * g < left; g++)
-                finish16(o, row + r, col + 16 * g, column_mask(left - 16 * g),
+                finish16(o, r, col + 16 * g, column_mask(left - 16 * g),
                          _mm512_load_ps(acc[r] + 16 * g));
     }
 }
@@ -257,17 +262,24 @@ int tm_lora_isa(void) {
     return LORA_ISA == TM_LORA_ISA_AVX512_BF16 && amx_usable() ? TM_LORA_ISA_AMX : LORA_ISA;
 }
 
-/* Rows [row, row + rows) of one product over columns [first, end): a whole AMX tile of
- * rows where this build and call have them, else vector tiles. */
-static void row_band(const operands *o, int64_t row, int64_t rows, int64_t first, int64_t end) {
+/* Rows [0, rows) (at most ITEM_ROWS) of one product over columns [first, end): AMX tiles
+ * where this build and call have them, else vector tiles. *tile_rows: the rows the
+ * thread's tiles are configured for, changed only when an item's count differs. */
+static void row_band(const operands *o, int64_t rows, int64_t first, int64_t end, int *tile_rows) {
 #ifdef LORA_AMX
-    if (o->amx && rows == AMX_ROWS) {
-        amx_band(o, row, first, end);
+    if (o->amx) {
+        if (*tile_rows != rows) {
+            configure_tiles((int)rows);
+            *tile_rows = (int)rows;
+        }
+        amx_band(o, rows, first, end);
         return;
     }
+#else
+    (void)tile_rows;
 #endif
-    for (int64_t part = row; part < row + rows; part += MR) {
-        const int mr = (int)(row + rows - part < MR ? row + rows - part : MR);
+    for (int64_t part = 0; part < rows; part += MR) {
+        const int mr = (int)(rows - part < MR ? rows - part : MR);
         for (int64_t col = first; col < end; col += NC) tile_any(o, part, mr, col, end);
     }
 }
@@ -337,42 +349,54 @@ int tm_lora(const tm_lora_args *a) {
     const int64_t items = item_starts[num_runs];
     const int threads = items > 1 ? a->num_threads : 1;
     const int amx = a->is_bf16 && amx_usable();
+    /* Each item's t = x @ A (ITEM_ROWS x b_rows) stays in its thread's own buffer, hot for
+     * the expand that reads it straight after. */
+    const size_t t_bytes = (size_t)(ITEM_ROWS * b_rows * value_bytes);
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-#ifdef LORA_AMX
-        if (amx) configure_tiles();
-#endif
+        char *t_rows = malloc(t_bytes);
+        int tile_rows = 0;
+        if (!t_rows) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < items; t++) {
+            if (!t_rows) continue;
             const int64_t r = run_of(item_starts, num_runs, t);
             const int64_t *run = a->runs + r * 3;
             const int64_t slot = run[0], row = run[1] + (t - item_starts[r]) * ITEM_ROWS;
             const int64_t rows = run[2] - row < ITEM_ROWS ? run[2] - row : ITEM_ROWS;
+            /* Zeros past the rank: AMX tiles read a block's rank columns in whole 16s, and
+             * what an earlier item left there must not meet B's zero padding as inf * 0. */
+            memset(t_rows, 0, t_bytes);
             const operands shrink = {
-                .x = a->x, .ldx = in,
+                .x = (const char *)a->x + row * in * value_bytes, .ldx = in,
                 .w = (const char *)a->a + slot * in * a_cols * value_bytes, .ldw = a_cols,
-                .out = a->scratch, .ldo = b_rows,
+                .out = t_rows, .ldo = b_rows,
                 .k = in, .is_bf16 = a->is_bf16, .add = 0, .amx = amx && in % 16 == 0,
             };
-            row_band(&shrink, row, rows, 0, a->slot_ranks[slot]);
+            row_band(&shrink, rows, 0, a->slot_ranks[slot], &tile_rows);
             for (int64_t b = 0; b < a->slot_num_blocks[slot]; b++) {
                 const int64_t *blk = a->slot_blocks + (slot * TM_LORA_MAX_BLOCKS + b) * 4;
                 /* t's columns [col_lo, col_hi) are the k of this block's product; B's rows
                  * from col_lo (pairs of them in bf16: the same element offset). */
                 const operands expand = {
-                    .x = (const char *)a->scratch + blk[0] * value_bytes, .ldx = b_rows,
+                    .x = t_rows + blk[0] * value_bytes, .ldx = b_rows,
                     .w = (const char *)a->b + (slot * b_rows + blk[0]) * b_cols * value_bytes,
                     .ldw = b_cols,
-                    .out = a->y, .ldo = out,
+                    .out = (char *)a->y + row * out * value_bytes, .ldo = out,
                     .k = blk[1] - blk[0], .is_bf16 = a->is_bf16, .add = 1, .amx = amx,
                 };
-                row_band(&expand, row, rows, blk[2], blk[3]);
+                row_band(&expand, rows, blk[2], blk[3], &tile_rows);
             }
         }
 #ifdef LORA_AMX
-        if (amx) _tile_release();
+        if (tile_rows) _tile_release();
 #endif
+        free(t_rows);
     }
     free(item_starts);
-    return TM_OK;
+    return failed ? TM_OUT_OF_MEMORY : TM_OK;
 }

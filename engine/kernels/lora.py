@@ -72,14 +72,11 @@ def add_lora_terms(
         raise ValueError("LoRA operands must be contiguous")
     if y.dtype != x.dtype or a.dtype != x.dtype or b.dtype != x.dtype:
         raise ValueError("LoRA operands must share one dtype")
-    # Zeros: AMX tiles read a block's rank columns in whole 16s, past what the shrink wrote.
-    scratch = torch.zeros((x.shape[0], b_rows), dtype=x.dtype)
     args = LoRAArgs(
         x=x.data_ptr(),
         y=y.data_ptr(),
         a=a.data_ptr(),
         b=b.data_ptr(),
-        scratch=scratch.data_ptr(),
         runs=runs.data_ptr(),
         slot_ranks=ranks.data_ptr(),
         slot_blocks=blocks.data_ptr(),
