@@ -1,6 +1,7 @@
 """Where a LoRA job's time goes beyond the base model's, on `lora8`'s rows.
 
-Four configurations, each on a fresh engine (an empty prefix cache) and timed as one
+Four configurations, each on a fresh engine warmed up as `tokenmill bench` does (its
+adapters read and in their slots, the prefix cache then emptied) and timed as one
 `llm.generate` call, alternating for `--rounds` rounds (best of each reported):
 
   base                     the base model on every row
@@ -24,10 +25,10 @@ import argparse
 import tempfile
 import time
 
-from tokenmill import LLM, LoRARequest
+from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.bench.lora import make_adapters
 from tokenmill.bench.timing import fixed_length_params
-from tokenmill.bench.workload import load_preset
+from tokenmill.bench.workload import load_preset, warmup_prompts
 from tokenmill.engine.kernels import lora as lora_kernel
 from tokenmill.engine.loader.model_files import resolve_model
 
@@ -62,6 +63,10 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name, (requests, call) in configurations.items():
                     llm = LLM(model, dtype=args.dtype)
+                    adapters = list(dict.fromkeys(requests or [None]))
+                    warmup = [warmup_prompts(workload)[0]] * len(adapters)
+                    llm.generate(warmup, SamplingParams(max_tokens=4), lora_request=adapters)
+                    llm.engine.block_manager.forget_cache()
                     lora_kernel.add_lora_terms = call
                     start = time.perf_counter()
                     llm.generate(workload.prompt_ids, params, lora_request=requests)

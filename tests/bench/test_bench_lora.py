@@ -47,5 +47,8 @@ def test_lora_systems_agree_with_merging_each_adapter(bench_model_dir, tmp_path)
     assert results[mixed.label].output_ids == results[merged.label].output_ids
     assert results[mixed.label].output_ids != results[base.label].output_ids
     assert results[merged.label].extra["num_merges"] == 3
+    # The adapters are read and in their slots before the clock, as the model is loaded.
+    assert results[mixed.label].extra["adapter_load_s"] > 0
+    assert results[mixed.label].extra["timed_slot_loads"] == 0
     for result in results.values():
         assert result.generated == [8] * 6

@@ -33,7 +33,6 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
     # Warm-up compiles the constraint too: a real job pays that once, not per request.
     warmup = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=constraint)
     llm.generate(warmup_prompts(workload), warmup)
-    before = replace(llm.stats())
     if constraint is not None:
         params = [
             SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=constraint)
@@ -44,11 +43,19 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             for n in job.output_lens or workload.output_lens
         ]
-    lora = None
+    lora, extra = None, {}
     if job.system.options.get("lora") == "mixed":
         lora = _lora_requests(job, workload)
-        llm.generate(warmup_prompts(workload), warmup, lora_request=lora[:2])  # loads them
+        # Every adapter read and in its slot before the clock starts, as the model is: the
+        # clock times serving the rows, and the one-time load is reported beside it.
+        adapters = list(dict.fromkeys(lora))
+        with Stopwatch() as load:
+            prompts = [warmup_prompts(workload)[0]] * len(adapters)
+            llm.generate(prompts, warmup, lora_request=adapters)
         llm.engine.block_manager.forget_cache()
+        extra["adapter_load_s"] = load.wall_s
+        slot_loads = llm.engine.runner.lora.num_slot_loads
+    before = replace(llm.stats())
     with Stopwatch() as clock:
         if workload.sequential:  # one request at a time: nothing to batch
             outputs = []
@@ -58,13 +65,14 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
         else:
             outputs = llm.generate(workload.prompt_ids, params, lora_request=lora)
     after = llm.stats()
+    if lora is not None:  # more adapters than slots: some reloaded within the timed run
+        extra["timed_slot_loads"] = llm.engine.runner.lora.num_slot_loads - slot_loads
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
-    extra = {}
     if constraint is not None:
         num_masked = after.num_constrained_tokens - before.num_constrained_tokens
-        extra = {
+        extra |= {
             "num_constrained_tokens": num_masked,
             "mask_fill_us_per_token": _per_token(
                 after.grammar_fill_s - before.grammar_fill_s, num_masked

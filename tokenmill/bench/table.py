@@ -30,7 +30,7 @@ def render(report: BenchReport, console: Console | None = None) -> None:
     console.print(f"matmul peak measured in this run: {peaks or 'not measured'}")
     console.print(throughput_table(report.systems))
     console.print(latency_table(report.systems))
-    for line in structured_lines(report.systems):
+    for line in structured_lines(report.systems) + adapter_load_lines(report.systems):
         console.print(line)
     for note in report.notes:
         console.print(f"note: {note}")
@@ -178,6 +178,16 @@ def structured_lines(systems: list[SystemSummary]) -> list[str]:
             f"{extra['num_complete']} outputs complete"
         )
     return lines
+
+
+def adapter_load_lines(systems: list[SystemSummary]) -> list[str]:
+    """One line per system serving adapters: reading them and filling their slots, done
+    once before its clock starts, as loading the model is."""
+    return [
+        f"{s.label}: adapters loaded in {s.extra['adapter_load_s']:.2f} s before the timed run"
+        for s in systems
+        if "adapter_load_s" in (s.extra or {})
+    ]
 
 
 def _agreement(s: SystemSummary) -> str:
