@@ -47,7 +47,7 @@ def main() -> None:
         paths = make_adapters(model, tmp, num_adapters=8, rank=16)
         eight = [LoRARequest(f"adapter-{i % 8}", str(paths[i % 8])) for i in range(rows)]
         one = [LoRARequest("adapter-0", str(paths[0]))] * rows
-        real_call = lora_kernel.add_lora_terms
+        real_call = lora_kernel.LoRATables.add
 
         def skipped(*_args, **_kwargs) -> None:
             return None
@@ -67,14 +67,14 @@ def main() -> None:
                     warmup = [warmup_prompts(workload)[0]] * len(adapters)
                     llm.generate(warmup, SamplingParams(max_tokens=4), lora_request=adapters)
                     llm.engine.block_manager.forget_cache()
-                    lora_kernel.add_lora_terms = call
+                    lora_kernel.LoRATables.add = call
                     start = time.perf_counter()
                     llm.generate(workload.prompt_ids, params, lora_request=requests)
                     elapsed = time.perf_counter() - start
                     best[name] = min(best.get(name, elapsed), elapsed)
                     del llm
         finally:
-            lora_kernel.add_lora_terms = real_call
+            lora_kernel.LoRATables.add = real_call
     base = best["base"]
     print(f"{args.dtype}, lora8's {rows} rows, best of {args.rounds}")
     print("| configuration | wall s | x base |")

@@ -39,6 +39,78 @@ def to_pairs(t: torch.Tensor) -> torch.Tensor:
     return t.view(k // 2, 2, n).transpose(1, 2).contiguous()
 
 
+class LoRATables:
+    """One layer's adapter weights and slot tables as the kernel reads them, checked and
+    laid out once (the wrapper keeps one until its slots change), then called for each
+    step's rows: a decode step makes 120 such calls on SmolLM2, and building the call's
+    arguments each time cost more than some of the calls' arithmetic.
+
+    Args:
+        a: fp32 [slots, in, a_cols]; bf16 in pairs, [slots, in / 2, a_cols, 2] (`to_pairs`
+            of each slot's).
+        b: fp32 [slots, b_rows, b_cols]; bf16 [slots, b_rows / 2, b_cols, 2]; b_cols >= out,
+            and padded as kernels.h asks where bf16 runs on AMX tiles.
+        ranks: int64 [slots]: columns of a in use per slot.
+        blocks: int64 [slots, max_blocks(), 4]: (col_lo, col_hi, out_lo, out_hi) each.
+        num_blocks: int64 [slots].
+    """
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        ranks: torch.Tensor,
+        blocks: torch.Tensor,
+        num_blocks: torch.Tensor,
+    ) -> None:
+        is_bf16 = a.dtype == torch.bfloat16
+        if a.dim() != (4 if is_bf16 else 3) or b.dim() != a.dim():
+            raise ValueError("bf16 LoRA weights must be in pairs, fp32 ones plain")
+        if not (a.is_contiguous() and b.is_contiguous()):
+            raise ValueError("LoRA operands must be contiguous")
+        if b.dtype != a.dtype:
+            raise ValueError("LoRA operands must share one dtype")
+        self.dtype = a.dtype
+        self.in_features = a.shape[1] * (2 if is_bf16 else 1)
+        self._keep = (a, b, ranks, blocks, num_blocks)  # the pointers below stay valid
+        self._args = LoRAArgs(
+            a=a.data_ptr(),
+            b=b.data_ptr(),
+            slot_ranks=ranks.data_ptr(),
+            slot_blocks=blocks.data_ptr(),
+            slot_num_blocks=num_blocks.data_ptr(),
+            num_slots=a.shape[0],
+            in_features=self.in_features,
+            a_cols=a.shape[2],
+            b_rows=b.shape[1] * 2 if is_bf16 else b.shape[1],
+            b_cols=b.shape[2],
+            is_bf16=int(is_bf16),
+        )
+        self._describe = f"LoRA terms of {{}} rows of {self.in_features} inputs"
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, runs: torch.Tensor) -> None:
+        """y[first:end] += the term of the adapter in `slot`, for each (slot, first, end) run.
+
+        Args:
+            x: [rows, in], the tables' dtype, contiguous.
+            y: [rows, out], x's type, contiguous: the base layer's output, added to in place.
+            runs: int64 [num_runs, 3], disjoint rows.
+        """
+        if x.dtype != self.dtype or y.dtype != self.dtype:
+            raise ValueError("LoRA operands must share one dtype")
+        if x.shape[1] != self.in_features or y.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"LoRA inputs {tuple(x.shape)} and outputs {tuple(y.shape)} do not fit"
+            )
+        if not (x.is_contiguous() and y.is_contiguous()):
+            raise ValueError("LoRA operands must be contiguous")
+        args = self._args
+        args.x, args.y, args.runs = x.data_ptr(), y.data_ptr(), runs.data_ptr()
+        args.rows, args.num_runs, args.out_features = x.shape[0], runs.shape[0], y.shape[1]
+        args.num_threads = torch.get_num_threads()
+        check_status(_library().tm_lora(ctypes.byref(args)), self._describe.format(x.shape[0]))
+
+
 def add_lora_terms(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -49,49 +121,6 @@ def add_lora_terms(
     blocks: torch.Tensor,
     num_blocks: torch.Tensor,
 ) -> None:
-    """y[first:end] += the term of the adapter in `slot`, for each (slot, first, end) run.
-
-    Args:
-        x: [rows, in] fp32 or bf16, contiguous.
-        y: [rows, out], x's type, contiguous: the base layer's output, added to in place.
-        a: fp32 [slots, in, a_cols]; bf16 in pairs, [slots, in / 2, a_cols, 2] (`to_pairs`
-            of each slot's).
-        b: fp32 [slots, b_rows, b_cols]; bf16 [slots, b_rows / 2, b_cols, 2]; b_cols >= out,
-            and padded as kernels.h asks where bf16 runs on AMX tiles.
-        runs: int64 [num_runs, 3], disjoint rows.
-        ranks: int64 [slots]: columns of a in use per slot.
-        blocks: int64 [slots, max_blocks(), 4]: (col_lo, col_hi, out_lo, out_hi) each.
-        num_blocks: int64 [slots].
-    """
-    is_bf16 = x.dtype == torch.bfloat16
-    if a.dim() != (4 if is_bf16 else 3) or b.dim() != a.dim():
-        raise ValueError("bf16 LoRA weights must be in pairs, fp32 ones plain")
-    num_slots, a_cols = a.shape[0], a.shape[2]
-    b_rows, b_cols = (b.shape[1] * 2 if is_bf16 else b.shape[1]), b.shape[2]
-    if not (x.is_contiguous() and y.is_contiguous() and a.is_contiguous() and b.is_contiguous()):
-        raise ValueError("LoRA operands must be contiguous")
-    if y.dtype != x.dtype or a.dtype != x.dtype or b.dtype != x.dtype:
-        raise ValueError("LoRA operands must share one dtype")
-    args = LoRAArgs(
-        x=x.data_ptr(),
-        y=y.data_ptr(),
-        a=a.data_ptr(),
-        b=b.data_ptr(),
-        runs=runs.data_ptr(),
-        slot_ranks=ranks.data_ptr(),
-        slot_blocks=blocks.data_ptr(),
-        slot_num_blocks=num_blocks.data_ptr(),
-        rows=x.shape[0],
-        num_runs=runs.shape[0],
-        num_slots=num_slots,
-        in_features=x.shape[1],
-        out_features=y.shape[1],
-        a_cols=a_cols,
-        b_rows=b_rows,
-        b_cols=b_cols,
-        is_bf16=int(is_bf16),
-        num_threads=torch.get_num_threads(),
-    )
-    check_status(
-        _library().tm_lora(ctypes.byref(args)), f"LoRA {tuple(x.shape)} -> {tuple(y.shape)}"
-    )
+    """y[first:end] += the term of the adapter in `slot`, for each (slot, first, end) run,
+    in one call (`LoRATables` for what each argument holds)."""
+    LoRATables(a, b, ranks, blocks, num_blocks).add(x, y, runs)

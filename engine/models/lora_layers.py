@@ -143,6 +143,7 @@ class LoRALinear(nn.Module):
         self.b: torch.Tensor | None = None
         self.ranks = [0] * num_slots
         self.targets: list[tuple[str, ...]] = [()] * num_slots
+        self._tables: lora_kernel.LoRATables | None = None  # native: built on first use
         if native:
             self.slot_ranks = torch.zeros(num_slots, dtype=torch.int64)
             self.slot_blocks = torch.zeros(
@@ -160,6 +161,7 @@ class LoRALinear(nn.Module):
 
     def set_slot(self, slot: int, weights: SlotWeights | None) -> None:
         """Load one adapter's term into `slot` (None: the adapter has no target here)."""
+        self._tables = None
         if weights is None:
             if self.a is not None:
                 self.a[slot].zero_()
@@ -235,11 +237,12 @@ class LoRALinear(nn.Module):
             return y
         if self.native:
             if step.runs is not None:
+                if self._tables is None:
+                    self._tables = lora_kernel.LoRATables(
+                        self.a, self.b, self.slot_ranks, self.slot_blocks, self.slot_num_blocks
+                    )
                 y = y.contiguous()
-                lora_kernel.add_lora_terms(
-                    x.contiguous(), y, self.a, self.b, step.runs,
-                    self.slot_ranks, self.slot_blocks, self.slot_num_blocks,
-                )  # fmt: skip
+                self._tables.add(x.contiguous(), y, step.runs)
             return y
         for slot, start, end in step.segments:
             rank = self.ranks[slot]
