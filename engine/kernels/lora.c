@@ -185,6 +185,22 @@ static void configure_tiles(int m) {
         if (left > 48) { _tile_loadd(wt, pairs + 96, w_bytes); _tile_dpbf16ps(3, xt, wt); } \
     } while (0)
 
+/* Row values [0, 64) of a bf16 output, plus acc's 64 sums, rounded once: finish16's
+ * arithmetic for a whole band with no masks, two 32-value loads and stores and one
+ * two-vector conversion each (the add into the base's output is most of a prompt step's
+ * expand: benchmarks/README.md, "LoRA adapters"). */
+static inline __attribute__((always_inline)) void add64_bf16(uint16_t *p, const float *acc) {
+    const __m512i lo = _mm512_loadu_si512(p), hi = _mm512_loadu_si512(p + 32);
+#define WIDEN(half) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16))
+    const __m512 v0 = _mm512_add_ps(WIDEN(_mm512_castsi512_si256(lo)), _mm512_load_ps(acc));
+    const __m512 v1 = _mm512_add_ps(WIDEN(_mm512_extracti64x4_epi64(lo, 1)), _mm512_load_ps(acc + 16));
+    const __m512 v2 = _mm512_add_ps(WIDEN(_mm512_castsi512_si256(hi)), _mm512_load_ps(acc + 32));
+    const __m512 v3 = _mm512_add_ps(WIDEN(_mm512_extracti64x4_epi64(hi, 1)), _mm512_load_ps(acc + 48));
+#undef WIDEN
+    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+    _mm512_storeu_si512(p + 32, (__m512i)_mm512_cvtne2ps_pbh(v3, v2));
+}
+
 /* Rows [0, rows) x columns [first, end) on AMX tiles configured for `rows` rows, 64
  * columns (four fp32 accumulator tiles, 0-3) at a time: tile 4 holds 32 k of x, tile 5 a
  * block of w's pair rows; k is read in whole 16s. Past `end` the tiles read w's next
@@ -204,6 +220,10 @@ static void amx_band(const operands *o, int64_t rows, int64_t first, int64_t end
         if (left > 16) _tile_stored(1, acc[0] + 16, sizeof acc[0]);
         if (left > 32) _tile_stored(2, acc[0] + 32, sizeof acc[0]);
         if (left > 48) _tile_stored(3, acc[0] + 48, sizeof acc[0]);
+        if (left >= 64 && o->add) { /* AMX products are bf16 */
+            for (int64_t r = 0; r < rows; r++) add64_bf16((uint16_t *)o->out + r * o->ldo + col, acc[r]);
+            continue;
+        }
         for (int64_t r = 0; r < rows; r++)
             for (int g = 0; g < 4 && 16 * g < left; g++)
                 finish16(o, r, col + 16 * g, column_mask(left - 16 * g),
