@@ -222,7 +222,8 @@ static void amx_band(const operands *o, int64_t rows, int64_t first, int64_t end
         if (left > 32) _tile_stored(2, acc[0] + 32, sizeof acc[0]);
         if (left > 48) _tile_stored(3, acc[0] + 48, sizeof acc[0]);
         if (left >= 64 && o->add) { /* AMX products are bf16 */
-            for (int64_t r = 0; r < rows; r++) add64_bf16((uint16_t *)o->out + r * o->ldo + col, acc[r]);
+            for (int64_t r = 0; r < rows; r++)
+                add64_bf16((uint16_t *)o->out + r * o->ldo + col, acc[r]);
             continue;
         }
         for (int64_t r = 0; r < rows; r++)
@@ -383,8 +384,8 @@ int tm_lora(const tm_lora_args *a) {
             failed = 1;
         }
         /* Each thread a contiguous share of the items: its rows of y and its runs'
-         * weights in one stretch. A lora8 job's prompt-step calls took 0.39-0.44 s so,
-         * 0.44-0.46 s with items dealt out one at a time (benchmarks/README.md). */
+         * weights in one stretch, a little faster than items dealt out one at a time
+         * (benchmarks/README.md, "LoRA adapters"). */
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t lo = items * tid / nt, hi = items * (tid + 1) / nt;
         for (int64_t t = lo; t < hi; t++) {
