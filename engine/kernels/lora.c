@@ -186,21 +186,20 @@ static void configure_tiles(int m) {
         if (left > 48) { _tile_loadd(wt, pairs + 96, w_bytes); _tile_dpbf16ps(3, xt, wt); } \
     } while (0)
 
-/* Row values [0, 64) of a bf16 output, plus acc's 64 sums, rounded once: finish16's
- * arithmetic for a whole band with no masks, two 32-value loads and stores and one
- * two-vector conversion each (the add into the base's output is most of a prompt step's
- * expand: benchmarks/README.md, "LoRA adapters"). */
-static inline __attribute__((always_inline)) void add64_bf16(uint16_t *p, const float *acc) {
-    const __m512i lo = _mm512_loadu_si512(p), hi = _mm512_loadu_si512(p + 32);
-#define WIDEN(half) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16))
-    const __m512 v0 = _mm512_add_ps(WIDEN(_mm512_castsi512_si256(lo)), _mm512_load_ps(acc));
-    const __m512 v1 = _mm512_add_ps(WIDEN(_mm512_extracti64x4_epi64(lo, 1)), _mm512_load_ps(acc + 16));
-    const __m512 v2 = _mm512_add_ps(WIDEN(_mm512_castsi512_si256(hi)), _mm512_load_ps(acc + 32));
-    const __m512 v3 = _mm512_add_ps(WIDEN(_mm512_extracti64x4_epi64(hi, 1)), _mm512_load_ps(acc + 48));
-#undef WIDEN
-    _mm512_storeu_si512(p, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
-    _mm512_storeu_si512(p + 32, (__m512i)_mm512_cvtne2ps_pbh(v3, v2));
-}
+/* 16 x 16 identity in w's pair layout (8 pair rows of 16 columns x 2 k), bf16 ones: y's
+ * 16-column blocks times it put y into the accumulator tiles exactly, so that a whole
+ * 64-column band adds its terms to y on the tiles and the vector work left is one
+ * two-vector conversion per 32 outputs - the add into the base's output was most of a
+ * prompt step's expand (benchmarks/README.md, "LoRA adapters"). */
+static const uint16_t IDENTITY16[8][16][2] __attribute__((aligned(64))) = {
+#define ONE(p, c) {(2 * (p) == (c)) ? 0x3F80 : 0, (2 * (p) + 1 == (c)) ? 0x3F80 : 0}
+#define ROW(p) {ONE(p, 0), ONE(p, 1), ONE(p, 2), ONE(p, 3), ONE(p, 4), ONE(p, 5), ONE(p, 6), \
+                ONE(p, 7), ONE(p, 8), ONE(p, 9), ONE(p, 10), ONE(p, 11), ONE(p, 12),          \
+                ONE(p, 13), ONE(p, 14), ONE(p, 15)}
+    ROW(0), ROW(1), ROW(2), ROW(3), ROW(4), ROW(5), ROW(6), ROW(7),
+#undef ROW
+#undef ONE
+};
 
 /* Rows [0, rows) x columns [first, end) on AMX tiles configured for `rows` rows, 64
  * columns (four fp32 accumulator tiles, 0-3) at a time: tile 4 holds 32 k of x, tile 5 a
@@ -215,15 +214,31 @@ static void amx_band(const operands *o, int64_t rows, int64_t first, int64_t end
     for (int64_t col = first; col < end; col += 64) {
         const int64_t left = end - col;
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        const int whole_add = left >= 64 && o->add; /* AMX products are bf16 */
+        if (whole_add) { /* the accumulators start from y (IDENTITY16) */
+            const uint16_t *y = (const uint16_t *)o->out + col;
+            const int64_t y_bytes = o->ldo * 2;
+            _tile_loadd(7, IDENTITY16, 64);
+            _tile_loadd(6, y, y_bytes); _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(6, y + 16, y_bytes); _tile_dpbf16ps(1, 6, 7);
+            _tile_loadd(6, y + 32, y_bytes); _tile_dpbf16ps(2, 6, 7);
+            _tile_loadd(6, y + 48, y_bytes); _tile_dpbf16ps(3, 6, 7);
+        }
         for (int64_t kk = 0; kk < whole; kk += 32) AMX_K_STEP(kk, 4, 5);
         if (k > whole) AMX_K_STEP(whole, 6, 7);
         _tile_stored(0, acc[0], sizeof acc[0]);
         if (left > 16) _tile_stored(1, acc[0] + 16, sizeof acc[0]);
         if (left > 32) _tile_stored(2, acc[0] + 32, sizeof acc[0]);
         if (left > 48) _tile_stored(3, acc[0] + 48, sizeof acc[0]);
-        if (left >= 64 && o->add) { /* AMX products are bf16 */
-            for (int64_t r = 0; r < rows; r++)
-                add64_bf16((uint16_t *)o->out + r * o->ldo + col, acc[r]);
+        if (whole_add) {
+            for (int64_t r = 0; r < rows; r++) {
+                uint16_t *p = (uint16_t *)o->out + r * o->ldo + col;
+                const float *a = acc[r];
+                const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_load_ps(a + 16), _mm512_load_ps(a));
+                const __m512bh hi = _mm512_cvtne2ps_pbh(_mm512_load_ps(a + 48), _mm512_load_ps(a + 32));
+                _mm512_storeu_si512(p, (__m512i)lo);
+                _mm512_storeu_si512(p + 32, (__m512i)hi);
+            }
             continue;
         }
         for (int64_t r = 0; r < rows; r++)
