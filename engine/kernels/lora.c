@@ -214,7 +214,7 @@ static void amx_band(const operands *o, int64_t rows, int64_t first, int64_t end
     for (int64_t col = first; col < end; col += 64) {
         const int64_t left = end - col;
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        const int whole_add = left >= 64 && o->add; /* AMX products are bf16 */
+        const int whole_add = left >= 64 && o->add; /* an expand into y (bf16 on AMX) */
         if (whole_add) { /* the accumulators start from y (IDENTITY16) */
             const uint16_t *y = (const uint16_t *)o->out + col;
             const int64_t y_bytes = o->ldo * 2;
@@ -402,16 +402,16 @@ int tm_lora(const tm_lora_args *a) {
          * weights in one stretch, a little faster than items dealt out one at a time
          * (benchmarks/README.md, "LoRA adapters"). */
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t lo = items * tid / nt, hi = items * (tid + 1) / nt;
+        const int64_t lo = items * tid / nt, hi = t_rows ? items * (tid + 1) / nt : lo;
         for (int64_t t = lo; t < hi; t++) {
-            if (!t_rows) continue;
             const int64_t r = run_of(item_starts, num_runs, t);
             const int64_t *run = a->runs + r * 3;
             const int64_t slot = run[0], row = run[1] + (t - item_starts[r]) * ITEM_ROWS;
             const int64_t rows = run[2] - row < ITEM_ROWS ? run[2] - row : ITEM_ROWS;
             /* Zeros past the rank: AMX tiles read a block's rank columns in whole 16s, and
-             * what an earlier item left there must not meet B's zero padding as inf * 0. */
-            memset(t_rows, 0, t_bytes);
+             * what an earlier item left there must not meet B's zero padding as inf * 0.
+             * Tiles and vector tiles read the item's rows only. */
+            memset(t_rows, 0, (size_t)(rows * b_rows * value_bytes));
             const operands shrink = {
                 .x = (const char *)a->x + row * in * value_bytes, .ldx = in,
                 .w = (const char *)a->a + slot * in * a_cols * value_bytes, .ldw = a_cols,

@@ -86,7 +86,7 @@ class LoRATables:
             b_cols=b.shape[2],
             is_bf16=int(is_bf16),
         )
-        self._describe = f"LoRA terms of {{}} rows of {self.in_features} inputs"
+        self._what = f"LoRA terms over {self.in_features} inputs"
 
     def add(self, x: torch.Tensor, y: torch.Tensor, runs: torch.Tensor) -> None:
         """y[first:end] += the term of the adapter in `slot`, for each (slot, first, end) run.
@@ -108,7 +108,7 @@ class LoRATables:
         args.x, args.y, args.runs = x.data_ptr(), y.data_ptr(), runs.data_ptr()
         args.rows, args.num_runs, args.out_features = x.shape[0], runs.shape[0], y.shape[1]
         args.num_threads = torch.get_num_threads()
-        check_status(_library().tm_lora(ctypes.byref(args)), self._describe.format(x.shape[0]))
+        check_status(_library().tm_lora(ctypes.byref(args)), self._what)
 
 
 def add_lora_terms(
