@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from tokenmill import LLM, LoRARequest, SamplingParams
-from tokenmill.bench.lora import make_adapters
+from tokenmill.bench.lora import load_adapters_before_the_clock, make_adapters
 from tokenmill.bench.timing import fixed_length_params
 from tokenmill.bench.workload import load_preset, warmup_prompts
 from tokenmill.engine.kernels import lora as lora_kernel
@@ -42,6 +42,7 @@ def main() -> None:
     model = str(resolve_model(args.model))
     workload = load_preset("lora8", model)
     params = fixed_length_params(workload)
+    warmup = SamplingParams(temperature=0.0, max_tokens=4)
     rows = len(workload.prompt_ids)
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(model, tmp, num_adapters=8, rank=16)
@@ -63,10 +64,9 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name, (requests, call) in configurations.items():
                     llm = LLM(model, dtype=args.dtype)
-                    adapters = list(dict.fromkeys(requests or [None]))
-                    warmup = [warmup_prompts(workload)[0]] * len(adapters)
-                    llm.generate(warmup, SamplingParams(max_tokens=4), lora_request=adapters)
-                    llm.engine.block_manager.forget_cache()
+                    load_adapters_before_the_clock(
+                        llm, requests or [None], warmup_prompts(workload)[0], warmup
+                    )
                     lora_kernel.LoRATables.add = call
                     start = time.perf_counter()
                     llm.generate(workload.prompt_ids, params, lora_request=requests)

@@ -18,6 +18,7 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
     request generates exactly its output length (the job's, when it carries its own).
     """
     from tokenmill import LLM, SamplingParams, StructuredOutputs
+    from tokenmill.bench.lora import load_adapters_before_the_clock
 
     if job.system.options.get("lora") == "merged":
         return run_merged(job, workload)
@@ -46,14 +47,10 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
     lora, extra = None, {}
     if job.system.options.get("lora") == "mixed":
         lora = _lora_requests(job, workload)
-        # Every adapter read and in its slot before the clock starts, as the model is: the
-        # clock times serving the rows, and the one-time load is reported beside it.
-        adapters = list(dict.fromkeys(lora))
-        with Stopwatch() as load:
-            prompts = [warmup_prompts(workload)[0]] * len(adapters)
-            llm.generate(prompts, warmup, lora_request=adapters)
-        llm.engine.block_manager.forget_cache()
-        extra["adapter_load_s"] = load.wall_s
+        # The clock times serving the rows; the one-time load is reported beside it.
+        extra["adapter_load_s"] = load_adapters_before_the_clock(
+            llm, lora, warmup_prompts(workload)[0], warmup
+        )
         slot_loads = llm.engine.runner.lora.num_slot_loads
     before = replace(llm.stats())
     with Stopwatch() as clock:
