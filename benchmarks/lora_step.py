@@ -23,27 +23,34 @@ from tokenmill.engine.models.lora_layers import LoRALinear, LoRAStep
 NUM_LAYERS = 30
 
 
-def build(dtype: torch.dtype, rows: int) -> list[tuple[LoRALinear, torch.Tensor, torch.Tensor]]:
+def build(dtype: torch.dtype, rows: int) -> list[tuple[dict, torch.Tensor, torch.Tensor]]:
+    """Each layer's call tables, as a wrapper keeps them (whole terms, and the shrink alone:
+    no block to expand), with its own x and y."""
     generator = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(NUM_LAYERS):
         for shape in LAYERS.values():
             out, inp, _ = shape
-            wrapper = LoRALinear(torch.nn.Identity(), LoRAStep(), NUM_ADAPTERS, native=True)
-            load_adapters(wrapper, shape, dtype, generator)
+            w = LoRALinear(torch.nn.Identity(), LoRAStep(), NUM_ADAPTERS, native=True)
+            load_adapters(w, shape, dtype, generator)
+            tables = {
+                shrink_only: lora_kernel.LoRATables(
+                    w.a,
+                    w.b,
+                    w.slot_ranks,
+                    w.slot_blocks,
+                    torch.zeros_like(w.slot_num_blocks) if shrink_only else w.slot_num_blocks,
+                )
+                for shrink_only in (False, True)
+            }
             x = torch.randn(rows, inp, generator=generator).to(dtype)
-            layers.append((wrapper, x, torch.zeros(rows, out, dtype=dtype)))
+            layers.append((tables, x, torch.zeros(rows, out, dtype=dtype)))
     return layers
 
 
 def step(layers, runs: torch.Tensor, shrink_only: bool) -> None:
-    for wrapper, x, y in layers:
-        blocks = (
-            torch.zeros_like(wrapper.slot_num_blocks) if shrink_only else wrapper.slot_num_blocks
-        )
-        lora_kernel.add_lora_terms(
-            x, y, wrapper.a, wrapper.b, runs, wrapper.slot_ranks, wrapper.slot_blocks, blocks,
-        )  # fmt: skip
+    for tables, x, y in layers:
+        tables[shrink_only].add(x, y, runs)
 
 
 def main() -> None:
