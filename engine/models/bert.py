@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.engine.models.config import ModelConfig, common_fields
+from tokenmill.engine.models.config_fields import Refused, fields, refused
 from tokenmill.engine.models.layers import Embedding, Linear
 from tokenmill.engine.models.registry import Architecture, register
 
@@ -246,9 +247,8 @@ class BertForEmbedding(nn.Module):
         (None: all segment 0) -> hidden states [num_tokens, hidden]."""
         return self.model(input_ids, positions, token_type_ids, meta)
 
-    @staticmethod
-    def checkpoint_name(name: str) -> str | None:
-        """A checkpoint tensor's name -> ours (None: not a weight of ours).
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name -> ours (None: a tensor this model leaves, by design).
 
         Bare-encoder checkpoints name tensors from the encoder down ("embeddings. ...");
         task checkpoints put them under "bert." or "roberta."; old ones call LayerNorm's
@@ -258,6 +258,12 @@ class BertForEmbedding(nn.Module):
             if name.startswith(prefix):
                 name = name[len(prefix) :]
                 break
+        if name == "embeddings.position_ids":
+            return None  # a buffer of 0, 1, ... older transformers saved; positions are ours
+        if name.startswith("pooler.") and not self._uses_bert_pooler(self.config):
+            # transformers' pooler_output (dense + tanh on the first token): pooled
+            # embeddings are made from the hidden states, never from it.
+            return None
         if name.endswith(".gamma"):
             name = name[: -len("gamma")] + "weight"
         elif name.endswith(".beta"):
@@ -305,11 +311,6 @@ class RobertaClassificationHead(nn.Module):
 
 
 def _parse(raw: dict, *, roberta: bool) -> BertConfig:
-    position_type = raw.get("position_embedding_type", "absolute")
-    if position_type != "absolute":
-        raise ValueError(
-            f"position_embedding_type {position_type!r} is not supported (only absolute)"
-        )
     num_labels = len(raw.get("id2label") or {}) or int(raw.get("num_labels", 0) or 0)
     architecture = (raw.get("architectures") or [None])[0]
     if architecture is None:  # an old config: its model_type names the bare encoder
@@ -337,6 +338,48 @@ def _parse(raw: dict, *, roberta: bool) -> BertConfig:
     )
 
 
+def _head_dim_as_transformers_computes(value, raw: dict) -> bool:
+    return value is None or value == raw["hidden_size"] // raw["num_attention_heads"]
+
+
+# transformers' BertConfig, RobertaConfig and XLMRobertaConfig (the same fields), field
+# by field.
+CONFIG_FIELDS = fields(
+    handled={
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "hidden_act",
+        "max_position_embeddings",
+        "type_vocab_size",
+        "layer_norm_eps",
+        "pad_token_id",  # RoBERTa's positions start after it
+    },
+    harmless={
+        "hidden_dropout_prob": "dropout is off at inference",
+        "attention_probs_dropout_prob": "dropout is off at inference",
+        "classifier_dropout": "dropout is off at inference",
+        "initializer_range": "initialises weights for training; the checkpoint replaces them",
+        "use_cache": "a cache for decoder use; an encoder keeps none",
+        "bos_token_id": "a tokenizer id; the encoder's forward does not read it",
+        "eos_token_id": "a tokenizer id; the encoder's forward does not read it",
+        "tie_word_embeddings": "ties a masked-LM head, which these models do not have",
+    },
+    refused={
+        "is_decoder": refused("causal attention: BERT used as a decoder", False),
+        "add_cross_attention": refused("cross-attention to another model's states", False),
+        "position_embedding_type": refused("relative position embeddings", "absolute"),
+        "head_dim": Refused(
+            "heads of another size than hidden_size / num_attention_heads, which "
+            "transformers' BERT computes whatever head_dim says",
+            _head_dim_as_transformers_computes,
+        ),
+    },
+)
+
+
 def parse_bert_config(raw: dict) -> BertConfig:
     return _parse(raw, roberta=False)
 
@@ -350,6 +393,7 @@ register(
         names=("BertModel",),
         model_class=BertForEmbedding,
         parse_config=parse_bert_config,
+        config_fields=CONFIG_FIELDS,
         model_types=("bert",),
         tasks=EMBED_TASKS,
     )
@@ -359,6 +403,7 @@ register(
         names=("RobertaModel", "XLMRobertaModel"),
         model_class=BertForEmbedding,
         parse_config=parse_roberta_config,
+        config_fields=CONFIG_FIELDS,
         model_types=("roberta", "xlm-roberta"),
         tasks=EMBED_TASKS,
     )
@@ -368,6 +413,7 @@ register(
         names=("BertForSequenceClassification",),
         model_class=BertForSequenceClassification,
         parse_config=parse_bert_config,
+        config_fields=CONFIG_FIELDS,
         tasks=HEAD_TASKS,
     )
 )
@@ -376,6 +422,7 @@ register(
         names=("RobertaForSequenceClassification", "XLMRobertaForSequenceClassification"),
         model_class=BertForSequenceClassification,
         parse_config=parse_roberta_config,
+        config_fields=CONFIG_FIELDS,
         tasks=HEAD_TASKS,
     )
 )

@@ -10,6 +10,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SLIDING_ATTENTION = "sliding_attention"  # a `layer_types` entry: the layer sees a window
+FULL_ATTENTION = "full_attention"  # a `layer_types` entry: the layer sees every position
+
+# Rotary scalings the rotary tables compute (layers.rope_inv_freq), each with the keys of
+# its rope_scaling dict it reads; "default" is plain rope.
+ROPE_TYPES: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    ),
+}
+# Keys of a rope dict that name it or its base rather than scale it; and keys other
+# scalings read that change nothing at these values.
+_ROPE_NAMING_KEYS = frozenset({"rope_type", "type", "rope_theta"})
+_ROPE_NEUTRAL = {"partial_rotary_factor": (1, 1.0), "attention_factor": (1, 1.0)}
 
 
 @dataclass
@@ -29,6 +44,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on the q, k and v projections
+    attention_output_bias: bool = False  # a bias on the attention's output projection
+    mlp_bias: bool = False  # biases on the gated MLP's gate, up and down projections
     qk_norm: bool = False  # q and k RMS-normalised per head before rotary
     rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", ...}
     # Sliding-window attention: a query at position p sees keys p - window + 1 .. p. Every
@@ -42,11 +59,18 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for "
-                f"{self.num_hidden_layers} layers"
-            )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            unknown = sorted(set(self.layer_types) - {SLIDING_ATTENTION, FULL_ATTENTION})
+            if unknown:
+                raise ValueError(
+                    f"layer_types has {unknown}: only {SLIDING_ATTENTION!r} and "
+                    f"{FULL_ATTENTION!r} layers are implemented"
+                )
 
     @property
     def max_context(self) -> int:
@@ -65,14 +89,21 @@ class ModelConfig:
 
 def common_fields(raw: dict, **overrides: Any) -> dict[str, Any]:
     """ModelConfig's fields from the config.json keys the Llama family shares; an
-    architecture passes what it spells or defaults differently as `overrides`.
+    architecture passes what it spells or defaults differently as `overrides` (its
+    transformers class's defaults: `max_position_embeddings`, `head_dim`, ...).
 
     transformers 5 moved rope settings into `rope_parameters`; older files keep
-    `rope_theta` and `rope_scaling` at the top level. Both are read.
+    `rope_theta` and `rope_scaling` at the top level. Both are read. `attention_bias`
+    puts biases on q, k, v and the output projection, as transformers' Llama does.
+    Sliding windows are each architecture's own (none here).
     """
     num_heads = raw["num_attention_heads"]
     rope = dict(raw.get("rope_parameters") or {})
     rope_theta = raw.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    max_positions = overrides.pop("max_position_embeddings", 4096)
+    max_positions = raw.get("max_position_embeddings") or max_positions
+    head_dim = overrides.pop("head_dim", None)
+    attention_bias = bool(raw.get("attention_bias", False))
     fields = {
         "architecture": (raw.get("architectures") or ["LlamaForCausalLM"])[0],
         "vocab_size": raw["vocab_size"],
@@ -81,33 +112,65 @@ def common_fields(raw: dict, **overrides: Any) -> dict[str, Any]:
         "num_hidden_layers": raw["num_hidden_layers"],
         "num_attention_heads": num_heads,
         "num_key_value_heads": raw.get("num_key_value_heads") or num_heads,
-        "head_dim": raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        "head_dim": raw.get("head_dim") or head_dim or raw["hidden_size"] // num_heads,
         "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
         "rope_theta": float(rope_theta),
-        "max_position_embeddings": raw.get("max_position_embeddings", 4096),
+        "max_position_embeddings": max_positions,
         "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
-        "attention_bias": bool(raw.get("attention_bias", False)),
-        "rope_scaling": rope_scaling_of(raw.get("rope_scaling") or (rope or None)),
-        "sliding_window": sliding_window_of(raw),
+        "attention_bias": attention_bias,
+        "attention_output_bias": attention_bias,
+        "mlp_bias": bool(raw.get("mlp_bias", False)),
+        "rope_scaling": rope_scaling_of(raw.get("rope_scaling") or (rope or None), max_positions),
+        "hidden_act": raw.get("hidden_act", "silu"),
         "bos_token_id": raw.get("bos_token_id"),
         "eos_token_ids": token_ids_of(raw.get("eos_token_id")),
     }
     return {**fields, **overrides}
 
 
-def rope_scaling_of(scaling: dict | None) -> dict | None:
-    """An HF rope_scaling dict with its kind under "rope_type"; None for plain rope."""
+def rope_scaling_of(scaling: dict | None, max_position_embeddings: int) -> dict | None:
+    """An HF rope_scaling dict with its kind under "rope_type"; None for plain rope.
+
+    Raises:
+        ValueError: a scaling the rotary tables do not compute, or a key of it they do
+            not read (naming it): a model must never run with its rope unscaled.
+    """
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return None if kind == "default" else {**scaling, "rope_type": kind}
-
-
-def sliding_window_of(raw: dict) -> int | None:
-    # Qwen2 configs carry a window but switch it off with use_sliding_window.
-    if raw.get("use_sliding_window") is False:
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {kind!r} is not supported (supported: "
+            f"{', '.join(k for k in ROPE_TYPES if k != 'default')}, or none)"
+        )
+    for key, value in scaling.items():
+        if key in ROPE_TYPES[kind] or key in _ROPE_NAMING_KEYS:
+            continue
+        if value is None or value in _ROPE_NEUTRAL.get(key, ()):
+            continue
+        raise ValueError(f"rope_scaling {key!r} (= {value!r}) is not supported for {kind!r} rope")
+    if kind == "default":
         return None
-    return raw.get("sliding_window") or None
+    scaling = {k: v for k, v in scaling.items() if k in ROPE_TYPES[kind]}
+    if kind == "llama3":  # transformers 5 defaults the original context to the model's
+        scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+    return {**scaling, "rope_type": kind}
+
+
+def sliding_layers(raw: dict, num_layers: int) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) of a Qwen2/Qwen3 config, as transformers reads it:
+    the window only with `use_sliding_window`, and then - unless `layer_types` says
+    which layers slide - only the layers from `max_window_layers` on."""
+    window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+    layer_types = raw.get("layer_types")
+    if window is None:
+        return None, layer_types
+    if layer_types is None:
+        first = raw.get("max_window_layers", 28)
+        layer_types = [
+            SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)
+        ]
+    return window, list(layer_types)
 
 
 def token_ids_of(value: int | list[int] | None) -> list[int]:

@@ -87,24 +87,22 @@ def _with_head(parse):
     return parse_config
 
 
-for _family, _parse in (
-    ("Llama", llama.parse_config),
-    ("Qwen2", qwen2.parse_config),
-    ("Qwen3", qwen3.parse_config),
-):
+for _name, _family in (("Llama", llama), ("Qwen2", qwen2), ("Qwen3", qwen3)):
     register(
         Architecture(
-            names=(f"{_family}Model",),
+            names=(f"{_name}Model",),
             model_class=DecoderForEmbedding,
-            parse_config=_with_head(_parse),
+            parse_config=_with_head(_family.parse_config),
+            config_fields=_family.CONFIG_FIELDS,  # transformers' config class is the family's
             tasks=("embed",),
         )
     )
     register(
         Architecture(
-            names=(f"{_family}ForSequenceClassification",),
+            names=(f"{_name}ForSequenceClassification",),
             model_class=DecoderForSequenceClassification,
-            parse_config=_with_head(_parse),
+            parse_config=_with_head(_family.parse_config),
+            config_fields=_family.CONFIG_FIELDS,
             tasks=("classify", "rerank"),
         )
     )

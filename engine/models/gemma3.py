@@ -29,6 +29,7 @@ from tokenmill.engine.models.config import (
     rope_scaling_of,
     token_ids_of,
 )
+from tokenmill.engine.models.config_fields import DECODER_HARMLESS, fields, refused
 from tokenmill.engine.models.layers import (
     Embedding,
     GatedMLP,
@@ -67,8 +68,11 @@ def parse_config(raw: dict) -> Gemma3Config:
     rope = raw.get("rope_parameters") or {}
     full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
     rope_scaling = raw.get("rope_scaling") or {k: v for k, v in full.items() if k != "rope_theta"}
-    if raw.get("attn_logit_softcapping") is not None:
-        raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+    max_positions = raw.get("max_position_embeddings", 131_072)
+    # The local layers' rotary tables are plain rope of their own base.
+    if rope_scaling_of({k: v for k, v in local.items() if k != "rope_theta"}, max_positions):
+        raise ValueError("rope scaling on Gemma 3's sliding_attention layers is not supported")
+    attention_bias = bool(raw.get("attention_bias", False))
     return Gemma3Config(
         architecture="Gemma3ForCausalLM",
         vocab_size=raw.get("vocab_size", 262_208),
@@ -80,11 +84,12 @@ def parse_config(raw: dict) -> Gemma3Config:
         head_dim=raw.get("head_dim", 256),
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=float(raw.get("rope_theta", full.get("rope_theta", 1_000_000.0))),
-        max_position_embeddings=raw.get("max_position_embeddings", 131_072),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        attention_bias=bool(raw.get("attention_bias", False)),
+        attention_bias=attention_bias,
+        attention_output_bias=attention_bias,  # transformers' Gemma 3: q, k, v and o
         qk_norm=True,
-        rope_scaling=rope_scaling_of(rope_scaling),
+        rope_scaling=rope_scaling_of(rope_scaling, max_positions),
         sliding_window=raw.get("sliding_window", 4096),
         layer_types=list(layer_types),
         hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
@@ -265,11 +270,50 @@ def _gguf_config(config: dict, get) -> dict:
     }
 
 
+# transformers' Gemma3TextConfig, field by field.
+CONFIG_FIELDS = fields(
+    handled={
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_activation",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "rope_scaling",
+        "rope_theta",
+        "rope_local_base_freq",
+        "attention_bias",
+        "query_pre_attn_scalar",
+        "sliding_window",
+        "sliding_window_pattern",
+        "layer_types",
+        "final_logit_softcapping",
+        "bos_token_id",
+        "eos_token_id",
+    },
+    harmless={
+        **DECODER_HARMLESS,
+        "_sliding_window_pattern": "transformers writes it beside layer_types, which it reads",
+    },
+    refused={
+        "attn_logit_softcapping": refused("attention logits soft-capped (Gemma 2)"),
+        "use_bidirectional_attention": refused("bidirectional attention (EmbeddingGemma)", False),
+    },
+)
+
 register(
     Architecture(
         names=("Gemma3ForCausalLM",),
         model_class=Gemma3ForCausalLM,
         parse_config=parse_config,
+        config_fields=CONFIG_FIELDS,
         model_types=("gemma3_text",),
         gguf=GGUFLayout(
             "gemma3",

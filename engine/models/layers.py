@@ -100,13 +100,22 @@ _ACTIVATIONS = {
 
 # The same, fused with the multiply by `up` in one native pass: elementwise.<name>.
 _FUSED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
+# The hidden_act values a gated MLP computes.
+GATED_ACTIVATIONS = tuple(_ACTIVATIONS)
 
 
 class GatedMLP(nn.Module):
     """Gated MLP (SwiGLU, or GeGLU for Gemma) with gate and up projections fused into one
-    matmul."""
+    matmul; `bias` puts a bias on each of the three projections (Llama's mlp_bias)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        *,
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(
@@ -114,8 +123,8 @@ class GatedMLP(nn.Module):
             )
         self.intermediate_size = intermediate_size
         self.activation = activation
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self.gate_up_proj, "fused_activation", None) == self.activation:

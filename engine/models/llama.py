@@ -1,4 +1,4 @@
-"""Llama-family decoder: Llama 2/3, Mistral, SmolLM - and the base Qwen2, Qwen3 and Gemma 3
+"""Llama-family decoder: Llama 2/3, SmolLM - and the base Mistral, Qwen2, Qwen3 and Gemma 3
 build on.
 
 The model is a plain nn.Module over a flat, unpadded batch of tokens: it embeds them,
@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from tokenmill.engine.models.config import ModelConfig, common_fields
+from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, fields
 from tokenmill.engine.models.layers import (
+    GATED_ACTIVATIONS,
     Embedding,
     GatedMLP,
     Linear,
@@ -37,7 +39,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -69,7 +71,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias
+        )
 
     def forward(
         self, hidden, residual, cos, sin, meta: StepAttention
@@ -144,16 +148,43 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def parse_config(raw: dict) -> ModelConfig:
-    return ModelConfig(**common_fields(raw))
+def decoder_config(raw: dict, **overrides) -> ModelConfig:
+    """A Llama-family ModelConfig (config.common_fields), its MLP activation checked.
 
+    Raises:
+        ValueError: a hidden_act the gated MLP does not compute (naming it).
+    """
+    config = ModelConfig(**common_fields(raw, **overrides))
+    if config.hidden_act not in GATED_ACTIVATIONS:
+        raise ValueError(
+            f"hidden_act {config.hidden_act!r} is not supported for {config.architecture} "
+            f"(supported: {', '.join(GATED_ACTIVATIONS)})"
+        )
+    return config
+
+
+def parse_config(raw: dict) -> ModelConfig:
+    return decoder_config(raw, max_position_embeddings=2048)
+
+
+# transformers' LlamaConfig, field by field. A window (sliding_window, layer_types) is
+# not Llama's: transformers' Llama attends to every position whatever they say, while a
+# checkpoint that sets them was trained with one - refused either way (FOREIGN_FIELDS).
+CONFIG_FIELDS = fields(
+    handled=LLAMA_FAMILY_HANDLED | {"attention_bias", "mlp_bias"},
+    harmless={
+        **DECODER_HARMLESS,
+        "pretraining_tp": "transformers 5 does not read it (it split pretraining's matmuls)",
+    },
+)
 
 register(
     Architecture(
-        names=("LlamaForCausalLM", "MistralForCausalLM"),
+        names=("LlamaForCausalLM",),
         model_class=LlamaForCausalLM,
         parse_config=parse_config,
-        model_types=("llama", "mistral"),
+        config_fields=CONFIG_FIELDS,
+        model_types=("llama",),
         gguf=GGUFLayout("llama", "LlamaForCausalLM", "llama", permuted_qk=True),
     )
 )

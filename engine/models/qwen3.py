@@ -1,9 +1,12 @@
-"""Qwen3: the Llama decoder with q and k RMS-normalised per head before rotary."""
+"""Qwen3: the Llama decoder with q and k RMS-normalised per head before rotary; windows
+as Qwen2's (only the layers from `max_window_layers` on slide)."""
 
 from __future__ import annotations
 
-from tokenmill.engine.models.config import ModelConfig, common_fields
-from tokenmill.engine.models.llama import LlamaForCausalLM
+from tokenmill.engine.models.config import ModelConfig, sliding_layers
+from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, fields
+from tokenmill.engine.models.llama import LlamaForCausalLM, decoder_config
+from tokenmill.engine.models.qwen2 import SLIDING_FIELDS
 from tokenmill.engine.models.registry import Architecture, GGUFLayout, register
 
 
@@ -12,14 +15,30 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 def parse_config(raw: dict) -> ModelConfig:
-    return ModelConfig(**common_fields(raw, qk_norm=True))
+    window, layer_types = sliding_layers(raw, raw["num_hidden_layers"])
+    return decoder_config(
+        raw,
+        max_position_embeddings=32768,
+        head_dim=128,  # transformers' default, not hidden_size / heads
+        qk_norm=True,
+        mlp_bias=False,
+        sliding_window=window,
+        layer_types=layer_types,
+    )
 
+
+# transformers' Qwen3Config, field by field.
+CONFIG_FIELDS = fields(
+    handled=LLAMA_FAMILY_HANDLED | SLIDING_FIELDS | {"attention_bias"},
+    harmless=DECODER_HARMLESS,
+)
 
 register(
     Architecture(
         names=("Qwen3ForCausalLM",),
         model_class=Qwen3ForCausalLM,
         parse_config=parse_config,
+        config_fields=CONFIG_FIELDS,
         model_types=("qwen3",),
         gguf=GGUFLayout("qwen3", "Qwen3ForCausalLM", "qwen3"),
     )

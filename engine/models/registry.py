@@ -1,8 +1,9 @@
 """The architecture registry: each model module registers what it implements.
 
 An `Architecture` names the config.json `architectures` entries a model class serves,
-parses their config, and - when llama.cpp has a layout for it - says how a GGUF file
-stores it (`GGUFLayout`). `models/__init__.py` imports every module of the package once,
+parses their config, declares what it does with each config field that can change its
+forward pass (`ConfigFields`, config_fields.py), and - when llama.cpp has a layout for
+it - says how a GGUF file stores it (`GGUFLayout`). `models/__init__.py` imports every module of the package once,
 so a new architecture module is found without an edit anywhere else.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from tokenmill.engine.models.config import ModelConfig
+from tokenmill.engine.models.config_fields import ConfigFields
 
 # llama.cpp's names for a decoder layer's tensors (`blk.N.<name>.weight`) -> the HF
 # module path inside `model.layers.N`; an architecture adds or overrides entries.
@@ -89,6 +91,8 @@ class Architecture:
     names: tuple[str, ...]  # config.json `architectures` entries, e.g. "LlamaForCausalLM"
     model_class: type[nn.Module]
     parse_config: Callable[[dict], ModelConfig]  # config.json -> its ModelConfig
+    # The config fields it handles, those harmless to it, and those it refuses.
+    config_fields: ConfigFields
     # config.json `model_type`s that identify it when `architectures` is missing.
     model_types: tuple[str, ...] = ()
     gguf: GGUFLayout | None = None

@@ -68,16 +68,12 @@ def build_hf_model(kind: str, out_dir: Path, **overrides):
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0, 0.3)
-    if kind == "qwen2":
-        # Random-init biases are zero; make them matter.
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    proj.bias.normal_(0, 0.3)
+    # transformers initialises biases to zero (Qwen2's q/k/v, Llama's with attention_bias
+    # or mlp_bias); make them matter.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.3)
     model.save_pretrained(out_dir, safe_serialization=True)
     return model
 
@@ -92,6 +88,34 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], lis
         logprobs.append(torch.log_softmax(logits, dim=-1))
         ids.append(int(logits.argmax()))
     return ids[len(prompt) :], logprobs
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: row i is the log-softmax that scores prompt[i + 1]."""
+    logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def assert_matches(out, prompt: list[int], reference: torch.Tensor, k: int) -> None:
+    entries = out.prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt)
+    assert entries[0] is None
+    for i, entry in enumerate(entries[1:]):
+        want = reference[i]
+        top_ids = set(want.topk(k).indices.tolist()) if k else set()
+        # The actual token, plus the top k (which may include it).
+        assert prompt[i + 1] in entry
+        assert len(entry) == len(top_ids | {prompt[i + 1]}) or _near_tie(want, k)
+        ours = torch.tensor(list(entry.values()))
+        theirs = want[list(entry.keys())]
+        torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+def _near_tie(logprobs: torch.Tensor, k: int) -> bool:
+    """Whether the k-th and (k+1)-th best are within rounding, so the top-k set may differ."""
+    values = logprobs.topk(k + 1).values
+    return bool(values[k - 1] - values[k] < 1e-4)
 
 
 def assert_logprobs_match(hf, engine, prompts: list[list[int]], num_tokens: int) -> None:

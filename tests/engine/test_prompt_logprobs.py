@@ -5,41 +5,19 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from hf_models import build_hf_model, hf_greedy, make_engine, run_all
+from hf_models import (
+    assert_matches,
+    build_hf_model,
+    hf_greedy,
+    hf_prompt_logprobs,
+    make_engine,
+    run_all,
+)
 from test_hf_parity import mixed_prompts
 
 from tokenmill.engine.sampling_params import SamplingParams
 
 VOCAB = 256
-
-
-@torch.no_grad()
-def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt) - 1, vocab]: row i is the log-softmax that scores prompt[i + 1]."""
-    logits = model(torch.tensor([prompt])).logits[0, :-1].float()
-    return torch.log_softmax(logits, dim=-1)
-
-
-def assert_matches(out, prompt: list[int], reference: torch.Tensor, k: int) -> None:
-    entries = out.prompt_logprobs
-    assert entries is not None and len(entries) == len(prompt)
-    assert entries[0] is None
-    for i, entry in enumerate(entries[1:]):
-        want = reference[i]
-        top_ids = set(want.topk(k).indices.tolist()) if k else set()
-        # The actual token, plus the top k (which may include it).
-        assert prompt[i + 1] in entry
-        assert len(entry) == len(top_ids | {prompt[i + 1]}) or _near_tie(want, k)
-        ours = torch.tensor(list(entry.values()))
-        theirs = want[list(entry.keys())]
-        torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
-
-
-def _near_tie(logprobs: torch.Tensor, k: int) -> bool:
-    """Whether the k-th and (k+1)-th best are within rounding, so the top-k set may differ."""
-    values = logprobs.topk(k + 1).values
-    return bool(values[k - 1] - values[k] < 1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
