@@ -133,6 +133,8 @@ def write_tiny_gguf(
     architecture: str = "llama",
     rope_theta: float = 10000.0,
     rope_freqs: np.ndarray | None = None,
+    biases: bool = False,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> TinyGGUF:
     """Write a random tiny Llama as a GGUF, the way llama.cpp's converter lays it out.
 
@@ -147,6 +149,9 @@ def write_tiny_gguf(
         rope_theta: rotary base.
         rope_freqs: a `rope_freqs` tensor to write (Llama 3.1-style rope scaling), e.g.
             from `llama3_rope_freqs`.
+        biases: give every attention and MLP projection a bias (F32), as llama.cpp's
+            llama architecture can (attn_q.bias ... ffn_down.bias).
+        extra_tensors: more tensors, written by their GGUF names as they are.
 
     Returns:
         The path and the HF-layout float32 tensors before permutation and quantization.
@@ -171,6 +176,8 @@ def write_tiny_gguf(
         hf[f"{p}.mlp.gate_proj.weight"] = rand(intermediate_size, hidden_size)
         hf[f"{p}.mlp.up_proj.weight"] = rand(intermediate_size, hidden_size)
         hf[f"{p}.mlp.down_proj.weight"] = rand(hidden_size, intermediate_size)
+        for name in _PROJECTIONS if biases else ():
+            hf[f"{p}.{name}.bias"] = rand(hf[f"{p}.{name}.weight"].shape[0]) * 6
         hf[f"{p}.input_layernorm.weight"] = 1 + rand(hidden_size)
         hf[f"{p}.post_attention_layernorm.weight"] = 1 + rand(hidden_size)
     hf["model.norm.weight"] = 1 + rand(hidden_size)
@@ -214,6 +221,8 @@ def write_tiny_gguf(
             writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -221,6 +230,15 @@ def write_tiny_gguf(
     return TinyGGUF(path, hf, num_heads, num_kv_heads, tokens)
 
 
+_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 _GGUF_BLOCK_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",

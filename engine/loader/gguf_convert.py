@@ -6,7 +6,9 @@ K-quants) and kept in fp32, which holds every value a GGUF encodes exactly - an 
 engine runs the file's own values, and a bf16 engine rounds them once as it loads.
 Tensors are renamed to HF names as the architecture's `GGUFLayout` says (each model
 module declares its own), and the tokenizer is rebuilt from the metadata
-(gguf_tokenizer.py).
+(gguf_tokenizer.py). Before any tensor is dequantized, the config is checked as any
+config.json is, and every tensor's name and shape against the model it will load into
+(loader/tensor_plan.py): a tensor the model has no place for is refused by name.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from tokenmill.engine.loader.gguf_tokenizer import (
     build_tokenizer,
     build_tokenizer_config,
 )
-from tokenmill.engine.models import gguf_layout
+from tokenmill.engine.loader.tensor_plan import TensorSource, build_on_meta, plan_tensors
+from tokenmill.engine.models import gguf_layout, parse_config
 from tokenmill.engine.models.registry import architecture_of
 
 # Bumped whenever the output of a conversion changes, so cached conversions made by an
@@ -74,6 +77,7 @@ def convert_gguf(
     meta = read_metadata(reader)
     layout = gguf_layout(meta["general.architecture"])
     config = build_config(meta, {t.name: t for t in reader.tensors}, dtype)
+    check_tensors(reader, config, gguf_path)
     tensors = convert_tensors(reader, config, dtype)
     tokenizer = build_tokenizer(meta)
 
@@ -145,6 +149,7 @@ def build_config(
         layout.activation[0]: layout.activation[1],
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
+        **({"mlp_bias": True} if "blk.0.ffn_up.bias" in tensors else {}),
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": str(dtype).removeprefix("torch."),
@@ -191,6 +196,24 @@ def llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, rope_theta: float
             f"{factor:g}, low 1, high 4, original context 8192): not supported"
         )
     return {"rope_type": "llama3", **params}
+
+
+def check_tensors(reader: GGUFReader, config: dict, gguf_path: Path) -> None:
+    """Raise ValueError, before any tensor is dequantized, for a config the architecture
+    does not implement or a tensor the model has no place for (each named)."""
+    layout = gguf_layout(_gguf_architecture(reader))
+    sources = [
+        TensorSource(
+            layout.hf_tensor_name(t.name),
+            torch.float32,
+            tuple(int(d) for d in reversed(t.shape.tolist())),
+            label=f"{t.name} ({layout.hf_tensor_name(t.name)})",
+        )
+        for t in reader.tensors
+        if t.name != "rope_freqs.weight"  # build_config's
+    ]
+    model_config = parse_config(config)
+    plan_tensors(build_on_meta(model_config), model_config, sources, where=str(gguf_path))
 
 
 def convert_tensors(

@@ -28,6 +28,13 @@ _DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    # Quantized checkpoints' dtypes: read as what they are, so that the loader can refuse
+    # them by name (tensor_plan.py) rather than by a parse error.
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
 }
 # Headers are small JSON; a larger one is not a safetensors file we should parse.
 _MAX_HEADER_BYTES = 100 << 20
