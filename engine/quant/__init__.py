@@ -12,6 +12,10 @@ and the lm_head unless the mode quantizes it) runs in the engine's float dtype. 
 - "int4": group-wise 4-bit weights (group 32), bf16 activations (int4.py).
 - "gguf": the GGUF's own quantized blocks, kept as they are (gguf_linear.py).
 
+A checkpoint quantized by another tool (config.json's quantization_config: GPTQ, AWQ,
+compressed-tensors, FP8, ...) is refused by name until a method reads its format
+(checkpoint_formats.py).
+
 Every check that can fail runs before any weight is touched (`check_quantization`).
 
 How to add a quantization mode
@@ -33,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenmill.engine.quant.checkpoint_formats import check_checkpoint_quantization
 from tokenmill.engine.quant.method import (
     MeasureInputs,
     QuantizationMethod,
@@ -42,7 +47,7 @@ from tokenmill.engine.quant.method import (
 from tokenmill.engine.quant.packed_linear import PackedLinear
 
 # Modules of this package that are not quantization modes.
-_NOT_MODES = frozenset({"calibrate", "method", "packed_linear"})
+_NOT_MODES = frozenset({"calibrate", "checkpoint_formats", "method", "packed_linear"})
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name not in _NOT_MODES:
@@ -84,7 +89,8 @@ def validate_lm_head(quantization: str | None, quantize_lm_head: bool) -> None:
 def check_quantization(
     quantization: str | None, model_dir: Path, config, *, device: torch.device
 ) -> None:
-    """Raise ValueError when this model cannot run quantized this way here.
+    """Raise ValueError when this model cannot run quantized this way here - or at all,
+    its checkpoint being quantized by another tool (checkpoint_formats.py).
 
     Args:
         quantization: a name from QUANTIZATIONS, or None.
@@ -92,6 +98,7 @@ def check_quantization(
         config: its ModelConfig.
         device: where it will run.
     """
+    check_checkpoint_quantization(model_dir)
     if quantization is not None:
         get_method(quantization).check(model_dir, config, device)
 
@@ -136,6 +143,7 @@ def linear_kinds() -> tuple[type, ...]:
 __all__ = [
     "QUANTIZATIONS",
     "QuantizationMethod",
+    "check_checkpoint_quantization",
     "check_quantization",
     "get_method",
     "linear_kinds",

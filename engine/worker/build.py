@@ -19,6 +19,7 @@ from tokenmill.engine.models import GENERATE, ModelConfig, architecture_for, loa
 from tokenmill.engine.pooling_params import POOLING_TASKS
 from tokenmill.engine.quant import (
     QUANTIZATIONS,
+    check_checkpoint_quantization,
     check_quantization,
     quantize_model,
     validate_lm_head,
@@ -198,6 +199,7 @@ def build_encoder_runner(
     """
     model_config = load_config(model_dir)
     check_settings(engine_config)
+    check_checkpoint_quantization(model_dir)
     if engine_config.quantization is not None:
         raise ValueError("quantization is not available for encoder models; leave it unset")
     if engine_config.kv_cache_dtype != "auto":

@@ -1,0 +1,101 @@
+"""Checkpoints quantized by other tools (config.json's `quantization_config`): refused by
+name, before any weight is read, until a QuantizationMethod reads their format.
+
+A quantized checkpoint stores its weights as integers (or fp8) beside their scales,
+zero points and packing; read as plain numbers they give a different model without a
+word. So every format - GPTQ, AWQ, compressed-tensors in each of its formats, block-wise
+FP8, bitsandbytes, MXFP4, and any method not listed - is refused, naming the method and
+format, with the nearest thing that runs: the unquantized checkpoint quantized at load
+by one of tokenmill's own modes. (A checkpoint with integer weights and no
+quantization_config is refused by the loader, naming the tensors: loader/tensor_plan.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The own mode nearest each weight precision: 8-bit formats -> int8, 4-bit or less -> int4.
+_INT8 = "--quantization int8 (quantization='int8')"
+_INT4 = "--quantization int4 (quantization='int4'), or a Q4 GGUF with --quantization gguf"
+# compressed-tensors' sparse formats, and its 4-bit float ones (no integer num_bits).
+_SPARSE_FORMATS = frozenset({"sparse-24-bitmask", "sparse-bitmask", "marlin-24"})
+_FP4_FORMATS = frozenset({"nvfp4-pack-quantized", "mxfp4-pack-quantized"})
+
+
+def check_checkpoint_quantization(model_dir: Path) -> None:
+    """Raise ValueError when the model directory's config.json says its weights are
+    quantized (`quantization_config`, or compressed-tensors' older `compression_config`).
+    """
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return  # no config to read: the model's own loading says what is wrong
+    for key in ("quantization_config", "compression_config"):
+        settings = raw.get(key)
+        if settings:
+            kind, nearest = describe(settings)
+            raise ValueError(
+                f"{Path(model_dir).name} is a quantized checkpoint ({key}: {kind}); tokenmill "
+                "does not read checkpoints quantized by other tools yet - their weights need "
+                f"the format's own scales and packing. Load the unquantized checkpoint with "
+                f"{nearest} instead"
+            )
+
+
+def describe(settings: dict) -> tuple[str, str]:
+    """(how a quantization_config reads to a user, the nearest own mode).
+
+    Names the method and what decides the layout: the format of a compressed-tensors
+    checkpoint, the bits of GPTQ/AWQ/bitsandbytes, the block size of FP8.
+    """
+    method = str(settings.get("quant_method", "unknown")).lower()
+    if method == "compressed-tensors" or "config_groups" in settings:
+        return _compressed_tensors(settings)
+    bits = settings.get("bits") or settings.get("w_bit")
+    if method in ("gptq", "awq", "auto-round", "gptqmodel"):
+        parts = [f"quant_method {method}", f"{bits}-bit"]
+        if settings.get("group_size") is not None:
+            parts.append(f"group_size {settings['group_size']}")
+        layout = settings.get("checkpoint_format") or settings.get("version")
+        if layout:
+            parts.append(f"format {layout}")
+        return ", ".join(parts), _INT8 if bits == 8 else _INT4
+    if method == "bitsandbytes":
+        eight = settings.get("load_in_8bit") and not settings.get("load_in_4bit")
+        kind = "int8" if eight else str(settings.get("bnb_4bit_quant_type", "nf4"))
+        return f"quant_method bitsandbytes, {kind}", _INT8 if eight else _INT4
+    if method in ("fp8", "fbgemm_fp8"):
+        block = settings.get("weight_block_size")
+        layout = f"block-wise {block}" if block else "per-tensor or per-channel"
+        return f"quant_method {method} (FP8 e4m3 weights, {layout})", _INT8
+    if method == "mxfp4":
+        return "quant_method mxfp4 (4-bit floats in blocks of 32)", _INT4
+    return f"quant_method {method}", _INT8 if bits == 8 else _INT4
+
+
+def _compressed_tensors(settings: dict) -> tuple[str, str]:
+    """A compressed-tensors config: its format(s) and each scheme's weight precision."""
+    groups = (settings.get("config_groups") or {}).values()
+    default = str(settings.get("format") or "dense")  # for the groups that name none
+    formats = {str(g.get("format") or default) for g in groups} or {default}
+    schemes, widest = [], 0
+    for group in groups:
+        weights = group.get("weights") or {}
+        activations = group.get("input_activations") or {}
+        bits = weights.get("num_bits")
+        bits = max(bits.values()) if isinstance(bits, dict) else bits
+        # The Hub's names (w8a8, w4a16, fp8-dynamic), with the number types spelled out.
+        scheme = f"W{bits}A{activations.get('num_bits', 16)} ({weights.get('type', 'int')} weights"
+        if activations:
+            scheme += f", {activations.get('type', 'int')} activations"
+        scheme += ")"
+        schemes.append(scheme)
+        widest = max(widest, bits or 0)
+    text = f"compressed-tensors, format {'/'.join(sorted(formats))}"
+    if schemes:
+        text += f", {'/'.join(sorted(set(schemes)))}"
+    if settings.get("sparsity_config") or formats & _SPARSE_FORMATS:
+        text += ", sparse"
+    four_bit = 0 < widest <= 4 or bool(formats & _FP4_FORMATS)
+    return text, _INT4 if four_bit else _INT8
