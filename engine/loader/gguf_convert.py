@@ -39,7 +39,7 @@ from tokenmill.engine.models.registry import architecture_of
 
 # Bumped whenever the output of a conversion changes, so cached conversions made by an
 # older converter are not reused (model_files puts it in the cache key).
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 
 WEIGHTS_FILE = "model.safetensors"
 CONVERSION_RECORD = "tokenmill_conversion.json"
