@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.engine.models.config import ModelConfig, common_fields
-from tokenmill.engine.models.config_fields import Refused, fields, refused
+from tokenmill.engine.models.config_fields import Refused, declare, refused
 from tokenmill.engine.models.layers import Embedding, Linear
 from tokenmill.engine.models.registry import Architecture, register
 
@@ -344,7 +344,7 @@ def _head_dim_as_transformers_computes(value, raw: dict) -> bool:
 
 # transformers' BertConfig, RobertaConfig and XLMRobertaConfig (the same fields), field
 # by field.
-CONFIG_FIELDS = fields(
+CONFIG_FIELDS = declare(
     handled={
         "vocab_size",
         "hidden_size",

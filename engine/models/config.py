@@ -24,7 +24,11 @@ ROPE_TYPES: dict[str, frozenset[str]] = {
 # Keys of a rope dict that name it or its base rather than scale it; and keys other
 # scalings read that change nothing at these values.
 _ROPE_NAMING_KEYS = frozenset({"rope_type", "type", "rope_theta"})
-_ROPE_NEUTRAL = {"partial_rotary_factor": (1, 1.0), "attention_factor": (1, 1.0)}
+_ROPE_NEUTRAL = {
+    "partial_rotary_factor": (1, 1.0),
+    "attention_factor": (1, 1.0),
+    "factor": (1, 1.0),
+}
 
 
 @dataclass

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-FULL_ATTENTION = "full_attention"
+from tokenmill.engine.models.config import FULL_ATTENTION
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,9 @@ def _all_full_attention(value: Any, raw: dict) -> bool:
 def _no_rope_scaling(value: Any, raw: dict) -> bool:
     if not value:
         return True
-    kind = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else 0
+    if not isinstance(value, dict):
+        return False
+    kind = value.get("rope_type", value.get("type", "default"))
     return kind == "default" and set(value) <= {"rope_type", "type", "rope_theta"}
 
 
@@ -104,7 +106,7 @@ class ConfigFields:
                 )
 
 
-def fields(
+def declare(
     handled: Iterable[str],
     harmless: Mapping[str, str] | None = None,
     refused: Mapping[str, Refused] | None = None,

@@ -29,7 +29,7 @@ from tokenmill.engine.models.config import (
     rope_scaling_of,
     token_ids_of,
 )
-from tokenmill.engine.models.config_fields import DECODER_HARMLESS, fields, refused
+from tokenmill.engine.models.config_fields import DECODER_HARMLESS, declare, refused
 from tokenmill.engine.models.layers import (
     Embedding,
     GatedMLP,
@@ -271,7 +271,7 @@ def _gguf_config(config: dict, get) -> dict:
 
 
 # transformers' Gemma3TextConfig, field by field.
-CONFIG_FIELDS = fields(
+CONFIG_FIELDS = declare(
     handled={
         "vocab_size",
         "hidden_size",

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.models.config import ModelConfig, common_fields
-from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, fields
+from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, declare
 from tokenmill.engine.models.layers import (
     GATED_ACTIVATIONS,
     Embedding,
@@ -170,7 +170,7 @@ def parse_config(raw: dict) -> ModelConfig:
 # transformers' LlamaConfig, field by field. A window (sliding_window, layer_types) is
 # not Llama's: transformers' Llama attends to every position whatever they say, while a
 # checkpoint that sets them was trained with one - refused either way (FOREIGN_FIELDS).
-CONFIG_FIELDS = fields(
+CONFIG_FIELDS = declare(
     handled=LLAMA_FAMILY_HANDLED | {"attention_bias", "mlp_bias"},
     harmless={
         **DECODER_HARMLESS,

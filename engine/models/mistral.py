@@ -8,7 +8,7 @@ from tokenmill.engine.models.config_fields import (
     DECODER_HARMLESS,
     LLAMA_FAMILY_HANDLED,
     Refused,
-    fields,
+    declare,
 )
 from tokenmill.engine.models.llama import LlamaForCausalLM, decoder_config
 from tokenmill.engine.models.registry import Architecture, register
@@ -34,7 +34,7 @@ def _layer_types_as_transformers_runs(value, raw: dict) -> bool:
 
 
 # transformers' MistralConfig, field by field.
-CONFIG_FIELDS = fields(
+CONFIG_FIELDS = declare(
     handled=LLAMA_FAMILY_HANDLED | {"sliding_window"},
     harmless=DECODER_HARMLESS,
     refused={

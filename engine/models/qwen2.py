@@ -5,7 +5,7 @@ attention on the layers from `max_window_layers` on when `use_sliding_window` is
 from __future__ import annotations
 
 from tokenmill.engine.models.config import ModelConfig, sliding_layers
-from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, fields
+from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, declare
 from tokenmill.engine.models.llama import LlamaForCausalLM, decoder_config
 from tokenmill.engine.models.registry import Architecture, GGUFLayout, register
 
@@ -33,7 +33,7 @@ def parse_config(raw: dict) -> ModelConfig:
 
 
 # transformers' Qwen2Config, field by field.
-CONFIG_FIELDS = fields(
+CONFIG_FIELDS = declare(
     handled=LLAMA_FAMILY_HANDLED | SLIDING_FIELDS,
     harmless={
         **DECODER_HARMLESS,

@@ -4,7 +4,7 @@ as Qwen2's (only the layers from `max_window_layers` on slide)."""
 from __future__ import annotations
 
 from tokenmill.engine.models.config import ModelConfig, sliding_layers
-from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, fields
+from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, declare
 from tokenmill.engine.models.llama import LlamaForCausalLM, decoder_config
 from tokenmill.engine.models.qwen2 import SLIDING_FIELDS
 from tokenmill.engine.models.registry import Architecture, GGUFLayout, register
@@ -28,7 +28,7 @@ def parse_config(raw: dict) -> ModelConfig:
 
 
 # transformers' Qwen3Config, field by field.
-CONFIG_FIELDS = fields(
+CONFIG_FIELDS = declare(
     handled=LLAMA_FAMILY_HANDLED | SLIDING_FIELDS | {"attention_bias"},
     harmless=DECODER_HARMLESS,
 )
