@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,6 +42,9 @@ class ReadOptions:
     # binary (Parquet), each value is decoded by `decoding` (one that does not decode
     # makes an error row).
     decode_columns: frozenset[str] = frozenset()
+    # Delimited text: the field delimiter (None: the format's own, `,` or a tab) and quote.
+    csv_delimiter: str | None = None
+    csv_quote: str = '"'
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,57 @@ class FileHead:
 
     schema: pa.Schema
     num_rows: int | None = None
+    # The file holds no record at all: no bytes, blank lines only, a header alone, an
+    # empty array, no rows. With an empty `schema` it says nothing of the columns.
+    is_empty: bool = False
+    # What to tell a user whose columns are not in `schema` (the header looks like another
+    # delimiter's, the rows are a list inside one object...).
+    hint: str | None = None
+
+
+@dataclass
+class ReadCounts:
+    """What reading an input met: the rows handed on, and the blank records skipped (an
+    empty CSV record, a JSON Lines line of whitespace) - every record the reader saw."""
+
+    rows: int = 0
+    blank: int = 0
+
+    @property
+    def records(self) -> int:
+        return self.rows + self.blank
+
+
+class BlankTally:
+    """The blank records a reader skipped in one file, each at the row it came before.
+
+    A reader calls `add(position)` with the number of rows it had yielded when it met a
+    blank record; the Source then counts exactly those before the last row it hands on
+    (`take_before`), so a `limit` that ends mid-batch counts only the blanks before it.
+    Runs of blanks at one position are one entry: memory is bounded by a batch's rows.
+    """
+
+    def __init__(self) -> None:
+        self._runs: deque[list[int]] = deque()  # [position, count], positions ascending
+
+    def add(self, position: int, count: int = 1) -> None:
+        if self._runs and self._runs[-1][0] == position:
+            self._runs[-1][1] += count
+        else:
+            self._runs.append([position, count])
+
+    def take_before(self, position: int) -> int:
+        """The blanks recorded before row `position` (at positions < it), forgotten now."""
+        taken = 0
+        while self._runs and self._runs[0][0] < position:
+            taken += self._runs.popleft()[1]
+        return taken
+
+    def take_all(self) -> int:
+        """Every blank still recorded (the file was read to its end)."""
+        taken = sum(count for _, count in self._runs)
+        self._runs.clear()
+        return taken
 
 
 def unify(schemas: Sequence[pa.Schema], *, conflicts_to_string: bool) -> pa.Schema:

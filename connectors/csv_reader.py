@@ -1,4 +1,5 @@
-"""CSV: records split and decoded one by one (`csv_records`), parsed by pyarrow in batches.
+"""CSV and other delimited text: records split and decoded one by one (`csv_records`),
+parsed by pyarrow in batches.
 
 Splitting before parsing means no record depends on the reader's block size or on its
 neighbours: a record whose bytes do not decode, that is over the size limit, that has
@@ -12,6 +13,7 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.csv as pa_csv
@@ -19,11 +21,12 @@ import pyarrow.csv as pa_csv
 from tokenmill.connectors.batches import (
     ERROR_COLUMN,
     REPLACED_COLUMN,
+    BlankTally,
     FileHead,
     ReadOptions,
     with_replaced,
 )
-from tokenmill.connectors.csv_records import iter_records
+from tokenmill.connectors.csv_records import Dialect, count_breaks, iter_records
 from tokenmill.connectors.decoding import Decoding, open_decoded
 from tokenmill.connectors.errors import safe_arrow_message
 from tokenmill.connectors.fs import open_text_stream
@@ -41,15 +44,25 @@ Record = tuple[int, bytes, bool]
 
 
 class CsvReader:
-    """Reads CSV (RFC 4180, comma-separated, a header line) through any fsspec
-    filesystem, decompressing by suffix."""
+    """Reads delimited text (RFC 4180 with a header line; comma-separated unless the
+    format or the options say otherwise) through any fsspec filesystem, decompressing by
+    suffix."""
 
     conflicts_to_string = True
 
+    def __init__(self, delimiter: str = ","):
+        self.delimiter = delimiter  # the format's own: `,` for csv, a tab for tsv
+
+    def dialect(self, options: ReadOptions) -> Dialect:
+        return Dialect(options.csv_delimiter or self.delimiter, options.csv_quote)
+
     def head(self, fs, path: str, *, options: ReadOptions) -> FileHead:
+        dialect = self.dialect(options)
         with open_text_stream(fs, path, head=True) as f:
-            records = _decoded_records(f, options.decoding)
-            names = _header(records)
+            records = _decoded_records(f, options.decoding, dialect)
+            header = _header(records, dialect)
+            if header is None:  # no bytes, or blank lines only
+                return FileHead(schema=pa.schema([]), is_empty=True)
             sample: list[Record] = []
             size = 0
             for record in records:
@@ -57,22 +70,34 @@ class CsvReader:
                 size += len(record[1]) + 1
                 if size >= options.sample_bytes:
                     break
+        if not sample:
+            _check_header_alone(header, dialect)
+        hint = _delimiter_hint(header.names, dialect)
         if options.schema is not None:
-            return FileHead(schema=options.schema)
-        table, bad = _parse_batch(sample, names, pa_csv.ConvertOptions())
+            return FileHead(schema=options.schema, is_empty=not sample, hint=hint)
+        table, bad = _parse_batch(sample, header.names, pa_csv.ConvertOptions(), dialect)
         if bad and options.on_bad_line == "error":
             raise bad[0]
         if table is None:
-            return FileHead(schema=pa.schema([(n, pa.string()) for n in names]))
+            schema = pa.schema([(n, pa.string()) for n in header.names])
+            return FileHead(schema=schema, is_empty=not sample, hint=hint)
         # A column with no value in the sample could hold anything later: text.
         fields = [
             pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f for f in table.schema
         ]
-        return FileHead(schema=pa.schema(fields))
+        return FileHead(schema=pa.schema(fields), hint=hint)
 
     def iter_batches(
-        self, fs, path: str, schema: pa.Schema, *, name: str, options: ReadOptions
+        self,
+        fs,
+        path: str,
+        schema: pa.Schema,
+        *,
+        name: str,
+        options: ReadOptions,
+        blanks: BlankTally | None = None,
     ) -> Iterator[pa.RecordBatch]:
+        dialect = self.dialect(options)
         data_schema = pa.schema(
             [f for f in schema if f.name not in (ERROR_COLUMN, REPLACED_COLUMN)]
         )
@@ -83,10 +108,12 @@ class CsvReader:
             include_missing_columns=True,
         )
         with open_text_stream(fs, path) as f:
-            records = _decoded_records(f, options.decoding)
-            names = _header(records)
+            records = _decoded_records(f, options.decoding, dialect, blanks)
+            header = _header(records, dialect)
+            if header is None:
+                return
             for batch in _group(records, options.batch_size):
-                table, bad = _parse_batch(batch, names, convert)
+                table, bad = _parse_batch(batch, header.names, convert, dialect)
                 if bad and options.on_bad_line == "error":
                     raise bad[0]
                 errors = {b.index: f"{name}: {b}" for b in bad}
@@ -102,8 +129,15 @@ class _BadRecord(BadLine):
         self.index = index
 
 
-def _decoded_records(f, decoding: Decoding) -> Iterator[Record]:
-    for number, record in iter_records(open_decoded(f, decoding)):
+def _decoded_records(
+    f, decoding: Decoding, dialect: Dialect, blanks: BlankTally | None = None
+) -> Iterator[Record]:
+    # A blank record's position counts records before it, the header among them: rows
+    # are the records after the header.
+    on_blank = None if blanks is None else (lambda position: blanks.add(max(0, position - 1)))
+    for number, record in iter_records(
+        open_decoded(f, decoding), dialect=dialect, on_blank=on_blank
+    ):
         if record.isascii():  # most records; stand-ins are ASCII too and stay as they are
             yield number, record, False
         else:
@@ -111,17 +145,70 @@ def _decoded_records(f, decoding: Decoding) -> Iterator[Record]:
             yield number, record, is_replaced
 
 
-def _header(records: Iterator[Record]) -> list[str]:
-    """The column names, from the first record; a header that cannot be read fails the file."""
+@dataclass(frozen=True)
+class _Header:
+    names: list[str]
+    line: int  # the line it starts on
+    num_lines: int  # more than one: a quoted name holds a line break
+
+
+def _header(records: Iterator[Record], dialect: Dialect) -> _Header | None:
+    """The column names, from the first record (None: the file has no record at all); a
+    header that cannot be read fails the file."""
     first = next(records, None)
     if first is None:
-        raise ValueError("empty CSV file: no header line")
+        return None
     number, record, _ = first
     problem = _stand_in_problem(record)
     if problem is not None:
         raise BadLine(number, f"the header is {problem}")
     header = record + b"\n"  # pyarrow reads a header-only file only if the line is ended
-    return pa_csv.read_csv(io.BytesIO(header), read_options=_read_options(header)).column_names
+    num_lines = count_breaks(record) + 1
+    try:
+        names = pa_csv.read_csv(
+            io.BytesIO(header),
+            read_options=_read_options(header),
+            parse_options=_parse_options(dialect),
+        ).column_names
+    except pa.ArrowInvalid:
+        if num_lines > 1:
+            raise _swallowed(number, num_lines, dialect) from None
+        raise
+    return _Header(names, number, num_lines)
+
+
+def _check_header_alone(header: _Header, dialect: Dialect) -> None:
+    """A header alone is an empty file - unless it spans lines: then a quote left open
+    has most likely swallowed every record after it, which must not pass as empty."""
+    if header.num_lines > 1:
+        raise _swallowed(header.line, header.num_lines, dialect)
+
+
+def _swallowed(line: int, num_lines: int, dialect: Dialect) -> BadLine:
+    return BadLine(
+        line,
+        f"the header runs over {num_lines} lines and no record follows it: a quote left "
+        f"open? (the quote character is {dialect.quote!r}; --csv-quote sets another)",
+    )
+
+
+# Delimiters a header read as one column may really have been written with.
+_OTHER_DELIMITERS = (";", "\t", "|")
+
+
+def _delimiter_hint(names: list[str], dialect: Dialect) -> str | None:
+    """What to suggest when the columns asked for are not found: a header read as one
+    column whose name holds another common delimiter was most likely written with it."""
+    if len(names) != 1:
+        return None
+    found = [c for c in _OTHER_DELIMITERS if c != dialect.delimiter and c in names[0]]
+    if not found:
+        return None
+    likely = max(found, key=names[0].count)
+    return (
+        f"the header reads as one column, {names[0]!r}: is the file {likely!r}-delimited? "
+        f"Set the delimiter: --csv-delimiter {likely!r} (csv_delimiter= in Python)"
+    )
 
 
 def _group(records: Iterator[Record], max_records: int) -> Iterator[list[Record]]:
@@ -138,7 +225,7 @@ def _group(records: Iterator[Record], max_records: int) -> Iterator[list[Record]
 
 
 def _parse_batch(
-    batch: list[Record], names: list[str], convert: pa_csv.ConvertOptions
+    batch: list[Record], names: list[str], convert: pa_csv.ConvertOptions, dialect: Dialect
 ) -> tuple[pa.Table | None, list[_BadRecord]]:
     """The batch's good records as a table (in order; None if there are none) and its
     bad ones."""
@@ -152,13 +239,13 @@ def _parse_batch(
             bad.append(_BadRecord(index, number, problem))
     records = [batch[i][1] for i in good]
     try:
-        table = _parse(records, names, convert)
+        table = _parse(records, names, convert, dialect)
     except _ParseError:
         # Only some records are bad: find them by halving, then parse the rest at once.
-        failed = _find_failures(records, names, convert)
+        failed = _find_failures(records, names, convert, dialect)
         bad += [_BadRecord(good[i], batch[good[i]][0], message) for i, message in failed.items()]
         good = [g for i, g in enumerate(good) if i not in failed]
-        table = _parse([batch[i][1] for i in good], names, convert)
+        table = _parse([batch[i][1] for i in good], names, convert, dialect)
     bad.sort(key=lambda b: b.index)
     return table, bad
 
@@ -177,7 +264,7 @@ class _ParseError(ValueError):
 
 
 def _parse(
-    records: list[bytes], names: list[str], convert: pa_csv.ConvertOptions
+    records: list[bytes], names: list[str], convert: pa_csv.ConvertOptions, dialect: Dialect
 ) -> pa.Table | None:
     """The records as rows (None for no records); raises `_ParseError` if any is bad."""
     if not records:
@@ -193,9 +280,7 @@ def _parse(
         table = pa_csv.read_csv(
             io.BytesIO(data),
             read_options=_read_options(data, names),
-            parse_options=pa_csv.ParseOptions(
-                newlines_in_values=True, invalid_row_handler=on_invalid_row
-            ),
+            parse_options=_parse_options(dialect, on_invalid_row),
             convert_options=convert,
         )
     except pa.ArrowInvalid as exc:
@@ -206,25 +291,29 @@ def _parse(
             ) from None
         raise _ParseError(_conversion_problem(str(exc), names)) from None
     if table.num_rows != len(records):
-        # A bare carriage return outside quotes ends a row for pyarrow, not for us.
-        raise _ParseError(f"read as {table.num_rows} rows (a carriage return outside quotes?)")
+        # Records are split by the same rules pyarrow parses with; never a silent miscount.
+        raise _ParseError(f"{len(records)} records read as {table.num_rows} rows")
     return table
 
 
 def _find_failures(
-    records: list[bytes], names: list[str], convert: pa_csv.ConvertOptions, offset: int = 0
+    records: list[bytes],
+    names: list[str],
+    convert: pa_csv.ConvertOptions,
+    dialect: Dialect,
+    offset: int = 0,
 ) -> dict[int, str]:
     """Index -> why, for each record that cannot be parsed (found by halving)."""
     try:
-        _parse(records, names, convert)
+        _parse(records, names, convert, dialect)
         return {}
     except _ParseError as exc:
         if len(records) == 1:
             return {offset: str(exc)}
     middle = len(records) // 2
     return {
-        **_find_failures(records[:middle], names, convert, offset),
-        **_find_failures(records[middle:], names, convert, offset + middle),
+        **_find_failures(records[:middle], names, convert, dialect, offset),
+        **_find_failures(records[middle:], names, convert, dialect, offset + middle),
     }
 
 
@@ -258,6 +347,16 @@ def _read_options(data: bytes, names: list[str] | None = None) -> pa_csv.ReadOpt
     # The whole batch in one block: no record can straddle blocks.
     return pa_csv.ReadOptions(
         use_threads=False, block_size=max(1 << 16, len(data) + 1), column_names=names
+    )
+
+
+def _parse_options(dialect: Dialect, on_invalid_row=None) -> pa_csv.ParseOptions:
+    # Records come split and joined by `\n`: line breaks left in them are inside quotes.
+    return pa_csv.ParseOptions(
+        delimiter=dialect.delimiter,
+        quote_char=dialect.quote,
+        newlines_in_values=True,
+        invalid_row_handler=on_invalid_row,
     )
 
 

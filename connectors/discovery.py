@@ -9,7 +9,7 @@ from urllib.parse import unquote
 
 import pyarrow as pa
 
-from tokenmill.connectors.errors import SourceError
+from tokenmill.connectors.errors import SourceError, access_denied
 from tokenmill.connectors.fs import display, is_hidden, protocol_of, relative_to
 
 _HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
@@ -36,6 +36,13 @@ def discover(fs, path: str) -> DataFiles:
     Returns:
         `DataFiles` sorted by path; raises `SourceError` when there are none.
     """
+    try:
+        return _discover(fs, path)
+    except PermissionError as e:
+        raise SourceError(access_denied(display(fs, path))) from e
+
+
+def _discover(fs, path: str) -> DataFiles:
     name = display(fs, path)
     if has_magic(path):
         root = _glob_root(path)
@@ -44,11 +51,7 @@ def discover(fs, path: str) -> DataFiles:
         if not paths:
             raise SourceError(f"{name}: no data files match this pattern")
         return _with_partitions(paths, root)
-    try:
-        exists = fs.exists(path)
-    except PermissionError as e:
-        raise SourceError(f"{name}: access denied") from e
-    if not exists:
+    if not fs.exists(path):
         raise SourceError(f"{name}: path does not exist")
     # HTTP has no directories to list; a URL there is always one file.
     if protocol_of(fs) in ("http", "https") or not fs.isdir(path):
@@ -56,7 +59,8 @@ def discover(fs, path: str) -> DataFiles:
     paths = _visible_files(fs.find(path, detail=True), path)
     if not paths:
         raise SourceError(
-            f"{name}: no data files in this directory (names starting with _ or . are skipped)"
+            f"{name}: no data files in this directory (names starting with _ or . are "
+            "skipped): point the input at the directory or file that holds the data"
         )
     return _with_partitions(paths, path)
 

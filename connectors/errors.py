@@ -12,6 +12,20 @@ class SourceError(ValueError):
     """
 
 
+def access_denied(name: str) -> str:
+    """The message for an input the job may not read (EACCES, an object store's 403)."""
+    return (
+        f"{name}: access denied - the job may not read it: grant read access (or "
+        "give credentials that have it), or copy the data where the job can read it"
+    )
+
+
+class FileFormatError(ValueError):
+    """Bytes that break a file's format as a whole, not one row's (an array that is not
+    closed, an object where rows were expected): the file cannot be read on. The message
+    says where and what, never quoting the file's content."""
+
+
 def safe_arrow_message(message: str) -> str:
     """pyarrow's parse errors quote the offending cell or row; keep everything else."""
     message = re.sub(r"invalid value '.*'", "invalid value", message, flags=re.S)

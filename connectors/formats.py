@@ -1,37 +1,66 @@
-"""Format names, detection from file names, and the reader for each format."""
+"""The input formats: one registry entry each - its name, file extensions and reader.
+
+How to add a format
+-------------------
+Write a reader (an object with `conflicts_to_string`, `head(fs, path, *, options)` ->
+`FileHead` and `iter_batches(fs, path, schema, *, name, options, blanks)` yielding
+record batches; `csv_reader.py` and `jsonl_reader.py` are the examples) and append one
+`InputFormat` to `_FORMATS`. `open_source`, format detection from file names, the
+`format` option's help and `--format` all follow.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from fsspec.utils import infer_compression
 
 from tokenmill.connectors.csv_reader import CsvReader
+from tokenmill.connectors.json_reader import JsonReader
 from tokenmill.connectors.jsonl_reader import JsonlReader
 from tokenmill.connectors.openai_batch import OpenAIBatchReader
 from tokenmill.connectors.parquet_reader import ParquetReader
 
-FORMATS = ("parquet", "jsonl", "csv", "openai-batch")
 
-_ALIASES = {"pq": "parquet", "ndjson": "jsonl", "json": "jsonl"}
+@dataclass(frozen=True)
+class InputFormat:
+    """One input format."""
 
-_EXTENSIONS = {
-    ".parquet": "parquet",
-    ".pq": "parquet",
-    ".jsonl": "jsonl",
-    ".ndjson": "jsonl",
-    ".json": "jsonl",
-    ".csv": "csv",
-}
+    name: str
+    reader: Callable[[], Any]  # makes the format's reader
+    extensions: tuple[str, ...] = ()  # file names that imply it (after any `.gz`)
+    aliases: tuple[str, ...] = ()  # other names `format=` accepts
+    # Read as a byte stream, so a compression suffix (`.gz`, `.zst`) is looked through.
+    # Parquet compresses internally: a gzipped Parquet file is not something we read.
+    streams: bool = True
+    delimited: bool = False  # delimited text: the csv_delimiter and csv_quote options apply
 
-# Parquet compresses internally; a gzipped Parquet file is not something we read.
-_STREAM_FORMATS = frozenset({"jsonl", "csv", "openai-batch"})
+
+_FORMATS = (
+    InputFormat("parquet", ParquetReader, (".parquet", ".pq"), ("pq",), streams=False),
+    InputFormat("jsonl", JsonlReader, (".jsonl", ".ndjson"), ("ndjson",)),
+    # A top-level array of objects or JSON Lines, told by the first byte (json_reader.py).
+    InputFormat("json", JsonReader, (".json",)),
+    InputFormat("csv", CsvReader, (".csv",), delimited=True),
+    InputFormat("tsv", lambda: CsvReader("\t"), (".tsv", ".tab"), ("tab",), delimited=True),
+    InputFormat("openai-batch", OpenAIBatchReader),
+)
+
+FORMATS = tuple(f.name for f in _FORMATS)
+DELIMITED_FORMATS = tuple(f.name for f in _FORMATS if f.delimited)
+
+_BY_NAME = {name: f for f in _FORMATS for name in (f.name, *f.aliases)}
+_BY_EXTENSION = {ext: f for f in _FORMATS for ext in f.extensions}
 
 
 def normalize_format(fmt: str) -> str:
     """The canonical name for `fmt`; raises `ValueError` for an unknown one."""
-    name = _ALIASES.get(fmt.lower(), fmt.lower())
-    if name not in FORMATS:
+    found = _BY_NAME.get(fmt.lower())
+    if found is None:
         raise ValueError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    return name
+    return found.name
 
 
 def compression_of(path: str) -> str | None:
@@ -46,20 +75,17 @@ def detect_format(path: str) -> str | None:
     if codec is not None:
         name = name.rsplit(".", 1)[0]
     dot = name.rfind(".")
-    fmt = _EXTENSIONS.get(name[dot:]) if dot >= 0 else None
-    if fmt is not None and codec is not None and fmt not in _STREAM_FORMATS:
+    fmt = _BY_EXTENSION.get(name[dot:]) if dot >= 0 else None
+    if fmt is None or (codec is not None and not fmt.streams):
         return None
-    return fmt
+    return fmt.name
+
+
+def known_extensions() -> str:
+    """The file extensions formats are detected by, for messages."""
+    return ", ".join(_BY_EXTENSION)
 
 
 def get_reader(fmt: str):
     """The reader object for a canonical format name."""
-    return _READERS[fmt]()
-
-
-_READERS = {
-    "parquet": ParquetReader,
-    "jsonl": JsonlReader,
-    "csv": CsvReader,
-    "openai-batch": OpenAIBatchReader,
-}
+    return _BY_NAME[fmt].reader()

@@ -14,6 +14,7 @@ import pyarrow.json as pa_json
 from tokenmill.connectors.batches import (
     ERROR_COLUMN,
     REPLACED_COLUMN,
+    BlankTally,
     FileHead,
     ReadOptions,
     with_replaced,
@@ -44,7 +45,13 @@ class JsonlReader:
 
     def head(self, fs, path: str, *, options: ReadOptions) -> FileHead:
         with open_text_stream(fs, path, head=True) as f:
-            sample = head_lines(open_decoded(f, options.decoding), options.sample_bytes)
+            return self.head_of(open_decoded(f, options.decoding), options)
+
+    def head_of(self, stream, options: ReadOptions) -> FileHead:
+        """`head` for an `open_decoded` stream."""
+        sample = head_lines(stream, options.sample_bytes, options.decoding)
+        if not sample.lines:  # no bytes, or blank lines only
+            return FileHead(schema=options.schema or pa.schema([]), is_empty=True)
         rows = []
         for number, line in zip(sample.line_numbers, sample.lines):
             try:
@@ -53,24 +60,66 @@ class JsonlReader:
                 # A bad line in the sample fails validation now, unless it may become a row.
                 if options.on_bad_line == "error":
                     raise
+        hint = list_in_one_object(rows)
         if options.schema is not None:
-            return FileHead(schema=options.schema)
-        return FileHead(schema=infer_schema(rows))
+            return FileHead(schema=options.schema, hint=hint)
+        return FileHead(schema=infer_schema(rows), hint=hint)
 
     def iter_batches(
-        self, fs, path: str, schema: pa.Schema, *, name: str, options: ReadOptions
+        self,
+        fs,
+        path: str,
+        schema: pa.Schema,
+        *,
+        name: str,
+        options: ReadOptions,
+        blanks: BlankTally | None = None,
     ) -> Iterator[pa.RecordBatch]:
-        data_schema = pa.schema([f for f in schema if f.name not in _FLAG_COLUMNS])
         with open_text_stream(fs, path) as f:
-            lines = open_decoded(f, options.decoding)
-            for chunk in iter_line_chunks(lines, options.batch_size, options.decoding):
-                yield read_chunk(
-                    chunk,
-                    data_schema,
-                    name=name,
-                    on_bad_line=options.on_bad_line,
-                    text_columns=options.text_columns,
-                )
+            yield from self.batches_of(
+                open_decoded(f, options.decoding), schema, name=name, options=options, blanks=blanks
+            )
+
+    def batches_of(
+        self,
+        stream,
+        schema: pa.Schema,
+        *,
+        name: str,
+        options: ReadOptions,
+        blanks: BlankTally | None = None,
+    ) -> Iterator[pa.RecordBatch]:
+        """`iter_batches` for an `open_decoded` stream."""
+        data_schema = pa.schema([f for f in schema if f.name not in _FLAG_COLUMNS])
+        # One row per line: the lines yielded before a blank one are the rows before it.
+        on_blank = blanks.add if blanks is not None else None
+        for chunk in iter_line_chunks(stream, options.batch_size, options.decoding, on_blank):
+            yield read_chunk(
+                chunk,
+                data_schema,
+                name=name,
+                on_bad_line=options.on_bad_line,
+                text_columns=options.text_columns,
+            )
+
+
+def list_in_one_object(rows: Sequence[dict[str, Any]]) -> str | None:
+    """What to tell a user whose columns are missing from a file of one object holding a
+    list of objects (`{"data": [{...}, ...]}`): that the rows are inside it."""
+    if len(rows) != 1:
+        return None
+    keys = [k for k, v in rows[0].items() if isinstance(v, list) and v and isinstance(v[0], dict)]
+    if len(keys) != 1:
+        return None
+    return list_under_key_hint(keys[0])
+
+
+def list_under_key_hint(key: str) -> str:
+    return (
+        f"the file is one JSON object holding its rows as a list under {key!r}: tokenmill "
+        "reads JSON Lines or a top-level JSON array of objects; write the list itself "
+        f"(e.g. jq '.[{json.dumps(key)}]' in.json > rows.json)"
+    )
 
 
 def parse_object(line: bytes, number: int) -> dict[str, Any]:
@@ -90,7 +139,9 @@ def parse_object(line: bytes, number: int) -> dict[str, Any]:
         # e.msg and e.colno describe the syntax error without echoing the line itself.
         raise BadLine(number, f"invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(value, dict):
-        hint = " (JSON arrays are not read; write one object per line)" if number == 1 else ""
+        hint = ""
+        if number == 1 and isinstance(value, list):
+            hint = " (a JSON array: a .json file, or --format json, reads its elements as rows)"
         raise BadLine(number, f"expected a JSON object, got {type(value).__name__}{hint}")
     return value
 
@@ -157,23 +208,44 @@ def _read_chunk(
     on_bad_line: str,
     text_columns: frozenset[str],
 ) -> pa.RecordBatch:
-    try:
-        table = pa_json.read_json(
-            io.BytesIO(b"\n".join(chunk.lines)),
-            read_options=pa_json.ReadOptions(use_threads=False, block_size=_block_size(chunk)),
-            parse_options=pa_json.ParseOptions(
-                explicit_schema=schema, unexpected_field_behavior="ignore"
-            ),
-        )
-        if table.num_rows == len(chunk.lines):
-            return table.combine_chunks().to_batches()[0] if table.num_rows else _empty(schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeDecodeError):
-        pass
+    batch = arrow_rows(chunk.lines, schema)
+    if batch is not None:
+        return batch
     # pyarrow rejects a whole chunk for one odd value; redo it line by line to keep the
     # good rows, coerce what can be coerced and name the lines that cannot.
     return _read_chunk_python(
         chunk, schema, name=name, on_bad_line=on_bad_line, text_columns=text_columns
     )
+
+
+def arrow_rows(
+    objects: Sequence[bytes], schema: pa.Schema, *, newlines_in_values: bool = False
+) -> pa.RecordBatch | None:
+    """JSON objects (one per item) as a batch of `schema`, parsed by pyarrow in one go;
+    None when pyarrow refuses any of them (then each must be parsed on its own).
+
+    Args:
+        objects: each one JSON object's bytes.
+        schema: the batch's columns; other fields are ignored.
+        newlines_in_values: objects may hold line breaks (pretty-printed array elements).
+    """
+    size = sum(len(item) + 1 for item in objects) + 1
+    try:
+        table = pa_json.read_json(
+            io.BytesIO(b"\n".join(objects)),
+            # The whole chunk in one block: pyarrow needs each object to fit in one.
+            read_options=pa_json.ReadOptions(use_threads=False, block_size=max(1 << 16, size)),
+            parse_options=pa_json.ParseOptions(
+                explicit_schema=schema,
+                unexpected_field_behavior="ignore",
+                newlines_in_values=newlines_in_values,
+            ),
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeDecodeError):
+        return None
+    if table.num_rows != len(objects):
+        return None
+    return table.combine_chunks().to_batches()[0] if table.num_rows else _empty(schema)
 
 
 def _read_chunk_python(
@@ -192,6 +264,42 @@ def _read_chunk_python(
             errors.append(None)
         except BadLine as e:
             _fail_or_record(e, name, on_bad_line, rows, errors)
+    return rows_to_batch(
+        rows,
+        errors,
+        chunk.line_numbers,
+        schema,
+        name=name,
+        on_bad_line=on_bad_line,
+        text_columns=text_columns,
+    )
+
+
+def rows_to_batch(
+    rows: list[dict[str, Any] | None],
+    errors: list[str | None],
+    numbers: Sequence[int],
+    schema: pa.Schema,
+    *,
+    name: str,
+    on_bad_line: str,
+    text_columns: frozenset[str],
+    unit: str = "line",
+) -> pa.RecordBatch:
+    """Parsed rows (None: one that could not be parsed, its message in `errors`) as a
+    batch of `schema`, plus `__error__` when any row is bad.
+
+    Args:
+        rows: the parsed objects.
+        errors: per row, the message of a row already bad (else None).
+        numbers: per row, its line number (or what `unit` counts) for messages.
+        schema: the batch's columns.
+        name: the file, as messages name it.
+        on_bad_line: "error" raises the first value that does not fit its column.
+        text_columns: columns whose values must be text.
+        unit: what `numbers` count ("line", "array index").
+    """
+    errors = list(errors)
     # A row that failed to parse, or holds a value its column cannot take, is nulled
     # as a whole (no half-parsed data); a non-text value in a text column only nulls
     # that value, so the row keeps its id for the error row it becomes.
@@ -202,7 +310,7 @@ def _read_chunk_python(
         values = [None if row is None else row.get(field.name) for row in rows]
         column, bad = to_arrow(values, field, text_only=text_only)
         for index in bad:
-            error = BadLine(chunk.line_numbers[index], f"column {field.name!r}: {bad[index]}")
+            error = BadLine(numbers[index], f"column {field.name!r}: {bad[index]}", unit=unit)
             if on_bad_line == "error":
                 raise error
             errors[index] = errors[index] or f"{name}: {error}"
@@ -308,11 +416,6 @@ def _is_unpaired(value: Any) -> bool:
         return False
     except UnicodeEncodeError:
         return True
-
-
-def _block_size(chunk: LineChunk) -> int:
-    # pyarrow needs each line to fit in one block; give it the whole chunk.
-    return max(1 << 16, sum(len(line) + 1 for line in chunk.lines) + 1)
 
 
 def _empty(schema: pa.Schema) -> pa.RecordBatch:

@@ -9,7 +9,7 @@ stand-ins and the same check (`decode_line`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tokenmill.connectors.decoding import UTF8, Decoding, UndecodableText, to_utf8
@@ -48,15 +48,19 @@ class BadLine(ValueError):
         self.message = message
 
 
-def iter_lines(fileobj, max_line_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
+def iter_lines(
+    fileobj, max_line_bytes: int | None = None, on_blank: Callable[[int], None] | None = None
+) -> Iterator[tuple[int, bytes]]:
     """Yields `(line_number, line)` for each non-blank line, without the newline.
 
     A line longer than `max_line_bytes` (default MAX_LINE_BYTES) is not kept: it comes
     out as an `OversizedLine` placeholder, which `parse_object` reports as a bad line,
-    so memory stays at one chunk plus one line however long a line is.
+    so memory stays at one chunk plus one line however long a line is. A blank line
+    (only whitespace, `\r` included: JSON's whitespace) is skipped, and `on_blank` is
+    called with the number of lines yielded before it.
     """
     limit = MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes
-    number = 0
+    number = yielded = 0
     line = _LineBuffer(limit)
     while True:
         chunk = fileobj.read(_CHUNK_BYTES)
@@ -69,10 +73,15 @@ def iter_lines(fileobj, max_line_bytes: int | None = None) -> Iterator[tuple[int
             text = line.take()
             if text.strip() or isinstance(text, OversizedLine):
                 yield number, text
+                yielded += 1
+            elif on_blank is not None:
+                on_blank(yielded)
         line.add(pieces[-1])
     text = line.take()
     if text.strip() or isinstance(text, OversizedLine):
         yield number + 1, text
+    elif text and on_blank is not None:  # whitespace after the last newline: a blank line
+        on_blank(yielded)
 
 
 class OversizedLine(bytes):
@@ -129,11 +138,17 @@ class _LineBuffer:
         return text
 
 
-def iter_line_chunks(fileobj, max_lines: int, decoding: Decoding = UTF8) -> Iterator[LineChunk]:
+def iter_line_chunks(
+    fileobj,
+    max_lines: int,
+    decoding: Decoding = UTF8,
+    on_blank: Callable[[int], None] | None = None,
+) -> Iterator[LineChunk]:
     """Groups non-blank lines, decoded (`decode_line`), into chunks of at most
-    `max_lines` lines (and about MAX_CHUNK_BYTES)."""
+    `max_lines` lines (and about MAX_CHUNK_BYTES); blank ones go to `on_blank` as in
+    `iter_lines`."""
     chunk = _ChunkBuilder(decoding)
-    for number, line in iter_lines(fileobj):
+    for number, line in iter_lines(fileobj, on_blank=on_blank):
         chunk.add(number, line)
         if len(chunk.lines) >= max_lines or chunk.size >= MAX_CHUNK_BYTES:
             yield chunk.take()

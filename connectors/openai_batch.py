@@ -13,13 +13,20 @@ per input string, with its `dimensions` (`openai_embeddings.py`).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
 
-from tokenmill.connectors.batches import ERROR_COLUMN, FileHead, ReadOptions, with_replaced
+from tokenmill.connectors.batches import (
+    ERROR_COLUMN,
+    BlankTally,
+    FileHead,
+    ReadOptions,
+    with_replaced,
+)
 from tokenmill.connectors.decoding import open_decoded
 from tokenmill.connectors.fs import open_text_stream
 from tokenmill.connectors.jsonl_reader import UNPAIRED_SURROGATE, parse_object
@@ -67,31 +74,55 @@ class OpenAIBatchReader:
     conflicts_to_string = False
 
     def head(self, fs, path: str, *, options: ReadOptions) -> FileHead:
-        if options.on_bad_line == "error":
-            # Checking the first chunk catches a file that is not a batch file at all.
-            with open_text_stream(fs, path, head=True) as f:
-                lines = open_decoded(f, options.decoding)
-                for chunk in iter_line_chunks(
-                    lines, min(options.batch_size, 1000), options.decoding
-                ):
+        with open_text_stream(fs, path, head=True) as f:
+            lines = open_decoded(f, options.decoding)
+            for chunk in iter_line_chunks(lines, min(options.batch_size, 1000), options.decoding):
+                if options.on_bad_line == "error":
+                    # Checking the first chunk catches a file that is not a batch file at all.
                     parse_request_lines(zip(chunk.line_numbers, chunk.lines))
-                    break
-        return FileHead(schema=OPENAI_BATCH_SCHEMA)
+                return FileHead(schema=OPENAI_BATCH_SCHEMA)
+        return FileHead(schema=OPENAI_BATCH_SCHEMA, is_empty=True)  # no request line
 
     def iter_batches(
-        self, fs, path: str, schema: pa.Schema, *, name: str, options: ReadOptions
+        self,
+        fs,
+        path: str,
+        schema: pa.Schema,
+        *,
+        name: str,
+        options: ReadOptions,
+        blanks: BlankTally | None = None,
     ) -> Iterator[pa.RecordBatch]:
         seen: set[str] = set()
+        # Blank lines, by the request lines before them; an embeddings line is a row per
+        # input, so the tally hears of them by the rows before them.
+        pending: list[int] = []
+        lines_done = rows_done = 0
         with open_text_stream(fs, path) as f:
             lines = open_decoded(f, options.decoding)
-            for chunk in iter_line_chunks(lines, options.batch_size, options.decoding):
+            for chunk in iter_line_chunks(
+                lines, options.batch_size, options.decoding, pending.append
+            ):
+                rows_per_line: list[int] = []
                 batch = parse_request_lines(
                     zip(chunk.line_numbers, chunk.lines),
                     name=name,
                     on_bad_line=options.on_bad_line,
                     seen_ids=seen,
+                    rows_per_line=rows_per_line,
                 )
+                if blanks is not None:
+                    # rows_before[k]: the rows before the chunk's k-th line
+                    rows_before = list(itertools.accumulate(rows_per_line, initial=rows_done))
+                    for position in pending:
+                        blanks.add(rows_before[min(position - lines_done, len(rows_per_line))])
+                pending.clear()
+                lines_done += len(rows_per_line)
+                rows_done += batch.num_rows
                 yield with_replaced(batch, chunk.replaced)
+        if blanks is not None:
+            for _ in pending:  # after the last request line
+                blanks.add(rows_done)
 
 
 def read_openai_batch_rows(
@@ -119,6 +150,7 @@ def parse_request_lines(
     name: str = "<input>",
     on_bad_line: str = "error",
     seen_ids: set[str] | None = None,
+    rows_per_line: list[int] | None = None,
 ) -> pa.RecordBatch:
     """Like `read_openai_batch_rows`, for `(line_number, line)` pairs.
 
@@ -128,6 +160,7 @@ def parse_request_lines(
         on_bad_line: "error" raises `BadLine` at the first bad line; "skip_row" keeps it
             as a row of nulls (custom_id kept when readable) with an `__error__` message.
         seen_ids: custom_ids met so far in this file; duplicates are bad lines.
+        rows_per_line: if given, each line's number of rows is appended to it.
 
     Returns:
         A batch with `OPENAI_BATCH_SCHEMA`, plus `__error__` when a line was bad.
@@ -149,11 +182,15 @@ def parse_request_lines(
             seen_ids.update(row["custom_id"] for row in line_rows)
             rows += line_rows
             errors += [None] * len(line_rows)
+            num_rows = len(line_rows)
         except BadLine as e:
             if on_bad_line == "error":
                 raise
             rows.append({"custom_id": custom_id if _is_unicode(custom_id) else None})
             errors.append(f"{name}: {e}")
+            num_rows = 1
+        if rows_per_line is not None:
+            rows_per_line.append(num_rows)
     batch = pa.RecordBatch.from_pylist(rows, schema=OPENAI_BATCH_SCHEMA)
     if not any(errors):
         return batch

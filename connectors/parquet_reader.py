@@ -13,7 +13,13 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokenmill.connectors.batches import ERROR_COLUMN, FileHead, ReadOptions, with_replaced
+from tokenmill.connectors.batches import (
+    ERROR_COLUMN,
+    BlankTally,
+    FileHead,
+    ReadOptions,
+    with_replaced,
+)
 from tokenmill.connectors.decoding import decode_binary
 from tokenmill.connectors.lines import BadLine
 
@@ -30,10 +36,19 @@ class ParquetReader:
             meta = pq.ParquetFile(f).metadata
             schema = meta.schema.to_arrow_schema()
             fields = [_as_text(f) if f.name in options.decode_columns else f for f in schema]
-            return FileHead(schema=pa.schema(fields), num_rows=meta.num_rows)
+            return FileHead(
+                schema=pa.schema(fields), num_rows=meta.num_rows, is_empty=meta.num_rows == 0
+            )
 
     def iter_batches(
-        self, fs, path: str, schema: pa.Schema, *, name: str, options: ReadOptions
+        self,
+        fs,
+        path: str,
+        schema: pa.Schema,
+        *,
+        name: str,
+        options: ReadOptions,
+        blanks: BlankTally | None = None,  # Parquet has no blank records
     ) -> Iterator[pa.RecordBatch]:
         with fs.open(path, "rb") as f:
             parquet_file = pq.ParquetFile(f)

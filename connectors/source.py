@@ -14,18 +14,33 @@ from tokenmill.connectors.batches import (
     ERROR_COLUMN,
     ON_BAD_LINE,
     REPLACED_COLUMN,
+    BlankTally,
     FileHead,
     OnBadLine,
+    ReadCounts,
     ReadOptions,
     conform,
     rechunk,
     unify,
 )
+from tokenmill.connectors.csv_records import Dialect
 from tokenmill.connectors.decoding import Decoding, OnDecodeError
 from tokenmill.connectors.discovery import DataFiles, discover
-from tokenmill.connectors.errors import SourceError, safe_arrow_message
+from tokenmill.connectors.errors import (
+    FileFormatError,
+    SourceError,
+    access_denied,
+    safe_arrow_message,
+)
 from tokenmill.connectors.fingerprint import fingerprint_files
-from tokenmill.connectors.formats import detect_format, get_reader, normalize_format
+from tokenmill.connectors.formats import (
+    DELIMITED_FORMATS,
+    FORMATS,
+    detect_format,
+    get_reader,
+    known_extensions,
+    normalize_format,
+)
 from tokenmill.connectors.fs import display, redact_url, resolve, to_url
 from tokenmill.connectors.lines import BadLine
 from tokenmill.connectors.store_retries import store_operation
@@ -43,6 +58,8 @@ class Source:
 
     `schema` is what `iter_batches` yields; `files` are URLs in read order; `num_rows`
     is known without reading rows for Parquet (footers) and after `count_rows()`.
+    `is_empty`: every file holds no record at all (no bytes, blank lines only, a header
+    alone, `[]`, a Parquet file of no rows).
     """
 
     uri: str
@@ -52,29 +69,53 @@ class Source:
     num_rows: int | None
     batch_size: int
     on_bad_line: OnBadLine
+    is_empty: bool
     _fs: Any = field(repr=False, compare=False)
     _data: DataFiles = field(repr=False, compare=False)
     _read_schema: pa.Schema = field(repr=False, compare=False)
     _options: ReadOptions = field(repr=False, compare=False)
 
-    def iter_batches(self) -> Iterator[pa.RecordBatch]:
+    def iter_batches(
+        self, *, limit: int | None = None, counts: ReadCounts | None = None
+    ) -> Iterator[pa.RecordBatch]:
         """Streams the rows: every batch has `schema` and at most `batch_size` rows.
+
+        Args:
+            limit: stop after this many rows (None: read every file to its end).
+            counts: filled in as the rows are yielded: the rows, and the blank records
+                the readers skipped before the last row yielded (at the end of a file
+                read whole, also those after its last row).
 
         Raises `SourceError` naming the file (and line, for JSONL and CSV) when bytes past
         the validated head turn out to be unreadable.
         """
         reader = get_reader(self.format)
+        counts = counts if counts is not None else ReadCounts()
+        taken = 0  # rows yielded by this call
         for path, constants in zip(self._data.paths, self._data.partitions):
             name = display(self._fs, path)
+            blanks = BlankTally()
             batches = reader.iter_batches(
-                self._fs, path, self._read_schema, name=name, options=self._options
+                self._fs, path, self._read_schema, name=name, options=self._options, blanks=blanks
             )
+            file_rows = 0
             try:
                 with store_operation("reading", name):
                     for batch in rechunk(batches, self.batch_size):
-                        yield conform(batch, self.schema, constants)
+                        is_last = limit is not None and taken + batch.num_rows >= limit
+                        if is_last:
+                            batch = batch.slice(0, limit - taken)
+                        file_rows += batch.num_rows
+                        taken += batch.num_rows
+                        counts.blank += blanks.take_before(file_rows)
+                        counts.rows += batch.num_rows
+                        if batch.num_rows:
+                            yield conform(batch, self.schema, constants)
+                        if is_last:
+                            return
             except _PARSE_ERRORS as e:
                 _raise_source_error(name, self.format, e)
+            counts.blank += blanks.take_all()
 
     def fingerprint(self) -> list[dict[str, Any]]:
         """The input files' URLs, sizes and version stamps (`connectors/fingerprint.py`)."""
@@ -108,14 +149,17 @@ def open_source(
     encoding: str = "utf-8",
     on_decode_error: OnDecodeError = "error-row",
     decode_columns: Sequence[str] = (),
+    csv_delimiter: str | None = None,
+    csv_quote: str = '"',
 ) -> Source:
     """Opens and validates an input dataset without reading its rows.
 
     Args:
         uri: a file, directory, glob or hive-partitioned dataset, on any fsspec
             filesystem (`s3://`, `gs://`, `memory://`, `http(s)://`, local paths).
-        format: "parquet", "jsonl", "csv" or "openai-batch"; None detects it from the
-            file extensions (`.gz` and other compression suffixes are looked through).
+        format: one of `FORMATS` ("parquet", "jsonl", "json", "csv", "tsv",
+            "openai-batch"); None detects it from the file extensions (`.gz` and other
+            compression suffixes are looked through).
         storage_options: filesystem options (credentials, `endpoint_url`); never shown.
         columns: the columns to read, in this order (partition columns included).
         batch_size: the most rows in one yielded batch.
@@ -134,18 +178,27 @@ def open_source(
             U+FFFD and the row is flagged in a `__replaced__` column.
         decode_columns: columns read as text: where a file stores one as binary
             (Parquet), its values are decoded by `encoding` and the column is a string.
+        csv_delimiter: delimited text's field delimiter, one ASCII character (None: the
+            format's own - a comma for csv, a tab for tsv).
+        csv_quote: delimited text's quote character.
 
     Returns:
         A `Source`; raises `SourceError` (a `ValueError`) naming the file and problem.
     """
     fmt = _check_options(format, on_bad_line, batch_size, columns, schema, validate)
     decoding = Decoding(encoding, on_decode_error)
+    Dialect(csv_delimiter or ",", csv_quote)  # a bad character is refused before any I/O
     fs, path = resolve(uri, storage_options)
     with store_operation("listing", redact_url(uri)):
         data = discover(fs, path)
-    fmt = fmt or _detect(fs, data.paths)
-    if schema is not None and fmt not in ("jsonl", "csv"):
-        raise ValueError(f"schema= is only for jsonl and csv input, not {fmt}")
+    fmt = fmt or _detect(fs, path, data.paths)
+    if schema is not None and fmt not in _TEXT_FORMATS:
+        raise ValueError(f"schema= is only for {', '.join(_TEXT_FORMATS)} input, not {fmt}")
+    if (csv_delimiter is not None or csv_quote != '"') and fmt not in DELIMITED_FORMATS:
+        raise ValueError(
+            f"csv_delimiter and csv_quote are for delimited text ({', '.join(DELIMITED_FORMATS)}), "
+            f"not {fmt} input"
+        )
     options = ReadOptions(
         batch_size=batch_size,
         on_bad_line=on_bad_line,
@@ -153,17 +206,26 @@ def open_source(
         text_columns=frozenset(text_columns),
         decoding=decoding,
         decode_columns=frozenset(decode_columns),
+        csv_delimiter=csv_delimiter,
+        csv_quote=csv_quote,
     )
     reader = get_reader(fmt)
     heads = [_read_head(reader, fs, p, fmt, options) for p in data.paths]
     name = redact_url(uri)
+    # A file with no record and no header says nothing of the columns: it takes any.
+    telling = [h for h in heads if not (h.is_empty and not len(h.schema))]
     try:
         data_schema = unify(
-            [h.schema for h in heads], conflicts_to_string=reader.conflicts_to_string
+            [h.schema for h in telling], conflicts_to_string=reader.conflicts_to_string
         )
     except (pa.ArrowTypeError, pa.ArrowInvalid) as e:
         raise SourceError(f"{name}: files disagree on column types ({e})") from e
-    full = _full_schema(name, data_schema, data, columns, on_bad_line, decoding)
+    if not telling:
+        data_schema = pa.schema([(c, pa.string()) for c in columns or ()])
+    hints = [h.hint for h in telling if h.hint]
+    full = _full_schema(
+        name, data_schema, data, columns, on_bad_line, decoding, hint=hints[0] if hints else None
+    )
     read_schema = pa.schema([f for f in data_schema if f.name in full.names])
     counts = [h.num_rows for h in heads]
     source = Source(
@@ -174,6 +236,7 @@ def open_source(
         num_rows=sum(counts) if all(c is not None for c in counts) else None,
         batch_size=batch_size,
         on_bad_line=on_bad_line,
+        is_empty=all(h.is_empty for h in heads),
         _fs=fs,
         _data=data,
         _read_schema=read_schema,
@@ -205,19 +268,30 @@ def _check_options(format, on_bad_line, batch_size, columns, schema, validate) -
         fmt = normalize_format(format)
     except ValueError as e:
         raise SourceError(str(e)) from None
-    if schema is not None and fmt not in ("jsonl", "csv"):
-        raise ValueError(f"schema= is only for jsonl and csv input, not {fmt}")
+    if schema is not None and fmt not in _TEXT_FORMATS:
+        raise ValueError(f"schema= is only for {', '.join(_TEXT_FORMATS)} input, not {fmt}")
     return fmt
 
 
-def _detect(fs, paths: list[str]) -> str:
+# Formats whose column types are inferred, so that schema= may give them instead.
+_TEXT_FORMATS = ("jsonl", "json", "csv", "tsv")
+
+
+def _detect(fs, root: str, paths: list[str]) -> str:
     formats: dict[str, str] = {}
+    unknown = [p for p in paths if detect_format(p) is None]
+    if unknown and len(paths) > 1 and len(unknown) == len(paths):
+        raise SourceError(
+            f"{display(fs, root)}: none of its {len(paths)} files has a data format's name "
+            f"(e.g. {display(fs, unknown[0]).rsplit('/', 1)[-1]}): name them {known_extensions()} "
+            f"or give the format (--format: {', '.join(FORMATS)})"
+        )
     for path in paths:
         fmt = detect_format(path)
         if fmt is None:
             raise SourceError(
-                f"{display(fs, path)}: unknown format from the file name; pass format= "
-                "(parquet, jsonl, csv, openai-batch)"
+                f"{display(fs, path)}: unknown format from the file name; give the format "
+                f"(--format: {', '.join(FORMATS)}) or name it {known_extensions()}"
             )
         formats.setdefault(fmt, path)
     if len(formats) > 1:
@@ -234,7 +308,7 @@ def _read_head(reader, fs, path: str, fmt: str, options: ReadOptions) -> FileHea
     except FileNotFoundError as e:
         raise SourceError(f"{name}: path does not exist") from e
     except PermissionError as e:
-        raise SourceError(f"{name}: access denied") from e
+        raise SourceError(access_denied(name)) from e
     except (*_PARSE_ERRORS, OSError) as e:
         # At validation time any failure is reported as this file's problem, clearly.
         _raise_source_error(name, fmt, e)
@@ -243,7 +317,7 @@ def _read_head(reader, fs, path: str, fmt: str, options: ReadOptions) -> FileHea
 def _raise_source_error(name: str, fmt: str, error: BaseException):
     if isinstance(error, SourceError):
         raise error
-    if isinstance(error, BadLine):
+    if isinstance(error, (BadLine, FileFormatError)):
         raise SourceError(f"{name}: {error}") from None
     message = safe_arrow_message(str(error))
     text = f"{name}: not a readable {fmt} file ({message or type(error).__name__})"
@@ -260,6 +334,8 @@ def _full_schema(
     columns: Sequence[str] | None,
     on_bad_line: str,
     decoding: Decoding,
+    *,
+    hint: str | None = None,
 ) -> pa.Schema:
     # A column stored in the files wins over a same-named partition directory.
     fields = list(data_schema) + [
@@ -273,6 +349,7 @@ def _full_schema(
             raise SourceError(
                 f"{name}: column(s) {', '.join(map(repr, missing))} not found; "
                 f"available columns: {', '.join(by_name) or '(none)'}"
+                + (f" - {hint}" if hint else "")
             )
         fields = [by_name[c] for c in columns]
     if on_bad_line == "skip_row":

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from tokenmill.connectors import ERROR_COLUMN, SourceError, open_source
-from tokenmill.connectors.csv_records import iter_records
+from tokenmill.connectors.csv_records import Dialect, iter_records
 from tokenmill.connectors.lines import MAX_LINE_BYTES, OversizedLine
 
 
@@ -153,3 +153,82 @@ def test_a_csv_field_under_the_limit_is_read_whole_wherever_it_falls(tmp_path, l
     assert len(table.column("prompt")[1].as_py()) == 20 << 20
     assert table.column(ERROR_COLUMN).null_count == 3
     assert table.schema.field("prompt").type == pa.string()
+
+
+@pytest.mark.parametrize("terminator", ["\n", "\r\n", "\r"])
+def test_every_line_break_ends_records_as_pythons_csv_module_reads_them(terminator):
+    # Fields hold all three line breaks, quotes and the delimiter; Python's csv module
+    # (which reads a bare CR as a line break too) is the reference.
+    rng = random.Random(terminator)
+    for delimiter in (",", ";", "\t", "|"):
+        alphabet = ['"', delimiter, "\n", "\r\n", "\r", "a", "é", " ", "xyz"]
+        rows = [
+            ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6))) for _ in range(3)]
+            for _ in range(200)
+        ]
+        text = io.StringIO(newline="")
+        csv.writer(text, delimiter=delimiter, lineterminator=terminator).writerows(rows)
+        data = text.getvalue().encode()
+        expected = list(csv.reader(io.StringIO(data.decode(), newline=""), delimiter=delimiter))
+
+        for seed in (None, 1, 2, 3):
+            stream = io.BytesIO(data) if seed is None else Trickle(data, seed)
+            split = iter_records(stream, dialect=Dialect(delimiter))
+            got = [
+                next(csv.reader(io.StringIO(r.decode(), newline=""), delimiter=delimiter))
+                for _, r in split
+            ]
+            assert got == [r for r in expected if r], (delimiter, seed)
+
+
+def test_blank_records_are_reported_where_they_fall():
+    # \r\r\n is a bare CR and then a CRLF: one blank record between them, as csv reads it.
+    data = b'a,b\r\r\n1,2\r\r3,"x\r\ny"\r4,5\n\n'
+    blanks: list[int] = []
+
+    got = list(iter_records(io.BytesIO(data), on_blank=blanks.append))
+
+    assert got == [(1, b"a,b"), (3, b"1,2"), (5, b'3,"x\r\ny"'), (7, b"4,5")]
+    assert blanks == [1, 2, 4]  # the records before each blank one
+    python_rows = list(csv.reader(io.StringIO(data.decode(), newline="")))
+    assert sum(1 for r in python_rows if not r) == len(blanks)
+    for seed in range(30):
+        again: list[int] = []
+        assert list(iter_records(Trickle(data, seed), on_blank=again.append)) == got, seed
+        assert again == blanks, seed
+
+
+def test_a_bare_cr_record_over_the_limit_is_counted_like_any_other():
+    data = b"1,short\r" + b'2,"' + b"x\r" * 30 + b'"\r3,after\r'
+
+    got = records(data, limit=40)
+
+    assert got[0] == (1, b"1,short")
+    assert isinstance(got[1][1], OversizedLine) and got[1][1].size == 3 + 60 + 1
+    assert got[2] == (33, b"3,after")  # 30 line breaks inside the quoted field
+
+
+def test_the_delimiter_and_quote_are_one_ascii_character():
+    assert Dialect("\\t").delimiter == "\t"  # as a shell passes it
+    assert Dialect(";", "'").quote == "'"
+    for delimiter in ("", ";;", "§", "\n"):
+        with pytest.raises(ValueError, match="one ASCII character"):
+            Dialect(delimiter)
+    with pytest.raises(ValueError, match="both ';'"):
+        Dialect(";", ";")
+
+
+def test_a_bare_cr_file_reads_as_pythons_csv_module_and_pandas_read_it(tmp_path):
+    import pandas as pd
+
+    path = tmp_path / "cr.csv"
+    path.write_bytes(b'id,q\r1,hello\r2,"two\r\nlines"\r3,"bare\rcr"\r\r4,"say ""hi"""\r')
+
+    text = pa.schema([("id", pa.string()), ("q", pa.string())])
+    rows = open_source(str(path), schema=text).to_table().to_pylist()
+
+    reference = list(csv.DictReader(io.StringIO(path.read_bytes().decode(), newline="")))
+    assert rows == reference
+    frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+    assert rows == frame.to_dict("records")
+    assert [r["id"] for r in rows] == ["1", "2", "3", "4"]

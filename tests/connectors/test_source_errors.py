@@ -85,10 +85,12 @@ def test_invalid_json_beyond_the_head_fails_full_validation(tmp_path):
         open_source(str(path), validate="full")
 
 
-def test_json_array_file_gets_a_hint(tmp_path):
-    path = tmp_path / "data.json"
+def test_a_json_array_in_a_jsonl_file_gets_a_hint(tmp_path):
+    path = tmp_path / "data.jsonl"
     path.write_text('[{"a": 1}, {"a": 2}]')
-    with pytest.raises(SourceError, match="line 1: expected a JSON object, got list"):
+    with pytest.raises(
+        SourceError, match="line 1: expected a JSON object, got list .*--format json"
+    ):
         open_source(str(path))
 
 
