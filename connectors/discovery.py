@@ -58,6 +58,7 @@ def _discover(fs, path: str) -> DataFiles:
         return DataFiles(paths=[path], partitions=[{}])
     paths = _visible_files(fs.find(path, detail=True), path)
     if not paths:
+        fs.ls(path, detail=False)  # a directory it may not list (fsspec's find says nothing)
         raise SourceError(
             f"{name}: no data files in this directory (names starting with _ or . are "
             "skipped): point the input at the directory or file that holds the data"

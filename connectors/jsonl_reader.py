@@ -115,10 +115,11 @@ def list_in_one_object(rows: Sequence[dict[str, Any]]) -> str | None:
 
 
 def list_under_key_hint(key: str) -> str:
+    path = f".{key}" if key.isidentifier() else f".[{json.dumps(key)}]"
     return (
         f"the file is one JSON object holding its rows as a list under {key!r}: tokenmill "
         "reads JSON Lines or a top-level JSON array of objects; write the list itself "
-        f"(e.g. jq '.[{json.dumps(key)}]' in.json > rows.json)"
+        f"(e.g. jq '{path}' in.json > rows.json)"
     )
 
 

@@ -280,11 +280,12 @@ _TEXT_FORMATS = ("jsonl", "json", "csv", "tsv")
 def _detect(fs, root: str, paths: list[str]) -> str:
     formats: dict[str, str] = {}
     unknown = [p for p in paths if detect_format(p) is None]
-    if unknown and len(paths) > 1 and len(unknown) == len(paths):
+    if unknown and len(unknown) == len(paths) and paths != [root]:
         raise SourceError(
-            f"{display(fs, root)}: none of its {len(paths)} files has a data format's name "
-            f"(e.g. {display(fs, unknown[0]).rsplit('/', 1)[-1]}): name them {known_extensions()} "
-            f"or give the format (--format: {', '.join(FORMATS)})"
+            f"{display(fs, root)}: no file in it has a data format's name ({len(paths)} "
+            f"file{'s' if len(paths) > 1 else ''}, e.g. "
+            f"{display(fs, unknown[0]).rsplit('/', 1)[-1]}): name them "
+            f"{known_extensions()} or give the format (--format: {', '.join(FORMATS)})"
         )
     for path in paths:
         fmt = detect_format(path)

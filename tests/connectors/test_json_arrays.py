@@ -212,7 +212,7 @@ def test_an_object_holding_the_rows_is_refused_naming_the_key(tmp_path):
     assert str(raised.value) == (
         f"{path}: the file is one JSON object holding its rows as a list under 'data': "
         "tokenmill reads JSON Lines or a top-level JSON array of objects; write the list "
-        """itself (e.g. jq '.["data"]' in.json > rows.json)"""
+        "itself (e.g. jq '.data' in.json > rows.json)"
     )
 
 
