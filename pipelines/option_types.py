@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from tokenmill.connectors.csv_records import csv_character
 from tokenmill.connectors.decoding import check_encoding
 from tokenmill.engine.sampling_params import token_bias
 
@@ -147,6 +148,15 @@ JSON = ValueType(
 # A Python text codec name (utf-8, latin-1, utf-16...): an unknown one is refused anywhere.
 ENCODING = ValueType(
     "a text encoding", str, str, lambda v: isinstance(v, str), "ENCODING", convert=check_encoding
+)
+# One ASCII character of delimited text (a delimiter, a quote); `\t` as written is a tab.
+CHARACTER = ValueType(
+    "one character",
+    str,
+    csv_character,
+    lambda v: isinstance(v, str),
+    "CHAR",
+    convert=csv_character,
 )
 # Text that the command line reads from a file (a grammar); Python and flows give the text.
 FILE_TEXT = ValueType("text", str, _read_text_file, lambda v: isinstance(v, str), "FILE")

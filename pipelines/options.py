@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from tokenmill.connectors.decoding import ON_DECODE_ERROR
+from tokenmill.connectors.formats import FORMATS
 from tokenmill.engine.config import engine_settings
 from tokenmill.engine.loader.aliases import DEFAULT_MODEL
 from tokenmill.engine.sampling_params import SamplingParams
@@ -58,6 +59,7 @@ from tokenmill.engine.worker.build import setting_choices
 from tokenmill.pipelines.option_types import (
     BATCH,
     BOOL,
+    CHARACTER,
     COSTS,
     ENCODING,
     ENGINE,
@@ -159,7 +161,9 @@ OPTIONS: tuple[Option, ...] = (
         "format",
         TEXT,
         None,
-        "Input format: parquet, jsonl, csv, openai-batch (default: from file names).",
+        f"Input format: {', '.join(FORMATS)} (default: from file names). json is a "
+        "top-level array of objects or JSON Lines, told by its first byte; tsv is csv "
+        "with tabs.",
         INPUT,
         surfaces=BATCH,
     ),
@@ -239,6 +243,23 @@ OPTIONS: tuple[Option, ...] = (
         "columns stored as bytes (Parquet binary, bytes in a DataFrame), e.g. latin-1, "
         "cp1252, utf-16.",
         INPUT,
+    ),
+    Option(
+        "csv_delimiter",
+        CHARACTER,
+        None,
+        "Field delimiter of csv and tsv input, one character: ';', '|', '\\t' for a tab "
+        "(default: a comma for csv, a tab for tsv, .tsv and .tab files).",
+        INPUT,
+        surfaces=BATCH,
+    ),
+    Option(
+        "csv_quote",
+        CHARACTER,
+        '"',
+        "Quote character of csv and tsv input.",
+        INPUT,
+        surfaces=BATCH,
     ),
     Option(
         "on_decode_error",

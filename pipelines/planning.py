@@ -140,6 +140,8 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         encoding=spec.encoding,
         on_decode_error=spec.on_decode_error,
         decode_columns=[*required_columns(template), *queries],
+        csv_delimiter=spec.csv_delimiter,
+        csv_quote=spec.csv_quote,
     )
     fingerprint = source.fingerprint()
     _check_input_unchanged(spec, fingerprint)
