@@ -38,6 +38,8 @@ TABLE_FIGURES: tuple[Figure, ...] = (
     ("rows ok", "rows_ok", lambda _, v: report.count(v), None),
     ("rows failed", "rows_failed", lambda _, v: report.count(v), None),
     ("rows deduplicated", "rows_deduplicated", lambda _, v: report.count(v), None),
+    ("records read", "rows_read", lambda _, v: report.count(v), None),
+    ("blank records skipped", "rows_skipped_blank", lambda _, v: report.count(v), None),
     ("prompt tokens", "prompt_tokens", lambda _, v: report.count(v), "forecast_prompt_tokens"),
     ("cached tokens", "cached_tokens", lambda _, v: report.count(v), "forecast_cached_tokens"),
     (
@@ -137,7 +139,12 @@ def ledger_markdown(ledger: JobLedger, *, results_uri: str, ledger_uri: str) -> 
         f"- **input**: `{ledger.input_uri}`",
         f"- **results**: `{results_uri}`",
         f"- **ledger**: `{ledger_uri}`",
-        f"- **rows**: {ledger.rows_ok:,} ok, {ledger.rows_failed:,} failed{deduplicated}",
+        f"- **rows**: {ledger.rows_ok:,} ok, {ledger.rows_failed:,} failed{deduplicated}"
+        + (
+            f"; {ledger.rows_read:,} records read ({ledger.rows_skipped_blank:,} blank)"
+            if ledger.rows_read is not None
+            else ""
+        ),
         f"- **shards**: {ledger.num_shards:,} ({ledger.num_shards_run:,} computed by this "
         f"run, {skipped:,} already complete)",
         f"- **tokens**: {ledger.prompt_tokens:,} prompt ({ledger.cached_tokens:,} cached), "

@@ -108,7 +108,10 @@ def plan_task(spec: JobSpec, min_shards: int = 1) -> JobPlan:
         spec: the job.
         min_shards: cut at least this many shards where the rows allow: one per worker.
     """
-    return plan_job(spec, min_shards=min_shards)
+    plan = plan_job(spec, min_shards=min_shards)
+    if plan.empty_warning:
+        _logger().warning(plan.empty_warning)
+    return plan
 
 
 @task(

@@ -67,6 +67,7 @@ def finalize_job(
         sums = _write_openai_output(plan, parts, per_adapter)
     else:
         sums = _add_up_parts(plan, parts, per_adapter)
+    _check_rows_add_up(plan, sums)
     stats = out.read_shard_stats(
         spec.output, [s.shard_id for s in plan.shards], spec.storage_options
     )
@@ -93,6 +94,7 @@ def finalize_job(
         adapters=[(a.name, a.weights_hash) for a in plan.adapters],
         adapter_sums=per_adapter,
         forecast=forecast,
+        rows_skipped_blank=plan.rows_skipped_blank,
     )
     out.write_ledger(
         ledger,
@@ -113,6 +115,16 @@ def finalize_job(
         ledger.cost_total,
     )
     return ledger
+
+
+def _check_rows_add_up(plan: JobPlan, sums: TokenSums) -> None:
+    """Raise RuntimeError unless every record read is a result row or a skipped blank."""
+    rows = sums["rows_ok"] + sums["rows_failed"]
+    if rows + plan.rows_skipped_blank != plan.rows_read:
+        raise RuntimeError(
+            f"results of job {plan.job_id} do not add up: {plan.rows_read} records read, "
+            f"{rows} result rows and {plan.rows_skipped_blank} blank records skipped"
+        )
 
 
 def _check_parts_are_the_plans(plan: JobPlan, parts: dict[str, list[str]]) -> None:

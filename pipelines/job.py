@@ -17,6 +17,7 @@ only counts.
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -42,6 +43,8 @@ from tokenmill.pipelines.running import (
 )
 from tokenmill.pipelines.spec import JobSpec
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "Forecast",
     "JobPlan",
@@ -65,6 +68,10 @@ class JobProgress:
 
     def planned(self, plan: JobPlan, pending: list[Shard]) -> None:
         """The plan is ready and the model loaded; `pending` shards will be computed."""
+
+    def warn(self, message: str) -> None:
+        """Something the user must hear of, whatever else is shown (an empty input)."""
+        log.warning(message)
 
     def step(self, tokens: StepTokens) -> None:
         """One engine step's tokens (prompt tokens computed or cached, tokens generated)."""
@@ -123,6 +130,8 @@ def run_job(
         if spec.dry_run:
             return _dry_run(spec, llm, progress)
         plan = plan_job(spec, llm=llm)
+        if plan.empty_warning:
+            progress.warn(plan.empty_warning)
         done = prepare_output(plan)
         pending = [s for s in plan.shards if s.shard_id not in done]
         llm_lock: Any = nullcontext()

@@ -116,6 +116,11 @@ class JobLedger:
     forecast_cost_min: float | None = None
     forecast_cost_max: float | None = None
     forecast_seconds: float | None = None
+    # Every record the input's reader saw: rows_read = rows_ok + rows_failed +
+    # rows_skipped_blank (blank records: an empty CSV record, a JSON Lines line of
+    # whitespace). None in ledgers written before they were counted.
+    rows_read: int | None = None
+    rows_skipped_blank: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -264,6 +269,7 @@ def compute_ledger(
     adapters: Sequence[tuple[str, str]] = (),
     adapter_sums: AdapterSums | None = None,
     forecast: Mapping[str, Any] | None = None,
+    rows_skipped_blank: int | None = None,
 ) -> JobLedger:
     """Build a job's ledger from its result rows and its shards' stats.
 
@@ -279,6 +285,8 @@ def compute_ledger(
             `adapter_sums` (`add_adapter_sums` over the parts) gives the split.
         forecast: the job's dry-run forecast (`Forecast.to_dict()`), recorded beside
             the actuals.
+        rows_skipped_blank: the blank records the input's reader skipped; with it the
+            ledger's rows_read adds up the records read (None: not counted).
         (the rest are recorded as given; URIs are redacted of credentials)
 
     Returns:
@@ -330,6 +338,12 @@ def compute_ledger(
         adapters=adapter_split(adapter_sums or {}, adapters, prices) if adapters else None,
         throughput_rows_per_s=rate(sums["rows_ok"]),
         **_forecast_fields(forecast),
+        rows_read=(
+            None
+            if rows_skipped_blank is None
+            else sums["rows_ok"] + sums["rows_failed"] + rows_skipped_blank
+        ),
+        rows_skipped_blank=rows_skipped_blank,
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow as pa
 
 from tokenmill.connectors import open_source, redact_url
+from tokenmill.connectors.batches import ReadCounts
 from tokenmill.connectors.fingerprint import first_difference
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.grammar import GrammarCompiler
@@ -68,6 +69,11 @@ class JobPlan:
     shards: list[Shard]
     num_rows: int = 0
     num_failed: int = 0  # rows that failed before compute (bad prompt, too long, ...)
+    # Every record the input's reader saw (within `limit`): the rows above and the blank
+    # records it skipped (an empty CSV record, a JSON Lines line of whitespace). Planned
+    # again from the input by every run, so a resumed job's ledger counts them too.
+    rows_read: int = 0
+    rows_skipped_blank: int = 0
     # The input files' URLs, sizes and versions when planned (connectors/fingerprint.py).
     input_fingerprint: list[dict[str, Any]] = field(default_factory=list)
     # The LoRA adapters rows may run with, in lora index order from 1 (pipelines/adapters.py).
@@ -84,6 +90,15 @@ class JobPlan:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.shards)
+
+    @property
+    def empty_warning(self) -> str | None:
+        """What to warn of when the input held no records, so the job has no rows (None
+        when it has rows: an input that is not empty never plans no rows)."""
+        if self.num_rows:
+            return None
+        blank = f", {self.rows_skipped_blank:,} blank" if self.rows_skipped_blank else ""
+        return f"{redact_url(self.spec.input)} is empty (no records{blank}): the job has no rows"
 
     @property
     def lora_requests(self) -> list | None:
@@ -159,6 +174,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     # Another plan's files may have our shard ids (same rows, same id): if this planning
     # fails, it removes only the files it added.
     existing = out.planned_shards(spec.output, spec.storage_options)
+    counts = ReadCounts()
     windows = read_windows(
         source,
         spec,
@@ -167,6 +183,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         params=params,
         pooling=pooling,
         adapters=adapters,
+        counts=counts,
     )
     try:
         for window in windows:
@@ -201,6 +218,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
             num_rows += len(window.rows)
             num_failed += sum(1 for r in window.rows if r.error is not None)
             fault_point("plan_window")
+        _check_rows_read(source, counts, num_rows)
     except BaseException:
         added = [s.shard_id for s in shards + copy_shards if s.shard_id not in existing]
         out.remove_plan(spec.output, spec.storage_options, shard_ids=added)
@@ -216,6 +234,8 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         shards=shards,
         num_rows=num_rows,
         num_failed=num_failed,
+        rows_read=counts.records,
+        rows_skipped_blank=counts.blank,
         input_fingerprint=fingerprint,
         adapters=adapters,
         layout=_layout(spec, pooling),
@@ -234,6 +254,25 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         plan.num_tokens,
     )
     return plan
+
+
+def _check_rows_read(source: Any, counts: ReadCounts, num_rows: int) -> None:
+    """An input with no record at all is a job of no rows, with a warning (a scheduled
+    flow on an empty drop succeeds); an input that is not empty but gave no rows fails,
+    saying what was seen - it must never pass as an empty job."""
+    if counts.rows != num_rows:  # every row read is planned as one row
+        raise RuntimeError(f"{counts.rows} rows read from {source.uri}, {num_rows} planned")
+    if num_rows:
+        return
+    if source.is_empty:
+        return  # JobPlan.empty_warning says so
+    files = len(source.files)
+    raise ValueError(
+        f"{source.uri}: no rows were read, yet its {files} file{'s' if files > 1 else ''} "
+        f"are not empty ({counts.blank:,} blank records seen): the bytes are not what the "
+        f"{source.format} format expects - check --format, and for delimited text "
+        "--csv-delimiter and --csv-quote"
+    )
 
 
 def _min_shards(spec: JobSpec, requested: int) -> int:

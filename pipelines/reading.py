@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from tokenmill.connectors import ERROR_COLUMN, REPLACED_COLUMN
+from tokenmill.connectors.batches import ReadCounts
 from tokenmill.connectors.openai_embeddings import is_embeddings_url
 from tokenmill.connectors.openai_tools import AUTO, renders_hermes_tools
 from tokenmill.engine.pooling_params import EMBED, PoolingParams
@@ -66,6 +67,7 @@ def read_windows(
     params: ParamsTable,
     pooling: PoolingInputs | None = None,
     adapters: list[JobAdapter] | None = None,
+    counts: ReadCounts | None = None,
 ) -> Iterator[Window]:
     """Read, template and tokenize the input (up to `spec.limit`), window by window.
 
@@ -79,6 +81,7 @@ def read_windows(
             /v1/embeddings lines); None when it serves no pooling task.
         adapters: the job's LoRA adapters (`pipelines/adapters.py`), which rows choose
             by `spec.lora_column` or an OpenAI batch line's body.model.
+        counts: filled in with the rows read and the blank records skipped.
 
     Yields:
         Windows in input order; row indices run 0..n-1 across them.
@@ -91,7 +94,7 @@ def read_windows(
     size = spec.plan_window_rows
     window: Window | None = None
     passthrough: list[pa.RecordBatch] = []
-    for start, batch in _batches(source, spec):
+    for start, batch in _batches(source, spec, counts):
         if ids.num_nulls:  # the job fails: no more windows, only the nulls are counted
             ids.add(_ids_of(batch, spec, start))
             continue
@@ -142,13 +145,13 @@ def _carried(batch: pa.RecordBatch, spec: JobSpec) -> pa.RecordBatch | None:
     return pa.RecordBatch.from_arrays([flags, *batch_columns.columns], schema=schema)
 
 
-def _batches(source: Any, spec: JobSpec) -> Iterator[tuple[int, pa.RecordBatch]]:
+def _batches(
+    source: Any, spec: JobSpec, counts: ReadCounts | None = None
+) -> Iterator[tuple[int, pa.RecordBatch]]:
     """(first row index, batch), up to `spec.limit`, split where windows begin."""
     size = spec.plan_window_rows
     start = 0
-    for batch in source.iter_batches():
-        if spec.limit is not None:
-            batch = batch.slice(0, spec.limit - start)
+    for batch in source.iter_batches(limit=spec.limit, counts=counts):
         offset = 0
         while offset < batch.num_rows:
             row = start + offset
@@ -156,8 +159,6 @@ def _batches(source: Any, spec: JobSpec) -> Iterator[tuple[int, pa.RecordBatch]]
             yield row, batch.slice(offset, take)
             offset += take
         start += batch.num_rows
-        if batch.num_rows == 0 or (spec.limit is not None and start >= spec.limit):
-            break
 
 
 def _read_batch(

@@ -72,6 +72,10 @@ class TerminalProgress(JobProgress):
             elapsed = self.clock() - self.started
             self.console.print(f"[dim]{elapsed:6.1f}s[/dim]  {message}", highlight=False)
 
+    def warn(self, message: str) -> None:
+        """On stderr even with --no-progress or --json: a job must not pass in silence."""
+        self.console.print(f"warning: {message}", highlight=False, markup=False, soft_wrap=True)
+
     def stage(self, message: str) -> None:
         self._stop_bar()
         self.say(message)

@@ -31,15 +31,7 @@ def print_summary(ledger, output: str) -> None:
     rows = [
         ("task", ledger.task),
         ("model", f"{ledger.model} ({ledger.weights_hash[:12]})"),
-        (
-            "rows",
-            f"{ledger.rows_ok:,} ok, {ledger.rows_failed:,} failed"
-            + (
-                f" ({ledger.rows_deduplicated:,} duplicates computed once)"
-                if ledger.rows_deduplicated
-                else ""
-            ),
-        ),
+        ("rows", _rows_line(ledger)),
         ("shards", f"{ledger.num_shards} ({ledger.num_shards_run} computed by this run)"),
         (
             "tokens",
@@ -86,6 +78,19 @@ def print_summary(ledger, output: str) -> None:
     for key, value in rows:
         table.add_row(key, value)
     Console().print(table)
+
+
+def _rows_line(ledger) -> str:
+    line = f"{ledger.rows_ok:,} ok, {ledger.rows_failed:,} failed"
+    if ledger.rows_deduplicated:
+        line += f" ({ledger.rows_deduplicated:,} duplicates computed once)"
+    if ledger.rows_read is not None:
+        line += f"; {ledger.rows_read:,} records read"
+        if ledger.rows_skipped_blank:
+            line += f", {ledger.rows_skipped_blank:,} of them blank and skipped"
+        if not ledger.rows_read:
+            line += " (the input is empty)"
+    return line
 
 
 def _forecast_versus_actual(ledger, priced: bool) -> str:
