@@ -52,6 +52,11 @@ class OutputLockedError(RuntimeError):
     """Another run holds the output's lock."""
 
 
+class OutputLocationError(ValueError):
+    """The output location cannot hold a job's results: a file is in the way, or the job
+    may not write there. Raised before anything is read or computed."""
+
+
 @dataclass
 class LockHolder:
     """Who holds an output's lock (the lock file's content)."""
@@ -111,6 +116,9 @@ def output_lock(
         OutputLockedError: another live run holds the lock.
     """
     fs, path = resolve(output.rstrip("/") + "/" + LOCK_FILE, storage_options)
+    directory = path.rsplit("/", 1)[0]
+    if fs.isfile(directory):
+        raise OutputLocationError(_file_in_the_way(output, redact_url(output)))
     holder = LockHolder.this_process()
     if is_local(fs):
         with _local_lock(path, holder, output):
@@ -151,8 +159,19 @@ def _refusal(output: str, holder: LockHolder | None) -> OutputLockedError:
 def _local_lock(path: str, holder: LockHolder, output: str) -> Iterator[None]:
     directory = os.path.dirname(path) or "."
     created = not os.path.isdir(directory)
-    os.makedirs(directory, exist_ok=True)
-    fd = _locked_fd(path, output)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd = _locked_fd(path, output)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next(p for p in _ancestors(directory) if os.path.lexists(p))
+        raise OutputLocationError(_file_in_the_way(output, blocker)) from None
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT):
+            raise
+        raise OutputLocationError(
+            f"{output}: the job cannot write here ({exc.strerror}): choose an output "
+            "location it may create and write, or grant it write access"
+        ) from None
     try:
         os.ftruncate(fd, 0)  # a killed holder's file may still name it
         os.pwrite(fd, holder.to_bytes(), 0)
@@ -165,6 +184,29 @@ def _local_lock(path: str, holder: LockHolder, output: str) -> Iterator[None]:
         if created:  # a run that failed before writing anything leaves no directory
             with contextlib.suppress(OSError):
                 os.rmdir(directory)
+
+
+def _ancestors(path: str) -> Iterator[str]:
+    """`path`, then each directory above it."""
+    path = os.path.abspath(path)
+    while True:
+        yield path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+
+
+def _file_in_the_way(output: str, blocker: str) -> str:
+    where = (
+        "is an existing file"
+        if blocker in (output, os.path.abspath(output))
+        else (f"cannot be a directory: {blocker} is a file")
+    )
+    return (
+        f"{output} {where}; the output is a directory of results: give a directory path "
+        "(a new one is created), or move the file"
+    )
 
 
 def _locked_fd(path: str, output: str) -> int:
