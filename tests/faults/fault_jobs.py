@@ -193,6 +193,38 @@ class FaultJob:
         return Outcome(lost, duplicated, temps, matches, failed, problems, copied, wrong)
 
 
+def shape_killed_and_resumed(model_dir: Path, shape, output: Path, fault: str) -> Outcome:
+    """A job over an input shape (`tests/input_shapes.py`) killed at `fault`, then run
+    again: what a reader of its results finds against the rows the shape holds, and
+    whether the ledger's counts are the records read.
+
+    Raises:
+        AssertionError: the kill did not happen or the rerun failed.
+    """
+    job = FaultJob(
+        model_dir, shape.path, output, extra_args=[*shape.cli_args, "--passthrough", "prompt"]
+    )
+    killed = job.run(fault)
+    assert killed.killed, (
+        f"{fault}: expected a SIGKILL, got rc {killed.returncode}: " + (killed.output[-1500:])
+    )
+    rerun = job.run()
+    assert rerun.returncode == 0, rerun.output[-2000:]
+    tables = [pq.read_table(output / "results" / name) for name in job.published_parts()]
+    lost, duplicated = shape.check(pa.concat_tables(tables))
+    ledger = json.loads((output / "ledger.json").read_text())
+    expected = {
+        "rows_ok": len(shape.rows) - shape.rows_failed,
+        "rows_failed": shape.rows_failed,
+        "rows_skipped_blank": shape.blank,
+        "rows_read": shape.rows_read,
+    }
+    problems = [f"ledger {k} {ledger[k]} != {v}" for k, v in expected.items() if ledger[k] != v]
+    temps = [str(p.relative_to(output)) for p in output.rglob("*") if is_temp_name(p.name)]
+    failed = shape.rows_failed
+    return Outcome(lost, duplicated, temps, not problems, failed, problems)
+
+
 def _check_copies(rows: pa.Table) -> tuple[int, int]:
     """(rows copied, copies whose answer or bill is not what the rule says): a copy has
     its source's output and finish reason, bills nothing, and its source is computed."""

@@ -38,6 +38,7 @@ from fault_jobs import (  # noqa: E402
     build_embedding_model,
     fill_after_first_part,
     kill_and_resume,
+    shape_killed_and_resumed,
     small_disk,
     write_input,
 )
@@ -152,6 +153,26 @@ def changed_input(ctx: RunContext) -> Outcome:
     return ctx.job.outcome()
 
 
+def input_shapes(ctx: RunContext) -> Outcome:
+    """Each input shape (bare-CR CSV, a JSON array with bad elements, other delimiters,
+    blank lines: tests/input_shapes.py) killed at a random engine step and resumed:
+    every row answered or named as an error, and the ledger's record counts add up."""
+    from input_shapes import write_input_shapes
+
+    total = Outcome(0, 0, [], True)
+    for shape in write_input_shapes(ctx.workdir / "shapes"):
+        fault = f"engine_step:{ctx.rng.randint(1, 3)}"
+        outcome = shape_killed_and_resumed(
+            ctx.job.model_dir, shape, ctx.workdir / f"out-{shape.path.name}", fault
+        )
+        total.rows_lost += outcome.rows_lost
+        total.rows_duplicated += outcome.rows_duplicated
+        total.temp_files += outcome.temp_files
+        total.ledger_matches = total.ledger_matches and outcome.ledger_matches
+        total.problems += [f"{shape.path.name}: {p}" for p in outcome.problems]
+    return total
+
+
 def embedding(scenario: Callable[[RunContext], Outcome]) -> Callable[[RunContext], Outcome]:
     """`scenario` on an embedding job (`--task embed`, a tiny BERT embedding model built
     once in the work directory) instead of a generation job."""
@@ -230,6 +251,11 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "hostile input bytes (invalid UTF-8 in JSONL, CSV and gzipped CSV; a 40 MB CSV field)",
         _store_side("hostile_bytes"),
+    ),
+    Scenario(
+        "input shapes (bare-CR CSV, JSON array with bad elements, ; | tab delimiters, blank "
+        "lines), each killed mid-job and resumed",
+        input_shapes,
     ),
 ]
 
