@@ -62,7 +62,7 @@ class CsvReader:
             records = _decoded_records(f, options.decoding, dialect)
             header = _header(records, dialect)
             if header is None:  # no bytes, or blank lines only
-                return FileHead(schema=pa.schema([]), is_empty=True)
+                return FileHead(schema=options.schema or pa.schema([]), is_empty=True)
             sample: list[Record] = []
             size = 0
             for record in records:
