@@ -194,3 +194,14 @@ def test_a_ledger_dataset_written_before_tasks_reads_as_generation_jobs(tmp_path
     raw = new.to_dict()
     del raw["task"]
     assert JobLedger.from_dict(raw).task == "generate"
+
+
+def test_records_read_add_up_to_the_rows_and_the_blanks():
+    led = _ledger(rows_skipped_blank=4)
+    assert (led.rows_ok, led.rows_failed, led.rows_skipped_blank) == (2, 1, 4)
+    assert led.rows_read == 7
+    assert JobLedger.from_dict(led.to_arrow().to_pylist()[0]) == led
+    # A ledger from before records were counted says so (None), rather than 0 read.
+    raw = led.to_dict()
+    del raw["rows_read"], raw["rows_skipped_blank"]
+    assert (JobLedger.from_dict(raw).rows_read, _ledger().rows_skipped_blank) == (None, None)
