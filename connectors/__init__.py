@@ -1,4 +1,5 @@
-"""fsspec sources and sinks: Parquet, JSON Lines, CSV and the OpenAI batch format.
+"""fsspec sources and sinks: Parquet, JSON Lines, JSON arrays, CSV/TSV and the OpenAI
+batch format (`formats.py` is the registry of input formats).
 
 Reading: `open_source(uri, ...)` validates a dataset (files, format, schema, columns)
 before any row is read, then `Source.iter_batches()` streams `pyarrow.RecordBatch`es.

@@ -76,7 +76,8 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Fore
     """Run a tokenmill batch job: prompts in, results and a token-cost ledger out.
 
     Args:
-        input: dataset URL or path (Parquet, JSONL, CSV, OpenAI batch; any fsspec URL).
+        input: dataset URL or path (Parquet, JSON Lines, JSON, CSV, TSV, OpenAI batch;
+            any fsspec URL).
             `{date}` / `{datetime}` are replaced by the run's scheduled time (UTC).
         output: output directory URL or path (results parts, ledger.json, ledger/);
             `{date}` / `{datetime}` as for input, so each scheduled run has its own.

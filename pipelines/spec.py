@@ -58,7 +58,8 @@ class JobSpec:
     """A batch job: input, output, and every JOB option of the job definition.
 
     Args:
-        input: dataset URL or path (Parquet, JSONL, CSV, OpenAI batch; any fsspec URL).
+        input: dataset URL or path (Parquet, JSON Lines, JSON, CSV, TSV, OpenAI batch;
+            any fsspec URL).
         output: the job's output directory URL or path.
         **options: the job options, keyword-only (`pipelines/options.py` lists them
             with their defaults and help).

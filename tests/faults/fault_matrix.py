@@ -253,8 +253,8 @@ SCENARIOS: list[Scenario] = [
         _store_side("hostile_bytes"),
     ),
     Scenario(
-        "input shapes (bare-CR CSV, JSON array with bad elements, ; | tab delimiters, blank "
-        "lines), each killed mid-job and resumed",
+        "input shapes (bare-CR CSV, JSON array with bad elements, semicolon, pipe and tab "
+        "delimiters, blank lines), each killed mid-job and resumed",
         input_shapes,
     ),
 ]
