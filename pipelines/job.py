@@ -168,6 +168,8 @@ def _dry_run(spec: JobSpec, llm: Any, progress: JobProgress) -> Forecast:
     started = time.perf_counter()
     plan = plan_job(spec, llm=llm)
     planning_seconds = time.perf_counter() - started
+    if plan.empty_warning:
+        progress.warn(plan.empty_warning)
     try:
         done = completed_shards(plan)
     except ValueError:

@@ -266,12 +266,11 @@ def _check_rows_read(source: Any, counts: ReadCounts, num_rows: int) -> None:
         return
     if source.is_empty:
         return  # JobPlan.empty_warning says so
-    files = len(source.files)
+    files = "its file is" if len(source.files) == 1 else f"its {len(source.files)} files are"
     raise ValueError(
-        f"{source.uri}: no rows were read, yet its {files} file{'s' if files > 1 else ''} "
-        f"are not empty ({counts.blank:,} blank records seen): the bytes are not what the "
-        f"{source.format} format expects - check --format, and for delimited text "
-        "--csv-delimiter and --csv-quote"
+        f"{source.uri}: no rows were read, yet {files} not empty ({counts.blank:,} blank "
+        f"records seen): the bytes are not what the {source.format} format expects - check "
+        "--format, and for delimited text --csv-delimiter and --csv-quote"
     )
 
 

@@ -155,7 +155,7 @@ def test_input_with_bytes_but_no_rows_fails_saying_what_was_seen():
     with pytest.raises(ValueError) as raised:
         _check_rows_read(source, ReadCounts(rows=0, blank=2), 0)
     assert str(raised.value) == (
-        "in.csv: no rows were read, yet its 1 file are not empty (2 blank records seen): the "
+        "in.csv: no rows were read, yet its file is not empty (2 blank records seen): the "
         "bytes are not what the csv format expects - check --format, and for delimited "
         "text --csv-delimiter and --csv-quote"
     )
