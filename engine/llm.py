@@ -97,11 +97,14 @@ class LLM(PoolingMethods):
         lora_request: LoRARequests = None,
         on_output: Callable[[RequestOutput], None] | None = None,
         on_step: Callable[[EngineStats], None] | None = None,
+        allow_special_tokens: bool = False,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched continuously.
 
         Args:
-            prompts: strings (tokenized here) or token-id lists, or one of either.
+            prompts: strings (tokenized here) or token-id lists, or one of either. A
+                string is data: a special-token string in it (`<|im_start|>`) is encoded
+                as plain text; token ids are sent as they are.
             sampling_params: one for all prompts, or one per prompt; None = defaults.
             lora_request: the LoRA adapter to run with: one for all prompts, or one per
                 prompt (None: the base model). Prompts of different adapters share steps;
@@ -110,6 +113,8 @@ class LLM(PoolingMethods):
             on_step: called after each engine step with the engine's cumulative
                 EngineStats (the same object, updated in place): progress per token.
                 An exception it raises ends the call as a failed step does.
+            allow_special_tokens: encode special-token strings in string prompts as the
+                control tokens they name (prompts written with the model's markup).
         Returns:
             One RequestOutput per prompt, in input order. A prompt the engine cannot
             serve comes back with finish_reason "error" and .error set.
@@ -137,7 +142,12 @@ class LLM(PoolingMethods):
         lora_ids = {r: self.lora_id(r) for r in dict.fromkeys(loras) if r is not None}
         texts = [p if isinstance(p, str) else None for p in prompts]
         to_encode = [p for p in prompts if isinstance(p, str)]
-        encoded = iter(self.tokenizer.encode_batch(to_encode) if to_encode else [])
+        spans = None
+        if not allow_special_tokens:
+            spans = [self.tokenizer.special_text.find(p) for p in to_encode]
+        encoded = iter(
+            self.tokenizer.encode_batch(to_encode, data_spans=spans) if to_encode else []
+        )
         ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
         request_ids = [str(next(self._request_counter)) for _ in prompts]
@@ -165,17 +175,28 @@ class LLM(PoolingMethods):
         lora_request: LoRARequests = None,
         on_output: Callable[[RequestOutput], None] | None = None,
         on_step: Callable[[EngineStats], None] | None = None,
+        allow_special_tokens: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate (with
-        `lora_request` as for `generate`)."""
+        `lora_request` as for `generate`).
+
+        Special-token strings in the messages are data, encoded as plain text: only the
+        template's own markup becomes control tokens, unless `allow_special_tokens`."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+        rendered = [
+            self.tokenizer.render_chat(
+                c,
+                add_generation_prompt=add_generation_prompt,
+                allow_special_tokens=allow_special_tokens,
+            )
             for c in conversations
         ]
+        prompts = [text for text, _ in rendered]
         # The template already carries any BOS; encode without adding special tokens.
-        ids = self.tokenizer.encode_batch(prompts, add_special_tokens=False)
+        ids = self.tokenizer.encode_batch(
+            prompts, add_special_tokens=False, data_spans=[spans for _, spans in rendered]
+        )
         outputs = self.generate(
             ids,
             sampling_params,

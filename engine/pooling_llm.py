@@ -87,6 +87,7 @@ class PoolingMethods:
         prompt: str | None = None,
         truncate: bool = True,
         on_output: OnPooled | None = None,
+        allow_special_tokens: bool = False,
     ) -> list[EmbeddingOutput]:
         """Embed every text; outputs in input order, each with `.embedding`.
 
@@ -100,6 +101,8 @@ class PoolingMethods:
             prompt: put this text before each text instead.
             truncate: cut texts longer than max_seq_length (False: they fail alone).
             on_output: called with each output as it finishes.
+            allow_special_tokens: encode special-token strings in the texts as the tokens
+                they name (by default a text is data: they are plain text).
 
         Raises:
             ValueError: the model does not embed, dimensions is too large, or an
@@ -109,7 +112,11 @@ class PoolingMethods:
         prefix = self.prompt_prefix(prompt_name, prompt)
         texts = [texts] if isinstance(texts, str) else list(texts)
         _check_texts(texts, "texts")
-        encoded = self.pooling_tokenizer.encode([prefix + t for t in texts], truncate=truncate)
+        encoded = self.pooling_tokenizer.encode(
+            [prefix + t for t in texts],
+            truncate=truncate,
+            data_spans=self._data_spans(texts, allow_special_tokens, after=len(prefix)),
+        )
         return self._run_encoded(encoded, params, texts, on_output)
 
     def classify(
@@ -118,12 +125,15 @@ class PoolingMethods:
         *,
         truncate: bool = True,
         on_output: OnPooled | None = None,
+        allow_special_tokens: bool = False,
     ) -> list[ClassificationOutput]:
         """Classify every text; outputs in input order, each with `.probs` (one per
-        `label_names` entry) and `.label`."""
+        `label_names` entry) and `.label` (special-token strings as for `embed`)."""
         texts = [texts] if isinstance(texts, str) else list(texts)
         _check_texts(texts, "texts")
-        encoded = self.pooling_tokenizer.encode(texts, truncate=truncate)
+        encoded = self.pooling_tokenizer.encode(
+            texts, truncate=truncate, data_spans=self._data_spans(texts, allow_special_tokens)
+        )
         return self._run_encoded(encoded, PoolingParams(CLASSIFY), texts, on_output)
 
     def score(
@@ -133,11 +143,12 @@ class PoolingMethods:
         *,
         truncate: bool = True,
         on_output: OnPooled | None = None,
+        allow_special_tokens: bool = False,
     ) -> list[ScoringOutput]:
         """Score (query, document) pairs with a cross-encoder; outputs with `.score`.
 
         One query (or one document) is paired with every document (query); otherwise
-        the two lists pair up one to one.
+        the two lists pair up one to one. Special-token strings as for `embed`.
         """
         queries = [queries] if isinstance(queries, str) else list(queries)
         documents = [documents] if isinstance(documents, str) else list(documents)
@@ -147,7 +158,13 @@ class PoolingMethods:
             documents = documents * len(queries)
         _check_texts(queries, "queries")
         _check_texts(documents, "documents")
-        encoded = self.pooling_tokenizer.encode_pairs(queries, documents, truncate=truncate)
+        encoded = self.pooling_tokenizer.encode_pairs(
+            queries,
+            documents,
+            truncate=truncate,
+            query_spans=self._data_spans(queries, allow_special_tokens),
+            document_spans=self._data_spans(documents, allow_special_tokens),
+        )
         return self._run_encoded(encoded, PoolingParams(RERANK), None, on_output)
 
     def encode(
@@ -186,6 +203,14 @@ class PoolingMethods:
         return run_to_completion(self.engine, request_ids, on_output=on_output, on_step=on_step)
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _data_spans(self, texts: list[str], allow: bool, *, after: int = 0) -> list | None:
+        """Each text's special-token strings, which are data (None when allowed as
+        tokens), as spans `after` characters on (a prompt put before the text)."""
+        if allow:
+            return None
+        find = self.tokenizer.special_text.find
+        return [tuple((start + after, end + after) for start, end in find(t)) for t in texts]
 
     def _check_pooling(self, params: PoolingParams) -> None:
         if params.task not in self.tasks:

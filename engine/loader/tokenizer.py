@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -16,6 +17,7 @@ import jinja2.utils
 from tokenizers import Tokenizer as _BackendTokenizer
 
 from tokenmill.engine.loader.chat_sandbox import add_filter, make_environment, render_limited
+from tokenmill.engine.loader.special_text import Spans, SpecialText
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -86,16 +88,64 @@ class Tokenizer:
         """The underlying `tokenizers.Tokenizer`."""
         return self._backend
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text` (with BOS/EOS only if the tokenizer adds them)."""
+    def encode(
+        self, text: str, add_special_tokens: bool = True, *, data_spans: Spans = ()
+    ) -> list[int]:
+        """Token ids of `text` (with BOS/EOS only if the tokenizer adds them).
+
+        Args:
+            text: the text.
+            add_special_tokens: add the tokenizer's BOS/EOS.
+            data_spans: spans of special-token strings that are data, encoded as plain
+                text (`special_text.find(text)` for text that is data throughout);
+                every other special string becomes its control token.
+        """
+        if data_spans:
+            return self.special_text.encode_batch([text], [data_spans], add_special_tokens)[0]
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """Token ids of many texts, encoded in parallel by the Rust batch encoder."""
+    def encode_batch(
+        self,
+        texts: list[str],
+        add_special_tokens: bool = True,
+        *,
+        data_spans: Sequence[Spans] | None = None,
+    ) -> list[list[int]]:
+        """Token ids of many texts, encoded in parallel by the Rust batch encoder.
+
+        Args:
+            texts: the texts.
+            add_special_tokens: add the tokenizer's BOS/EOS around each.
+            data_spans: per text, the spans of its special-token strings that are data
+                (as for `encode`); None or () where there are none.
+        """
+        texts = list(texts)
+        if data_spans is not None and len(data_spans) != len(texts):
+            raise ValueError(f"{len(data_spans)} data_spans for {len(texts)} texts")
+        marked = [i for i, spans in enumerate(data_spans or ()) if spans]
         # encode_batch_fast (tokenizers >= 0.20) skips computing offsets we never use.
         encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
-        encodings = encode(list(texts), add_special_tokens=add_special_tokens)
-        return [e.ids for e in encodings]
+        if not marked:
+            return [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]
+        # Only texts holding data's special strings take the slower way.
+        taken = set(marked)
+        plain = [i for i in range(len(texts)) if i not in taken]
+        ids: list[list[int] | None] = [None] * len(texts)
+        if plain:
+            encoded = encode([texts[i] for i in plain], add_special_tokens=add_special_tokens)
+            for i, encoding in zip(plain, encoded):
+                ids[i] = encoding.ids
+        spanned = self.special_text.encode_batch(
+            [texts[i] for i in marked], [data_spans[i] for i in marked], add_special_tokens
+        )
+        for i, row in zip(marked, spanned):
+            ids[i] = row
+        return ids
+
+    @cached_property
+    def special_text(self) -> SpecialText:
+        """The special-token strings, found in data and encoded there as plain text."""
+        return SpecialText(self._backend)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""
@@ -141,21 +191,57 @@ class Tokenizer:
         Args:
             messages: `[{"role": ..., "content": ...}, ...]` with string roles and contents.
             add_generation_prompt: end with the header that starts the assistant's turn.
-            tokenize: return token ids instead of text (the template supplies any BOS itself).
+            tokenize: return token ids instead of text (the template supplies any BOS itself);
+                special-token strings in the messages and variables are encoded as plain
+                text (`render_chat`).
             **extra: more template variables (e.g. `tools`, `date_string`).
 
         Returns:
             The prompt text, or its token ids if `tokenize`.
         """
+        if tokenize:
+            text, spans = self.render_chat(
+                messages, add_generation_prompt=add_generation_prompt, **extra
+            )
+            return self.encode(text, add_special_tokens=False, data_spans=spans)
         if self.chat_template is None:
             raise ValueError("this model has no chat template; pass plain prompts instead")
         _check_messages(messages)
         variables = {**self.special_tokens, **extra}
-        text = render_limited(
+        return render_limited(
             self._compiled_template,
             {"messages": messages, "add_generation_prompt": add_generation_prompt, **variables},
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        allow_special_tokens: bool = False,
+        **extra: Any,
+    ) -> tuple[str, Spans]:
+        """The chat template's text for a conversation, and where in it the messages'
+        special-token strings are: they are data, to encode as plain text
+        (`encode(text, data_spans=spans)`); the template's own markup is not.
+
+        Args:
+            messages: as for `apply_chat_template`.
+            add_generation_prompt: end with the header that starts the assistant's turn.
+            allow_special_tokens: leave special strings in the messages to become control
+                tokens (no spans).
+            **extra: more template variables; their strings are data too.
+        """
+        if allow_special_tokens:
+            text = self.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **extra
+            )
+            return text, ()
+        marks = self.special_text.marks()
+        text = self.apply_chat_template(
+            marks.mark(messages), add_generation_prompt=add_generation_prompt, **marks.mark(extra)
+        )
+        return marks.restore(text)
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:

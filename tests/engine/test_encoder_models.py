@@ -157,8 +157,16 @@ def test_cross_encoder_scores_pairs_with_token_types(tmp_path):
                 input_ids=torch.tensor([pair.ids]), token_type_ids=torch.tensor([pair.type_ids])
             ).logits[0, 0]
         assert out.score == pytest.approx(torch.sigmoid(logit).item(), abs=1e-5)
-    # The query's own separator would split the pair in the wrong place: refused alone.
-    refused = llm.score(["[SEP] oops", "fine"], ["a", "a"])
+    # "[SEP]" in a query is data: plain text, scored as the pair of its text.
+    as_text = llm.score(["[SEP] oops", "fine"], ["a", "a"])
+    plain = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    plain.encode_special_tokens = True
+    assert as_text[0].error is None
+    assert as_text[0].prompt_token_ids == plain.encode("[SEP] oops", "a").ids
+    assert as_text[0].prompt_token_ids.count(tok.token_to_id("[SEP]")) == 2
+    # Allowed as a token, the query's own separator would split the pair in the wrong
+    # place: refused alone.
+    refused = llm.score(["[SEP] oops", "fine"], ["a", "a"], allow_special_tokens=True)
     assert "pair separator" in refused[0].error and refused[1].error is None
 
 
