@@ -75,7 +75,12 @@ from tokenmill.pipelines.templating import (
     required_columns,
     validate_columns,
 )
-from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
+from tokenmill.pipelines.tokenize import (
+    PromptRow,
+    chat_renderer,
+    special_strings,
+    tokenize_rows,
+)
 
 
 def to_arrow(data: Any) -> pa.Table:
@@ -433,7 +438,7 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
     decoded = [*required_columns(template), *([query_column] if query_column else [])]
     replaced = _decode_text_columns(columns, table.schema, decoded, decoding)
     chat = chat_renderer(llm.tokenizer, add_generation_prompt=adds_generation_prompt(task))
-    rendered = render_rows(columns, template, chat=chat)
+    rendered = render_rows(columns, template, chat=chat, special=special_strings(llm.tokenizer))
     rendered = mark_bad_rows(rendered, columns, id_column=template.id_column, start=0)
     layout = None
     if task in POOLING_JOB_TASKS:
@@ -489,6 +494,7 @@ def _pooling_rows(
         truncate=values["truncate"],
         prefix=prefix,
         queries=columns[values["query_column"]] if task == RERANK else None,
+        allow_special_tokens=values["allow_special_tokens"],
     )
     layout = PoolingLayout(
         task,

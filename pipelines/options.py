@@ -290,6 +290,17 @@ OPTIONS: tuple[Option, ...] = (
         to=PROMPT,
         flag="--raw/--chat",
     ),
+    Option(
+        "allow_special_tokens",
+        BOOL,
+        False,
+        "Let special-token strings in the data (<|im_start|> in a prompt, message, query "
+        "or template field value) become the model's control tokens. By default they are "
+        "encoded as plain text: only the chat template's markup, the template's own text "
+        "and token ids make control tokens.",
+        PROMPTS,
+        to=PROMPT,
+    ),
     # -- sampling -----------------------------------------------------------------------------
     Option(
         "max_tokens",

@@ -205,6 +205,7 @@ def tokenize_pooling_rows(
     prefix: str = "",
     queries: Sequence[Any] | None = None,
     params_index: Sequence[int] | int = 0,
+    allow_special_tokens: bool = False,
 ) -> list[PromptRow]:
     """Encode rendered rows for pooling: cut to max_seq_length (or refused), each row
     marked `truncated`; with `queries`, each row is the pair (query, its text).
@@ -216,6 +217,8 @@ def tokenize_pooling_rows(
         prefix: text put before each row's text (the model's named prompt).
         queries: each row's query (rerank), same order as `rendered`.
         params_index: each row's params index (one for all, or per row).
+        allow_special_tokens: a query's special-token strings become tokens (by default
+            they are data, encoded as text - as the rows' `data_spans` are).
 
     Returns:
         One PromptRow per rendered row, same order.
@@ -230,13 +233,25 @@ def tokenize_pooling_rows(
                 problems[i] = problem
     todo = [i for i, r in enumerate(rendered) if r.error is None and i not in problems]
     texts = [prefix + rendered[i].text for i in todo]
+    # The prefix (the model's named prompt) is markup; the spans move past it.
+    spans = [
+        tuple((a + len(prefix), b + len(prefix)) for a, b in rendered[i].data_spans) for i in todo
+    ]
     cut = truncate != "never"
     if not todo:  # every row failed already (the model may not even pool)
         encoded = []
     elif queries is None:
-        encoded = tokenizer.encode(texts, truncate=cut)
+        encoded = tokenizer.encode(texts, truncate=cut, data_spans=spans)
     else:
-        encoded = tokenizer.encode_pairs([queries[i] for i in todo], texts, truncate=cut)
+        asked = [queries[i] for i in todo]
+        find = tokenizer.special_text.find
+        encoded = tokenizer.encode_pairs(
+            asked,
+            texts,
+            truncate=cut,
+            query_spans=None if allow_special_tokens else [find(q) for q in asked],
+            document_spans=spans,
+        )
     by_row: dict[int, EncodedText] = dict(zip(todo, encoded))
     rows = []
     for i, r in enumerate(rendered):

@@ -37,7 +37,12 @@ from tokenmill.pipelines.results import DECODE_REPLACED
 from tokenmill.pipelines.scoring import GENERATE, adds_generation_prompt, min_prompt_tokens
 from tokenmill.pipelines.spec import UNCHANGED, JobSpec, ParamsTable
 from tokenmill.pipelines.templating import ChatRenderer, RenderedRow, render_rows, row_ids
-from tokenmill.pipelines.tokenize import PromptRow, chat_renderer, tokenize_rows
+from tokenmill.pipelines.tokenize import (
+    PromptRow,
+    chat_renderer,
+    special_strings,
+    tokenize_rows,
+)
 
 
 @dataclass
@@ -172,7 +177,8 @@ def _read_batch(
     pooling: PoolingInputs | None = None,
     adapters: list[JobAdapter] | None = None,
 ) -> list[PromptRow]:
-    rendered = render_rows(columns, spec.template_spec, start=start, chat=chat)
+    special = special_strings(tokenizer)
+    rendered = render_rows(columns, spec.template_spec, start=start, chat=chat, special=special)
     rendered = mark_bad_rows(rendered, columns, id_column=spec.id_column, start=start)
     if spec.task in POOLING_JOB_TASKS:
         return tokenize_pooling_rows(
@@ -181,6 +187,7 @@ def _read_batch(
             truncate=spec.truncate,
             prefix=pooling.prefix,
             queries=columns[spec.query_column] if spec.query_column else None,
+            allow_special_tokens=spec.allow_special_tokens,
         )
     adapters = adapters or []
     if spec.is_openai_batch:

@@ -11,6 +11,13 @@ is sent as a user message through it, after the `system` prompt if one is given;
 `raw=True` (CLI `--raw`) sends the text as it is; a model without a chat template
 runs raw. A messages column is always rendered with the chat template. Instruct models
 answer chat-formatted prompts; raw text can end at once with an end-of-sequence token.
+
+Data stays data: a special-token string (`<|im_start|>`) inside a row's prompt, messages,
+tools or template field values - or the system prompt - is marked before rendering
+(`SpecialText.marks`, engine/loader/special_text.py) and comes out as a span of the
+rendered text (`RenderedRow.data_spans`), which the tokenizer encodes as plain text. Only
+the chat template's own markup and the template's own text become control tokens, unless
+the job allows special tokens (`allow_special_tokens`).
 """
 
 from __future__ import annotations
@@ -19,11 +26,27 @@ import json
 import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 # messages (and template variables such as tools=) -> prompt text; raises ValueError on
 # malformed messages.
 ChatRenderer = Callable[..., str]
+Spans = tuple[tuple[int, int], ...]  # [start, end) character spans of a prompt's text
+
+
+class DataMarks(Protocol):
+    """One prompt's data, its special-token strings marked until the prompt is rendered."""
+
+    def mark(self, value: Any) -> Any: ...
+
+    def restore(self, text: str) -> tuple[str, Spans]: ...
+
+
+class SpecialStrings(Protocol):
+    """The model's special-token strings (the tokenizer's `special_text`)."""
+
+    def marks(self) -> DataMarks: ...
+
 
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -48,6 +71,7 @@ class TemplateSpec:
     id_column: str | None = None
     fallback_prompt: bool = False
     tools_column: str | None = None
+    allow_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.messages_column is None and self.template is None and not self.prompt_column:
@@ -78,6 +102,8 @@ class RenderedRow:
     text: str | None = None
     is_chat: bool = False  # chat-rendered text carries its own special tokens
     error: str | None = None
+    # Special-token strings of the text that came from the row's data: encoded as text.
+    data_spans: Spans = ()
 
 
 def template_fields(template: str) -> list[str]:
@@ -248,29 +274,47 @@ def _tools(value: Any) -> dict[str, Any]:
     return {"tools": value}
 
 
+class _NoMarks:
+    """Marks nothing: special strings in data become control tokens (allowed, or a
+    tokenizer that has none)."""
+
+    def mark(self, value: Any) -> Any:
+        return value
+
+    def restore(self, text: str) -> tuple[str, Spans]:
+        return text, ()
+
+
 def _render_one(
-    row: Mapping[str, Any], spec: TemplateSpec, chat: ChatRenderer | None
-) -> tuple[str, bool]:
-    """(prompt text, is_chat) for one row; raises ValueError on a bad row."""
+    row: Mapping[str, Any], spec: TemplateSpec, chat: ChatRenderer | None, marks: DataMarks
+) -> tuple[str, bool, Spans]:
+    """(prompt text, is_chat, data spans) for one row; raises ValueError on a bad row."""
     if spec.mode == "messages":
         value = row.get(spec.messages_column)
         if value is None and spec.fallback_prompt:
-            return _render_text(row.get(spec.prompt_column), None, None, "prompt")
+            return _render_text(row.get(spec.prompt_column), None, None, "prompt", marks)
         if chat is None:
             raise ValueError("a messages column needs a tokenizer with a chat template")
         tools = _tools(row.get(spec.tools_column)) if spec.tools_column else {}
-        return chat(normalize_messages(value, system=spec.system), **tools), True
+        messages = normalize_messages(value, system=spec.system)
+        text, spans = marks.restore(chat(marks.mark(messages), **marks.mark(tools)))
+        return text, True, spans
     if spec.mode == "template":
-        for name in template_fields(spec.template):
+        fields = template_fields(spec.template)
+        for name in fields:
             if row.get(name) is None:
                 raise ValueError(f"template column {name!r} is null")
+        # The template's own text is markup; the values filled into it are data.
+        values = {**row, **{name: marks.mark(row[name]) for name in fields}}
         try:
-            text = string.Formatter().vformat(spec.template, (), row)
+            text = string.Formatter().vformat(spec.template, (), values)
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"template could not be filled ({type(exc).__name__})") from None
-        return _render_text(text, _text_renderer(spec, chat), spec.system, "templated prompt")
+        return _render_text(
+            text, _text_renderer(spec, chat), spec.system, "templated prompt", marks, marked=True
+        )
     return _render_text(
-        row.get(spec.prompt_column), _text_renderer(spec, chat), spec.system, "prompt"
+        row.get(spec.prompt_column), _text_renderer(spec, chat), spec.system, "prompt", marks
     )
 
 
@@ -280,18 +324,28 @@ def _text_renderer(spec: TemplateSpec, chat: ChatRenderer | None) -> ChatRendere
 
 
 def _render_text(
-    value: Any, chat: ChatRenderer | None, system: str | None, what: str
-) -> tuple[str, bool]:
-    """(text, is_chat): `value` as a user message through `chat`, or as it is without one."""
+    value: Any,
+    chat: ChatRenderer | None,
+    system: str | None,
+    what: str,
+    marks: DataMarks,
+    *,
+    marked: bool = False,
+) -> tuple[str, bool, Spans]:
+    """(text, is_chat, data spans): `value` as a user message through `chat`, or as it is
+    without one. `marked`: the value holds its data's marks already (a filled template)."""
     problem = check_text(value, what)
     if problem is not None:
         raise ValueError(problem)
+    content = value if marked else marks.mark(value)
     if chat is None:
-        return value, False
-    messages = [{"role": "user", "content": value}]
+        text, spans = marks.restore(content)
+        return text, False, spans
+    messages = [{"role": "user", "content": content}]
     if system is not None:
-        messages.insert(0, {"role": "system", "content": system})
-    return chat(messages), True
+        messages.insert(0, {"role": "system", "content": marks.mark(system)})
+    text, spans = marks.restore(chat(messages))
+    return text, True, spans
 
 
 def render_rows(
@@ -300,6 +354,7 @@ def render_rows(
     *,
     start: int = 0,
     chat: ChatRenderer | None = None,
+    special: SpecialStrings | None = None,
 ) -> list[RenderedRow]:
     """Render a batch of rows into prompts.
 
@@ -311,6 +366,9 @@ def render_rows(
         chat: renders a list of messages with the model's chat template
             (`tokenize.chat_renderer(tokenizer)`); None: the model has none, so prompt
             and template text are sent raw.
+        special: the model's special-token strings (the tokenizer's `special_text`), kept
+            as data where rows hold them (each row's `data_spans`); None: not kept (the
+            tokenizer has none), as with `spec.allow_special_tokens`.
 
     Returns:
         One RenderedRow per input row, in order; bad rows carry `error`.
@@ -327,13 +385,17 @@ def render_rows(
     num_rows = len(next(iter(columns.values()))) if columns else 0
     ids = row_ids(columns[spec.id_column] if spec.id_column else None, start, num_rows)
     names = list(columns)
+    keeps_data = special is not None and not spec.allow_special_tokens
     rendered = []
     for i in range(num_rows):
         row = {name: columns[name][i] for name in names}
+        marks = special.marks() if keeps_data else _NoMarks()
         try:
-            text, is_chat = _render_one(row, spec, chat)
+            text, is_chat, spans = _render_one(row, spec, chat, marks)
         except ValueError as exc:
             rendered.append(RenderedRow(start + i, ids[i], error=str(exc)))
             continue
-        rendered.append(RenderedRow(start + i, ids[i], text=text, is_chat=is_chat))
+        rendered.append(
+            RenderedRow(start + i, ids[i], text=text, is_chat=is_chat, data_spans=spans)
+        )
     return rendered

@@ -1,9 +1,10 @@
 """Rendered prompts -> token ids, through the tokenizer's one batch path.
 
 Chat-rendered text already carries the template's special tokens, so it is encoded
-without adding more; raw text gets the tokenizer's usual specials (e.g. BOS). A prompt
-that cannot fit the context together with its completion budget becomes an error row
-here, before it reaches the engine.
+without adding more; raw text gets the tokenizer's usual specials (e.g. BOS). The
+special-token strings a row's data brought into its text (`RenderedRow.data_spans`) are
+encoded as plain text. A prompt that cannot fit the context together with its completion
+budget becomes an error row here, before it reaches the engine.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
-from tokenmill.pipelines.templating import ChatRenderer, RenderedRow
+from tokenmill.pipelines.templating import ChatRenderer, RenderedRow, SpecialStrings
 
 
 class BatchTokenizer(Protocol):
+    """Encodes texts; `data_spans` (given only when a text has some) are encoded as text."""
+
     def encode_batch(
-        self, texts: list[str], add_special_tokens: bool = True
+        self, texts: list[str], add_special_tokens: bool = True, **data_spans: Any
     ) -> list[list[int]]: ...
 
 
@@ -114,7 +117,10 @@ def tokenize_rows(
         if not positions:
             continue
         texts = [rendered[i].text for i in positions]
-        ids = tokenizer.encode_batch(texts, add_special_tokens=not is_chat)
+        spans = [rendered[i].data_spans for i in positions]
+        # Only a batch with data's special strings asks for them: most never do.
+        extra = {"data_spans": spans} if any(spans) else {}
+        ids = tokenizer.encode_batch(texts, add_special_tokens=not is_chat, **extra)
         encoded.update(zip(positions, ids))
     rows = []
     for i, r in enumerate(rendered):
@@ -158,3 +164,9 @@ def chat_renderer(tokenizer: Any, *, add_generation_prompt: bool = True) -> Chat
             raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from None
 
     return _render
+
+
+def special_strings(tokenizer: Any) -> SpecialStrings | None:
+    """The tokenizer's special-token strings, which `render_rows` keeps as data where rows
+    hold them (None: a tokenizer without any)."""
+    return getattr(tokenizer, "special_text", None)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import sys
 from pathlib import Path
 
@@ -21,6 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "flows"))  # the fl
 
 from flow_helpers import prompt_rows  # noqa: E402
 from model_fixtures import converted_smollm2_dir, write_sentencepiece_gguf  # noqa: E402
+from special_text_reference import (  # noqa: E402
+    as_text_ids,
+    plain_encoder,
+    reference_ids,
+    special_ids,
+)
 
 from tokenmill.engine.loader.gguf_convert import read_metadata  # noqa: E402
 from tokenmill.engine.loader.gguf_tokenizer import build_tokenizer  # noqa: E402
@@ -112,52 +117,6 @@ def llama3() -> Tokenizer:
         special_tokens={"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
         chat_template=LLAMA3_TEMPLATE,
     )
-
-
-def special_ids(tokenizer: Tokenizer) -> set[int]:
-    return {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
-
-
-def plain_encoder(tokenizer: Tokenizer, *, first: bool) -> BackendTokenizer:
-    """The tokenizer with special matching off; for a piece after a split, without the
-    "▁" SentencePiece vocabularies put before a text's first piece only."""
-    plain = BackendTokenizer.from_str(tokenizer.backend.to_str())
-    plain.encode_special_tokens = True
-    if not first and isinstance(plain.pre_tokenizer, pre_tokenizers.Metaspace):
-        plain.pre_tokenizer.prepend_scheme = "never"
-    return plain
-
-
-def as_text_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    """`text` cut at its special strings, each piece encoded on its own with special
-    matching off (the reference's own way, not the module's)."""
-    plain = BackendTokenizer.from_str(tokenizer.backend.to_str())
-    plain.encode_special_tokens = True
-    strings = sorted(
-        (t.content for t in plain.get_added_tokens_decoder().values() if t.special),
-        key=len,
-        reverse=True,
-    )
-    pieces = re.split("(" + "|".join(map(re.escape, strings)) + ")", text)
-    return [
-        i for piece in pieces if piece for i in plain.encode(piece, add_special_tokens=False).ids
-    ]
-
-
-def reference_ids(tokenizer: Tokenizer, messages: list[dict]) -> tuple[list[int], int]:
-    """The template rendered with placeholders for the contents, its markup encoded with
-    specials on and each content encoded separately; and the markup's control tokens."""
-    placeholders = [{**m, "content": f"@@{k}@@"} for k, m in enumerate(messages)]
-    rendered = tokenizer.apply_chat_template(placeholders)
-    ids, num_control = [], 0
-    for k, piece in enumerate(re.split(r"@@(\d+)@@", rendered)):
-        if k % 2:  # a content
-            ids += as_text_ids(tokenizer, messages[int(piece)]["content"])
-        elif piece:
-            markup = tokenizer.backend.encode(piece, add_special_tokens=False).ids
-            num_control += sum(i in special_ids(tokenizer) for i in markup)
-            ids += markup
-    return ids, num_control
 
 
 def chat_ids(tokenizer: Tokenizer, messages: list[dict], **options) -> list[int]:
