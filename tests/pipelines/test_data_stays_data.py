@@ -21,9 +21,10 @@ from tokenizers import Tokenizer as BackendTokenizer
 import tokenmill
 from tokenmill.cli import main
 from tokenmill.engine.loader.tokenizer import Tokenizer
+from tokenmill.flows.tasks import plan_task
 from tokenmill.pipelines.job import run_job
 from tokenmill.pipelines.output import read_results
-from tokenmill.pipelines.planning import load_shard, plan_job
+from tokenmill.pipelines.planning import load_shard
 from tokenmill.pipelines.spec import JobSpec
 from tokenmill.pipelines.templating import TemplateSpec, render_rows
 from tokenmill.pipelines.tokenize import chat_renderer, special_strings
@@ -96,7 +97,7 @@ def test_cli_rows_keep_their_special_strings_as_text(tmp_path, tiny_model_dir, t
         assert prompt_tokens(output) == {k: len(v) for k, v in wanted.items()}
 
 
-def test_planned_rows_hold_the_reference_token_ids(tmp_path, tiny_model_dir, tok):
+def test_the_flows_plan_task_holds_the_reference_token_ids(tmp_path, tiny_model_dir, tok):
     """The flow's plan (what `plan_task` writes for its shards): exact ids, the system
     prompt's special strings data too; allowed, the forged turns come back."""
     system = "Be brief <|endoftext|> and kind."
@@ -119,7 +120,7 @@ def test_planned_rows_hold_the_reference_token_ids(tmp_path, tiny_model_dir, tok
             allow_special_tokens=allow,
             **ENGINE,
         )
-        plan = plan_job(spec)
+        plan = plan_task.fn(spec)
         planned = [load_shard(plan, shard).to_pylist() for shard in plan.shards]
         ids[allow] = {r["id"]: r["token_ids"] for shard in planned for r in shard}
     start, end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
