@@ -10,6 +10,10 @@ with a constrained request pays for it.
 Invariants:
 - One `LLTokenizer` per tokenizer and one compiled matcher per distinct constraint, per
   process (bounded LRU caches, locked); each sequence gets a copy of the compiled matcher.
+- A constraint is bounded by llguidance's deterministic limits (`LIMITS`: work counted as
+  fuel and items, not wall-clock time, so a constraint fails alike on every machine), at
+  compile and for its first token's mask, which `compile` computes: one that needs more
+  is refused with the limit named, before any request uses it.
 - A sequence's matcher advances in exactly one place, when the engine appends a sampled
   token (`LLMEngine._append_tokens`), so its state always equals the generated tokens -
   recomputing a preempted sequence's KV cache never touches it.
@@ -32,6 +36,24 @@ import torch
 from tokenmill.engine.structured_outputs import StructuredOutputs
 
 MAX_COMPILED = 512  # distinct constraints kept compiled per process
+# llguidance's `LLParserLimits` for every constraint (its own defaults, stated here so an
+# error can name the one that was passed): name -> (value, what it bounds).
+LIMITS = {
+    "max_grammar_size": (500_000, "grammar size, in symbols"),
+    "initial_lexer_fuel": (1_000_000, "compile fuel, in lexer expressions built"),
+    "step_lexer_fuel": (200_000, "lexer fuel per token mask"),
+    "step_max_items": (50_000, "parser items per token mask"),
+    "max_lexer_states": (250_000, "lexer states, about 1-2 kB each: the masks' memory"),
+}
+# llguidance's error text -> the limit it reports (its messages do not all name one).
+_LIMIT_ERRORS = (
+    ("too big", "initial_lexer_fuel"),
+    ("too many expressions", "initial_lexer_fuel"),
+    ("Too many items", "step_max_items"),
+    ("grammar size", "max_grammar_size"),
+    ("lexer states", "max_lexer_states"),
+    ("fuel", "step_lexer_fuel"),
+)
 MAX_TOKENIZERS = 4
 # Fill a step's masks in a worker thread while the model runs (benchmarks/README.md,
 # "Why llguidance").
@@ -68,6 +90,14 @@ class GrammarMatcher:
     def is_accepting(self) -> bool:
         """Whether the tokens so far are a complete match (EOS would be allowed)."""
         return self._matcher.is_accepting() and not self._matcher.is_error()
+
+    @property
+    def error(self) -> str | None:
+        """Why the constraint stopped the output (a limit passed while generating, a token
+        it refused), or None."""
+        if not self._matcher.is_error():
+            return None
+        return f"structured outputs: the constraint stopped: {_one_line(self._matcher.get_error())}"
 
 
 class GrammarCompiler:
@@ -130,16 +160,25 @@ class GrammarCompiler:
 
         source = _grammar_source(constraint)
         tokenizer = self._lltokenizer()
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, tokenizer)
+        limits = parser_limits()
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            source, tokenizer, limits=limits
+        )
         if is_error or messages:
             # Warnings are refused too: each one says part of the constraint would not be
             # enforced (e.g. `Unimplemented keys: ["uniqueItems"]`).
-            detail = "; ".join(m.strip() for m in messages) or "invalid"
+            detail = "; ".join(_one_line(m) for m in messages) or "invalid"
             raise ValueError(f"structured outputs {_describe(constraint)}: {detail}")
         # log_level 0: llguidance's warnings quote the text being matched, i.e. outputs.
-        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=limits)
+        if not matcher.is_error():
+            problem = _first_step_error(matcher.deep_copy(), tokenizer)
+            if problem is not None:
+                raise ValueError(f"structured outputs {_describe(constraint)}: {problem}")
         if matcher.is_error():
-            raise ValueError(f"structured outputs {_describe(constraint)}: {matcher.get_error()}")
+            raise ValueError(
+                f"structured outputs {_describe(constraint)}: {_one_line(matcher.get_error())}"
+            )
         return matcher
 
     def _lltokenizer(self) -> Any:
@@ -168,6 +207,55 @@ class GrammarCompiler:
 _LOCK = threading.Lock()
 _COMPILED: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
 _TOKENIZERS: OrderedDict[tuple, Any] = OrderedDict()
+
+
+def parser_limits() -> Any:
+    """`LIMITS` as llguidance's LLParserLimits (errors in one line, showing no grammar)."""
+    import llguidance
+
+    values = {name: value for name, (value, _) in LIMITS.items()}
+    return llguidance.LLParserLimits(**values, verbose_errors=False)
+
+
+def _first_step_error(probe: Any, tokenizer: Any) -> str | None:
+    """Why a constraint cannot take its first token, or None.
+
+    Its first mask, and one step past the lowest token it allows, build the lexer's start:
+    a constraint that cannot start (one with no value, `{"$ref": "#"}`) or runs past a
+    limit there (a regex like `(a{1000}){1000}`) is refused at compile, not inside a
+    decode step. The probe is a copy; the compiled matcher stays at its start.
+    """
+    mask = probe.compute_bitmask()
+    if not probe.is_error():
+        allowed = _first_allowed(mask, skip=set(tokenizer.eos_tokens))
+        if allowed is not None:
+            probe.consume_token(allowed)
+    if probe.is_error():
+        return f"cannot start: {_one_line(probe.get_error())}"
+    return None
+
+
+def _first_allowed(mask: bytes, *, skip: set[int]) -> int | None:
+    """The lowest token id a bitmask allows, other than `skip`."""
+    for index, byte in enumerate(mask):
+        if byte:
+            for bit in range(8):
+                token = index * 8 + bit
+                if byte >> bit & 1 and token not in skip:
+                    return token
+    return None
+
+
+def _one_line(message: str) -> str:
+    """llguidance's message in one line, naming the limit it reports where it is one."""
+    line = message.strip().splitlines()[0] if message.strip() else "invalid"
+    if line == "NoExtensionBias":
+        return "no token can begin a value it accepts"
+    for fragment, name in _LIMIT_ERRORS:
+        if fragment in line:
+            value, what = LIMITS[name]
+            return f"{line} (limit: {what}, {value:,})"
+    return line
 
 
 def _grammar_source(constraint: StructuredOutputs) -> str:

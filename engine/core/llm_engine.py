@@ -418,17 +418,23 @@ class LLMEngine:
         if request.pooling is not None:
             return self._pooling_output(request, now)
         completions = []
+        errors = []
         for seq in request.seqs:
             if seq.stop_text is not None:
                 text = seq.stop_text
             else:
                 text = self.tokenizer.decode(seq.completion_token_ids) if self.tokenizer else ""
+            # A constraint that passed a limit mid-output ended it: the output is not an
+            # answer, and the request says why rather than pass for a short one.
+            error = seq.grammar.error if seq.grammar is not None else None
+            if error is not None:
+                errors.append(error)
             completions.append(
                 CompletionOutput(
                     index=seq.index,
                     text=text,
                     token_ids=seq.completion_token_ids,
-                    finish_reason=seq.finish_reason,
+                    finish_reason="error" if error is not None else seq.finish_reason,
                     logprobs=seq.logprobs,
                     structured_output_complete=_is_complete(seq),
                 )
@@ -455,6 +461,7 @@ class LLMEngine:
             completion_tokens=sum(len(c.token_ids) for c in completions),
             metrics=metrics,
             prompt_logprobs=first.prompt_logprobs,
+            error=errors[0] if errors else None,
         )
 
     def _pooling_output(self, request: _Request, now: float) -> PoolingOutput:
