@@ -37,6 +37,7 @@ from tokenmill.connectors.json_array import (
     parse_element,
 )
 from tokenmill.connectors.jsonl_reader import (
+    DEEP_JSON,
     JsonlReader,
     arrow_rows,
     infer_schema,
@@ -257,7 +258,11 @@ def _parse_row(element: Element, data: bytes) -> dict[str, Any]:
         )
     if isinstance(data, UndecodableLine):
         raise BadLine(element.index, data.message, unit=UNIT)
-    value = parse_element(Element(element.index, element.offset, data))
+    try:
+        value = parse_element(Element(element.index, element.offset, data))
+    except RecursionError:
+        # Python's parser gives up near 1,000 levels; such an element is its row's error.
+        raise BadLine(element.index, DEEP_JSON, unit=UNIT) from None
     if not isinstance(value, dict):
         got = type(value).__name__ if value is not None else "null"
         raise BadLine(element.index, f"expected a JSON object, got {got}", unit=UNIT)

@@ -33,6 +33,8 @@ from tokenmill.connectors.lines import (
 
 _FLAG_COLUMNS = (ERROR_COLUMN, REPLACED_COLUMN)
 
+# Python's JSON parser recurses, and gives up near 1,000 levels (a RecursionError).
+DEEP_JSON = "JSON nested too deep to read (about 1,000 levels)"
 # JSON can spell a lone UTF-16 surrogate ("\\ud800"); no UTF-8 text can hold one.
 UNPAIRED_SURROGATE = "text with an unpaired surrogate escape such as \\ud800 (not valid Unicode)"
 
@@ -139,6 +141,9 @@ def parse_object(line: bytes, number: int) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         # e.msg and e.colno describe the syntax error without echoing the line itself.
         raise BadLine(number, f"invalid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        # Python's parser gives up near 1,000 levels; such a line is that row's error.
+        raise BadLine(number, DEEP_JSON) from None
     if not isinstance(value, dict):
         hint = ""
         if number == 1 and isinstance(value, list):

@@ -151,6 +151,7 @@ def open_source(
     decode_columns: Sequence[str] = (),
     csv_delimiter: str | None = None,
     csv_quote: str = '"',
+    json_text_columns: Sequence[str] = (),
 ) -> Source:
     """Opens and validates an input dataset without reading its rows.
 
@@ -181,6 +182,9 @@ def open_source(
         csv_delimiter: delimited text's field delimiter, one ASCII character (None: the
             format's own - a comma for csv, a tab for tsv).
         csv_quote: delimited text's quote character.
+        json_text_columns: JSON columns read as each value's JSON text, every key kept
+            (a row's own JSON schema): a struct type guessed from the first block would
+            drop the keys that block did not have.
 
     Returns:
         A `Source`; raises `SourceError` (a `ValueError`) naming the file and problem.
@@ -222,6 +226,10 @@ def open_source(
         raise SourceError(f"{name}: files disagree on column types ({e})") from e
     if not telling:
         data_schema = pa.schema([(c, pa.string()) for c in columns or ()])
+    if fmt in ("jsonl", "json") and json_text_columns:
+        data_schema = pa.schema(
+            [f.with_type(pa.string()) if f.name in json_text_columns else f for f in data_schema]
+        )
     hints = [h.hint for h in telling if h.hint]
     full = _full_schema(
         name, data_schema, data, columns, on_bad_line, decoding, hint=hints[0] if hints else None
