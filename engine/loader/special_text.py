@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenizers import AddedToken
@@ -90,6 +90,12 @@ class SpecialText:
             return ()
         return tuple(m.span() for m in self._pattern.finditer(text))
 
+    def replace(self, text: str, replacement: Callable[[str], str]) -> str:
+        """`text` with each special string `s` in it replaced by `replacement(s)`."""
+        if not self.holds(text):
+            return text
+        return self._pattern.sub(lambda match: replacement(match.group()), text)
+
     def marks(self) -> DataMarks:
         """Sentinels for one prompt's data (see `DataMarks`)."""
         return DataMarks(self)
@@ -132,12 +138,10 @@ class DataMarks:
 
     def mark(self, value: Any) -> Any:
         """`value` with each special string in its strings (dict keys and values, list
-        items, nested) replaced by a sentinel; the same object when it holds none."""
+        items, nested) replaced by a sentinel; a string that holds none comes back as is."""
         if isinstance(value, str):
             self._values.append(value)
-            if not self._special.holds(value):
-                return value
-            return self._special._pattern.sub(lambda m: self._sentinel(m.group()), value)
+            return self._special.replace(value, self._sentinel)
         if isinstance(value, dict):
             return {self.mark(k): self.mark(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
