@@ -280,3 +280,33 @@ def test_pooling_texts_with_data_specials_are_cut_as_the_library_cuts(roberta):
     plain.encode_special_tokens = True
     plain.enable_truncation(12)
     assert pair.truncated and pair.token_ids == plain.encode(query, "a").ids
+
+
+def test_llm_generate_and_chat_keep_string_prompts_data(tmp_path):
+    """`LLM.generate` with strings and `LLM.chat`: special strings in them are text unless
+    allowed; token-id prompts are sent as they are."""
+    from tiny_model import build_tiny_model
+
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    llm = LLM(str(build_tiny_model(tmp_path)), dtype="float32", kv_cache_memory=8 << 20)
+    tok, params = llm.tokenizer, SamplingParams(temperature=0, max_tokens=1)
+    [data], [allowed] = (
+        llm.generate(REVIEW, params, allow_special_tokens=allow) for allow in (False, True)
+    )
+    assert data.prompt_token_ids == as_text_ids(tok, REVIEW)
+    assert allowed.prompt_token_ids == tok.backend.encode(REVIEW).ids
+    [as_ids] = llm.generate(allowed.prompt_token_ids, params)
+    assert as_ids.prompt_token_ids == allowed.prompt_token_ids
+    messages = [{"role": "user", "content": REVIEW}]
+    [chat], [chat_allowed] = (
+        llm.chat(messages, params, allow_special_tokens=allow) for allow in (False, True)
+    )
+    assert chat.prompt_token_ids == reference_ids(tok, messages)[0]
+    assert chat.prompt == chat_allowed.prompt == tok.apply_chat_template(messages)
+    start = tok.token_to_id("<|im_start|>")
+    assert (chat.prompt_token_ids.count(start), chat_allowed.prompt_token_ids.count(start)) == (
+        2,
+        4,
+    )
