@@ -64,12 +64,8 @@ class SpecialText:
     def __init__(self, backend: BackendTokenizer) -> None:
         self._backend = backend
         specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
-        # Longest first: at one position the longest special string wins, as it does in the
-        # tokenizer's own leftmost-longest matching.
         self.strings: tuple[str, ...] = tuple(sorted(specials, key=lambda s: (-len(s), s)))
-        self._pattern = (
-            re.compile("|".join(re.escape(s) for s in self.strings)) if self.strings else None
-        )
+        self._pattern = re.compile(_trie_pattern(self.strings)) if self.strings else None
         # A text without any special string's first character needs no regex search: `in`
         # is a plain scan, the common case on the hot path.
         self._first_chars = "".join(sorted({s[0] for s in self.strings}))
@@ -244,6 +240,29 @@ class _SpanEncoder:
                 raise RuntimeError("a data span was not encoded on its own")
             out.append(ids)
         return out
+
+
+def _trie_pattern(strings: Sequence[str]) -> str:
+    """A regex matching any of `strings`, the longest where several start at one place (as
+    the tokenizer's own leftmost-longest matching does). Shared prefixes are written once,
+    so a vocabulary with thousands of specials (`<unused0>`...) costs a search no more
+    than a handful does."""
+    trie: dict = {}
+    for string in strings:
+        node = trie
+        for char in string:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a string ends here
+
+    def alternatives(node: dict) -> str:
+        # Longer continuations are tried before ending here: the regex is greedy.
+        branches = [re.escape(c) + alternatives(child) for c, child in node.items() if c]
+        if not branches:
+            return ""
+        group = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+        return f"(?:{group})?" if "" in node else group
+
+    return alternatives(trie)
 
 
 def _with_boundaries(text: str, spans: Spans) -> Spans:
