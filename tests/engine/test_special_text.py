@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -310,3 +311,18 @@ def test_llm_generate_and_chat_keep_string_prompts_data(tmp_path):
         2,
         4,
     )
+
+
+def test_the_search_finds_the_longest_string_first_among_thousands():
+    """The trie-shaped regex matches as a longest-first alternation of the strings."""
+    from tokenmill.engine.loader.special_text import _trie_pattern
+
+    strings = ["<|im_start|>", "<|im_end|>", "ab", "abc", "a", "<s>", "</s>"]
+    strings += [f"<unused{i}>" for i in range(1000)]
+    trie = re.compile(_trie_pattern(strings))
+    plain = re.compile("|".join(map(re.escape, sorted(strings, key=len, reverse=True))))
+    pieces = [*strings[:7], "<unused12>", "<unused999>", "<unused1000>", "<", "x", "|", "unused"]
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choices(pieces, k=rng.randint(0, 12)))
+        assert [m.span() for m in trie.finditer(text)] == [m.span() for m in plain.finditer(text)]
