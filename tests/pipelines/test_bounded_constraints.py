@@ -157,3 +157,26 @@ def test_generate_in_a_notebook_does_not_raise_for_a_bad_row(tiny_model_dir):
     )
     assert res["error"].to_list() == [EXPECTED[i] for i in picked]
     assert res["id"].to_list() == [f"row-{i:09d}" for i in range(len(picked))]
+
+
+def test_a_schema_column_is_read_whole_from_json_and_jsonl(tmp_path):
+    """A job's schema column comes as each value's JSON text, every key in order (not a
+    struct guessed from the first rows); an element or line nested past what Python's
+    parser reads is that row's error."""
+    from tokenmill.connectors import open_source
+    from tokenmill.connectors.jsonl_reader import DEEP_JSON
+
+    first = {"type": "object", "properties": {"name": {"type": "string"}}}
+    other = {"enum": ["x", "y"], "description": "keys the first row lacks"}
+    deep = '{"schema": ' + deep_schema(900) + "}"
+    records = [json.dumps({"schema": first}), deep, json.dumps({"schema": other})]
+    (tmp_path / "rows.json").write_text("[" + ",\n".join(records) + "]")
+    (tmp_path / "rows.jsonl").write_text("\n".join(records) + "\n")
+    for name, unit in (("rows.json", "array index 1"), ("rows.jsonl", "line 2")):
+        source = open_source(
+            str(tmp_path / name), on_bad_line="skip_row", json_text_columns=["schema"]
+        )
+        [batch] = list(source.iter_batches())
+        columns = batch.to_pydict()
+        assert columns["schema"] == [json.dumps(first), None, json.dumps(other)]
+        assert columns["__error__"] == [None, f"{tmp_path / name}: {unit}: {DEEP_JSON}", None]
