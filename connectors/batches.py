@@ -59,6 +59,9 @@ class FileHead:
     # What to tell a user whose columns are not in `schema` (the header looks like another
     # delimiter's, the rows are a list inside one object...).
     hint: str | None = None
+    # The head read the whole file, so its inferred types are the file's (a reader with
+    # `scan_types` need not scan it again).
+    is_whole_file: bool = False
 
 
 @dataclass

@@ -6,7 +6,10 @@ Write a reader (an object with `conflicts_to_string`, `head(fs, path, *, options
 `FileHead` and `iter_batches(fs, path, schema, *, name, options, blanks)` yielding
 record batches; `csv_reader.py` and `jsonl_reader.py` are the examples) and append one
 `InputFormat` to `_FORMATS`. `open_source`, format detection from file names, the
-`format` option's help and `--format` all follow.
+`format` option's help and `--format` all follow. A reader whose values may hold
+objects that its head cannot type for the whole file (JSON) also has
+`scan_types(fs, path, columns, *, options, max_rows)`, and says in `FileHead.is_whole_file`
+when its head read the whole file (`json_types.py`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -36,11 +36,11 @@ from tokenmill.connectors.json_array import (
     iter_elements,
     parse_element,
 )
+from tokenmill.connectors.json_types import chunks_covering, infer_schema, settle_types
 from tokenmill.connectors.jsonl_reader import (
     DEEP_JSON,
     JsonlReader,
     arrow_rows,
-    infer_schema,
     list_under_key_hint,
     rows_to_batch,
 )
@@ -71,6 +71,27 @@ class JsonReader:
             if first == b"{":
                 _refuse_one_object(stream.head)
             return JsonlReader().head_of(stream, options)
+
+    def scan_types(
+        self,
+        fs,
+        path: str,
+        columns: Mapping[str, pa.DataType | None],
+        *,
+        options: ReadOptions,
+        max_rows: int | None = None,
+    ) -> dict[str, pa.DataType]:
+        """The types that hold every value of `columns` in the file's first `max_rows`
+        elements or lines (None: all of them); `json_types.settle_types`."""
+        with open_text_stream(fs, path) as f:
+            first, stream = _sniff(open_decoded(f, options.decoding))
+            if first != b"[":
+                return JsonlReader().scan_types_of(stream, columns, options, max_rows)
+            chunks = (
+                [decode_line(e.data, options.decoding)[0] for e in elements]
+                for elements in _element_chunks(stream, options.batch_size)
+            )
+            return settle_types(chunks_covering(chunks, max_rows), columns, newlines_in_values=True)
 
     def iter_batches(
         self,
@@ -121,6 +142,7 @@ def _sniff(stream: Any) -> tuple[bytes, _Replay]:
 def _array_head(stream: Any, options: ReadOptions) -> FileHead:
     rows: list[dict[str, Any]] = []
     size = num_elements = 0
+    whole = True  # the sample reached the array's end
     for element in iter_elements(stream):
         num_elements += 1
         data, _ = decode_line(element.data, options.decoding)
@@ -131,10 +153,11 @@ def _array_head(stream: Any, options: ReadOptions) -> FileHead:
                 raise
         size += len(data)
         if size >= options.sample_bytes:
+            whole = False
             break
     if not num_elements:  # `[]`
-        return FileHead(schema=options.schema or pa.schema([]), is_empty=True)
-    return FileHead(schema=options.schema or infer_schema(rows))
+        return FileHead(schema=options.schema or pa.schema([]), is_empty=True, is_whole_file=True)
+    return FileHead(schema=options.schema or infer_schema(rows), is_whole_file=whole)
 
 
 def _refuse_one_object(head: bytes) -> None:
@@ -202,16 +225,23 @@ def _array_batches(
     stream: Any, schema: pa.Schema, *, name: str, options: ReadOptions
 ) -> Iterator[pa.RecordBatch]:
     data_schema = pa.schema([f for f in schema if f.name not in (ERROR_COLUMN, REPLACED_COLUMN)])
+    for elements in _element_chunks(stream, options.batch_size):
+        yield _array_batch(elements, data_schema, name=name, options=options)
+
+
+def _element_chunks(stream: Any, max_elements: int) -> Iterator[list[Element]]:
+    """The array's elements in chunks of at most `max_elements` (and about
+    MAX_CHUNK_BYTES)."""
     elements: list[Element] = []
     size = 0
     for element in iter_elements(stream):
         elements.append(element)
         size += len(element.data)
-        if len(elements) >= options.batch_size or size >= MAX_CHUNK_BYTES:
-            yield _array_batch(elements, data_schema, name=name, options=options)
+        if len(elements) >= max_elements or size >= MAX_CHUNK_BYTES:
+            yield elements
             elements, size = [], 0
     if elements:
-        yield _array_batch(elements, data_schema, name=name, options=options)
+        yield elements
 
 
 def _array_batch(

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import io
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.json as pa_json
 
 from tokenmill.connectors.batches import (
     ERROR_COLUMN,
@@ -21,6 +19,14 @@ from tokenmill.connectors.batches import (
 )
 from tokenmill.connectors.decoding import open_decoded
 from tokenmill.connectors.fs import open_text_stream
+from tokenmill.connectors.json_types import (
+    chunks_covering,
+    fits_type,
+    infer_schema,
+    is_nested,
+    read_objects,
+    settle_types,
+)
 from tokenmill.connectors.lines import (
     MAX_LINE_BYTES,
     BadLine,
@@ -53,7 +59,11 @@ class JsonlReader:
         """`head` for an `open_decoded` stream."""
         sample = head_lines(stream, options.sample_bytes, options.decoding)
         if not sample.lines:  # no bytes, or blank lines only
-            return FileHead(schema=options.schema or pa.schema([]), is_empty=True)
+            return FileHead(
+                schema=options.schema or pa.schema([]), is_empty=True, is_whole_file=True
+            )
+        # `head_lines` stops once it has the sample's bytes: a sample short of them is the file.
+        whole = sum(len(line) + 1 for line in sample.lines) < options.sample_bytes
         rows = []
         for number, line in zip(sample.line_numbers, sample.lines):
             try:
@@ -63,9 +73,33 @@ class JsonlReader:
                 if options.on_bad_line == "error":
                     raise
         hint = list_in_one_object(rows)
-        if options.schema is not None:
-            return FileHead(schema=options.schema, hint=hint)
-        return FileHead(schema=infer_schema(rows), hint=hint)
+        schema = options.schema if options.schema is not None else infer_schema(rows)
+        return FileHead(schema=schema, hint=hint, is_whole_file=whole)
+
+    def scan_types(
+        self,
+        fs,
+        path: str,
+        columns: Mapping[str, pa.DataType | None],
+        *,
+        options: ReadOptions,
+        max_rows: int | None = None,
+    ) -> dict[str, pa.DataType]:
+        """`settle_types` over the file's lines (json_types.py): the types that hold every
+        value of `columns`, from the first `max_rows` lines (None: all of them)."""
+        with open_text_stream(fs, path) as f:
+            return self.scan_types_of(open_decoded(f, options.decoding), columns, options, max_rows)
+
+    def scan_types_of(
+        self,
+        stream,
+        columns: Mapping[str, pa.DataType | None],
+        options: ReadOptions,
+        max_rows: int | None = None,
+    ) -> dict[str, pa.DataType]:
+        """`scan_types` for an `open_decoded` stream."""
+        chunks = iter_line_chunks(stream, options.batch_size, options.decoding)
+        return settle_types(chunks_covering((c.lines for c in chunks), max_rows), columns)
 
     def iter_batches(
         self,
@@ -152,44 +186,6 @@ def parse_object(line: bytes, number: int) -> dict[str, Any]:
     return value
 
 
-def infer_schema(rows: Sequence[dict[str, Any]]) -> pa.Schema:
-    """Column types from sample rows; a column whose values disagree becomes a string.
-
-    Args:
-        rows: parsed sample objects; field order is the order keys first appear.
-
-    Returns:
-        A schema; columns whose type the sample cannot tell (all null, only empty
-        lists or objects) are strings holding each value's JSON text.
-    """
-    names: dict[str, None] = {}
-    for row in rows:
-        names.update(dict.fromkeys(row))
-    fields = []
-    for name in names:
-        values = [row.get(name) for row in rows]
-        try:
-            dtype = pa.array(values).type
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, UnicodeEncodeError):
-            dtype = pa.string()
-        if _is_undetermined(dtype):
-            dtype = pa.string()
-        fields.append(pa.field(name, dtype))
-    return pa.schema(fields)
-
-
-def _is_undetermined(dtype: pa.DataType) -> bool:
-    # Only nulls, `[]` or `{}` were seen: any later real value would not fit, so the
-    # column keeps each value's JSON text instead.
-    if pa.types.is_null(dtype):
-        return True
-    if pa.types.is_struct(dtype):
-        return dtype.num_fields == 0 or any(_is_undetermined(f.type) for f in dtype)
-    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
-        return _is_undetermined(dtype.value_type)
-    return False
-
-
 def read_chunk(
     chunk: LineChunk,
     schema: pa.Schema,
@@ -228,29 +224,32 @@ def arrow_rows(
     objects: Sequence[bytes], schema: pa.Schema, *, newlines_in_values: bool = False
 ) -> pa.RecordBatch | None:
     """JSON objects (one per item) as a batch of `schema`, parsed by pyarrow in one go;
-    None when pyarrow refuses any of them (then each must be parsed on its own).
+    None when pyarrow refuses any of them, or when an object holds a key its nested
+    column's type lacks (then each must be parsed on its own, and such a key is named).
 
     Args:
         objects: each one JSON object's bytes.
-        schema: the batch's columns; other fields are ignored.
+        schema: the batch's columns; other top-level fields are not read.
         newlines_in_values: objects may hold line breaks (pretty-printed array elements).
     """
-    size = sum(len(item) + 1 for item in objects) + 1
+    nested = [f for f in schema if is_nested(f.type)]
     try:
-        table = pa_json.read_json(
-            io.BytesIO(b"\n".join(objects)),
-            # The whole chunk in one block: pyarrow needs each object to fit in one.
-            read_options=pa_json.ReadOptions(use_threads=False, block_size=max(1 << 16, size)),
-            parse_options=pa_json.ParseOptions(
-                explicit_schema=schema,
-                unexpected_field_behavior="ignore",
-                newlines_in_values=newlines_in_values,
-            ),
+        # "ignore" would drop a nested key the type lacks without a word; "infer" adds it
+        # to the column's type, which then differs from the schema's. Flat columns have no
+        # such keys, and their chunks skip the inference.
+        table = read_objects(
+            objects,
+            schema,
+            unexpected="infer" if nested else "ignore",
+            newlines_in_values=newlines_in_values,
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError, UnicodeDecodeError):
         return None
     if table.num_rows != len(objects):
         return None
+    if any(table.schema.field(f.name).type != f.type for f in nested):
+        return None
+    table = table.select(schema.names)
     return table.combine_chunks().to_batches()[0] if table.num_rows else _empty(schema)
 
 
@@ -371,6 +370,17 @@ def to_arrow(
                 return pa.array(text, type=field.type), {**bad, **unpaired}
         # Anything else fits a string column: non-strings keep their JSON spelling.
         values = [v if v is None or isinstance(v, str) else json.dumps(v) for v in values]
+    if is_nested(field.type):
+        # pa.array drops an object's keys the struct lacks, and truncates a nested 1.5 to
+        # 1, without a word: such a value is a bad value, named, instead.
+        lost = {}
+        for i, v in enumerate(values):
+            problem = fits_type(v, field.type)
+            if problem is not None:
+                lost[i] = problem
+        if lost:
+            rest, bad = to_arrow([None if i in lost else v for i, v in enumerate(values)], field)
+            return rest, {**lost, **bad}
     if pa.types.is_integer(field.type):
         # pa.array truncates 1.5 to 1 without a word; a fraction is a bad value here.
         lossy = {

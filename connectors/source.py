@@ -42,6 +42,7 @@ from tokenmill.connectors.formats import (
     normalize_format,
 )
 from tokenmill.connectors.fs import display, redact_url, resolve, to_url
+from tokenmill.connectors.json_types import finish_type, is_nested, widen
 from tokenmill.connectors.lines import BadLine
 from tokenmill.connectors.store_retries import store_operation
 
@@ -152,6 +153,7 @@ def open_source(
     csv_delimiter: str | None = None,
     csv_quote: str = '"',
     json_text_columns: Sequence[str] = (),
+    limit: int | None = None,
 ) -> Source:
     """Opens and validates an input dataset without reading its rows.
 
@@ -183,13 +185,20 @@ def open_source(
             format's own - a comma for csv, a tab for tsv).
         csv_quote: delimited text's quote character.
         json_text_columns: JSON columns read as each value's JSON text, every key kept
-            (a row's own JSON schema): a struct type guessed from the first block would
-            drop the keys that block did not have.
+            and none added (a row's own JSON schema, where a key that is null is not a
+            key that is absent, as it is in a struct).
+        limit: only the first N rows of each file will be read (a job's limit): JSON
+            column types are settled over those rows only (None: every row).
+
+    JSON Lines and JSON arrays state no types: they are guessed from each file's first
+    block, and the columns read that hold objects or lists, or that no first block
+    showed, are settled over the whole file (`json_types.py`), so no key first seen late
+    is dropped. With `columns=None` the columns are those the first blocks show.
 
     Returns:
         A `Source`; raises `SourceError` (a `ValueError`) naming the file and problem.
     """
-    fmt = _check_options(format, on_bad_line, batch_size, columns, schema, validate)
+    fmt = _check_options(format, on_bad_line, batch_size, columns, schema, validate, limit)
     decoding = Decoding(encoding, on_decode_error)
     Dialect(csv_delimiter or ",", csv_quote)  # a bad character is refused before any I/O
     fs, path = resolve(uri, storage_options)
@@ -226,6 +235,13 @@ def open_source(
         raise SourceError(f"{name}: files disagree on column types ({e})") from e
     if not telling:
         data_schema = pa.schema([(c, pa.string()) for c in columns or ()])
+    elif options.schema is None and hasattr(reader, "scan_types"):
+        wanted = columns if columns is not None else data_schema.names
+        unsettled = _unsettled(data_schema, wanted, data, json_text_columns)
+        if unsettled:
+            data_schema = _settled(
+                data_schema, unsettled, reader, fs, data.paths, heads, fmt, options, limit
+            )
     if fmt in ("jsonl", "json") and json_text_columns:
         data_schema = pa.schema(
             [f.with_type(pa.string()) if f.name in json_text_columns else f for f in data_schema]
@@ -255,12 +271,63 @@ def open_source(
     return source
 
 
-def _check_options(format, on_bad_line, batch_size, columns, schema, validate) -> str | None:
+def _unsettled(
+    schema: pa.Schema, wanted: Sequence[str], data: DataFiles, json_text_columns: Sequence[str]
+) -> dict[str, pa.DataType | None]:
+    """The columns to read whose type the files' heads cannot settle: those holding
+    objects or lists (a later object may have more keys), and those no head showed
+    (None), partition columns aside."""
+    unsettled: dict[str, pa.DataType | None] = {}
+    for name in wanted:
+        index = schema.get_field_index(name)
+        if index < 0:
+            if data.partition_schema.get_field_index(name) < 0:
+                unsettled[name] = None
+        elif name not in json_text_columns and is_nested(schema.field(index).type):
+            unsettled[name] = schema.field(index).type
+    return unsettled
+
+
+def _settled(
+    schema: pa.Schema,
+    unsettled: dict[str, pa.DataType | None],
+    reader,
+    fs,
+    paths: list[str],
+    heads: list[FileHead],
+    fmt: str,
+    options: ReadOptions,
+    limit: int | None,
+) -> pa.Schema:
+    """`schema` with `unsettled` columns typed over every row read of every file whose
+    head did not read it whole; a column found only there is added at the end."""
+    types = {name: dtype for name, dtype in unsettled.items() if dtype is not None}
+    for path, head in zip(paths, heads):
+        if head.is_whole_file:
+            continue  # its head's types, in `schema` already, are the file's
+        name = display(fs, path)
+        try:
+            with store_operation("reading", name):
+                found = reader.scan_types(fs, path, unsettled, options=options, max_rows=limit)
+        except (*_PARSE_ERRORS, OSError) as e:
+            _raise_source_error(name, fmt, e)
+        for column, dtype in found.items():
+            types[column] = widen(types.get(column), dtype)
+    fields = [f.with_type(finish_type(types[f.name])) if f.name in types else f for f in schema]
+    added = [c for c in unsettled if c in types and c not in schema.names]
+    return pa.schema(fields + [pa.field(c, finish_type(types[c])) for c in added])
+
+
+def _check_options(
+    format, on_bad_line, batch_size, columns, schema, validate, limit=None
+) -> str | None:
     # Option mistakes are the caller's, so they are plain ValueErrors raised before any I/O.
     if on_bad_line not in ON_BAD_LINE:
         raise ValueError(f"on_bad_line must be one of {ON_BAD_LINE}, got {on_bad_line!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive integer, got {limit!r}")
     if validate not in ("head", "full"):
         raise ValueError(f"validate must be 'head' or 'full', got {validate!r}")
     if columns is not None:

@@ -158,6 +158,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         csv_delimiter=spec.csv_delimiter,
         csv_quote=spec.csv_quote,
         json_text_columns=[spec.json_schema_column] if spec.json_schema_column else [],
+        limit=spec.limit,
     )
     fingerprint = source.fingerprint()
     _check_input_unchanged(spec, fingerprint)
