@@ -205,7 +205,8 @@ def normalize_messages(value: Any, *, system: str | None = None) -> list[dict[st
 
     Accepts a list of {role, content} mappings or a JSON string holding one. A message
     may also carry `tool_call_id` and `tool_calls` (a list, or its JSON text), which
-    reach the chat template as given; other keys are dropped. An assistant message that
+    reach the chat template as given, less the keys of a tool call that are null (a key
+    null there is a key the row does not have); other keys are dropped. An assistant message that
     only calls tools may have a null content (the template sees ""). The shared `system` prompt is
     prepended unless the row starts with its own system message (a row's own
     instructions win).
@@ -257,7 +258,20 @@ def _tool_calls(value: Any, index: int) -> list | None:
             raise ValueError(f"message {index} tool_calls are not valid JSON") from None
     if value is not None and not isinstance(value, list):
         raise ValueError(f"message {index} tool_calls must be a list")
-    return value or None
+    return _without_null_keys(value) or None
+
+
+def _without_null_keys(value: Any) -> Any:
+    """`value` with every null-valued key of its objects left out, at any depth.
+
+    A column of objects read from a file is a struct holding every key any row has, null
+    in the rows without it: a template must see the keys a row has, not `"id": None`
+    (which it would render as "None")."""
+    if isinstance(value, Mapping):
+        return {k: _without_null_keys(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_null_keys(v) for v in value]
+    return value
 
 
 def _tools(value: Any) -> dict[str, Any]:

@@ -186,3 +186,17 @@ def test_normalize_messages_drops_extra_keys():
     assert normalize_messages([{"role": "user", "content": "q", "name": "x"}]) == [
         {"role": "user", "content": "q"}
     ]
+
+
+def test_normalize_messages_leaves_out_the_null_keys_of_tool_calls():
+    # A struct column holds every key any row has; a row without one holds null there.
+    call = {"id": None, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "q", "tool_call_id": None, "tool_calls": None},
+        {"role": "assistant", "content": None, "tool_calls": [call], "tool_call_id": None},
+    ]
+    assert normalize_messages(messages)[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
