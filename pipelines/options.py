@@ -220,8 +220,8 @@ OPTIONS: tuple[Option, ...] = (
         "lora_column",
         TEXT,
         None,
-        "Column naming each row's LoRA adapter (a --lora NAME); null runs the base model, "
-        "and a name that is not an adapter makes the row an error.",
+        "Column naming each row's LoRA adapter (a --lora NAME); null or empty runs the "
+        "base model, and a name that is not an adapter makes the row an error.",
         INPUT,
         metavar="COL",
     ),
@@ -567,8 +567,9 @@ OPTIONS: tuple[Option, ...] = (
         "json_schema_column",
         TEXT,
         None,
-        "Column holding each row's own JSON schema (an object or its JSON text); a row "
-        "whose schema is invalid becomes an error row and the rest run.",
+        "Column holding each row's own JSON schema (an object or its JSON text); null or "
+        "empty leaves the row unconstrained, and a row whose schema is invalid becomes an "
+        "error row while the rest run.",
         INPUT,
         exclusive="structured output",
         metavar="COL",

@@ -266,12 +266,16 @@ def lora_indices(
     column: str | None,
     per_row: bool = False,
 ) -> tuple[list[RenderedRow], list[int]]:
-    """Each row's LoRA adapter index, from `column` (a name that is no adapter makes the
-    row an error) or, with `per_row` (OpenAI batch input), from the `model` column (a
-    name that is no adapter is the model itself). All 0 without adapters."""
+    """Each row's LoRA adapter index, from `column` (an unset cell - `is_unset` - is the
+    base model; a name that is no adapter makes the row an error) or, with `per_row`
+    (OpenAI batch input), from the `model` column (a name that is no adapter is the
+    model itself). All 0 without adapters."""
     if not adapters or (column is None and not per_row):
         return rendered, [0] * len(rendered)
-    names = columns[column] if column is not None else columns.get("model", [])
+    if column is not None:
+        names = [None if is_unset(name) else name for name in columns[column]]
+    else:
+        names = columns.get("model", [])
     if not names:
         names = [None] * len(rendered)
     chosen = row_adapters(names, adapters, strict=column is not None)
@@ -419,7 +423,8 @@ def params_indices(
         table: the job's distinct params; rows' own settings are added to it.
         rendered: the batch's rendered rows.
         per_row: OpenAI batch input: each row's body fields and response_format apply.
-        schema_column: a column of per-row JSON schemas (null: that row is unconstrained).
+        schema_column: a column of per-row JSON schemas (unset - `is_unset` - that row is
+            unconstrained).
 
     Returns:
         (row, params index) per row; a row whose settings are invalid becomes an error
@@ -447,8 +452,15 @@ def params_indices(
     return pairs
 
 
+def is_unset(value: Any) -> bool:
+    """A per-row option cell that sets nothing: null, or text that is empty or only
+    whitespace - what an empty CSV cell reads as (CSV has no null), so a CSV row leaves
+    an option unset as a null does in Parquet and JSON."""
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
 def _from_schema_cell(value: Any, column: str) -> StructuredOutputs | None:
-    if value is None:
+    if is_unset(value):
         return None
     if not isinstance(value, (str, dict)):
         raise ValueError(f"{column} must hold a JSON schema (an object or its JSON text)")

@@ -147,6 +147,31 @@ def _change_weights(path) -> None:
     save_file(tensors, file)
 
 
+def test_an_empty_csv_adapter_cell_runs_the_base_model(tmp_path, tiny_model_dir, adapters):
+    # CSV has no null: an empty cell names no adapter, as a null does in Parquet.
+    src = tmp_path / "in.csv"
+    src.write_text(f"id,question,adapter_name\nr0,{QUESTIONS[0]},fr\nr1,{QUESTIONS[1]},\n")
+    out = tmp_path / "out"
+    run_job(
+        str(src),
+        str(out),
+        model=str(tiny_model_dir),
+        prompt_column="question",
+        id_column="id",
+        lora={name: str(a.path) for name, a in adapters.items()},
+        lora_column="adapter_name",
+        max_tokens=6,
+        **ENGINE,
+    )
+    rows = {r["id"]: r for r in read_results(str(out)).to_pylist()}
+    assert (rows["r0"]["adapter"], rows["r1"]["adapter"]) == ("fr", None)
+    assert rows["r1"]["error"] is None
+    llm = llm_cache.get_llm(str(tiny_model_dir), dtype="float32", kv_cache_memory=8 << 20).llm
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    base = llm.chat([[{"role": "user", "content": QUESTIONS[1]}]], greedy)
+    assert rows["r1"]["output"] == base[0].text
+
+
 def test_notebook_generate_matches_the_job(tmp_path, data, tiny_model_dir, adapters):
     table = pq.read_table(data)
     # The same job definition through both surfaces.

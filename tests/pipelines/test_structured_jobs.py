@@ -4,6 +4,7 @@ the options (CLI, flow, run_job, generate), per-row schemas, OpenAI batch
 
 from __future__ import annotations
 
+import csv
 import json
 from datetime import datetime, timezone
 
@@ -157,6 +158,25 @@ def test_schema_column_rows_fail_alone(tmp_path, tiny_llm):
     assert "uniqueItems" in rows["unsupported"]["error"]
     assert rows["broken"]["error"].startswith("json schema is not valid JSON")
     assert rows["free"]["error"] is None and rows["free"]["structured_output_complete"] is None
+
+
+def test_an_empty_csv_schema_cell_is_a_row_without_a_schema(tmp_path, tiny_llm):
+    # CSV has no null: an empty cell (or one of spaces) sets no schema, as a null does in
+    # Parquet; a cell that is not JSON is still that row's error.
+    src = tmp_path / "in.csv"
+    with open(src, "w", newline="") as f:
+        csv.writer(f).writerow(["id", "prompt", "s"])
+        csv.writer(f).writerow(["ok", "Hi", json.dumps(PERSON)])
+        f.write('empty,Hi,\nquoted,Hi,""\nspaces,Hi,   \nbroken,Hi,{not json\n')
+    out = tmp_path / "out"
+    run_job(str(src), str(out), llm=tiny_llm, json_schema_column="s", id_column="id", max_tokens=8)
+    rows = {r["id"]: r for r in read_results(str(out)).to_pylist()}
+    assert rows["ok"]["error"] is None and rows["ok"]["structured_output_complete"] is not None
+    for free in ("empty", "quoted", "spaces"):
+        assert rows[free]["error"] is None, rows[free]["error"]
+        assert rows[free]["structured_output_complete"] is None  # unconstrained
+        assert rows[free]["output"] == rows["empty"]["output"]
+    assert rows["broken"]["error"].startswith("json schema is not valid JSON")
 
 
 def test_openai_batch_response_format_and_n(tmp_path, tiny_llm):
