@@ -4,32 +4,34 @@ Each output channel's weights are rounded to int8 with their own scale (max|w| /
 at run time each row (token) of the layer's input is quantized to uint8 with its own
 scale (kernels/quantize.c; one scale for the whole tensor lost up to 20% of a layer's
 output on SmolLM2's outlier activations, per row 2-4%), and the product runs on one of
-two kernels, chosen per layer at load:
+two kernels, each a layer class, chosen per layer at load (`Int8Linear.from_float`):
 
-- "native": our kernel (kernels/int8_linear.c), where the library was built for a CPU
-  with AVX512-VNNI or AVX2 and the layer's shape fits its panels; on CPUs with AMX it
-  runs calls of 8 rows or more on the tile units (kernels/int8_amx.h), on the same packed
-  weights, and on AVX2-only CPUs it multiplies signed pairs (kernels/int8_avx2.h;
-  256-bit vpdpbusd where the CPU has AVX-VNNI). It quantizes the rows to 8 bits and
-  applies each row's scale in its epilogue in the same call, takes any row count, and
-  gives the same bits on every instruction set; a gated MLP's gate_up also applies the
-  activation and the multiply by up there (`fused_activation` below).
+- "native" (`NativeInt8Linear`): our kernel (kernels/int8_linear.c), where the library
+  was built for a CPU with AVX512-VNNI or AVX2 and the layer's shape fits its panels; on
+  CPUs with AMX it runs calls of 8 rows or more on the tile units (kernels/int8_amx.h),
+  on the same packed weights, and on AVX2-only CPUs it multiplies signed pairs
+  (kernels/int8_avx2.h; 256-bit vpdpbusd where the CPU has AVX-VNNI). It quantizes the
+  rows to 8 bits and applies each row's scale in its epilogue in the same call, takes any
+  row count, and gives the same bits on every instruction set; a gated MLP's gate_up
+  also applies the activation and the multiply by up there (`fused_activation` below).
   Why ours and not oneDNN's: benchmarks/README.md, "Our own int8 kernel" and "int8 on
   AMX tiles". On AVX2 it is the only int8 path that keeps 8-bit activations (below).
-- "onednn": oneDNN's int8 matmul (`torch.ops.onednn.qlinear_pointwise`, the op
-  PyTorch's PT2E quantization lowers to) on a weight packed once at load, where ours is
-  not built. oneDNN picks its kernel for the CPU at run time: AVX512-VNNI, AVX-VNNI, else
-  AVX2's vpmaddubsw multiply-add (AMX too, on a build of ours without it); ONEDNN_MAX_CPU_ISA caps
-  it (tests use that to run the fallback). Without VNNI or AMX the u8 x s8 pairs are
-  summed in int16 and saturate, so activations there use 7 bits, which miss the 2% the
-  int8 mode promises (benchmarks/README.md, "int8 on AVX2: all 8 bits"); AVX2 builds
-  therefore run the native kernel.
+- "onednn" (`OneDNNInt8Linear`): oneDNN's int8 matmul
+  (`torch.ops.onednn.qlinear_pointwise`, the op PyTorch's PT2E quantization lowers to) on
+  a weight packed once at load, where ours is not built. oneDNN picks its kernel for the
+  CPU at run time: AVX512-VNNI, AVX-VNNI, else AVX2's vpmaddubsw multiply-add (AMX too,
+  on a build of ours without it); ONEDNN_MAX_CPU_ISA caps it (tests use that to run the
+  fallback). Without VNNI or AMX the u8 x s8 pairs are summed in int16 and saturate, so
+  activations there use 7 bits, which miss the 2% the int8 mode promises
+  (benchmarks/README.md, "int8 on AVX2: all 8 bits"); AVX2 builds therefore run the
+  native kernel.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -46,7 +48,6 @@ from tokenmill.engine.quant.calibrate import (
 )
 from tokenmill.engine.quant.method import QuantizationMethod, quantized_targets, register
 
-KERNELS = ("native", "onednn")
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native kernel takes as it is
 
 
@@ -86,15 +87,14 @@ def choose_kernel(out_features: int, in_features: int) -> str:
     built (AVX512-VNNI, with AMX tiles for larger row counts where the CPU has them, or
     AVX2) and takes the shape, else "onednn". Why native on AMX and AVX2:
     benchmarks/README.md, "int8 on AMX tiles" and "int8 on AVX2: all 8 bits"."""
-    return "native" if native.takes_shape(out_features, in_features) else "onednn"
+    if native.takes_shape(out_features, in_features):
+        return NativeInt8Linear.kernel
+    return OneDNNInt8Linear.kernel
 
 
 def describe_kernel(kernel: str) -> str:
     """A kernel choice in words, with the instructions it runs on."""
-    if kernel == "native":
-        return f"native {native.native_int8_isa()}, 8-bit activations"
-    bits = 8 if has_int8_dot_products() else 7
-    return f"oneDNN {kernel_name()}, {bits}-bit activations"
+    return _layer_class(kernel).describe()
 
 
 def has_int8_dot_products() -> bool:
@@ -140,6 +140,9 @@ def quantize_weight(
 class Int8Linear(nn.Module):
     """nn.Linear's forward with int8 weights and activations; output in the input's dtype.
 
+    Each kernel is a subclass (`NativeInt8Linear`, `OneDNNInt8Linear`), chosen once when
+    a layer is built (`from_float`); its `kernel` names it.
+
     With smoothing factors s [in_features] (calibrate.py) the stored weight is
     W * s[None, :] and the input is divided by s inside the quantizer.
 
@@ -150,46 +153,23 @@ class Int8Linear(nn.Module):
     still returns [gate, up].
     """
 
+    kernel: ClassVar[str]
+
     def __init__(
         self,
         qweight: torch.Tensor,
         scale: torch.Tensor,
         bias: torch.Tensor | None,
         smooth: torch.Tensor | None = None,
-        kernel: str | None = None,
-        gated_activation: str | None = None,
     ) -> None:
-        """kernel: "native" or "onednn"; None takes choose_kernel's. gated_activation: the
-        MLP's activation, for a [gate; up] weight (fused where the native kernel can)."""
         super().__init__()
         self.out_features, self.in_features = qweight.shape
-        self.kernel = kernel or choose_kernel(self.out_features, self.in_features)
-        if self.kernel not in KERNELS:
-            raise ValueError(f"unknown int8 kernel {self.kernel!r}; choose one of {KERNELS}")
-        if self.kernel == "native" and not native.takes_shape(*qweight.shape):
-            raise ValueError(
-                f"the native int8 kernel does not take a {tuple(qweight.shape)} weight here"
-            )
         inv_smooth = None if smooth is None else (1.0 / smooth.float()).contiguous()
         self.register_buffer("inv_smooth", inv_smooth, persistent=False)
         self.register_buffer("scale", scale.float().contiguous(), persistent=False)
         self.bias = None if bias is None else bias.detach().contiguous()
         self.weight_bytes = qweight.numel() + 4 * scale.numel()
-        self.fused_activation = None
-        if self.kernel == "native":
-            self.value_range = native.VALUE_RANGE  # all 8 bits on every ISA it has
-            if gated_activation in native.GATED_ACTIVATIONS and native.takes_gated(*qweight.shape):
-                self.fused_activation = gated_activation
-            gated = self.fused_activation is not None
-            self.packed = native.pack_int8_weight(qweight, self.scale, self.bias, gated=gated)
-            return
-        self.register_buffer(
-            "packed_weight", torch.ops.onednn.qlinear_prepack(qweight, None), persistent=False
-        )
-        self.register_buffer(
-            "zero_points", torch.zeros(self.out_features, dtype=torch.int64), persistent=False
-        )
-        self.value_range = FULL_RANGE if has_int8_dot_products() else REDUCED_RANGE
+        self.fused_activation: str | None = None
 
     @classmethod
     def from_float(
@@ -200,41 +180,103 @@ class Int8Linear(nn.Module):
         kernel: str | None = None,
         gated_activation: str | None = None,
     ) -> Int8Linear:
-        """Quantize a float weight [out, in], optionally smoothed by s [in]."""
-        return cls(*quantize_weight(weight, smooth), bias, smooth, kernel, gated_activation)
+        """Quantize a float weight [out, in], optionally smoothed by s [in], into the layer
+        class of `kernel` ("native" or "onednn"; None takes choose_kernel's).
+        gated_activation: the MLP's activation, for a [gate; up] weight (fused where the
+        native kernel can)."""
+        layer_class = _layer_class(kernel or choose_kernel(*weight.shape))
+        qweight, scale = quantize_weight(weight, smooth)
+        return layer_class(qweight, scale, bias, smooth, gated_activation=gated_activation)
+
+    @classmethod
+    def describe(cls) -> str:
+        """The kernel in words, with the instructions it runs on here."""
+        raise NotImplementedError
+
+    def _check_activation(self, activation: str | None) -> None:
+        if activation is not None and activation != self.fused_activation:
+            raise ValueError(f"this int8 layer fuses {self.fused_activation!r}, not {activation!r}")
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int8 {self.kernel}"
+        )
+
+
+class NativeInt8Linear(Int8Linear):
+    """Our kernel (kernels/int8_linear.c): quantizes the rows and applies their scales in
+    the same call, takes any row count, all 8 bits on every instruction set it has."""
+
+    kernel = "native"
+
+    def __init__(self, qweight, scale, bias, smooth=None, *, gated_activation=None) -> None:
+        if not native.takes_shape(*qweight.shape):
+            raise ValueError(
+                f"the native int8 kernel does not take a {tuple(qweight.shape)} weight here"
+            )
+        super().__init__(qweight, scale, bias, smooth)
+        self.value_range = native.VALUE_RANGE
+        if gated_activation in native.GATED_ACTIVATIONS and native.takes_gated(*qweight.shape):
+            self.fused_activation = gated_activation
+        gated = self.fused_activation is not None
+        self.packed = native.pack_int8_weight(qweight, self.scale, self.bias, gated=gated)
+
+    @classmethod
+    def describe(cls) -> str:
+        return f"native {native.native_int8_isa()}, 8-bit activations"
 
     def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features]; with `activation` (only the
         layer's fused_activation) act(gate) * up, [..., out_features / 2]."""
-        if activation is not None and activation != self.fused_activation:
-            raise ValueError(f"this int8 layer fuses {self.fused_activation!r}, not {activation!r}")
+        self._check_activation(activation)
         # Channels in the packed gate/up order, unless the activation consumes them.
         interleaved = self.fused_activation is not None and activation is None
-        if (
-            self.kernel == "native"
-            and not interleaved
-            and x.dim() == 2
-            and x.dtype in _NATIVE_DTYPES
-        ):
+        if not interleaved and x.dim() == 2 and x.dtype in _NATIVE_DTYPES:
             # The engine's case, every call of a step: no reshapes or casts, each of which
             # costs microseconds of dispatch on calls that take tens.
             return native.int8_linear(x, self.packed, self.inv_smooth, activation=activation)
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
-        if self.kernel == "native":
-            dtype = x.dtype if x.dtype in _NATIVE_DTYPES else torch.float32
-            y = native.int8_linear(
-                rows.to(dtype), self.packed, self.inv_smooth, activation=activation
-            ).to(x.dtype)
-            if interleaved:  # back to [gate, up]
-                pairs = self.out_features // (2 * native.PANEL)
-                y = y.view(-1, pairs, 2, native.PANEL).transpose(1, 2)
-        else:
-            y = self._onednn_forward(rows, x.dtype)
+        dtype = x.dtype if x.dtype in _NATIVE_DTYPES else torch.float32
+        y = native.int8_linear(
+            rows.to(dtype), self.packed, self.inv_smooth, activation=activation
+        ).to(x.dtype)
+        if interleaved:  # back to [gate, up]
+            pairs = self.out_features // (2 * native.PANEL)
+            y = y.view(-1, pairs, 2, native.PANEL).transpose(1, 2)
         width = self.out_features // 2 if activation is not None else self.out_features
         return y.reshape(*shape[:-1], width)
 
-    def _onednn_forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+
+class OneDNNInt8Linear(Int8Linear):
+    """oneDNN's int8 matmul on a weight packed once at load (see the module docstring);
+    it fuses no activation."""
+
+    kernel = "onednn"
+
+    def __init__(self, qweight, scale, bias, smooth=None, *, gated_activation=None) -> None:
+        super().__init__(qweight, scale, bias, smooth)
+        self.register_buffer(
+            "packed_weight", torch.ops.onednn.qlinear_prepack(qweight, None), persistent=False
+        )
+        self.register_buffer(
+            "zero_points", torch.zeros(self.out_features, dtype=torch.int64), persistent=False
+        )
+        self.value_range = FULL_RANGE if has_int8_dot_products() else REDUCED_RANGE
+
+    @classmethod
+    def describe(cls) -> str:
+        bits = 8 if has_int8_dot_products() else 7
+        return f"oneDNN {kernel_name()}, {bits}-bit activations"
+
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]."""
+        self._check_activation(activation)
+        shape = x.shape
+        y = self._product(x.reshape(-1, self.in_features), x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _product(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         qx, x_scales = quantize_rows_u8(x, self.inv_smooth, self.value_range)
         num_rows = qx.shape[0]
         padded = padded_rows(num_rows)
@@ -263,10 +305,18 @@ class Int8Linear(nn.Module):
             y.add_(self.bias)
         return y
 
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, int8 {self.kernel}"
-        )
+
+# The int8 kernels by name, each a layer class.
+INT8_KERNELS: dict[str, type[Int8Linear]] = {
+    cls.kernel: cls for cls in (NativeInt8Linear, OneDNNInt8Linear)
+}
+KERNELS = tuple(INT8_KERNELS)
+
+
+def _layer_class(kernel: str) -> type[Int8Linear]:
+    if kernel not in INT8_KERNELS:
+        raise ValueError(f"unknown int8 kernel {kernel!r}; choose one of {KERNELS}")
+    return INT8_KERNELS[kernel]
 
 
 class Int8Method(QuantizationMethod):

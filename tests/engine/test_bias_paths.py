@@ -24,7 +24,6 @@ from tokenmill.engine.models.layers import GatedMLP
 from tokenmill.engine.models.lora_layers import LoRALinear, LoRAStep
 from tokenmill.engine.quant import int4, int8
 from tokenmill.engine.quant.int4 import Int4Linear
-from tokenmill.engine.quant.int8 import Int8Linear
 from tokenmill.engine.quant.packed_linear import PackedLinear, packs_dtype
 
 
@@ -126,7 +125,8 @@ def test_int8_applies_biases(biased_llama, kernel, dtype, monkeypatch):
         pytest.skip("the native int8 kernel is not built for this CPU")
     monkeypatch.setattr(int8, "choose_kernel", lambda *shape: kernel)
     model = built_model(biased_llama, dtype, quantization="int8")
-    assert set(check_layer(model, biased_llama, dtype)) == {Int8Linear}
+    # Each kernel is a layer class of its own (int8.INT8_KERNELS).
+    assert set(check_layer(model, biased_llama, dtype)) == {int8.INT8_KERNELS[kernel]}
     check_layer(model, biased_llama, dtype, rows=1)
 
 
