@@ -78,3 +78,19 @@ def test_wheel_installs_subpackages_under_tokenmill(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_every_package_folder_is_in_the_package_list():
+    """pyproject lists packages one by one (the folders map into `tokenmill`): a folder
+    with an __init__.py that the list misses would be left out of the wheel."""
+    import tomllib
+
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir = setuptools["package-dir"]
+    roots = {folder: package for package, folder in package_dir.items() if "/" not in folder}
+    found = set()
+    for folder, package in roots.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(REPO / folder).parts
+            found.add(".".join((package, *parts)))
+    assert sorted(setuptools["packages"]) == sorted(found)

@@ -26,16 +26,14 @@ from tokenmill.engine.quant import (
     validate_name,
 )
 from tokenmill.engine.quant.packed_linear import pack_linear_layers
+from tokenmill.engine.worker.attention import AttentionSpec, select_backend
 from tokenmill.engine.worker.calibration import input_absmax
 from tokenmill.engine.worker.encoder_runner import EncoderRunner
 from tokenmill.engine.worker.kv_cache import (
     KV_CACHE_DTYPES,
-    allocate_kv_cache,
-    bytes_per_block,
-    check_kv_cache_dtype,
     default_cache_bytes,
+    kv_cache_format,
     num_blocks_for_budget,
-    validate_kv_cache_dtype,
 )
 from tokenmill.engine.worker.model_runner import ModelRunner
 from tokenmill.engine.worker.pooling import Pooler
@@ -53,7 +51,7 @@ class LoadedModel:
 
 def setting_choices() -> dict[str, tuple[str, ...]]:
     """The allowed values of the engine settings whose choices are registered outside
-    EngineConfig: quantization modes (quant/) and KV cache dtypes (kv_cache.py)."""
+    EngineConfig: quantization modes (quant/) and KV-cache formats (worker/kv_cache/)."""
     return {"quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
@@ -61,7 +59,7 @@ def check_settings(engine_config: EngineConfig) -> None:
     """Raise ValueError for a setting outside its registered choices (see setting_choices)."""
     validate_name(engine_config.quantization)
     validate_lm_head(engine_config.quantization, engine_config.quantize_lm_head)
-    validate_kv_cache_dtype(engine_config.kv_cache_dtype)
+    kv_cache_format(engine_config.kv_cache_dtype)
 
 
 def max_model_len_of(
@@ -85,7 +83,7 @@ def num_cache_blocks(
     the device's default budget - never more than every admissible sequence at full
     context could fill. A forecast of prefix-cache reuse uses the same number."""
     block_size = engine_config.block_size
-    kv_cache_dtype = engine_config.kv_cache_dtype
+    kv_format = kv_cache_format(engine_config.kv_cache_dtype)
     if engine_config.kv_cache_memory is not None:
         budget = engine_config.kv_cache_memory
     else:
@@ -93,10 +91,10 @@ def num_cache_blocks(
         most_useful = (
             engine_config.max_num_seqs
             * blocks_per_seq
-            * bytes_per_block(model_config, block_size, dtype, kv_cache_dtype)
+            * kv_format.bytes_per_block(model_config, block_size, dtype)
         )
         budget = min(default_cache_bytes(device), most_useful)
-    return num_blocks_for_budget(model_config, block_size, dtype, budget, kv_cache_dtype)
+    return num_blocks_for_budget(model_config, block_size, dtype, budget, kv_format)
 
 
 def build_runner(
@@ -113,9 +111,12 @@ def build_runner(
     check_settings(engine_config)
     quantization = engine_config.quantization
     check_quantization(quantization, model_dir, model_config, device=device)
-    kv_cache_dtype = engine_config.kv_cache_dtype
-    check_kv_cache_dtype(
-        kv_cache_dtype, model_config, engine_config.block_size, dtype=dtype, device=device
+    kv_format = kv_cache_format(engine_config.kv_cache_dtype)
+    # Some backend must read the cache for this model here: said before any weight loads.
+    select_backend(
+        AttentionSpec.of_model(
+            model_config, kv_format, block_size=engine_config.block_size, dtype=dtype, device=device
+        )
     )
     model = load_model(model_dir, model_config, dtype=dtype, device=device)
     if quantization is not None:
@@ -132,14 +133,8 @@ def build_runner(
     pack_linear_layers(model, dtype=dtype, device=device, enabled=engine_config.packed_linear)
     block_size = engine_config.block_size
     num_blocks = num_cache_blocks(model_config, engine_config, dtype=dtype, device=device)
-    kv_cache = allocate_kv_cache(
-        model_config,
-        num_blocks,
-        block_size,
-        dtype,
-        device,
-        kv_cache_dtype,
-        huge_pages=engine_config.huge_pages,
+    kv_cache = kv_format.allocate(
+        model_config, num_blocks, block_size, dtype, device, huge_pages=engine_config.huge_pages
     )
     runner = ModelRunner(
         model,
@@ -202,7 +197,7 @@ def build_encoder_runner(
     check_checkpoint_quantization(model_dir)
     if engine_config.quantization is not None:
         raise ValueError("quantization is not available for encoder models; leave it unset")
-    if engine_config.kv_cache_dtype != "auto":
+    if not kv_cache_format(engine_config.kv_cache_dtype).is_default:
         raise ValueError("an encoder keeps no KV cache; leave kv_cache_dtype unset")
     pooling = read_pooling_config(model_dir, is_encoder=True)
     max_model_len = max_model_len_of(model_config, engine_config, pooling.max_seq_length)

@@ -8,7 +8,7 @@ from torch import nn
 
 from tokenmill.engine.core.step import ScheduledChunk, SchedulerOutput, Sequence
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.worker.kv_cache import allocate_kv_cache
+from tokenmill.engine.worker.kv_cache import default_kv_cache_format
 from tokenmill.engine.worker.model_runner import ModelRunner
 
 _BLOCK_SIZE = 16
@@ -32,7 +32,7 @@ def input_absmax(
     config = model.config
     num_blocks = -(-len(token_ids) // _BLOCK_SIZE)
     device = torch.device("cpu")
-    kv_cache = allocate_kv_cache(config, num_blocks, _BLOCK_SIZE, dtype, device)
+    kv_cache = default_kv_cache_format().allocate(config, num_blocks, _BLOCK_SIZE, dtype, device)
     runner = ModelRunner(
         model,
         config,

@@ -36,7 +36,7 @@ from tokenmill.engine.worker.attention import (
 from tokenmill.engine.worker.attention.backend import staged, upload
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 from tokenmill.engine.worker.host_memory import keep_large_allocations_mapped
-from tokenmill.engine.worker.kv_cache import KVCache, kv_cache_dtype_of
+from tokenmill.engine.worker.kv_cache import KVCache
 from tokenmill.engine.worker.logit_controls import LogitControls
 from tokenmill.engine.worker.lora import LoRAManager
 from tokenmill.engine.worker.pooling import Pooler
@@ -73,14 +73,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         if device.type == "cpu":
             keep_large_allocations_mapped()
-        self.attention_spec = AttentionSpec(
-            device=device,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype_of(kv_cache),
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            block_size=block_size,
+        self.attention_spec = AttentionSpec.of_model(
+            config, kv_cache.format, block_size=block_size, dtype=dtype, device=device
         )
         self.attention = select_backend(self.attention_spec)
         self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/profiling.py

@@ -101,10 +101,10 @@ class BenchConfig:
             validate_name(method)
             if fmt is not None:
                 llamacpp.validate_format(fmt)
-        from tokenmill.engine.worker.kv_cache import validate_kv_cache_dtype
+        from tokenmill.engine.worker.kv_cache import kv_cache_format
 
         for kv_cache_dtype in self.kv_cache_dtypes:
-            validate_kv_cache_dtype(kv_cache_dtype)
+            kv_cache_format(kv_cache_dtype)  # raises for an unknown one
         if not self.kv_cache_dtypes:
             raise ValueError("at least one KV cache dtype is needed")
         if not self.hf_batch_sizes or min(self.hf_batch_sizes) < 1:

@@ -122,10 +122,12 @@ def tokenmill_systems(
     each adapter in turn ("tokenmill-fp32-merged"), every adapter in one call
     ("tokenmill-fp32-lora"), and the base model on the same requests ("tokenmill-fp32").
     """
+    from tokenmill.engine.worker.kv_cache import kv_cache_format
+
     specs = []
     for kv_cache_dtype in kv_cache_dtypes:
         args = dict(engine_args or {})
-        if kv_cache_dtype != "auto":
+        if not kv_cache_format(kv_cache_dtype).is_default:  # labels name only what differs
             args["kv_cache_dtype"] = kv_cache_dtype
         plain = _tokenmill_systems_with(dtypes, args, quantizations, structured, gguf_files or {})
         specs += _with_lora(plain, list(lora_adapters)) if lora_adapters else plain
@@ -155,8 +157,12 @@ def _with_lora(specs: list[SystemSpec], adapters: list[str]) -> list[SystemSpec]
 
 
 def _kv_suffix(engine_args: dict) -> str:
-    kv_cache_dtype = engine_args.get("kv_cache_dtype", "auto")
-    return "" if kv_cache_dtype == "auto" else f"-kv{kv_cache_dtype.removeprefix('int')}"
+    """ "-" and the KV-cache format's label where the system sets one ("-kv8")."""
+    from tokenmill.engine.worker.kv_cache import kv_cache_format
+
+    kv_cache_dtype = engine_args.get("kv_cache_dtype")
+    label = kv_cache_format(kv_cache_dtype).label if kv_cache_dtype else ""
+    return f"-{label}" if label else ""
 
 
 def _tokenmill_systems_with(

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from tokenmill.engine.core.step import SchedulerOutput
+from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.worker.kv_cache.format import KVCacheFormat
 
 
 @dataclass(frozen=True)
@@ -27,11 +29,32 @@ class AttentionSpec:
 
     device: torch.device
     dtype: torch.dtype  # of queries, keys and values
-    kv_cache_dtype: str  # "auto" (the model's dtype) or "int8"
+    kv_format: KVCacheFormat  # how the cache holds them
     num_heads: int
     num_kv_heads: int
     head_dim: int
     block_size: int
+
+    @classmethod
+    def of_model(
+        cls,
+        config: ModelConfig,
+        kv_format: KVCacheFormat,
+        *,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> AttentionSpec:
+        """What `config`'s attention needs, over a cache of `kv_format` blocks."""
+        return cls(
+            device=device,
+            dtype=dtype,
+            kv_format=kv_format,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            block_size=block_size,
+        )
 
     @property
     def heads_per_kv_head(self) -> int:
@@ -71,7 +94,7 @@ class StepAttention(ABC):
         Args:
             q: [num_tokens, num_heads, head_dim]
             k, v: [num_tokens, num_kv_heads, head_dim]
-            k_cache: [num_blocks, num_kv_heads, head_dim, block_size] (worker/kv_cache.py)
+            k_cache: [num_blocks, num_kv_heads, head_dim, block_size] (worker/kv_cache/format.py)
             v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
             sliding_window: the layer's window: a query at position p sees the keys at
                 positions (p - sliding_window, p], as transformers masks Mistral's and
@@ -96,7 +119,8 @@ class AttentionBackend(ABC):
     @classmethod
     @abstractmethod
     def unsupported(cls, spec: AttentionSpec) -> str | None:
-        """Why this backend cannot serve `spec` (None: it can)."""
+        """Why this backend cannot serve `spec` (None: it can). The KV-cache format is
+        not its concern: each format names the backends that read it."""
 
     @abstractmethod
     def build(self, step: StepTokens, out: SchedulerOutput) -> StepAttention:

@@ -1,7 +1,8 @@
 """The native CPU backend: one C kernel call per layer attends to every query token of
 a step, reading the paged cache in place (`kernels/paged_attention.c`).
 
-It serves fp32 and bf16 on the CPU, and is the only backend that reads an int8 cache.
+It serves fp32 and bf16 on the CPU, and reads an int8 cache as well as one in the
+model's dtype (`worker/kv_cache/int8.py`).
 Decoding sequences whose block tables start with the same blocks are attended to as one
 group, so a shared prefix is read once per step for all of them.
 """
@@ -16,7 +17,6 @@ import torch
 from tokenmill.engine.core.step import ScheduledChunk, SchedulerOutput
 from tokenmill.engine.kernels.paged_attention import (
     AttentionEntries,
-    kv_int8_head_bytes,
     native_attention_fits,
     native_attention_supports,
     native_paged_attention,
@@ -68,11 +68,6 @@ class NativeBackend(AttentionBackend):
                 f"{spec.heads_per_kv_head} query heads per kv head) with block_size "
                 f"{spec.block_size}"
             )
-        if spec.kv_cache_dtype == "int8":
-            try:
-                kv_int8_head_bytes(spec.head_dim, spec.block_size)
-            except ValueError as error:
-                return str(error)
         return None
 
     def build(self, step: StepTokens, out: SchedulerOutput) -> NativeMetadata:

@@ -46,8 +46,6 @@ class TritonBackend(AttentionBackend):
             return "runs on CUDA devices with Triton installed"
         if not kernels.supports_block_size(spec.block_size):
             return f"needs a power-of-two block_size, not {spec.block_size}"
-        if spec.kv_cache_dtype != "auto":
-            return f"reads caches in the model's dtype, not {spec.kv_cache_dtype}"
         return None
 
     def build(self, step: StepTokens, out: SchedulerOutput) -> TritonMetadata:
