@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.engine.models.attention import BidirectionalAttention
 from tokenmill.engine.models.config import ModelConfig, common_fields
 from tokenmill.engine.models.config_fields import Refused, declare, refused
 from tokenmill.engine.models.layers import Embedding, Linear
@@ -41,17 +41,6 @@ _ACTIVATIONS = {
     "silu": (F.silu, "swish", ""),
     "swish": (F.silu, "swish", ""),
 }
-
-
-class BidirectionalAttention(Protocol):
-    """A batch's attention over its packed sequences, shared by all layers."""
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """q, k, v: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim];
-        each token attends over every token of its own sequence."""
-        ...
 
 
 @dataclass

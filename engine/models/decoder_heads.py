@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from tokenmill.engine.models import llama, qwen2, qwen3
+from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.models.config import ModelConfig
-from tokenmill.engine.models.layers import Linear, RotaryEmbedding, StepAttention
+from tokenmill.engine.models.layers import Linear, RotaryEmbedding
 from tokenmill.engine.models.llama import LlamaForCausalLM, LlamaModel
 from tokenmill.engine.models.registry import Architecture, register
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.engine.kernels import elementwise
+from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.models.config import (
     SLIDING_ATTENTION,
     ModelConfig,
@@ -35,7 +36,6 @@ from tokenmill.engine.models.layers import (
     GatedMLP,
     Linear,
     RotaryEmbedding,
-    StepAttention,
 )
 from tokenmill.engine.models.llama import LlamaAttention, LlamaForCausalLM
 from tokenmill.engine.models.registry import (

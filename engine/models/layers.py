@@ -9,32 +9,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.engine.kernels import elementwise
-
-
-class StepAttention(Protocol):
-    """What a model's layers need of a step's attention: one object per step, built by the
-    runner's attention backend (`worker/attention/`) and passed down through forward."""
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor:
-        """Store k and v in the layer's cache and attend: q [num_tokens, num_heads,
-        head_dim] -> [num_tokens, num_heads, head_dim]."""
-        ...
 
 
 class Linear(nn.Linear):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.models.config import ModelConfig, common_fields
 from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, declare
 from tokenmill.engine.models.layers import (
@@ -21,7 +22,6 @@ from tokenmill.engine.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
-    StepAttention,
     rotary_qkv,
 )
 from tokenmill.engine.models.registry import Architecture, GGUFLayout, register

@@ -16,9 +16,11 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
+from tokenmill.engine.models.attention import BidirectionalAttention
 
-class PackedAttention:
-    """One batch's attention (`models.bert.BidirectionalAttention`), shared by its layers.
+
+class PackedAttention(BidirectionalAttention):
+    """One batch's attention, shared by its layers.
 
     Args:
         lengths: the tokens of each sequence, in batch order; sequences of equal length

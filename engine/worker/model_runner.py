@@ -24,11 +24,11 @@ from tokenmill.engine.core.step import (
 )
 from tokenmill.engine.grammar import TokenBitmask
 from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.worker import prompt_logprobs
 from tokenmill.engine.worker.attention import (
     AttentionSpec,
-    StepAttention,
     StepTokens,
     backend_named,
     select_backend,

@@ -7,9 +7,9 @@ How to add an attention backend
 -------------------------------
 Write one module here with a subclass of `backend.AttentionBackend`: its `name`, an
 `unsupported(spec)` that says why it cannot serve a spec (devices, dtypes, head sizes,
-block sizes) or None, and a `build(step, out)` that turns a step's
-flattened tokens into a `StepAttention` whose `attend` writes the keys and values into
-the cache and attends. Then add the class to `BACKENDS` below, where its preference
+block sizes) or None, and a `build(step, out)` that turns a step's flattened tokens
+into a `StepAttention` (the interface models call, `models/attention.py`) whose `attend`
+writes the keys and values into the cache and attends. Then add the class to `BACKENDS` below, where its preference
 falls. Models, the runner and the KV cache need no change (tests/engine/test_attention.py
 runs every backend against transformers). It reads caches in the model's dtype; a
 KV-cache format other than that lists the backends that read it (`worker/kv_cache/`).
@@ -20,7 +20,6 @@ from __future__ import annotations
 from tokenmill.engine.worker.attention.backend import (
     AttentionBackend,
     AttentionSpec,
-    StepAttention,
     StepTokens,
 )
 from tokenmill.engine.worker.attention.native import NativeBackend
@@ -72,7 +71,6 @@ __all__ = [
     "BACKENDS",
     "AttentionBackend",
     "AttentionSpec",
-    "StepAttention",
     "StepTokens",
     "backend_named",
     "select_backend",

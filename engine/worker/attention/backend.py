@@ -20,6 +20,7 @@ import torch
 
 from tokenmill.engine.core.step import SchedulerOutput
 from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.worker.kv_cache.format import KVCacheFormat
 
 
@@ -73,35 +74,6 @@ class StepTokens:
     sample_rows: list[int]  # rows whose logits are sampled, in the order of out.chunks
     placeholder_rows: list[int]  # rows holding a pending sample ...
     previous_rows: list[int]  # ... and that sample's row in the previous step
-
-
-class StepAttention(ABC):
-    """One step's attention metadata, built once by a backend and shared by all layers."""
-
-    @abstractmethod
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor:
-        """Write this step's keys and values into the cache, then attend.
-
-        Args:
-            q: [num_tokens, num_heads, head_dim]
-            k, v: [num_tokens, num_kv_heads, head_dim]
-            k_cache: [num_blocks, num_kv_heads, head_dim, block_size] (worker/kv_cache/format.py)
-            v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
-            sliding_window: the layer's window: a query at position p sees the keys at
-                positions (p - sliding_window, p], as transformers masks Mistral's and
-                Gemma 3's local layers; None sees every earlier position.
-        Returns:
-            [num_tokens, num_heads, head_dim]
-        """
 
 
 class AttentionBackend(ABC):

@@ -22,10 +22,10 @@ from tokenmill.engine.kernels.paged_attention import (
     native_paged_attention,
     write_kv_cache,
 )
+from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.worker.attention.backend import (
     AttentionBackend,
     AttentionSpec,
-    StepAttention,
     StepTokens,
     padded_block_tables,
     upload,

@@ -17,10 +17,10 @@ import torch
 from torch.nn import functional as F
 
 from tokenmill.engine.core.step import SchedulerOutput
+from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.worker.attention.backend import (
     AttentionBackend,
     AttentionSpec,
-    StepAttention,
     StepTokens,
     padded_block_tables,
     upload,

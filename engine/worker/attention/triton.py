@@ -13,10 +13,10 @@ import torch
 from tokenmill.engine.core.step import SchedulerOutput
 from tokenmill.engine.cuda import triton_attention as kernels
 from tokenmill.engine.cuda import triton_available
+from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.worker.attention.backend import (
     AttentionBackend,
     AttentionSpec,
-    StepAttention,
     StepTokens,
     padded_block_tables,
     upload,
