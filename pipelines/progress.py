@@ -45,12 +45,13 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.pipelines.pricing import Prices
 
-# The engine's defaults (`EngineConfig`): prompt tokens and rows one step takes at most.
-STEP_TOKENS = 2048
-STEP_ROWS = 256
+# The engine's defaults: prompt tokens and rows one step takes at most.
+STEP_TOKENS = EngineConfig.max_num_batched_tokens
+STEP_ROWS = EngineConfig.max_num_seqs
 # Decode steps whose median prices the decode steps left (at least half of them seen).
 RECENT_STEPS = 10
 

@@ -15,6 +15,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.step import Sequence
 
 
@@ -51,7 +52,13 @@ class Block:
 class BlockManager:
     """Hands out fixed-size KV blocks to sequences; shares cached full blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = EngineConfig.enable_prefix_caching,
+    ):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]

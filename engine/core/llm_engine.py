@@ -73,13 +73,7 @@ class LLMEngine:
             engine_config.block_size,
             enable_prefix_caching=engine_config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_batched_tokens=engine_config.max_num_batched_tokens,
-            max_num_seqs=engine_config.max_num_seqs,
-            stats=self.stats,
-            max_loras=engine_config.max_loras,
-        )
+        self.scheduler = Scheduler(self.block_manager, engine_config, stats=self.stats)
         # A sequence never outgrows the context or the whole cache.
         self.max_seq_len = min(max_model_len, num_blocks * engine_config.block_size)
         self.eos_token_ids = set(eos_token_ids)

@@ -22,25 +22,26 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.block_manager import BlockManager
 from tokenmill.engine.core.step import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 from tokenmill.engine.outputs import EngineStats
 
 
 class Scheduler:
+    """Args:
+    block_manager: the KV blocks and prefix cache it allocates from.
+    engine_config: its limits (max_num_batched_tokens, max_num_seqs, max_loras).
+    stats: the engine's counters (preemptions, computed and cached prompt tokens).
+    """
+
     def __init__(
-        self,
-        block_manager: BlockManager,
-        *,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        stats: EngineStats,
-        max_loras: int | None = None,
+        self, block_manager: BlockManager, engine_config: EngineConfig, *, stats: EngineStats
     ) -> None:
         self.block_manager = block_manager
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.max_loras = max_loras  # distinct adapters running at once (None: no limit)
+        self.max_num_batched_tokens = engine_config.max_num_batched_tokens
+        self.max_num_seqs = engine_config.max_num_seqs
+        self.max_loras = engine_config.max_loras  # distinct adapters running at once
         self.stats = stats
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -101,12 +102,7 @@ class Scheduler:
         adapters = self._running_adapters()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if (
-                seq.lora_id
-                and self.max_loras is not None
-                and seq.lora_id not in adapters
-                and len(adapters) >= self.max_loras
-            ):
+            if seq.lora_id and seq.lora_id not in adapters and len(adapters) >= self.max_loras:
                 deferred.append(self.waiting.popleft())  # every adapter slot is taken
                 continue
             hits = bm.find_cached_prefix(seq)
@@ -137,9 +133,7 @@ class Scheduler:
         return budget
 
     def _running_adapters(self) -> set[int]:
-        """The adapters of the running sequences (none counted without a limit)."""
-        if self.max_loras is None:
-            return set()
+        """The adapters of the running sequences."""
         return {seq.lora_id for seq in self.running if seq.lora_id}
 
     def _next_block_is_inflight(self, seq: Sequence, num_hit_blocks: int) -> bool:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import hub
 from tokenmill.engine.loader.aliases import ALIASES, DEFAULT_MODEL
 from tokenmill.engine.loader.model_files import file_sha256, is_hub_model
@@ -138,7 +139,7 @@ def describe_adapter(
     *,
     revision: str | None = None,
     model_names: frozenset[str] | None = None,
-    max_rank: int = 64,
+    max_rank: int = EngineConfig.max_lora_rank,
 ) -> AdapterDescription:
     """Find an adapter and check it against the base model, reading no weights.
 

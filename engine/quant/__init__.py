@@ -110,7 +110,7 @@ def quantize_model(
     *,
     dtype: torch.dtype,
     measure_inputs: MeasureInputs,
-    lm_head: bool = False,
+    lm_head: bool,
 ) -> int:
     """Swap the decoder layers' linear layers for quantized ones, in place.
 

@@ -273,7 +273,7 @@ class GGUFMethod(QuantizationMethod):
         super().check(model_dir, config, device)
         check_gguf_blocks(model_dir)
 
-    def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head=False) -> int:
+    def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head) -> int:
         total = load_gguf_layers(model, model_dir, dtype=dtype)
         if lm_head:
             total += quantize_lm_head(model, model_dir, measure_inputs)

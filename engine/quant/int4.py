@@ -167,7 +167,7 @@ class Int4Method(QuantizationMethod):
                 f"model has {', '.join(map(str, bad))}"
             )
 
-    def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head=False) -> int:
+    def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head) -> int:
         total = 0
         for parent, name, linear in quantized_targets(model):
             layer = Int4Linear.from_float(linear.weight, linear.bias, group_size=GROUP_SIZE)

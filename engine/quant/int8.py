@@ -336,7 +336,7 @@ class Int8Method(QuantizationMethod):
         if not onednn_int8_available():
             raise ValueError("quantization='int8' needs a torch build with oneDNN's int8 ops")
 
-    def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head=False) -> int:
+    def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head) -> int:
         targets = quantized_targets(model)
         if lm_head:
             targets.append((model, "lm_head", model.lm_head))

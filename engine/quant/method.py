@@ -46,7 +46,7 @@ class QuantizationMethod(ABC):
         *,
         dtype: torch.dtype,
         measure_inputs: MeasureInputs,
-        lm_head: bool = False,
+        lm_head: bool,
     ) -> int:
         """Swap the model's decoder linear layers in place - and its lm_head with
         `lm_head` (only where `quantizes_lm_head`); returns the bytes their weights now

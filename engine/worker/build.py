@@ -140,14 +140,10 @@ def build_runner(
         model,
         model_config,
         kv_cache,
-        block_size=block_size,
+        engine_config,
         max_model_len=max_model_len,
         device=device,
         dtype=dtype,
-        seed=engine_config.seed,
-        max_num_seqs=engine_config.max_num_seqs,
-        cuda_graphs=engine_config.cuda_graphs,
-        max_loras=engine_config.max_loras,
         pooler=build_pooler(model_dir, model),
     )
     return LoadedModel(runner, model_config, num_blocks, max_model_len)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.step import ScheduledChunk, SchedulerOutput, Sequence
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.worker.kv_cache import default_kv_cache_format
@@ -32,12 +33,15 @@ def input_absmax(
     config = model.config
     num_blocks = -(-len(token_ids) // _BLOCK_SIZE)
     device = torch.device("cpu")
-    kv_cache = default_kv_cache_format().allocate(config, num_blocks, _BLOCK_SIZE, dtype, device)
+    # A pass over a few hundred tokens: its cache is too small for huge pages to matter.
+    kv_cache = default_kv_cache_format().allocate(
+        config, num_blocks, _BLOCK_SIZE, dtype, device, huge_pages=False
+    )
     runner = ModelRunner(
         model,
         config,
         kv_cache,
-        block_size=_BLOCK_SIZE,
+        EngineConfig(block_size=_BLOCK_SIZE),
         max_model_len=len(token_ids),
         device=device,
         dtype=dtype,

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.step import (
     PendingStep,
     SamplerOutput,
@@ -44,22 +45,30 @@ from tokenmill.engine.worker.sampler import Sampler, SamplingBatch
 
 
 class ModelRunner:
+    """Args:
+    model: the loaded model.
+    config: its ModelConfig.
+    kv_cache: the allocated cache, in blocks of `engine_config.block_size` positions.
+    engine_config: the engine's settings (block_size, seed, max_num_seqs, cuda_graphs,
+        max_loras).
+    max_model_len: the longest sequence it serves.
+    pooler: pools the prompt-only requests that ask for it (None: the model serves no
+        pooling task).
+    """
+
     def __init__(
         self,
         model: nn.Module,
         config: ModelConfig,
         kv_cache: KVCache,
+        engine_config: EngineConfig,
         *,
-        block_size: int,
         max_model_len: int,
         device: torch.device,
         dtype: torch.dtype,
-        seed: int = 0,
-        max_num_seqs: int = 256,
-        cuda_graphs: bool | None = None,
-        max_loras: int = 8,
         pooler: Pooler | None = None,
     ) -> None:
+        block_size = engine_config.block_size
         self.model = model
         # Pools the prompt-only requests that ask for it (worker/pooling.py); None when
         # the model serves no pooling task.
@@ -69,7 +78,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         model.attach_rotary(max_model_len, device)
-        self.sampler = Sampler(seed, device)
+        self.sampler = Sampler(engine_config.seed, device)
         self.kv_cache = kv_cache
         if device.type == "cpu":
             keep_large_allocations_mapped()
@@ -82,12 +91,15 @@ class ModelRunner:
             layer.self_attn.k_cache = kv_cache.k[layer_idx]
             layer.self_attn.v_cache = kv_cache.v[layer_idx]
         # LoRA adapters (worker/lora.py); the model is unchanged until one is registered.
-        self.lora = LoRAManager(model, config, max_loras=max_loras, dtype=dtype, device=device)
+        self.lora = LoRAManager(
+            model, config, max_loras=engine_config.max_loras, dtype=dtype, device=device
+        )
         self.decode_graphs = None
+        cuda_graphs = engine_config.cuda_graphs
         if cuda_graphs or (cuda_graphs is None and self.attention.supports_cuda_graphs):
             if not self.attention.supports_cuda_graphs:
                 raise ValueError("cuda_graphs needs a CUDA device with Triton installed")
-            self.decode_graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
+            self.decode_graphs = DecodeGraphs(self, engine_config.max_num_seqs, max_model_len)
 
     def use_attention_backend(self, name: str) -> None:
         """Attend through the backend called `name` from now on, whatever it says it

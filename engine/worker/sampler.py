@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.step import SamplerOutput
 from tokenmill.engine.kernels.argmax import argmax_rows
 from tokenmill.engine.sampling_params import SamplingParams
@@ -97,7 +98,7 @@ class Sampler:
     """Samples on the logits' device; only the chosen ids (and logprobs, when asked for)
     ever need to come back to the host."""
 
-    def __init__(self, seed: int = 0, device: torch.device | None = None) -> None:
+    def __init__(self, seed: int = EngineConfig.seed, device: torch.device | None = None) -> None:
         device = device or torch.device("cpu")
         # Noise for rows without a seed of their own, drawn where the logits are.
         self.shared_generator = torch.Generator(device).manual_seed(seed)

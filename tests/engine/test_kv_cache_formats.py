@@ -50,11 +50,11 @@ def test_bytes_per_block_and_the_allocated_tensors(tmp_path):
     assert auto.bytes_per_block(config, 16, torch.float32) == 8 * 16 * 64 * 4
     assert auto.bytes_per_block(config, 16, torch.bfloat16) == 8 * 16 * 64 * 2
     assert int8.bytes_per_block(config, 16, torch.bfloat16) == 8 * (16 * 64 + 16 * 2 * 4)
-    cache = auto.allocate(config, 3, 16, torch.bfloat16, torch.device("cpu"))
+    cache = auto.allocate(config, 3, 16, torch.bfloat16, torch.device("cpu"), huge_pages=False)
     assert cache.format is auto
     assert cache.k.shape == (2, 3, 2, 64, 16) and cache.v.shape == (2, 3, 2, 16, 64)
     assert cache.k.dtype == torch.bfloat16 and int(cache.k.count_nonzero()) == 0
-    cache = int8.allocate(config, 3, 16, torch.bfloat16, torch.device("cpu"))
+    cache = int8.allocate(config, 3, 16, torch.bfloat16, torch.device("cpu"), huge_pages=False)
     assert cache.format is int8 and cache.k.dtype == cache.v.dtype == torch.int8
     assert cache.k.shape == cache.v.shape == (2, 3, 2, 16 * 64 + 16 * 2 * 4)
     assert int8.unsupported(24, 16) == (

@@ -59,7 +59,8 @@ class BenchConfig:
     threads: int | None = None
     engine_args: dict = field(default_factory=dict)
     quantizations: tuple[str, ...] = ()  # tokenmill systems with LLM(quantization=...)
-    kv_cache_dtypes: tuple[str, ...] = ("auto",)  # each tokenmill system with each
+    # Each tokenmill system with each KV cache dtype (none: the engine's default only).
+    kv_cache_dtypes: tuple[str, ...] = ()
     vllm_args: dict = field(default_factory=dict)
     vllm_python: str | None = None
     llamacpp_gguf: str | None = None  # the GGUF llama.cpp's formats are made from
@@ -105,8 +106,6 @@ class BenchConfig:
 
         for kv_cache_dtype in self.kv_cache_dtypes:
             kv_cache_format(kv_cache_dtype)  # raises for an unknown one
-        if not self.kv_cache_dtypes:
-            raise ValueError("at least one KV cache dtype is needed")
         if not self.hf_batch_sizes or min(self.hf_batch_sizes) < 1:
             raise ValueError("hf_batch_sizes must be positive")
 

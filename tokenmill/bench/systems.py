@@ -99,15 +99,16 @@ def tokenmill_systems(
     quantizations: list[str] = (),
     *,
     structured: bool = False,
-    kv_cache_dtypes: list[str] = ("auto",),
+    kv_cache_dtypes: list[str] = (),
     gguf_files: dict[str, str] | None = None,
     lora_adapters: list[str] = (),
 ) -> list[SystemSpec]:
     """tokenmill at each dtype, labelled e.g. "tokenmill-bf16", then each quantization
     ("tokenmill-int8"), which runs its float parts in the engine's best float precision
     here (bf16 on CPUs with native bf16, else fp32) - the precision it is compared with.
-    Each of those runs once per KV cache dtype; an int8 cache is labelled "-kv8"
-    ("tokenmill-int8-kv8").
+    Each of those runs once per KV cache dtype (none given: on the engine's default
+    cache); a cache in another format is labelled with the format's label, an int8 one
+    "-kv8" ("tokenmill-int8-kv8").
 
     "gguf:FMT" is the gguf mode on the model's file in llama.cpp format FMT, taken from
     gguf_files (FMT -> path; the harness makes them with llama-quantize), labelled
@@ -125,9 +126,10 @@ def tokenmill_systems(
     from tokenmill.engine.worker.kv_cache import kv_cache_format
 
     specs = []
-    for kv_cache_dtype in kv_cache_dtypes:
+    for kv_cache_dtype in kv_cache_dtypes or [None]:
         args = dict(engine_args or {})
-        if not kv_cache_format(kv_cache_dtype).is_default:  # labels name only what differs
+        # Labels and comparisons name only what differs from the default cache.
+        if kv_cache_dtype is not None and not kv_cache_format(kv_cache_dtype).is_default:
             args["kv_cache_dtype"] = kv_cache_dtype
         plain = _tokenmill_systems_with(dtypes, args, quantizations, structured, gguf_files or {})
         specs += _with_lora(plain, list(lora_adapters)) if lora_adapters else plain

@@ -60,10 +60,11 @@ from tokenmill.pipelines.options import get_option
 @click.option(
     "--kv-cache-dtype",
     "kv_cache_dtypes",
-    default="auto",
+    default=get_option("kv_cache_dtype").default,
     show_default=True,
-    help="Comma-separated auto, int8: run each tokenmill system with each KV cache dtype "
-    "(int8 labelled -kv8) and compare each with its default-cache run.",
+    help=f"Comma-separated {', '.join(get_option('kv_cache_dtype').type.choices)}: run each "
+    "tokenmill system with each KV cache dtype (int8 labelled -kv8) and compare each with "
+    "its default-cache run.",
 )
 @click.option(
     "--repeat",

@@ -80,12 +80,13 @@ class KVCacheFormat(ABC):
         dtype: torch.dtype,
         device: torch.device,
         *,
-        huge_pages: bool = False,
+        huge_pages: bool,
     ) -> KVCache:
         """Zeroed keys and values for every layer (padding positions must never hold NaNs).
 
         On the CPU the memory is committed as blocks are first written
-        (host_memory.lazy_zeros): a large budget costs nothing until the job uses it.
+        (host_memory.lazy_zeros): a large budget costs nothing until the job uses it;
+        `huge_pages` asks for it on 2 MiB pages.
         """
         k_shape, v_shape, element = self.layout(config, num_blocks, block_size, dtype)
         if device.type == "cpu":
