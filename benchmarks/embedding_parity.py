@@ -78,7 +78,7 @@ def minilm(num_texts: int, workdir: Path) -> None:
     import pyarrow.parquet as pq
     from sentence_transformers import SentenceTransformer
 
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
     from tokenmill.engine.loader.model_files import resolve_model
     from tokenmill.pipelines.output import read_results
 
@@ -160,7 +160,7 @@ def random_models(workdir: Path) -> None:
     import torch.nn.functional as F
     from pooling_models import build_decoder, build_encoder, write_sentence_transformers_files
 
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
 
     sample = [
         "The quick brown fox jumps over the lazy dog.",

@@ -38,7 +38,7 @@ if [[ -n "${WHEELS:-}" && -d "$WHEELS" ]] && ls "$WHEELS"/*.whl >/dev/null 2>&1;
         2>&1 | tail -2
     export PYTHONPATH=/tmp/tokenmill-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if ! "$PYTHON" -c "import tokenmill.engine.llm" 2>/dev/null; then
+if ! "$PYTHON" -c "import tokenmill.engine.api.llm" 2>/dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
 fi
 "$PYTHON" - <<'PY' 2>&1 | tee -a "$OUT_DIR/summary.txt"

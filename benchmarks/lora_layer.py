@@ -14,7 +14,7 @@ together and as a share of the base layers' time:
             where the kernels are built
 
 Where the native kernels are built the runner uses them; elsewhere it batches runs of at
-most `worker.lora.BATCHED_ROWS` rows and gives longer ones matmuls of their own: this
+most `lora.manager.BATCHED_ROWS` rows and gives longer ones matmuls of their own: this
 script is the measurement behind both choices.
 
 Run:  python benchmarks/lora_layer.py [--rounds 7] [--dtype float32,bfloat16]
@@ -31,9 +31,9 @@ from torch import nn
 
 from tokenmill.bench.timing import time_per_call
 from tokenmill.engine.kernels import lora as lora_kernel
-from tokenmill.engine.models.lora_layers import LoRALinear, LoRAStep, SlotWeights
+from tokenmill.engine.lora.layers import LoRALinear, LoRAStep, SlotWeights
+from tokenmill.engine.lora.manager import batched_rows
 from tokenmill.engine.quant.packed_linear import PackedLinear, packs_dtype
-from tokenmill.engine.worker.lora import batched_rows
 
 # name -> (out, in, r_total) of SmolLM2-135M's fused projections, rank 16 per target.
 LAYERS = {

@@ -18,7 +18,7 @@ import torch
 from lora_layer import LAYERS, NUM_ADAPTERS, load_adapters
 
 from tokenmill.engine.kernels import lora as lora_kernel
-from tokenmill.engine.models.lora_layers import LoRALinear, LoRAStep
+from tokenmill.engine.lora.layers import LoRALinear, LoRAStep
 
 NUM_LAYERS = 30
 

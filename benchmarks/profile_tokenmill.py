@@ -9,7 +9,7 @@ several side by side.
 Each configuration is its own engine (`LLM(...)` with the `--engine-option`s, then each
 `--vs` option over them); the configurations run the workload in turn, round after round
 (A B A B ...), each run timed by `tokenmill.bench.profile.StageTimer` through the
-engine's profiling hook (`LLM.set_profiler`): the step stages of engine/profiling.py,
+engine's profiling hook (`LLM.set_profiler`): the step stages of engine/types/profiling.py,
 with the linear layers, the lm_head and attention as stages of their own. "rest" is the
 time outside every stage - Python around the steps, detokenization.
 
@@ -32,7 +32,7 @@ from tokenmill import LLM
 from tokenmill.bench.profile import LINEAR, profile_llm
 from tokenmill.bench.timing import alternate, fixed_length_params, timed_generate, warm_up
 from tokenmill.bench.workload import PRESETS, load_preset
-from tokenmill.engine.profiling import STAGES
+from tokenmill.engine.types.profiling import STAGES
 
 
 def _options(pairs: list[str]) -> dict:

@@ -2,7 +2,7 @@
 
 "plain" and "scored" generate one token per prompt (greedy); "plain" takes shared
 prefixes from the prefix cache, "scored" asks for prompt_logprobs=0, so every prompt
-token is scored - a cached prefix is computed again for it (engine/worker/prompt_logprobs.py)
+token is scored - a cached prefix is computed again for it (engine/sample/prompt_logprobs.py)
 and every prompt row goes through the lm_head. "prompt-only" is a scoring job's request
 (max_tokens=0, prompt_logprobs=0): scored the same, with no token sampled. They
 alternate in one process over fresh engines per run (same weights), so the differences

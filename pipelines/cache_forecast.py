@@ -42,13 +42,13 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.block_manager import hash_block_tokens
 from tokenmill.engine.core.encoder_engine import EncoderEngine
 from tokenmill.engine.core.llm_engine import LLMEngine
 from tokenmill.engine.core.step import PoolingState, SamplerOutput, SchedulerOutput, StepResult
-from tokenmill.engine.pooling_params import PoolingParams
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.pooling_params import PoolingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

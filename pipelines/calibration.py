@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.engine.outputs import EngineStats, RequestOutput
+from tokenmill.engine.types.outputs import EngineStats, RequestOutput
 from tokenmill.pipelines.cache_forecast import Request, StepLoad
 
 SAMPLE_SHARE = 0.05

@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from tokenmill.engine.pooling_outputs import PoolingOutput
-from tokenmill.engine.pooling_params import PoolingParams
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.outputs import EngineStats, RequestMetrics, RequestOutput
+from tokenmill.engine.types.pooling_outputs import PoolingOutput
+from tokenmill.engine.types.pooling_params import PoolingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.pipelines.tokenize import PromptRow
 
 log = logging.getLogger(__name__)

@@ -34,13 +34,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from tokenmill.engine.config import EngineConfig, resolve_dtype
 from tokenmill.engine.core.encoder_engine import EncoderEngine
-from tokenmill.engine.loader.pooling_config import PoolingConfig, read_pooling_config
 from tokenmill.engine.models import architecture_for, load_config
-from tokenmill.engine.pooling_params import PoolingParams
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.worker.pooling import reads_every_token
+from tokenmill.engine.pooling.config import PoolingConfig, read_pooling_config
+from tokenmill.engine.pooling.pooler import reads_every_token
+from tokenmill.engine.types.config import EngineConfig, resolve_dtype
+from tokenmill.engine.types.pooling_params import PoolingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.pipelines.cache_forecast import (
     Request,
     Simulation,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from tokenmill.engine.loader.hub import snapshot_revision
 from tokenmill.engine.loader.model_files import display_name, resolve_model, weights_hash
-from tokenmill.engine.loader.pooling_config import served_tasks
 from tokenmill.engine.loader.tokenizer import Tokenizer, read_chat_template
 from tokenmill.engine.models import load_config
+from tokenmill.engine.pooling.config import served_tasks
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class ModelDescription:
     weights_hash: str  # sha256 over exactly the weight files that load
     chat_template: str | None  # jinja2 source; None: the model has none (prompts run raw)
     revision: str | None = None  # the Hub commit; None for local files and aliases
-    # What it serves: generate, embed, classify, rerank (engine/loader/pooling_config.py).
+    # What it serves: generate, embed, classify, rerank (engine/pooling/config.py).
     tasks: tuple[str, ...] = ("generate",)
 
     @property

@@ -23,7 +23,7 @@ import pyarrow as pa
 from tokenmill.connectors import ERROR_COLUMN
 from tokenmill.connectors.decoding import Decoding, decode_values
 from tokenmill.connectors.lines import BadLine
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.types.outputs import RequestOutput
 from tokenmill.pipelines.adapters import (
     adapter_names,
     check_lora_option,

@@ -51,10 +51,10 @@ from typing import Any
 
 from tokenmill.connectors.decoding import ON_DECODE_ERROR
 from tokenmill.connectors.formats import FORMATS
-from tokenmill.engine.config import engine_settings
 from tokenmill.engine.loader.aliases import DEFAULT_MODEL
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.engine.types.config import engine_settings
+from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine.types.structured_outputs import StructuredOutputs
 from tokenmill.engine.worker.build import setting_choices
 from tokenmill.pipelines.option_types import (
     BATCH,
@@ -439,7 +439,7 @@ OPTIONS: tuple[Option, ...] = (
         ge=0,
         le=20,
     ),
-    # -- penalties and token controls (engine/worker/logit_controls.py) -----------------------
+    # -- penalties and token controls (engine/sample/logit_controls.py) -----------------------
     Option(
         "repetition_penalty",
         FLOAT,
@@ -773,7 +773,7 @@ OPTIONS: tuple[Option, ...] = (
         surfaces=frozenset({FLOW}),
         metavar="BLOCK",
     ),
-    # -- the engine: its job settings (engine/config.py), then any other as engine_options -------
+    # -- the engine: its job settings (engine/types/config.py), then any other as engine_options -------
     *_engine_options(),
     Option(
         "engine_options",

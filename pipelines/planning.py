@@ -23,14 +23,14 @@ import pyarrow as pa
 from tokenmill.connectors import open_source, redact_url
 from tokenmill.connectors.batches import ReadCounts
 from tokenmill.connectors.fingerprint import first_difference
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.grammar import GrammarCompiler
-from tokenmill.engine.loader.adapters import model_names
-from tokenmill.engine.loader.pooling_config import embedding_size, read_pooling_config
+from tokenmill.engine.core.grammar import GrammarCompiler
 from tokenmill.engine.loader.pooling_tokenizer import PoolingTokenizer
+from tokenmill.engine.lora.adapters import model_names
 from tokenmill.engine.models import architecture_for, load_config
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.engine.pooling.config import embedding_size, read_pooling_config
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine.types.structured_outputs import StructuredOutputs
 from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.adapters import JobAdapter, describe_job_adapters, lora_requests

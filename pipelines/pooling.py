@@ -2,7 +2,7 @@
 probabilities or relevance score; nothing is generated.
 
 A pooling row runs through the engine as a pooling request (`LLM.encode` with
-`PoolingParams`): its prompt is computed once and pooled (engine/worker/pooling.py);
+`PoolingParams`): its prompt is computed once and pooled (engine/pooling/pooler.py);
 no token is sampled, so there is no completion to bill. Its result row has the
 columns every job has - `output` null, `finish_reason` the task's name ("error" for an
 error row), `prompt_tokens`, `cached_tokens` (an encoder caches nothing; a decoder's
@@ -47,8 +47,14 @@ import numpy as np
 import pyarrow as pa
 
 from tokenmill.engine.loader.pooling_tokenizer import EncodedText, PoolingTokenizer
-from tokenmill.engine.pooling_outputs import PoolingOutput
-from tokenmill.engine.pooling_params import CLASSIFY, EMBED, POOLING_TASKS, RERANK, PoolingParams
+from tokenmill.engine.types.pooling_outputs import PoolingOutput
+from tokenmill.engine.types.pooling_params import (
+    CLASSIFY,
+    EMBED,
+    POOLING_TASKS,
+    RERANK,
+    PoolingParams,
+)
 from tokenmill.pipelines.templating import RenderedRow, check_text
 from tokenmill.pipelines.tokenize import PromptRow
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tokenmill.engine.outputs import EngineStats, RequestOutput
+from tokenmill.engine.types.outputs import EngineStats, RequestOutput
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.adapters import adapter_names
 from tokenmill.pipelines.engine_failures import generate_with_rule
@@ -112,7 +112,7 @@ def run_shard(
     task never computes or writes a shard twice.
 
     Args:
-        llm: a loaded `tokenmill.engine.llm.LLM` (anything with its `generate`); the
+        llm: a loaded `tokenmill.engine.api.llm.LLM` (anything with its `generate`); the
             caller holds its lock if other threads share it. Unused by a copy shard.
         plan: the job plan.
         shard: one of `plan.shards`.

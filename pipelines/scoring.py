@@ -23,7 +23,7 @@ so the conversation is scored as given. A prompt of one token has nothing to sco
 becomes an error row before compute.
 
 Cost. The engine computes prompt log-probabilities itself rather than serving them
-from the prefix cache (`engine/worker/prompt_logprobs.py`), so every prompt token of a
+from the prefix cache (`engine/sample/prompt_logprobs.py`), so every prompt token of a
 scoring row is computed, and billed at the input price: `cached_tokens` is 0.
 """
 
@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tokenmill.engine.pooling_params import POOLING_TASKS
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.pooling_params import POOLING_TASKS
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 GENERATE, SCORE = "generate", "score"
 # Every job task: generate, score, and the pooling tasks embed, classify, rerank

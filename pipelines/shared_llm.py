@@ -27,7 +27,7 @@ from functools import cached_property
 from typing import Any
 
 from tokenmill import faults
-from tokenmill.engine.llm import LLM
+from tokenmill.engine.api.llm import LLM
 
 
 @dataclass

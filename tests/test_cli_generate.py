@@ -35,8 +35,8 @@ def test_generate_prints_one_answer_per_prompt(tmp_path):
 def test_a_base_model_without_chat_template_gets_its_prompts_as_they_are(tmp_path):
     import json
 
-    from tokenmill.engine.llm import LLM
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.api.llm import LLM
+    from tokenmill.engine.types.sampling_params import SamplingParams
 
     model = build_tiny_model(tmp_path / "base")
     config_file = model / "tokenizer_config.json"

@@ -26,31 +26,15 @@ PACKAGES = {
 # The engine's floors, top to bottom (DESIGN.md, "The engine, in layers"): a module may
 # import modules of its own floor or of floors below it, never above.
 ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        "api",
-        ("tokenmill.engine.llm", "tokenmill.engine.pooling_llm", "tokenmill.engine.request_loop"),
-    ),
+    ("api", ("tokenmill.engine.api",)),
     ("worker", ("tokenmill.engine.worker",)),
+    ("parts", ("tokenmill.engine.sample", "tokenmill.engine.lora", "tokenmill.engine.pooling")),
     ("quant", ("tokenmill.engine.quant",)),
     ("loader", ("tokenmill.engine.loader",)),
     ("models", ("tokenmill.engine.models",)),
     ("core", ("tokenmill.engine.core",)),
     ("kernels", ("tokenmill.engine.kernels", "tokenmill.engine.cuda")),
-    (
-        "base",
-        (
-            "tokenmill.engine.config",
-            "tokenmill.engine.env",
-            "tokenmill.engine.grammar",
-            "tokenmill.engine.lora_request",
-            "tokenmill.engine.outputs",
-            "tokenmill.engine.pooling_outputs",
-            "tokenmill.engine.pooling_params",
-            "tokenmill.engine.profiling",
-            "tokenmill.engine.sampling_params",
-            "tokenmill.engine.structured_outputs",
-        ),
-    ),
+    ("base", ("tokenmill.engine.types", "tokenmill.engine.env")),
 )
 # Third-party modules the engine may import inside a function: heavy, and needed only by
 # some jobs (each deferral says why where it is made).

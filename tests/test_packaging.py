@@ -31,7 +31,7 @@ def test_wheel_installs_subpackages_under_tokenmill(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("tokenmill-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for module in (
-        "engine/llm.py",
+        "engine/api/llm.py",
         "engine/models/llama.py",
         "engine/kernels/paged_attention.c",  # the native kernels build from the wheel's
         "engine/kernels/kernel_common.h",  # own sources on first use
@@ -61,7 +61,7 @@ def test_wheel_installs_subpackages_under_tokenmill(tmp_path):
     )
     probe = (
         "import sys; sys.path.insert(0, sys.argv[1]);"
-        "import tokenmill.engine.llm as m, tokenmill.cli as c;"
+        "import tokenmill.engine.api.llm as m, tokenmill.cli as c;"
         "assert m.__file__.startswith(sys.argv[1]), m.__file__;"
         "from tokenmill import LLM, SamplingParams;"
         "from tokenmill.engine.kernels import native_library;"

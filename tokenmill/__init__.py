@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.version import __version__
 
 _EXPORTS = {
-    "LLM": "tokenmill.engine.llm",
-    "SamplingParams": "tokenmill.engine.sampling_params",
-    "LoRARequest": "tokenmill.engine.lora_request",
-    "StructuredOutputs": "tokenmill.engine.structured_outputs",
-    "RequestOutput": "tokenmill.engine.outputs",
-    "CompletionOutput": "tokenmill.engine.outputs",
+    "LLM": "tokenmill.engine.api.llm",
+    "SamplingParams": "tokenmill.engine.types.sampling_params",
+    "LoRARequest": "tokenmill.engine.types.lora_request",
+    "StructuredOutputs": "tokenmill.engine.types.structured_outputs",
+    "RequestOutput": "tokenmill.engine.types.outputs",
+    "CompletionOutput": "tokenmill.engine.types.outputs",
     "generate": "tokenmill.pipelines.notebook",
     "forecast": "tokenmill.pipelines.notebook",
     "Forecast": "tokenmill.pipelines.forecast",
@@ -25,10 +25,10 @@ _EXPORTS = {
     "embed": "tokenmill.pipelines.notebook",
     "classify": "tokenmill.pipelines.notebook",
     "rerank": "tokenmill.pipelines.notebook",
-    "PoolingParams": "tokenmill.engine.pooling_params",
-    "EmbeddingOutput": "tokenmill.engine.pooling_outputs",
-    "ClassificationOutput": "tokenmill.engine.pooling_outputs",
-    "ScoringOutput": "tokenmill.engine.pooling_outputs",
+    "PoolingParams": "tokenmill.engine.types.pooling_params",
+    "EmbeddingOutput": "tokenmill.engine.types.pooling_outputs",
+    "ClassificationOutput": "tokenmill.engine.types.pooling_outputs",
+    "ScoringOutput": "tokenmill.engine.types.pooling_outputs",
     "run_job": "tokenmill.pipelines.job",
     "JobLedger": "tokenmill.pipelines.ledger",
 }
@@ -57,17 +57,17 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from tokenmill.engine.llm import LLM
-    from tokenmill.engine.lora_request import LoRARequest
-    from tokenmill.engine.outputs import CompletionOutput, RequestOutput
-    from tokenmill.engine.pooling_outputs import (
+    from tokenmill.engine.api.llm import LLM
+    from tokenmill.engine.types.lora_request import LoRARequest
+    from tokenmill.engine.types.outputs import CompletionOutput, RequestOutput
+    from tokenmill.engine.types.pooling_outputs import (
         ClassificationOutput,
         EmbeddingOutput,
         ScoringOutput,
     )
-    from tokenmill.engine.pooling_params import PoolingParams
-    from tokenmill.engine.sampling_params import SamplingParams
-    from tokenmill.engine.structured_outputs import StructuredOutputs
+    from tokenmill.engine.types.pooling_params import PoolingParams
+    from tokenmill.engine.types.sampling_params import SamplingParams
+    from tokenmill.engine.types.structured_outputs import StructuredOutputs
     from tokenmill.pipelines.forecast import Forecast
     from tokenmill.pipelines.job import run_job
     from tokenmill.pipelines.ledger import JobLedger

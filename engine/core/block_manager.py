@@ -15,8 +15,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.step import Sequence
+from tokenmill.engine.types.config import EngineConfig
 
 
 def hash_block_tokens(

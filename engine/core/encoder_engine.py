@@ -22,11 +22,11 @@ from typing import Protocol
 
 import torch
 
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.outputs import EngineStats, RequestMetrics
-from tokenmill.engine.pooling_outputs import PoolingOutput
-from tokenmill.engine.pooling_params import PoolingParams
-from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.outputs import EngineStats, RequestMetrics
+from tokenmill.engine.types.pooling_outputs import PoolingOutput
+from tokenmill.engine.types.pooling_params import PoolingParams
+from tokenmill.engine.types.profiling import NO_PROFILER, StepProfiler
 
 
 class EncoderBatchRunner(Protocol):
@@ -76,7 +76,7 @@ class EncoderEngine:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.stats = EngineStats()
-        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/profiling.py
+        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/types/profiling.py
         self._waiting: list[_Request] = []
         self._batches: deque[list[_Request]] = deque()
         self._finished_early: list[PoolingOutput] = []

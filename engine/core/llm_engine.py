@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.block_manager import BlockManager
 from tokenmill.engine.core.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.core.grammar import CompiledGrammar, GrammarCompiler
 from tokenmill.engine.core.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.core.step import (
@@ -26,18 +26,18 @@ from tokenmill.engine.core.step import (
     Sequence,
     StepRunner,
 )
-from tokenmill.engine.grammar import CompiledGrammar, GrammarCompiler
-from tokenmill.engine.outputs import EngineStats, RequestOutput
-from tokenmill.engine.pooling_outputs import PoolingOutput
-from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.outputs import EngineStats, RequestOutput
+from tokenmill.engine.types.pooling_outputs import PoolingOutput
+from tokenmill.engine.types.profiling import NO_PROFILER, StepProfiler
+from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine.types.structured_outputs import StructuredOutputs
 
 
 class LLMEngine:
     """Owns the scheduler and block manager for one model, and drives a runner with them.
 
-    The runner executes steps (`worker.ModelRunner`; `tokenmill.engine.llm.build_engine`
+    The runner executes steps (`worker.ModelRunner`; `tokenmill.engine.api.llm.build_engine`
     puts the two together); the loop knows it only through the step types
     (`core/step.py`).
 
@@ -94,7 +94,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._finished_early: list[RequestOutput | PoolingOutput] = []
         self._grammar_compiler: GrammarCompiler | None = None  # built on first use
-        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/profiling.py
+        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/types/profiling.py
 
     # -- requests -----------------------------------------------------------------------
 
@@ -116,7 +116,7 @@ class LLMEngine:
 
         Args:
             lora_id: the LoRA adapter it runs with, as registered with the runner
-                (`worker.lora.LoRAManager.register`); 0 = the base model.
+                (`lora.manager.LoRAManager.register`); 0 = the base model.
 
         Raises:
             ValueError: its structured outputs constraint is invalid or cannot be enforced,

@@ -15,9 +15,14 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.core.bans import bad_word_bans, bad_words_token_ids, banned_token_ids
 from tokenmill.engine.core.step import PoolingState, SamplerOutput, Sequence
-from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from tokenmill.engine.pooling_outputs import PoolingOutput
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+)
+from tokenmill.engine.types.pooling_outputs import PoolingOutput
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 
 @dataclass

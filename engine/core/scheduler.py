@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.block_manager import BlockManager
 from tokenmill.engine.core.step import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
-from tokenmill.engine.outputs import EngineStats
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.outputs import EngineStats
 
 
 class Scheduler:

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from tokenmill.engine.pooling_params import PoolingParams
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.pooling_params import PoolingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tokenmill.engine.grammar import GrammarMatcher
+    from tokenmill.engine.core.grammar import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -38,7 +38,7 @@ class SequenceStatus(enum.Enum):
 class PoolingState:
     """A pooling request's progress through its prompt (decoders in the decode loop).
 
-    The worker (`worker/pooling.py`) folds each computed prompt chunk into `partial` and
+    The worker (`pooling/pooler.py`) folds each computed prompt chunk into `partial` and
     sets `result` when the last one is computed; the loop only carries it.
     """
 
@@ -94,7 +94,7 @@ class Sequence:
     # preempted sequence leaves it alone).
     grammar: GrammarMatcher | None = None
     # With SamplingParams.prompt_logprobs (first completion only): one entry per prompt
-    # token scored so far, None for token 0 (engine/worker/prompt_logprobs.py).
+    # token scored so far, None for token 0 (engine/sample/prompt_logprobs.py).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Overlapped steps (`LLMEngine(overlap_steps=True)`): the token sampled by a step still
     # running is held by a placeholder at the end of token_ids until that step is resolved;

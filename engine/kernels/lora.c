@@ -1,5 +1,5 @@
 /* LoRA terms of every run of rows in a step, in one call per layer
- * (engine/models/lora_layers.py).
+ * (engine/lora/layers.py).
  *
  * A step holds runs of rows that share an adapter; the base layer has computed y for all
  * of them. Done as two matmuls per run, each costs tens of microseconds of dispatch

@@ -1,5 +1,5 @@
 """Python side of lora.c: every run of rows' LoRA terms added to a layer's output in one
-call (engine/models/lora_layers.py keeps the weights in the layout it reads)."""
+call (engine/lora/layers.py keeps the weights in the layout it reads)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 (`*ForSequenceClassification`: a linear `score` over the last token's hidden state).
 
 They run in the decode loop like any decoder (paged KV cache, prefix cache, chunked
-prefill) as prompt-only requests; `worker/pooling.py` reads their final hidden states.
+prefill) as prompt-only requests; `pooling/pooler.py` reads their final hidden states.
 There is no lm_head, so they cannot generate.
 """
 

@@ -79,7 +79,7 @@ class GGUFLayout:
 
 # What a model can be asked to do (`Architecture.tasks`): generate text (and score
 # prompts), or pool its hidden states into an embedding, class probabilities or a
-# rerank score (engine/pooling_params.py).
+# rerank score (engine/types/pooling_params.py).
 GENERATE = "generate"
 TASKS = (GENERATE, "embed", "classify", "rerank")
 

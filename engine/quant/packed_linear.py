@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokenmill.engine.config import cpu_has_fast_bf16
 from tokenmill.engine.kernels import packed_matvec
 from tokenmill.engine.kernels.packed_matvec import PackedMatvec
+from tokenmill.engine.types.config import cpu_has_fast_bf16
 
 log = logging.getLogger(__name__)
 

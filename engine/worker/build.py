@@ -12,11 +12,10 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.loader.pooling_config import read_pooling_config, served_tasks
 from tokenmill.engine.loader.weights import load_model
 from tokenmill.engine.models import GENERATE, ModelConfig, architecture_for, load_config
-from tokenmill.engine.pooling_params import POOLING_TASKS
+from tokenmill.engine.pooling.config import read_pooling_config, served_tasks
+from tokenmill.engine.pooling.pooler import Pooler
 from tokenmill.engine.quant import (
     QUANTIZATIONS,
     check_checkpoint_quantization,
@@ -26,6 +25,8 @@ from tokenmill.engine.quant import (
     validate_name,
 )
 from tokenmill.engine.quant.packed_linear import pack_linear_layers
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.pooling_params import POOLING_TASKS
 from tokenmill.engine.worker.attention import AttentionSpec, select_backend
 from tokenmill.engine.worker.calibration import input_absmax
 from tokenmill.engine.worker.encoder_runner import EncoderRunner
@@ -36,7 +37,6 @@ from tokenmill.engine.worker.kv_cache import (
     num_blocks_for_budget,
 )
 from tokenmill.engine.worker.model_runner import ModelRunner
-from tokenmill.engine.worker.pooling import Pooler
 
 
 @dataclass

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.step import ScheduledChunk, SchedulerOutput, Sequence
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.engine.worker.kv_cache import default_kv_cache_format
 from tokenmill.engine.worker.model_runner import ModelRunner
 

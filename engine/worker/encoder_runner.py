@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.engine.pooling_params import RERANK, PoolingParams
-from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
+from tokenmill.engine.pooling.pooler import Pooler
+from tokenmill.engine.types.pooling_params import RERANK, PoolingParams
+from tokenmill.engine.types.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.worker.encoder_attention import PackedAttention
-from tokenmill.engine.worker.pooling import Pooler
 
 
 class EncoderRunner:
@@ -55,7 +55,7 @@ class EncoderRunner:
         self.dtype = dtype
         self.pair_separator_id = pair_separator_id
         self._uses_token_types = getattr(model.config, "type_vocab_size", 1) > 1
-        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/profiling.py
+        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/types/profiling.py
 
     def unsupported(self, params: PoolingParams) -> str | None:
         """Why this model cannot serve params, or None."""

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.core.grammar import TokenBitmask
 from tokenmill.engine.core.step import (
     PendingStep,
     SamplerOutput,
@@ -23,11 +23,15 @@ from tokenmill.engine.core.step import (
     Sequence,
     StepResult,
 )
-from tokenmill.engine.grammar import TokenBitmask
+from tokenmill.engine.lora.manager import LoRAManager
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.attention import StepAttention
-from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
-from tokenmill.engine.worker import prompt_logprobs
+from tokenmill.engine.pooling.pooler import Pooler
+from tokenmill.engine.sample import prompt_logprobs
+from tokenmill.engine.sample.logit_controls import LogitControls
+from tokenmill.engine.sample.sampler import Sampler, SamplingBatch
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.worker.attention import (
     AttentionSpec,
     StepTokens,
@@ -38,10 +42,6 @@ from tokenmill.engine.worker.attention.backend import staged, upload
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 from tokenmill.engine.worker.host_memory import keep_large_allocations_mapped
 from tokenmill.engine.worker.kv_cache import KVCache
-from tokenmill.engine.worker.logit_controls import LogitControls
-from tokenmill.engine.worker.lora import LoRAManager
-from tokenmill.engine.worker.pooling import Pooler
-from tokenmill.engine.worker.sampler import Sampler, SamplingBatch
 
 
 class ModelRunner:
@@ -70,7 +70,7 @@ class ModelRunner:
     ) -> None:
         block_size = engine_config.block_size
         self.model = model
-        # Pools the prompt-only requests that ask for it (worker/pooling.py); None when
+        # Pools the prompt-only requests that ask for it (pooling/pooler.py); None when
         # the model serves no pooling task.
         self.pooler = pooler
         self.config = config
@@ -86,11 +86,11 @@ class ModelRunner:
             config, kv_cache.format, block_size=block_size, dtype=dtype, device=device
         )
         self.attention = select_backend(self.attention_spec)
-        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/profiling.py
+        self.profiler: StepProfiler = NO_PROFILER  # tools install one: engine/types/profiling.py
         for layer_idx, layer in enumerate(model.model.layers):
             layer.self_attn.k_cache = kv_cache.k[layer_idx]
             layer.self_attn.v_cache = kv_cache.v[layer_idx]
-        # LoRA adapters (worker/lora.py); the model is unchanged until one is registered.
+        # LoRA adapters (lora/manager.py); the model is unchanged until one is registered.
         self.lora = LoRAManager(
             model, config, max_loras=engine_config.max_loras, dtype=dtype, device=device
         )

@@ -120,7 +120,7 @@ def _near_tie(logprobs: torch.Tensor, k: int) -> bool:
 
 def assert_logprobs_match(hf, engine, prompts: list[list[int]], num_tokens: int) -> None:
     """Greedy tokens equal HF's, and every step's full log-softmax to fp32 rounding."""
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.types.sampling_params import SamplingParams
 
     vocab = hf.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=vocab)
@@ -156,9 +156,9 @@ def save_char_tokenizer(out_dir: Path, vocab_size: int = 256, eos_token: str | N
 
 def make_engine(model_dir: Path, **config):
     """A small fp32 CPU engine over model_dir (block_size 4 so block edges are exercised)."""
-    from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.llm import build_engine
+    from tokenmill.engine.api.llm import build_engine
     from tokenmill.engine.loader.tokenizer import Tokenizer
+    from tokenmill.engine.types.config import EngineConfig
 
     settings = dict(block_size=4, kv_cache_memory=8 << 20, max_num_batched_tokens=64)
     settings.update(config)

@@ -21,7 +21,7 @@ from tokenmill.engine.kernels.paged_attention import (
     to_native_layout,
     write_kv_cache,
 )
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.engine.worker.attention import portable as attention
 from tokenmill.engine.worker.attention.portable import gather_key_blocks, gather_value_blocks
 from tokenmill.engine.worker.attention.shared_prefix import group_shared_prefixes

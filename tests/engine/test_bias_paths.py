@@ -17,14 +17,14 @@ from model_fixtures import write_tiny_gguf
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm import build_engine
+from tokenmill.engine.api.llm import build_engine
 from tokenmill.engine.loader.gguf_convert import convert_gguf
+from tokenmill.engine.lora.layers import LoRALinear, LoRAStep
 from tokenmill.engine.models.layers import GatedMLP
-from tokenmill.engine.models.lora_layers import LoRALinear, LoRAStep
 from tokenmill.engine.quant import int4, int8
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.packed_linear import PackedLinear, packs_dtype
+from tokenmill.engine.types.config import EngineConfig
 
 
 def built_model(model_dir: Path, dtype: torch.dtype, **settings):

@@ -7,7 +7,7 @@ import pytest
 import tokenmill.engine.core.block_manager as bm_module
 from tokenmill.engine.core.block_manager import BlockManager
 from tokenmill.engine.core.step import Sequence
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 _ids = iter(range(10**6))
 

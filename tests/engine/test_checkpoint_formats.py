@@ -10,7 +10,7 @@ import torch
 from hf_models import build_hf_model, save_char_tokenizer
 from safetensors.torch import load_file, save_file
 
-from tokenmill.engine.llm import LLM
+from tokenmill.engine.api.llm import LLM
 from tokenmill.engine.loader import weights
 from tokenmill.engine.quant.checkpoint_formats import check_checkpoint_quantization, describe
 

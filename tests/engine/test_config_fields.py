@@ -11,7 +11,7 @@ import pytest
 import transformers
 from hf_models import save_char_tokenizer
 
-from tokenmill.engine.llm import LLM
+from tokenmill.engine.api.llm import LLM
 from tokenmill.engine.models import (
     architecture_of,
     load_config,

@@ -9,11 +9,11 @@ import json
 import pytest
 from tiny_model import build_tiny_model
 
-from tokenmill.engine.grammar import LIMITS, GrammarCompiler
-from tokenmill.engine.llm import LLM
+from tokenmill.engine.api.llm import LLM
+from tokenmill.engine.core.grammar import LIMITS, GrammarCompiler
 from tokenmill.engine.loader.tokenizer import Tokenizer
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.structured_outputs import (
+from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine.types.structured_outputs import (
     MAX_CONSTRAINT_BYTES,
     MAX_SCHEMA_DEPTH,
     StructuredOutputs,

@@ -12,7 +12,7 @@ import random
 import pytest
 from hf_models import build_hf_model, make_engine, run_all
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 
 

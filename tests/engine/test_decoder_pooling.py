@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from pooling_models import build_decoder, write_sentence_transformers_files
 from tiny_model import build_tiny_model
 
-from tokenmill.engine.llm import LLM
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api.llm import LLM
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from tokenmill.engine.kernels import elementwise
 from tokenmill.engine.models import layers
 from tokenmill.engine.models.layers import RMSNorm, apply_rotary
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -223,8 +223,8 @@ def test_both_paths_match_transformers(kind, fused, tmp_path, monkeypatch):
 
 
 def bf16_run(model_dir, fused: bool, monkeypatch) -> list:
-    from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.llm import build_engine
+    from tokenmill.engine.api.llm import build_engine
+    from tokenmill.engine.types.config import EngineConfig
 
     with monkeypatch.context() as patch:
         if not fused:

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from pooling_models import build_encoder, write_sentence_transformers_files
 
-from tokenmill.engine.llm import LLM
-from tokenmill.engine.pooling_params import PoolingParams
+from tokenmill.engine.api.llm import LLM
+from tokenmill.engine.types.pooling_params import PoolingParams
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog",

@@ -7,7 +7,7 @@ import random
 import pytest
 from hf_models import build_hf_model, make_engine, run_all, save_char_tokenizer
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

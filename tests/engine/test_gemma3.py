@@ -16,7 +16,7 @@ from hf_models import (
 from test_hf_parity import mixed_prompts
 
 from tokenmill.engine.models import load_config, parse_config
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 
 def test_config_reads_gemma3_fields(tmp_path):
@@ -134,7 +134,7 @@ def test_gemma3_270m_greedy_tokens_equal_transformers_on_the_gguf(tmp_path):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
     from tokenmill.engine.loader.gguf_convert import convert_gguf
     from tokenmill.engine.loader.model_files import ALIASES, alias_gguf_path
 

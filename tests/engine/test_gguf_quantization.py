@@ -24,7 +24,7 @@ from tokenmill.engine.quant.gguf_linear import (
 )
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import Int8Linear
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 # Byte offsets of each format's f16 scale fields: random bytes there could be NaN or huge.
 _F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}

@@ -8,15 +8,15 @@ import pytest
 import torch
 from tiny_model import build_tiny_model
 
-from tokenmill.engine import grammar
-from tokenmill.engine.grammar import (
+from tokenmill.engine.core import grammar
+from tokenmill.engine.core.grammar import (
     GrammarCompiler,
     TokenBitmask,
     _closed_objects,
     apply_token_bitmask,
 )
 from tokenmill.engine.loader.tokenizer import Tokenizer
-from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.engine.types.structured_outputs import StructuredOutputs
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ from hf_models import (
     save_char_tokenizer,
 )
 
-from tokenmill.engine.llm import LLM
+from tokenmill.engine.api.llm import LLM
 from tokenmill.engine.models import load_config
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 
 def mixed_prompts(vocab: int, seed: int = 0) -> list[list[int]]:

@@ -65,8 +65,8 @@ def test_repo_id_resolves_offline_to_its_snapshot(hub_cache, tiny_files):
 
 
 def test_llm_loads_a_repo_id_and_records_its_commit(hub_cache, tiny_files):
-    from tokenmill.engine.llm import LLM
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.api.llm import LLM
+    from tokenmill.engine.types.sampling_params import SamplingParams
 
     commit = fill_hf_cache(hub_cache, REPO, tiny_files)
     llm = LLM(REPO, dtype="float32", device="cpu", kv_cache_memory=4 << 20)

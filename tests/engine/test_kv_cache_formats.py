@@ -8,10 +8,10 @@ import pytest
 import torch
 from hf_models import build_hf_model, make_engine, run_all
 
-from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kernels import native_library
 from tokenmill.engine.models import load_config
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.engine.worker.build import setting_choices
 from tokenmill.engine.worker.kv_cache import (
     KV_CACHE_DTYPES,

@@ -18,7 +18,7 @@ from tokenmill.engine.kernels.paged_attention import (
     native_paged_attention,
     write_kv_cache,
 )
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 GROUP = 32
 # The int16 dot products' error (query rows and block weights in 15 bits, fp32 sums):
@@ -231,8 +231,8 @@ def _errors_against_transformers(hf, model_dir, dtype, kv_cache_dtype):
     engine's tokens, so one flipped near-tie does not derail the rest), and how many
     greedy tokens are transformers' own choice; prompts in chunks, a prefix from the
     prefix cache, decode groups."""
-    from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.llm import build_engine
+    from tokenmill.engine.api.llm import build_engine
+    from tokenmill.engine.types.config import EngineConfig
 
     config = EngineConfig(
         block_size=16,
@@ -305,8 +305,8 @@ def test_an_int8_cache_the_model_or_device_cannot_have_fails_before_loading(
         raise AssertionError("weights were loaded before the option was checked")
 
     monkeypatch.setattr(llm_engine, "load_model", no_loading)
-    from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.llm import build_engine
+    from tokenmill.engine.api.llm import build_engine
+    from tokenmill.engine.types.config import EngineConfig
 
     device = torch.device(options.pop("device", "cpu"))
     with pytest.raises(ValueError, match=message):

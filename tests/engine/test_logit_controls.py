@@ -13,10 +13,10 @@ from tiny_model import build_tiny_model
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from tokenmill.engine.core.step import PLACEHOLDER_TOKEN_ID, Sequence
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.structured_outputs import StructuredOutputs
-from tokenmill.engine.worker.logit_controls import LogitControls
-from tokenmill.engine.worker.sampler import Sampler, SamplingBatch
+from tokenmill.engine.sample.logit_controls import LogitControls
+from tokenmill.engine.sample.sampler import Sampler, SamplingBatch
+from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine.types.structured_outputs import StructuredOutputs
 
 VOCAB = 256
 

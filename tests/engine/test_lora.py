@@ -14,9 +14,9 @@ from peft_adapters import ALL_TARGETS, save_adapter
 
 from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.engine.kernels import lora as lora_kernel
-from tokenmill.engine.loader.adapters import AdapterError
-from tokenmill.engine.models.lora_layers import LoRALinear
-from tokenmill.engine.worker import lora as worker_lora
+from tokenmill.engine.lora import manager as worker_lora
+from tokenmill.engine.lora.adapters import AdapterError
+from tokenmill.engine.lora.layers import LoRALinear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -312,7 +312,7 @@ def test_missing_adapter_and_rank_limit(base, adapters, tmp_path):
 
 
 def test_base_model_name_must_not_contradict_a_known_model(base, adapters, tmp_path):
-    from tokenmill.engine.loader.adapters import describe_adapter, model_names
+    from tokenmill.engine.lora.adapters import describe_adapter, model_names
     from tokenmill.engine.models import load_config
 
     root, _ = base

@@ -12,7 +12,7 @@ from kernel_builds import OTHER_CPUS, build_with
 from tokenmill.engine import kernels
 from tokenmill.engine.kernels import lora as lora_kernel
 from tokenmill.engine.kernels import native_library
-from tokenmill.engine.models.lora_layers import LoRALinear, LoRAStep, SlotWeights
+from tokenmill.engine.lora.layers import LoRALinear, LoRAStep, SlotWeights
 
 # Output columns: no multiple of the 32-column tile. Input: 80 = 2.5 AMX k-steps (the
 # shrink's 16-k tail), 72 none (the vector tiles for every row).

@@ -47,7 +47,7 @@ def reference():
 
 
 def test_alias_embeddings_equal_sentence_transformers(reference):
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
 
     model_dir, st = reference
     llm = LLM("all-minilm-l6-v2", dtype="float32")
@@ -65,7 +65,7 @@ def test_alias_embeddings_equal_sentence_transformers(reference):
 
 
 def test_bf16_embeddings_are_close(reference):
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
 
     _, st = reference
     got = np.array([o.embedding for o in LLM("all-minilm-l6-v2", dtype="bfloat16").embed(TEXTS)])

@@ -9,8 +9,8 @@ import torch
 from tokenmill.engine.core.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.core.output_processor import OutputProcessor
 from tokenmill.engine.core.step import SamplerOutput, Sequence, SequenceStatus
-from tokenmill.engine.outputs import EngineStats
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.outputs import EngineStats
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 EOS = 0
 LETTERS = "_abcdefgh "  # token id i decodes to LETTERS[i]; 0 is EOS

@@ -10,7 +10,7 @@ import random
 import pytest
 from hf_models import build_hf_model, make_engine, run_all, save_char_tokenizer
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.quant.packed_linear import (
     PackedLinear,
     onednn_linear_available,
     pack_linear_layers,
     packs_dtype,
 )
+from tokenmill.engine.types.config import EngineConfig
 
 pytestmark = pytest.mark.skipif(
     not onednn_linear_available(), reason="this torch build has no oneDNN linear ops"

@@ -15,7 +15,7 @@ from hf_models import (
 )
 from test_hf_parity import mixed_prompts
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 VOCAB = 256
 

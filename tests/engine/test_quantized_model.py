@@ -8,13 +8,13 @@ import torch
 from hf_models import build_hf_model, make_engine, run_all
 from test_hf_parity import mixed_prompts
 
-from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kernels.int8_linear import takes_gated
 from tokenmill.engine.kernels.quantize import FULL_RANGE
 from tokenmill.engine.quant import check_quantization, int4, quantized_targets
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import Int8Linear, describe_kernel
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.engine.worker.build import check_settings
 
 INT4_GROUP_SIZE = int4.GROUP_SIZE

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.worker.sampler import (
+from tokenmill.engine.sample.sampler import (
     TOP_P_CANDIDATES,
     Sampler,
     SamplingBatch,
     apply_top_k_top_p,
 )
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 
 def reference_top_k_top_p(logits, top_k, top_p):

@@ -10,7 +10,7 @@ import ast
 from dataclasses import fields
 from pathlib import Path
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.types.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 # dtype and device are torch objects by the time a function takes them (the settings

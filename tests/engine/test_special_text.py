@@ -288,8 +288,8 @@ def test_llm_generate_and_chat_keep_string_prompts_data(tmp_path):
     allowed; token-id prompts are sent as they are."""
     from tiny_model import build_tiny_model
 
-    from tokenmill.engine.llm import LLM
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.api.llm import LLM
+    from tokenmill.engine.types.sampling_params import SamplingParams
 
     llm = LLM(str(build_tiny_model(tmp_path)), dtype="float32", kv_cache_memory=8 << 20)
     tok, params = llm.tokenizer, SamplingParams(temperature=0, max_tokens=1)

@@ -15,8 +15,8 @@ from hf_models import make_engine, run_all
 from tiny_model import build_tiny_model
 
 from tokenmill.engine.loader.tokenizer import Tokenizer
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine.types.structured_outputs import StructuredOutputs
 
 # Strings are bounded: a random model closes an unbounded string almost never.
 SCHEMAS = {

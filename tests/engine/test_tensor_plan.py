@@ -13,11 +13,11 @@ from hf_models import build_hf_model, hf_greedy, make_engine, run_all, save_char
 from model_fixtures import write_tiny_gguf
 from safetensors.torch import load_file, save_file
 
-from tokenmill.engine.llm import LLM
+from tokenmill.engine.api.llm import LLM
 from tokenmill.engine.loader import gguf_convert, weights
 from tokenmill.engine.loader.gguf_convert import convert_gguf
 from tokenmill.engine.loader.tensor_plan import UNUSED_TENSORS
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 WEIGHTS = "model.safetensors"
 PROMPT = [5, 17, 3, 99, 42, 7, 7, 61, 200, 12]

@@ -85,7 +85,7 @@ EMBED_JOB_OPTIONS = {"task": "embed", "shard_tokens": 60, "id_column": "id"}
 def load_tiny_llm(directory: Path, task: str = "generate"):
     """The tiny random Llama model (or for task "embed" a tiny BERT embedding model),
     built in `directory` and loaded on CPU in fp32."""
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
 
     if task == "embed":
         from fault_jobs import build_embedding_model

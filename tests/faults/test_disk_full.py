@@ -87,7 +87,7 @@ class FullMemoryFileSystem(MemoryFileSystem):
 def test_full_fsspec_filesystem_fails_clearly_then_resumes(tiny_model_dir, fault_job):
     fsspec.register_implementation("fullmem", FullMemoryFileSystem, clobber=True)
     from tokenmill.connectors import DiskFullError
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
     from tokenmill.pipelines.job import run_job
     from tokenmill.pipelines.output import read_ledger, read_results
 

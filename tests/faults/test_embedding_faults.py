@@ -38,7 +38,7 @@ def test_an_engine_step_that_raises_once_is_retried(embed_job):
 
 
 def test_object_store_faults_are_retried(s3, embedding_model_dir):  # noqa: F811
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
 
     llm = LLM(str(embedding_model_dir), dtype="float32", max_num_batched_tokens=16)
     run = run_through_proxy(s3, llm, transient_rules(), task="embed")

@@ -110,8 +110,8 @@ def test_engine_step_fault_through_the_cli(fault_job):
 
 
 def test_a_failed_generate_leaves_the_engine_clean(tiny_model_dir, monkeypatch):
-    from tokenmill.engine.llm import LLM
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.api.llm import LLM
+    from tokenmill.engine.types.sampling_params import SamplingParams
 
     llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory=8 << 20)
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6, [5, 6, 7, 8] * 5 + [12]]

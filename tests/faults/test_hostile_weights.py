@@ -15,7 +15,7 @@ import torch
 from store_fixtures import _isolated_cache  # noqa: F401 - fixture
 from tiny_model import build_tiny_model
 
-from tokenmill.engine.llm import LLM
+from tokenmill.engine.api.llm import LLM
 from tokenmill.engine.loader.model_files import ModelFilesError
 from tokenmill.pipelines.job import run_job
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from hf_models import build_hf_model, run_all
 
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm import build_engine
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api.llm import build_engine
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

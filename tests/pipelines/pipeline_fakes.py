@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tokenmill.engine.outputs import (
+from tokenmill.engine.types.outputs import (
     CompletionOutput,
     EngineStats,
     RequestMetrics,
     RequestOutput,
 )
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 BOS = 1
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.pipelines.dedupe import Deduplicator, is_deterministic
 from tokenmill.pipelines.job import plan_job, prepare_output, run_job, run_shard
 from tokenmill.pipelines.output import read_ledger, read_results
@@ -217,7 +217,7 @@ def test_notebook_generate_computes_duplicates_once(fake_llm):
 def test_copies_get_the_answers_computing_each_row_gives(tmp_path, tiny_model_dir):
     """On the real engine (fp32): every row's answer with dedupe equals its answer when
     every row is computed, copies included - and the work saved is the copies' decode."""
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
 
     def llm():
         return LLM(str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_memory=8 << 20)

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.engine.outputs import EngineStats
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.outputs import EngineStats
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.pipelines import calibration, shared_llm
 from tokenmill.pipelines.cache_forecast import (
     Request,
@@ -33,7 +33,7 @@ PRICES = {"price_input": 1.0, "price_cached": 0.25, "price_output": 4.0}
 
 
 def _llm(model_dir, **engine):
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
 
     return LLM(str(model_dir), device="cpu", dtype="float32", **{**ENGINE, **engine})
 

@@ -22,8 +22,8 @@ from tiny_model import build_tiny_model
 
 import tokenmill
 from tokenmill.cli import main
-from tokenmill.engine.llm import LLM
-from tokenmill.engine.pooling_params import PoolingParams
+from tokenmill.engine.api.llm import LLM
+from tokenmill.engine.types.pooling_params import PoolingParams
 from tokenmill.pipelines import shared_llm
 from tokenmill.pipelines.cache_forecast import Request, replay_prefix_cache, simulate_encoder
 from tokenmill.pipelines.forecast import Forecast
@@ -165,7 +165,7 @@ def test_replay_of_pooling_requests():
 
 
 def test_encoder_simulation_takes_the_loops_own_batches():
-    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.types.config import EngineConfig
 
     requests = [Request([5] * n, PoolingParams()) for n in (30, 10, 20, 10, 40)]
     config = EngineConfig(max_num_batched_tokens=50, max_num_seqs=4)

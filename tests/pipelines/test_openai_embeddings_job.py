@@ -13,7 +13,7 @@ import pytest
 from pooling_models import build_sentence_encoder, write_sentence_transformers_files
 from tiny_model import build_tiny_model
 
-from tokenmill.engine.llm import LLM
+from tokenmill.engine.api.llm import LLM
 from tokenmill.pipelines.job import run_job
 
 openai_types = pytest.importorskip("openai.types")

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.pipelines.plan import Shard, cut_shards, job_id, order_rows, plan_shards, row_cost
 from tokenmill.pipelines.tokenize import PromptRow
 

@@ -25,7 +25,7 @@ from tiny_model import build_tiny_model
 
 import tokenmill
 from tokenmill.cli import main
-from tokenmill.engine.llm import LLM
+from tokenmill.engine.api.llm import LLM
 from tokenmill.pipelines.job import run_job
 from tokenmill.pipelines.output import read_results
 

@@ -13,8 +13,13 @@ from rich.console import Console
 
 from tokenmill.cli import main
 from tokenmill.cli.progress import TerminalProgress, clock
-from tokenmill.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+)
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.pipelines.job import run_job
 from tokenmill.pipelines.pricing import Prices
 from tokenmill.pipelines.progress import ProgressCounter, StepTokens, step_counter
@@ -36,7 +41,7 @@ def _output(completion_tokens: int) -> RequestOutput:
 
 
 def test_on_step_reports_the_engines_counters_after_every_step(tiny_model_dir):
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
 
     llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_memory=8 << 20)
     seen: list[tuple[int, int]] = []
@@ -93,7 +98,7 @@ def test_no_prices_no_cost():
 
 
 def test_terminal_progress_prints_stages_and_a_tokens_bar(tmp_path, tiny_model_dir):
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
 
     src = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": [f"Question {i}?" for i in range(12)]}), src)

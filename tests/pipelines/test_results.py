@@ -3,7 +3,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.types.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.pipelines.results import RESULT_COLUMNS, build_results, check_passthrough, latencies
 from tokenmill.pipelines.tokenize import PromptRow
 
@@ -84,7 +84,7 @@ def test_latencies_skip_errors():
 
 
 def test_logprobs_column_keeps_each_rows_top_k_and_the_token_bytes():
-    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.types.sampling_params import SamplingParams
     from tokenmill.pipelines.logprobs import LogprobsColumn
     from tokenmill.pipelines.results import extra_columns
 

@@ -21,7 +21,7 @@ ENGINE = {"kv_cache_memory": 8 << 20}
 CHILD = textwrap.dedent(
     """
     import sys, time
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
     from tokenmill.pipelines.job import run_job
 
     generate = LLM.generate

@@ -22,7 +22,7 @@ ENGINE = {"kv_cache_memory": 8 << 20}
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dir):
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
 
     return LLM(str(tiny_model_dir), device="cpu", dtype="float32", **ENGINE)
 

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from tokenmill.cli import main
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.flows import batch_inference
 from tokenmill.flows.parameters import build_spec
 from tokenmill.pipelines import job as job_mod

@@ -19,8 +19,8 @@ from tiny_model import build_tiny_model
 
 import tokenmill
 from tokenmill.cli import main
-from tokenmill.engine.llm import LLM
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.api.llm import LLM
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.pipelines.job import JobSpec, plan_job, run_job
 from tokenmill.pipelines.output import read_ledger_dataset, read_results
 from tokenmill.pipelines.results import RESULT_SCHEMA, SCORE_RESULT_SCHEMA
@@ -252,7 +252,7 @@ def test_generation_results_keep_their_schema(tmp_path, llm):
 # A scoring job in a child process, slowed after each shard so it can be killed midway.
 CHILD = """
 import sys, time
-from tokenmill.engine.llm import LLM
+from tokenmill.engine.api.llm import LLM
 from tokenmill.pipelines.job import run_job
 
 generate = LLM.generate

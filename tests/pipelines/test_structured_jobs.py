@@ -42,7 +42,7 @@ UNSUPPORTED = {"type": "array", "uniqueItems": True}
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dir):
-    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.api.llm import LLM
 
     return LLM(str(tiny_model_dir), device="cpu", dtype="float32", **ENGINE)
 

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tokenmill.engine.loader.adapters import describe_adapter, load_adapter
 from tokenmill.engine.loader.model_files import CONVERSION_RECORD, weight_files
 from tokenmill.engine.loader.safetensors_files import iter_tensors
+from tokenmill.engine.lora.adapters import describe_adapter, load_adapter
+from tokenmill.engine.lora.layers import LORA_TARGETS, target_shapes
 from tokenmill.engine.models import load_config
-from tokenmill.engine.models.lora_layers import LORA_TARGETS, target_shapes
 
 ALL_TARGETS = tuple(LORA_TARGETS)
 

@@ -1,6 +1,6 @@
 """Where an engine's time goes: a `StepProfiler` that times each stage of each step.
 
-Installed with `LLM.set_profiler` (engine/profiling.py names the stages), it adds the
+Installed with `LLM.set_profiler` (engine/types/profiling.py names the stages), it adds the
 linear layers and attention as stages of their own - linear layers through torch's
 module hooks, attention through the metadata the runner hands it - and subtracts a
 stage's time from the stage it runs inside, so the stages add up to the time spent in
@@ -16,8 +16,8 @@ from typing import Any
 
 from torch import nn
 
-from tokenmill.engine.profiling import StepProfiler
 from tokenmill.engine.quant import linear_kinds
+from tokenmill.engine.types.profiling import StepProfiler
 
 LINEAR = "linear layers"
 LM_HEAD = "lm_head"

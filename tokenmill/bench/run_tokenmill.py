@@ -134,7 +134,7 @@ def run_merged(job: Job, workload: Workload) -> RunResult:
 
     from tokenmill import LLM, SamplingParams
     from tokenmill.bench.lora import merge_adapter
-    from tokenmill.engine.outputs import EngineStats
+    from tokenmill.engine.types.outputs import EngineStats
 
     paths = job.system.options["adapters"]
     lens = job.output_lens or workload.output_lens

@@ -249,7 +249,7 @@ def best_float_dtype() -> str:
     """The float precision tokenmill runs fastest in on this machine's CPU."""
     import torch
 
-    from tokenmill.engine.config import resolve_dtype
+    from tokenmill.engine.types.config import resolve_dtype
 
     return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 

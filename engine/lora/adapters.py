@@ -31,13 +31,13 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.loader import hub
 from tokenmill.engine.loader.aliases import ALIASES, DEFAULT_MODEL
 from tokenmill.engine.loader.model_files import file_sha256, is_hub_model
 from tokenmill.engine.loader.safetensors_files import iter_tensors, read_header
+from tokenmill.engine.lora.layers import LORA_TARGETS, target_shapes
 from tokenmill.engine.models.config import ModelConfig
-from tokenmill.engine.models.lora_layers import LORA_TARGETS, target_shapes
+from tokenmill.engine.types.config import EngineConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -12,7 +12,7 @@ weights ready for the model's layers, and each step's rows by adapter.
                            and one of the prompt chunks). With the native kernel
                            every run goes to it in one table; otherwise runs of more
                            than BATCHED_ROWS rows are (slot, first, end) segments, the
-                           others one padded batch (`lora_layers.BatchedRows`). Nothing
+                           others one padded batch (`layers.BatchedRows`). Nothing
                            when no row has an adapter: every wrapper then only runs its
                            base.
     end_step()             clear the mapping.
@@ -33,9 +33,8 @@ from torch import nn
 
 from tokenmill.engine.core.step import SchedulerOutput
 from tokenmill.engine.kernels import lora as lora_kernel
-from tokenmill.engine.loader.adapters import AdapterDescription, AdapterTarget, load_adapter
-from tokenmill.engine.models import ModelConfig
-from tokenmill.engine.models.lora_layers import (
+from tokenmill.engine.lora.adapters import AdapterDescription, AdapterTarget, load_adapter
+from tokenmill.engine.lora.layers import (
     BatchedRows,
     LoRALinear,
     LoRAStep,
@@ -43,6 +42,7 @@ from tokenmill.engine.models.lora_layers import (
     TargetShape,
     target_shapes,
 )
+from tokenmill.engine.models import ModelConfig
 
 HostWeights = dict[AdapterTarget, tuple[torch.Tensor, torch.Tensor]]
 

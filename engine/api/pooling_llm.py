@@ -1,6 +1,6 @@
 """`LLM`'s pooling methods - embed, classify, score (rerank) and encode - in vLLM's shape.
 
-Mixed into `LLM` (engine/llm.py), which owns the engine, the tokenizer and the model's
+Mixed into `LLM` (engine/api/llm.py), which owns the engine, the tokenizer and the model's
 served tasks. An encoder (BERT family) runs in its own loop (`core/encoder_engine.py`);
 a decoder pools through the decode loop as prompt-only requests, so the prefix cache
 shares common prefixes (an instruction prefix before every query) exactly as it does
@@ -20,21 +20,21 @@ from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any
 
+from tokenmill.engine.api.request_loop import per_prompt, run_to_completion
 from tokenmill.engine.core.encoder_engine import EncoderEngine
-from tokenmill.engine.loader.pooling_config import PoolingConfig, read_pooling_config
 from tokenmill.engine.loader.pooling_tokenizer import EncodedText, PoolingTokenizer
 from tokenmill.engine.models import architecture_for
-from tokenmill.engine.outputs import EngineStats, RequestMetrics
-from tokenmill.engine.pooling_outputs import (
+from tokenmill.engine.pooling.config import PoolingConfig, read_pooling_config
+from tokenmill.engine.types.outputs import EngineStats, RequestMetrics
+from tokenmill.engine.types.pooling_outputs import (
     ClassificationOutput,
     EmbeddingOutput,
     PoolingOutput,
     ScoringOutput,
     task_view,
 )
-from tokenmill.engine.pooling_params import CLASSIFY, EMBED, RERANK, PoolingParams
-from tokenmill.engine.request_loop import per_prompt, run_to_completion
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.types.pooling_params import CLASSIFY, EMBED, RERANK, PoolingParams
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 OnPooled = Callable[[PoolingOutput], None]
 

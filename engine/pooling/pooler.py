@@ -29,8 +29,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.engine.core.step import PoolingState, ScheduledChunk
-from tokenmill.engine.loader.pooling_config import PoolingConfig
-from tokenmill.engine.pooling_params import CLASSIFY, EMBED, RERANK, PoolingParams
+from tokenmill.engine.pooling.config import PoolingConfig
+from tokenmill.engine.types.pooling_params import CLASSIFY, EMBED, RERANK, PoolingParams
 
 # Modes that read every row of a sequence (the rest read one: its first or last token).
 _EVERY_TOKEN = frozenset({"max", "mean", "mean_sqrt_len_tokens", "weightedmean"})
@@ -70,7 +70,7 @@ class Pooler:
     Args:
         model: the loaded model; `head_pooling` ("cls" | "lasttoken" | None) and
             `classify(rows) -> logits` when it has a classification head.
-        config: how the model pools (loader/pooling_config.py).
+        config: how the model pools (pooling/config.py).
         tasks: the tasks the model serves (registry TASKS).
     """
 

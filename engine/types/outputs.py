@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.engine.lora_request import LoRARequest
+from tokenmill.engine.types.lora_request import LoRARequest
 
 
 @dataclass

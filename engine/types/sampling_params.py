@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.engine.types.structured_outputs import StructuredOutputs
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tokenmill.engine.outputs import EngineStats
+from tokenmill.engine.types.outputs import EngineStats
 
 
 def per_prompt(value: Any, kind: type, num_prompts: int, what: str) -> list:

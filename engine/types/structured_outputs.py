@@ -3,7 +3,7 @@
 Shaped like vLLM's `StructuredOutputsParams`, so vLLM code ports by renaming the import:
 `SamplingParams(structured_outputs=StructuredOutputs(json=schema))`. The constraint is
 checked here for shape only; compiling it (which also rejects schema features the
-engine cannot enforce) happens once per distinct constraint in `engine/grammar.py`.
+engine cannot enforce) happens once per distinct constraint in `engine/core/grammar.py`.
 
 A constraint may come from one row of a dataset, so its size is bounded before anything
 parses it: MAX_CONSTRAINT_BYTES of schema, regex, grammar or choices, and a schema's JSON

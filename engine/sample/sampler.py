@@ -1,8 +1,8 @@
 """Turn a step's logits into next tokens: greedy, temperature, top-k, top-p, min-p.
 
-Before sampling, in this order: penalties and logit bias (`worker/logit_controls.py`),
+Before sampling, in this order: penalties and logit bias (`sample/logit_controls.py`),
 the structured outputs mask - a bit-packed mask of each constrained row's allowed tokens
-(engine/grammar.py) - then allowed_token_ids and the bans. All are tensor ops on the
+(engine/core/grammar.py) - then allowed_token_ids and the bans. All are tensor ops on the
 logits' device, so every later step - logprobs, temperature, filters, sampling - sees
 the distribution they leave.
 
@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.step import SamplerOutput
 from tokenmill.engine.kernels.argmax import argmax_rows
-from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.worker.logit_controls import LogitControls, PenaltyScratch
+from tokenmill.engine.sample.logit_controls import LogitControls, PenaltyScratch
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tokenmill.engine.grammar import TokenBitmask
+    from tokenmill.engine.core.grammar import TokenBitmask
 
 
 @dataclass

@@ -10,22 +10,22 @@ from typing import Any
 
 import torch
 
-from tokenmill.engine.config import EngineConfig, engine_settings, resolve_dtype
+from tokenmill.engine.api.pooling_llm import PoolingMethods
+from tokenmill.engine.api.request_loop import per_prompt, run_to_completion
 from tokenmill.engine.core.encoder_engine import EncoderEngine
 from tokenmill.engine.core.llm_engine import LLMEngine
-from tokenmill.engine.loader.adapters import describe_adapter, model_names
 from tokenmill.engine.loader.hub import snapshot_revision
 from tokenmill.engine.loader.model_files import display_name, resolve_model
-from tokenmill.engine.loader.pooling_config import served_tasks
 from tokenmill.engine.loader.pooling_tokenizer import pair_separator_id
 from tokenmill.engine.loader.tokenizer import Tokenizer
-from tokenmill.engine.lora_request import LoRARequest
+from tokenmill.engine.lora.adapters import describe_adapter, model_names
 from tokenmill.engine.models import GENERATE
-from tokenmill.engine.outputs import EngineStats, RequestOutput
-from tokenmill.engine.pooling_llm import PoolingMethods
-from tokenmill.engine.profiling import NO_PROFILER, StepProfiler
-from tokenmill.engine.request_loop import per_prompt, run_to_completion
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.pooling.config import served_tasks
+from tokenmill.engine.types.config import EngineConfig, engine_settings, resolve_dtype
+from tokenmill.engine.types.lora_request import LoRARequest
+from tokenmill.engine.types.outputs import EngineStats, RequestOutput
+from tokenmill.engine.types.profiling import NO_PROFILER, StepProfiler
+from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.engine.worker.build import (
     build_encoder_runner,
     build_runner,
@@ -39,7 +39,7 @@ LoRARequests = LoRARequest | Sequence[LoRARequest | None] | None
 
 class LLM(PoolingMethods):
     """A model loaded for batch generation - or for embedding, classification and
-    reranking (`embed`, `classify`, `score`, `encode`: engine/pooling_llm.py), as its
+    reranking (`embed`, `classify`, `score`, `encode`: engine/api/pooling_llm.py), as its
     architecture serves (`tasks`).
 
     Args:
@@ -124,7 +124,7 @@ class LLM(PoolingMethods):
         Raises:
             ValueError: a structured outputs constraint is invalid or cannot be enforced,
                 or a LoRA adapter is missing or does not fit the model
-                (`loader.adapters.AdapterError`, naming it), or the model does not
+                (`lora.adapters.AdapterError`, naming it), or the model does not
                 generate - raised before any prompt is queued.
         """
         if GENERATE not in self.tasks:
@@ -228,7 +228,7 @@ class LLM(PoolingMethods):
 
     def set_profiler(self, profiler: StepProfiler | None) -> None:
         """Report every stage of every step to `profiler` from now on (None: stop); see
-        engine/profiling.py for the stages and `tokenmill.bench.profile` for a timer."""
+        engine/types/profiling.py for the stages and `tokenmill.bench.profile` for a timer."""
         profiler = profiler or NO_PROFILER
         self.engine.profiler = profiler
         self.engine.runner.profiler = profiler

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from tokenmill.engine.outputs import RequestMetrics
+from tokenmill.engine.types.outputs import RequestMetrics
 
 
 @dataclass

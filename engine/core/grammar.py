@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.engine.structured_outputs import StructuredOutputs
+from tokenmill.engine.types.structured_outputs import StructuredOutputs
 
 MAX_COMPILED = 512  # distinct constraints kept compiled per process
 # llguidance's `LLParserLimits` for every constraint (its own defaults, stated here so an
