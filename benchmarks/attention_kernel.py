@@ -27,6 +27,9 @@ import numpy as np
 import torch
 
 from tokenmill.bench.timing import best_of
+
+# Below the front door: a kernel micro-benchmark - it times the attention kernels and the
+# portable path's own functions on hand-built caches, which no public API exposes.
 from tokenmill.engine.kernels.paged_attention import (
     AttentionEntries,
     kv_int8_head_bytes,

@@ -49,7 +49,7 @@ def texts(num: int, seed: int = 0) -> list[str]:
     tokens)."""
     from tokenizers import Tokenizer
 
-    from tokenmill.engine.loader.model_files import resolve_model
+    from tokenmill.engine import resolve_model
 
     vocab = Tokenizer.from_file(str(resolve_model("all-minilm-l6-v2") / "tokenizer.json"))
     words = sorted(w for w in vocab.get_vocab() if w.isalpha() and w.isascii() and len(w) > 2)
@@ -78,8 +78,7 @@ def minilm(num_texts: int, workdir: Path) -> None:
     import pyarrow.parquet as pq
     from sentence_transformers import SentenceTransformer
 
-    from tokenmill.engine.api.llm import LLM
-    from tokenmill.engine.loader.model_files import resolve_model
+    from tokenmill.engine import LLM, resolve_model
     from tokenmill.pipelines.output import read_results
 
     items = texts(num_texts)
@@ -160,7 +159,7 @@ def random_models(workdir: Path) -> None:
     import torch.nn.functional as F
     from pooling_models import build_decoder, build_encoder, write_sentence_transformers_files
 
-    from tokenmill.engine.api.llm import LLM
+    from tokenmill.engine import LLM
 
     sample = [
         "The quick brown fox jumps over the lazy dog.",

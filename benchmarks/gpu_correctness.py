@@ -23,8 +23,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.workload import load_preset
-from tokenmill.engine.loader.model_files import resolve_model
-from tokenmill.engine.loader.tokenizer import Tokenizer
+from tokenmill.engine import Tokenizer, resolve_model
 
 _QUESTIONS = [
     "What is the capital of France?",

@@ -20,7 +20,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.workload import load_preset
-from tokenmill.engine.loader.model_files import resolve_model
+from tokenmill.engine import resolve_model
 
 _KINDS = (
     ("attention", ("paged_attention_kernel",)),

@@ -30,6 +30,9 @@ import torch
 from torch import nn
 
 from tokenmill.bench.timing import time_per_call
+
+# Below the front door: a kernel micro-benchmark - it calls one LoRA layer, its kernel and
+# its oneDNN base product directly, as a step does.
 from tokenmill.engine.kernels import lora as lora_kernel
 from tokenmill.engine.lora.layers import LoRALinear, LoRAStep, SlotWeights
 from tokenmill.engine.lora.manager import batched_rows

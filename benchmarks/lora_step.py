@@ -17,6 +17,7 @@ import time
 import torch
 from lora_layer import LAYERS, NUM_ADAPTERS, load_adapters
 
+# Below the front door: a kernel micro-benchmark - a step's LoRA layers called directly.
 from tokenmill.engine.kernels import lora as lora_kernel
 from tokenmill.engine.lora.layers import LoRALinear, LoRAStep
 

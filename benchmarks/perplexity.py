@@ -37,8 +37,7 @@ MODES = {
 
 
 def token_ids(model: str | None) -> list[int]:
-    from tokenmill.engine.loader.model_files import resolve_model
-    from tokenmill.engine.loader.tokenizer import Tokenizer
+    from tokenmill.engine import Tokenizer, resolve_model
 
     tokenizer = Tokenizer.from_dir(resolve_model(model))
     return tokenizer.encode_batch([TEXT.read_text(encoding="utf-8")])[0]
@@ -47,7 +46,7 @@ def token_ids(model: str | None) -> list[int]:
 def score_tokenmill(mode: str, model: str | None) -> dict:
     import tokenmill
     from tokenmill import LLM
-    from tokenmill.engine.quant import weight_bytes
+    from tokenmill.engine import weight_bytes
 
     dtype, quantization = MODES[mode.removesuffix("-kv8")]
     start = time.perf_counter()
@@ -83,7 +82,7 @@ def score_transformers(model: str | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.engine.loader.model_files import resolve_model
+    from tokenmill.engine import resolve_model
 
     ids = token_ids(model)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32).eval()

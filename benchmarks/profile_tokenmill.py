@@ -32,7 +32,7 @@ from tokenmill import LLM
 from tokenmill.bench.profile import LINEAR, profile_llm
 from tokenmill.bench.timing import alternate, fixed_length_params, timed_generate, warm_up
 from tokenmill.bench.workload import PRESETS, load_preset
-from tokenmill.engine.types.profiling import STAGES
+from tokenmill.engine import STAGES
 
 
 def _options(pairs: list[str]) -> dict:

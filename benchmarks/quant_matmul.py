@@ -57,6 +57,8 @@ SHAPES = {  # name -> (N, K) of SmolLM2-135M's projections
 }
 
 
+# Below the front door: a kernel micro-benchmark - each quantized layer class and native
+# kernel is built and called directly on one weight.
 def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor], object]]:
     """name -> fn(x_fp32) for every kernel this build has, weight [N, K] fp32."""
     from tokenmill.engine.kernels import int8_linear as native_int8

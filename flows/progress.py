@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from tokenmill.engine.types.outputs import EngineStats, RequestOutput
+from tokenmill.engine import EngineStats, RequestOutput
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines import report
 from tokenmill.pipelines.plan import Shard

@@ -16,9 +16,8 @@ ids         null/duplicate ids over a stream, in 8 bytes a row
 spill       a shard's planned rows as a table (the plan files under OUTPUT/_plan/)
 output      the output directory layout and its atomic reads/writes
 planning    plan_job: read, template, tokenize, shard - before any model is loaded
-cache_forecast  the prefix cache's hits over the plan's order; the engine's loop, scripted
 calibration a short timed run of a sample: completion lengths and step costs
-forecast    the bill before the job runs: exact tokens, bounds, estimates
+forecast    the bill before the job runs: exact tokens, bounds, estimates (LLM.plan)
 progress    a run's progress per engine step: tokens, rate, ETA, cost so far
 running     prepare_output / run_shard: generate one shard, publish its part
 dry_run     forecast a planned job, record it, keep nothing else

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.engine.lora.adapters import describe_adapter
-from tokenmill.engine.types.lora_request import LoRARequest
+from tokenmill.engine import LoRARequest, describe_adapter
 
 BASE_INDEX = 0  # PromptRow.lora_index of a row on the base model
 

@@ -18,7 +18,7 @@ What it yields:
 - the cost of an engine step, `StepCost`: seconds = per_step + per_prompt_token x prompt
   tokens computed + per_sampled_token x tokens sampled, fitted by least squares to the
   sample's own steps (timed between `LLM.generate`'s `on_step` calls). A step's work
-  is what the engine's counters say it computed, which `cache_forecast.simulate_engine`
+  is what the engine's counters say it computed, which `LLM.plan(simulate=True)`
   reproduces for the whole job; the forecast's duration is the fitted cost of those
   steps. Extrapolating from the sample's small batches to the job's large ones assumes
   a step's cost grows linearly with its tokens - true of the matrix products that
@@ -38,8 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.engine.types.outputs import EngineStats, RequestOutput
-from tokenmill.pipelines.cache_forecast import Request, StepLoad
+from tokenmill.engine import EngineStats, PlannedRequest, RequestOutput, StepLoad
 
 SAMPLE_SHARE = 0.05
 MIN_SAMPLE_ROWS = 8
@@ -114,7 +113,7 @@ class _Run:
 
 
 def calibrate(
-    llm: Any, requests: Sequence[Request], *, time_bound_s: float = TIME_BOUND_S
+    llm: Any, requests: Sequence[PlannedRequest], *, time_bound_s: float = TIME_BOUND_S
 ) -> Calibration:
     """Run `requests` (the sample) on `llm`, timing every step; see the module docstring.
     A pooling sample (embed, classify, rerank) has no completions: it gives step costs
@@ -168,7 +167,7 @@ def calibrate(
     )
 
 
-def _fractions(requests: Sequence[Request], run: _Run) -> list[float]:
+def _fractions(requests: Sequence[PlannedRequest], run: _Run) -> list[float]:
     """Each sample row's completion tokens over its budget. A row the time bound cut off
     counts at its whole budget: rows still generating at the bound are the long ones,
     and leaving them out would forecast the job's completions short."""
@@ -183,7 +182,7 @@ def _fractions(requests: Sequence[Request], run: _Run) -> list[float]:
     return fractions
 
 
-def _timed_run(llm: Any, requests: Sequence[Request], deadline: float) -> _Run:
+def _timed_run(llm: Any, requests: Sequence[PlannedRequest], deadline: float) -> _Run:
     """The sample's generate (and encode) call, each step timed; the cache emptied after it."""
     finished: list[RequestOutput] = []
     steps: list[tuple[float, StepLoad]] = []

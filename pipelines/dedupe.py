@@ -36,8 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.engine.types.pooling_params import PoolingParams
-from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine import PoolingParams, SamplingParams
 from tokenmill.pipelines.plan import PlannedShard, Shard, shard_id
 from tokenmill.pipelines.scoring import GENERATE
 from tokenmill.pipelines.tokenize import PromptRow

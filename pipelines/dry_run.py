@@ -17,9 +17,9 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from tokenmill.engine import PlannedRequest
 from tokenmill.pipelines import output as out
-from tokenmill.pipelines.cache_forecast import Request
-from tokenmill.pipelines.forecast import Forecast, Work, engine_facts, forecast_work
+from tokenmill.pipelines.forecast import Forecast, Work, engine_planner, forecast_work
 from tokenmill.pipelines.ledger import add_token_sums
 from tokenmill.pipelines.planning import JobPlan, load_shard
 from tokenmill.pipelines.spill import shard_rows
@@ -51,7 +51,9 @@ def forecast_job(plan: JobPlan, *, done: Iterable[str] = (), llm: Any = None) ->
         elif not shard.is_copy:
             rows = shard_rows(load_shard(plan, shard)).rows
             requests = [
-                Request(r.token_ids, plan.params[r.params_index]) for r in rows if r.error is None
+                PlannedRequest(r.token_ids, plan.params[r.params_index])
+                for r in rows
+                if r.error is None
             ]
             # A shard runs its generation rows in one call, then its pooling rows in
             # another (`engine_failures.generate_rows`): the forecast sees both in order.
@@ -72,7 +74,7 @@ def forecast_job(plan: JobPlan, *, done: Iterable[str] = (), llm: Any = None) ->
     )
     return forecast_work(
         work,
-        engine=engine_facts(spec.llm_options, plan.model_dir, llm),
+        planner=engine_planner(spec.llm_options, plan.model_dir, llm),
         prices=spec.prices,
         task=spec.task,
         model=plan.model_name,

@@ -23,10 +23,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.engine.types.outputs import EngineStats, RequestMetrics, RequestOutput
-from tokenmill.engine.types.pooling_outputs import PoolingOutput
-from tokenmill.engine.types.pooling_params import PoolingParams
-from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine import (
+    EngineStats,
+    PoolingOutput,
+    PoolingParams,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+)
 from tokenmill.pipelines.tokenize import PromptRow
 
 log = logging.getLogger(__name__)

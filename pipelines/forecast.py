@@ -6,9 +6,9 @@ row, so before any compute the forecast knows, exactly:
     prompt_tokens       the sum over the rows the engine will compute (copies bill none)
     cached_tokens       what the prefix cache will serve given the plan's order, the
                         block size and the engine's cache capacity - the number the
-                        ledger will report (`cache_forecast.py`: exact whenever the cache
-                        cannot have to evict; otherwise `cached_tokens_exact` is false,
-                        the figure is the engine replayed with the calibrated completion
+                        ledger will report (`LLM.plan`: exact whenever the cache cannot
+                        have to evict; otherwise `cached_tokens_exact` is false, the
+                        figure is the engine's loop run with the calibrated completion
                         lengths, and `cached_tokens_min`/`_max` bound it). An encoder
                         (embed, classify, rerank on a BERT-family model) keeps no cache:
                         0; a decoder's pooling rows replay as the scheduler serves them
@@ -30,25 +30,18 @@ does; an engine already warm in a notebook may serve more from its cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from tokenmill.engine.core.encoder_engine import EncoderEngine
-from tokenmill.engine.models import architecture_for, load_config
-from tokenmill.engine.pooling.config import PoolingConfig, read_pooling_config
-from tokenmill.engine.pooling.pooler import reads_every_token
-from tokenmill.engine.types.config import EngineConfig, resolve_dtype
-from tokenmill.engine.types.pooling_params import PoolingParams
-from tokenmill.engine.types.sampling_params import SamplingParams
-from tokenmill.pipelines.cache_forecast import (
-    Request,
-    Simulation,
-    engine_config_of,
-    never_evicts,
-    replay_prefix_cache,
-    simulate_encoder,
-    simulate_engine,
+from tokenmill.engine import (
+    LLM,
+    Plan,
+    PlannedRequest,
+    PoolingParams,
+    SamplingParams,
+    engine_settings,
 )
 from tokenmill.pipelines.calibration import Calibration, calibrate, sample_indices
 from tokenmill.pipelines.pricing import Prices, token_costs
@@ -57,88 +50,19 @@ from tokenmill.pipelines.pricing import Prices, token_costs
 # minute of simulation); a larger job is timed on evenly spread shards and scaled up.
 SIMULATED_TOKENS = 4_000_000
 
-
-@dataclass(frozen=True)
-class EngineFacts:
-    """What the forecast must know of the engine that will run the job."""
-
-    config: EngineConfig
-    num_blocks: int  # KV cache blocks: the prefix cache's capacity (an encoder: none)
-    max_model_len: int
-    vocab_size: int
-    device: str
-    # An encoder runs its own loop (`EncoderEngine`): no KV cache, nothing cached.
-    is_encoder: bool = False
-    # How a pooling model pools, and the token its head reads: whether a decoder's
-    # pooling request may be served from the prefix cache (`reads_every_token`).
-    pooling_config: PoolingConfig | None = None
-    head_pooling: str | None = None
-
-    def request(self, request: Request) -> Request:
-        """`request` as this engine treats it: a pooling one knows whether its pooling
-        reads every row."""
-        if not request.is_pooling or self.pooling_config is None:
-            return request
-        every = reads_every_token(self.pooling_config, self.head_pooling, request.params)
-        return replace(request, reads_every_token=every)
+# `LLM.plan` for the engine that will run a job: batches -> Plan (simulate=True runs the
+# engine's loop with each request's completion_tokens).
+Planner = Callable[..., Plan]
 
 
-def engine_facts(llm_options: dict[str, Any], model_dir: Any, llm: Any = None) -> EngineFacts:
-    """The engine a job's LLM options build for a model: that LLM's own when it is
-    loaded (`llm`), else sized as the engine sizes itself (`worker.build`), without
-    loading anything. On CUDA an engine not yet loaded is sized from the memory free
-    now, before its weights take their share: the capacity is then an upper bound."""
-    import torch
-
-    from tokenmill.engine.worker.build import max_model_len_of, num_cache_blocks
-
+def engine_planner(llm_options: dict[str, Any], model_dir: Any, llm: Any = None) -> Planner:
+    """`LLM.plan` of the engine a job's LLM options build for a model: the loaded LLM's
+    own (`llm`), else the one they would build, sized without loading anything."""
     if llm is not None and getattr(llm, "engine", None) is not None:
-        is_encoder = isinstance(llm.engine, EncoderEngine)
-        pooler = getattr(getattr(llm.engine, "runner", None), "pooler", None)
-        return EngineFacts(
-            llm.engine_config,
-            0 if is_encoder else llm.engine.block_manager.num_blocks,
-            llm.max_model_len,
-            llm.model_config.vocab_size,
-            str(llm.device),
-            is_encoder=is_encoder,
-            pooling_config=llm.pooling_config if pooler is not None else None,
-            head_pooling=pooler.head_pooling if pooler is not None else None,
-        )
-    config = engine_config_of(llm_options)
-    model_config = load_config(model_dir)
-    architecture = architecture_for(model_config)
-    pooling = read_pooling_config(model_dir, is_encoder=architecture.is_encoder)
-    head_pooling = getattr(architecture.model_class, "head_pooling", None)
-    if architecture.is_encoder:
-        return EngineFacts(
-            config,
-            0,
-            max_model_len_of(model_config, config, pooling.max_seq_length),
-            model_config.vocab_size,
-            _device_of(llm_options),
-            is_encoder=True,
-            pooling_config=pooling,
-            head_pooling=head_pooling,
-        )
-    device = torch.device(_device_of(llm_options))
-    dtype = resolve_dtype(llm_options.get("dtype") or "auto", device)
-    return EngineFacts(
-        config,
-        num_cache_blocks(model_config, config, dtype=dtype, device=device),
-        max_model_len_of(model_config, config),
-        model_config.vocab_size,
-        str(device),
-        pooling_config=pooling,
-        head_pooling=head_pooling,
-    )
-
-
-def _device_of(llm_options: dict[str, Any]) -> str:
-    import torch
-
-    device_name = llm_options.get("device")
-    return str(torch.device(device_name or ("cuda" if torch.cuda.is_available() else "cpu")))
+        return llm.plan
+    names = {f.name for f in engine_settings()}
+    settings = {k: v for k, v in llm_options.items() if k in names}
+    return functools.partial(LLM.plan, model=model_dir, **settings)
 
 
 @dataclass
@@ -190,7 +114,7 @@ class Work:
     """What a forecast is made of: the requests still to compute, call by call, and what
     is known of the rest."""
 
-    batches: list[list[Request]]  # per generate call (shard), rows in run order
+    batches: list[list[PlannedRequest]]  # per generate call (shard), rows in run order
     rows: int
     rows_failed: int = 0
     rows_deduplicated: int = 0
@@ -202,18 +126,19 @@ class Work:
 def forecast_work(
     work: Work,
     *,
-    engine: EngineFacts,
+    planner: Planner,
     prices: Prices,
     task: str,
     model: str,
     job_id: str | None = None,
     llm: Any = None,
 ) -> Forecast:
-    """Forecast `work` on `engine`; with a loaded `llm`, calibrated on it.
+    """Forecast `work` on the engine `planner` plans for; with a loaded `llm`, calibrated
+    on it.
 
     Args:
         work: the requests to compute and the finished part.
-        engine: the engine that will run them.
+        planner: `LLM.plan` of the engine that will run them (`engine_planner`).
         prices: the job's prices.
         task, model, job_id: recorded in the forecast.
         llm: a loaded LLM to calibrate on (None: no calibration, no estimates).
@@ -221,14 +146,10 @@ def forecast_work(
     Returns:
         The Forecast.
     """
-    batches = [[engine.request(r) for r in batch] for batch in work.batches]
-    requests = [r for batch in batches for r in batch]
-    block_size = engine.config.block_size
-    if engine.is_encoder:  # no KV cache: nothing is ever served from a cache
-        exact, cached = True, 0
-    else:
-        exact = never_evicts(requests, block_size, engine.num_blocks)
-        cached = sum(replay_prefix_cache(requests, block_size))
+    plan = planner(work.batches)
+    requests = plan.requests
+    exact = plan.cached_tokens_exact
+    cached = sum(plan.cached_tokens)
     cached_max = cached
     cached_min = cached if exact else 0
     completion_min = sum(
@@ -238,14 +159,14 @@ def forecast_work(
     estimate = seconds = None
     calibration: Calibration | None = None
     if llm is not None and requests:
-        calibration = _calibrate(llm, requests, engine)
+        calibration = _calibrate(llm, requests, plan)
         budgets = [r.params.n * r.params.max_tokens for r in requests]
         lengths = [
             calibration.completion_tokens(i, b) // max(1, r.params.n)
             for i, (r, b) in enumerate(zip(requests, budgets))
         ]
         estimate = sum(r.params.n * n for r, n in zip(requests, lengths))
-        seconds, simulated_cached = _timed(batches, lengths, engine, calibration)
+        seconds, simulated_cached = _timed(plan.batches, lengths, planner, calibration)
         if not exact and simulated_cached is not None:
             cached = simulated_cached
     prompt = sum(len(r.token_ids) for r in requests)
@@ -276,7 +197,7 @@ def forecast_work(
         job_id=job_id,
         task=task,
         model=model,
-        device=engine.device,
+        device=plan.shape.device,
         rows=work.rows,
         rows_failed=work.rows_failed,
         rows_deduplicated=work.rows_deduplicated,
@@ -300,25 +221,25 @@ def forecast_work(
         calibration_rows=calibration.num_rows if calibration else None,
         calibration_rows_sampled=calibration.num_rows_sampled if calibration else None,
         calibration_seconds=calibration.seconds if calibration else None,
-        block_size=block_size,
-        cache_blocks=engine.num_blocks,
+        block_size=plan.block_size,
+        cache_blocks=plan.shape.num_blocks,
     )
 
 
-def _calibrate(llm: Any, requests: list[Request], engine: EngineFacts) -> Calibration:
-    chosen = sample_indices(len(requests), engine.config.max_num_seqs)
+def _calibrate(llm: Any, requests: list[PlannedRequest], plan: Plan) -> Calibration:
+    chosen = sample_indices(len(requests), plan.shape.config.max_num_seqs)
     return calibrate(llm, [requests[i] for i in chosen])
 
 
 def _timed(
-    batches: list[list[Request]],
+    batches: list[list[PlannedRequest]],
     lengths: list[int],
-    engine: EngineFacts,
+    planner: Planner,
     calibration: Calibration,
 ) -> tuple[float, int | None]:
     """(estimated seconds, cached tokens when every batch was simulated) of the batches
     with the calibrated completion lengths, through the engine's own loop."""
-    scripted: list[list[Request]] = []
+    scripted: list[list[PlannedRequest]] = []
     i = 0
     for batch in batches:
         scripted.append(
@@ -327,27 +248,12 @@ def _timed(
         i += len(batch)
     sizes = [sum(len(r.token_ids) + r.params.n * r.completion_tokens for r in b) for b in scripted]
     chosen = _spread(sizes, SIMULATED_TOKENS)
-    sim = _simulate([scripted[i] for i in chosen], engine)
+    sim = planner([scripted[i] for i in chosen], simulate=True).simulation
     seconds = calibration.step_cost.seconds(sim.steps)
     if len(chosen) == len(scripted):
         return calibration.warm_up_s + seconds, sum(sim.cached_tokens)
     scale = sum(sizes) / max(1, sum(sizes[i] for i in chosen))
     return calibration.warm_up_s + seconds * scale, None
-
-
-def _simulate(batches: list[list[Request]], engine: EngineFacts) -> Simulation:
-    """The engine's own loop over the batches, with a stand-in model."""
-    if engine.is_encoder:
-        return simulate_encoder(
-            batches, engine.config, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
-        )
-    return simulate_engine(
-        batches,
-        engine.config,
-        num_blocks=engine.num_blocks,
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.vocab_size,
-    )
 
 
 def _spread(sizes: Sequence[int], budget: int) -> list[int]:
@@ -391,6 +297,8 @@ def _cost_range(
 
 def requests_of(
     rows: Sequence[Any], params: Sequence[SamplingParams | PoolingParams]
-) -> list[Request]:
+) -> list[PlannedRequest]:
     """Prompt rows (with token ids) as the requests the engine will see."""
-    return [Request(r.token_ids, params[r.params_index]) for r in rows if r.token_ids is not None]
+    return [
+        PlannedRequest(r.token_ids, params[r.params_index]) for r in rows if r.token_ids is not None
+    ]

@@ -23,7 +23,7 @@ from contextlib import nullcontext
 from typing import Any
 
 from tokenmill.connectors.fs import redact_url
-from tokenmill.engine.types.outputs import RequestOutput
+from tokenmill.engine import RequestOutput
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.dry_run import dry_run
 from tokenmill.pipelines.finalizing import finalize_job

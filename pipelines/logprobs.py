@@ -14,8 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tokenmill.engine.types.outputs import CompletionOutput
-from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine import CompletionOutput, SamplingParams
 
 TOKEN_TYPE = pa.struct(
     [("token", pa.string()), ("logprob", pa.float64()), ("bytes", pa.list_(pa.int32()))]

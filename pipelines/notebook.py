@@ -23,7 +23,7 @@ import pyarrow as pa
 from tokenmill.connectors import ERROR_COLUMN
 from tokenmill.connectors.decoding import Decoding, decode_values
 from tokenmill.connectors.lines import BadLine
-from tokenmill.engine.types.outputs import RequestOutput
+from tokenmill.engine import RequestOutput
 from tokenmill.pipelines.adapters import (
     adapter_names,
     check_lora_option,
@@ -32,7 +32,7 @@ from tokenmill.pipelines.adapters import (
 )
 from tokenmill.pipelines.dedupe import find_copies
 from tokenmill.pipelines.engine_failures import generate_rows
-from tokenmill.pipelines.forecast import Forecast, Work, engine_facts, forecast_work, requests_of
+from tokenmill.pipelines.forecast import Forecast, Work, engine_planner, forecast_work, requests_of
 from tokenmill.pipelines.option_types import JOB, NOTEBOOK, POOL, PRICES, PROMPT, SAMPLE
 from tokenmill.pipelines.options import (
     OPTIONS,
@@ -363,7 +363,7 @@ def forecast(
     with job.lock:
         return forecast_work(
             work,
-            engine=engine_facts({}, None, job.llm),
+            planner=engine_planner({}, None, job.llm),
             prices=Prices(**routed(check_options(prices, surface=JOB), PRICES)),
             task=task,
             model=getattr(job.llm, "model_name", "model"),

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from tokenmill.connectors.csv_records import csv_character
 from tokenmill.connectors.decoding import check_encoding
-from tokenmill.engine.types.sampling_params import token_bias
+from tokenmill.engine import token_bias
 
 # Surfaces: where an option is shown.
 CLI = "cli"  # a flag of `tokenmill run` (and of `tokenmill generate`, unless about input)

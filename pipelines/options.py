@@ -51,11 +51,13 @@ from typing import Any
 
 from tokenmill.connectors.decoding import ON_DECODE_ERROR
 from tokenmill.connectors.formats import FORMATS
-from tokenmill.engine.loader.aliases import DEFAULT_MODEL
-from tokenmill.engine.types.config import engine_settings
-from tokenmill.engine.types.sampling_params import SamplingParams
-from tokenmill.engine.types.structured_outputs import StructuredOutputs
-from tokenmill.engine.worker.build import setting_choices
+from tokenmill.engine import (
+    DEFAULT_MODEL,
+    SamplingParams,
+    StructuredOutputs,
+    engine_settings,
+    setting_choices,
+)
 from tokenmill.pipelines.option_types import (
     BATCH,
     BOOL,

@@ -33,7 +33,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine import SamplingParams
 from tokenmill.pipelines.scoring import GENERATE
 from tokenmill.pipelines.tokenize import PromptRow
 

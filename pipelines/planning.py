@@ -1,6 +1,6 @@
 """Planning a job: read, template, tokenize and shard - everything before compute.
 
-The model is described (`engine.describe.describe_model`: its directory, context
+The model is described (`tokenmill.engine.describe_model`: its directory, context
 length, chat template, tokenizer and weights hash), never loaded, so every input
 problem - a bad file, a missing column, duplicate ids, a system prompt for a model
 without a chat template, an input that changed under results being resumed (its
@@ -23,23 +23,20 @@ import pyarrow as pa
 from tokenmill.connectors import open_source, redact_url
 from tokenmill.connectors.batches import ReadCounts
 from tokenmill.connectors.fingerprint import first_difference
-from tokenmill.engine.core.grammar import GrammarCompiler
-from tokenmill.engine.loader.pooling_tokenizer import PoolingTokenizer
-from tokenmill.engine.lora.adapters import model_names
-from tokenmill.engine.models import architecture_for, load_config
-from tokenmill.engine.pooling.config import embedding_size, read_pooling_config
-from tokenmill.engine.types.config import EngineConfig
-from tokenmill.engine.types.sampling_params import SamplingParams
-from tokenmill.engine.types.structured_outputs import StructuredOutputs
+from tokenmill.engine import (
+    EngineConfig,
+    ModelDescription,
+    PoolingTokenizer,
+    SamplingParams,
+    describe_model,
+    embedding_size,
+    model_names,
+    read_pooling_config,
+)
 from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.adapters import JobAdapter, describe_job_adapters, lora_requests
 from tokenmill.pipelines.dedupe import Deduplicator, copy_shard
-from tokenmill.pipelines.model_description import (
-    ModelDescription,
-    describe_model,
-    name_with_revision,
-)
 from tokenmill.pipelines.plan import Shard, job_id, plan_shards
 from tokenmill.pipelines.pooling import (
     POOLING_JOB_TASKS,
@@ -322,8 +319,7 @@ def _model_for(spec: JobSpec, llm: Any) -> tuple[ModelDescription, Any, int]:
     """(description, tokenizer, context length) of the model the job runs on."""
     if llm is not None:
         model = describe_model(llm.model_dir)
-        name = name_with_revision(getattr(llm, "model_name", model.name), model.revision)
-        model = replace(model, name=name)
+        model = model.named(getattr(llm, "model_name", model.name))
         return model, llm.tokenizer, llm.max_model_len
     model = describe_model(spec.model, revision=spec.revision)
     limit = spec.engine_options.get("max_model_len") or model.max_context
@@ -342,9 +338,7 @@ def _adapters_for(spec: JobSpec, model: ModelDescription, llm: Any) -> list[JobA
     else:
         names = model_names(spec.model)
         max_rank = spec.engine_options.get("max_lora_rank", EngineConfig.max_lora_rank)
-    return describe_job_adapters(
-        spec.lora, load_config(model.model_dir), model_names=names, max_rank=max_rank
-    )
+    return describe_job_adapters(spec.lora, model.config, model_names=names, max_rank=max_rank)
 
 
 def _pooling_for(
@@ -370,8 +364,7 @@ def _pooling_for(
     if llm is not None:
         config, pooling_tokenizer = llm.pooling_config, llm.pooling_tokenizer
     else:
-        is_encoder = architecture_for(load_config(model.model_dir)).is_encoder
-        config = read_pooling_config(model.model_dir, is_encoder=is_encoder)
+        config = read_pooling_config(model.model_dir, is_encoder=model.is_encoder)
         limit = min(max_model_len, config.max_seq_length or max_model_len)
         pooling_tokenizer = PoolingTokenizer(
             tokenizer, max_length=limit, lowercase=config.lowercase
@@ -417,17 +410,7 @@ def _constraint_check(model: ModelDescription, tokenizer: Any, llm: Any) -> Cons
     engine = getattr(llm, "engine", None)
     if engine is not None:
         return engine.compile_structured_outputs
-    compilers: list[GrammarCompiler] = []
-
-    def check(constraint: StructuredOutputs) -> None:
-        if not compilers:
-            config = load_config(model.model_dir)
-            compilers.append(
-                GrammarCompiler.for_model(tokenizer, config.vocab_size, config.eos_token_ids)
-            )
-        compilers[0].compile(constraint)
-
-    return check
+    return model.constraint_check(tokenizer)
 
 
 def _canonical_location(uri: str) -> str:

@@ -46,14 +46,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from tokenmill.engine.loader.pooling_tokenizer import EncodedText, PoolingTokenizer
-from tokenmill.engine.types.pooling_outputs import PoolingOutput
-from tokenmill.engine.types.pooling_params import (
+from tokenmill.engine import (
     CLASSIFY,
     EMBED,
     POOLING_TASKS,
     RERANK,
+    EncodedText,
+    PoolingOutput,
     PoolingParams,
+    PoolingTokenizer,
 )
 from tokenmill.pipelines.templating import RenderedRow, check_text
 from tokenmill.pipelines.tokenize import PromptRow

@@ -45,8 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.engine.types.config import EngineConfig
-from tokenmill.engine.types.outputs import EngineStats, RequestOutput
+from tokenmill.engine import EngineConfig, EngineStats, RequestOutput
 from tokenmill.pipelines.pricing import Prices
 
 # The engine's defaults: prompt tokens and rows one step takes at most.

@@ -22,8 +22,7 @@ from tokenmill.connectors import ERROR_COLUMN, REPLACED_COLUMN
 from tokenmill.connectors.batches import ReadCounts
 from tokenmill.connectors.openai_embeddings import is_embeddings_url
 from tokenmill.connectors.openai_tools import AUTO, renders_hermes_tools
-from tokenmill.engine.types.pooling_params import EMBED, PoolingParams
-from tokenmill.engine.types.structured_outputs import StructuredOutputs
+from tokenmill.engine import EMBED, PoolingParams, StructuredOutputs
 from tokenmill.pipelines.adapters import JobAdapter, row_adapters
 from tokenmill.pipelines.ids import IdCheck
 from tokenmill.pipelines.options import per_row_fields

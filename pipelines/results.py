@@ -55,10 +55,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from tokenmill.engine.types.outputs import CompletionOutput, RequestOutput
-from tokenmill.engine.types.pooling_outputs import PoolingOutput
-from tokenmill.engine.types.pooling_params import PoolingParams
-from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingParams,
+    RequestOutput,
+    SamplingParams,
+)
 from tokenmill.pipelines.logprobs import LOGPROBS_TYPE, LogprobsColumn
 from tokenmill.pipelines.pooling import POOLING_JOB_TASKS, PoolingLayout, pooling_columns
 from tokenmill.pipelines.scoring import GENERATE, SCORE, SCORE_FINISH_REASON, prompt_score

@@ -18,7 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from tokenmill.engine.types.outputs import EngineStats, RequestOutput
+from tokenmill.engine import EngineStats, RequestOutput
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.adapters import adapter_names
 from tokenmill.pipelines.engine_failures import generate_with_rule

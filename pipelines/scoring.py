@@ -32,8 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tokenmill.engine.types.pooling_params import POOLING_TASKS
-from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine import POOLING_TASKS, SamplingParams
 
 GENERATE, SCORE = "generate", "score"
 # Every job task: generate, score, and the pooling tasks embed, classify, rerank

@@ -27,7 +27,7 @@ from functools import cached_property
 from typing import Any
 
 from tokenmill import faults
-from tokenmill.engine.api.llm import LLM
+from tokenmill.engine import LLM
 
 
 @dataclass
@@ -42,7 +42,7 @@ class SharedLLM:
     @cached_property
     def weights_hash(self) -> str:
         """sha256 of the weight files loaded (the hash planning recorded for them)."""
-        from tokenmill.engine.loader.model_files import weights_hash
+        from tokenmill.engine import weights_hash
 
         return weights_hash(self.llm.model_dir)
 

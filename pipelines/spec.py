@@ -13,9 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from tokenmill.connectors.formats import normalize_format
-from tokenmill.engine.types.pooling_params import PoolingParams
-from tokenmill.engine.types.sampling_params import SamplingParams
-from tokenmill.engine.types.structured_outputs import StructuredOutputs
+from tokenmill.engine import PoolingParams, SamplingParams, StructuredOutputs
 from tokenmill.pipelines.adapters import check_lora_option
 from tokenmill.pipelines.option_types import JOB, PRICES, PROMPT, SAMPLING, STRUCTURED
 from tokenmill.pipelines.options import (

@@ -1,8 +1,9 @@
-"""The import graph: no cycles anywhere, and the engine's layers import only downwards.
+"""The import graph: no cycles anywhere, the engine's layers import only downwards, and
+everything outside the engine comes in through its front door (`tokenmill.engine`).
 
 Every module of the package is parsed (nothing is imported), and every import counts -
 at module top, inside functions, or under TYPE_CHECKING. Run this file as a script to
-print the engine's floors with their files and line counts.
+print the engine's floors with their files and line counts, and the front door's count.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ PACKAGES = {
     "flows": "tokenmill.flows",
 }
 
-# The engine's floors, top to bottom (DESIGN.md, "The engine, in layers"): a module may
-# import modules of its own floor or of floors below it, never above.
+# The engine's floors, top to bottom (engine/__init__.py lists the folders): a module may
+# import modules of its own floor or of floors below it, never above. "parts" are what a
+# step runs with, beside the worker that runs it: sampling, LoRA, pooling.
 ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("api", ("tokenmill.engine.api",)),
     ("worker", ("tokenmill.engine.worker",)),
@@ -36,6 +38,13 @@ ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kernels", ("tokenmill.engine.kernels", "tokenmill.engine.cuda")),
     ("base", ("tokenmill.engine.types", "tokenmill.engine.env")),
 )
+# Modules outside the engine that may import below its front door, each with the reason.
+# (None: the pipeline, connectors, flows, CLI and bench harness use `tokenmill.engine`.)
+FRONT_DOOR_EXCEPTIONS: dict[str, str] = {}
+# A benchmark script that imports below the front door (a kernel micro-benchmark) says why
+# in a comment that begins with this.
+BENCHMARK_REASON = "# Below the front door:"
+
 # Third-party modules the engine may import inside a function: heavy, and needed only by
 # some jobs (each deferral says why where it is made).
 DEFERRED_IMPORTS = ("llguidance", "huggingface_hub", "tokenmill.engine.cuda.triton_kernels")
@@ -192,6 +201,61 @@ def test_engine_imports_inside_functions_are_the_deferred_heavy_ones():
     assert deferred == []
 
 
+def _outside_imports_of_internals(modules: dict[str, Module]) -> list[str]:
+    return [
+        f"{m.name} -> {target}"
+        for n, m in sorted(modules.items())
+        if not (n == "tokenmill.engine" or n.startswith("tokenmill.engine."))
+        and n not in FRONT_DOOR_EXCEPTIONS
+        for target in sorted(m.imports)
+        if target.startswith("tokenmill.engine.")
+    ]
+
+
+def test_outside_the_engine_only_its_front_door_is_imported():
+    """pipelines/, connectors/, flows/ and tokenmill/ (the CLI and the bench harness)
+    import `from tokenmill.engine import ...`, never a module below it."""
+    assert _outside_imports_of_internals(load_modules()) == []
+
+
+def test_the_engine_never_imports_its_own_front_door():
+    """Inside, modules import each other directly: through the door they would loop."""
+    modules = load_modules()
+    inside = [
+        m.name
+        for m in _engine_modules(modules)
+        if m.name != "tokenmill.engine" and "tokenmill.engine" in m.imports
+    ]
+    assert inside == []
+
+
+def test_benchmarks_below_the_front_door_say_why():
+    """Only kernel micro-benchmarks import engine internals, each saying why."""
+    modules = load_modules()
+    silent = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        reaches = any(
+            name.startswith("tokenmill.engine.")
+            for node in ast.walk(tree)
+            for name in _imported_modules(node, modules)
+        )
+        if reaches and BENCHMARK_REASON not in path.read_text(encoding="utf-8"):
+            silent.append(path.name)
+    assert silent == []
+
+
+def _imported_modules(node: ast.AST, modules: dict[str, Module]) -> list[str]:
+    """The modules an import statement of a script loads (a name imported from a package
+    counts when it is a submodule)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module:
+        subs = [f"{node.module}.{alias.name}" for alias in node.names]
+        return [node.module, *(s for s in subs if s in modules)]
+    return []
+
+
 def _report() -> None:
     modules = load_modules()
     engine = _engine_modules(modules)
@@ -212,6 +276,21 @@ def _report() -> None:
                 )
     for floor, below in edges.items():
         print(f"  {floor} imports {', '.join(sorted(below - {floor}))}")
+    upward = sum(
+        1
+        for m in engine
+        if m.name != "tokenmill.engine"
+        for target in m.imports
+        if target.startswith("tokenmill.engine.") and engine_floor(target) < engine_floor(m.name)
+    )
+    print(f"{upward} upward imports")
+    outside = _outside_imports_of_internals(modules)
+    print(
+        f"{len(outside)} imports of engine internals from outside the engine "
+        f"(allow-list: {len(FRONT_DOOR_EXCEPTIONS)})"
+    )
+    for line in outside:
+        print(f"  {line}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """tokenmill: batch/offline LLM inference - datasets in, answers and a token-cost ledger out.
 
 The public API is imported lazily so `import tokenmill` (and the CLI's start-up) stays
-cheap until a piece is actually used.
+cheap until a piece is actually used; the engine's part comes through its front door,
+`tokenmill.engine`.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 from tokenmill.version import __version__
 
 _EXPORTS = {
-    "LLM": "tokenmill.engine.api.llm",
-    "SamplingParams": "tokenmill.engine.types.sampling_params",
-    "LoRARequest": "tokenmill.engine.types.lora_request",
-    "StructuredOutputs": "tokenmill.engine.types.structured_outputs",
-    "RequestOutput": "tokenmill.engine.types.outputs",
-    "CompletionOutput": "tokenmill.engine.types.outputs",
+    "LLM": "tokenmill.engine",
+    "SamplingParams": "tokenmill.engine",
+    "LoRARequest": "tokenmill.engine",
+    "StructuredOutputs": "tokenmill.engine",
+    "RequestOutput": "tokenmill.engine",
+    "CompletionOutput": "tokenmill.engine",
     "generate": "tokenmill.pipelines.notebook",
     "forecast": "tokenmill.pipelines.notebook",
     "Forecast": "tokenmill.pipelines.forecast",
@@ -25,10 +26,10 @@ _EXPORTS = {
     "embed": "tokenmill.pipelines.notebook",
     "classify": "tokenmill.pipelines.notebook",
     "rerank": "tokenmill.pipelines.notebook",
-    "PoolingParams": "tokenmill.engine.types.pooling_params",
-    "EmbeddingOutput": "tokenmill.engine.types.pooling_outputs",
-    "ClassificationOutput": "tokenmill.engine.types.pooling_outputs",
-    "ScoringOutput": "tokenmill.engine.types.pooling_outputs",
+    "PoolingParams": "tokenmill.engine",
+    "EmbeddingOutput": "tokenmill.engine",
+    "ClassificationOutput": "tokenmill.engine",
+    "ScoringOutput": "tokenmill.engine",
     "run_job": "tokenmill.pipelines.job",
     "JobLedger": "tokenmill.pipelines.ledger",
 }
@@ -57,17 +58,18 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from tokenmill.engine.api.llm import LLM
-    from tokenmill.engine.types.lora_request import LoRARequest
-    from tokenmill.engine.types.outputs import CompletionOutput, RequestOutput
-    from tokenmill.engine.types.pooling_outputs import (
+    from tokenmill.engine import (
+        LLM,
         ClassificationOutput,
+        CompletionOutput,
         EmbeddingOutput,
+        LoRARequest,
+        PoolingParams,
+        RequestOutput,
+        SamplingParams,
         ScoringOutput,
+        StructuredOutputs,
     )
-    from tokenmill.engine.types.pooling_params import PoolingParams
-    from tokenmill.engine.types.sampling_params import SamplingParams
-    from tokenmill.engine.types.structured_outputs import StructuredOutputs
     from tokenmill.pipelines.forecast import Forecast
     from tokenmill.pipelines.job import run_job
     from tokenmill.pipelines.ledger import JobLedger

@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 
+from tokenmill.engine.api.plan import Plan, loaded_or_not, plan_requests
 from tokenmill.engine.api.pooling_llm import PoolingMethods
 from tokenmill.engine.api.request_loop import per_prompt, run_to_completion
 from tokenmill.engine.core.encoder_engine import EncoderEngine
 from tokenmill.engine.core.llm_engine import LLMEngine
+from tokenmill.engine.core.simulation import PlannedRequest
 from tokenmill.engine.loader.hub import snapshot_revision
 from tokenmill.engine.loader.model_files import display_name, resolve_model
 from tokenmill.engine.loader.pooling_tokenizer import pair_separator_id
@@ -225,6 +227,38 @@ class LLM(PoolingMethods):
             max_rank=self.engine_config.max_lora_rank,
         )
         return self.engine.runner.lora.register(description)
+
+    @loaded_or_not
+    def plan(
+        self: LLM | None,
+        batches: Sequence[Sequence[PlannedRequest]],
+        *,
+        simulate: bool = False,
+        model: str | Path | None = None,
+        revision: str | None = None,
+        **settings: Any,
+    ) -> Plan:
+        """What the engine will do with these requests, before computing any: each
+        request's cached prompt tokens (the prefix cache replayed over them in order, exact
+        where the cache never has to evict) and, with `simulate`, the engine's own loop run
+        with each request's `completion_tokens` - its steps, cached tokens and preemptions
+        (engine/api/plan.py).
+
+        On a loaded LLM (`llm.plan(batches)`) the plan is of its own engine; on the class
+        (`LLM.plan(batches, model=..., **settings)`) of the engine `LLM(model, **settings)`
+        would build, sized from the model's files without loading anything.
+
+        Args:
+            batches: the requests of each call, in run order (PlannedRequest: token ids,
+                params, completion tokens to script).
+            simulate: also run the engine's loop over a stand-in model.
+            model, revision, settings: the class form's model and engine settings.
+        Raises:
+            TypeError: settings given to a loaded LLM, or a keyword that is not a setting.
+        """
+        return plan_requests(
+            self, batches, simulate=simulate, model=model, revision=revision, **settings
+        )
 
     def set_profiler(self, profiler: StepProfiler | None) -> None:
         """Report every stage of every step to `profiler` from now on (None: stop); see

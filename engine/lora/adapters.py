@@ -35,7 +35,7 @@ from tokenmill.engine.loader import hub
 from tokenmill.engine.loader.aliases import ALIASES, DEFAULT_MODEL
 from tokenmill.engine.loader.model_files import file_sha256, is_hub_model
 from tokenmill.engine.loader.safetensors_files import iter_tensors, read_header
-from tokenmill.engine.lora.layers import LORA_TARGETS, target_shapes
+from tokenmill.engine.lora.layers import LORA_TARGETS, lora_target_shapes
 from tokenmill.engine.models.config import ModelConfig
 from tokenmill.engine.types.config import EngineConfig
 
@@ -284,7 +284,7 @@ def _targets(
 ) -> tuple[AdapterTarget, ...]:
     """Every (layer, target) the weights file holds, each with its rank and scaling, the
     shapes checked against the model's projections."""
-    expected = target_shapes(config)
+    expected = lora_target_shapes(config)
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for tensor_name in shapes:
         match = _TENSOR.search(tensor_name)

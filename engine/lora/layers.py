@@ -53,7 +53,7 @@ class TargetShape:
     offset: int  # its first output row in the fused layer's output
 
 
-def target_shapes(config: ModelConfig) -> dict[str, TargetShape]:
+def lora_target_shapes(config: ModelConfig) -> dict[str, TargetShape]:
     """Every PEFT target of a decoder layer with this config, by its PEFT name."""
     hidden, inter = config.hidden_size, config.intermediate_size
     q_size = config.num_attention_heads * config.head_dim

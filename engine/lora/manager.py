@@ -40,7 +40,7 @@ from tokenmill.engine.lora.layers import (
     LoRAStep,
     SlotWeights,
     TargetShape,
-    target_shapes,
+    lora_target_shapes,
 )
 from tokenmill.engine.models import ModelConfig
 
@@ -75,7 +75,7 @@ class LoRAManager:
         self.dtype = dtype
         self.device = device
         self.step = LoRAStep()
-        self.shapes = target_shapes(config)
+        self.shapes = lora_target_shapes(config)
         # Each engine layer's output width (a fused layer's, for its targets' offsets).
         self.layer_out = {
             s.layer: max(

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_model import build_tiny_model
 
+from tokenmill.engine.api.describe import describe_model
 from tokenmill.engine.loader import model_files, weights
 from tokenmill.engine.loader.model_files import (
     DEFAULT_MODEL,
@@ -21,7 +22,6 @@ from tokenmill.engine.loader.model_files import (
 )
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.models import load_config
-from tokenmill.pipelines.model_description import describe_model
 
 INDEX = "model.safetensors.index.json"
 

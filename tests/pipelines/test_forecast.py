@@ -12,16 +12,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.engine.types.outputs import EngineStats
-from tokenmill.engine.types.sampling_params import SamplingParams
-from tokenmill.pipelines import calibration, shared_llm
-from tokenmill.pipelines.cache_forecast import (
-    Request,
+from tokenmill.engine.core.simulation import PlannedRequest as Request
+from tokenmill.engine.core.simulation import (
     StepLoad,
     never_evicts,
     replay_prefix_cache,
     simulate_engine,
 )
+from tokenmill.engine.types.outputs import EngineStats
+from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.pipelines import calibration, shared_llm
 from tokenmill.pipelines.calibration import calibrate, fit_step_cost, sample_indices
 from tokenmill.pipelines.forecast import Forecast
 from tokenmill.pipelines.job import plan_job, prepare_output, run_job, run_shard

@@ -23,9 +23,10 @@ from tiny_model import build_tiny_model
 import tokenmill
 from tokenmill.cli import main
 from tokenmill.engine.api.llm import LLM
+from tokenmill.engine.core.simulation import PlannedRequest as Request
+from tokenmill.engine.core.simulation import replay_prefix_cache, simulate_encoder
 from tokenmill.engine.types.pooling_params import PoolingParams
 from tokenmill.pipelines import shared_llm
-from tokenmill.pipelines.cache_forecast import Request, replay_prefix_cache, simulate_encoder
 from tokenmill.pipelines.forecast import Forecast
 from tokenmill.pipelines.job import run_job
 from tokenmill.pipelines.output import read_ledger

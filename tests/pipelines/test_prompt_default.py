@@ -11,9 +11,9 @@ from tiny_model import build_tiny_model
 
 import tokenmill
 from tokenmill.cli import main
+from tokenmill.engine.api.describe import describe_model
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.pipelines import notebook
-from tokenmill.pipelines.model_description import describe_model
 from tokenmill.pipelines.output import read_results
 
 PROMPTS = ["What is the capital of France?", "Say hi."]

@@ -88,7 +88,7 @@ def run(system: EmbedSystem, workload: EmbedWorkload, result_path: Path) -> Embe
 
 
 def _tokenmill(system: EmbedSystem):
-    from tokenmill.engine.api.llm import LLM
+    from tokenmill.engine import LLM
 
     llm = LLM(system.model_dir, dtype=system.dtype, device="cpu", **system.engine_args)
     outputs: dict[str, list] = {}
@@ -133,7 +133,7 @@ def _onnx(system: EmbedSystem):
     import onnxruntime as ort
     from tokenizers import Tokenizer
 
-    from tokenmill.engine.pooling.config import read_pooling_config
+    from tokenmill.engine import read_pooling_config
 
     config = read_pooling_config(system.model_dir, is_encoder=True)
     if config.modes != ("mean",):

@@ -103,7 +103,7 @@ Log = Callable[[str], None]
 def run_embedding_benchmark(config: EmbedBenchConfig, log: Log = lambda _: None) -> EmbedReport:
     """Run every system `config.repeat` times, alternating, and summarise."""
     from tokenmill.bench.harness import _machine_facts, source_version
-    from tokenmill.engine.loader.model_files import resolve_model
+    from tokenmill.engine import resolve_model
 
     model_dir = str(resolve_model(config.model))
     workload = build_embed_workload(

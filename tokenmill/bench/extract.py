@@ -12,7 +12,7 @@ import json
 import random
 
 from tokenmill.bench.workload_data import Workload
-from tokenmill.engine.loader.tokenizer import Tokenizer
+from tokenmill.engine import Tokenizer
 
 INDUSTRIES = ["software", "retail", "logistics", "finance", "health", "energy", "media"]
 COUNTRIES = ["US", "DE", "FR", "GB", "PT", "other"]

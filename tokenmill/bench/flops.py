@@ -42,7 +42,7 @@ class ModelShape:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelShape:
         """The shape the engine reads from config.json (one parser for both)."""
-        from tokenmill.engine.models import load_config
+        from tokenmill.engine import load_config
 
         config = load_config(model_dir)
         return cls(
@@ -175,7 +175,7 @@ def measure_matmul_peak(
     """
     import torch
 
-    from tokenmill.engine.quant.packed_linear import onednn_linear_available
+    from tokenmill.engine import onednn_linear_available
 
     torch_dtype = getattr(torch, dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

@@ -95,17 +95,16 @@ class BenchConfig:
         for dtype in self.dtypes:
             if dtype not in DTYPES:
                 raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-        from tokenmill.engine.quant import validate_name
+        from tokenmill.engine import EngineConfig, check_settings
 
+        # Each raises for a name its registry does not know, naming the choices.
         for quantization in self.quantizations:
             method, fmt = split_quantization(quantization)
-            validate_name(method)
+            check_settings(EngineConfig(quantization=method))
             if fmt is not None:
                 llamacpp.validate_format(fmt)
-        from tokenmill.engine.worker.kv_cache import kv_cache_format
-
         for kv_cache_dtype in self.kv_cache_dtypes:
-            kv_cache_format(kv_cache_dtype)  # raises for an unknown one
+            check_settings(EngineConfig(kv_cache_dtype=kv_cache_dtype))
         if not self.hf_batch_sizes or min(self.hf_batch_sizes) < 1:
             raise ValueError("hf_batch_sizes must be positive")
 
@@ -124,7 +123,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> list[BenchR
         One report per preset, in config.presets' order (its systems in run order:
         tokenmill first, then the baselines).
     """
-    from tokenmill.engine.loader.model_files import resolve_model
+    from tokenmill.engine import resolve_model
 
     code_at_start = source_version()
     model_dir = str(resolve_model(config.model))
@@ -241,7 +240,7 @@ def _llama_ggufs(config: BenchConfig, model_dir: str, log: Log) -> tuple[dict, s
     file: --model's, or the one its alias converted) with llama-quantize, or the source
     itself in its own format."""
     from tokenmill.bench.run_llamacpp import source_gguf
-    from tokenmill.engine.env import cache_dir
+    from tokenmill.engine import cache_dir
 
     wants_llama = any(b.startswith("llamacpp") for b in config.baselines)
     gguf_modes = [f for q in config.quantizations if (f := split_quantization(q)[1])]
@@ -276,7 +275,7 @@ def _llama_ggufs(config: BenchConfig, model_dir: str, log: Log) -> tuple[dict, s
 def _with_model_dir(spec: SystemSpec, log: Log) -> SystemSpec:
     """A tokenmill system on another model file gets its converted directory (made now,
     once, rather than inside a timed child's set-up)."""
-    from tokenmill.engine.loader.model_files import resolve_model
+    from tokenmill.engine import resolve_model
 
     if "model" not in spec.options:
         return spec

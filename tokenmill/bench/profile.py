@@ -16,8 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from tokenmill.engine.quant import linear_kinds
-from tokenmill.engine.types.profiling import StepProfiler
+from tokenmill.engine import StepProfiler, linear_kinds
 
 LINEAR = "linear layers"
 LM_HEAD = "lm_head"

@@ -92,7 +92,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def source_gguf(model_dir: str) -> Path:
     """The GGUF a cached conversion was made from, when it is a built-in alias's file."""
-    from tokenmill.engine.loader.model_files import ALIASES, alias_gguf_path
+    from tokenmill.engine import ALIASES, alias_gguf_path
 
     record = Path(model_dir) / "tokenmill_conversion.json"
     source = json.loads(record.read_text()).get("source_file") if record.is_file() else None

@@ -133,8 +133,7 @@ def run_merged(job: Job, workload: Workload) -> RunResult:
     import tempfile
 
     from tokenmill import LLM, SamplingParams
-    from tokenmill.bench.lora import merge_adapter
-    from tokenmill.engine.types.outputs import EngineStats
+    from tokenmill.engine import EngineStats, merge_adapter
 
     paths = job.system.options["adapters"]
     lens = job.output_lens or workload.output_lens

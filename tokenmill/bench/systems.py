@@ -123,7 +123,7 @@ def tokenmill_systems(
     each adapter in turn ("tokenmill-fp32-merged"), every adapter in one call
     ("tokenmill-fp32-lora"), and the base model on the same requests ("tokenmill-fp32").
     """
-    from tokenmill.engine.worker.kv_cache import kv_cache_format
+    from tokenmill.engine import kv_cache_format
 
     specs = []
     for kv_cache_dtype in kv_cache_dtypes or [None]:
@@ -160,7 +160,7 @@ def _with_lora(specs: list[SystemSpec], adapters: list[str]) -> list[SystemSpec]
 
 def _kv_suffix(engine_args: dict) -> str:
     """ "-" and the KV-cache format's label where the system sets one ("-kv8")."""
-    from tokenmill.engine.worker.kv_cache import kv_cache_format
+    from tokenmill.engine import kv_cache_format
 
     kv_cache_dtype = engine_args.get("kv_cache_dtype")
     label = kv_cache_format(kv_cache_dtype).label if kv_cache_dtype else ""
@@ -249,7 +249,7 @@ def best_float_dtype() -> str:
     """The float precision tokenmill runs fastest in on this machine's CPU."""
     import torch
 
-    from tokenmill.engine.types.config import resolve_dtype
+    from tokenmill.engine import resolve_dtype
 
     return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 

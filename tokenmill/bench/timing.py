@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenmill.bench.workload import Workload, warmup_prompts
-from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine import SamplingParams
 
 
 @dataclass

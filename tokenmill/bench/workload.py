@@ -237,7 +237,7 @@ def chat_wrap_ids(model_dir: str | Path) -> tuple[list[int], list[int]]:
     The template is rendered around a marker and the two sides are encoded separately,
     so the body's random ids are never merged with template text by the tokenizer.
     """
-    from tokenmill.engine.loader.tokenizer import Tokenizer
+    from tokenmill.engine import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
     marker = "\x00BODY\x00"

@@ -18,7 +18,7 @@ def models() -> None:
 def list_command() -> None:
     """Show the built-in aliases, the converted models in the cache and the models in the
     Hugging Face cache."""
-    from tokenmill.engine.loader.model_files import cache_dir, list_models
+    from tokenmill.engine import cache_dir, list_models
 
     rows = [("NAME", "ARCHITECTURE", "PARAMS", "DTYPE", "SOURCE", "PATH")]
     for info in list_models():
@@ -44,7 +44,7 @@ def list_command() -> None:
 def info_command(model: str, revision: str | None) -> None:
     """Describe MODEL (a directory, a .gguf file, an alias or a Hub repo id) without
     converting it."""
-    from tokenmill.engine.loader.model_files import ModelFilesError, model_info, weights_hash
+    from tokenmill.engine import ModelFilesError, model_info, weights_hash
 
     try:
         info = model_info(model, revision=revision)
@@ -73,8 +73,7 @@ def info_command(model: str, revision: str | None) -> None:
 )
 def convert_command(gguf: Path, out: Path | None) -> None:
     """Convert a GGUF file into an HF-layout model directory."""
-    from tokenmill.engine.loader.gguf_convert import convert_gguf
-    from tokenmill.engine.loader.model_files import ModelFilesError, resolve_model
+    from tokenmill.engine import ModelFilesError, convert_gguf, resolve_model
 
     start = time.perf_counter()
     try:
@@ -91,7 +90,7 @@ def pull_command(repo_id: str, revision: str | None) -> None:
     """Download REPO_ID ("org/name") from the Hugging Face Hub into the HF cache: config,
     tokenizer and safetensors files only. HF_HOME, HF_HUB_CACHE, HF_TOKEN and
     HF_HUB_OFFLINE apply."""
-    from tokenmill.engine.loader.model_files import ModelFilesError, is_hub_model, resolve_model
+    from tokenmill.engine import ModelFilesError, is_hub_model, resolve_model
 
     if not is_hub_model(repo_id):
         raise click.ClickException(

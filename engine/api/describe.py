@@ -5,20 +5,26 @@ context length, naming the model in the job id - needs the model's directory, it
 context length, its chat template, its tokenizer and a hash of its weights, but not
 the weights themselves. Resolving a model (a GGUF is converted once, then found in the
 cache) and hashing its files (digests are cached by path, size and mtime) cost little
-next to loading it, so a job with bad input fails before any weights are read.
+next to loading it, so a job with bad input fails before any weights are read. The
+description also answers, from the files, what planning asks next: whether the model is
+an encoder, and whether a structured outputs constraint compiles for it.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
+from tokenmill.engine.core.grammar import GrammarCompiler
 from tokenmill.engine.loader.hub import snapshot_revision
 from tokenmill.engine.loader.model_files import display_name, resolve_model, weights_hash
 from tokenmill.engine.loader.tokenizer import Tokenizer, read_chat_template
-from tokenmill.engine.models import load_config
+from tokenmill.engine.models import ModelConfig, architecture_for, load_config
 from tokenmill.engine.pooling.config import served_tasks
+from tokenmill.engine.types.structured_outputs import StructuredOutputs
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,36 @@ class ModelDescription:
     def load_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (tokenizer files only: milliseconds, not the weights)."""
         return Tokenizer.from_dir(self.model_dir)
+
+    def named(self, name: str) -> ModelDescription:
+        """This description under another display name (a Hub model's commit appended,
+        as describe_model names it)."""
+        return replace(self, name=name_with_revision(name, self.revision))
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        """Its architecture's config, from config.json."""
+        return load_config(self.model_dir)
+
+    @property
+    def is_encoder(self) -> bool:
+        """Whether it is an encoder (BERT family: pooling only, no KV cache)."""
+        return architecture_for(self.config).is_encoder
+
+    def constraint_check(self, tokenizer: Tokenizer) -> Callable[[StructuredOutputs], None]:
+        """A function that compiles a structured outputs constraint for this model as the
+        engine would (ValueError naming what is invalid), the compiler built on first use."""
+        compilers: list[GrammarCompiler] = []
+
+        def check(constraint: StructuredOutputs) -> None:
+            if not compilers:
+                config = self.config
+                compilers.append(
+                    GrammarCompiler.for_model(tokenizer, config.vocab_size, config.eos_token_ids)
+                )
+            compilers[0].compile(constraint)
+
+        return check
 
 
 def describe_model(

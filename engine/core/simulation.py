@@ -1,4 +1,5 @@
-"""What the prefix cache will serve, and the steps the engine will take, before any compute.
+"""What the prefix cache will serve, and the steps the engine will take, before any compute
+(`LLM.plan`'s machinery, api/plan.py).
 
 A job's rows reach the engine in the plan's order (shard by shard, each shard one
 `generate` call on one engine whose cache lives on between calls), and the engine bills
@@ -28,7 +29,7 @@ gets it from the cache. Two ways to know the count beforehand:
 Pooling requests on a decoder run through the decode loop prompt-only: one whose pooling
 reads only the last row (last-token) shares cached prefixes as a generation does; one
 that reads every row (mean, CLS ...) is served nothing at its first admission, as a
-scoring request (`Request.reads_every_token`, the scheduler's `num_cacheable_tokens`).
+scoring request (`PlannedRequest.reads_every_token`, the scheduler's `num_cacheable_tokens`).
 
 What neither can see: a prompt block equal to tokens another request *generated* (a
 prompt that continues an earlier answer word for word) is served from the cache by the
@@ -38,7 +39,7 @@ engine and counted by neither.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,7 +53,7 @@ from tokenmill.engine.types.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class Request:
+class PlannedRequest:
     """One request as the engine will see it: prompt, params, and (to simulate) how many
     tokens each of its completions will have."""
 
@@ -81,13 +82,7 @@ class Request:
         return not self.params.is_prompt_only
 
 
-def engine_config_of(llm_options: dict) -> EngineConfig:
-    """The EngineConfig an `LLM(**llm_options)` builds (LLM's defaults are EngineConfig's)."""
-    names = {f.name for f in fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in llm_options.items() if k in names})
-
-
-def replay_prefix_cache(requests: Sequence[Request], block_size: int) -> list[int]:
+def replay_prefix_cache(requests: Sequence[PlannedRequest], block_size: int) -> list[int]:
     """Each request's cached prompt tokens when run in this order on one engine whose
     prefix cache starts empty and never evicts (see the module docstring).
 
@@ -117,7 +112,7 @@ def replay_prefix_cache(requests: Sequence[Request], block_size: int) -> list[in
     return cached
 
 
-def blocks_needed(requests: Sequence[Request], block_size: int) -> int:
+def blocks_needed(requests: Sequence[PlannedRequest], block_size: int) -> int:
     """The most KV blocks the requests could take if none shared a block and every
     completion ran to max_tokens."""
     return sum(
@@ -125,7 +120,7 @@ def blocks_needed(requests: Sequence[Request], block_size: int) -> int:
     )
 
 
-def never_evicts(requests: Sequence[Request], block_size: int, num_blocks: int) -> bool:
+def never_evicts(requests: Sequence[PlannedRequest], block_size: int, num_blocks: int) -> bool:
     """Whether the engine's cache holds every block these requests could take at once.
 
     Then no cached block is ever evicted (the pool hands out a block that still holds
@@ -188,7 +183,7 @@ class _ScriptedRunner:
 
 
 def simulate_engine(
-    batches: Sequence[Sequence[Request]],
+    batches: Sequence[Sequence[PlannedRequest]],
     engine_config: EngineConfig,
     *,
     num_blocks: int,
@@ -266,7 +261,7 @@ class _PooledNothing:
 
 
 def simulate_encoder(
-    batches: Sequence[Sequence[Request]],
+    batches: Sequence[Sequence[PlannedRequest]],
     engine_config: EngineConfig,
     *,
     max_model_len: int,
