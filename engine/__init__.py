@@ -32,6 +32,8 @@ _EXPORTS: dict[str, str] = {
     "LLM": "tokenmill.engine.api.llm",
     "SamplingParams": "tokenmill.engine.types.sampling_params",
     "token_bias": "tokenmill.engine.types.sampling_params",
+    "JobOption": "tokenmill.engine.types.sampling_params",
+    "FIELD_DEFAULT": "tokenmill.engine.types.sampling_params",
     "StructuredOutputs": "tokenmill.engine.types.structured_outputs",
     "LoRARequest": "tokenmill.engine.types.lora_request",
     "PoolingParams": "tokenmill.engine.types.pooling_params",
@@ -94,6 +96,8 @@ _EXPORTS: dict[str, str] = {
 
 # What `from tokenmill.engine import *` gives, and what linters know is re-exported.
 __all__ = [
+    "FIELD_DEFAULT",
+    "JobOption",
     "ALIASES",
     "CLASSIFY",
     "ClassificationOutput",
@@ -214,7 +218,12 @@ if TYPE_CHECKING:  # what a type checker and an IDE see; nothing is imported at 
         PoolingParams,
     )
     from tokenmill.engine.types.profiling import STAGES, StepProfiler
-    from tokenmill.engine.types.sampling_params import SamplingParams, token_bias
+    from tokenmill.engine.types.sampling_params import (
+        FIELD_DEFAULT,
+        JobOption,
+        SamplingParams,
+        token_bias,
+    )
     from tokenmill.engine.types.structured_outputs import StructuredOutputs
     from tokenmill.engine.worker.build import check_settings, setting_choices
     from tokenmill.engine.worker.kv_cache import kv_cache_format

@@ -8,7 +8,8 @@ per row, and where its value goes. Every surface is derived from this table:
     `tokenmill run`, `flow run`, `serve`      tokenmill/cli/options.py (click options)
     the batch_inference flow's parameters     flows/parameters.py (signature + docstring,
                                               from which Prefect builds its schema)
-    JobSpec's fields, run_job's keywords      pipelines/spec.py, pipelines/job.py
+    JobSpec's fields (kept equal by a test),  pipelines/spec.py, pipelines/job.py
+    run_job's keywords
     tokenmill.generate's keywords             pipelines/notebook.py (tokenmill.score's:
                                               the same, less the sampling section)
     OpenAI batch per-row overrides            `per_row_fields()`
@@ -29,14 +30,18 @@ as it is (`raw` chooses either way; `pipelines/scoring.py`).
 
 How to add an option
 --------------------
-Append one `Option(...)` to `OPTIONS`, then use it. That is the whole edit: the CLI
-flag, the flow parameter (typed and documented), the JobSpec field, the run_job and
-generate keyword and, with `per_row=True`, the OpenAI batch override all follow
-(tests/pipelines/test_options.py adds a throwaway option and sees each of them).
+Append one `Option(...)` to `OPTIONS`, then use it: the CLI flag, the flow parameter
+(typed and documented), the run_job and generate keyword and, with `per_row=True`, the
+OpenAI batch override all follow (tests/pipelines/test_options.py adds a throwaway
+option and sees each of them). An option of the JOB surface also gets its typed line
+in JobSpec (`name: type = job_option("name")`, pipelines/spec.py), so that type
+checkers and IDEs see it; a test keeps JobSpec's fields and the JOB options equal.
 "Use it" means reading `spec.<name>` where it matters - or, for an option with
-`to=SAMPLING`, `PRICES`, `PROMPT` or `ENGINE`, adding the field of that name to
-SamplingParams, Prices, TemplateSpec or an `LLM(...)` argument, which then receives
-it with no further edit. The vocabulary an entry is written in - surfaces, value
+`to=PRICES`, `PROMPT` or `ENGINE`, adding the field of that name to Prices,
+TemplateSpec or an `LLM(...)` argument, which then receives it with no further edit.
+Two kinds of option are declared where their values go, not here: an engine setting
+is a field of `EngineConfig` (`job=True` makes it an option), and a sampling option is
+a field of `SamplingParams` declared with `param(..., job=JobOption(...))`. The vocabulary an entry is written in - surfaces, value
 types, `Option`'s fields - is in `pipelines/option_types.py`: a new kind of value (say,
 JSON given inline or as a file) is one `ValueType` there; a repeatable option sets
 `repeatable=True`; mutually exclusive options share an `exclusive` group name.
@@ -47,12 +52,14 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import MISSING, Field, fields
 from typing import Any
 
 from tokenmill.connectors.decoding import ON_DECODE_ERROR
 from tokenmill.connectors.formats import FORMATS
 from tokenmill.engine import (
     DEFAULT_MODEL,
+    FIELD_DEFAULT,
     SamplingParams,
     StructuredOutputs,
     engine_settings,
@@ -65,6 +72,7 @@ from tokenmill.pipelines.option_types import (
     COSTS,
     ENCODING,
     ENGINE,
+    EVERYWHERE,
     FILE_TEXT,
     FLOAT,
     FLOW,
@@ -86,6 +94,7 @@ from tokenmill.pipelines.option_types import (
     TEXT,
     TOKEN_BIAS,
     Option,
+    ValueType,
     choice,
 )
 from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS, DEFAULT_SHARD_TOKENS
@@ -110,6 +119,59 @@ def _engine_options() -> tuple[Option, ...]:
         for setting in engine_settings()
         if setting.metadata["job"]
     )
+
+
+def _sampling_options() -> tuple[Option, ...]:
+    """The SamplingParams fields a job offers (`param(..., job=JobOption(...))`), each as
+    an option: its name, type, default and help come from the field's declaration, how a
+    job takes it from the field's JobOption."""
+    options = []
+    for param in fields(SamplingParams):
+        job = param.metadata.get("job")
+        if job is None:
+            continue
+        value_type, repeatable = _sampling_value_type(param)
+        default = param.default if param.default is not MISSING else None
+        options.append(
+            Option(
+                param.name,
+                value_type,
+                default if job.default is FIELD_DEFAULT else job.default,
+                param.metadata["help"],
+                SAMPLE,
+                surfaces=EVERYWHERE if job.everywhere else PYTHON,
+                to=SAMPLING,
+                per_row=job.per_row,
+                repeatable=repeatable,
+                ge=job.ge,
+                gt=job.gt,
+                le=job.le,
+                metavar=job.metavar,
+            )
+        )
+    return tuple(options)
+
+
+# A SamplingParams field's annotation -> (its option's value type, whether repeatable).
+_SAMPLING_TYPES = {
+    "int": (INT, False),
+    "int | None": (INT, False),
+    "float": (FLOAT, False),
+    "bool": (BOOL, False),
+    "list[str]": (TEXT, True),
+    "list[int]": (INT, True),
+    "list[int] | None": (INT, True),
+    "dict[int, float] | None": (TOKEN_BIAS, False),
+}
+
+
+def _sampling_value_type(param: Field) -> tuple[ValueType, bool]:
+    if param.type not in _SAMPLING_TYPES:
+        raise TypeError(
+            f"SamplingParams.{param.name}: no job option type for {param.type!r}; add it to "
+            "_SAMPLING_TYPES"
+        )
+    return _SAMPLING_TYPES[param.type]
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -304,215 +366,7 @@ OPTIONS: tuple[Option, ...] = (
         to=PROMPT,
     ),
     # -- sampling -----------------------------------------------------------------------------
-    Option(
-        "max_tokens",
-        INT,
-        256,
-        "Completion budget per row, in tokens.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        ge=1,
-    ),
-    Option(
-        "min_tokens",
-        INT,
-        0,
-        "Tokens generated before an end-of-sequence or stop may end a completion.",
-        SAMPLE,
-        surfaces=PYTHON,
-        to=SAMPLING,
-        per_row=True,
-        ge=0,
-    ),
-    Option(
-        "temperature",
-        FLOAT,
-        0.0,
-        "Sampling temperature; 0 is greedy, so reruns and resumed jobs give the same answers.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        ge=0,
-    ),
-    Option(
-        "top_p",
-        FLOAT,
-        1.0,
-        "Nucleus sampling: sample among the likeliest tokens holding this probability mass.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        gt=0,
-        le=1,
-    ),
-    Option(
-        "top_k",
-        INT,
-        0,
-        "Sample among the k likeliest tokens; 0 disables top-k.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        ge=0,
-    ),
-    Option(
-        "min_p",
-        FLOAT,
-        0.0,
-        "Drop tokens less likely than min_p times the likeliest one; 0 disables it.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        ge=0,
-        le=1,
-    ),
-    Option(
-        "seed",
-        INT,
-        None,
-        "Sampling seed of every request (sampled answers then repeat across reruns).",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-    ),
-    Option(
-        "stop",
-        TEXT,
-        None,
-        "Stop strings: generation stops at the first one produced.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        repeatable=True,
-    ),
-    Option(
-        "stop_token_ids",
-        INT,
-        None,
-        "Token ids that end a completion.",
-        SAMPLE,
-        surfaces=PYTHON,
-        to=SAMPLING,
-        per_row=True,
-        repeatable=True,
-    ),
-    Option(
-        "ignore_eos",
-        BOOL,
-        False,
-        "Generate past end-of-sequence tokens, up to max_tokens.",
-        SAMPLE,
-        surfaces=PYTHON,
-        to=SAMPLING,
-    ),
-    Option(
-        "include_stop_str_in_output",
-        BOOL,
-        False,
-        "Keep the stop string that ended a completion in its output.",
-        SAMPLE,
-        surfaces=PYTHON,
-        to=SAMPLING,
-    ),
-    Option(
-        "n",
-        INT,
-        1,
-        "Completions per row. With n > 1 the results gain a `completions` column (a list "
-        "of {index, output, finish_reason, structured_output_complete}); `output` is the "
-        "first.",
-        SAMPLE,
-        surfaces=PYTHON,
-        to=SAMPLING,
-        per_row=True,
-        ge=1,
-    ),
-    Option(
-        "logprobs",
-        INT,
-        None,
-        "Per generated token, its log-probability and the N likeliest tokens' (0: its own "
-        "only); the results gain a `logprobs` column of {token, logprob, bytes, "
-        "top_logprobs}.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        ge=0,
-        le=20,
-    ),
-    # -- penalties and token controls (engine/sample/logit_controls.py) -----------------------
-    Option(
-        "repetition_penalty",
-        FLOAT,
-        1.0,
-        "Penalize every token already in the prompt or the output: its logit is divided "
-        "by this when positive, multiplied when negative (transformers' and vLLM's "
-        "definition); 1 is off, above 1 discourages repeats.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        gt=0,
-    ),
-    Option(
-        "presence_penalty",
-        FLOAT,
-        0.0,
-        "Subtract this from the logit of every token the output already holds (OpenAI's "
-        "definition, in [-2, 2]); positive values push towards new tokens.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        ge=-2,
-        le=2,
-    ),
-    Option(
-        "frequency_penalty",
-        FLOAT,
-        0.0,
-        "Subtract this times its count so far from the logit of each token the output "
-        "holds (OpenAI's definition, in [-2, 2]); breaks loops such as a JSON value "
-        "repeated until max_tokens.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        ge=-2,
-        le=2,
-    ),
-    Option(
-        "logit_bias",
-        TOKEN_BIAS,
-        None,
-        "Add a bias in [-100, 100] to these token ids' logits (-100 bans a token, 100 all "
-        "but forces it): TOKEN_ID=BIAS, repeated, on the command line; a mapping in Python "
-        "and flows.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-    ),
-    Option(
-        "allowed_token_ids",
-        INT,
-        None,
-        "Only these token ids may be generated.",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        repeatable=True,
-        metavar="TOKEN_ID",
-    ),
-    Option(
-        "bad_words",
-        TEXT,
-        None,
-        "Words the output must not contain: the last token of a word is refused where the "
-        "output ends with its other tokens (vLLM's rule).",
-        SAMPLE,
-        to=SAMPLING,
-        per_row=True,
-        repeatable=True,
-        metavar="WORD",
-    ),
+    *_sampling_options(),
     # -- structured outputs (at most one; each output must match it) ---------------------------
     Option(
         "json_schema",

@@ -1,15 +1,17 @@
 """`JobSpec`: everything a batch job needs to know, validated before any work starts.
 
-Its fields are the job definition's options (`pipelines/options.py`), added by
-`_with_job_options`: the definition is the one place an option is written down. Here
-are the checks on how options combine, and what they mean together: the sampling
-parameters, prices, prompt rules and LLM arguments of the job.
+Its fields are the job definition's JOB options (`pipelines/options.py`), in its order,
+each written here with its type so that a type checker and an IDE can follow it; its
+default, help and checks are the definition's (`job_option`), and
+tests/pipelines/test_options.py keeps the two lists equal. Here are the checks on how
+options combine, and what they mean together: the sampling parameters, prices, prompt
+rules and LLM arguments of the job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import KW_ONLY, dataclass, field, fields, replace
 from typing import Any
 
 from tokenmill.connectors.formats import normalize_format
@@ -18,12 +20,10 @@ from tokenmill.pipelines.adapters import check_lora_option
 from tokenmill.pipelines.option_types import JOB, PRICES, PROMPT, SAMPLING, STRUCTURED
 from tokenmill.pipelines.options import (
     OPTIONS,
-    annotation_of,
     check_options,
     generation_params,
     get_option,
     llm_options,
-    options_for,
     per_row_fields,
     routed,
 )
@@ -42,22 +42,19 @@ from tokenmill.pipelines.templating import TemplateSpec
 OPENAI_ID_COLUMN = "custom_id"
 
 
-def _with_job_options(cls: type) -> type:
-    """Class decorator: `cls` as a dataclass whose fields are its own annotations
-    followed by every JOB option (keyword-only, with the definition's defaults)."""
-    for option in options_for(JOB):
-        cls.__annotations__[option.name] = annotation_of(option)
-        setattr(cls, option.name, field(default=option.default, repr=option.repr, kw_only=True))
-    return dataclass(cls)
+def job_option(name: str) -> Any:
+    """A JobSpec field for the job option `name`: keyword-only, with the definition's
+    default (checked and made canonical in __post_init__)."""
+    option = get_option(name)
+    return field(default=option.default, repr=option.repr)
 
 
-@_with_job_options
+@dataclass
 class JobSpec:
     """A batch job: input, output, and every JOB option of the job definition.
 
     Args:
-        input: dataset URL or path (Parquet, JSON Lines, JSON, CSV, TSV, OpenAI batch;
-            any fsspec URL).
+        input: dataset URL or path (Parquet, JSONL, CSV, OpenAI batch; any fsspec URL).
         output: the job's output directory URL or path.
         **options: the job options, keyword-only (`pipelines/options.py` lists them
             with their defaults and help).
@@ -69,6 +66,75 @@ class JobSpec:
 
     input: str
     output: str
+    _: KW_ONLY
+    task: str = job_option("task")
+    model: str | None = job_option("model")
+    revision: str | None = job_option("revision")
+    lora: dict[str, Any] | None = job_option("lora")
+    format: str | None = job_option("format")
+    prompt_column: str | None = job_option("prompt_column")
+    messages_column: str | None = job_option("messages_column")
+    template: str | None = job_option("template")
+    id_column: str | None = job_option("id_column")
+    passthrough: tuple[str, ...] | None = job_option("passthrough")
+    lora_column: str | None = job_option("lora_column")
+    query_column: str | None = job_option("query_column")
+    limit: int | None = job_option("limit")
+    encoding: str = job_option("encoding")
+    csv_delimiter: str | None = job_option("csv_delimiter")
+    csv_quote: str = job_option("csv_quote")
+    on_decode_error: str = job_option("on_decode_error")
+    system: str | None = job_option("system")
+    raw: bool | None = job_option("raw")
+    allow_special_tokens: bool = job_option("allow_special_tokens")
+    max_tokens: int = job_option("max_tokens")
+    min_tokens: int = job_option("min_tokens")
+    temperature: float = job_option("temperature")
+    top_p: float = job_option("top_p")
+    top_k: int = job_option("top_k")
+    min_p: float = job_option("min_p")
+    seed: int | None = job_option("seed")
+    stop: tuple[str, ...] | None = job_option("stop")
+    stop_token_ids: tuple[int, ...] | None = job_option("stop_token_ids")
+    ignore_eos: bool = job_option("ignore_eos")
+    include_stop_str_in_output: bool = job_option("include_stop_str_in_output")
+    n: int = job_option("n")
+    logprobs: int | None = job_option("logprobs")
+    repetition_penalty: float = job_option("repetition_penalty")
+    presence_penalty: float = job_option("presence_penalty")
+    frequency_penalty: float = job_option("frequency_penalty")
+    logit_bias: dict[int, float] | None = job_option("logit_bias")
+    allowed_token_ids: tuple[int, ...] | None = job_option("allowed_token_ids")
+    bad_words: tuple[str, ...] | None = job_option("bad_words")
+    json_schema: dict[str, Any] | str | None = job_option("json_schema")
+    regex: str | None = job_option("regex")
+    choice: tuple[str, ...] | None = job_option("choice")
+    grammar: str | None = job_option("grammar")
+    json_object: bool = job_option("json_object")
+    json_schema_column: str | None = job_option("json_schema_column")
+    dimensions: int | None = job_option("dimensions")
+    normalize: bool | None = job_option("normalize")
+    embedding_dtype: str = job_option("embedding_dtype")
+    prompt_name: str | None = job_option("prompt_name")
+    truncate: str = job_option("truncate")
+    price_input: float | None = job_option("price_input")
+    price_cached: float | None = job_option("price_cached")
+    price_output: float | None = job_option("price_output")
+    price_device_hour: float | None = job_option("price_device_hour")
+    shard_tokens: int = job_option("shard_tokens")
+    plan_window_rows: int = job_option("plan_window_rows")
+    resume: bool = job_option("resume")
+    dedupe: bool = job_option("dedupe")
+    dry_run: bool = job_option("dry_run")
+    calibrate: bool = job_option("calibrate")
+    output_format: str = job_option("output_format")
+    ledger_dataset: str | None = job_option("ledger_dataset")
+    storage_options: dict[str, Any] | None = job_option("storage_options")
+    dtype: str = job_option("dtype")
+    device: str | None = job_option("device")
+    quantization: str | None = job_option("quantization")
+    kv_cache_dtype: str = job_option("kv_cache_dtype")
+    engine_options: dict[str, Any] | None = job_option("engine_options")
 
     def __post_init__(self) -> None:
         if not self.input or not self.output:

@@ -2,9 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
+from typing import Any
 
 from tokenmill.engine.types.structured_outputs import StructuredOutputs
+
+
+class _FieldDefault:
+    def __repr__(self) -> str:
+        return "the field's default"
+
+
+# JobOption.default when a job takes the field's own default.
+FIELD_DEFAULT: Any = _FieldDefault()
+
+
+@dataclass(frozen=True)
+class JobOption:
+    """How a batch job offers a SamplingParams field as an option of its own: the job
+    definition (pipelines/options.py) takes the option's name, type, default and help
+    from the field, and the rest from here."""
+
+    default: Any = FIELD_DEFAULT  # the job's, where a batch job's differs from the field's
+    per_row: bool = True  # an OpenAI batch line may set it for its own row
+    everywhere: bool = True  # False: Python callers only (run_job, generate), not the CLI
+    ge: float | None = None  # the values a job accepts: >= ge, > gt, <= le
+    gt: float | None = None
+    le: float | None = None
+    metavar: str | None = None  # the command line's name for one value
+
+
+def param(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    default_factory: Any = MISSING,
+    job: JobOption | None = None,
+) -> Any:
+    """A field of SamplingParams: its default, its help text (the job option's help too),
+    and how a job offers it (`job`; None: no job option of its own)."""
+    metadata = {"help": help, "job": job}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -31,30 +71,126 @@ class SamplingParams:
     masked) and bad_words (vLLM's rule: a word's last token is masked when the output
     ends with the tokens before it; a one-token word is masked always). Logprobs are of
     the distribution after all of them, before temperature and the filters.
+
+    How to add a sampling parameter
+    -------------------------------
+    Add one field with `param(default, help, job=JobOption(...))`, check its value in
+    `__post_init__`, and use it in the sampler (engine/sample/). With `job=` it is also
+    an option of every job surface - the CLI flag, the flow parameter, run_job's and
+    generate's keyword, an OpenAI batch line's field with `per_row` - derived from this
+    declaration (pipelines/options.py), plus its JobSpec field (pipelines/spec.py).
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 256
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; k >= 0: the sampled token's plus the top k
-    # None: none; k >= 0: per prompt token, its own logprob plus the top k (vLLM's shape)
-    prompt_logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    structured_outputs: StructuredOutputs | None = None
-    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages repeating
-    presence_penalty: float = 0.0  # in [-2, 2]; 0 = off
-    frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off
-    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
-    allowed_token_ids: list[int] | None = None  # only these may be sampled (None: any)
-    bad_words: list[str] = field(default_factory=list)
+    max_tokens: int = param(256, "Completion budget per row, in tokens.", job=JobOption(ge=1))
+    min_tokens: int = param(
+        0,
+        "Tokens generated before an end-of-sequence or stop may end a completion.",
+        job=JobOption(everywhere=False, ge=0),
+    )
+    temperature: float = param(
+        1.0,
+        "Sampling temperature; 0 is greedy, so reruns and resumed jobs give the same answers.",
+        # A batch job is greedy unless asked: reruns and resumes reproduce its answers.
+        job=JobOption(default=0.0, ge=0),
+    )
+    top_p: float = param(
+        1.0,
+        "Nucleus sampling: sample among the likeliest tokens holding this probability mass.",
+        job=JobOption(gt=0, le=1),
+    )
+    top_k: int = param(
+        0, "Sample among the k likeliest tokens; 0 disables top-k.", job=JobOption(ge=0)
+    )
+    min_p: float = param(
+        0.0,
+        "Drop tokens less likely than min_p times the likeliest one; 0 disables it.",
+        job=JobOption(ge=0, le=1),
+    )
+    seed: int | None = param(
+        None,
+        "Sampling seed of every request (sampled answers then repeat across reruns).",
+        job=JobOption(),
+    )
+    stop: list[str] = param(
+        help="Stop strings: generation stops at the first one produced.",
+        default_factory=list,
+        job=JobOption(),
+    )
+    stop_token_ids: list[int] = param(
+        help="Token ids that end a completion.",
+        default_factory=list,
+        job=JobOption(everywhere=False),
+    )
+    ignore_eos: bool = param(
+        False,
+        "Generate past end-of-sequence tokens, up to max_tokens.",
+        job=JobOption(everywhere=False, per_row=False),
+    )
+    include_stop_str_in_output: bool = param(
+        False,
+        "Keep the stop string that ended a completion in its output.",
+        job=JobOption(everywhere=False, per_row=False),
+    )
+    n: int = param(
+        1,
+        "Completions per row. With n > 1 the results gain a `completions` column (a list "
+        "of {index, output, finish_reason, structured_output_complete}); `output` is the "
+        "first.",
+        job=JobOption(everywhere=False, ge=1),
+    )
+    # None: none; k >= 0: the sampled token's plus the top k
+    logprobs: int | None = param(
+        None,
+        "Per generated token, its log-probability and the N likeliest tokens' (0: its own "
+        "only); the results gain a `logprobs` column of {token, logprob, bytes, "
+        "top_logprobs}.",
+        job=JobOption(ge=0, le=20),
+    )
+    # None: none; k >= 0: per prompt token, its own logprob plus the top k (vLLM's shape).
+    # A job sets it through its task (score), not as an option.
+    prompt_logprobs: int | None = param(
+        None, "Per prompt token, its log-probability and the top k alternatives'."
+    )
+    # A job sets it through its structured output options, one StructuredOutputs.
+    structured_outputs: StructuredOutputs | None = param(
+        None, "Constrain every output to a JSON schema, regex, choice or grammar."
+    )
+    repetition_penalty: float = param(
+        1.0,
+        "Penalize every token already in the prompt or the output: its logit is divided "
+        "by this when positive, multiplied when negative (transformers' and vLLM's "
+        "definition); 1 is off, above 1 discourages repeats.",
+        job=JobOption(gt=0),
+    )
+    presence_penalty: float = param(
+        0.0,
+        "Subtract this from the logit of every token the output already holds (OpenAI's "
+        "definition, in [-2, 2]); positive values push towards new tokens.",
+        job=JobOption(ge=-2, le=2),
+    )
+    frequency_penalty: float = param(
+        0.0,
+        "Subtract this times its count so far from the logit of each token the output "
+        "holds (OpenAI's definition, in [-2, 2]); breaks loops such as a JSON value "
+        "repeated until max_tokens.",
+        job=JobOption(ge=-2, le=2),
+    )
+    logit_bias: dict[int, float] | None = param(
+        None,
+        "Add a bias in [-100, 100] to these token ids' logits (-100 bans a token, 100 all "
+        "but forces it): TOKEN_ID=BIAS, repeated, on the command line; a mapping in Python "
+        "and flows.",
+        job=JobOption(),
+    )
+    allowed_token_ids: list[int] | None = param(
+        None, "Only these token ids may be generated.", job=JobOption(metavar="TOKEN_ID")
+    )
+    bad_words: list[str] = param(
+        help="Words the output must not contain: the last token of a word is refused where "
+        "the output ends with its other tokens (vLLM's rule).",
+        default_factory=list,
+        job=JobOption(metavar="WORD"),
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,8 +1,10 @@
 """The job definition: values checked one way for every surface, and every surface derived
-from it - adding an option is one entry in OPTIONS."""
+from it - adding an option is one entry in OPTIONS (a sampling one: one SamplingParams
+field), plus a JOB option's typed JobSpec field, which a test here keeps in step."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import textwrap
 
 import pytest
 
+from tokenmill.engine import FIELD_DEFAULT, SamplingParams
 from tokenmill.pipelines import options as opts
 from tokenmill.pipelines.option_types import (
     BOOL,
@@ -20,6 +23,7 @@ from tokenmill.pipelines.option_types import (
     JOB,
     NOTEBOOK,
     SAMPLE,
+    SAMPLING,
     TEXT,
     Option,
 )
@@ -144,7 +148,7 @@ def test_surfaces_nest_as_documented():
 
 ADD_ONE_OPTION = textwrap.dedent(
     """
-    import inspect, json
+    import dataclasses, inspect, json
     from tokenmill.pipelines import options
     from tokenmill.pipelines.option_types import INT, SAMPLE, Option
 
@@ -181,7 +185,10 @@ ADD_ONE_OPTION = textwrap.dedent(
         "generate_default": inspect.signature(tokenmill.generate).parameters[
             "throwaway_knob"].default,
         "run_job_default": run_job_signature.parameters["throwaway_knob"].default,
-        "spec_value": JobSpec("in", "out", throwaway_knob=5).throwaway_knob,
+        # JobSpec's fields are written out for type checkers: a new JOB option needs its
+        # field there too, which test_jobspec_fields_are_the_job_options checks.
+        "spec_in_step": [o.name for o in options.options_for("job")]
+        == [f.name for f in dataclasses.fields(JobSpec) if f.kw_only],
         "per_row": "throwaway_knob" in options.per_row_fields(),
     }
     report["passed_to_run_job"] = seen.get("throwaway_knob")
@@ -218,7 +225,7 @@ def test_adding_an_option_is_one_entry_in_the_definition(tmp_path):
     assert schema["description"] == "A throwaway option of the definition test."
     assert report["flow_refuses_10"] is True
     assert report["generate_default"] == report["run_job_default"] == 3
-    assert report["spec_value"] == 5 and report["per_row"] is True
+    assert report["spec_in_step"] is False and report["per_row"] is True
     assert report["generate_refuses_0"] == "throwaway_knob must be in [1, 9], got 0"
 
 
@@ -228,3 +235,45 @@ def test_every_option_is_documented_and_typed():
         assert option.surfaces, option.name
         if option.ge is not None or option.gt is not None or option.le is not None:
             assert option.type in (INT, FLOAT), option.name
+
+
+def test_jobspec_fields_are_the_job_options():
+    """JobSpec's fields are written out for type checkers and IDEs; they are the JOB
+    options, in the definition's order, with its defaults, repr and value types (a
+    choice is a str: its values are checked, not typed)."""
+    spec_fields = [f for f in dataclasses.fields(JobSpec) if f.kw_only]
+    assert [f.name for f in spec_fields] == [o.name for o in options_for(JOB)]
+    for spec_field, option in zip(spec_fields, options_for(JOB)):
+        assert spec_field.default == option.default, option.name
+        assert spec_field.repr == option.repr, option.name
+        expected = opts.annotation_of(option)
+        if option.type.choices:
+            expected = str | None if option.accepts_none else str
+        assert _annotation(spec_field.type) == _annotation(expected), option.name
+
+
+def _annotation(annotation) -> str:
+    """An annotation as text (JobSpec's are strings: `from __future__ import annotations`)."""
+    if isinstance(annotation, str):
+        return annotation
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return repr(annotation).replace("typing.", "")
+
+
+def test_sampling_options_are_the_sampling_params_fields_a_job_offers():
+    """Every sampling option comes from a SamplingParams field declared with a JobOption,
+    with the field's name, default (or the job's own) and help."""
+    offered = [f for f in dataclasses.fields(SamplingParams) if f.metadata.get("job") is not None]
+    sampling = [o for o in opts.OPTIONS if o.to == SAMPLING]
+    assert [o.name for o in sampling] == [f.name for f in offered]
+    assert len(offered) == 19 and len(dataclasses.fields(SamplingParams)) == 21
+    for option, param in zip(sampling, offered):
+        assert option.help == param.metadata["help"], option.name
+        job_default = param.metadata["job"].default
+        if job_default is not FIELD_DEFAULT:
+            assert option.default == job_default == 0.0 and option.name == "temperature"
+        elif param.default is not dataclasses.MISSING:
+            assert option.default == param.default, option.name
+        else:  # a list field: the option is repeatable, unset until given
+            assert option.repeatable and option.default is None, option.name
