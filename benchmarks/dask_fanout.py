@@ -9,7 +9,7 @@ run: the flow's wall seconds, the span of its shards' compute (first shard start
 last shard end, from OUTPUT/shard_stats/), the summed device seconds, and the shards.
 While each run goes, the job's progress artifact is read from the API every second;
 once 25% of the tokens are done, its ETA is compared with the time that really
-remained and its tokens/s with the job's average. Figures go to benchmarks/README.md.
+remained and its tokens/s with the job's average. Figures go to docs/performance.md.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ progress  the job with the terminal progress recorded at every engine step: once
 
 The rows: a few shared prefixes (the chat template's system prompt, a few-shot block
 for classification rows), passages and questions of different lengths, and about one
-row in eight an exact repeat of an earlier one. Figures go to benchmarks/README.md.
+row in eight an exact repeat of an earlier one. Figures go to docs/jobs.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A field is honoured (it fills a row column the job runs with), ignored because it cannot
 change the answer, or refused by name: the line becomes an error line saying which field
 and why. A field the table does not know is refused the same way, so nothing a request
-asks for is accepted and dropped. README.md's "OpenAI batch fields" table is this table.
+asks for is accepted and dropped. The docs' tables (docs/openai-batch.md, "The field
+tables") are generated from this one.
 
 Sampling fields fill columns named after the job options they override
 (`pipelines/options.py`, `per_row=True`); the rest fill the row's messages, prompt,
@@ -413,7 +414,7 @@ def body_columns(url: str, body: dict[str, Any], number: int) -> dict[str, Any]:
 
 
 def fate_table() -> str:
-    """The tables as Markdown (README.md's "OpenAI batch fields")."""
+    """The tables as Markdown (docs/openai-batch.md, "The field tables")."""
     lines = []
     for url, table in FIELDS.items():
         lines += [f"`{url}`", "", "| field | fate | meaning |", "|---|---|---|"]

@@ -5,7 +5,7 @@
     batch_inference(input="s3://b/prompts.parquet", output="s3://b/out/")
     batch_inference.with_options(task_runner=make_task_runner(dask_workers=4))(...)
 
-See flows/README.md for clusters, one worker per GPU, and scheduled deployments.
+See docs/flows.md for clusters, one worker per GPU, and scheduled deployments.
 """
 
 from tokenmill.flows.batch_flow import FLOW_NAME, batch_inference

@@ -28,7 +28,7 @@ engine takes "cuda" - that worker's only visible GPU:
 - without dask-cuda: start one `dask worker tcp://SCHEDULER:8786 --nworkers 1
   --nthreads 1` per GPU, each under its own `CUDA_VISIBLE_DEVICES=i`;
 - with Ray: Ray hides GPUs from tasks that reserve none, so run the flow inside
-  `prefect_ray.context.remote_options(num_gpus=1)` (see flows/README.md).
+  `prefect_ray.context.remote_options(num_gpus=1)` (docs/flows.md, "One worker per GPU").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ sequence's grammar state, fill a step's allowed-token bitmask.
 Why llguidance: it compiles a schema 10-100x faster than xgrammar, rejects the schema
 keywords it cannot enforce where xgrammar drops them silently, and its wheel has no
 dependencies; xgrammar's faster mask fill is well under 1% of a decode step
-(benchmarks/README.md, "Why llguidance"). It is imported where it is used: only a job
+(docs/design.md, "Why llguidance"). It is imported where it is used: only a job
 with a constrained request pays for it.
 
 Invariants:
@@ -55,7 +55,7 @@ _LIMIT_ERRORS = (
     ("fuel", "step_lexer_fuel"),
 )
 MAX_TOKENIZERS = 4
-# Fill a step's masks in a worker thread while the model runs (benchmarks/README.md,
+# Fill a step's masks in a worker thread while the model runs (docs/design.md,
 # "Why llguidance").
 OVERLAP_FILL = True
 
@@ -391,7 +391,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
 
     Tensor ops on the logits' device, with no loop over rows or vocabulary: each bitmask
     byte looks up its 8 tokens' bans in a 256-row table (faster than shifting the bits out:
-    benchmarks/README.md, "Why llguidance").
+    docs/design.md, "Why llguidance").
 
     Args:
         logits: [num_rows, vocab] on any device.

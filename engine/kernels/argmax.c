@@ -1,7 +1,7 @@
 /* Greedy decoding's argmax over each row of fp32 logits (kernels.h, tm_argmax_rows).
  *
  * PyTorch's CPU argmax walks a row one value at a time, several times slower than
- * reading the row (benchmarks/README.md, "Fused elementwise ops and the native argmax").
+ * reading the row (docs/design.md, "Fused elementwise ops and the native argmax").
  * Here a row is scanned with vector max and compare: one pass for its largest value (and
  * whether it holds a NaN), then a pass for the first position of that value, which stops
  * there.

@@ -1,7 +1,7 @@
 /* bf16 attention on AMX tiles (AMX-BF16), for paged_attention.c.
  *
  * On Intel CPUs with AMX, `vdpbf16ps` issues on one port, so the bf16 dot products of
- * attention_bf16.h run no faster than fp32 FMAs there (benchmarks/README.md, "bf16
+ * attention_bf16.h run no faster than fp32 FMAs there (docs/design.md, "bf16
  * attention: the pair layout and AMX tiles"). `tdpbf16ps` multiplies a 16 x 32 bf16 tile
  * by a 32 x 16 one into 16 x 16 fp32 sums in one instruction. The cache's pair layout
  * (attention_bf16.h) is already what its second operand wants:

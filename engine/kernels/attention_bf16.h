@@ -7,7 +7,7 @@
  * position side by side - and each value block not as [16, head_dim] but as
  * [8, head_dim, 2] - positions t and t + 1 of one element side by side. The cache writer
  * lays them out so (uses_bf16_pairs says when), and no step re-lays a block it reads
- * (why: benchmarks/README.md, "bf16 attention: the pair layout and AMX tiles"). Scores
+ * (why: docs/design.md, "bf16 attention: the pair layout and AMX tiles"). Scores
  * and the softmax stay fp32; the weights are rounded to bf16 for the weighted sum, as
  * HF's eager attention rounds them. Used for 16-token blocks and head_dim 64, 128 or 256;
  * everything else widens to fp32 from the plain layout.

@@ -6,7 +6,7 @@
  *
  * The plain loops keep their sums in memory, which left an AVX2 build (x86-64-v3, the
  * Zen 1 class) far behind the portable path's oneDNN matmuls; the register-blocked AVX2
- * kernels below keep every sum in a register across the block (benchmarks/README.md,
+ * kernels below keep every sum in a register across the block (docs/design.md,
  * "AVX2 attention kernels").
  */
 #ifndef TOKENMILL_ATTENTION_FP32_H

@@ -8,7 +8,7 @@
 
 /* acc += u8 x s8 dot products of four (vpdpbusd). Written as inline assembly because GCC
  * 12's intrinsic copies the accumulator through a spare register (or the stack) at every
- * use (benchmarks/README.md, "Our own int8 kernel"); GCC and Clang both take this form. */
+ * use (docs/design.md, "Our own int8 kernel"); GCC and Clang both take this form. */
 static inline __attribute__((always_inline)) __m512i tm_dot4(__m512i acc, __m512i u8, __m512i s8) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
     return acc;

@@ -23,7 +23,7 @@
  * does not know to honour those flags. */
 
 /* Below this many elements a pass is too short to be worth waking threads; a decode
- * step's 64 x 576 RMSNorm is above it (benchmarks/README.md, "Fused elementwise ops and
+ * step's 64 x 576 RMSNorm is above it (docs/design.md, "Fused elementwise ops and
  * the native argmax"). Each row's arithmetic is the same either way. */
 #define PARALLEL_MIN_ELEMENTS 16384
 

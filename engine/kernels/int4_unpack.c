@@ -3,7 +3,7 @@
  *
  * torch._weight_int4pack_mm_for_cpu reads a quarter of bf16's bytes, which wins while a
  * call is bound by reading its weights (a decode step of a few sequences); from a few
- * tens of rows on it computes far below the bf16 units' rate (benchmarks/README.md, "int4
+ * tens of rows on it computes far below the bf16 units' rate (docs/design.md, "int4
  * and GGUF layers on expanded weights"). A prompt chunk's call is better
  * served by expanding the layer's weights to bf16 once - a pass over N x K values, while
  * the product costs rows x N x K - and running the bf16 matmul (AMX or AVX512-BF16 in
@@ -32,7 +32,7 @@
 /* One block's 64 channels of one k: the same two roundings as the scalar loop (a
  * multiply, then an add; the flags forbid contracting them), then bf16 by
  * vcvtneps2bf16 (round to nearest even, as f32_to_bf16). GCC leaves the scalar loop
- * unvectorised (the speed-up: benchmarks/README.md, "int4 and GGUF layers on expanded
+ * unvectorised (the speed-up: docs/design.md, "int4 and GGUF layers on expanded
  * weights"). */
 static inline void unpack_block_avx512(const uint8_t *bytes, const uint16_t *sz, uint16_t *dst) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)bytes);

@@ -19,11 +19,11 @@
  * each output row is written as one contiguous run of the block's channels. Storing 64
  * bytes into each of many rows in turn instead scatters a prompt chunk's outputs (12 MB
  * for gate_up at 2,048 rows, past L2), and those stores, not the product, become most of
- * the call (benchmarks/README.md, "int8 on AMX tiles").
+ * the call (docs/design.md, "int8 on AMX tiles").
  *
  * With few rows a mostly empty tile and the round trip of the sums through memory cost
  * more than the tiles save, so calls of fewer than AMX_MIN_ROWS rows stay on VNNI (where
- * the two cross: benchmarks/README.md, "int8 on AMX tiles").
+ * the two cross: docs/design.md, "int8 on AMX tiles").
  */
 #ifndef TOKENMILL_INT8_AMX_H
 #define TOKENMILL_INT8_AMX_H
@@ -40,7 +40,7 @@
 /* The first row strip of a block asks for each weight tile's 16 lines this many bytes
  * (four k-steps) before its tile loads reach them. In a model, the KV cache's reads
  * evict the layers' weights between steps, so a decode step's first strip reads them
- * from memory; later strips find them in L2. Why 4 KiB: benchmarks/README.md, "int8 on
+ * from memory; later strips find them in L2. Why 4 KiB: docs/design.md, "int8 on
  * AMX tiles". */
 #define AMX_PREFETCH_AHEAD 4096
 

@@ -6,7 +6,7 @@
  * widens those to 8 int32 sums of four, and vpaddd accumulates them. With the
  * activations as uint8 around 128 (what VNNI multiplies) a pair reaches 2 * 255 * 127
  * and saturates; oneDNN's AVX2 kernel avoids that with 7-bit activations, which miss the
- * int8 mode's 2% perplexity promise (benchmarks/README.md, "int8 on AVX2: all 8 bits").
+ * int8 mode's 2% perplexity promise (docs/design.md, "int8 on AVX2: all 8 bits").
  * Here the activations keep all 8 bits: turned back into signed values (-127..127)
  * and multiplied as |w| x (x with w's sign) - vpsignb, then vpmaddubsw - a pair is at
  * most 2 * 127 * 127 = 32,258, which int16 holds. The sums are then exactly VNNI's

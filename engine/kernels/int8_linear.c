@@ -7,7 +7,7 @@
  * takes one activation scale per tensor, so per-token scales cost a second pass over the
  * output (and a bf16 rounding before it); it JIT-builds a kernel for every new row
  * count, which forced padding decode steps to a few fixed sizes; and at the model's
- * shapes it ran well below the VNNI units' rate (benchmarks/README.md, "Our own int8
+ * shapes it ran well below the VNNI units' rate (docs/design.md, "Our own int8
  * kernel"). Here each row's scale is applied in the epilogue, rows are taken as they
  * come, and nothing is built at run time. Quantizing inside the same call saves a
  * second trip through Python and a second wake-up of the threads per layer.
@@ -29,7 +29,7 @@
  * A gated MLP's gate_up weight can be packed a gate panel and its up panel in turn; then
  * the epilogue takes each pair's fp32 values and stores act(gate) * up (SiLU, or Gemma's
  * GELU) once, instead of writing [gate, up] for a separate pass to read back; AVX2's
- * tile, one panel wide, runs a pair as two tiles (benchmarks/README.md, "The gated MLP
+ * tile, one panel wide, runs a pair as two tiles (docs/design.md, "The gated MLP
  * in the int8 epilogue").
  */
 #include <omp.h>
@@ -58,7 +58,7 @@
 /* Below this many multiply-adds a call is a few microseconds: one thread - unless its
  * weights alone are this many bytes: a call of a row or two is bound by reading them
  * (from L3 or memory), and two threads read them nearly twice as fast. Why these
- * thresholds: benchmarks/README.md, "Our own int8 kernel". */
+ * thresholds: docs/design.md, "Our own int8 kernel". */
 #define MATMUL_PARALLEL_MIN (1 << 20)
 #define WEIGHT_PARALLEL_MIN (1 << 18)
 
@@ -160,7 +160,7 @@ static inline __attribute__((always_inline)) __m512 gated16(int activation, __m5
 /* The epilogue of a gate panel's and its up panel's accumulators for one row (channels
  * col.. and col + 16.. of the product): 16 outputs at col / 2. Kept apart from the AMX
  * path's finish_row32, whose arithmetic it shares: a branch inside that function slowed
- * the gated AMX calls (benchmarks/README.md, "The gated MLP in the int8 epilogue"). */
+ * the gated AMX calls (docs/design.md, "The gated MLP in the int8 epilogue"). */
 static inline __attribute__((always_inline)) void finish_gated16(const problem *p,
                                                                  const channels16 *gate_c,
                                                                  const channels16 *up_c,

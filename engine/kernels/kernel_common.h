@@ -22,7 +22,7 @@ static inline uint16_t f32_to_bf16(float f) {
 /* Asks for `bytes` from `start`, every 64-byte line, into L2 (T1). Blocks sit at random
  * places in the cache, so the hardware prefetcher cannot see the next one coming, and
  * decode spends most of its time waiting on these lines. Why L2 and every line:
- * benchmarks/README.md, "Decode attention". */
+ * docs/design.md, "Decode attention". */
 static inline void prefetch_bytes(const void *start, int64_t bytes) {
     const char *p = (const char *)start;
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
@@ -31,14 +31,14 @@ static inline void prefetch_bytes(const void *start, int64_t bytes) {
 /* How many blocks ahead a walk over a kv head's blocks asks for: using a block takes a
  * fraction of the time memory needs to deliver the next one from a random place in the
  * cache, so one block ahead leaves the walk waiting on latency. Why 4:
- * benchmarks/README.md, "Decode attention". */
+ * docs/design.md, "Decode attention". */
 #define BLOCK_PREFETCH_AHEAD 4
 
 /* Before block b of a walk over [first, end) of table, in a cache laid out
  * [blocks][num_kv_heads][head_bytes]: at the walk's first block the next
  * BLOCK_PREFETCH_AHEAD - 1 of kv_head's are asked for, then at each block the one that
  * many on. Must stay inlined into the walk's loop: as a call it cost the int8 direct
- * decode path most of its gain (benchmarks/README.md, "Decode attention"). */
+ * decode path most of its gain (docs/design.md, "Decode attention"). */
 static inline __attribute__((always_inline)) void prefetch_blocks_ahead(
     const void *cache, const int64_t *table, int64_t b, int64_t first, int64_t end,
     int64_t num_kv_heads, int64_t kv_head, int64_t head_bytes) {

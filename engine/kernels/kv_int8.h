@@ -5,7 +5,7 @@
  * them as int8 halves the bytes. Each position's head_dim values are cut into groups of
  * TM_KV_INT8_GROUP (32) with one fp32 scale each, max|x| / 127, and stored as
  * round(x / scale); whole-head scales lose too much for head_dim 256 (Gemma 3). Why 32:
- * benchmarks/README.md, "The int8 KV cache, scaled per 32 values".
+ * docs/design.md, "The int8 KV cache, scaled per 32 values".
  *
  * A kv head's block is its block_size * head_dim int8 values, in the plain or the pair
  * layout of the float caches (kernels.h, tm_write_kv_cache; which one: kv_int8_pairs),

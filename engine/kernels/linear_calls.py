@@ -3,8 +3,8 @@ of the activations they are called with, and the per-thread buffers their kernel
 those activations into.
 
 The buffers are only ever read by the kernel that wrote them, so they are reused from call
-to call: allocating them was a large share of a decode-sized call's Python (benchmarks/
-README.md, "Our own int8 kernel"). They are kept per thread, since a process may run
+to call: allocating them was a large share of a decode-sized call's Python
+(docs/design.md, "Our own int8 kernel"). They are kept per thread, since a process may run
 models in several threads (notebooks, threaded Dask workers), and grown with headroom so
 that a run's rising row counts reallocate them a few times only.
 """

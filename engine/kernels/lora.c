@@ -3,7 +3,7 @@
  *
  * A step holds runs of rows that share an adapter; the base layer has computed y for all
  * of them. Done as two matmuls per run, each costs tens of microseconds of dispatch
- * whatever its size, which outweighs the few rows' arithmetic (benchmarks/README.md,
+ * whatever its size, which outweighs the few rows' arithmetic (docs/design.md,
  * "LoRA adapters"). Here each run (slot, first, end) gets
  *
  *     t = x[first:end] @ A[slot][:, :rank]                         (the shrink)
@@ -37,7 +37,7 @@
 /* Prefetch distance in the vector tiles, in rows of w (pairs of rows in bf16): a decode
  * step's few rows per adapter make each call stream its adapters' weights from L3 or
  * memory once, waiting on each load; asking ahead made such a step 1.4x faster
- * (benchmarks/README.md, "LoRA adapters"). Within the last rows of a short k (an expand)
+ * (docs/design.md, "LoRA adapters"). Within the last rows of a short k (an expand)
  * the same rows' next two tiles of columns are asked for instead. */
 #define PREFETCH_ROWS 16
 
@@ -166,7 +166,7 @@ static void tile_any(const operands *o, int64_t row, int mr, int64_t col, int64_
  * of x and 5 the 16 pair rows of w that meet them; 6 and 7 the same for k's last 16. A
  * decode step's runs are a few rows each: their tiles carry only those rows, so that AMX
  * serves them too rather than vdpbf16ps, whose one product per cycle makes a few rows'
- * terms compute-bound (benchmarks/README.md, "LoRA adapters"). */
+ * terms compute-bound (docs/design.md, "LoRA adapters"). */
 static void configure_tiles(int m) {
     const uint8_t rows[8] = {m, m, m, m, m, 16, m, 8};
     const uint16_t bytes[8] = {64, 64, 64, 64, 64, 64, 32, 64};
@@ -190,7 +190,7 @@ static void configure_tiles(int m) {
  * 16-column blocks times it put y into the accumulator tiles exactly, so that a whole
  * 64-column band adds its terms to y on the tiles and the vector work left is one
  * two-vector conversion per 32 outputs - the add into the base's output was most of a
- * prompt step's expand (benchmarks/README.md, "LoRA adapters"). */
+ * prompt step's expand (docs/design.md, "LoRA adapters"). */
 static const uint16_t IDENTITY16[8][16][2] __attribute__((aligned(64))) = {
 #define ONE(p, c) {(2 * (p) == (c)) ? 0x3F80 : 0, (2 * (p) + 1 == (c)) ? 0x3F80 : 0}
 #define ROW(p) {ONE(p, 0), ONE(p, 1), ONE(p, 2), ONE(p, 3), ONE(p, 4), ONE(p, 5), ONE(p, 6), \
@@ -400,7 +400,7 @@ int tm_lora(const tm_lora_args *a) {
         }
         /* Each thread a contiguous share of the items: its rows of y and its runs'
          * weights in one stretch, a little faster than items dealt out one at a time
-         * (benchmarks/README.md, "LoRA adapters"). */
+         * (docs/design.md, "LoRA adapters"). */
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t lo = items * tid / nt, hi = t_rows ? items * (tid + 1) / nt : lo;
         for (int64_t t = lo; t < hi; t++) {

@@ -4,7 +4,7 @@
  * A one-sequence decode step is 121 linear calls of one row each (SmolLM2): every call
  * reads its whole weight once, so the step is as fast as the weights stream from memory.
  * oneDNN's matmul reads the smaller ones at about 15 GB/s where the memory gives 22
- * (benchmarks/README.md, "One-row linear layers"). This reads the weight oneDNN packed
+ * (docs/design.md, "One-row linear layers"). This reads the weight oneDNN packed
  * where it lies - no second copy - front to back in one pass per thread: each thread
  * takes a contiguous range of output blocks, each block a contiguous
  * [k / 2][block_cols][2] run, and multiplies pairs of k with vdpbf16ps (the packed

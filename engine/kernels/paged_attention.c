@@ -123,7 +123,7 @@ static inline int64_t first_seen(const tm_attention_args *a, int64_t position) {
 
 /* Over an int8 cache on AMX, prompt tiles are this many times TM_TILE_ROWS, so that more
  * rows share each widening where a tile widens windows of its own (no WideCopy: a call
- * past WIDE_COPY_MAX_BYTES). Why 2: benchmarks/README.md, "The int8 KV cache, scaled per
+ * past WIDE_COPY_MAX_BYTES). Why 2: docs/design.md, "The int8 KV cache, scaled per
  * 32 values". */
 #define INT8_TILE_FACTOR 2
 
@@ -708,7 +708,7 @@ int tm_paged_attention(const tm_attention_args *a) {
         }
         /* A sequence's (or a tile's) kv heads are adjacent items, and their blocks adjacent
          * in the cache: one thread takes them all, so that two threads never read
-         * neighbouring parts of one block at once (benchmarks/README.md, "Decode
+         * neighbouring parts of one block at once (docs/design.md, "Decode
          * attention"). */
 #pragma omp for schedule(dynamic, a->num_kv_heads)
         for (int64_t item = 0; item < plan.num_items; item++)

@@ -7,7 +7,7 @@
  * Why: the bf16 alternative expands the layer's weights on every call (about half of a
  * 32-64-row call) and PyTorch's int4 kernel computes far below the vector units' rate;
  * integer dot products on the 4-bit blocks read a quarter of bf16's bytes and run on the
- * VNNI units (benchmarks/README.md, "4-bit GGUF layers in integer dot products").
+ * VNNI units (docs/design.md, "4-bit GGUF layers in integer dot products").
  *
  * Layout (engine/kernels/q4_linear.py packs it): panels of 16 output channels, each a run
  * of k / 32 blocks of `block_bytes`: 256 bytes of nibbles - four 64-byte lines, line i

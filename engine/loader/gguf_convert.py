@@ -57,7 +57,7 @@ def convert_gguf(
     gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32
 ) -> Path:
     """Convert a GGUF model file into an HF-layout directory (plus the decoder layers'
-    quantized blocks as they are, for `quantization="gguf"`: quant/gguf_blocks.py).
+    quantized blocks as they are, for `quantization="gguf"`: loader/gguf_blocks.py).
 
     Args:
         gguf_path: the `.gguf` file (llama, qwen2, qwen3 or gemma3 architecture; byte-level

@@ -16,7 +16,7 @@ rows). On a CPU with the native kernels every run's terms are one call per layer
 (engine/kernels/lora.c), which multiplies only each target's block; elsewhere each long
 run of rows (a prompt chunk) gets its own two matmuls and the short runs of a decode step
 one batched matmul pair over every adapter's rows at once. Each matmul call costs
-microseconds of dispatch, which outweigh a few rows' arithmetic (benchmarks/README.md,
+microseconds of dispatch, which outweigh a few rows' arithmetic (docs/design.md,
 "LoRA adapters").
 """
 

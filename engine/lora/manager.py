@@ -47,7 +47,7 @@ from tokenmill.engine.models import ModelConfig
 HostWeights = dict[AdapterTarget, tuple[torch.Tensor, torch.Tensor]]
 
 # Runs of at most this many rows go into the step's one padded batch; longer ones (prompt
-# chunks) get matmuls of their own. ref: benchmarks/README.md, "LoRA adapters".
+# chunks) get matmuls of their own. ref: docs/design.md, "LoRA adapters".
 BATCHED_ROWS = 32
 
 

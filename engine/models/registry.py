@@ -97,7 +97,7 @@ class Architecture:
     model_types: tuple[str, ...] = ()
     gguf: GGUFLayout | None = None
     # The TASKS it serves. A causal LM embeds only when its directory says how it pools
-    # (sentence-transformers' modules.json): `engine/tasks.served_tasks` applies that.
+    # (sentence-transformers' modules.json): `loader/pooling_config.served_tasks` applies that.
     tasks: tuple[str, ...] = (GENERATE, "embed")
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ block's scales and offsets are fp16 values (Q4_0 and Q4_1 always): integer dot p
 on the file's own nibbles with the activations quantized per block of 32, llama.cpp's
 arithmetic for these formats - except, on CPUs whose bf16 matmul runs on AMX tiles, for
 calls of EXPAND_MIN_ROWS rows or more, which expand the weights to bf16 (exactly, from
-the fp16 scales) for one bf16 matmul (benchmarks/README.md, "4-bit GGUF layers in
+the fp16 scales) for one bf16 matmul (docs/design.md, "4-bit GGUF layers in
 integer dot products"). Elsewhere they are exactly what PyTorch's int4 CPU kernel
 computes (int4.py), so they run as Int4Linear: that kernel for small calls, the weights
 expanded to bf16 for one bf16 matmul from int4.py's UNPACK_MIN_ROWS rows on. Its fast
@@ -43,7 +43,7 @@ from tokenmill.engine.quant.method import QuantizationMethod, register
 INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 # From this many rows a Q4Linear call on a CPU with AMX expands its weights to bf16 and
 # runs the bf16 matmul on the tiles instead of the integer product on the vector units
-# (where the two cross: benchmarks/README.md, "4-bit GGUF layers in integer dot
+# (where the two cross: docs/design.md, "4-bit GGUF layers in integer dot
 # products"). Without AMX the integer product is the faster one at every row count.
 EXPAND_MIN_ROWS = 128
 # Output rows expanded to fp32 at once in GroupInt8Linear: 256 x 2,048 inputs is 2 MB.

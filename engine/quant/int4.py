@@ -6,14 +6,14 @@ PyTorch's own CPU kernel for it (`torch._weight_int4pack_mm_for_cpu`), which rea
 quarter of bf16's bytes: the choice for jobs bound by memory bandwidth (small batches,
 long outputs, bigger models). The kernel runs in bf16 whatever the model's dtype: its
 fp32 variant is scalar and far slower, so the scales and the activations are rounded to
-bf16 and the output cast back (benchmarks/README.md, "int4 and GGUF layers on expanded
+bf16 and the output cast back (docs/design.md, "int4 and GGUF layers on expanded
 weights").
 
 Calls of UNPACK_MIN_ROWS rows or more (prompt chunks, big decode batches) expand the
 layer's weights to bf16 first (kernels/int4_unpack.c, one pass over N x K) and run the
 bf16 matmul on them: that kernel computes far below the bf16 units' rate, and from a few
 tens of rows the product, not the weights' bytes, is the cost. The expanded copy lives
-for the one call, so the model keeps int4's memory. Figures: benchmarks/README.md
+for the one call, so the model keeps int4's memory. Figures: docs/design.md
 ("int4 and GGUF layers on expanded weights").
 """
 
@@ -34,7 +34,7 @@ GROUP_SIZE = 32
 _MID = 8
 COMPUTE_DTYPE = torch.bfloat16
 # From this many rows a call expands the weights to bf16 and runs the bf16 matmul
-# (where it pays: benchmarks/README.md, "int4 and GGUF layers on expanded weights").
+# (where it pays: docs/design.md, "int4 and GGUF layers on expanded weights").
 UNPACK_MIN_ROWS = 32
 
 

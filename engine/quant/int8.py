@@ -14,7 +14,7 @@ two kernels, each a layer class, chosen per layer at load (`Int8Linear.from_floa
   rows to 8 bits and applies each row's scale in its epilogue in the same call, takes any
   row count, and gives the same bits on every instruction set; a gated MLP's gate_up
   also applies the activation and the multiply by up there (`fused_activation` below).
-  Why ours and not oneDNN's: benchmarks/README.md, "Our own int8 kernel" and "int8 on
+  Why ours and not oneDNN's: docs/design.md, "Our own int8 kernel" and "int8 on
   AMX tiles". On AVX2 it is the only int8 path that keeps 8-bit activations (below).
 - "onednn" (`OneDNNInt8Linear`): oneDNN's int8 matmul
   (`torch.ops.onednn.qlinear_pointwise`, the op PyTorch's PT2E quantization lowers to) on
@@ -23,7 +23,7 @@ two kernels, each a layer class, chosen per layer at load (`Int8Linear.from_floa
   on a build of ours without it); ONEDNN_MAX_CPU_ISA caps it (tests use that to run the
   fallback). Without VNNI or AMX the u8 x s8 pairs are summed in int16 and saturate, so
   activations there use 7 bits, which miss the 2% the int8 mode promises
-  (benchmarks/README.md, "int8 on AVX2: all 8 bits"); AVX2 builds therefore run the
+  (docs/design.md, "int8 on AVX2: all 8 bits"); AVX2 builds therefore run the
   native kernel.
 """
 
@@ -86,7 +86,7 @@ def choose_kernel(out_features: int, in_features: int) -> str:
     """The int8 kernel a layer of this shape runs on here: "native" where our kernel is
     built (AVX512-VNNI, with AMX tiles for larger row counts where the CPU has them, or
     AVX2) and takes the shape, else "onednn". Why native on AMX and AVX2:
-    benchmarks/README.md, "int8 on AMX tiles" and "int8 on AVX2: all 8 bits"."""
+    docs/design.md, "int8 on AMX tiles" and "int8 on AVX2: all 8 bits"."""
     if native.takes_shape(out_features, in_features):
         return NativeInt8Linear.kernel
     return OneDNNInt8Linear.kernel
@@ -108,7 +108,7 @@ def padded_rows(num_rows: int) -> int:
     least 8), above it the next multiple of 64.
 
     oneDNN builds (JIT-compiles) a kernel for every new input shape, at tens to hundreds
-    of milliseconds a shape (benchmarks/README.md, "Our own int8 kernel"), and a step's row
+    of milliseconds a shape (docs/design.md, "Our own int8 kernel"), and a step's row
     count changes nearly every step; padding to a few dozen sizes lets the kernels be
     reused, at the price of at most 63 rows of zeros on a long chunk.
     """
@@ -328,7 +328,7 @@ class Int8Method(QuantizationMethod):
     layer_classes = (Int8Linear,)
     # A one-sequence decode step reads the lm_head as a quarter of the decoder's
     # weights again (SmolLM2: 57 MB beside 212 MB in bf16); smoothed, int8 costs it about
-    # +0.5% perplexity (benchmarks/README.md, "int8 lm_head").
+    # +0.5% perplexity (docs/design.md, "The lm_head in int8 is a setting").
     quantizes_lm_head = True
 
     def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:

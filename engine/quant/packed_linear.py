@@ -3,8 +3,8 @@
 `F.linear` on CPU goes to MKL, which on AMD processors reaches about half of what the
 hardware does (it does not pick its AVX-512 kernels there, by all appearances). oneDNN
 on a weight packed once into its blocked layout avoids that, and the per-call repack
-MKL-DNN does on decode batches; results are fp32 to rounding. Figures: benchmarks/
-README.md, "oneDNN-packed linear layers".
+MKL-DNN does on decode batches; results are fp32 to rounding. Why and by how much:
+docs/design.md, "oneDNN-packed linear layers".
 
 `pack_linear_layers` swaps every nn.Linear of a loaded model for a PackedLinear. It
 runs only on CPU for fp32, and bf16 where the CPU has oneDNN's bf16 reorder
@@ -53,7 +53,7 @@ class PackedLinear(nn.Module):
 
     A bf16 layer called with one row (one-sequence decode) goes to the native matvec,
     which reads the same packed weight faster than oneDNN's matmul does at one row
-    (benchmarks/README.md, "One-row linear layers"), where the layout is one it reads;
+    (docs/design.md, "One-row linear layers"), where the layout is one it reads;
     `one_row_block_cols` finds out, per layer.
     """
 

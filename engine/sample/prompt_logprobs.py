@@ -9,8 +9,9 @@ through the lm_head, and only those.
 The prefix cache would skip the positions of a cached prefix, so a sequence is served
 from it only up to what it has already recorded (the scheduler caps its hits with
 `Sequence.num_cacheable_tokens`); the rest is computed again for it, at the cost of computing
-those tokens - the price of exact scores, measured in benchmarks/README.md. After a
-preemption the recorded entries stand and only the unrecorded positions are scored.
+those tokens - the price of exact scores (docs/design.md, "Prompt log-probabilities are
+computed, not cached"). After a preemption the recorded entries stand and only the
+unrecorded positions are scored.
 """
 
 from __future__ import annotations

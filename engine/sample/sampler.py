@@ -13,7 +13,7 @@ generator, so a seeded request samples the same tokens whatever else is in the b
 Everything vocabulary-wide is one tensor op over the batch. On CPU a full sort of a large
 vocabulary costs far more than taking its best candidates, so top-k and top-p work on each
 row's best 1,024 and only a row whose nucleus is wider is sorted whole; the noise is
--log(rand()), a quarter of exponential_()'s cost (benchmarks/README.md, "Sampling on the
+-log(rand()), a quarter of exponential_()'s cost (docs/design.md, "Sampling on the
 CPU"). On CUDA the sort is cheap and needs no host decision. Every argmax on CPU is the
 native one (kernels/argmax.py).
 """

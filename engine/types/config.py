@@ -140,7 +140,7 @@ class EngineConfig:
         None,
         "Ask Linux for 2 MiB pages for the CPU KV cache (default: TOKENMILL_HUGE_PAGES, "
         "off: where the kernel compacts memory to find a huge page, each first touch of "
-        'one can stall for milliseconds - benchmarks/README.md, "The KV cache").',
+        'one can stall for milliseconds - docs/design.md, "The KV cache").',
     )
 
     def __post_init__(self) -> None:

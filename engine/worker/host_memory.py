@@ -5,7 +5,7 @@ Every CPU forward pass allocates activations of a few to a few hundred megabytes
 later. glibc's malloc serves blocks that size with a fresh mmap and returns them
 with munmap, so each step pays a page fault, and the kernel zeroes a page, for every
 4 KiB it touches - more, on the mixed64 benchmark, than its norms, rotary and residuals
-cost together (benchmarks/README.md, "Page faults").
+cost together (docs/design.md, "Page faults").
 
 `keep_large_allocations_mapped` raises malloc's mmap threshold so those blocks come
 from the heap, and its trim threshold so the heap is not shrunk after each step; the

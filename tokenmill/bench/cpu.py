@@ -1,4 +1,4 @@
-"""The CPU a benchmark ran on, named as the figures in benchmarks/README.md are."""
+"""The CPU a benchmark ran on, named as the figures in docs/performance.md are."""
 
 from __future__ import annotations
 

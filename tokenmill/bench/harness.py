@@ -40,8 +40,8 @@ from tokenmill.bench.systems import (
 from tokenmill.bench.workload import PRESET_NAMES, Workload, load_preset
 
 DTYPES = ("float32", "bfloat16")
-# llama-server slot counts tried when a workload has more requests than slots; why these:
-# benchmarks/README.md, "Against llama.cpp".
+# llama-server slot counts tried when a workload has more requests than slots
+# (docs/performance.md, "Baselines").
 LLAMA_SERVER_SLOTS = (4, 8, 16, 64)
 
 

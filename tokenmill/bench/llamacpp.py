@@ -2,7 +2,7 @@
 llama.cpp runs (the model's own file requantized with `llama-quantize`), and llama.cpp's
 own benchmarks (`llama-bench`, `llama-batched-bench`) as reference figures.
 
-Nothing of llama.cpp ships with tokenmill: the user builds it (benchmarks/README.md,
+Nothing of llama.cpp ships with tokenmill: the user builds it (docs/performance.md,
 "Baselines") and passes the directory of its binaries (`--llama-bin-dir`) or the server
 alone (`--llama-server`, whose directory is searched for the others).
 
@@ -194,7 +194,7 @@ def prepare_gguf(quantize: Path | None, source: Path, fmt: str, cache_dir: Path)
     if quantize is None:
         raise FileNotFoundError(
             f"making a {fmt} GGUF needs llama-quantize: pass --llama-bin-dir DIR "
-            "(benchmarks/README.md, Baselines)"
+            '(docs/performance.md, "Baselines")'
         )
     stat = source.stat()
     identity = f"{source.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{fmt}\0"

@@ -353,7 +353,7 @@ def baseline_systems(
                 notes.append(
                     "llamacpp-server: skipped - no llama-server binary (build it from "
                     "llama.cpp's sources and pass --llama-bin-dir DIR or --llama-server PATH; "
-                    "see benchmarks/README.md)"
+                    'see docs/performance.md, "Baselines")'
                 )
                 continue
             for fmt, gguf in files.items():
