@@ -34,12 +34,18 @@ SECTIONS = {
     "costs": "Prices",
     "run": "Running the job",
 }
-# Where an option is offered, as a reader knows each surface.
+# Where an option is offered, as a reader knows each surface; the common sets by one word
+# (the Jobs page says what each means).
 SURFACE_NAMES = {
     "cli": "`run`",
     "flow": "flow",
     "job": "`run_job`",
     "notebook": "`generate`",
+}
+SURFACE_SETS = {
+    frozenset(SURFACE_NAMES): "all",
+    frozenset({"cli", "flow", "job"}): "jobs",
+    frozenset({"job", "notebook"}): "Python",
 }
 
 
@@ -74,10 +80,12 @@ def job_options_table() -> str:
             name = f"`{option.name}`"
             if "cli" in option.surfaces:
                 flag = option.flag or "--" + option.name.replace("_", "-")
-                name = " / ".join(f"`{f}`" for f in flag.split("/")) + f" ({name})"
-            surfaces = ", ".join(SURFACE_NAMES[s] for s in SURFACE_NAMES if s in option.surfaces)
+                name = " / ".join(f"`{f}`" for f in flag.split("/")) + f"<br>{name}"
+            surfaces = SURFACE_SETS.get(frozenset(option.surfaces)) or ", ".join(
+                SURFACE_NAMES[s] for s in SURFACE_NAMES if s in option.surfaces
+            )
             if option.per_row:
-                surfaces += ", OpenAI batch lines"
+                surfaces += ", per OpenAI line"
             lines.append(
                 f"| {name} | {_cell(_default(option.default))} | {surfaces} "
                 f"| {_cell(option.help)} |"
