@@ -5,7 +5,8 @@ replaces the marker with the table made from its one declaration, so the docs ne
 restate (and never drift from) what the code says:
 
     job-options       every job option, by section      pipelines/options.py, OPTIONS
-    engine-settings   every LLM(...) setting             engine/config.py, EngineConfig
+    engine-settings   every LLM(...) setting             engine/types/config.py, EngineConfig
+    sampling-params   every SamplingParams field         engine/types/sampling_params.py
     environment       every TOKENMILL_* variable         engine/env.py, SWITCHES
     openai-fields     the OpenAI batch field-fate tables connectors/openai_fields.py
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import MISSING
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def job_options_table() -> str:
 
 def engine_settings_table() -> str:
     """Every engine setting: `LLM(name=...)`, its default, and its help text."""
-    from tokenmill.engine.config import engine_settings
+    from tokenmill.engine import engine_settings
 
     lines = ["| setting | default | job option | what it does |", "|---|---|---|---|"]
     for setting in engine_settings():
@@ -105,6 +106,24 @@ def engine_settings_table() -> str:
         lines.append(
             f"| `{setting.name}` | {_cell(_default(default))} | {job} "
             f"| {_cell(setting.metadata['help'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def sampling_params_table() -> str:
+    """Every SamplingParams field: its default, whether a job offers it, and its help."""
+    from tokenmill.engine import SamplingParams
+
+    lines = ["| field | default | job option | what it does |", "|---|---|---|---|"]
+    for param in fields(SamplingParams):
+        if param.default is not MISSING:
+            default = param.default
+        else:
+            default = param.default_factory()
+        job = "yes" if param.metadata.get("job") else "-"
+        lines.append(
+            f"| `{param.name}` | {_cell(_default(default))} | {job} "
+            f"| {_cell(param.metadata.get('help', ''))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -131,6 +150,7 @@ def openai_fields_table() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "job-options": job_options_table,
     "engine-settings": engine_settings_table,
+    "sampling-params": sampling_params_table,
     "environment": environment_table,
     "openai-fields": openai_fields_table,
 }
