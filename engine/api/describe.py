@@ -24,6 +24,7 @@ from tokenmill.engine.loader.model_files import display_name, resolve_model, wei
 from tokenmill.engine.loader.tokenizer import Tokenizer, read_chat_template
 from tokenmill.engine.models import ModelConfig, architecture_for, load_config
 from tokenmill.engine.pooling.config import served_tasks
+from tokenmill.engine.quant.checkpoint_formats import check_checkpoint_quantization
 from tokenmill.engine.types.structured_outputs import StructuredOutputs
 
 
@@ -106,8 +107,11 @@ def describe_model(
 
     Raises:
         ModelFilesError: the model cannot be found or its directory is incomplete.
+        ValueError: its checkpoint is quantized in a format the engine does not read -
+            said here, so a job's plan and its dry run refuse it as loading would.
     """
     model_dir = resolve_model(model, cache_root=cache_root, revision=revision)
+    check_checkpoint_quantization(model_dir)
     commit = snapshot_revision(model_dir)
     return ModelDescription(
         name=name_with_revision(display_name(model), commit),

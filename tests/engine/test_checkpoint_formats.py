@@ -274,3 +274,20 @@ def test_an_encoder_checkpoint_is_refused_too(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="format int-quantized"):
         LLM(str(tmp_path), dtype="float32")
+
+
+def test_a_jobs_plan_and_dry_run_refuse_it_before_loading(tmp_path, no_weight_read):
+    """Planning describes the model without loading it: the refusal comes there, so a
+    `--dry-run` never prices a job the engine would refuse."""
+    from tokenmill.engine import describe_model
+    from tokenmill.pipelines.job import run_job
+
+    model_dir = tmp_path / "w8a8"
+    build_w8a8_checkpoint(model_dir)
+    with pytest.raises(ValueError, match="format int-quantized"):
+        describe_model(str(model_dir))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": 1, "prompt": "hi"}\n')
+    with pytest.raises(ValueError, match="format int-quantized"):
+        run_job(str(rows), str(tmp_path / "out"), model=str(model_dir), dry_run=True)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
