@@ -24,7 +24,7 @@ What it yields:
   a step's cost grows linearly with its tokens - true of the matrix products that
   dominate a step once a batch is a few dozen tokens wide.
 
-The engine's prefix cache is emptied afterwards (`LLMEngine.abort_all`), so a run in
+The engine's prefix cache is emptied afterwards (`LLM.reset_prefix_cache`), so a run in
 the same process starts as cold as the forecast assumes.
 """
 
@@ -221,7 +221,7 @@ def _timed_run(llm: Any, requests: Sequence[PlannedRequest], deadline: float) ->
     except _TimeUp:
         stopped_early = True  # LLM.generate dropped the rest
     seconds = time.perf_counter() - started
-    llm.engine.abort_all()  # the prefix cache: what follows starts cold
+    llm.reset_prefix_cache()  # what follows starts cold
     return _Run(finished, steps, seconds, stopped_early)
 
 

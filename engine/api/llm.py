@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -267,9 +268,19 @@ class LLM(PoolingMethods):
         self.engine.profiler = profiler
         self.engine.runner.profiler = profiler
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block, so the next requests compute their prompts in
+        full: a timed run or a calibration that must start cold. Blocks that running
+        requests hold stay theirs; only their reuse by later requests is lost."""
+        self.engine.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
-        """Cumulative counters: computed/cached prompt tokens, generated tokens, preemptions."""
-        return self.engine.stats
+        """Cumulative counters: computed/cached prompt tokens, generated tokens,
+        preemptions, adapters loaded into LoRA slots."""
+        lora = getattr(self.engine.runner, "lora", None)  # an encoder's runner has none
+        if lora is None:
+            return self.engine.stats
+        return replace(self.engine.stats, num_adapter_loads=lora.num_slot_loads)
 
 
 def build_engine(

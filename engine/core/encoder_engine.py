@@ -127,6 +127,9 @@ class EncoderEngine:
         self._finished_early.clear()
         return num
 
+    def reset_prefix_cache(self) -> None:
+        """Nothing to forget: an encoder keeps no KV cache between requests."""
+
     def step(self) -> list[PoolingOutput]:
         """Run the next batch; return the requests it finished (and any refused ones)."""
         finished, self._finished_early = self._finished_early, []

@@ -230,6 +230,10 @@ class LLMEngine:
         self._pending = None
         return num
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block: later requests compute their prompts in full."""
+        self.block_manager.forget_cache()
+
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -102,6 +102,9 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_errors: int = 0
+    # LoRA adapters prepared into a slot - first loads and reloads after eviction (more
+    # adapters in use than `max_loras` slots reload within a run).
+    num_adapter_loads: int = 0
     # Structured outputs: tokens sampled under a grammar, seconds spent filling their masks
     # (overlapping the forward pass when done in the worker thread), and seconds the steps
     # were held up by masks (waiting for the fill, applying it).

@@ -43,6 +43,18 @@ def test_shared_prefix_is_computed_once(model_dir):
     assert [o.token_ids for o in with_cache] == [o.token_ids for o in without_cache]
 
 
+def test_reset_prefix_cache_makes_the_next_call_compute_its_prompts(model_dir):
+    from tokenmill.engine import LLM
+
+    llm = LLM(str(model_dir), dtype="float32", block_size=4, kv_cache_memory=8 << 20)
+    prompt = [random_tokens(42, seed=3)]  # 10 full blocks, then 2 tokens
+    llm.generate(prompt, GREEDY)
+    assert llm.generate(prompt, GREEDY)[0].cached_tokens == 40
+    llm.reset_prefix_cache()
+    assert llm.generate(prompt, GREEDY)[0].cached_tokens == 0
+    assert llm.generate(prompt, GREEDY)[0].cached_tokens == 40  # cached again from here
+
+
 def test_preemption_finishes_everything_with_identical_outputs(model_dir):
     prompts = [random_tokens(n, seed=n) for n in (9, 14, 21, 30, 5, 17)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

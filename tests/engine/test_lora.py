@@ -159,9 +159,11 @@ def test_more_adapters_than_slots_complete_in_order(base, adapters):
     # Each adapter went into a slot (evicting another's) and out again.
     loads = runner.lora.num_slot_loads
     assert loads >= len(adapters)
+    assert llm.stats().num_adapter_loads == loads  # the same count, through the front door
     again = llm.generate(prompts[:5], GREEDY, lora_request=requests[:5])
     assert [o.token_ids for o in again] == [o.token_ids for o in outputs[:5]]
     assert runner.lora.num_slot_loads > loads  # an evicted adapter, prepared again
+    assert llm.stats().num_adapter_loads == runner.lora.num_slot_loads
 
 
 def test_model_is_untouched_until_an_adapter_is_registered(base, adapters):

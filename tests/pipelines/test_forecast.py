@@ -249,7 +249,6 @@ class _ScoringClockLLM:
     def __init__(self) -> None:
         self.now = 0.0
         self.counters = EngineStats()
-        self.engine = self
 
     def clock(self) -> float:
         return self.now
@@ -257,7 +256,7 @@ class _ScoringClockLLM:
     def stats(self) -> EngineStats:
         return replace(self.counters)
 
-    def abort_all(self) -> None:
+    def reset_prefix_cache(self) -> None:
         pass
 
     def generate(self, prompts, params, *, on_output, on_step):

@@ -81,5 +81,5 @@ def load_adapters_before_the_clock(llm, requests: list, prompt: list[int], param
     adapters = list(dict.fromkeys(requests))
     start = time.perf_counter()
     llm.generate([prompt] * len(adapters), params, lora_request=adapters)
-    llm.engine.block_manager.forget_cache()
+    llm.reset_prefix_cache()
     return time.perf_counter() - start

@@ -51,7 +51,7 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
         extra["adapter_load_s"] = load_adapters_before_the_clock(
             llm, lora, warmup_prompts(workload)[0], warmup
         )
-        slot_loads = llm.engine.runner.lora.num_slot_loads
+        slot_loads = llm.stats().num_adapter_loads
     before = replace(llm.stats())
     with Stopwatch() as clock:
         if workload.sequential:  # one request at a time: nothing to batch
@@ -63,7 +63,7 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
             outputs = llm.generate(workload.prompt_ids, params, lora_request=lora)
     after = llm.stats()
     if lora is not None:  # more adapters than slots: some reloaded within the timed run
-        extra["timed_slot_loads"] = llm.engine.runner.lora.num_slot_loads - slot_loads
+        extra["timed_slot_loads"] = llm.stats().num_adapter_loads - slot_loads
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
