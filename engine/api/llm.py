@@ -265,6 +265,9 @@ class LLM(PoolingMethods):
         """Report every stage of every step to `profiler` from now on (None: stop); see
         engine/types/profiling.py for the stages and `tokenmill.bench.profile` for a timer."""
         profiler = profiler or NO_PROFILER
+        if self.engine.profiler is not profiler:
+            self.engine.profiler.watch(None)  # the one replaced lets go of the model
+        profiler.watch(self.engine.runner.model)
         self.engine.profiler = profiler
         self.engine.runner.profiler = profiler
 

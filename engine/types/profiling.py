@@ -16,7 +16,8 @@ tool that wants the figures subclasses it and installs it with `LLM.set_profiler
     resolve    sampled tokens become sequence updates and finished requests (the loop)
 
 Linear layers are timed with torch's own module hooks (`register_forward_pre_hook`),
-which need nothing from the engine.
+which need nothing from the engine but the model: `set_profiler` hands it to the
+profiler's `watch`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class StepProfiler:
     def stage(self, name: str) -> AbstractContextManager:
         """A context around one stage of a step; `name` is one of STAGES."""
         return _NOTHING
+
+    def watch(self, model: Any) -> None:
+        """Called by `LLM.set_profiler` with the model (an `nn.Module`) whose steps this
+        profiler will see, and with None when another profiler replaces it; a profiler
+        may hook the model's modules here and must remove its hooks on None."""
 
     def attention(self, meta: Any) -> Any:
         """The step's attention metadata, as the model will see it (the same object by

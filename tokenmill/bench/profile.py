@@ -24,9 +24,16 @@ ATTENTION = "attention"
 
 
 class StageTimer(StepProfiler):
-    """Accumulates exclusive wall time and calls per stage."""
+    """Accumulates exclusive wall time and calls per stage.
 
-    def __init__(self) -> None:
+    Args:
+        linear_layers: also time the model's linear layers (and the lm_head) as stages of
+            their own, hooked when the timer is installed; off, the timer adds nothing to
+            a linear call.
+    """
+
+    def __init__(self, *, linear_layers: bool = False) -> None:
+        self.linear_layers = linear_layers
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._stack: list[list] = []  # [stage, start, time spent in nested stages]
@@ -54,9 +61,13 @@ class StageTimer(StepProfiler):
     def attention(self, meta: Any) -> Any:
         return _TimedAttention(meta, self)
 
-    def time_linear_layers(self, model: nn.Module) -> None:
-        """Time every linear module of `model` (float, packed or quantized) as a stage;
-        the lm_head apart."""
+    def watch(self, model: nn.Module | None) -> None:
+        """Time every linear module of `model` (float, packed or quantized) as a stage,
+        the lm_head apart, when the timer was asked to (installed twice, hooked once;
+        None, when replaced: no hooks left)."""
+        self.remove_hooks()
+        if model is None or not self.linear_layers:
+            return
         lm_head = getattr(model, "lm_head", None)
         for module in model.modules():
             if isinstance(module, linear_kinds()):
@@ -100,7 +111,6 @@ class _TimedAttention:
 
 def profile_llm(llm: Any) -> StageTimer:
     """A StageTimer installed on `llm`, its linear layers hooked."""
-    timer = StageTimer()
-    timer.time_linear_layers(llm.engine.runner.model)
+    timer = StageTimer(linear_layers=True)
     llm.set_profiler(timer)
     return timer
