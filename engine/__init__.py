@@ -86,6 +86,8 @@ _EXPORTS: dict[str, str] = {
     "Plan": "tokenmill.engine.api.plan",
     "PlannedRequest": "tokenmill.engine.core.simulation",
     "StepLoad": "tokenmill.engine.core.simulation",
+    "MemoryPlan": "tokenmill.engine.types.memory",
+    "InsufficientMemoryError": "tokenmill.engine.types.memory",
     # Tools: the profiling hook and what it times.
     "StepProfiler": "tokenmill.engine.types.profiling",
     "STAGES": "tokenmill.engine.types.profiling",
@@ -108,8 +110,10 @@ __all__ = [
     "EncodedText",
     "EngineConfig",
     "EngineStats",
+    "InsufficientMemoryError",
     "LLM",
     "LoRARequest",
+    "MemoryPlan",
     "ModelDescription",
     "ModelFilesError",
     "POOLING_TASKS",
@@ -198,6 +202,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see; nothing is imported at 
     from tokenmill.engine.quant.packed_linear import onednn_linear_available
     from tokenmill.engine.types.config import EngineConfig, engine_settings, resolve_dtype
     from tokenmill.engine.types.lora_request import LoRARequest
+    from tokenmill.engine.types.memory import InsufficientMemoryError, MemoryPlan
     from tokenmill.engine.types.outputs import (
         CompletionOutput,
         EngineStats,

@@ -37,6 +37,7 @@ from typing import Any
 
 from tokenmill.engine import (
     LLM,
+    MemoryPlan,
     Plan,
     PlannedRequest,
     PoolingParams,
@@ -99,6 +100,24 @@ class Forecast:
     block_size: int
     cache_blocks: int
     planning_seconds: float | None = None
+    # The engine's memory, planned before its load (`MemoryPlan`; None: not planned).
+    weight_bytes: int | None = None
+    kv_cache_bytes: int | None = None
+    memory_available_bytes: int | None = None
+    memory_dtype: str | None = None
+
+    @property
+    def memory(self) -> MemoryPlan | None:
+        if self.weight_bytes is None or self.memory_dtype is None:
+            return None
+        return MemoryPlan(
+            self.device,
+            self.memory_dtype,
+            self.weight_bytes,
+            self.kv_cache_bytes or 0,
+            self.cache_blocks,
+            self.memory_available_bytes,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,7 +242,19 @@ def forecast_work(
         calibration_seconds=calibration.seconds if calibration else None,
         block_size=plan.block_size,
         cache_blocks=plan.shape.num_blocks,
+        **_memory_fields(plan.shape.memory),
     )
+
+
+def _memory_fields(memory: MemoryPlan | None) -> dict[str, Any]:
+    if memory is None:
+        return {}
+    return {
+        "weight_bytes": memory.weight_bytes,
+        "kv_cache_bytes": memory.kv_cache_bytes,
+        "memory_available_bytes": memory.available_bytes,
+        "memory_dtype": memory.dtype,
+    }
 
 
 def _calibrate(llm: Any, requests: list[PlannedRequest], plan: Plan) -> Calibration:

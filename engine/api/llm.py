@@ -26,6 +26,7 @@ from tokenmill.engine.models import GENERATE
 from tokenmill.engine.pooling.config import served_tasks
 from tokenmill.engine.types.config import EngineConfig, engine_settings, resolve_dtype
 from tokenmill.engine.types.lora_request import LoRARequest
+from tokenmill.engine.types.memory import MemoryPlan
 from tokenmill.engine.types.outputs import EngineStats, RequestOutput
 from tokenmill.engine.types.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.types.sampling_params import SamplingParams
@@ -277,6 +278,12 @@ class LLM(PoolingMethods):
         requests hold stay theirs; only their reuse by later requests is lost."""
         self.engine.reset_prefix_cache()
 
+    @property
+    def memory(self) -> MemoryPlan:
+        """The memory the engine was planned to take before its load: weights in its
+        dtype, the KV cache, and the RAM that was left (engine/worker/memory.py)."""
+        return self.engine.memory
+
     def stats(self) -> EngineStats:
         """Cumulative counters: computed/cached prompt tokens, generated tokens,
         preemptions, adapters loaded into LoRA slots."""
@@ -317,6 +324,7 @@ def build_engine(
             engine_config,
             max_model_len=encoder.max_model_len,
             vocab_size=encoder.model_config.vocab_size,
+            memory=encoder.memory,
         )
     loaded = build_runner(model_dir, engine_config, dtype=dtype, device=device)
     return LLMEngine(
@@ -327,6 +335,7 @@ def build_engine(
         max_model_len=loaded.max_model_len,
         vocab_size=loaded.model_config.vocab_size,
         eos_token_ids=loaded.model_config.eos_token_ids,
+        memory=loaded.memory,
     )
 
 

@@ -39,7 +39,8 @@ from tokenmill.engine.models import architecture_for, load_config
 from tokenmill.engine.pooling.config import PoolingConfig, read_pooling_config
 from tokenmill.engine.pooling.pooler import reads_every_token
 from tokenmill.engine.types.config import EngineConfig, engine_settings, resolve_dtype
-from tokenmill.engine.worker.build import max_model_len_of, num_cache_blocks
+from tokenmill.engine.types.memory import MemoryPlan
+from tokenmill.engine.worker.build import max_model_len_of, plan_memory
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,8 @@ class EngineShape:
     # pooling request may be served from the prefix cache (`reads_every_token`).
     pooling_config: PoolingConfig | None = None
     head_pooling: str | None = None
+    # Its weights and KV cache against the RAM left (None: a stand-in engine).
+    memory: MemoryPlan | None = None
 
     def treat(self, request: PlannedRequest) -> PlannedRequest:
         """`request` as this engine treats it: a pooling one knows whether its pooling
@@ -138,6 +141,7 @@ def shape_of(llm: Any) -> EngineShape:
         is_encoder=is_encoder,
         pooling_config=llm.pooling_config if pooler is not None else None,
         head_pooling=pooler.head_pooling if pooler is not None else None,
+        memory=llm.memory,
     )
 
 
@@ -158,6 +162,12 @@ def shape_for(
     pooling = read_pooling_config(model_dir, is_encoder=architecture.is_encoder)
     head_pooling = getattr(architecture.model_class, "head_pooling", None)
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(config.dtype, device)
+    # Planned as the load plans it; a model this machine cannot hold is refused here too.
+    memory = plan_memory(
+        model_config, config, dtype=dtype, device=device, encoder=architecture.is_encoder
+    )
+    memory.check(model_dir.name)
     if architecture.is_encoder:
         return EngineShape(
             config,
@@ -168,16 +178,17 @@ def shape_for(
             is_encoder=True,
             pooling_config=pooling,
             head_pooling=head_pooling,
+            memory=memory,
         )
-    dtype = resolve_dtype(config.dtype, device)
     return EngineShape(
         config,
-        num_cache_blocks(model_config, config, dtype=dtype, device=device),
+        memory.kv_cache_blocks,
         max_model_len_of(model_config, config),
         model_config.vocab_size,
         str(device),
         pooling_config=pooling,
         head_pooling=head_pooling,
+        memory=memory,
     )
 
 

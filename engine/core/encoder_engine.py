@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.memory import MemoryPlan
 from tokenmill.engine.types.outputs import EngineStats, RequestMetrics
 from tokenmill.engine.types.pooling_outputs import PoolingOutput
 from tokenmill.engine.types.pooling_params import PoolingParams
@@ -70,9 +71,11 @@ class EncoderEngine:
         *,
         max_model_len: int,
         vocab_size: int,
+        memory: MemoryPlan | None = None,
     ) -> None:
         self.runner = runner
         self.config = engine_config
+        self.memory = memory  # what the load was planned to take (None: not built by LLM)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.stats = EngineStats()

@@ -27,6 +27,7 @@ from tokenmill.engine.core.step import (
     StepRunner,
 )
 from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.memory import MemoryPlan
 from tokenmill.engine.types.outputs import EngineStats, RequestOutput
 from tokenmill.engine.types.pooling_outputs import PoolingOutput
 from tokenmill.engine.types.profiling import NO_PROFILER, StepProfiler
@@ -61,9 +62,11 @@ class LLMEngine:
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: list[int],
+        memory: MemoryPlan | None = None,
     ) -> None:
         self.runner = runner
         self.config = engine_config
+        self.memory = memory  # what the load was planned to take (None: not built by LLM)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size

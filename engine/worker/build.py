@@ -7,7 +7,7 @@ path - runs before any weight is read, so a bad option costs nothing.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from tokenmill.engine.quant import (
 )
 from tokenmill.engine.quant.packed_linear import pack_linear_layers
 from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.memory import MemoryPlan
 from tokenmill.engine.types.pooling_params import POOLING_TASKS
 from tokenmill.engine.worker.attention import AttentionSpec, select_backend
 from tokenmill.engine.worker.calibration import input_absmax
@@ -36,6 +37,7 @@ from tokenmill.engine.worker.kv_cache import (
     kv_cache_format,
     num_blocks_for_budget,
 )
+from tokenmill.engine.worker.memory import KV_SHARE_OF_RAM_LEFT, available_ram, load_bytes
 from tokenmill.engine.worker.model_runner import ModelRunner
 
 
@@ -47,6 +49,7 @@ class LoadedModel:
     model_config: ModelConfig
     num_blocks: int  # KV cache blocks the runner's cache holds
     max_model_len: int  # the longest sequence it serves
+    memory: MemoryPlan  # what it was planned to take, before the load
 
 
 def setting_choices() -> dict[str, tuple[str, ...]]:
@@ -78,23 +81,51 @@ def num_cache_blocks(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    ram_left: int | None = None,
 ) -> int:
     """How many KV blocks an engine with these settings holds: its `kv_cache_memory`, or
     the device's default budget - never more than every admissible sequence at full
-    context could fill. A forecast of prefix-cache reuse uses the same number."""
+    context could fill, nor (given `ram_left`, the RAM its weights leave) more than a
+    share of that RAM (memory.py). A forecast of prefix-cache reuse uses the same
+    number."""
     block_size = engine_config.block_size
     kv_format = kv_cache_format(engine_config.kv_cache_dtype)
     if engine_config.kv_cache_memory is not None:
         budget = engine_config.kv_cache_memory
     else:
+        block_bytes = kv_format.bytes_per_block(model_config, block_size, dtype)
         blocks_per_seq = -(-max_model_len_of(model_config, engine_config) // block_size)
-        most_useful = (
-            engine_config.max_num_seqs
-            * blocks_per_seq
-            * kv_format.bytes_per_block(model_config, block_size, dtype)
-        )
+        most_useful = engine_config.max_num_seqs * blocks_per_seq * block_bytes
         budget = min(default_cache_bytes(device), most_useful)
+        if ram_left is not None:  # at least one block: the memory check then decides
+            budget = min(budget, max(int(ram_left * KV_SHARE_OF_RAM_LEFT), block_bytes))
     return num_blocks_for_budget(model_config, block_size, dtype, budget, kv_format)
+
+
+def plan_memory(
+    model_config: ModelConfig,
+    engine_config: EngineConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    encoder: bool = False,
+) -> MemoryPlan:
+    """The weights and KV cache an engine with these settings will take, and the RAM
+    left for them (CPU; on CUDA the cache is sized from what the load leaves)."""
+    weights = load_bytes(model_config, dtype)
+    available = available_ram() if device.type == "cpu" else None
+    num_blocks = kv_bytes = 0
+    if not encoder:
+        ram_left = None if available is None else available - weights
+        num_blocks = num_cache_blocks(
+            model_config, engine_config, dtype=dtype, device=device, ram_left=ram_left
+        )
+        kv_format = kv_cache_format(engine_config.kv_cache_dtype)
+        kv_bytes = num_blocks * kv_format.bytes_per_block(
+            model_config, engine_config.block_size, dtype
+        )
+    dtype_name = str(dtype).removeprefix("torch.")
+    return MemoryPlan(str(device), dtype_name, weights, kv_bytes, num_blocks, available)
 
 
 def build_runner(
@@ -118,6 +149,10 @@ def build_runner(
             model_config, kv_format, block_size=engine_config.block_size, dtype=dtype, device=device
         )
     )
+    # Sized before the load: once the weights are in, the RAM they took is no longer
+    # free, and a model that cannot fit is refused rather than killed halfway.
+    memory = plan_memory(model_config, engine_config, dtype=dtype, device=device)
+    memory.check(model_dir.name)
     model = load_model(model_dir, model_config, dtype=dtype, device=device)
     if quantization is not None:
         measure = functools.partial(input_absmax, dtype=dtype)
@@ -132,7 +167,13 @@ def build_runner(
     # the float layers left
     pack_linear_layers(model, dtype=dtype, device=device, enabled=engine_config.packed_linear)
     block_size = engine_config.block_size
-    num_blocks = num_cache_blocks(model_config, engine_config, dtype=dtype, device=device)
+    if memory.available_bytes is None:  # CUDA: sized from the memory the load left
+        num_blocks = num_cache_blocks(model_config, engine_config, dtype=dtype, device=device)
+        block_bytes = kv_format.bytes_per_block(model_config, block_size, dtype)
+        memory = replace(
+            memory, kv_cache_blocks=num_blocks, kv_cache_bytes=num_blocks * block_bytes
+        )
+    num_blocks = memory.kv_cache_blocks
     kv_cache = kv_format.allocate(
         model_config, num_blocks, block_size, dtype, device, huge_pages=engine_config.huge_pages
     )
@@ -146,7 +187,7 @@ def build_runner(
         dtype=dtype,
         pooler=build_pooler(model_dir, model),
     )
-    return LoadedModel(runner, model_config, num_blocks, max_model_len)
+    return LoadedModel(runner, model_config, num_blocks, max_model_len, memory)
 
 
 def build_pooler(model_dir: Path, model) -> Pooler | None:
@@ -170,6 +211,7 @@ class LoadedEncoder:
     runner: EncoderRunner
     model_config: ModelConfig
     max_model_len: int  # the longest sequence it serves
+    memory: MemoryPlan  # its weights, planned before the load
 
 
 def build_encoder_runner(
@@ -197,6 +239,8 @@ def build_encoder_runner(
         raise ValueError("an encoder keeps no KV cache; leave kv_cache_dtype unset")
     pooling = read_pooling_config(model_dir, is_encoder=True)
     max_model_len = max_model_len_of(model_config, engine_config, pooling.max_seq_length)
+    memory = plan_memory(model_config, engine_config, dtype=dtype, device=device, encoder=True)
+    memory.check(model_dir.name)
     model = load_model(model_dir, model_config, dtype=dtype, device=device)
     pack_linear_layers(model, dtype=dtype, device=device, enabled=engine_config.packed_linear)
     tasks = [t for t in served_tasks(model_dir) if t != GENERATE]
@@ -207,4 +251,4 @@ def build_encoder_runner(
         dtype=dtype,
         pair_separator_id=pair_separator_id,
     )
-    return LoadedEncoder(runner, model_config, max_model_len)
+    return LoadedEncoder(runner, model_config, max_model_len, memory)

@@ -141,6 +141,21 @@ def test_plan_window_rows_reaches_the_job(tmp_path, data, monkeypatch):
     assert refused.exit_code == 2 and "--plan-window-rows" in refused.output
 
 
+def test_a_job_whose_engine_cannot_fit_fails_before_the_load_with_the_numbers(
+    tmp_path, tiny_model_dir
+):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["What is 2+2?"]}), src)
+    args = ["run", str(src), str(tmp_path / "out"), "--model", str(tiny_model_dir)]
+    args += ["--engine-option", f"kv_cache_memory={1 << 50}"]  # a petabyte of cache
+    for extra in ([], ["--dry-run"], ["--dry-run", "--no-calibrate"]):
+        refused = CliRunner().invoke(main, [*args, *extra])
+        assert refused.exit_code == 1, refused.output
+        assert "does not fit in this machine's memory" in refused.output
+        assert "KV cache 1048576.00 GiB" in refused.output and "RAM available" in refused.output
+    assert not (tmp_path / "out" / "ledger").exists()
+
+
 def test_dry_run_then_run_then_ledger_show_lists_forecast_and_actual(tmp_path, tiny_model_dir):
     src = tmp_path / "in.parquet"
     prompts = ["What is 2+2?", "Name a colour.", "What is 2+2?", "Say hi."]
@@ -156,6 +171,7 @@ def test_dry_run_then_run_then_ledger_show_lists_forecast_and_actual(tmp_path, t
     assert sorted(p.name for p in out.iterdir()) == ["_forecast.json"]
     table = runner.invoke(main, [*args, "--dry-run", "--no-calibrate"])
     assert "forecast of job" in table.stdout and "(exact)" in table.stdout
+    assert "│ memory " in table.stdout and "KiB (float32) + KV cache 8 MiB" in table.stdout
     assert runner.invoke(main, args).exit_code == 0
     shown = runner.invoke(main, ["ledger", "show", str(out / "ledger")], catch_exceptions=False)
     assert "cost fcst" in shown.output and "dedup" in shown.output

@@ -154,6 +154,8 @@ def print_forecast(forecast) -> None:
             + f"between {money(f.cost_min)} and {money(f.cost_max)}",
         ),
     ]
+    if f.memory is not None:
+        rows.append(("memory", f.memory.describe()))
     if f.seconds_estimate is not None:
         rows.append(("compute time", f"~{f.seconds_estimate:,.1f} s on {f.device}"))
     if f.device_cost_estimate is not None:

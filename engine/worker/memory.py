@@ -1,0 +1,101 @@
+"""Whether an engine fits in this machine's memory, said before any weight is read.
+
+A CPU engine holds two large things: its weights and its KV cache. The load
+materialises every parameter in the engine's dtype before a quantization mode shrinks
+the linear layers, so the weights' peak is the float model's size, known exactly from
+the architecture built on the meta device. The RAM the process may still take is the
+kernel's `MemAvailable`, or less where a cgroup limits the process.
+
+Sizing and refusal follow from those three numbers:
+
+- the default KV budget (no `kv_cache_memory`) is the least of the device default (a
+  share of RAM, capped), what every admissible sequence could fill, and a share of the
+  RAM the weights leave: the rest stays free for activations, the tokenizer and the
+  job's own buffers;
+- an engine whose weights and KV cache together exceed the RAM left is refused with
+  the numbers, before the load, rather than killed by the kernel halfway through it.
+
+On CUDA the cache is sized from the device's free memory after the load
+(`kv_cache.default_cache_bytes`); this module then plans nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from tokenmill.engine.loader.tensor_plan import build_on_meta
+from tokenmill.engine.models import ModelConfig
+
+# The default KV cache takes at most this share of the RAM the weights leave.
+KV_SHARE_OF_RAM_LEFT = 0.5
+
+
+def load_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """The bytes of every parameter of `config`'s architecture in `dtype`, counted on
+    the meta device (no memory); tied embeddings once, as the load ties them."""
+    model = build_on_meta(config, dtype)
+    seen: set[int] = set()
+    total = 0
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue  # the load makes it the embedding
+        if id(param) not in seen:
+            seen.add(id(param))
+            total += param.numel() * param.element_size()
+    return total
+
+
+def available_ram() -> int:
+    """The RAM this process may still take: `MemAvailable`, or the room its cgroup's
+    limit leaves where that is less."""
+    available = _meminfo_available()
+    room = _cgroup_room()
+    return available if room is None else min(available, room)
+
+
+def _meminfo_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    # Kernels before 3.14 lack the line: all of RAM is the most that could be left.
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _cgroup_room() -> int | None:
+    """Limit minus usage of this process's memory cgroup (v2, else v1); None: no limit
+    or no cgroup to read."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _id, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            files = ("memory.max", "memory.current")
+            roots = [Path("/sys/fs/cgroup")]
+        elif "memory" in controllers.split(","):
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            roots = [Path("/sys/fs/cgroup/memory")]
+        else:
+            continue
+        root = roots[0]
+        group = root / path.lstrip("/")
+        if not group.is_dir():  # in a cgroup namespace the process's group is the root
+            group = root
+        return _room(group / files[0], group / files[1])
+    return None
+
+
+def _room(limit_file: Path, usage_file: Path) -> int | None:
+    try:
+        limit = limit_file.read_text().strip()
+        usage = int(usage_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+        return None
+    return max(int(limit) - usage, 0)

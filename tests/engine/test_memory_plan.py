@@ -1,0 +1,121 @@
+"""An engine's memory is planned before its load: the weights' bytes counted exactly, the
+default KV cache sized from the RAM the weights leave, and an engine that cannot fit
+refused with the numbers before any weight is read."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import tokenmill.engine.worker.build as build
+from tests.tiny_model import build_tiny_model
+from tokenmill.engine import LLM, EngineConfig, InsufficientMemoryError, load_config
+from tokenmill.engine.worker.kv_cache import kv_cache_format
+from tokenmill.engine.worker.memory import KV_SHARE_OF_RAM_LEFT, _room, available_ram, load_bytes
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("memory-plan"))
+
+
+def _checkpoint_bytes(model_dir, element_size: int) -> int:
+    """Every tensor the checkpoint stores, at `element_size` bytes an element: the
+    reference the meta-device count must equal."""
+    total = 0
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        for name in f.keys():
+            total += math.prod(f.get_slice(name).get_shape()) * element_size
+    return total
+
+
+def test_the_weights_bytes_are_the_checkpoints_tensors_in_the_engines_dtype(model_dir):
+    config = load_config(model_dir)
+    assert config.tie_word_embeddings  # the head is the embedding, stored once
+    assert load_bytes(config, torch.float32) == _checkpoint_bytes(model_dir, 4)
+    assert load_bytes(config, torch.bfloat16) == _checkpoint_bytes(model_dir, 2)
+
+
+def test_an_untied_head_counts_beside_the_embedding(tmp_path):
+    untied = build_tiny_model(tmp_path / "untied")
+    weights = load_file(untied / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, untied / "model.safetensors")
+    raw = json.loads((untied / "config.json").read_text())
+    raw["tie_word_embeddings"] = False
+    (untied / "config.json").write_text(json.dumps(raw))
+    config = load_config(untied)
+    head = config.vocab_size * config.hidden_size * 4
+    assert load_bytes(config, torch.float32) == _checkpoint_bytes(untied, 4)
+    assert head > 0 and _checkpoint_bytes(untied, 4) - head == load_bytes(
+        load_config(build_tiny_model(tmp_path / "tied")), torch.float32
+    )
+
+
+def test_a_loaded_llm_states_its_memory(model_dir):
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=4 * MIB)
+    memory = llm.memory
+    block_bytes = kv_cache_format("auto").bytes_per_block(llm.model_config, 16, torch.float32)
+    assert memory.weight_bytes == _checkpoint_bytes(model_dir, 4)
+    assert memory.kv_cache_blocks == llm.engine.block_manager.num_blocks == 4 * MIB // block_bytes
+    assert memory.kv_cache_bytes == memory.kv_cache_blocks * block_bytes
+    assert 0 < memory.available_bytes <= available_ram() + memory.needed_bytes
+    assert memory.fits and "float32" in memory.describe()
+
+
+def test_an_engine_that_cannot_fit_is_refused_with_the_numbers_before_any_weight_is_read(
+    model_dir, monkeypatch
+):
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(build, "load_model", no_load)
+    too_much = available_ram() * 2
+    with pytest.raises(InsufficientMemoryError) as refused:
+        LLM(str(model_dir), dtype="float32", kv_cache_memory=too_much)
+    message = str(refused.value)
+    assert "does not fit in this machine's memory" in message
+    assert "RAM available" in message and "GiB" in message and "kv_cache_memory" in message
+    # The plan of a job on that engine (a dry run without calibration) refuses it too.
+    with pytest.raises(InsufficientMemoryError):
+        LLM.plan([], model=str(model_dir), dtype="float32", kv_cache_memory=too_much)
+
+
+def test_the_default_kv_cache_takes_a_share_of_the_ram_the_weights_leave(model_dir, monkeypatch):
+    config = load_config(model_dir)
+    weights = load_bytes(config, torch.float32)
+    block_bytes = kv_cache_format("auto").bytes_per_block(config, 16, torch.float32)
+    left = 300 * block_bytes  # less than the device default and the sequences could fill
+    monkeypatch.setattr(build, "available_ram", lambda: weights + left)
+    settings = EngineConfig(dtype="float32")
+    plan = build.plan_memory(config, settings, dtype=torch.float32, device=torch.device("cpu"))
+    assert plan.kv_cache_blocks == int(left * KV_SHARE_OF_RAM_LEFT) // block_bytes == 150
+    assert plan.fits
+    unbounded = build.num_cache_blocks(
+        config, settings, dtype=torch.float32, device=torch.device("cpu")
+    )
+    assert unbounded > plan.kv_cache_blocks  # the share is what bounded it
+
+    monkeypatch.setattr(build, "available_ram", lambda: weights // 2)
+    starved = build.plan_memory(config, settings, dtype=torch.float32, device=torch.device("cpu"))
+    assert starved.kv_cache_blocks == 1 and not starved.fits
+    with pytest.raises(InsufficientMemoryError, match="try dtype bfloat16"):
+        starved.check("tiny")
+
+
+@pytest.mark.parametrize(
+    ("limit", "usage", "room"),
+    [("1000", "300", 700), ("max", "300", None), (str(2**63 - 4096), "5", None), ("10", "30", 0)],
+)
+def test_a_cgroups_room_is_its_limit_less_its_usage(tmp_path, limit, usage, room):
+    (tmp_path / "limit").write_text(limit + "\n")
+    (tmp_path / "usage").write_text(usage + "\n")
+    assert _room(tmp_path / "limit", tmp_path / "usage") == room
+    assert _room(tmp_path / "missing", tmp_path / "usage") is None
