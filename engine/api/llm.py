@@ -11,6 +11,13 @@ from typing import Any
 
 import torch
 
+from tokenmill.engine.api.image_prompts import (
+    ImagePrompts,
+    PreparedPrompt,
+    check_prompt_dict,
+    has_image_parts,
+    split_image_parts,
+)
 from tokenmill.engine.api.plan import Plan, loaded_or_not, plan_requests
 from tokenmill.engine.api.pooling_llm import PoolingMethods
 from tokenmill.engine.api.request_loop import per_prompt, run_to_completion
@@ -37,7 +44,8 @@ from tokenmill.engine.worker.build import (
     is_encoder_dir,
 )
 
-Prompt = str | list[int]
+# A string, token ids, or vLLM's dict ({"prompt" | "prompt_token_ids", "multi_modal_data"}).
+Prompt = str | list[int] | dict
 LoRARequests = LoRARequest | Sequence[LoRARequest | None] | None
 
 
@@ -92,6 +100,7 @@ class LLM(PoolingMethods):
         self.model_config = self.engine.runner.config
         self.max_model_len = self.engine.max_model_len
         self._request_counter = itertools.count()
+        self._image_prompts: ImagePrompts | None = None  # made on the first image prompt
 
     def generate(
         self,
@@ -108,7 +117,11 @@ class LLM(PoolingMethods):
         Args:
             prompts: strings (tokenized here) or token-id lists, or one of either. A
                 string is data: a special-token string in it (`<|im_start|>`) is encoded
-                as plain text; token ids are sent as they are.
+                as plain text; token ids are sent as they are. With images, vLLM's dict
+                `{"prompt": str | "prompt_token_ids": ids, "multi_modal_data": {"image":
+                image | [images]}}` (images as encoded bytes or PIL images, placed at the
+                model's begin-of-image markers: api/image_prompts.py); a bad image makes
+                that prompt an error output.
             sampling_params: one for all prompts, or one per prompt; None = defaults.
             lora_request: the LoRA adapter to run with: one for all prompts, or one per
                 prompt (None: the base model). Prompts of different adapters share steps;
@@ -136,15 +149,20 @@ class LLM(PoolingMethods):
                 f"this model serves {', '.join(self.tasks)}, not generate: use "
                 "embed, classify or score"
             )
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
+        prepared = self._prepare_image_prompts(prompts, allow_special_tokens)
+        prompts = [p.token_ids if isinstance(p, PreparedPrompt) else p for p in prepared]
         params = _per_prompt_params(sampling_params, len(prompts))
         loras = _per_prompt_loras(lora_request, len(prompts))
         for constraint in {p.structured_outputs for p in params} - {None}:
             self.engine.compile_structured_outputs(constraint)
         lora_ids = {r: self.lora_id(r) for r in dict.fromkeys(loras) if r is not None}
-        texts = [p if isinstance(p, str) else None for p in prompts]
+        texts = [
+            q.text if isinstance(q, PreparedPrompt) else p if isinstance(p, str) else None
+            for p, q in zip(prompts, prepared)
+        ]
         to_encode = [p for p in prompts if isinstance(p, str)]
         spans = None
         if not allow_special_tokens:
@@ -155,9 +173,14 @@ class LLM(PoolingMethods):
         ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
         request_ids = [str(next(self._request_counter)) for _ in prompts]
-        for rid, prompt_ids, text, p, lora in zip(request_ids, ids, texts, params, loras):
+        for rid, prompt_ids, text, p, lora, q in zip(
+            request_ids, ids, texts, params, loras, prepared
+        ):
             lora_id = lora_ids[lora] if lora is not None else 0
-            self.engine.add_request(rid, prompt_ids, p, prompt=text, lora_id=lora_id)
+            extra = {}
+            if isinstance(q, PreparedPrompt):
+                extra = {"images": q.images, "input_error": q.error}
+            self.engine.add_request(rid, prompt_ids, p, prompt=text, lora_id=lora_id, **extra)
 
         def with_adapter(index: int, output: RequestOutput) -> None:
             output.lora_request = loras[index]
@@ -188,6 +211,16 @@ class LLM(PoolingMethods):
         template's own markup becomes control tokens, unless `allow_special_tokens`."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        if any(has_image_parts(c) for c in conversations):
+            return self._chat_with_images(
+                conversations,
+                sampling_params,
+                add_generation_prompt=add_generation_prompt,
+                lora_request=lora_request,
+                on_output=on_output,
+                on_step=on_step,
+                allow_special_tokens=allow_special_tokens,
+            )
         rendered = [
             self.tokenizer.render_chat(
                 c,
@@ -211,6 +244,69 @@ class LLM(PoolingMethods):
         for output, text in zip(outputs, prompts):
             output.prompt = text
         return outputs
+
+    def _chat_with_images(
+        self,
+        conversations,
+        sampling_params,
+        *,
+        add_generation_prompt,
+        allow_special_tokens,
+        **generate_args,
+    ) -> list[RequestOutput]:
+        """`chat` for conversations with OpenAI image_url parts (base64 data: URLs):
+        each image placed where the template puts its begin-of-image marker."""
+        if getattr(self.model_config, "vision", None) is None:
+            raise ValueError("this model has no vision tower: it cannot take image_url parts")
+        image_prompts = self._image_prompts_of_model()
+        prepared, texts = [], []
+        for conversation in conversations:
+            messages, images, error = split_image_parts(conversation)
+            text, spans = self.tokenizer.render_chat(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                allow_special_tokens=allow_special_tokens,
+            )
+            texts.append(text)
+            if error is not None:
+                prepared.append(PreparedPrompt([], text=text, error=error))
+            else:
+                prepared.append(image_prompts.prepare_rendered(text, spans, images))
+        outputs = self.generate(prepared, sampling_params, **generate_args)
+        for output, text in zip(outputs, texts):
+            output.prompt = text
+        return outputs
+
+    def _image_prompts_of_model(self) -> ImagePrompts:
+        if self._image_prompts is None:
+            self._image_prompts = ImagePrompts(self.model_dir, self.model_config, self.tokenizer)
+        return self._image_prompts
+
+    def _prepare_image_prompts(self, prompts: list, allow_special_tokens: bool) -> list:
+        """Each prompt dict (vLLM's, with multi_modal_data) as a PreparedPrompt; other
+        prompts as they are. Raises before anything is queued on a malformed dict, or
+        images given to a model without a vision tower."""
+        if not any(isinstance(p, dict) for p in prompts):
+            return prompts  # strings, ids, and PreparedPrompts (from _chat_with_images)
+        has_vision = getattr(self.model_config, "vision", None) is not None
+        for p in prompts:
+            if isinstance(p, dict):
+                check_prompt_dict(p, has_vision)
+        prepared = []
+        for p in prompts:
+            if not isinstance(p, dict):
+                prepared.append(p)
+            elif has_vision:
+                prepared.append(
+                    self._image_prompts_of_model().prepare(
+                        p, allow_special_tokens=allow_special_tokens
+                    )
+                )
+            elif "prompt" in p:
+                prepared.append(p["prompt"])
+            else:
+                prepared.append(list(p["prompt_token_ids"]))
+        return prepared
 
     def lora_id(self, lora_request: LoRARequest) -> int:
         """The engine's id of an adapter (>= 1), its files checked against this model and

@@ -15,21 +15,25 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from tokenmill.engine.core.images import block_image_key
 from tokenmill.engine.core.step import Sequence
 from tokenmill.engine.types.config import EngineConfig
 
 
 def hash_block_tokens(
-    parent_hash: bytes | None, token_ids: tuple[int, ...], lora_id: int = 0
+    parent_hash: bytes | None, token_ids: tuple[int, ...], lora_id: int = 0, images: bytes = b""
 ) -> bytes:
     """Content hash of a full block, chained on its parent's hash. The adapter enters the
     root block's hash (a chain inherits it); the base model's hashes are what they were
-    before there were adapters."""
+    before there were adapters. `images` identifies the images whose tokens the block
+    holds (core/images.py, `block_image_key`): their placeholder ids alone say nothing."""
     digest = hashlib.blake2b(digest_size=16)
     if parent_hash is None and lora_id:
         digest.update(b"lora:%d:" % lora_id)
     digest.update(parent_hash or b"root")
     digest.update(array("q", token_ids).tobytes())
+    if images:
+        digest.update(b"images:" + images)
     return digest.digest()
 
 
@@ -41,12 +45,14 @@ class Block:
     token_ids: tuple[int, ...] | None = None  # set while the block is registered as cached
     parent_block_id: int | None = None  # the cached block before it in its chain
     lora_id: int = 0  # the adapter its keys and values were computed with
+    images: bytes = b""  # the images its tokens hold (core/images.py, block_image_key)
 
     def reset(self) -> None:
         self.block_hash = None
         self.token_ids = None
         self.parent_block_id = None
         self.lora_id = 0
+        self.images = b""
 
 
 class BlockManager:
@@ -87,7 +93,9 @@ class BlockManager:
         # A pending placeholder token has no id yet: its block is hashed once it has.
         for i in range(len(hashes), seq.num_resolved_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens, seq.lora_id))
+            images = block_image_key(seq.images, i * bs, (i + 1) * bs) if seq.images else b""
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tokens, seq.lora_id, images))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -108,10 +116,12 @@ class BlockManager:
                 break
             block = self.blocks[block_id]
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            images = block_image_key(seq.images, i * bs, (i + 1) * bs) if seq.images else b""
             if (
                 block.token_ids != tokens
                 or block.parent_block_id != parent_id
                 or block.lora_id != seq.lora_id
+                or block.images != images
             ):
                 break  # a hash collision, not a hit
             hits.append(block_id)
@@ -201,6 +211,7 @@ class BlockManager:
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             block.parent_block_id = parent_id
             block.lora_id = seq.lora_id
+            block.images = block_image_key(seq.images, i * bs, (i + 1) * bs) if seq.images else b""
             # If an identical block was computed concurrently, the first one registered
             # stays the cached copy (this one is still correct for its owner), and the
             # chain continues from it so lookups can follow it.

@@ -16,6 +16,7 @@ import torch
 from tokenmill.engine.core.block_manager import BlockManager
 from tokenmill.engine.core.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.core.grammar import CompiledGrammar, GrammarCompiler
+from tokenmill.engine.core.images import ImageSpan, check_spans
 from tokenmill.engine.core.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.core.step import (
@@ -111,6 +112,8 @@ class LLMEngine:
         arrival_time: float | None = None,
         lora_id: int = 0,
         pooling: PoolingState | None = None,
+        images: tuple[ImageSpan, ...] = (),
+        input_error: str | None = None,
     ) -> None:
         """Queue a request.
 
@@ -120,6 +123,9 @@ class LLMEngine:
         Args:
             lora_id: the LoRA adapter it runs with, as registered with the runner
                 (`lora.manager.LoRAManager.register`); 0 = the base model.
+            images: the prompt's images (core/images.py), for a model with a vision tower.
+            input_error: why the request's input cannot run (a bad image): it is answered
+                at once as an error, and nothing is computed for it.
 
         Raises:
             ValueError: its structured outputs constraint is invalid or cannot be enforced,
@@ -137,7 +143,9 @@ class LLMEngine:
             arrival_time=arrival_time,
             pooling=pooling,
         )
-        error = self._validate(request.prompt_token_ids, params, pooling is not None)
+        error = input_error or self._validate(request.prompt_token_ids, params, pooling is not None)
+        if error is None and images:
+            error = self._validate_images(images, len(request.prompt_token_ids))
         if error is not None:
             self._finished_early.append(self.output_processor.error_output(request, error))
             return
@@ -154,6 +162,7 @@ class LLMEngine:
                 detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop else None,
                 grammar=grammar.new_matcher() if grammar is not None else None,
                 pooling=pooling,
+                images=images,
             )
             if params.prompt_logprobs is not None and index == 0:
                 seq.prompt_logprobs = [None]
@@ -205,6 +214,11 @@ class LLMEngine:
             if any(t >= vocab for t in ids):
                 return f"{name} names token ids outside the vocabulary [0, {vocab})"
         return None
+
+    def _validate_images(self, images: tuple[ImageSpan, ...], num_tokens: int) -> str | None:
+        if getattr(self.runner, "vision", None) is None:
+            return "this model has no vision tower: it cannot take images"
+        return check_spans(images, num_tokens, self.scheduler.max_num_batched_tokens)
 
     @property
     def has_unfinished(self) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from tokenmill.engine.core.block_manager import BlockManager
+from tokenmill.engine.core.images import fit_chunk
 from tokenmill.engine.core.step import ScheduledChunk, SchedulerOutput, Sequence, SequenceStatus
 from tokenmill.engine.types.config import EngineConfig
 from tokenmill.engine.types.outputs import EngineStats
@@ -68,6 +69,11 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.images:  # a chunk never ends inside an image (core/images.py)
+                num_new = fit_chunk(seq.images, seq.num_computed_tokens, num_new)
+                if not num_new:
+                    i += 1
+                    continue
             target = seq.num_computed_tokens + num_new
             if target <= len(seq.block_table) * bm.block_size:
                 # The blocks it holds have room (most decode steps): nothing to allocate.
@@ -114,6 +120,10 @@ class Scheduler:
                 continue
             num_cached = len(hits) * bm.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
+            if seq.images:
+                num_new = fit_chunk(seq.images, num_cached, num_new)
+                if not num_new:  # the image it starts in waits for a step with room
+                    break
             if not bm.can_allocate(seq, num_cached + num_new, hits):
                 break
             self.waiting.popleft()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from tokenmill.engine.core.images import ImageSpan
 from tokenmill.engine.types.pooling_params import PoolingParams
 from tokenmill.engine.types.sampling_params import SamplingParams
 
@@ -107,6 +108,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     # A pooling request (nothing is sampled): its progress and result.
     pooling: PoolingState | None = None
+    # The prompt's images, in order (core/images.py): never split across prefill chunks,
+    # and part of the identity of the KV blocks holding them.
+    images: tuple[ImageSpan, ...] = ()
 
     @property
     def num_tokens(self) -> int:

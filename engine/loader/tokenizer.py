@@ -302,9 +302,21 @@ def _check_messages(messages: Any) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"message {i} must be a dict, got {type(message).__name__}")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise ValueError(f"message {i} needs a string {key!r}, got {message.get(key)!r}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"message {i} needs a string 'role', got {message.get('role')!r}")
+        content = message.get("content")
+        if isinstance(content, list) and all(_is_template_part(p) for p in content):
+            continue  # text and image parts, as multimodal chat templates take them
+        if not isinstance(content, str):
+            raise ValueError(f"message {i} needs a string 'content', got {content!r}")
+
+
+def _is_template_part(part: Any) -> bool:
+    if not isinstance(part, dict):
+        return False
+    if part.get("type") == "image":
+        return set(part) == {"type"}
+    return part.get("type") == "text" and isinstance(part.get("text"), str) and len(part) == 2
 
 
 def read_chat_template(path: str | os.PathLike) -> str | None:

@@ -56,7 +56,9 @@ from tokenmill.engine.models.registry import (
 )
 
 # Modules of this package that are not architectures.
-_NOT_ARCHITECTURES = frozenset({"attention", "config", "config_fields", "layers", "registry"})
+_NOT_ARCHITECTURES = frozenset(
+    {"attention", "config", "config_fields", "layers", "registry", "siglip"}
+)
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name not in _NOT_ARCHITECTURES:

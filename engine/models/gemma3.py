@@ -197,11 +197,19 @@ class Gemma3Model(nn.Module):
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, cos, sin, meta: StepAttention, local_rope) -> torch.Tensor:
-        embeddings = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> the scaled embeddings [num_tokens, hidden]."""
+        embeddings = self.embed_tokens(input_ids)
         # HF rounds the scale to the model dtype before multiplying (25.25 in bf16).
-        scale = float(torch.tensor(self.embed_scale, dtype=embeddings.dtype))
-        hidden, residual = embeddings * scale, None
+        return embeddings * float(torch.tensor(self.embed_scale, dtype=embeddings.dtype))
+
+    def forward(
+        self, input_ids, cos, sin, meta: StepAttention, local_rope, embeddings=None
+    ) -> torch.Tensor:
+        """embeddings: the first layer's input when the caller made it (images placed in
+        it); else `embed(input_ids)`."""
+        hidden = self.embed(input_ids) if embeddings is None else embeddings
+        residual = None
         for layer in self.layers:
             rope = local_rope if layer.self_attn.is_local else (cos, sin)
             hidden, residual = layer(hidden, residual, rope, meta)

@@ -143,6 +143,19 @@ def build_runner(
     quantization = engine_config.quantization
     check_quantization(quantization, model_dir, model_config, device=device)
     kv_format = kv_cache_format(engine_config.kv_cache_dtype)
+    if getattr(model_config, "vision", None) is not None:
+        # Image tokens are attended to again from the cache (attention/image_spans.py),
+        # which reads blocks in the model's dtype; the tower is not quantized.
+        if not kv_format.is_default:
+            raise ValueError(
+                f"kv_cache_dtype {kv_format.name!r} is not supported for a model with a "
+                "vision tower; leave it unset"
+            )
+        if quantization is not None:
+            raise ValueError(
+                f"quantization {quantization!r} is not supported for a model with a vision "
+                "tower yet; leave it unset"
+            )
     # Some backend must read the cache for this model here: said before any weight loads.
     select_backend(
         AttentionSpec.of_model(

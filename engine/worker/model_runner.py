@@ -23,9 +23,11 @@ from tokenmill.engine.core.step import (
     Sequence,
     StepResult,
 )
+from tokenmill.engine.kernels.paged_attention import stores_pairs
 from tokenmill.engine.lora.manager import LoRAManager
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.attention import StepAttention
+from tokenmill.engine.models.gemma3_vision import StepImages
 from tokenmill.engine.pooling.pooler import Pooler
 from tokenmill.engine.sample import prompt_logprobs
 from tokenmill.engine.sample.logit_controls import LogitControls
@@ -42,6 +44,7 @@ from tokenmill.engine.worker.attention.backend import staged, upload
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 from tokenmill.engine.worker.host_memory import keep_large_allocations_mapped
 from tokenmill.engine.worker.kv_cache import KVCache
+from tokenmill.engine.worker.vision_inputs import VisionInputs
 
 
 class ModelRunner:
@@ -94,6 +97,13 @@ class ModelRunner:
         self.lora = LoRAManager(
             model, config, max_loras=engine_config.max_loras, dtype=dtype, device=device
         )
+        # A model with a vision tower: the step's image tokens and their attention.
+        self.vision: VisionInputs | None = None
+        if hasattr(model, "encode_images"):
+            self.vision = VisionInputs(
+                model, block_size=block_size, device=device, dtype=dtype, pair_layout=False
+            )
+            self._track_cache_layout()
         self.decode_graphs = None
         cuda_graphs = engine_config.cuda_graphs
         if cuda_graphs or (cuda_graphs is None and self.attention.supports_cuda_graphs):
@@ -105,6 +115,15 @@ class ModelRunner:
         """Attend through the backend called `name` from now on, whatever it says it
         supports: for tests and benchmarks that compare backends on one model."""
         self.attention = backend_named(name)(self.attention_spec)
+        self._track_cache_layout()
+
+    def _track_cache_layout(self) -> None:
+        """Tell the image attention whether the cache is in the native pair layout."""
+        if self.vision is not None:
+            spec = self.attention_spec
+            self.vision.pair_layout = self.attention.owns_cache_layout and stores_pairs(
+                spec.dtype, spec.block_size, spec.head_dim
+            )
 
     def execute(self, out: SchedulerOutput, previous: PendingStep | None) -> StepResult:
         """Run one scheduled step (`core.step.StepRunner`): build the sampling batch of the
@@ -166,8 +185,11 @@ class ModelRunner:
         # Graphs were captured without adapters: a step with adapter rows runs eagerly.
         uses_lora = self.lora.begin_step(out)
         try:
+            images = None
+            with_images = self.vision is not None and _computes_images(out)
             if (
                 graphs is not None
+                and not with_images
                 and not prompt_spans
                 and not pools
                 and not uses_lora
@@ -179,7 +201,10 @@ class ModelRunner:
                 with profiler.stage("prepare"):
                     input_ids, positions, meta, sample_rows = self.prepare(out, previous)
                 with profiler.stage("forward"):
-                    hidden = self.forward_model(input_ids, positions, profiler.attention(meta))
+                    if with_images:  # the tower runs here: its time is the forward's
+                        meta, images = self.vision.step(out, meta)
+                    meta = profiler.attention(meta)
+                    hidden = self.forward_model(input_ids, positions, meta, images)
         finally:
             self.lora.end_step()
         with profiler.stage("logits"):
@@ -260,10 +285,17 @@ class ModelRunner:
         input_ids[rows] = previous.device_token_ids[previous_rows]
 
     def forward_model(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepAttention
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: StepAttention,
+        images: StepImages | None = None,
     ) -> torch.Tensor:
-        """The model over a flat batch: input_ids, positions [num_tokens] -> hidden states."""
-        return self.model(input_ids, positions, meta)
+        """The model over a flat batch: input_ids, positions [num_tokens] -> hidden states
+        (images: the step's image soft tokens, for a model with a vision tower)."""
+        if images is None:
+            return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, images)
 
     def prepare(
         self, out: SchedulerOutput, previous: PendingStep | None = None
@@ -285,3 +317,13 @@ class ModelRunner:
     def staged(self, array: np.ndarray) -> torch.Tensor:
         """array as an int64 host tensor to upload from (pinned on CUDA)."""
         return staged(array, self.device)
+
+
+def _computes_images(out: SchedulerOutput) -> bool:
+    """Whether some chunk of the step computes a token of an image."""
+    for chunk in out.chunks:
+        start = chunk.seq.num_computed_tokens
+        end = start + chunk.num_new_tokens
+        if any(i.offset < end and i.end > start for i in chunk.seq.images):
+            return True
+    return False

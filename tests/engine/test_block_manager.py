@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tokenmill.engine.core.block_manager as bm_module
 from tokenmill.engine.core.block_manager import BlockManager
+from tokenmill.engine.core.images import ImageSpan
 from tokenmill.engine.core.step import Sequence
 from tokenmill.engine.types.sampling_params import SamplingParams
 
@@ -108,7 +110,9 @@ def test_can_allocate_counts_revived_blocks():
 def test_hash_collision_never_serves_other_tokens(monkeypatch):
     # Every block hashes the same: only the token (and parent) check stands between a
     # lookup and another prefix's keys and values.
-    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens, lora_id=0: b"same")
+    monkeypatch.setattr(
+        bm_module, "hash_block_tokens", lambda parent, tokens, lora_id=0, images=b"": b"same"
+    )
     bm = BlockManager(8, 4)
     admit(bm, seq([1, 2, 3, 4, 5]))
     assert bm.find_cached_prefix(seq([9, 9, 9, 9, 5])) == []
@@ -130,7 +134,9 @@ def test_blocks_are_shared_only_under_the_same_adapter():
 
 def test_hash_collision_across_adapters_is_a_miss(monkeypatch):
     # Every block hashes the same, adapter or not: the stored adapter is checked too.
-    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens, lora_id=0: b"same")
+    monkeypatch.setattr(
+        bm_module, "hash_block_tokens", lambda parent, tokens, lora_id=0, images=b"": b"same"
+    )
     bm = BlockManager(8, 4)
     admit(bm, seq([1, 2, 3, 4, 5], lora_id=3))
     assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5], lora_id=4)) == []
@@ -149,3 +155,30 @@ def test_prefix_caching_off_shares_nothing():
     admit(bm, seq(list(range(9))))
     assert bm.find_cached_prefix(seq(list(range(9)))) == []
     assert bm.cached == {}
+
+
+def _with_image(tokens: list[int], offset: int, length: int, content: bytes) -> Sequence:
+    s = seq(tokens)
+    s.images = (ImageSpan(offset, length, content, torch.zeros(0)),)
+    return s
+
+
+def test_blocks_holding_an_image_are_shared_only_for_the_same_image():
+    """Every image's tokens are the same placeholder id: the image's hash keys its blocks,
+    and the chain carries it to the blocks after it."""
+    bm = BlockManager(16, 4)
+    tokens = [1, 2, 9, 9, 9, 9, 3, 4, 5, 6, 0]  # the image at positions 2..5
+    admit(bm, _with_image(tokens, 2, 4, b"cat"))
+    assert bm.find_cached_prefix(_with_image(tokens, 2, 4, b"cat")) == [0, 1]
+    assert bm.find_cached_prefix(_with_image(tokens, 2, 4, b"dog")) == []
+    assert bm.find_cached_prefix(seq(tokens)) == []
+
+
+def test_hash_collision_across_images_is_a_miss(monkeypatch):
+    monkeypatch.setattr(
+        bm_module, "hash_block_tokens", lambda parent, tokens, lora_id=0, images=b"": b"same"
+    )
+    bm = BlockManager(8, 4)
+    admit(bm, _with_image([9, 9, 9, 9, 5], 0, 4, b"cat"))
+    assert bm.find_cached_prefix(_with_image([9, 9, 9, 9, 5], 0, 4, b"dog")) == []
+    assert bm.find_cached_prefix(_with_image([9, 9, 9, 9, 5], 0, 4, b"cat")) == [0]

@@ -77,7 +77,11 @@ def transformers_config(name: str) -> dict:
     """config.json as transformers writes it for `name`, at transformers' defaults."""
     config_class = transformers_config_class(name)
     is_encoder = architecture_of({"architectures": [name]}).is_encoder
-    raw = config_class(**(ENCODER_SHAPE if is_encoder else DECODER_SHAPE)).to_dict()
+    if "text_config" in getattr(config_class, "sub_configs", {}):  # a vision-language model
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+        raw = config_class(text_config=DECODER_SHAPE, vision_config=vision).to_dict()
+    else:
+        raw = config_class(**(ENCODER_SHAPE if is_encoder else DECODER_SHAPE)).to_dict()
     return {**raw, "architectures": [name]}
 
 

@@ -1,0 +1,265 @@
+"""Prompts with images, as vLLM takes them: `{"prompt": str | "prompt_token_ids": [...],
+"multi_modal_data": {"image": image or [images]}}`, an image being encoded bytes or a
+PIL image.
+
+Each image is placed where the prompt puts the model's begin-of-image marker, in order.
+A text prompt is expanded as transformers' Gemma 3 processor expands it before
+tokenizing: the marker becomes "\\n\\n" + marker + one image token per soft token +
+end-of-image marker + "\\n\\n" - only those markers are encoded as control tokens,
+any other special-token text stays data. A token-id prompt's marker id is followed by
+the image tokens and the end marker (no newlines: the caller chose the ids).
+
+A bad image (corrupt, truncated, unsupported, over the pixel limit) or a marker count
+that does not match the images makes that prompt an error, never a prompt run without
+its image.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenmill.engine.core.images import ImageSpan
+from tokenmill.engine.loader.images import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    ImageError,
+    ImageProcessor,
+    to_decoded,
+)
+from tokenmill.engine.loader.special_text import Spans
+from tokenmill.engine.loader.tokenizer import Tokenizer
+from tokenmill.engine.models import ModelConfig
+
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data"})
+
+
+@dataclass
+class PreparedPrompt:
+    """A prompt ready to queue: its token ids and images, or why it cannot run."""
+
+    token_ids: list[int]
+    images: tuple[ImageSpan, ...] = ()
+    text: str | None = None
+    error: str | None = None
+
+
+def is_image_prompt(prompt: Any) -> bool:
+    return isinstance(prompt, dict)
+
+
+def check_prompt_dict(prompt: dict, has_vision: bool) -> None:
+    """Raises ValueError (TypeError for a wrong type) naming what a prompt dict gets wrong,
+    before anything is queued."""
+    unknown = sorted(set(prompt) - PROMPT_KEYS)
+    if unknown:
+        raise ValueError(f"prompt dict has unknown keys {unknown}; keys: {sorted(PROMPT_KEYS)}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+    data = prompt.get("multi_modal_data") or {}
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(
+            f"multi_modal_data takes only 'image', got {sorted(data) if isinstance(data, dict) else data!r}"
+        )
+    if data and not has_vision:
+        raise ValueError("this model has no vision tower: it cannot take images (multi_modal_data)")
+
+
+class ImagePrompts:
+    """Turns prompt dicts into token ids and image spans for one vision model."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: ModelConfig,
+        tokenizer: Tokenizer | None,
+        *,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> None:
+        self.processor = ImageProcessor.from_dir(model_dir)
+        vision = config.vision
+        if (self.processor.height, self.processor.width) != (vision.image_size,) * 2:
+            raise ValueError(
+                f"preprocessor_config.json resizes to {self.processor.height}x"
+                f"{self.processor.width}; the vision tower takes {vision.image_size} px"
+            )
+        self.tokenizer = tokenizer
+        self.tokens_per_image = config.tokens_per_image
+        self.boi, self.eoi, self.image = (
+            config.boi_token_id,
+            config.eoi_token_id,
+            config.image_token_id,
+        )
+        self.max_image_pixels = max_image_pixels
+
+    def prepare(self, prompt: dict, *, allow_special_tokens: bool = False) -> PreparedPrompt:
+        """A prompt dict (checked by `check_prompt_dict`) -> its ids and images."""
+        raw = (prompt.get("multi_modal_data") or {}).get("image", [])
+        raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+        text = prompt.get("prompt")
+        if text is None:
+            return self._prepare(raw, ids=self._expand_ids(list(prompt["prompt_token_ids"])))
+        spans: Spans = ()
+        if not allow_special_tokens:  # the prompt is data, but for its image markers
+            markers = self._marker_strings()
+            spans = tuple(
+                (start, end)
+                for start, end in self._special_text().find(text)
+                if text[start:end] not in markers
+            )
+        return self._prepare(raw, text=text, data_spans=spans)
+
+    def prepare_rendered(self, text: str, data_spans: Spans, images: list) -> PreparedPrompt:
+        """A chat template's output (its data spans as `Tokenizer.render_chat` gives
+        them) and the conversation's images, in order."""
+        return self._prepare(images, text=text, data_spans=data_spans)
+
+    def _prepare(
+        self, raw: list, *, ids: list[int] | None = None, text: str | None = None, data_spans=()
+    ) -> PreparedPrompt:
+        try:
+            decoded = [to_decoded(i, max_pixels=self.max_image_pixels) for i in raw]
+        except ImageError as exc:
+            return PreparedPrompt([], text=text, error=f"image: {exc}")
+        if ids is None:
+            ids = self._encode_text(text, data_spans)
+        spans = self._spans(ids)
+        if ids.count(self.image) != len(spans) * self.tokens_per_image:
+            return PreparedPrompt(
+                ids, text=text, error="the prompt holds image tokens outside an image's place"
+            )
+        if len(spans) != len(decoded):
+            return PreparedPrompt(
+                ids,
+                text=text,
+                error=(
+                    f"the prompt places {len(spans)} image(s) (begin-of-image markers) "
+                    f"but {len(decoded)} were given"
+                ),
+            )
+        images = tuple(
+            ImageSpan(offset, self.tokens_per_image, image.content_hash, self.processor(image))
+            for offset, image in zip(spans, decoded)
+        )
+        return PreparedPrompt(ids, images, text)
+
+    def _expand_ids(self, ids: list[int]) -> list[int]:
+        out: list[int] = []
+        for token in ids:
+            out.append(token)
+            if token == self.boi:
+                out += [self.image] * self.tokens_per_image + [self.eoi]
+        return out
+
+    def _special_text(self):
+        if self.tokenizer is None:
+            raise ValueError("a text prompt with images needs the model's tokenizer")
+        return self.tokenizer.special_text
+
+    def _marker_strings(self) -> tuple[str, str, str]:
+        if self.tokenizer is None:
+            raise ValueError("a text prompt with images needs the model's tokenizer")
+        backend = self.tokenizer.backend
+        markers = tuple(backend.id_to_token(i) for i in (self.boi, self.eoi, self.image))
+        if None in markers:
+            raise ValueError("the tokenizer has no image marker tokens; pass prompt_token_ids")
+        return markers
+
+    def _encode_text(self, text: str, data_spans: Spans) -> list[int]:
+        """Expand each begin-of-image marker outside the data spans, as transformers'
+        processor does, then encode (the data spans moved with the text)."""
+        boi, eoi, image = self._marker_strings()
+        block = f"\n\n{boi}{image * self.tokens_per_image}{eoi}\n\n"
+        pieces, spans = [], []
+        data = sorted(data_spans)
+        last = shift = 0
+        at = text.find(boi)
+        while at != -1:
+            if not any(start <= at < end for start, end in data):
+                pieces += [text[last:at], block]
+                spans += [(s + shift, e + shift) for s, e in data if last <= s < at]
+                shift += len(block) - len(boi)
+                last = at + len(boi)
+            at = text.find(boi, at + len(boi))
+        pieces.append(text[last:])
+        spans += [(s + shift, e + shift) for s, e in data if s >= last]
+        return self.tokenizer.encode_batch(["".join(pieces)], data_spans=[tuple(spans)])[0]
+
+    def _spans(self, ids: Sequence[int]) -> list[int]:
+        """The offset of each image's first soft token: every run of image tokens that
+        follows a begin-of-image marker and is tokens_per_image long."""
+        offsets = []
+        n = self.tokens_per_image
+        for i, token in enumerate(ids):
+            if token == self.boi and ids[i + 1 : i + 1 + n] == [self.image] * n:
+                offsets.append(i + 1)
+        return offsets
+
+
+def image_url_bytes(url: Any) -> bytes:
+    """The image of an OpenAI `image_url` part: a base64 `data:` URL's bytes.
+
+    Raises:
+        ImageError: another scheme (nothing is fetched), or data that is not base64.
+    """
+    if not isinstance(url, str):
+        raise ImageError(f"image_url.url must be a string, got {type(url).__name__}")
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme != "data":
+        raise ImageError(
+            f"image_url scheme {scheme or url[:20]!r} is not read: only base64 data: URLs "
+            "are (nothing is fetched)"
+        )
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64"):
+        raise ImageError("a data: image URL must be base64 (data:image/...;base64,...)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as exc:
+        raise ImageError(f"the data: URL is not valid base64: {exc}") from None
+
+
+def split_image_parts(messages: list) -> tuple[list, list[bytes], str | None]:
+    """A conversation with OpenAI content parts -> (its messages as chat templates take
+    them: `{"type": "text", "text": ...}` and `{"type": "image"}` parts, its images in
+    order, the error of a bad image part or None).
+
+    Raises:
+        ValueError: a content part of a type other than text and image_url.
+    """
+    out, images, error = [], [], None
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": part.get("text")})
+            elif kind == "image_url":
+                url = (part.get("image_url") or {}).get("url")
+                try:
+                    images.append(image_url_bytes(url))
+                except ImageError as exc:
+                    error = error or f"image: {exc}"
+                parts.append({"type": "image"})
+            else:
+                raise ValueError(
+                    f"content part of type {kind!r}: the parts taken are text and image_url"
+                )
+        out.append({**message, "content": parts})
+    return out, images, error
+
+
+def has_image_parts(messages: list) -> bool:
+    return any(
+        isinstance(m, dict)
+        and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"])
+        for m in messages
+    )

@@ -1,0 +1,67 @@
+"""Images in a sequence's prompt, as the loop sees them: where each one's soft tokens sit,
+and the two rules they impose.
+
+- A prefill chunk never ends inside an image: an image's tokens attend to each other
+  bidirectionally, so all of those still to compute run in one step (`fit_chunk`).
+- A KV block holding (part of) an image is identified by the image's content hash as well
+  as by its token ids, which are the same placeholder id for every image
+  (`block_image_key`); the block hash chain carries it to every later block, so the same
+  image under the same prefix is a prefix-cache hit and another image never is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class ImageSpan:
+    """One image of a prompt."""
+
+    offset: int  # position of its first soft token
+    length: int  # its soft tokens
+    content_hash: bytes  # of the image's bytes (or pixels): keys its embeddings and KV blocks
+    pixel_values: torch.Tensor  # [3, height, width] as the model's processor makes them
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def fit_chunk(images: Sequence[ImageSpan], start: int, num_tokens: int) -> int:
+    """The most tokens, at most num_tokens, a chunk from `start` may take without ending
+    inside an image (0: the image it starts in does not fit)."""
+    end = start + num_tokens
+    for image in images:
+        if image.offset < end < image.end:
+            return max(0, image.offset - start)
+    return num_tokens
+
+
+def block_image_key(images: Sequence[ImageSpan], first: int, last: int) -> bytes:
+    """What, beyond token ids, identifies the KV block of positions [first, last): the
+    content hash and offset of each image overlapping it (b"" when none does)."""
+    parts = [
+        b"%d:%s" % (image.offset, image.content_hash)
+        for image in images
+        if image.offset < last and image.end > first
+    ]
+    return b"|".join(parts)
+
+
+def check_spans(images: Sequence[ImageSpan], num_tokens: int, max_chunk: int) -> str | None:
+    """Why a prompt's image spans cannot be scheduled (None: they can)."""
+    previous_end = 0
+    for image in images:
+        if image.offset < previous_end or image.end > num_tokens:
+            return "image spans overlap or run past the prompt"
+        if image.length > max_chunk:
+            return (
+                f"an image takes {image.length} tokens, more than max_num_batched_tokens "
+                f"({max_chunk}); an image's tokens are computed in one step"
+            )
+        previous_end = image.end
+    return None

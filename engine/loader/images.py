@@ -1,0 +1,178 @@
+"""Images in: decoding bytes into RGB pixels, and preprocessing them as a model's
+`preprocessor_config.json` says.
+
+Decoding normalises an image as transformers' `load_image` does: EXIF orientation is
+applied, then every colour mode (palette, CMYK, 16-bit grey, alpha) becomes 8-bit RGB by
+Pillow's own conversion. An image larger than the pixel limit is refused before its
+pixels are decoded (Pillow reads the size from the header), so a decompression bomb
+costs nothing. Every failure is an `ImageError` whose message says what is wrong.
+
+Preprocessing reproduces transformers' PIL image-processor backend (the one its
+AutoImageProcessor uses where torchvision is not installed): resize to the model's fixed
+size with Pillow's resampling filter on the uint8 image, rescale in float64 then round
+to float32, normalise per channel in float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+# Pillow's own decompression-bomb limit: its default Image.MAX_IMAGE_PIXELS (about 89.5M).
+DEFAULT_MAX_IMAGE_PIXELS = int(1024 * 1024 * 1024 // 4 // 3)
+
+
+class ImageError(ValueError):
+    """An image that cannot be used: corrupt, truncated, of an unsupported format, or
+    over the pixel limit."""
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    """An image as 8-bit RGB, and the hash of the bytes it came from."""
+
+    pixels: np.ndarray  # [height, width, 3] uint8
+    content_hash: bytes  # blake2b-128 of the encoded bytes (or of the pixels, if given as such)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height)."""
+        return self.pixels.shape[1], self.pixels.shape[0]
+
+
+def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> DecodedImage:
+    """Encoded image bytes -> 8-bit RGB pixels.
+
+    Raises:
+        ImageError: not an image Pillow reads, truncated or corrupt, or more than
+            max_pixels pixels (checked from the header, before decoding).
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ImageError(f"an image must be given as bytes, not {type(data).__name__}")
+    data = bytes(data)
+    try:
+        # The limit is checked here, not through Image.MAX_IMAGE_PIXELS, a process-wide
+        # setting other threads may be relying on.
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ImageError(
+                    f"image is {width}x{height} = {width * height} pixels, over the limit of "
+                    f"{max_pixels} (max_image_pixels)"
+                )
+            image.load()
+            image = ImageOps.exif_transpose(image)
+            rgb = image.convert("RGB")
+    except UnidentifiedImageError:
+        raise ImageError("not an image in a format Pillow reads (unsupported or corrupt)") from None
+    except Image.DecompressionBombError as exc:
+        raise ImageError(f"image refused as a decompression bomb: {exc}") from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        if isinstance(exc, ImageError):
+            raise
+        raise ImageError(f"image is truncated or corrupt: {exc}") from None
+    return DecodedImage(
+        np.asarray(rgb, dtype=np.uint8), hashlib.blake2b(data, digest_size=16).digest()
+    )
+
+
+def image_from_pil(image, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> DecodedImage:
+    """A PIL image (already opened by the caller) -> 8-bit RGB, as `decode_image`."""
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ImageError(
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}"
+        )
+    rgb = np.asarray(ImageOps.exif_transpose(image).convert("RGB"), dtype=np.uint8)
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(b"pixels:%d:%d:" % (rgb.shape[1], rgb.shape[0]))
+    digest.update(np.ascontiguousarray(rgb).tobytes())
+    return DecodedImage(rgb, digest.digest())
+
+
+def to_decoded(image, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> DecodedImage:
+    """bytes, a PIL image or a DecodedImage -> DecodedImage (ImageError otherwise)."""
+    if isinstance(image, DecodedImage):
+        return image
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return decode_image(image, max_pixels=max_pixels)
+    if isinstance(image, Image.Image):
+        return image_from_pil(image, max_pixels=max_pixels)
+    raise ImageError(f"an image must be encoded bytes or a PIL image, not {type(image).__name__}")
+
+
+# Pillow's resampling filters by the number transformers writes (PILImageResampling).
+_RESAMPLE_NAMES = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    """A fixed-size image processor, read from preprocessor_config.json."""
+
+    height: int
+    width: int
+    resample: int = 2  # PIL's BILINEAR
+    do_resize: bool = True
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_config(cls, raw: dict) -> ImageProcessor:
+        """Raises ValueError naming a setting it does not implement (pan-and-scan, a
+        size given other than as height and width, no RGB conversion)."""
+        if raw.get("do_pan_and_scan"):
+            raise ValueError("preprocessor_config.json asks for pan-and-scan, not supported yet")
+        if raw.get("do_convert_rgb") is False:
+            raise ValueError("preprocessor_config.json sets do_convert_rgb false; not supported")
+        if raw.get("do_center_crop") or raw.get("do_pad"):
+            raise ValueError("preprocessor_config.json crops or pads images; not supported")
+        size = raw.get("size") or {"height": 224, "width": 224}
+        if set(size) != {"height", "width"}:
+            raise ValueError(f"preprocessor_config.json size {size} is not a fixed height/width")
+        resample = int(raw.get("resample", 2))
+        if resample not in _RESAMPLE_NAMES:
+            raise ValueError(f"preprocessor_config.json resample {resample} is not a PIL filter")
+        return cls(
+            height=int(size["height"]),
+            width=int(size["width"]),
+            resample=resample,
+            do_resize=bool(raw.get("do_resize", True)),
+            do_rescale=bool(raw.get("do_rescale", True)),
+            rescale_factor=float(raw.get("rescale_factor", 1 / 255)),
+            do_normalize=bool(raw.get("do_normalize", True)),
+            image_mean=tuple(float(m) for m in raw.get("image_mean", (0.5, 0.5, 0.5))),
+            image_std=tuple(float(s) for s in raw.get("image_std", (0.5, 0.5, 0.5))),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ImageProcessor:
+        path = Path(model_dir) / "preprocessor_config.json"
+        if not path.exists():
+            raise ValueError(f"{model_dir} has no preprocessor_config.json: images need one")
+        return cls.from_config(json.loads(path.read_text(encoding="utf-8")))
+
+    def __call__(self, image: DecodedImage) -> torch.Tensor:
+        """-> [3, height, width] float32 pixel values."""
+        pixels = image.pixels
+        if self.do_resize and pixels.shape[:2] != (self.height, self.width):
+            resample = getattr(Image.Resampling, _RESAMPLE_NAMES[self.resample])
+            resized = Image.fromarray(pixels).resize((self.width, self.height), resample=resample)
+            pixels = np.asarray(resized)
+        values = pixels.astype(np.float32)
+        if self.do_rescale:  # transformers multiplies in float64, then rounds to float32
+            values = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        if self.do_normalize:
+            mean = np.asarray(self.image_mean, dtype=np.float32)
+            std = np.asarray(self.image_std, dtype=np.float32)
+            values = (values - mean) / std
+        return torch.from_numpy(np.ascontiguousarray(values.transpose(2, 0, 1)))

@@ -1,0 +1,136 @@
+"""The SigLIP vision tower (as Gemma 3 uses it: no pooling head) and Gemma 3's
+multi-modal projector, batched over many images per call.
+
+The tower is a ViT: non-overlapping patches embedded by a strided convolution, learned
+position embeddings, pre-LayerNorm encoder layers with full bidirectional attention over
+an image's patches and a tanh-GELU MLP, then a final LayerNorm. The projector averages
+the patch grid down to the model's soft tokens per image, RMS-normalises them with
+Gemma's (1 + weight) scale and maps them into the text model's embedding space.
+
+Its layers are plain torch modules (nn.Linear, nn.LayerNorm): the text model's fused
+projections, LoRA slots and KV cache never see them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """transformers' SiglipVisionConfig, the fields the tower reads."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+class SiglipAttention(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = hidden // self.num_heads
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+        self.out_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_images, num_patches, hidden]; every patch sees every patch of its image."""
+        n, length, hidden = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(n, length, self.num_heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
+        return self.out_proj(out.transpose(1, 2).reshape(n, length, hidden))
+
+
+class SiglipEncoderLayer(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.layer_norm_eps
+        self.layer_norm1 = nn.LayerNorm(hidden, eps=eps)
+        self.self_attn = SiglipAttention(config)
+        self.layer_norm2 = nn.LayerNorm(hidden, eps=eps)
+        self.fc1 = nn.Linear(hidden, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.layer_norm2(x)), approximate="tanh"))
+
+
+class SiglipVisionTower(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.patch_embedding = nn.Conv2d(
+            config.num_channels, hidden, config.patch_size, stride=config.patch_size
+        )
+        self.position_embedding = nn.Embedding(config.patches_per_side**2, hidden)
+        self.layers = nn.ModuleList(
+            SiglipEncoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.post_layernorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values: [num_images, 3, image_size, image_size] ->
+        [num_images, num_patches, hidden] (patches in row-major order)."""
+        size = self.config.image_size
+        if tuple(pixel_values.shape[1:]) != (self.config.num_channels, size, size):
+            raise ValueError(
+                f"pixel values of shape {tuple(pixel_values.shape)}; the tower takes "
+                f"[n, {self.config.num_channels}, {size}, {size}]"
+            )
+        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
+        x = patches.flatten(2).transpose(1, 2) + self.position_embedding.weight
+        for layer in self.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
+
+
+class Gemma3Projector(nn.Module):
+    """The tower's patch grid -> `tokens_per_image` soft tokens in the text model's space."""
+
+    def __init__(self, config: VisionConfig, text_hidden_size: int, tokens_per_image: int):
+        super().__init__()
+        side = int(round(tokens_per_image**0.5))
+        if side * side != tokens_per_image or config.patches_per_side % side:
+            raise ValueError(
+                f"mm_tokens_per_image {tokens_per_image} does not pool a "
+                f"{config.patches_per_side}x{config.patches_per_side} patch grid evenly"
+            )
+        self.kernel = config.patches_per_side // side
+        self.eps = config.layer_norm_eps
+        self.mm_input_projection_weight = nn.Parameter(
+            torch.zeros(config.hidden_size, text_hidden_size)
+        )
+        self.mm_soft_emb_norm_weight = nn.Parameter(torch.zeros(config.hidden_size))
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """[num_images, num_patches, vision_hidden] -> [num_images, tokens, text_hidden]."""
+        n, num_patches, hidden = patches.shape
+        side = int(round(num_patches**0.5))
+        grid = patches.transpose(1, 2).reshape(n, hidden, side, side)
+        pooled = F.avg_pool2d(grid, self.kernel, stride=self.kernel).flatten(2).transpose(1, 2)
+        # Gemma's RMSNorm: in fp32, scaled by (1 + weight), rounded back once.
+        scale = self.mm_soft_emb_norm_weight.float() + 1.0
+        normed = F.rms_norm(pooled.float(), (hidden,), scale, self.eps).to(pooled.dtype)
+        return torch.matmul(normed, self.mm_input_projection_weight).to(patches.dtype)

@@ -1,0 +1,113 @@
+"""A step's images, for a model with a vision tower: which rows of the flat batch are
+image soft tokens and what replaces their embeddings, and the attention that lets an
+image's tokens see each other (attention/image_spans.py).
+
+The tower runs once per step over every image the step needs that is not already
+encoded, as one batch. Encoded images are kept by content hash (most recently used
+first, `max_cached_images` of them), so an image shared by many rows - or a prompt
+recomputed after preemption - is encoded once.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenmill.engine.core.step import SchedulerOutput
+from tokenmill.engine.models.attention import StepAttention
+from tokenmill.engine.models.gemma3_vision import StepImages
+from tokenmill.engine.worker.attention.backend import upload
+from tokenmill.engine.worker.attention.image_spans import ImageRows, ImageSpanAttention
+
+
+class VisionInputs:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        pair_layout: bool,
+        max_cached_images: int = 64,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.pair_layout = pair_layout
+        self.max_cached_images = max_cached_images
+        self._encoded: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.num_images_encoded = 0  # tower runs, counted per image
+
+    def step(
+        self, out: SchedulerOutput, meta: StepAttention
+    ) -> tuple[StepAttention, StepImages | None]:
+        """(the attention the step's layers use, its image tokens) - the meta and None
+        when no chunk of the step computes an image token."""
+        # Rows as the runner flattens them (ModelRunner.step_tokens): decodes, then prefills.
+        placed: list[tuple[int, int, object]] = []  # (chunk row, image, its row span)
+        spans: list[ImageRows] = []
+        row = 0
+        for chunk in [*out.decodes, *out.prefills]:
+            seq = chunk.seq
+            start = seq.num_computed_tokens
+            end = start + chunk.num_new_tokens
+            for image in seq.images:
+                if image.end <= start or image.offset >= end:
+                    continue
+                if image.end > end:
+                    raise RuntimeError("a prefill chunk ends inside an image")
+                first = max(image.offset, start)
+                blocks = None
+                if start:
+                    ids = seq.block_table[: -(-start // self.block_size)]
+                    blocks = upload(np.asarray(ids), self.device)
+                spans.append(
+                    ImageRows(
+                        first_row=row + first - start,
+                        first_position=first,
+                        num_rows=image.end - first,
+                        image_offset=image.offset,
+                        image_end=image.end,
+                        chunk_row=row,
+                        chunk_position=start,
+                        context_blocks=blocks,
+                    )
+                )
+                placed.append((row + first - start, first - image.offset, image))
+            row += chunk.num_new_tokens
+        if not spans:
+            return meta, None
+        self._encode([image for _, _, image in placed])
+        rows, embeddings = [], []
+        for first_row, skip, image in placed:
+            tokens = self._encoded[image.content_hash][skip:]
+            rows.append(np.arange(first_row, first_row + len(tokens)))
+            embeddings.append(tokens)
+        images = StepImages(
+            rows=upload(np.concatenate(rows), self.device), embeddings=torch.cat(embeddings)
+        )
+        return ImageSpanAttention(meta, spans, self.pair_layout), images
+
+    def _encode(self, images: list) -> None:
+        """Run the tower over those of `images` not already encoded, as one batch."""
+        todo = {}
+        for image in images:
+            if image.content_hash in self._encoded:
+                self._encoded.move_to_end(image.content_hash, last=False)
+            else:
+                todo.setdefault(image.content_hash, image)
+        if todo:
+            pixels = torch.stack([image.pixel_values for image in todo.values()])
+            encoded = self.model.encode_images(pixels.to(self.device, self.dtype))
+            self.num_images_encoded += len(todo)
+            for content_hash, tokens in zip(todo, encoded):
+                self._encoded[content_hash] = tokens
+                self._encoded.move_to_end(content_hash, last=False)
+        keep = max(self.max_cached_images, len(images))
+        while len(self._encoded) > keep:
+            self._encoded.popitem(last=True)

@@ -1,0 +1,295 @@
+"""Gemma 3 with images against transformers on the same random weights (fp32): pixel
+preprocessing against transformers' default image processor here, the SigLIP tower and
+projector, soft tokens placed at the prompt's markers, bidirectional attention within
+an image (across chunk boundaries and prefix-cache hits), through `LLM.generate`."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import pytest
+import torch
+from hf_models import save_char_tokenizer
+from vision_models import (
+    BOI,
+    EOI,
+    IMAGE,
+    TOKENS_PER_IMAGE,
+    build_gemma3_vlm,
+    image_processor,
+    png_bytes,
+)
+
+from tokenmill.engine import LLM, SamplingParams
+from tokenmill.engine.loader.images import ImageError, ImageProcessor, decode_image
+
+VOCAB = 256
+# The char tokenizer's character of each id (hf_models.save_char_tokenizer).
+CHARS = [chr(ord("a") + i) for i in range(26)] + [chr(ord("A") + i) for i in range(26)]
+CHARS += [chr(0x4E00 + i) for i in range(VOCAB - len(CHARS))]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}" + CHARS[BOI] + "{% else %}"
+    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gemma3-vlm")
+    hf = build_gemma3_vlm(out)
+    save_char_tokenizer(out, VOCAB)
+    # A chat template that writes the begin-of-image marker for an image part, as Gemma 3's.
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return hf, out
+
+
+def test_the_reference_processor_is_transformers_pil_backend():
+    """torchvision is not installed here, so transformers' default Gemma 3 image processor
+    falls back to its PIL backend - the one these tests compare against."""
+    from transformers import Gemma3ImageProcessor, Gemma3ImageProcessorPil
+
+    with pytest.raises(ImportError):
+        import torchvision  # noqa: F401
+    assert type(Gemma3ImageProcessor()) is Gemma3ImageProcessorPil
+    assert type(image_processor()) is Gemma3ImageProcessorPil
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "mode", "fmt"),
+    [
+        (50, 37, "RGB", "PNG"),
+        (13, 90, "RGBA", "PNG"),
+        (40, 40, "L", "PNG"),
+        (33, 21, "CMYK", "JPEG"),
+        (32, 32, "RGB", "JPEG"),
+    ],
+)
+def test_pixels_equal_transformers_processor(width, height, mode, fmt):
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    reference = image_processor(32)
+    ours = ImageProcessor.from_config(reference.to_dict())
+    data = png_bytes(width, height, seed=width, mode=mode, fmt=fmt)
+    want = reference(load_image(Image.open(io.BytesIO(data))), return_tensors="pt")
+    got = ours(decode_image(data))
+    assert got.shape == want["pixel_values"][0].shape == (3, 32, 32)
+    torch.testing.assert_close(got, want["pixel_values"][0], atol=1e-5, rtol=0)
+
+
+def test_exif_orientation_is_applied_as_load_image_does():
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    image = Image.frombytes("RGB", (6, 3), bytes(range(54)))
+    exif = image.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", exif=exif, quality=100)
+    data = buffer.getvalue()
+    want = load_image(Image.open(io.BytesIO(data)))
+    got = decode_image(data)
+    assert got.size == want.size == (3, 6)
+    assert (got.pixels == torch.tensor(list(want.getdata())).view(6, 3, 3).numpy()).all()
+
+
+def test_bad_images_are_refused_by_what_is_wrong():
+    good = png_bytes(20, 20, seed=1)
+    with pytest.raises(ImageError, match="truncated or corrupt"):
+        decode_image(good[: len(good) // 2])
+    with pytest.raises(ImageError, match="not an image in a format"):
+        decode_image(b"GIF89a but not really" * 3)
+    with pytest.raises(ImageError, match=r"20x20 = 400 pixels, over the limit of 399"):
+        decode_image(good, max_pixels=399)
+
+
+def _hf_tokens_and_logprobs(hf, ids, pixels, num_tokens):
+    """Greedy continuation by full forward passes (image tokens typed 1), and the prompt's
+    log-softmax rows."""
+    ids = list(ids)
+    prompt_logprobs = None
+    for _ in range(num_tokens):
+        input_ids = torch.tensor([ids])
+        with torch.no_grad():
+            logits = (
+                hf(
+                    input_ids=input_ids,
+                    pixel_values=pixels,
+                    token_type_ids=(input_ids == IMAGE).long(),
+                )
+                .logits[0]
+                .float()
+            )
+        if prompt_logprobs is None:
+            prompt_logprobs = torch.log_softmax(logits[:-1], dim=-1)
+        ids.append(int(logits[-1].argmax()))
+    return ids[-num_tokens:], prompt_logprobs
+
+
+def _prompt(text_ids, image_places):
+    """Token ids with a begin-of-image marker before each index in image_places."""
+    out = []
+    for i, token in enumerate(text_ids):
+        if i in image_places:
+            out.append(BOI)
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(max_num_batched_tokens=64),
+        # Chunks of 24 and block-sized prefix-cache hits: an image is never split, and a
+        # hit may end inside one.
+        dict(max_num_batched_tokens=24, enable_prefix_caching=True),
+    ],
+)
+def test_image_prompts_match_transformers_through_llm(vlm, settings):
+    hf, model_dir = vlm
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, **settings)
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    # One image, two images (of two sizes each), the image first and last in the prompt.
+    for places, sizes in [
+        ({3}, [(48, 40)]),
+        ({0, 9}, [(20, 64), (32, 32)]),
+        ({5}, [(100, 30)]),
+        ({2, 4}, [(32, 32), (32, 32)]),
+    ]:
+        text = torch.randint(0, 200, (12,), generator=g).tolist()
+        images = [png_bytes(w, h, seed=w * h) for w, h in sizes]
+        cases.append((_prompt(text, places), images))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=VOCAB)
+    prompts = [
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}} for ids, imgs in cases
+    ]
+    outputs = llm.generate(prompts, params)
+    processor = image_processor()
+    from PIL import Image
+
+    for (ids, images), out in zip(cases, outputs):
+        assert out.error is None
+        expanded = []
+        for t in ids:
+            expanded += [t] + ([IMAGE] * TOKENS_PER_IMAGE + [EOI] if t == BOI else [])
+        assert out.prompt_token_ids == expanded
+        pixels = processor(
+            [Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt"
+        )["pixel_values"]
+        want_tokens, want_logprobs = _hf_tokens_and_logprobs(hf, expanded, pixels, 6)
+        assert out.outputs[0].token_ids == want_tokens
+        got = torch.tensor([[entry[t] for t in range(VOCAB)] for entry in out.prompt_logprobs[1:]])
+        torch.testing.assert_close(got, want_logprobs, atol=2e-3, rtol=0)
+
+
+def test_same_image_same_prefix_hits_the_prefix_cache_and_another_image_does_not(vlm):
+    hf, model_dir = vlm
+    llm = LLM(
+        str(model_dir), dtype="float32", device="cpu", block_size=4, enable_prefix_caching=True
+    )
+    ids = _prompt(list(range(10, 30)), {2})
+    a, b = png_bytes(40, 40, seed=1), png_bytes(40, 40, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": a}}, params)[0]
+    cached_before = llm.stats().cached_prompt_tokens
+    same = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": a}}, params)[0]
+    after_same = llm.stats().cached_prompt_tokens
+    other = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": b}}, params)[0]
+    after_other = llm.stats().cached_prompt_tokens
+    num_prompt = len(first.prompt_token_ids)
+    # The same (image, prompt): every full block but the last token's is served.
+    assert after_same - cached_before == (num_prompt - 1) // 4 * 4
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+    # Another image under the same placeholder ids: only the blocks before it are served.
+    assert after_other - after_same == 3 // 4 * 4  # BOI sits at position 2: block 0 ends at 4
+    assert llm.engine.runner.vision.num_images_encoded == 2
+    from PIL import Image
+
+    pixels = image_processor()([Image.open(io.BytesIO(b)).convert("RGB")], return_tensors="pt")[
+        "pixel_values"
+    ]
+    expanded = other.prompt_token_ids
+    assert other.outputs[0].token_ids == _hf_tokens_and_logprobs(hf, expanded, pixels, 3)[0]
+
+
+def test_bad_images_and_mismatched_markers_are_error_outputs_and_others_answered(vlm):
+    _, model_dir = vlm
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4)
+    good = png_bytes(30, 30, seed=3)
+    ids = _prompt(list(range(10, 20)), {1})
+    prompts = [
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": good[: len(good) // 2]}},
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": good}},
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": [good, good]}},
+        {"prompt_token_ids": list(range(10, 20)) + [IMAGE], "multi_modal_data": {"image": []}},
+    ]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["error", "length", "error", "error"]
+    assert "truncated or corrupt" in outs[0].error
+    assert "places 1 image(s)" in outs[2].error and "2 were given" in outs[2].error
+    assert "outside an image's place" in outs[3].error
+    with pytest.raises(ValueError, match="multi_modal_data takes only 'image'"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"audio": b""}})
+
+
+def test_a_text_model_refuses_images_by_name(tmp_path):
+    from hf_models import build_hf_model
+
+    build_hf_model("llama", tmp_path)
+    save_char_tokenizer(tmp_path, VOCAB)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match="no vision tower: it cannot take images"):
+        llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": b"x"}})
+
+
+def test_every_field_of_the_vision_config_class_is_declared():
+    import dataclasses
+
+    from transformers import SiglipVisionConfig
+
+    from tokenmill.engine.models.config_fields import BASE_FIELDS
+    from tokenmill.engine.models.gemma3_vision import VISION_CONFIG_FIELDS
+
+    declared = VISION_CONFIG_FIELDS.declared
+    assert {f.name for f in dataclasses.fields(SiglipVisionConfig)} - declared == set()
+    assert set(SiglipVisionConfig().to_dict()) - declared - set(BASE_FIELDS) == set()
+
+
+def test_chat_with_openai_image_parts_equals_generate_with_the_same_ids(vlm):
+    _, model_dir = vlm
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4)
+    image = png_bytes(45, 30, seed=11)
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    conversations = [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "abc"},
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "de"},
+                ],
+            }
+        ],
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}],
+            }
+        ],
+        [{"role": "user", "content": "plain text"}],
+    ]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    chat = llm.chat(conversations, params)
+    ids = [0, 1, 2, BOI, 3, 4]  # a b c <boi> d e
+    direct = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, params)
+    assert chat[0].prompt_token_ids == direct[0].prompt_token_ids
+    assert chat[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
+    assert chat[1].finish_reason == "error" and "scheme 'https' is not read" in chat[1].error
+    assert chat[2].finish_reason == "length"

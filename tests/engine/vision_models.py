@@ -1,0 +1,74 @@
+"""A random-weight Gemma 3 vision-language checkpoint built in the test (tiny SigLIP
+tower, tiny text model), and transformers as its reference."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+from hf_models import GEMMA3, SMALL
+
+# Token ids of the tiny model's image markers (inside its 256-token vocabulary).
+BOI, EOI, IMAGE = 250, 251, 252
+# A 32 px tower of 4 px patches (8 x 8 = 64 patches) pooled 2 x 2 into 16 soft tokens.
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=32,
+    patch_size=4,
+    layer_norm_eps=1e-6,
+    hidden_act="gelu_pytorch_tanh",
+    vision_use_head=False,
+)
+TOKENS_PER_IMAGE = 16
+
+
+def build_gemma3_vlm(out_dir: Path, **text_overrides):
+    """Save a random-weight Gemma3ForConditionalGeneration (std ~0.05 everywhere, norms
+    included) and its preprocessor_config.json; return the HF model."""
+    import transformers
+
+    text = {**SMALL, **GEMMA3, **text_overrides}
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=VISION,
+        mm_tokens_per_image=TOKENS_PER_IMAGE,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        image_token_index=IMAGE,
+    )
+    torch.manual_seed(4321)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "vision_tower" in name or "multi_modal_projector" in name:
+                param.normal_(0, 0.05 if param.dim() > 1 else 0.3)
+            elif name.endswith("norm.weight"):
+                param.normal_(0, 0.3)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    image_processor().save_pretrained(out_dir)
+    return model
+
+
+def image_processor(size: int = 32):
+    """transformers' default Gemma 3 image processor here: torchvision is not installed,
+    so AutoImageProcessor falls back to the PIL backend, `Gemma3ImageProcessorPil`."""
+    from transformers import Gemma3ImageProcessorPil
+
+    return Gemma3ImageProcessorPil(size={"height": size, "width": size})
+
+
+def png_bytes(width: int, height: int, seed: int, mode: str = "RGB", fmt: str = "PNG") -> bytes:
+    """A random-noise image, encoded."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    channels = {"RGB": 3, "RGBA": 4, "L": 1, "CMYK": 4}[mode]
+    pixels = torch.randint(0, 256, (height, width, channels), generator=g, dtype=torch.uint8)
+    array = pixels.numpy() if channels > 1 else pixels[..., 0].numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(array, mode=mode).save(buffer, format=fmt)
+    return buffer.getvalue()
