@@ -293,3 +293,35 @@ def test_chat_with_openai_image_parts_equals_generate_with_the_same_ids(vlm):
     assert chat[0].outputs[0].token_ids == direct[0].outputs[0].token_ids
     assert chat[1].finish_reason == "error" and "scheme 'https' is not read" in chat[1].error
     assert chat[2].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "ab\n<start_of_image>cd <start_of_image>\n\ne",
+        "<start_of_image>describe it.",
+        "x\n\n<start_of_image>",
+    ],
+)
+def test_text_prompts_have_transformers_processor_tokens_and_answers(tmp_path, text):
+    """Text prompts expand as transformers' Gemma3Processor expands them (its token ids,
+    hence its token counts), and generate what transformers generates from its output."""
+    from PIL import Image
+    from vision_models import save_marker_tokenizer
+
+    hf = build_gemma3_vlm(tmp_path)
+    processor = save_marker_tokenizer(tmp_path)
+    count = text.count("<start_of_image>")
+    images = [png_bytes(30 + 7 * i, 41, seed=i) for i in range(count)]
+    want = processor(
+        text=text,
+        images=[Image.open(io.BytesIO(b)).convert("RGB") for b in images],
+        return_tensors="pt",
+    )
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, params)[0]
+    assert out.prompt_token_ids == want["input_ids"][0].tolist()
+    assert out.prompt_token_ids.count(IMAGE) == count * TOKENS_PER_IMAGE
+    expected, _ = _hf_tokens_and_logprobs(hf, out.prompt_token_ids, want["pixel_values"], 4)
+    assert out.outputs[0].token_ids == expected

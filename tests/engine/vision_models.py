@@ -72,3 +72,39 @@ def png_bytes(width: int, height: int, seed: int, mode: str = "RGB", fmt: str = 
     buffer = io.BytesIO()
     Image.fromarray(array, mode=mode).save(buffer, format=fmt)
     return buffer.getvalue()
+
+
+MARKERS = {"<start_of_image>": BOI, "<end_of_image>": EOI, "<image_soft_token>": IMAGE}
+
+
+def save_marker_tokenizer(out_dir: Path, vocab_size: int = 256):
+    """A character tokenizer (letters, digits, space, newline) whose image markers are
+    special tokens at the model's ids; saved to out_dir, and returned as transformers'
+    Gemma3Processor over it and the PIL image processor - the reference for token counts."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import Gemma3Processor, PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789 \n.,")
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update(
+        {f"<unused{i}>": i for i in range(len(chars), vocab_size) if i not in MARKERS.values()}
+    )
+    vocab.update(MARKERS)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in MARKERS])
+    backend.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
+    return Gemma3Processor(
+        image_processor=image_processor(), tokenizer=tokenizer, image_seq_length=TOKENS_PER_IMAGE
+    )
