@@ -302,6 +302,12 @@ def _content(content: Any, where: str, number: int) -> str | None:
         texts = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_url", "input_image"):
+                raise BadLine(
+                    number,
+                    f"{where}.content: image parts are not supported in batch files yet "
+                    "(LLM.chat takes them); refusing the line rather than dropping its image",
+                )
             if kind not in ("text", "input_text", "output_text"):
                 raise BadLine(number, f"{where}.content: only text parts are supported")
             if not isinstance(part.get("text"), str):

@@ -266,6 +266,7 @@ class LLM(PoolingMethods):
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 allow_special_tokens=allow_special_tokens,
+                image_parts=True,
             )
             texts.append(text)
             if error is not None:

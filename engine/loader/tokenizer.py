@@ -184,6 +184,7 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        image_parts: bool = False,
         **extra: Any,
     ) -> str | list[int]:
         """Render a conversation with the model's chat template, in a jinja2 sandbox.
@@ -194,6 +195,10 @@ class Tokenizer:
             tokenize: return token ids instead of text (the template supplies any BOS itself);
                 special-token strings in the messages and variables are encoded as plain
                 text (`render_chat`).
+            image_parts: let a message's content be a list of `{"type": "text", "text":
+                ...}` and `{"type": "image"}` parts, as multimodal templates take them -
+                only for a caller that places each image where the template marks it
+                (`LLM.chat`), never where an image could be dropped.
             **extra: more template variables (e.g. `tools`, `date_string`).
 
         Returns:
@@ -206,7 +211,7 @@ class Tokenizer:
             return self.encode(text, add_special_tokens=False, data_spans=spans)
         if self.chat_template is None:
             raise ValueError("this model has no chat template; pass plain prompts instead")
-        _check_messages(messages)
+        _check_messages(messages, image_parts)
         variables = {**self.special_tokens, **extra}
         return render_limited(
             self._compiled_template,
@@ -219,6 +224,7 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         allow_special_tokens: bool = False,
+        image_parts: bool = False,
         **extra: Any,
     ) -> tuple[str, Spans]:
         """The chat template's text for a conversation, and where in it the messages'
@@ -230,16 +236,23 @@ class Tokenizer:
             add_generation_prompt: end with the header that starts the assistant's turn.
             allow_special_tokens: leave special strings in the messages to become control
                 tokens (no spans).
+            image_parts: as for `apply_chat_template`.
             **extra: more template variables; their strings are data too.
         """
         if allow_special_tokens:
             text = self.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, **extra
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                image_parts=image_parts,
+                **extra,
             )
             return text, ()
         marks = self.special_text.marks()
         text = self.apply_chat_template(
-            marks.mark(messages), add_generation_prompt=add_generation_prompt, **marks.mark(extra)
+            marks.mark(messages),
+            add_generation_prompt=add_generation_prompt,
+            image_parts=image_parts,
+            **marks.mark(extra),
         )
         return marks.restore(text)
 
@@ -296,7 +309,7 @@ def _tojson(
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kwargs)
 
 
-def _check_messages(messages: Any) -> None:
+def _check_messages(messages: Any, image_parts: bool = False) -> None:
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
     for i, message in enumerate(messages):
@@ -305,7 +318,7 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(message.get("role"), str):
             raise ValueError(f"message {i} needs a string 'role', got {message.get('role')!r}")
         content = message.get("content")
-        if isinstance(content, list) and all(_is_template_part(p) for p in content):
+        if image_parts and isinstance(content, list) and all(map(_is_template_part, content)):
             continue  # text and image parts, as multimodal chat templates take them
         if not isinstance(content, str):
             raise ValueError(f"message {i} needs a string 'content', got {content!r}")

@@ -317,3 +317,12 @@ def test_fates_are_the_three_and_only_honoured_fields_fill_columns():
             assert field.fate in (HONOURED, IGNORED, REFUSED)
             fills = field.fate == HONOURED and field.name not in prompt_fields
             assert (field.convert is not None) == fills, field.name
+
+
+def test_image_parts_are_refused_by_name_not_dropped():
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    content = [{"type": "text", "text": "what is it?"}, part]
+    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    line = {"custom_id": "c", "method": "POST", "url": CHAT_URL, "body": body}
+    with pytest.raises(BadLine, match=r"image parts are not supported in batch files yet"):
+        request_rows(line, 1)

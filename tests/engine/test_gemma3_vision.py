@@ -325,3 +325,16 @@ def test_text_prompts_have_transformers_processor_tokens_and_answers(tmp_path, t
     assert out.prompt_token_ids.count(IMAGE) == count * TOKENS_PER_IMAGE
     expected, _ = _hf_tokens_and_logprobs(hf, out.prompt_token_ids, want["pixel_values"], 4)
     assert out.outputs[0].token_ids == expected
+
+
+def test_image_parts_render_only_where_images_are_placed(vlm):
+    """Outside LLM.chat's image path a template never gets an image part: it would write
+    a begin-of-image marker with no image behind it."""
+    from tokenmill.engine import Tokenizer
+
+    _, model_dir = vlm
+    tokenizer = Tokenizer.from_dir(model_dir)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"}]}]
+    with pytest.raises(ValueError, match="needs a string 'content'"):
+        tokenizer.apply_chat_template(messages)
+    assert tokenizer.apply_chat_template(messages, image_parts=True) == CHARS[BOI] + "a"
