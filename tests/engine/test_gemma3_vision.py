@@ -338,3 +338,32 @@ def test_image_parts_render_only_where_images_are_placed(vlm):
     with pytest.raises(ValueError, match="needs a string 'content'"):
         tokenizer.apply_chat_template(messages)
     assert tokenizer.apply_chat_template(messages, image_parts=True) == CHARS[BOI] + "a"
+
+
+def test_a_prefix_cache_hit_ending_inside_an_image_computes_the_rest_of_it(vlm):
+    """A prompt that ends with its image: the second time, the cache serves whole blocks
+    up to inside the image, and its last soft token is computed seeing the whole image."""
+    hf, model_dir = vlm
+    llm = LLM(
+        str(model_dir), dtype="float32", device="cpu", block_size=4, enable_prefix_caching=True
+    )
+    ids = [7, 8, BOI]  # expands to 7 8 <boi> 16 x <image> <eoi>: 20 tokens
+    image = png_bytes(36, 28, seed=5)
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": image}}
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=VOCAB)
+    first = llm.generate(prompt, params)[0]
+    again = llm.generate(prompt, params)[0]
+    # (20 - 1) // 4 = 4 blocks: positions 0..15, inside the image (positions 3..18).
+    assert again.cached_tokens == 16
+    from PIL import Image
+
+    pixels = image_processor()([Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt")[
+        "pixel_values"
+    ]
+    want = _hf_tokens_and_logprobs(hf, first.prompt_token_ids, pixels, 5)[0]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == want
+    for a, b in zip(first.outputs[0].logprobs, again.outputs[0].logprobs):
+        got = torch.tensor([b[t] for t in range(VOCAB)])
+        torch.testing.assert_close(
+            got, torch.tensor([a[t] for t in range(VOCAB)]), atol=2e-4, rtol=0
+        )
