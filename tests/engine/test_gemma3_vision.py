@@ -367,3 +367,27 @@ def test_a_prefix_cache_hit_ending_inside_an_image_computes_the_rest_of_it(vlm):
         torch.testing.assert_close(
             got, torch.tensor([a[t] for t in range(VOCAB)]), atol=2e-4, rtol=0
         )
+
+
+def test_preempted_image_prompts_recompute_to_the_same_answers(vlm):
+    """A cache too small for every sequence at once: image prompts are preempted and
+    recomputed (their images re-placed, the tower's output reused by content hash)."""
+    _, model_dir = vlm
+    prompts = [
+        {
+            "prompt_token_ids": _prompt([20 + i, 21, 22, 23, 24, 25, 26, 27], {1}),
+            "multi_modal_data": {"image": png_bytes(30 + i, 30, seed=i)},
+        }
+        for i in range(4)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    roomy = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4)
+    # 4 layers x (k + v) x 1 kv head x 32 values x 4 positions x 4 bytes = 4 KiB a block.
+    tight = LLM(
+        str(model_dir), dtype="float32", device="cpu", block_size=4, kv_cache_memory=20 * 4096
+    )
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    got = tight.generate(prompts, params)
+    assert tight.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert tight.engine.runner.vision.num_images_encoded == 4
