@@ -63,7 +63,11 @@ UNUSED_TENSORS: tuple[UnusedTensors, ...] = (
         "an lm_head stored beside tied embeddings: the embedding is the head, as in transformers",
     ),
     UnusedTensors(
-        lambda name, config: name.startswith(_VISION_PREFIXES),
+        # A model with a vision tower of its own consumes these: one it has no place for
+        # is refused like any other tensor.
+        lambda name, config: (
+            getattr(config, "vision", None) is None and name.startswith(_VISION_PREFIXES)
+        ),
         "the vision tower and projector of a multimodal checkpoint loaded text-only",
     ),
 )

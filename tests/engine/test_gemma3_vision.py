@@ -67,6 +67,9 @@ def test_the_reference_processor_is_transformers_pil_backend():
         (40, 40, "L", "PNG"),
         (33, 21, "CMYK", "JPEG"),
         (32, 32, "RGB", "JPEG"),
+        (64, 20, "P", "PNG"),
+        (25, 31, "I;16", "PNG"),
+        (70, 33, "RGB", "WEBP"),
     ],
 )
 def test_pixels_equal_transformers_processor(width, height, mode, fmt):
@@ -391,3 +394,27 @@ def test_preempted_image_prompts_recompute_to_the_same_answers(vlm):
     assert tight.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in got] == want
     assert tight.engine.runner.vision.num_images_encoded == 4
+
+
+def test_every_vision_tensor_is_consumed_or_the_checkpoint_is_refused(vlm, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.engine.loader.weights import load_model
+    from tokenmill.engine.models import load_config
+
+    _, model_dir = vlm
+    for name in ("config.json", "preprocessor_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    tensors = load_file(model_dir / "model.safetensors")
+    config = load_config(model_dir)
+    cpu = dict(dtype=torch.float32, device=torch.device("cpu"))
+    extra = {**tensors, "vision_tower.encoder.layers.2.mlp.fc1.weight": torch.zeros(64, 32)}
+    save_file(extra, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"has no place for: vision_tower\.encoder\.layers\.2"):
+        load_model(tmp_path, config, **cpu)
+    missing = {k: v for k, v in tensors.items() if "post_layernorm.weight" not in k}
+    save_file(missing, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing weights: vision_tower\.post_layernorm\.weight"):
+        load_model(tmp_path, config, **cpu)

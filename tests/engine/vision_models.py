@@ -66,11 +66,18 @@ def png_bytes(width: int, height: int, seed: int, mode: str = "RGB", fmt: str = 
     from PIL import Image
 
     g = torch.Generator().manual_seed(seed)
-    channels = {"RGB": 3, "RGBA": 4, "L": 1, "CMYK": 4}[mode]
-    pixels = torch.randint(0, 256, (height, width, channels), generator=g, dtype=torch.uint8)
-    array = pixels.numpy() if channels > 1 else pixels[..., 0].numpy()
+    if mode == "I;16":  # 16-bit grey
+        pixels = torch.randint(0, 65536, (height, width), generator=g, dtype=torch.int32)
+        image = Image.fromarray(pixels.numpy().astype("uint16"))
+    else:
+        channels = {"RGB": 3, "RGBA": 4, "L": 1, "CMYK": 4, "P": 3}[mode]
+        pixels = torch.randint(0, 256, (height, width, channels), generator=g, dtype=torch.uint8)
+        array = pixels.numpy() if channels > 1 else pixels[..., 0].numpy()
+        image = Image.fromarray(array, mode="RGB" if mode == "P" else mode)
+        if mode == "P":  # a palette image
+            image = image.quantize(colors=64)
     buffer = io.BytesIO()
-    Image.fromarray(array, mode=mode).save(buffer, format=fmt)
+    image.save(buffer, format=fmt)
     return buffer.getvalue()
 
 
