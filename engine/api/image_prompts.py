@@ -141,7 +141,13 @@ class ImagePrompts:
                 ),
             )
         images = tuple(
-            ImageSpan(offset, self.tokens_per_image, image.content_hash, self.processor(image))
+            ImageSpan(
+                offset,
+                self.tokens_per_image,
+                image.content_hash,
+                self.processor.resize(image),
+                self.processor.normalize,
+            )
             for offset, image in zip(spans, decoded)
         )
         return PreparedPrompt(ids, images, text)

@@ -11,7 +11,7 @@ and the two rules they impose.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,15 @@ class ImageSpan:
     offset: int  # position of its first soft token
     length: int  # its soft tokens
     content_hash: bytes  # of the image's bytes (or pixels): keys its embeddings and KV blocks
-    pixel_values: torch.Tensor  # [3, height, width] as the model's processor makes them
+    # The image resized to the tower's size, 8-bit (a quarter of its float pixels' memory,
+    # held while the request waits), and what makes the tower's input of it.
+    pixels: torch.Tensor
+    prepare: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        """[3, height, width] float32, as the model's image processor makes them."""
+        return self.pixels if self.prepare is None else self.prepare(self.pixels)
 
     @property
     def end(self) -> int:

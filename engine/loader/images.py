@@ -163,16 +163,27 @@ class ImageProcessor:
 
     def __call__(self, image: DecodedImage) -> torch.Tensor:
         """-> [3, height, width] float32 pixel values."""
+        return self.normalize(self.resize(image))
+
+    def resize(self, image: DecodedImage) -> torch.Tensor:
+        """-> the image resized as the processor resizes it, [height, width, 3] uint8."""
         pixels = image.pixels
         if self.do_resize and pixels.shape[:2] != (self.height, self.width):
             resample = getattr(Image.Resampling, _RESAMPLE_NAMES[self.resample])
             resized = Image.fromarray(pixels).resize((self.width, self.height), resample=resample)
             pixels = np.asarray(resized)
-        values = pixels.astype(np.float32)
-        if self.do_rescale:  # transformers multiplies in float64, then rounds to float32
-            values = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        if not pixels.flags.writeable:  # the decoded image's own buffer: keep it intact
+            pixels = pixels.copy()
+        return torch.from_numpy(np.ascontiguousarray(pixels))
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[height, width, 3] uint8 -> [3, height, width] float32: rescaled as transformers
+        rescales (in float64, rounded to float32), normalised per channel in float32."""
+        values = pixels.float()
+        if self.do_rescale:
+            values = (pixels.double() * self.rescale_factor).float()
         if self.do_normalize:
-            mean = np.asarray(self.image_mean, dtype=np.float32)
-            std = np.asarray(self.image_std, dtype=np.float32)
+            mean = torch.tensor(self.image_mean, dtype=torch.float32)
+            std = torch.tensor(self.image_std, dtype=torch.float32)
             values = (values - mean) / std
-        return torch.from_numpy(np.ascontiguousarray(values.transpose(2, 0, 1)))
+        return values.permute(2, 0, 1).contiguous()

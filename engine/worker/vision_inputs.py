@@ -49,7 +49,8 @@ class VisionInputs:
         """(the attention the step's layers use, its image tokens) - the meta and None
         when no chunk of the step computes an image token."""
         # Rows as the runner flattens them (ModelRunner.step_tokens): decodes, then prefills.
-        placed: list[tuple[int, int, object]] = []  # (chunk row, image, its row span)
+        # (row of the image's first token this step, soft tokens already computed, image)
+        placed: list[tuple[int, int, object]] = []
         spans: list[ImageRows] = []
         row = 0
         for chunk in [*out.decodes, *out.prefills]:
