@@ -2,10 +2,10 @@
 image soft tokens and what replaces their embeddings, and the attention that lets an
 image's tokens see each other (attention/image_spans.py).
 
-The tower runs once per step over every image the step needs that is not already
-encoded, as one batch. Encoded images are kept by content hash (most recently used
-first, `max_cached_images` of them), so an image shared by many rows - or a prompt
-recomputed after preemption - is encoded once.
+The tower runs once per step over the images the step needs that are not already
+encoded, batched (in groups of `max_images_per_batch`). Encoded images are kept by
+content hash (most recently used first, `max_cached_images` of them), so an image
+shared by many rows - or a prompt recomputed after preemption - is encoded once.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class VisionInputs:
         dtype: torch.dtype,
         pair_layout: bool,
         max_cached_images: int = 64,
+        max_images_per_batch: int = 8,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -40,6 +41,9 @@ class VisionInputs:
         self.dtype = dtype
         self.pair_layout = pair_layout
         self.max_cached_images = max_cached_images
+        # Images per tower call: a tower's activations grow with it (at Gemma 3's shape an
+        # image is 4,096 patches), so a step with many images runs it in groups.
+        self.max_images_per_batch = max_images_per_batch
         self._encoded: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.num_images_encoded = 0  # tower runs, counted per image
 
@@ -102,11 +106,13 @@ class VisionInputs:
                 self._encoded.move_to_end(image.content_hash, last=False)
             else:
                 todo.setdefault(image.content_hash, image)
-        if todo:
-            pixels = torch.stack([image.pixel_values for image in todo.values()])
+        pending = list(todo.items())
+        for first in range(0, len(pending), self.max_images_per_batch):
+            group = pending[first : first + self.max_images_per_batch]
+            pixels = torch.stack([image.pixel_values for _, image in group])
             encoded = self.model.encode_images(pixels.to(self.device, self.dtype))
-            self.num_images_encoded += len(todo)
-            for content_hash, tokens in zip(todo, encoded):
+            self.num_images_encoded += len(group)
+            for (content_hash, _), tokens in zip(group, encoded):
                 self._encoded[content_hash] = tokens
                 self._encoded.move_to_end(content_hash, last=False)
         keep = max(self.max_cached_images, len(images))

@@ -156,6 +156,7 @@ def _prompt(text_ids, image_places):
 def test_image_prompts_match_transformers_through_llm(vlm, settings):
     hf, model_dir = vlm
     llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, **settings)
+    llm.engine.runner.vision.max_images_per_batch = 2  # a step's images in tower groups
     g = torch.Generator().manual_seed(7)
     cases = []
     # One image, two images (of two sizes each), the image first and last in the prompt.
@@ -173,6 +174,8 @@ def test_image_prompts_match_transformers_through_llm(vlm, settings):
         {"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}} for ids, imgs in cases
     ]
     outputs = llm.generate(prompts, params)
+    # Six images, four distinct (equal bytes, equal hash): each through the tower once.
+    assert llm.engine.runner.vision.num_images_encoded == 4
     processor = image_processor()
     from PIL import Image
 
