@@ -201,6 +201,7 @@ class OutputProcessor:
             metrics=metrics,
             prompt_logprobs=first.prompt_logprobs,
             error=errors[0] if errors else None,
+            image_tokens=sum(image.length for image in first.images),
         )
 
     def _pooling_output(self, request: RequestState, now: float) -> PoolingOutput:

@@ -71,6 +71,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # The LoRA adapter the request ran with (None: the base model).
     lora_request: LoRARequest | None = None
+    # Of prompt_tokens, those that are image soft tokens (as OpenAI counts them: inside
+    # the prompt's tokens, reported apart).
+    image_tokens: int = 0
 
     # Conveniences for the common n == 1 case.
     @property

@@ -185,6 +185,8 @@ def test_image_prompts_match_transformers_through_llm(vlm, settings):
         for t in ids:
             expanded += [t] + ([IMAGE] * TOKENS_PER_IMAGE + [EOI] if t == BOI else [])
         assert out.prompt_token_ids == expanded
+        assert out.image_tokens == TOKENS_PER_IMAGE * len(images)
+        assert out.prompt_tokens == len(expanded)  # image tokens inside, as OpenAI counts
         pixels = processor(
             [Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt"
         )["pixel_values"]
