@@ -106,7 +106,9 @@ def _body(row: dict, url: str, model_name: str, created: int, digest: str) -> di
         if is_chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if row.get("tool_calls") and text is not None:
-                content, calls = read_tool_calls(text, row["tool_calls"], f"{digest}:{index}")
+                content, calls = read_tool_calls(
+                    text, row["tool_calls"], f"{digest}:{index}", cut=reason == "length"
+                )
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     reason = "tool_calls" if reason == "stop" else reason

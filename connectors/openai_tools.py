@@ -181,7 +181,9 @@ def _closed(schema: Any) -> Any:
 # -- reading answers back ----------------------------------------------------------------------
 
 
-def read_tool_calls(text: str, spec_text: str, call_id_seed: str) -> tuple[str | None, list]:
+def read_tool_calls(
+    text: str, spec_text: str, call_id_seed: str, *, cut: bool = False
+) -> tuple[str | None, list]:
     """An answer as (content, tool_calls) for `message`.
 
     Args:
@@ -189,11 +191,14 @@ def read_tool_calls(text: str, spec_text: str, call_id_seed: str) -> tuple[str |
         spec_text: the row's `tool_calls` column (JSON).
         call_id_seed: makes the call ids (a pure function of it and the call's position,
             so rewriting an output gives the same bytes).
+        cut: max_tokens ended the answer (finish_reason "length"). A constrained call cut
+            short is still a call, as OpenAI returns it: its name, and its arguments as
+            the partial JSON text generated so far.
 
     Returns:
         (content, calls): calls in OpenAI's shape ({id, type, function: {name,
         arguments}}), arguments as JSON text; ([] and the text as content when the answer
-        holds no call that parses - e.g. one cut short by max_tokens).
+        holds no call - a free answer, or a cut one that has not yet named a function).
     """
     spec = json.loads(spec_text)
     calls: list[tuple[str, Any]] = []
@@ -202,10 +207,14 @@ def read_tool_calls(text: str, spec_text: str, call_id_seed: str) -> tuple[str |
         arguments = _parse(text)
         if arguments is not None:
             calls = [(spec["function"], arguments)]
+        elif cut:
+            calls = [(spec["function"], _Partial(text))]
     elif spec["choice"] == REQUIRED:
         parsed = _parse(text)
         if isinstance(parsed, list):
             calls = [(c["name"], c["parameters"]) for c in parsed if _is_call(c, "parameters")]
+        elif cut:
+            calls = _cut_calls(text, spec["names"])
     else:
         for block in HERMES_CALL.findall(text):
             call = _parse(block)
@@ -221,10 +230,68 @@ def read_tool_calls(text: str, spec_text: str, call_id_seed: str) -> tuple[str |
         {
             "id": "call_" + hashlib.sha256(f"{call_id_seed}\x00{i}".encode()).hexdigest()[:24],
             "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+            "function": {"name": name, "arguments": _arguments_text(arguments)},
         }
         for i, (name, arguments) in enumerate(calls)
     ]
+
+
+@dataclass(frozen=True)
+class _Partial:
+    """Arguments cut short: the JSON text as generated, returned as it is."""
+
+    text: str
+
+
+def _arguments_text(arguments: Any) -> str:
+    if isinstance(arguments, _Partial):
+        return arguments.text
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+# A "required" answer's call, cut inside its parameters (the constraint writes `name`
+# before `parameters`) or inside its name.
+_CUT_IN_PARAMETERS = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(.*)\Z', re.DOTALL
+)
+_CUT_IN_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)\Z', re.DOTALL)
+
+
+def _cut_calls(text: str, names: list[str]) -> list[tuple[str, Any]]:
+    """The calls of a "required" answer (a JSON array of {name, parameters}) cut short by
+    max_tokens: the complete ones parsed, then the one being written when the answer
+    was cut - whose name is known once it is complete, or once its prefix fits exactly
+    one function - with its partial arguments."""
+    decoder = json.JSONDecoder()
+    position = text.find("[") + 1
+    if position == 0:
+        return []
+    calls: list[tuple[str, Any]] = []
+    while True:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        rest = text[position:]
+        if not rest:
+            return calls
+        try:
+            call, used = decoder.raw_decode(rest)
+        except json.JSONDecodeError:
+            break
+        if _is_call(call, "parameters"):
+            calls.append((call["name"], call["parameters"]))
+        position += used
+    in_parameters = _CUT_IN_PARAMETERS.match(rest)
+    if in_parameters:
+        name = _parse(in_parameters.group(1))
+        if name in names:
+            calls.append((name, _Partial(in_parameters.group(2))))
+        return calls
+    in_name = _CUT_IN_NAME.match(rest)
+    if in_name:
+        fitting = [n for n in names if n.startswith(in_name.group(1))]
+        if len(fitting) == 1:
+            calls.append((fitting[0], _Partial("")))
+    return calls
 
 
 def _parse(text: str) -> Any:

@@ -104,10 +104,63 @@ def test_required_tool_calls_become_message_tool_calls():
     assert call.type == "function" and call.id.startswith("call_")
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
-    # Cut by max_tokens: no call parses, the text is the content and the reason says so.
+    # Cut by max_tokens: the partial call is still the call, as OpenAI returns it - in
+    # tool_calls, its arguments the JSON text generated so far, finish_reason "length".
     assert cut_short.choices[0].finish_reason == "length"
-    assert cut_short.choices[0].message.tool_calls is None
-    assert cut_short.choices[0].message.content == cut
+    assert cut_short.choices[0].message.content is None
+    (partial,) = cut_short.choices[0].message.tool_calls
+    assert partial.function.name == "get_weather" and partial.function.arguments == '{"ci'
+
+
+TWO_FUNCTIONS = json.dumps(
+    {"choice": "required", "function": None, "names": ["get_weather", "get_time"], "parallel": True}
+)
+
+
+def test_a_required_answer_cut_after_one_call_keeps_it_and_the_cut_one():
+    cases = {
+        # (answer cut by max_tokens, the calls expected: (name, arguments text))
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_ti': [
+            ("get_weather", '{"city": "Paris"}'),
+            ("get_time", ""),  # the prefix fits one function only
+        ],
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_': [
+            ("get_weather", '{"city": "Paris"}'),  # "get_" fits both: not a call yet
+        ],
+        '[{"name": "get_time", "parameters": {"zone": "UT': [("get_time", '{"zone": "UT')],
+    }
+    rows = [
+        {**_row(f"r{i}", CHAT_URL, text, tool_calls=TWO_FUNCTIONS), "finish_reason": "length"}
+        for i, text in enumerate(cases)
+    ]
+    for line, expected in zip(_lines(rows), cases.values()):
+        choice = ChatCompletion.model_validate(line["response"]["body"]).choices[0]
+        assert choice.finish_reason == "length"
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert calls == expected
+
+
+def test_a_named_function_cut_short_is_that_call_with_partial_arguments():
+    named = json.dumps(
+        {
+            "choice": "function",
+            "function": "get_weather",
+            "names": ["get_weather"],
+            "parallel": True,
+        }
+    )
+    cut = '{"city": "Par'
+    rows = [
+        {**_row("n", CHAT_URL, cut, tool_calls=named), "finish_reason": "length"},
+        _row("m", CHAT_URL, '{"city": "Paris"}', tool_calls=named),
+    ]
+    cut_short, done = (ChatCompletion.model_validate(x["response"]["body"]) for x in _lines(rows))
+    (call,) = cut_short.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", cut)
+    assert cut_short.choices[0].finish_reason == "length"
+    assert cut_short.choices[0].message.content is None
+    assert done.choices[0].finish_reason == "tool_calls"
+    assert json.loads(done.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
 
 
 def test_auto_tool_calls_are_read_from_hermes_blocks():
