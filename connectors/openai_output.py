@@ -44,7 +44,9 @@ def openai_batch_output_lines(
             `output` may also be a list of strings (n > 1: one choice each), or a
             `completions` column list them ({output, finish_reason, logprobs?} each).
             Optional: `logprobs` (the results column), `tool_calls` (the request's
-            tool_calls column: its answer is read as tool calls).
+            tool_calls column: its answer is read as tool calls), `max_tokens_capped`
+            ({requested, applied}: the budget was capped at the context left; stated in
+            the usage).
         model_name: reported as the responses' `model` (a row's `adapter`, the LoRA
             adapter it ran with, when it has one).
         endpoint: the URL every request used; None takes each row's `url` column
@@ -127,13 +129,24 @@ def _body(row: dict, url: str, model_name: str, created: int, digest: str) -> di
         "created": created,
         "model": row.get("adapter") or model_name,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)},
-        },
+        "usage": _with_cap(
+            row,
+            {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)},
+            },
+        ),
     }
+
+
+def _with_cap(row: dict, usage: dict[str, Any]) -> dict[str, Any]:
+    """`usage`, stating the completion budget when the request's max_tokens was capped at
+    the context its prompt left (`max_tokens_capped`: {requested, applied})."""
+    if row.get("max_tokens_capped"):
+        usage["max_tokens_capped"] = dict(row["max_tokens_capped"])
+    return usage
 
 
 def _completions(row: dict) -> list[tuple[str | None, str, list | None]]:
@@ -201,15 +214,18 @@ def _response_body(row: dict, model_name: str, created: int, digest: str) -> dic
         "parallel_tool_calls": False,
         "tool_choice": "none",
         "tools": [],
-        "usage": {
-            "input_tokens": prompt_tokens,
-            # Cache writes are not billed apart here: none are reported.
-            "input_tokens_details": {
-                "cached_tokens": int(row.get("cached_tokens") or 0),
-                "cache_write_tokens": 0,
+        "usage": _with_cap(
+            row,
+            {
+                "input_tokens": prompt_tokens,
+                # Cache writes are not billed apart here: none are reported.
+                "input_tokens_details": {
+                    "cached_tokens": int(row.get("cached_tokens") or 0),
+                    "cache_write_tokens": 0,
+                },
+                "output_tokens": completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt_tokens + completion_tokens,
             },
-            "output_tokens": completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        ),
     }

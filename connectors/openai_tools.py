@@ -254,6 +254,7 @@ def _arguments_text(arguments: Any) -> str:
 _CUT_IN_PARAMETERS = re.compile(
     r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*(.*)\Z', re.DOTALL
 )
+_CUT_AFTER_NAME = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")', re.DOTALL)
 _CUT_IN_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)\Z', re.DOTALL)
 
 
@@ -281,10 +282,11 @@ def _cut_calls(text: str, names: list[str]) -> list[tuple[str, Any]]:
             calls.append((call["name"], call["parameters"]))
         position += used
     in_parameters = _CUT_IN_PARAMETERS.match(rest)
-    if in_parameters:
-        name = _parse(in_parameters.group(1))
+    after_name = in_parameters or _CUT_AFTER_NAME.match(rest)  # cut before its arguments
+    if after_name:
+        name = _parse(after_name.group(1))
         if name in names:
-            calls.append((name, _Partial(in_parameters.group(2))))
+            calls.append((name, _Partial(in_parameters.group(2) if in_parameters else "")))
         return calls
     in_name = _CUT_IN_NAME.match(rest)
     if in_name:

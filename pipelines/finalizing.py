@@ -189,11 +189,18 @@ def _write_openai_output(
                     plan,
                     shard,
                     parts[shard.shard_id],
-                    columns=["id", "row_index", "url", "tool_calls"],
+                    columns=[
+                        "id",
+                        "row_index",
+                        "url",
+                        "tool_calls",
+                        "params_index",
+                        "max_tokens_requested",
+                    ],
                 )
                 sums = add_token_sums(sums, results)
                 _add_per_adapter(plan, per_adapter, results)
-                tables.append(_with_plan_columns(results, planned))
+                tables.append(_with_plan_columns(plan, results, planned))
             window = pa.concat_tables(tables, promote_options="permissive").sort_by("_row_index")
             window = window.drop_columns(["_row_index"])
             for is_embedding, run in _runs_by_endpoint(window):
@@ -249,11 +256,22 @@ def _checked_part(
     return results, planned
 
 
-def _with_plan_columns(results: pa.Table, planned: pa.Table) -> pa.Table:
-    """`results` with each row's request url, how its answer is read as tool calls, and
-    its input position (`_row_index`)."""
+def _with_plan_columns(plan: JobPlan, results: pa.Table, planned: pa.Table) -> pa.Table:
+    """`results` with each row's request url, how its answer is read as tool calls, the
+    budget it asked for and ran with when that was capped to the context left
+    (`max_tokens_capped`, null when not), and its input position (`_row_index`)."""
     where = {rid: i for i, rid in enumerate(planned["id"].to_pylist())}
     take = pa.array([where[rid] for rid in results["id"].to_pylist()], pa.int64())
     results = results.append_column("url", planned["url"].take(take))
     results = results.append_column("tool_calls", planned["tool_calls"].take(take))
+    requested = planned["max_tokens_requested"].take(take).to_pylist()
+    indices = planned["params_index"].take(take).to_pylist()
+    capped = [
+        None if asked is None else {"requested": asked, "applied": plan.params[i].max_tokens}
+        for asked, i in zip(requested, indices)
+    ]
+    results = results.append_column("max_tokens_capped", pa.array(capped, _CAPPED_TYPE))
     return results.append_column("_row_index", planned["row_index"].take(take))
+
+
+_CAPPED_TYPE = pa.struct([("requested", pa.int64()), ("applied", pa.int64())])

@@ -432,7 +432,9 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
             max_rank=llm.engine_config.max_lora_rank,
         )
     engine = getattr(llm, "engine", None)
-    params = ParamsTable(base, check=engine.compile_structured_outputs if engine else None)
+    params = ParamsTable(
+        base, check=engine.compile_structured_outputs if engine else None, max_n=values["max_n"]
+    )
     columns = table.to_pydict()
     decoding = Decoding(values["encoding"], values["on_decode_error"])
     decoded = [*required_columns(template), *([query_column] if query_column else [])]

@@ -367,6 +367,15 @@ OPTIONS: tuple[Option, ...] = (
     ),
     # -- sampling -----------------------------------------------------------------------------
     *_sampling_options(),
+    Option(
+        "max_n",
+        INT,
+        128,
+        "The most completions a row may ask for: a row (an OpenAI batch line's body.n) "
+        "asking for more is an error row naming n and this limit, OpenAI's 128 by default.",
+        SAMPLE,
+        ge=1,
+    ),
     # -- structured outputs (at most one; each output must match it) ---------------------------
     Option(
         "json_schema",
@@ -716,6 +725,9 @@ def generation_params(values: Mapping[str, Any]) -> SamplingParams:
     options, with the structured output options as its `structured_outputs` (a job's
     params, task included, come from `spec.sampling_params`)."""
     sampling = routed(values, SAMPLING)
+    max_n = values.get("max_n")
+    if max_n is not None and sampling.get("n", 1) > max_n:
+        raise ValueError(f"n={sampling['n']} is over the limit of {max_n} (max_n)")
     if sampling.get("allowed_token_ids") == ():  # the repeatable option left unset: no limit
         sampling["allowed_token_ids"] = None
     return SamplingParams(**sampling, structured_outputs=structured_outputs(values))

@@ -165,7 +165,9 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     adapters = _adapters_for(spec, model, llm)
     pooling = _pooling_for(spec, model, tokenizer, max_model_len, llm)
     # A job-level constraint that cannot be compiled fails the job here, before any rows.
-    params = ParamsTable(spec.sampling, check=_constraint_check(model, tokenizer, llm))
+    params = ParamsTable(
+        spec.sampling, check=_constraint_check(model, tokenizer, llm), max_n=spec.max_n
+    )
     shards: list[Shard] = []
     copy_shards: list[Shard] = []
     num_rows = num_failed = 0

@@ -232,6 +232,9 @@ def _generation_rows(
         params_index=indices,
         min_prompt_tokens=min_prompt_tokens(spec.task),
         lora_index=loras,
+        # An OpenAI batch line's budget is capped at the context left, as OpenAI serves
+        # a max_tokens above it; a plain job's budget is the user's own: over it is an error.
+        cap_budget=params.capped if spec.is_openai_batch else None,
     )
 
 

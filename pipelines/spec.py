@@ -106,6 +106,7 @@ class JobSpec:
     logit_bias: dict[int, float] | None = job_option("logit_bias")
     allowed_token_ids: tuple[int, ...] | None = job_option("allowed_token_ids")
     bad_words: tuple[str, ...] | None = job_option("bad_words")
+    max_n: int = job_option("max_n")
     json_schema: dict[str, Any] | str | None = job_option("json_schema")
     regex: str | None = job_option("regex")
     choice: tuple[str, ...] | None = job_option("choice")
@@ -314,14 +315,22 @@ class ParamsTable:
             ValueError when it is invalid or cannot be enforced; called once per distinct
             params that carry one, so a bad job-level constraint fails here, before
             any compute, and a bad per-row one fails only its row.
+        max_n: the most completions a row may ask for (None: no limit).
     """
 
-    def __init__(self, base: SamplingParams, check: ConstraintCheck | None = None) -> None:
+    def __init__(
+        self,
+        base: SamplingParams,
+        check: ConstraintCheck | None = None,
+        *,
+        max_n: int | None = None,
+    ) -> None:
         self.base = base
         self.params: list[SamplingParams] = []
         self._index: dict[str, int] = {}
         self._per_row = per_row_fields()
         self._check = check
+        self._max_n = max_n
         self.add(base)
 
     def add(self, params: SamplingParams) -> int:
@@ -351,6 +360,10 @@ class ParamsTable:
         changes = {k: v for k, v in overrides.items() if k in self._per_row and v is not None}
         if not changes and structured is UNCHANGED:
             return 0
+        n = changes.get("n")
+        if self._max_n is not None and isinstance(n, int) and n > self._max_n:
+            # Refused before anything is sized by it: n completions cost n times the work.
+            raise ValueError(f"n={n} is over the limit of {self._max_n} completions (max_n)")
         try:
             checked = {k: get_option(k).check(v) for k, v in changes.items()}
             params = replace(self.base, **routed(checked, SAMPLING))
@@ -359,3 +372,14 @@ class ParamsTable:
         if structured is not UNCHANGED:
             params = replace(params, structured_outputs=structured)
         return self.add(params)
+
+    def capped(self, index: int, max_tokens: int) -> int:
+        """Index of params `index` with its completion budget capped at `max_tokens`.
+
+        Raises:
+            ValueError: the params do not allow that budget (min_tokens above it).
+        """
+        params = self.params[index]
+        if params.max_tokens <= max_tokens:
+            return index
+        return self.add(replace(params, max_tokens=max_tokens))

@@ -16,6 +16,8 @@ reads just its own rows. The table, one row per planned row, in run order:
     url           string         OpenAI batch input only: the request's endpoint
     tool_calls    string         OpenAI batch input only: how the answer is read as tool
                                  calls (JSON; null: it is not)
+    max_tokens_requested  int64  OpenAI batch input only: the budget a row asked for when
+                                 it was capped to the context left (null: not capped)
     source_row_index  int64      copy shards only (pipelines/dedupe.py): the row whose
     source_shard      string     answer each copy takes, and the shard that computes it
     passthrough/<name>           each passthrough column, as read
@@ -37,6 +39,7 @@ from tokenmill.pipelines.tokenize import PromptRow
 PASSTHROUGH_PREFIX = "passthrough/"
 URL_COLUMN = "url"
 TOOL_CALLS_COLUMN = "tool_calls"
+REQUESTED_COLUMN = "max_tokens_requested"
 LORA_COLUMN = "lora_index"
 SOURCE_ROW_COLUMN = "source_row_index"
 SOURCE_SHARD_COLUMN = "source_shard"
@@ -95,6 +98,8 @@ def shard_table(
         columns[URL_COLUMN] = pa.array(list(endpoints), pa.string())
     if tool_calls is not None:
         columns[TOOL_CALLS_COLUMN] = pa.array(list(tool_calls), pa.string())
+    if endpoints is not None:
+        columns[REQUESTED_COLUMN] = pa.array([r.max_tokens_requested for r in rows], pa.int64())
     if sources is not None:
         columns[SOURCE_ROW_COLUMN] = pa.array([s[0] for s in sources], pa.int64())
         columns[SOURCE_SHARD_COLUMN] = pa.array([s[1] for s in sources], pa.string())

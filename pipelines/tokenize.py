@@ -4,13 +4,14 @@ Chat-rendered text already carries the template's special tokens, so it is encod
 without adding more; raw text gets the tokenizer's usual specials (e.g. BOS). The
 special-token strings a row's data brought into its text (`RenderedRow.data_spans`) are
 encoded as plain text. A prompt that cannot fit the context together with its completion
-budget becomes an error row here, before it reaches the engine.
+budget becomes an error row here, before it reaches the engine - or, where the caller
+caps budgets (an OpenAI batch line's max_tokens), is given the context left instead.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -45,6 +46,9 @@ class PromptRow:
     lora_index: int = 0
     # Pooling rows: the text was cut to the model's max_seq_length (pipelines/pooling.py).
     truncated: bool = False
+    # The completion budget the row asked for, when it was capped to the context left
+    # (`tokenize_rows`' cap_budget); its params then hold the capped budget.
+    max_tokens_requested: int | None = None
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) == (self.error is None):
@@ -91,6 +95,7 @@ def tokenize_rows(
     params_index: Sequence[int] | int = 0,
     min_prompt_tokens: int = 1,
     lora_index: Sequence[int] | int = 0,
+    cap_budget: Callable[[int, int], int] | None = None,
 ) -> list[PromptRow]:
     """Batch-encode rendered rows and turn over-long (or too short) prompts into error rows.
 
@@ -103,6 +108,10 @@ def tokenize_rows(
         min_prompt_tokens: the fewest tokens a prompt may have (2 to score one:
             `scoring.min_prompt_tokens`).
         lora_index: each row's LoRA adapter (one for all, or per row).
+        cap_budget: caps budgets instead of refusing them: a prompt that fits the context
+            but not with its budget runs with the context left, under the params index
+            `cap_budget(params_index, tokens_left)` returns (an error row if that raises
+            ValueError); the row keeps the budget it asked for in `max_tokens_requested`.
 
     Returns:
         One PromptRow per rendered row, same order.
@@ -131,6 +140,16 @@ def tokenize_rows(
         token_ids = array("i", encoded[i])
         problem = short_error(len(token_ids), min_prompt_tokens)
         problem = problem or overlong_error(len(token_ids), budgets[i], max_model_len)
+        if problem is not None and cap_budget is not None and len(token_ids) < max_model_len:
+            try:
+                indices["params_index"] = cap_budget(params[i], max_model_len - len(token_ids))
+            except ValueError as exc:  # e.g. a min_tokens above the context left
+                problem = f"{problem}; capped to the context left: {exc}"
+            else:
+                row = PromptRow(r.row_index, r.id, token_ids=token_ids, **indices)
+                row.max_tokens_requested = budgets[i]
+                rows.append(row)
+                continue
         if problem is not None:
             rows.append(PromptRow(r.row_index, r.id, error=problem, **indices))
         else:
