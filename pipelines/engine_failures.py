@@ -11,7 +11,8 @@
 
 Parts of other shards are never touched: they were published before and stay.
 The engine resets itself after a failed step (`LLM.generate` aborts the call's
-requests), so each attempt starts clean. Interrupts (KeyboardInterrupt, SystemExit)
+requests), so each attempt starts clean. Interrupts (KeyboardInterrupt, SystemExit,
+and `ShardInterrupted`, which a caller's hook raises to stop a shard: a cancelled batch)
 are not engine failures and pass straight through. Prompts never reach the logs;
 only counts and the exception's type and message do.
 """
@@ -41,6 +42,11 @@ OnStep = Callable[[EngineStats], None]
 
 class EngineBrokenError(RuntimeError):
     """Every request of a shard failed, alone as well as together (rule 3)."""
+
+
+class ShardInterrupted(Exception):
+    """Raised by an `on_step` or `on_output` hook to stop the shard now (its work is
+    dropped, nothing of it is written); not an engine failure, so never retried."""
 
 
 def generate_with_rule(
@@ -80,6 +86,8 @@ def generate_with_rule(
             return generate_rows(
                 llm, rows, params, on_output=on_output, on_step=on_step, loras=loras
             )
+        except ShardInterrupted:
+            raise
         except Exception as exc:
             error = exc
             log.warning(
@@ -97,6 +105,8 @@ def generate_with_rule(
             results.update(
                 generate_rows(llm, [row], params, on_output=on_output, on_step=on_step, loras=loras)
             )
+        except ShardInterrupted:
+            raise
         except Exception as exc:
             results[row.row_index] = _failed(row, f"engine error: {type(exc).__name__}: {exc}")
             num_failed += 1

@@ -93,6 +93,9 @@ COMPLETION_TYPE = pa.struct(
 )
 DUPLICATE_OF = "duplicate_of"
 DECODE_REPLACED = "decode_replaced"
+# The OpenAI batch output's error code of a row a stopped job never ran
+# (`running.stop_shard`); only in such a shard's part, and in its copies'.
+ERROR_CODE = "error_code"
 ADAPTER = "adapter"
 # An OpenAI batch file's embeddings in a generation job's results (sizes may differ).
 _LINE_EMBEDDINGS = PoolingLayout("embed")
@@ -417,6 +420,8 @@ def copy_results(
         for f in schema
     ]
     result = pa.Table.from_arrays(arrays, schema=schema)
+    if ERROR_CODE in sources.column_names:  # a stopped source's rows: so are its copies'
+        result = result.append_column(ERROR_CODE, sources[ERROR_CODE].take(take))
     return _with_passthrough(result, passthrough, task=task)
 
 

@@ -23,15 +23,18 @@ from tokenmill.pipelines import output as out
 from tokenmill.pipelines.adapters import adapter_names
 from tokenmill.pipelines.engine_failures import generate_with_rule
 from tokenmill.pipelines.ledger import ShardStats, now_iso, token_sums
+from tokenmill.pipelines.logprobs import LogprobsColumn
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard
 from tokenmill.pipelines.results import (
+    ERROR_CODE,
     build_results,
     copy_results,
     latencies,
     logprobs_column,
 )
 from tokenmill.pipelines.spill import ShardRows, shard_rows
+from tokenmill.pipelines.tokenize import PromptRow
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +164,39 @@ def run_shard(
     device = str(getattr(llm, "device", ""))
     device_seconds = seconds if good else 0.0
     return _publish(plan, shard, table, started_at, device_seconds, latencies(outputs), device)
+
+
+def stop_shard(plan: JobPlan, shard: Shard, *, error: str, error_code: str) -> ShardResult:
+    """Publish a compute shard's rows as error rows that bill nothing, without computing
+    them: a stopped job's unfinished work (a cancelled or expired batch), answered once
+    like any other row. Each row carries `error` and `error_code` (the OpenAI batch
+    output's error code). Idempotent as `run_shard` is: a shard already complete stays.
+
+    Raises:
+        ValueError: a copy shard (run it with `run_shard`: its rows take their sources'
+            answers or errors).
+    """
+    if shard.is_copy:
+        raise ValueError(f"shard {shard.shard_id} is a copy shard: run it, do not stop it")
+    spec = plan.spec
+    if out.part_exists(spec.output, shard.shard_id, spec.part_format, spec.storage_options):
+        return ShardResult(shard.shard_id, skipped=True, num_rows=shard.num_rows)
+    planned = shard_rows(load_shard(plan, shard))
+    rows = [PromptRow(r.row_index, r.id, error=r.error or error) for r in planned.rows]
+    table = build_results(
+        rows,
+        {},
+        passthrough=planned.passthrough,
+        task=spec.task,
+        extras=plan.result_extras,
+        adapters=adapter_names(plan.adapters),
+        layout=plan.layout,
+        # No row has an output, so no token is ever described.
+        logprobs=LogprobsColumn(lambda ids: [], plan.params),
+    )
+    codes = [error_code if r.error is None else None for r in planned.rows]
+    table = table.append_column(ERROR_CODE, pa.array(codes, pa.string()))
+    return _publish(plan, shard, table, now_iso(), 0.0, [])
 
 
 def _publish(

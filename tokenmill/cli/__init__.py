@@ -34,6 +34,7 @@ _SUBCOMMANDS = {
     "ledger": ("ledger", "ledger"),
     "serve": ("serve", "serve"),
     "flow": ("flow", "flow"),
+    "batch-api": ("batch_api", "batch_api"),
 }
 # Flags after which `tokenmill run` prints nothing but its result (or its help).
 _QUIET_FLAGS = {"--json", "--no-progress", "--help", "-h"}
