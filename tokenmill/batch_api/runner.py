@@ -94,6 +94,8 @@ class StoreOutage(RuntimeError):
 class Runner:
     """The loop (see the module docstring); subclasses say how a batch's job runs."""
 
+    holds_output = True  # the runner holds each job's output lock (not a flow run)
+
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.active: dict[str, Active] = {}
@@ -207,7 +209,8 @@ class Runner:
         active = Active(batch)
         try:
             spec = job_spec(self.state, batch)
-            active.hold.enter_context(claimed_output(spec.output, spec.storage_options))
+            if self.holds_output:
+                active.hold.enter_context(claimed_output(spec.output, spec.storage_options))
             self.start_job(active, spec)
         except ValueError as exc:  # the file or its options cannot make a job
             active.hold.close()
@@ -243,8 +246,9 @@ class Runner:
                 continue
             if self._waiting(active.batch):
                 continue
-            self._guard(active.batch, lambda a=active: self.work_on(a))
-            return True
+            did: list[bool | None] = []
+            self._guard(active.batch, lambda a=active, d=did: d.append(self.work_on(a)))
+            return did != [False]
         return False
 
     def _guard(self, batch: dict[str, Any], work) -> bool:
@@ -356,8 +360,9 @@ class Runner:
         """Plan the batch's job (or attach to its run), holding its output."""
         raise NotImplementedError
 
-    def work_on(self, active: Active) -> None:
-        """One unit of the batch's work: a shard, a look at its run, or its end."""
+    def work_on(self, active: Active) -> bool | None:
+        """One unit of the batch's work: a shard, a look at its run, or its end (False:
+        there was nothing to do but look)."""
         raise NotImplementedError
 
     def drop_job(self, active: Active) -> None:
