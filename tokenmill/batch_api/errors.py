@@ -12,6 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenmill.connectors.store_retries import is_store_error
+
 log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
@@ -63,6 +65,12 @@ def store_unavailable(exc: BaseException) -> APIError:
     )
 
 
+def is_store_failure(exc: BaseException) -> bool:
+    """Whether `exc` is the store failing (local disk or an object store after its
+    retries), not a request's fault: answered 503, tried again later."""
+    return isinstance(exc, OSError) or is_store_error(exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """One handler per kind of failure, all answering in OpenAI's error shape."""
 
@@ -87,6 +95,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if is_store_failure(exc):  # wherever the store failed, the answer is the same
+            error = store_unavailable(exc)
+            return JSONResponse(error.body(), status_code=error.status)
         # The traceback names code, not request bodies; the answer names only the type.
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         error = APIError(500, f"internal error ({type(exc).__name__})", type="server_error")

@@ -91,6 +91,11 @@ class StoreOutage(RuntimeError):
     """The store failed under a batch's work: it is tried again later."""
 
 
+def store_failed(exc: BaseException) -> bool:
+    """Whether the store failed under a batch's work (it is tried again later)."""
+    return isinstance(exc, (OSError, StoreOutage)) or is_store_error(exc)
+
+
 class Runner:
     """The loop (see the module docstring); subclasses say how a batch's job runs."""
 
@@ -104,6 +109,10 @@ class Runner:
         self._stopping = threading.Event()
         self._stop_requests: set[str] = set()
         self._retry_at: dict[str, tuple[float, float]] = {}  # batch id -> (when, wait)
+        # The output locks of batches put off by a store outage, kept until they are
+        # taken in again: a lock that could not be released in the outage would be
+        # this live process's, and refuse its own retake.
+        self._kept_holds: dict[str, contextlib.ExitStack] = {}
         self._swept_at = 0.0
         self._thread: threading.Thread | None = None
 
@@ -120,6 +129,8 @@ class Runner:
             self._thread.join(timeout)
         for active in list(self.active.values()):
             active.hold.close()
+        for hold in self._kept_holds.values():
+            hold.close()
 
     def wake(self) -> None:
         """Something changed (a batch was created or cancelled): look now."""
@@ -207,9 +218,12 @@ class Runner:
             db.update_batch(batch["id"], model=found.model, total=found.num_lines)
             batch = db.batch_by_id(batch["id"])
         active = Active(batch)
+        kept = self._kept_holds.pop(batch["id"], None)
+        if kept is not None:
+            active.hold = kept
         try:
             spec = job_spec(self.state, batch)
-            if self.holds_output:
+            if self.holds_output and kept is None:
                 active.hold.enter_context(claimed_output(spec.output, spec.storage_options))
             self.start_job(active, spec)
         except ValueError as exc:  # the file or its options cannot make a job
@@ -222,8 +236,11 @@ class Runner:
                 errors=[{"code": "invalid_file", "message": str(exc), "line": None}],
             )
             return
-        except BaseException:
-            active.hold.close()
+        except Exception as exc:
+            if store_failed(exc):  # put off: the lock is kept for the retake
+                self._kept_holds[batch["id"]] = active.hold
+            else:
+                active.hold.close()
             raise
         if batch["status"] == QUEUED:
             if not db.transition(batch["id"], (QUEUED,), status=RUNNING, in_progress_at=now()):
@@ -257,7 +274,7 @@ class Runner:
         try:
             work()
         except Exception as exc:
-            if isinstance(exc, (OSError, StoreOutage)) or is_store_error(exc):
+            if store_failed(exc):
                 self._put_off(batch, exc)
                 return False
             log.exception("batch %s failed", batch["id"])
@@ -278,7 +295,7 @@ class Runner:
         )
         active = self.active.pop(batch["id"], None)
         if active is not None:  # taken in again (planned anew) once the store is back
-            active.hold.close()
+            self._kept_holds[active.id] = active.hold
             self.drop_job(active)
 
     def _waiting(self, batch: dict[str, Any]) -> bool:
@@ -289,6 +306,9 @@ class Runner:
         active = self.active.pop(batch["id"], None)
         if active is not None:
             active.hold.close()
+        kept = self._kept_holds.pop(batch["id"], None)
+        if kept is not None:
+            kept.close()
         self.state.db.transition(
             batch["id"],
             OPEN,

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tokenmill.batch_api.auth import caller, server_state
 from tokenmill.batch_api.database import now
-from tokenmill.batch_api.errors import APIError, not_found, store_unavailable
+from tokenmill.batch_api.errors import APIError, is_store_failure, not_found, store_unavailable
 from tokenmill.batch_api.ids import is_file_id, new_file_id
 from tokenmill.batch_api.jobs import ServerState
 from tokenmill.batch_api.runner import OPEN
@@ -69,7 +69,9 @@ async def upload_file(
         file_id = new_file_id()
         try:
             await run_in_threadpool(state.store.put_file, file_id, path)
-        except OSError as exc:
+        except Exception as exc:
+            if not is_store_failure(exc):
+                raise
             raise store_unavailable(exc) from None
         created = now()
         row = state.db.add_file(
@@ -133,7 +135,9 @@ def file_content(
     try:
         chunks = state.store.iter_file(file_id)
         first = next(chunks, b"")  # opens the file: a store failure is answered here
-    except OSError as exc:
+    except Exception as exc:
+        if not is_store_failure(exc):
+            raise
         raise store_unavailable(exc) from None
 
     def body():
@@ -158,7 +162,9 @@ def delete_file(
         )
     try:
         state.store.remove_file(file_id)
-    except OSError as exc:
+    except Exception as exc:
+        if not is_store_failure(exc):
+            raise
         raise store_unavailable(exc) from None
     state.db.remove_file(owner, file_id)
     return FileDeleted(id=file_id, deleted=True)
