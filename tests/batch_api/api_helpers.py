@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,13 @@ def content_lines(client, who: str, file_id: str | None) -> list[dict]:
     response = client.get(f"/v1/files/{file_id}/content", headers=auth(who))
     assert response.status_code == 200, response.text
     return [json.loads(line) for line in response.text.splitlines() if line.strip()]
+
+
+def exactly_once(lines: list[dict], expected: list[str]) -> None:
+    """Each of `expected` answered by exactly one of `lines`, and nothing else."""
+    counts = Counter(line["custom_id"] for line in lines)
+    assert sorted(counts) == sorted(expected)
+    assert set(counts.values()) == {1}
 
 
 def free_port() -> int:

@@ -5,7 +5,6 @@ custom_id answered exactly once whatever happened."""
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 from api_helpers import (
     ApiServer,
@@ -13,6 +12,7 @@ from api_helpers import (
     batch_lines,
     content_lines,
     create,
+    exactly_once,
     jsonl,
     submit,
     upload,
@@ -28,12 +28,6 @@ def _answered(client, who: str, batch: dict) -> tuple[list[dict], list[dict]]:
         content_lines(client, who, batch["output_file_id"]),
         content_lines(client, who, batch["error_file_id"]),
     )
-
-
-def _exactly_once(lines: list[dict], expected: list[str]) -> None:
-    counts = Counter(line["custom_id"] for line in lines)
-    assert sorted(counts) == sorted(expected)
-    assert set(counts.values()) == {1}
 
 
 def test_a_file_breaking_openais_rules_fails_the_batch_naming_its_lines(api):
@@ -81,7 +75,7 @@ def test_cancel_mid_run_keeps_finished_rows_and_bills_only_them(tmp_path, tiny_m
         output, errors = _answered(client, "alice", done)
     assert done["status"] == "cancelled" and done["cancelled_at"] and done["cancelling_at"]
     assert stopped_in < 10, stopped_in
-    _exactly_once(output + errors, ids)
+    exactly_once(output + errors, ids)
     assert 1 <= len(output) < 120
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
     counts = done["request_counts"]
@@ -122,14 +116,14 @@ def test_an_expired_batch_keeps_what_finished(tmp_path, tiny_model_dir):
         unstarted = wait_for(client, "alice", queued["id"])
         never_ran = _answered(client, "alice", unstarted)
     assert done["status"] == "expired" and done["expired_at"] >= done["expires_at"]
-    _exactly_once(output + errors, [f"r{i}" for i in range(120)])
+    exactly_once(output + errors, [f"r{i}" for i in range(120)])
     assert 1 <= len(output) < 120
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     counts = done["request_counts"]
     assert (counts["completed"], counts["failed"]) == (len(output), len(errors))
     assert unstarted["status"] == "expired" and unstarted["in_progress_at"] is None
     assert never_ran[0] == []
-    _exactly_once(never_ran[1], [f"q{i}" for i in range(5)])
+    exactly_once(never_ran[1], [f"q{i}" for i in range(5)])
     assert unstarted["request_counts"]["failed"] == 5
 
 
@@ -149,9 +143,9 @@ def test_two_keys_batches_run_together_and_a_keys_own_in_creation_order(tmp_path
         }
     a, b, c = done[first["id"]], done[second["id"]], done[other["id"]]
     assert {x["status"] for x in (a, b, c)} == {"completed"}
-    _exactly_once(answers[first["id"]], [f"a{i}" for i in range(60)])
-    _exactly_once(answers[second["id"]], [f"b{i}" for i in range(10)])
-    _exactly_once(answers[other["id"]], [f"c{i}" for i in range(10)])
+    exactly_once(answers[first["id"]], [f"a{i}" for i in range(60)])
+    exactly_once(answers[second["id"]], [f"b{i}" for i in range(10)])
+    exactly_once(answers[other["id"]], [f"c{i}" for i in range(10)])
     # Bob's batch did not wait for Alice's long one: its shards took turns with it.
     assert c["completed_at"] <= a["completed_at"] and c["in_progress_at"] <= a["completed_at"]
     # Alice's second batch started after her first finished.

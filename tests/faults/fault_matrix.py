@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(TESTS), str(TESTS / "faults")]
+sys.path[:0] = [str(TESTS), str(TESTS / "faults"), str(TESTS / "batch_api")]
 
 from fault_jobs import (  # noqa: E402
     FaultJob,
@@ -203,6 +203,35 @@ def _store_side(name: str, **kwargs) -> Callable[[RunContext], Outcome]:
     return run
 
 
+def batch_api_killed(on_s3: bool) -> Callable[[RunContext], Outcome]:
+    """`tokenmill batch-api` SIGKILLed mid-batch and started again on the same store
+    (tests/batch_api/api_faults.py): the running batch and the one queued behind it,
+    every custom_id answered once."""
+
+    def run(ctx: RunContext) -> Outcome:
+        from api_faults import kill_and_restart
+
+        if not on_s3:
+            found = kill_and_restart(
+                ctx.workdir, ctx.job.model_dir, str(ctx.workdir / "store"), rng=ctx.rng
+            )
+        else:
+            from s3_server import moto_s3
+
+            with moto_s3(bucket="fault-matrix-batch-api") as s3:
+                found = kill_and_restart(
+                    ctx.workdir,
+                    ctx.job.model_dir,
+                    s3.url(ctx.workdir.name),
+                    storage_options=s3.storage_options,
+                    rng=ctx.rng,
+                )
+        _expect(found.statuses == ["completed", "completed"], f"batches ended {found.statuses}")
+        return Outcome(found.lost, found.duplicated, [], True, rows_failed=found.errors)
+
+    return run
+
+
 SCENARIOS: list[Scenario] = [
     Scenario(
         "SIGKILL at 5 random points (planning, mid-shard, part/stats/plan/ledger writes), resumed",
@@ -256,6 +285,13 @@ SCENARIOS: list[Scenario] = [
         "input shapes (bare-CR CSV, JSON array with bad elements, semicolon, pipe and tab "
         "delimiters, blank lines), each killed mid-job and resumed",
         input_shapes,
+    ),
+    Scenario(
+        "batch-api server SIGKILLed mid-batch, restarted (local store)", batch_api_killed(False)
+    ),
+    Scenario(
+        "batch-api server SIGKILLed mid-batch, restarted (loopback S3 store)",
+        batch_api_killed(True),
     ),
 ]
 
