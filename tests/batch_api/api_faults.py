@@ -30,17 +30,18 @@ class KillOutcome:
     shards_after_restart: int  # run by the restarted server (the rest were resumed)
 
 
-def store_args(store: str, workdir: Path, storage_options: dict[str, Any] | None) -> list[str]:
-    """`--store` aside, what the server needs for the store: an object store keeps its
-    SQLite database on local disk."""
-    if storage_options is None:
-        return []
-    return [
-        "--database-url",
-        f"sqlite:///{workdir / 'state.sqlite3'}",
-        "--storage-options",
-        json.dumps(storage_options),
-    ]
+def store_args(
+    workdir: Path, storage_options: dict[str, Any] | None, database_url: str | None
+) -> list[str]:
+    """`--store` aside, what the server needs for the store and its database: an object
+    store keeps its SQLite database on local disk, unless a database is given."""
+    args = []
+    if storage_options is not None:
+        database_url = database_url or f"sqlite:///{workdir / 'state.sqlite3'}"
+        args += ["--storage-options", json.dumps(storage_options)]
+    if database_url is not None:
+        args += ["--database-url", database_url]
+    return args
 
 
 def _poll(client, batch_id: str, timeout: float):
@@ -67,6 +68,7 @@ def kill_and_restart(
     store: str,
     *,
     storage_options: dict[str, Any] | None = None,
+    database_url: str | None = None,
     rng: random.Random | None = None,
     read_ledger=None,
     timeout: float = 300.0,
@@ -74,7 +76,7 @@ def kill_and_restart(
     """Run the scenario; `read_ledger(batch_id)` gives the running batch's ledger."""
     rng = rng or random.Random(0)
     server = ServerProcess(
-        store, model_dir, *SLOW_ARGS, *store_args(store, workdir, storage_options)
+        store, model_dir, *SLOW_ARGS, *store_args(workdir, storage_options, database_url)
     )
     log = workdir / "server.log"
     server.start(log)

@@ -97,11 +97,11 @@ def create(client, who: str, file_id: str, endpoint: str = CHAT, **extra):
     return client.post("/v1/batches", headers=auth(who), json=body)
 
 
-def submit(client, who: str, lines: list[dict], endpoint: str = CHAT) -> dict:
+def submit(client, who: str, lines: list[dict], endpoint: str = CHAT, **extra) -> dict:
     """Upload `lines` and create a batch of them; the Batch object."""
     uploaded = upload(client, who, jsonl(lines))
     assert uploaded.status_code == 200, uploaded.text
-    created = create(client, who, uploaded.json()["id"], endpoint)
+    created = create(client, who, uploaded.json()["id"], endpoint, **extra)
     assert created.status_code == 200, created.text
     return created.json()
 

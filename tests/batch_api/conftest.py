@@ -11,7 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/batch_api: api_helpers
 
-from api_helpers import ApiServer, batch_lines  # noqa: E402
+from api_helpers import ApiServer, batch_lines, free_port  # noqa: E402
+from postgres_server import URL_ENV, cluster, fresh_database, server_bin  # noqa: E402
 from s3_server import S3Endpoint, moto_s3  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
@@ -39,6 +40,28 @@ def api(tmp_path, tiny_model_dir):
 def s3() -> S3Endpoint:
     with moto_s3(bucket="tokenmill-batch-api-test") as endpoint:
         yield endpoint
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> str:
+    """A Postgres server's URL: CI's (TOKENMILL_TEST_POSTGRES_URL), or a cluster started
+    here from the installed binaries; skipped only when no server is installed."""
+    import os
+
+    if os.environ.get(URL_ENV):
+        yield os.environ[URL_ENV]
+        return
+    bin_dir = server_bin()
+    if bin_dir is None:
+        pytest.skip("no Postgres server installed (Debian: apt-get install postgresql)")
+    with cluster(bin_dir, free_port()) as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_url(postgres_server) -> str:
+    """A fresh database on the Postgres server."""
+    return fresh_database(postgres_server)
 
 
 __all__ = ["batch_lines"]
