@@ -4,9 +4,11 @@
     python tests/batch_api/measure.py upload-memory --megabytes 200
 
 overhead: the same OpenAI batch file through `tokenmill run` and through the server
-(upload, create, poll, download with the `openai` client; the server started once and
-warmed by a one-line batch, as a server is), alternated pair by pair on the tiny model,
-with the load average beside each pair (the machine may be shared).
+(upload, create, poll, download with the `openai` client), alternated pair by pair on
+the tiny model, with the load average beside each pair (the machine may be shared).
+Warm: one server, started once and warmed by a one-line batch, as a server runs. Cold:
+a server started for the batch, its start and engine load counted as `tokenmill run`
+counts its own.
 
 upload-memory: the server's RSS (from /proc) sampled every 20 ms during a streamed
 upload of the given size, against its RSS when idle; then an upload 1.25 times the
@@ -74,20 +76,36 @@ def overhead(args) -> None:
     model = build_tiny_model(work / "model")
     data = work / "requests.jsonl"
     data.write_bytes(jsonl(batch_lines(args.lines, max_tokens=OPTIONS["max_tokens"])))
-    server = ServerProcess(
-        str(work / "store"), model, "--option", f"max_tokens={OPTIONS['max_tokens']}"
-    )
+
+    def new_server(name: str) -> ServerProcess:
+        option = f"max_tokens={OPTIONS['max_tokens']}"
+        return ServerProcess(str(work / name), model, "--option", option)
+
+    print(f"{args.lines} lines, tiny model, max_tokens {OPTIONS['max_tokens']}")
+    print("pair  tokenmill run (s)  batch API warm (s)  ratio  batch API cold (s)  ratio  load")
+    server = new_server("store")
     server.start(work / "server.log")
     try:
         warm = work / "warm.jsonl"
         warm.write_bytes(jsonl(batch_lines(1)))
         run_api(server, warm)
-        print(f"{args.lines} lines, tiny model, max_tokens {OPTIONS['max_tokens']}")
-        print("pair  tokenmill run (s)  batch API (s)  ratio  load (1/5/15 min)")
         for pair in range(args.pairs):
             cli = run_cli(model, data, work / f"run-{pair}")
             api = run_api(server, data)
-            print(f"{pair + 1:>4}  {cli:>17.2f}  {api:>13.2f}  {api / cli:>5.3f}  {load()}")
+            # Cold: a server started for this batch alone, its start and engine load
+            # counted, as `tokenmill run` counts its own.
+            started = time.perf_counter()
+            cold = new_server(f"cold-{pair}")
+            cold.start(work / f"cold-{pair}.log")
+            try:
+                run_api(cold, data)
+            finally:
+                cold.stop()
+            cold_s = time.perf_counter() - started
+            print(
+                f"{pair + 1:>4}  {cli:>17.2f}  {api:>18.2f}  {api / cli:>5.3f}  {cold_s:>18.2f}  "
+                f"{cold_s / cli:>5.3f}  {load()}"
+            )
     finally:
         server.stop()
 
