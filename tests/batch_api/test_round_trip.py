@@ -22,7 +22,7 @@ def server(tmp_path, tiny_model_dir):
     process.stop()
 
 
-def _poll(client, batch_id: str, timeout: float = 120.0) -> Batch:
+def _poll(client, batch_id: str, timeout: float = 300.0) -> Batch:
     deadline = time.monotonic() + timeout
     while True:
         batch = client.batches.retrieve(batch_id)
@@ -45,6 +45,15 @@ def test_the_openai_client_round_trip(server, tmp_path):
             "body": {"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "x"}},
         }
     )
+    # Work per line is bounded as OpenAI bounds it: n above 128 is an error line.
+    lines.append(
+        {
+            "custom_id": "too-many-n",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "n": 100_000},
+        }
+    )
     requests = tmp_path / "requests.jsonl"
     requests.write_bytes(jsonl(lines))
 
@@ -63,8 +72,8 @@ def test_the_openai_client_round_trip(server, tmp_path):
 
     assert done.status == "completed", done.errors
     assert done.model == model
-    assert (done.request_counts.total, done.request_counts.completed) == (7, 6)
-    assert done.request_counts.failed == 1
+    assert (done.request_counts.total, done.request_counts.completed) == (8, 6)
+    assert done.request_counts.failed == 2
     assert done.in_progress_at and done.finalizing_at and done.completed_at
     output = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
     errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
@@ -73,9 +82,13 @@ def test_the_openai_client_round_trip(server, tmp_path):
     assert all(b.usage.completion_tokens <= 4 for b in bodies)
     assert done.usage.output_tokens == sum(b.usage.completion_tokens for b in bodies)
     assert done.usage.input_tokens == sum(b.usage.prompt_tokens for b in bodies)
-    (error,) = errors
-    assert error["custom_id"] == "refused" and error["response"] is None
-    assert "body.audio is refused" in error["error"]["message"]
+    errors = {e["custom_id"]: e for e in errors}
+    assert sorted(errors) == ["refused", "too-many-n"]
+    assert errors["refused"]["response"] is None
+    assert "body.audio is refused" in errors["refused"]["error"]["message"]
+    assert errors["too-many-n"]["error"]["message"] == (
+        "n=100000 is over the limit of 128 completions (max_n)"
+    )
 
     # Lists: files (the input, the output and error files) and batches, by cursor.
     names = {f.id: f.purpose for f in client.files.list()}
