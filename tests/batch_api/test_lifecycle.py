@@ -4,6 +4,7 @@ custom_id answered exactly once whatever happened."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from api_helpers import (
@@ -18,6 +19,8 @@ from api_helpers import (
     upload,
     wait_for,
 )
+
+from tokenmill.batch_api.database import files
 
 # Many small shards: a batch runs for a while, and stops between or inside them.
 LONG = {"max_tokens": 24, "shard_tokens": 400}
@@ -180,3 +183,34 @@ def test_the_queued_work_per_key_is_bounded(tmp_path, tiny_model_dir):
         # Another key's queue is its own.
         other = upload(client, "bob", jsonl(batch_lines(3))).json()["id"]
         assert create(client, "bob", other).status_code == 200
+
+
+def test_retention_deletes_expired_files_and_old_batches_work(tmp_path, tiny_model_dir):
+    server = ApiServer(tmp_path / "store", tiny_model_dir, retention_s=3600)
+    with server.client(start_runner=False) as client:
+        old, kept = (upload(client, "alice", jsonl(batch_lines(1))).json()["id"] for _ in "ab")
+        batch_id = create(client, "alice", kept).json()["id"]
+        work = tmp_path / "store" / "batches" / batch_id
+        work.mkdir(parents=True)
+        (work / "ledger.json").write_text("{}")
+        server.db.update_batch(batch_id, status="completed", created_at=int(time.time()) - 7200)
+        # An hour past both expiries; the runner sweeps on its first step.
+        with server.db.engine.begin() as db:
+            db.execute(files.update().where(files.c.id == old).values(expires_at=0))
+        server.app.state.runner.step()
+        gone = client.get(f"/v1/files/{old}", headers=auth("alice"))
+        still = client.get(f"/v1/files/{kept}", headers=auth("alice"))
+    assert gone.status_code == 404 and still.status_code == 200
+    assert sorted(os.listdir(tmp_path / "store" / "files")) == [f"{kept}.jsonl"]
+    assert not work.exists() and server.db.batch_by_id(batch_id)["work_removed"] == 1
+
+
+def test_models_lists_the_served_model_and_its_adapters(tmp_path, tiny_model_dir):
+    server = ApiServer(tmp_path / "store", tiny_model_dir, lora={"sql": str(tmp_path / "sql")})
+    with server.client(start_runner=False) as client:
+        listed = client.get("/v1/models", headers=auth("bob")).json()
+    assert listed["object"] == "list"
+    assert [(m["id"], m["owned_by"]) for m in listed["data"]] == [
+        (tiny_model_dir.name, "tokenmill"),
+        ("sql", tiny_model_dir.name),
+    ]

@@ -9,7 +9,7 @@ import time
 
 import openai
 import pytest
-from api_helpers import ServerProcess, batch_lines, jsonl
+from api_helpers import KEYS, ServerProcess, batch_lines, jsonl
 from openai.types import Batch
 from openai.types.chat import ChatCompletion
 
@@ -119,6 +119,9 @@ def test_the_openai_client_round_trip(server, tmp_path):
         client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/moderations", completion_window="24h"
         )
+    # Nothing of a request reaches the server's log: no prompt, no key.
+    logged = (tmp_path / "server.log").read_text()
+    assert "Question number" not in logged and KEYS["alice"] not in logged
     stranger = server.client("bob")
     with pytest.raises(openai.NotFoundError):
         stranger.batches.retrieve(batch.id)
