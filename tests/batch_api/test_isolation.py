@@ -194,7 +194,7 @@ def test_lines_cannot_make_the_server_fetch_urls_or_paths(api):
         e["custom_id"]: e["error"] for e in content_lines(client, "alice", done["error_file_id"])
     }
     assert sorted(errors) == ["file", "image"]
-    assert all("only text parts" in e["message"] for e in errors.values())
+    assert all("image parts are not supported" in e["message"] for e in errors.values())
     assert [o["custom_id"] for o in content_lines(client, "alice", done["output_file_id"])] == [
         "r0"
     ]
