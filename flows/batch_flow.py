@@ -33,11 +33,11 @@ from typing import Any
 
 from prefect import flow, get_run_logger, unmapped
 from prefect.context import FlowRunContext
-from prefect.futures import as_completed
 from prefect.runtime import flow_run
 
 from tokenmill.connectors.fs import redact_url
 from tokenmill.flows.artifacts import ProgressArtifact
+from tokenmill.flows.completions import Completions
 from tokenmill.flows.parameters import build_spec, job_parameters
 from tokenmill.flows.progress import PUBLISH_EVERY_S, job_snapshot, read_records
 from tokenmill.flows.runners import make_task_runner, num_workers, replicate_to_workers
@@ -179,16 +179,13 @@ def _shard_runs(plan: JobPlan, futures: list, progress: _FlowProgress) -> list[S
 
     All shards are waited for before failing, so one bad shard does not cancel the
     work of the others: their parts are kept, and a rerun computes only what failed.
+    Publishing runs between waits, never inside a timeout scope (`flows/completions.py`).
     """
-    remaining = list(futures)
+    waiting = Completions(futures)
     progress.publish()
-    while remaining:
-        try:
-            for future in as_completed(remaining, timeout=PUBLISH_EVERY_S):
-                remaining.remove(future)
-                progress.publish()
-        except TimeoutError:
-            progress.publish()
+    while waiting.pending:
+        waiting.wait(PUBLISH_EVERY_S)
+        progress.publish()
     runs: list[ShardRun] = []
     failed: list[str] = []
     for shard_future in futures:
