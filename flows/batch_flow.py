@@ -26,6 +26,7 @@ whenever a shard ends and at least every few seconds.
 
 # No `from __future__ import annotations` here: Prefect reads the flow's signature (built
 # from the job definition by `job_parameters`) at run time, in served runs' subprocesses too.
+import contextlib
 import logging
 import time
 from datetime import datetime, timezone
@@ -40,7 +41,12 @@ from tokenmill.flows.artifacts import ProgressArtifact
 from tokenmill.flows.completions import Completions
 from tokenmill.flows.parameters import build_spec, job_parameters
 from tokenmill.flows.progress import PUBLISH_EVERY_S, job_snapshot, read_records
-from tokenmill.flows.runners import make_task_runner, num_workers, replicate_to_workers
+from tokenmill.flows.runners import (
+    engine_slots,
+    make_task_runner,
+    num_workers,
+    replicate_to_workers,
+)
 from tokenmill.flows.tasks import (
     ShardRun,
     forecast_task,
@@ -127,11 +133,17 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Fore
         progress = _FlowProgress(plan, pending, logger, workers)
         runs: list[ShardRun] = []
         # Copy shards take their answers from the compute shards' parts: they go last.
-        for shards in (compute, [s for s in pending if s.is_copy]):
+        # Compute shards each need an engine slot on a Dask cluster (`flows/runners.py`,
+        # "Placement"); copy shards read parts and run anywhere.
+        for shards, placement in (
+            (compute, engine_slots()),
+            ([s for s in pending if s.is_copy], contextlib.nullcontext()),
+        ):
             if shards:
-                futures = shard_task.map(
-                    plan=unmapped(plan_future), shard=shards, job_id=unmapped(plan.job_id)
-                )
+                with placement:
+                    futures = shard_task.map(
+                        plan=unmapped(plan_future), shard=shards, job_id=unmapped(plan.job_id)
+                    )
                 runs += _shard_runs(plan, futures, progress)
         return ledger_task(
             plan,

@@ -9,6 +9,17 @@ Each worker process loads the engine once, on its first shard, and keeps it (see
 `pipelines/shared_llm.py`). A worker runs one shard at a time (`threads_per_worker=1`): a shard
 is already a full batch for the engine, and two on one device would only compete.
 
+Placement: Dask resources
+-------------------------
+Every engine worker offers one `engine` resource (`dask worker ADDR --nthreads 1
+--resources engine=1`; the local cluster's workers have it), and every compute shard
+task needs one (`engine_slots()` around its submission). The scheduler then never
+queues two shards on one engine while another engine worker has none, a worker
+joining late takes shards as soon as it is up, and a lost worker's shards go to any
+other engine worker (a task pinned to a worker's address would be stranded with it).
+A cluster without any `engine` worker is refused before planning (`num_workers`).
+Nothing records addresses: a rerun resumes from the shard cut in the output.
+
 Fan-out never slows a job down: the flow cuts at least as many shards as the cluster has
 workers (`num_workers`; planning's `min_shards`), says so when a job is too small to use
 them all, and each worker's engine computes on the cores its worker owns
@@ -20,30 +31,40 @@ One worker per GPU
 Give every worker process exactly one GPU and `device=None` (the default), so each
 engine takes "cuda" - that worker's only visible GPU:
 
-- with dask-cuda: `dask cuda worker tcp://SCHEDULER:8786 --nthreads 1` on each GPU
-  machine (one worker per GPU, each with its own CUDA_VISIBLE_DEVICES), or in Python
-  `LocalCUDACluster(threads_per_worker=1)`, then `dask_address=cluster.scheduler_address`
-  (or `DaskTaskRunner(cluster_class="dask_cuda.LocalCUDACluster",
-  cluster_kwargs={"threads_per_worker": 1})` with `batch_inference.with_options`);
+- with dask-cuda: `dask cuda worker tcp://SCHEDULER:8786 --nthreads 1 --resources
+  engine=1` on each GPU machine (one worker per GPU, each with its own
+  CUDA_VISIBLE_DEVICES), or in Python `LocalCUDACluster(threads_per_worker=1,
+  resources={"engine": 1})`, then `dask_address=cluster.scheduler_address` (or
+  `DaskTaskRunner(cluster_class="dask_cuda.LocalCUDACluster", cluster_kwargs=
+  {"threads_per_worker": 1, "resources": {"engine": 1}})` with
+  `batch_inference.with_options`);
 - without dask-cuda: start one `dask worker tcp://SCHEDULER:8786 --nworkers 1
-  --nthreads 1` per GPU, each under its own `CUDA_VISIBLE_DEVICES=i`;
+  --nthreads 1 --resources engine=1` per GPU, each under its own `CUDA_VISIBLE_DEVICES=i`;
 - with Ray: Ray hides GPUs from tasks that reserve none, so run the flow inside
   `prefect_ray.context.remote_options(num_gpus=1)` (docs/flows.md, "One worker per GPU").
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 log = logging.getLogger(__name__)
 
+# The Dask resource a worker offers per engine it can hold, and a compute shard needs.
+ENGINE_RESOURCE = "engine"
+# How long a flow waits for the first worker of a cluster that has none yet.
+WORKERS_JOIN_S = 30
+
 
 def local_cluster_kwargs(num_workers: int) -> dict[str, Any]:
-    """`LocalCluster` options: N single-threaded worker processes, no dashboard."""
+    """`LocalCluster` options: N single-threaded worker processes, each offering one
+    engine, no dashboard."""
     if num_workers < 1:
         raise ValueError(f"dask_workers must be >= 1, got {num_workers}")
     return {
@@ -51,7 +72,33 @@ def local_cluster_kwargs(num_workers: int) -> dict[str, Any]:
         "threads_per_worker": 1,
         "processes": True,
         "dashboard_address": None,
+        "resources": {ENGINE_RESOURCE: 1},
     }
+
+
+def engine_slots() -> contextlib.AbstractContextManager:
+    """Dask tasks submitted inside need one `engine` resource each (no effect on the
+    other task runners)."""
+    try:
+        import dask
+    except ImportError:
+        return contextlib.nullcontext()
+    return dask.annotate(resources={ENGINE_RESOURCE: 1})
+
+
+def engine_workers(workers: Mapping[str, Mapping[str, Any]]) -> int:
+    """How many of a Dask scheduler's workers (`scheduler_info()["workers"]`) offer an
+    engine; refuses a cluster where none does, since its shard tasks would never start."""
+    engines = sum(
+        1 for w in workers.values() if (w.get("resources") or {}).get(ENGINE_RESOURCE, 0) >= 1
+    )
+    if engines == 0:
+        raise RuntimeError(
+            f"the Dask cluster has {len(workers)} worker(s) and none offers the "
+            f"{ENGINE_RESOURCE!r} resource that shard tasks need: start each worker with "
+            f"`dask worker SCHEDULER_ADDRESS --nthreads 1 --resources {ENGINE_RESOURCE}=1`"
+        )
+    return engines
 
 
 def make_task_runner(
@@ -113,16 +160,47 @@ def _ray_runner(address: str) -> TaskRunner:
 
 
 def num_workers(task_runner: Any) -> int:
-    """How many shards the task runner computes at once: its Dask cluster's workers, or
-    1 (the default runner's threads share the flow process's one engine)."""
-    client = getattr(task_runner, "_client", None)
+    """How many shards the task runner computes at once: its Dask cluster's engine
+    workers (refusing a cluster without any, `engine_workers`), or 1 (the default
+    runner's threads share the flow process's one engine)."""
+    client = _started_dask_client(task_runner)
     if client is not None:
         try:
-            return max(1, len(client.scheduler_info(n_workers=-1)["workers"]))
+            workers = _joined_workers(client)
         except Exception as exc:  # a plan for one worker still runs, only slower
             log.warning("could not count the Dask cluster's workers: %s", exc)
+        else:
+            return engine_workers(workers)
     cluster_kwargs = getattr(task_runner, "cluster_kwargs", None) or {}
     return max(1, int(cluster_kwargs.get("n_workers") or 1))
+
+
+def _joined_workers(client: Any) -> dict[str, Any]:
+    """The scheduler's workers, waiting a little for the first one of a cluster that
+    has just started (none after that wait: the cluster is refused, not waited on)."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    if not workers:
+        try:
+            client.wait_for_workers(1, timeout=WORKERS_JOIN_S)
+        except TimeoutError:
+            return {}
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+    return workers
+
+
+def _started_dask_client(task_runner: Any) -> Any:
+    """A started Dask task runner's client (None for any other runner). Prefect's runner
+    connects on first use, and the flow asks before its first task: connecting here is
+    what lets a flow on `dask_address` count that cluster's workers."""
+    if not getattr(task_runner, "_started", False):
+        return None
+    try:
+        from prefect_dask import DaskTaskRunner
+    except ImportError:
+        return None
+    if not isinstance(task_runner, DaskTaskRunner):
+        return None
+    return task_runner.client
 
 
 def worker_threads() -> int | None:

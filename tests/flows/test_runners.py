@@ -23,6 +23,7 @@ def test_local_dask_cluster_has_single_threaded_worker_processes():
         "threads_per_worker": 1,
         "processes": True,
         "dashboard_address": None,
+        "resources": {"engine": 1},
     }
 
 
