@@ -278,3 +278,15 @@ def publish_forecast(forecast: Forecast) -> None:
         key=artifact_key("forecast", forecast.job_id or "notebook"),
         description=f"Forecast of tokenmill job {forecast.job_id}",
     )
+
+
+def publish_workers(job_id: str, rows: list[dict[str, Any]]) -> None:
+    """Create the workers table artifact (`tokenmill-workers-<job id>`): per worker,
+    the shards it computed in this flow run and the engine loads they paid."""
+    from prefect.artifacts import create_table_artifact
+
+    create_table_artifact(
+        table=rows,
+        key=artifact_key("workers", job_id),
+        description=f"Where the shards of tokenmill job {job_id} ran, and engine loads",
+    )

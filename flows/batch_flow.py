@@ -37,7 +37,7 @@ from prefect.context import FlowRunContext
 from prefect.runtime import flow_run
 
 from tokenmill.connectors.fs import redact_url
-from tokenmill.flows.artifacts import ProgressArtifact
+from tokenmill.flows.artifacts import ProgressArtifact, publish_workers
 from tokenmill.flows.completions import Completions
 from tokenmill.flows.parameters import build_spec, job_parameters
 from tokenmill.flows.progress import PUBLISH_EVERY_S, job_snapshot, read_records
@@ -145,6 +145,7 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Fore
                         plan=unmapped(plan_future), shard=shards, job_id=unmapped(plan.job_id)
                     )
                 runs += _shard_runs(plan, futures, progress)
+        _publish_workers(plan, runs, logger)
         return ledger_task(
             plan,
             run_id=str(flow_run.id),
@@ -163,6 +164,39 @@ def _name_after_plan(plan: JobPlan, logger: logging.LoggerAdapter) -> None:
             client.update_flow_run(flow_run.id, name=name)
     except Exception as exc:  # the run goes on under its first name
         logger.warning("could not rename the flow run to %r: %s", name, exc)
+
+
+def worker_rows(runs: list[ShardRun]) -> list[dict[str, Any]]:
+    """Per worker: the shards it computed, and the engine loads they paid and their
+    seconds (0 on a warm worker: its engine came from an earlier shard or flow run)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        if run.result.skipped:
+            continue
+        row = rows.setdefault(
+            run.worker, {"worker": run.worker, "shards": 0, "engine loads": 0, "load s": 0.0}
+        )
+        row["shards"] += 1
+        if run.engine_load_seconds is not None:
+            row["engine loads"] += 1
+            row["load s"] = round(row["load s"] + run.engine_load_seconds, 3)
+    return sorted(rows.values(), key=lambda row: row["worker"])
+
+
+def _publish_workers(plan: JobPlan, runs: list[ShardRun], logger: logging.LoggerAdapter) -> None:
+    rows = worker_rows(runs)
+    for row in rows:
+        logger.info(
+            "worker %s: %d shard(s), %d engine load(s), %.2f s loading",
+            row["worker"],
+            row["shards"],
+            row["engine loads"],
+            row["load s"],
+        )
+    try:
+        publish_workers(plan.job_id, rows)
+    except Exception as exc:  # a report for people; the job's results are written
+        logger.warning("could not publish the workers artifact: %s", exc)
 
 
 class _FlowProgress:

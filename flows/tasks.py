@@ -73,6 +73,9 @@ class ShardRun:
     host: str
     pid: int
     engine_loads: int  # engines this worker process had loaded when the shard finished
+    # Seconds this shard spent loading its worker's engine; None when the engine was warm
+    # (or the shard needs none): only a worker's first shard for a model pays the load.
+    engine_load_seconds: float | None = None
 
     @property
     def worker(self) -> str:
@@ -143,9 +146,10 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
         job_id: the plan's job id (a parameter so that the task run's name shows it).
     """
     logger = _logger()
-    llm = None
+    llm, load_seconds = None, None
     if not shard.is_copy:  # a copy shard reads its sources' parts: no engine
-        llm = _worker_llm(plan, job_id)
+        llm, loaded = _worker_llm(plan, job_id)
+        load_seconds = llm.load_seconds if loaded else None
     with llm.lock if llm else nullcontext():
         # Counted from the engine's counters as this shard starts: under the lock, after
         # any other shard of this process has finished with the engine.
@@ -160,7 +164,7 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
         )
     seconds = time.perf_counter() - started
     snapshot = reporter.finish(result)
-    run = ShardRun(result, socket.gethostname(), os.getpid(), llm_cache.num_loads())
+    run = ShardRun(result, socket.gethostname(), os.getpid(), llm_cache.num_loads(), load_seconds)
     # Where each shard ran, in the task run's log: counts and names only, never text.
     if result.skipped:
         logger.info("shard %s: already complete, skipped (worker %s)", shard.shard_id, run.worker)
@@ -176,15 +180,16 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
     return run
 
 
-def _worker_llm(plan: JobPlan, job_id: str) -> llm_cache.SharedLLM:
-    """This worker's engine for the job: one per worker process, loaded on its first
-    shard and reused by the rest (pipelines/shared_llm.py), computing on the cores the
+def _worker_llm(plan: JobPlan, job_id: str) -> tuple[llm_cache.SharedLLM, bool]:
+    """This worker's engine for the job, and whether this call loaded it: one per worker
+    process, loaded on its first shard and reused by the rest and by later jobs with the
+    same model and settings (pipelines/shared_llm.py), computing on the cores the
     worker owns; its lock keeps this process's shard tasks from generating at once,
     since the engine is not thread-safe."""
     threads = worker_threads()
     if threads is not None:
         torch.set_num_threads(threads)
-    engine = llm_cache.get_llm(**plan.spec.llm_options)
+    engine, loaded = llm_cache.acquire_llm(**plan.spec.llm_options)
     if engine.weights_hash != plan.weights_hash:
         # A remote worker resolved the model name to other files than the planner did.
         raise RuntimeError(
@@ -192,7 +197,7 @@ def _worker_llm(plan: JobPlan, job_id: str) -> llm_cache.SharedLLM:
             f"with weights {engine.weights_hash[:12]}, but job {job_id} was planned with "
             f"{plan.weights_hash[:12]}: give every worker the same model files"
         )
-    return engine
+    return engine, loaded
 
 
 @task(
@@ -242,7 +247,7 @@ def forecast_task(plan: JobPlan, *, planned_before: set[str]) -> Forecast:
     spec = plan.spec
     done = completed_shards(plan)
     computes = any(not s.is_copy and s.shard_id not in done for s in plan.shards)
-    engine = _worker_llm(plan, plan.job_id) if spec.calibrate and computes else None
+    engine = _worker_llm(plan, plan.job_id)[0] if spec.calibrate and computes else None
     with engine.lock if engine else nullcontext():
         forecast = dry_run(
             plan, done=done, planned_before=planned_before, llm=engine.llm if engine else None

@@ -6,7 +6,10 @@ the same one reuse it: `run_job`, `tokenmill.generate` and the flow's shard task
 alike, in the main process and in each Dask or Ray worker process.
 
 - One engine at a time: asking for another model, dtype, device or engine option
-  replaces it, so a long-lived GPU worker never holds two models.
+  replaces it, so a long-lived GPU worker never holds two models: the old engine is
+  dropped and its memory collected (and the CUDA cache emptied) before the next loads.
+- It lives as long as the process: on a long-lived Dask cluster each worker keeps its
+  engine warm across shards and across flow runs with the same model and settings.
 - The key is every argument of `LLM(...)`, defaults filled in, so an argument `LLM`
   gains later (a revision, a quantization) takes part without a change here; dicts
   and lists among the values are compared by content.
@@ -18,9 +21,12 @@ alike, in the main process and in each Dask or Ray worker process.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -37,6 +43,7 @@ class SharedLLM:
     llm: LLM
     key: tuple
     pid: int  # the process that loaded it
+    load_seconds: float = 0.0  # wall seconds `LLM(...)` took to load it
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @cached_property
@@ -66,16 +73,34 @@ def get_llm(model: str | os.PathLike | None = None, **options: Any) -> SharedLLM
     Raises:
         TypeError: an option `LLM` does not take.
     """
+    return acquire_llm(model, **options)[0]
+
+
+def acquire_llm(model: str | os.PathLike | None = None, **options: Any) -> tuple[SharedLLM, bool]:
+    """`get_llm`, and whether this very call loaded the engine (False: it was warm)."""
     global _current, _num_loads
     key = call_key(LLM, model, **options)
     # Loading under the module lock: two threads asking at once load the model once.
     with _lock:
         if _current is not None and _current.key == key and _current.pid == os.getpid():
-            return _current
-        _current = None  # drop the old engine before loading the next one
-        _current = SharedLLM(_with_step_fault(LLM(model, **options)), key, os.getpid())
+            return _current, False
+        if _current is not None:
+            _current = None  # drop the old engine before loading the next one
+            _release_memory()
+        started = time.perf_counter()
+        llm = _with_step_fault(LLM(model, **options))
+        _current = SharedLLM(llm, key, os.getpid(), load_seconds=time.perf_counter() - started)
         _num_loads += 1
-        return _current
+        return _current, True
+
+
+def _release_memory() -> None:
+    """Free a dropped engine's memory now, not at the garbage collector's leisure: its
+    weights and KV cache would otherwise sit beside the next model's."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _with_step_fault(llm: LLM) -> LLM:
