@@ -258,6 +258,16 @@ SCENARIOS: list[Scenario] = [
         "Dask worker SIGKILLed inside a shard (flow, LocalCluster, Prefect server)",
         _store_side("worker_death"),
     ),
+    Scenario(
+        "Dask worker SIGKILLed inside a shard, `dask scheduler` + `dask worker` processes "
+        "(--resources engine=1); its nanny restarts it",
+        _store_side("worker_death", operator="restarted"),
+    ),
+    Scenario(
+        "Dask worker SIGKILLed inside a shard, `dask worker --no-nanny` processes: it never "
+        "comes back, the other worker finishes",
+        _store_side("worker_death", operator="never-back"),
+    ),
     Scenario("embed job: SIGKILL at 5 random points, resumed", embedding(kills)),
     Scenario("embed job: engine step raises once mid-shard", embedding(engine_transient)),
     Scenario(

@@ -10,6 +10,7 @@ processes, a caller under `if __name__ == "__main__":`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import uuid
@@ -74,12 +75,19 @@ def store_random(
         return _resumed(endpoint, llm, run, prefix, task)
 
 
-def worker_death(num_rows: int = 16) -> tuple[int, int]:
-    """A Dask worker SIGKILLed inside a shard, on a 2-worker LocalCluster."""
+def worker_death(num_rows: int = 16, operator: str | None = None) -> tuple[int, int]:
+    """A Dask worker SIGKILLed inside a shard, on a 2-worker LocalCluster; or, with
+    `operator` "restarted" or "never-back", on a cluster of `dask scheduler` and `dask
+    worker` processes whose killed worker its nanny restarts, or that has no nanny."""
+    from operator_cluster import operator_cluster
     from worker_scenarios import run_with_worker_death
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
+        address = None
+        if operator is not None:
+            nanny = {"restarted": True, "never-back": False}[operator]
+            address = stack.enter_context(operator_cluster(tmp / "cluster", 2, nanny=nanny)).address
         model = build_tiny_model(tmp / "tiny")
         src = tmp / "prompts.jsonl"
         rows = [
@@ -92,6 +100,7 @@ def worker_death(num_rows: int = 16) -> tuple[int, int]:
             str(tmp / "out"),
             str(model),
             str(tmp / "kill.marker"),
+            scheduler_address=address,
             id_column="id",
             max_tokens=6,
             shard_tokens=48,

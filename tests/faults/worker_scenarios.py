@@ -11,6 +11,7 @@ and the shard. The nanny starts a fresh worker; the scheduler runs the lost shar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -89,9 +90,11 @@ def run_with_worker_death(
     *,
     num_workers: int = 2,
     kill_at: int = 2,
+    scheduler_address: str | None = None,
     **options,
 ) -> WorkerDeathRun:
-    """Runs `batch_inference` on a fresh LocalCluster whose workers carry the kill hook.
+    """Runs `batch_inference` on a fresh LocalCluster (or the cluster at
+    `scheduler_address`) whose workers carry the kill hook.
 
     Needs PREFECT_API_URL pointing at a real server (the workers report to it).
 
@@ -105,13 +108,14 @@ def run_with_worker_death(
     from tokenmill.flows.runners import local_cluster_kwargs
     from tokenmill.pipelines.output import read_results
 
-    with (
-        LocalCluster(**local_cluster_kwargs(num_workers)) as cluster,
-        Client(cluster) as client,
-    ):
+    with contextlib.ExitStack() as stack:
+        if scheduler_address is None:
+            cluster = stack.enter_context(LocalCluster(**local_cluster_kwargs(num_workers)))
+            scheduler_address = cluster.scheduler_address
+        client = stack.enter_context(Client(scheduler_address))
         client.register_plugin(KillWorkerMidShard(marker, kill_at))
         flow = batch_inference.with_options(
-            task_runner=make_task_runner(dask_address=cluster.scheduler_address)
+            task_runner=make_task_runner(dask_address=scheduler_address)
         )
         state = flow(input=input_path, output=output, model=model, return_state=True, **options)
     killed = json.loads(Path(marker).read_text()) if Path(marker).exists() else {}
