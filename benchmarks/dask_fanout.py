@@ -2,6 +2,13 @@
 a few hundred rows; and the progress artifact as the Prefect UI shows it while it runs.
 
     python benchmarks/dask_fanout.py [--rows 300] [--max-tokens 48] [--rounds 2]
+    python benchmarks/dask_fanout.py --operator     # `dask scheduler` + `dask worker`s
+
+With --operator each run gets a fresh cluster started as an operator starts one: a
+`dask scheduler` process and N `dask worker --nthreads 1 --resources engine=1`
+processes, each pinned (taskset) to its own core, and the flow is given
+`--dask-address`; the summary line gives the 2-worker over 1-worker ratio of the
+compute spans per round, their median and minimum.
 
 Starts a Prefect server on loopback (or uses PREFECT_API_URL), then runs
 `tokenmill flow run ... --dask-workers N --json` for N = 1, 2, 1, 2, ... and prints per
@@ -20,6 +27,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,6 +103,58 @@ class ArtifactWatcher(threading.Thread):
             self.stop.wait(1.0)
 
 
+def start_operator_cluster(work: Path, workers: int) -> tuple[list[subprocess.Popen], str]:
+    """`dask scheduler` and `workers` pinned `dask worker` processes; their address."""
+    from distributed import Client
+
+    scheduler_file = work / "scheduler.json"
+    scheduler_file.unlink(missing_ok=True)
+    base = [
+        sys.executable,
+        "-m",
+        "distributed.cli.dask_scheduler",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--no-dashboard",
+    ]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    processes = [subprocess.Popen([*base, "--scheduler-file", str(scheduler_file)], **quiet)]
+    while not scheduler_file.exists():
+        time.sleep(0.2)
+    cores = sorted(os.sched_getaffinity(0))
+    for i in range(workers):
+        worker = [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_worker",
+            "--scheduler-file",
+            str(scheduler_file),
+            "--nthreads",
+            "1",
+        ]
+        worker += ["--resources", "engine=1", "--no-dashboard", "--name", f"w{i}"]
+        processes.append(
+            subprocess.Popen(["taskset", "-c", str(cores[i % len(cores)]), *worker], **quiet)
+        )
+    with Client(scheduler_file=str(scheduler_file), timeout=120) as client:
+        client.wait_for_workers(workers, timeout=120)
+        address = client.scheduler.address
+    return processes, address
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    for process in reversed(processes):
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def compute_span(output: Path) -> tuple[float, float, float]:
     """(first shard start to last shard end, summed device seconds, the last end) from
     OUTPUT/shard_stats/."""
@@ -138,7 +198,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--operator", action="store_true", help="dask scheduler + pinned dask worker processes"
+    )
     args = parser.parse_args()
+    spans: dict[tuple[int, int], float] = {}
     work = Path(tempfile.mkdtemp(prefix="tokenmill-dask-"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -154,11 +218,20 @@ def main() -> None:
             for workers in (1, 2):
                 out = work / f"out-{workers}-{round_}"
                 command = [TOKENMILL, "flow", "run", str(source), str(out), "--id-column", "id"]
-                command += ["--max-tokens", str(args.max_tokens), "--dask-workers", str(workers)]
+                command += ["--max-tokens", str(args.max_tokens)]
                 command += ["--price-input", "0.15", "--price-output", "0.6", "--json"]
+                cluster: list[subprocess.Popen] = []
+                if args.operator:
+                    cluster, address = start_operator_cluster(work, workers)
+                    command += ["--dask-address", address]
+                else:
+                    command += ["--dask-workers", str(workers)]
                 started = time.perf_counter()
-                done = subprocess.run(command, capture_output=True, text=True, check=False)
-                wall = time.perf_counter() - started
+                try:
+                    done = subprocess.run(command, capture_output=True, text=True, check=False)
+                finally:
+                    wall = time.perf_counter() - started
+                    stop(cluster)
                 if done.returncode != 0:
                     log = work / f"flow-{workers}-{round_}.log"
                     log.write_text(done.stdout + done.stderr)
@@ -166,6 +239,7 @@ def main() -> None:
                     raise SystemExit(f"flow run failed (log: {log}):\n" + "\n".join(errors[-20:]))
                 ledger = json.loads(done.stdout)
                 span, device, compute_end = compute_span(out)
+                spans[workers, round_] = span
                 key = f"tokenmill-progress-{ledger['job_id']}"
                 print(
                     json.dumps(
@@ -183,6 +257,11 @@ def main() -> None:
                     ),
                     flush=True,
                 )
+        ratios = sorted(spans[1, r] / spans[2, r] for r in range(args.rounds) if spans[2, r])
+        if ratios:
+            summary = {"ratios_1_over_2": [round(r, 2) for r in ratios]}
+            summary |= {"median": round(statistics.median(ratios), 2), "min": round(ratios[0], 2)}
+            print(json.dumps(summary), flush=True)
     finally:
         watcher.stop.set()
         if server is not None:
