@@ -35,7 +35,7 @@ from tokenmill.engine.loader.gguf_tokenizer import (
 )
 from tokenmill.engine.loader.tensor_plan import TensorSource, build_on_meta, plan_tensors
 from tokenmill.engine.models import gguf_layout, parse_config
-from tokenmill.engine.models.registry import architecture_of
+from tokenmill.engine.models.registry import GGUFLayout, architecture_of
 
 # Bumped whenever the output of a conversion changes, so cached conversions made by an
 # older converter are not reused (model_files puts it in the cache key).
@@ -219,23 +219,41 @@ def check_tensors(reader: GGUFReader, config: dict, gguf_path: Path) -> None:
 def convert_tensors(
     reader: GGUFReader, config: dict, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor, undo llama.cpp's q/k permutation and norm offset where the
-    layout has them, and rename to HF names."""
+    """Every tensor as `convert_tensor` makes it, by HF name."""
     layout = gguf_layout(_gguf_architecture(reader))
-    unpermute = _unpermute_rows(config)
     tensors = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             continue  # not a weight: build_config turns it into `rope_scaling`
-        name = layout.hf_tensor_name(tensor.name)
-        # GGUF lists dims fastest-first; numpy (and torch) order is the reverse.
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        weight = unpermute(torch.from_numpy(array.reshape(shape)), name)
-        if layout.norm_offset and name.endswith("norm.weight"):
-            weight = weight - layout.norm_offset  # stored as offset + w; HF keeps w
-        tensors[name] = weight.to(dtype).contiguous()
+        name, weight = convert_tensor(tensor, layout, config, dtype)
+        tensors[name] = weight
     return tensors
+
+
+def convert_tensor(
+    tensor: ReaderTensor, layout: GGUFLayout, config: dict, dtype: torch.dtype = torch.float32
+) -> tuple[str, torch.Tensor]:
+    """One tensor of the file as the model directory holds it: dequantized, llama.cpp's
+    q/k permutation and norm offset undone where the layout has them, under its HF name.
+    Reads that tensor's bytes only.
+
+    Args:
+        tensor: the tensor as the file describes it (`GGUFReader.tensors`' kind).
+        layout: the architecture's GGUF layout.
+        config: the HF config built for the file (its head counts undo the permutation).
+        dtype: the dtype to return.
+
+    Returns:
+        (HF name, the tensor in `dtype`).
+    """
+    name = layout.hf_tensor_name(tensor.name)
+    # GGUF lists dims fastest-first; numpy (and torch) order is the reverse.
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    weight = _unpermute_rows(config)(torch.from_numpy(array.reshape(shape)), name)
+    if layout.norm_offset and name.endswith("norm.weight"):
+        weight = weight - layout.norm_offset  # stored as offset + w; HF keeps w
+    return name, weight.to(dtype).contiguous()
 
 
 def _unpermute_rows(config: dict):
