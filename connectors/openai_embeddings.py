@@ -1,10 +1,11 @@
 """OpenAI batch `/v1/embeddings` lines: requests in, `CreateEmbeddingResponse` lines out.
 
 A request line is `{"custom_id", "method": "POST", "url": "/v1/embeddings", "body":
-{"model", "input", "dimensions", "encoding_format", "user"}}`. Its body fields are
-honoured (`input`, `dimensions`, `encoding_format`), ignored because they cannot change
-the answer (`model`: the job's model answers; `user`), or refused by name (any other
-key; `input` as token ids).
+{"model", "input", "dimensions", "encoding_format", "user"}}`. Its body fields have
+their fates in `openai_fields.py`'s `EMBEDDINGS_FIELDS`: honoured (`input`,
+`dimensions`, `encoding_format`), ignored because they cannot change the answer
+(`model`: the job's model answers; `user`), or refused by name (any other key; `input`
+as token ids).
 
 One line may ask for several embeddings (`input` a list of strings): it becomes one
 row per string, in order, with the ids `custom_id` (a single input) or
@@ -29,13 +30,13 @@ import numpy as np
 
 from tokenmill.connectors.jsonutil import dumps_line
 from tokenmill.connectors.lines import BadLine
+from tokenmill.connectors.openai_fields import EMBEDDINGS_FIELDS, EMBEDDINGS_URL
 
-EMBEDDINGS_URL = "/v1/embeddings"
 BASE64_URL = EMBEDDINGS_URL + "?encoding_format=base64"
 INPUT_SEPARATOR = "\x1f"
 # OpenAI's own limit on the inputs of one request.
 MAX_INPUTS = 2048
-_BODY_KEYS = frozenset({"model", "input", "dimensions", "encoding_format", "user"})
+_BODY_KEYS = frozenset(f.name for f in EMBEDDINGS_FIELDS)
 _DEFAULT_ERROR_CODE = "processing_error"
 
 

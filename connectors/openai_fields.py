@@ -6,13 +6,20 @@ and why. A field the table does not know is refused the same way, so nothing a r
 asks for is accepted and dropped. The docs' tables (docs/openai-batch.md, "The field
 tables") are generated from this one.
 
+The tables hold exactly the request fields of the `openai` package's own types
+(`CompletionCreateParams` of chat and of completions, `ResponseCreateParams`,
+`EmbeddingCreateParams`), plus vLLM's extensions, marked `extension=True`. The dev
+extras pin the package to one minor release; tests/connectors/test_openai_package_fields.py
+fails when its fields and these tables part, naming each field to decide.
+
 Sampling fields fill columns named after the job options they override
 (`pipelines/options.py`, `per_row=True`); the rest fill the row's messages, prompt,
 response_format, tools and tool_calls columns (`connectors/openai_batch.py`).
 
 How to add a field: one `Field(...)` in the endpoint's tuple; an honoured one names its
 column and the function that turns the body's value into it (a `BadLine` naming the
-field when the value is wrong).
+field when the value is wrong). The /v1/embeddings table is read by
+`openai_embeddings.py`, which turns its lines into rows.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 RESPONSES_URL = "/v1/responses"
 URLS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
+EMBEDDINGS_URL = "/v1/embeddings"
 
 HONOURED, IGNORED, REFUSED = "honoured", "ignored", "refused"
 
@@ -47,6 +55,8 @@ class Field:
     fate: str
     note: str
     convert: Convert | None = None  # honoured fields only
+    # Not an OpenAI field (the openai package's types lack it): vLLM's extension.
+    extension: bool = False
 
 
 # -- values ------------------------------------------------------------------------------
@@ -224,22 +234,44 @@ def _tools(body: dict[str, Any], number: int) -> dict[str, Any]:
     return ToolRequest.from_body(body, number).columns()
 
 
+def _prompt_cache_options(body: dict[str, Any], number: int) -> dict[str, Any]:
+    # Breakpoints and lifetimes change only what OpenAI's cache keeps; a prewarm asks
+    # for no answer at all, which a batch line cannot give.
+    options = body["prompt_cache_options"]
+    if not isinstance(options, dict):
+        raise BadLine(number, "body.prompt_cache_options must be an object")
+    if options.get("prewarm"):
+        raise BadLine(
+            number, "body.prompt_cache_options.prewarm is refused: every line is answered"
+        )
+    return {}
+
+
 # -- the tables ------------------------------------------------------------------------------
 
 _MODEL = Field("model", IGNORED, "the job's model answers every line (the response names it)")
-_SHARED_IGNORED = tuple(
-    Field(name, IGNORED, note)
-    for name, note in (
-        ("user", "an end-user id for abuse monitoring"),
-        ("metadata", "tags stored with a request"),
-        ("store", "whether OpenAI stores the output"),
-        ("stream", "a batch answers whole"),
-        ("stream_options", "a batch answers whole"),
-        ("service_tier", "a billing tier"),
-        ("safety_identifier", "an end-user id for abuse monitoring"),
-        ("prompt_cache_key", "a cache routing hint; the prefix cache needs none"),
-    )
+_USER = Field("user", IGNORED, "an end-user id for abuse monitoring")
+_STREAM = (
+    Field("stream", IGNORED, "a batch answers whole"),
+    Field("stream_options", IGNORED, "a batch answers whole"),
 )
+# The chat and Responses APIs' own: what OpenAI stores, bills and routes.
+_SERVICE_IGNORED = (
+    _USER,
+    *_STREAM,
+    *(
+        Field(name, IGNORED, note)
+        for name, note in (
+            ("metadata", "tags stored with a request"),
+            ("store", "whether OpenAI stores the output"),
+            ("service_tier", "a billing tier"),
+            ("safety_identifier", "an end-user id for abuse monitoring"),
+            ("prompt_cache_key", "a cache routing hint; the prefix cache needs none"),
+            ("prompt_cache_retention", "how long OpenAI keeps cached prefixes"),
+        )
+    ),
+)
+_MODERATION = Field("moderation", REFUSED, "no moderation model runs")
 _SAMPLING = (
     Field("temperature", HONOURED, "temperature", _number("temperature")),
     Field("top_p", HONOURED, "top_p", _number("top_p")),
@@ -253,25 +285,18 @@ _SHARED_SAMPLING = (
     Field("presence_penalty", HONOURED, "presence_penalty", _number("presence_penalty")),
     Field("logit_bias", HONOURED, "logit_bias", _logit_bias),
     # vLLM's extensions of the same requests.
-    Field("top_k", HONOURED, "top_k (vLLM's extension)", _integer("top_k")),
-    Field("min_p", HONOURED, "min_p (vLLM's extension)", _number("min_p")),
-    Field("min_tokens", HONOURED, "min_tokens (vLLM's extension)", _integer("min_tokens")),
-    Field(
-        "stop_token_ids", HONOURED, "stop_token_ids (vLLM's extension)", _int_list("stop_token_ids")
+    *(
+        Field(name, HONOURED, f"{name} (vLLM's extension)", convert, extension=True)
+        for name, convert in (
+            ("top_k", _integer("top_k")),
+            ("min_p", _number("min_p")),
+            ("min_tokens", _integer("min_tokens")),
+            ("stop_token_ids", _int_list("stop_token_ids")),
+            ("repetition_penalty", _number("repetition_penalty")),
+            ("allowed_token_ids", _int_list("allowed_token_ids")),
+            ("bad_words", _strings("bad_words")),
+        )
     ),
-    Field(
-        "repetition_penalty",
-        HONOURED,
-        "repetition_penalty (vLLM's extension)",
-        _number("repetition_penalty"),
-    ),
-    Field(
-        "allowed_token_ids",
-        HONOURED,
-        "allowed_token_ids (vLLM's extension)",
-        _int_list("allowed_token_ids"),
-    ),
-    Field("bad_words", HONOURED, "bad_words (vLLM's extension)", _strings("bad_words")),
 )
 
 CHAT_FIELDS: tuple[Field, ...] = (
@@ -300,7 +325,13 @@ CHAT_FIELDS: tuple[Field, ...] = (
     Field("parallel_tool_calls", HONOURED, "false: at most one tool call", _parallel_tool_calls),
     Field("modalities", HONOURED, 'only ["text"]', _modalities),
     Field("prediction", IGNORED, "predicted output only speeds up generation"),
-    *_SHARED_IGNORED,
+    *_SERVICE_IGNORED,
+    Field(
+        "prompt_cache_options",
+        IGNORED,
+        "cache breakpoints and lifetime; the prefix cache needs no hints",
+    ),
+    _MODERATION,
     Field("audio", REFUSED, "no audio output"),
     Field("functions", REFUSED, "deprecated: give tools"),
     Field("function_call", REFUSED, "deprecated: give tool_choice"),
@@ -324,7 +355,8 @@ COMPLETIONS_FIELDS: tuple[Field, ...] = (
         _choice_checked("echo", (False,), "the output never repeats the prompt"),
     ),
     Field("best_of", HONOURED, "only equal to n", _best_of),
-    *_SHARED_IGNORED,
+    _USER,
+    *_STREAM,
     Field("suffix", REFUSED, "no fill-in-the-middle"),
 )
 
@@ -342,11 +374,22 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
         _choice_checked("truncation", ("disabled",), "inputs are never truncated"),
     ),
     Field(
+        "prompt_cache_options",
+        HONOURED,
+        "cache hints need nothing here; prewarm (no answer) is refused",
+        _prompt_cache_options,
+    ),
+    Field(
         "background",
         IGNORED,
         "a batch runs in the background anyway",
     ),
-    *_SHARED_IGNORED,
+    Field("background_options", IGNORED, "a completion window: the batch has its own"),
+    Field("access_programs", IGNORED, "an OpenAI access program"),
+    Field("image", IGNORED, "image options: inputs are text only (an image is refused)"),
+    *_SERVICE_IGNORED,
+    _MODERATION,
+    Field("context_management", REFUSED, "no context compaction: an over-long input is an error"),
     Field("tools", REFUSED, "tools are served on /v1/chat/completions"),
     Field("tool_choice", REFUSED, "tools are served on /v1/chat/completions"),
     Field("parallel_tool_calls", REFUSED, "tools are served on /v1/chat/completions"),
@@ -357,6 +400,14 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
     Field("include", REFUSED, "no extra output items"),
     Field("reasoning", REFUSED, "no reasoning control"),
     Field("top_logprobs", REFUSED, "logprobs are served on /v1/chat/completions"),
+)
+
+EMBEDDINGS_FIELDS: tuple[Field, ...] = (
+    Field("input", HONOURED, "a string or a list of strings: a row each"),
+    _MODEL,
+    Field("dimensions", HONOURED, "the embedding's size, where the model can shorten it"),
+    Field("encoding_format", HONOURED, "float or base64: how the answer is written"),
+    _USER,
 )
 
 FIELDS: dict[str, dict[str, Field]] = {
@@ -416,8 +467,9 @@ def body_columns(url: str, body: dict[str, Any], number: int) -> dict[str, Any]:
 def fate_table() -> str:
     """The tables as Markdown (docs/openai-batch.md, "The field tables")."""
     lines = []
-    for url, table in FIELDS.items():
+    tables = [*((url, tuple(t.values())) for url, t in FIELDS.items())]
+    for url, table in [*tables, (EMBEDDINGS_URL, EMBEDDINGS_FIELDS)]:
         lines += [f"`{url}`", "", "| field | fate | meaning |", "|---|---|---|"]
-        lines += [f"| `{f.name}` | {f.fate} | {f.note} |" for f in table.values()]
+        lines += [f"| `{f.name}` | {f.fate} | {f.note} |" for f in table]
         lines.append("")
     return "\n".join(lines)

@@ -65,15 +65,26 @@ SHARED_IGNORED = {
     name: ({name: value}, {})
     for name, value in (
         ("user", "u-1"),
-        ("metadata", {"k": "v"}),
-        ("store", True),
         ("stream", True),
         ("stream_options", {"include_usage": True}),
-        ("service_tier", "flex"),
-        ("safety_identifier", "s"),
-        ("prompt_cache_key", "k"),
     )
 }
+# The chat and Responses APIs' fields for OpenAI's storage, billing and routing.
+SERVICE_IGNORED = {
+    **SHARED_IGNORED,
+    **{
+        name: ({name: value}, {})
+        for name, value in (
+            ("metadata", {"k": "v"}),
+            ("store", True),
+            ("service_tier", "flex"),
+            ("safety_identifier", "s"),
+            ("prompt_cache_key", "k"),
+            ("prompt_cache_retention", "24h"),
+        )
+    },
+}
+MODERATION = {"moderation": ({"moderation": {"model": "omni-moderation-latest"}}, None)}
 TOOL_CALLS_AUTO = {"choice": "auto", "function": None, "names": ["get_weather"], "parallel": True}
 SAMPLES = {
     CHAT_URL: {
@@ -105,7 +116,9 @@ SAMPLES = {
         "parallel_tool_calls": ({"parallel_tool_calls": False}, {}),
         "modalities": ({"modalities": ["text"]}, {}),
         "prediction": ({"prediction": {"type": "content", "content": "x"}}, {}),
-        **SHARED_IGNORED,
+        **SERVICE_IGNORED,
+        "prompt_cache_options": ({"prompt_cache_options": {"ttl": "30m"}}, {}),
+        **MODERATION,
         "audio": ({"audio": {"voice": "alloy", "format": "mp3"}}, None),
         "functions": ({"functions": [WEATHER["function"]]}, None),
         "function_call": ({"function_call": "auto"}, None),
@@ -165,8 +178,14 @@ SAMPLES = {
             },
         ),
         "truncation": ({"truncation": "disabled"}, {}),
+        "prompt_cache_options": ({"prompt_cache_options": {"mode": "implicit", "ttl": "12h"}}, {}),
         "background": ({"background": True}, {}),
-        **SHARED_IGNORED,
+        "background_options": ({"background_options": {"completion_window": "2h"}}, {}),
+        "access_programs": ({"access_programs": {"cyber": "standard"}}, {}),
+        "image": ({"image": {"context_compression": "auto"}}, {}),
+        **SERVICE_IGNORED,
+        **MODERATION,
+        "context_management": ({"context_management": [{"type": "compaction"}]}, None),
         "tools": ({"tools": [WEATHER]}, None),
         "tool_choice": ({"tool_choice": "auto"}, None),
         "parallel_tool_calls": ({"parallel_tool_calls": True}, None),
@@ -250,6 +269,12 @@ def test_null_means_absent():
         (COMPLETIONS_URL, {"best_of": 3}, r"body\.best_of is refused unless it equals n"),
         (COMPLETIONS_URL, {"logprobs": 6}, r"body\.logprobs must be an integer in 0-5"),
         (RESPONSES_URL, {"truncation": "auto"}, r"body\.truncation=\"auto\" is refused"),
+        (
+            RESPONSES_URL,
+            {"prompt_cache_options": {"prewarm": True}},
+            r"body\.prompt_cache_options\.prewarm is refused: every line is answered",
+        ),
+        (COMPLETIONS_URL, {"store": True}, r"body\.store is refused: not a field"),
         (RESPONSES_URL, {"text": {"verbosity": "low"}}, r"body\.text\.verbosity is not supported"),
         (RESPONSES_URL, {"input": [{"type": "function_call_output"}]}, r"only message items"),
         (
