@@ -81,7 +81,8 @@ def test_every_package_field_has_a_fate_and_no_fate_is_stale(url):
     where = f"openai {openai.__version__}'s {module}.{name}"
     known = package_fields(module, name)
     assert known, where  # the type was found and read
-    assert fate_decisions(url, TABLES[url], known, where) == []
+    decisions = fate_decisions(url, TABLES[url], known, where)
+    assert not decisions, "\n" + "\n".join(decisions)
 
 
 def test_the_decisions_name_each_field_that_parts():
