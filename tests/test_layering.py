@@ -2,13 +2,17 @@
 everything outside the engine comes in through its front door (`tokenmill.engine`).
 
 Every module of the package is parsed (nothing is imported), and every import counts -
-at module top, inside functions, or under TYPE_CHECKING. Run this file as a script to
-print the engine's floors with their files and line counts, and the front door's count.
+at module top, inside functions, or under TYPE_CHECKING. Each rule is a function that
+lists what breaks it; the tests expect empty lists of the real tree, and a negative
+control expects each rule to find the one fault planted for it in a copy of the tree
+(a checker that silently finds nothing fails there). Run this file as a script to print
+the engine's floors with their files and line counts, and the front door's count.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -58,45 +62,57 @@ class Module:
     deferred: set[str] = field(default_factory=set)  # imported inside a function
 
 
-def load_modules() -> dict[str, Module]:
-    """Every module of the package by import name, with what it imports."""
+def load_modules(*roots: Path) -> dict[str, Module]:
+    """Every module of the package by import name, with what it imports: the modules
+    under ROOT, or under each of `roots` in turn (a later root's modules join them)."""
     modules = {}
-    for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            name = ".".join((package, *parts))
-            modules[name] = Module(name, path)
+    for root in roots or (ROOT,):
+        for folder, package in PACKAGES.items():
+            for path in sorted((root / folder).rglob("*.py")):
+                parts = path.relative_to(root / folder).with_suffix("").parts
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                name = ".".join((package, *parts))
+                modules[name] = Module(name, path)
     for module in modules.values():
         _read_imports(module, modules)
     return modules
 
 
-def _read_imports(module: Module, modules: dict[str, Module]) -> None:
-    tree = ast.parse(module.path.read_text(encoding="utf-8"))
+@functools.cache
+def _import_statements(path: Path, name: str) -> tuple[tuple[str, tuple[str, ...], bool], ...]:
+    """Each import of a file as (module, the names imported from it - empty for `import
+    module` -, whether it sits inside a function); relative imports made absolute.
+    Parsed once per file: the tests read the same tree many times."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
     in_function: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             in_function |= {id(n) for n in ast.walk(node) if n is not node}
-    is_package = module.path.name == "__init__.py"
+    is_package = path.name == "__init__.py"
+    statements = []
     for node in ast.walk(tree):
+        deferred = id(node) in in_function
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            statements += [(alias.name, (), deferred) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                parent = module.name.split(".")
+                parent = name.split(".")
                 keep = len(parent) - node.level + (1 if is_package else 0)
                 base = ".".join(parent[:keep] + ([base] if base else []))
-            # `from package import submodule` imports the submodule, not the package body.
-            subs = [f"{base}.{alias.name}" for alias in node.names]
-            known = [s for s in subs if s in modules]
-            targets = known if len(known) == len(subs) else [base, *known]
-        else:
-            continue
+            statements.append((base, tuple(alias.name for alias in node.names), deferred))
+    return tuple(statements)
+
+
+def _read_imports(module: Module, modules: dict[str, Module]) -> None:
+    for base, names, deferred in _import_statements(module.path, module.name):
+        # `from package import submodule` imports the submodule, not the package body.
+        subs = [f"{base}.{name}" for name in names]
+        known = [s for s in subs if s in modules]
+        targets = known if subs and len(known) == len(subs) else [base, *known]
         for target in targets:
-            if id(node) in in_function:
+            if deferred:
                 module.deferred.add(target)
             if target in modules and target != module.name:
                 module.imports.add(target)
@@ -156,49 +172,78 @@ def _engine_modules(modules: dict[str, Module]) -> list[Module]:
     ]
 
 
+# -- the rules: each lists what breaks it ------------------------------------------------
+
+
+def floorless(modules: dict[str, Module]) -> list[str]:
+    """Engine modules in no floor."""
+    return [
+        m.name
+        for m in _engine_modules(modules)
+        if m.name != "tokenmill.engine" and engine_floor(m.name) is None
+    ]
+
+
+def upward_imports(modules: dict[str, Module]) -> list[str]:
+    """Engine imports of a module on a higher floor."""
+    return [
+        f"{m.name} -> {target}"
+        for m in _engine_modules(modules)
+        if m.name != "tokenmill.engine" and engine_floor(m.name) is not None
+        for target in sorted(m.imports)
+        if target.startswith("tokenmill.engine.")
+        and engine_floor(target) is not None
+        and engine_floor(target) < engine_floor(m.name)
+    ]
+
+
+def engine_imports_of_the_rest(modules: dict[str, Module]) -> list[str]:
+    """Engine imports of the pipeline, connectors, flows or CLI."""
+    return [
+        f"{m.name} -> {target}"
+        for m in _engine_modules(modules)
+        for target in sorted(m.imports)
+        if target.startswith("tokenmill.") and not target.startswith("tokenmill.engine")
+    ]
+
+
+def undeclared_deferred_imports(modules: dict[str, Module]) -> list[str]:
+    """Engine imports inside functions that are not the declared heavy ones."""
+    return sorted(
+        f"{m.name}: {target}"
+        for m in _engine_modules(modules)
+        for target in m.deferred
+        if not target.startswith(DEFERRED_IMPORTS)
+    )
+
+
+def engine_imports_of_its_door(modules: dict[str, Module]) -> list[str]:
+    """Engine modules importing `tokenmill.engine` itself."""
+    return [
+        m.name
+        for m in _engine_modules(modules)
+        if m.name != "tokenmill.engine" and "tokenmill.engine" in m.imports
+    ]
+
+
 def test_no_module_imports_itself_in_a_loop():
     assert cycles(load_modules()) == []
 
 
 def test_every_engine_module_has_a_floor():
-    unplaced = [
-        m.name
-        for m in _engine_modules(load_modules())
-        if m.name != "tokenmill.engine" and engine_floor(m.name) is None
-    ]
-    assert unplaced == []
+    assert floorless(load_modules()) == []
 
 
 def test_the_engine_imports_only_downwards():
-    modules = load_modules()
-    upward = [
-        f"{m.name} -> {target}"
-        for m in _engine_modules(modules)
-        if m.name != "tokenmill.engine"
-        for target in sorted(m.imports)
-        if target.startswith("tokenmill.engine.") and engine_floor(target) < engine_floor(m.name)
-    ]
-    assert upward == []
+    assert upward_imports(load_modules()) == []
 
 
 def test_the_engine_imports_nothing_of_the_pipeline_or_the_cli():
-    outside = [
-        f"{m.name} -> {target}"
-        for m in _engine_modules(load_modules())
-        for target in sorted(m.imports)
-        if target.startswith("tokenmill.") and not target.startswith("tokenmill.engine")
-    ]
-    assert outside == []
+    assert engine_imports_of_the_rest(load_modules()) == []
 
 
 def test_engine_imports_inside_functions_are_the_deferred_heavy_ones():
-    deferred = sorted(
-        f"{m.name}: {target}"
-        for m in _engine_modules(load_modules())
-        for target in m.deferred
-        if not target.startswith(DEFERRED_IMPORTS)
-    )
-    assert deferred == []
+    assert undeclared_deferred_imports(load_modules()) == []
 
 
 def _outside_imports_of_internals(modules: dict[str, Module]) -> list[str]:
@@ -220,13 +265,60 @@ def test_outside_the_engine_only_its_front_door_is_imported():
 
 def test_the_engine_never_imports_its_own_front_door():
     """Inside, modules import each other directly: through the door they would loop."""
-    modules = load_modules()
-    inside = [
-        m.name
-        for m in _engine_modules(modules)
-        if m.name != "tokenmill.engine" and "tokenmill.engine" in m.imports
+    assert engine_imports_of_its_door(load_modules()) == []
+
+
+# One planted fault per rule: (file under the copied tree, its text).
+PLANTED = {
+    # An upward import, in a module nothing imports (so no cycle): core -> api.
+    "engine/core/planted_upward.py": "from tokenmill.engine.api import llm\n",
+    # A module in a folder that is no floor.
+    "engine/planted_floor/orphan.py": "X = 1\n",
+    # The engine reaching into the pipeline.
+    "engine/models/planted_pipeline.py": "import tokenmill.pipelines.job\n",
+    # An import hidden inside a function that is not a declared heavy one.
+    "engine/loader/planted_deferred.py": (
+        "def load():\n    from tokenmill.engine.models import registry\n    return registry\n"
+    ),
+    # The engine through its own front door.
+    "engine/core/planted_door.py": "from tokenmill.engine import LLM\n",
+    # The pipeline below the front door.
+    "pipelines/planted_internals.py": "from tokenmill.engine.core import scheduler\n",
+    # Two modules importing each other, one of them relatively.
+    "connectors/planted_a.py": "from tokenmill.connectors import planted_b\n",
+    "connectors/planted_b.py": "from . import planted_a\n",
+}
+
+
+def test_each_rule_finds_the_fault_planted_for_it(tmp_path):
+    """The negative control: the tree with PLANTED added beside it; each rule reports its
+    planted fault and nothing else, so a rule that can no longer see imports fails here
+    while the real tree stays green."""
+    for relative, text in PLANTED.items():
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    modules = load_modules(ROOT, tmp_path)
+    assert set(PLANTED) <= {
+        str(m.path.relative_to(tmp_path))
+        for m in modules.values()
+        if m.path.is_relative_to(tmp_path)
+    }
+    assert cycles(modules) == [["tokenmill.connectors.planted_a", "tokenmill.connectors.planted_b"]]
+    assert floorless(modules) == ["tokenmill.engine.planted_floor.orphan"]
+    assert upward_imports(modules) == [
+        "tokenmill.engine.core.planted_upward -> tokenmill.engine.api.llm"
     ]
-    assert inside == []
+    assert engine_imports_of_the_rest(modules) == [
+        "tokenmill.engine.models.planted_pipeline -> tokenmill.pipelines.job"
+    ]
+    assert undeclared_deferred_imports(modules) == [
+        "tokenmill.engine.loader.planted_deferred: tokenmill.engine.models.registry"
+    ]
+    assert engine_imports_of_its_door(modules) == ["tokenmill.engine.core.planted_door"]
+    assert _outside_imports_of_internals(modules) == [
+        "tokenmill.pipelines.planted_internals -> tokenmill.engine.core.scheduler"
+    ]
 
 
 def test_benchmarks_below_the_front_door_say_why():
