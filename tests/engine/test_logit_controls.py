@@ -1,6 +1,14 @@
 """Penalties, logit bias, allowed tokens and bad words: the sampler's sparse edits equal
 their definitions computed densely, greedy outputs equal a reference loop over HF
-transformers with the same definitions, and overlapped steps change nothing."""
+transformers with the same definitions (transformers' own processors where it has them:
+the repetition penalty, `NoBadWordsLogitsProcessor`, `PrefixConstrainedLogitsProcessor`),
+and overlapped steps change nothing.
+
+Bad words differ from transformers' processor in one place, on purpose (vLLM's rule):
+tokenmill matches a word's earlier tokens against the output only, where transformers
+matches them against prompt and output together - a word begun at the end of the prompt
+is banned there, not here. The comparison uses prompts where no word's start ends the
+prompt, and a test shows the difference itself."""
 
 from __future__ import annotations
 
@@ -10,8 +18,13 @@ import pytest
 import torch
 from hf_models import build_hf_model, make_engine, run_all, save_char_tokenizer
 from tiny_model import build_tiny_model
-from transformers import RepetitionPenaltyLogitsProcessor
+from transformers import (
+    NoBadWordsLogitsProcessor,
+    PrefixConstrainedLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
 
+from tokenmill.engine.core.bans import bad_words_token_ids
 from tokenmill.engine.core.step import PLACEHOLDER_TOKEN_ID, Sequence
 from tokenmill.engine.sample.logit_controls import LogitControls
 from tokenmill.engine.sample.sampler import Sampler, SamplingBatch
@@ -158,6 +171,89 @@ def test_greedy_outputs_equal_transformers_with_the_definitions(hf_and_dir, para
     for prompt, out, free in zip(prompts, outputs, unpenalized):
         assert out.token_ids == hf_greedy_with(hf, prompt, 20, params)
         assert out.token_ids != free.token_ids  # the control changed the answer
+
+
+def hf_greedy_processed(hf, prompt, num_tokens, processor) -> list[int]:
+    """Greedy decoding by full HF forward passes through one transformers processor,
+    which sees prompt and output as one sequence, as `generate` gives it."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = hf(torch.tensor([ids])).logits[:, -1].float()
+            ids.append(int(processor(torch.tensor([ids]), logits)[0].argmax()))
+    return ids[len(prompt) :]
+
+
+def _ends_with_a_words_start(prompt: list[int], words: list[list[int]]) -> bool:
+    """Whether the prompt ends with a word's first j tokens (j < its length): where
+    transformers and tokenmill part (the module docstring)."""
+    return any(
+        prompt[-j:] == word[:j] for word in words for j in range(1, len(word)) if j <= len(prompt)
+    )
+
+
+GREEDY_24 = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_bad_words_equal_transformers_no_bad_words_processor(hf_and_dir):
+    """Words of one, two and three tokens taken from the free answers, so each ban fires:
+    the banned run equals transformers' greedy with NoBadWordsLogitsProcessor given the
+    same token sequences."""
+    hf, path = hf_and_dir
+    engine = make_engine(path)
+    prompts = [_tokens(n, seed=400 + n) for n in (7, 13, 10)]
+    free = run_all(engine, prompts, GREEDY_24)
+    decode = engine.tokenizer.decode
+    words = [
+        decode(free[0].token_ids[4:6]),
+        decode(free[1].token_ids[8:11]),
+        decode(free[2].token_ids[2:3]),
+    ]
+    sequences = bad_words_token_ids(engine.tokenizer, words)
+    assert [len(s) for s in sequences] == [2, 3, 1]
+    assert not any(_ends_with_a_words_start(p, sequences) for p in prompts)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=words)
+    banned = run_all(engine, prompts, params)
+    processor = NoBadWordsLogitsProcessor(sequences, eos_token_id=None)
+    for prompt, out in zip(prompts, banned):
+        assert out.token_ids == hf_greedy_processed(hf, prompt, 24, processor)
+        assert not any(_sequence_with(out.token_ids, word) for word in sequences)
+    assert [o.token_ids for o in banned] != [o.token_ids for o in free]
+
+
+def test_a_bad_word_begun_in_the_prompt_is_transformers_ban_not_ours(hf_and_dir):
+    """The documented difference: the word (the prompt's last token, the answer's first)
+    is banned by transformers, which matches across the prompt, and not by tokenmill."""
+    hf, path = hf_and_dir
+    engine = make_engine(path)
+    prompt = _tokens(9, seed=77)
+    first = run_all(engine, [prompt], GREEDY_24)[0].token_ids[0]
+    word = [prompt[-1], first]
+    text = engine.tokenizer.decode(word)
+    assert bad_words_token_ids(engine.tokenizer, [text]) == [word]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, bad_words=[text])
+    ours = run_all(engine, [prompt], params)[0].token_ids
+    theirs = hf_greedy_processed(hf, prompt, 4, NoBadWordsLogitsProcessor([word], None))
+    assert ours[0] == first and theirs[0] != first
+
+
+def test_allowed_token_ids_equal_transformers_prefix_allowed_tokens(hf_and_dir):
+    """allowed_token_ids against transformers' prefix-allowed function returning the same
+    set at every step; the set leaves out each free answer's tokens, so it matters."""
+    hf, path = hf_and_dir
+    engine = make_engine(path)
+    prompts = [_tokens(n, seed=500 + n) for n in (6, 15)]
+    free = run_all(engine, prompts, GREEDY_24)
+    used = {t for o in free for t in o.token_ids}
+    allowed = sorted(set(random.Random(3).sample(range(VOCAB), 60)) - used)
+    assert len(allowed) >= 20
+    params = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed
+    )
+    processor = PrefixConstrainedLogitsProcessor(lambda batch_id, ids: allowed, num_beams=1)
+    for prompt, out in zip(prompts, run_all(engine, prompts, params)):
+        assert out.token_ids == hf_greedy_processed(hf, prompt, 24, processor)
+        assert set(out.token_ids) <= set(allowed)
 
 
 def _sequence_with(tokens: list[int], word: list[int]) -> bool:
