@@ -17,7 +17,7 @@ from tokenmill import LoRARequest, SamplingParams
 from tokenmill.cli import main
 from tokenmill.pipelines import shared_llm as llm_cache
 from tokenmill.pipelines.job import run_job
-from tokenmill.pipelines.notebook import generate
+from tokenmill.pipelines.notebook import generate, score
 from tokenmill.pipelines.output import read_ledger, read_ledger_dataset, read_results
 
 ENGINE = {"dtype": "float32", "engine_options": {"kv_cache_memory": 8 << 20}}
@@ -29,7 +29,7 @@ def adapters(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("job-adapters")
     return {
         "fr": save_adapter(tiny_model_dir, out / "fr", r=4, targets=ALL_TARGETS, seed=1, b_std=1.0),
-        "de": save_adapter(tiny_model_dir, out / "de", r=8, seed=2, b_std=1.0, merge=False),
+        "de": save_adapter(tiny_model_dir, out / "de", r=8, seed=2, b_std=1.0),
     }
 
 
@@ -82,6 +82,7 @@ def job_args(data, out, model, adapters) -> list[str]:
 
 
 def test_cli_job_runs_each_row_with_its_adapter(tmp_path, data, tiny_model_dir, adapters):
+    adapters = _copies(adapters, tmp_path)  # one is changed on disk at the end
     out = tmp_path / "out"
     result = CliRunner().invoke(main, job_args(data, out, tiny_model_dir, adapters))
     assert result.exit_code == 0, result.output
@@ -137,6 +138,17 @@ def test_cli_job_runs_each_row_with_its_adapter(tmp_path, data, tiny_model_dir, 
     changed = CliRunner().invoke(main, job_args(data, out, tiny_model_dir, adapters))
     assert changed.exit_code != 0
     assert "not shards of this job" in changed.output
+
+
+def _copies(adapters, tmp_path):
+    """The adapters copied into tmp_path (the module's own stay as they are)."""
+    import dataclasses
+    import shutil
+
+    return {
+        name: dataclasses.replace(a, path=shutil.copytree(a.path, tmp_path / "copies" / name))
+        for name, a in adapters.items()
+    }
 
 
 def _change_weights(path) -> None:
@@ -310,6 +322,32 @@ def test_a_scoring_job_scores_each_row_under_its_adapter(tmp_path, data, tiny_mo
     # scores differently; r1 (de) and r6 (the base model) likewise.
     assert rows["r0"]["adapter"] == "fr" and rows["r5"]["adapter"] == "de"
     assert rows["r0"]["prompt_tokens"] == rows["r5"]["prompt_tokens"]
-    assert rows["r0"]["perplexity"] != rows["r5"]["perplexity"]
     assert rows["r6"]["adapter"] is None
-    assert rows["r1"]["perplexity"] != rows["r6"]["perplexity"]
+    # Each row scores as the scoring of PEFT's merged model (the base for r6) does, to
+    # fp32 rounding: the adapter's own answer, not merely a different one.
+    models = {name: _merged_dir(a, tiny_model_dir, tmp_path) for name, a in adapters.items()}
+    models[None] = tiny_model_dir
+    scored = [r for r in rows.values() if r["error"] is None]
+    assert len(scored) == 9  # all but r4, whose adapter is not one of the job's
+    for name, model in models.items():
+        mine = [r for r in scored if r["adapter"] == name]
+        texts = [QUESTIONS[int(r["id"][1:]) % len(QUESTIONS)] for r in mine]
+        expected = score(texts, model=str(model), **ENGINE).to_dicts()
+        for row, want in zip(mine, expected):
+            assert row["prompt_tokens"] == want["prompt_tokens"], row["id"]
+            assert row["prompt_logprob_sum"] == pytest.approx(want["prompt_logprob_sum"], abs=1e-3)
+            assert row["perplexity"] == pytest.approx(want["perplexity"], rel=1e-4)
+    assert rows["r0"]["perplexity"] != pytest.approx(rows["r5"]["perplexity"], rel=1e-2)
+    assert rows["r1"]["perplexity"] != pytest.approx(rows["r6"]["perplexity"], rel=1e-2)
+
+
+def _merged_dir(adapter, base_dir, tmp_path):
+    """PEFT's merged model of `adapter` as a model directory (the base's tokenizer files)."""
+    import shutil
+
+    out = tmp_path / f"merged-{adapter.name}"
+    adapter.merged.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (base_dir / name).exists():
+            shutil.copy(base_dir / name, out / name)
+    return out
