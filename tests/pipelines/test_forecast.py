@@ -152,6 +152,29 @@ def test_calibrated_forecast_estimates_completions_and_seconds(tmp_path, tiny_mo
     assert ledger.cached_tokens == forecast.cached_tokens
 
 
+def test_the_estimates_hold_to_the_run(tmp_path, tiny_model_dir):
+    """A fixed job whose every row runs to max_tokens (ignore_eos), forecast and then run
+    on a fresh engine: the completion-token estimate is the ledger's exactly, so an
+    estimator off on completions by any factor fails; the seconds estimate is within
+    [1/3, 3]x of the ledger's device_seconds, wide enough for a loaded 2-core machine
+    (where the ratio wanders between about 0.5 and 2), so it catches a time model wrong
+    by a large factor (a lost term, a wrong unit), not a small one."""
+    src = _write(tmp_path / "in.parquet", _varied_prompts(84, seed=7))
+    out = str(tmp_path / "out")
+    options = {"max_tokens": 12, "ignore_eos": True, "shard_tokens": 1500}
+    forecast = run_job(src, out, llm=_llm(tiny_model_dir), dry_run=True, **options)
+    ledger = run_job(src, out, llm=_llm(tiny_model_dir), **options)
+    assert forecast.rows_computed == 84 - forecast.rows_deduplicated == 72
+    assert ledger.completion_tokens == 72 * 12
+    assert forecast.completion_tokens_estimate == ledger.completion_tokens
+    ratio = forecast.seconds_estimate / ledger.device_seconds
+    print(
+        f"\nseconds: forecast {forecast.seconds_estimate:.3f}, run {ledger.device_seconds:.3f}"
+        f" ({ratio:.2f}x)"
+    )
+    assert 1 / 3 <= ratio <= 3
+
+
 def test_calibration_leaves_the_engine_cold_for_the_run(tmp_path, tiny_model_dir):
     """A dry run and the run in one process, on one engine: the calibration's prefix
     cache entries are gone, so the run bills what the forecast says."""
