@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -79,6 +80,13 @@ OTHER_VALUES = {
     "service_tier": "flex",
     "safety_identifier": "s",
     "prompt_cache_key": "k",
+    "prompt_cache_retention": "24h",
+    "prompt_cache_options": {"ttl": "30m"},
+    "background_options": {"completion_window": "2h"},
+    "access_programs": {"cyber": "standard"},
+    "image": {"context_compression": "auto"},
+    "moderation": {"model": "omni-moderation-latest"},
+    "context_management": [{"type": "compaction"}],
     "prediction": {"type": "content", "content": "Paris"},
     "background": True,
     "audio": {"voice": "alloy", "format": "mp3"},
@@ -234,8 +242,23 @@ def answers(llm, tmp_path_factory):
     prompt = tokenizer.encode(text, add_special_tokens=False)
     from tokenmill import SamplingParams
 
-    baseline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    baseline = llm.generate([prompt], greedy)[0]
     lines = honoured_lines(baseline.token_ids, baseline.text.split())
+    # The engine's own answers under each penalty and the bias, asked for directly: what
+    # those lines must equal (the engine's controls are held to transformers elsewhere).
+    poem = tokenizer.apply_chat_template([{"role": "user", "content": LIST_QUESTION}])
+    poem = tokenizer.encode(poem, add_special_tokens=False)
+    controls = {
+        "chat:frequency_penalty": (poem, {"frequency_penalty": 2.0}),
+        "chat:presence_penalty": (poem, {"presence_penalty": 2.0}),
+        "chat:repetition_penalty": (poem, {"repetition_penalty": 1.5}),
+        "chat:logit_bias": (prompt, {"logit_bias": {baseline.token_ids[0]: -100.0}}),
+    }
+    outputs = llm.generate(
+        [p for p, _ in controls.values()], [replace(greedy, **c) for _, c in controls.values()]
+    )
+    direct = {cid: o.text for cid, o in zip(controls, outputs)}
     for url, table in FIELDS.items():
         prefix = {CHAT_URL: "chat", COMPLETIONS_URL: "completions", RESPONSES_URL: "responses"}[url]
         for name, field in table.items():
@@ -258,7 +281,7 @@ def answers(llm, tmp_path_factory):
         max_tokens=24,
     )
     written = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    return {w["custom_id"]: w for w in written}, baseline
+    return {w["custom_id"]: w for w in written}, baseline, direct
 
 
 def _body(answers, cid):
@@ -276,7 +299,7 @@ def _text(answers, cid) -> str:
 
 
 def test_every_body_validates_with_the_openai_types(answers):
-    lines, _ = answers
+    lines, *_ = answers
     for line in lines.values():
         if line["response"] is None:
             continue
@@ -287,7 +310,7 @@ def test_every_body_validates_with_the_openai_types(answers):
 
 
 def test_refused_fields_are_error_lines_naming_them(answers):
-    lines, _ = answers
+    lines, *_ = answers
     for url, table in FIELDS.items():
         prefix = {CHAT_URL: "chat", COMPLETIONS_URL: "completions", RESPONSES_URL: "responses"}[url]
         for name, field in table.items():
@@ -300,7 +323,7 @@ def test_refused_fields_are_error_lines_naming_them(answers):
 
 
 def test_ignored_fields_change_nothing(answers):
-    lines, _ = answers
+    lines, *_ = answers
     for url, table in FIELDS.items():
         prefix = {CHAT_URL: "chat", COMPLETIONS_URL: "completions", RESPONSES_URL: "responses"}[url]
         base = {CHAT_URL: "chat:messages", COMPLETIONS_URL: "completions:prompt"}.get(
@@ -312,7 +335,7 @@ def test_ignored_fields_change_nothing(answers):
 
 
 def test_honoured_sampling_fields_change_the_answer_as_documented(answers):
-    lines, baseline = answers
+    lines, baseline, direct = answers
     greedy = _text(lines, "chat:messages")
     assert greedy == baseline.text
     tokens = lambda cid: _body(lines, cid)["usage"]["completion_tokens"]  # noqa: E731
@@ -330,8 +353,8 @@ def test_honoured_sampling_fields_change_the_answer_as_documented(answers):
     assert tokens("chat:min_tokens") >= 40
     listed = _text(lines, "chat:list")
     for cid in ("chat:frequency_penalty", "chat:presence_penalty", "chat:repetition_penalty"):
-        assert _text(lines, cid) != listed, cid
-    assert _text(lines, "chat:logit_bias") != greedy
+        assert _text(lines, cid) == direct[cid] != listed, cid
+    assert _text(lines, "chat:logit_bias") == direct["chat:logit_bias"] != greedy
     assert re.fullmatch(r"(\s?(yes|no))*", _text(lines, "chat:allowed_token_ids"))
     assert "Paris" in greedy and "Paris" not in _text(lines, "chat:bad_words")
     assert _text(lines, "chat:modalities") == greedy
@@ -339,7 +362,7 @@ def test_honoured_sampling_fields_change_the_answer_as_documented(answers):
 
 
 def test_logprobs_come_back_in_both_shapes(answers):
-    lines, _ = answers
+    lines, *_ = answers
     for cid, k in (("chat:logprobs", 0), ("chat:top_logprobs", 2)):
         body = _body(lines, cid)
         content = body["choices"][0]["logprobs"]["content"]
@@ -357,7 +380,7 @@ def test_logprobs_come_back_in_both_shapes(answers):
 
 
 def test_tool_calls_parse_and_validate_against_their_schemas(answers):
-    lines, _ = answers
+    lines, *_ = answers
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
     for cid in ("chat:tool_choice", "chat:tool_choice-named", "chat:parallel_tool_calls"):
         choice = _body(lines, cid)["choices"][0]
@@ -375,7 +398,7 @@ def test_tool_calls_parse_and_validate_against_their_schemas(answers):
 
 
 def test_structured_answers_and_responses(answers):
-    lines, _ = answers
+    lines, *_ = answers
     chat_json = json.loads(_text(lines, "chat:response_format"))
     jsonschema.validate(chat_json, PERSON)
     jsonschema.validate(json.loads(_text(lines, "responses:text")), PERSON)
