@@ -70,8 +70,9 @@ class SamplingParams:
     its logit), then the grammar mask, then allowed_token_ids (every other token is
     masked) and bad_words (vLLM's rule: a word's last token is masked when the output
     ends with the tokens before it; a one-token word is masked always; unlike
-    transformers' NoBadWordsLogitsProcessor, a word begun in the prompt is not matched). Logprobs are of
-    the distribution after all of them, before temperature and the filters.
+    transformers' NoBadWordsLogitsProcessor, a word begun in the prompt is not matched).
+    Logprobs are of the distribution after all of them, before temperature and the
+    filters.
 
     How to add a sampling parameter
     -------------------------------
