@@ -147,8 +147,10 @@ def honoured_lines(baseline_ids: list[int], words: list[str]) -> dict[str, tuple
         "chat:stop_token_ids": (CHAT_URL, chat(stop_token_ids=[third])),
         "chat:min_tokens": (CHAT_URL, chat(min_tokens=40, max_tokens=48)),
         "chat:list": (CHAT_URL, listing()),
-        "chat:frequency_penalty": (CHAT_URL, listing(frequency_penalty=2.0)),
-        "chat:presence_penalty": (CHAT_URL, listing(presence_penalty=2.0)),
+        # 48 tokens at 0.6: long enough for a token to come a third time, where the two
+        # penalties part (in 24 tokens none does, and any swap of them would pass).
+        "chat:frequency_penalty": (CHAT_URL, listing(frequency_penalty=0.6, max_tokens=48)),
+        "chat:presence_penalty": (CHAT_URL, listing(presence_penalty=0.6, max_tokens=48)),
         "chat:repetition_penalty": (CHAT_URL, listing(repetition_penalty=1.5)),
         "chat:logit_bias": (CHAT_URL, chat(logit_bias={str(first): -100})),
         "chat:allowed_token_ids": (CHAT_URL, chat(allowed_token_ids=ALLOWED)),
@@ -250,8 +252,9 @@ def answers(llm, tmp_path_factory):
     poem = tokenizer.apply_chat_template([{"role": "user", "content": LIST_QUESTION}])
     poem = tokenizer.encode(poem, add_special_tokens=False)
     controls = {
-        "chat:frequency_penalty": (poem, {"frequency_penalty": 2.0}),
-        "chat:presence_penalty": (poem, {"presence_penalty": 2.0}),
+        "chat:frequency_penalty": (poem, {"frequency_penalty": 0.6, "max_tokens": 48}),
+        "chat:presence_penalty": (poem, {"presence_penalty": 0.6, "max_tokens": 48}),
+        "unpenalised": (poem, {"max_tokens": 48}),
         "chat:repetition_penalty": (poem, {"repetition_penalty": 1.5}),
         "chat:logit_bias": (prompt, {"logit_bias": {baseline.token_ids[0]: -100.0}}),
     }
@@ -352,8 +355,12 @@ def test_honoured_sampling_fields_change_the_answer_as_documented(answers):
     assert tokens("chat:stop_token_ids") == 3
     assert tokens("chat:min_tokens") >= 40
     listed = _text(lines, "chat:list")
-    for cid in ("chat:frequency_penalty", "chat:presence_penalty", "chat:repetition_penalty"):
-        assert _text(lines, cid) == direct[cid] != listed, cid
+    penalties = ("chat:frequency_penalty", "chat:presence_penalty", "chat:repetition_penalty")
+    for cid in penalties:
+        assert _text(lines, cid) == direct[cid], cid
+    # Each penalty changes the answer, the two OpenAI ones differently.
+    assert len({direct[penalties[0]], direct[penalties[1]], direct["unpenalised"]}) == 3
+    assert direct["chat:repetition_penalty"] != listed
     assert _text(lines, "chat:logit_bias") == direct["chat:logit_bias"] != greedy
     assert re.fullmatch(r"(\s?(yes|no))*", _text(lines, "chat:allowed_token_ids"))
     assert "Paris" in greedy and "Paris" not in _text(lines, "chat:bad_words")
