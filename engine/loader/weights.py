@@ -4,6 +4,7 @@ one tensor at a time - after every file's header has been checked against the mo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,11 +20,22 @@ from tokenmill.engine.loader.tensor_plan import (
 )
 from tokenmill.engine.models import ModelConfig
 
+# (model on the meta device, every checkpoint tensor) -> the tensors another reader takes:
+# a quantized checkpoint's layers, swapped out of the model by the callable itself
+# (quant/checkpoint/loading.py), which checks their headers and reads them later.
+HoldOut = Callable[[nn.Module, list[TensorSource]], frozenset[str]]
+
 
 def load_model(
-    model_dir: Path, config: ModelConfig, *, dtype: torch.dtype, device: torch.device
+    model_dir: Path,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    hold_out: HoldOut | None = None,
 ) -> nn.Module:
-    """Instantiate the architecture and load every parameter from the checkpoint.
+    """Instantiate the architecture and load every parameter from the checkpoint (but the
+    tensors `hold_out` takes for layers it swapped out).
 
     Raises:
         ValueError: before any weight is read - a tensor the model has no place for, a
@@ -35,6 +47,9 @@ def load_model(
     model = build_on_meta(config, dtype)
     headers = {path: read_header(path) for path in weight_files(model_dir)}
     sources = [TensorSource(e.name, e.dtype, e.shape) for h in headers.values() for e in h]
+    if hold_out is not None:
+        held = hold_out(model, sources)
+        sources = [s for s in sources if s.name not in held]
     plan = plan_tensors(model, config, sources, where=str(model_dir))
     _materialize(model, device)
     params = dict(model.named_parameters())

@@ -12,8 +12,9 @@ and the lm_head unless the mode quantizes it) runs in the engine's float dtype. 
 - "int4": group-wise 4-bit weights (group 32), bf16 activations (int4.py).
 - "gguf": the GGUF's own quantized blocks, kept as they are (gguf_linear.py).
 
-A checkpoint quantized by another tool (config.json's quantization_config: GPTQ, AWQ,
-compressed-tensors, FP8, ...) is refused by name until a method reads its format
+A checkpoint quantized by another tool (config.json's quantization_config) loads its
+layers in its own format where a reader in checkpoint/ takes it (compressed-tensors),
+onto the same int4 and int8 kernels; other formats are refused by name
 (checkpoint_formats.py).
 
 Every check that can fail runs before any weight is touched (`check_quantization`).
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenmill.engine.quant.checkpoint import CheckpointQuantization
 from tokenmill.engine.quant.checkpoint_formats import check_checkpoint_quantization
 from tokenmill.engine.quant.method import (
     MeasureInputs,
@@ -47,7 +49,7 @@ from tokenmill.engine.quant.method import (
 from tokenmill.engine.quant.packed_linear import PackedLinear
 
 # Modules of this package that are not quantization modes.
-_NOT_MODES = frozenset({"calibrate", "checkpoint_formats", "method", "packed_linear"})
+_NOT_MODES = frozenset({"calibrate", "checkpoint", "checkpoint_formats", "method", "packed_linear"})
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name not in _NOT_MODES:
@@ -88,19 +90,33 @@ def validate_lm_head(quantization: str | None, quantize_lm_head: bool) -> None:
 
 def check_quantization(
     quantization: str | None, model_dir: Path, config, *, device: torch.device
-) -> None:
+) -> CheckpointQuantization | None:
     """Raise ValueError when this model cannot run quantized this way here - or at all,
-    its checkpoint being quantized by another tool (checkpoint_formats.py).
+    its checkpoint being quantized by another tool in a format not read
+    (checkpoint_formats.py).
 
     Args:
         quantization: a name from QUANTIZATIONS, or None.
         model_dir: the model's HF-layout directory (a GGUF conversion for "gguf").
         config: its ModelConfig.
         device: where it will run.
+    Returns:
+        The checkpoint's own quantization, read, or None for a float checkpoint.
     """
-    check_checkpoint_quantization(model_dir)
+    checkpoint = check_checkpoint_quantization(model_dir)
+    if checkpoint is not None:
+        if quantization is not None:
+            raise ValueError(
+                f"{Path(model_dir).name} is quantized already ({checkpoint.format}); leave "
+                f"quantization unset (not {quantization!r}) to run its own weights"
+            )
+        if device.type != "cpu":
+            raise ValueError(
+                f"quantized checkpoints ({checkpoint.format}) run on CPU only, not {device.type}"
+            )
     if quantization is not None:
         get_method(quantization).check(model_dir, config, device)
+    return checkpoint
 
 
 def quantize_model(
@@ -142,6 +158,7 @@ def linear_kinds() -> tuple[type, ...]:
 
 __all__ = [
     "QUANTIZATIONS",
+    "CheckpointQuantization",
     "QuantizationMethod",
     "check_checkpoint_quantization",
     "check_quantization",

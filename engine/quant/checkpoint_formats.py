@@ -1,19 +1,25 @@
-"""Checkpoints quantized by other tools (config.json's `quantization_config`): refused by
-name, before any weight is read, until a QuantizationMethod reads their format.
+"""Checkpoints quantized by other tools (config.json's `quantization_config`): read by
+the format that accepts them (quant/checkpoint/), or refused by name, before any weight
+is read.
 
 A quantized checkpoint stores its weights as integers (or fp8) beside their scales,
 zero points and packing; read as plain numbers they give a different model without a
-word. So every format - GPTQ, AWQ, compressed-tensors in each of its formats, block-wise
-FP8, bitsandbytes, MXFP4, and any method not listed - is refused, naming the method and
-format, with the nearest thing that runs: the unquantized checkpoint quantized at load
-by one of tokenmill's own modes. (A checkpoint with integer weights and no
+word. So every format no reader takes - block-wise FP8, bitsandbytes, MXFP4, any method not
+listed - and every variant a reader does not run is refused, naming the method and format,
+with the nearest thing that runs: the unquantized checkpoint quantized at load by one of
+tokenmill's own modes. (A checkpoint with integer weights and no
 quantization_config is refused by the loader, naming the tensors: loader/tensor_plan.py.)
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from tokenmill.engine.quant.checkpoint import (
+    CheckpointQuantization,
+    quantization_settings,
+    read_checkpoint_quantization,
+)
 
 # The own mode nearest each weight precision: 8-bit formats -> int8, 4-bit or less -> int4.
 _INT8 = "--quantization int8 (quantization='int8')"
@@ -23,24 +29,30 @@ _SPARSE_FORMATS = frozenset({"sparse-24-bitmask", "sparse-bitmask", "marlin-24"}
 _FP4_FORMATS = frozenset({"nvfp4-pack-quantized", "mxfp4-pack-quantized"})
 
 
-def check_checkpoint_quantization(model_dir: Path) -> None:
-    """Raise ValueError when the model directory's config.json says its weights are
-    quantized (`quantization_config`, or compressed-tensors' older `compression_config`).
+def check_checkpoint_quantization(model_dir: Path) -> CheckpointQuantization | None:
+    """The checkpoint's quantization as its format's reader takes it, None for a float
+    checkpoint; raises ValueError when config.json says its weights are quantized
+    (`quantization_config`, or compressed-tensors' older `compression_config`) in a
+    format or variant no reader runs.
     """
+    found = quantization_settings(model_dir)
+    if found is None:
+        return None
+    key, settings = found
+    kind, nearest = describe(settings)
+    where = f"{Path(model_dir).name} is a quantized checkpoint ({key}: {kind})"
     try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return  # no config to read: the model's own loading says what is wrong
-    for key in ("quantization_config", "compression_config"):
-        settings = raw.get(key)
-        if settings:
-            kind, nearest = describe(settings)
-            raise ValueError(
-                f"{Path(model_dir).name} is a quantized checkpoint ({key}: {kind}); tokenmill "
-                "does not read checkpoints quantized by other tools yet - their weights need "
-                f"the format's own scales and packing. Load the unquantized checkpoint with "
-                f"{nearest} instead"
-            )
+        read = read_checkpoint_quantization(settings)
+    except ValueError as error:
+        raise ValueError(
+            f"{where}; {error}. Or load the unquantized checkpoint with {nearest}"
+        ) from None
+    if read is None:
+        raise ValueError(
+            f"{where}; tokenmill does not read this format - its weights need the format's "
+            f"own scales and packing. Load the unquantized checkpoint with {nearest} instead"
+        )
+    return read
 
 
 def describe(settings: dict) -> tuple[str, str]:

@@ -141,7 +141,7 @@ def build_runner(
     max_model_len = max_model_len_of(model_config, engine_config)
     check_settings(engine_config)
     quantization = engine_config.quantization
-    check_quantization(quantization, model_dir, model_config, device=device)
+    checkpoint = check_quantization(quantization, model_dir, model_config, device=device)
     kv_format = kv_cache_format(engine_config.kv_cache_dtype)
     if getattr(model_config, "vision", None) is not None:
         # Image tokens are attended to again from the cache (attention/image_spans.py),
@@ -166,7 +166,10 @@ def build_runner(
     # free, and a model that cannot fit is refused rather than killed halfway.
     memory = plan_memory(model_config, engine_config, dtype=dtype, device=device)
     memory.check(model_dir.name)
-    model = load_model(model_dir, model_config, dtype=dtype, device=device)
+    hold_out = None if checkpoint is None else checkpoint.hold_out
+    model = load_model(model_dir, model_config, dtype=dtype, device=device, hold_out=hold_out)
+    if checkpoint is not None:  # its quantized layers, read in their own format
+        checkpoint.load_layers(model, model_dir, dtype=dtype)
     if quantization is not None:
         measure = functools.partial(input_absmax, dtype=dtype)
         quantize_model(
@@ -245,7 +248,8 @@ def build_encoder_runner(
     """
     model_config = load_config(model_dir)
     check_settings(engine_config)
-    check_checkpoint_quantization(model_dir)
+    if check_checkpoint_quantization(model_dir) is not None:
+        raise ValueError("quantized checkpoints are not read for encoder models; load a float one")
     if engine_config.quantization is not None:
         raise ValueError("quantization is not available for encoder models; leave it unset")
     if not kv_cache_format(engine_config.kv_cache_dtype).is_default:

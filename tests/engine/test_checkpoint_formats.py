@@ -1,5 +1,6 @@
-"""Checkpoints quantized by other tools: each format refused by name - method, format, and
-the nearest thing that runs - before any weight is read; never loaded as plain numbers."""
+"""Checkpoints quantized by other tools: each format a reader takes is read in its own
+format; every other one is refused by name - method, format, and the nearest thing that
+runs - before any weight is read; never loaded as plain numbers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from tokenmill.engine.api.llm import LLM
 from tokenmill.engine.loader import weights
 from tokenmill.engine.quant.checkpoint_formats import check_checkpoint_quantization, describe
+from tokenmill.engine.quant.int8 import Int8Linear
 
 INT8 = "--quantization int8"
 INT4 = "--quantization int4"
@@ -206,16 +208,35 @@ def test_each_format_is_described_by_name(settings, names, nearest):
     assert alternative.startswith(nearest)
 
 
+# Formats a reader in quant/checkpoint/ takes; the others are refused.
+READ = (
+    "compressed-tensors-w8a8",
+    "compressed-tensors-w4a16",
+    "compressed-tensors-naive",
+    "compressed-tensors-mixed-groups",
+)
+REFUSED = {name: value for name, value in FORMATS.items() if name not in READ}
+
+
 @pytest.mark.parametrize("key", ["quantization_config", "compression_config"])
-@pytest.mark.parametrize("settings, names, nearest", FORMATS.values(), ids=FORMATS.keys())
-def test_each_format_is_refused(key, settings, names, nearest, tmp_path):
+@pytest.mark.parametrize("name", READ)
+def test_formats_with_a_reader_are_read(key, name, tmp_path):
+    settings = FORMATS[name][0]
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"], key: settings}))
+    read = check_checkpoint_quantization(tmp_path)
+    assert read is not None and read.format == "compressed-tensors"
+
+
+@pytest.mark.parametrize("key", ["quantization_config", "compression_config"])
+@pytest.mark.parametrize("settings, names, nearest", REFUSED.values(), ids=REFUSED.keys())
+def test_each_format_without_a_reader_is_refused(key, settings, names, nearest, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"], key: settings}))
     with pytest.raises(ValueError) as refusal:
         check_checkpoint_quantization(tmp_path)
     message = str(refusal.value)
     assert f"quantized checkpoint ({key}: " in message
     assert all(name in message for name in names)
-    assert f"Load the unquantized checkpoint with {nearest}" in message
+    assert f"load the unquantized checkpoint with {nearest}" in message.lower()
 
 
 def build_w8a8_checkpoint(model_dir, *, with_config: bool = True):
@@ -248,13 +269,20 @@ def no_weight_read(monkeypatch):
     monkeypatch.setattr(weights, "iter_tensors", read)
 
 
-def test_a_w8a8_checkpoint_is_refused_by_format_before_any_weight_is_read(tmp_path, no_weight_read):
+def test_a_w8a8_checkpoint_runs_its_int8_weights_with_their_scales(tmp_path):
+    """What loaded silently wrong before the format had a reader: its int8 weights read
+    as plain numbers, without their scales. Now they run on the int8 kernels, scaled."""
+    hf = build_w8a8_checkpoint(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32")
+    layer = llm.engine.runner.model.model.layers[0].self_attn.o_proj
+    assert isinstance(layer, Int8Linear)
+    want = hf.model.layers[0].self_attn.o_proj.weight.abs().amax(dim=1) / 127
+    torch.testing.assert_close(layer.scale, want.float(), rtol=1e-6, atol=0)
+
+
+def test_own_quantization_on_a_quantized_checkpoint_is_refused(tmp_path, no_weight_read):
     build_w8a8_checkpoint(tmp_path)
-    with pytest.raises(
-        ValueError, match=r"compressed-tensors, format int-quantized, W8A8 \(int weights, int"
-    ):
-        LLM(str(tmp_path), dtype="float32")
-    with pytest.raises(ValueError, match=INT8):
+    with pytest.raises(ValueError, match="quantized already .*leave quantization unset"):
         LLM(str(tmp_path), dtype="float32", quantization="int8")
 
 
@@ -272,7 +300,7 @@ def test_an_encoder_checkpoint_is_refused_too(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = W8A8
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="format int-quantized"):
+    with pytest.raises(ValueError, match="not read for encoder models"):
         LLM(str(tmp_path), dtype="float32")
 
 

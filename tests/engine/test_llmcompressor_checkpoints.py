@@ -1,0 +1,133 @@
+"""Checkpoints written by llm-compressor itself (data/llmcompressor/, made by the script
+there): our test packer rewrites their tensors byte for byte, and the engine over them
+computes what transformers computes on compressed-tensors' own decompression of them -
+exactly for weights-only schemes, within the activations' own rounding for W8A8."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from compressed_tensors.compressors.naive_quantized import IntQuantizationCompressor
+from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+from compressed_tensors.quantization import QuantizationScheme
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+from hf_models import hf_prompt_logprobs, make_engine, run_all
+from quantized_checkpoints import compressed_tensors_layer
+from safetensors.torch import load_file
+
+from tokenmill.engine.quant.checkpoint.compressed_tensors import CompressedTensors
+from tokenmill.engine.quant.checkpoint.layers import ExactIntLinear
+from tokenmill.engine.quant.int8 import Int8Linear
+from tokenmill.engine.types.sampling_params import SamplingParams
+
+DATA = Path(__file__).parent / "data" / "llmcompressor"
+PROMPTS = [[3, 5, 7, 9, 11, 4, 6, 30, 31], [8, 8, 2, 10, 12, 13, 1, 5, 9, 3, 3, 60, 2]]
+_COMPRESSORS = {
+    "pack-quantized": PackedQuantizationCompressor,
+    "int-quantized": IntQuantizationCompressor,
+}
+
+
+def read(name: str):
+    raw = json.loads((DATA / name / "config.json").read_text())
+    settings = raw["quantization_config"]
+    group = settings["config_groups"]["group_0"]
+    tensors = load_file(DATA / name / "model.safetensors")
+    layers = sorted({n.rpartition(".")[0] for n in tensors if n.endswith("weight_scale")})
+    return raw, settings, group, tensors, layers
+
+
+@pytest.mark.parametrize("name", ["W4A16_ASYM", "W8A8"])
+def test_our_packer_rewrites_llm_compressors_tensors_byte_for_byte(name):
+    raw, settings, group, tensors, layers = read(name)
+    reader = CompressedTensors().parse(settings)
+    assert len(layers) == 7
+    for layer in layers:
+        scheme = reader.scheme(layer)
+        mine = {n.rpartition(".")[2]: t for n, t in tensors.items() if n.startswith(layer + ".")}
+        n, k = mine["weight_shape"].tolist() if "weight_shape" in mine else mine["weight"].shape
+        decoded = reader.decode(scheme, mine, n, k)
+        again = compressed_tensors_layer(decoded, group["format"])
+        assert set(again) == set(mine), layer
+        for suffix, tensor in again.items():
+            assert tensor.dtype == mine[suffix].dtype and torch.equal(tensor, mine[suffix]), suffix
+
+
+def reference_model(name: str, *, activations: bool = False):
+    """transformers' Llama holding compressed-tensors' own decompression of the checkpoint
+    (scales given in fp32, so every value is (q - zero) * scale exactly), in fp32; with
+    `activations`, each quantized layer's input goes through compressed-tensors' dynamic
+    per-token fake quantization first, as its forward does."""
+    raw, settings, group, tensors, layers = read(name)
+    config = transformers.LlamaConfig(
+        **{k: v for k, v in raw.items() if k != "quantization_config"}
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    scheme = QuantizationScheme(
+        **{k: group[k] for k in ("targets", "weights", "input_activations")}
+    )
+    state = {n: t.float() for n, t in tensors.items() if not n.startswith(tuple(layers))}
+    for layer in layers:
+        mine = {n.rpartition(".")[2]: t for n, t in tensors.items() if n.startswith(layer + ".")}
+        mine["weight_scale"] = mine["weight_scale"].float()
+        state[f"{layer}.weight"] = _COMPRESSORS[group["format"]].decompress(mine, scheme)["weight"]
+    model.load_state_dict(state, strict=True)
+    if activations:
+        for layer in layers:
+            module = model.get_submodule(layer)
+            module.register_forward_pre_hook(_fake_quantize_input(scheme.input_activations))
+    return model
+
+
+def _fake_quantize_input(args):
+    def hook(module, inputs):
+        (x,) = inputs
+        scale, zero = compute_dynamic_scales_and_zp(value=x, args=args, module=module)
+        return (fake_quantize(x, scale, zero, args),)
+
+    return hook
+
+
+def engine_logprobs(name: str):
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    engine = make_engine(DATA / name)
+    outputs = run_all(engine, PROMPTS, params)
+    return engine, [
+        [out.prompt_logprobs[i + 1][t] for i, t in enumerate(p[1:])]
+        for p, out in zip(PROMPTS, outputs)
+    ]
+
+
+def reference_logprobs(model) -> list[list[float]]:
+    return [[float(row[t]) for row, t in zip(hf_prompt_logprobs(model, p), p[1:])] for p in PROMPTS]
+
+
+def test_w4a16_asym_is_transformers_on_the_decompressed_weights():
+    engine, ours = engine_logprobs("W4A16_ASYM")
+    assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj, ExactIntLinear)
+    theirs = reference_logprobs(reference_model("W4A16_ASYM"))
+    worst = max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y))
+    assert worst < 1e-3, worst
+
+
+def test_w8a8_is_transformers_with_compressed_tensors_activation_rounding_within_its_error():
+    """The int8 kernels round each token's activations with max|x| / 127 (codes -127..127),
+    compressed-tensors with max|x| / 127.5 (codes -128..127): two roundings of the same
+    scheme. The difference between them is held to less than each one's own distance from
+    unquantized activations."""
+    engine, ours = engine_logprobs("W8A8")
+    assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj, Int8Linear)
+    with_rounding = reference_logprobs(reference_model("W8A8", activations=True))
+    without = reference_logprobs(reference_model("W8A8"))
+    ours_vs_ct = max(abs(a - b) for x, y in zip(ours, with_rounding) for a, b in zip(x, y))
+    scheme_error = max(abs(a - b) for x, y in zip(without, with_rounding) for a, b in zip(x, y))
+    print(
+        f"\nW8A8 prompt logprobs: ours vs compressed-tensors {ours_vs_ct:.5f}, "
+        f"compressed-tensors' activation rounding itself {scheme_error:.5f}"
+    )
+    assert ours_vs_ct < scheme_error
