@@ -134,6 +134,102 @@ def matches(name: str, targets, ignore) -> bool:
     return hit(targets) and not hit(ignore)
 
 
+def gptq_layer(weight: IntWeight, layout: str = "v1") -> dict[str, torch.Tensor]:
+    """One layer's tensors as AutoGPTQ (v1: zero points stored minus one, each field
+    masked to its bits) or GPTQModel (v2) saves them: qweight, qzeros, scales, g_idx."""
+    n, k = weight.shape
+    half = 1 << (weight.bits - 1)
+    codes = weight.q.to(torch.int16) + half  # unsigned
+    zero = (
+        torch.zeros(weight.scale.shape, dtype=torch.int16) if weight.zero is None else weight.zero
+    )
+    stored = zero.to(torch.int16) + half
+    if layout == "v1":
+        stored = (stored - 1) & ((1 << weight.bits) - 1)
+    g_idx = weight.input_groups().to(torch.int32)
+    return {
+        "qweight": pack_fields(codes, weight.bits).t().contiguous(),
+        "qzeros": pack_fields(stored.t(), weight.bits).contiguous(),
+        "scales": weight.scale.t().contiguous(),
+        "g_idx": g_idx,
+    }
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def awq_layer(weight: IntWeight) -> dict[str, torch.Tensor]:
+    """One layer's tensors as AutoAWQ's GEMM layout saves them: along the outputs, word j
+    field i holds output 8j + AWQ_ORDER[i]."""
+    n, _ = weight.shape
+    interleave = (torch.arange(0, n, 8)[:, None] + torch.tensor(AWQ_ORDER)[None, :]).reshape(-1)
+
+    def pack(values):  # [rows, n] unsigned -> [rows, n / 8]
+        return pack_fields(values[:, interleave], 4)
+
+    zero = (
+        weight.zero
+        if weight.zero is not None
+        else torch.zeros(weight.scale.shape, dtype=torch.int16)
+    )
+    return {
+        "qweight": pack((weight.q.to(torch.int16) + 8).t()),
+        "qzeros": pack((zero.to(torch.int16) + 8).t()),
+        "scales": weight.scale.t().contiguous(),
+    }
+
+
+def act_order(weight: torch.Tensor, bits: int, group_size: int, symmetric: bool, seed: int = 0):
+    """GPTQ's desc_act: inputs quantized in a permuted order, groups of group_size in that
+    order; g_idx gives each input's group."""
+    k = weight.shape[1]
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    permuted = quantize_int(weight[:, order], bits, group_size, symmetric)
+    q = torch.empty_like(permuted.q)
+    q[:, order] = permuted.q
+    g_idx = torch.empty(k, dtype=torch.long)
+    g_idx[order] = torch.arange(k) // permuted.group_size
+    return IntWeight(q, permuted.scale, permuted.zero, permuted.group_size, bits, g_idx)
+
+
+def write_quantized(
+    float_dir: Path, out_dir: Path, dense_dir: Path, settings: dict, quantize, layer_tensors
+) -> dict[str, IntWeight]:
+    """float_dir's checkpoint with each layer `quantize(name, weight)` returns an IntWeight
+    for stored as `layer_tensors(weight)` in out_dir (config.json's quantization_config
+    set to `settings`), and dense_dir holding exactly the dequantized weights in fp32.
+
+    Returns:
+        Each quantized layer's IntWeight by checkpoint layer name.
+    """
+    tensors = load_file(float_dir / "model.safetensors")
+    quantized, dense, layers = {}, {}, {}
+    for name, tensor in tensors.items():
+        layer = name.removesuffix(".weight")
+        is_linear = name.endswith(".weight") and (
+            layer.rpartition(".")[2] in PROJECTIONS or layer == "lm_head"
+        )
+        weight = quantize(layer, tensor) if is_linear else None
+        if weight is None:
+            quantized[name] = dense[name] = tensor
+            continue
+        for suffix, t in layer_tensors(weight).items():
+            quantized[f"{layer}.{suffix}"] = t
+        dense[name] = weight.dequantize()
+        layers[layer] = weight
+    for directory, content, config in ((out_dir, quantized, settings), (dense_dir, dense, None)):
+        shutil.copytree(float_dir, directory, dirs_exist_ok=True)
+        save_file(content, directory / "model.safetensors", metadata={"format": "pt"})
+        raw = json.loads((directory / "config.json").read_text())
+        raw.pop("quantization_config", None)
+        if config is not None:
+            raw["quantization_config"] = config
+        if directory == dense_dir:
+            raw["torch_dtype"] = "float32"
+        (directory / "config.json").write_text(json.dumps(raw))
+    return layers
+
+
 def write_compressed_tensors(
     float_dir: Path,
     out_dir: Path,
@@ -142,38 +238,22 @@ def write_compressed_tensors(
     *,
     scale_dtype: torch.dtype = torch.float32,
 ) -> dict[str, IntWeight]:
-    """float_dir's checkpoint quantized per `config` (one config group) into out_dir, and
-    dense_dir holding exactly the dequantized weights in fp32 (the reference).
-
-    Returns:
-        Each quantized layer's IntWeight by checkpoint layer name.
-    """
+    """float_dir's checkpoint quantized per `config` (one config group): see write_quantized."""
     group = config["config_groups"]["group_0"]
     fmt, w = group["format"], group["weights"]
-    tensors = load_file(float_dir / "model.safetensors")
-    quantized, dense, layers = {}, {}, {}
-    for name, tensor in tensors.items():
-        layer = name.removesuffix(".weight")
-        is_linear = name.endswith(".weight") and (
-            layer.rpartition(".")[2] in PROJECTIONS or layer == "lm_head"
-        )
-        if not is_linear or not matches(layer, group["targets"], config["ignore"]):
-            quantized[name] = dense[name] = tensor
-            continue
+
+    def quantize(layer, tensor):
+        if not matches(layer, group["targets"], config["ignore"]):
+            return None
         weight = quantize_int(tensor, w["num_bits"], w["group_size"], w["symmetric"])
         weight.scale = weight.scale.to(scale_dtype)
-        for suffix, t in compressed_tensors_layer(weight, fmt).items():
-            quantized[f"{layer}.{suffix}"] = t
-        dense[name] = weight.dequantize()
-        layers[layer] = weight
-    for directory, content, settings in ((out_dir, quantized, config), (dense_dir, dense, None)):
-        shutil.copytree(float_dir, directory, dirs_exist_ok=True)
-        save_file(content, directory / "model.safetensors", metadata={"format": "pt"})
-        raw = json.loads((directory / "config.json").read_text())
-        raw.pop("quantization_config", None)
-        if settings is not None:
-            raw["quantization_config"] = settings
-        if directory == dense_dir:
-            raw["torch_dtype"] = "float32"
-        (directory / "config.json").write_text(json.dumps(raw))
-    return layers
+        return weight
+
+    return write_quantized(
+        float_dir,
+        out_dir,
+        dense_dir,
+        config,
+        quantize,
+        lambda weight: compressed_tensors_layer(weight, fmt),
+    )

@@ -210,6 +210,9 @@ def test_each_format_is_described_by_name(settings, names, nearest):
 
 # Formats a reader in quant/checkpoint/ takes; the others are refused.
 READ = (
+    "gptq-4bit",
+    "gptq-8bit-v2",
+    "awq-gemm",
     "compressed-tensors-w8a8",
     "compressed-tensors-w4a16",
     "compressed-tensors-naive",
@@ -224,7 +227,9 @@ def test_formats_with_a_reader_are_read(key, name, tmp_path):
     settings = FORMATS[name][0]
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"], key: settings}))
     read = check_checkpoint_quantization(tmp_path)
-    assert read is not None and read.format == "compressed-tensors"
+    assert read is not None and read.format == name.split("-")[0].replace(
+        "compressed", "compressed-tensors"
+    )
 
 
 @pytest.mark.parametrize("key", ["quantization_config", "compression_config"])

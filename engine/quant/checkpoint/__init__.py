@@ -8,7 +8,8 @@ tensors, checked against the files' headers (loading.py, still before a weight i
 and decodes them into IntWeights (weights.py), which layers.py puts on the int4 or int8
 kernels, or keeps as codes expanded per call where neither takes them.
 
-The formats read: compressed-tensors (compressed_tensors.py). A config no format here
+The formats read: compressed-tensors (compressed_tensors.py), GPTQ (gptq.py) and AWQ in
+its GEMM layout (awq.py). A config no format here
 accepts is refused by name (quant/checkpoint_formats.py).
 
 How to add a checkpoint format
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenmill.engine.quant.checkpoint import compressed_tensors  # noqa: F401  (registers)
+from tokenmill.engine.quant.checkpoint import awq, compressed_tensors, gptq  # noqa: F401  (register)
 from tokenmill.engine.quant.checkpoint.format import CheckpointFormat, format_for
 from tokenmill.engine.quant.checkpoint.loading import CheckpointQuantization, PendingLayer
 
