@@ -93,6 +93,9 @@ _EXPORTS: dict[str, str] = {
     "STAGES": "tokenmill.engine.types.profiling",
     "linear_kinds": "tokenmill.engine.quant",
     "weight_bytes": "tokenmill.engine.quant",
+    # A checkpoint quantized by another tool, described from its config.json.
+    "CheckpointInfo": "tokenmill.engine.quant",
+    "checkpoint_info": "tokenmill.engine.quant",
     "onednn_linear_available": "tokenmill.engine.quant.packed_linear",
 }
 
@@ -102,6 +105,7 @@ __all__ = [
     "JobOption",
     "ALIASES",
     "CLASSIFY",
+    "CheckpointInfo",
     "ClassificationOutput",
     "CompletionOutput",
     "DEFAULT_MODEL",
@@ -135,6 +139,7 @@ __all__ = [
     "alias_gguf_path",
     "cache_dir",
     "check_settings",
+    "checkpoint_info",
     "convert_gguf",
     "describe_adapter",
     "describe_model",
@@ -198,7 +203,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see; nothing is imported at 
     from tokenmill.engine.lora.merge import merge_adapter
     from tokenmill.engine.models import load_config
     from tokenmill.engine.pooling.config import embedding_size, read_pooling_config
-    from tokenmill.engine.quant import linear_kinds, weight_bytes
+    from tokenmill.engine.quant import CheckpointInfo, checkpoint_info, linear_kinds, weight_bytes
     from tokenmill.engine.quant.packed_linear import onednn_linear_available
     from tokenmill.engine.types.config import EngineConfig, engine_settings, resolve_dtype
     from tokenmill.engine.types.lora_request import LoRARequest

@@ -39,7 +39,11 @@ import torch
 from torch import nn
 
 from tokenmill.engine.quant.checkpoint import CheckpointQuantization
-from tokenmill.engine.quant.checkpoint_formats import check_checkpoint_quantization
+from tokenmill.engine.quant.checkpoint_formats import (
+    CheckpointInfo,
+    check_checkpoint_quantization,
+    checkpoint_info,
+)
 from tokenmill.engine.quant.method import (
     MeasureInputs,
     QuantizationMethod,
@@ -158,9 +162,11 @@ def linear_kinds() -> tuple[type, ...]:
 
 __all__ = [
     "QUANTIZATIONS",
+    "CheckpointInfo",
     "CheckpointQuantization",
     "QuantizationMethod",
     "check_checkpoint_quantization",
+    "checkpoint_info",
     "check_quantization",
     "get_method",
     "linear_kinds",

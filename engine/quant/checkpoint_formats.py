@@ -13,6 +13,7 @@ quantization_config is refused by the loader, naming the tensors: loader/tensor_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.engine.quant.checkpoint import (
@@ -20,6 +21,7 @@ from tokenmill.engine.quant.checkpoint import (
     quantization_settings,
     read_checkpoint_quantization,
 )
+from tokenmill.engine.quant.checkpoint.layers import describe_kernels
 
 # The own mode nearest each weight precision: 8-bit formats -> int8, 4-bit or less -> int4.
 _INT8 = "--quantization int8 (quantization='int8')"
@@ -53,6 +55,37 @@ def check_checkpoint_quantization(model_dir: Path) -> CheckpointQuantization | N
             f"own scales and packing. Load the unquantized checkpoint with {nearest} instead"
         )
     return read
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A quantized checkpoint as `tokenmill models info`, a model description and a
+    ledger name it, from config.json alone."""
+
+    summary: str  # format and schemes: "compressed-tensors pack-quantized, W4A16 g64"
+    bits: tuple[int, ...]  # weight bits, as the checkpoint stores them
+    group_sizes: tuple[int | None, ...]  # None: per channel
+    kernels: tuple[str, ...]  # per scheme, what runs it here
+    refusal: str | None = None  # why it does not load, where it does not
+
+
+def checkpoint_info(model_dir: Path) -> CheckpointInfo | None:
+    """What the checkpoint's quantization is (None for a float checkpoint); never raises
+    for a format not read - `refusal` says why instead."""
+    try:
+        read = check_checkpoint_quantization(model_dir)
+    except ValueError as error:
+        kind, _ = describe(quantization_settings(model_dir)[1])
+        return CheckpointInfo(kind, (), (), (), refusal=str(error))
+    if read is None:
+        return None
+    schemes = read.schemes
+    return CheckpointInfo(
+        summary=read.summary,
+        bits=read.bits,
+        group_sizes=tuple(sorted({s.group_size for s in schemes}, key=lambda g: g or 0)),
+        kernels=tuple(f"{s.label}: {describe_kernels(s)}" for s in schemes),
+    )
 
 
 def describe(settings: dict) -> tuple[str, str]:

@@ -6,20 +6,23 @@ exactly for weights-only schemes, within the activations' own rounding for W8A8.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from click.testing import CliRunner
 from compressed_tensors.compressors.naive_quantized import IntQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
-from hf_models import hf_prompt_logprobs, make_engine, run_all
+from hf_models import hf_prompt_logprobs, make_engine, run_all, save_char_tokenizer
 from quantized_checkpoints import compressed_tensors_layer
 from safetensors.torch import load_file
 
+from tokenmill.cli import main
 from tokenmill.engine.quant.checkpoint.compressed_tensors import CompressedTensors
 from tokenmill.engine.quant.checkpoint.layers import ExactIntLinear
 from tokenmill.engine.quant.int8 import Int8Linear
@@ -131,3 +134,52 @@ def test_w8a8_is_transformers_with_compressed_tensors_activation_rounding_within
         f"compressed-tensors' activation rounding itself {scheme_error:.5f}"
     )
     assert ours_vs_ct < scheme_error
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        (
+            "W4A16_ASYM",
+            {
+                "quantization": "compressed-tensors pack-quantized, W4A16 g128, zero points",
+                "weight bits": "4",
+                "group size": "128",
+                "kernels": "W4A16 g128, zero points: bf16: PyTorch's int4 kernel (Int4Linear)",
+            },
+        ),
+        (
+            "W8A8",
+            {
+                "quantization": "compressed-tensors int-quantized, W8A8 per-channel",
+                "weight bits": "8",
+                "group size": "per-channel",
+                "kernels": "W8A8 per-channel: int8 kernels (",
+            },
+        ),
+    ],
+)
+def test_models_info_names_the_format_bits_group_size_and_kernels(name, expected, tmp_path):
+    model_dir = tmp_path / name
+    shutil.copytree(DATA / name, model_dir)
+    save_char_tokenizer(model_dir)
+    result = CliRunner().invoke(main, ["models", "info", str(model_dir)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    fields = dict(line.split(":", 1) for line in result.output.splitlines())
+    fields = {key: value.strip() for key, value in fields.items()}
+    for key, value in expected.items():
+        if key == "kernels":
+            assert fields[key].startswith(value), fields[key]
+        else:
+            assert fields[key] == value
+
+
+def test_models_info_of_a_format_not_read_says_why(tmp_path):
+    model_dir = tmp_path / "FP8_DYNAMIC"
+    shutil.copytree(DATA / "FP8_DYNAMIC", model_dir)
+    save_char_tokenizer(model_dir)
+    result = CliRunner().invoke(main, ["models", "info", str(model_dir)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = dict(line.split(":", 1) for line in result.output.splitlines())
+    assert lines["quantization"].strip().startswith("compressed-tensors, format float-quantized")
+    assert "float-quantized - FP8 weights are not read yet" in lines["not loadable"]

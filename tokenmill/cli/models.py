@@ -44,7 +44,7 @@ def list_command() -> None:
 def info_command(model: str, revision: str | None) -> None:
     """Describe MODEL (a directory, a .gguf file, an alias or a Hub repo id) without
     converting it."""
-    from tokenmill.engine import ModelFilesError, model_info, weights_hash
+    from tokenmill.engine import ModelFilesError, checkpoint_info, model_info, weights_hash
 
     try:
         info = model_info(model, revision=revision)
@@ -61,6 +61,9 @@ def info_command(model: str, revision: str | None) -> None:
     click.echo(f"source:        {info.source}")
     if info.path is not None and info.path.is_dir():
         click.echo(f"weights hash:  {weights_hash(info.path)}")
+        quantized = checkpoint_info(info.path)
+        if quantized is not None:
+            _echo_quantization(quantized)
 
 
 @models.command("convert")
@@ -102,6 +105,20 @@ def pull_command(repo_id: str, revision: str | None) -> None:
     except ModelFilesError as error:
         raise click.ClickException(str(error)) from error
     click.echo(f"{repo_id} @ {path.name} -> {path} in {time.perf_counter() - start:.1f} s")
+
+
+def _echo_quantization(quantized) -> None:
+    """A checkpoint quantized by another tool: its format, bits, group sizes and the
+    kernels its layers run on here - or why it is not read."""
+    click.echo(f"quantization:  {quantized.summary}")
+    if quantized.refusal is not None:
+        click.echo(f"not loadable:  {quantized.refusal}")
+        return
+    groups = ", ".join("per-channel" if g is None else str(g) for g in quantized.group_sizes)
+    click.echo(f"weight bits:   {', '.join(map(str, quantized.bits))}")
+    click.echo(f"group size:    {groups}")
+    for line in quantized.kernels:
+        click.echo(f"kernels:       {line}")
 
 
 def _format_count(count: int | None) -> str:

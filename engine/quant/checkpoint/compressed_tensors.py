@@ -69,6 +69,9 @@ class CompressedTensorsReader(FormatReader):
         self.ignore_names = frozenset(i for i in ignore if not i.startswith("re:"))
         self.ignore_patterns = tuple(re.compile(i[3:]) for i in ignore if i.startswith("re:"))
 
+    def all_schemes(self) -> list[LayerScheme]:
+        return [g.scheme for g in self.groups]
+
     def scheme(self, module: str) -> LayerScheme | None:
         if module in self.ignore_names or "Linear" in self.ignore_names:
             return None

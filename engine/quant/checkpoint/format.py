@@ -35,6 +35,11 @@ class FormatReader(ABC):
     """A parsed quantization_config: what each layer is, and how to read it."""
 
     @abstractmethod
+    def all_schemes(self) -> list[LayerScheme]:
+        """Every scheme the config names (what `tokenmill models info` and the ledger say),
+        whether or not a layer of this model takes it."""
+
+    @abstractmethod
     def scheme(self, module: str) -> LayerScheme | None:
         """How the checkpoint layer `module` ("model.layers.0.self_attn.q_proj") is
         quantized; None: it is stored in float (ignored or not targeted)."""

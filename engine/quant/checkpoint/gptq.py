@@ -44,6 +44,9 @@ class DecoderLayers(FormatReader):
         inside = settings.get("modules_in_block_to_quantize")
         self.only = None if not inside else {n for names in inside for n in names}
 
+    def all_schemes(self) -> list[LayerScheme]:
+        return [self.layer_scheme]
+
     def scheme(self, module: str) -> LayerScheme | None:
         if module == "lm_head":
             return self.layer_scheme if self.lm_head else None

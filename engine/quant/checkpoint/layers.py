@@ -23,10 +23,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.engine.kernels import int8_linear
 from tokenmill.engine.quant.checkpoint.weights import IntWeight, LayerScheme
 from tokenmill.engine.quant.gguf_linear import RowConcat
 from tokenmill.engine.quant.int4 import Int4Linear
-from tokenmill.engine.quant.int8 import INT8_KERNELS, choose_kernel
+from tokenmill.engine.quant.int8 import INT8_KERNELS, choose_kernel, describe_kernel
 
 # PyTorch's int4 kernel's group sizes, largest first.
 _INT4_BLOCKS = (256, 128, 64, 32)
@@ -95,6 +96,17 @@ class PermutedInput(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x.index_select(-1, self.order))
+
+
+def describe_kernels(scheme: LayerScheme) -> str:
+    """The kernels a scheme's layers run on here, in words (`tokenmill models info`)."""
+    if scheme.activations == "int8-token":
+        kernel = "native" if int8_linear.native_int8_isa() is not None else "onednn"
+        return f"int8 kernels ({describe_kernel(kernel)}), activations per token"
+    expanded = "fp32: codes expanded per call (exact)"
+    if scheme.bits == 4:
+        return f"bf16: PyTorch's int4 kernel (Int4Linear) where the groups fit it; {expanded}"
+    return f"bf16: codes expanded to bf16 per call; {expanded}"
 
 
 def build_layer(

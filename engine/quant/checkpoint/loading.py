@@ -7,7 +7,7 @@ and the load's peak is the float parts plus one layer's tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,13 +47,14 @@ class CheckpointQuantization:
 
     format: str  # the registered format's name
     reader: FormatReader
-    schemes: list[LayerScheme] = field(default_factory=list)  # as the layers use them
+
+    @property
+    def schemes(self) -> list[LayerScheme]:
+        return self.reader.all_schemes()
 
     @property
     def summary(self) -> str:
-        """e.g. "compressed-tensors pack-quantized, W4A16 g64"."""
-        if not self.schemes:
-            return self.format
+        """The format and every scheme, e.g. "compressed-tensors pack-quantized, W4A16 g64"."""
         kinds = sorted({s.format for s in self.schemes})
         labels = sorted({s.label for s in self.schemes})
         return f"{'/'.join(kinds)}, {'/'.join(labels)}"
@@ -97,7 +98,6 @@ class CheckpointQuantization:
             )
             pending.tensor_names = frozenset(mine)
             setattr(parent, attr, pending)
-            self.schemes += [s for s in schemes if s is not None and s not in self.schemes]
         return frozenset(held)
 
     def _check_part(self, prefix, scheme, rows, linear, by_name) -> set[str]:
