@@ -95,6 +95,7 @@ def finalize_job(
         adapter_sums=per_adapter,
         forecast=forecast,
         rows_skipped_blank=plan.rows_skipped_blank,
+        quantization=plan.quantization,
     )
     out.write_ledger(
         ledger,

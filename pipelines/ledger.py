@@ -121,6 +121,10 @@ class JobLedger:
     # whitespace). None in ledgers written before they were counted.
     rows_read: int | None = None
     rows_skipped_blank: int | None = None
+    # How the model's weights ran: the job's own quantization mode ("int8", "int4",
+    # "gguf"), or a checkpoint quantized by another tool, named by its format and scheme
+    # ("compressed-tensors pack-quantized, W4A16 g64"); None: float weights.
+    quantization: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -270,6 +274,7 @@ def compute_ledger(
     adapter_sums: AdapterSums | None = None,
     forecast: Mapping[str, Any] | None = None,
     rows_skipped_blank: int | None = None,
+    quantization: str | None = None,
 ) -> JobLedger:
     """Build a job's ledger from its result rows and its shards' stats.
 
@@ -287,6 +292,7 @@ def compute_ledger(
             the actuals.
         rows_skipped_blank: the blank records the input's reader skipped; with it the
             ledger's rows_read adds up the records read (None: not counted).
+        quantization: how the weights ran (JobLedger.quantization).
         (the rest are recorded as given; URIs are redacted of credentials)
 
     Returns:
@@ -344,6 +350,7 @@ def compute_ledger(
             else sums["rows_ok"] + sums["rows_failed"] + rows_skipped_blank
         ),
         rows_skipped_blank=rows_skipped_blank,
+        quantization=quantization,
     )
 
 

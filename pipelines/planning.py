@@ -82,7 +82,10 @@ class JobPlan:
     rows_deduplicated: int = 0
     # Where the planner found the model's files (a forecast sizes the engine from them).
     model_dir: str | None = None
-    min_shards: int = 1  # the fewest shards a window was cut into, rows allowing
+    min_shards: int = 1
+    # How the weights run, as the ledger names it: the job's quantization option, or the
+    # checkpoint's own (ModelDescription.quantization); None: float weights.
+    quantization: str | None = None  # the fewest shards a window was cut into, rows allowing
 
     @property
     def num_tokens(self) -> int:
@@ -243,6 +246,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         rows_deduplicated=dedupe.num_copies if dedupe is not None else 0,
         model_dir=str(model.model_dir),
         min_shards=min_shards,
+        quantization=_quantization(spec, model, llm),
     )
     log.info(
         "planned job %s: %d rows (%d failed before compute, %d duplicates computed once), "
@@ -326,6 +330,14 @@ def _model_for(spec: JobSpec, llm: Any) -> tuple[ModelDescription, Any, int]:
     model = describe_model(spec.model, revision=spec.revision)
     limit = spec.engine_options.get("max_model_len") or model.max_context
     return model, model.load_tokenizer(), min(model.max_context, limit)
+
+
+def _quantization(spec: JobSpec, model: ModelDescription, llm: Any) -> str | None:
+    """How the job's weights run (JobPlan.quantization): the own mode the engine was
+    given, else the checkpoint's own quantization (the two are never combined)."""
+    config = getattr(llm, "engine_config", None)
+    own = spec.quantization if config is None else config.quantization
+    return own or model.quantization
 
 
 def _adapters_for(spec: JobSpec, model: ModelDescription, llm: Any) -> list[JobAdapter]:

@@ -40,6 +40,9 @@ class ModelDescription:
     revision: str | None = None  # the Hub commit; None for local files and aliases
     # What it serves: generate, embed, classify, rerank (engine/pooling/config.py).
     tasks: tuple[str, ...] = ("generate",)
+    # A checkpoint quantized by another tool, its format and scheme as a user reads them
+    # ("compressed-tensors pack-quantized, W4A16 g64"); None for float weights.
+    quantization: str | None = None
 
     @property
     def model_key(self) -> str:
@@ -111,7 +114,7 @@ def describe_model(
             said here, so a job's plan and its dry run refuse it as loading would.
     """
     model_dir = resolve_model(model, cache_root=cache_root, revision=revision)
-    check_checkpoint_quantization(model_dir)
+    checkpoint = check_checkpoint_quantization(model_dir)
     commit = snapshot_revision(model_dir)
     return ModelDescription(
         name=name_with_revision(display_name(model), commit),
@@ -121,6 +124,7 @@ def describe_model(
         chat_template=read_chat_template(model_dir),
         revision=commit,
         tasks=served_tasks(model_dir),
+        quantization=None if checkpoint is None else checkpoint.summary,
     )
 
 

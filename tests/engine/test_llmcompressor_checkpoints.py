@@ -183,3 +183,32 @@ def test_models_info_of_a_format_not_read_says_why(tmp_path):
     lines = dict(line.split(":", 1) for line in result.output.splitlines())
     assert lines["quantization"].strip().startswith("compressed-tensors, format float-quantized")
     assert "float-quantized - FP8 weights are not read yet" in lines["not loadable"]
+
+
+def test_a_job_on_a_quantized_checkpoint_names_its_quantization_in_the_ledger(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tokenmill.pipelines.job import run_job
+    from tokenmill.pipelines.output import read_ledger, read_ledger_dataset
+
+    model_dir = tmp_path / "W4A16_ASYM"
+    shutil.copytree(DATA / "W4A16_ASYM", model_dir)
+    save_char_tokenizer(model_dir)
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["abc", "hello"]}), source)
+    out = tmp_path / "out"
+    ledger = run_job(
+        str(source),
+        str(out),
+        model=str(model_dir),
+        prompt_column="text",
+        id_column="id",
+        max_tokens=2,
+        dtype="float32",
+        engine_options={"kv_cache_memory": 8 << 20},
+    )
+    named = "compressed-tensors pack-quantized, W4A16 g128, zero points"
+    assert (ledger.rows_ok, ledger.quantization) == (2, named)
+    assert read_ledger(str(out)).quantization == named
+    assert read_ledger_dataset(str(out / "ledger"))["quantization"].to_pylist() == [named]

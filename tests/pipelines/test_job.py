@@ -399,3 +399,10 @@ def test_a_resume_keeps_the_cut_of_the_first_run(tmp_path, fake_llm):
     assert [s.shard_id for s in again.shards] == [s.shard_id for s in plan.shards]
     ledger = run_job(src, out, llm=fake_llm, max_tokens=4)
     assert ledger.num_shards == 2 and ledger.num_shards_run == 1
+
+
+def test_the_ledger_names_the_jobs_own_quantization_and_none_for_float_weights(tmp_path, fake_llm):
+    src = _write_input(tmp_path / "in.parquet")
+    assert run_job(src, str(tmp_path / "float"), llm=fake_llm).quantization is None
+    ledger = run_job(src, str(tmp_path / "int4"), llm=fake_llm, quantization="int4")
+    assert ledger.quantization == "int4"
