@@ -8,7 +8,12 @@ import pytest
 import torch
 from hf_models import build_hf_model, make_engine, save_char_tokenizer
 from quantized_checkpoints import act_order, awq_layer, gptq_layer, quantize_int, write_quantized
-from test_compressed_tensors import FLOAT_LAYERS, assert_same_model
+from test_compressed_tensors import (  # no_weight_read: a fixture these tests use
+    FLOAT_LAYERS,
+    _edit,
+    assert_same_model,
+    no_weight_read,  # noqa: F401
+)
 
 from tokenmill.engine.quant.checkpoint.awq import AWQ
 from tokenmill.engine.quant.checkpoint.gptq import GPTQ
@@ -179,3 +184,59 @@ def test_variants_not_run_are_refused_by_name(settings, message):
     fmt = GPTQ() if settings["quant_method"] == "gptq" else AWQ()
     with pytest.raises(ValueError, match=message):
         fmt.parse(settings)
+
+
+LAYER = "model.layers.1.mlp.down_proj"  # 64 outputs, 128 inputs
+GPTQ_BAD_TENSORS = {
+    "missing-scales": (
+        lambda t: t.pop(f"{LAYER}.scales"),
+        rf"missing {LAYER}\.scales \(the scales\)",
+    ),
+    "codes-dtype": (
+        lambda t: t.update({f"{LAYER}.qweight": t[f"{LAYER}.qweight"].to(torch.int64)}),
+        rf"{LAYER}\.qweight is int64, expected int32",
+    ),
+    "truncated-codes": (
+        lambda t: t.update({f"{LAYER}.qweight": t[f"{LAYER}.qweight"][:8]}),
+        rf"{LAYER}\.qweight has shape \(8, 64\), expected \(16, 64\)",
+    ),
+    "zero-points-shape": (
+        lambda t: t.update({f"{LAYER}.qzeros": t[f"{LAYER}.qzeros"][:2]}),
+        rf"{LAYER}\.qzeros has shape \(2, 8\), expected \(4, 8\)",
+    ),
+    "missing-zero-points": (
+        lambda t: t.pop(f"{LAYER}.qzeros"),
+        rf"missing {LAYER}\.qzeros \(the zero points\)",
+    ),
+}
+
+
+@pytest.mark.usefixtures("no_weight_read")
+@pytest.mark.parametrize("change, message", GPTQ_BAD_TENSORS.values(), ids=GPTQ_BAD_TENSORS)
+def test_a_mismatched_gptq_tensor_is_refused_by_name_before_any_weight_is_read(
+    change, message, tmp_path
+):
+    model_dir, _, _ = write_gptq(tmp_path, gptq_settings())
+    _edit(model_dir, change)
+    with pytest.raises(ValueError, match=message):
+        make_engine(model_dir)
+
+
+def test_a_gptq_g_idx_naming_a_group_that_is_not_there_is_refused_naming_the_layer(tmp_path):
+    model_dir, _, _ = write_gptq(tmp_path, gptq_settings(desc_act=True))
+    _edit(model_dir, lambda t: t[f"{LAYER}.g_idx"].__setitem__(0, 9))
+    with pytest.raises(ValueError, match=rf"layer {LAYER}: g_idx names groups outside 0\.\.3"):
+        make_engine(model_dir)
+
+
+@pytest.mark.usefixtures("no_weight_read")
+def test_a_mismatched_awq_tensor_is_refused_by_name_before_any_weight_is_read(tmp_path):
+    def quantize(layer, tensor):
+        return None if layer == "lm_head" else quantize_int(tensor, 4, 32, symmetric=False)
+
+    model_dir, _, _ = _write(tmp_path, AWQ_SETTINGS, quantize, awq_layer)
+    _edit(model_dir, lambda t: t.update({f"{LAYER}.scales": t[f"{LAYER}.scales"].t()}))
+    with pytest.raises(
+        ValueError, match=rf"{LAYER}\.scales has shape \(64, 4\), expected \(4, 64\)"
+    ):
+        make_engine(model_dir)
