@@ -238,15 +238,30 @@ def write_compressed_tensors(
     *,
     scale_dtype: torch.dtype = torch.float32,
 ) -> dict[str, IntWeight]:
-    """float_dir's checkpoint quantized per `config` (one config group): see write_quantized."""
-    group = config["config_groups"]["group_0"]
-    fmt, w = group["format"], group["weights"]
+    """float_dir's checkpoint quantized per `config`, each layer by the config group that
+    takes it (a target naming it, else a matching re:, else Linear): see write_quantized."""
+    groups = list(config["config_groups"].values())
+    formats = {}  # id(weight) -> its group's format
+
+    def group_for(layer):
+        for rule in (
+            lambda t: t == layer,
+            lambda t: t.startswith("re:") and re.match(t[3:], layer),
+            lambda t: t == "Linear",
+        ):
+            found = [g for g in groups if any(rule(t) for t in g["targets"])]
+            if found:
+                return found[0]
+        return None
 
     def quantize(layer, tensor):
-        if not matches(layer, group["targets"], config["ignore"]):
+        group = group_for(layer)
+        if group is None or not matches(layer, group["targets"], config["ignore"]):
             return None
+        w = group["weights"]
         weight = quantize_int(tensor, w["num_bits"], w["group_size"], w["symmetric"])
         weight.scale = weight.scale.to(scale_dtype)
+        formats[id(weight)] = group["format"]
         return weight
 
     return write_quantized(
@@ -255,5 +270,5 @@ def write_compressed_tensors(
         dense_dir,
         config,
         quantize,
-        lambda weight: compressed_tensors_layer(weight, fmt),
+        lambda weight: compressed_tensors_layer(weight, formats[id(weight)]),
     )

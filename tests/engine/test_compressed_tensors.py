@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from tokenmill.engine.quant.checkpoint.compressed_tensors import CompressedTensors
 from tokenmill.engine.quant.checkpoint.layers import ExactIntLinear, PermutedInput, build_layer
+from tokenmill.engine.quant.gguf_linear import RowConcat
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import Int8Linear
 from tokenmill.engine.quant.packed_linear import PackedLinear
@@ -147,6 +148,26 @@ def test_fp32_engine_computes_the_dense_model_of_the_dequantized_weights(config,
     assert sum(isinstance(m, ExactIntLinear) for m in modules) == 4
     assert not isinstance(engine.runner.model.lm_head, ExactIntLinear)
     assert_same_model(model_dir, dense_dir)
+
+
+def test_a_mixed_config_runs_each_layer_in_its_own_groups_scheme(tmp_path):
+    """llm-compressor's mixed-precision configs: k and v in W8A16 per channel (a pattern
+    outranks Linear), every other layer W4A16 g32 - so the fused qkv layer mixes them."""
+    config = ct_config("pack-quantized", 4, 32, False)
+    eight = ct_config("int-quantized", 8, None, targets=(r"re:.*self_attn\.(k|v)_proj$",))
+    config["config_groups"]["group_1"] = eight["config_groups"]["group_0"]
+    config["format"] = "mixed-precision"
+    model_dir, dense_dir, layers = model_pair(tmp_path, config)
+    assert {w.bits for n, w in layers.items() if n.endswith(("k_proj", "v_proj"))} == {8}
+    assert {w.bits for n, w in layers.items() if not n.endswith(("k_proj", "v_proj"))} == {4}
+    engine = make_engine(model_dir)
+    qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, RowConcat) and len(qkv.parts) == 3
+    assert all(isinstance(part, ExactIntLinear) for part in qkv.parts)
+    assert [part.bits for part in qkv.parts] == [4, 8, 8]
+    assert_same_model(model_dir, dense_dir)
+    summary = CompressedTensors().parse(config).all_schemes()
+    assert sorted(s.label for s in summary) == ["W4A16 g32, zero points", "W8A16 per-channel"]
 
 
 def test_ignore_names_and_patterns_keep_those_layers_float_and_lm_head_can_be_quantized(tmp_path):
