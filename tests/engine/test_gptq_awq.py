@@ -4,10 +4,13 @@ them computes the dense fp32 model of their dequantized weights."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hf_models import build_hf_model, make_engine, save_char_tokenizer
 from quantized_checkpoints import act_order, awq_layer, gptq_layer, quantize_int, write_quantized
+from safetensors.torch import load_file
 from test_compressed_tensors import (  # no_weight_read: a fixture these tests use
     FLOAT_LAYERS,
     _edit,
@@ -22,6 +25,7 @@ from tokenmill.engine.quant.checkpoint.layers import (
     PermutedInput,
     build_layer,
 )
+from tokenmill.engine.quant.checkpoint.weights import IntWeight
 from tokenmill.engine.quant.gguf_linear import RowConcat
 from tokenmill.engine.quant.int4 import Int4Linear
 
@@ -240,3 +244,36 @@ def test_a_mismatched_awq_tensor_is_refused_by_name_before_any_weight_is_read(tm
         ValueError, match=rf"{LAYER}\.scales has shape \(64, 4\), expected \(4, 64\)"
     ):
         make_engine(model_dir)
+
+
+PACKED = Path(__file__).parent / "data" / "autoround" / "packed.safetensors"
+
+
+@pytest.mark.parametrize("case", ["gptq4", "gptq8", "awq4"])
+def test_our_packers_write_auto_rounds_tensors_byte_for_byte_and_we_decode_them(case):
+    """auto-round's own GPTQ v1 and AWQ GEMM packers (data/autoround/make_packed.py) on
+    known codes, zero points and scales: our tests' packers write the same bytes, and the
+    readers decode auto-round's tensors to exactly those values."""
+    stored = {k.partition(".")[2]: v for k, v in load_file(PACKED).items() if k.startswith(case)}
+    bits = 8 if case == "gptq8" else 4
+    half = 1 << (bits - 1)
+    weight = IntWeight(stored["codes"] - half, stored["scales"], stored["zeros"] - half, 32, bits)
+    if case == "awq4":
+        ours, reader = awq_layer(weight), AWQ().parse(AWQ_SETTINGS)
+    else:
+        ours, reader = gptq_layer(weight, "v1"), GPTQ().parse(gptq_settings(bits=bits))
+    assert torch.equal(ours["qweight"], stored["qweight"])
+    assert torch.equal(ours["qzeros"], stored["qzeros"])
+    assert torch.equal(ours["scales"], stored["scales_out"])
+    theirs = {
+        "qweight": stored["qweight"],
+        "qzeros": stored["qzeros"],
+        "scales": stored["scales_out"],
+    }
+    decoded = reader.decode(reader.layer_scheme, theirs, 64, 128)
+    assert torch.equal(decoded.dequantize(), weight.dequantize())
+    groups = torch.arange(128) // 32
+    expected = (stored["codes"] - stored["zeros"][:, groups]).float() * stored["scales"].float()[
+        :, groups
+    ]
+    assert torch.equal(decoded.dequantize(), expected)
