@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.engine.loader.tensor_plan import build_on_meta
+from tokenmill.engine.models import load_config
 from tokenmill.engine.quant.checkpoint import (
     CheckpointQuantization,
     quantization_settings,
@@ -67,6 +69,9 @@ class CheckpointInfo:
     group_sizes: tuple[int | None, ...]  # None: per channel
     kernels: tuple[str, ...]  # per scheme, what runs it here
     refusal: str | None = None  # why it does not load, where it does not
+    # The model's parameters (its architecture's, from config.json): the checkpoint's own
+    # tensors hold several codes per element, so counting them says nothing.
+    num_parameters: int | None = None
 
 
 def checkpoint_info(model_dir: Path) -> CheckpointInfo | None:
@@ -85,7 +90,18 @@ def checkpoint_info(model_dir: Path) -> CheckpointInfo | None:
         bits=read.bits,
         group_sizes=tuple(sorted({s.group_size for s in schemes}, key=lambda g: g or 0)),
         kernels=tuple(f"{s.label}: {describe_kernels(s)}" for s in schemes),
+        num_parameters=_num_parameters(model_dir),
     )
+
+
+def _num_parameters(model_dir: Path) -> int:
+    """The architecture's parameters for this config (an lm_head tied to the embeddings
+    counted once, as its checkpoint stores it)."""
+    config = load_config(model_dir)
+    named = dict(build_on_meta(config).named_parameters())
+    if config.tie_word_embeddings:
+        named.pop("lm_head.weight", None)
+    return sum(p.numel() for p in named.values())
 
 
 def describe(settings: dict) -> tuple[str, str]:

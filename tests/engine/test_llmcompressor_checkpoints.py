@@ -167,6 +167,10 @@ def test_models_info_names_the_format_bits_group_size_and_kernels(name, expected
     assert result.exit_code == 0, result.output
     fields = dict(line.split(":", 1) for line in result.output.splitlines())
     fields = {key: value.strip() for key, value in fields.items()}
+    # The model's own parameters, not the stored elements (8 codes per int32 in W4A16):
+    # embeddings and lm_head, q and o, k and v (2 heads of 32), gate, up and down, 3 norms.
+    count = 2 * 64 * 128 + 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256 + 3 * 128
+    assert fields["parameters"] == f"164.2K ({count:,})"
     for key, value in expected.items():
         if key == "kernels":
             assert fields[key].startswith(value), fields[key]

@@ -55,15 +55,17 @@ def info_command(model: str, revision: str | None) -> None:
     if info.revision is not None:
         click.echo(f"revision:      {info.revision}")
     click.echo(f"architecture:  {info.architecture}")
-    exact = f" ({info.num_parameters:,})" if info.num_parameters is not None else ""
-    click.echo(f"parameters:    {_format_count(info.num_parameters)}{exact}")
+    quantized = checkpoint_info(info.path) if info.path is not None and info.path.is_dir() else None
+    # A quantized checkpoint packs several weights per stored element: count the model's.
+    count = info.num_parameters if quantized is None else quantized.num_parameters
+    exact = f" ({count:,})" if count is not None else ""
+    click.echo(f"parameters:    {_format_count(count)}{exact}")
     click.echo(f"dtype:         {info.dtype}")
     click.echo(f"source:        {info.source}")
     if info.path is not None and info.path.is_dir():
         click.echo(f"weights hash:  {weights_hash(info.path)}")
-        quantized = checkpoint_info(info.path)
-        if quantized is not None:
-            _echo_quantization(quantized)
+    if quantized is not None:
+        _echo_quantization(quantized)
 
 
 @models.command("convert")
