@@ -94,10 +94,14 @@ def checkpoint_info(model_dir: Path) -> CheckpointInfo | None:
     )
 
 
-def _num_parameters(model_dir: Path) -> int:
+def _num_parameters(model_dir: Path) -> int | None:
     """The architecture's parameters for this config (an lm_head tied to the embeddings
-    counted once, as its checkpoint stores it)."""
-    config = load_config(model_dir)
+    counted once, as its checkpoint stores it); None for an architecture or config the
+    engine does not run (loading it says why)."""
+    try:
+        config = load_config(model_dir)
+    except ValueError:
+        return None
     named = dict(build_on_meta(config).named_parameters())
     if config.tie_word_embeddings:
         named.pop("lm_head.weight", None)
