@@ -309,18 +309,24 @@ def test_an_encoder_checkpoint_is_refused_too(tmp_path):
         LLM(str(tmp_path), dtype="float32")
 
 
-def test_a_jobs_plan_and_dry_run_refuse_it_before_loading(tmp_path, no_weight_read):
+def test_a_jobs_plan_and_dry_run_refuse_a_format_not_read_before_loading(tmp_path, no_weight_read):
     """Planning describes the model without loading it: the refusal comes there, so a
-    `--dry-run` never prices a job the engine would refuse."""
+    `--dry-run` never prices a job the engine would refuse; a format that is read is
+    described with its quantization."""
     from tokenmill.engine import describe_model
     from tokenmill.pipelines.job import run_job
 
     model_dir = tmp_path / "w8a8"
     build_w8a8_checkpoint(model_dir)
-    with pytest.raises(ValueError, match="format int-quantized"):
+    described = describe_model(str(model_dir))
+    assert described.quantization == "compressed-tensors int-quantized, W8A8 per-channel"
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = REFUSED["bitsandbytes-int8"][0]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method bitsandbytes, int8"):
         describe_model(str(model_dir))
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"id": 1, "prompt": "hi"}\n')
-    with pytest.raises(ValueError, match="format int-quantized"):
+    with pytest.raises(ValueError, match="quant_method bitsandbytes, int8"):
         run_job(str(rows), str(tmp_path / "out"), model=str(model_dir), dry_run=True)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
