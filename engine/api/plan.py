@@ -38,6 +38,7 @@ from tokenmill.engine.loader.model_files import resolve_model
 from tokenmill.engine.models import architecture_for, load_config
 from tokenmill.engine.pooling.config import PoolingConfig, read_pooling_config
 from tokenmill.engine.pooling.pooler import reads_every_token
+from tokenmill.engine.quant.checkpoint_formats import check_checkpoint_quantization
 from tokenmill.engine.types.config import EngineConfig, engine_settings, resolve_dtype
 from tokenmill.engine.types.memory import MemoryPlan
 from tokenmill.engine.worker.build import max_model_len_of, plan_memory
@@ -164,8 +165,14 @@ def shape_for(
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(config.dtype, device)
     # Planned as the load plans it; a model this machine cannot hold is refused here too.
+    quantized = check_checkpoint_quantization(model_dir) is not None
     memory = plan_memory(
-        model_config, config, dtype=dtype, device=device, encoder=architecture.is_encoder
+        model_config,
+        config,
+        dtype=dtype,
+        device=device,
+        encoder=architecture.is_encoder,
+        quantized_checkpoint=model_dir if quantized else None,
     )
     memory.check(model_dir.name)
     if architecture.is_encoder:

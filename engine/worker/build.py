@@ -37,7 +37,12 @@ from tokenmill.engine.worker.kv_cache import (
     kv_cache_format,
     num_blocks_for_budget,
 )
-from tokenmill.engine.worker.memory import KV_SHARE_OF_RAM_LEFT, available_ram, load_bytes
+from tokenmill.engine.worker.memory import (
+    KV_SHARE_OF_RAM_LEFT,
+    available_ram,
+    checkpoint_load_bytes,
+    load_bytes,
+)
 from tokenmill.engine.worker.model_runner import ModelRunner
 
 
@@ -109,10 +114,16 @@ def plan_memory(
     dtype: torch.dtype,
     device: torch.device,
     encoder: bool = False,
+    quantized_checkpoint: Path | None = None,
 ) -> MemoryPlan:
     """The weights and KV cache an engine with these settings will take, and the RAM
-    left for them (CPU; on CUDA the cache is sized from what the load leaves)."""
-    weights = load_bytes(model_config, dtype)
+    left for them (CPU; on CUDA the cache is sized from what the load leaves).
+    `quantized_checkpoint`: the model's directory where its checkpoint is quantized by
+    another tool, whose layers load as they are stored (memory.checkpoint_load_bytes)."""
+    if quantized_checkpoint is None:
+        weights = load_bytes(model_config, dtype)
+    else:
+        weights = checkpoint_load_bytes(quantized_checkpoint, model_config, dtype)
     available = available_ram() if device.type == "cpu" else None
     num_blocks = kv_bytes = 0
     if not encoder:
@@ -164,7 +175,13 @@ def build_runner(
     )
     # Sized before the load: once the weights are in, the RAM they took is no longer
     # free, and a model that cannot fit is refused rather than killed halfway.
-    memory = plan_memory(model_config, engine_config, dtype=dtype, device=device)
+    memory = plan_memory(
+        model_config,
+        engine_config,
+        dtype=dtype,
+        device=device,
+        quantized_checkpoint=None if checkpoint is None else model_dir,
+    )
     memory.check(model_dir.name)
     hold_out = None if checkpoint is None else checkpoint.hold_out
     model = load_model(model_dir, model_config, dtype=dtype, device=device, hold_out=hold_out)

@@ -3,7 +3,9 @@
 A CPU engine holds two large things: its weights and its KV cache. The load
 materialises every parameter in the engine's dtype before a quantization mode shrinks
 the linear layers, so the weights' peak is the float model's size, known exactly from
-the architecture built on the meta device. The RAM the process may still take is the
+the architecture built on the meta device. A checkpoint quantized by another tool is
+the exception: its quantized layers load as they are stored, never in float, so its
+weights are counted from its headers. The RAM the process may still take is the
 kernel's `MemAvailable`, or less where a cgroup limits the process.
 
 Sizing and refusal follow from those three numbers:
@@ -21,12 +23,15 @@ On CUDA the cache is sized from the device's free memory after the load
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 import torch
 
-from tokenmill.engine.loader.tensor_plan import build_on_meta
+from tokenmill.engine.loader.model_files import weight_files
+from tokenmill.engine.loader.safetensors_files import read_header
+from tokenmill.engine.loader.tensor_plan import FLOAT_DTYPES, build_on_meta
 from tokenmill.engine.models import ModelConfig
 
 # The default KV cache takes at most this share of the RAM the weights leave.
@@ -45,6 +50,23 @@ def load_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
         if id(param) not in seen:
             seen.add(id(param))
             total += param.numel() * param.element_size()
+    return total
+
+
+def checkpoint_load_bytes(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> int:
+    """The bytes a checkpoint quantized by another tool takes once loaded, from its
+    headers: its float tensors in `dtype`, its quantized tensors as stored (the load reads
+    them into their layers as they are; no float copy of them is ever made). Layers whose
+    codes are expanded per call (an fp32 engine's exact path) hold 4-bit codes a byte
+    each, up to twice their stored size."""
+    total = 0
+    for path in weight_files(model_dir):
+        for entry in read_header(path):
+            if config.tie_word_embeddings and entry.name == "lm_head.weight":
+                continue  # the load makes it the embedding
+            numel = math.prod(entry.shape)
+            size = dtype.itemsize if entry.dtype in FLOAT_DTYPES else entry.dtype.itemsize
+            total += numel * size
     return total
 
 

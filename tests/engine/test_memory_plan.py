@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 import tokenmill.engine.worker.build as build
 from tests.tiny_model import build_tiny_model
 from tokenmill.engine import LLM, EngineConfig, InsufficientMemoryError, load_config
+from tokenmill.engine.api.plan import shape_for
 from tokenmill.engine.worker.kv_cache import kv_cache_format
 from tokenmill.engine.worker.memory import KV_SHARE_OF_RAM_LEFT, _room, available_ram, load_bytes
 
@@ -119,3 +120,28 @@ def test_a_cgroups_room_is_its_limit_less_its_usage(tmp_path, limit, usage, room
     (tmp_path / "usage").write_text(usage + "\n")
     assert _room(tmp_path / "limit", tmp_path / "usage") == room
     assert _room(tmp_path / "missing", tmp_path / "usage") is None
+
+
+def test_a_quantized_checkpoint_is_planned_at_its_stored_size_not_as_a_float_model(tmp_path):
+    """llm-compressor's W4A16 checkpoint: its packed codes, scales and zero points load as
+    stored; only its float tensors (embeddings, norms, lm_head) take the engine's dtype."""
+    import shutil
+    from pathlib import Path
+
+    from hf_models import save_char_tokenizer
+
+    model_dir = tmp_path / "w4a16"
+    data = Path(__file__).parent / "data" / "llmcompressor" / "W4A16_ASYM"
+    shutil.copytree(data, model_dir)
+    save_char_tokenizer(model_dir)
+    expected = 0
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        for name in f.keys():
+            tensor = f.get_tensor(name)
+            size = 4 if tensor.is_floating_point() else tensor.element_size()
+            expected += tensor.numel() * size
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=4 * MIB)
+    assert llm.memory.weight_bytes == expected
+    assert expected < load_bytes(load_config(model_dir), torch.float32) / 2
+    planned = shape_for(str(model_dir), dtype="float32", kv_cache_memory=4 * MIB).memory
+    assert planned.weight_bytes == expected  # a dry run plans it the same way
