@@ -67,7 +67,7 @@ def test_a_loaded_llm_states_its_memory(model_dir):
     assert memory.weight_bytes == _checkpoint_bytes(model_dir, 4)
     assert memory.kv_cache_blocks == llm.engine.block_manager.num_blocks == 4 * MIB // block_bytes
     assert memory.kv_cache_bytes == memory.kv_cache_blocks * block_bytes
-    assert 0 < memory.available_bytes <= available_ram() + memory.needed_bytes
+    assert memory.available_bytes > memory.needed_bytes  # it fit: planned before the load
     assert memory.fits and "float32" in memory.describe()
 
 
