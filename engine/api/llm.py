@@ -433,6 +433,7 @@ def build_engine(
         vocab_size=loaded.model_config.vocab_size,
         eos_token_ids=loaded.model_config.eos_token_ids,
         memory=loaded.memory,
+        rope_variant=loaded.rope_variant,
     )
 
 

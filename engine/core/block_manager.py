@@ -1,8 +1,10 @@
 """The KV cache's block pool, with prefix caching.
 
 Every full block is identified by a chained hash of (parent block's hash, its token
-ids, and the LoRA adapter the sequence runs with - keys and values differ per adapter).
-A lookup is a hit only when the stored tokens, adapter and parent block match too, so a
+ids, the LoRA adapter the sequence runs with and its rope variant - keys and values
+differ per adapter, and per rotary frequencies where they depend on the sequence's
+length). A lookup is a hit only when the stored tokens, adapter, rope variant and parent
+block match too, so a
 hash collision can never serve another prefix's keys and values. Freed blocks
 keep their hash and sit in an LRU free queue; they are evicted (their hash dropped)
 only when the pool needs a block and none is free of cached content.
@@ -21,15 +23,22 @@ from tokenmill.engine.types.config import EngineConfig
 
 
 def hash_block_tokens(
-    parent_hash: bytes | None, token_ids: tuple[int, ...], lora_id: int = 0, images: bytes = b""
+    parent_hash: bytes | None,
+    token_ids: tuple[int, ...],
+    lora_id: int = 0,
+    images: bytes = b"",
+    rope_variant: int = 0,
 ) -> bytes:
-    """Content hash of a full block, chained on its parent's hash. The adapter enters the
-    root block's hash (a chain inherits it); the base model's hashes are what they were
-    before there were adapters. `images` identifies the images whose tokens the block
-    holds (core/images.py, `block_image_key`): their placeholder ids alone say nothing."""
+    """Content hash of a full block, chained on its parent's hash. The adapter and the
+    rope variant enter the root block's hash (a chain inherits them); the base model's
+    hashes under variant 0 are what they were before there were either. `images`
+    identifies the images whose tokens the block holds (core/images.py,
+    `block_image_key`): their placeholder ids alone say nothing."""
     digest = hashlib.blake2b(digest_size=16)
     if parent_hash is None and lora_id:
         digest.update(b"lora:%d:" % lora_id)
+    if parent_hash is None and rope_variant:
+        digest.update(b"rope:%d:" % rope_variant)
     digest.update(parent_hash or b"root")
     digest.update(array("q", token_ids).tobytes())
     if images:
@@ -46,6 +55,7 @@ class Block:
     parent_block_id: int | None = None  # the cached block before it in its chain
     lora_id: int = 0  # the adapter its keys and values were computed with
     images: bytes = b""  # the images its tokens hold (core/images.py, block_image_key)
+    rope_variant: int = 0  # the rotary frequencies they were computed with
 
     def reset(self) -> None:
         self.block_hash = None
@@ -53,6 +63,7 @@ class Block:
         self.parent_block_id = None
         self.lora_id = 0
         self.images = b""
+        self.rope_variant = 0
 
 
 class BlockManager:
@@ -95,7 +106,7 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             images = block_image_key(seq.images, i * bs, (i + 1) * bs) if seq.images else b""
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens, seq.lora_id, images))
+            hashes.append(hash_block_tokens(parent, tokens, seq.lora_id, images, seq.rope_variant))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -122,6 +133,7 @@ class BlockManager:
                 or block.parent_block_id != parent_id
                 or block.lora_id != seq.lora_id
                 or block.images != images
+                or block.rope_variant != seq.rope_variant
             ):
                 break  # a hash collision, not a hit
             hits.append(block_id)
@@ -212,6 +224,7 @@ class BlockManager:
             block.parent_block_id = parent_id
             block.lora_id = seq.lora_id
             block.images = block_image_key(seq.images, i * bs, (i + 1) * bs) if seq.images else b""
+            block.rope_variant = seq.rope_variant
             # If an identical block was computed concurrently, the first one registered
             # stays the cached copy (this one is still correct for its owner), and the
             # chain continues from it so lookups can follow it.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -51,6 +52,9 @@ class LLMEngine:
         max_model_len: the longest sequence served.
         vocab_size: the model's vocabulary (prompt ids are checked against it).
         eos_token_ids: the model's end-of-sequence ids (the tokenizer's are added).
+        rope_variant: the rope variant a sequence of at most n tokens runs with, for a
+            model whose rotary frequencies depend on the sequence's length
+            (models/rope.py); None where they do not.
     """
 
     def __init__(
@@ -64,8 +68,10 @@ class LLMEngine:
         vocab_size: int,
         eos_token_ids: list[int],
         memory: MemoryPlan | None = None,
+        rope_variant: Callable[[int], int] | None = None,
     ) -> None:
         self.runner = runner
+        self.rope_variant = rope_variant
         self.config = engine_config
         self.memory = memory  # what the load was planned to take (None: not built by LLM)
         self.tokenizer = tokenizer
@@ -149,6 +155,10 @@ class LLMEngine:
         if error is not None:
             self._finished_early.append(self.output_processor.error_output(request, error))
             return
+        rope_variant = 0
+        if self.rope_variant is not None:
+            num_prompt = len(request.prompt_token_ids)
+            rope_variant = self.rope_variant(self._longest(num_prompt, params, pooling is not None))
         for index in range(1 if pooling is not None else params.n):
             seq = Sequence(
                 seq_id=next(self._seq_ids),
@@ -158,6 +168,7 @@ class LLMEngine:
                 num_prompt_tokens=len(request.prompt_token_ids),
                 params=params,
                 lora_id=lora_id,
+                rope_variant=rope_variant,
                 generator=_seeded_generator(params.seed, index, self.runner.device),
                 detokenizer=IncrementalDetokenizer(self.tokenizer) if params.stop else None,
                 grammar=grammar.new_matcher() if grammar is not None else None,
@@ -170,6 +181,13 @@ class LLMEngine:
             self.scheduler.add(seq)
         self._requests[request_id] = request
         self.stats.num_requests += 1
+
+    def _longest(self, num_prompt_tokens: int, params: SamplingParams, pools: bool) -> int:
+        """The most tokens a request's sequences can reach: prompt plus max_tokens, within
+        the context (its prompt alone when it generates nothing)."""
+        if params.is_prompt_only or pools:
+            return num_prompt_tokens
+        return min(num_prompt_tokens + params.max_tokens, self.max_seq_len)
 
     def compile_structured_outputs(self, constraint: StructuredOutputs) -> CompiledGrammar:
         """Compile a constraint for this model's tokenizer (cached per process by content).

@@ -73,6 +73,10 @@ class Sequence:
     # slot of loaded adapter weights; it keys the sequence's prefix-cache blocks, so KV
     # computed under one adapter is never served to another.
     lora_id: int = 0
+    # The rotary frequencies it runs with, where they depend on the sequence's length
+    # (models/rope.py; 0 otherwise), fixed when it is added; it keys its prefix-cache
+    # blocks as the adapter does.
+    rope_variant: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_blocks: int = 0  # leading blocks registered in (or served from) the prefix cache

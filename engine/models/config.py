@@ -6,20 +6,52 @@ its own module; `common_fields` parses the keys every family spells the same way
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenmill.engine.models.rope import Rope, longrope_attention_factor, yarn_attention_factor
 
 SLIDING_ATTENTION = "sliding_attention"  # a `layer_types` entry: the layer sees a window
 FULL_ATTENTION = "full_attention"  # a `layer_types` entry: the layer sees every position
 
-# Rotary scalings the rotary tables compute (layers.rope_inv_freq), each with the keys of
-# its rope_scaling dict it reads; "default" is plain rope.
+# Rotary scalings the rotary tables compute (rope.py), each with the keys of its
+# rope_scaling dict it reads; "default" is plain rope.
 ROPE_TYPES: dict[str, frozenset[str]] = {
     "default": frozenset(),
     "linear": frozenset({"factor"}),
     "llama3": frozenset(
         {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     ),
+    "dynamic": frozenset({"factor"}),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
+    "longrope": frozenset(
+        {
+            "short_factor",
+            "long_factor",
+            "factor",
+            "attention_factor",
+            "original_max_position_embeddings",
+        }
+    ),
+}
+# Keys each scaling cannot go without (transformers fails without them too).
+_ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "dynamic": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
 }
 # Keys of a rope dict that name it or its base rather than scale it; and keys other
 # scalings read that change nothing at these values.
@@ -51,7 +83,9 @@ class ModelConfig:
     attention_output_bias: bool = False  # a bias on the attention's output projection
     mlp_bias: bool = False  # biases on the gated MLP's gate, up and down projections
     qk_norm: bool = False  # q and k RMS-normalised per head before rotary
-    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", ...}
+    rope_scaling: dict | None = None  # config.rope_scaling_of: {"rope_type": ..., ...}
+    # The share of each head's dimensions that rotate (Phi-3, Phi-4-mini: the leading ones).
+    partial_rotary_factor: float = 1.0
     # Sliding-window attention: a query at position p sees keys p - window + 1 .. p. Every
     # layer has it unless `layer_types` names the ones that do.
     sliding_window: int | None = None
@@ -79,8 +113,23 @@ class ModelConfig:
     @property
     def max_context(self) -> int:
         """The longest sequence this implementation computes exactly: the model's own
-        limit (attention honours sliding windows on every path)."""
+        limit (attention honours sliding windows on every path) - extended by the rope
+        scalings whose purpose that is, as vLLM reads them: dynamic by its factor, yarn
+        to its factor times the original context."""
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type")
+        if kind == "dynamic":
+            return int(self.max_position_embeddings * scaling["factor"])
+        if kind == "yarn":
+            extended = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+            return max(self.max_position_embeddings, extended)
         return self.max_position_embeddings
+
+    @property
+    def rope(self) -> Rope:
+        """The rotary embedding of the layers (rope.py)."""
+        dim = int(self.head_dim * self.partial_rotary_factor)
+        return Rope(dim, self.rope_theta, self.rope_scaling)
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The attention window of layer `layer_idx`; None for a layer that sees everything."""
@@ -133,19 +182,28 @@ def common_fields(raw: dict, **overrides: Any) -> dict[str, Any]:
 
 
 def rope_scaling_of(scaling: dict | None, max_position_embeddings: int) -> dict | None:
-    """An HF rope_scaling dict with its kind under "rope_type"; None for plain rope.
+    """An HF rope_scaling dict with its kind under "rope_type" and the defaults
+    transformers fills in resolved; None for plain rope.
+
+    Resolved: the original context of llama3, yarn, longrope (the model's, where the dict
+    has none) and dynamic (always the model's, as transformers reads it); yarn's and
+    longrope's factor (where None: the model's context over the original) and their
+    attention factors.
 
     Raises:
-        ValueError: a scaling the rotary tables do not compute, or a key of it they do
-            not read (naming it): a model must never run with its rope unscaled.
+        ValueError: a scaling the rotary tables do not compute, a key of it they do not
+            read, or one it needs missing (naming it): a model must never run with its
+            rope unscaled.
     """
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_TYPES:
+        supported = [k for k in ROPE_TYPES if k != "default"]
+        nearest = difflib.get_close_matches(str(kind), supported, n=1, cutoff=0.0)
         raise ValueError(
-            f"rope_scaling type {kind!r} is not supported (supported: "
-            f"{', '.join(k for k in ROPE_TYPES if k != 'default')}, or none)"
+            f"rope_scaling type {kind!r} is not supported (nearest: {nearest[0]!r}; "
+            f"supported: {', '.join(supported)}, or none)"
         )
     for key, value in scaling.items():
         if key in ROPE_TYPES[kind] or key in _ROPE_NAMING_KEYS:
@@ -153,11 +211,25 @@ def rope_scaling_of(scaling: dict | None, max_position_embeddings: int) -> dict 
         if value is None or value in _ROPE_NEUTRAL.get(key, ()):
             continue
         raise ValueError(f"rope_scaling {key!r} (= {value!r}) is not supported for {kind!r} rope")
+    missing = [k for k in _ROPE_REQUIRED.get(kind, ()) if scaling.get(k) is None]
+    if missing:
+        raise ValueError(f"{kind!r} rope_scaling needs {', '.join(missing)}")
     if kind == "default":
         return None
-    scaling = {k: v for k, v in scaling.items() if k in ROPE_TYPES[kind]}
-    if kind == "llama3":  # transformers 5 defaults the original context to the model's
+    scaling = {k: v for k, v in scaling.items() if k in ROPE_TYPES[kind] and v is not None}
+    if kind == "dynamic":  # transformers' dynamic rope grows past the model's own context
+        scaling["original_max_position_embeddings"] = max_position_embeddings
+    else:  # transformers 5 defaults the original context to the model's
         scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+    original = scaling["original_max_position_embeddings"]
+    if kind in ("yarn", "longrope"):
+        scaling.setdefault("factor", max_position_embeddings / original)
+    if kind == "yarn" and "attention_factor" not in scaling:
+        scaling["attention_factor"] = yarn_attention_factor(
+            scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+        )
+    if kind == "longrope" and "attention_factor" not in scaling:
+        scaling["attention_factor"] = longrope_attention_factor(scaling["factor"], original)
     return {**scaling, "rope_type": kind}
 
 

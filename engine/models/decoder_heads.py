@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from tokenmill.engine.models import llama, qwen2, qwen3
-from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.models.config import ModelConfig
-from tokenmill.engine.models.layers import Linear, RotaryEmbedding
+from tokenmill.engine.models.layers import Linear
 from tokenmill.engine.models.llama import LlamaForCausalLM, LlamaModel
 from tokenmill.engine.models.registry import Architecture, register
+from tokenmill.engine.models.rope import RotaryEmbedding
 
 
 @dataclass
@@ -43,10 +43,7 @@ class DecoderForEmbedding(nn.Module):
 
     attach_rotary = LlamaForCausalLM.attach_rotary
 
-    def forward(self, input_ids, positions, meta: StepAttention) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
-        cos, sin = self.rotary.lookup(positions, self.model.embed_tokens.weight.dtype)
-        return self.model(input_ids, cos, sin, meta)
+    forward = LlamaForCausalLM.forward
 
     @staticmethod
     def checkpoint_name(name: str) -> str | None:

@@ -31,12 +31,7 @@ from tokenmill.engine.models.config import (
     token_ids_of,
 )
 from tokenmill.engine.models.config_fields import DECODER_HARMLESS, declare, refused
-from tokenmill.engine.models.layers import (
-    Embedding,
-    GatedMLP,
-    Linear,
-    RotaryEmbedding,
-)
+from tokenmill.engine.models.layers import Embedding, GatedMLP, Linear
 from tokenmill.engine.models.llama import LlamaAttention, LlamaForCausalLM
 from tokenmill.engine.models.registry import (
     LLAMA_GGUF_BLOCK_NAMES,
@@ -44,6 +39,7 @@ from tokenmill.engine.models.registry import (
     GGUFLayout,
     register,
 )
+from tokenmill.engine.models.rope import Rope, RotaryEmbedding
 
 
 @dataclass
@@ -230,14 +226,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def attach_rotary(self, max_positions: int, device: torch.device) -> None:
         super().attach_rotary(max_positions, device)
         c = self.config  # the local layers' base has no scaling
-        self.local_rotary = RotaryEmbedding(
-            c.head_dim, c.rope_local_theta, None, max_positions, device
-        )
+        local = Rope(c.head_dim, c.rope_local_theta)
+        self.local_rotary = RotaryEmbedding(local, max_positions, device)
 
-    def forward(self, input_ids, positions, meta: StepAttention) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
+    def forward(
+        self, input_ids, positions, meta: StepAttention, rope_variants=None
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]; the
+        global layers' rope variants as LlamaForCausalLM.forward's."""
         dtype = self.model.embed_tokens.weight.dtype
-        cos, sin = self.rotary.lookup(positions, dtype)
+        cos, sin = self.rotary.lookup(positions, dtype, rope_variants)
         local_rope = self.local_rotary.lookup(positions, dtype)
         return self.model(input_ids, cos, sin, meta, local_rope)
 

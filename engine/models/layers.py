@@ -1,4 +1,4 @@
-"""Building blocks shared by the Llama-family models: RMSNorm, rotary embedding, gated MLP.
+"""Building blocks shared by the Llama-family models: RMSNorm, gated MLP (rotary: rope.py).
 
 On CPU in fp32/bf16 the residual add + RMSNorm, rotary and SiLU-and-mul run as fused
 native kernels (kernels/elementwise.py) that compute what the PyTorch code here computes;
@@ -8,7 +8,6 @@ the PyTorch code runs everywhere else.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import nn
@@ -118,83 +117,3 @@ class GatedMLP(nn.Module):
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # The activation allocates a fresh tensor; multiplying into it saves a second one.
         return self.down_proj(_ACTIVATIONS[self.activation](gate).mul_(up))
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], with Llama 3 / linear rope scaling applied.
-
-    Args:
-        theta: the rotary base.
-        scaling: an HF rope_scaling dict with "rope_type" (ModelConfig.rope_scaling).
-    """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling is None:
-        return inv_freq.float()
-    kind = scaling["rope_type"]
-    factor = float(scaling.get("factor", 1.0))
-    if kind == "linear":
-        return (inv_freq / factor).float()
-    if kind == "llama3":
-        low_factor = float(scaling.get("low_freq_factor", 1.0))
-        high_factor = float(scaling.get("high_freq_factor", 4.0))
-        old_context = float(scaling.get("original_max_position_embeddings", 8192))
-        low_freq_wavelen = old_context / low_factor
-        high_freq_wavelen = old_context / high_factor
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between
-        # interpolated smoothly.
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low_factor) / (high_factor - low_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled).float()
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
-
-
-class RotaryEmbedding:
-    """Precomputed cos/sin tables, looked up once per step for all layers."""
-
-    def __init__(
-        self,
-        head_dim: int,
-        theta: float,
-        scaling: dict | None,
-        max_positions: int,
-        device: torch.device,
-    ) -> None:
-        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
-        t = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
-        # Full-width tables, the sine signed for the halves-swapped input, so rotating is
-        # two multiplies and an add: x * cos + swap_halves(x) * sin.
-        self.cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
-        self.sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
-
-    def lookup(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [num_tokens, 1, head_dim], broadcast over heads."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return cos.to(dtype), sin.to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves (the HF layout): x: [num_tokens, num_heads, head_dim]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def rotary_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rotary on q and k; v passes through (made contiguous on the fused path).
-
-    Args:
-        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim],
-            views into the qkv projection's output or tensors of their own
-        cos, sin: [num_tokens, 1, head_dim] (RotaryEmbedding.lookup)
-    """
-    if elementwise.rotary_supports(q, k, v, cos):
-        return elementwise.rotary_qkv(q, k, v, cos, sin)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v

@@ -15,16 +15,9 @@ from torch import nn
 from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.models.config import ModelConfig, common_fields
 from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, declare
-from tokenmill.engine.models.layers import (
-    GATED_ACTIVATIONS,
-    Embedding,
-    GatedMLP,
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    rotary_qkv,
-)
+from tokenmill.engine.models.layers import GATED_ACTIVATIONS, Embedding, GatedMLP, Linear, RMSNorm
 from tokenmill.engine.models.registry import Architecture, GGUFLayout, register
+from tokenmill.engine.models.rope import RotaryEmbedding, rotary_qkv
 
 
 class LlamaAttention(nn.Module):
@@ -133,14 +126,18 @@ class LlamaForCausalLM(nn.Module):
 
     def attach_rotary(self, max_positions: int, device: torch.device) -> None:
         """Build the rotary tables for positions [0, max_positions) once, after loading."""
-        c = self.config
-        self.rotary = RotaryEmbedding(
-            c.head_dim, c.rope_theta, c.rope_scaling, max_positions, device
-        )
+        self.rotary = RotaryEmbedding(self.config.rope, max_positions, device)
 
-    def forward(self, input_ids, positions, meta: StepAttention) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
-        cos, sin = self.rotary.lookup(positions, self.model.embed_tokens.weight.dtype)
+    def forward(
+        self, input_ids, positions, meta: StepAttention, rope_variants=None
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden].
+
+        rope_variants: [num_tokens] each token's sequence's rope variant (rope.py), for
+        a rope whose frequencies depend on the sequence's length; None: all 0.
+        """
+        dtype = self.model.embed_tokens.weight.dtype
+        cos, sin = self.rotary.lookup(positions, dtype, rope_variants)
         return self.model(input_ids, cos, sin, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

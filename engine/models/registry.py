@@ -9,6 +9,7 @@ so a new architecture module is found without an edit anywhere else.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,9 +140,11 @@ def architecture_of(raw: dict) -> Architecture:
     if found is None and not names:  # an old config: its model_type, else the Llama family
         found = _BY_MODEL_TYPE.get(raw.get("model_type")) or _ARCHITECTURES["LlamaForCausalLM"]
     if found is None:
+        supported = supported_architectures()
+        nearest = difflib.get_close_matches(str(names[0]), supported, n=1, cutoff=0.0)
         raise ValueError(
-            f"unsupported architecture {names[0]!r}; supported: "
-            f"{', '.join(supported_architectures())}"
+            f"unsupported architecture {names[0]!r} (nearest: {nearest[0]!r}); supported: "
+            f"{', '.join(supported)}"
         )
     return found
 

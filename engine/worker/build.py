@@ -7,6 +7,7 @@ path - runs before any weight is read, so a bad option costs nothing.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,6 +56,13 @@ class LoadedModel:
     num_blocks: int  # KV cache blocks the runner's cache holds
     max_model_len: int  # the longest sequence it serves
     memory: MemoryPlan  # what it was planned to take, before the load
+
+    @property
+    def rope_variant(self) -> Callable[[int], int] | None:
+        """The rope variant of a sequence of at most n tokens, where the model's rotary
+        frequencies depend on the sequence's length (models/rope.py); else None."""
+        rope = self.model_config.rope
+        return rope.variant_for_length if rope.depends_on_length else None
 
 
 def setting_choices() -> dict[str, tuple[str, ...]]:

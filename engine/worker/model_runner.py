@@ -184,6 +184,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         # Graphs were captured without adapters: a step with adapter rows runs eagerly.
         uses_lora = self.lora.begin_step(out)
+        rope_variants = self.rope_variants(out)
         try:
             images = None
             with_images = self.vision is not None and _computes_images(out)
@@ -193,6 +194,7 @@ class ModelRunner:
                 and not prompt_spans
                 and not pools
                 and not uses_lora
+                and rope_variants is None
                 and graphs.can_run(out)
             ):
                 with profiler.stage("forward"):
@@ -204,7 +206,7 @@ class ModelRunner:
                     if with_images:  # the tower runs here: its time is the forward's
                         meta, images = self.vision.step(out, meta)
                     meta = profiler.attention(meta)
-                    hidden = self.forward_model(input_ids, positions, meta, images)
+                    hidden = self.forward_model(input_ids, positions, meta, images, rope_variants)
         finally:
             self.lora.end_step()
         with profiler.stage("logits"):
@@ -290,12 +292,27 @@ class ModelRunner:
         positions: torch.Tensor,
         meta: StepAttention,
         images: StepImages | None = None,
+        rope_variants: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The model over a flat batch: input_ids, positions [num_tokens] -> hidden states
-        (images: the step's image soft tokens, for a model with a vision tower)."""
+        (images: the step's image soft tokens, for a model with a vision tower;
+        rope_variants: see `rope_variants`)."""
+        extra = {} if rope_variants is None else {"rope_variants": rope_variants}
         if images is None:
-            return self.model(input_ids, positions, meta)
-        return self.model(input_ids, positions, meta, images)
+            return self.model(input_ids, positions, meta, **extra)
+        return self.model(input_ids, positions, meta, images, **extra)
+
+    def rope_variants(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """[num_tokens] each token's sequence's rope variant, in step_tokens' order
+        (decodes first), where some sequence of the step runs one other than 0
+        (models/rope.py); else None."""
+        chunks = out.decodes + out.prefills
+        if not any(c.seq.rope_variant for c in chunks):
+            return None
+        variants = np.repeat(
+            [c.seq.rope_variant for c in chunks], [c.num_new_tokens for c in chunks]
+        )
+        return upload(variants.astype(np.int64), self.device)
 
     def prepare(
         self, out: SchedulerOutput, previous: PendingStep | None = None

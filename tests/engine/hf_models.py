@@ -45,8 +45,8 @@ GEMMA3 = dict(
 
 
 def build_hf_model(kind: str, out_dir: Path, **overrides):
-    """Save a random-weight `kind` (llama | qwen2 | qwen3 | gemma3 | mistral) checkpoint;
-    return the HF model."""
+    """Save a random-weight `kind` (llama | qwen2 | qwen3 | gemma3 | mistral | phi3)
+    checkpoint; return the HF model."""
     import transformers
 
     config_cls, model_cls = {
@@ -55,6 +55,7 @@ def build_hf_model(kind: str, out_dir: Path, **overrides):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[kind]
     settings = {**SMALL, **(GEMMA3 if kind == "gemma3" else {}), **overrides}
     if kind == "qwen3":
@@ -90,6 +91,40 @@ def hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], lis
     return ids[len(prompt) :], logprobs
 
 
+def reset_rotary(model) -> None:
+    """Put transformers' rotary modules back to their starting frequencies: a dynamic
+    rope keeps the longest sequence it has seen, so without this one forward's answer
+    depends on the forwards before it."""
+    for module in model.modules():
+        if hasattr(module, "original_inv_freq") and hasattr(module, "original_max_seq_len"):
+            module.inv_freq = module.original_inv_freq.clone()
+            module.max_seq_len_cached = module.original_max_seq_len
+
+
+@torch.no_grad()
+def hf_full_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids) - 1, vocab]: one forward over the whole sequence, from a fresh
+    rotary state; row i is the log-softmax after token i (it scores token i + 1)."""
+    reset_rotary(model)
+    logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def assert_matches_full_forward(out, prompt: list[int], hf, k: int, atol: float = 2e-4) -> None:
+    """An LLM output (greedy, with `logprobs=k` and `prompt_logprobs=k`) against one
+    transformers forward over its prompt and completion: each generated token is the
+    argmax there, its top k log-probs match, and so do the prompt's."""
+    generated = out.outputs[0].token_ids
+    reference = hf_full_logprobs(hf, prompt + generated)
+    num_prompt = len(prompt)
+    assert_matches(out, prompt, reference[: num_prompt - 1], k, atol=atol)
+    for step, (token, entry) in enumerate(zip(generated, out.outputs[0].logprobs)):
+        want = reference[num_prompt - 1 + step]
+        assert token == int(want.argmax())
+        ours = torch.tensor(list(entry.values()))
+        torch.testing.assert_close(ours, want[list(entry.keys())], atol=atol, rtol=1e-4)
+
+
 @torch.no_grad()
 def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
     """[len(prompt) - 1, vocab]: row i is the log-softmax that scores prompt[i + 1]."""
@@ -97,7 +132,9 @@ def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
-def assert_matches(out, prompt: list[int], reference: torch.Tensor, k: int) -> None:
+def assert_matches(
+    out, prompt: list[int], reference: torch.Tensor, k: int, atol: float = 2e-4
+) -> None:
     entries = out.prompt_logprobs
     assert entries is not None and len(entries) == len(prompt)
     assert entries[0] is None
@@ -109,7 +146,7 @@ def assert_matches(out, prompt: list[int], reference: torch.Tensor, k: int) -> N
         assert len(entry) == len(top_ids | {prompt[i + 1]}) or _near_tie(want, k)
         ours = torch.tensor(list(entry.values()))
         theirs = want[list(entry.keys())]
-        torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=1e-4)
 
 
 def _near_tie(logprobs: torch.Tensor, k: int) -> bool:

@@ -14,7 +14,7 @@ from tokenmill.engine.types.sampling_params import SamplingParams
 _ids = iter(range(10**6))
 
 
-def seq(tokens: list[int], lora_id: int = 0) -> Sequence:
+def seq(tokens: list[int], lora_id: int = 0, rope_variant: int = 0) -> Sequence:
     return Sequence(
         seq_id=next(_ids),
         request_id="r",
@@ -23,6 +23,7 @@ def seq(tokens: list[int], lora_id: int = 0) -> Sequence:
         num_prompt_tokens=len(tokens),
         params=SamplingParams(),
         lora_id=lora_id,
+        rope_variant=rope_variant,
     )
 
 
@@ -110,13 +111,28 @@ def test_can_allocate_counts_revived_blocks():
 def test_hash_collision_never_serves_other_tokens(monkeypatch):
     # Every block hashes the same: only the token (and parent) check stands between a
     # lookup and another prefix's keys and values.
-    monkeypatch.setattr(
-        bm_module, "hash_block_tokens", lambda parent, tokens, lora_id=0, images=b"": b"same"
-    )
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens, *rest: b"same")
     bm = BlockManager(8, 4)
     admit(bm, seq([1, 2, 3, 4, 5]))
     assert bm.find_cached_prefix(seq([9, 9, 9, 9, 5])) == []
     assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5])) == [0]
+
+
+def test_blocks_are_shared_only_under_the_same_rope_variant(monkeypatch):
+    bm = BlockManager(8, 4)
+    admit(bm, seq([1, 2, 3, 4, 5, 6, 7, 8, 0], rope_variant=1))  # blocks 0, 1: long factors
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5, 6, 7, 8, 0])) == []
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5, 6, 7, 8, 0], rope_variant=40)) == []
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5, 6, 7, 8, 0], rope_variant=1)) == [0, 1]
+    assert bm_module.hash_block_tokens(
+        None, (1, 2), 0, rope_variant=1
+    ) != bm_module.hash_block_tokens(None, (1, 2), 1, rope_variant=0)
+    # Even when the hashes collide, the stored variant refuses the hit.
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda *args: b"same")
+    bm = BlockManager(8, 4)
+    admit(bm, seq([1, 2, 3, 4, 5], rope_variant=1))
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5])) == []
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5], rope_variant=1)) == [0]
 
 
 def test_blocks_are_shared_only_under_the_same_adapter():
@@ -134,9 +150,7 @@ def test_blocks_are_shared_only_under_the_same_adapter():
 
 def test_hash_collision_across_adapters_is_a_miss(monkeypatch):
     # Every block hashes the same, adapter or not: the stored adapter is checked too.
-    monkeypatch.setattr(
-        bm_module, "hash_block_tokens", lambda parent, tokens, lora_id=0, images=b"": b"same"
-    )
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens, *rest: b"same")
     bm = BlockManager(8, 4)
     admit(bm, seq([1, 2, 3, 4, 5], lora_id=3))
     assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5], lora_id=4)) == []
@@ -175,9 +189,7 @@ def test_blocks_holding_an_image_are_shared_only_for_the_same_image():
 
 
 def test_hash_collision_across_images_is_a_miss(monkeypatch):
-    monkeypatch.setattr(
-        bm_module, "hash_block_tokens", lambda parent, tokens, lora_id=0, images=b"": b"same"
-    )
+    monkeypatch.setattr(bm_module, "hash_block_tokens", lambda parent, tokens, *rest: b"same")
     bm = BlockManager(8, 4)
     admit(bm, _with_image([9, 9, 9, 9, 5], 0, 4, b"cat"))
     assert bm.find_cached_prefix(_with_image([9, 9, 9, 9, 5], 0, 4, b"dog")) == []

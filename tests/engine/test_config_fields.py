@@ -198,9 +198,9 @@ def test_qwen3_head_dim_defaults_as_transformers_does():
 @pytest.mark.parametrize(
     ("rope", "message"),
     [
-        ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling type 'yarn'"),
-        ({"rope_type": "dynamic", "factor": 2.0}, "rope_scaling type 'dynamic'"),
-        ({"rope_type": "longrope", "short_factor": [1.0]}, "rope_scaling type 'longrope'"),
+        ({"rope_type": "proportional", "factor": 4.0}, "rope_scaling type 'proportional'"),
+        ({"rope_type": "mrope", "mrope_section": [2, 2]}, "rope_scaling type 'mrope'"),
+        ({"rope_type": "longrope", "short_factor": [1.0]}, "needs long_factor"),
         ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary"),
         ({"rope_type": "llama3", "factor": 8.0, "attention_factor": 0.7}, "attention_factor"),
     ],
@@ -245,4 +245,17 @@ def test_refused_before_any_weight_is_read(tmp_path):
     with pytest.raises(ValueError, match="mlp_bias"):
         load_config(tmp_path)
     with pytest.raises(ValueError, match="Qwen2ForCausalLM: config.json sets mlp_bias = True"):
+        LLM(str(tmp_path), dtype="float32")
+
+
+def test_unsupported_architecture_is_refused_naming_the_nearest(tmp_path):
+    """Named before any weight is read (the weights file is not even safetensors)."""
+    raw = {**transformers_config("LlamaForCausalLM"), "architectures": ["Phi4ForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "model.safetensors").write_bytes(b"not weights")
+    save_char_tokenizer(tmp_path)
+    with pytest.raises(
+        ValueError,
+        match="unsupported architecture 'Phi4ForCausalLM' \\(nearest: 'Phi3ForCausalLM'\\)",
+    ):
         LLM(str(tmp_path), dtype="float32")

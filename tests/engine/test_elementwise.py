@@ -12,8 +12,9 @@ from hf_models import build_hf_model, hf_greedy, make_engine, run_all
 from torch.nn import functional as F
 
 from tokenmill.engine.kernels import elementwise
-from tokenmill.engine.models import layers
-from tokenmill.engine.models.layers import RMSNorm, apply_rotary
+from tokenmill.engine.models import rope
+from tokenmill.engine.models.layers import RMSNorm
+from tokenmill.engine.models.rope import apply_rotary
 from tokenmill.engine.types.sampling_params import SamplingParams
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -130,7 +131,7 @@ def test_rotary_on_separate_q_and_k(dtype):
     v = qkv[:, 6 * 32 :].view(9, 2, 32)
     q, k = torch.randn(9, 4, 32).to(dtype), torch.randn(9, 2, 32).to(dtype)
     cos, sin = rotary_tables(9, 32, dtype)
-    q_out, k_out, v_out = layers.rotary_qkv(q, k, v, cos, sin)
+    q_out, k_out, v_out = rope.rotary_qkv(q, k, v, cos, sin)
     assert torch.equal(q_out, apply_rotary(q, cos, sin))
     assert torch.equal(k_out, apply_rotary(k, cos, sin))
     assert torch.equal(v_out, v)
