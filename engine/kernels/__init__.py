@@ -62,6 +62,10 @@ _FILE_FLAGS = {
     # Sums in fp32 in its own order (pairs of k, two running sums), as oneDNN's own are;
     # tested against a tolerance.
     "packed_matvec.c": ["-ffp-contract=fast"],
+    # Its sums are explicit multiply-adds in k order; the gated activation as activation.h
+    # asks (no contraction, no errno), and the weighted sum of the experts rounds each
+    # product before adding it, as transformers does.
+    "moe.c": ["-ffp-contract=off", "-fno-math-errno"],
 }
 # Linked without -ffast-math: with it GCC (before 13) links crtfastmath.o into the
 # library, whose constructor turns on flush-to-zero and denormals-are-zero for the whole

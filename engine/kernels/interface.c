@@ -30,4 +30,7 @@ void tm_limits(tm_limits_t *out) {
     out->q4_unpack_args_size = sizeof(tm_q4_unpack_args);
     out->lora_args_size = sizeof(tm_lora_args);
     out->packed_matvec_args_size = sizeof(tm_packed_matvec_args);
+    out->moe_isa = tm_moe_isa();
+    out->moe_max_top_k = TM_MOE_MAX_TOP_K;
+    out->moe_args_size = sizeof(tm_moe_args);
 }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 15
+ABI_VERSION = 16
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -30,6 +30,8 @@ INT8_LINEAR_ISAS = {
 
 # tm_limits_t.lora_isa values (TM_LORA_ISA_*), by name.
 LORA_ISAS = {0: "generic", 1: "avx512_bf16", 2: "amx_bf16+avx512_bf16"}
+# tm_limits_t.moe_isa values (TM_MOE_ISA_*), by name.
+MOE_ISAS = {0: "generic", 1: "avx512_bf16", 2: "amx_bf16+avx512_bf16"}
 
 
 class _Limits(ctypes.Structure):
@@ -62,6 +64,9 @@ class _Limits(ctypes.Structure):
         ("q4_unpack_args_size", _i64),
         ("lora_args_size", _i64),
         ("packed_matvec_args_size", _i64),
+        ("moe_isa", _i64),
+        ("moe_max_top_k", _i64),
+        ("moe_args_size", _i64),
     ]
 
 
@@ -305,6 +310,29 @@ class PackedMatvecArgs(ctypes.Structure):
     ]
 
 
+class MoEArgs(ctypes.Structure):
+    """tm_moe_args."""
+
+    _fields_ = [
+        ("x", _ptr),
+        ("expert_ids", _ptr),
+        ("expert_weights", _ptr),
+        ("gate_up", _ptr),
+        ("down", _ptr),
+        ("out", _ptr),
+        ("rows", _i64),
+        ("top_k", _i64),
+        ("num_experts", _i64),
+        ("hidden", _i64),
+        ("inter", _i64),
+        ("pad_cols", _i64),
+        ("is_bf16", _i32),
+        ("weight_format", _i32),
+        ("activation", _i32),
+        ("num_threads", _i32),
+    ]
+
+
 # Exported function -> its argument struct, and the size field tm_limits reports for it.
 FUNCTIONS = {
     "tm_paged_attention": (AttentionArgs, "attention_args_size"),
@@ -321,6 +349,7 @@ FUNCTIONS = {
     "tm_q4_unpack_bf16": (Q4UnpackArgs, "q4_unpack_args_size"),
     "tm_lora": (LoRAArgs, "lora_args_size"),
     "tm_packed_matvec": (PackedMatvecArgs, "packed_matvec_args_size"),
+    "tm_moe": (MoEArgs, "moe_args_size"),
 }
 
 
@@ -342,6 +371,8 @@ class KernelLimits:
     lora_isa: str  # how tm_lora computes here: LORA_ISAS' names
     lora_max_blocks: int  # blocks (PEFT targets) per adapter in one LoRA layer
     packed_matvec_vector: bool  # tm_packed_matvec runs vdpbf16ps here (else plain loops)
+    moe_isa: str  # how tm_moe computes here: MOE_ISAS' names
+    moe_max_top_k: int  # experts per row tm_moe takes
 
 
 def declare(lib: ctypes.CDLL) -> KernelLimits:
@@ -388,6 +419,8 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         lora_isa=LORA_ISAS[reported.lora_isa],
         lora_max_blocks=reported.lora_max_blocks,
         packed_matvec_vector=bool(reported.packed_matvec_vector),
+        moe_isa=MOE_ISAS[reported.moe_isa],
+        moe_max_top_k=reported.moe_max_top_k,
     )
 
 

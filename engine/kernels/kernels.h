@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 15
+#define TM_ABI_VERSION 16
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -86,6 +86,10 @@ typedef struct {
     int64_t q4_unpack_args_size;
     int64_t lora_args_size;
     int64_t packed_matvec_args_size;
+    /* moe.c */
+    int64_t moe_isa;       /* TM_MOE_ISA_*: how tm_moe computes here */
+    int64_t moe_max_top_k;
+    int64_t moe_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -430,5 +434,42 @@ typedef struct {
 int tm_packed_matvec(const tm_packed_matvec_args *args);
 /* Internal (tm_limits reports it). */
 int tm_packed_matvec_vector(void);
+
+/* ---- moe.c: a mixture-of-experts layer's experts, one call per layer -----------------
+ * Every row's top_k experts' gated MLPs, weighted and summed back into the row:
+ *     out[t] = sum_j expert_weights[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])),
+ * e = expert_ids[t, j] (distinct within a row), the terms added in ascending e. Weights
+ * packed as moe.c's header states (engine/kernels/moe.py packs them), each projection's
+ * columns followed by pad_cols readable columns (AMX tiles read whole 64-column bands:
+ * bf16 builds with AMX need pad_cols >= 64). */
+#define TM_MOE_MAX_TOP_K 32
+enum {
+    TM_MOE_ISA_GENERIC = 0,     /* plain loops */
+    TM_MOE_ISA_AVX512_BF16 = 1, /* AVX-512 FMA in fp32, vdpbf16ps in bf16 */
+    TM_MOE_ISA_AMX = 2          /* the same, and bf16 runs of 16 rows on AMX tiles */
+};
+enum { TM_MOE_FLOAT = 0 }; /* tm_moe_args.weight_format: the experts in x's type */
+typedef struct {
+    const void *x;               /* [rows, hidden] fp32 or bf16 */
+    const int64_t *expert_ids;   /* [rows, top_k] */
+    const float *expert_weights; /* [rows, top_k] */
+    const void *gate_up;         /* packed [num_experts] gate and up projections */
+    const void *down;            /* packed [num_experts] down projections */
+    void *out;                   /* [rows, hidden], x's type */
+    int64_t rows;
+    int64_t top_k;               /* <= TM_MOE_MAX_TOP_K and num_experts */
+    int64_t num_experts;
+    int64_t hidden;              /* <= TM_MAX_ROW_DIM; even in bf16 */
+    int64_t inter;               /* each expert's intermediate size; even in bf16 */
+    int64_t pad_cols;
+    int32_t is_bf16;
+    int32_t weight_format;       /* TM_MOE_* */
+    int32_t activation;          /* TM_GATED_SILU or TM_GATED_GELU_TANH */
+    int32_t num_threads;
+} tm_moe_args;
+
+int tm_moe(const tm_moe_args *args);
+/* Internal (tm_limits reports it). */
+int tm_moe_isa(void);
 
 #endif

@@ -1,0 +1,439 @@
+/* A mixture-of-experts layer's expert compute, every (token, expert) pair of a step in one
+ * call (engine/models/moe.py; the router has chosen each row's experts and weights).
+ *
+ *     out[t] = sum over t's experts e, in ascending e, of w[t, e] * down_e(act(gate_e(x[t])) * up_e(x[t]))
+ *
+ * The pairs are counting-sorted by expert, so that each expert's rows are one contiguous
+ * run (its tokens in ascending order), and gathered; then three phases, each one OpenMP
+ * loop, with a barrier between:
+ *   A  h = act(xs @ gate^T) * (xs @ up^T)  - an item is one expert and 32 of its
+ *      intermediate columns, over all of the expert's rows: its gate and up columns are
+ *      read once per call whatever the rows (a decode step reads each expert it uses
+ *      once), and stay in L2 while a prompt's rows pass over them;
+ *   B  y = h @ down^T (fp32)               - an item is one expert and 32 hidden columns;
+ *   C  out[t] = the weighted sum of t's rows of y, in ascending expert order (as
+ *      transformers' loop over experts adds them), rounded once to out's type.
+ * No expert is padded to the busiest one's rows, and no item exists for an expert no row
+ * chose. Items differ in rows, so they are dealt out dynamically.
+ *
+ * Weights, packed once at load (engine/kernels/moe.py), k-major so that a vector load
+ * takes 16 output columns:
+ *   fp32  gate_up [E][hidden][2 * inter] (columns: the inter gate ones, then the up ones),
+ *         down [E][inter][hidden];
+ *   bf16  the same in pairs of k, as vdpbf16ps and AMX tiles take them:
+ *         gate_up [E][hidden / 2][2 * inter][2], down [E][inter / 2][hidden][2].
+ * Sums are fp32. bf16 rounds gate and up to bf16 before the activation, and h after it,
+ * as transformers' bf16 forward does; y stays fp32 until the weighted sum.
+ *
+ * Builds with AVX512-BF16 multiply on vector tiles (vdpbf16ps; fp32: AVX-512 FMA), and bf16
+ * runs of 16 rows or more on AMX tiles where Linux grants them; other builds run plain
+ * loops that compute the same sums.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "activation.h"
+#include "amx.h"
+#include "kernel_common.h"
+#include "kernels.h"
+
+#define NB 32 /* output columns per item: two vectors of 16 */
+#define MR 6  /* rows per vector tile: 4 accumulators a row in phase A, 24 in all */
+#define AMX_ROWS 16
+#define TILE_ROWS_MAX 16 /* the larger of MR and AMX_ROWS: rows of a tile's sums */
+
+/* One product's operands: rows [row, row + mr) of x times columns of w. */
+typedef struct {
+    const void *x; /* row-major, ldx values a row */
+    int64_t ldx;
+    const void *w; /* fp32: [k][ldw]; bf16: [k / 2][ldw][2] */
+    int64_t ldw;
+    int64_t k;
+    int is_bf16;
+} operands;
+
+static inline float value_at(const void *base, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* The weight at column c of k-row i (fp32 or pair layout). */
+static inline float weight_at(const operands *o, int64_t i, int64_t c) {
+    if (o->is_bf16) return bf16_to_f32(((const uint16_t *)o->w)[((i / 2) * o->ldw + c) * 2 + i % 2]);
+    return ((const float *)o->w)[i * o->ldw + c];
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define MOE_ISA TM_MOE_ISA_AVX512_BF16
+
+static inline __mmask16 column_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+/* acc[r][0..32) += sum over k of x[row + r, k] * w[k, col + 0..32) for r < mr, for each of
+ * the `nw` column blocks at w offsets col_offsets[b] (gate and up: 2; down: 1); columns
+ * from `left` on are not loaded. mr and nw are constants at every call (the switch below),
+ * so the unused rows fold away. */
+static inline __attribute__((always_inline)) void tile_sums(const operands *o, int64_t row, int64_t col,
+                                                            int64_t second, int64_t left, const int mr,
+                                                            const int nw, __m512 acc[MR][4]) {
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+    const __mmask16 m0 = column_mask(left), m1 = column_mask(left - 16);
+    const int64_t ldx = o->ldx, ldw = o->ldw;
+    if (o->is_bf16) {
+        const uint16_t *x = (const uint16_t *)o->x + row * ldx;
+        const uint16_t *w = (const uint16_t *)o->w;
+        for (int64_t i = 0; i < o->k / 2; i++) {
+            const uint16_t *wi = w + (i * ldw + col) * 2;
+            __m512i wv[4];
+            wv[0] = _mm512_maskz_loadu_epi32(m0, wi);
+            wv[1] = _mm512_maskz_loadu_epi32(m1, wi + 32);
+            if (nw > 1) {
+                wv[2] = _mm512_maskz_loadu_epi32(m0, wi + (second - col) * 2);
+                wv[3] = _mm512_maskz_loadu_epi32(m1, wi + (second - col) * 2 + 32);
+            }
+            for (int r = 0; r < mr; r++) {
+                int32_t pair;
+                __builtin_memcpy(&pair, x + r * ldx + 2 * i, 4);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)wv[v]);
+            }
+        }
+    } else {
+        const float *x = (const float *)o->x + row * ldx;
+        const float *w = (const float *)o->w;
+        for (int64_t i = 0; i < o->k; i++) {
+            const float *wi = w + i * ldw + col;
+            __m512 wv[4];
+            wv[0] = _mm512_maskz_loadu_ps(m0, wi);
+            wv[1] = _mm512_maskz_loadu_ps(m1, wi + 16);
+            if (nw > 1) {
+                wv[2] = _mm512_maskz_loadu_ps(m0, wi + second - col);
+                wv[3] = _mm512_maskz_loadu_ps(m1, wi + second - col + 16);
+            }
+            for (int r = 0; r < mr; r++) {
+                const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
+                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+            }
+        }
+    }
+}
+
+#define TILE_CASES(nw)                                                                       \
+    switch (mr) {                                                                            \
+    case 6: tile_sums(o, row, col, second, left, 6, nw, acc); break;                         \
+    case 5: tile_sums(o, row, col, second, left, 5, nw, acc); break;                         \
+    case 4: tile_sums(o, row, col, second, left, 4, nw, acc); break;                         \
+    case 3: tile_sums(o, row, col, second, left, 3, nw, acc); break;                         \
+    case 2: tile_sums(o, row, col, second, left, 2, nw, acc); break;                         \
+    default: tile_sums(o, row, col, second, left, 1, nw, acc); break;                        \
+    }
+
+/* sums[r][b * 32 + j]: row r's sum for column j of block b (b = 0: at col, 1: at second). */
+static void tile(const operands *o, int64_t row, int mr, int64_t col, int64_t second, int64_t left,
+                 int nw, float (*sums)[2 * NB]) {
+    __m512 acc[MR][4];
+    if (nw > 1) {
+        TILE_CASES(2);
+    } else {
+        TILE_CASES(1);
+    }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < 2 * nw; v++) _mm512_storeu_ps(sums[r] + 16 * v, acc[r][v]);
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MOE_AMX 1
+#endif
+
+#else
+#define MOE_ISA TM_MOE_ISA_GENERIC
+
+/* The same sums in plain loops (k in order, fp32). */
+static void tile(const operands *o, int64_t row, int mr, int64_t col, int64_t second, int64_t left,
+                 int nw, float (*sums)[2 * NB]) {
+    for (int r = 0; r < mr; r++) {
+        for (int b = 0; b < nw; b++) {
+            const int64_t first = b ? second : col;
+            for (int64_t j = 0; j < NB; j++) {
+                float acc = 0.0f;
+                if (j < left)
+                    for (int64_t i = 0; i < o->k; i++)
+                        acc += value_at(o->x, (row + r) * o->ldx + i, o->is_bf16) * weight_at(o, i, first + j);
+                sums[r][b * NB + j] = acc;
+            }
+        }
+    }
+}
+#endif
+
+/* 1 where this build has AMX tiles and Linux grants them: bf16 runs of 16 rows use them. */
+static int amx_usable(void) {
+#ifdef MOE_AMX
+    return tm_internal_amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+int tm_moe_isa(void) {
+    return MOE_ISA == TM_MOE_ISA_AVX512_BF16 && amx_usable() ? TM_MOE_ISA_AMX : MOE_ISA;
+}
+
+#ifdef MOE_AMX
+/* Tiles: 0-3 accumulate 16 rows x 16 fp32 each (64 columns: two blocks of 32, or gate's
+ * and up's 32 in phase A); 4 holds 16 rows x 32 k of x; 5 the 16 pair rows of w that meet
+ * them. k is read 32 at a time; a k that is not a multiple of 32 takes the vector path. */
+static void configure_full_tiles(void) {
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    const uint16_t bytes[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    tm_configure_tiles(rows, bytes);
+}
+
+/* sums[r][0..64) for 16 rows from `row`: columns [col, col + 32) then (nw == 2) [second,
+ * second + 32), or [col, col + 64) where nw == 1 and second == col + 32. Columns past the
+ * weights' end must be readable (the packing pads each block to whole tiles). */
+static void amx_tile(const operands *o, int64_t row, int64_t col, int64_t second, float (*sums)[2 * NB]) {
+    const uint16_t *x = (const uint16_t *)o->x + row * o->ldx;
+    const uint16_t *w = (const uint16_t *)o->w;
+    const int64_t x_bytes = o->ldx * 2, w_bytes = o->ldw * 4;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kk = 0; kk < o->k; kk += 32) {
+        const uint16_t *pairs = w + ((kk / 2) * o->ldw) * 2;
+        _tile_loadd(4, x + kk, x_bytes);
+        _tile_loadd(5, pairs + col * 2, w_bytes); _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, pairs + (col + 16) * 2, w_bytes); _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, pairs + second * 2, w_bytes); _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, pairs + (second + 16) * 2, w_bytes); _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, sums[0], sizeof sums[0]);
+    _tile_stored(1, sums[0] + 16, sizeof sums[0]);
+    _tile_stored(2, sums[0] + 32, sizeof sums[0]);
+    _tile_stored(3, sums[0] + 48, sizeof sums[0]);
+}
+#endif
+
+/* ---- the call ------------------------------------------------------------------------ */
+
+typedef struct {
+    int64_t expert, col;
+} item;
+
+typedef struct {
+    const tm_moe_args *a;
+    int64_t *starts;    /* [E + 1] each expert's first sorted row */
+    int64_t *token_of;  /* [R] the token of each sorted row */
+    int64_t *sorted_of; /* [rows * top_k] the sorted row of each (token, slot) */
+    void *xs;           /* [R][hidden] the gathered rows, x's type */
+    void *h;            /* [R][inter], x's type */
+    float *y;           /* [R][hidden] */
+    int amx;            /* bf16 runs of 16 rows on AMX tiles */
+} problem;
+
+static int64_t value_bytes(const tm_moe_args *a) { return a->is_bf16 ? 2 : 4; }
+
+/* The activation of the gate's sum, times the up's, as x's type rounds them. */
+static inline float gated(const tm_moe_args *a, float gate, float up) {
+    if (a->is_bf16) {
+        gate = bf16_to_f32(f32_to_bf16(gate));
+        up = bf16_to_f32(f32_to_bf16(up));
+        const float act = bf16_to_f32(f32_to_bf16(a->activation == TM_GATED_GELU_TANH ? gelu_tanh_of(gate) : silu_of(gate)));
+        return act * up;
+    }
+    return (a->activation == TM_GATED_GELU_TANH ? gelu_tanh_of(gate) : silu_of(gate)) * up;
+}
+
+/* Phase A for one item: every row of its expert, its 32 intermediate columns. */
+static void gate_up_item(const problem *p, item it, int *tiles_on) {
+    const tm_moe_args *a = p->a;
+    const int64_t e = it.expert, col = it.col, inter = a->inter, vb = value_bytes(a);
+    const int64_t left = inter - col < NB ? inter - col : NB;
+    const int64_t ldw = 2 * inter + (a->is_bf16 ? a->pad_cols : 0);
+    const operands o = {
+        .x = p->xs, .ldx = a->hidden,
+        .w = (const char *)a->gate_up + e * a->hidden * ldw * vb, .ldw = ldw,
+        .k = a->hidden, .is_bf16 = a->is_bf16,
+    };
+    float sums[TILE_ROWS_MAX][2 * NB];
+    for (int64_t row = p->starts[e]; row < p->starts[e + 1];) {
+        int64_t rows = p->starts[e + 1] - row;
+#ifdef MOE_AMX
+        if (p->amx && rows >= AMX_ROWS && a->hidden % 32 == 0) {
+            if (!*tiles_on) configure_full_tiles(), *tiles_on = 1;
+            rows = AMX_ROWS;
+            amx_tile(&o, row, col, inter + col, sums);
+        } else
+#endif
+        {
+            rows = rows < MR ? rows : MR;
+            tile(&o, row, (int)rows, col, inter + col, left, 2, sums);
+        }
+        (void)tiles_on;
+        for (int64_t r = 0; r < rows; r++) {
+            float out[NB];
+            for (int64_t j = 0; j < left; j++) out[j] = gated(a, sums[r][j], sums[r][NB + j]);
+            store_row(p->h, (row + r) * inter + col, a->is_bf16, left, out);
+        }
+        row += rows;
+    }
+}
+
+/* Phase B for one item: every row of its expert, its hidden columns (64 where runs of 16
+ * rows go on AMX tiles, else 32), into y. */
+static void down_item(const problem *p, item it, int *tiles_on) {
+    (void)tiles_on;
+    const tm_moe_args *a = p->a;
+    const int64_t e = it.expert, col = it.col, hidden = a->hidden, vb = value_bytes(a);
+    const int64_t width = p->amx ? 2 * NB : NB;
+    const int64_t left = hidden - col < width ? hidden - col : width;
+    const int64_t ldw = hidden + (a->is_bf16 ? a->pad_cols : 0);
+    const operands o = {
+        .x = p->h, .ldx = a->inter,
+        .w = (const char *)a->down + e * a->inter * ldw * vb, .ldw = ldw,
+        .k = a->inter, .is_bf16 = a->is_bf16,
+    };
+    float sums[TILE_ROWS_MAX][2 * NB];
+    for (int64_t row = p->starts[e]; row < p->starts[e + 1];) {
+        int64_t rows = p->starts[e + 1] - row;
+#ifdef MOE_AMX
+        if (p->amx && rows >= AMX_ROWS && a->inter % 32 == 0) {
+            if (!*tiles_on) configure_full_tiles(), *tiles_on = 1;
+            rows = AMX_ROWS;
+            amx_tile(&o, row, col, col + 32, sums); /* 64 columns: this item's and the next's */
+        } else
+#endif
+        {
+            rows = rows < MR ? rows : MR;
+            for (int64_t half = 0; half < left; half += NB) {
+                float part[MR][2 * NB];
+                const int64_t cols = left - half < NB ? left - half : NB;
+                tile(&o, row, (int)rows, col + half, col + half, cols, 1, part);
+                for (int64_t r = 0; r < rows; r++) memcpy(sums[r] + half, part[r], (size_t)cols * 4);
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) memcpy(p->y + (row + r) * hidden + col, sums[r], (size_t)left * 4);
+        row += rows;
+    }
+}
+
+/* Phase C for token t: its rows of y weighted and summed in ascending expert order. */
+static void combine_token(const problem *p, int64_t t, float *acc) {
+    const tm_moe_args *a = p->a;
+    const int64_t k = a->top_k, hidden = a->hidden;
+    int64_t slots[TM_MOE_MAX_TOP_K];
+    for (int64_t j = 0; j < k; j++) { /* insertion sort by expert id: k is small */
+        int64_t at = j;
+        while (at > 0 && a->expert_ids[t * k + slots[at - 1]] > a->expert_ids[t * k + j]) {
+            slots[at] = slots[at - 1];
+            at--;
+        }
+        slots[at] = j;
+    }
+    for (int64_t c = 0; c < hidden; c++) acc[c] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t slot = slots[j];
+        const float w = a->expert_weights[t * k + slot];
+        const float *y = p->y + p->sorted_of[t * k + slot] * hidden;
+        for (int64_t c = 0; c < hidden; c++) {
+            const float term = w * y[c]; /* rounded, then added: no contraction (flags) */
+            acc[c] += term;
+        }
+    }
+    store_row(a->out, t * hidden, a->is_bf16, hidden, acc);
+}
+
+static int check(const tm_moe_args *a) {
+    if (a->rows < 0 || a->top_k < 1 || a->top_k > TM_MOE_MAX_TOP_K || a->top_k > a->num_experts ||
+        a->hidden <= 0 || a->inter <= 0 || a->hidden > TM_MAX_ROW_DIM || a->pad_cols < 0)
+        return TM_UNSUPPORTED_SHAPE;
+    if (a->is_bf16 && (a->hidden % 2 || a->inter % 2)) return TM_UNSUPPORTED_SHAPE;
+    if (a->weight_format != TM_MOE_FLOAT) return TM_UNSUPPORTED_SHAPE;
+    /* AMX tiles read whole 64-column bands: the packing pads the columns it may reach. */
+    if (a->is_bf16 && amx_usable() && a->pad_cols < 64) return TM_UNSUPPORTED_SHAPE;
+    for (int64_t i = 0; i < a->rows * a->top_k; i++)
+        if (a->expert_ids[i] < 0 || a->expert_ids[i] >= a->num_experts) return TM_UNSUPPORTED_SHAPE;
+    return TM_OK;
+}
+
+int tm_moe(const tm_moe_args *a) {
+    const int status = check(a);
+    if (status != TM_OK || a->rows == 0) return status;
+    const int64_t E = a->num_experts, k = a->top_k, pairs = a->rows * k;
+    const int64_t hidden = a->hidden, inter = a->inter, vb = value_bytes(a);
+    problem p = {.a = a, .amx = a->is_bf16 && amx_usable()};
+    p.starts = calloc((size_t)(E + 1), sizeof(int64_t));
+    p.token_of = malloc((size_t)pairs * sizeof(int64_t));
+    p.sorted_of = malloc((size_t)pairs * sizeof(int64_t));
+    p.xs = malloc((size_t)(pairs * hidden * vb));
+    p.h = malloc((size_t)(pairs * inter * vb));
+    p.y = malloc((size_t)(pairs * hidden) * sizeof(float));
+    const int64_t blocks_a = (inter + NB - 1) / NB, blocks_b = (hidden + NB - 1) / NB;
+    item *items = malloc((size_t)(E * (blocks_a + blocks_b) + 1) * sizeof(item));
+    int failed = !p.starts || !p.token_of || !p.sorted_of || !p.xs || !p.h || !p.y || !items;
+    if (!failed) {
+        /* Counting sort: each expert's rows in ascending token order. */
+        for (int64_t i = 0; i < pairs; i++) p.starts[a->expert_ids[i] + 1]++;
+        for (int64_t e = 0; e < E; e++) p.starts[e + 1] += p.starts[e];
+        int64_t *cursor = p.token_of; /* reused below; the sort needs its own cursors */
+        int64_t *next = malloc((size_t)E * sizeof(int64_t));
+        if (!next) {
+            failed = 1;
+        } else {
+            memcpy(next, p.starts, (size_t)E * sizeof(int64_t));
+            for (int64_t i = 0; i < pairs; i++) {
+                const int64_t at = next[a->expert_ids[i]]++;
+                p.sorted_of[i] = at;
+                cursor[at] = i / k;
+            }
+            free(next);
+        }
+    }
+    int64_t num_a = 0, num_b = 0;
+    if (!failed) {
+        for (int64_t e = 0; e < E; e++)
+            if (p.starts[e + 1] > p.starts[e])
+                for (int64_t b = 0; b < blocks_a; b++) items[num_a++] = (item){e, b * NB};
+        item *down_items = items + num_a;
+        for (int64_t e = 0; e < E; e++)
+            if (p.starts[e + 1] > p.starts[e])
+                /* AMX items take 64 columns; vector items 32. */
+                for (int64_t b = 0; b < blocks_b; b += p.amx ? 2 : 1) down_items[num_b++] = (item){e, b * NB};
+        const int threads = a->num_threads > 1 && pairs * hidden * inter >= (1 << 16) ? a->num_threads : 1;
+#pragma omp parallel num_threads(threads)
+        {
+            int tiles_on = 0;
+            float *acc = malloc((size_t)hidden * sizeof(float));
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < pairs; r++)
+                memcpy((char *)p.xs + r * hidden * vb, (const char *)a->x + p.token_of[r] * hidden * vb,
+                       (size_t)(hidden * vb));
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < num_a; i++) gate_up_item(&p, items[i], &tiles_on);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < num_b; i++) down_item(&p, down_items[i], &tiles_on);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < a->rows; t++) {
+                if (acc) combine_token(&p, t, acc);
+            }
+            if (!acc) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#ifdef MOE_AMX
+            if (tiles_on) _tile_release();
+#endif
+            free(acc);
+        }
+    }
+    free(p.starts);
+    free(p.token_of);
+    free(p.sorted_of);
+    free(p.xs);
+    free(p.h);
+    free(p.y);
+    free(items);
+    return failed ? TM_OUT_OF_MEMORY : TM_OK;
+}

@@ -1,0 +1,118 @@
+"""Python side of moe.c: a mixture-of-experts layer's experts - every (token, expert)
+pair of a step - in one native call per layer (engine/models/moe.py routes the tokens and
+holds the weights; `PackedExperts` keeps them in the layout the kernel reads)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tokenmill.engine.kernels import native_library
+from tokenmill.engine.kernels.interface import MoEArgs, check_status
+
+DTYPES = (torch.float32, torch.bfloat16)
+# kernels.h TM_GATED_*: the gated activations tm_moe computes, by their HF config name.
+ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}
+# Readable columns after each bf16 projection: AMX tiles read whole 64-column bands.
+_BF16_PAD_COLS = 64
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    native = native_library()
+    return None if native is None else native.lib
+
+
+def available(
+    dtype: torch.dtype, device: torch.device, hidden: int, inter: int, top_k: int
+) -> bool:
+    """Whether the native call serves experts of this dtype, device and shape (bf16 pairs
+    its k, so needs even sizes)."""
+    if device.type != "cpu" or dtype not in DTYPES or _library() is None:
+        return False
+    if top_k > native_library().limits.moe_max_top_k:
+        return False
+    return dtype != torch.bfloat16 or (hidden % 2 == 0 and inter % 2 == 0)
+
+
+def isa() -> str | None:
+    """How tm_moe computes here (interface.MOE_ISAS), or None without the library."""
+    native = native_library()
+    return None if native is None else native.limits.moe_isa
+
+
+def _k_major(w: torch.Tensor, pad: int) -> torch.Tensor:
+    """[E, n, k] (a linear's weights per expert) -> [E, k, n + pad], zeros in the pad."""
+    num, n, k = w.shape
+    out = torch.zeros(num, k, n + pad, dtype=w.dtype)
+    out[:, :, :n] = w.transpose(1, 2)
+    return out
+
+
+def _pairs(w: torch.Tensor) -> torch.Tensor:
+    """[E, k, n] -> [E, k / 2, n, 2]: rows 2i and 2i + 1 side by side, as vdpbf16ps takes
+    them."""
+    num, k, n = w.shape
+    return w.view(num, k // 2, 2, n).transpose(2, 3).contiguous()
+
+
+class PackedExperts:
+    """A layer's experts in tm_moe's layout (moe.c), packed once.
+
+    Args:
+        gate_up: [num_experts, 2 * inter, hidden], the gate rows first (transformers' layout).
+        down: [num_experts, hidden, inter].
+        activation: the gate's activation, by its HF name (ACTIVATIONS).
+    """
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, activation: str) -> None:
+        self.dtype = gate_up.dtype
+        self.num_experts, two_inter, self.hidden = gate_up.shape
+        self.inter = two_inter // 2
+        self.activation = ACTIVATIONS[activation]
+        is_bf16 = self.dtype == torch.bfloat16
+        self.pad_cols = _BF16_PAD_COLS if is_bf16 else 0
+        gate_up_t, down_t = _k_major(gate_up, self.pad_cols), _k_major(down, self.pad_cols)
+        self.gate_up = _pairs(gate_up_t) if is_bf16 else gate_up_t
+        self.down = _pairs(down_t) if is_bf16 else down_t
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+
+    def __call__(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [rows, hidden]; expert_ids int64 and expert_weights fp32: [rows, top_k] ->
+        [rows, hidden], x's dtype."""
+        if x.dtype != self.dtype or x.shape[-1] != self.hidden:
+            raise ValueError(
+                f"experts over {self.hidden} {self.dtype} values got {tuple(x.shape)} {x.dtype}"
+            )
+        x = x.contiguous()
+        expert_ids = expert_ids.to(torch.int64).contiguous()
+        expert_weights = expert_weights.to(torch.float32).contiguous()
+        out = torch.empty_like(x)
+        args = MoEArgs(
+            x=x.data_ptr(),
+            expert_ids=expert_ids.data_ptr(),
+            expert_weights=expert_weights.data_ptr(),
+            gate_up=self.gate_up.data_ptr(),
+            down=self.down.data_ptr(),
+            out=out.data_ptr(),
+            rows=x.shape[0],
+            top_k=expert_ids.shape[1],
+            num_experts=self.num_experts,
+            hidden=self.hidden,
+            inter=self.inter,
+            pad_cols=self.pad_cols,
+            is_bf16=int(self.dtype == torch.bfloat16),
+            weight_format=0,
+            activation=self.activation,
+            num_threads=torch.get_num_threads(),
+        )
+        what = f"{self.num_experts} experts of {self.hidden} x {self.inter}"
+        check_status(_library().tm_moe(ctypes.byref(args)), what)
+        return out

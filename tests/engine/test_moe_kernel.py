@@ -1,0 +1,124 @@
+"""The grouped expert kernel (kernels/moe.c) against a float64 reference that loops over
+every (token, expert) pair, on this CPU's path and on the builds for other CPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_builds import OTHER_CPUS, build_with
+
+from tokenmill.engine.kernels import cpu_flags, native_library
+from tokenmill.engine.kernels import moe as moe_kernel
+
+# (experts, hidden, intermediate, rows, top_k): a decode step's few rows per expert; runs
+# of 16 rows and more (AMX tiles: hidden and intermediate multiples of 32) with a tail;
+# sizes no multiple of the 32-column tile; every expert chosen by every row.
+SHAPES = [
+    (8, 64, 96, 5, 2),
+    (4, 128, 96, 70, 2),
+    (6, 130, 70, 33, 3),
+    (3, 32, 64, 9, 3),
+]
+
+
+def problem(shape, dtype, seed=0):
+    num_experts, hidden, inter, rows, top_k = shape
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter, generator=g) * 0.1).to(dtype)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    logits = torch.randn(rows, num_experts, generator=g)
+    weights, ids = torch.softmax(logits, -1).topk(top_k)
+    return x, weights, ids, gate_up, down
+
+
+def reference(x, weights, ids, gate_up, down) -> torch.Tensor:
+    """Each pair on its own, in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (gate_up[e].double() @ x[t].double()).chunk(2)
+            out[t] += weights[t, j].double() * (
+                down[e].double() @ (torch.nn.functional.silu(gate) * up)
+            )
+    return out
+
+
+def tolerance(dtype) -> float:
+    return 2e-5 if dtype == torch.float32 else 3e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_native_experts_match_float64(shape, dtype):
+    x, weights, ids, gate_up, down = problem(shape, dtype)
+    packed = moe_kernel.PackedExperts(gate_up, down, "silu")
+    got = packed(x, ids, weights)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(
+        got.double(), reference(x, weights, ids, gate_up, down), atol=tol, rtol=tol
+    )
+
+
+def test_one_native_call_per_layer(monkeypatch):
+    """However many experts the rows choose, the layer makes one call."""
+    x, weights, ids, gate_up, down = problem(SHAPES[1], torch.float32)
+    packed = moe_kernel.PackedExperts(gate_up, down, "silu")
+    calls = []
+    library = moe_kernel._library()
+    monkeypatch.setattr(moe_kernel, "_library", lambda: CountingLibrary(library, calls))
+    packed(x, ids, weights)
+    assert calls == ["tm_moe"]
+
+
+class CountingLibrary:
+    def __init__(self, lib, calls):
+        self.lib, self.calls = lib, calls
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.lib, name)
+
+
+@OTHER_CPUS
+def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatch):
+    variant = build_with(flags, tmp_path)
+    assert variant.limits.moe_isa == "generic"
+    monkeypatch.setattr(moe_kernel, "_library", lambda: variant.lib)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in SHAPES[:3:2]:
+            x, weights, ids, gate_up, down = problem(shape, dtype, seed=4)
+            got = moe_kernel.PackedExperts(gate_up, down, "silu")(x, ids, weights)
+            tol = tolerance(dtype)
+            torch.testing.assert_close(
+                got.double(), reference(x, weights, ids, gate_up, down), atol=tol, rtol=tol
+            )
+
+
+def test_this_cpu_gets_its_fastest_path(cpu_path):
+    """Where the CPU has AVX512-BF16 (and AMX) the build uses it (Linux may withhold AMX's
+    tile state; then the vector path is the right one)."""
+    flags = cpu_flags()
+    isa = native_library().limits.moe_isa
+    cpu_path("MoE experts, native call", isa)
+    if {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
+        assert isa in ("amx_bf16+avx512_bf16", "avx512_bf16")
+    elif {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+        assert isa == "avx512_bf16"
+    else:
+        assert isa == "generic"
+
+
+@pytest.mark.parametrize("change", ["expert out of range", "top_k too large"])
+def test_bad_choices_are_refused(change):
+    x, weights, ids, gate_up, down = problem(SHAPES[0], torch.float32)
+    packed = moe_kernel.PackedExperts(gate_up, down, "silu")
+    if change == "expert out of range":
+        ids = ids.clone()
+        ids[3, 1] = 8
+    else:
+        ids = torch.arange(9).repeat(5, 1) % 8
+        weights = torch.ones(5, 9)
+    with pytest.raises(ValueError, match="do not take this shape"):
+        packed(x, ids, weights)
