@@ -15,6 +15,7 @@ quant/checkpoint_formats.py). The GGUF converter plans its tensors here as well.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -86,11 +87,28 @@ class TensorSource:
         return self.label or self.name
 
 
+# A mixture-of-experts layer keeps its experts' weights stacked, one parameter per
+# projection ([num_experts, out, in], models/moe.py); checkpoints store one tensor per
+# expert (`...experts.3.gate_proj.weight`, after the packed rename `...experts.3.
+# gate_up_proj.weight`), or the whole stack under the parameter's own name.
+_EXPERT_TENSOR = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: a parameter, or a part of one - a shard of a
+    fused projection (its rows), one expert of a stacked one, or both."""
+
+    param: str
+    shard: int | None = None
+    expert: int | None = None
+
+
 @dataclass
 class TensorPlan:
-    """What loading will read: checkpoint name -> (parameter, shard of a fused one or None)."""
+    """What loading will read: checkpoint name -> its Target."""
 
-    targets: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    targets: dict[str, Target] = field(default_factory=dict)
     # Checkpoint names left unread, each with why (UNUSED_TENSORS or the model's own rule).
     left: dict[str, str] = field(default_factory=dict)
 
@@ -125,8 +143,8 @@ def plan_tensors(
     plan, unused, not_float = TensorPlan(), [], []
     for source in sources:
         ours = rename(source.name)
-        target = None if ours is None else map_name(ours, packed)
-        if target is None or target[0] not in params:
+        target = None if ours is None else target_of(ours, packed)
+        if target is None or target.param not in params:
             reason = _unused_reason(source.name, config, ours is None)
             if reason is None:
                 unused.append(str(source))
@@ -172,10 +190,20 @@ def _listed(names: list[str], most: int = 8) -> str:
 
 def _under_model(name: str, *, params: dict, packed: dict[str, tuple[str, int]]) -> str:
     """`name`, or "model." + name when only that is a parameter."""
-    if map_name(name, packed)[0] in params:
+    if target_of(name, packed).param in params:
         return name
     prefixed = f"model.{name}"
-    return prefixed if map_name(prefixed, packed)[0] in params else name
+    return prefixed if target_of(prefixed, packed).param in params else name
+
+
+def target_of(name: str, packed: dict[str, tuple[str, int]]) -> Target:
+    """A checkpoint name -> its Target: the fused projection and shard it fills
+    (`map_name`), and the expert, where it is one expert's tensor of a stacked parameter."""
+    ours, shard = map_name(name, packed)
+    expert = _EXPERT_TENSOR.fullmatch(ours)
+    if expert is None:
+        return Target(ours, shard)
+    return Target(f"{expert[1]}.{expert[3]}", shard, int(expert[2]))
 
 
 def map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
@@ -186,35 +214,63 @@ def map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | 
     return name, None
 
 
-def shard_sizes(target: str, config: ModelConfig) -> list[int]:
-    """The rows each part of a fused projection takes: q, k, v or gate, up."""
+def shard_sizes(target: str, config: ModelConfig, rows: int | None = None) -> list[int]:
+    """The rows each part of a fused projection takes: q, k, v or gate, up - halves of
+    `rows` where given (an expert's gate_up is its own intermediate size), else the
+    config's intermediate size."""
     if "qkv_proj" in target:
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         return [q, kv, kv]
-    return [config.intermediate_size, config.intermediate_size]
+    half = config.intermediate_size if rows is None else rows // 2
+    return [half, half]
 
 
-def _check_shape(source: TensorSource, target, params: dict, config: ModelConfig) -> None:
-    name, shard = target
-    want = tuple(params[name])
-    if shard is not None:
-        want = (shard_sizes(name, config)[shard], *want[1:])
+def target_shape(target: Target, param_shape: tuple[int, ...], config: ModelConfig) -> tuple:
+    """The shape of the checkpoint tensor that fills `target` of a parameter this shape."""
+    want = tuple(param_shape)
+    if target.expert is not None:
+        want = want[1:]
+    if target.shard is not None:
+        want = (shard_sizes(target.param, config, want[0])[target.shard], *want[1:])
+    return want
+
+
+def _check_shape(source: TensorSource, target: Target, params: dict, config: ModelConfig) -> None:
+    want = target_shape(target, params[target.param], config)
+    if target.expert is not None and target.expert >= params[target.param][0]:
+        raise ValueError(f"weight {source} is expert {target.expert} of {params[target.param][0]}")
     if tuple(source.shape) != want:
         raise ValueError(f"weight {source} has shape {tuple(source.shape)}, expected {want}")
 
 
-def _missing(params: dict, filled: Iterable[tuple[str, int | None]], packed) -> list[str]:
+def _missing(params: dict, filled: Iterable[Target], packed) -> list[str]:
+    """Parameters (or their parts) no tensor fills: a stacked expert parameter is filled by
+    its whole stack or by every expert's tensor (each shard of a fused one)."""
     num_shards: dict[str, int] = {}
     for ours, shard in packed.values():
         num_shards[ours] = max(num_shards.get(ours, 0), shard + 1)
     filled = set(filled)
+    whole = {(t.param, t.shard) for t in filled if t.expert is None}
     missing = []
-    for name in params:
-        fused = next((ours for ours in num_shards if f".{ours}." in name), None)
-        if fused is None:
-            if (name, None) not in filled:
-                missing.append(name)
-            continue
-        missing += [f"{name}[{i}]" for i in range(num_shards[fused]) if (name, i) not in filled]
+    for name, shape in params.items():
+        fused = next(
+            (ours for ours in num_shards if f".{ours}." in name or name.endswith(f".{ours}")), None
+        )
+        shards = [None] if fused is None or (name, None) in whole else range(num_shards[fused])
+        experts = range(shape[0]) if _is_stacked(name) else [None]
+        for shard in shards:
+            if (name, shard) in whole:
+                continue
+            for expert in experts:
+                if Target(name, shard, expert) not in filled:
+                    part = "" if shard is None else f"[{shard}]"
+                    missing.append(
+                        name + part if expert is None else f"{name}{part} of expert {expert}"
+                    )
     return missing
+
+
+def _is_stacked(param: str) -> bool:
+    """Whether a parameter stacks its layer's experts (models/moe.py names them so)."""
+    return ".experts." in param and not param.endswith(".weight")

@@ -13,6 +13,7 @@ from torch import nn
 from tokenmill.engine.loader.model_files import weight_files
 from tokenmill.engine.loader.safetensors_files import iter_tensors, read_header
 from tokenmill.engine.loader.tensor_plan import (
+    Target,
     TensorSource,
     build_on_meta,
     plan_tensors,
@@ -56,12 +57,8 @@ def load_model(
     for path, entries in headers.items():
         wanted = {e.name for e in entries if e.name in plan.targets}
         for name, tensor in iter_tensors(path, wanted):
-            target, shard = plan.targets[name]
-            param = params[target]
-            if shard is None:
-                _copy_checked(param.data, tensor, name)
-            else:
-                _copy_shard(param.data, tensor, shard, target, config)
+            target = plan.targets[name]
+            _copy_checked(_part(params[target.param].data, target, config), tensor, name)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
@@ -89,7 +86,11 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
-def _copy_shard(dst: torch.Tensor, src: torch.Tensor, shard: int, target: str, config) -> None:
-    sizes = shard_sizes(target, config)
-    offset = sum(sizes[:shard])
-    _copy_checked(dst.narrow(0, offset, sizes[shard]), src, f"{target}[{shard}]")
+def _part(param: torch.Tensor, target: Target, config: ModelConfig) -> torch.Tensor:
+    """The view of a parameter a Target fills: one expert's slice, then a shard's rows."""
+    if target.expert is not None:
+        param = param[target.expert]
+    if target.shard is None:
+        return param
+    sizes = shard_sizes(target.param, config, param.shape[0])
+    return param.narrow(0, sum(sizes[: target.shard]), sizes[target.shard])

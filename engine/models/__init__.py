@@ -57,7 +57,7 @@ from tokenmill.engine.models.registry import (
 
 # Modules of this package that are not architectures.
 _NOT_ARCHITECTURES = frozenset(
-    {"attention", "config", "config_fields", "layers", "registry", "rope", "siglip"}
+    {"attention", "config", "config_fields", "layers", "moe", "registry", "rope", "siglip"}
 )
 
 for _module in pkgutil.iter_modules(__path__):

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenmill.engine.models.moe import MoeConfig
 from tokenmill.engine.quant.checkpoint import CheckpointQuantization
 from tokenmill.engine.quant.checkpoint_formats import (
     CheckpointInfo,
@@ -118,6 +119,14 @@ def check_quantization(
             raise ValueError(
                 f"quantized checkpoints ({checkpoint.format}) run on CPU only, not {device.type}"
             )
+    if quantization is not None and isinstance(config, MoeConfig):
+        # The modes swap nn.Linear layers; stacked experts are none, and would stay float
+        # while the memory plan counted them quantized.
+        raise ValueError(
+            f"quantization={quantization!r} does not quantize the experts of a "
+            f"mixture-of-experts model ({config.architecture}) yet; leave it unset "
+            "(dtype='bfloat16' halves fp32's memory)"
+        )
     if quantization is not None:
         get_method(quantization).check(model_dir, config, device)
     return checkpoint

@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.engine.loader.weights import load_model
 from tokenmill.engine.models import GENERATE, ModelConfig, architecture_for, load_config
+from tokenmill.engine.models.moe import pack_experts
 from tokenmill.engine.pooling.config import read_pooling_config, served_tasks
 from tokenmill.engine.pooling.pooler import Pooler
 from tokenmill.engine.quant import (
@@ -207,6 +208,7 @@ def build_runner(
         )
     # the float layers left
     pack_linear_layers(model, dtype=dtype, device=device, enabled=engine_config.packed_linear)
+    pack_experts(model)  # mixture-of-experts layers: the native grouped kernel's layout
     block_size = engine_config.block_size
     if memory.available_bytes is None:  # CUDA: sized from the memory the load left
         num_blocks = num_cache_blocks(model_config, engine_config, dtype=dtype, device=device)

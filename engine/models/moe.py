@@ -1,0 +1,268 @@
+"""Mixture-of-experts layers: the router and the experts, as separate pieces.
+
+A sparse MoE block stands where a decoder layer's gated MLP would: the router scores each
+token against every expert and keeps its top k with their weights (`Routing.route`, a
+pure function: how each family softmaxes and renormalises), and the experts run each
+token through its k experts' gated MLPs and sum the outputs, weighted, back into token
+order (`Experts`).
+
+The experts' weights are stacked, one parameter per projection, as transformers keeps
+them: gate_up_proj [num_experts, 2 * intermediate, hidden] (the gate rows first) and
+down_proj [num_experts, hidden, intermediate]; a checkpoint's per-expert tensors load
+into their slices (loader/tensor_plan.py).
+
+Expert compute is one grouped call per layer. On the CPU with the native kernels it is
+kernels/moe.c (weights packed once, after loading: `Experts.pack`): the step's (token,
+expert) pairs counting-sorted by expert, each expert's rows one contiguous run, gate_up,
+the activation, down and the weighted sum back into token order in one call - no Python
+loop over experts, no padding to the busiest expert. Elsewhere torch's grouped matmul
+does the same over the sorted rows (`grouped_experts`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tokenmill.engine.kernels import moe as moe_kernel
+from tokenmill.engine.models.config import ModelConfig
+from tokenmill.engine.models.layers import GatedMLP
+from tokenmill.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+# The gated activations experts compute, by their HF config name.
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+EXPERT_ACTIVATIONS = tuple(_ACTIVATIONS)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a family turns router logits into each token's experts and weights.
+
+    softmax over every expert in fp32, then the top k (transformers' Qwen3-MoE, Mixtral,
+    OLMoE); `renormalize` divides the k weights by their sum (Qwen3-MoE's norm_topk_prob,
+    always for Mixtral, never for OLMoE); `round_to_model_dtype`: the weights are rounded
+    to the logits' dtype before they scale the experts (Qwen3-MoE and OLMoE; Mixtral keeps
+    them fp32).
+    """
+
+    top_k: int
+    renormalize: bool
+    round_to_model_dtype: bool = True
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [num_tokens, num_experts] -> (weights fp32, expert ids int64), each
+        [num_tokens, top_k]."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_to_model_dtype:
+            weights = weights.to(logits.dtype).float()
+        return weights, ids
+
+
+class Router(nn.Module):
+    """A linear score per expert (`weight` [num_experts, hidden], no bias) and the
+    family's Routing."""
+
+    def __init__(self, hidden_size: int, num_experts: int, routing: Routing) -> None:
+        super().__init__()
+        self.routing = routing
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [num_tokens, hidden] -> (weights, expert ids) as Routing.route."""
+        return self.routing.route(F.linear(x, self.weight))
+
+
+class Experts(nn.Module):
+    """num_experts gated MLPs over stacked weights (see the module docstring)."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str
+    ) -> None:
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"unsupported expert activation {activation!r}; supported: {list(_ACTIVATIONS)}"
+            )
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.packed: moe_kernel.PackedExperts | None = None  # the native kernel's copy
+
+    def pack(self) -> bool:
+        """Move the weights into the native kernel's layout, where it serves them (the
+        parameters then hold no memory); returns whether it did."""
+        gate_up = self.gate_up_proj
+        hidden, inter = gate_up.shape[2], self.intermediate_size
+        if self.packed is not None or not moe_kernel.available(
+            gate_up.dtype, gate_up.device, hidden, inter, 1
+        ):
+            return self.packed is not None
+        self.packed = moe_kernel.PackedExperts(gate_up.data, self.down_proj.data, self.activation)
+        for name in ("gate_up_proj", "down_proj"):  # shapes stay for tools; memory goes
+            param = getattr(self, name)
+            setattr(
+                self,
+                name,
+                nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
+                ),
+            )
+        return True
+
+    @property
+    def weight_bytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.weight_bytes
+        return sum(p.numel() * p.element_size() for p in (self.gate_up_proj, self.down_proj))
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [num_tokens, hidden]; weights, expert_ids: [num_tokens, top_k] -> [num_tokens, hidden]."""
+        if self.packed is not None:
+            return self.packed(x, expert_ids, weights)
+        return grouped_experts(
+            x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.activation
+        )
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """The experts in PyTorch, as one grouped matmul per projection over the (token,
+    expert) pairs sorted by expert (torch's grouped_mm takes each expert's run of rows by
+    its end offset); the weighted terms are added back in ascending expert order.
+
+    Args:
+        x: [num_tokens, hidden]; weights, expert_ids: [num_tokens, top_k]
+        gate_up: [num_experts, 2 * inter, hidden]; down: [num_experts, hidden, inter]
+    """
+    num_tokens, top_k = expert_ids.shape
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs by expert, tokens ascending within
+    tokens = order // top_k
+    ends = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
+    rows = x.index_select(0, tokens)
+    gate_up_out = _grouped_mm(rows, gate_up, ends)
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    hidden = _grouped_mm(_ACTIVATIONS[activation](gate) * up, down, ends)
+    terms = hidden.float() * weights.reshape(-1)[order, None]
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tokens, terms).to(x.dtype)
+
+
+def _grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows [n, k] (sorted by expert) times each expert's weights [E, out, k] transposed."""
+    if hasattr(F, "grouped_mm") and _aligned(rows, weights):
+        return F.grouped_mm(rows, weights.transpose(1, 2), offs=ends)
+    # Shapes grouped_mm does not take (rows not a multiple of 16 bytes): each pair gathers
+    # its expert's weights - for the small models that have such shapes.
+    starts = torch.cat((ends.new_zeros(1), ends[:-1])).long()
+    experts = torch.repeat_interleave(
+        torch.arange(weights.shape[0], device=rows.device), (ends.long() - starts)
+    )
+    return torch.bmm(weights.index_select(0, experts), rows.unsqueeze(-1)).squeeze(-1)
+
+
+def _aligned(rows: torch.Tensor, weights: torch.Tensor) -> bool:
+    size = rows.element_size()
+    return all(d * size % 16 == 0 for d in (weights.shape[1], weights.shape[2]))
+
+
+class SparseMoeBlock(nn.Module):
+    """The router and the experts: x -> the weighted sum of each token's experts."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        intermediate_size: int,
+        routing: Routing,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.gate = Router(hidden_size, num_experts, routing)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, hidden] -> [num_tokens, hidden]."""
+        weights, expert_ids = self.gate(x)
+        return self.experts(x, weights, expert_ids)
+
+
+def pack_experts(model: nn.Module) -> int:
+    """Pack every MoE layer's experts for the native kernel where it serves them; returns
+    how many layers were packed."""
+    return sum(m.pack() for m in model.modules() if isinstance(m, Experts))
+
+
+@dataclass
+class MoeConfig(ModelConfig):
+    """ModelConfig plus a mixture of experts' sizes and routing."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's; intermediate_size is the dense layers'
+    routing: Routing | None = None
+    # Layers with a dense gated MLP instead of experts (Qwen3-MoE's mlp_only_layers and
+    # decoder_sparse_step).
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                f"num_experts ({self.num_experts})"
+            )
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {self.hidden_act!r} is not supported for {self.architecture} "
+                f"(supported: {', '.join(_ACTIVATIONS)})"
+            )
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        return layer_idx not in self.dense_layers
+
+
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """The Llama decoder layer with a sparse MoE block for its MLP (a dense one on the
+    config's dense layers)."""
+
+    def build_mlp(self, config: MoeConfig, layer_idx: int) -> nn.Module:
+        if not config.is_sparse_layer(layer_idx):
+            return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        return SparseMoeBlock(
+            config.hidden_size,
+            config.num_experts,
+            config.moe_intermediate_size,
+            config.routing,
+            config.hidden_act,
+        )
+
+
+class MoeModel(LlamaModel):
+    decoder_layer = MoeDecoderLayer
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    base_model_class = MoeModel
