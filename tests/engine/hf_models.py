@@ -44,9 +44,25 @@ GEMMA3 = dict(
 )
 
 
+# Mixtures of experts in small: 8 experts, 2 or 3 of them per token.
+MOE = {
+    "qwen3_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        num_hidden_layers=3,
+    ),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=3, intermediate_size=48),
+}
+
+
 def build_hf_model(kind: str, out_dir: Path, **overrides):
-    """Save a random-weight `kind` (llama | qwen2 | qwen3 | gemma3 | mistral | phi3)
-    checkpoint; return the HF model."""
+    """Save a random-weight `kind` (llama | qwen2 | qwen3 | gemma3 | mistral | phi3 |
+    qwen3_moe | mixtral | olmoe) checkpoint; return the HF model."""
     import transformers
 
     config_cls, model_cls = {
@@ -56,9 +72,12 @@ def build_hf_model(kind: str, out_dir: Path, **overrides):
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     }[kind]
-    settings = {**SMALL, **(GEMMA3 if kind == "gemma3" else {}), **overrides}
-    if kind == "qwen3":
+    settings = {**SMALL, **(GEMMA3 if kind == "gemma3" else {}), **MOE.get(kind, {}), **overrides}
+    if kind in ("qwen3", "qwen3_moe"):
         settings.setdefault("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
     config = config_cls(**settings)
     torch.manual_seed(1234)
