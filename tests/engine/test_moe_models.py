@@ -41,6 +41,8 @@ CASES = {
         decoder_sparse_step=2,
         norm_topk_prob=False,
     ),
+    # 2 of 8, a window on every layer
+    "mixtral": dict(kind="mixtral", sliding_window=20),
 }
 
 
@@ -157,7 +159,7 @@ def test_moe_matches_one_transformers_forward(name, tmp_path):
     compared.assert_mostly_compared()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_moe_matches_transformers_under_preemption(name, tmp_path):
     """A cache of 24 blocks of 4 tokens for ~300 tokens of sequences: requests are
     preempted and recomputed, prefills chunked, and the answers are still transformers'."""
@@ -182,7 +184,7 @@ def test_moe_matches_transformers_under_preemption(name, tmp_path):
     compared.assert_mostly_compared()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_moe_matches_transformers_through_a_job(name, tmp_path):
     """The same through `run_job`: each row's text is its tokens (one character each)."""
     model_dir = tmp_path / "model"
