@@ -43,6 +43,8 @@ CASES = {
     ),
     # 2 of 8, a window on every layer
     "mixtral": dict(kind="mixtral", sliding_window=20),
+    # 3 of 8, not renormalised, q and k normalised over all heads, q/k/v clamped
+    "olmoe": dict(kind="olmoe", clip_qkv=1.5),
 }
 
 
@@ -159,7 +161,7 @@ def test_moe_matches_one_transformers_forward(name, tmp_path):
     compared.assert_mostly_compared()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe"])
 def test_moe_matches_transformers_under_preemption(name, tmp_path):
     """A cache of 24 blocks of 4 tokens for ~300 tokens of sequences: requests are
     preempted and recomputed, prefills chunked, and the answers are still transformers'."""
@@ -184,7 +186,7 @@ def test_moe_matches_transformers_under_preemption(name, tmp_path):
     compared.assert_mostly_compared()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe"])
 def test_moe_matches_transformers_through_a_job(name, tmp_path):
     """The same through `run_job`: each row's text is its tokens (one character each)."""
     model_dir = tmp_path / "model"
