@@ -90,8 +90,10 @@ class TensorSource:
 # A mixture-of-experts layer keeps its experts' weights stacked, one parameter per
 # projection ([num_experts, out, in], models/moe.py); checkpoints store one tensor per
 # expert (`...experts.3.gate_proj.weight`, after the packed rename `...experts.3.
-# gate_up_proj.weight`), or the whole stack under the parameter's own name.
+# gate_up_proj.weight`), one stack per projection (`...experts.gate_proj.weight`: a GGUF's
+# ffn_gate_exps), or the whole stack under the parameter's own name.
 _EXPERT_TENSOR = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+_EXPERT_STACK = re.compile(r"(.*\.experts)\.(\w+)\.weight")
 
 
 @dataclass(frozen=True)
@@ -201,9 +203,12 @@ def target_of(name: str, packed: dict[str, tuple[str, int]]) -> Target:
     (`map_name`), and the expert, where it is one expert's tensor of a stacked parameter."""
     ours, shard = map_name(name, packed)
     expert = _EXPERT_TENSOR.fullmatch(ours)
-    if expert is None:
-        return Target(ours, shard)
-    return Target(f"{expert[1]}.{expert[3]}", shard, int(expert[2]))
+    if expert is not None:
+        return Target(f"{expert[1]}.{expert[3]}", shard, int(expert[2]))
+    stack = _EXPERT_STACK.fullmatch(ours)
+    if stack is not None:
+        return Target(f"{stack[1]}.{stack[2]}", shard)
+    return Target(ours, shard)
 
 
 def map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
@@ -232,8 +237,16 @@ def target_shape(target: Target, param_shape: tuple[int, ...], config: ModelConf
     if target.expert is not None:
         want = want[1:]
     if target.shard is not None:
-        want = (shard_sizes(target.param, config, want[0])[target.shard], *want[1:])
+        dim = shard_dim(target)
+        rows = shard_sizes(target.param, config, want[dim])[target.shard]
+        want = (*want[:dim], rows, *want[dim + 1 :])
     return want
+
+
+def shard_dim(target: Target) -> int:
+    """The dimension a shard of `target`'s parameter splits: the rows, after the experts
+    of a stack filled whole."""
+    return 1 if target.expert is None and is_stacked(target.param) else 0
 
 
 def _check_shape(source: TensorSource, target: Target, params: dict, config: ModelConfig) -> None:
@@ -258,7 +271,7 @@ def _missing(params: dict, filled: Iterable[Target], packed) -> list[str]:
             (ours for ours in num_shards if f".{ours}." in name or name.endswith(f".{ours}")), None
         )
         shards = [None] if fused is None or (name, None) in whole else range(num_shards[fused])
-        experts = range(shape[0]) if _is_stacked(name) else [None]
+        experts = range(shape[0]) if is_stacked(name) else [None]
         for shard in shards:
             if (name, shard) in whole:
                 continue
@@ -271,6 +284,6 @@ def _missing(params: dict, filled: Iterable[Target], packed) -> list[str]:
     return missing
 
 
-def _is_stacked(param: str) -> bool:
+def is_stacked(param: str) -> bool:
     """Whether a parameter stacks its layer's experts (models/moe.py names them so)."""
     return ".experts." in param and not param.endswith(".weight")

@@ -17,6 +17,7 @@ from tokenmill.engine.loader.tensor_plan import (
     TensorSource,
     build_on_meta,
     plan_tensors,
+    shard_dim,
     shard_sizes,
 )
 from tokenmill.engine.models import ModelConfig
@@ -87,10 +88,12 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 def _part(param: torch.Tensor, target: Target, config: ModelConfig) -> torch.Tensor:
-    """The view of a parameter a Target fills: one expert's slice, then a shard's rows."""
+    """The view of a parameter a Target fills: one expert's slice, then a shard's rows
+    (of every expert, for a stack filled whole)."""
     if target.expert is not None:
         param = param[target.expert]
     if target.shard is None:
         return param
-    sizes = shard_sizes(target.param, config, param.shape[0])
-    return param.narrow(0, sum(sizes[: target.shard]), sizes[target.shard])
+    dim = shard_dim(target)
+    sizes = shard_sizes(target.param, config, param.shape[dim])
+    return param.narrow(dim, sum(sizes[: target.shard]), sizes[target.shard])

@@ -9,7 +9,12 @@ from __future__ import annotations
 from tokenmill.engine.models.config import common_fields
 from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, declare
 from tokenmill.engine.models.moe import MoeConfig, MoeForCausalLM, Routing
-from tokenmill.engine.models.registry import Architecture, register
+from tokenmill.engine.models.registry import (
+    LLAMA_GGUF_BLOCK_NAMES,
+    Architecture,
+    GGUFLayout,
+    register,
+)
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):
@@ -61,6 +66,29 @@ CONFIG_FIELDS = declare(
     },
 )
 
+
+def gguf_config(config: dict, get) -> dict:
+    """llama.cpp's qwen3moe: every layer sparse, the top-k weights always renormalised."""
+    return {
+        "num_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+        "moe_intermediate_size": get("expert_feed_forward_length"),
+        "intermediate_size": config["intermediate_size"] or get("expert_feed_forward_length"),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+# llama.cpp's names for the router and the experts, stacked one tensor per projection.
+GGUF_BLOCK_NAMES = {
+    **LLAMA_GGUF_BLOCK_NAMES,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+
 register(
     Architecture(
         names=("Qwen3MoeForCausalLM",),
@@ -68,5 +96,12 @@ register(
         parse_config=parse_config,
         config_fields=CONFIG_FIELDS,
         model_types=("qwen3_moe",),
+        gguf=GGUFLayout(
+            "qwen3moe",
+            "Qwen3MoeForCausalLM",
+            "qwen3_moe",
+            block_names=GGUF_BLOCK_NAMES,
+            extra_config=gguf_config,
+        ),
     )
 )
