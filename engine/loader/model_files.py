@@ -64,6 +64,9 @@ class ModelInfo:
     dtype: str | None  # e.g. "bfloat16", or "gguf:Q4_1" before conversion
     source: str  # "directory" | "gguf" | "alias" | "cache" | "hub ..." (+ a note)
     revision: str | None = None  # the commit of a Hub snapshot
+    # A mixture of experts': the parameters one token runs through (its top-k experts
+    # of each sparse layer, and everything outside the experts); None for a dense model.
+    num_active_parameters: int | None = None
 
 
 def resolve_model(
@@ -379,19 +382,34 @@ def _dir_info(name: str, path: Path, source: str) -> ModelInfo:
     config = _read_json(path / "config.json")
     architectures = config.get("architectures") or [config.get("model_type")]
     num_by_dtype: Counter[str] = Counter()
+    num_experts_params = 0
     for file in weight_files(path):
         for key, tensor in _safetensors_header(file).items():
             if key != "__metadata__":
                 num_by_dtype[tensor["dtype"]] += _numel(tensor["shape"])
+                if ".experts." in key:
+                    num_experts_params += _numel(tensor["shape"])
     dtype = num_by_dtype.most_common(1)[0][0] if num_by_dtype else None
+    total = sum(num_by_dtype.values())
     return ModelInfo(
         name=name,
         path=path,
         architecture=architectures[0],
-        num_parameters=sum(num_by_dtype.values()),
+        num_parameters=total,
         dtype=_SAFETENSORS_DTYPES.get(dtype, dtype),
         source=source,
+        num_active_parameters=_active(total, num_experts_params, config),
     )
+
+
+def _active(total: int, num_experts_params: int, config: dict) -> int | None:
+    """The parameters a token runs through: all but the experts its router passes over
+    (every sparse layer keeps num_experts_per_tok of num_experts); None without experts."""
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    used = config.get("num_experts_per_tok")
+    if not num_experts_params or not num_experts or not used:
+        return None
+    return total - num_experts_params * (num_experts - used) // num_experts
 
 
 def _gguf_info(name: str, path: Path, source: str) -> ModelInfo:

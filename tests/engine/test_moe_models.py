@@ -295,3 +295,19 @@ def test_experts_stored_stacked_load_as_per_expert_ones(tmp_path):
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         compared.check_output(out, prompt, hf)
     compared.assert_mostly_compared()
+
+
+def test_model_info_counts_the_parameters_a_token_runs_through(tmp_path):
+    from tokenmill.engine import model_info
+
+    hf = case_model("qwen3_moe", tmp_path)  # layers 0 and 2 sparse, 3 of 8 experts
+    info = model_info(tmp_path)
+    assert info.num_parameters == sum(p.numel() for p in hf.parameters())
+    experts = [layer.mlp.experts for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
+    per_expert = sum(p[0].numel() for e in experts for p in (e.gate_up_proj, e.down_proj))
+    assert len(experts) == 2 and per_expert == 2 * 3 * 64 * 48
+    assert info.num_active_parameters == info.num_parameters - (8 - 3) * per_expert
+    dense = tmp_path / "dense"
+    build_hf_model("qwen3", dense)
+    save_char_tokenizer(dense)
+    assert model_info(dense).num_active_parameters is None

@@ -60,6 +60,9 @@ def info_command(model: str, revision: str | None) -> None:
     count = info.num_parameters if quantized is None else quantized.num_parameters
     exact = f" ({count:,})" if count is not None else ""
     click.echo(f"parameters:    {_format_count(count)}{exact}")
+    if info.num_active_parameters is not None:
+        active = info.num_active_parameters
+        click.echo(f"active:        {_format_count(active)} ({active:,}) per token")
     click.echo(f"dtype:         {info.dtype}")
     click.echo(f"source:        {info.source}")
     if info.path is not None and info.path.is_dir():
