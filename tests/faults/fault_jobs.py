@@ -247,6 +247,41 @@ def _check_copies(rows: pa.Table) -> tuple[int, int]:
     return len(copies), wrong
 
 
+def build_moe_model(directory: Path) -> Path:
+    """A tiny random Qwen3-MoE (8 experts, 2 per token, every layer sparse) with the tiny
+    model's tokenizer and chat template, for mixture-of-experts generation fault jobs;
+    built once per directory."""
+    if (directory / "model.safetensors").is_file() and "Qwen3Moe" in (
+        directory / "config.json"
+    ).read_text():
+        return directory
+    import torch
+    import transformers
+    from tiny_model import build_tiny_model
+
+    build_tiny_model(directory)
+    tiny = json.loads((directory / "config.json").read_text())
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=tiny["vocab_size"],
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=tiny["max_position_embeddings"],
+        bos_token_id=tiny["bos_token_id"],
+        eos_token_id=tiny["eos_token_id"],
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def build_embedding_model(directory: Path) -> Path:
     """A tiny random BERT embedding model (mean pooling, normalised, sentence-transformers'
     files) for embedding fault jobs; built once per directory."""

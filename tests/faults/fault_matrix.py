@@ -5,7 +5,7 @@
 
 Each run is a fresh 40-row `tokenmill run` job (the CLI, in child processes) on a tiny
 random Llama model built in the work directory (an embedding job's scenarios: `--task
-embed` on a tiny random BERT embedding model), with a fault injected through
+embed` on a tiny random BERT embedding model; the MoE ones: a tiny random Qwen3-MoE), with a fault injected through
 TOKENMILL_FAULT_POINT (`tokenmill/faults.py`) or from outside (a filled disk, a second
 run, an edited input). After the scenario's recovery step (a rerun, freeing space,
 --no-resume) a reader counts, against the input's ids: rows lost, rows duplicated,
@@ -36,6 +36,7 @@ from fault_jobs import (  # noqa: E402
     NoSmallDisk,
     Outcome,
     build_embedding_model,
+    build_moe_model,
     fill_after_first_part,
     kill_and_resume,
     shape_killed_and_resumed,
@@ -185,6 +186,18 @@ def embedding(scenario: Callable[[RunContext], Outcome]) -> Callable[[RunContext
     return run
 
 
+def moe(scenario: Callable[[RunContext], Outcome]) -> Callable[[RunContext], Outcome]:
+    """`scenario` on a generation job over a tiny random Qwen3-MoE (built once in the work
+    directory) instead of the tiny Llama."""
+
+    def run(ctx: RunContext) -> Outcome:
+        model_dir = build_moe_model(ctx.workdir.parent / "moe")
+        job = FaultJob(model_dir, ctx.job.input, ctx.job.output)
+        return scenario(RunContext(job, ctx.workdir, ctx.rng))
+
+    return run
+
+
 def _store_side(name: str, **kwargs) -> Callable[[RunContext], Outcome]:
     """A scenario of tests/faults/scenarios_b.py (its own moto S3 server, fault proxy or
     Dask cluster; the worker-death one needs PREFECT_API_URL), run once with this run's
@@ -286,6 +299,8 @@ SCENARIOS: list[Scenario] = [
         "embed job: object store, 20% of requests stalled past the read timeout",
         _store_side("store_random", kind="stall", task="embed"),
     ),
+    Scenario("MoE generation job: SIGKILL at 5 random points, resumed", moe(kills)),
+    Scenario("MoE generation job: engine step raises once mid-shard", moe(engine_transient)),
     Scenario("hostile row ids (../../x, absolute, NUL, 5,000 chars)", _store_side("hostile_ids")),
     Scenario(
         "hostile input bytes (invalid UTF-8 in JSONL, CSV and gzipped CSV; a 40 MB CSV field)",
