@@ -319,6 +319,8 @@ class MoEArgs(ctypes.Structure):
         ("expert_weights", _ptr),
         ("gate_up", _ptr),
         ("down", _ptr),
+        ("gate_up_scales", _ptr),
+        ("down_scales", _ptr),
         ("out", _ptr),
         ("rows", _i64),
         ("top_k", _i64),

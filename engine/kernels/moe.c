@@ -22,6 +22,10 @@
  *         down [E][inter][hidden];
  *   bf16  the same in pairs of k, as vdpbf16ps and AMX tiles take them:
  *         gate_up [E][hidden / 2][2 * inter][2], down [E][inter / 2][hidden][2].
+ *   int8  (weight_format TM_MOE_INT8, x fp32 or bf16) gate_up [E][hidden][2 * inter] and
+ *         down [E][inter][hidden] as int8, each output column with its fp32 scale
+ *         (gate_up_scales [E][2 * inter], down_scales [E][hidden]): a weight is q * scale.
+ *         The products sum q in fp32 and the column's scale multiplies the sum once.
  * Sums are fp32. bf16 rounds gate and up to bf16 before the activation, and h after it,
  * as transformers' bf16 forward does; y stays fp32 until the weighted sum.
  *
@@ -48,10 +52,11 @@
 typedef struct {
     const void *x; /* row-major, ldx values a row */
     int64_t ldx;
-    const void *w; /* fp32: [k][ldw]; bf16: [k / 2][ldw][2] */
+    const void *w; /* fp32 and int8: [k][ldw]; bf16: [k / 2][ldw][2] */
     int64_t ldw;
     int64_t k;
-    int is_bf16;
+    int is_bf16;       /* x (and float weights) are bf16 */
+    const float *scales; /* int8 weights: each column's scale; NULL: float weights */
 } operands;
 
 static inline float value_at(const void *base, int64_t i, int is_bf16) {
@@ -60,11 +65,12 @@ static inline float value_at(const void *base, int64_t i, int is_bf16) {
 
 /* The weight at column c of k-row i (fp32 or pair layout). */
 static inline float weight_at(const operands *o, int64_t i, int64_t c) {
+    if (o->scales) return (float)((const int8_t *)o->w)[i * o->ldw + c]; /* scaled after the sum */
     if (o->is_bf16) return bf16_to_f32(((const uint16_t *)o->w)[((i / 2) * o->ldw + c) * 2 + i % 2]);
     return ((const float *)o->w)[i * o->ldw + c];
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define MOE_ISA TM_MOE_ISA_AVX512_BF16
 
@@ -83,7 +89,22 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
         for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
     const __mmask16 m0 = column_mask(left), m1 = column_mask(left - 16);
     const int64_t ldx = o->ldx, ldw = o->ldw;
-    if (o->is_bf16) {
+    if (o->scales) {
+        for (int64_t i = 0; i < o->k; i++) {
+            const int8_t *wi = (const int8_t *)o->w + i * ldw + col;
+            __m512 wv[4];
+            wv[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, wi)));
+            wv[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, wi + 16)));
+            if (nw > 1) {
+                wv[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, wi + second - col)));
+                wv[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, wi + second - col + 16)));
+            }
+            for (int r = 0; r < mr; r++) {
+                const __m512 xv = _mm512_set1_ps(value_at(o->x, (row + r) * ldx + i, o->is_bf16));
+                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+            }
+        }
+    } else if (o->is_bf16) {
         const uint16_t *x = (const uint16_t *)o->x + row * ldx;
         const uint16_t *w = (const uint16_t *)o->w;
         for (int64_t i = 0; i < o->k / 2; i++) {
@@ -235,6 +256,23 @@ typedef struct {
 
 static int64_t value_bytes(const tm_moe_args *a) { return a->is_bf16 ? 2 : 4; }
 
+static int is_int8(const tm_moe_args *a) { return a->weight_format == TM_MOE_INT8; }
+
+/* Bytes of one weight, and the columns a projection's k-rows hold: float bf16 weights
+ * carry pad_cols readable columns for AMX tiles. */
+static int64_t weight_bytes(const tm_moe_args *a) { return is_int8(a) ? 1 : value_bytes(a); }
+static int64_t row_pad(const tm_moe_args *a) { return a->is_bf16 && !is_int8(a) ? a->pad_cols : 0; }
+
+/* Int8 weights: sums[r][b * NB + j] times the scale of its column (b = 0: from col, 1:
+ * from second). */
+static void scale_sums(const operands *o, int mr, int64_t col, int64_t second, int64_t left, int nw,
+                       float (*sums)[2 * NB]) {
+    if (!o->scales) return;
+    for (int r = 0; r < mr; r++)
+        for (int b = 0; b < nw; b++)
+            for (int64_t j = 0; j < left; j++) sums[r][b * NB + j] *= o->scales[(b ? second : col) + j];
+}
+
 /* The activation of the gate's sum, times the up's, as x's type rounds them. */
 static inline float gated(const tm_moe_args *a, float gate, float up) {
     if (a->is_bf16) {
@@ -249,13 +287,14 @@ static inline float gated(const tm_moe_args *a, float gate, float up) {
 /* Phase A for one item: every row of its expert, its 32 intermediate columns. */
 static void gate_up_item(const problem *p, item it, int *tiles_on) {
     const tm_moe_args *a = p->a;
-    const int64_t e = it.expert, col = it.col, inter = a->inter, vb = value_bytes(a);
+    const int64_t e = it.expert, col = it.col, inter = a->inter, wb = weight_bytes(a);
     const int64_t left = inter - col < NB ? inter - col : NB;
-    const int64_t ldw = 2 * inter + (a->is_bf16 ? a->pad_cols : 0);
+    const int64_t ldw = 2 * inter + row_pad(a);
     const operands o = {
         .x = p->xs, .ldx = a->hidden,
-        .w = (const char *)a->gate_up + e * a->hidden * ldw * vb, .ldw = ldw,
+        .w = (const char *)a->gate_up + e * a->hidden * ldw * wb, .ldw = ldw,
         .k = a->hidden, .is_bf16 = a->is_bf16,
+        .scales = is_int8(a) ? a->gate_up_scales + e * 2 * inter : NULL,
     };
     float sums[TILE_ROWS_MAX][2 * NB];
     for (int64_t row = p->starts[e]; row < p->starts[e + 1];) {
@@ -270,6 +309,7 @@ static void gate_up_item(const problem *p, item it, int *tiles_on) {
         {
             rows = rows < MR ? rows : MR;
             tile(&o, row, (int)rows, col, inter + col, left, 2, sums);
+            scale_sums(&o, (int)rows, col, inter + col, left, 2, sums);
         }
         (void)tiles_on;
         for (int64_t r = 0; r < rows; r++) {
@@ -286,14 +326,15 @@ static void gate_up_item(const problem *p, item it, int *tiles_on) {
 static void down_item(const problem *p, item it, int *tiles_on) {
     (void)tiles_on;
     const tm_moe_args *a = p->a;
-    const int64_t e = it.expert, col = it.col, hidden = a->hidden, vb = value_bytes(a);
+    const int64_t e = it.expert, col = it.col, hidden = a->hidden, wb = weight_bytes(a);
     const int64_t width = p->amx ? 2 * NB : NB;
     const int64_t left = hidden - col < width ? hidden - col : width;
-    const int64_t ldw = hidden + (a->is_bf16 ? a->pad_cols : 0);
+    const int64_t ldw = hidden + row_pad(a);
     const operands o = {
         .x = p->h, .ldx = a->inter,
-        .w = (const char *)a->down + e * a->inter * ldw * vb, .ldw = ldw,
+        .w = (const char *)a->down + e * a->inter * ldw * wb, .ldw = ldw,
         .k = a->inter, .is_bf16 = a->is_bf16,
+        .scales = is_int8(a) ? a->down_scales + e * hidden : NULL,
     };
     float sums[TILE_ROWS_MAX][2 * NB];
     for (int64_t row = p->starts[e]; row < p->starts[e + 1];) {
@@ -311,6 +352,7 @@ static void down_item(const problem *p, item it, int *tiles_on) {
                 float part[MR][2 * NB];
                 const int64_t cols = left - half < NB ? left - half : NB;
                 tile(&o, row, (int)rows, col + half, col + half, cols, 1, part);
+                scale_sums(&o, (int)rows, col + half, col + half, cols, 1, part);
                 for (int64_t r = 0; r < rows; r++) memcpy(sums[r] + half, part[r], (size_t)cols * 4);
             }
         }
@@ -350,9 +392,10 @@ static int check(const tm_moe_args *a) {
         a->hidden <= 0 || a->inter <= 0 || a->hidden > TM_MAX_ROW_DIM || a->pad_cols < 0)
         return TM_UNSUPPORTED_SHAPE;
     if (a->is_bf16 && (a->hidden % 2 || a->inter % 2)) return TM_UNSUPPORTED_SHAPE;
-    if (a->weight_format != TM_MOE_FLOAT) return TM_UNSUPPORTED_SHAPE;
+    if (a->weight_format != TM_MOE_FLOAT && a->weight_format != TM_MOE_INT8) return TM_UNSUPPORTED_SHAPE;
+    if (is_int8(a) && (!a->gate_up_scales || !a->down_scales)) return TM_UNSUPPORTED_SHAPE;
     /* AMX tiles read whole 64-column bands: the packing pads the columns it may reach. */
-    if (a->is_bf16 && amx_usable() && a->pad_cols < 64) return TM_UNSUPPORTED_SHAPE;
+    if (a->is_bf16 && !is_int8(a) && amx_usable() && a->pad_cols < 64) return TM_UNSUPPORTED_SHAPE;
     for (int64_t i = 0; i < a->rows * a->top_k; i++)
         if (a->expert_ids[i] < 0 || a->expert_ids[i] >= a->num_experts) return TM_UNSUPPORTED_SHAPE;
     return TM_OK;
@@ -363,7 +406,7 @@ int tm_moe(const tm_moe_args *a) {
     if (status != TM_OK || a->rows == 0) return status;
     const int64_t E = a->num_experts, k = a->top_k, pairs = a->rows * k;
     const int64_t hidden = a->hidden, inter = a->inter, vb = value_bytes(a);
-    problem p = {.a = a, .amx = a->is_bf16 && amx_usable()};
+    problem p = {.a = a, .amx = a->is_bf16 && !is_int8(a) && amx_usable()};
     p.starts = calloc((size_t)(E + 1), sizeof(int64_t));
     p.token_of = malloc((size_t)pairs * sizeof(int64_t));
     p.sorted_of = malloc((size_t)pairs * sizeof(int64_t));

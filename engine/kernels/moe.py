@@ -13,6 +13,8 @@ from tokenmill.engine.kernels import native_library
 from tokenmill.engine.kernels.interface import MoEArgs, check_status
 
 DTYPES = (torch.float32, torch.bfloat16)
+# kernels.h TM_MOE_*: how the experts' weights are stored, by name.
+WEIGHT_FORMATS = {"float": 0, "int8": 1}
 # kernels.h TM_GATED_*: the gated activations tm_moe computes, by their HF config name.
 ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}
 # Readable columns after each bf16 projection: AMX tiles read whole 64-column bands.
@@ -58,6 +60,15 @@ def _pairs(w: torch.Tensor) -> torch.Tensor:
     return w.view(num, k // 2, 2, n).transpose(2, 3).contiguous()
 
 
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, n, k] float -> (int8 [E, n, k], fp32 scales [E, n]): each output row
+    symmetric, its largest magnitude at 127; w ~ q * scale."""
+    w = w.float()
+    scales = w.abs().amax(dim=-1).clamp(min=1e-12) / 127
+    q = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
 class PackedExperts:
     """A layer's experts in tm_moe's layout (moe.c), packed once.
 
@@ -65,22 +76,49 @@ class PackedExperts:
         gate_up: [num_experts, 2 * inter, hidden], the gate rows first (transformers' layout).
         down: [num_experts, hidden, inter].
         activation: the gate's activation, by its HF name (ACTIVATIONS).
+        weight_format: "float" (the weights' dtype, which is also the activations') or
+            "int8" (each output column quantized with its own scale: `quantize_int8`;
+            the activations stay in the weights' given dtype).
     """
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, activation: str) -> None:
+    def __init__(
+        self,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        activation: str,
+        weight_format: str = "float",
+    ) -> None:
         self.dtype = gate_up.dtype
         self.num_experts, two_inter, self.hidden = gate_up.shape
         self.inter = two_inter // 2
         self.activation = ACTIVATIONS[activation]
+        self.weight_format = weight_format
         is_bf16 = self.dtype == torch.bfloat16
+        self.gate_up_scales = self.down_scales = None
+        if weight_format == "int8":
+            self.pad_cols = 0
+            gate_up_q, self.gate_up_scales = quantize_int8(gate_up)
+            down_q, self.down_scales = quantize_int8(down)
+            self.gate_up, self.down = _k_major(gate_up_q, 0), _k_major(down_q, 0)
+            return
+        if weight_format != "float":
+            raise ValueError(f"unknown expert weight format {weight_format!r}")
         self.pad_cols = _BF16_PAD_COLS if is_bf16 else 0
         gate_up_t, down_t = _k_major(gate_up, self.pad_cols), _k_major(down, self.pad_cols)
         self.gate_up = _pairs(gate_up_t) if is_bf16 else gate_up_t
         self.down = _pairs(down_t) if is_bf16 else down_t
 
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int8 experts' weights as the kernel reads them, fp32 in transformers' layout
+        ([E, 2 * inter, hidden], [E, hidden, inter]): the reference for tests."""
+        gate_up = self.gate_up.transpose(1, 2).float() * self.gate_up_scales[..., None]
+        down = self.down.transpose(1, 2).float() * self.down_scales[..., None]
+        return gate_up, down
+
     @property
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+        tensors = (self.gate_up, self.down, self.gate_up_scales, self.down_scales)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def __call__(
         self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor
@@ -101,6 +139,8 @@ class PackedExperts:
             expert_weights=expert_weights.data_ptr(),
             gate_up=self.gate_up.data_ptr(),
             down=self.down.data_ptr(),
+            gate_up_scales=None if self.gate_up_scales is None else self.gate_up_scales.data_ptr(),
+            down_scales=None if self.down_scales is None else self.down_scales.data_ptr(),
             out=out.data_ptr(),
             rows=x.shape[0],
             top_k=expert_ids.shape[1],
@@ -109,7 +149,7 @@ class PackedExperts:
             inter=self.inter,
             pad_cols=self.pad_cols,
             is_bf16=int(self.dtype == torch.bfloat16),
-            weight_format=0,
+            weight_format=WEIGHT_FORMATS[self.weight_format],
             activation=self.activation,
             num_threads=torch.get_num_threads(),
         )

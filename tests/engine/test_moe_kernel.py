@@ -61,6 +61,33 @@ def test_native_experts_match_float64(shape, dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_experts_match_float64_of_their_dequantized_weights(shape, dtype):
+    """int8 weights (a scale per output column), activations in fp32 or bf16: the sums
+    of the weights the kernel holds, as exact as the float paths."""
+    x, weights, ids, gate_up, down = problem(shape, dtype, seed=6)
+    packed = moe_kernel.PackedExperts(gate_up, down, "silu", weight_format="int8")
+    assert packed.gate_up.dtype == torch.int8 and packed.down.dtype == torch.int8
+    gate_up_q, down_q = packed.dequantized()
+    # Within half a step of each weight, and nothing more.
+    step = packed.gate_up_scales.max().item()
+    assert (gate_up_q - gate_up.float()).abs().max() <= step / 2 + 1e-6
+    got = packed(x, ids, weights)
+    tol = tolerance(dtype)
+    want = reference(x, weights, ids, gate_up_q, down_q)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_int8_experts_take_a_quarter_of_fp32_bytes():
+    x, weights, ids, gate_up, down = problem(SHAPES[1], torch.float32)
+    full = moe_kernel.PackedExperts(gate_up, down, "silu")
+    int8 = moe_kernel.PackedExperts(gate_up, down, "silu", weight_format="int8")
+    num_experts, two_inter, hidden = gate_up.shape
+    scales = 4 * num_experts * (two_inter + hidden)
+    assert int8.weight_bytes == full.weight_bytes // 4 + scales
+
+
 def test_one_native_call_per_layer(monkeypatch):
     """However many experts the rows choose, the layer makes one call."""
     x, weights, ids, gate_up, down = problem(SHAPES[1], torch.float32)
@@ -94,6 +121,9 @@ def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatc
             torch.testing.assert_close(
                 got.double(), reference(x, weights, ids, gate_up, down), atol=tol, rtol=tol
             )
+            int8 = moe_kernel.PackedExperts(gate_up, down, "silu", weight_format="int8")
+            want = reference(x, weights, ids, *int8.dequantized())
+            torch.testing.assert_close(int8(x, ids, weights).double(), want, atol=tol, rtol=tol)
 
 
 def test_this_cpu_gets_its_fastest_path(cpu_path):
