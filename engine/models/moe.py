@@ -102,16 +102,19 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.packed: moe_kernel.PackedExperts | None = None  # the native kernel's copy
 
-    def pack(self) -> bool:
+    def pack(self, weight_format: str = "float") -> bool:
         """Move the weights into the native kernel's layout, where it serves them (the
-        parameters then hold no memory); returns whether it did."""
+        parameters then hold no memory); returns whether they are packed. weight_format:
+        "float" (the parameters' dtype) or "int8" (moe_kernel.PackedExperts)."""
         gate_up = self.gate_up_proj
         hidden, inter = gate_up.shape[2], self.intermediate_size
         if self.packed is not None or not moe_kernel.available(
             gate_up.dtype, gate_up.device, hidden, inter, 1
         ):
             return self.packed is not None
-        self.packed = moe_kernel.PackedExperts(gate_up.data, self.down_proj.data, self.activation)
+        self.packed = moe_kernel.PackedExperts(
+            gate_up.data, self.down_proj.data, self.activation, weight_format
+        )
         for name in ("gate_up_proj", "down_proj"):  # shapes stay for tools; memory goes
             param = getattr(self, name)
             setattr(

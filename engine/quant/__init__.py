@@ -8,7 +8,9 @@ and the lm_head unless the mode quantizes it) runs in the engine's float dtype. 
 
 - "int8": per-channel int8 weights, dynamically quantized int8 activations (int8.py),
   smoothed SmoothQuant-style with statistics from a short float run at load
-  (calibrate.py); the lm_head too with `quantize_lm_head=True`.
+  (calibrate.py); the lm_head too with `quantize_lm_head=True`. A mixture of experts'
+  experts: int8 weights with a scale per output column, for the grouped kernel
+  (kernels/moe.py); the other modes are refused for such models.
 - "int4": group-wise 4-bit weights (group 32), bf16 activations (int4.py).
 - "gguf": the GGUF's own quantized blocks, kept as they are (gguf_linear.py).
 
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenmill.engine.kernels import moe as moe_kernel
 from tokenmill.engine.models.moe import MoeConfig
 from tokenmill.engine.quant.checkpoint import CheckpointQuantization
 from tokenmill.engine.quant.checkpoint_formats import (
@@ -61,6 +64,8 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 QUANTIZATIONS: tuple[str, ...] = tuple(sorted(registered()))
+# The modes that also quantize a mixture of experts' experts (their `quantize` does).
+EXPERT_QUANTIZATIONS = ("int8",)
 
 
 def get_method(quantization: str) -> QuantizationMethod:
@@ -120,16 +125,30 @@ def check_quantization(
                 f"quantized checkpoints ({checkpoint.format}) run on CPU only, not {device.type}"
             )
     if quantization is not None and isinstance(config, MoeConfig):
-        # The modes swap nn.Linear layers; stacked experts are none, and would stay float
-        # while the memory plan counted them quantized.
-        raise ValueError(
-            f"quantization={quantization!r} does not quantize the experts of a "
-            f"mixture-of-experts model ({config.architecture}) yet; leave it unset "
-            "(dtype='bfloat16' halves fp32's memory)"
-        )
+        check_expert_quantization(quantization, config, device)
     if quantization is not None:
         get_method(quantization).check(model_dir, config, device)
     return checkpoint
+
+
+def check_expert_quantization(quantization: str, config, device: torch.device) -> None:
+    """Raise ValueError unless this mode quantizes a mixture of experts' experts here: the
+    modes swap nn.Linear layers, and stacked experts are none - they would stay float
+    while the memory plan counted them quantized. int8 packs them for the native grouped
+    kernel (kernels/moe.py)."""
+    if quantization not in EXPERT_QUANTIZATIONS:
+        raise ValueError(
+            f"quantization={quantization!r} does not quantize the experts of a "
+            f"mixture-of-experts model ({config.architecture}) yet; use "
+            f"{' or '.join(map(repr, EXPERT_QUANTIZATIONS))}, or leave it unset "
+            "(dtype='bfloat16' halves fp32's memory)"
+        )
+    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    if not moe_kernel.available(torch.float32, device, hidden, inter, config.num_experts_per_tok):
+        raise ValueError(
+            f"quantization={quantization!r} of {config.architecture}'s experts needs the "
+            f"native kernels on a CPU (here: {device.type})"
+        )
 
 
 def quantize_model(

@@ -41,6 +41,7 @@ from tokenmill.engine.kernels import int8_linear as native
 from tokenmill.engine.kernels.quantize import FULL_RANGE, REDUCED_RANGE, quantize_rows_u8
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.layers import GatedMLP
+from tokenmill.engine.models.moe import Experts
 from tokenmill.engine.quant.calibrate import (
     ROWS_PER_CHUNK,
     calibration_token_ids,
@@ -350,6 +351,13 @@ class Int8Method(QuantizationMethod):
             layer = _smoothed(linear, absmax, parent.activation if gated else None)
             setattr(parent, name, layer)
             total += layer.weight_bytes
+        # A mixture of experts' experts: int8 weights, a scale per output column, for the
+        # native grouped kernel; their activations stay in the model's dtype (quant's
+        # check_expert_quantization has checked that the kernel runs here).
+        for experts in (m for m in model.modules() if isinstance(m, Experts)):
+            if not experts.pack(weight_format="int8"):
+                raise RuntimeError("the native grouped expert kernel refused int8 experts")
+            total += experts.weight_bytes
         return total
 
 

@@ -74,3 +74,16 @@ def test_routing_matches_transformers_routers(family, dtype):
     weights, ids = routing.route(torch.nn.functional.linear(x, router.weight))
     assert torch.equal(ids, hf_ids)
     assert torch.equal(weights, hf_weights.float())
+
+
+def test_int8_packing_computes_the_dequantized_experts():
+    x, weights, ids, gate_up, down = problem(SHAPES[1], torch.float32, seed=7)
+    experts = Experts(4, 128, 96, "silu")
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
+    assert experts.pack(weight_format="int8")
+    assert experts.packed.down.dtype == torch.int8
+    gate_up_q, down_q = experts.packed.dequantized()
+    want = grouped_experts(x, weights, ids, gate_up_q, down_q, "silu")
+    torch.testing.assert_close(experts(x, weights, ids), want, atol=1e-5, rtol=1e-5)

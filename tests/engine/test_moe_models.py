@@ -222,10 +222,33 @@ def test_moe_matches_transformers_through_a_job(name, tmp_path):
     compared.assert_mostly_compared()
 
 
-def test_quantizing_experts_is_refused_before_loading(tmp_path):
+@pytest.mark.parametrize("quantization", ["int4", "gguf"])
+def test_modes_that_leave_experts_float_are_refused_before_loading(quantization, tmp_path):
     case_model("qwen3_moe", tmp_path)
-    with pytest.raises(ValueError, match="does not quantize the experts .*Qwen3MoeForCausalLM"):
-        LLM(str(tmp_path), dtype="float32", quantization="int8")
+    with pytest.raises(
+        ValueError,
+        match=f"quantization='{quantization}' does not quantize the experts .*Qwen3MoeForCausalLM",
+    ):
+        LLM(str(tmp_path), dtype="float32", quantization=quantization)
+
+
+def test_int8_moe_engine_tracks_the_float_engine(tmp_path):
+    """quantization="int8": the dense projections as for dense models (SmoothQuant W8A8),
+    the experts int8 with a scale per output column in the grouped kernel."""
+    from test_quantized_model import PARAMS, compare
+
+    case_model("qwen3_moe", tmp_path)
+    prompts = prompts_for(seed=9)
+    reference = run_all(make_engine(tmp_path), prompts, PARAMS)
+    engine = make_engine(tmp_path, quantization="int8")
+    experts = native_experts(engine.runner.model)
+    assert all(e.packed.gate_up.dtype == torch.int8 for e in experts)
+    mean_diff, agree, total = compare(run_all(engine, prompts, PARAMS), reference)
+    print(f"\nqwen3_moe int8: prompt logprob |diff| mean {mean_diff:.4f}, agree {agree}/{total}")
+    # The dense models' bounds (test_quantized_model.py): the random model's peaked
+    # distributions magnify rounding.
+    assert mean_diff < 0.2
+    assert agree >= total * 0.6
 
 
 @pytest.mark.parametrize(
