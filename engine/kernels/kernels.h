@@ -448,16 +448,17 @@ enum {
     TM_MOE_ISA_AVX512_BF16 = 1, /* AVX-512 FMA in fp32, vdpbf16ps in bf16 */
     TM_MOE_ISA_AMX = 2          /* the same, and bf16 runs of 16 rows on AMX tiles */
 };
-/* tm_moe_args.weight_format: the experts in x's type, or int8 with a scale per column */
-enum { TM_MOE_FLOAT = 0, TM_MOE_INT8 = 1 };
+/* tm_moe_args.weight_format: the experts in x's type, int8 with a scale per column, or
+ * int4 with a bf16 scale and minimum per column and group of 32 k-rows (moe.c) */
+enum { TM_MOE_FLOAT = 0, TM_MOE_INT8 = 1, TM_MOE_INT4 = 2 };
 typedef struct {
     const void *x;               /* [rows, hidden] fp32 or bf16 */
     const int64_t *expert_ids;   /* [rows, top_k] */
     const float *expert_weights; /* [rows, top_k] */
     const void *gate_up;         /* packed [num_experts] gate and up projections */
     const void *down;            /* packed [num_experts] down projections */
-    const float *gate_up_scales; /* TM_MOE_INT8: [num_experts][2 * inter]; else NULL */
-    const float *down_scales;    /* TM_MOE_INT8: [num_experts][hidden]; else NULL */
+    const void *gate_up_scales;  /* TM_MOE_INT8: fp32 [num_experts][2 * inter]; INT4: moe.c's */
+    const void *down_scales;     /* TM_MOE_INT8: fp32 [num_experts][hidden]; INT4: moe.c's */
     void *out;                   /* [rows, hidden], x's type */
     int64_t rows;
     int64_t top_k;               /* <= TM_MOE_MAX_TOP_K and num_experts */

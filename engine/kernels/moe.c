@@ -26,6 +26,12 @@
  *         down [E][inter][hidden] as int8, each output column with its fp32 scale
  *         (gate_up_scales [E][2 * inter], down_scales [E][hidden]): a weight is q * scale.
  *         The products sum q in fp32 and the column's scale multiplies the sum once.
+ *   int4  (TM_MOE_INT4, x fp32 or bf16) the same k-major rows of pad_cols more columns,
+ *         two columns a byte (the even one in the low nibble); each group of 32 k-rows
+ *         keeps a bf16 scale and minimum per column (gate_up_scales [E][hidden / 32][2]
+ *         [2 * inter + pad_cols], down_scales [E][inter / 32][2][hidden + pad_cols]: the
+ *         scale row, then the minimum row): a weight is q * scale + minimum, formed in
+ *         fp32 before its product.
  * Sums are fp32. bf16 rounds gate and up to bf16 before the activation, and h after it,
  * as transformers' bf16 forward does; y stays fp32 until the weighted sum.
  *
@@ -57,6 +63,7 @@ typedef struct {
     int64_t k;
     int is_bf16;       /* x (and float weights) are bf16 */
     const float *scales; /* int8 weights: each column's scale; NULL: float weights */
+    const uint16_t *groups; /* int4 weights: [k / 32][2][ldw] bf16 scales, minimums */
 } operands;
 
 static inline float value_at(const void *base, int64_t i, int is_bf16) {
@@ -66,6 +73,12 @@ static inline float value_at(const void *base, int64_t i, int is_bf16) {
 /* The weight at column c of k-row i (fp32 or pair layout). */
 static inline float weight_at(const operands *o, int64_t i, int64_t c) {
     if (o->scales) return (float)((const int8_t *)o->w)[i * o->ldw + c]; /* scaled after the sum */
+    if (o->groups) {
+        const uint8_t pair = ((const uint8_t *)o->w)[i * (o->ldw / 2) + c / 2];
+        const uint16_t *group = o->groups + (i / 32) * 2 * o->ldw;
+        const float q = (float)(c % 2 ? pair >> 4 : pair & 15);
+        return q * bf16_to_f32(group[c]) + bf16_to_f32(group[o->ldw + c]);
+    }
     if (o->is_bf16) return bf16_to_f32(((const uint16_t *)o->w)[((i / 2) * o->ldw + c) * 2 + i % 2]);
     return ((const float *)o->w)[i * o->ldw + c];
 }
@@ -73,6 +86,23 @@ static inline float weight_at(const operands *o, int64_t i, int64_t c) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define MOE_ISA TM_MOE_ISA_AVX512_BF16
+
+/* 16 bf16 values from p, as fp32. */
+static inline __m512 bf16x16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* int4 weights of columns [c, c + 16) of k-row i, as fp32 (q * scale + minimum). */
+static inline __m512 int4x16(const operands *o, int64_t i, int64_t c) {
+    const uint8_t *bytes = (const uint8_t *)o->w + i * (o->ldw / 2) + c / 2;
+    const __m128i packed = _mm_loadl_epi64((const __m128i *)bytes);
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+    const uint16_t *group = o->groups + (i / 32) * 2 * o->ldw;
+    return _mm512_fmadd_ps(q, bf16x16(group + c), bf16x16(group + o->ldw + c));
+}
 
 static inline __mmask16 column_mask(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
@@ -98,6 +128,22 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
             if (nw > 1) {
                 wv[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, wi + second - col)));
                 wv[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, wi + second - col + 16)));
+            }
+            for (int r = 0; r < mr; r++) {
+                const __m512 xv = _mm512_set1_ps(value_at(o->x, (row + r) * ldx + i, o->is_bf16));
+                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+            }
+        }
+    } else if (o->groups) {
+        /* The packing pads each k-row with readable columns: no masks needed; columns past
+         * `left` are computed and not used. */
+        for (int64_t i = 0; i < o->k; i++) {
+            __m512 wv[4];
+            wv[0] = int4x16(o, i, col);
+            wv[1] = int4x16(o, i, col + 16);
+            if (nw > 1) {
+                wv[2] = int4x16(o, i, second);
+                wv[3] = int4x16(o, i, second + 16);
             }
             for (int r = 0; r < mr; r++) {
                 const __m512 xv = _mm512_set1_ps(value_at(o->x, (row + r) * ldx + i, o->is_bf16));
@@ -257,11 +303,19 @@ typedef struct {
 static int64_t value_bytes(const tm_moe_args *a) { return a->is_bf16 ? 2 : 4; }
 
 static int is_int8(const tm_moe_args *a) { return a->weight_format == TM_MOE_INT8; }
+static int is_int4(const tm_moe_args *a) { return a->weight_format == TM_MOE_INT4; }
 
-/* Bytes of one weight, and the columns a projection's k-rows hold: float bf16 weights
- * carry pad_cols readable columns for AMX tiles. */
-static int64_t weight_bytes(const tm_moe_args *a) { return is_int8(a) ? 1 : value_bytes(a); }
-static int64_t row_pad(const tm_moe_args *a) { return a->is_bf16 && !is_int8(a) ? a->pad_cols : 0; }
+/* The columns a projection's k-rows hold beyond its own: float bf16 weights carry
+ * pad_cols readable columns for AMX tiles, int4 weights for unmasked 16-column reads. */
+static int64_t row_pad(const tm_moe_args *a) {
+    return is_int4(a) || (a->is_bf16 && a->weight_format == TM_MOE_FLOAT) ? a->pad_cols : 0;
+}
+
+/* Bytes of one expert's projection of k rows of ldw columns. */
+static int64_t expert_bytes(const tm_moe_args *a, int64_t k, int64_t ldw) {
+    if (is_int4(a)) return k * ldw / 2;
+    return k * ldw * (is_int8(a) ? 1 : value_bytes(a));
+}
 
 /* Int8 weights: sums[r][b * NB + j] times the scale of its column (b = 0: from col, 1:
  * from second). */
@@ -287,14 +341,15 @@ static inline float gated(const tm_moe_args *a, float gate, float up) {
 /* Phase A for one item: every row of its expert, its 32 intermediate columns. */
 static void gate_up_item(const problem *p, item it, int *tiles_on) {
     const tm_moe_args *a = p->a;
-    const int64_t e = it.expert, col = it.col, inter = a->inter, wb = weight_bytes(a);
+    const int64_t e = it.expert, col = it.col, inter = a->inter;
     const int64_t left = inter - col < NB ? inter - col : NB;
     const int64_t ldw = 2 * inter + row_pad(a);
     const operands o = {
         .x = p->xs, .ldx = a->hidden,
-        .w = (const char *)a->gate_up + e * a->hidden * ldw * wb, .ldw = ldw,
+        .w = (const char *)a->gate_up + e * expert_bytes(a, a->hidden, ldw), .ldw = ldw,
         .k = a->hidden, .is_bf16 = a->is_bf16,
-        .scales = is_int8(a) ? a->gate_up_scales + e * 2 * inter : NULL,
+        .scales = is_int8(a) ? (const float *)a->gate_up_scales + e * 2 * inter : NULL,
+        .groups = is_int4(a) ? (const uint16_t *)a->gate_up_scales + e * (a->hidden / 32) * 2 * ldw : NULL,
     };
     float sums[TILE_ROWS_MAX][2 * NB];
     for (int64_t row = p->starts[e]; row < p->starts[e + 1];) {
@@ -326,15 +381,16 @@ static void gate_up_item(const problem *p, item it, int *tiles_on) {
 static void down_item(const problem *p, item it, int *tiles_on) {
     (void)tiles_on;
     const tm_moe_args *a = p->a;
-    const int64_t e = it.expert, col = it.col, hidden = a->hidden, wb = weight_bytes(a);
+    const int64_t e = it.expert, col = it.col, hidden = a->hidden;
     const int64_t width = p->amx ? 2 * NB : NB;
     const int64_t left = hidden - col < width ? hidden - col : width;
     const int64_t ldw = hidden + row_pad(a);
     const operands o = {
         .x = p->h, .ldx = a->inter,
-        .w = (const char *)a->down + e * a->inter * ldw * wb, .ldw = ldw,
+        .w = (const char *)a->down + e * expert_bytes(a, a->inter, ldw), .ldw = ldw,
         .k = a->inter, .is_bf16 = a->is_bf16,
-        .scales = is_int8(a) ? a->down_scales + e * hidden : NULL,
+        .scales = is_int8(a) ? (const float *)a->down_scales + e * hidden : NULL,
+        .groups = is_int4(a) ? (const uint16_t *)a->down_scales + e * (a->inter / 32) * 2 * ldw : NULL,
     };
     float sums[TILE_ROWS_MAX][2 * NB];
     for (int64_t row = p->starts[e]; row < p->starts[e + 1];) {
@@ -392,10 +448,14 @@ static int check(const tm_moe_args *a) {
         a->hidden <= 0 || a->inter <= 0 || a->hidden > TM_MAX_ROW_DIM || a->pad_cols < 0)
         return TM_UNSUPPORTED_SHAPE;
     if (a->is_bf16 && (a->hidden % 2 || a->inter % 2)) return TM_UNSUPPORTED_SHAPE;
-    if (a->weight_format != TM_MOE_FLOAT && a->weight_format != TM_MOE_INT8) return TM_UNSUPPORTED_SHAPE;
-    if (is_int8(a) && (!a->gate_up_scales || !a->down_scales)) return TM_UNSUPPORTED_SHAPE;
+    if (a->weight_format != TM_MOE_FLOAT && !is_int8(a) && !is_int4(a)) return TM_UNSUPPORTED_SHAPE;
+    if ((is_int8(a) || is_int4(a)) && (!a->gate_up_scales || !a->down_scales)) return TM_UNSUPPORTED_SHAPE;
+    /* int4: groups of 32 k-rows, two columns a byte, 32 readable columns past each row's. */
+    if (is_int4(a) && (a->hidden % 32 || a->inter % 32 || a->pad_cols < 32 || a->pad_cols % 2))
+        return TM_UNSUPPORTED_SHAPE;
     /* AMX tiles read whole 64-column bands: the packing pads the columns it may reach. */
-    if (a->is_bf16 && !is_int8(a) && amx_usable() && a->pad_cols < 64) return TM_UNSUPPORTED_SHAPE;
+    if (a->is_bf16 && a->weight_format == TM_MOE_FLOAT && amx_usable() && a->pad_cols < 64)
+        return TM_UNSUPPORTED_SHAPE;
     for (int64_t i = 0; i < a->rows * a->top_k; i++)
         if (a->expert_ids[i] < 0 || a->expert_ids[i] >= a->num_experts) return TM_UNSUPPORTED_SHAPE;
     return TM_OK;
@@ -406,7 +466,7 @@ int tm_moe(const tm_moe_args *a) {
     if (status != TM_OK || a->rows == 0) return status;
     const int64_t E = a->num_experts, k = a->top_k, pairs = a->rows * k;
     const int64_t hidden = a->hidden, inter = a->inter, vb = value_bytes(a);
-    problem p = {.a = a, .amx = a->is_bf16 && !is_int8(a) && amx_usable()};
+    problem p = {.a = a, .amx = a->is_bf16 && a->weight_format == TM_MOE_FLOAT && amx_usable()};
     p.starts = calloc((size_t)(E + 1), sizeof(int64_t));
     p.token_of = malloc((size_t)pairs * sizeof(int64_t));
     p.sorted_of = malloc((size_t)pairs * sizeof(int64_t));

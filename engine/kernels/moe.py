@@ -14,7 +14,11 @@ from tokenmill.engine.kernels.interface import MoEArgs, check_status
 
 DTYPES = (torch.float32, torch.bfloat16)
 # kernels.h TM_MOE_*: how the experts' weights are stored, by name.
-WEIGHT_FORMATS = {"float": 0, "int8": 1}
+WEIGHT_FORMATS = {"float": 0, "int8": 1, "int4": 2}
+# int4: k-rows per group sharing a scale and a minimum, and the readable columns after
+# each row (the kernel reads 16 columns at a time unmasked).
+INT4_GROUP = 32
+_INT4_PAD_COLS = 32
 # kernels.h TM_GATED_*: the gated activations tm_moe computes, by their HF config name.
 ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}
 # Readable columns after each bf16 projection: AMX tiles read whole 64-column bands.
@@ -69,6 +73,19 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[E, n, k] float -> (q uint8 [E, n, k] in 0..15, scale, minimum: bf16 [E, n, k / 32]):
+    each group of 32 inputs of an output row spans its range in 16 steps (GGUF's Q4_1
+    recipe); w ~ q * scale + minimum, with the bf16 scale and minimum the kernel reads."""
+    num, n, k = w.shape
+    groups = w.float().reshape(num, n, k // INT4_GROUP, INT4_GROUP)
+    minimum = groups.amin(dim=-1).to(torch.bfloat16)
+    span = groups.amax(dim=-1) - minimum.float()
+    scale = torch.where(span > 0, span / 15, torch.ones_like(span)).to(torch.bfloat16)
+    q = torch.round((groups - minimum.float()[..., None]) / scale.float()[..., None])
+    return q.clamp_(0, 15).to(torch.uint8).reshape(num, n, k), scale, minimum
+
+
 class PackedExperts:
     """A layer's experts in tm_moe's layout (moe.c), packed once.
 
@@ -76,9 +93,10 @@ class PackedExperts:
         gate_up: [num_experts, 2 * inter, hidden], the gate rows first (transformers' layout).
         down: [num_experts, hidden, inter].
         activation: the gate's activation, by its HF name (ACTIVATIONS).
-        weight_format: "float" (the weights' dtype, which is also the activations') or
-            "int8" (each output column quantized with its own scale: `quantize_int8`;
-            the activations stay in the weights' given dtype).
+        weight_format: "float" (the weights' dtype, which is also the activations'),
+            "int8" (each output column quantized with its own scale: `quantize_int8`) or
+            "int4" (groups of 32 inputs: `quantize_int4`; hidden and intermediate sizes
+            multiples of 32); quantized, the activations stay in the weights' given dtype.
     """
 
     def __init__(
@@ -101,6 +119,11 @@ class PackedExperts:
             down_q, self.down_scales = quantize_int8(down)
             self.gate_up, self.down = _k_major(gate_up_q, 0), _k_major(down_q, 0)
             return
+        if weight_format == "int4":
+            self.pad_cols = _INT4_PAD_COLS
+            self.gate_up, self.gate_up_scales = self._int4(gate_up)
+            self.down, self.down_scales = self._int4(down)
+            return
         if weight_format != "float":
             raise ValueError(f"unknown expert weight format {weight_format!r}")
         self.pad_cols = _BF16_PAD_COLS if is_bf16 else 0
@@ -108,12 +131,40 @@ class PackedExperts:
         self.gate_up = _pairs(gate_up_t) if is_bf16 else gate_up_t
         self.down = _pairs(down_t) if is_bf16 else down_t
 
+    def _int4(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[E, n, k] -> (nibbles uint8 [E, k, (n + pad) / 2], groups bf16 [E, k / 32, 2,
+        n + pad]), moe.c's int4 layout."""
+        num, n, k = w.shape
+        if k % INT4_GROUP or n % 2:
+            raise ValueError(
+                f"int4 experts need sizes that are multiples of {INT4_GROUP}: {n} x {k}"
+            )
+        q, scale, minimum = quantize_int4(w)
+        q = _k_major(q, self.pad_cols)  # [E, k, n + pad], zeros in the pad
+        nibbles = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
+        groups = torch.zeros(num, k // INT4_GROUP, 2, n + self.pad_cols, dtype=torch.bfloat16)
+        groups[:, :, 0, :n] = scale.transpose(1, 2)
+        groups[:, :, 1, :n] = minimum.transpose(1, 2)
+        return nibbles, groups
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """int8 experts' weights as the kernel reads them, fp32 in transformers' layout
-        ([E, 2 * inter, hidden], [E, hidden, inter]): the reference for tests."""
+        """Quantized experts' weights as the kernel reads them, fp32 in transformers'
+        layout ([E, 2 * inter, hidden], [E, hidden, inter]): the reference for tests."""
+        if self.weight_format == "int4":
+            return (
+                self._int4_weights(self.gate_up, self.gate_up_scales, 2 * self.inter),
+                self._int4_weights(self.down, self.down_scales, self.hidden),
+            )
         gate_up = self.gate_up.transpose(1, 2).float() * self.gate_up_scales[..., None]
         down = self.down.transpose(1, 2).float() * self.down_scales[..., None]
         return gate_up, down
+
+    @staticmethod
+    def _int4_weights(nibbles: torch.Tensor, groups: torch.Tensor, n: int) -> torch.Tensor:
+        q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).flatten(-2)[..., :n].float()
+        scale = groups[:, :, 0, :n].float().repeat_interleave(INT4_GROUP, dim=1)
+        minimum = groups[:, :, 1, :n].float().repeat_interleave(INT4_GROUP, dim=1)
+        return (q * scale + minimum).transpose(1, 2)
 
     @property
     def weight_bytes(self) -> int:

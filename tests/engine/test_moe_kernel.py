@@ -61,18 +61,28 @@ def test_native_experts_match_float64(shape, dtype):
     )
 
 
+@pytest.mark.parametrize("weight_format", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_int8_experts_match_float64_of_their_dequantized_weights(shape, dtype):
-    """int8 weights (a scale per output column), activations in fp32 or bf16: the sums
-    of the weights the kernel holds, as exact as the float paths."""
+def test_quantized_experts_match_float64_of_their_dequantized_weights(shape, dtype, weight_format):
+    """int8 weights (a scale per output column) and int4 ones (a scale and a minimum per
+    group of 32 inputs), activations in fp32 or bf16: the sums of the weights the kernel
+    holds, as exact as the float paths."""
     x, weights, ids, gate_up, down = problem(shape, dtype, seed=6)
-    packed = moe_kernel.PackedExperts(gate_up, down, "silu", weight_format="int8")
-    assert packed.gate_up.dtype == torch.int8 and packed.down.dtype == torch.int8
+    _, hidden, inter, _, _ = shape
+    if weight_format == "int4" and (hidden % 32 or inter % 32):
+        with pytest.raises(ValueError, match="multiples of 32"):
+            moe_kernel.PackedExperts(gate_up, down, "silu", weight_format=weight_format)
+        return
+    packed = moe_kernel.PackedExperts(gate_up, down, "silu", weight_format=weight_format)
     gate_up_q, down_q = packed.dequantized()
-    # Within half a step of each weight, and nothing more.
-    step = packed.gate_up_scales.max().item()
-    assert (gate_up_q - gate_up.float()).abs().max() <= step / 2 + 1e-6
+    # Within half a step of each weight: int8's step is a column's largest magnitude /
+    # 127; int4's a group's range / 15 (at most twice the largest magnitude), its scale
+    # and minimum rounded to bf16 besides.
+    for original, held in ((gate_up, gate_up_q), (down, down_q)):
+        amax = original.float().abs().amax()
+        bound = amax / 254 * 1.01 if weight_format == "int8" else amax * (1 / 15 + 1 / 128)
+        assert (held - original.float()).abs().max() <= bound
     got = packed(x, ids, weights)
     tol = tolerance(dtype)
     want = reference(x, weights, ids, gate_up_q, down_q)
@@ -121,9 +131,12 @@ def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatc
             torch.testing.assert_close(
                 got.double(), reference(x, weights, ids, gate_up, down), atol=tol, rtol=tol
             )
-            int8 = moe_kernel.PackedExperts(gate_up, down, "silu", weight_format="int8")
-            want = reference(x, weights, ids, *int8.dequantized())
-            torch.testing.assert_close(int8(x, ids, weights).double(), want, atol=tol, rtol=tol)
+            int4_sizes = shape[1] % 32 == 0 and shape[2] % 32 == 0
+            for weight_format in ("int8", "int4") if int4_sizes else ("int8",):
+                held = moe_kernel.PackedExperts(gate_up, down, "silu", weight_format=weight_format)
+                want = reference(x, weights, ids, *held.dequantized())
+                got = held(x, ids, weights).double()
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 def test_this_cpu_gets_its_fastest_path(cpu_path):
