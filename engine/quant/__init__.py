@@ -10,8 +10,10 @@ and the lm_head unless the mode quantizes it) runs in the engine's float dtype. 
   smoothed SmoothQuant-style with statistics from a short float run at load
   (calibrate.py); the lm_head too with `quantize_lm_head=True`. A mixture of experts'
   experts: int8 weights with a scale per output column, for the grouped kernel
-  (kernels/moe.py); the other modes are refused for such models.
-- "int4": group-wise 4-bit weights (group 32), bf16 activations (int4.py).
+  (kernels/moe.py).
+- "int4": group-wise 4-bit weights (group 32), bf16 activations (int4.py); a mixture of
+  experts' experts: the same groups in the grouped kernel, activations in the model's
+  dtype. "gguf" is refused for such models (its converter keeps no expert blocks).
 - "gguf": the GGUF's own quantized blocks, kept as they are (gguf_linear.py).
 
 A checkpoint quantized by another tool (config.json's quantization_config) loads its
@@ -65,7 +67,7 @@ for _module in pkgutil.iter_modules(__path__):
 
 QUANTIZATIONS: tuple[str, ...] = tuple(sorted(registered()))
 # The modes that also quantize a mixture of experts' experts (their `quantize` does).
-EXPERT_QUANTIZATIONS = ("int8",)
+EXPERT_QUANTIZATIONS = ("int8", "int4")
 
 
 def get_method(quantization: str) -> QuantizationMethod:
@@ -148,6 +150,12 @@ def check_expert_quantization(quantization: str, config, device: torch.device) -
         raise ValueError(
             f"quantization={quantization!r} of {config.architecture}'s experts needs the "
             f"native kernels on a CPU (here: {device.type})"
+        )
+    group = moe_kernel.INT4_GROUP
+    if quantization == "int4" and (hidden % group or inter % group):
+        raise ValueError(
+            f"quantization='int4' needs expert sizes that are multiples of {group}; "
+            f"{config.architecture} has hidden_size {hidden}, moe_intermediate_size {inter}"
         )
 
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from tokenmill.engine.kernels import int4_unpack
 from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.models.moe import Experts
 from tokenmill.engine.quant.method import QuantizationMethod, quantized_targets, register
 
 # Inputs per group of weights that share a scale and a minimum.
@@ -173,6 +174,13 @@ class Int4Method(QuantizationMethod):
             layer = Int4Linear.from_float(linear.weight, linear.bias, group_size=GROUP_SIZE)
             setattr(parent, name, layer)
             total += layer.weight_bytes
+        # A mixture of experts' experts: the same groups of 32 (scale and minimum, in bf16)
+        # in the native grouped kernel; activations stay in the model's dtype (quant's
+        # check_expert_quantization has checked the kernel and the sizes).
+        for experts in (m for m in model.modules() if isinstance(m, Experts)):
+            if not experts.pack(weight_format="int4"):
+                raise RuntimeError("the native grouped expert kernel refused int4 experts")
+            total += experts.weight_bytes
         return total
 
 

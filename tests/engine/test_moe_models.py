@@ -222,14 +222,14 @@ def test_moe_matches_transformers_through_a_job(name, tmp_path):
     compared.assert_mostly_compared()
 
 
-@pytest.mark.parametrize("quantization", ["int4", "gguf"])
-def test_modes_that_leave_experts_float_are_refused_before_loading(quantization, tmp_path):
-    case_model("qwen3_moe", tmp_path)
+def test_quantizations_the_experts_cannot_take_are_refused_before_loading(tmp_path):
+    case_model("qwen3_moe", tmp_path)  # experts of 48: not whole groups of 32
     with pytest.raises(
-        ValueError,
-        match=f"quantization='{quantization}' does not quantize the experts .*Qwen3MoeForCausalLM",
+        ValueError, match="quantization='gguf' does not quantize the experts .*Qwen3MoeForCausalLM"
     ):
-        LLM(str(tmp_path), dtype="float32", quantization=quantization)
+        LLM(str(tmp_path), dtype="float32", quantization="gguf")
+    with pytest.raises(ValueError, match="multiples of 32.*moe_intermediate_size 48"):
+        LLM(str(tmp_path), dtype="float32", quantization="int4")
 
 
 def test_int8_moe_engine_tracks_the_float_engine(tmp_path):
@@ -249,6 +249,41 @@ def test_int8_moe_engine_tracks_the_float_engine(tmp_path):
     # distributions magnify rounding.
     assert mean_diff < 0.2
     assert agree >= total * 0.6
+
+
+def test_int4_moe_engine_computes_the_float_model_of_its_dequantized_weights(tmp_path, monkeypatch):
+    """quantization="int4": the dense projections and the experts in groups of 32; a
+    float engine given the dequantized weights computes nearly the same (the dense int4
+    products run in bf16, as for dense models: test_quantized_model.py)."""
+    from test_quantized_model import INT4_GROUP_SIZE, PARAMS, compare
+
+    from tokenmill.engine.kernels import moe as moe_kernel
+    from tokenmill.engine.quant import int4, quantized_targets
+
+    build_hf_model("qwen3_moe", tmp_path, moe_intermediate_size=64)  # whole groups of 32
+    save_char_tokenizer(tmp_path)
+    prompts = prompts_for(seed=9)
+    engine = make_engine(tmp_path, quantization="int4")
+    experts = native_experts(engine.runner.model)
+    assert all(e.packed.gate_up.dtype == torch.uint8 for e in experts)
+    outputs = run_all(engine, prompts, PARAMS)
+
+    monkeypatch.setenv("TOKENMILL_PACKED_LINEAR", "0")  # keep nn.Linear to set weights
+    reference_engine = make_engine(tmp_path)
+    with torch.no_grad():
+        for _, _, linear in quantized_targets(reference_engine.runner.model):
+            q, scale, minimum = int4.quantize_weight(linear.weight, INT4_GROUP_SIZE)
+            n, k = q.shape
+            groups = q.reshape(n, k // INT4_GROUP_SIZE, -1).float()
+            linear.weight.copy_((groups * scale[..., None] + minimum[..., None]).reshape(n, k))
+    for held, float_experts in zip(experts, native_experts(reference_engine.runner.model)):
+        gate_up, down = held.packed.dequantized()
+        float_experts.packed = moe_kernel.PackedExperts(gate_up, down, held.activation)
+    mean_diff, agree, total = compare(outputs, run_all(reference_engine, prompts, PARAMS))
+    print(f"\nqwen3_moe int4 vs fp32 on its dequantized weights: |diff| mean {mean_diff:.4f}, "
+          f"agree {agree}/{total}")  # fmt: skip
+    assert mean_diff < 0.1
+    assert agree >= total * 0.7
 
 
 @pytest.mark.parametrize(
