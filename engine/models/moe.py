@@ -15,8 +15,10 @@ Expert compute is one grouped call per layer. On the CPU with the native kernels
 kernels/moe.c (weights packed once, after loading: `Experts.pack`): the step's (token,
 expert) pairs counting-sorted by expert, each expert's rows one contiguous run, gate_up,
 the activation, down and the weighted sum back into token order in one call - no Python
-loop over experts, no padding to the busiest expert. Elsewhere torch's grouped matmul
-does the same over the sorted rows (`grouped_experts`).
+loop over experts, no padding to the busiest expert; the weights in the model's dtype,
+or int8 / int4 when the int8 / int4 quantization packs them (quant/int8.py, int4.py).
+Elsewhere torch's grouped matmul does the same over the sorted rows (`grouped_experts`),
+in float only: quant/ refuses quantized experts where the native kernel does not run.
 """
 
 from __future__ import annotations
