@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tiny_model import build_tiny_model
 
 import tokenmill.engine.worker.build as build
-from tests.tiny_model import build_tiny_model
 from tokenmill.engine import LLM, EngineConfig, InsufficientMemoryError, load_config
 from tokenmill.engine.api.plan import shape_for
 from tokenmill.engine.worker.kv_cache import kv_cache_format
