@@ -4,13 +4,11 @@ them computes the dense fp32 model of their dequantized weights."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from hf_models import build_hf_model, make_engine, save_char_tokenizer
 from quantized_checkpoints import act_order, awq_layer, gptq_layer, quantize_int, write_quantized
-from safetensors.torch import load_file
+from reference_quantizers import AUTO_ROUND_CASES
 from test_compressed_tensors import (  # no_weight_read: a fixture these tests use
     FLOAT_LAYERS,
     _edit,
@@ -246,15 +244,21 @@ def test_a_mismatched_awq_tensor_is_refused_by_name_before_any_weight_is_read(tm
         make_engine(model_dir)
 
 
-PACKED = Path(__file__).parent / "data" / "autoround" / "packed.safetensors"
+@pytest.fixture(scope="session")
+def auto_round_packed():
+    from reference_quantizers import auto_round_packed
+
+    return auto_round_packed()
 
 
-@pytest.mark.parametrize("case", ["gptq4", "gptq8", "awq4"])
-def test_our_packers_write_auto_rounds_tensors_byte_for_byte_and_we_decode_them(case):
-    """auto-round's own GPTQ v1 and AWQ GEMM packers (data/autoround/make_packed.py) on
+@pytest.mark.parametrize("case", AUTO_ROUND_CASES)
+def test_our_packers_write_auto_rounds_tensors_byte_for_byte_and_we_decode_them(
+    case, auto_round_packed
+):
+    """auto-round's own GPTQ v1 and AWQ GEMM packers, run here (reference_quantizers), on
     known codes, zero points and scales: our tests' packers write the same bytes, and the
     readers decode auto-round's tensors to exactly those values."""
-    stored = {k.partition(".")[2]: v for k, v in load_file(PACKED).items() if k.startswith(case)}
+    stored = auto_round_packed[case]
     bits = 8 if case == "gptq8" else 4
     half = 1 << (bits - 1)
     weight = IntWeight(stored["codes"] - half, stored["scales"], stored["zeros"] - half, 32, bits)

@@ -1,7 +1,16 @@
-"""Checkpoints written by llm-compressor itself (data/llmcompressor/, made by the script
-there): our test packer rewrites their tensors byte for byte, and the engine over them
-computes what transformers computes on compressed-tensors' own decompression of them -
-exactly for weights-only schemes, within the activations' own rounding for W8A8."""
+"""Checkpoints as llm-compressor writes them: our test packer rewrites their tensors byte
+for byte, and the engine over them computes what transformers computes on
+compressed-tensors' own decompression of them - exactly for weights-only schemes, within
+the activations' own rounding for W8A8.
+
+No quantized weights are committed: the `llmcompressor_checkpoints` fixture rebuilds
+llm-compressor's data-free W4A16_ASYM, W8A8 and FP8_DYNAMIC checkpoints of a seeded random
+Llama with compressed-tensors, the package llm-compressor writes them with - its preset
+schemes, min-max scales of the bf16 weights per 128-input group (W4A16_ASYM) or per
+output channel (W8A8's int8, FP8_DYNAMIC's fp8), and its compressors
+(reference_quantizers.write_llmcompressor_checkpoint lists the steps). Data-free, those
+are all llm-compressor computes, and every tensor was checked to equal, byte for byte,
+what llm-compressor 0.14 wrote from the same model."""
 
 from __future__ import annotations
 
@@ -28,7 +37,6 @@ from tokenmill.engine.quant.checkpoint.layers import ExactIntLinear
 from tokenmill.engine.quant.int8 import Int8Linear
 from tokenmill.engine.types.sampling_params import SamplingParams
 
-DATA = Path(__file__).parent / "data" / "llmcompressor"
 PROMPTS = [[3, 5, 7, 9, 11, 4, 6, 30, 31], [8, 8, 2, 10, 12, 13, 1, 5, 9, 3, 3, 60, 2]]
 _COMPRESSORS = {
     "pack-quantized": PackedQuantizationCompressor,
@@ -36,18 +44,18 @@ _COMPRESSORS = {
 }
 
 
-def read(name: str):
-    raw = json.loads((DATA / name / "config.json").read_text())
+def read(model_dir: Path):
+    raw = json.loads((model_dir / "config.json").read_text())
     settings = raw["quantization_config"]
     group = settings["config_groups"]["group_0"]
-    tensors = load_file(DATA / name / "model.safetensors")
+    tensors = load_file(model_dir / "model.safetensors")
     layers = sorted({n.rpartition(".")[0] for n in tensors if n.endswith("weight_scale")})
     return raw, settings, group, tensors, layers
 
 
 @pytest.mark.parametrize("name", ["W4A16_ASYM", "W8A8"])
-def test_our_packer_rewrites_llm_compressors_tensors_byte_for_byte(name):
-    raw, settings, group, tensors, layers = read(name)
+def test_our_packer_rewrites_llm_compressors_tensors_byte_for_byte(name, llmcompressor_checkpoints):
+    raw, settings, group, tensors, layers = read(llmcompressor_checkpoints[name])
     reader = CompressedTensors().parse(settings)
     assert len(layers) == 7
     for layer in layers:
@@ -61,12 +69,12 @@ def test_our_packer_rewrites_llm_compressors_tensors_byte_for_byte(name):
             assert tensor.dtype == mine[suffix].dtype and torch.equal(tensor, mine[suffix]), suffix
 
 
-def reference_model(name: str, *, activations: bool = False):
+def reference_model(model_dir: Path, *, activations: bool = False):
     """transformers' Llama holding compressed-tensors' own decompression of the checkpoint
     (scales given in fp32, so every value is (q - zero) * scale exactly), in fp32; with
     `activations`, each quantized layer's input goes through compressed-tensors' dynamic
     per-token fake quantization first, as its forward does."""
-    raw, settings, group, tensors, layers = read(name)
+    raw, settings, group, tensors, layers = read(model_dir)
     config = transformers.LlamaConfig(
         **{k: v for k, v in raw.items() if k != "quantization_config"}
     )
@@ -96,9 +104,9 @@ def _fake_quantize_input(args):
     return hook
 
 
-def engine_logprobs(name: str):
+def engine_logprobs(model_dir: Path):
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    engine = make_engine(DATA / name)
+    engine = make_engine(model_dir)
     outputs = run_all(engine, PROMPTS, params)
     return engine, [
         [out.prompt_logprobs[i + 1][t] for i, t in enumerate(p[1:])]
@@ -110,23 +118,27 @@ def reference_logprobs(model) -> list[list[float]]:
     return [[float(row[t]) for row, t in zip(hf_prompt_logprobs(model, p), p[1:])] for p in PROMPTS]
 
 
-def test_w4a16_asym_is_transformers_on_the_decompressed_weights():
-    engine, ours = engine_logprobs("W4A16_ASYM")
+def test_w4a16_asym_is_transformers_on_the_decompressed_weights(llmcompressor_checkpoints):
+    model_dir = llmcompressor_checkpoints["W4A16_ASYM"]
+    engine, ours = engine_logprobs(model_dir)
     assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj, ExactIntLinear)
-    theirs = reference_logprobs(reference_model("W4A16_ASYM"))
+    theirs = reference_logprobs(reference_model(model_dir))
     worst = max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y))
     assert worst < 1e-3, worst
 
 
-def test_w8a8_is_transformers_with_compressed_tensors_activation_rounding_within_its_error():
+def test_w8a8_is_transformers_with_compressed_tensors_activation_rounding_within_its_error(
+    llmcompressor_checkpoints,
+):
     """The int8 kernels round each token's activations with max|x| / 127 (codes -127..127),
     compressed-tensors with max|x| / 127.5 (codes -128..127): two roundings of the same
     scheme. The difference between them is held to less than each one's own distance from
     unquantized activations."""
-    engine, ours = engine_logprobs("W8A8")
+    model_dir = llmcompressor_checkpoints["W8A8"]
+    engine, ours = engine_logprobs(model_dir)
     assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj, Int8Linear)
-    with_rounding = reference_logprobs(reference_model("W8A8", activations=True))
-    without = reference_logprobs(reference_model("W8A8"))
+    with_rounding = reference_logprobs(reference_model(model_dir, activations=True))
+    without = reference_logprobs(reference_model(model_dir))
     ours_vs_ct = max(abs(a - b) for x, y in zip(ours, with_rounding) for a, b in zip(x, y))
     scheme_error = max(abs(a - b) for x, y in zip(without, with_rounding) for a, b in zip(x, y))
     print(
@@ -159,9 +171,11 @@ def test_w8a8_is_transformers_with_compressed_tensors_activation_rounding_within
         ),
     ],
 )
-def test_models_info_names_the_format_bits_group_size_and_kernels(name, expected, tmp_path):
+def test_models_info_names_the_format_bits_group_size_and_kernels(
+    name, expected, tmp_path, llmcompressor_checkpoints
+):
     model_dir = tmp_path / name
-    shutil.copytree(DATA / name, model_dir)
+    shutil.copytree(llmcompressor_checkpoints[name], model_dir)
     save_char_tokenizer(model_dir)
     result = CliRunner().invoke(main, ["models", "info", str(model_dir)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -178,9 +192,9 @@ def test_models_info_names_the_format_bits_group_size_and_kernels(name, expected
             assert fields[key] == value
 
 
-def test_models_info_of_a_format_not_read_says_why(tmp_path):
+def test_models_info_of_a_format_not_read_says_why(tmp_path, llmcompressor_checkpoints):
     model_dir = tmp_path / "FP8_DYNAMIC"
-    shutil.copytree(DATA / "FP8_DYNAMIC", model_dir)
+    shutil.copytree(llmcompressor_checkpoints["FP8_DYNAMIC"], model_dir)
     save_char_tokenizer(model_dir)
     result = CliRunner().invoke(main, ["models", "info", str(model_dir)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -189,7 +203,9 @@ def test_models_info_of_a_format_not_read_says_why(tmp_path):
     assert "float-quantized - FP8 weights are not read yet" in lines["not loadable"]
 
 
-def test_a_job_on_a_quantized_checkpoint_names_its_quantization_in_the_ledger(tmp_path):
+def test_a_job_on_a_quantized_checkpoint_names_its_quantization_in_the_ledger(
+    tmp_path, llmcompressor_checkpoints
+):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -197,7 +213,7 @@ def test_a_job_on_a_quantized_checkpoint_names_its_quantization_in_the_ledger(tm
     from tokenmill.pipelines.output import read_ledger, read_ledger_dataset
 
     model_dir = tmp_path / "W4A16_ASYM"
-    shutil.copytree(DATA / "W4A16_ASYM", model_dir)
+    shutil.copytree(llmcompressor_checkpoints["W4A16_ASYM"], model_dir)
     save_char_tokenizer(model_dir)
     source = tmp_path / "in.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "text": ["abc", "hello"]}), source)

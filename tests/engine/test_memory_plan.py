@@ -122,17 +122,17 @@ def test_a_cgroups_room_is_its_limit_less_its_usage(tmp_path, limit, usage, room
     assert _room(tmp_path / "missing", tmp_path / "usage") is None
 
 
-def test_a_quantized_checkpoint_is_planned_at_its_stored_size_not_as_a_float_model(tmp_path):
+def test_a_quantized_checkpoint_is_planned_at_its_stored_size_not_as_a_float_model(
+    tmp_path, llmcompressor_checkpoints
+):
     """llm-compressor's W4A16 checkpoint: its packed codes, scales and zero points load as
     stored; only its float tensors (embeddings, norms, lm_head) take the engine's dtype."""
     import shutil
-    from pathlib import Path
 
     from hf_models import save_char_tokenizer
 
     model_dir = tmp_path / "w4a16"
-    data = Path(__file__).parent / "data" / "llmcompressor" / "W4A16_ASYM"
-    shutil.copytree(data, model_dir)
+    shutil.copytree(llmcompressor_checkpoints["W4A16_ASYM"], model_dir)
     save_char_tokenizer(model_dir)
     expected = 0
     with safe_open(model_dir / "model.safetensors", "pt") as f:
