@@ -274,7 +274,7 @@ def compute_ledger(
     adapter_sums: AdapterSums | None = None,
     forecast: Mapping[str, Any] | None = None,
     rows_skipped_blank: int | None = None,
-    quantization: str | None = None,
+    quantization: str | None,
 ) -> JobLedger:
     """Build a job's ledger from its result rows and its shards' stats.
 

@@ -58,6 +58,7 @@ def make_ledger():
         finished_at="t1",
         num_shards=3,
         num_shards_run=1,
+        quantization=None,
     )
 
 

@@ -86,6 +86,7 @@ def _ledger(**kw):
         finished_at="t1",
         num_shards=2,
         num_shards_run=1,
+        quantization=None,
     )
     args.update(kw)
     return compute_ledger(_results(), _stats(), **args)
@@ -168,6 +169,7 @@ def test_no_device_time_gives_no_rates():
         finished_at="b",
         num_shards=0,
         num_shards_run=0,
+        quantization=None,
     )
     assert led.throughput_tokens_per_s is None and led.latency_p50_s is None
 
