@@ -117,6 +117,10 @@ BAD_REQUESTS = [
     ),
     (
         {**CHAT, "body": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}},
+        r"body.messages\[0\].content: image parts are not supported in batch files yet",
+    ),
+    (
+        {**CHAT, "body": {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}},
         r"body.messages\[0\].content: only text parts",
     ),
     (CHAT, "duplicate custom_id"),
