@@ -186,9 +186,11 @@ def test_a_two_worker_cluster_gets_two_shards_and_both_compute(
     ledger = state.result()
     assert ledger.num_shards == 2
     lines = _logs(state.state_details.flow_run_id, r"on worker (\S+)", 2)
-    # Each shard needs the one engine slot each worker offers: one shard per worker.
+    # Each shard needs the one engine slot a worker offers, so the two never run on one
+    # worker at once (test_placement.py); but shards this short can finish before the
+    # second is placed, and a free worker may then take both in turn. What the flow
+    # guarantees here is two shards, each computed on a worker's share of the cores.
     assert len(lines) == 2, lines
-    assert len({re.search(r"on worker (\S+)", line).group(1) for line in lines}) == 2, lines
     # the machine's cores shared between the two workers on it
     cores = len(os.sched_getaffinity(0))
     threads = {int(re.search(r"compute threads: (\d+)", line).group(1)) for line in lines}
