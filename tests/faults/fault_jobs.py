@@ -324,7 +324,7 @@ def kill_spec(kind: str, rng: random.Random, *, num_pending: int, num_shards: in
     """The fault spec of one kill of `kind`, with a call number the run will reach."""
     limits = {
         "planning": NUM_ROWS // PLAN_WINDOW_ROWS,
-        "mid-shard": min(12, 2 * num_pending),  # a shard takes >= 2 steps
+        "mid-shard": min(12, num_pending),  # a shard takes >= 1 step (an encoder batch: 1)
         "part write": num_pending,
         "stats write": num_pending,
         "plan write": num_shards,
