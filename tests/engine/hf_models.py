@@ -238,3 +238,39 @@ def run_all(engine, prompts, params) -> list:
         for out in engine.step():
             outputs[out.request_id] = out
     return [outputs[str(i)] for i in range(len(prompts))]
+
+
+def run_token_prompts_as_job(
+    model_dir: Path, prompts: list[list[int]], out: Path
+) -> list[list[dict]]:
+    """Run token prompts through `run_job` as a raw-text Parquet job (a character
+    tokenizer: each row's text is its tokens), 8 tokens each with ignore_eos and 3
+    log-probs, in a small chunked cache; returns each row's result in prompt order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tokenmill.engine.loader.tokenizer import Tokenizer
+    from tokenmill.pipelines.job import run_job
+    from tokenmill.pipelines.output import read_results
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    texts = [tokenizer.decode(p) for p in prompts]
+    assert [tokenizer.encode(t) for t in texts] == prompts
+    source = out.with_name(out.name + "-in.parquet")
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(texts))], "text": texts}), source)
+    run_job(
+        str(source),
+        str(out),
+        model=str(model_dir),
+        prompt_column="text",
+        id_column="id",
+        raw=True,
+        max_tokens=8,
+        ignore_eos=True,
+        logprobs=3,
+        dtype="float32",
+        engine_options={"kv_cache_memory": 8 << 20, "block_size": 4, "max_num_batched_tokens": 16},
+    )
+    rows = {r["id"]: r for r in read_results(str(out)).to_pylist()}
+    assert len(rows) == len(prompts)
+    return [rows[f"r{i}"] for i in range(len(prompts))]

@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import random
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
-from hf_models import build_hf_model, make_engine, reset_rotary, run_all, save_char_tokenizer
+from hf_models import (
+    build_hf_model,
+    make_engine,
+    reset_rotary,
+    run_all,
+    run_token_prompts_as_job,
+    save_char_tokenizer,
+)
 
 from tokenmill.engine.api.llm import LLM
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.models import load_config
 from tokenmill.engine.models.moe import Experts, MoeConfig
 from tokenmill.engine.types.sampling_params import SamplingParams
-from tokenmill.pipelines.job import run_job
-from tokenmill.pipelines.output import read_results
 
 ROUTER_TIE = 1e-4
 ATOL = 2e-4
@@ -193,28 +196,9 @@ def test_moe_matches_transformers_through_a_job(name, tmp_path):
     hf = case_model(name, model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     prompts = prompts_for(seed=7)
-    texts = [tokenizer.decode(p) for p in prompts]
-    assert [tokenizer.encode(t) for t in texts] == prompts
-    source = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(texts))], "text": texts}), source)
-    run_job(
-        str(source),
-        str(tmp_path / "out"),
-        model=str(model_dir),
-        prompt_column="text",
-        id_column="id",
-        raw=True,
-        max_tokens=8,
-        ignore_eos=True,
-        logprobs=3,
-        dtype="float32",
-        engine_options={"kv_cache_memory": 8 << 20, "block_size": 4, "max_num_batched_tokens": 16},
-    )
-    rows = {r["id"]: r for r in read_results(str(tmp_path / "out")).to_pylist()}
-    assert len(rows) == len(prompts)
+    results = run_token_prompts_as_job(model_dir, prompts, tmp_path / "out")
     compared = Compared()
-    for i, prompt in enumerate(prompts):
-        row = rows[f"r{i}"]
+    for prompt, row in zip(prompts, results):
         generated = tokenizer.encode(row["output"])
         assert len(generated) == 8 and row["finish_reason"] == "length"
         entries = [{t: e["logprob"]} for t, e in zip(generated, row["logprobs"])]

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import random
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from hf_models import (
     assert_matches_full_forward,
     build_hf_model,
     hf_full_logprobs,
+    run_token_prompts_as_job,
     save_char_tokenizer,
 )
 
@@ -24,8 +23,6 @@ from tokenmill.engine.api.llm import LLM
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.models import load_config, parse_config
 from tokenmill.engine.types.sampling_params import SamplingParams
-from tokenmill.pipelines.job import run_job
-from tokenmill.pipelines.output import read_results
 
 HEAD_DIM = 16  # SMALL's 64 hidden / 4 heads
 # The original context every scaling here extends: prompts and completions cross it.
@@ -185,26 +182,8 @@ def test_rope_scaling_matches_transformers_through_a_job(name, tmp_path):
     hf = case_model(name, model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     prompts = crossing_prompts(seed=7)
-    texts = [tokenizer.decode(p) for p in prompts]
-    assert [tokenizer.encode(t) for t in texts] == prompts
-    source = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"id": [f"r{i}" for i in range(len(texts))], "text": texts}), source)
-    run_job(
-        str(source),
-        str(tmp_path / "out"),
-        model=str(model_dir),
-        prompt_column="text",
-        id_column="id",
-        raw=True,
-        max_tokens=8,
-        ignore_eos=True,
-        logprobs=3,
-        dtype="float32",
-        engine_options={"kv_cache_memory": 8 << 20, "block_size": 4, "max_num_batched_tokens": 16},
-    )
-    rows = {r["id"]: r for r in read_results(str(tmp_path / "out")).to_pylist()}
-    for i, prompt in enumerate(prompts):
-        row = rows[f"r{i}"]
+    results = run_token_prompts_as_job(model_dir, prompts, tmp_path / "out")
+    for prompt, row in zip(prompts, results):
         generated = tokenizer.encode(row["output"])
         assert len(generated) == 8 and row["finish_reason"] == "length"
         reference = hf_full_logprobs(hf, prompt + generated)
