@@ -91,12 +91,26 @@ class FileDeleted(BaseModel):
     deleted: bool
 
 
-class FileList(BaseModel):
+class CursorPage(BaseModel):
+    """A page of a cursor-paginated list: the client's next `after` is `last_id`."""
+
     object: Literal["list"] = "list"
-    data: list[FileObject]
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool
+
+    @classmethod
+    def of(cls, data: list, has_more: bool):
+        return cls(
+            data=data,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+            has_more=has_more,
+        )
+
+
+class FileList(CursorPage):
+    data: list[FileObject]
 
 
 class RequestCounts(BaseModel):
@@ -158,12 +172,8 @@ class Batch(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-class BatchList(BaseModel):
-    object: Literal["list"] = "list"
+class BatchList(CursorPage):
     data: list[Batch]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool
 
 
 class Model(BaseModel):

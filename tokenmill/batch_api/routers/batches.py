@@ -127,13 +127,7 @@ def list_batches(
     state: ServerState = Depends(server_state),
 ) -> BatchList:
     rows, more = state.db.list_batches(owner, after=after, limit=limit)
-    data = [batch_object(r) for r in rows]
-    return BatchList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=more,
-    )
+    return BatchList.of([batch_object(r) for r in rows], more)
 
 
 @router.get("/{batch_id}", response_model=Batch)

@@ -111,13 +111,7 @@ def list_files(
     state: ServerState = Depends(server_state),
 ) -> FileList:
     rows, more = state.db.list_files(owner, purpose=purpose, after=after, limit=limit, order=order)
-    data = [file_object(r) for r in rows]
-    return FileList(
-        data=data,
-        first_id=data[0].id if data else None,
-        last_id=data[-1].id if data else None,
-        has_more=more,
-    )
+    return FileList.of([file_object(r) for r in rows], more)
 
 
 @router.get("/{file_id}", response_model=FileObject)
