@@ -45,6 +45,12 @@ class ShardStats:
     started_at: str  # ISO 8601, UTC
     finished_at: str
     latencies: list[float] = field(default_factory=list)  # seconds, one per served request
+    # Row and token counts of the part, so progress can be read from the stats alone
+    # while a job runs (the ledger itself is summed from the parts' rows).
+    rows_failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_rows < 0 or self.device_seconds < 0:

@@ -210,6 +210,7 @@ def _publish(
 ) -> ShardResult:
     """Write a shard's stats and part; the ShardResult."""
     spec = plan.spec
+    sums = token_sums(table)
     stats = ShardStats(
         shard_id=shard.shard_id,
         num_rows=table.num_rows,
@@ -218,6 +219,10 @@ def _publish(
         started_at=started_at,
         finished_at=now_iso(),
         latencies=request_latencies,
+        rows_failed=sums["rows_failed"],
+        prompt_tokens=sums["prompt_tokens"],
+        cached_tokens=sums["cached_tokens"],
+        completion_tokens=sums["completion_tokens"],
     )
     try:
         out.write_shard(
@@ -227,7 +232,6 @@ def _publish(
         # Another worker published this shard first; its part stands, ours is dropped.
         log.info("shard %s was completed elsewhere meanwhile; keeping that part", shard.shard_id)
         return ShardResult(shard.shard_id, skipped=True, num_rows=shard.num_rows)
-    sums = token_sums(table)
     result = ShardResult(
         shard.shard_id,
         skipped=False,

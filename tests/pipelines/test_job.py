@@ -20,7 +20,13 @@ from tokenmill.pipelines.job import (
     run_job,
     run_shard,
 )
-from tokenmill.pipelines.output import read_ledger, read_ledger_dataset, read_results
+from tokenmill.pipelines.output import (
+    completed_shards,
+    read_ledger,
+    read_ledger_dataset,
+    read_results,
+    read_shard_stats,
+)
 from tokenmill.pipelines.spec import JobSpec
 from tokenmill.pipelines.spill import shard_rows
 
@@ -367,6 +373,21 @@ def test_non_string_prompt_column_gives_row_errors(tmp_path, fake_llm):
     # numbers are fine inside a template
     ledger = run_job(str(src), str(tmp_path / "out2"), llm=fake_llm, template="Count to {n}")
     assert ledger.rows_ok == 3
+
+
+def test_shard_stats_carry_the_parts_row_and_token_counts(tmp_path, fake_llm):
+    """Progress read from the stats alone (the Batch API's Prefect runner does) counts
+    error rows as failed, not completed, and the tokens the ledger will bill."""
+    src = _write_input(tmp_path / "in.parquet")
+    out = str(tmp_path / "out")
+    ledger = run_job(src, out, llm=fake_llm, max_tokens=8, shard_tokens=60)
+    stats = read_shard_stats(out, sorted(completed_shards(out)))
+    assert len(stats) > 1 and ledger.rows_failed > 0
+    assert sum(s.rows_failed for s in stats) == ledger.rows_failed
+    assert sum(s.num_rows - s.rows_failed for s in stats) == ledger.rows_ok
+    assert sum(s.prompt_tokens for s in stats) == ledger.prompt_tokens
+    assert sum(s.cached_tokens for s in stats) == ledger.cached_tokens
+    assert sum(s.completion_tokens for s in stats) == ledger.completion_tokens > 0
 
 
 def test_non_string_prompts_mixed_into_jsonl_give_row_errors(tmp_path, fake_llm):

@@ -105,11 +105,18 @@ class PrefectRunner(Runner):
         return False
 
     def _count(self, active: Active) -> None:
-        """Rows finished so far, from the parts the run has published."""
+        """Rows and tokens finished so far, from the stats of the parts the run published."""
         spec = job_spec(self.state, active.batch)
         done = out.completed_shards(spec.output, spec.storage_options)
         stats = out.read_shard_stats(spec.output, sorted(done), spec.storage_options)
-        self.state.db.update_batch(active.id, completed=sum(s.num_rows for s in stats))
+        self.state.db.update_batch(
+            active.id,
+            completed=sum(s.num_rows - s.rows_failed for s in stats),
+            failed=sum(s.rows_failed for s in stats),
+            input_tokens=sum(s.prompt_tokens for s in stats),
+            cached_tokens=sum(s.cached_tokens for s in stats),
+            output_tokens=sum(s.completion_tokens for s in stats),
+        )
 
     def _stop(self, active: Active) -> None:
         """Answer what the run did not finish, then finalize, here."""
