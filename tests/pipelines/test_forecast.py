@@ -156,23 +156,29 @@ def test_the_estimates_hold_to_the_run(tmp_path, tiny_model_dir):
     """A fixed job whose every row runs to max_tokens (ignore_eos), forecast and then run
     on a fresh engine: the completion-token estimate is the ledger's exactly, so an
     estimator off on completions by any factor fails; the seconds estimate is within
-    [1/3, 3]x of the ledger's device_seconds, wide enough for a loaded 2-core machine
-    (where the ratio wanders between about 0.5 and 2), so it catches a time model wrong
-    by a large factor (a lost term, a wrong unit), not a small one."""
+    [1/3, 3]x of the ledger's device_seconds, so it catches a time model wrong by a large
+    factor (a lost term, a wrong unit), not a small one. The forecast calibrates on the
+    machine as it is during the dry run; on a shared 2-core machine the load can change by
+    more than 3x before the run (one run here: 4.0x), so the pair is tried up to three
+    times - a time model wrong by a large factor is wrong on every try."""
     src = _write(tmp_path / "in.parquet", _varied_prompts(84, seed=7))
-    out = str(tmp_path / "out")
     options = {"max_tokens": 12, "ignore_eos": True, "shard_tokens": 1500}
-    forecast = run_job(src, out, llm=_llm(tiny_model_dir), dry_run=True, **options)
-    ledger = run_job(src, out, llm=_llm(tiny_model_dir), **options)
-    assert forecast.rows_computed == 84 - forecast.rows_deduplicated == 72
-    assert ledger.completion_tokens == 72 * 12
-    assert forecast.completion_tokens_estimate == ledger.completion_tokens
-    ratio = forecast.seconds_estimate / ledger.device_seconds
-    print(
-        f"\nseconds: forecast {forecast.seconds_estimate:.3f}, run {ledger.device_seconds:.3f}"
-        f" ({ratio:.2f}x)"
-    )
-    assert 1 / 3 <= ratio <= 3
+    ratios = []
+    for attempt in range(3):
+        out = str(tmp_path / f"out-{attempt}")
+        forecast = run_job(src, out, llm=_llm(tiny_model_dir), dry_run=True, **options)
+        ledger = run_job(src, out, llm=_llm(tiny_model_dir), **options)
+        assert forecast.rows_computed == 84 - forecast.rows_deduplicated == 72
+        assert ledger.completion_tokens == 72 * 12
+        assert forecast.completion_tokens_estimate == ledger.completion_tokens
+        ratios.append(forecast.seconds_estimate / ledger.device_seconds)
+        print(
+            f"\nseconds: forecast {forecast.seconds_estimate:.3f}, "
+            f"run {ledger.device_seconds:.3f} ({ratios[-1]:.2f}x)"
+        )
+        if 1 / 3 <= ratios[-1] <= 3:
+            return
+    pytest.fail(f"seconds estimate / run outside [1/3, 3] on every try: {ratios}")
 
 
 def test_calibration_leaves_the_engine_cold_for_the_run(tmp_path, tiny_model_dir):
