@@ -109,7 +109,7 @@ def to_decoded(image, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> DecodedI
 
 
 # Pillow's resampling filters by the number transformers writes (PILImageResampling).
-_RESAMPLE_NAMES = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
+RESAMPLE_NAMES = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class ImageProcessor:
         if set(size) != {"height", "width"}:
             raise ValueError(f"preprocessor_config.json size {size} is not a fixed height/width")
         resample = int(raw.get("resample", 2))
-        if resample not in _RESAMPLE_NAMES:
+        if resample not in RESAMPLE_NAMES:
             raise ValueError(f"preprocessor_config.json resample {resample} is not a PIL filter")
         return cls(
             height=int(size["height"]),
@@ -169,7 +169,7 @@ class ImageProcessor:
         """-> the image resized as the processor resizes it, [height, width, 3] uint8."""
         pixels = image.pixels
         if self.do_resize and pixels.shape[:2] != (self.height, self.width):
-            resample = getattr(Image.Resampling, _RESAMPLE_NAMES[self.resample])
+            resample = getattr(Image.Resampling, RESAMPLE_NAMES[self.resample])
             resized = Image.fromarray(pixels).resize((self.width, self.height), resample=resample)
             pixels = np.asarray(resized)
         if not pixels.flags.writeable:  # the decoded image's own buffer: keep it intact
@@ -177,13 +177,19 @@ class ImageProcessor:
         return torch.from_numpy(np.ascontiguousarray(pixels))
 
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[height, width, 3] uint8 -> [3, height, width] float32: rescaled as transformers
-        rescales (in float64, rounded to float32), normalised per channel in float32."""
-        values = pixels.float()
-        if self.do_rescale:
-            values = (pixels.double() * self.rescale_factor).float()
-        if self.do_normalize:
-            mean = torch.tensor(self.image_mean, dtype=torch.float32)
-            std = torch.tensor(self.image_std, dtype=torch.float32)
-            values = (values - mean) / std
-        return values.permute(2, 0, 1).contiguous()
+        """[height, width, 3] uint8 -> [3, height, width] float32 (`normalize_pixels`)."""
+        return normalize_pixels(pixels, self)
+
+
+def normalize_pixels(pixels: torch.Tensor, settings) -> torch.Tensor:
+    """[height, width, 3] uint8 -> [3, height, width] float32: rescaled as transformers
+    rescales (in float64, rounded to float32), normalised per channel in float32.
+    `settings` carries do_rescale, rescale_factor, do_normalize, image_mean, image_std."""
+    values = pixels.float()
+    if settings.do_rescale:
+        values = (pixels.double() * settings.rescale_factor).float()
+    if settings.do_normalize:
+        mean = torch.tensor(settings.image_mean, dtype=torch.float32)
+        std = torch.tensor(settings.image_std, dtype=torch.float32)
+        values = (values - mean) / std
+    return values.permute(2, 0, 1).contiguous()
