@@ -57,7 +57,17 @@ from tokenmill.engine.models.registry import (
 
 # Modules of this package that are not architectures.
 _NOT_ARCHITECTURES = frozenset(
-    {"attention", "config", "config_fields", "layers", "moe", "registry", "rope", "siglip"}
+    {
+        "attention",
+        "config",
+        "config_fields",
+        "layers",
+        "moe",
+        "qwen2_5_vision",
+        "registry",
+        "rope",
+        "siglip",
+    }
 )
 
 for _module in pkgutil.iter_modules(__path__):
