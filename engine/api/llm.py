@@ -20,6 +20,7 @@ from tokenmill.engine.api.image_prompts import (
 )
 from tokenmill.engine.api.plan import Plan, loaded_or_not, plan_requests
 from tokenmill.engine.api.pooling_llm import PoolingMethods
+from tokenmill.engine.api.qwen_image_prompts import QwenImagePrompts
 from tokenmill.engine.api.request_loop import per_prompt, run_to_completion
 from tokenmill.engine.core.encoder_engine import EncoderEngine
 from tokenmill.engine.core.llm_engine import LLMEngine
@@ -280,7 +281,9 @@ class LLM(PoolingMethods):
 
     def _image_prompts_of_model(self) -> ImagePrompts:
         if self._image_prompts is None:
-            self._image_prompts = ImagePrompts(self.model_dir, self.model_config, self.tokenizer)
+            # A model with 3D positions (Qwen2.5-VL) takes images at their own sizes.
+            kind = QwenImagePrompts if hasattr(self.model_config, "mrope_section") else ImagePrompts
+            self._image_prompts = kind(self.model_dir, self.model_config, self.tokenizer)
         return self._image_prompts
 
     def _prepare_image_prompts(self, prompts: list, allow_special_tokens: bool) -> list:

@@ -1,8 +1,9 @@
 """Images in a sequence's prompt, as the loop sees them: where each one's soft tokens sit,
 and the two rules they impose.
 
-- A prefill chunk never ends inside an image: an image's tokens attend to each other
-  bidirectionally, so all of those still to compute run in one step (`fit_chunk`).
+- A prefill chunk never ends inside an image whose tokens attend to each other
+  bidirectionally (Gemma 3's): all of those still to compute run in one step
+  (`fit_chunk`). A causal model's image (Qwen2.5-VL's) may be split like text.
 - A KV block holding (part of) an image is identified by the image's content hash as well
   as by its token ids, which are the same placeholder id for every image
   (`block_image_key`); the block hash chain carries it to every later block, so the same
@@ -28,10 +29,16 @@ class ImageSpan:
     # held while the request waits), and what makes the tower's input of it.
     pixels: torch.Tensor
     prepare: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Whether its tokens see each other both ways (Gemma 3) or causally, as text (Qwen2.5-VL).
+    bidirectional: bool = True
+    # For a model with 3D rotary positions (M-RoPE, core/mrope.py): its tokens' rows and
+    # columns (rows * columns == length); None for a model with 1D positions.
+    grid: tuple[int, int] | None = None
 
     @property
     def pixel_values(self) -> torch.Tensor:
-        """[3, height, width] float32, as the model's image processor makes them."""
+        """What the tower takes of it, as the model's image processor makes it: [3, height,
+        width] float32 for a fixed-size tower, flattened patches for Qwen2.5-VL's."""
         return self.pixels if self.prepare is None else self.prepare(self.pixels)
 
     @property
@@ -41,10 +48,10 @@ class ImageSpan:
 
 def fit_chunk(images: Sequence[ImageSpan], start: int, num_tokens: int) -> int:
     """The most tokens, at most num_tokens, a chunk from `start` may take without ending
-    inside an image (0: the image it starts in does not fit)."""
+    inside a bidirectional image (0: the image it starts in does not fit)."""
     end = start + num_tokens
     for image in images:
-        if image.offset < end < image.end:
+        if image.bidirectional and image.offset < end < image.end:
             return max(0, image.offset - start)
     return num_tokens
 
@@ -66,7 +73,9 @@ def check_spans(images: Sequence[ImageSpan], num_tokens: int, max_chunk: int) ->
     for image in images:
         if image.offset < previous_end or image.end > num_tokens:
             return "image spans overlap or run past the prompt"
-        if image.length > max_chunk:
+        if image.grid is not None and image.grid[0] * image.grid[1] != image.length:
+            return "an image's grid does not hold its tokens"
+        if image.bidirectional and image.length > max_chunk:
             return (
                 f"an image takes {image.length} tokens, more than max_num_batched_tokens "
                 f"({max_chunk}); an image's tokens are computed in one step"

@@ -108,8 +108,11 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, cos, sin, meta: StepAttention) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+    def forward(self, input_ids, cos, sin, meta: StepAttention, embeddings=None) -> torch.Tensor:
+        """embeddings: the first layer's input when the caller made it (a vision model's
+        image tokens placed in it); else the token embeddings."""
+        hidden = self.embed_tokens(input_ids) if embeddings is None else embeddings
+        residual = None  # hidden: [num_tokens, hidden]
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, meta)
         return self.norm(hidden, residual)[0]

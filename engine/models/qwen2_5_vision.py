@@ -152,14 +152,23 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
+    # Named apart from the text model's gate_proj / up_proj, which the loader fuses
+    # (`tower_name` maps transformers' names here).
     def __init__(self, config: QwenVisionConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.gate = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.up = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def tower_name(name: str) -> str:
+    """A tensor name of transformers' tower (after its `visual.` prefix) -> ours."""
+    for theirs, ours in ((".mlp.gate_proj.", ".mlp.gate."), (".mlp.up_proj.", ".mlp.up.")):
+        name = name.replace(theirs, ours)
+    return name.replace(".mlp.down_proj.", ".mlp.down.")
 
 
 class VisionBlock(nn.Module):
@@ -253,12 +262,6 @@ class QwenVisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config)
         self.full_attention = frozenset(config.fullatt_block_indexes)
-        rotary_dim = config.head_dim // 2  # each of the two axes rotates half a head
-        self.register_buffer(
-            "inv_freq",
-            1.0 / config.rope_theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim),
-            persistent=False,
-        )
 
     def forward(self, patches: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         """patches [num_patches, C * T * P * P] of images of these grids, one after
@@ -271,11 +274,12 @@ class QwenVisionTower(nn.Module):
         unit = self.config.merge_unit
         x = self.patch_embed(patches)
         x = x.view(-1, unit, x.shape[-1])[layout.window_order].view(-1, x.shape[-1])
+        # Made here, not kept as a buffer: the loader skips initialising what it fills.
+        rotary_dim = self.config.head_dim // 2  # each of the two axes rotates half a head
+        exponents = torch.arange(0, rotary_dim, 2, device=patches.device).float() / rotary_dim
+        inv_freq = 1.0 / self.config.rope_theta**exponents
         freqs = torch.cat(
-            (
-                layout.rows[:, None].float() * self.inv_freq,
-                layout.columns[:, None].float() * self.inv_freq,
-            ),
+            (layout.rows[:, None].float() * inv_freq, layout.columns[:, None].float() * inv_freq),
             dim=-1,
         )
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # broadcast over heads

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.core.grammar import TokenBitmask
+from tokenmill.engine.core.mrope import mrope_positions
 from tokenmill.engine.core.step import (
     PendingStep,
     SamplerOutput,
@@ -99,13 +100,22 @@ class ModelRunner:
         )
         # A model with a vision tower: the step's image tokens and their attention.
         self.vision: VisionInputs | None = None
-        if hasattr(model, "encode_images"):
+        if hasattr(model, "encode_images") or hasattr(model, "encode_image_list"):
             self.vision = VisionInputs(
                 model, block_size=block_size, device=device, dtype=dtype, pair_layout=False
             )
             self._track_cache_layout()
         self.decode_graphs = None
         cuda_graphs = engine_config.cuda_graphs
+        # 3D positions (M-RoPE, core/mrope.py) are computed per step on the host; the
+        # captured decode graphs take 1D positions, so such a model decodes eagerly.
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        if self.uses_mrope and cuda_graphs:
+            raise ValueError(
+                f"cuda_graphs is not supported for {config.architecture} (3D rotary positions)"
+            )
+        if self.uses_mrope:
+            cuda_graphs = False
         if cuda_graphs or (cuda_graphs is None and self.attention.supports_cuda_graphs):
             if not self.attention.supports_cuda_graphs:
                 raise ValueError("cuda_graphs needs a CUDA device with Triton installed")
@@ -206,7 +216,9 @@ class ModelRunner:
                     if with_images:  # the tower runs here: its time is the forward's
                         meta, images = self.vision.step(out, meta)
                     meta = profiler.attention(meta)
-                    hidden = self.forward_model(input_ids, positions, meta, images, rope_variants)
+                    hidden = self.forward_model(
+                        input_ids, positions, meta, images, rope_variants, self.mrope_positions(out)
+                    )
         finally:
             self.lora.end_step()
         with profiler.stage("logits"):
@@ -293,14 +305,31 @@ class ModelRunner:
         meta: StepAttention,
         images: StepImages | None = None,
         rope_variants: torch.Tensor | None = None,
+        mrope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The model over a flat batch: input_ids, positions [num_tokens] -> hidden states
         (images: the step's image soft tokens, for a model with a vision tower;
-        rope_variants: see `rope_variants`)."""
+        rope_variants: see `rope_variants`; mrope_positions: see `mrope_positions`)."""
         extra = {} if rope_variants is None else {"rope_variants": rope_variants}
+        if mrope_positions is not None:
+            extra["mrope_positions"] = mrope_positions
         if images is None:
             return self.model(input_ids, positions, meta, **extra)
         return self.model(input_ids, positions, meta, images, **extra)
+
+    def mrope_positions(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """[3, num_tokens] each token's (time, row, column) positions in step_tokens'
+        order (decodes first), for a model with M-RoPE; else None. They follow from
+        each token's index and its sequence's images (core/mrope.py), so a decode step,
+        a recomputed prompt and a prefix-cache hit all place them alike."""
+        if not self.uses_mrope:
+            return None
+        parts = []
+        for chunk in out.decodes + out.prefills:
+            seq = chunk.seq
+            start = seq.num_computed_tokens
+            parts.append(mrope_positions(seq.images, start, start + chunk.num_new_tokens))
+        return upload(np.concatenate(parts, axis=1), self.device)
 
     def rope_variants(self, out: SchedulerOutput) -> torch.Tensor | None:
         """[num_tokens] each token's sequence's rope variant, in step_tokens' order

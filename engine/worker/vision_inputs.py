@@ -1,6 +1,8 @@
 """A step's images, for a model with a vision tower: which rows of the flat batch are
-image soft tokens and what replaces their embeddings, and the attention that lets an
-image's tokens see each other (attention/image_spans.py).
+image soft tokens and what replaces their embeddings, and - for a model whose image
+tokens see each other both ways (Gemma 3) - the attention that lets them
+(attention/image_spans.py). A causal model's image (Qwen2.5-VL) may be split across
+chunks: each chunk takes the slice of its tokens it computes.
 
 The tower runs once per step over the images the step needs that are not already
 encoded, batched (in groups of `max_images_per_batch`). Encoded images are kept by
@@ -53,8 +55,9 @@ class VisionInputs:
         """(the attention the step's layers use, its image tokens) - the meta and None
         when no chunk of the step computes an image token."""
         # Rows as the runner flattens them (ModelRunner.step_tokens): decodes, then prefills.
-        # (row of the image's first token this step, soft tokens already computed, image)
-        placed: list[tuple[int, int, object]] = []
+        # (row of the image's first token this step, its tokens computed before this
+        # step, its tokens this step computes, image)
+        placed: list[tuple[int, int, int, object]] = []
         spans: list[ImageRows] = []
         row = 0
         for chunk in [*out.decodes, *out.prefills]:
@@ -64,9 +67,13 @@ class VisionInputs:
             for image in seq.images:
                 if image.end <= start or image.offset >= end:
                     continue
+                first = max(image.offset, start)
+                last = min(image.end, end)
+                placed.append((row + first - start, first - image.offset, last - first, image))
+                if not image.bidirectional:  # attended causally, as text: no second pass
+                    continue
                 if image.end > end:
                     raise RuntimeError("a prefill chunk ends inside an image")
-                first = max(image.offset, start)
                 blocks = None
                 if start:
                     ids = seq.block_table[: -(-start // self.block_size)]
@@ -83,20 +90,20 @@ class VisionInputs:
                         context_blocks=blocks,
                     )
                 )
-                placed.append((row + first - start, first - image.offset, image))
             row += chunk.num_new_tokens
-        if not spans:
+        if not placed:
             return meta, None
-        self._encode([image for _, _, image in placed])
+        self._encode([image for *_, image in placed])
         rows, embeddings = [], []
-        for first_row, skip, image in placed:
-            tokens = self._encoded[image.content_hash][skip:]
-            rows.append(np.arange(first_row, first_row + len(tokens)))
-            embeddings.append(tokens)
+        for first_row, skip, count, image in placed:
+            rows.append(np.arange(first_row, first_row + count))
+            embeddings.append(self._encoded[image.content_hash][skip : skip + count])
         images = StepImages(
             rows=upload(np.concatenate(rows), self.device), embeddings=torch.cat(embeddings)
         )
-        return ImageSpanAttention(meta, spans, self.pair_layout), images
+        if spans:
+            meta = ImageSpanAttention(meta, spans, self.pair_layout)
+        return meta, images
 
     def _encode(self, images: list) -> None:
         """Run the tower over those of `images` not already encoded, as one batch."""
@@ -109,8 +116,14 @@ class VisionInputs:
         pending = list(todo.items())
         for first in range(0, len(pending), self.max_images_per_batch):
             group = pending[first : first + self.max_images_per_batch]
-            pixels = torch.stack([image.pixel_values for _, image in group])
-            encoded = self.model.encode_images(pixels.to(self.device, self.dtype))
+            if hasattr(self.model, "encode_image_list"):  # images of their own sizes
+                encoded = self.model.encode_image_list(
+                    [image.pixel_values.to(self.device) for _, image in group],
+                    [image.grid for _, image in group],
+                )
+            else:
+                pixels = torch.stack([image.pixel_values for _, image in group])
+                encoded = self.model.encode_images(pixels.to(self.device, self.dtype))
             self.num_images_encoded += len(group)
             for (content_hash, _), tokens in zip(group, encoded):
                 self._encoded[content_hash] = tokens

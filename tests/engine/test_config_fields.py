@@ -79,7 +79,11 @@ def transformers_config(name: str) -> dict:
     is_encoder = architecture_of({"architectures": [name]}).is_encoder
     if "text_config" in getattr(config_class, "sub_configs", {}):  # a vision-language model
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
-        raw = config_class(text_config=DECODER_SHAPE, vision_config=vision).to_dict()
+        text = DECODER_SHAPE
+        if name == "Qwen2_5_VLForConditionalGeneration":  # M-RoPE bands fit head_dim 8
+            vision = dict(hidden_size=32, intermediate_size=64, depth=1, out_hidden_size=32)
+            text = {**text, "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2]}}
+        raw = config_class(text_config=text, vision_config=vision).to_dict()
     else:
         raw = config_class(**(ENCODER_SHAPE if is_encoder else DECODER_SHAPE)).to_dict()
     return {**raw, "architectures": [name]}

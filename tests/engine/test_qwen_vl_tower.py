@@ -16,6 +16,7 @@ from tokenmill.engine.models.qwen2_5_vision import (
     QwenVisionTower,
     num_image_tokens,
     tower_layout,
+    tower_name,
 )
 
 # Patches of 4 px merged 2 x 2; windows of 16 px = 2 x 2 merged tokens; blocks 1 and 3
@@ -50,7 +51,8 @@ def towers():
         for param in hf.parameters():
             param.normal_(0, 0.05 if param.dim() > 1 else 0.3)
     ours = QwenVisionTower(QwenVisionConfig(**{**VISION, "fullatt_block_indexes": (1, 3)})).eval()
-    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=True)
+    state = {tower_name(name): tensor for name, tensor in hf.state_dict().items()}
+    missing, unexpected = ours.load_state_dict(state, strict=True)
     assert not missing and not unexpected
     return hf, ours
 

@@ -1,0 +1,171 @@
+"""Prompts with images for Qwen2.5-VL, as its transformers processor makes them.
+
+An image's place in a prompt is one `<|image_pad|>` (usually between `<|vision_start|>`
+and `<|vision_end|>`, as the chat template writes it); the processor repeats it once per
+token the image becomes, which depends on the image's size (dynamic resolution:
+loader/qwen_images.py). A text prompt's markers are expanded before tokenizing, only
+those encoded as control tokens (any other special-token text stays data); a token-id
+prompt's image_pad ids are expanded in place, one image each, in order.
+
+The image's span is causal (bidirectional=False) and carries its token grid, from which
+the text model's 3D positions follow (core/mrope.py). A bad image, one of an aspect
+ratio the processor refuses, or a marker count that does not match the images makes
+that prompt an error, never a prompt run without its image.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenmill.engine.api.image_prompts import ImagePrompts, PreparedPrompt
+from tokenmill.engine.core.images import ImageSpan
+from tokenmill.engine.loader.images import DEFAULT_MAX_IMAGE_PIXELS, ImageError, to_decoded
+from tokenmill.engine.loader.qwen_images import DynamicImageProcessor
+from tokenmill.engine.loader.special_text import Spans
+from tokenmill.engine.loader.tokenizer import Tokenizer
+from tokenmill.engine.models import ModelConfig
+
+
+class QwenImagePrompts(ImagePrompts):
+    """ImagePrompts for a dynamic-resolution model (Qwen2.5-VL): one image_pad marker per
+    image, expanded to that image's token count."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: ModelConfig,
+        tokenizer: Tokenizer | None,
+        *,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> None:
+        self.processor = DynamicImageProcessor.from_dir(model_dir)
+        vision = config.vision
+        mine = (self.processor.patch_size, self.processor.merge_size)
+        if mine != (vision.patch_size, vision.spatial_merge_size) or (
+            self.processor.temporal_patch_size != vision.temporal_patch_size
+        ):
+            raise ValueError(
+                f"preprocessor_config.json cuts {self.processor.patch_size} px patches merged "
+                f"{self.processor.merge_size} x {self.processor.merge_size} over "
+                f"{self.processor.temporal_patch_size} frames; the vision tower takes "
+                f"{vision.patch_size} px merged {vision.spatial_merge_size} over "
+                f"{vision.temporal_patch_size}"
+            )
+        self.tokenizer = tokenizer
+        self.boi, self.eoi, self.image = (
+            config.vision_start_token_id,
+            config.vision_end_token_id,
+            config.image_token_id,
+        )
+        self.max_image_pixels = max_image_pixels
+
+    def prepare(self, prompt: dict, *, allow_special_tokens: bool = False) -> PreparedPrompt:
+        raw = (prompt.get("multi_modal_data") or {}).get("image", [])
+        raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
+        text = prompt.get("prompt")
+        if text is None:
+            return self._prepare(raw, ids=list(prompt["prompt_token_ids"]))
+        spans: Spans = ()
+        if not allow_special_tokens:  # the prompt is data, but for its image markers
+            markers = self._marker_strings()
+            spans = tuple(
+                (start, end)
+                for start, end in self._special_text().find(text)
+                if text[start:end] not in markers
+            )
+        return self._prepare(raw, text=text, data_spans=spans)
+
+    def _prepare(
+        self, raw: list, *, ids: list[int] | None = None, text: str | None = None, data_spans=()
+    ) -> PreparedPrompt:
+        try:
+            decoded = [to_decoded(i, max_pixels=self.max_image_pixels) for i in raw]
+            counts = [self.processor.num_tokens(*image.size) for image in decoded]
+        except ImageError as exc:
+            return PreparedPrompt([], text=text, error=f"image: {exc}")
+        if ids is None:
+            places = self._count_text_markers(text, data_spans)
+        else:
+            places = ids.count(self.image)
+        if places != len(decoded):
+            return PreparedPrompt(
+                ids or [],
+                text=text,
+                error=(
+                    f"the prompt places {places} image(s) (image_pad markers) "
+                    f"but {len(decoded)} were given"
+                ),
+            )
+        if ids is None:
+            ids = self._encode_expanded(text, data_spans, counts)
+        else:
+            ids = self._expand(ids, counts)
+        offsets = [
+            i
+            for i, token in enumerate(ids)
+            if token == self.image and (i == 0 or ids[i - 1] != self.image)
+        ]
+        if [self._run_length(ids, o) for o in offsets] != counts:
+            return PreparedPrompt(
+                ids, text=text, error="the prompt holds image tokens outside an image's place"
+            )
+        m = self.processor.merge_size
+        images = []
+        for offset, count, image in zip(offsets, counts, decoded):
+            _, rows, columns = self.processor.grid(*image.size)
+            images.append(
+                ImageSpan(
+                    offset,
+                    count,
+                    image.content_hash,
+                    self.processor.resize(image),
+                    self.processor.patches,
+                    bidirectional=False,
+                    grid=(rows // m, columns // m),
+                )
+            )
+        return PreparedPrompt(ids, tuple(images), text)
+
+    def _run_length(self, ids: list[int], offset: int) -> int:
+        end = offset
+        while end < len(ids) and ids[end] == self.image:
+            end += 1
+        return end - offset
+
+    def _expand(self, ids: list[int], counts: list[int]) -> list[int]:
+        out: list[int] = []
+        remaining = iter(counts)
+        for token in ids:
+            out += [token] * next(remaining) if token == self.image else [token]
+        return out
+
+    def _markers_outside(self, text: str, data_spans: Spans) -> list[int]:
+        """Where the image_pad marker stands in text, outside the data spans."""
+        marker = self._marker_strings()[2]
+        found, at = [], text.find(marker)
+        while at != -1:
+            if not any(start <= at < end for start, end in data_spans):
+                found.append(at)
+            at = text.find(marker, at + len(marker))
+        return found
+
+    def _count_text_markers(self, text: str, data_spans: Spans) -> int:
+        return len(self._markers_outside(text, data_spans))
+
+    def _encode_expanded(self, text: str, data_spans: Spans, counts: list[int]) -> list[int]:
+        """Repeat each image_pad marker outside the data spans once per token of its
+        image, as transformers' processor does, then encode (the data spans moved with
+        the text)."""
+        marker = self._marker_strings()[2]
+        pieces, spans = [], []
+        data = sorted(data_spans)
+        last = shift = 0
+        for at, count in zip(self._markers_outside(text, data_spans), counts):
+            block = marker * count
+            pieces += [text[last:at], block]
+            spans += [(s + shift, e + shift) for s, e in data if last <= s < at]
+            shift += len(block) - len(marker)
+            last = at + len(marker)
+        pieces.append(text[last:])
+        spans += [(s + shift, e + shift) for s, e in data if s >= last]
+        return self.tokenizer.encode_batch(["".join(pieces)], data_spans=[tuple(spans)])[0]
