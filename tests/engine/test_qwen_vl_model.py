@@ -76,8 +76,10 @@ def vlm(tmp_path_factory):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "visual" in name:
-                if name.endswith("norm1.weight") or name.endswith("norm2.weight") or (
-                    "ln_q" in name
+                if (
+                    name.endswith("norm1.weight")
+                    or name.endswith("norm2.weight")
+                    or ("ln_q" in name)
                 ):
                     param.copy_(1 + 0.1 * torch.randn_like(param))
                 else:
@@ -88,8 +90,18 @@ def vlm(tmp_path_factory):
     return model, out
 
 
+_HF_RUNS: dict = {}  # (ids, images, num_tokens) -> transformers' answer, across settings
+
+
 def _hf_run(hf, ids, images, num_tokens):
     """Greedy continuation by full forward passes, and the prompt's log-softmax rows."""
+    key = (tuple(ids), tuple(images), num_tokens)
+    if key not in _HF_RUNS:
+        _HF_RUNS[key] = _hf_forward(hf, ids, images, num_tokens)
+    return _HF_RUNS[key]
+
+
+def _hf_forward(hf, ids, images, num_tokens):
     from PIL import Image
 
     pixels = grid = None
@@ -184,3 +196,199 @@ def test_image_prompts_match_transformers_through_llm(vlm, settings):
         assert out.outputs[0].token_ids == want_tokens
         got = torch.tensor([[entry[t] for t in range(VOCAB)] for entry in out.prompt_logprobs[1:]])
         torch.testing.assert_close(got, want_logprobs, atol=2e-3, rtol=0)
+
+
+def test_mrope_positions_equal_transformers_rope_index(vlm):
+    """core/mrope.py against transformers' get_rope_index: every token's three positions
+    and the delta decode steps continue from, over any range of the prompt (a chunk)."""
+    hf, _ = vlm
+    # Images of (rows, columns) tokens at their offsets; text around and between them.
+    layout = [("text", 3), ((3, 5), None), ("text", 2), ((4, 2), None), ("text", 4)]
+    ids, grids, images, index = [], [], [], 0
+    for kind, count in layout:
+        if kind == "text":
+            ids += [7] * count
+            index += count
+        else:
+            rows, columns = kind
+            ids += [IMAGE] * (rows * columns)
+            grids.append([1, rows * 2, columns * 2])
+            images.append(
+                ImageSpan(index, rows * columns, b"%d" % index, torch.empty(0), grid=kind)
+            )
+            index += rows * columns
+    input_ids = torch.tensor([ids])
+    want, want_delta = hf.model.get_rope_index(
+        input_ids, mm_token_type_ids=(input_ids == IMAGE).int(), image_grid_thw=torch.tensor(grids)
+    )
+    got = mrope_positions(images, 0, len(ids))
+    assert got.tolist() == want[:, 0].tolist()
+    assert mrope_delta(images) == int(want_delta) == (5 - 15) + (4 - 8)
+    for start, end in [(0, 5), (4, 20), (17, 30), (29, len(ids)), (len(ids), len(ids) + 3)]:
+        chunk = mrope_positions(images, start, end)
+        if end <= len(ids):
+            assert np.array_equal(chunk, got[:, start:end])
+        else:  # decode steps: index plus the delta on all three
+            assert chunk.tolist() == [list(range(start + mrope_delta(images), end - 14))] * 3
+
+
+def test_a_prefix_cache_hit_past_an_image_places_later_positions_right(vlm):
+    """The same image under the same prefix is served from the cache - the hit ends past
+    the image, so every later token's positions come from the delta the image left."""
+    hf, model_dir = vlm
+    llm = LLM(
+        str(model_dir), dtype="float32", device="cpu", block_size=4, enable_prefix_caching=True
+    )
+    image = png_bytes(40, 24, seed=5)  # 15 tokens: the delta is 5 - 15
+    head = _prompt([30, 31, 32, 33, 34, 35, 36], {2})
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm.generate(
+        {"prompt_token_ids": head + [40, 41], "multi_modal_data": {"image": image}}, params
+    )
+    before = llm.stats().cached_prompt_tokens
+    ids = head + [50, 51, 52, 53]
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, params)[0]
+    expanded = out.prompt_token_ids
+    # Blocks wholly inside the shared part (2 + 3 + 15 - 1 + 5 = 24 tokens) are served.
+    assert llm.stats().cached_prompt_tokens - before == 24
+    assert llm.engine.runner.vision.num_images_encoded == 1
+    assert out.outputs[0].token_ids == _hf_run(hf, expanded, [image], 5)[0]
+    # Another image of the same size under the same ids: only the blocks before it.
+    other = png_bytes(40, 24, seed=6)
+    before = llm.stats().cached_prompt_tokens
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": other}}, params)[0]
+    assert llm.stats().cached_prompt_tokens - before == 0  # image_pad sits at 3, in block 0
+    assert out.outputs[0].token_ids == _hf_run(hf, out.prompt_token_ids, [other], 5)[0]
+
+
+def test_preempted_image_prompts_recompute_to_the_same_answers(vlm):
+    """A cache too small for every sequence at once: image prompts are preempted and
+    recomputed with the same 3D positions (the tower's output reused by content hash)."""
+    _, model_dir = vlm
+    prompts = [
+        {
+            "prompt_token_ids": _prompt([20 + i, 21, 22, 23, 24, 25, 26, 27], {1}),
+            "multi_modal_data": {"image": png_bytes(40 + 8 * i, 24, seed=i)},
+        }
+        for i in range(4)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    roomy = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4)
+    # 2 layers x (k + v) x 2 kv heads x 16 values x 4 positions x 4 bytes = 2 KiB a block.
+    tight = LLM(
+        str(model_dir), dtype="float32", device="cpu", block_size=4, kv_cache_memory=24 * 2048
+    )
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    got = tight.generate(prompts, params)
+    assert tight.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert tight.engine.runner.vision.num_images_encoded == 4
+
+
+def test_text_prompts_on_the_vision_model_equal_transformers(vlm):
+    hf, model_dir = vlm
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4)
+    ids = [5, 9, 33, 2, 80, 14, 7]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=VOCAB)
+    out = llm.generate([ids], params)[0]
+    want_tokens, want_logprobs = _hf_run(hf, ids, [], 6)
+    assert out.outputs[0].token_ids == want_tokens and out.image_tokens == 0
+    got = torch.tensor([[entry[t] for t in range(VOCAB)] for entry in out.prompt_logprobs[1:]])
+    torch.testing.assert_close(got, want_logprobs, atol=2e-3, rtol=0)
+
+
+def test_text_and_chat_prompts_expand_markers_as_transformers_processor(vlm, tmp_path):
+    """A text prompt's <|image_pad|> and a chat's image_url part become the image's tokens
+    as transformers' Qwen2_5_VLProcessor expands them, tokenized by transformers over a
+    tokenizer whose markers are special tokens. (The processor itself cannot be built
+    here: its video processor needs torchvision. Its own `replace_image_token` is run on
+    the image processor's output, as its __call__ runs it.)"""
+    import json
+    import shutil
+    import types
+
+    from PIL import Image
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor
+
+    _, model_dir = vlm
+    for name in ("config.json", "model.safetensors", "preprocessor_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    markers = {"<|vision_start|>": VSTART, "<|vision_end|>": VEND, "<|image_pad|>": IMAGE}
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list(" .")
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({f"<unused{i}>": i for i in range(len(chars), VOCAB) if i not in markers.values()})
+    vocab.update(markers)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in markers])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+        "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
+        "{% endfor %}{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": None, "chat_template": template})
+    )
+    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    images = [png_bytes(44, 20, seed=1), png_bytes(17, 60, seed=2)]
+    text = "look <|vision_start|><|image_pad|><|vision_end|> and <|image_pad|> ok"
+    image_inputs = hf_processor()(
+        [Image.open(io.BytesIO(b)).convert("RGB") for b in images], return_tensors="pt"
+    )
+    processor = types.SimpleNamespace(image_processor=hf_processor(), image_token="<|image_pad|>")
+
+    def transformers_ids(prompt: str) -> list[int]:
+        pieces = prompt.split("<|image_pad|>")
+        expanded = pieces[0]
+        for index, piece in enumerate(pieces[1:]):  # as the processor: each marker in order
+            expanded += Qwen2_5_VLProcessor.replace_image_token(processor, image_inputs, index)
+            expanded += piece
+        return hf_tokenizer(expanded)["input_ids"]
+
+    want = transformers_ids(text)
+    assert want.count(IMAGE) == int(image_inputs["image_grid_thw"].prod(-1).sum()) // 4
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, params)[0]
+    assert out.error is None
+    assert out.prompt_token_ids == want
+    urls = ["data:image/png;base64," + base64.b64encode(b).decode() for b in images]
+    chat = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "look "},
+                {"type": "image_url", "image_url": {"url": urls[0]}},
+                {"type": "text", "text": " and "},
+                {"type": "image_url", "image_url": {"url": urls[1]}},
+            ],
+        }
+    ]
+    chatted = llm.chat([chat], params)[0]
+    assert chatted.error is None
+    rendered = "look <|vision_start|><|image_pad|><|vision_end|> and "
+    rendered += "<|vision_start|><|image_pad|><|vision_end|>"
+    assert chatted.prompt_token_ids == transformers_ids(rendered)
+    assert out.image_tokens == chatted.image_tokens == want.count(IMAGE)
+
+
+def test_bad_images_and_mismatched_markers_are_error_outputs_and_others_answered(vlm):
+    _, model_dir = vlm
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4)
+    good = png_bytes(30, 30, seed=3)
+    ids = _prompt(list(range(10, 20)), {1})
+    prompts = [
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": good[: len(good) // 2]}},
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": good}},
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": [good, good]}},
+        {"prompt_token_ids": [1, IMAGE, IMAGE, 2], "multi_modal_data": {"image": [good, good]}},
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": png_bytes(402, 2, seed=1)}},
+    ]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["error", "length", "error", "error", "error"]
+    assert "truncated or corrupt" in outs[0].error
+    assert "places 1 image(s)" in outs[2].error and "2 were given" in outs[2].error
+    assert "outside an image's place" in outs[3].error  # two images side by side
+    assert "aspect ratio over 200" in outs[4].error
