@@ -176,6 +176,12 @@ def build_runner(
                 f"quantization {quantization!r} is not supported for a model with a vision "
                 "tower yet; leave it unset"
             )
+    if hasattr(model_config, "mrope_section") and engine_config.cuda_graphs:
+        # Captured decode graphs take 1D positions; 3D ones are made per step.
+        raise ValueError(
+            f"cuda_graphs is not supported for {model_config.architecture} (3D rotary "
+            "positions); leave it unset"
+        )
     # Some backend must read the cache for this model here: said before any weight loads.
     select_backend(
         AttentionSpec.of_model(

@@ -109,11 +109,8 @@ class ModelRunner:
         cuda_graphs = engine_config.cuda_graphs
         # 3D positions (M-RoPE, core/mrope.py) are computed per step on the host; the
         # captured decode graphs take 1D positions, so such a model decodes eagerly.
+        # (An explicit cuda_graphs=True is refused before loading: worker/build.py.)
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
-        if self.uses_mrope and cuda_graphs:
-            raise ValueError(
-                f"cuda_graphs is not supported for {config.architecture} (3D rotary positions)"
-            )
         if self.uses_mrope:
             cuda_graphs = False
         if cuda_graphs or (cuda_graphs is None and self.attention.supports_cuda_graphs):

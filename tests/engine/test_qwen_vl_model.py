@@ -392,3 +392,58 @@ def test_bad_images_and_mismatched_markers_are_error_outputs_and_others_answered
     assert "places 1 image(s)" in outs[2].error and "2 were given" in outs[2].error
     assert "outside an image's place" in outs[3].error  # two images side by side
     assert "aspect ratio over 200" in outs[4].error
+
+
+def test_every_vision_tensor_is_consumed_or_the_checkpoint_is_refused(vlm, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.engine.loader.weights import load_model
+    from tokenmill.engine.models import load_config
+
+    _, model_dir = vlm
+    for name in ("config.json", "preprocessor_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    tensors = load_file(model_dir / "model.safetensors")
+    config = load_config(model_dir)
+    cpu = dict(dtype=torch.float32, device=torch.device("cpu"))
+    extra = {**tensors, "model.visual.blocks.3.mlp.gate_proj.weight": torch.zeros(48, 32)}
+    save_file(extra, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"has no place for: model\.visual\.blocks\.3\.mlp"):
+        load_model(tmp_path, config, **cpu)
+    missing = {k: v for k, v in tensors.items() if "merger.ln_q" not in k}
+    save_file(missing, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing weights: visual\.merger\.ln_q\.weight"):
+        load_model(tmp_path, config, **cpu)
+
+
+def test_unsupported_settings_are_refused_by_name(vlm):
+    import json
+
+    from tokenmill.engine.models import parse_config
+
+    _, model_dir = vlm
+    raw = json.loads((model_dir / "config.json").read_text())
+    flat = {k: v for k, v in raw.items() if k != "text_config"}
+    with pytest.raises(ValueError, match="no text_config"):
+        parse_config(flat)
+    # The older spelling: rope_scaling of type "mrope".
+    old = json.loads(json.dumps(raw))
+    old["text_config"]["rope_parameters"] = None
+    old["text_config"]["rope_scaling"] = {"type": "mrope", "mrope_section": [3, 3, 2]}
+    assert parse_config(old).mrope_section == (3, 3, 2)
+    bad = json.loads(json.dumps(raw))
+    bad["text_config"]["rope_parameters"]["mrope_section"] = [2, 2, 2]
+    with pytest.raises(ValueError, match=r"mrope_section \[2, 2, 2\] must add up to"):
+        parse_config(bad)
+    bad = json.loads(json.dumps(raw))
+    bad["text_config"]["rope_parameters"]["mrope_interleaved"] = True
+    with pytest.raises(ValueError, match="interleaved M-RoPE"):
+        parse_config(bad)
+    bad = json.loads(json.dumps(raw))
+    bad["vision_config"]["out_hidden_size"] = 32
+    with pytest.raises(ValueError, match="out_hidden_size 32 is not the text model's"):
+        parse_config(bad)
+    with pytest.raises(ValueError, match="cuda_graphs is not supported for Qwen2_5_VL"):
+        LLM(str(model_dir), dtype="float32", device="cpu", cuda_graphs=True)
