@@ -1,4 +1,5 @@
-"""Qwen2.5-VL's vision tower, batched over many images of different sizes per call.
+"""Qwen2.5-VL's vision tower (and Qwen2-VL's, its predecessor), batched over many images
+of different sizes per call.
 
 The images of a call are one flat sequence of patches (as the processor flattens them,
 loader/qwen_images.py) with each image's grid (frames, rows, columns); no image is padded.
@@ -15,6 +16,10 @@ As transformers computes it:
 - pre-RMSNorm blocks with a SwiGLU MLP (biases on every projection);
 - the patch merger: RMSNorm, then each merge_size x merge_size group of patches
   concatenated into one vector and mapped by a GELU MLP to the text model's width.
+
+Qwen2-VL's tower is the same but for three things: LayerNorms where Qwen2.5-VL has
+RMSNorms, an fc1 -> quick-GELU -> fc2 MLP, and no windows (every block attends across
+the whole image) - the config's `layer_norm`, `gated_mlp` and `window_size` None.
 
 Attention runs over variable-length segments (an image, or a window) without padding:
 segments of equal length - most windows of an image, images of equal size - are
@@ -43,11 +48,13 @@ class QwenVisionConfig:
     patch_size: int = 14
     spatial_merge_size: int = 2
     temporal_patch_size: int = 2
-    window_size: int = 112
+    window_size: int | None = 112  # None: no windows (Qwen2-VL)
     out_hidden_size: int = 3584
     fullatt_block_indexes: tuple[int, ...] = field(default=(7, 15, 23, 31))
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6  # fixed in transformers' tower, not a config field
+    layer_norm: bool = False  # LayerNorm (with bias) in place of RMSNorm: Qwen2-VL
+    gated_mlp: bool = True  # SwiGLU; else fc1 -> quick GELU -> fc2 (Qwen2-VL)
 
     @property
     def head_dim(self) -> int:
@@ -59,8 +66,10 @@ class QwenVisionConfig:
         return self.spatial_merge_size**2
 
     @property
-    def window_tokens(self) -> int:
-        """A window's side, in merged tokens."""
+    def window_tokens(self) -> int | None:
+        """A window's side, in merged tokens (None: no windows)."""
+        if self.window_size is None:
+            return None
         return self.window_size // self.spatial_merge_size // self.patch_size
 
 
@@ -164,6 +173,25 @@ class VisionMLP(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class QuickGeluMLP(nn.Module):
+    """Qwen2-VL's MLP: fc1, x * sigmoid(1.702 x), fc2."""
+
+    def __init__(self, config: QwenVisionConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc1(x)
+        return self.fc2(x * torch.sigmoid(1.702 * x))
+
+
+def _norm(config: QwenVisionConfig, size: int) -> nn.Module:
+    if config.layer_norm:
+        return nn.LayerNorm(size, eps=config.rms_norm_eps)
+    return RMSNorm(size, config.rms_norm_eps)
+
+
 def tower_name(name: str) -> str:
     """A tensor name of transformers' tower (after its `visual.` prefix) -> ours."""
     for theirs, ours in ((".mlp.gate_proj.", ".mlp.gate."), (".mlp.up_proj.", ".mlp.up.")):
@@ -174,10 +202,10 @@ def tower_name(name: str) -> str:
 class VisionBlock(nn.Module):
     def __init__(self, config: QwenVisionConfig) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.norm2 = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm1 = _norm(config, config.hidden_size)
+        self.norm2 = _norm(config, config.hidden_size)
         self.attn = VisionAttention(config)
-        self.mlp = VisionMLP(config)
+        self.mlp = VisionMLP(config) if config.gated_mlp else QuickGeluMLP(config)
 
     def forward(self, x, cos, sin, segments: Segments) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, segments)
@@ -188,7 +216,7 @@ class PatchMerger(nn.Module):
     def __init__(self, config: QwenVisionConfig) -> None:
         super().__init__()
         self.group_size = config.hidden_size * config.merge_unit
-        self.ln_q = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ln_q = _norm(config, config.hidden_size)
         self.mlp = nn.Sequential(
             nn.Linear(self.group_size, self.group_size),
             nn.GELU(),
@@ -226,10 +254,12 @@ def tower_layout(
         token_rows, token_columns = height // m, width // m
         tokens = torch.arange(token_rows * token_columns).view(token_rows, token_columns)
         # Windows tile the merged tokens row-major; the last row and column of windows
-        # may be partial.
-        for top in range(0, token_rows, side):
-            for left in range(0, token_columns, side):
-                window = tokens[top : top + side, left : left + side].reshape(-1)
+        # may be partial. Without windows the image is one.
+        rows_a_side, columns_a_side = (side, side) if side else (token_rows, token_columns)
+        for top in range(0, token_rows, rows_a_side):
+            for left in range(0, token_columns, columns_a_side):
+                window = tokens[top : top + rows_a_side, left : left + columns_a_side]
+                window = window.reshape(-1)
                 order.append(window + first_token)
                 window_lengths.append(len(window) * config.merge_unit)
                 # Each merged token's patches, in the processor's order within a group.
@@ -251,7 +281,7 @@ def tower_layout(
 class QwenVisionTower(nn.Module):
     def __init__(self, config: QwenVisionConfig) -> None:
         super().__init__()
-        if config.window_tokens < 1:
+        if config.window_tokens is not None and config.window_tokens < 1:
             raise ValueError(
                 f"vision window_size {config.window_size} is under one merged token "
                 f"(spatial_merge_size * patch_size = "

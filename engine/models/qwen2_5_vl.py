@@ -17,6 +17,7 @@ Videos are not supported (a video grid is refused by the tower).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,7 +100,7 @@ def parse_vision_config(raw: dict) -> QwenVisionConfig:
     )
 
 
-def _split_mrope(text_raw: dict) -> tuple[dict, tuple[int, ...]]:
+def _split_mrope(text_raw: dict, architecture: str) -> tuple[dict, tuple[int, ...]]:
     """The text config with its rope dict's M-RoPE keys taken out (what Qwen2's parser
     reads), and the mrope_section. transformers 5 writes `rope_parameters` with
     rope_type "default"; older files `rope_scaling` with type "mrope"."""
@@ -113,7 +114,7 @@ def _split_mrope(text_raw: dict) -> tuple[dict, tuple[int, ...]]:
         section = rope.pop("mrope_section", section)
         if rope.pop("mrope_interleaved", False):
             raise ValueError(
-                f"{ARCHITECTURE}: interleaved M-RoPE (mrope_interleaved) is not supported"
+                f"{architecture}: interleaved M-RoPE (mrope_interleaved) is not supported"
             )
         if rope.get("rope_type", rope.get("type")) == "mrope":
             rope.pop("type", None)
@@ -125,38 +126,46 @@ def _split_mrope(text_raw: dict) -> tuple[dict, tuple[int, ...]]:
 def parse_config(raw: dict) -> QwenVLConfig:
     """The nested config.json of Qwen2_5_VLForConditionalGeneration (text_config and
     vision_config, each checked against its own field table)."""
+    return parse_vl_config(raw, ARCHITECTURE, parse_vision_config)
+
+
+def parse_vl_config(
+    raw: dict, architecture: str, parse_vision: Callable[[dict], QwenVisionConfig]
+) -> QwenVLConfig:
+    """A Qwen-VL config.json: its text_config as Qwen2's with M-RoPE bands, its
+    vision_config by `parse_vision`."""
     if "text_config" not in raw:
         raise ValueError(
-            f"{ARCHITECTURE}: config.json has no text_config (the text model's fields at "
+            f"{architecture}: config.json has no text_config (the text model's fields at "
             "the top level, as transformers 4 wrote them); not supported - re-save the "
             "config with transformers 5"
         )
-    text_raw, section = _split_mrope(raw["text_config"] or {})
+    text_raw, section = _split_mrope(raw["text_config"] or {}, architecture)
     text_raw["architectures"] = ["Qwen2ForCausalLM"]
     text_raw["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
-    TEXT_CONFIG_FIELDS.check(text_raw, f"{ARCHITECTURE} text_config")
+    TEXT_CONFIG_FIELDS.check(text_raw, f"{architecture} text_config")
     text = parse_text_config(text_raw)
     if text.rope_scaling is not None:
         raise ValueError(
-            f"{ARCHITECTURE}: text rope scaling {text.rope_scaling['rope_type']!r} with "
+            f"{architecture}: text rope scaling {text.rope_scaling['rope_type']!r} with "
             "M-RoPE is not supported"
         )
     if text.sliding_window is not None:
-        raise ValueError(f"{ARCHITECTURE}: sliding-window attention is not supported")
+        raise ValueError(f"{architecture}: sliding-window attention is not supported")
     half = text.head_dim // 2
     if sum(section) != half:
         raise ValueError(
-            f"{ARCHITECTURE}: mrope_section {list(section)} must add up to head_dim / 2 = {half}"
+            f"{architecture}: mrope_section {list(section)} must add up to head_dim / 2 = {half}"
         )
-    vision = parse_vision_config(raw.get("vision_config") or {})
+    vision = parse_vision(raw.get("vision_config") or {})
     if vision.out_hidden_size != text.hidden_size:
         raise ValueError(
-            f"{ARCHITECTURE}: vision out_hidden_size {vision.out_hidden_size} is not the text "
+            f"{architecture}: vision out_hidden_size {vision.out_hidden_size} is not the text "
             f"model's hidden_size {text.hidden_size}"
         )
     base = {f: getattr(text, f) for f in text.__dataclass_fields__}
     return QwenVLConfig(
-        **{**base, "architecture": ARCHITECTURE},
+        **{**base, "architecture": architecture},
         vision=vision,
         mrope_section=section,
         image_token_id=raw.get("image_token_id", 151_655),

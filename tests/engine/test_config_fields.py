@@ -80,8 +80,11 @@ def transformers_config(name: str) -> dict:
     if "text_config" in getattr(config_class, "sub_configs", {}):  # a vision-language model
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
         text = DECODER_SHAPE
-        if name == "Qwen2_5_VLForConditionalGeneration":  # M-RoPE bands fit head_dim 8
+        if name == "Qwen2_5_VLForConditionalGeneration":
             vision = dict(hidden_size=32, intermediate_size=64, depth=1, out_hidden_size=32)
+        if name == "Qwen2VLForConditionalGeneration":
+            vision = dict(embed_dim=32, hidden_size=32, depth=1)
+        if name.startswith("Qwen2"):  # M-RoPE bands that fit head_dim 8
             text = {**text, "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2]}}
         raw = config_class(text_config=text, vision_config=vision).to_dict()
     else:

@@ -49,12 +49,8 @@ def hf_processor():
     return Qwen2VLImageProcessorPil(patch_size=4, merge_size=2, temporal_patch_size=2, **PIXELS)
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    import transformers
-
-    out = tmp_path_factory.mktemp("qwen2-5-vl")
-    text = {
+def _text_config():
+    return {
         **SMALL,
         "rope_parameters": {
             "rope_type": "default",
@@ -62,8 +58,28 @@ def vlm(tmp_path_factory):
             "mrope_section": MROPE_SECTION,
         },
     }
+
+
+def _randomise_tower(model):
+    """std 0.05 for the tower's weights and biases, norm scales about 1."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "visual" not in name:
+                continue
+            is_norm = any(norm in name for norm in ("norm1.", "norm2.", "ln_q."))
+            if is_norm and name.endswith("weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0, 0.05)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    import transformers
+
+    out = tmp_path_factory.mktemp("qwen2-5-vl")
     config = transformers.Qwen2_5_VLConfig(
-        text_config=text,
+        text_config=_text_config(),
         vision_config=VISION,
         image_token_id=IMAGE,
         vision_start_token_id=VSTART,
@@ -73,29 +89,19 @@ def vlm(tmp_path_factory):
     config._attn_implementation = "sdpa"
     torch.manual_seed(1234)
     model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "visual" in name:
-                if (
-                    name.endswith("norm1.weight")
-                    or name.endswith("norm2.weight")
-                    or ("ln_q" in name)
-                ):
-                    param.copy_(1 + 0.1 * torch.randn_like(param))
-                else:
-                    param.normal_(0, 0.05)
+    _randomise_tower(model)
     model.save_pretrained(out, safe_serialization=True)
     hf_processor().save_pretrained(out)
     save_char_tokenizer(out, VOCAB)
     return model, out
 
 
-_HF_RUNS: dict = {}  # (ids, images, num_tokens) -> transformers' answer, across settings
+_HF_RUNS: dict = {}  # (model, ids, images, num_tokens) -> transformers' answer
 
 
 def _hf_run(hf, ids, images, num_tokens):
     """Greedy continuation by full forward passes, and the prompt's log-softmax rows."""
-    key = (tuple(ids), tuple(images), num_tokens)
+    key = (id(hf), tuple(ids), tuple(images), num_tokens)
     if key not in _HF_RUNS:
         _HF_RUNS[key] = _hf_forward(hf, ids, images, num_tokens)
     return _HF_RUNS[key]
@@ -447,3 +453,47 @@ def test_unsupported_settings_are_refused_by_name(vlm):
         parse_config(bad)
     with pytest.raises(ValueError, match="cuda_graphs is not supported for Qwen2_5_VL"):
         LLM(str(model_dir), dtype="float32", device="cpu", cuda_graphs=True)
+
+
+def test_qwen2_vl_matches_transformers_through_llm(tmp_path):
+    """Qwen2-VL (LayerNorm tower, quick-GELU MLP, no windows; the same M-RoPE text
+    model) with two images of different sizes, chunks splitting them."""
+    import transformers
+
+    vision = dict(
+        depth=2,
+        embed_dim=32,
+        mlp_ratio=2,
+        num_heads=4,
+        hidden_size=SMALL["hidden_size"],
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    config = transformers.Qwen2VLConfig(
+        text_config=_text_config(),
+        vision_config=vision,
+        image_token_id=IMAGE,
+        vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
+        video_token_id=253,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(77)
+    hf = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    _randomise_tower(hf)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    hf_processor().save_pretrained(tmp_path)
+    save_char_tokenizer(tmp_path, VOCAB)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=9)
+    images = [png_bytes(20, 44, seed=4), png_bytes(48, 30, seed=5)]
+    ids = _prompt([3, 9, 27, 81, 13, 39, 117, 95, 31, 93], {1, 7})
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=VOCAB)
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, params)[0]
+    assert out.error is None
+    expanded = _expanded(ids, images)
+    assert out.prompt_token_ids == expanded
+    want_tokens, want_logprobs = _hf_run(hf, expanded, images, 6)
+    assert out.outputs[0].token_ids == want_tokens
+    got = torch.tensor([[entry[t] for t in range(VOCAB)] for entry in out.prompt_logprobs[1:]])
+    torch.testing.assert_close(got, want_logprobs, atol=2e-3, rtol=0)

@@ -138,3 +138,35 @@ def test_videos_and_bad_windows_are_refused_by_name():
         tower_layout(config, [(2, 4, 4)], torch.device("cpu"))
     with pytest.raises(ValueError, match="window_size 4 is under one merged token"):
         QwenVisionTower(QwenVisionConfig(**{**VISION, "window_size": 4}))
+
+
+def test_qwen2_vl_tower_equals_transformers():
+    """Qwen2-VL's tower: LayerNorms, an fc1 -> quick-GELU -> fc2 MLP, every block across
+    the whole image - several images of different sizes in one call."""
+    from transformers import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel,
+    )
+
+    from tokenmill.engine.models.qwen2_vl import parse_vision_config
+
+    raw = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=4, hidden_size=24, patch_size=4)
+    hf_config = Qwen2VLVisionConfig(**raw)
+    hf_config._attn_implementation = "sdpa"
+    torch.manual_seed(3)
+    hf = Qwen2VisionTransformerPretrainedModel(hf_config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.normal_(0, 0.05 if param.dim() > 1 else 0.3)
+    ours = QwenVisionTower(parse_vision_config(hf_config.to_dict())).eval()
+    state = {tower_name(name): tensor for name, tensor in hf.state_dict().items()}
+    missing, unexpected = ours.load_state_dict(state, strict=True)
+    assert not missing and not unexpected
+    grids = [(1, 6, 10), (1, 2, 2), (1, 8, 4)]
+    g = torch.Generator().manual_seed(9)
+    patches = torch.randn(sum(h * w for _, h, w in grids), 96, generator=g)
+    with torch.no_grad():
+        want = hf(patches, grid_thw=torch.tensor(grids)).pooler_output
+        got = ours(patches, grids)
+    assert got.shape == want.shape == (15 + 1 + 8, 24)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
