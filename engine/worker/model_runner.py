@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.core.grammar import TokenBitmask
-from tokenmill.engine.core.mrope import mrope_positions
+from tokenmill.engine.core.mrope import mrope_delta, mrope_positions
 from tokenmill.engine.core.step import (
     PendingStep,
     SamplerOutput,
@@ -321,8 +321,20 @@ class ModelRunner:
         a recomputed prompt and a prefix-cache hit all place them alike."""
         if not self.uses_mrope:
             return None
-        parts = []
-        for chunk in out.decodes + out.prefills:
+        # A one-token chunk past the prompt's last image (a decode, mostly) is at its
+        # index plus the delta on all three: one row built for all of them, since a
+        # numpy call per chunk would cost more than the step's other host work at large
+        # batches. One still before or inside an image (a prompt's last token after a
+        # prefix hit, say) is computed in full.
+        singles = [c.seq.num_computed_tokens + mrope_delta(c.seq.images) for c in out.decodes]
+        decodes = np.array([singles] * 3, dtype=np.int64).reshape(3, len(singles))
+        for i, chunk in enumerate(out.decodes):
+            seq = chunk.seq
+            start = seq.num_computed_tokens
+            if seq.images and seq.images[-1].end > start:
+                decodes[:, i] = mrope_positions(seq.images, start, start + 1)[:, 0]
+        parts = [decodes]
+        for chunk in out.prefills:
             seq = chunk.seq
             start = seq.num_computed_tokens
             parts.append(mrope_positions(seq.images, start, start + chunk.num_new_tokens))

@@ -171,20 +171,23 @@ CASES = [
 
 
 @pytest.mark.parametrize(
-    "settings",
+    ("settings", "num_cases"),
     [
-        dict(max_num_batched_tokens=64),
+        (dict(max_num_batched_tokens=64), len(CASES)),
         # Chunks of 7 split images; block-sized prefix-cache hits.
-        dict(max_num_batched_tokens=7, enable_prefix_caching=True),
+        (dict(max_num_batched_tokens=7, enable_prefix_caching=True), len(CASES)),
+        # One token a step: every prompt token, image tokens too, goes as a one-token
+        # chunk (the runner's decode rows).
+        (dict(max_num_batched_tokens=1), 2),
     ],
 )
-def test_image_prompts_match_transformers_through_llm(vlm, settings):
+def test_image_prompts_match_transformers_through_llm(vlm, settings, num_cases):
     hf, model_dir = vlm
     llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, **settings)
     llm.engine.runner.vision.max_images_per_batch = 2
     g = torch.Generator().manual_seed(7)
     cases = []
-    for places, sizes in CASES:
+    for places, sizes in CASES[:num_cases]:
         text = torch.randint(0, 200, (12,), generator=g).tolist()
         images = [png_bytes(w, h, seed=w * h) for w, h in sizes]
         cases.append((_prompt(text, places), images))
