@@ -33,6 +33,10 @@ from tokenmill.engine.models.qwen2_5_vision import QwenVisionConfig, QwenVisionT
 from tokenmill.engine.models.registry import Architecture, register
 
 ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
+# The text model's own fields (Qwen2's table, the base fields aside).
+_TEXT_FIELDS = (
+    TEXT_CONFIG_FIELDS.handled | set(TEXT_CONFIG_FIELDS.harmless) | set(TEXT_CONFIG_FIELDS.refused)
+)
 
 
 @dataclass
@@ -134,15 +138,16 @@ def parse_vl_config(
 ) -> QwenVLConfig:
     """A Qwen-VL config.json: its text_config as Qwen2's with M-RoPE bands, its
     vision_config by `parse_vision`."""
-    if "text_config" not in raw:
-        raise ValueError(
-            f"{architecture}: config.json has no text_config (the text model's fields at "
-            "the top level, as transformers 4 wrote them); not supported - re-save the "
-            "config with transformers 5"
-        )
-    text_raw, section = _split_mrope(raw["text_config"] or {}, architecture)
+    # As transformers: without a text_config (the layout transformers 4 wrote), the
+    # text model's fields are the top level's; with one, the top level's are ignored.
+    text_raw = raw.get("text_config")
+    if text_raw is None:
+        text_raw = {k: v for k, v in raw.items() if k in _TEXT_FIELDS}
+    text_raw, section = _split_mrope(text_raw, architecture)
     text_raw["architectures"] = ["Qwen2ForCausalLM"]
-    text_raw["tie_word_embeddings"] = raw.get("tie_word_embeddings", False)
+    # Tied if either says so (transformers ties the outer config when the text one does).
+    tied = bool(raw.get("tie_word_embeddings")) or bool(text_raw.get("tie_word_embeddings"))
+    text_raw["tie_word_embeddings"] = tied
     TEXT_CONFIG_FIELDS.check(text_raw, f"{architecture} text_config")
     text = parse_text_config(text_raw)
     if text.rope_scaling is not None:
@@ -257,7 +262,12 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
 
 
 # transformers' Qwen2_5_VLConfig (the outer one), field by field; text_config and
-# vision_config are checked against their own tables in parse_config.
+# vision_config are checked against their own tables in parse_config. The text model's
+# fields are handled at the top level too: a config without text_config (transformers
+# 4's layout) keeps them there, and parse_config checks them against the text table.
+_OUTER_HARMLESS = {
+    "video_token_id": "videos are refused before a prompt is queued; the id is never read",
+}
 CONFIG_FIELDS = declare(
     handled={
         "text_config",
@@ -266,10 +276,9 @@ CONFIG_FIELDS = declare(
         "vision_start_token_id",
         "vision_end_token_id",
         "tie_word_embeddings",
-    },
-    harmless={
-        "video_token_id": "videos are refused before a prompt is queued; the id is never read",
-    },
+    }
+    | (_TEXT_FIELDS - set(_OUTER_HARMLESS)),
+    harmless=_OUTER_HARMLESS,
 )
 
 

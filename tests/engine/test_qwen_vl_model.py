@@ -434,9 +434,13 @@ def test_unsupported_settings_are_refused_by_name(vlm):
 
     _, model_dir = vlm
     raw = json.loads((model_dir / "config.json").read_text())
-    flat = {k: v for k, v in raw.items() if k != "text_config"}
-    with pytest.raises(ValueError, match="no text_config"):
-        parse_config(flat)
+    # transformers 4's layout: the text model's fields at the top level.
+    flat = {**{k: v for k, v in raw.items() if k != "text_config"}, **raw["text_config"]}
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": MROPE_SECTION}
+    del flat["rope_parameters"]
+    assert parse_config(flat) == parse_config(raw)
+    with pytest.raises(ValueError, match="sliding-window attention is not supported"):
+        parse_config({**flat, "use_sliding_window": True, "sliding_window": 8})
     # The older spelling: rope_scaling of type "mrope".
     old = json.loads(json.dumps(raw))
     old["text_config"]["rope_parameters"] = None
