@@ -504,3 +504,32 @@ def test_qwen2_vl_matches_transformers_through_llm(tmp_path):
     assert out.outputs[0].token_ids == want_tokens
     got = torch.tensor([[entry[t] for t in range(VOCAB)] for entry in out.prompt_logprobs[1:]])
     torch.testing.assert_close(got, want_logprobs, atol=2e-3, rtol=0)
+
+
+def test_a_checkpoint_with_transformers_4_names_loads_the_same(vlm, tmp_path):
+    """Hub checkpoints saved by transformers 4 name the text model `model.` and the tower
+    `visual.` (5 writes `model.language_model.` and `model.visual.`)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, model_dir = vlm
+    for name in ("config.json", "preprocessor_config.json", "tokenizer.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    shutil.copy(model_dir / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    renamed = {
+        k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+        for k, v in load_file(model_dir / "model.safetensors").items()
+    }
+    assert any(k.startswith("visual.") for k in renamed)
+    save_file(renamed, tmp_path / "model.safetensors")
+    prompt = {
+        "prompt_token_ids": _prompt(list(range(10, 20)), {2}),
+        "multi_modal_data": {"image": png_bytes(30, 40, seed=8)},
+    }
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    answers = [
+        LLM(str(d), dtype="float32", device="cpu").generate(prompt, params)[0].outputs[0].token_ids
+        for d in (model_dir, tmp_path)
+    ]
+    assert answers[0] == answers[1]
