@@ -84,7 +84,7 @@ class QwenImagePrompts(ImagePrompts):
         except ImageError as exc:
             return PreparedPrompt([], text=text, error=f"image: {exc}")
         if ids is None:
-            places = self._count_text_markers(text, data_spans)
+            places = len(self._markers_outside(text, data_spans))
         else:
             places = ids.count(self.image)
         if places != len(decoded):
@@ -100,6 +100,8 @@ class QwenImagePrompts(ImagePrompts):
             ids = self._encode_expanded(text, data_spans, counts)
         else:
             ids = self._expand(ids, counts)
+        # Each image's tokens must be one run of its own: two images side by side would
+        # be one run, which transformers places as one image.
         offsets = [
             i
             for i, token in enumerate(ids)
@@ -148,9 +150,6 @@ class QwenImagePrompts(ImagePrompts):
                 found.append(at)
             at = text.find(marker, at + len(marker))
         return found
-
-    def _count_text_markers(self, text: str, data_spans: Spans) -> int:
-        return len(self._markers_outside(text, data_spans))
 
     def _encode_expanded(self, text: str, data_spans: Spans, counts: list[int]) -> list[int]:
         """Repeat each image_pad marker outside the data spans once per token of its
