@@ -196,6 +196,8 @@ def test_image_prompts_match_transformers_through_llm(vlm, settings, num_cases):
         {"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}} for ids, imgs in cases
     ]
     outputs = llm.generate(prompts, params)
+    # Every image through the tower once, even one split across chunks of many steps.
+    assert llm.engine.runner.vision.num_images_encoded == sum(len(i) for _, i in cases)
     for (ids, images), out in zip(cases, outputs):
         assert out.error is None
         expanded = _expanded(ids, images)
