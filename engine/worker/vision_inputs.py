@@ -36,6 +36,7 @@ class VisionInputs:
         pair_layout: bool,
         max_cached_images: int = 64,
         max_images_per_batch: int = 8,
+        max_image_tokens_per_batch: int = 16_384,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -46,8 +47,13 @@ class VisionInputs:
         # Images per tower call: a tower's activations grow with it (at Gemma 3's shape an
         # image is 4,096 patches), so a step with many images runs it in groups.
         self.max_images_per_batch = max_images_per_batch
+        # And at most this many image tokens, for towers that take images at their own
+        # sizes (Qwen2.5-VL: up to 16,384 tokens, 65,536 patches, an image by default);
+        # a call always takes at least one image.
+        self.max_image_tokens_per_batch = max_image_tokens_per_batch
         self._encoded: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.num_images_encoded = 0  # tower runs, counted per image
+        self.num_tower_calls = 0
 
     def step(
         self, out: SchedulerOutput, meta: StepAttention
@@ -106,16 +112,16 @@ class VisionInputs:
         return meta, images
 
     def _encode(self, images: list) -> None:
-        """Run the tower over those of `images` not already encoded, as one batch."""
+        """Run the tower over those of `images` not already encoded, in as few calls as
+        the per-call bounds allow."""
         todo = {}
         for image in images:
             if image.content_hash in self._encoded:
                 self._encoded.move_to_end(image.content_hash, last=False)
             else:
                 todo.setdefault(image.content_hash, image)
-        pending = list(todo.items())
-        for first in range(0, len(pending), self.max_images_per_batch):
-            group = pending[first : first + self.max_images_per_batch]
+        for group in self._groups(list(todo.items())):
+            self.num_tower_calls += 1
             if hasattr(self.model, "encode_image_list"):  # images of their own sizes
                 encoded = self.model.encode_image_list(
                     [image.pixel_values.to(self.device) for _, image in group],
@@ -131,3 +137,21 @@ class VisionInputs:
         keep = max(self.max_cached_images, len(images))
         while len(self._encoded) > keep:
             self._encoded.popitem(last=True)
+
+    def _groups(self, pending: list) -> list[list]:
+        """pending (content hash, image) in tower calls: at most max_images_per_batch
+        images and max_image_tokens_per_batch tokens each, in order."""
+        groups: list[list] = []
+        tokens = 0
+        for item in pending:
+            length = item[1].length
+            if (
+                not groups
+                or len(groups[-1]) == self.max_images_per_batch
+                or tokens + length > self.max_image_tokens_per_batch
+            ):
+                groups.append([])
+                tokens = 0
+            groups[-1].append(item)
+            tokens += length
+        return groups

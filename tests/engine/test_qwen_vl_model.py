@@ -535,3 +535,21 @@ def test_a_checkpoint_with_transformers_4_names_loads_the_same(vlm, tmp_path):
         for d in (model_dir, tmp_path)
     ]
     assert answers[0] == answers[1]
+
+
+def test_the_tower_takes_a_steps_images_in_calls_bounded_by_tokens(vlm):
+    """Images of their own sizes go to the tower in calls of at most
+    max_image_tokens_per_batch tokens (at least one image a call)."""
+    hf, model_dir = vlm
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4)
+    vision = llm.engine.runner.vision
+    vision.max_image_tokens_per_batch = 30
+    images = [png_bytes(40, 24, seed=21), png_bytes(20, 44, seed=22), png_bytes(48, 30, seed=23)]
+    ids = _prompt([5, 6, 7, 8, 9, 10, 11], {1, 3, 5})
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, params)[0]
+    expanded = _expanded(ids, images)
+    # 15, 12 and 24 tokens: [15 + 12] and [24], in one step.
+    assert out.image_tokens == 15 + 12 + 24
+    assert (vision.num_tower_calls, vision.num_images_encoded) == (2, 3)
+    assert out.outputs[0].token_ids == _hf_run(hf, expanded, images, 4)[0]
