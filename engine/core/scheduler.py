@@ -69,7 +69,7 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.images:  # a chunk never ends inside an image (core/images.py)
+            if seq.images:  # a chunk never ends inside a bidirectional image (core/images.py)
                 num_new = fit_chunk(seq.images, seq.num_computed_tokens, num_new)
                 if not num_new:
                     i += 1

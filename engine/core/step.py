@@ -112,8 +112,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     # A pooling request (nothing is sampled): its progress and result.
     pooling: PoolingState | None = None
-    # The prompt's images, in order (core/images.py): never split across prefill chunks,
-    # and part of the identity of the KV blocks holding them.
+    # The prompt's images, in order (core/images.py): a bidirectional one never split
+    # across prefill chunks, each part of the identity of the KV blocks holding it, and
+    # - for a model with M-RoPE - what its tokens' 3D positions follow from (core/mrope.py).
     images: tuple[ImageSpan, ...] = ()
 
     @property
