@@ -11,8 +11,9 @@
                                         resumed run refuses an input that changed
     OUTPUT/_forecast.json               a dry run's forecast (`pipelines/forecast.py`); the
                                         job's ledger shows it beside the actuals
-    OUTPUT/_cut.json                    how the job's shards were cut ({"min_shards": N}), so a
-                                        resume on another number of workers cuts the same
+    OUTPUT/_cut.json                    how the job's shards were cut ({"min_shards": N,
+                                        "rule": R}), so a resume on another number of
+                                        workers, or by a newer version, cuts the same
     OUTPUT/_progress/<shard_id>.json    a running flow shard's progress (`flows/progress.py`);
                                         removed when the job finishes
     OUTPUT/_lock.json                   the lock of the run writing here (`output_lock`)
@@ -307,17 +308,24 @@ def write_input_fingerprint(
     write_json_atomic(join(output, INPUT_FILE), fingerprint, storage_options)
 
 
-def write_cut(output: str, min_shards: int, storage_options: StorageOptions = None) -> None:
-    """Record how the job's shards were cut (`planning.plan_job`'s min_shards)."""
-    write_json_atomic(join(output, CUT_FILE), {"min_shards": min_shards}, storage_options)
+def write_cut(
+    output: str, min_shards: int, rule: str, storage_options: StorageOptions = None
+) -> None:
+    """Record how the job's shards were cut (`planning.plan_job`'s min_shards and the
+    cut rule, `prefix_cut.py`)."""
+    write_json_atomic(
+        join(output, CUT_FILE), {"min_shards": min_shards, "rule": rule}, storage_options
+    )
 
 
-def read_cut(output: str, storage_options: StorageOptions = None) -> int | None:
-    """The min_shards the output's results were cut with (None: not recorded)."""
+def read_cut(output: str, storage_options: StorageOptions = None) -> tuple[int, str | None] | None:
+    """(min_shards, cut rule) the output's results were cut with (None: not recorded;
+    the rule None: recorded before cuts had rules)."""
     try:
-        return int(read_json(join(output, CUT_FILE), storage_options)["min_shards"])
+        recorded = read_json(join(output, CUT_FILE), storage_options)
     except FileNotFoundError:
         return None
+    return int(recorded["min_shards"]), recorded.get("rule")
 
 
 def write_progress(

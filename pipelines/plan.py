@@ -4,7 +4,9 @@ Pure functions. Rows are sorted by their first `group_tokens` prompt tokens (so 
 row sharing a prefix is adjacent and the prefix stays resident in the engine's prefix
 cache while its group runs) and then by length (so a group's requests finish close
 together and batches stay full). The ordered rows are cut into shards under a token
-budget; a shard is one `LLM.generate` call and the unit of progress, retry and resume.
+budget, each cut where the rows on its two sides share the least prefix
+(`prefix_cut.py`), so rows sharing a prefix run on one worker; a shard is one
+`LLM.generate` call and the unit of progress, retry and resume.
 
 A job is planned in windows of consecutive input rows (`JobSpec.plan_window_rows`),
 each ordered and cut on its own, so planning memory is bounded by the window, not the
@@ -34,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from tokenmill.engine import SamplingParams
+from tokenmill.pipelines.prefix_cut import PREFIX, cut_ends, shared_prefix
 from tokenmill.pipelines.scoring import GENERATE
 from tokenmill.pipelines.tokenize import PromptRow
 
@@ -168,39 +171,22 @@ def shard_id(
     return h.hexdigest()[:20]
 
 
-def _greedy_cut(costs: Sequence[int], budget: int, max_rows: int | None = None) -> list[int]:
-    """Where `cut_shards` closes its shards: the end index of each (rows of `costs`)."""
-    ends = []
-    current_cost = current_rows = 0
-    for i, cost in enumerate(costs):
-        full = max_rows is not None and current_rows >= max_rows
-        # An error row costs nothing: it rides along, and never opens a shard of its own.
-        if current_rows and (full or (cost and current_cost + cost > budget)):
-            ends.append(i)
-            current_cost = current_rows = 0
-        current_rows += 1
-        current_cost += cost
-    if current_rows:
-        ends.append(len(costs))
-    return ends
-
-
 def budget_for(costs: Sequence[int], shard_tokens: int, min_shards: int) -> int:
     """The budget that cuts rows of these costs (in order) into `min_shards` shards as
     even as the order allows - the smallest budget that needs no more than that many -
     or `shard_tokens` when that already cuts at least as many. When no budget gives
     exactly `min_shards` (a few rows far costlier than the rest), the next one that
     gives more."""
-    if min_shards <= 1 or len(_greedy_cut(costs, shard_tokens)) >= min_shards:
+    if min_shards <= 1 or len(cut_ends(costs, shard_tokens)) >= min_shards:
         return shard_tokens
     low, high = 1, shard_tokens
-    while low < high:  # the greedy cut's shard count never grows with the budget
+    while low < high:  # the filled cut's shard count never grows with the budget
         middle = (low + high) // 2
-        if len(_greedy_cut(costs, middle)) <= min_shards:
+        if len(cut_ends(costs, middle)) <= min_shards:
             high = middle
         else:
             low = middle + 1
-    if len(_greedy_cut(costs, low)) < min_shards and low > 1:
+    if len(cut_ends(costs, low)) < min_shards and low > 1:
         return low - 1
     return low
 
@@ -217,6 +203,7 @@ def cut_shards(
     first_index: int = 0,
     window: int = 0,
     adapter_keys: Sequence[str] = (),
+    rule: str = PREFIX,
 ) -> list[PlannedShard]:
     """Cut ordered rows into consecutive shards of at most `shard_tokens` each.
 
@@ -236,6 +223,8 @@ def cut_shards(
         first_index: the first shard's `index` (the shards of earlier windows come first).
         window: the planning window these rows belong to.
         adapter_keys: the job's LoRA adapters' weights hashes, by lora index - 1.
+        rule: where the cuts fall (`pipelines/prefix_cut.py`): PREFIX, between rows
+            that share the least prefix, or FILL, where each shard is full.
 
     Returns:
         Shards in run order, `index` first_index, first_index + 1, ...
@@ -248,7 +237,13 @@ def cut_shards(
         row_cost(r, params[r.params_index].max_tokens * params[r.params_index].n) for r in ordered
     ]
     budget = budget_for(row_costs, shard_tokens, min_shards)
-    ends = _greedy_cut(row_costs, budget, max_rows)
+    ends = cut_ends(
+        row_costs,
+        budget,
+        max_rows=max_rows,
+        rule=rule,
+        shared_at=lambda e: shared_prefix(ordered[e - 1], ordered[e]),
+    )
     starts = [0, *ends[:-1]]
     groups = [list(ordered[a:b]) for a, b in zip(starts, ends)]
     costs = [sum(row_costs[a:b]) for a, b in zip(starts, ends)]
@@ -282,6 +277,7 @@ def plan_shards(
     first_index: int = 0,
     window: int = 0,
     adapter_keys: Sequence[str] = (),
+    rule: str = PREFIX,
 ) -> list[PlannedShard]:
     """`order_rows` then `cut_shards`: the whole packing step for one window."""
     ordered = order_rows(rows, group_tokens=group_tokens)
@@ -296,6 +292,7 @@ def plan_shards(
         first_index=first_index,
         window=window,
         adapter_keys=adapter_keys,
+        rule=rule,
     )
 
 

@@ -43,6 +43,7 @@ from tokenmill.pipelines.pooling import (
     PoolingInputs,
     PoolingLayout,
 )
+from tokenmill.pipelines.prefix_cut import FILL, PREFIX
 from tokenmill.pipelines.reading import Window, read_windows
 from tokenmill.pipelines.results import DUPLICATE_OF, extra_columns
 from tokenmill.pipelines.spec import ConstraintCheck, JobSpec, ParamsTable
@@ -82,10 +83,11 @@ class JobPlan:
     rows_deduplicated: int = 0
     # Where the planner found the model's files (a forecast sizes the engine from them).
     model_dir: str | None = None
-    min_shards: int = 1
+    min_shards: int = 1  # the fewest shards a window was cut into, rows allowing
     # How the weights run, as the ledger names it: the job's quantization option, or the
     # checkpoint's own (ModelDescription.quantization); None: float weights.
-    quantization: str | None = None  # the fewest shards a window was cut into, rows allowing
+    quantization: str | None = None
+    cut_rule: str = PREFIX  # where each window's cuts fall (`prefix_cut.py`)
 
     @property
     def num_tokens(self) -> int:
@@ -162,7 +164,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     )
     fingerprint = source.fingerprint()
     _check_input_unchanged(spec, fingerprint)
-    min_shards = _min_shards(spec, min_shards)
+    min_shards, cut_rule = _cut(spec, min_shards)
     model, tokenizer, max_model_len = _model_for(spec, llm)
     # An adapter that is missing or does not fit the model fails the job here.
     adapters = _adapters_for(spec, model, llm)
@@ -202,6 +204,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
                 first_index=len(shards),
                 window=window.index,
                 adapter_keys=[a.weights_hash for a in adapters],
+                rule=cut_rule,
             )
             for planned in planned_shards:
                 _spill(spec, planned.shard.shard_id, planned.rows, window)
@@ -247,6 +250,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         model_dir=str(model.model_dir),
         min_shards=min_shards,
         quantization=_quantization(spec, model, llm),
+        cut_rule=cut_rule,
     )
     log.info(
         "planned job %s: %d rows (%d failed before compute, %d duplicates computed once), "
@@ -279,24 +283,30 @@ def _check_rows_read(source: Any, counts: ReadCounts, num_rows: int) -> None:
     )
 
 
-def _min_shards(spec: JobSpec, requested: int) -> int:
-    """The cut to plan with: the one recorded with results being resumed, else `requested`."""
+def _cut(spec: JobSpec, requested: int) -> tuple[int, str]:
+    """(min_shards, cut rule) to plan with: those recorded with results being resumed,
+    else `requested` and the prefix cut. Results recorded without a rule were cut by
+    filling (the only rule there was), and parts without any record keep `requested`."""
     if requested < 1:
         raise ValueError(f"min_shards must be >= 1, got {requested}")
     if not spec.resume:
-        return requested
+        return requested, PREFIX
     recorded = out.read_cut(spec.output, spec.storage_options)
-    if recorded is None or recorded == requested:
-        return requested
+    if recorded == (requested, PREFIX):
+        return requested, PREFIX
     if not out.completed_shards(spec.output, spec.storage_options):
-        return requested
-    log.info(
-        "resuming results cut into at least %d shards per window (asked for %d): the same "
-        "shards as the first run",
-        recorded,
-        requested,
-    )
-    return recorded
+        return requested, PREFIX
+    if recorded is None:
+        return requested, FILL
+    min_shards, rule = recorded[0], recorded[1] or FILL
+    if min_shards != requested:
+        log.info(
+            "resuming results cut into at least %d shards per window (asked for %d): the "
+            "same shards as the first run",
+            min_shards,
+            requested,
+        )
+    return min_shards, rule
 
 
 def _check_input_unchanged(spec: JobSpec, fingerprint: list[dict[str, Any]]) -> None:

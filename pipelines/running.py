@@ -97,7 +97,7 @@ def prepare_output(plan: JobPlan) -> set[str]:
     done = completed_shards(plan)
     # Recorded before any part of this input is published (planning checked it).
     out.write_input_fingerprint(spec.output, plan.input_fingerprint, spec.storage_options)
-    out.write_cut(spec.output, plan.min_shards, spec.storage_options)
+    out.write_cut(spec.output, plan.min_shards, plan.cut_rule, spec.storage_options)
     return done
 
 

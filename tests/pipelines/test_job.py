@@ -422,6 +422,28 @@ def test_a_resume_keeps_the_cut_of_the_first_run(tmp_path, fake_llm):
     assert ledger.num_shards == 2 and ledger.num_shards_run == 1
 
 
+def test_a_resume_keeps_the_cut_rule_its_parts_were_cut_with(tmp_path, fake_llm):
+    """Results cut before cuts had rules were cut by filling shards: a resume over them
+    plans with that rule, and a fresh output with the prefix cut."""
+    src = _write_input(tmp_path / "in.parquet", [f"Question {i}?" for i in range(12)])
+    out = str(tmp_path / "out")
+    spec = JobSpec(src, out, max_tokens=4)
+    assert planning._cut(spec, 2) == (2, "prefix")  # nothing to resume
+    plan = plan_job(spec, llm=fake_llm, min_shards=2)
+    assert plan.cut_rule == "prefix"
+    prepare_output(plan)
+    run_shard(fake_llm, plan, plan.shards[0])
+    cut_file = tmp_path / "out" / "_cut.json"
+    assert json.loads(cut_file.read_text()) == {"min_shards": 2, "rule": "prefix"}
+    assert planning._cut(spec, 1) == (2, "prefix")
+    cut_file.write_text(json.dumps({"min_shards": 2}))  # as recorded before rules
+    assert planning._cut(spec, 1) == (2, "fill")
+    assert plan_job(spec, llm=fake_llm).cut_rule == "fill"
+    cut_file.unlink()  # parts from before the cut was recorded at all
+    assert planning._cut(spec, 3) == (3, "fill")
+    assert planning._cut(JobSpec(src, out, max_tokens=4, resume=False), 3) == (3, "prefix")
+
+
 def test_the_ledger_names_the_jobs_own_quantization_and_none_for_float_weights(tmp_path, fake_llm):
     src = _write_input(tmp_path / "in.parquet")
     assert run_job(src, str(tmp_path / "float"), llm=fake_llm).quantization is None

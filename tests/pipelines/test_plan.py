@@ -6,6 +6,7 @@ import pytest
 
 from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.pipelines.plan import Shard, cut_shards, job_id, order_rows, plan_shards, row_cost
+from tokenmill.pipelines.prefix_cut import FILL
 from tokenmill.pipelines.tokenize import PromptRow
 
 PARAMS = [SamplingParams(max_tokens=10, temperature=0.0)]
@@ -68,8 +69,11 @@ def test_budgets_respected_and_every_row_in_exactly_one_shard(budget):
 
 
 def test_max_rows_cap():
-    shards = plan_shards(_rows(), PARAMS, model_key="m", max_rows=7)
+    shards = plan_shards(_rows(), PARAMS, model_key="m", max_rows=7, rule=FILL)
     assert [s.shard.num_rows for s in shards] == [7, 7, 7, 7, 4]
+    # the prefix cut keeps the count and the cap, and moves cuts between prefix groups
+    shards = plan_shards(_rows(), PARAMS, model_key="m", max_rows=7)
+    assert [s.shard.num_rows for s in shards] == [7, 7, 6, 6, 6]
 
 
 def test_shard_ids_stable_across_runs_and_input_order():
