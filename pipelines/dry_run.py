@@ -41,6 +41,7 @@ def forecast_job(plan: JobPlan, *, done: Iterable[str] = (), llm: Any = None) ->
     spec = plan.spec
     done = set(done)
     batches = []
+    shard_calls = []
     sums = None
     for shard in plan.shards:
         if shard.shard_id in done:
@@ -57,12 +58,16 @@ def forecast_job(plan: JobPlan, *, done: Iterable[str] = (), llm: Any = None) ->
             ]
             # A shard runs its generation rows in one call, then its pooling rows in
             # another (`engine_failures.generate_rows`): the forecast sees both in order.
-            for call in (
-                [r for r in requests if not r.is_pooling],
-                [r for r in requests if r.is_pooling],
-            ):
-                if call:
-                    batches.append(call)
+            calls = [
+                call
+                for call in (
+                    [r for r in requests if not r.is_pooling],
+                    [r for r in requests if r.is_pooling],
+                )
+                if call
+            ]
+            batches += calls
+            shard_calls.append(calls)
     work = Work(
         batches,
         rows=plan.num_rows,
@@ -71,6 +76,8 @@ def forecast_job(plan: JobPlan, *, done: Iterable[str] = (), llm: Any = None) ->
         shards=len(plan.shards),
         shards_done=len(done & {s.shard_id for s in plan.shards}),
         done_sums=sums,
+        # Shards of a job cut for several workers may each start on a cold cache.
+        shard_calls=shard_calls if plan.min_shards > 1 else None,
     )
     return forecast_work(
         work,

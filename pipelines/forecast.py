@@ -26,6 +26,14 @@ A resumed job's finished shards are counted from their parts (exact), the rest
 forecast; `seconds_estimate` is then the time still to run. The forecast assumes the
 run starts with an empty prefix cache, as a new `tokenmill run` process or flow worker
 does; an engine already warm in a notebook may serve more from its cache.
+
+A job cut for several workers (`Work.shard_calls`) runs each shard on whichever worker
+is free, so a shard may or may not find what an earlier shard left in its worker's
+cache. Its cached tokens then range from each shard replayed on a cold cache (the
+floor, which holds for every shard on any worker) to all shards on one engine (the
+figure above); they are exact when the two agree, as they do when no shard's rows
+share a cached block with another shard's (cuts between prefix groups, `prefix_cut.py`,
+leave only what every row shares, such as a system prompt).
 """
 
 from __future__ import annotations
@@ -140,6 +148,9 @@ class Work:
     shards: int = 1
     shards_done: int = 0
     done_sums: dict[str, int] | None = None  # token sums of finished shards' rows
+    # A job for several workers: `batches` grouped by shard (each shard's calls), whose
+    # shards may each start on a cold cache (the module docstring).
+    shard_calls: list[list[list[PlannedRequest]]] | None = None
 
 
 def forecast_work(
@@ -171,6 +182,10 @@ def forecast_work(
     cached = sum(plan.cached_tokens)
     cached_max = cached
     cached_min = cached if exact else 0
+    if work.shard_calls is not None and requests:
+        cold = sum(sum(planner(calls).cached_tokens) for calls in work.shard_calls if calls)
+        exact = exact and cold == cached
+        cached_min = min(cached_min, cold)
     completion_min = sum(
         0 if r.is_prompt_only else r.params.n * max(1, r.params.min_tokens) for r in requests
     )

@@ -23,6 +23,7 @@ from tokenmill.engine.types.outputs import EngineStats
 from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.pipelines import calibration, shared_llm
 from tokenmill.pipelines.calibration import calibrate, fit_step_cost, sample_indices
+from tokenmill.pipelines.dry_run import forecast_job
 from tokenmill.pipelines.forecast import Forecast
 from tokenmill.pipelines.job import plan_job, prepare_output, run_job, run_shard
 from tokenmill.pipelines.output import read_forecast, read_ledger
@@ -338,3 +339,33 @@ def test_notebook_forecast_matches_generate(tiny_model_dir):
     assert frame["cached_tokens"].sum() == forecast.cached_tokens
     low, high = forecast.completion_tokens_min, forecast.completion_tokens_max
     assert low <= frame["completion_tokens"].sum() <= high
+
+
+def test_a_job_for_two_workers_forecasts_what_each_cold_shard_serves(tmp_path, tiny_model_dir):
+    """Shards of a job cut for two workers may run on two cold engines or one warm one:
+    the forecast's floor is each shard on a cold cache, its top the shards on one
+    engine, and each is what the run bills in that case."""
+    preamble = "Read the passage, then answer the question in one word. " * 4
+    prompts = [
+        f"{preamble}Passage {d}: " + f"the {d} brown fox " * 12 + f"Question {q}?"
+        for d in range(4)
+        for q in range(5)
+    ]
+    src = _write(tmp_path / "in.parquet", prompts)
+    llms = [_llm(tiny_model_dir), _llm(tiny_model_dir)]
+    results = []
+    for label, engines in (("cold", llms), ("warm", llms[:1])):
+        spec = JobSpec(src, str(tmp_path / label), max_tokens=3, calibrate=False)
+        plan = plan_job(spec, llm=llms[0], min_shards=2)
+        assert len(plan.shards) == 2
+        forecast = forecast_job(plan)
+        prepare_output(plan)
+        for llm in llms:
+            llm.reset_prefix_cache()  # each engine as a worker that starts the job
+        runs = [run_shard(engines[i % len(engines)], plan, s) for i, s in enumerate(plan.shards)]
+        results.append((forecast, [r.cached_tokens for r in runs]))
+    (forecast, cold), (_, warm) = results
+    # every shard shares the preamble with the other: only a warm engine serves it twice
+    assert not forecast.cached_tokens_exact
+    assert forecast.cached_tokens_min == sum(cold) < sum(warm) == forecast.cached_tokens_max
+    assert forecast.cached_tokens == forecast.cached_tokens_max
