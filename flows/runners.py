@@ -26,6 +26,18 @@ them all, and each worker's engine computes on the cores its worker owns
 (`worker_threads`: the machine's cores shared among the Dask workers on it - Dask's
 nanny would otherwise start every worker with one thread).
 
+Memory: the nanny's limit from the engine's budget
+--------------------------------------------------
+A local cluster started for a job (`dask_workers` with the job's `engine_memory`, its
+`MemoryPlan`) gives each worker's nanny a memory limit of the engine's weights and KV
+cache plus `ENGINE_HEADROOM_BYTES`, and refuses to start workers whose engines would
+not fit in the RAM the machine has left together. A worker past its limit is
+restarted by its nanny and its shard runs again elsewhere, instead of the kernel
+killing a process at random. Dask's spill and pause thresholds are off on such
+workers: they are for Dask's own data, and an engine's memory is not; paused at 80%
+of a limit its engine fills by design, a worker would never take another shard. On
+`dask worker` processes an operator gives the same `--memory-limit` (docs/dask.md).
+
 One worker per GPU
 ------------------
 Give every worker process exactly one GPU and `device=None` (the default), so each
@@ -54,26 +66,69 @@ from typing import Any
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from tokenmill.engine import MemoryPlan
+
 log = logging.getLogger(__name__)
 
 # The Dask resource a worker offers per engine it can hold, and a compute shard needs.
 ENGINE_RESOURCE = "engine"
 # How long a flow waits for the first worker of a cluster that has none yet.
 WORKERS_JOIN_S = 30
+# An engine worker's memory beyond its weights and KV cache: the Python and torch
+# runtime, a step's activations, the shard's rows and the part being written.
+ENGINE_HEADROOM_BYTES = 2 << 30
+# Dask's memory thresholds act on Dask's own data; an engine's memory is not.
+ENGINE_WORKER_CONFIG = {
+    "distributed": {"worker": {"memory": {"target": False, "spill": False, "pause": False}}}
+}
 
 
-def local_cluster_kwargs(num_workers: int) -> dict[str, Any]:
+def worker_memory_limit(memory: MemoryPlan) -> int:
+    """The nanny's memory limit for a worker holding one engine of this memory plan."""
+    return memory.weight_bytes + memory.kv_cache_bytes + ENGINE_HEADROOM_BYTES
+
+
+def local_cluster_kwargs(
+    num_workers: int, engine_memory: MemoryPlan | None = None
+) -> dict[str, Any]:
     """`LocalCluster` options: N single-threaded worker processes, each offering one
-    engine, no dashboard."""
+    engine, no dashboard; with the engine's memory plan (a CPU engine's), each nanny's
+    memory limit sized from it ("Memory" above).
+
+    Raises:
+        RuntimeError: the N engines do not fit in the RAM the plan found available.
+    """
     if num_workers < 1:
         raise ValueError(f"dask_workers must be >= 1, got {num_workers}")
-    return {
+    kwargs: dict[str, Any] = {
         "n_workers": num_workers,
         "threads_per_worker": 1,
         "processes": True,
         "dashboard_address": None,
         "resources": {ENGINE_RESOURCE: 1},
     }
+    if engine_memory is None:
+        return kwargs
+    limit = worker_memory_limit(engine_memory)
+    available = engine_memory.available_bytes
+    if available is not None and num_workers * limit > available:
+        raise RuntimeError(
+            f"{num_workers} Dask workers of one engine each need {num_workers} x "
+            f"{limit / 2**30:.1f} GiB (weights {engine_memory.weight_bytes / 2**30:.1f}, KV "
+            f"cache {engine_memory.kv_cache_bytes / 2**30:.1f}, headroom "
+            f"{ENGINE_HEADROOM_BYTES / 2**30:.1f}), but this machine has "
+            f"{available / 2**30:.1f} GiB available: use fewer workers or a smaller "
+            "--engine-option kv_cache_memory=BYTES"
+        )
+    return {**kwargs, "memory_limit": limit, "config": _worker_config()}
+
+
+def _worker_config() -> dict[str, Any]:
+    """This process's Dask config with `ENGINE_WORKER_CONFIG` over it: a worker process
+    takes a nanny's config as its whole config, not as changes to its defaults."""
+    import dask
+
+    return dask.config.merge(dask.config.config, ENGINE_WORKER_CONFIG)
 
 
 def engine_slots() -> contextlib.AbstractContextManager:
@@ -106,11 +161,14 @@ def make_task_runner(
     dask_workers: int | None = None,
     dask_address: str | None = None,
     ray_address: str | None = None,
+    engine_memory: MemoryPlan | None = None,
 ) -> TaskRunner:
     """The task runner for one of the ways to run the flow (at most one option given).
 
     Args:
         dask_workers: start a local Dask cluster with this many worker processes.
+        engine_memory: with dask_workers, the job's engine memory plan (`LLM.plan`'s
+            `shape.memory`): each worker's memory limit is sized from it.
         dask_address: connect to the Dask scheduler at this address.
         ray_address: connect to the Ray cluster at this address (needs prefect-ray).
 
@@ -129,7 +187,7 @@ def make_task_runner(
     if len(given) > 1:
         raise ValueError(f"give at most one of dask_workers, dask_address, ray_address: {given}")
     if dask_workers is not None:
-        return _dask_runner(cluster_kwargs=local_cluster_kwargs(dask_workers))
+        return _dask_runner(cluster_kwargs=local_cluster_kwargs(dask_workers, engine_memory))
     if dask_address is not None:
         return _dask_runner(address=dask_address)
     if ray_address is not None:

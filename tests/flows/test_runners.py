@@ -8,6 +8,7 @@ import pytest
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 
+from tokenmill.engine import MemoryPlan
 from tokenmill.flows.runners import local_cluster_kwargs, make_task_runner
 
 
@@ -50,3 +51,52 @@ def test_ray_runner_or_what_to_install():
 
     runner = make_task_runner(ray_address="ray://head:10001")
     assert isinstance(runner, RayTaskRunner) and runner.address == "ray://head:10001"
+
+
+def _memory(weights_gib: float, kv_gib: float, available_gib: float | None) -> MemoryPlan:
+    gib = 1 << 30
+    available = None if available_gib is None else int(available_gib * gib)
+    return MemoryPlan("cpu", "bfloat16", int(weights_gib * gib), int(kv_gib * gib), 64, available)
+
+
+def test_a_local_clusters_workers_get_the_engines_memory_as_their_limit():
+    kwargs = local_cluster_kwargs(2, _memory(1.5, 4, 64))
+    assert kwargs["memory_limit"] == int(7.5 * (1 << 30))  # 1.5 + 4 + 2 GiB of headroom
+    memory = kwargs["config"]["distributed"]["worker"]["memory"]
+    assert (memory["target"], memory["spill"], memory["pause"]) == (False, False, False)
+    assert memory["terminate"] == 0.95  # the nanny still restarts a worker past its limit
+    runner = make_task_runner(dask_workers=2, engine_memory=_memory(1.5, 4, 64))
+    assert runner.cluster_kwargs == kwargs
+    # a GPU engine's plan (none) or no plan: Dask's own default limit
+    assert "memory_limit" not in local_cluster_kwargs(2)
+
+
+def test_engines_that_do_not_fit_together_are_refused():
+    with pytest.raises(RuntimeError, match=r"^3 Dask workers .* 3 x 7.5 GiB .* 20.0 GiB available"):
+        local_cluster_kwargs(3, _memory(1.5, 4, 20))
+    assert local_cluster_kwargs(2, _memory(1.5, 4, 20))["memory_limit"] > 0
+
+
+def test_the_limit_and_thresholds_reach_the_workers():
+    import dask
+    from distributed import Client, LocalCluster
+
+    limit = int(3.5 * (1 << 30))
+    with (
+        LocalCluster(**local_cluster_kwargs(1, _memory(0.5, 1, None))) as cluster,
+        Client(cluster) as client,
+    ):
+        (worker,) = client.scheduler_info(n_workers=-1)["workers"].values()
+        assert worker["memory_limit"] == limit
+        seen = client.run(lambda: dask.config.get("distributed.worker.memory.pause"))
+        assert list(seen.values()) == [False]
+
+
+def test_the_cli_sizes_a_local_clusters_workers_from_the_jobs_engine(tmp_path, tiny_model):
+    from tokenmill.cli.flow import engine_memory
+    from tokenmill.engine import LLM
+
+    job = {"input": "in.jsonl", "output": str(tmp_path), "model": tiny_model}
+    memory = engine_memory({**job, "engine_options": {"kv_cache_memory": 64 << 20}})
+    assert memory == LLM.plan([], model=tiny_model, kv_cache_memory=64 << 20).shape.memory
+    assert memory.kv_cache_bytes <= 64 << 20 and memory.weight_bytes > 0

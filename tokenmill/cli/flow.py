@@ -96,8 +96,10 @@ def _resolved_if_exists(value: Any) -> Any:
     return value
 
 
-def task_runner_from(params: dict[str, Any]):
-    """The task runner for the cluster options among a command's parsed `params`."""
+def task_runner_from(params: dict[str, Any], job: dict[str, Any]):
+    """The task runner for the cluster options among a command's parsed `params`; a
+    local Dask cluster's workers get memory limits sized from the engine the `job`
+    (its flow parameters) runs."""
     from tokenmill.flows.runners import make_task_runner
 
     try:
@@ -105,9 +107,21 @@ def task_runner_from(params: dict[str, Any]):
             dask_workers=params["dask_workers"],
             dask_address=params["dask_address"],
             ray_address=params["ray_address"],
+            engine_memory=engine_memory(job) if params["dask_workers"] else None,
         )
     except (ValueError, RuntimeError) as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def engine_memory(job: dict[str, Any]):
+    """The memory plan of the engine a job's flow parameters build (None on a GPU: its
+    cache is sized from the device after the load), planned without loading it."""
+    from tokenmill.pipelines.forecast import engine_planner
+    from tokenmill.pipelines.spec import JobSpec
+
+    options = {k: v for k, v in job.items() if k not in ("input", "output", "storage_secret")}
+    spec = JobSpec(job["input"], job["output"], **options)
+    return engine_planner(spec.llm_options, spec.model)([]).shape.memory
 
 
 @click.group("flow")
@@ -129,8 +143,8 @@ def run_flow(ctx: click.Context, input_uri: str, output_uri: str, as_json: bool,
     from tokenmill.cli.run import print_forecast, print_summary
     from tokenmill.flows.batch_flow import batch_inference
 
-    runner = task_runner_from(ctx.params)
     params = flow_parameters(input_uri, output_uri, given_options(ctx, FLOW))
+    runner = task_runner_from(ctx.params, params)
     state = batch_inference.with_options(task_runner=runner)(**params, return_state=True)
     if not state.is_completed():
         # The flow run's logs (Prefect UI / API) hold the traceback; say why in one line.

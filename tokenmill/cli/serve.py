@@ -50,8 +50,8 @@ def serve(
 
     from tokenmill.flows.batch_flow import batch_inference
 
-    runner = task_runner_from(ctx.params)
     params = flow_parameters(input_uri, output_uri, given_options(ctx, FLOW))
+    runner = task_runner_from(ctx.params, params)
     try:
         schedule = Cron(cron, timezone=timezone)
     except ValueError as exc:
