@@ -17,11 +17,12 @@ worker's share is still split across workers, never given to one while another i
 
 How: `fill`'s shard count is the fewest shards of at most the budget each (a greedy
 cut is optimal for consecutive rows), and `fewest[j]`, the count for the rows from j
-on, falls as j grows. A shard starting at row `start` may therefore end at any row e
+on, never grows with j. A shard starting at row `start` may therefore end at any row e
 up to where `fill` would end it, as long as the rows from e on still fit in the
 shards left; among those ends, the one with the shortest shared prefix wins (the
-latest on a tie: fuller shards first, as `fill` does). Linear in the rows, plus one
-prefix comparison per candidate end.
+latest on a tie: fuller shards first, as `fill` does). Each cut is chosen on its
+own, so the cut as a whole falls back to `fill`'s where that would split less shared
+prefix. O(n log n) in the rows, plus one prefix comparison per candidate end.
 """
 
 from __future__ import annotations
