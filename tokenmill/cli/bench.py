@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from tokenmill.bench.scale_shapes import SHAPE_NAMES
 from tokenmill.bench.workload import PRESET_NAMES
 from tokenmill.cli.options import key_values_callback
 from tokenmill.pipelines.options import get_option
@@ -29,6 +30,26 @@ from tokenmill.pipelines.options import get_option
     "--model",
     default=None,
     help=get_option("model").help,
+)
+@click.option(
+    "--shape",
+    type=click.Choice(SHAPE_NAMES),
+    default=None,
+    help="Instead of --model: a random-weight model at this published shape (real "
+    "vocabulary; SmolLM2's tokenizer), built tensor by tensor on first use and cached.",
+)
+@click.option(
+    "--shape-layers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Build --shape with this many layers (default: the published count).",
+)
+@click.option(
+    "--shape-dtype",
+    type=click.Choice(["bfloat16", "float32"]),
+    default="bfloat16",
+    show_default=True,
+    help="The --shape checkpoint's dtype.",
 )
 @click.option(
     "--baseline",
@@ -163,7 +184,7 @@ from tokenmill.pipelines.options import get_option
     help="Also write the full report as JSON.",
 )
 def bench(
-    presets, model, baselines, dtype, quantizations, kv_cache_dtypes, repeat, hf_batch_size,
+    presets, model, shape, shape_layers, shape_dtype, baselines, dtype, quantizations, kv_cache_dtypes, repeat, hf_batch_size,
     device, threads, engine_args, vllm_args, vllm_python, llamacpp_gguf, llama_bin_dir,
     llama_server, llamacpp_formats, llama_server_slots, llama_server_args, llama_reference,
     seed, timeout_s, json_path,
@@ -180,6 +201,10 @@ def bench(
 
     names = [b.strip() for b in baselines.split(",") if b.strip() and b.strip() != "none"]
     preset_names = _split(presets)
+    if shape is not None:
+        model = _shape_model(model, shape, shape_layers, shape_dtype)
+    elif shape_layers is not None:
+        raise click.BadParameter("needs --shape", param_hint="--shape-layers")
     if any(p.startswith("embed") for p in preset_names):
         if len(preset_names) != 1:
             raise click.BadParameter("an embedding preset runs alone", param_hint="--preset")
@@ -232,6 +257,22 @@ def bench(
     )
     if all(s.wall_s is None for r in reports for s in r.systems if not s.is_baseline):
         raise click.ClickException("no tokenmill run succeeded")
+
+
+def _shape_model(model: str | None, shape: str, num_layers: int | None, dtype: str) -> str:
+    """The directory of the --shape model, built now (before any timed run) if not cached."""
+    from tokenmill.bench.scale_build import build_scale_model
+
+    if model is not None:
+        raise click.BadParameter(
+            "--model and --shape name two models; give one", param_hint="--shape"
+        )
+    try:
+        path = build_scale_model(shape, num_layers=num_layers, dtype=dtype)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(f"{shape}: {path}", err=True)
+    return str(path)
 
 
 def _write_json(json_path, data: dict) -> None:
