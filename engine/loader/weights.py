@@ -11,7 +11,12 @@ import torch
 from torch import nn
 
 from tokenmill.engine.loader.model_files import weight_files
-from tokenmill.engine.loader.safetensors_files import iter_tensors, read_header
+from tokenmill.engine.loader.safetensors_files import (
+    TensorEntry,
+    iter_tensors,
+    map_tensors,
+    read_header,
+)
 from tokenmill.engine.loader.tensor_plan import (
     Target,
     TensorSource,
@@ -53,10 +58,22 @@ def load_model(
         held = hold_out(model, sources)
         sources = [s for s in sources if s.name not in held]
     plan = plan_tensors(model, config, sources, where=str(model_dir))
-    _materialize(model, device)
+    params = dict(model.named_parameters())
+    in_place = {
+        path: [e for e in entries if _usable_in_place(e, plan.targets.get(e.name), params, device)]
+        for path, entries in headers.items()
+    }
+    # The parameters that are the file's bytes get no memory of their own.
+    _materialize(
+        model, device, skip={plan.targets[e.name].param for v in in_place.values() for e in v}
+    )
+    for path, entries in in_place.items():
+        for name, tensor in map_tensors(path, entries).items():
+            _set_parameter(model, plan.targets[name].param, tensor)
     params = dict(model.named_parameters())
     for path, entries in headers.items():
-        wanted = {e.name for e in entries if e.name in plan.targets}
+        mapped = {e.name for e in in_place[path]}
+        wanted = {e.name for e in entries if e.name in plan.targets and e.name not in mapped}
         for name, tensor in iter_tensors(path, wanted):
             target = plan.targets[name]
             _copy_checked(_part(params[target.param].data, target, config), tensor, name)
@@ -65,15 +82,41 @@ def load_model(
     return model.eval()
 
 
-def _materialize(model: nn.Module, device: torch.device) -> None:
-    """Give every meta parameter and buffer uninitialised memory on `device`.
+def _usable_in_place(
+    entry: TensorEntry, target: Target | None, params: dict, device: torch.device
+) -> bool:
+    """Whether a checkpoint tensor can be its parameter as it lies in the file: the
+    whole parameter (not a shard of a fused one or one expert of a stack), in the
+    parameter's dtype, on the CPU, aligned for that dtype."""
+    if target is None or target.shard is not None or target.expert is not None:
+        return False
+    param = params[target.param]
+    return (
+        device.type == "cpu"
+        and entry.dtype == param.dtype
+        and entry.shape == tuple(param.shape)
+        and entry.nbytes > 0
+        and entry.offset % entry.dtype.itemsize == 0
+    )
+
+
+def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+
+
+def _materialize(model: nn.Module, device: torch.device, skip: set[str] = frozenset()) -> None:
+    """Give every meta parameter (but those named in `skip`) and buffer uninitialised
+    memory on `device`.
 
     What `Module.to_empty` does, without its first call's cost: it routes through the meta
     dispatcher, which imports torch's symbolic-shape machinery (a third of a second).
     """
-    for module in model.modules():
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
         for name, param in module._parameters.items():
-            if param is not None and param.is_meta:
+            if param is not None and param.is_meta and prefix + name not in skip:
                 empty = torch.empty(param.shape, dtype=param.dtype, device=device)
                 module._parameters[name] = nn.Parameter(empty, requires_grad=False)
         for name, buffer in module._buffers.items():
