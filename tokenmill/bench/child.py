@@ -1,4 +1,5 @@
-"""The benchmark's child process: runs one system once, or measures the matmul peak.
+"""The benchmark's child process: runs one system once, or measures the matmul peak and
+the memory bandwidth.
 
     python -m tokenmill.bench.child run JOB.json RESULT.json
     python -m tokenmill.bench.child peak MODEL_DIR DEVICE DTYPES RESULT.json
@@ -74,8 +75,11 @@ def main(argv: list[str]) -> None:
     if len(argv) == 3 and argv[0] == "run":
         run_job(Job.from_json(argv[1])).to_json(argv[2])
     elif len(argv) == 5 and argv[0] == "peak":
+        from tokenmill.bench.bandwidth import measure_bandwidth
+
         peaks = measure_peaks(argv[1], argv[2], argv[3].split(","))
-        Path(argv[4]).write_text(json.dumps(peaks))
+        bandwidth = asdict(measure_bandwidth()) if argv[2] == "cpu" else None
+        Path(argv[4]).write_text(json.dumps({"matmul": peaks, "bandwidth": bandwidth}))
     else:
         raise SystemExit(__doc__)
 

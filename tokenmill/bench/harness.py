@@ -170,11 +170,15 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> list[BenchR
             specs_by_preset[preset], sweeps[preset] = specs + picked, sweep + slot_sweep
         runs = {p: {s.label: [] for s in specs_by_preset[p]} for p in workloads}
         peaks: dict[str, float] = {}
+        bandwidth: dict[str, float] = {}
         for round_index in range(config.repeat):
             log(f"round {round_index + 1}/{config.repeat}")
             all_dtypes = {s.dtype for specs in specs_by_preset.values() for s in specs}
-            for dtype, gflops in runner.peaks(sorted(all_dtypes)).items():
+            round_peaks, round_bandwidth = runner.peaks(sorted(all_dtypes))
+            for dtype, gflops in round_peaks.items():
                 peaks[dtype] = max(peaks.get(dtype, 0.0), gflops)
+            for kind, gbs in round_bandwidth.items():  # the best round, as for the peak
+                bandwidth[kind] = max(bandwidth.get(kind, 0.0), gbs)
             for preset in workloads:
                 runner.preset = preset
                 if len(workloads) > 1:
@@ -196,6 +200,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> list[BenchR
             shape=shape,
             peaks_gflops=peaks,
             peers=peers,
+            read_gbs=bandwidth.get("read_gbs"),
         )
         reports.append(
             BenchReport(
@@ -205,6 +210,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> list[BenchR
                 workload=_workload_facts(workload, shape),
                 machine=_machine_facts(config) | {"source": code_at_start},
                 peaks_gflops=peaks,
+                bandwidth_gbs=bandwidth,
                 systems=summaries,
                 sweeps=sweeps[preset],
                 runs=[r for r in runner.records if r["preset"] == preset],
@@ -403,8 +409,9 @@ class _ChildRunner:
         )
         return result
 
-    def peaks(self, dtypes: list[str]) -> dict[str, float]:
-        """Matmul GFLOP/s per dtype, measured now in a child (empty if that failed)."""
+    def peaks(self, dtypes: list[str]) -> tuple[dict[str, float], dict[str, float]]:
+        """(matmul GFLOP/s per dtype, {"read_gbs", "triad_gbs"} on a CPU), measured now
+        in a child (both empty if that failed)."""
         import json
 
         self._count += 1
@@ -412,11 +419,18 @@ class _ChildRunner:
         args = ["peak", self.model_dir, self.config.device, ",".join(dtypes), str(path)]
         failure = self._spawn(None, args)
         if failure is not None:
-            self.notes.append(f"matmul peak not measured: {failure}")
-            return {}
-        peaks = {d: p["gflops"] for d, p in json.loads(path.read_text()).items()}
+            self.notes.append(f"matmul peak and bandwidth not measured: {failure}")
+            return {}, {}
+        measured = json.loads(path.read_text())
+        peaks = {d: p["gflops"] for d, p in measured["matmul"].items()}
+        bandwidth = measured["bandwidth"] or {}
         self.log("  peak: " + ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in peaks.items()))
-        return peaks
+        if bandwidth:
+            self.log(
+                f"  bandwidth: read {bandwidth['read_gbs']:.1f} GB/s, "
+                f"triad {bandwidth['triad_gbs']:.1f} GB/s"
+            )
+        return peaks, bandwidth
 
     def _spawn(self, python: str | None, args: list[str]) -> str | None:
         env = dict(os.environ)

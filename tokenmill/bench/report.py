@@ -9,8 +9,9 @@ of its precision class in that round (its peers), so it always faces llama.cpp's
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+from tokenmill.bench.bandwidth import WEIGHT_BYTES, decode_bound, weight_bytes
 from tokenmill.bench.flops import ModelShape, RequestWork, minimal_works, total_flops
 from tokenmill.bench.result import RunResult
 from tokenmill.bench.stats import Percentiles, median
@@ -60,6 +61,9 @@ class SystemSummary:
     outputs_match: str | None = None  # "61/64 vs tokenmill-fp32": identical greedy outputs
     # Mean number of leading generated tokens equal to the reference's (how late they diverge).
     mean_agreeing_tokens: float | None = None
+    # Decode steps by batch size against their memory and compute bounds (bandwidth.py):
+    # one dict per batch size the run decoded at (tokenmill systems on a CPU).
+    decode: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     error: str | None = None
 
@@ -71,9 +75,11 @@ def summarize_system(
     workload: Workload,
     shape: ModelShape,
     peak_gflops: float | None,
+    read_gbs: float | None = None,
     error: str | None = None,
 ) -> SystemSummary:
-    """Figures for one system from its runs (None marks a failed round)."""
+    """Figures for one system from its runs (None marks a failed round); read_gbs, the
+    read bandwidth measured in the same invocation, adds the decode bounds."""
     summary = SystemSummary(spec.label, spec.kind, spec.dtype, spec.is_baseline, 0, error=error)
     done = [r for r in runs if r is not None]
     summary.num_runs = len(done)
@@ -104,7 +110,48 @@ def summarize_system(
     summary.cpu_util = median([r.cpu_s / r.wall_s for r in done])
     summary.load_avg = median([r.load_avg_1m for r in done])
     summary.extra = first.extra
+    if read_gbs and peak_gflops and "decode_steps" in first.extra:
+        summary.decode = decode_rows(spec, first, workload, shape, read_gbs, peak_gflops)
     return summary
+
+
+def decode_rows(
+    spec: SystemSpec,
+    run: RunResult,
+    workload: Workload,
+    shape: ModelShape,
+    read_gbs: float,
+    peak_gflops: float,
+) -> list[dict]:
+    """A run's pure decode steps per batch size, each with its bounds and its share of
+    the larger one. The KV reads assume every sequence at the workload's mean context
+    during decode (its prompt plus half its output); a mode whose bytes per weight are
+    not known here (a GGUF format outside WEIGHT_BYTES) gets no rows."""
+    args = spec.options.get("engine_args", {})
+    mode = args.get("quantization")
+    if mode == "gguf":
+        mode = spec.options.get("format")
+    per_weight = WEIGHT_BYTES.get(mode or spec.dtype)
+    if per_weight is None:
+        return []
+    head = 1.0 if args.get("quantize_lm_head") else WEIGHT_BYTES[spec.dtype]
+    kv = 1.0 if args.get("kv_cache_dtype") == "int8" else WEIGHT_BYTES[spec.dtype]
+    contexts = [len(p) + n / 2 for p, n in zip(workload.prompt_ids, workload.output_lens)]
+    context = round(sum(contexts) / len(contexts))
+    rows = []
+    for batch, measured in sorted(run.extra["decode_steps"].items(), key=lambda kv: int(kv[0])):
+        bound = decode_bound(
+            shape,
+            int(batch),
+            context,
+            weight_bytes_read=weight_bytes(shape, per_weight, head),
+            kv_bytes=kv,
+            read_gbs=read_gbs,
+            peak_gflops=peak_gflops,
+        )
+        bound = replace(bound, measured_s=measured["mean_s"], num_steps=measured["num_steps"])
+        rows.append(asdict(bound) | {"bound": bound.bound, "share": bound.share})
+    return rows
 
 
 def useful_flops(workload: Workload, shape: ModelShape, generated: list[int] | None = None) -> int:
@@ -185,6 +232,7 @@ class BenchReport:
     machine: dict
     peaks_gflops: dict[str, float]
     systems: list[SystemSummary]
+    bandwidth_gbs: dict[str, float] = field(default_factory=dict)  # read_gbs, triad_gbs
     sweeps: list[dict] = field(default_factory=list)  # HF batch sizes, llama-server slots
     runs: list[dict] = field(default_factory=list)  # every timed run, in the order run
     notes: list[str] = field(default_factory=list)
@@ -206,6 +254,7 @@ def build_summaries(
     shape: ModelShape,
     peaks_gflops: dict[str, float],
     peers: dict[str, list[str]] | None = None,
+    read_gbs: float | None = None,
 ) -> list[SystemSummary]:
     """Per-system summaries with ratios to every baseline and output agreement.
 
@@ -220,6 +269,7 @@ def build_summaries(
             workload=workload,
             shape=shape,
             peak_gflops=peaks_gflops.get(spec.dtype),
+            read_gbs=read_gbs,
             error=errors.get(spec.label),
         )
         for spec in specs

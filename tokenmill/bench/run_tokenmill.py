@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tokenmill.bench.bandwidth import DecodeStepTimer
 from tokenmill.bench.result import RunResult, Stopwatch, tpot
 from tokenmill.bench.systems import Job
 from tokenmill.bench.workload import Workload, warmup_prompts
@@ -53,15 +54,19 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
         )
         slot_loads = llm.stats().num_adapter_loads
     before = replace(llm.stats())
+    steps = DecodeStepTimer()  # decode step times by batch size (bandwidth.py)
     with Stopwatch() as clock:
         if workload.sequential:  # one request at a time: nothing to batch
             outputs = []
             for i, (prompt, param) in enumerate(zip(workload.prompt_ids, params)):
                 one = None if lora is None else [lora[i]]
-                outputs += llm.generate([prompt], [param], lora_request=one)
+                steps.start(llm.stats())
+                outputs += llm.generate([prompt], [param], lora_request=one, on_step=steps)
         else:
-            outputs = llm.generate(workload.prompt_ids, params, lora_request=lora)
+            steps.start(llm.stats())
+            outputs = llm.generate(workload.prompt_ids, params, lora_request=lora, on_step=steps)
     after = llm.stats()
+    extra["decode_steps"] = steps.summary()
     if lora is not None:  # more adapters than slots: some reloaded within the timed run
         extra["timed_slot_loads"] = llm.stats().num_adapter_loads - slot_loads
     errors = [o.error for o in outputs if o.error is not None]

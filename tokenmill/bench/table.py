@@ -28,8 +28,16 @@ def render(report: BenchReport, console: Console | None = None) -> None:
         console.print("requests run one at a time, each after the previous one finished")
     peaks = ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in report.peaks_gflops.items())
     console.print(f"matmul peak measured in this run: {peaks or 'not measured'}")
+    bandwidth = report.bandwidth_gbs
+    if bandwidth:
+        console.print(
+            f"memory bandwidth measured in this run: read {bandwidth['read_gbs']:.1f} GB/s, "
+            f"STREAM triad {bandwidth['triad_gbs']:.1f} GB/s"
+        )
     console.print(throughput_table(report.systems))
     console.print(latency_table(report.systems))
+    if any(s.decode for s in report.systems):
+        console.print(decode_table(report.systems))
     for line in structured_lines(report.systems) + adapter_load_lines(report.systems):
         console.print(line)
     for note in report.notes:
@@ -48,6 +56,33 @@ def render_all(reports: list[BenchReport], console: Console | None = None) -> No
     for fmt, facts in (files or {}).items():
         types = ", ".join(f"{kind} {count}" for kind, count in facts["tensor_types"].items())
         console.print(f"llama.cpp {fmt}: {facts['path']} ({types})")
+
+
+def decode_table(systems: list[SystemSummary]) -> Table:
+    """Each tokenmill system's pure decode steps by batch size: the measured step, its
+    memory bound (bytes / read bandwidth) and compute bound (FLOPs / matmul peak), which
+    one binds, and the step's share of it - where the crossover lies, at a glance."""
+    table = Table(title="Decode steps by batch size, against the bandwidth and compute rooflines")
+    for name in (
+        "system", "batch", "steps", "context", "step ms", "MB read", "memory ms",
+        "compute ms", "bound by", "share of bound",
+    ):  # fmt: skip
+        table.add_column(name, justify="left" if name in ("system", "bound by") else "right")
+    for summary in systems:
+        for row in summary.decode:
+            table.add_row(
+                summary.label,
+                str(row["batch"]),
+                str(row["num_steps"]),
+                str(row["context"]),
+                f"{row['measured_s'] * 1e3:.2f}",
+                f"{row['bytes_read'] / 1e6:,.1f}",
+                f"{row['memory_s'] * 1e3:.2f}",
+                f"{row['compute_s'] * 1e3:.2f}",
+                row["bound"],
+                f"{row['share']:.0%}",
+            )
+    return table
 
 
 def throughput_table(systems: list[SystemSummary]) -> Table:

@@ -1,0 +1,114 @@
+"""Bandwidth beside FLOPs: the decode step's two bounds on exact numbers, the batch where
+one gives way to the other, decode steps told apart from prefill steps, and the report's
+rows for a run."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.bench.bandwidth import (
+    Bandwidth,
+    DecodeStepTimer,
+    crossover_batch,
+    decode_bound,
+    kv_bytes_per_token,
+    measure_bandwidth,
+    weight_bytes,
+)
+from tokenmill.bench.flops import ModelShape
+from tokenmill.bench.report import summarize_system
+from tokenmill.bench.result import RunResult
+from tokenmill.bench.systems import SystemSpec
+from tokenmill.bench.workload import Workload
+
+SHAPE = ModelShape(
+    hidden_size=4, intermediate_size=6, num_layers=2, num_heads=2, num_kv_heads=1,
+    head_dim=2, vocab_size=10,
+)  # fmt: skip
+# per layer: q,o 16 each, k,v 8 each, mlp 72: 120; two layers 240.
+P_LAYERS = 240
+
+
+def test_decode_bound_counts_weights_once_and_kv_per_sequence():
+    assert SHAPE.layer_matmul_params == P_LAYERS
+    assert weight_bytes(SHAPE, 2.0, 2.0) == 2 * P_LAYERS + 2 * 4 * 10  # 560
+    assert weight_bytes(SHAPE, 0.5, 2.0) == 120 + 80
+    assert kv_bytes_per_token(SHAPE, 2.0) == 2 * 2 * 1 * 2 * 2  # K and V, 2 layers: 16
+    bound = decode_bound(
+        SHAPE, 3, 5, weight_bytes_read=560, kv_bytes=2.0, read_gbs=1e-6, peak_gflops=1e-6
+    )
+    assert bound.bytes_read == 560 + 3 * 5 * 16
+    # per token: 2*240 + 2*4*10 = 560; attention 4*2*2*5*2 = 160
+    assert bound.flops == 3 * (560 + 160)
+    assert bound.memory_s == pytest.approx(800 / 1e3)
+    assert bound.compute_s == pytest.approx(2160 / 1e3)
+    assert bound.bound == "compute" and bound.share is None
+
+
+def test_crossover_is_the_first_compute_bound_batch():
+    # 1 byte/ns of bandwidth against 10 FLOP/ns; context 1: a step reads 560 + 16*b
+    # bytes and computes (560 + 32)*b FLOPs, so bytes > FLOPs/10 up to b = 12.
+    args = dict(weight_bytes_read=560, kv_bytes=2.0, read_gbs=1.0, peak_gflops=10.0)
+    assert [decode_bound(SHAPE, b, 1, **args).bound for b in (1, 12, 13)] == [
+        "memory",
+        "memory",
+        "compute",
+    ]
+    assert crossover_batch(SHAPE, 1, **args) == 13
+    # At context 5 each sequence reads 80 bytes of KV and computes 72 FLOP-ns: never.
+    assert crossover_batch(SHAPE, 5, **args, largest=1000) is None
+
+
+class _Stats:
+    def __init__(self, prompt: int, generated: int) -> None:
+        self.computed_prompt_tokens = prompt
+        self.generated_tokens = generated
+
+
+def test_step_timer_keeps_pure_decode_steps_by_batch(monkeypatch):
+    import tokenmill.bench.bandwidth as bandwidth
+
+    clock = iter([0.0, 1.0, 1.5, 1.75, 2.0, 2.5, 4.0])
+    monkeypatch.setattr(bandwidth.time, "perf_counter", lambda: next(clock))
+    timer = DecodeStepTimer()
+    timer.start(_Stats(0, 0))
+    # prefill (prompt computed), decode of 3, decode of 3, chunked prefill beside a
+    # decode of 2 (prompt computed: left out), decode of 2, a step that sampled nothing.
+    for stats in [(64, 3), (64, 6), (64, 9), (96, 11), (96, 13), (96, 13)]:
+        timer(_Stats(*stats))
+    assert timer.summary() == {
+        2: {"num_steps": 1, "mean_s": 0.5},
+        3: {"num_steps": 2, "mean_s": 0.375},
+    }
+
+
+def test_bandwidth_is_measured_both_ways():
+    measured = measure_bandwidth(buffer_bytes=1 << 22, num_trials=2)
+    assert isinstance(measured, Bandwidth)
+    assert measured.read_gbs > 0.1 and measured.triad_gbs > 0.1
+
+
+def test_report_rows_per_batch_size_for_a_bf16_run():
+    workload = Workload("w", [[1, 2, 3], [1, 2, 4, 5, 6]], [4, 2], [None, None], [0, 0])
+    run = RunResult(
+        system="tokenmill-bf16", wall_s=1.0, num_prompt_tokens=8,
+        num_computed_prompt_tokens=8, num_cached_prompt_tokens=0, num_generated_tokens=6,
+        computed_prompt=[3, 5], cached_prompt=[0, 0], generated=[4, 2], ttft_s=[0.1, 0.1],
+        tpot_s=[0.01, 0.01], peak_rss_bytes=1, cpu_s=1.0,
+        # as the child's JSON brings them back: batch sizes as strings
+        extra={"decode_steps": {"2": {"num_steps": 1, "mean_s": 2e-6},
+                                "1": {"num_steps": 2, "mean_s": 1e-6}}},
+    )  # fmt: skip
+    spec = SystemSpec("tokenmill-bf16", "tokenmill", "bfloat16", False, {})
+    summary = summarize_system(
+        spec, [run], workload=workload, shape=SHAPE, peak_gflops=1.0, read_gbs=1.0
+    )
+    # mean context: (3 + 2) and (5 + 1) -> 5.5, rounded to 6 (banker's: round(5.5) = 6)
+    rows = [(r["batch"], r["context"], r["bytes_read"], r["flops"]) for r in summary.decode]
+    assert rows == [(1, 6, 560 + 96, 560 + 192), (2, 6, 560 + 192, 2 * (560 + 192))]
+    first = summary.decode[0]
+    assert first["bound"] == "compute"  # 752 FLOP-ns > 656 byte-ns
+    assert first["share"] == pytest.approx(752e-9 / 1e-6)
+    assert (
+        summarize_system(spec, [run], workload=workload, shape=SHAPE, peak_gflops=1.0).decode == []
+    )

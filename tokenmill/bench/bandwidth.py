@@ -1,0 +1,183 @@
+"""Memory bandwidth beside the matmul peak, and decode's share of the bandwidth roofline.
+
+A decode step computes one token per running sequence, so its FLOPs grow with the batch
+while the bytes it must read - every weight once, plus each sequence's KV cache - barely
+do. Below some batch size the step is bound by reading, above it by computing. Both
+bounds of one step, for a batch of B sequences with C tokens of context each:
+
+    bytes  = weight_bytes + B * C * kv_bytes_per_token
+    flops  = B * (2 * P_layers + 2 * hidden * vocab) + 4 * B * heads * head_dim * C * layers
+    bound  = max(bytes / read bandwidth, flops / matmul peak)
+
+The step is memory-bound where the first term is the larger (bytes / bandwidth > FLOPs /
+peak). weight_bytes are the per-layer matmul weights and the lm_head at the system's
+bytes per weight (a quantized mode's codes with their scales); embeddings are looked up a
+row at a time and norms are negligible, so neither counts. A measured step's share of the
+bound is bound / measured time: 1.0 would be the hardware's limit.
+
+Bandwidth is measured in the same run as the peak, two ways, each over buffers far larger
+than any cache: read-only (a sum over one buffer: what a decode step does with weights)
+and STREAM's triad (a = b + s * c, counted as STREAM counts it: two reads and a write).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tokenmill.bench.flops import ModelShape
+
+# Bytes one weight takes in each tokenmill precision: the codes and their scales (int8:
+# an fp32 scale per output row, negligible; int4: 4-bit codes with a bf16 scale and
+# minimum per group of 32; gguf Q4_0: 18 bytes per block of 32).
+WEIGHT_BYTES = {
+    "float32": 4.0,
+    "bfloat16": 2.0,
+    "int8": 1.0,
+    "int4": (16 + 4) / 32,
+    "Q8_0": 34 / 32,
+    "Q4_0": 18 / 32,
+}
+BUFFER_BYTES = 1 << 28  # 256 MB per buffer: far past the last-level cache
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Best GB/s measured, read-only and STREAM triad."""
+
+    read_gbs: float
+    triad_gbs: float
+
+
+def measure_bandwidth(
+    *, buffer_bytes: int = BUFFER_BYTES, num_trials: int = 5, threads: int | None = None
+) -> Bandwidth:
+    """Read-only and triad bandwidth in GB/s (best of num_trials, all torch threads).
+
+    The best trial is the one least disturbed by other work on the machine.
+    """
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    n = buffer_bytes // 4
+    a, b, c = (torch.ones(n) for _ in range(3))  # touched, so every page is resident
+    scalar = 3.0
+
+    def best(run, nbytes: int) -> float:
+        run()  # warm-up
+        fastest = float("inf")
+        for _ in range(num_trials):
+            start = time.perf_counter()
+            run()
+            fastest = min(fastest, time.perf_counter() - start)
+        return nbytes / fastest / 1e9
+
+    read = best(lambda: b.sum(), 4 * n)
+    triad = best(lambda: torch.add(b, c, alpha=scalar, out=a), 3 * 4 * n)
+    return Bandwidth(read, triad)
+
+
+@dataclass(frozen=True)
+class DecodeBound:
+    """One decode step's two bounds at a batch size, and a measured step against them."""
+
+    batch: int
+    context: int  # tokens of context per sequence assumed for the KV reads
+    bytes_read: int
+    flops: int
+    memory_s: float  # bytes / read bandwidth
+    compute_s: float  # FLOPs / matmul peak
+    measured_s: float | None = None  # mean measured step time at this batch size
+    num_steps: int = 0
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+    @property
+    def share(self) -> float | None:
+        """The roofline's time over the measured time (1.0: at the hardware's limit)."""
+        if not self.measured_s:
+            return None
+        return max(self.memory_s, self.compute_s) / self.measured_s
+
+
+def weight_bytes(shape: ModelShape, bytes_per_weight: float, lm_head_bytes: float) -> int:
+    """Bytes a decode step reads of weights: the layers' matmuls and the lm_head."""
+    lm_head = shape.hidden_size * shape.vocab_size * lm_head_bytes
+    return round(shape.layer_matmul_params * bytes_per_weight + lm_head)
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_bytes: float) -> float:
+    """K and V of one token over every layer."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_bytes
+
+
+def decode_bound(
+    shape: ModelShape,
+    batch: int,
+    context: int,
+    *,
+    weight_bytes_read: int,
+    kv_bytes: float,
+    read_gbs: float,
+    peak_gflops: float,
+) -> DecodeBound:
+    """The memory and compute bounds of one decode step of `batch` sequences."""
+    bytes_read = round(weight_bytes_read + batch * context * kv_bytes_per_token(shape, kv_bytes))
+    per_token = 2 * shape.layer_matmul_params + 2 * shape.hidden_size * shape.vocab_size
+    attention = 4 * shape.num_heads * shape.head_dim * context * shape.num_layers
+    flops = batch * (per_token + attention)
+    return DecodeBound(
+        batch,
+        context,
+        bytes_read,
+        flops,
+        memory_s=bytes_read / (read_gbs * 1e9),
+        compute_s=flops / (peak_gflops * 1e9),
+    )
+
+
+def crossover_batch(
+    shape: ModelShape, context: int, *, weight_bytes_read: int, kv_bytes: float,
+    read_gbs: float, peak_gflops: float, largest: int = 4096,
+) -> int | None:  # fmt: skip
+    """The smallest batch whose decode step is compute-bound (None: none up to `largest`)."""
+    for batch in range(1, largest + 1):
+        bound = decode_bound(
+            shape, batch, context, weight_bytes_read=weight_bytes_read, kv_bytes=kv_bytes,
+            read_gbs=read_gbs, peak_gflops=peak_gflops,
+        )  # fmt: skip
+        if bound.bound == "compute":
+            return batch
+    return None
+
+
+class DecodeStepTimer:
+    """Times each engine step through `LLM.generate(on_step=...)` and keeps the steps that
+    only decoded (no prompt token computed), by batch size: the engine's counters say how
+    many prompt tokens a step computed and how many tokens it sampled."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, list[float]] = {}  # batch size -> step seconds
+        self._last: tuple[float, int, int] | None = None
+
+    def start(self, stats) -> None:
+        self._last = (time.perf_counter(), stats.computed_prompt_tokens, stats.generated_tokens)
+
+    def __call__(self, stats) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            then, prompt, generated = self._last
+            sampled = stats.generated_tokens - generated
+            if stats.computed_prompt_tokens == prompt and sampled > 0:
+                self.steps.setdefault(sampled, []).append(now - then)
+        self._last = (now, stats.computed_prompt_tokens, stats.generated_tokens)
+
+    def summary(self) -> dict[int, dict]:
+        """{batch: {"num_steps", "mean_s"}} over the pure decode steps."""
+        return {
+            batch: {"num_steps": len(times), "mean_s": sum(times) / len(times)}
+            for batch, times in sorted(self.steps.items())
+        }
