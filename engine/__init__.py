@@ -87,6 +87,7 @@ _EXPORTS: dict[str, str] = {
     "PlannedRequest": "tokenmill.engine.core.simulation",
     "StepLoad": "tokenmill.engine.core.simulation",
     "MemoryPlan": "tokenmill.engine.types.memory",
+    "precision_bytes": "tokenmill.engine.worker.memory",
     "InsufficientMemoryError": "tokenmill.engine.types.memory",
     # Tools: the profiling hook and what it times.
     "StepProfiler": "tokenmill.engine.types.profiling",
@@ -155,6 +156,7 @@ __all__ = [
     "model_info",
     "model_names",
     "onednn_linear_available",
+    "precision_bytes",
     "read_pooling_config",
     "resolve_dtype",
     "resolve_model",
@@ -237,3 +239,4 @@ if TYPE_CHECKING:  # what a type checker and an IDE see; nothing is imported at 
     from tokenmill.engine.types.structured_outputs import StructuredOutputs
     from tokenmill.engine.worker.build import check_settings, setting_choices
     from tokenmill.engine.worker.kv_cache import kv_cache_format
+    from tokenmill.engine.worker.memory import precision_bytes

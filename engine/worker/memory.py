@@ -53,6 +53,33 @@ def load_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     return total
 
 
+# Bytes per weight of a decoder layer's linear layers (dense projections and expert
+# stacks) in each quantization mode, what it stores beside the codes included: int8 an
+# fp32 scale per output row (added per row below), int4 4-bit codes with a bf16 scale and
+# minimum per group of 32 inputs.
+_QUANTIZED_BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.5 + 4 / 32}
+
+
+def precision_bytes(config: ModelConfig) -> dict[str, int]:
+    """The bytes `config`'s weights take in bf16, int8 and int4: a quantization mode
+    quantizes the decoder layers' linear layers; the embedding, the norms, biases and the
+    lm_head stay in bf16 (the CPU's fast float; an lm_head quantized too is smaller).
+    Counted on the meta device: nothing is read or allocated."""
+    model = build_on_meta(config, torch.bfloat16)
+    layer_weights = rows = 0
+    for name, param in model.named_parameters():
+        if ".layers." in name and param.dim() >= 2:
+            layer_weights += param.numel()
+            rows += param.numel() // param.shape[-1]
+    total = load_bytes(config, torch.bfloat16)
+    rest = total - 2 * layer_weights
+    sizes = {"bfloat16": total}
+    for mode, per_weight in _QUANTIZED_BYTES_PER_WEIGHT.items():
+        scales = 4 * rows if mode == "int8" else 0
+        sizes[mode] = rest + round(layer_weights * per_weight) + scales
+    return sizes
+
+
 def checkpoint_load_bytes(model_dir: Path, config: ModelConfig, dtype: torch.dtype) -> int:
     """The bytes a checkpoint quantized by another tool takes once loaded, from its
     headers: its float tensors in `dtype`, its quantized tensors as stored (the load reads

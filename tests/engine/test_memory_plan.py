@@ -145,3 +145,29 @@ def test_a_quantized_checkpoint_is_planned_at_its_stored_size_not_as_a_float_mod
     assert expected < load_bytes(load_config(model_dir), torch.float32) / 2
     planned = shape_for(str(model_dir), dtype="float32", kv_cache_memory=4 * MIB).memory
     assert planned.weight_bytes == expected  # a dry run plans it the same way
+
+
+def test_precision_bytes_quantize_only_the_decoder_layers_linear_weights(tmp_path):
+    from click.testing import CliRunner
+
+    from tokenmill.bench.scale_build import build_scale_model
+    from tokenmill.cli import main
+    from tokenmill.engine import precision_bytes
+
+    tiny = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152}  # fmt: skip
+    model_dir = build_scale_model(
+        "llama-3.1-8b", num_layers=2, overrides=tiny, out_dir=tmp_path / "m"
+    )
+    # Per layer q 64x64, k and v 32x64, o 64x64, gate and up 96x64, down 64x96: 30,720
+    # weights in 448 rows; embedding and lm_head 49,152x64 each, five norms of 64.
+    layer_weights, rows = 2 * 30_720, 2 * 448
+    rest = 2 * (2 * 49_152 * 64 + 5 * 64)
+    assert precision_bytes(load_config(model_dir)) == {
+        "bfloat16": rest + 2 * layer_weights,
+        "int8": rest + layer_weights + 4 * rows,
+        "int4": rest + layer_weights * 5 // 8,
+    }
+    shown = CliRunner().invoke(main, ["models", "info", str(model_dir)])
+    assert shown.exit_code == 0, shown.output
+    assert "weights:       bfloat16 0.01 GB, int8 0.01 GB, int4 0.01 GB" in shown.output

@@ -64,6 +64,8 @@ def info_command(model: str, revision: str | None) -> None:
         active = info.num_active_parameters
         click.echo(f"active:        {_format_count(active)} ({active:,}) per token")
     click.echo(f"dtype:         {info.dtype}")
+    if quantized is None and info.path is not None and info.path.is_dir():
+        _echo_precision_bytes(info.path)
     click.echo(f"source:        {info.source}")
     if info.path is not None and info.path.is_dir():
         click.echo(f"weights hash:  {weights_hash(info.path)}")
@@ -124,6 +126,19 @@ def _echo_quantization(quantized) -> None:
     click.echo(f"group size:    {groups}")
     for line in quantized.kernels:
         click.echo(f"kernels:       {line}")
+
+
+def _echo_precision_bytes(path: Path) -> None:
+    """The bytes the weights take in bf16 and each quantization mode (decoder linear
+    layers quantized; embedding, norms and lm_head in bf16)."""
+    from tokenmill.engine import load_config, precision_bytes
+
+    try:
+        sizes = precision_bytes(load_config(path))
+    except ValueError:  # an architecture the engine does not build: nothing to count
+        return
+    listed = ", ".join(f"{mode} {size / 1e9:.2f} GB" for mode, size in sizes.items())
+    click.echo(f"weights:       {listed}")
 
 
 def _format_count(count: int | None) -> str:
