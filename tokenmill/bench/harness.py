@@ -246,6 +246,7 @@ def _llama_ggufs(config: BenchConfig, model_dir: str, log: Log) -> tuple[dict, s
     file: --model's, or the one its alias converted) with llama-quantize, or the source
     itself in its own format."""
     from tokenmill.bench.run_llamacpp import source_gguf
+    from tokenmill.bench.scale_shapes import GGUF_FORMATS, is_scale_model
     from tokenmill.engine import cache_dir
 
     wants_llama = any(b.startswith("llamacpp") for b in config.baselines)
@@ -258,6 +259,9 @@ def _llama_ggufs(config: BenchConfig, model_dir: str, log: Log) -> tuple[dict, s
             source = Path(config.llamacpp_gguf)
         elif config.model and str(config.model).endswith(".gguf") and Path(config.model).is_file():
             source = Path(config.model)
+        elif is_scale_model(model_dir):  # --shape: its GGUF written from the same values
+            log("writing the scale model's GGUF (first use only)")
+            source = _scale_gguf(model_dir, None)
         else:
             source = source_gguf(model_dir)
         source_format = llamacpp.layer_format(source)
@@ -267,7 +271,14 @@ def _llama_ggufs(config: BenchConfig, model_dir: str, log: Log) -> tuple[dict, s
     formats += [f for f in gguf_modes if f not in formats]
     tools = LlamaTools.find(config.llama_bin_dir, config.llama_server)
     ggufs, notes = {}, []
+    # A scale model's formats are written from its random values (gguf.quants), not
+    # requantized from the BF16 file: llama-quantize is then not needed.
+    written = is_scale_model(model_dir) and not config.llamacpp_gguf
     for fmt in formats:
+        if written and fmt in GGUF_FORMATS:
+            log(f"writing the scale model's {fmt} GGUF (first use only)")
+            ggufs[fmt] = _scale_gguf(model_dir, fmt)
+            continue
         try:
             ggufs[fmt] = llamacpp.prepare_gguf(
                 tools.quantize, source, fmt, cache_dir() / "bench-gguf"
@@ -276,6 +287,13 @@ def _llama_ggufs(config: BenchConfig, model_dir: str, log: Log) -> tuple[dict, s
         except (FileNotFoundError, RuntimeError) as error:
             notes.append(f"llama.cpp {fmt}: skipped - {error}")
     return ggufs, source_format, notes
+
+
+def _scale_gguf(model_dir: str, fmt: str | None) -> Path:
+    # Deferred: the writer imports torch, which the parent process otherwise never loads.
+    from tokenmill.bench.scale_gguf import scale_gguf_path
+
+    return scale_gguf_path(model_dir, fmt)
 
 
 def _with_model_dir(spec: SystemSpec, log: Log) -> SystemSpec:

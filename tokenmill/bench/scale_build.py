@@ -24,7 +24,13 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.bench.scale_shapes import INIT_STD, TensorSpec, checkpoint_tensors, shape_config
+from tokenmill.bench.scale_shapes import (
+    INIT_STD,
+    SCALE_RECORD,
+    TensorSpec,
+    checkpoint_tensors,
+    shape_config,
+)
 
 # Bump when the bytes a given set of arguments builds change: old cache entries are
 # then left alone rather than reused.
@@ -78,7 +84,7 @@ def build_scale_model(
         bos, eos = _copy_tokenizer(staging)
         config = {**config, "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": dtype}
         (staging / "config.json").write_text(json.dumps(config, indent=2))
-        (staging / "tokenmill_scale_model.json").write_text(
+        (staging / SCALE_RECORD).write_text(
             json.dumps({"shape": name, "seed": seed, "build_version": BUILD_VERSION}, indent=2)
         )
         staging.rename(out_dir)
@@ -140,19 +146,22 @@ def _write_safetensors(
         f.write(encoded)
         for spec in tensors:
             for chunk in tensor_chunks(spec, dtype, seed):
-                f.write(chunk.view(torch.uint8).numpy().data)
+                f.write(chunk.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def tensor_chunks(spec: TensorSpec, dtype: torch.dtype, seed: int):
-    """The values of `spec` in `dtype`, flat, in chunks of at most CHUNK_ELEMENTS."""
-    numel = _numel(spec.shape)
+    """The values of `spec` in `dtype`, [rows, columns] chunks of whole rows (at most
+    CHUNK_ELEMENTS values, or one row), so a writer can quantize each chunk by itself."""
+    columns = spec.shape[-1]
+    rows = _numel(spec.shape) // columns
     if spec.init == "ones":
-        yield torch.ones(numel, dtype=dtype)
+        yield torch.ones(rows, columns, dtype=dtype)
         return
     generator = torch.Generator().manual_seed(tensor_seed(seed, spec.name))
-    for start in range(0, numel, CHUNK_ELEMENTS):
-        count = min(CHUNK_ELEMENTS, numel - start)
-        yield torch.randn(count, generator=generator).mul_(INIT_STD).to(dtype)
+    step = max(1, CHUNK_ELEMENTS // columns)
+    for start in range(0, rows, step):
+        count = min(step, rows - start)
+        yield torch.randn(count, columns, generator=generator).mul_(INIT_STD).to(dtype)
 
 
 def tensor_seed(seed: int, name: str) -> int:

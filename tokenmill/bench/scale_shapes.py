@@ -14,7 +14,9 @@ writer and the tests learn the layout from.
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -125,6 +127,10 @@ SHAPES: dict[str, dict] = {
     },
 }
 SHAPE_NAMES = tuple(SHAPES)
+# The file a built scale model's directory holds (shape, seed, build version).
+SCALE_RECORD = "tokenmill_scale_model.json"
+# The llama.cpp formats scale_gguf.py writes a scale model in.
+GGUF_FORMATS = ("F32", "BF16", "Q8_0", "Q4_0")
 # The dimensions a test may shrink (with the layer count) to build a shape in milliseconds.
 SHRINKABLE = (
     "hidden_size",
@@ -265,3 +271,8 @@ def num_parameters(config: dict) -> int:
             count *= dim
         total += count
     return total
+
+
+def is_scale_model(model_dir: str | os.PathLike) -> bool:
+    """Whether build_scale_model made this directory."""
+    return (Path(model_dir) / SCALE_RECORD).is_file()
