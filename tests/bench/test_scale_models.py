@@ -154,3 +154,21 @@ def test_peak_memory_while_building_is_far_below_the_model(tmp_path):
     model_bytes = (tmp_path / "m" / "model.safetensors").stat().st_size
     assert model_bytes > 260e6
     assert growth < model_bytes / 4, (growth, model_bytes)
+
+
+def test_bench_cli_refuses_a_shape_beside_a_model_or_layers_without_a_shape(tmp_path):
+    from click.testing import CliRunner
+
+    from tokenmill.cli import main
+
+    def run(*args):
+        return CliRunner().invoke(main, ["bench", "--preset", "smoke", *args])
+
+    both = run("--shape", "qwen2.5-1.5b", "--model", "x")
+    assert both.exit_code == 2 and "--model and --shape name two models" in both.output
+    alone = run("--shape-layers", "2")
+    assert alone.exit_code == 2 and "needs --shape" in alone.output
+    deep = run("--shape", "qwen2.5-1.5b", "--shape-layers", "29")
+    assert deep.exit_code == 1 and "num_layers must be 1..28" in deep.output
+    unknown = run("--shape", "llama-9b")
+    assert unknown.exit_code == 2 and "'llama-9b' is not one of" in unknown.output
