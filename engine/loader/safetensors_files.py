@@ -112,21 +112,27 @@ def map_tensors(path: str | os.PathLike, entries: list[TensorEntry]) -> dict[str
             tensor could not be used in place; read it with `iter_tensors`).
     """
     mapped = {}
-    if not entries:
-        return mapped
     with open(path, "rb") as f:
-        # Writable so torch accepts the buffer; MAP_PRIVATE keeps writes out of the file.
-        mapping = mmap.mmap(
-            f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
-    for entry in entries:
-        if entry.offset % entry.dtype.itemsize:
-            raise ValueError(f"{path}: tensor {entry.name} is not aligned to its dtype")
-        # frombuffer holds the mapping: it is unmapped when the last tensor on it is freed.
-        flat = torch.frombuffer(
-            mapping, dtype=entry.dtype, count=_numel(entry.shape), offset=entry.offset
-        )
-        mapped[entry.name] = flat.view(entry.shape)
+        for entry in entries:
+            if entry.offset % entry.dtype.itemsize:
+                raise ValueError(f"{path}: tensor {entry.name} is not aligned to its dtype")
+            # One mapping per tensor, from the page it starts in: when the engine drops
+            # a tensor (a linear layer packed into oneDNN's layout), its mapping and the
+            # pages it touched go with it; one mapping of the whole file would keep them.
+            start = entry.offset - entry.offset % mmap.ALLOCATIONGRANULARITY
+            # Writable so torch accepts the buffer; MAP_PRIVATE keeps writes out of the file.
+            mapping = mmap.mmap(
+                f.fileno(),
+                entry.offset + entry.nbytes - start,
+                flags=mmap.MAP_PRIVATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=start,
+            )
+            # frombuffer holds the mapping: it is unmapped when the tensor is freed.
+            flat = torch.frombuffer(
+                mapping, dtype=entry.dtype, count=_numel(entry.shape), offset=entry.offset - start
+            )
+            mapped[entry.name] = flat.view(entry.shape)
     return mapped
 
 
