@@ -44,6 +44,7 @@ def test_changing_output_lengths_keeps_the_prompts():
     [
         ("mixed64", 22_697, 4_096, 14_761),
         ("prefix-heavy", 35_389, 4_096, 4_669),
+        ("long16", 63_685, 512, 51_397),
         ("smoke", 192, 48, 128),
     ],
 )

@@ -125,6 +125,20 @@ PRESETS: dict[str, WorkloadSpec] = {
     "lora8": replace(_MIXED64, name="lora8", num_adapters=8, adapter_rank=16),
     # mixed64's shape in chat form, as `tokenmill run --messages-column` would send it.
     "chat64": replace(_MIXED64, name="chat64", chat=True),
+    # Long prompts: 2k-8k tokens, half of them behind one of two 2,048-token prefixes -
+    # prefill with attention over thousands of tokens, and KV caches of gigabytes at the
+    # published shapes (tokenmill bench --shape). Every prompt and its output fit 8,192
+    # positions, so the default model runs it too.
+    "long16": WorkloadSpec(
+        "long16",
+        num_prompts=16,
+        shared_fraction=0.5,
+        num_prefix_groups=2,
+        prefix_len=2048,
+        suffix_len=(256, 2048),
+        unique_len=(2048, 8000),
+        output_len=(32, 32),
+    ),
     # One sequence at a time, mostly decoding: where a batch engine has nothing to batch
     # (llama-bench's tg128 is the same measure without the short prompts).
     "single8": WorkloadSpec(
