@@ -25,3 +25,23 @@ def test_tokenmill_run_result(bench_model_dir, tmp_path):
     assert all(0 < t <= result.wall_s for t in result.ttft_s)
     assert all(t >= 0 for t in result.tpot_s)
     assert result.extra["num_preemptions"] == 0
+
+
+def test_a_childs_peak_rss_is_its_own_not_its_parents():
+    # The harness may hold GBs when it starts a child (a model converted, a GGUF
+    # written); ru_maxrss would hand that figure down across fork and exec.
+    import subprocess
+    import sys
+
+    script = (
+        "import subprocess, sys\n"
+        "held = bytearray(400 << 20)\n"
+        "held[::4096] = b'1' * len(held[::4096])\n"
+        "print(subprocess.run([sys.executable, '-c', 'from tokenmill.bench.result import "
+        "peak_rss_bytes; print(peak_rss_bytes())'], capture_output=True, text=True,"
+        " check=True).stdout)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert int(done.stdout.split()[0]) < 200 << 20

@@ -46,7 +46,18 @@ class RunResult:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far."""
+    """This process's peak resident set size so far.
+
+    On Linux, the kernel's high-water mark of this process's own memory (VmHWM): a child
+    started by a large parent inherits the parent's ru_maxrss across fork and exec, so a
+    benchmark child would report the harness's memory as its own.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports kilobytes, macOS bytes.
     return peak if sys.platform == "darwin" else peak * 1024
