@@ -77,6 +77,12 @@ _EXPORTS: dict[str, str] = {
     "EncodedText": "tokenmill.engine.loader.pooling_tokenizer",
     "read_pooling_config": "tokenmill.engine.pooling.config",
     "embedding_size": "tokenmill.engine.pooling.config",
+    # Images: where a vision model's images sit in a prompt, and a header-only check.
+    "ImageLayout": "tokenmill.engine.api.image_prompts",
+    "image_layout": "tokenmill.engine.api.image_prompts",
+    "ImageError": "tokenmill.engine.loader.images",
+    "image_size": "tokenmill.engine.loader.images",
+    "DEFAULT_MAX_IMAGE_PIXELS": "tokenmill.engine.types.config",
     # LoRA adapters: checked against a model, merged into its weights.
     "describe_adapter": "tokenmill.engine.lora.adapters",
     "model_names": "tokenmill.engine.lora.adapters",
@@ -102,7 +108,12 @@ _EXPORTS: dict[str, str] = {
 
 # What `from tokenmill.engine import *` gives, and what linters know is re-exported.
 __all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "FIELD_DEFAULT",
+    "ImageError",
+    "ImageLayout",
+    "image_layout",
+    "image_size",
     "JobOption",
     "ALIASES",
     "CLASSIFY",
@@ -183,11 +194,13 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what a type checker and an IDE see; nothing is imported at run time
     from tokenmill.engine.api.describe import ModelDescription, describe_model
+    from tokenmill.engine.api.image_prompts import ImageLayout, image_layout
     from tokenmill.engine.api.llm import LLM
     from tokenmill.engine.api.plan import Plan
     from tokenmill.engine.core.simulation import PlannedRequest, StepLoad
     from tokenmill.engine.loader.aliases import ALIASES, DEFAULT_MODEL
     from tokenmill.engine.loader.gguf_convert import convert_gguf
+    from tokenmill.engine.loader.images import ImageError, image_size
     from tokenmill.engine.loader.model_files import (
         ModelFilesError,
         alias_gguf_path,
@@ -207,7 +220,12 @@ if TYPE_CHECKING:  # what a type checker and an IDE see; nothing is imported at 
     from tokenmill.engine.pooling.config import embedding_size, read_pooling_config
     from tokenmill.engine.quant import CheckpointInfo, checkpoint_info, linear_kinds, weight_bytes
     from tokenmill.engine.quant.packed_linear import onednn_linear_available
-    from tokenmill.engine.types.config import EngineConfig, engine_settings, resolve_dtype
+    from tokenmill.engine.types.config import (
+        DEFAULT_MAX_IMAGE_PIXELS,
+        EngineConfig,
+        engine_settings,
+        resolve_dtype,
+    )
     from tokenmill.engine.types.lora_request import LoRARequest
     from tokenmill.engine.types.memory import InsufficientMemoryError, MemoryPlan
     from tokenmill.engine.types.outputs import (

@@ -32,7 +32,7 @@ from tokenmill.engine.loader.images import (
 )
 from tokenmill.engine.loader.special_text import Spans
 from tokenmill.engine.loader.tokenizer import Tokenizer
-from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.models import ModelConfig, load_config
 
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data"})
 
@@ -68,6 +68,76 @@ def check_prompt_dict(prompt: dict, has_vision: bool) -> None:
         raise ValueError("this model has no vision tower: it cannot take images (multi_modal_data)")
 
 
+@dataclass(frozen=True)
+class ImageLayout:
+    """Where a vision model's images sit in prompt text: a prompt places each image with
+    the begin-of-image marker, which `expand` turns into the image's whole block of soft
+    tokens as transformers' processor does - so a planner counts (and a job stores) the
+    prompt's tokens exactly, images included, before any image is decoded."""
+
+    marker: str  # the begin-of-image marker's text
+    block: str  # what the marker expands to: markers and one image token per soft token
+    tokens_per_image: int
+
+    def count(self, text: str, data_spans: Spans = ()) -> int:
+        """The images `text` places (markers outside the data spans)."""
+        return sum(1 for _ in self._places(text, data_spans))
+
+    def expand(self, text: str, data_spans: Spans = ()) -> tuple[str, Spans]:
+        """`text` with each marker outside the data spans expanded, and the data spans
+        moved with the text."""
+        pieces, spans = [], []
+        data = sorted(data_spans)
+        last = shift = 0
+        for at in self._places(text, data):
+            pieces += [text[last:at], self.block]
+            spans += [(s + shift, e + shift) for s, e in data if last <= s < at]
+            shift += len(self.block) - len(self.marker)
+            last = at + len(self.marker)
+        pieces.append(text[last:])
+        spans += [(s + shift, e + shift) for s, e in data if s >= last]
+        return "".join(pieces), tuple(spans)
+
+    def _places(self, text: str, data_spans: Spans):
+        at = text.find(self.marker)
+        while at != -1:
+            if not any(start <= at < end for start, end in data_spans):
+                yield at
+            at = text.find(self.marker, at + len(self.marker))
+
+
+def image_layout(model_dir: str | Path, tokenizer: Tokenizer) -> ImageLayout | None:
+    """The image layout of the model in `model_dir` (None: it has no vision tower).
+
+    Raises:
+        ValueError: a vision model whose tokenizer has no image marker tokens, or whose
+            images are not a fixed number of tokens (Qwen2.5-VL).
+    """
+    config = load_config(model_dir)
+    if getattr(config, "vision", None) is None:
+        return None
+    if hasattr(config, "mrope_section"):
+        raise ValueError(
+            "images in jobs take a model whose images are a fixed number of tokens (Gemma 3); "
+            "Qwen2.5-VL's dynamic resolution is not planned in jobs yet (LLM.generate and "
+            "LLM.chat take its images)"
+        )
+    return _layout_of(config, tokenizer)
+
+
+def _layout_of(config: ModelConfig, tokenizer: Tokenizer | None) -> ImageLayout:
+    if tokenizer is None:
+        raise ValueError("a text prompt with images needs the model's tokenizer")
+    backend = tokenizer.backend
+    ids = (config.boi_token_id, config.eoi_token_id, config.image_token_id)
+    markers = tuple(backend.id_to_token(i) for i in ids)
+    if None in markers:
+        raise ValueError("the tokenizer has no image marker tokens; pass prompt_token_ids")
+    boi, eoi, image = markers
+    n = config.tokens_per_image
+    return ImageLayout(boi, f"\n\n{boi}{image * n}{eoi}\n\n", n)
+
+
 class ImagePrompts:
     """Turns prompt dicts into token ids and image spans for one vision model."""
 
@@ -94,6 +164,8 @@ class ImagePrompts:
             config.image_token_id,
         )
         self.max_image_pixels = max_image_pixels
+        self.config = config
+        self._layout: ImageLayout | None = None
 
     def prepare(self, prompt: dict, *, allow_special_tokens: bool = False) -> PreparedPrompt:
         """A prompt dict (checked by `check_prompt_dict`) -> its ids and images."""
@@ -153,11 +225,14 @@ class ImagePrompts:
         return PreparedPrompt(ids, images, text)
 
     def _expand_ids(self, ids: list[int]) -> list[int]:
+        """Each begin-of-image marker followed by its image tokens and end marker; a marker
+        already followed by them (ids a planner expanded with `ImageLayout`) stays as is."""
         out: list[int] = []
-        for token in ids:
+        n = self.tokens_per_image
+        for i, token in enumerate(ids):
             out.append(token)
-            if token == self.boi:
-                out += [self.image] * self.tokens_per_image + [self.eoi]
+            if token == self.boi and ids[i + 1 : i + 1 + n] != [self.image] * n:
+                out += [self.image] * n + [self.eoi]
         return out
 
     def _special_text(self):
@@ -177,22 +252,14 @@ class ImagePrompts:
     def _encode_text(self, text: str, data_spans: Spans) -> list[int]:
         """Expand each begin-of-image marker outside the data spans, as transformers'
         processor does, then encode (the data spans moved with the text)."""
-        boi, eoi, image = self._marker_strings()
-        block = f"\n\n{boi}{image * self.tokens_per_image}{eoi}\n\n"
-        pieces, spans = [], []
-        data = sorted(data_spans)
-        last = shift = 0
-        at = text.find(boi)
-        while at != -1:
-            if not any(start <= at < end for start, end in data):
-                pieces += [text[last:at], block]
-                spans += [(s + shift, e + shift) for s, e in data if last <= s < at]
-                shift += len(block) - len(boi)
-                last = at + len(boi)
-            at = text.find(boi, at + len(boi))
-        pieces.append(text[last:])
-        spans += [(s + shift, e + shift) for s, e in data if s >= last]
-        return self.tokenizer.encode_batch(["".join(pieces)], data_spans=[tuple(spans)])[0]
+        text, spans = self.layout().expand(text, data_spans)
+        return self.tokenizer.encode_batch([text], data_spans=[spans])[0]
+
+    def layout(self) -> ImageLayout:
+        """Where this model's images sit in prompt text (its marker strings)."""
+        if self._layout is None:
+            self._layout = _layout_of(self.config, self.tokenizer)
+        return self._layout
 
     def _spans(self, ids: Sequence[int]) -> list[int]:
         """The offset of each image's first soft token: every run of image tokens that

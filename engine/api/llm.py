@@ -283,7 +283,12 @@ class LLM(PoolingMethods):
         if self._image_prompts is None:
             # A model with 3D positions (Qwen2.5-VL) takes images at their own sizes.
             kind = QwenImagePrompts if hasattr(self.model_config, "mrope_section") else ImagePrompts
-            self._image_prompts = kind(self.model_dir, self.model_config, self.tokenizer)
+            self._image_prompts = kind(
+                self.model_dir,
+                self.model_config,
+                self.tokenizer,
+                max_image_pixels=self.engine_config.max_image_pixels,
+            )
         return self._image_prompts
 
     def _prepare_image_prompts(self, prompts: list, allow_special_tokens: bool) -> list:

@@ -25,8 +25,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-# Pillow's own decompression-bomb limit: its default Image.MAX_IMAGE_PIXELS (about 89.5M).
-DEFAULT_MAX_IMAGE_PIXELS = int(1024 * 1024 * 1024 // 4 // 3)
+from tokenmill.engine.types.config import DEFAULT_MAX_IMAGE_PIXELS
 
 
 class ImageError(ValueError):
@@ -81,6 +80,30 @@ def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> 
     return DecodedImage(
         np.asarray(rgb, dtype=np.uint8), hashlib.blake2b(data, digest_size=16).digest()
     )
+
+
+def image_size(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int, int]:
+    """An encoded image's (width, height), from its header alone - nothing is decoded, so
+    a planner checks every image of a job for the price of reading its first bytes.
+
+    Raises:
+        ImageError: not an image Pillow reads, or over max_pixels.
+    """
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as image:
+            width, height = image.size
+    except UnidentifiedImageError:
+        raise ImageError("not an image in a format Pillow reads (unsupported or corrupt)") from None
+    except Image.DecompressionBombError as exc:
+        raise ImageError(f"image refused as a decompression bomb: {exc}") from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ImageError(f"image is truncated or corrupt: {exc}") from None
+    if width * height > max_pixels:
+        raise ImageError(
+            f"image is {width}x{height} = {width * height} pixels, over the limit of "
+            f"{max_pixels} (max_image_pixels)"
+        )
+    return width, height
 
 
 def image_from_pil(image, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> DecodedImage:

@@ -9,6 +9,9 @@ import torch
 
 from tokenmill.engine import env
 
+# Pillow's own decompression-bomb limit: its default Image.MAX_IMAGE_PIXELS (about 89.5M).
+DEFAULT_MAX_IMAGE_PIXELS = int(1024 * 1024 * 1024 // 4 // 3)
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -136,6 +139,12 @@ class EngineConfig:
     max_lora_rank: int = setting(
         64, "The largest LoRA rank an adapter may have (its r, per layer)."
     )
+    max_image_pixels: int = setting(
+        DEFAULT_MAX_IMAGE_PIXELS,
+        "The most pixels an image may have (width x height, read from its header before "
+        "it is decoded); a larger one, a decompression bomb included, is refused. Default: "
+        "Pillow's MAX_IMAGE_PIXELS.",
+    )
     huge_pages: bool | None = setting(
         None,
         "Ask Linux for 2 MiB pages for the CPU KV cache (default: TOKENMILL_HUGE_PAGES, "
@@ -161,6 +170,8 @@ class EngineConfig:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
