@@ -1,5 +1,6 @@
 """Datasets in, results and a token-cost ledger out: everything between connectors and engine.
 
+images      image cells -> encoded bytes under the job's roots and URL schemes (bad -> error)
 templating  row -> prompt text or chat messages (bad row -> error record)
 tokenize    batch-encode; over-long prompts -> error rows
 plan        order by shared prefix and length; cut each window into content-addressed shards

@@ -52,14 +52,17 @@ def is_deterministic(params: SamplingParams | PoolingParams) -> bool:
 
 
 def row_digest(row: PromptRow) -> bytes:
-    """16 bytes naming what a row computes: its params entry, its LoRA adapter and its
-    prompt tokens (rows of different adapters answer differently)."""
+    """16 bytes naming what a row computes: its params entry, its LoRA adapter, its
+    prompt tokens and its images' content hashes (rows of different adapters, or of
+    different images under the same tokens, answer differently)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(row.params_index.to_bytes(4, "little"))
     if row.lora_index:  # base-model rows keep the digests they had before adapters
         h.update(b"lora" + row.lora_index.to_bytes(4, "little"))
     ids = row.token_ids
     h.update((ids if isinstance(ids, array) and ids.typecode == "i" else array("i", ids)).tobytes())
+    for image in row.image_hashes:  # text rows keep the digests they had before images
+        h.update(b"image" + image)
     return h.digest()
 
 

@@ -165,7 +165,7 @@ def generate_rows(
         if loras is not None:
             adapters["lora_request"] = [loras[r.lora_index] for r in generating]
         generated = llm.generate(
-            [r.token_ids for r in generating],
+            [_prompt(r) for r in generating],
             [params[r.params_index] for r in generating],
             **hooks,
             **adapters,
@@ -177,6 +177,17 @@ def generate_rows(
         )
         outputs.update((r.row_index, o) for r, o in zip(pooled, encoded))
     return outputs
+
+
+def _prompt(row: PromptRow) -> Any:
+    """A row as `LLM.generate` takes it: its token ids, with its images as vLLM's prompt
+    dict (the ids already hold each image's expanded tokens: `templating.py`)."""
+    if not row.images:
+        return row.token_ids
+    return {
+        "prompt_token_ids": list(row.token_ids),
+        "multi_modal_data": {"image": list(row.images)},
+    }
 
 
 def _failed(row: PromptRow, message: str) -> RequestOutput:

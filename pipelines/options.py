@@ -58,6 +58,7 @@ from typing import Any
 from tokenmill.connectors.decoding import ON_DECODE_ERROR
 from tokenmill.connectors.formats import FORMATS
 from tokenmill.engine import (
+    DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MODEL,
     FIELD_DEFAULT,
     SamplingParams,
@@ -297,6 +298,49 @@ OPTIONS: tuple[Option, ...] = (
         "template) is the document it is scored with.",
         INPUT,
         metavar="COL",
+    ),
+    Option(
+        "image_column",
+        TEXT,
+        None,
+        "Column holding each row's image, or a list of them: encoded bytes (Parquet "
+        "binary), a local path (under an --image-root) or a URL (of a scheme in "
+        "--allow-url-schemes); a vision model places them before the prompt text (raw "
+        "text and templates may place them with the model's begin-of-image marker).",
+        INPUT,
+        metavar="COL",
+    ),
+    Option(
+        "image_root",
+        TEXT,
+        None,
+        "A directory local image paths may be read under (resolved, links followed); a "
+        "path outside every root is an error row. None given: no local path is read.",
+        INPUT,
+        repeatable=True,
+        metavar="DIR",
+        path="if_exists",
+    ),
+    Option(
+        "allow_url_schemes",
+        TEXT,
+        None,
+        "URL schemes images may be fetched from (e.g. https, s3), with the job's storage "
+        "options; none by default. Private, loopback and link-local addresses are always "
+        "refused. data: URLs need no scheme allowed.",
+        INPUT,
+        repeatable=True,
+        metavar="SCHEME",
+    ),
+    Option(
+        "max_image_pixels",
+        INT,
+        DEFAULT_MAX_IMAGE_PIXELS,
+        "The most pixels an image may have (read from its header); a larger image, a "
+        "decompression bomb included, is an error row. Default: Pillow's MAX_IMAGE_PIXELS.",
+        INPUT,
+        to=ENGINE,
+        ge=1,
     ),
     Option("limit", INT, None, "Only the first N input rows.", INPUT, surfaces=BATCH, ge=1),
     Option(

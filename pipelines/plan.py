@@ -149,8 +149,8 @@ def shard_id(
     task: str = GENERATE,
     adapter_keys: Sequence[str] = (),
 ) -> str:
-    """A content hash naming a shard: same rows, prompts, params, adapters, task and
-    model -> same id. `adapter_keys[i - 1]` identifies lora index i (its weights hash)."""
+    """A content hash naming a shard: same rows, prompts, images, params, adapters, task
+    and model -> same id. `adapter_keys[i - 1]` identifies lora index i (its weights hash)."""
     h = hashlib.sha256()
     h.update(model_key.encode())
     if task != GENERATE:
@@ -168,6 +168,8 @@ def shard_id(
         h.update(r.id.encode())
         h.update(b"\x01")
         h.update(r.error.encode() if r.token_ids is None else array("i", r.token_ids).tobytes())
+        for image in r.image_hashes:
+            h.update(b"\x00i" + image)
     return h.hexdigest()[:20]
 
 

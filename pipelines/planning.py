@@ -30,6 +30,7 @@ from tokenmill.engine import (
     SamplingParams,
     describe_model,
     embedding_size,
+    image_layout,
     model_names,
     read_pooling_config,
 )
@@ -37,6 +38,7 @@ from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.adapters import JobAdapter, describe_job_adapters, lora_requests
 from tokenmill.pipelines.dedupe import Deduplicator, copy_shard
+from tokenmill.pipelines.images import ImageAccess
 from tokenmill.pipelines.plan import Shard, job_id, plan_shards
 from tokenmill.pipelines.pooling import (
     POOLING_JOB_TASKS,
@@ -44,7 +46,7 @@ from tokenmill.pipelines.pooling import (
     PoolingLayout,
 )
 from tokenmill.pipelines.prefix_cut import FILL, PREFIX
-from tokenmill.pipelines.reading import Window, read_windows
+from tokenmill.pipelines.reading import RowImageReader, Window, read_windows
 from tokenmill.pipelines.results import DUPLICATE_OF, extra_columns
 from tokenmill.pipelines.spec import ConstraintCheck, JobSpec, ParamsTable
 from tokenmill.pipelines.spill import shard_table
@@ -147,6 +149,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         columns = [*required_columns(template), *queries, *spec.passthrough]
         columns += [spec.json_schema_column] if spec.json_schema_column else []
         columns += [spec.lora_column] if spec.lora_column else []
+        columns += [spec.image_column] if spec.image_column else []
     source = open_source(
         spec.input,
         format=spec.format,
@@ -169,6 +172,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     # An adapter that is missing or does not fit the model fails the job here.
     adapters = _adapters_for(spec, model, llm)
     pooling = _pooling_for(spec, model, tokenizer, max_model_len, llm)
+    images = _images_for(spec, model, tokenizer)
     # A job-level constraint that cannot be compiled fails the job here, before any rows.
     params = ParamsTable(
         spec.sampling, check=_constraint_check(model, tokenizer, llm), max_n=spec.max_n
@@ -190,6 +194,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         pooling=pooling,
         adapters=adapters,
         counts=counts,
+        images=images,
     )
     try:
         for window in windows:
@@ -363,6 +368,37 @@ def _adapters_for(spec: JobSpec, model: ModelDescription, llm: Any) -> list[JobA
         names = model_names(spec.model)
         max_rank = spec.engine_options.get("max_lora_rank", EngineConfig.max_lora_rank)
     return describe_job_adapters(spec.lora, model.config, model_names=names, max_rank=max_rank)
+
+
+def _images_for(spec: JobSpec, model: ModelDescription, tokenizer: Any) -> RowImageReader | None:
+    """How the job reads its rows' images (None: it has no image column).
+
+    Raises:
+        ValueError: an image column for a model without a vision tower, or for a task or
+            input images are not read for.
+    """
+    if spec.image_column is None:
+        return None
+    if spec.task != "generate":
+        raise ValueError(f"image_column is read by generate jobs, not {spec.task} jobs")
+    if spec.is_openai_batch:
+        raise ValueError(
+            "image_column is not read from OpenAI batch input (its lines carry their own "
+            "image_url parts)"
+        )
+    places = image_layout(model.model_dir, tokenizer)
+    if places is None:
+        raise ValueError(
+            f"model {model.name} has no vision tower: image_column needs a vision-language "
+            "model (e.g. Gemma 3)"
+        )
+    access = ImageAccess(
+        roots=spec.image_root or (),
+        url_schemes=spec.allow_url_schemes or (),
+        max_pixels=spec.max_image_pixels,
+        storage_options=dict(spec.storage_options or {}),
+    )
+    return RowImageReader(spec.image_column, access, places)
 
 
 def _pooling_for(

@@ -25,6 +25,7 @@ from tokenmill.connectors.openai_tools import AUTO, renders_hermes_tools
 from tokenmill.engine import EMBED, PoolingParams, StructuredOutputs
 from tokenmill.pipelines.adapters import JobAdapter, row_adapters
 from tokenmill.pipelines.ids import IdCheck
+from tokenmill.pipelines.images import ImageAccess, RowImages, read_row_images
 from tokenmill.pipelines.options import per_row_fields
 from tokenmill.pipelines.pooling import (
     POOLING_JOB_TASKS,
@@ -35,13 +36,29 @@ from tokenmill.pipelines.pooling import (
 from tokenmill.pipelines.results import DECODE_REPLACED
 from tokenmill.pipelines.scoring import GENERATE, adds_generation_prompt, min_prompt_tokens
 from tokenmill.pipelines.spec import UNCHANGED, JobSpec, ParamsTable
-from tokenmill.pipelines.templating import ChatRenderer, RenderedRow, render_rows, row_ids
+from tokenmill.pipelines.templating import (
+    ChatRenderer,
+    ImagePlaces,
+    RenderedRow,
+    render_rows,
+    row_ids,
+)
 from tokenmill.pipelines.tokenize import (
     PromptRow,
     chat_renderer,
     special_strings,
     tokenize_rows,
 )
+
+
+@dataclass(frozen=True)
+class RowImageReader:
+    """How a job's rows get their images: the column, where images may be read from, and
+    where the model places them."""
+
+    column: str
+    access: ImageAccess
+    places: ImagePlaces
 
 
 @dataclass
@@ -72,6 +89,7 @@ def read_windows(
     pooling: PoolingInputs | None = None,
     adapters: list[JobAdapter] | None = None,
     counts: ReadCounts | None = None,
+    images: RowImageReader | None = None,
 ) -> Iterator[Window]:
     """Read, template and tokenize the input (up to `spec.limit`), window by window.
 
@@ -86,6 +104,7 @@ def read_windows(
         adapters: the job's LoRA adapters (`pipelines/adapters.py`), which rows choose
             by `spec.lora_column` or an OpenAI batch line's body.model.
         counts: filled in with the rows read and the blank records skipped.
+        images: reads and places the rows' images (a job with an image column).
 
     Yields:
         Windows in input order; row indices run 0..n-1 across them.
@@ -111,7 +130,16 @@ def read_windows(
                 window.endpoints, window.tool_calls = [], []
         columns = batch.to_pydict()
         rows = _read_batch(
-            columns, start, spec, tokenizer, chat, params, max_model_len, pooling, adapters or []
+            columns,
+            start,
+            spec,
+            tokenizer,
+            chat,
+            params,
+            max_model_len,
+            pooling,
+            adapters or [],
+            images,
         )
         ids.add([r.id for r in rows])
         window.rows += rows
@@ -175,10 +203,28 @@ def _read_batch(
     max_model_len: int,
     pooling: PoolingInputs | None = None,
     adapters: list[JobAdapter] | None = None,
+    images: RowImageReader | None = None,
 ) -> list[PromptRow]:
     special = special_strings(tokenizer)
-    rendered = render_rows(columns, spec.template_spec, start=start, chat=chat, special=special)
+    row_images = None
+    if images is not None:
+        row_images = read_row_images(columns[images.column], images.access)
+    rendered = render_rows(
+        columns,
+        spec.template_spec,
+        start=start,
+        chat=chat,
+        special=special,
+        num_images=None if row_images is None else [len(r.data) for r in row_images],
+        places=None if images is None else images.places,
+    )
     rendered = mark_bad_rows(rendered, columns, id_column=spec.id_column, start=start)
+    if row_images is not None:
+        rendered = _mark_bad_images(rendered, row_images)
+        rows = _generation_rows(
+            columns, spec, tokenizer, params, max_model_len, rendered, adapters or []
+        )
+        return _with_images(rows, row_images)
     if spec.task in POOLING_JOB_TASKS:
         return tokenize_pooling_rows(
             pooling.tokenizer,
@@ -204,6 +250,25 @@ def _read_batch(
             adapters,
         )
     return _generation_rows(columns, spec, tokenizer, params, max_model_len, rendered, adapters)
+
+
+def _mark_bad_images(rendered: list[RenderedRow], images: list[RowImages]) -> list[RenderedRow]:
+    """Rows whose images could not be read become error rows saying why."""
+    return [
+        row
+        if found.error is None or row.error is not None
+        else replace(row, text=None, error=found.error)
+        for row, found in zip(rendered, images)
+    ]
+
+
+def _with_images(rows: list[PromptRow], images: list[RowImages]) -> list[PromptRow]:
+    """Each row that runs carries its images (in its plan file: a resumed job reads them
+    there, not from the source again)."""
+    for row, found in zip(rows, images):
+        if row.token_ids is not None:
+            row.images, row.image_hashes = found.data, found.hashes
+    return rows
 
 
 def _generation_rows(

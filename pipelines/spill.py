@@ -18,6 +18,9 @@ reads just its own rows. The table, one row per planned row, in run order:
                                  calls (JSON; null: it is not)
     max_tokens_requested  int64  OpenAI batch input only: the budget a row asked for when
                                  it was capped to the context left (null: not capped)
+    images        list<binary>   jobs with an image column, compute shards only: each row's
+                                 images, encoded (a resumed shard reads them here, so it
+                                 never reads the source's paths or URLs again)
     source_row_index  int64      copy shards only (pipelines/dedupe.py): the row whose
     source_shard      string     answer each copy takes, and the shard that computes it
     passthrough/<name>           each passthrough column, as read
@@ -41,6 +44,7 @@ URL_COLUMN = "url"
 TOOL_CALLS_COLUMN = "tool_calls"
 REQUESTED_COLUMN = "max_tokens_requested"
 LORA_COLUMN = "lora_index"
+IMAGES_COLUMN = "images"
 SOURCE_ROW_COLUMN = "source_row_index"
 SOURCE_SHARD_COLUMN = "source_shard"
 
@@ -100,6 +104,9 @@ def shard_table(
         columns[TOOL_CALLS_COLUMN] = pa.array(list(tool_calls), pa.string())
     if endpoints is not None:
         columns[REQUESTED_COLUMN] = pa.array([r.max_tokens_requested for r in rows], pa.int64())
+    # A copy shard computes nothing: its rows' images stay with their sources.
+    if sources is None and any(r.images for r in rows):
+        columns[IMAGES_COLUMN] = pa.array([list(r.images) for r in rows], pa.list_(pa.binary()))
     if sources is not None:
         columns[SOURCE_ROW_COLUMN] = pa.array([s[0] for s in sources], pa.int64())
         columns[SOURCE_SHARD_COLUMN] = pa.array([s[1] for s in sources], pa.string())
@@ -127,6 +134,11 @@ def shard_rows(table: pa.Table) -> ShardRows:
         table["truncated"].to_pylist() if "truncated" in table.column_names else [False] * num_rows
     )
     loras = table[LORA_COLUMN].to_pylist() if LORA_COLUMN in table.column_names else [0] * num_rows
+    images = (
+        table[IMAGES_COLUMN].to_pylist()
+        if IMAGES_COLUMN in table.column_names
+        else [None] * num_rows
+    )
     rows = [
         PromptRow(
             row_index,
@@ -136,9 +148,10 @@ def shard_rows(table: pa.Table) -> ShardRows:
             params_index=params_index,
             truncated=bool(cut),
             lora_index=lora_index,
+            images=tuple(row_images or ()),
         )
-        for (row_index, rid, error, params_index, tokens), cut, lora_index in zip(
-            zip(*columns.values()), truncated, loras
+        for (row_index, rid, error, params_index, tokens), cut, lora_index, row_images in zip(
+            zip(*columns.values()), truncated, loras, images
         )
     ]
     names = [n for n in table.column_names if n.startswith(PASSTHROUGH_PREFIX)]

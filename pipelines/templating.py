@@ -18,6 +18,15 @@ tools or template field values - or the system prompt - is marked before renderi
 rendered text (`RenderedRow.data_spans`), which the tokenizer encodes as plain text. Only
 the chat template's own markup and the template's own text become control tokens, unless
 the job allows special tokens (`allow_special_tokens`).
+
+Images (a row's `image_column` cells, `pipelines/images.py`) are placed where the prompt
+puts the model's begin-of-image marker: chat-rendered rows get one image part per image
+before their text (in a messages column, before the first user message's text), which
+the chat template writes as the marker; raw text and templates may write the marker
+themselves (as the template's own text: a marker in a row's data stays data), else the
+markers go before the text. A row whose text places another number of images than it
+has is an error row. Each marker is then expanded to the image's soft tokens
+(`ImagePlaces.expand`), so a row's token count is exact before any image is decoded.
 """
 
 from __future__ import annotations
@@ -46,6 +55,16 @@ class SpecialStrings(Protocol):
     """The model's special-token strings (the tokenizer's `special_text`)."""
 
     def marks(self) -> DataMarks: ...
+
+
+class ImagePlaces(Protocol):
+    """Where a vision model's images sit in prompt text (`tokenmill.engine.ImageLayout`)."""
+
+    marker: str
+
+    def count(self, text: str, data_spans: Spans = ()) -> int: ...
+
+    def expand(self, text: str, data_spans: Spans = ()) -> tuple[str, Spans]: ...
 
 
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -300,9 +319,54 @@ class _NoMarks:
 
 
 def _render_one(
-    row: Mapping[str, Any], spec: TemplateSpec, chat: ChatRenderer | None, marks: DataMarks
+    row: Mapping[str, Any],
+    spec: TemplateSpec,
+    chat: ChatRenderer | None,
+    marks: DataMarks,
+    num_images: int = 0,
+    places: ImagePlaces | None = None,
 ) -> tuple[str, bool, Spans]:
     """(prompt text, is_chat, data spans) for one row; raises ValueError on a bad row."""
+    if num_images:
+        text, is_chat, spans = _render_plain(row, spec, _with_image_parts(chat, num_images), marks)
+        if not is_chat and places.count(text, spans) == 0:
+            # Raw text that does not place its images: they go before it.
+            shift = len(places.marker) * num_images
+            text = places.marker * num_images + text
+            spans = tuple((start + shift, end + shift) for start, end in spans)
+        placed = places.count(text, spans)
+        if placed != num_images:
+            raise ValueError(
+                f"the prompt places {placed} image(s) (begin-of-image markers), the row has "
+                f"{num_images}"
+            )
+        text, spans = places.expand(text, spans)
+        return text, is_chat, spans
+    return _render_plain(row, spec, chat, marks)
+
+
+def _with_image_parts(chat: ChatRenderer | None, num_images: int) -> ChatRenderer | None:
+    """`chat` rendering the user's first message with `num_images` image parts before its
+    text, as multimodal chat templates take them."""
+    if chat is None:
+        return None
+
+    def render(messages: list[dict[str, Any]], **variables: Any) -> str:
+        messages = list(messages)
+        for i, message in enumerate(messages):
+            if message["role"] == "user":
+                parts = [{"type": "image"}] * num_images
+                parts.append({"type": "text", "text": message["content"]})
+                messages[i] = {**message, "content": parts}
+                break
+        return chat(messages, image_parts=True, **variables)
+
+    return render
+
+
+def _render_plain(
+    row: Mapping[str, Any], spec: TemplateSpec, chat: ChatRenderer | None, marks: DataMarks
+) -> tuple[str, bool, Spans]:
     if spec.mode == "messages":
         value = row.get(spec.messages_column)
         if value is None and spec.fallback_prompt:
@@ -369,6 +433,8 @@ def render_rows(
     start: int = 0,
     chat: ChatRenderer | None = None,
     special: SpecialStrings | None = None,
+    num_images: Sequence[int] | None = None,
+    places: ImagePlaces | None = None,
 ) -> list[RenderedRow]:
     """Render a batch of rows into prompts.
 
@@ -383,6 +449,8 @@ def render_rows(
         special: the model's special-token strings (the tokenizer's `special_text`), kept
             as data where rows hold them (each row's `data_spans`); None: not kept (the
             tokenizer has none), as with `spec.allow_special_tokens`.
+        num_images: each row's number of images (None: no row has any).
+        places: where the model's images sit in its prompts; needed with images.
 
     Returns:
         One RenderedRow per input row, in order; bad rows carry `error`.
@@ -391,6 +459,8 @@ def render_rows(
         ValueError: a system prompt for a model without a chat template (every row would
             fail alike: the job fails, before any compute).
     """
+    if num_images is not None and any(num_images) and places is None:
+        raise ValueError("rows with images need a vision model (it has no image markers)")
     if spec.system is not None and chat is None:
         raise ValueError(
             "the model has no chat template, so a system prompt cannot be sent; drop the "
@@ -405,7 +475,8 @@ def render_rows(
         row = {name: columns[name][i] for name in names}
         marks = special.marks() if keeps_data else _NoMarks()
         try:
-            text, is_chat, spans = _render_one(row, spec, chat, marks)
+            images = num_images[i] if num_images is not None else 0
+            text, is_chat, spans = _render_one(row, spec, chat, marks, images, places)
         except ValueError as exc:
             rendered.append(RenderedRow(start + i, ids[i], error=str(exc)))
             continue

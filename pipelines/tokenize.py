@@ -49,6 +49,10 @@ class PromptRow:
     # The completion budget the row asked for, when it was capped to the context left
     # (`tokenize_rows`' cap_budget); its params then hold the capped budget.
     max_tokens_requested: int | None = None
+    # The row's images, encoded, in the order its prompt places them (`pipelines/images.py`),
+    # and each one's content hash; empty for a text row.
+    images: tuple[bytes, ...] = ()
+    image_hashes: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.token_ids is None) == (self.error is None):

@@ -125,6 +125,7 @@ def test_engine_options_may_not_repeat_an_option():
     assert llm_options(check_options({"engine_options": {"max_num_seqs": 8}}, surface=JOB)) == {
         "model": None,
         "revision": None,
+        "max_image_pixels": 89_478_485,
         "dtype": "auto",
         "device": None,
         "quantization": None,

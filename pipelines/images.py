@@ -1,0 +1,193 @@
+"""A job's images: each row's image cell read as encoded bytes under the job's rules,
+checked from its header, and hashed - before any model is loaded.
+
+A cell holds one image or a list of them (a multi-image row), each one of:
+
+    bytes                 taken as they are (Parquet binary, bytes in a DataFrame)
+    {"bytes", "path"}     a Hugging Face datasets Image struct: its bytes, else its path
+    data: URL             base64, decoded; always allowed (nothing is fetched)
+    a local path, file:// read only under one of the job's `image_root`s, after resolving
+                          it (`..` and symbolic links cannot leave a root); no root given,
+                          no path is read
+    any other URL         fetched only when its scheme is in `allow_url_schemes`, with the
+                          job's storage options; an http(s) host is resolved first and
+                          refused when any of its addresses is private, loopback,
+                          link-local or otherwise not global
+
+Every problem - a null cell, a scheme not allowed, a path outside the roots, a URL that
+cannot be reached, bytes that are no image, an image over `max_image_pixels` - is that
+row's error message, never an exception: the other rows run. Only the header is read
+here (`tokenmill.engine.image_size`); the engine decodes the pixels when the row runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import ipaddress
+import os
+import socket
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from tokenmill.engine import DEFAULT_MAX_IMAGE_PIXELS, ImageError, image_size
+
+# Rows whose images are read at once: a URL's latency overlaps the others'.
+READ_THREADS = 8
+LOCAL_SCHEMES = frozenset({"", "file", "local"})
+_HOSTED_SCHEMES = frozenset({"http", "https"})
+
+
+@dataclass(frozen=True)
+class ImageAccess:
+    """Where a job may read images from, and how large they may be."""
+
+    roots: tuple[str, ...] = ()
+    url_schemes: tuple[str, ...] = ()
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    # host -> its addresses; a test replaces it to stand for DNS.
+    resolve: Callable[[str], list[str]] | None = None
+
+    def __post_init__(self) -> None:
+        schemes = tuple(s.lower().rstrip(":/") for s in self.url_schemes)
+        refused = sorted(set(schemes) & LOCAL_SCHEMES)
+        if refused:
+            raise ValueError(
+                f"allow_url_schemes may not name {', '.join(map(repr, refused))}: local "
+                "paths are read under image_root"
+            )
+        object.__setattr__(self, "url_schemes", schemes)
+        roots = tuple(os.path.realpath(os.path.expanduser(r)) for r in self.roots)
+        for root in roots:
+            if not os.path.isdir(root):
+                raise ValueError(f"image_root {root} is not a directory")
+        object.__setattr__(self, "roots", roots)
+
+
+@dataclass(frozen=True)
+class RowImages:
+    """One row's images, encoded, with their content hashes - or why the row fails."""
+
+    data: tuple[bytes, ...] = ()
+    hashes: tuple[bytes, ...] = ()  # blake2b-128 of each image's bytes
+    error: str | None = None
+
+
+def read_row_images(cells: Sequence[Any], access: ImageAccess) -> list[RowImages]:
+    """Each cell's images (a batch of rows, read in threads), in order."""
+    if len(cells) <= 1:
+        return [_read_cell(c, access) for c in cells]
+    with ThreadPoolExecutor(min(READ_THREADS, len(cells))) as pool:
+        return list(pool.map(lambda cell: _read_cell(cell, access), cells))
+
+
+def image_hash(data: bytes) -> bytes:
+    """The content hash the engine keys an image's KV blocks by (blake2b-128 of its bytes)."""
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _read_cell(cell: Any, access: ImageAccess) -> RowImages:
+    if cell is None:
+        return RowImages(error="image is null")
+    items = list(cell) if isinstance(cell, (list, tuple)) else [cell]
+    if not items:
+        return RowImages(error="image list is empty")
+    data = []
+    for i, item in enumerate(items):
+        where = "image" if len(items) == 1 else f"image {i}"
+        try:
+            encoded = _read_one(item, access)
+            image_size(encoded, max_pixels=access.max_pixels)
+        except (ImageError, ValueError) as exc:
+            return RowImages(error=f"{where}: {exc}")
+        data.append(encoded)
+    return RowImages(tuple(data), tuple(image_hash(d) for d in data))
+
+
+def _read_one(item: Any, access: ImageAccess) -> bytes:
+    if isinstance(item, dict):  # a datasets Image struct
+        item = item.get("bytes") if item.get("bytes") is not None else item.get("path")
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return bytes(item)
+    if item is None:
+        raise ValueError("is null")
+    if not isinstance(item, str):
+        raise ValueError(f"must be bytes, a path or a URL, not {type(item).__name__}")
+    scheme = urlsplit(item).scheme.lower() if "://" in item or item.startswith("data:") else ""
+    if scheme == "data":
+        return _data_url(item)
+    if scheme in LOCAL_SCHEMES:
+        return _read_local(item.split("://", 1)[1] if scheme else item, access)
+    if scheme not in access.url_schemes:
+        raise ValueError(
+            f"URL scheme {scheme!r} is not allowed; allow it with allow_url_schemes "
+            "(--allow-url-schemes)"
+        )
+    if scheme in _HOSTED_SCHEMES:
+        _check_host(urlsplit(item).hostname, access)
+    return _fetch(item, access)
+
+
+def _data_url(url: str) -> bytes:
+    header, _, payload = url.partition(",")
+    if not header.endswith(";base64"):
+        raise ValueError("a data: image URL must be base64 (data:image/...;base64,...)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"the data: URL is not valid base64: {exc}") from None
+
+
+def _read_local(path: str, access: ImageAccess) -> bytes:
+    if not access.roots:
+        raise ValueError(
+            f"local path {path!r} is not read: name the directories images may be read "
+            "from with image_root (--image-root)"
+        )
+    real = os.path.realpath(os.path.expanduser(path))
+    if not any(
+        real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in access.roots
+    ):
+        raise ValueError(f"path {path!r} is outside the image roots ({', '.join(access.roots)})")
+    try:
+        with open(real, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"path {path!r} cannot be read ({exc.strerror or exc})") from None
+
+
+def _check_host(host: str | None, access: ImageAccess) -> None:
+    """Refuse a host any of whose addresses is not a global one (private, loopback,
+    link-local, reserved...), after resolving it."""
+    if not host:
+        raise ValueError("URL has no host")
+    try:
+        addresses = (access.resolve or _resolve)(host)
+    except OSError as exc:
+        raise ValueError(f"host {host!r} cannot be resolved ({exc})") from None
+    for address in addresses:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+        if not ip.is_global:
+            raise ValueError(
+                f"host {host!r} resolves to {ip}, a private, loopback or link-local address: "
+                "never fetched"
+            )
+
+
+def _resolve(host: str) -> list[str]:
+    return sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
+
+
+def _fetch(url: str, access: ImageAccess) -> bytes:
+    import fsspec
+
+    try:
+        with fsspec.open(url, "rb", **access.storage_options) as f:
+            return f.read()
+    except Exception as exc:  # any store's error: this row cannot be reached
+        raise ValueError(f"URL cannot be read ({type(exc).__name__}: {exc})") from None
