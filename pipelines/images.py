@@ -34,7 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from tokenmill.engine import DEFAULT_MAX_IMAGE_PIXELS, ImageError, image_size
+import fsspec
+
+from tokenmill.engine import DEFAULT_MAX_IMAGE_PIXELS, ImageError, image_layout, image_size
+from tokenmill.pipelines.templating import ImagePlaces
 
 # Rows whose images are read at once: a URL's latency overlaps the others'.
 READ_THREADS = 8
@@ -67,6 +70,46 @@ class ImageAccess:
             if not os.path.isdir(root):
                 raise ValueError(f"image_root {root} is not a directory")
         object.__setattr__(self, "roots", roots)
+
+
+@dataclass(frozen=True)
+class RowImageReader:
+    """How a job's rows get their images: the column, where images may be read from, and
+    where the model places them."""
+
+    column: str
+    access: ImageAccess
+    places: ImagePlaces
+
+
+def image_reader(
+    values: Any, *, model_dir: str, model_name: str, tokenizer: Any, task: str
+) -> RowImageReader | None:
+    """The image reader of a job's (or a notebook call's) options - `values.<name>` or
+    `values[name]` - for its model (None: no image_column).
+
+    Raises:
+        ValueError: an image column for a task other than generate, or for a model without
+            a vision tower.
+    """
+    get = values.get if isinstance(values, dict) else lambda name: getattr(values, name)
+    if get("image_column") is None:
+        return None
+    if task != "generate":
+        raise ValueError(f"image_column is read by generate jobs, not {task} jobs")
+    places = image_layout(model_dir, tokenizer)
+    if places is None:
+        raise ValueError(
+            f"model {model_name} has no vision tower: image_column needs a vision-language "
+            "model (e.g. Gemma 3)"
+        )
+    access = ImageAccess(
+        roots=get("image_root") or (),
+        url_schemes=get("allow_url_schemes") or (),
+        max_pixels=get("max_image_pixels"),
+        storage_options=dict(get("storage_options") or {}),
+    )
+    return RowImageReader(get("image_column"), access, places)
 
 
 @dataclass(frozen=True)
@@ -184,8 +227,6 @@ def _resolve(host: str) -> list[str]:
 
 
 def _fetch(url: str, access: ImageAccess) -> bytes:
-    import fsspec
-
     try:
         with fsspec.open(url, "rb", **access.storage_options) as f:
             return f.read()

@@ -33,6 +33,7 @@ from tokenmill.pipelines.adapters import (
 from tokenmill.pipelines.dedupe import find_copies
 from tokenmill.pipelines.engine_failures import generate_rows
 from tokenmill.pipelines.forecast import Forecast, Work, engine_planner, forecast_work, requests_of
+from tokenmill.pipelines.images import image_reader, read_row_images
 from tokenmill.pipelines.option_types import JOB, NOTEBOOK, POOL, PRICES, PROMPT, SAMPLE
 from tokenmill.pipelines.options import (
     OPTIONS,
@@ -52,7 +53,14 @@ from tokenmill.pipelines.pooling import (
     tokenize_pooling_rows,
 )
 from tokenmill.pipelines.pricing import Prices
-from tokenmill.pipelines.reading import check_ids, lora_indices, mark_bad_rows, params_indices
+from tokenmill.pipelines.reading import (
+    check_ids,
+    lora_indices,
+    mark_bad_images,
+    mark_bad_rows,
+    params_indices,
+    with_images,
+)
 from tokenmill.pipelines.results import (
     DECODE_REPLACED,
     DUPLICATE_OF,
@@ -440,8 +448,29 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
     decoded = [*required_columns(template), *([query_column] if query_column else [])]
     replaced = _decode_text_columns(columns, table.schema, decoded, decoding)
     chat = chat_renderer(llm.tokenizer, add_generation_prompt=adds_generation_prompt(task))
-    rendered = render_rows(columns, template, chat=chat, special=special_strings(llm.tokenizer))
+    images = image_reader(
+        values,
+        model_dir=llm.model_dir,
+        model_name=getattr(llm, "model_name", "the model"),
+        tokenizer=llm.tokenizer,
+        task=task,
+    )
+    row_images = None
+    if images is not None:
+        if images.column not in table.column_names:
+            raise ValueError(f"data has no column {images.column!r} (image_column)")
+        row_images = read_row_images(columns[images.column], images.access)
+    rendered = render_rows(
+        columns,
+        template,
+        chat=chat,
+        special=special_strings(llm.tokenizer),
+        num_images=None if row_images is None else [len(r.data) for r in row_images],
+        places=None if images is None else images.places,
+    )
     rendered = mark_bad_rows(rendered, columns, id_column=template.id_column, start=0)
+    if row_images is not None:
+        rendered = mark_bad_images(rendered, row_images)
     layout = None
     if task in POOLING_JOB_TASKS:
         rows, layout = _pooling_rows(llm, task, values, rendered, columns)
@@ -458,6 +487,8 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
             min_prompt_tokens=min_prompt_tokens(task),
             lora_index=loras,
         )
+        if row_images is not None:
+            rows = with_images(rows, row_images)
     if template.id_column is not None:
         check_ids(rows, id_column=template.id_column, source="data")
     copies = find_copies(rows, params.params) if values["dedupe"] else {}

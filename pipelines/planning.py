@@ -30,7 +30,6 @@ from tokenmill.engine import (
     SamplingParams,
     describe_model,
     embedding_size,
-    image_layout,
     model_names,
     read_pooling_config,
 )
@@ -38,7 +37,7 @@ from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.adapters import JobAdapter, describe_job_adapters, lora_requests
 from tokenmill.pipelines.dedupe import Deduplicator, copy_shard
-from tokenmill.pipelines.images import ImageAccess
+from tokenmill.pipelines.images import RowImageReader, image_reader
 from tokenmill.pipelines.plan import Shard, job_id, plan_shards
 from tokenmill.pipelines.pooling import (
     POOLING_JOB_TASKS,
@@ -46,7 +45,7 @@ from tokenmill.pipelines.pooling import (
     PoolingLayout,
 )
 from tokenmill.pipelines.prefix_cut import FILL, PREFIX
-from tokenmill.pipelines.reading import RowImageReader, Window, read_windows
+from tokenmill.pipelines.reading import Window, read_windows
 from tokenmill.pipelines.results import DUPLICATE_OF, extra_columns
 from tokenmill.pipelines.spec import ConstraintCheck, JobSpec, ParamsTable
 from tokenmill.pipelines.spill import shard_table
@@ -371,34 +370,20 @@ def _adapters_for(spec: JobSpec, model: ModelDescription, llm: Any) -> list[JobA
 
 
 def _images_for(spec: JobSpec, model: ModelDescription, tokenizer: Any) -> RowImageReader | None:
-    """How the job reads its rows' images (None: it has no image column).
-
-    Raises:
-        ValueError: an image column for a model without a vision tower, or for a task or
-            input images are not read for.
-    """
-    if spec.image_column is None:
-        return None
-    if spec.task != "generate":
-        raise ValueError(f"image_column is read by generate jobs, not {spec.task} jobs")
-    if spec.is_openai_batch:
+    """How the job reads its rows' images (None: it has no image column); ValueError for
+    one it cannot read them for."""
+    if spec.image_column is not None and spec.is_openai_batch:
         raise ValueError(
             "image_column is not read from OpenAI batch input (its lines carry their own "
             "image_url parts)"
         )
-    places = image_layout(model.model_dir, tokenizer)
-    if places is None:
-        raise ValueError(
-            f"model {model.name} has no vision tower: image_column needs a vision-language "
-            "model (e.g. Gemma 3)"
-        )
-    access = ImageAccess(
-        roots=spec.image_root or (),
-        url_schemes=spec.allow_url_schemes or (),
-        max_pixels=spec.max_image_pixels,
-        storage_options=dict(spec.storage_options or {}),
+    return image_reader(
+        spec,
+        model_dir=str(model.model_dir),
+        model_name=model.name,
+        tokenizer=tokenizer,
+        task=spec.task,
     )
-    return RowImageReader(spec.image_column, access, places)
 
 
 def _pooling_for(

@@ -25,7 +25,7 @@ from tokenmill.connectors.openai_tools import AUTO, renders_hermes_tools
 from tokenmill.engine import EMBED, PoolingParams, StructuredOutputs
 from tokenmill.pipelines.adapters import JobAdapter, row_adapters
 from tokenmill.pipelines.ids import IdCheck
-from tokenmill.pipelines.images import ImageAccess, RowImages, read_row_images
+from tokenmill.pipelines.images import RowImageReader, RowImages, read_row_images
 from tokenmill.pipelines.options import per_row_fields
 from tokenmill.pipelines.pooling import (
     POOLING_JOB_TASKS,
@@ -38,7 +38,6 @@ from tokenmill.pipelines.scoring import GENERATE, adds_generation_prompt, min_pr
 from tokenmill.pipelines.spec import UNCHANGED, JobSpec, ParamsTable
 from tokenmill.pipelines.templating import (
     ChatRenderer,
-    ImagePlaces,
     RenderedRow,
     render_rows,
     row_ids,
@@ -49,16 +48,6 @@ from tokenmill.pipelines.tokenize import (
     special_strings,
     tokenize_rows,
 )
-
-
-@dataclass(frozen=True)
-class RowImageReader:
-    """How a job's rows get their images: the column, where images may be read from, and
-    where the model places them."""
-
-    column: str
-    access: ImageAccess
-    places: ImagePlaces
 
 
 @dataclass
@@ -220,11 +209,11 @@ def _read_batch(
     )
     rendered = mark_bad_rows(rendered, columns, id_column=spec.id_column, start=start)
     if row_images is not None:
-        rendered = _mark_bad_images(rendered, row_images)
+        rendered = mark_bad_images(rendered, row_images)
         rows = _generation_rows(
             columns, spec, tokenizer, params, max_model_len, rendered, adapters or []
         )
-        return _with_images(rows, row_images)
+        return with_images(rows, row_images)
     if spec.task in POOLING_JOB_TASKS:
         return tokenize_pooling_rows(
             pooling.tokenizer,
@@ -252,7 +241,7 @@ def _read_batch(
     return _generation_rows(columns, spec, tokenizer, params, max_model_len, rendered, adapters)
 
 
-def _mark_bad_images(rendered: list[RenderedRow], images: list[RowImages]) -> list[RenderedRow]:
+def mark_bad_images(rendered: list[RenderedRow], images: list[RowImages]) -> list[RenderedRow]:
     """Rows whose images could not be read become error rows saying why."""
     return [
         row
@@ -262,7 +251,7 @@ def _mark_bad_images(rendered: list[RenderedRow], images: list[RowImages]) -> li
     ]
 
 
-def _with_images(rows: list[PromptRow], images: list[RowImages]) -> list[PromptRow]:
+def with_images(rows: list[PromptRow], images: list[RowImages]) -> list[PromptRow]:
     """Each row that runs carries its images (in its plan file: a resumed job reads them
     there, not from the source again)."""
     for row, found in zip(rows, images):

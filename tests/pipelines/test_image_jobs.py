@@ -182,6 +182,44 @@ def test_raw_text_places_images_at_the_templates_marker_or_before_the_text(vlm, 
     assert two[0]["error"] == "the prompt places 2 image(s) (begin-of-image markers), the row has 1"
 
 
+def test_a_notebook_takes_an_image_column_as_a_job_does(vlm):
+    import polars as pl
+
+    import tokenmill
+
+    one, two = png_bytes(28, 31, seed=5), png_bytes(17, 40, seed=6)
+    frame = pl.DataFrame(
+        {"prompt": ["describe it", "describe it", "bad"], "image": [one, two, b"?"]}
+    )
+    got = tokenmill.generate(
+        frame,
+        model=str(vlm),
+        image_column="image",
+        max_tokens=4,
+        ignore_eos=True,
+        dtype="float32",
+        engine_options=ENGINE,
+    )
+    llm = LLM(str(vlm), dtype="float32", device="cpu", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    conversations = [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": _data_url(image)}},
+                    {"type": "text", "text": "describe it"},
+                ],
+            }
+        ]
+        for image in (one, two)
+    ]
+    want = llm.chat(conversations, params)
+    assert got["output"].to_list()[:2] == [w.outputs[0].text for w in want]
+    assert got["prompt_tokens"].to_list()[:2] == [len(w.prompt_token_ids) for w in want]
+    assert "not an image in a format Pillow reads" in got["error"][2]
+
+
 def test_a_text_model_refuses_an_image_column_before_any_compute(tmp_path):
     from tiny_model import build_tiny_model
 
