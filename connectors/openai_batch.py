@@ -41,16 +41,19 @@ from tokenmill.connectors.openai_fields import (
 )
 
 # A message's fields the chat template receives (tool_calls as JSON text); any other
-# field of a message (name, refusal, audio, function_call) is refused.
+# field of a message (name, refusal, audio, function_call) is refused. `parts` is set
+# only for content with image parts: the parts in order, as JSON text - {"type": "text",
+# "text": ...} and {"type": "image", "url": ...} - which the pipeline reads the images of.
 MESSAGE_TYPE = pa.struct(
     [
         ("role", pa.string()),
         ("content", pa.string()),
         ("tool_calls", pa.string()),
         ("tool_call_id", pa.string()),
+        ("parts", pa.string()),
     ]
 )
-_MESSAGE_FIELDS = frozenset(MESSAGE_TYPE.names)
+_MESSAGE_FIELDS = frozenset(MESSAGE_TYPE.names) - {"parts"}
 
 OPENAI_BATCH_SCHEMA = pa.schema(
     [
@@ -281,7 +284,8 @@ def _message(message: Any, where: str, number: int) -> dict[str, str | None]:
     for key, value in message.items():
         if key not in _MESSAGE_FIELDS and value is not None:
             raise BadLine(number, f"{where}.{key} is refused: not a message field tokenmill serves")
-    out = {"role": message["role"], "content": _content(message.get("content"), where, number)}
+    content, parts = _content(message.get("content"), where, number)
+    out = {"role": message["role"], "content": content, "parts": parts}
     call_id = message.get("tool_call_id")
     if call_id is not None and not isinstance(call_id, str):
         raise BadLine(number, f"{where}.tool_call_id must be a string")
@@ -293,28 +297,38 @@ def _message(message: Any, where: str, number: int) -> dict[str, str | None]:
     return out
 
 
-def _content(content: Any, where: str, number: int) -> str | None:
+def _content(content: Any, where: str, number: int) -> tuple[str | None, str | None]:
+    """A message's content as (its text, its parts as JSON text when it has images)."""
     if content is None or isinstance(content, str):
-        return content
+        return content, None
     if isinstance(content, list):
-        # The "parts" form: only text parts can be served by a text model (the Responses
-        # API names them input_text and output_text).
-        texts = []
+        # The "parts" form: text parts (the Responses API names them input_text and
+        # output_text) and image parts (image_url; the Responses API's input_image).
+        texts, parts = [], []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in ("image_url", "input_image"):
-                raise BadLine(
-                    number,
-                    f"{where}.content: image parts are not supported in batch files yet "
-                    "(LLM.chat takes them); refusing the line rather than dropping its image",
-                )
+                parts.append({"type": "image", "url": _image_url(part, kind, where, number)})
+                continue
             if kind not in ("text", "input_text", "output_text"):
-                raise BadLine(number, f"{where}.content: only text parts are supported")
+                raise BadLine(number, f"{where}.content: only text and image parts are supported")
             if not isinstance(part.get("text"), str):
                 raise BadLine(number, f"{where}.content: a text part needs a string text")
             texts.append(part["text"])
-        return "\n".join(texts)
-    raise BadLine(number, f"{where}.content must be a string or a list of text parts")
+            parts.append({"type": "text", "text": part["text"]})
+        has_images = any(p["type"] == "image" for p in parts)
+        return "\n".join(texts), json.dumps(parts, ensure_ascii=False) if has_images else None
+    raise BadLine(number, f"{where}.content must be a string or a list of text and image parts")
+
+
+def _image_url(part: dict[str, Any], kind: str, where: str, number: int) -> str:
+    """An image part's URL: chat's {"image_url": {"url": ...}}, the Responses API's
+    {"image_url": "..."}; a `file_id` image is refused (batch files carry no files)."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) and kind == "image_url" else value
+    if not isinstance(url, str) or not url:
+        raise BadLine(number, f"{where}.content: an {kind} part needs its image URL as a string")
+    return url
 
 
 def _response_input(body: dict[str, Any], number: int) -> list[dict[str, str | None]]:
@@ -343,7 +357,13 @@ def _response_input(body: dict[str, Any], number: int) -> list[dict[str, str | N
 
 
 def _plain_message(role: str, content: str) -> dict[str, str | None]:
-    return {"role": role, "content": content, "tool_calls": None, "tool_call_id": None}
+    return {
+        "role": role,
+        "content": content,
+        "tool_calls": None,
+        "tool_call_id": None,
+        "parts": None,
+    }
 
 
 def _prompt(prompt: Any, number: int) -> str:

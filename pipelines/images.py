@@ -103,13 +103,27 @@ def image_reader(
             f"model {model_name} has no vision tower: image_column needs a vision-language "
             "model (e.g. Gemma 3)"
         )
-    access = ImageAccess(
+    return RowImageReader(get("image_column"), _access(values), places)
+
+
+def openai_image_reader(values: Any, *, model_dir: str, tokenizer: Any) -> RowImageReader | None:
+    """The reader of an OpenAI batch file's image parts for the job's model (None: it has
+    no vision tower, so a line with images is an error row); the lines' messages place
+    them."""
+    places = image_layout(model_dir, tokenizer)
+    if places is None:
+        return None
+    return RowImageReader("messages", _access(values), places)
+
+
+def _access(values: Any) -> ImageAccess:
+    get = values.get if isinstance(values, dict) else lambda name: getattr(values, name)
+    return ImageAccess(
         roots=get("image_root") or (),
         url_schemes=get("allow_url_schemes") or (),
         max_pixels=get("max_image_pixels"),
         storage_options=dict(get("storage_options") or {}),
     )
-    return RowImageReader(get("image_column"), access, places)
 
 
 @dataclass(frozen=True)

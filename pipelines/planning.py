@@ -37,7 +37,7 @@ from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.adapters import JobAdapter, describe_job_adapters, lora_requests
 from tokenmill.pipelines.dedupe import Deduplicator, copy_shard
-from tokenmill.pipelines.images import RowImageReader, image_reader
+from tokenmill.pipelines.images import RowImageReader, image_reader, openai_image_reader
 from tokenmill.pipelines.plan import Shard, job_id, plan_shards
 from tokenmill.pipelines.pooling import (
     POOLING_JOB_TASKS,
@@ -370,13 +370,15 @@ def _adapters_for(spec: JobSpec, model: ModelDescription, llm: Any) -> list[JobA
 
 
 def _images_for(spec: JobSpec, model: ModelDescription, tokenizer: Any) -> RowImageReader | None:
-    """How the job reads its rows' images (None: it has no image column); ValueError for
-    one it cannot read them for."""
-    if spec.image_column is not None and spec.is_openai_batch:
-        raise ValueError(
-            "image_column is not read from OpenAI batch input (its lines carry their own "
-            "image_url parts)"
-        )
+    """How the job reads its rows' images (None: it has no image column, or OpenAI batch
+    input for a model without a vision tower); ValueError for one it cannot read them for."""
+    if spec.is_openai_batch:
+        if spec.image_column is not None:
+            raise ValueError(
+                "image_column is not read from OpenAI batch input (its lines carry their own "
+                "image_url parts)"
+            )
+        return openai_image_reader(spec, model_dir=str(model.model_dir), tokenizer=tokenizer)
     return image_reader(
         spec,
         model_dir=str(model.model_dir),

@@ -39,6 +39,7 @@ from tokenmill.pipelines.spec import UNCHANGED, JobSpec, ParamsTable
 from tokenmill.pipelines.templating import (
     ChatRenderer,
     RenderedRow,
+    message_image_urls,
     render_rows,
     row_ids,
 )
@@ -196,7 +197,9 @@ def _read_batch(
 ) -> list[PromptRow]:
     special = special_strings(tokenizer)
     row_images = None
-    if images is not None:
+    if spec.is_openai_batch and "messages" in columns:
+        row_images = _line_images(columns["messages"], images)
+    elif images is not None:
         row_images = read_row_images(columns[images.column], images.access)
     rendered = render_rows(
         columns,
@@ -208,7 +211,7 @@ def _read_batch(
         places=None if images is None else images.places,
     )
     rendered = mark_bad_rows(rendered, columns, id_column=spec.id_column, start=start)
-    if row_images is not None:
+    if row_images is not None and not spec.is_openai_batch:
         rendered = mark_bad_images(rendered, row_images)
         rows = _generation_rows(
             columns, spec, tokenizer, params, max_model_len, rendered, adapters or []
@@ -226,7 +229,9 @@ def _read_batch(
     adapters = adapters or []
     if spec.is_openai_batch:
         rendered = _refuse_unread_tool_calls(rendered, columns, tokenizer)
-        return _read_openai_rows(
+        if row_images is not None:
+            rendered = mark_bad_images(rendered, row_images)
+        rows = _read_openai_rows(
             columns,
             start,
             spec,
@@ -238,15 +243,31 @@ def _read_batch(
             rendered,
             adapters,
         )
+        return rows if row_images is None else with_images(rows, row_images)
     return _generation_rows(columns, spec, tokenizer, params, max_model_len, rendered, adapters)
 
 
+def _line_images(messages: list, images: RowImageReader | None) -> list[RowImages] | None:
+    """The images of an OpenAI batch file's lines, read as the job allows (None: no line
+    has any); a line with images for a model without a vision tower is an error."""
+    urls = [message_image_urls(m) for m in messages]
+    if not any(urls):
+        return None
+    if images is None:
+        refused = RowImages(
+            error="image parts need a vision-language model (e.g. Gemma 3); this one has no "
+            "vision tower"
+        )
+        return [RowImages() if u is None else refused for u in urls]
+    read = iter(read_row_images([u for u in urls if u], images.access))
+    return [RowImages() if u is None else next(read) for u in urls]
+
+
 def mark_bad_images(rendered: list[RenderedRow], images: list[RowImages]) -> list[RenderedRow]:
-    """Rows whose images could not be read become error rows saying why."""
+    """Rows whose images could not be read become error rows saying why (the images' error
+    first: without them, the row's rendering failed for want of them)."""
     return [
-        row
-        if found.error is None or row.error is not None
-        else replace(row, text=None, error=found.error)
+        row if found.error is None else replace(row, text=None, error=found.error)
         for row, found in zip(rendered, images)
     ]
 

@@ -254,7 +254,9 @@ def normalize_messages(value: Any, *, system: str | None = None) -> list[dict[st
         calls = _tool_calls(msg.get("tool_calls"), i)
         if content is None and calls:
             content = ""
-        if not isinstance(content, str):
+        if msg.get("parts") is not None:  # an OpenAI batch line's text and image parts
+            content = _placed_parts(msg["parts"])
+        elif not isinstance(content, str):
             raise ValueError(f"message {i} content is not a string")
         message: dict[str, Any] = {"role": role, "content": content}
         if msg.get("tool_call_id") is not None:
@@ -267,6 +269,29 @@ def normalize_messages(value: Any, *, system: str | None = None) -> list[dict[st
     if system is not None and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system})
     return messages
+
+
+def _placed_parts(parts: str) -> list[dict[str, Any]]:
+    """A message's parts (JSON text, `connectors/openai_batch.py`) as multimodal chat
+    templates take them: text parts, and an image part where each image sits."""
+    return [
+        {"type": "image"} if part["type"] == "image" else {"type": "text", "text": part["text"]}
+        for part in json.loads(parts)
+    ]
+
+
+def message_image_urls(value: Any) -> list[str] | None:
+    """The image URLs of a row's messages, in the order they are placed (None: none)."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        return None
+    urls = [
+        part["url"]
+        for message in value
+        if isinstance(message, Mapping) and message.get("parts") is not None
+        for part in json.loads(message["parts"])
+        if part["type"] == "image"
+    ]
+    return urls or None
 
 
 def _tool_calls(value: Any, index: int) -> list | None:
@@ -347,11 +372,14 @@ def _render_one(
 
 def _with_image_parts(chat: ChatRenderer | None, num_images: int) -> ChatRenderer | None:
     """`chat` rendering the user's first message with `num_images` image parts before its
-    text, as multimodal chat templates take them."""
+    text, as multimodal chat templates take them - or the messages' own image parts, where
+    they have them (an OpenAI batch line's)."""
     if chat is None:
         return None
 
     def render(messages: list[dict[str, Any]], **variables: Any) -> str:
+        if any(isinstance(m["content"], list) for m in messages):
+            return chat(messages, image_parts=True, **variables)  # the row placed them
         messages = list(messages)
         for i, message in enumerate(messages):
             if message["role"] == "user":

@@ -90,6 +90,15 @@ def test_anonymous_access_only_on_a_loopback_host(tmp_path):
     assert ServerSettings(store=str(tmp_path), no_auth=True, host="::1").no_auth
 
 
+def test_the_server_reads_no_image_from_its_own_disk(tmp_path):
+    """Lines fetch nothing unless the operator allows a URL scheme (the job default: none),
+    and local paths are never read: image_root is refused by name."""
+    settings = ServerSettings(store=str(tmp_path), no_auth=True)
+    assert "allow_url_schemes" not in settings.job_options
+    with pytest.raises(ValueError, match="image_root: a batch line never makes the server read"):
+        ServerSettings(store=str(tmp_path), no_auth=True, job_options={"image_root": ["/"]})
+
+
 @pytest.mark.parametrize(
     "bad_id",
     [
@@ -194,7 +203,9 @@ def test_lines_cannot_make_the_server_fetch_urls_or_paths(api):
         e["custom_id"]: e["error"] for e in content_lines(client, "alice", done["error_file_id"])
     }
     assert sorted(errors) == ["file", "image"]
-    assert all("image parts are not supported" in e["message"] for e in errors.values())
+    # The server's model reads no images; a vision model's would not fetch these either
+    # (no URL scheme allowed, no image root: tests/pipelines/test_image_jobs.py).
+    assert all("image parts need a vision-language model" in e["message"] for e in errors.values())
     assert [o["custom_id"] for o in content_lines(client, "alice", done["output_file_id"])] == [
         "r0"
     ]

@@ -48,7 +48,13 @@ COMPLETION = {
 
 def _msg(role: str, content: str | None) -> dict:
     """A message row as the reader gives it: the fields it passes to the chat template."""
-    return {"role": role, "content": content, "tool_calls": None, "tool_call_id": None}
+    return {
+        "role": role,
+        "content": content,
+        "tool_calls": None,
+        "tool_call_id": None,
+        "parts": None,
+    }
 
 
 def _write(path, lines) -> str:
@@ -94,6 +100,7 @@ def test_column_types():
                 ("content", pa.string()),
                 ("tool_calls", pa.string()),
                 ("tool_call_id", pa.string()),
+                ("parts", pa.string()),
             ]
         )
     )
@@ -117,11 +124,11 @@ BAD_REQUESTS = [
     ),
     (
         {**CHAT, "body": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}},
-        r"body.messages\[0\].content: image parts are not supported in batch files yet",
+        r"body.messages\[0\].content: an image_url part needs its image URL as a string",
     ),
     (
         {**CHAT, "body": {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}},
-        r"body.messages\[0\].content: only text parts",
+        r"body.messages\[0\].content: only text and image parts",
     ),
     (CHAT, "duplicate custom_id"),
 ]

@@ -148,8 +148,15 @@ SAMPLES = {
                         "content": "Be brief.",
                         "tool_calls": None,
                         "tool_call_id": None,
+                        "parts": None,
                     },
-                    {"role": "user", "content": "Hi", "tool_calls": None, "tool_call_id": None},
+                    {
+                        "role": "user",
+                        "content": "Hi",
+                        "tool_calls": None,
+                        "tool_call_id": None,
+                        "parts": None,
+                    },
                 ]
             },
         ),
@@ -344,10 +351,23 @@ def test_fates_are_the_three_and_only_honoured_fields_fill_columns():
             assert (field.convert is not None) == fills, field.name
 
 
-def test_image_parts_are_refused_by_name_not_dropped():
+def test_image_parts_keep_their_place_among_the_text_parts():
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    content = [{"type": "text", "text": "what is it?"}, part]
+    content = [{"type": "text", "text": "what is it?"}, part, {"type": "text", "text": "!"}]
     body = {"model": "m", "messages": [{"role": "user", "content": content}]}
     line = {"custom_id": "c", "method": "POST", "url": CHAT_URL, "body": body}
-    with pytest.raises(BadLine, match=r"image parts are not supported in batch files yet"):
-        request_rows(line, 1)
+    (row,) = request_rows(line, 1)
+    (message,) = row["messages"]
+    assert message["content"] == "what is it?\n!"
+    assert json.loads(message["parts"]) == [
+        {"type": "text", "text": "what is it?"},
+        {"type": "image", "url": "data:image/png;base64,AAAA"},
+        {"type": "text", "text": "!"},
+    ]
+    responses = {
+        "input": [
+            {"role": "user", "content": [{"type": "input_image", "image_url": "s3://b/k.png"}]}
+        ]
+    }
+    (row,) = request_rows({**line, "url": "/v1/responses", "body": responses}, 1)
+    assert json.loads(row["messages"][0]["parts"]) == [{"type": "image", "url": "s3://b/k.png"}]

@@ -181,7 +181,13 @@ def test_openai_batch_line_that_is_not_utf8(tmp_path):
     assert rows[1][ERROR_COLUMN].startswith(f"{path}: line 2: not valid UTF-8 (byte 0xff")
     replaced = _rows(path, format="openai-batch", on_decode_error="replace")
     assert replaced[1]["messages"] == [
-        {"role": "user", "content": "b\ufffdd", "tool_calls": None, "tool_call_id": None}
+        {
+            "role": "user",
+            "content": "b\ufffdd",
+            "tool_calls": None,
+            "tool_call_id": None,
+            "parts": None,
+        }
     ]
     assert [r[REPLACED_COLUMN] for r in replaced] == [False, True, False]
 

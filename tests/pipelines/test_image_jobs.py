@@ -220,6 +220,60 @@ def test_a_notebook_takes_an_image_column_as_a_job_does(vlm):
     assert "not an image in a format Pillow reads" in got["error"][2]
 
 
+def _chat_line(custom_id: str, content: list) -> dict:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": content}], "max_tokens": 4},
+    }
+
+
+def test_an_openai_batch_file_with_data_urls_answers_as_llm_chat_does(vlm, tmp_path):
+    one, two = png_bytes(26, 35, seed=9), png_bytes(44, 19, seed=10)
+    contents = {
+        "one": [
+            {"type": "text", "text": "look "},
+            {"type": "image_url", "image_url": {"url": _data_url(one)}},
+            {"type": "text", "text": " and tell"},
+        ],
+        "two": [
+            {"type": "image_url", "image_url": {"url": _data_url(two)}},
+            {"type": "image_url", "image_url": {"url": _data_url(one)}},
+            {"type": "text", "text": "which"},
+        ],
+    }
+    lines = [_chat_line(cid, content) for cid, content in contents.items()]
+    lines += [
+        _chat_line("https", [{"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]),
+        _chat_line("path", [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]),
+        _chat_line("text", [{"type": "text", "text": "no image"}]),
+    ]
+    source = tmp_path / "batch.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    run_job(
+        str(source),
+        str(out),
+        model=str(vlm),
+        format="openai-batch",
+        ignore_eos=True,
+        dtype="float32",
+        engine_options=ENGINE,
+    )
+    results = {r["id"]: r for r in read_results(str(out)).to_pylist()}
+    llm = LLM(str(vlm), dtype="float32", device="cpu", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = llm.chat([[{"role": "user", "content": c}] for c in contents.values()], params)
+    for cid, expected in zip(contents, want):
+        assert results[cid]["error"] is None
+        assert results[cid]["output"] == expected.outputs[0].text
+        assert results[cid]["prompt_tokens"] == len(expected.prompt_token_ids)
+    assert "URL scheme 'https' is not allowed" in results["https"]["error"]
+    assert "name the directories images may be read from" in results["path"]["error"]
+    assert results["text"]["error"] is None and results["text"]["completion_tokens"] == 4
+
+
 def test_a_text_model_refuses_an_image_column_before_any_compute(tmp_path):
     from tiny_model import build_tiny_model
 

@@ -142,6 +142,12 @@ class ServerSettings:
                 f"{', '.join(given)}: set by the server for every batch (models with --model, "
                 "adapters with --lora), not a job option it takes"
             )
+        if self.job_options.get("image_root"):
+            raise ValueError(
+                "image_root: a batch line never makes the server read its own disk; lines "
+                "carry images as data: URLs, or from URL schemes allowed by "
+                "allow_url_schemes"
+            )
         # Checked now, as the job definition checks any job's options, not at a batch.
         check_names(self.job_options, surface=JOB)
         JobSpec("batch.jsonl", "out", format="openai-batch", **self.job_options)
