@@ -43,6 +43,7 @@ def forecast_job(plan: JobPlan, *, done: Iterable[str] = (), llm: Any = None) ->
     batches = []
     shard_calls = []
     sums = None
+    image_tokens = 0
     for shard in plan.shards:
         if shard.shard_id in done:
             part = out.read_shard_part(
@@ -51,6 +52,9 @@ def forecast_job(plan: JobPlan, *, done: Iterable[str] = (), llm: Any = None) ->
             sums = add_token_sums(sums, part)
         elif not shard.is_copy:
             rows = shard_rows(load_shard(plan, shard)).rows
+            image_tokens += plan.tokens_per_image * sum(
+                len(r.images) for r in rows if r.error is None
+            )
             requests = [
                 PlannedRequest(r.token_ids, plan.params[r.params_index])
                 for r in rows
@@ -79,7 +83,7 @@ def forecast_job(plan: JobPlan, *, done: Iterable[str] = (), llm: Any = None) ->
         # Shards of a job cut for several workers may each start on a cold cache.
         shard_calls=shard_calls if plan.min_shards > 1 else None,
     )
-    return forecast_work(
+    forecast = forecast_work(
         work,
         planner=engine_planner(spec.llm_options, plan.model_dir, llm),
         prices=spec.prices,
@@ -88,6 +92,8 @@ def forecast_job(plan: JobPlan, *, done: Iterable[str] = (), llm: Any = None) ->
         job_id=plan.job_id,
         llm=llm,
     )
+    forecast.image_tokens = image_tokens + (sums or {}).get("image_tokens", 0)
+    return forecast
 
 
 def dry_run(

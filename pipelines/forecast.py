@@ -113,6 +113,9 @@ class Forecast:
     kv_cache_bytes: int | None = None
     memory_available_bytes: int | None = None
     memory_dtype: str | None = None
+    # Of prompt_tokens, images' soft tokens: exact, from the plan (each image's tokens are
+    # fixed by the model; its header was checked, its pixels never decoded).
+    image_tokens: int = 0
 
     @property
     def memory(self) -> MemoryPlan | None:

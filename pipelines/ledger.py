@@ -131,6 +131,9 @@ class JobLedger:
     # "gguf"), or a checkpoint quantized by another tool, named by its format and scheme
     # ("compressed-tensors pack-quantized, W4A16 g64"); None: float weights.
     quantization: str | None = None
+    # Of prompt_tokens, those that are images' soft tokens (as OpenAI counts them: inside
+    # the prompt's tokens, reported apart); 0 for a job without images.
+    image_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -198,6 +201,8 @@ def token_sums(results: pa.Table) -> dict[str, int]:
         "cached_tokens": total("cached_tokens"),
         "completion_tokens": total("completion_tokens"),
         "rows_deduplicated": copies,
+        # Of prompt_tokens, the images' soft tokens (jobs with images have the column).
+        "image_tokens": total("image_tokens") if "image_tokens" in results.column_names else 0,
     }
 
 
@@ -236,7 +241,7 @@ def adapter_split(
     split = []
     empty = dict.fromkeys(("rows_ok", "rows_failed", *TOKEN_FIELDS), 0)
     for name, weights_hash in [(None, None), *adapters]:
-        counts = sums.get(name, empty)
+        counts = {k: v for k, v in sums.get(name, empty).items() if k != "image_tokens"}
         costs = token_costs(
             prices,
             prompt_tokens=counts["prompt_tokens"],

@@ -304,7 +304,11 @@ def _run(
             loras=lora_requests(job.adapters) if job.adapters else None,
         )
     ids = [r.id for r in job.rows]  # row_index is the position in `data`
-    extras = extra_columns(job.params.params, has_adapters=bool(job.adapters))
+    extras = extra_columns(
+        job.params.params,
+        has_adapters=bool(job.adapters),
+        has_images=any(r.images for r in job.rows) or job.values["image_column"] is not None,
+    )
     extras += (DUPLICATE_OF,) if job.copies else ()
     carried = job.table.select(list(job.passthrough))
     if job.replaced is not None:

@@ -89,6 +89,10 @@ class JobPlan:
     # checkpoint's own (ModelDescription.quantization); None: float weights.
     quantization: str | None = None
     cut_rule: str = PREFIX  # where each window's cuts fall (`prefix_cut.py`)
+    # Rows run with images (an image column, or OpenAI batch lines with image parts): the
+    # results then count each row's image tokens.
+    has_images: bool = False
+    tokens_per_image: int = 0  # each image's soft tokens (0: the model takes no images)
 
     @property
     def num_tokens(self) -> int:
@@ -112,7 +116,9 @@ class JobPlan:
     @property
     def result_extras(self) -> tuple[str, ...]:
         """The optional result columns every part of this job has (`results.py`)."""
-        extras = extra_columns(self.params, has_adapters=bool(self.adapters))
+        extras = extra_columns(
+            self.params, has_adapters=bool(self.adapters), has_images=self.has_images
+        )
         return (*extras, DUPLICATE_OF) if self.rows_deduplicated else extras
 
 
@@ -179,6 +185,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     shards: list[Shard] = []
     copy_shards: list[Shard] = []
     num_rows = num_failed = 0
+    has_images = images is not None and spec.image_column is not None
     dedupe = Deduplicator(params.params) if spec.dedupe else None
     # Another plan's files may have our shard ids (same rows, same id): if this planning
     # fails, it removes only the files it added.
@@ -226,6 +233,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
                 sources = [(c.source_row_index, c.source_shard) for c in copies]
                 _spill(spec, shard.shard_id, [c.row for c in copies], window, sources)
                 copy_shards.append(shard)
+            has_images = has_images or any(r.images for r in window.rows)
             num_rows += len(window.rows)
             num_failed += sum(1 for r in window.rows if r.error is not None)
             fault_point("plan_window")
@@ -255,6 +263,8 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         min_shards=min_shards,
         quantization=_quantization(spec, model, llm),
         cut_rule=cut_rule,
+        has_images=has_images,
+        tokens_per_image=images.places.tokens_per_image if images is not None else 0,
     )
     log.info(
         "planned job %s: %d rows (%d failed before compute, %d duplicates computed once), "

@@ -38,6 +38,9 @@ has the same schema):
     adapter                     string: the LoRA adapter the row ran with (or asked for,
                                 on an error row); null for the base model. With any
                                 LoRA adapters (`pipelines/adapters.py`).
+    image_tokens                int64: of the row's prompt_tokens, its images' soft
+                                tokens (0 on error rows and copies, which bill none).
+                                With an image column, or OpenAI batch lines with images.
 
 and one when the job reads its input with `on_decode_error="replace"`:
 
@@ -97,6 +100,7 @@ DECODE_REPLACED = "decode_replaced"
 # (`running.stop_shard`); only in such a shard's part, and in its copies'.
 ERROR_CODE = "error_code"
 ADAPTER = "adapter"
+IMAGE_TOKENS = "image_tokens"
 # An OpenAI batch file's embeddings in a generation job's results (sizes may differ).
 _LINE_EMBEDDINGS = PoolingLayout("embed")
 EXTRA_FIELDS = {
@@ -107,6 +111,7 @@ EXTRA_FIELDS = {
     "truncated": _LINE_EMBEDDINGS.fields()[1],
     DUPLICATE_OF: pa.field(DUPLICATE_OF, pa.string()),
     ADAPTER: pa.field(ADAPTER, pa.string()),
+    IMAGE_TOKENS: pa.field(IMAGE_TOKENS, pa.int64(), nullable=False),
     DECODE_REPLACED: pa.field(DECODE_REPLACED, pa.bool_(), nullable=False),
 }
 # What a copy's row bills: nothing was computed for it.
@@ -119,7 +124,10 @@ _COMPLETIONS_WITH_LOGPROBS = pa.field(
 
 
 def extra_columns(
-    params: Sequence[SamplingParams | PoolingParams], *, has_adapters: bool = False
+    params: Sequence[SamplingParams | PoolingParams],
+    *,
+    has_adapters: bool = False,
+    has_images: bool = False,
 ) -> tuple[str, ...]:
     """The optional result columns a job's distinct params (and LoRA adapters) call for,
     in schema order.
@@ -140,6 +148,8 @@ def extra_columns(
         extras += ["embedding", "truncated"]
     if has_adapters:
         extras.append(ADAPTER)
+    if has_images:
+        extras.append(IMAGE_TOKENS)
     return tuple(extras)
 
 
@@ -322,9 +332,14 @@ def build_results(
         }
 
     def record(row: PromptRow) -> dict:
-        result = result_record(row, outputs.get(row.row_index), task=task, logprobs=logprobs)
+        output = outputs.get(row.row_index)
+        result = result_record(row, output, task=task, logprobs=logprobs)
+        if IMAGE_TOKENS in extras:  # an error row billed none
+            result[IMAGE_TOKENS] = (
+                getattr(output, "image_tokens", 0) if result["prompt_tokens"] else 0
+            )
         if row.row_index in copies:
-            result.update(dict.fromkeys(TOKEN_COLUMNS, 0))
+            result.update(dict.fromkeys((*TOKEN_COLUMNS, IMAGE_TOKENS), 0))
             result[DUPLICATE_OF] = copies[row.row_index][1]
         return result
 
@@ -409,7 +424,7 @@ def copy_results(
     columns = {
         "id": pa.array([copy for copy, _ in copies], pa.string()),
         DUPLICATE_OF: pa.array([source for _, source in copies], pa.string()),
-        **dict.fromkeys(TOKEN_COLUMNS, zeros),
+        **dict.fromkeys((*TOKEN_COLUMNS, IMAGE_TOKENS), zeros),
     }
     arrays = [
         columns[f.name]

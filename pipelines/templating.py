@@ -61,6 +61,7 @@ class ImagePlaces(Protocol):
     """Where a vision model's images sit in prompt text (`tokenmill.engine.ImageLayout`)."""
 
     marker: str
+    tokens_per_image: int
 
     def count(self, text: str, data_spans: Spans = ()) -> int: ...
 

@@ -137,6 +137,46 @@ def test_a_parquet_image_column_answers_as_llm_chat_does(vlm, tmp_path):
     assert "URL scheme 'https' is not allowed" in errors["g"]
     assert "120x100 = 12000 pixels, over the limit of 10000" in errors["h"]
     assert ledger.rows_failed == 5
+    # Cost truth: image tokens inside prompt_tokens, per row and in the ledger; a dry run
+    # counts them (and every prompt token) exactly, from the plan alone.
+    assert [results[rid]["image_tokens"] for rid in "abcdefgh"] == [16, 32, 0, 0, 0, 0, 0, 0]
+    assert ledger.image_tokens == 48
+    assert ledger.prompt_tokens == results["a"]["prompt_tokens"] + results["b"]["prompt_tokens"]
+    forecast = run_job(
+        str(source),
+        str(tmp_path / "dry"),
+        model=str(vlm),
+        prompt_column="text",
+        id_column="id",
+        image_column="image",
+        image_root=[str(root)],
+        max_image_pixels=10_000,
+        max_tokens=5,
+        ignore_eos=True,
+        dtype="float32",
+        engine_options=ENGINE,
+        dry_run=True,
+        calibrate=False,
+    )
+    # The truncated image passes its header check: only decoding it finds it out, so the
+    # forecast counts its row (as many tokens as any one-image row of its text).
+    truncated = llm.chat(
+        [
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        conversations[0][0]["content"][0],
+                        {"type": "text", "text": "truncated"},
+                    ],
+                }
+            ]
+        ],
+        params,
+    )
+    assert forecast.rows_failed == 4
+    assert forecast.image_tokens == 48 + TOKENS_PER_IMAGE
+    assert forecast.prompt_tokens == ledger.prompt_tokens + len(truncated[0].prompt_token_ids)
 
 
 def _raw_job(vlm, tmp_path, name, texts, image, **options) -> list[dict]:

@@ -105,6 +105,7 @@ def test_token_sums_equal_result_rows():
         "cached_tokens": 96,
         "completion_tokens": 26,
         "rows_deduplicated": 0,
+        "image_tokens": 0,  # a job without images has no image_tokens column
     }
 
 
