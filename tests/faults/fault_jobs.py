@@ -108,6 +108,9 @@ class FaultJob:
     num_rows: int = NUM_ROWS
     extra_args: list[str] = field(default_factory=list)
     task: str = "generate"  # or "embed": the model is then an embedding model
+    # Job options the CLI's extra_args give, as run_job takes them (count_shards plans
+    # with them in-process).
+    options: dict = field(default_factory=dict)
 
     def command(self, *more: str) -> list[str]:
         return [
@@ -247,6 +250,107 @@ def _check_copies(rows: pa.Table) -> tuple[int, int]:
     return len(copies), wrong
 
 
+def vision_job(directory: Path, job: FaultJob) -> FaultJob:
+    """`job` on a tiny random Gemma 3 vision model (built once in `directory`), its input
+    rewritten as an image job's: good images as bytes and as paths under an image root,
+    every sixth row a hostile one (`hostile_images`)."""
+    model_dir = build_vision_model(directory / "vision-model")
+    root = job.input.parent / "images"
+    write_image_input(job.input, root)
+    options = {"image_column": "image", "image_root": [str(root)], "max_image_pixels": 1_000_000}
+    args = ["--image-column", "image", "--image-root", str(root), "--max-image-pixels", "1000000"]
+    return FaultJob(model_dir, job.input, job.output, extra_args=args, options=options)
+
+
+def build_vision_model(directory: Path) -> Path:
+    """A tiny random Gemma 3 vision-language model (tests/engine/vision_models.py) with a
+    character tokenizer and a chat template that places image parts; built once."""
+    if (directory / "preprocessor_config.json").is_file():
+        return directory
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+    from vision_models import build_gemma3_vlm, save_marker_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    build_gemma3_vlm(directory)
+    save_marker_tokenizer(directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for p in m['content'] %}{% if p['type'] == 'image' %}<start_of_image>{% else %}"
+        "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}"
+    )
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def hostile_images(root: Path) -> list[dict]:
+    """Images no job may run, each as an image cell's struct: a decompression bomb (a
+    PNG header claiming 50,000 x 50,000 pixels), a header over the job's pixel limit, a
+    truncated PNG, a text file, and a path that climbs out of the image root."""
+    import io
+    import zlib
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(buffer, format="PNG")
+    png = buffer.getvalue()
+    buffer = io.BytesIO()
+    Image.frombytes("RGB", (32, 32), random.Random(1).randbytes(32 * 32 * 3)).save(buffer, "PNG")
+    noisy = buffer.getvalue()
+
+    def claiming(width: int, height: int) -> bytes:
+        """The PNG with its header's size (and the header's CRC) rewritten."""
+        ihdr = b"IHDR" + width.to_bytes(4, "big") + height.to_bytes(4, "big") + png[24:29]
+        return png[:12] + ihdr + zlib.crc32(ihdr).to_bytes(4, "big") + png[33:]
+
+    (root.parent / "outside.png").write_bytes(png)
+    return [
+        {"bytes": claiming(50_000, 50_000), "path": None},  # past Pillow's own bomb check
+        {"bytes": claiming(2_000, 1_000), "path": None},  # past the job's max_image_pixels
+        {"bytes": noisy[: len(noisy) * 2 // 3], "path": None},  # its header intact
+        {"bytes": b"just some text, not an image", "path": None},
+        {"bytes": None, "path": str(root / ".." / "outside.png")},
+    ]
+
+
+def write_image_input(path: Path, root: Path, num_rows: int = NUM_ROWS) -> Path:
+    """A Parquet input of `num_rows` (id, prompt, image) rows: small random PNGs, as bytes
+    and as files under `root`, and every sixth row one of `hostile_images`."""
+    import io
+
+    from PIL import Image
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    hostile = hostile_images(root)
+    cells = []
+    for i in range(num_rows):
+        if i % 6 == 5:
+            cells.append(hostile[(i // 6) % len(hostile)])
+            continue
+        image = Image.new("RGB", (12 + i % 9, 10 + i % 7), tuple(rng.randrange(256) for _ in "rgb"))
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        if i % 2:
+            (root / f"{i}.png").write_bytes(buffer.getvalue())
+            cells.append({"bytes": None, "path": str(root / f"{i}.png")})
+        else:
+            cells.append({"bytes": buffer.getvalue(), "path": None})
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    pq.write_table(
+        pa.table(
+            {
+                "id": [f"id-{i}" for i in range(num_rows)],
+                "prompt": [f"describe {'abc'[i % 3] * (1 + i % 4)}" for i in range(num_rows)],
+                "image": pa.array(cells, struct),
+            }
+        ),
+        path,
+    )
+    return path
+
+
 def build_moe_model(directory: Path) -> Path:
     """A tiny random Qwen3-MoE (8 experts, 2 per token, every layer sparse) with the tiny
     model's tokenizer and chat template, for mixture-of-experts generation fault jobs;
@@ -373,6 +477,7 @@ def count_shards(job: FaultJob) -> int:
         plan_window_rows=PLAN_WINDOW_ROWS,
         dtype="float32",
         **options,
+        **job.options,
     )
     return len(plan_job(spec).shards)
 

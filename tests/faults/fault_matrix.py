@@ -5,7 +5,8 @@
 
 Each run is a fresh 40-row `tokenmill run` job (the CLI, in child processes) on a tiny
 random Llama model built in the work directory (an embedding job's scenarios: `--task
-embed` on a tiny random BERT embedding model; the MoE ones: a tiny random Qwen3-MoE), with a fault injected through
+embed` on a tiny random BERT embedding model; the MoE ones: a tiny random Qwen3-MoE; the
+image job's: a tiny random Gemma 3 vision model over an image column), with a fault injected through
 TOKENMILL_FAULT_POINT (`tokenmill/faults.py`) or from outside (a filled disk, a second
 run, an edited input). After the scenario's recovery step (a rerun, freeing space,
 --no-resume) a reader counts, against the input's ids: rows lost, rows duplicated,
@@ -41,6 +42,7 @@ from fault_jobs import (  # noqa: E402
     kill_and_resume,
     shape_killed_and_resumed,
     small_disk,
+    vision_job,
     write_input,
 )
 from tiny_model import build_tiny_model  # noqa: E402
@@ -198,6 +200,20 @@ def moe(scenario: Callable[[RunContext], Outcome]) -> Callable[[RunContext], Out
     return run
 
 
+def vision(scenario: Callable[[RunContext], Outcome]) -> Callable[[RunContext], Outcome]:
+    """`scenario` on an image job (a tiny random Gemma 3 vision model built once in the
+    work directory) whose rows hold hostile images among good ones: a decompression bomb,
+    a truncated PNG, a text file, a path out of the image root - each an error row."""
+
+    def run(ctx: RunContext) -> Outcome:
+        job = vision_job(ctx.workdir.parent, ctx.job)
+        outcome = scenario(RunContext(job, ctx.workdir, ctx.rng))
+        _expect(outcome.rows_failed == 6, f"{outcome.rows_failed} error rows, not the 6 hostile")
+        return outcome
+
+    return run
+
+
 def _store_side(name: str, **kwargs) -> Callable[[RunContext], Outcome]:
     """A scenario of tests/faults/scenarios_b.py (its own moto S3 server, fault proxy or
     Dask cluster; the worker-death one needs PREFECT_API_URL), run once with this run's
@@ -301,6 +317,10 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario("MoE generation job: SIGKILL at 5 random points, resumed", moe(kills)),
     Scenario("MoE generation job: engine step raises once mid-shard", moe(engine_transient)),
+    Scenario(
+        "image job (bomb, truncated, text, path out of the root): SIGKILL at 5 points, resumed",
+        vision(kills),
+    ),
     Scenario("hostile row ids (../../x, absolute, NUL, 5,000 chars)", _store_side("hostile_ids")),
     Scenario(
         "hostile input bytes (invalid UTF-8 in JSONL, CSV and gzipped CSV; a 40 MB CSV field)",

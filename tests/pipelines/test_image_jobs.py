@@ -379,6 +379,24 @@ def test_image_sources_are_refused_by_what_is_wrong(tmp_path):
         ImageAccess(url_schemes=("file",))
 
 
+def test_hostile_images_are_refused_at_planning(tmp_path):
+    """The fault matrix's hostile images (tests/faults/fault_jobs.py), read as a job reads
+    them: every one refused but the truncated PNG, whose header is whole (its decoding
+    fails: an error row when it runs, as the job test above shows)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
+    from fault_jobs import hostile_images
+
+    root = tmp_path / "images"
+    root.mkdir()
+    access = ImageAccess(roots=(str(root),), max_pixels=1_000_000)
+    found = read_row_images(hostile_images(root), access)
+    assert [f.error is None for f in found] == [False, False, True, False, False]
+    assert "refused as a decompression bomb" in found[0].error
+    assert "2000x1000 = 2000000 pixels, over the limit of 1000000" in found[1].error
+    assert "not an image in a format Pillow reads" in found[3].error
+    assert "outside the image roots" in found[4].error
+
+
 def test_images_travel_in_the_plan_file():
     rows = [
         PromptRow(0, "a", token_ids=[1, 2], images=(b"one", b"two")),
