@@ -386,7 +386,11 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
     ),
     Field("background_options", IGNORED, "a completion window: the batch has its own"),
     Field("access_programs", IGNORED, "an OpenAI access program"),
-    Field("image", IGNORED, "image options: inputs are text only (an image is refused)"),
+    Field(
+        "image",
+        IGNORED,
+        "image output options: answers are text (input images come as input_image parts)",
+    ),
     *_SERVICE_IGNORED,
     _MODERATION,
     Field("context_management", REFUSED, "no context compaction: an over-long input is an error"),
