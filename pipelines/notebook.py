@@ -452,13 +452,15 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
     decoded = [*required_columns(template), *([query_column] if query_column else [])]
     replaced = _decode_text_columns(columns, table.schema, decoded, decoding)
     chat = chat_renderer(llm.tokenizer, add_generation_prompt=adds_generation_prompt(task))
-    images = image_reader(
-        values,
-        model_dir=llm.model_dir,
-        model_name=getattr(llm, "model_name", "the model"),
-        tokenizer=llm.tokenizer,
-        task=task,
-    )
+    images = None
+    if values["image_column"] is not None:  # (an LLM stand-in without images has no model_dir)
+        images = image_reader(
+            values,
+            model_dir=llm.model_dir,
+            model_name=getattr(llm, "model_name", "the model"),
+            tokenizer=llm.tokenizer,
+            task=task,
+        )
     row_images = None
     if images is not None:
         if images.column not in table.column_names:

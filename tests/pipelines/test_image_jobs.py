@@ -255,6 +255,8 @@ def test_a_notebook_takes_an_image_column_as_a_job_does(vlm):
         for image in (one, two)
     ]
     want = llm.chat(conversations, params)
+    # The same prompt with another image is another request: nothing is deduplicated.
+    assert "duplicate_of" not in got.columns
     assert got["output"].to_list()[:2] == [w.outputs[0].text for w in want]
     assert got["prompt_tokens"].to_list()[:2] == [len(w.prompt_token_ids) for w in want]
     assert "not an image in a format Pillow reads" in got["error"][2]
