@@ -186,18 +186,25 @@ class ImagePrompts:
 
     def prepare_rendered(self, text: str, data_spans: Spans, images: list) -> PreparedPrompt:
         """A chat template's output (its data spans as `Tokenizer.render_chat` gives
-        them) and the conversation's images, in order."""
-        return self._prepare(images, text=text, data_spans=data_spans)
+        them) and the conversation's images, in order. The template already wrote any
+        BOS, so the tokenizer adds none (as for text-only chat)."""
+        return self._prepare(images, text=text, data_spans=data_spans, add_special_tokens=False)
 
     def _prepare(
-        self, raw: list, *, ids: list[int] | None = None, text: str | None = None, data_spans=()
+        self,
+        raw: list,
+        *,
+        ids: list[int] | None = None,
+        text: str | None = None,
+        data_spans=(),
+        add_special_tokens: bool = True,
     ) -> PreparedPrompt:
         try:
             decoded = [to_decoded(i, max_pixels=self.max_image_pixels) for i in raw]
         except ImageError as exc:
             return PreparedPrompt([], text=text, error=f"image: {exc}")
         if ids is None:
-            ids = self._encode_text(text, data_spans)
+            ids = self._encode_text(text, data_spans, add_special_tokens)
         spans = self._spans(ids)
         if ids.count(self.image) != len(spans) * self.tokens_per_image:
             return PreparedPrompt(
@@ -249,11 +256,11 @@ class ImagePrompts:
             raise ValueError("the tokenizer has no image marker tokens; pass prompt_token_ids")
         return markers
 
-    def _encode_text(self, text: str, data_spans: Spans) -> list[int]:
+    def _encode_text(self, text: str, data_spans: Spans, add_special_tokens: bool) -> list[int]:
         """Expand each begin-of-image marker outside the data spans, as transformers'
         processor does, then encode (the data spans moved with the text)."""
         text, spans = self.layout().expand(text, data_spans)
-        return self.tokenizer.encode_batch([text], data_spans=[spans])[0]
+        return self.tokenizer.encode_batch([text], add_special_tokens, data_spans=[spans])[0]
 
     def layout(self) -> ImageLayout:
         """Where this model's images sit in prompt text (its marker strings)."""

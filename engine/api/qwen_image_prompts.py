@@ -76,7 +76,13 @@ class QwenImagePrompts(ImagePrompts):
         return self._prepare(raw, text=text, data_spans=spans)
 
     def _prepare(
-        self, raw: list, *, ids: list[int] | None = None, text: str | None = None, data_spans=()
+        self,
+        raw: list,
+        *,
+        ids: list[int] | None = None,
+        text: str | None = None,
+        data_spans=(),
+        add_special_tokens: bool = True,
     ) -> PreparedPrompt:
         try:
             decoded = [to_decoded(i, max_pixels=self.max_image_pixels) for i in raw]
@@ -97,7 +103,7 @@ class QwenImagePrompts(ImagePrompts):
                 ),
             )
         if ids is None:
-            ids = self._encode_expanded(text, data_spans, counts)
+            ids = self._encode_expanded(text, data_spans, counts, add_special_tokens)
         else:
             ids = self._expand(ids, counts)
         # Each image's tokens must be one run of its own: two images side by side would
@@ -151,7 +157,9 @@ class QwenImagePrompts(ImagePrompts):
             at = text.find(marker, at + len(marker))
         return found
 
-    def _encode_expanded(self, text: str, data_spans: Spans, counts: list[int]) -> list[int]:
+    def _encode_expanded(
+        self, text: str, data_spans: Spans, counts: list[int], add_special_tokens: bool
+    ) -> list[int]:
         """Repeat each image_pad marker outside the data spans once per token of its
         image, as transformers' processor does, then encode (the data spans moved with
         the text)."""
@@ -167,4 +175,6 @@ class QwenImagePrompts(ImagePrompts):
             last = at + len(marker)
         pieces.append(text[last:])
         spans += [(s + shift, e + shift) for s, e in data if s >= last]
-        return self.tokenizer.encode_batch(["".join(pieces)], data_spans=[tuple(spans)])[0]
+        return self.tokenizer.encode_batch(
+            ["".join(pieces)], add_special_tokens, data_spans=[tuple(spans)]
+        )[0]

@@ -303,6 +303,40 @@ def test_chat_with_openai_image_parts_equals_generate_with_the_same_ids(vlm):
     assert chat[2].finish_reason == "length"
 
 
+def test_chat_with_images_adds_no_second_bos(vlm, tmp_path):
+    """A chat template writes the BOS itself (Gemma 3's does), so a rendered conversation is
+    encoded without the tokenizer's own BOS - with images as without them."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    _, model_dir = vlm
+    shutil.copytree(model_dir, tmp_path, dirs_exist_ok=True)
+    bos = 200
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{CHARS[bos]} $A", special_tokens=[(CHARS[bos], bos)]
+    )
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.update(bos_token=CHARS[bos], chat_template="{{ bos_token }}" + CHAT_TEMPLATE)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", block_size=4)
+    image = png_bytes(45, 30, seed=11)
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    parts = [{"type": "text", "text": "ab"}, {"type": "image_url", "image_url": {"url": url}}]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with_image, text_only = llm.chat(
+        [[{"role": "user", "content": parts}], [{"role": "user", "content": "ab"}]], params
+    )
+    direct = llm.generate(
+        {"prompt_token_ids": [bos, 0, 1, BOI], "multi_modal_data": {"image": image}}, params
+    )
+    assert text_only.prompt_token_ids == [bos, 0, 1]
+    assert with_image.prompt_token_ids == direct[0].prompt_token_ids
+    assert with_image.prompt_token_ids.count(bos) == 1
+
+
 @pytest.mark.parametrize(
     "text",
     [
