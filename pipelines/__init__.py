@@ -1,6 +1,7 @@
 """Datasets in, results and a token-cost ledger out: everything between connectors and engine.
 
 images      image cells -> encoded bytes under the job's roots and URL schemes (bad -> error)
+image_fetch an http(s) image from the address its host was checked at; no redirects
 templating  row -> prompt text or chat messages (bad row -> error record)
 tokenize    batch-encode; over-long prompts -> error rows
 plan        order by shared prefix and length; cut each window into content-addressed shards

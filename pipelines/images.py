@@ -12,7 +12,9 @@ A cell holds one image or a list of them (a multi-image row), each one of:
     any other URL         fetched only when its scheme is in `allow_url_schemes`, with the
                           job's storage options; an http(s) host is resolved first and
                           refused when any of its addresses is private, loopback,
-                          link-local or otherwise not global
+                          link-local or otherwise not global, then fetched from the
+                          address checked, without credentials or redirects
+                          (`image_fetch`)
 
 Every problem - a null cell, a scheme not allowed, a path outside the roots, a URL that
 cannot be reached, bytes that are no image, an image over `max_image_pixels` - is that
@@ -37,6 +39,7 @@ from urllib.parse import urlsplit
 import fsspec
 
 from tokenmill.engine import DEFAULT_MAX_IMAGE_PIXELS, ImageError, image_layout, image_size
+from tokenmill.pipelines.image_fetch import fetch_pinned
 from tokenmill.pipelines.templating import ImagePlaces
 
 # Rows whose images are read at once: a URL's latency overlaps the others'.
@@ -186,7 +189,7 @@ def _read_one(item: Any, access: ImageAccess) -> bytes:
             "(--allow-url-schemes)"
         )
     if scheme in _HOSTED_SCHEMES:
-        _check_host(urlsplit(item).hostname, access)
+        return fetch_pinned(item, _checked_address(urlsplit(item).hostname, access))
     return _fetch(item, access)
 
 
@@ -218,9 +221,9 @@ def _read_local(path: str, access: ImageAccess) -> bytes:
         raise ValueError(f"path {path!r} cannot be read ({exc.strerror or exc})") from None
 
 
-def _check_host(host: str | None, access: ImageAccess) -> None:
-    """Refuse a host any of whose addresses is not a global one (private, loopback,
-    link-local, reserved...), after resolving it."""
+def _checked_address(host: str | None, access: ImageAccess) -> str:
+    """The address to fetch `host` from, once every address it resolves to is a global
+    one (not private, loopback, link-local, reserved...)."""
     if not host:
         raise ValueError("URL has no host")
     try:
@@ -234,6 +237,9 @@ def _check_host(host: str | None, access: ImageAccess) -> None:
                 f"host {host!r} resolves to {ip}, a private, loopback or link-local address: "
                 "never fetched"
             )
+    if not addresses:
+        raise ValueError(f"host {host!r} resolves to no address")
+    return addresses[0]
 
 
 def _resolve(host: str) -> list[str]:
