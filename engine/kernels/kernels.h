@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 16
+#define TM_ABI_VERSION 17
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -103,7 +103,9 @@ void tm_limits(tm_limits_t *out);
  * (p - sliding_window, p], as transformers' sliding-window masks do). Entries come in
  * groups [group_starts[k], group_starts[k + 1]): a group of one is cut into tiles; a larger
  * group holds decoding sequences whose first group_shared_blocks[k] blocks are the same
- * blocks, read once for all of them. Rows of `out` no entry covers are left unset. */
+ * blocks, read once for all of them. Rows of `out` no entry covers are left unset. With
+ * `sinks`, query head h's softmax has one more term in its denominator, exp(sinks[h]), a
+ * logit no value goes with (gpt-oss's attention sinks). */
 typedef struct {
     const void *q;                      /* [num_tokens, num_heads, head_dim] fp32 or bf16 */
     const void *k_cache;                /* [num_blocks, num_kv_heads, head_dim, block_size] */
@@ -115,6 +117,7 @@ typedef struct {
     const int64_t *block_tables;        /* [num_entries, max_blocks] */
     const int64_t *group_starts;        /* [num_groups + 1] */
     const int64_t *group_shared_blocks; /* [num_groups] */
+    const float *sinks;                 /* [num_heads] fp32, or NULL: no sinks */
     int64_t num_groups;
     int64_t num_heads;    /* a multiple of num_kv_heads, <= its TM_MAX_HEADS_PER_KV_HEAD times */
     int64_t num_kv_heads;
