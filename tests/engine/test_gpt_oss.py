@@ -1,0 +1,193 @@
+"""gpt-oss against transformers on the same random weights (fp32): attention sinks,
+alternating sliding and full layers, yarn rope, the router's bias and top-k softmax, and
+the experts' biases and clamped SwiGLU over interleaved gate_up columns - through `LLM`
+with chunked prefill and the prefix cache, under preemption, and through a job. Router
+ties are left out as in test_moe_models.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import build_hf_model, make_engine, run_all, run_token_prompts_as_job
+from test_moe_models import Compared, prompts_for
+
+from tokenmill.engine.api.llm import LLM
+from tokenmill.engine.loader.tokenizer import Tokenizer
+from tokenmill.engine.models import load_config
+from tokenmill.engine.models.gpt_oss import ClampedSwiGLU, GptOssConfig
+from tokenmill.engine.types.sampling_params import SamplingParams
+
+
+def gpt_oss_model(path, **overrides):
+    from hf_models import save_char_tokenizer
+
+    hf = build_hf_model("gpt_oss", path, **overrides)
+    save_char_tokenizer(path)
+    return hf
+
+
+def test_config_reads_what_transformers_builds(tmp_path):
+    hf = gpt_oss_model(tmp_path)
+    config = load_config(tmp_path)
+    assert isinstance(config, GptOssConfig)
+    assert config.attention_sinks and config.attention_bias and config.attention_output_bias
+    assert [config.layer_sliding_window(i) for i in range(3)] == [8, None, 8]
+    assert [layer.self_attn.sliding_window for layer in hf.model.layers] == [8, None, 8]
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (
+        8,
+        3,
+        48,
+    )
+    assert (config.swiglu_alpha, config.swiglu_limit) == (1.702, 0.5)
+    assert config.rope_scaling["rope_type"] == "yarn" and config.rope_scaling["truncate"] is False
+
+
+def test_model_info_counts_the_experts_a_token_skips(tmp_path):
+    from tokenmill.engine import model_info
+
+    hf = gpt_oss_model(tmp_path)
+    info = model_info(tmp_path)
+    assert info.num_parameters == sum(p.numel() for p in hf.parameters())
+    per_expert = 64 * 96 + 96 + 48 * 64 + 64  # gate_up and down, their biases
+    assert info.num_active_parameters == info.num_parameters - 3 * (8 - 3) * per_expert
+
+
+def test_clamped_swiglu_is_transformers_on_interleaved_columns(tmp_path):
+    hf = gpt_oss_model(tmp_path)
+    experts = hf.model.layers[0].mlp.experts
+    gate_up = torch.randn(7, 96) * 2
+    ours = ClampedSwiGLU(experts.alpha, experts.limit)(gate_up)
+    torch.testing.assert_close(ours, experts._apply_gate(gate_up), atol=0, rtol=0)
+    # The limit clamps: a gate of 10 counts as 0.5, an up of -10 as -0.5.
+    clamped = ClampedSwiGLU(1.702, 0.5)(torch.tensor([[10.0, -10.0]]))
+    assert float(clamped) == pytest.approx(0.5 * 0.5 * torch.sigmoid(torch.tensor(0.851)).item())
+
+
+def test_gpt_oss_matches_one_transformers_forward(tmp_path):
+    hf = gpt_oss_model(tmp_path)
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        block_size=4,
+        max_num_batched_tokens=16,  # chunked prefill
+        enable_prefix_caching=True,
+    )
+    assert llm.engine.runner.attention.name == "native"  # the path that computes sinks
+    prompts = prompts_for(seed=3)
+    compared = Compared()
+    params = SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=5
+    )
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        compared.check_output(out, prompt, hf)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        compared.check_output(out, prompt, hf)
+    assert llm.engine.stats.cached_prompt_tokens > 0
+    compared.assert_mostly_compared()
+
+
+def test_every_piece_changes_the_answer(tmp_path):
+    """The parity above is not vacuous: without the sinks, or with an unclamped SwiGLU,
+    the same engine no longer gives transformers' log-probs."""
+    hf = gpt_oss_model(tmp_path)
+    prompt = prompts_for(seed=3)[4]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def worst_prompt_logprob_error(engine) -> float:
+        out = run_all(engine, [prompt], params)[0]
+        with torch.no_grad():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+        return max(
+            abs(entry[prompt[i + 1]] - float(want[i, prompt[i + 1]]))
+            for i, entry in enumerate(out.prompt_logprobs[1:])
+        )
+
+    engine = make_engine(tmp_path)
+    assert worst_prompt_logprob_error(engine) < 2e-4
+    model = engine.runner.model
+    for layer in model.model.layers:
+        layer.self_attn.sinks = None
+    assert worst_prompt_logprob_error(engine) > 1e-2
+    engine = make_engine(tmp_path)
+    for layer in engine.runner.model.model.layers:
+        layer.mlp.experts.activation = ClampedSwiGLU(1.702, 1e9)
+    assert worst_prompt_logprob_error(engine) > 1e-2
+
+
+def test_gpt_oss_matches_transformers_under_preemption(tmp_path):
+    hf = gpt_oss_model(tmp_path)
+    prompts = prompts_for(seed=11)
+    config = load_config(tmp_path)
+    block_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    engine = make_engine(
+        tmp_path,
+        kv_cache_memory=24 * block_bytes * 4 * 4,  # k and v, fp32, 4 tokens a block
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+    )
+    assert engine.block_manager.num_blocks == 24
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    outputs = run_all(engine, prompts, params)
+    assert engine.stats.num_preemptions > 0
+    compared = Compared()
+    for prompt, out in zip(prompts, outputs):
+        assert out.finish_reason == "length"
+        compared.check_generated(prompt, out.outputs[0].token_ids, out.outputs[0].logprobs, hf)
+    compared.assert_mostly_compared()
+
+
+def test_gpt_oss_matches_transformers_through_a_job(tmp_path):
+    model_dir = tmp_path / "model"
+    hf = gpt_oss_model(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    prompts = prompts_for(seed=7)
+    results = run_token_prompts_as_job(model_dir, prompts, tmp_path / "out")
+    compared = Compared()
+    for prompt, row in zip(prompts, results):
+        generated = tokenizer.encode(row["output"])
+        assert len(generated) == 8 and row["finish_reason"] == "length"
+        entries = [{t: e["logprob"]} for t, e in zip(generated, row["logprobs"])]
+        compared.check_generated(prompt, generated, entries, hf)
+    compared.assert_mostly_compared()
+
+
+def test_backends_without_sinks_are_refused_by_name(tmp_path):
+    from tokenmill.engine.worker.attention import AttentionSpec, select_backend
+    from tokenmill.engine.worker.kv_cache import default_kv_cache_format
+
+    gpt_oss_model(tmp_path)
+    config = load_config(tmp_path)
+    spec = AttentionSpec.of_model(
+        config,
+        default_kv_cache_format(),
+        block_size=4,
+        dtype=torch.float16,  # no native kernel: only the portable path would serve it
+        device=torch.device("cpu"),
+    )
+    with pytest.raises(ValueError, match="portable: does not compute attention sinks"):
+        select_backend(spec)
+
+
+def test_quantizing_its_experts_is_refused_before_loading(tmp_path):
+    gpt_oss_model(tmp_path)
+    with pytest.raises(ValueError, match="does not quantize GptOssForCausalLM's experts"):
+        LLM(str(tmp_path), dtype="float32", quantization="int8")
+
+
+def test_bf16_engine_tracks_the_fp32_engine(tmp_path):
+    """bf16 weights and activations (sinks and softmax in fp32): the fp32 engine's greedy
+    tokens nearly all, its prompt log-probs within bf16's rounding."""
+    gpt_oss_model(tmp_path)
+    prompts = prompts_for(seed=3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    runs = [LLM(str(tmp_path), dtype=d).generate(prompts, params) for d in ("float32", "bfloat16")]
+    pairs = [(a.outputs[0].token_ids, b.outputs[0].token_ids) for a, b in zip(*runs)]
+    agree = sum(x == y for ours, theirs in pairs for x, y in zip(ours, theirs))
+    diffs = [
+        abs(next(iter(x.values())) - next(iter(y.values())))
+        for a, b in zip(*runs)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])
+    ]
+    assert agree >= 0.85 * 8 * len(prompts)
+    assert sum(diffs) / len(diffs) < 0.02
