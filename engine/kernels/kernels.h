@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 17
+#define TM_ABI_VERSION 18
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -276,7 +276,10 @@ typedef struct {
 enum {
     TM_GATED_NONE = 0,
     TM_GATED_SILU = 1,     /* silu(gate) * up */
-    TM_GATED_GELU_TANH = 2 /* gelu_tanh(gate) * up (Gemma) */
+    TM_GATED_GELU_TANH = 2, /* gelu_tanh(gate) * up (Gemma) */
+    /* tm_moe only (gpt-oss): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+     * g = min(gate, limit); alpha and limit are tm_moe_args' swiglu_alpha, swiglu_limit */
+    TM_GATED_CLAMPED_SWIGLU = 3
 };
 
 int tm_int8_linear(const tm_int8_linear_args *args);
@@ -462,6 +465,8 @@ typedef struct {
     const void *down;            /* packed [num_experts] down projections */
     const void *gate_up_scales;  /* TM_MOE_INT8: fp32 [num_experts][2 * inter]; INT4: moe.c's */
     const void *down_scales;     /* TM_MOE_INT8: fp32 [num_experts][hidden]; INT4: moe.c's */
+    const float *gate_up_bias;   /* [num_experts][2 * inter] (gate's, then up's), or NULL */
+    const float *down_bias;      /* [num_experts][hidden], or NULL */
     void *out;                   /* [rows, hidden], x's type */
     int64_t rows;
     int64_t top_k;               /* <= TM_MOE_MAX_TOP_K and num_experts */
@@ -471,7 +476,9 @@ typedef struct {
     int64_t pad_cols;
     int32_t is_bf16;
     int32_t weight_format;       /* TM_MOE_* */
-    int32_t activation;          /* TM_GATED_SILU or TM_GATED_GELU_TANH */
+    int32_t activation;          /* TM_GATED_SILU, TM_GATED_GELU_TANH or TM_GATED_CLAMPED_SWIGLU */
+    float swiglu_alpha;          /* TM_GATED_CLAMPED_SWIGLU's alpha and limit */
+    float swiglu_limit;
     int32_t num_threads;
 } tm_moe_args;
 

@@ -3,6 +3,9 @@
  *
  *     out[t] = sum over t's experts e, in ascending e, of w[t, e] * down_e(act(gate_e(x[t])) * up_e(x[t]))
  *
+ * (each projection with its expert's bias added where the layer has biases: gpt-oss, whose
+ * act(gate, up) is its clamped SwiGLU, TM_GATED_CLAMPED_SWIGLU).
+ *
  * The pairs are counting-sorted by expert, so that each expert's rows are one contiguous
  * run (its tokens in ascending order), and gathered; then three phases, each one OpenMP
  * loop, with a barrier between:
@@ -327,8 +330,21 @@ static void scale_sums(const operands *o, int mr, int64_t col, int64_t second, i
             for (int64_t j = 0; j < left; j++) sums[r][b * NB + j] *= o->scales[(b ? second : col) + j];
 }
 
+/* gpt-oss's clamped SwiGLU, in transformers' order of operations. */
+static inline float clamped_swiglu(const tm_moe_args *a, float gate, float up) {
+    const float limit = a->swiglu_limit;
+    gate = gate < limit ? gate : limit;
+    up = up < -limit ? -limit : up > limit ? limit : up;
+    const float glu = gate * (1.0f / (1.0f + expf(-(gate * a->swiglu_alpha))));
+    return (up + 1.0f) * glu;
+}
+
 /* The activation of the gate's sum, times the up's, as x's type rounds them. */
 static inline float gated(const tm_moe_args *a, float gate, float up) {
+    if (a->activation == TM_GATED_CLAMPED_SWIGLU) {
+        if (a->is_bf16) gate = bf16_to_f32(f32_to_bf16(gate)), up = bf16_to_f32(f32_to_bf16(up));
+        return clamped_swiglu(a, gate, up);
+    }
     if (a->is_bf16) {
         gate = bf16_to_f32(f32_to_bf16(gate));
         up = bf16_to_f32(f32_to_bf16(up));
@@ -367,8 +383,11 @@ static void gate_up_item(const problem *p, item it, int *tiles_on) {
             scale_sums(&o, (int)rows, col, inter + col, left, 2, sums);
         }
         (void)tiles_on;
+        const float *bias = a->gate_up_bias ? a->gate_up_bias + e * 2 * inter : NULL;
         for (int64_t r = 0; r < rows; r++) {
             float out[NB];
+            if (bias)
+                for (int64_t j = 0; j < left; j++) sums[r][j] += bias[col + j], sums[r][NB + j] += bias[inter + col + j];
             for (int64_t j = 0; j < left; j++) out[j] = gated(a, sums[r][j], sums[r][NB + j]);
             store_row(p->h, (row + r) * inter + col, a->is_bf16, left, out);
         }
@@ -412,7 +431,12 @@ static void down_item(const problem *p, item it, int *tiles_on) {
                 for (int64_t r = 0; r < rows; r++) memcpy(sums[r] + half, part[r], (size_t)cols * 4);
             }
         }
-        for (int64_t r = 0; r < rows; r++) memcpy(p->y + (row + r) * hidden + col, sums[r], (size_t)left * 4);
+        const float *bias = a->down_bias ? a->down_bias + e * hidden + col : NULL;
+        for (int64_t r = 0; r < rows; r++) {
+            if (bias)
+                for (int64_t j = 0; j < left; j++) sums[r][j] += bias[j];
+            memcpy(p->y + (row + r) * hidden + col, sums[r], (size_t)left * 4);
+        }
         row += rows;
     }
 }
@@ -448,6 +472,7 @@ static int check(const tm_moe_args *a) {
         a->hidden <= 0 || a->inter <= 0 || a->hidden > TM_MAX_ROW_DIM || a->pad_cols < 0)
         return TM_UNSUPPORTED_SHAPE;
     if (a->is_bf16 && (a->hidden % 2 || a->inter % 2)) return TM_UNSUPPORTED_SHAPE;
+    if (a->activation < TM_GATED_SILU || a->activation > TM_GATED_CLAMPED_SWIGLU) return TM_UNSUPPORTED_SHAPE;
     if (a->weight_format != TM_MOE_FLOAT && !is_int8(a) && !is_int4(a)) return TM_UNSUPPORTED_SHAPE;
     if ((is_int8(a) || is_int4(a)) && (!a->gate_up_scales || !a->down_scales)) return TM_UNSUPPORTED_SHAPE;
     /* int4: groups of 32 k-rows, two columns a byte, 32 readable columns past each row's. */

@@ -19,8 +19,9 @@ WEIGHT_FORMATS = {"float": 0, "int8": 1, "int4": 2}
 # each row (the kernel reads 16 columns at a time unmasked).
 INT4_GROUP = 32
 _INT4_PAD_COLS = 32
-# kernels.h TM_GATED_*: the gated activations tm_moe computes, by their HF config name.
-ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}
+# kernels.h TM_GATED_*: the gated activations tm_moe computes, by their HF config name
+# (gpt-oss's clamped SwiGLU by ours: it has none).
+ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2, "clamped_swiglu": 3}
 # Readable columns after each bf16 projection: AMX tiles read whole 64-column bands.
 _BF16_PAD_COLS = 64
 
@@ -86,13 +87,24 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q.clamp_(0, 15).to(torch.uint8).reshape(num, n, k), scale, minimum
 
 
+def _fp32_or_none(bias: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if tuple(bias.shape) != shape:
+        raise ValueError(f"expert bias of shape {tuple(bias.shape)}, expected {shape}")
+    return bias.detach().float().contiguous()
+
+
 class PackedExperts:
     """A layer's experts in tm_moe's layout (moe.c), packed once.
 
     Args:
         gate_up: [num_experts, 2 * inter, hidden], the gate rows first (transformers' layout).
         down: [num_experts, hidden, inter].
-        activation: the gate's activation, by its HF name (ACTIVATIONS).
+        activation: the gate's activation, by its HF name (ACTIVATIONS); "clamped_swiglu"
+            takes `swiglu` = (alpha, limit).
+        gate_up_bias: [num_experts, 2 * inter] (the gate's first), down_bias: [num_experts,
+            hidden]: each projection's bias per expert (gpt-oss), or None.
         weight_format: "float" (the weights' dtype, which is also the activations'),
             "int8" (each output column quantized with its own scale: `quantize_int8`) or
             "int4" (groups of 32 inputs: `quantize_int4`; hidden and intermediate sizes
@@ -105,11 +117,18 @@ class PackedExperts:
         down: torch.Tensor,
         activation: str,
         weight_format: str = "float",
+        *,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        swiglu: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.dtype = gate_up.dtype
         self.num_experts, two_inter, self.hidden = gate_up.shape
         self.inter = two_inter // 2
         self.activation = ACTIVATIONS[activation]
+        self.swiglu = swiglu
+        self.gate_up_bias = _fp32_or_none(gate_up_bias, (self.num_experts, two_inter))
+        self.down_bias = _fp32_or_none(down_bias, (self.num_experts, self.hidden))
         self.weight_format = weight_format
         is_bf16 = self.dtype == torch.bfloat16
         self.gate_up_scales = self.down_scales = None
@@ -168,7 +187,14 @@ class PackedExperts:
 
     @property
     def weight_bytes(self) -> int:
-        tensors = (self.gate_up, self.down, self.gate_up_scales, self.down_scales)
+        tensors = (
+            self.gate_up,
+            self.down,
+            self.gate_up_scales,
+            self.down_scales,
+            self.gate_up_bias,
+            self.down_bias,
+        )
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def __call__(
@@ -192,6 +218,8 @@ class PackedExperts:
             down=self.down.data_ptr(),
             gate_up_scales=None if self.gate_up_scales is None else self.gate_up_scales.data_ptr(),
             down_scales=None if self.down_scales is None else self.down_scales.data_ptr(),
+            gate_up_bias=None if self.gate_up_bias is None else self.gate_up_bias.data_ptr(),
+            down_bias=None if self.down_bias is None else self.down_bias.data_ptr(),
             out=out.data_ptr(),
             rows=x.shape[0],
             top_k=expert_ids.shape[1],
@@ -202,6 +230,8 @@ class PackedExperts:
             is_bf16=int(self.dtype == torch.bfloat16),
             weight_format=WEIGHT_FORMATS[self.weight_format],
             activation=self.activation,
+            swiglu_alpha=self.swiglu[0],
+            swiglu_limit=self.swiglu[1],
             num_threads=torch.get_num_threads(),
         )
         what = f"{self.num_experts} experts of {self.hidden} x {self.inter}"

@@ -10,10 +10,12 @@
   (even: gate, odd: up) into a clamped SwiGLU, (clamp(up) + 1) * g * sigmoid(alpha * g)
   with g = gate clamped from above at `swiglu_limit`.
 
-The experts keep transformers' layout, [num_experts, in, out] (the checkpoint's as
-stored), and run as one grouped matmul per projection over the tokens sorted by expert
-(moe.grouped_experts); the native grouped kernel and the quantizations do not compute
-their biases and activation, and are refused for them (quant/__init__.py).
+The experts load in transformers' layout, [num_experts, in, out] (the checkpoint's as
+stored). On the CPU with the native kernels they are packed after loading into the
+grouped kernel's (kernels/moe.c: the gate's columns, then the up's, with their biases and
+the clamped SwiGLU); elsewhere they run as one grouped matmul per projection over the
+tokens sorted by expert (moe.grouped_experts). The quantizations do not take these
+experts, and are refused for them (quant/__init__.py).
 """
 
 from __future__ import annotations
@@ -23,16 +25,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill.engine.kernels import moe as moe_kernel
 from tokenmill.engine.models.config import common_fields
 from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, declare
 from tokenmill.engine.models.llama import LlamaDecoderLayer
 from tokenmill.engine.models.moe import (
+    KernelExperts,
     MoeConfig,
     MoeForCausalLM,
     MoeModel,
     Router,
     Routing,
     grouped_experts,
+    release_to_meta,
 )
 from tokenmill.engine.models.registry import Architecture, register
 
@@ -60,7 +65,7 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
-class GptOssExperts(nn.Module):
+class GptOssExperts(KernelExperts):
     """num_experts gated MLPs with biases, in the checkpoint's layout: gate_up_proj
     [num_experts, hidden, 2 * inter] (columns interleaved), gate_up_proj_bias
     [num_experts, 2 * inter], down_proj [num_experts, inter, hidden], down_proj_bias
@@ -80,11 +85,37 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter))
         self.down_proj = nn.Parameter(torch.empty(experts, inter, hidden))
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
+        self.packed: moe_kernel.PackedExperts | None = None  # the native kernel's copy
+
+    def pack(self) -> bool:
+        """Move the weights into the native grouped kernel's layout where it serves them
+        (the parameters then hold no memory); returns whether they are packed."""
+        gate_up = self.gate_up_proj
+        hidden, inter = gate_up.shape[1], self.intermediate_size
+        if self.packed is not None or not moe_kernel.available(
+            gate_up.dtype, gate_up.device, hidden, inter, 1
+        ):
+            return self.packed is not None
+        # The kernel takes each expert's gate columns, then its up columns; the checkpoint
+        # interleaves them (even: gate, odd: up).
+        w, bias = gate_up.data, self.gate_up_proj_bias.data
+        self.packed = moe_kernel.PackedExperts(
+            torch.cat((w[..., 0::2], w[..., 1::2]), dim=-1).transpose(1, 2),
+            self.down_proj.data.transpose(1, 2),
+            "clamped_swiglu",
+            gate_up_bias=torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=-1),
+            down_bias=self.down_proj_bias.data,
+            swiglu=(self.activation.alpha, self.activation.limit),
+        )
+        release_to_meta(self, ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"))
+        return True
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:
         """x: [num_tokens, hidden]; weights, expert_ids: [num_tokens, top_k] -> [num_tokens, hidden]."""
+        if self.packed is not None:
+            return self.packed(x, expert_ids, weights)
         return grouped_experts(
             x,
             weights,
@@ -139,7 +170,7 @@ def parse_config(raw: dict) -> GptOssConfig:
             "attention_output_bias": bool(raw.get("attention_bias", True)),
         },
         attention_sinks=True,
-        grouped_kernel_experts=False,
+        quantizable_experts=False,
         sliding_window=raw.get("sliding_window", 128),
         layer_types=list(layer_types),
         num_experts=raw.get("num_local_experts", raw.get("num_experts", 128)),

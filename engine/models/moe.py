@@ -93,7 +93,18 @@ class Router(nn.Module):
         return self.routing.route(F.linear(x, self.weight, self.bias))
 
 
-class Experts(nn.Module):
+class KernelExperts(nn.Module):
+    """A layer's experts that the native grouped kernel may serve: `pack()` moves their
+    weights into its layout after loading (`packed`: the kernel's copy, or None)."""
+
+    packed: moe_kernel.PackedExperts | None = None
+
+    def pack(self) -> bool:
+        """Pack where the kernel serves these experts; returns whether they are packed."""
+        raise NotImplementedError
+
+
+class Experts(KernelExperts):
     """num_experts gated MLPs over stacked weights (see the module docstring)."""
 
     def __init__(
@@ -126,15 +137,7 @@ class Experts(nn.Module):
         self.packed = moe_kernel.PackedExperts(
             gate_up.data, self.down_proj.data, self.activation, weight_format
         )
-        for name in ("gate_up_proj", "down_proj"):  # shapes stay for tools; memory goes
-            param = getattr(self, name)
-            setattr(
-                self,
-                name,
-                nn.Parameter(
-                    torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
-                ),
-            )
+        release_to_meta(self, ("gate_up_proj", "down_proj"))
         return True
 
     @property
@@ -152,6 +155,15 @@ class Experts(nn.Module):
         return grouped_experts(
             x, weights, expert_ids, self.gate_up_proj, self.down_proj, self.activation
         )
+
+
+def release_to_meta(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Replace the named parameters with meta tensors of their shapes, once the kernel
+    holds its own copy: the shapes stay for tools; the memory goes."""
+    for name in names:
+        param = getattr(module, name)
+        meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        setattr(module, name, nn.Parameter(meta, requires_grad=False))
 
 
 def grouped_experts(
@@ -242,7 +254,7 @@ class SparseMoeBlock(nn.Module):
 def pack_experts(model: nn.Module) -> int:
     """Pack every MoE layer's experts for the native kernel where it serves them; returns
     how many layers were packed."""
-    return sum(m.pack() for m in model.modules() if isinstance(m, Experts))
+    return sum(m.pack() for m in model.modules() if isinstance(m, KernelExperts))
 
 
 @dataclass
@@ -256,9 +268,9 @@ class MoeConfig(ModelConfig):
     # Layers with a dense gated MLP instead of experts (Qwen3-MoE's mlp_only_layers and
     # decoder_sparse_step).
     dense_layers: tuple[int, ...] = ()
-    # Whether the experts are `Experts` (moe.Experts: the native grouped kernel and the
-    # expert quantizations take them); gpt-oss's, with biases and its own activation, not.
-    grouped_kernel_experts: bool = True
+    # Whether the expert quantizations (int8, int4: quant/) take the experts: moe.Experts;
+    # not gpt-oss's, with biases and an activation of their own.
+    quantizable_experts: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -73,6 +73,8 @@ def test_gpt_oss_matches_one_transformers_forward(tmp_path):
         enable_prefix_caching=True,
     )
     assert llm.engine.runner.attention.name == "native"  # the path that computes sinks
+    experts = [layer.mlp.experts for layer in llm.engine.runner.model.model.layers]
+    assert all(e.packed is not None for e in experts)  # the native grouped kernel
     prompts = prompts_for(seed=3)
     compared = Compared()
     params = SamplingParams(
@@ -88,8 +90,8 @@ def test_gpt_oss_matches_one_transformers_forward(tmp_path):
 
 
 def test_every_piece_changes_the_answer(tmp_path):
-    """The parity above is not vacuous: without the sinks, or with an unclamped SwiGLU,
-    the same engine no longer gives transformers' log-probs."""
+    """The parity above is not vacuous: without the sinks, or with the grouped kernel's
+    SwiGLU unclamped, the same engine no longer gives transformers' log-probs."""
     hf = gpt_oss_model(tmp_path)
     prompt = prompts_for(seed=3)[4]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
@@ -111,7 +113,9 @@ def test_every_piece_changes_the_answer(tmp_path):
     assert worst_prompt_logprob_error(engine) > 1e-2
     engine = make_engine(tmp_path)
     for layer in engine.runner.model.model.layers:
-        layer.mlp.experts.activation = ClampedSwiGLU(1.702, 1e9)
+        experts = layer.mlp.experts
+        assert experts.packed is not None  # the native grouped kernel computes them
+        experts.packed.swiglu = (experts.activation.alpha, 1e9)
     assert worst_prompt_logprob_error(engine) > 1e-2
 
 
