@@ -454,17 +454,18 @@ enum {
     TM_MOE_ISA_AVX512_BF16 = 1, /* AVX-512 FMA in fp32, vdpbf16ps in bf16 */
     TM_MOE_ISA_AMX = 2          /* the same, and bf16 runs of 16 rows on AMX tiles */
 };
-/* tm_moe_args.weight_format: the experts in x's type, int8 with a scale per column, or
- * int4 with a bf16 scale and minimum per column and group of 32 k-rows (moe.c) */
-enum { TM_MOE_FLOAT = 0, TM_MOE_INT8 = 1, TM_MOE_INT4 = 2 };
+/* tm_moe_args.weight_format: the experts in x's type, int8 with a scale per column,
+ * int4 with a bf16 scale and minimum per column and group of 32 k-rows, or mxfp4 (e2m1
+ * values with an e8m0 scale per column and group of 32 k-rows) (moe.c) */
+enum { TM_MOE_FLOAT = 0, TM_MOE_INT8 = 1, TM_MOE_INT4 = 2, TM_MOE_MXFP4 = 3 };
 typedef struct {
     const void *x;               /* [rows, hidden] fp32 or bf16 */
     const int64_t *expert_ids;   /* [rows, top_k] */
     const float *expert_weights; /* [rows, top_k] */
     const void *gate_up;         /* packed [num_experts] gate and up projections */
     const void *down;            /* packed [num_experts] down projections */
-    const void *gate_up_scales;  /* TM_MOE_INT8: fp32 [num_experts][2 * inter]; INT4: moe.c's */
-    const void *down_scales;     /* TM_MOE_INT8: fp32 [num_experts][hidden]; INT4: moe.c's */
+    const void *gate_up_scales;  /* TM_MOE_INT8: fp32 [num_experts][2 * inter]; INT4, MXFP4: moe.c's */
+    const void *down_scales;     /* TM_MOE_INT8: fp32 [num_experts][hidden]; INT4, MXFP4: moe.c's */
     const float *gate_up_bias;   /* [num_experts][2 * inter] (gate's, then up's), or NULL */
     const float *down_bias;      /* [num_experts][hidden], or NULL */
     void *out;                   /* [rows, hidden], x's type */

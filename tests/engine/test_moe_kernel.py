@@ -181,6 +181,24 @@ def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatc
                 want = reference(x, weights, ids, *held.dequantized())
                 got = held(x, ids, weights).double()
                 torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+            if int4_sizes:  # MXFP4 as stored, with gpt-oss's biases and activation
+                from tokenmill.engine.quant import mxfp4
+
+                biases = torch.randn(shape[0], 2 * shape[2]) * 0.2, torch.randn(shape[:2]) * 0.2
+                held = moe_kernel.PackedExperts.from_mxfp4(
+                    mxfp4.quantize(gate_up),
+                    mxfp4.quantize(down),
+                    dtype,
+                    "clamped_swiglu",
+                    gate_up_bias=biases[0],
+                    down_bias=biases[1],
+                    swiglu=(1.702, 0.5),
+                )
+                want = clamped_swiglu_reference(
+                    x, weights, ids, *held.dequantized(), *biases, 1.702, 0.5
+                )
+                got = held(x, ids, weights).double()
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 def test_this_cpu_gets_its_fastest_path(cpu_path):
