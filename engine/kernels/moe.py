@@ -18,6 +18,7 @@ WEIGHT_FORMATS = {"float": 0, "int8": 1, "int4": 2, "mxfp4": 3}
 # int4: k-rows per group sharing a scale and a minimum, and the readable columns after
 # each row (the kernel reads 16 columns at a time unmasked).
 INT4_GROUP = 32
+MXFP4_BLOCK = 32  # MXFP4: inputs sharing one e8m0 scale
 _INT4_PAD_COLS = 32
 # MXFP4's e2m1 codes 0..15 -> their values (sign bit, 2 exponent bits, 1 mantissa bit),
 # as moe.c's E2M1 table.

@@ -11,7 +11,9 @@
   with g = gate clamped from above at `swiglu_limit`.
 
 The experts load in transformers' layout, [num_experts, in, out] (the checkpoint's as
-stored). On the CPU with the native kernels they are packed after loading into the
+stored) - or, from a checkpoint whose quantization_config says `mxfp4` (gpt-oss as
+released), as its MXFP4 `*_blocks` and `*_scales` uint8 tensors, never widened: they run
+only on the native kernel, which reads MXFP4 (quant/mxfp4.py). On the CPU with the native kernels they are packed after loading into the
 grouped kernel's (kernels/moe.c: the gate's columns, then the up's, with their biases and
 the clamped SwiGLU); elsewhere they run as one grouped matmul per projection over the
 tokens sorted by expert (moe.grouped_experts). The quantizations do not take these
@@ -48,6 +50,7 @@ class GptOssConfig(MoeConfig):
 
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    mxfp4_experts: bool = False  # the checkpoint stores the experts in MXFP4
 
 
 @dataclass(frozen=True)
@@ -81,33 +84,78 @@ class GptOssExperts(KernelExperts):
         self.num_experts = experts
         self.intermediate_size = inter
         self.activation = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inter))
+        self.mxfp4 = config.mxfp4_experts
+        if self.mxfp4:  # as stored: [experts, out, in / 32, 16] codes, [..., in / 32] scales
+            for name, (n, k) in {
+                "gate_up_proj": (2 * inter, hidden),
+                "down_proj": (hidden, inter),
+            }.items():
+                if k % moe_kernel.MXFP4_BLOCK:
+                    raise ValueError(f"MXFP4 {name} needs inputs in blocks of 32, not {k}")
+                blocks = torch.empty(
+                    experts,
+                    n,
+                    k // moe_kernel.MXFP4_BLOCK,
+                    moe_kernel.MXFP4_BLOCK // 2,
+                    dtype=torch.uint8,
+                )
+                scales = torch.empty(experts, n, k // moe_kernel.MXFP4_BLOCK, dtype=torch.uint8)
+                setattr(self, f"{name}_blocks", nn.Parameter(blocks, requires_grad=False))
+                setattr(self, f"{name}_scales", nn.Parameter(scales, requires_grad=False))
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inter))
+            self.down_proj = nn.Parameter(torch.empty(experts, inter, hidden))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter))
-        self.down_proj = nn.Parameter(torch.empty(experts, inter, hidden))
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
         self.packed: moe_kernel.PackedExperts | None = None  # the native kernel's copy
 
     def pack(self) -> bool:
         """Move the weights into the native grouped kernel's layout where it serves them
-        (the parameters then hold no memory); returns whether they are packed."""
-        gate_up = self.gate_up_proj
-        hidden, inter = gate_up.shape[1], self.intermediate_size
-        if self.packed is not None or not moe_kernel.available(
-            gate_up.dtype, gate_up.device, hidden, inter, 1
-        ):
-            return self.packed is not None
-        # The kernel takes each expert's gate columns, then its up columns; the checkpoint
-        # interleaves them (even: gate, odd: up).
-        w, bias = gate_up.data, self.gate_up_proj_bias.data
-        self.packed = moe_kernel.PackedExperts(
-            torch.cat((w[..., 0::2], w[..., 1::2]), dim=-1).transpose(1, 2),
-            self.down_proj.data.transpose(1, 2),
-            "clamped_swiglu",
-            gate_up_bias=torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=-1),
+        (the parameters then hold no memory); returns whether they are packed.
+
+        Raises:
+            ValueError: MXFP4 experts where the native kernel does not run.
+        """
+        bias = self.gate_up_proj_bias
+        dtype, hidden, inter = bias.dtype, self.down_proj_bias.shape[1], self.intermediate_size
+        if self.packed is not None:
+            return True
+        if not moe_kernel.available(dtype, bias.device, hidden, inter, 1):
+            if self.mxfp4:
+                raise ValueError(
+                    "MXFP4 experts run on the native CPU kernels only, in fp32 or bf16 "
+                    f"(here: {bias.device.type}, {dtype})"
+                )
+            return False
+        kernel_args = dict(
+            # The kernel takes each expert's gate columns, then its up columns; the
+            # checkpoint interleaves them (even: gate, odd: up).
+            gate_up_bias=_gate_then_up(bias.data, dim=1),
             down_bias=self.down_proj_bias.data,
             swiglu=(self.activation.alpha, self.activation.limit),
         )
-        release_to_meta(self, ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"))
+        if self.mxfp4:
+            self.packed = moe_kernel.PackedExperts.from_mxfp4(
+                (
+                    _gate_then_up(self.gate_up_proj_blocks.data, dim=1),
+                    _gate_then_up(self.gate_up_proj_scales.data, dim=1),
+                ),
+                (self.down_proj_blocks.data, self.down_proj_scales.data),
+                dtype,
+                "clamped_swiglu",
+                **kernel_args,
+            )
+            weights = ("gate_up_proj_blocks", "gate_up_proj_scales")
+            weights += ("down_proj_blocks", "down_proj_scales")
+        else:
+            self.packed = moe_kernel.PackedExperts(
+                _gate_then_up(self.gate_up_proj.data, dim=2).transpose(1, 2),
+                self.down_proj.data.transpose(1, 2),
+                "clamped_swiglu",
+                **kernel_args,
+            )
+            weights = ("gate_up_proj", "down_proj")
+        release_to_meta(self, (*weights, "gate_up_proj_bias", "down_proj_bias"))
         return True
 
     def forward(
@@ -116,6 +164,8 @@ class GptOssExperts(KernelExperts):
         """x: [num_tokens, hidden]; weights, expert_ids: [num_tokens, top_k] -> [num_tokens, hidden]."""
         if self.packed is not None:
             return self.packed(x, expert_ids, weights)
+        if self.mxfp4:
+            raise RuntimeError("MXFP4 experts were used before they were packed")
         return grouped_experts(
             x,
             weights,
@@ -126,6 +176,13 @@ class GptOssExperts(KernelExperts):
             gate_up_bias=self.gate_up_proj_bias,
             down_bias=self.down_proj_bias,
         )
+
+
+def _gate_then_up(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Interleaved gate/up entries along `dim` (even: gate, odd: up) -> the gate's, then
+    the up's."""
+    index = torch.arange(t.shape[dim])
+    return t.index_select(dim, torch.cat((index[0::2], index[1::2])))
 
 
 class GptOssMoeBlock(nn.Module):
@@ -179,7 +236,27 @@ def parse_config(raw: dict) -> GptOssConfig:
         routing=Routing(top_k, renormalize=False, softmax_of_top_k=True),
         swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        mxfp4_experts=mxfp4_experts(raw),
     )
+
+
+def mxfp4_experts(raw: dict) -> bool:
+    """Whether config.json's quantization_config stores the experts in MXFP4 (gpt-oss as
+    released: every expert, nothing else).
+
+    Raises:
+        ValueError: MXFP4 that leaves experts in float (`modules_to_not_convert`).
+    """
+    settings = raw.get("quantization_config") or {}
+    if settings.get("quant_method") != "mxfp4":
+        return False
+    kept = [m for m in settings.get("modules_to_not_convert") or () if "experts" in m]
+    if kept:
+        raise ValueError(
+            f"MXFP4 checkpoint keeps experts in float (modules_to_not_convert: {kept}); "
+            "only checkpoints with every expert in MXFP4 are read"
+        )
+    return True
 
 
 # transformers' GptOssConfig, field by field.

@@ -103,6 +103,13 @@ class KernelExperts(nn.Module):
         """Pack where the kernel serves these experts; returns whether they are packed."""
         raise NotImplementedError
 
+    @property
+    def weight_bytes(self) -> int:
+        """What the weights take: the kernel's copy once packed, else the parameters."""
+        if self.packed is not None:
+            return self.packed.weight_bytes
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
 
 class Experts(KernelExperts):
     """num_experts gated MLPs over stacked weights (see the module docstring)."""
@@ -139,12 +146,6 @@ class Experts(KernelExperts):
         )
         release_to_meta(self, ("gate_up_proj", "down_proj"))
         return True
-
-    @property
-    def weight_bytes(self) -> int:
-        if self.packed is not None:
-            return self.packed.weight_bytes
-        return sum(p.numel() * p.element_size() for p in (self.gate_up_proj, self.down_proj))
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor

@@ -195,3 +195,114 @@ def test_bf16_engine_tracks_the_fp32_engine(tmp_path):
     ]
     assert agree >= 0.85 * 8 * len(prompts)
     assert sum(diffs) / len(diffs) < 0.02
+
+
+def write_mxfp4_checkpoints(float_dir, mxfp4_dir, dense_dir) -> None:
+    """gpt-oss as released, from a float checkpoint: its experts packed to MXFP4 by this
+    project's packer (`*_blocks`, `*_scales` and quantization_config as transformers
+    writes them) - and the float checkpoint of exactly the weights they hold."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.engine.quant import mxfp4
+
+    for out in (mxfp4_dir, dense_dir):
+        shutil.copytree(float_dir, out)
+    tensors = load_file(float_dir / "model.safetensors")
+    quantized, dense = dict(tensors), dict(tensors)
+    for name, value in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            continue
+        blocks, scales = mxfp4.quantize(value.transpose(1, 2))  # [E, out, in] rows
+        del quantized[name]
+        quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        dense[name] = mxfp4.dequantize(blocks, scales).transpose(1, 2).contiguous()
+    save_file(quantized, mxfp4_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(dense, dense_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((mxfp4_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (mxfp4_dir / "config.json").write_text(json.dumps(config))
+
+
+def test_mxfp4_checkpoint_runs_as_stored_and_equals_its_dequantized_float_model(tmp_path):
+    """The experts stay MXFP4 in memory (the grouped kernel reads them as stored), and the
+    engine computes exactly what it computes over a float checkpoint of the dequantized
+    weights - which itself matches transformers."""
+    gpt_oss_model(tmp_path / "float", intermediate_size=64)  # whole MXFP4 blocks
+    write_mxfp4_checkpoints(tmp_path / "float", tmp_path / "mxfp4", tmp_path / "dense")
+    llm = LLM(str(tmp_path / "mxfp4"), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    for layer in llm.engine.runner.model.model.layers:
+        experts = layer.mlp.experts
+        assert experts.mxfp4 and experts.packed.weight_format == "mxfp4"
+        assert experts.packed.gate_up.dtype == torch.uint8
+        assert experts.gate_up_proj_blocks.is_meta  # the loaded bytes given up once packed
+    dense = LLM(str(tmp_path / "dense"), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    from tokenmill.engine.quant import weight_bytes
+
+    def experts_bytes(model) -> int:
+        return sum(layer.mlp.experts.weight_bytes for layer in model.model.layers)
+
+    ours_model, dense_model = llm.engine.runner.model, dense.engine.runner.model
+    # Only the experts differ: 4.25 bits a weight (and the pad) against fp32's 32.
+    assert weight_bytes(ours_model) - experts_bytes(ours_model) == (
+        weight_bytes(dense_model) - experts_bytes(dense_model)
+    )
+    assert experts_bytes(ours_model) < experts_bytes(dense_model) / 5
+    prompts = prompts_for(seed=5)
+    params = SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=5
+    )
+    for ours, theirs in zip(llm.generate(prompts, params), dense.generate(prompts, params)):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert ours.outputs[0].logprobs == theirs.outputs[0].logprobs
+        assert ours.prompt_logprobs == theirs.prompt_logprobs
+    import transformers
+
+    hf = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "dense").eval()
+    compared = Compared()
+    for prompt, out in zip(prompts, dense.generate(prompts, params)):
+        compared.check_output(out, prompt, hf)
+    compared.assert_mostly_compared()
+
+
+def test_mxfp4_checkpoints_are_checked_before_any_read(tmp_path, monkeypatch):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.engine.loader import weights
+
+    gpt_oss_model(tmp_path / "float", intermediate_size=64)  # whole MXFP4 blocks
+    write_mxfp4_checkpoints(tmp_path / "float", tmp_path / "mxfp4", tmp_path / "dense")
+    mxfp4_dir = tmp_path / "mxfp4"
+
+    def read(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(weights, "iter_tensors", read)
+    tensors = load_file(mxfp4_dir / "model.safetensors")
+    scales = "model.layers.1.mlp.experts.down_proj_scales"
+    save_file(
+        {**tensors, scales: tensors[scales][:, :, :1].contiguous()},
+        mxfp4_dir / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    with pytest.raises(
+        ValueError, match=rf"{scales} has shape \(8, 64, 1\), expected \(8, 64, 2\)"
+    ):
+        LLM(str(mxfp4_dir), dtype="float32")
+    config = json.loads((mxfp4_dir / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"].append("model.layers.0.mlp.experts")
+    (mxfp4_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="MXFP4 checkpoint keeps experts in float"):
+        LLM(str(mxfp4_dir), dtype="float32")
