@@ -21,6 +21,11 @@ from tokenmill.engine.api.image_prompts import (
 from tokenmill.engine.api.plan import Plan, loaded_or_not, plan_requests
 from tokenmill.engine.api.pooling_llm import PoolingMethods
 from tokenmill.engine.api.qwen_image_prompts import QwenImagePrompts
+from tokenmill.engine.api.reasoning import (
+    REASONING_EFFORTS,
+    reasons_apart_with_effort,
+    split_reasoning_of,
+)
 from tokenmill.engine.api.request_loop import per_prompt, run_to_completion
 from tokenmill.engine.core.encoder_engine import EncoderEngine
 from tokenmill.engine.core.llm_engine import LLMEngine
@@ -204,16 +209,35 @@ class LLM(PoolingMethods):
         on_output: Callable[[RequestOutput], None] | None = None,
         on_step: Callable[[EngineStats], None] | None = None,
         allow_special_tokens: bool = False,
+        reasoning_effort: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate (with
         `lora_request` as for `generate`).
 
         Special-token strings in the messages are data, encoded as plain text: only the
-        template's own markup becomes control tokens, unless `allow_special_tokens`."""
+        template's own markup becomes control tokens, unless `allow_special_tokens`.
+
+        A model whose template has its answers reason apart (gpt-oss, Qwen3) gets each
+        completion split: its reasoning in `reasoning_content`, the final answer in
+        `text` (api/reasoning.py). `reasoning_effort` ("low", "medium", "high") goes to
+        a template that reads it (gpt-oss's); any other refuses it.
+        """
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
+        if reasoning_effort is not None:
+            if not reasons_apart_with_effort(self.tokenizer):
+                raise ValueError(
+                    "reasoning_effort is given but this model's chat template does not read it"
+                )
+            if reasoning_effort not in REASONING_EFFORTS:
+                raise ValueError(
+                    f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, "
+                    f"not {reasoning_effort!r}"
+                )
         if any(has_image_parts(c) for c in conversations):
-            return self._chat_with_images(
+            if reasoning_effort is not None:
+                raise ValueError("reasoning_effort is not passed with images yet")
+            outputs = self._chat_with_images(
                 conversations,
                 sampling_params,
                 add_generation_prompt=add_generation_prompt,
@@ -222,11 +246,15 @@ class LLM(PoolingMethods):
                 on_step=on_step,
                 allow_special_tokens=allow_special_tokens,
             )
+            split_reasoning_of(self.tokenizer, outputs)
+            return outputs
+        variables = {} if reasoning_effort is None else {"reasoning_effort": reasoning_effort}
         rendered = [
             self.tokenizer.render_chat(
                 c,
                 add_generation_prompt=add_generation_prompt,
                 allow_special_tokens=allow_special_tokens,
+                **variables,
             )
             for c in conversations
         ]
@@ -244,6 +272,7 @@ class LLM(PoolingMethods):
         )
         for output, text in zip(outputs, prompts):
             output.prompt = text
+        split_reasoning_of(self.tokenizer, outputs)
         return outputs
 
     def _chat_with_images(

@@ -138,14 +138,16 @@ static inline float max_of(const float *s, int64_t lo, int64_t hi) {
 }
 
 /* One row's exact softmax over the raw scores s[lo, seen), times `scale` first, as the
- * bf16 weights w[from, padded): zero outside [lo, seen). s[lo, seen) is left holding the
+ * bf16 weights w[from, padded): zero outside [lo, seen); `sink` is one more logit in the
+ * denominator (-INFINITY: none). s[lo, seen) is left holding the
  * unnormalised exponentials. Scaling here rather than in every score saves the tiles'
  * scores a pass, and each weight is normalised and rounded to bf16 in one step, with no
  * fp32 probabilities written back. */
 static void softmax_row_bf16(float *restrict s, uint16_t *restrict w, int64_t from, int64_t lo,
-                             int64_t seen, int64_t padded, float scale) {
-    const float shift = max_of(s, lo, seen) * scale;
-    float sum = 0.f;
+                             int64_t seen, int64_t padded, float scale, float sink) {
+    const float scaled_max = max_of(s, lo, seen) * scale;
+    const float shift = sink > scaled_max ? sink : scaled_max;
+    float sum = expf(sink - shift); /* 0 without a sink */
     for (int64_t t = lo; t < seen; t++) { /* vectorised, with glibc's vector expf */
         const float e = expf(s[t] * scale - shift);
         s[t] = e;

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 16
+ABI_VERSION = 18
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -84,6 +84,7 @@ class AttentionArgs(ctypes.Structure):
         ("block_tables", _ptr),
         ("group_starts", _ptr),
         ("group_shared_blocks", _ptr),
+        ("sinks", _ptr),
         ("num_groups", _i64),
         ("num_heads", _i64),
         ("num_kv_heads", _i64),
@@ -321,6 +322,8 @@ class MoEArgs(ctypes.Structure):
         ("down", _ptr),
         ("gate_up_scales", _ptr),
         ("down_scales", _ptr),
+        ("gate_up_bias", _ptr),
+        ("down_bias", _ptr),
         ("out", _ptr),
         ("rows", _i64),
         ("top_k", _i64),
@@ -331,6 +334,8 @@ class MoEArgs(ctypes.Structure):
         ("is_bf16", _i32),
         ("weight_format", _i32),
         ("activation", _i32),
+        ("swiglu_alpha", _f32),
+        ("swiglu_limit", _f32),
         ("num_threads", _i32),
     ]
 

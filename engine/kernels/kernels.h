@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 16
+#define TM_ABI_VERSION 18
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -103,7 +103,9 @@ void tm_limits(tm_limits_t *out);
  * (p - sliding_window, p], as transformers' sliding-window masks do). Entries come in
  * groups [group_starts[k], group_starts[k + 1]): a group of one is cut into tiles; a larger
  * group holds decoding sequences whose first group_shared_blocks[k] blocks are the same
- * blocks, read once for all of them. Rows of `out` no entry covers are left unset. */
+ * blocks, read once for all of them. Rows of `out` no entry covers are left unset. With
+ * `sinks`, query head h's softmax has one more term in its denominator, exp(sinks[h]), a
+ * logit no value goes with (gpt-oss's attention sinks). */
 typedef struct {
     const void *q;                      /* [num_tokens, num_heads, head_dim] fp32 or bf16 */
     const void *k_cache;                /* [num_blocks, num_kv_heads, head_dim, block_size] */
@@ -115,6 +117,7 @@ typedef struct {
     const int64_t *block_tables;        /* [num_entries, max_blocks] */
     const int64_t *group_starts;        /* [num_groups + 1] */
     const int64_t *group_shared_blocks; /* [num_groups] */
+    const float *sinks;                 /* [num_heads] fp32, or NULL: no sinks */
     int64_t num_groups;
     int64_t num_heads;    /* a multiple of num_kv_heads, <= its TM_MAX_HEADS_PER_KV_HEAD times */
     int64_t num_kv_heads;
@@ -273,7 +276,10 @@ typedef struct {
 enum {
     TM_GATED_NONE = 0,
     TM_GATED_SILU = 1,     /* silu(gate) * up */
-    TM_GATED_GELU_TANH = 2 /* gelu_tanh(gate) * up (Gemma) */
+    TM_GATED_GELU_TANH = 2, /* gelu_tanh(gate) * up (Gemma) */
+    /* tm_moe only (gpt-oss): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+     * g = min(gate, limit); alpha and limit are tm_moe_args' swiglu_alpha, swiglu_limit */
+    TM_GATED_CLAMPED_SWIGLU = 3
 };
 
 int tm_int8_linear(const tm_int8_linear_args *args);
@@ -448,17 +454,20 @@ enum {
     TM_MOE_ISA_AVX512_BF16 = 1, /* AVX-512 FMA in fp32, vdpbf16ps in bf16 */
     TM_MOE_ISA_AMX = 2          /* the same, and bf16 runs of 16 rows on AMX tiles */
 };
-/* tm_moe_args.weight_format: the experts in x's type, int8 with a scale per column, or
- * int4 with a bf16 scale and minimum per column and group of 32 k-rows (moe.c) */
-enum { TM_MOE_FLOAT = 0, TM_MOE_INT8 = 1, TM_MOE_INT4 = 2 };
+/* tm_moe_args.weight_format: the experts in x's type, int8 with a scale per column,
+ * int4 with a bf16 scale and minimum per column and group of 32 k-rows, or mxfp4 (e2m1
+ * values with an e8m0 scale per column and group of 32 k-rows) (moe.c) */
+enum { TM_MOE_FLOAT = 0, TM_MOE_INT8 = 1, TM_MOE_INT4 = 2, TM_MOE_MXFP4 = 3 };
 typedef struct {
     const void *x;               /* [rows, hidden] fp32 or bf16 */
     const int64_t *expert_ids;   /* [rows, top_k] */
     const float *expert_weights; /* [rows, top_k] */
     const void *gate_up;         /* packed [num_experts] gate and up projections */
     const void *down;            /* packed [num_experts] down projections */
-    const void *gate_up_scales;  /* TM_MOE_INT8: fp32 [num_experts][2 * inter]; INT4: moe.c's */
-    const void *down_scales;     /* TM_MOE_INT8: fp32 [num_experts][hidden]; INT4: moe.c's */
+    const void *gate_up_scales;  /* TM_MOE_INT8: fp32 [num_experts][2 * inter]; INT4, MXFP4: moe.c's */
+    const void *down_scales;     /* TM_MOE_INT8: fp32 [num_experts][hidden]; INT4, MXFP4: moe.c's */
+    const float *gate_up_bias;   /* [num_experts][2 * inter] (gate's, then up's), or NULL */
+    const float *down_bias;      /* [num_experts][hidden], or NULL */
     void *out;                   /* [rows, hidden], x's type */
     int64_t rows;
     int64_t top_k;               /* <= TM_MOE_MAX_TOP_K and num_experts */
@@ -468,7 +477,9 @@ typedef struct {
     int64_t pad_cols;
     int32_t is_bf16;
     int32_t weight_format;       /* TM_MOE_* */
-    int32_t activation;          /* TM_GATED_SILU or TM_GATED_GELU_TANH */
+    int32_t activation;          /* TM_GATED_SILU, TM_GATED_GELU_TANH or TM_GATED_CLAMPED_SWIGLU */
+    float swiglu_alpha;          /* TM_GATED_CLAMPED_SWIGLU's alpha and limit */
+    float swiglu_limit;
     int32_t num_threads;
 } tm_moe_args;
 

@@ -3,6 +3,9 @@
  *
  *     out[t] = sum over t's experts e, in ascending e, of w[t, e] * down_e(act(gate_e(x[t])) * up_e(x[t]))
  *
+ * (each projection with its expert's bias added where the layer has biases: gpt-oss, whose
+ * act(gate, up) is its clamped SwiGLU, TM_GATED_CLAMPED_SWIGLU).
+ *
  * The pairs are counting-sorted by expert, so that each expert's rows are one contiguous
  * run (its tokens in ascending order), and gathered; then three phases, each one OpenMP
  * loop, with a barrier between:
@@ -32,6 +35,12 @@
  *         [2 * inter + pad_cols], down_scales [E][inter / 32][2][hidden + pad_cols]: the
  *         scale row, then the minimum row): a weight is q * scale + minimum, formed in
  *         fp32 before its product.
+ *   mxfp4 (TM_MOE_MXFP4, x fp32 or bf16; the OCP MX format gpt-oss ships) int4's k-major
+ *         layout of nibbles, each an e2m1 code (sign, two exponent bits, one mantissa
+ *         bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), and per group of 32 k-rows
+ *         one e8m0 byte per column (gate_up_scales [E][hidden / 32][2 * inter + pad_cols],
+ *         down_scales [E][inter / 32][hidden + pad_cols]): a weight is e2m1(q) * 2^(e - 127),
+ *         exact in fp32, so the sums are the fp32 path's over the dequantized weights.
  * Sums are fp32. bf16 rounds gate and up to bf16 before the activation, and h after it,
  * as transformers' bf16 forward does; y stays fp32 until the weighted sum.
  *
@@ -64,7 +73,20 @@ typedef struct {
     int is_bf16;       /* x (and float weights) are bf16 */
     const float *scales; /* int8 weights: each column's scale; NULL: float weights */
     const uint16_t *groups; /* int4 weights: [k / 32][2][ldw] bf16 scales, minimums */
+    const uint8_t *e8m0;    /* mxfp4 weights: [k / 32][ldw] power-of-two scales */
 } operands;
+
+/* e2m1 codes' values (OCP MX: sign bit, then 2 exponent bits and 1 mantissa bit). */
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* An e8m0 scale, 2^(e - 127), as fp32: e = 0 is the denormal 2^-127. */
+static inline float e8m0_value(uint8_t e) {
+    const uint32_t bits = e ? (uint32_t)e << 23 : 0x00400000u;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 static inline float value_at(const void *base, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
@@ -73,6 +95,10 @@ static inline float value_at(const void *base, int64_t i, int is_bf16) {
 /* The weight at column c of k-row i (fp32 or pair layout). */
 static inline float weight_at(const operands *o, int64_t i, int64_t c) {
     if (o->scales) return (float)((const int8_t *)o->w)[i * o->ldw + c]; /* scaled after the sum */
+    if (o->e8m0) {
+        const uint8_t pair = ((const uint8_t *)o->w)[i * (o->ldw / 2) + c / 2];
+        return E2M1[c % 2 ? pair >> 4 : pair & 15] * e8m0_value(o->e8m0[(i / 32) * o->ldw + c]);
+    }
     if (o->groups) {
         const uint8_t pair = ((const uint8_t *)o->w)[i * (o->ldw / 2) + c / 2];
         const uint16_t *group = o->groups + (i / 32) * 2 * o->ldw;
@@ -104,6 +130,20 @@ static inline __m512 int4x16(const operands *o, int64_t i, int64_t c) {
     return _mm512_fmadd_ps(q, bf16x16(group + c), bf16x16(group + o->ldw + c));
 }
 
+/* mxfp4 weights of columns [c, c + 16) of k-row i, as fp32 (e2m1(q) * 2^(e - 127)). */
+static inline __m512 mxfp4x16(const operands *o, int64_t i, int64_t c) {
+    const uint8_t *bytes = (const uint8_t *)o->w + i * (o->ldw / 2) + c / 2;
+    const __m128i packed = _mm_loadl_epi64((const __m128i *)bytes);
+    const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high));
+    const __m512 values = _mm512_permutexvar_ps(q, _mm512_loadu_ps(E2M1));
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(o->e8m0 + (i / 32) * o->ldw + c)));
+    const __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+    const __m512i bits = _mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), zero, _mm512_set1_epi32(0x00400000));
+    return _mm512_mul_ps(values, _mm512_castsi512_ps(bits));
+}
+
 static inline __mmask16 column_mask(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
@@ -128,6 +168,20 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
             if (nw > 1) {
                 wv[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, wi + second - col)));
                 wv[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, wi + second - col + 16)));
+            }
+            for (int r = 0; r < mr; r++) {
+                const __m512 xv = _mm512_set1_ps(value_at(o->x, (row + r) * ldx + i, o->is_bf16));
+                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+            }
+        }
+    } else if (o->e8m0) { /* padded as int4's below */
+        for (int64_t i = 0; i < o->k; i++) {
+            __m512 wv[4];
+            wv[0] = mxfp4x16(o, i, col);
+            wv[1] = mxfp4x16(o, i, col + 16);
+            if (nw > 1) {
+                wv[2] = mxfp4x16(o, i, second);
+                wv[3] = mxfp4x16(o, i, second + 16);
             }
             for (int r = 0; r < mr; r++) {
                 const __m512 xv = _mm512_set1_ps(value_at(o->x, (row + r) * ldx + i, o->is_bf16));
@@ -304,16 +358,20 @@ static int64_t value_bytes(const tm_moe_args *a) { return a->is_bf16 ? 2 : 4; }
 
 static int is_int8(const tm_moe_args *a) { return a->weight_format == TM_MOE_INT8; }
 static int is_int4(const tm_moe_args *a) { return a->weight_format == TM_MOE_INT4; }
+static int is_mxfp4(const tm_moe_args *a) { return a->weight_format == TM_MOE_MXFP4; }
+/* Two columns a byte, in groups of 32 k-rows. */
+static int is_nibbles(const tm_moe_args *a) { return is_int4(a) || is_mxfp4(a); }
 
 /* The columns a projection's k-rows hold beyond its own: float bf16 weights carry
- * pad_cols readable columns for AMX tiles, int4 weights for unmasked 16-column reads. */
+ * pad_cols readable columns for AMX tiles, int4 and mxfp4 weights for unmasked 16-column
+ * reads. */
 static int64_t row_pad(const tm_moe_args *a) {
-    return is_int4(a) || (a->is_bf16 && a->weight_format == TM_MOE_FLOAT) ? a->pad_cols : 0;
+    return is_nibbles(a) || (a->is_bf16 && a->weight_format == TM_MOE_FLOAT) ? a->pad_cols : 0;
 }
 
 /* Bytes of one expert's projection of k rows of ldw columns. */
 static int64_t expert_bytes(const tm_moe_args *a, int64_t k, int64_t ldw) {
-    if (is_int4(a)) return k * ldw / 2;
+    if (is_nibbles(a)) return k * ldw / 2;
     return k * ldw * (is_int8(a) ? 1 : value_bytes(a));
 }
 
@@ -327,8 +385,21 @@ static void scale_sums(const operands *o, int mr, int64_t col, int64_t second, i
             for (int64_t j = 0; j < left; j++) sums[r][b * NB + j] *= o->scales[(b ? second : col) + j];
 }
 
+/* gpt-oss's clamped SwiGLU, in transformers' order of operations. */
+static inline float clamped_swiglu(const tm_moe_args *a, float gate, float up) {
+    const float limit = a->swiglu_limit;
+    gate = gate < limit ? gate : limit;
+    up = up < -limit ? -limit : up > limit ? limit : up;
+    const float glu = gate * (1.0f / (1.0f + expf(-(gate * a->swiglu_alpha))));
+    return (up + 1.0f) * glu;
+}
+
 /* The activation of the gate's sum, times the up's, as x's type rounds them. */
 static inline float gated(const tm_moe_args *a, float gate, float up) {
+    if (a->activation == TM_GATED_CLAMPED_SWIGLU) {
+        if (a->is_bf16) gate = bf16_to_f32(f32_to_bf16(gate)), up = bf16_to_f32(f32_to_bf16(up));
+        return clamped_swiglu(a, gate, up);
+    }
     if (a->is_bf16) {
         gate = bf16_to_f32(f32_to_bf16(gate));
         up = bf16_to_f32(f32_to_bf16(up));
@@ -350,6 +421,7 @@ static void gate_up_item(const problem *p, item it, int *tiles_on) {
         .k = a->hidden, .is_bf16 = a->is_bf16,
         .scales = is_int8(a) ? (const float *)a->gate_up_scales + e * 2 * inter : NULL,
         .groups = is_int4(a) ? (const uint16_t *)a->gate_up_scales + e * (a->hidden / 32) * 2 * ldw : NULL,
+        .e8m0 = is_mxfp4(a) ? (const uint8_t *)a->gate_up_scales + e * (a->hidden / 32) * ldw : NULL,
     };
     float sums[TILE_ROWS_MAX][2 * NB];
     for (int64_t row = p->starts[e]; row < p->starts[e + 1];) {
@@ -367,8 +439,11 @@ static void gate_up_item(const problem *p, item it, int *tiles_on) {
             scale_sums(&o, (int)rows, col, inter + col, left, 2, sums);
         }
         (void)tiles_on;
+        const float *bias = a->gate_up_bias ? a->gate_up_bias + e * 2 * inter : NULL;
         for (int64_t r = 0; r < rows; r++) {
             float out[NB];
+            if (bias)
+                for (int64_t j = 0; j < left; j++) sums[r][j] += bias[col + j], sums[r][NB + j] += bias[inter + col + j];
             for (int64_t j = 0; j < left; j++) out[j] = gated(a, sums[r][j], sums[r][NB + j]);
             store_row(p->h, (row + r) * inter + col, a->is_bf16, left, out);
         }
@@ -391,6 +466,7 @@ static void down_item(const problem *p, item it, int *tiles_on) {
         .k = a->inter, .is_bf16 = a->is_bf16,
         .scales = is_int8(a) ? (const float *)a->down_scales + e * hidden : NULL,
         .groups = is_int4(a) ? (const uint16_t *)a->down_scales + e * (a->inter / 32) * 2 * ldw : NULL,
+        .e8m0 = is_mxfp4(a) ? (const uint8_t *)a->down_scales + e * (a->inter / 32) * ldw : NULL,
     };
     float sums[TILE_ROWS_MAX][2 * NB];
     for (int64_t row = p->starts[e]; row < p->starts[e + 1];) {
@@ -412,7 +488,12 @@ static void down_item(const problem *p, item it, int *tiles_on) {
                 for (int64_t r = 0; r < rows; r++) memcpy(sums[r] + half, part[r], (size_t)cols * 4);
             }
         }
-        for (int64_t r = 0; r < rows; r++) memcpy(p->y + (row + r) * hidden + col, sums[r], (size_t)left * 4);
+        const float *bias = a->down_bias ? a->down_bias + e * hidden + col : NULL;
+        for (int64_t r = 0; r < rows; r++) {
+            if (bias)
+                for (int64_t j = 0; j < left; j++) sums[r][j] += bias[j];
+            memcpy(p->y + (row + r) * hidden + col, sums[r], (size_t)left * 4);
+        }
         row += rows;
     }
 }
@@ -448,10 +529,11 @@ static int check(const tm_moe_args *a) {
         a->hidden <= 0 || a->inter <= 0 || a->hidden > TM_MAX_ROW_DIM || a->pad_cols < 0)
         return TM_UNSUPPORTED_SHAPE;
     if (a->is_bf16 && (a->hidden % 2 || a->inter % 2)) return TM_UNSUPPORTED_SHAPE;
-    if (a->weight_format != TM_MOE_FLOAT && !is_int8(a) && !is_int4(a)) return TM_UNSUPPORTED_SHAPE;
-    if ((is_int8(a) || is_int4(a)) && (!a->gate_up_scales || !a->down_scales)) return TM_UNSUPPORTED_SHAPE;
-    /* int4: groups of 32 k-rows, two columns a byte, 32 readable columns past each row's. */
-    if (is_int4(a) && (a->hidden % 32 || a->inter % 32 || a->pad_cols < 32 || a->pad_cols % 2))
+    if (a->activation < TM_GATED_SILU || a->activation > TM_GATED_CLAMPED_SWIGLU) return TM_UNSUPPORTED_SHAPE;
+    if (a->weight_format != TM_MOE_FLOAT && !is_int8(a) && !is_nibbles(a)) return TM_UNSUPPORTED_SHAPE;
+    if ((is_int8(a) || is_nibbles(a)) && (!a->gate_up_scales || !a->down_scales)) return TM_UNSUPPORTED_SHAPE;
+    /* int4, mxfp4: groups of 32 k-rows, two columns a byte, 32 readable columns past each row's. */
+    if (is_nibbles(a) && (a->hidden % 32 || a->inter % 32 || a->pad_cols < 32 || a->pad_cols % 2))
         return TM_UNSUPPORTED_SHAPE;
     /* AMX tiles read whole 64-column bands: the packing pads the columns it may reach. */
     if (a->is_bf16 && a->weight_format == TM_MOE_FLOAT && amx_usable() && a->pad_cols < 64)

@@ -14,13 +14,35 @@ from tokenmill.engine.kernels.interface import MoEArgs, check_status
 
 DTYPES = (torch.float32, torch.bfloat16)
 # kernels.h TM_MOE_*: how the experts' weights are stored, by name.
-WEIGHT_FORMATS = {"float": 0, "int8": 1, "int4": 2}
+WEIGHT_FORMATS = {"float": 0, "int8": 1, "int4": 2, "mxfp4": 3}
 # int4: k-rows per group sharing a scale and a minimum, and the readable columns after
 # each row (the kernel reads 16 columns at a time unmasked).
 INT4_GROUP = 32
+MXFP4_BLOCK = 32  # MXFP4: inputs sharing one e8m0 scale
 _INT4_PAD_COLS = 32
-# kernels.h TM_GATED_*: the gated activations tm_moe computes, by their HF config name.
-ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2}
+# MXFP4's e2m1 codes 0..15 -> their values (sign bit, 2 exponent bits, 1 mantissa bit),
+# as moe.c's E2M1 table.
+E2M1_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+# kernels.h TM_GATED_*: the gated activations tm_moe computes, by their HF config name
+# (gpt-oss's clamped SwiGLU by ours: it has none).
+ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2, "clamped_swiglu": 3}
 # Readable columns after each bf16 projection: AMX tiles read whole 64-column bands.
 _BF16_PAD_COLS = 64
 
@@ -86,13 +108,57 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q.clamp_(0, 15).to(torch.uint8).reshape(num, n, k), scale, minimum
 
 
+def _mxfp4_k_major(
+    blocks: torch.Tensor, scales: torch.Tensor, pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 as stored ([E, n, k / 32, 16] codes two inputs a byte, [E, n, k / 32] e8m0)
+    -> moe.c's layout: codes two columns a byte, k-major ([E, k, (n + pad) / 2]), and
+    scales [E, k / 32, n + pad] (the pad's codes 0, its scales 2^0). One expert at a time,
+    so only one expert's codes are ever held a byte each."""
+    num, n, groups, _ = blocks.shape
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales are uint8, not {blocks.dtype}, {scales.dtype}")
+    if tuple(scales.shape) != (num, n, groups) or blocks.shape[3] != INT4_GROUP // 2:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match"
+        )
+    k = groups * INT4_GROUP
+    nibbles = torch.empty(num, k, (n + pad) // 2, dtype=torch.uint8)
+    for e in range(num):
+        codes = torch.zeros(k, n + pad, dtype=torch.uint8)
+        pairs = blocks[e]  # [n, k / 32, 16]
+        codes[:, :n] = torch.stack((pairs & 15, pairs >> 4), dim=-1).reshape(n, k).T
+        nibbles[e] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    padded_scales = torch.full((num, groups, n + pad), 127, dtype=torch.uint8)
+    padded_scales[:, :, :n] = scales.transpose(1, 2)
+    return nibbles, padded_scales
+
+
+def _mxfp4_weights(nibbles: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """moe.c's MXFP4 layout -> fp32 [E, n, k] (the reference for tests)."""
+    codes = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).flatten(-2)[..., :n].long()
+    exponent = scales[..., :n].to(torch.int32).repeat_interleave(INT4_GROUP, dim=1) - 127
+    return torch.ldexp(torch.tensor(E2M1_VALUES)[codes], exponent.float()).transpose(1, 2)
+
+
+def _fp32_or_none(bias: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if tuple(bias.shape) != shape:
+        raise ValueError(f"expert bias of shape {tuple(bias.shape)}, expected {shape}")
+    return bias.detach().float().contiguous()
+
+
 class PackedExperts:
     """A layer's experts in tm_moe's layout (moe.c), packed once.
 
     Args:
         gate_up: [num_experts, 2 * inter, hidden], the gate rows first (transformers' layout).
         down: [num_experts, hidden, inter].
-        activation: the gate's activation, by its HF name (ACTIVATIONS).
+        activation: the gate's activation, by its HF name (ACTIVATIONS); "clamped_swiglu"
+            takes `swiglu` = (alpha, limit).
+        gate_up_bias: [num_experts, 2 * inter] (the gate's first), down_bias: [num_experts,
+            hidden]: each projection's bias per expert (gpt-oss), or None.
         weight_format: "float" (the weights' dtype, which is also the activations'),
             "int8" (each output column quantized with its own scale: `quantize_int8`) or
             "int4" (groups of 32 inputs: `quantize_int4`; hidden and intermediate sizes
@@ -105,11 +171,18 @@ class PackedExperts:
         down: torch.Tensor,
         activation: str,
         weight_format: str = "float",
+        *,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        swiglu: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.dtype = gate_up.dtype
         self.num_experts, two_inter, self.hidden = gate_up.shape
         self.inter = two_inter // 2
         self.activation = ACTIVATIONS[activation]
+        self.swiglu = swiglu
+        self.gate_up_bias = _fp32_or_none(gate_up_bias, (self.num_experts, two_inter))
+        self.down_bias = _fp32_or_none(down_bias, (self.num_experts, self.hidden))
         self.weight_format = weight_format
         is_bf16 = self.dtype == torch.bfloat16
         self.gate_up_scales = self.down_scales = None
@@ -147,9 +220,49 @@ class PackedExperts:
         groups[:, :, 1, :n] = minimum.transpose(1, 2)
         return nibbles, groups
 
+    @classmethod
+    def from_mxfp4(
+        cls,
+        gate_up: tuple[torch.Tensor, torch.Tensor],
+        down: tuple[torch.Tensor, torch.Tensor],
+        dtype: torch.dtype,
+        activation: str,
+        *,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        swiglu: tuple[float, float] = (0.0, 0.0),
+    ) -> PackedExperts:
+        """Experts stored in MXFP4 (quant/mxfp4.py: (blocks, scales) per projection, the
+        gate rows first), repacked into moe.c's k-major nibbles without widening them: 4
+        bits a weight and a byte per 32, as stored. Activations run in `dtype`."""
+        self = cls.__new__(cls)
+        self.dtype = dtype
+        blocks, _ = gate_up
+        self.num_experts, two_inter, groups, _ = blocks.shape
+        self.hidden, self.inter = groups * INT4_GROUP, two_inter // 2
+        self.activation = ACTIVATIONS[activation]
+        self.swiglu = swiglu
+        self.gate_up_bias = _fp32_or_none(gate_up_bias, (self.num_experts, two_inter))
+        self.down_bias = _fp32_or_none(down_bias, (self.num_experts, self.hidden))
+        self.weight_format, self.pad_cols = "mxfp4", _INT4_PAD_COLS
+        self.gate_up, self.gate_up_scales = _mxfp4_k_major(*gate_up, self.pad_cols)
+        self.down, self.down_scales = _mxfp4_k_major(*down, self.pad_cols)
+        if self.down.shape[1] != self.inter or self.down_scales.shape[2] != self.hidden + 32:
+            raise ValueError(
+                f"MXFP4 down_proj of {self.down.shape[1]} inputs and "
+                f"{self.down_scales.shape[2] - 32} outputs does not fit gate_up's "
+                f"{self.hidden} x {self.inter}"
+            )
+        return self
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantized experts' weights as the kernel reads them, fp32 in transformers'
         layout ([E, 2 * inter, hidden], [E, hidden, inter]): the reference for tests."""
+        if self.weight_format == "mxfp4":
+            return (
+                _mxfp4_weights(self.gate_up, self.gate_up_scales, 2 * self.inter),
+                _mxfp4_weights(self.down, self.down_scales, self.hidden),
+            )
         if self.weight_format == "int4":
             return (
                 self._int4_weights(self.gate_up, self.gate_up_scales, 2 * self.inter),
@@ -168,7 +281,14 @@ class PackedExperts:
 
     @property
     def weight_bytes(self) -> int:
-        tensors = (self.gate_up, self.down, self.gate_up_scales, self.down_scales)
+        tensors = (
+            self.gate_up,
+            self.down,
+            self.gate_up_scales,
+            self.down_scales,
+            self.gate_up_bias,
+            self.down_bias,
+        )
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def __call__(
@@ -192,6 +312,8 @@ class PackedExperts:
             down=self.down.data_ptr(),
             gate_up_scales=None if self.gate_up_scales is None else self.gate_up_scales.data_ptr(),
             down_scales=None if self.down_scales is None else self.down_scales.data_ptr(),
+            gate_up_bias=None if self.gate_up_bias is None else self.gate_up_bias.data_ptr(),
+            down_bias=None if self.down_bias is None else self.down_bias.data_ptr(),
             out=out.data_ptr(),
             rows=x.shape[0],
             top_k=expert_ids.shape[1],
@@ -202,6 +324,8 @@ class PackedExperts:
             is_bf16=int(self.dtype == torch.bfloat16),
             weight_format=WEIGHT_FORMATS[self.weight_format],
             activation=self.activation,
+            swiglu_alpha=self.swiglu[0],
+            swiglu_limit=self.swiglu[1],
             num_threads=torch.get_num_threads(),
         )
         what = f"{self.num_experts} experts of {self.hidden} x {self.inter}"

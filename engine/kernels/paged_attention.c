@@ -576,16 +576,19 @@ static void softmax_item(const Plan *plan, const Item *it, Scratch *s) {
             float *sr = s->scores + r * plan->stride;
             const int64_t position = pt->seen0 + (r - pt->row) / plan->group;
             const int64_t lo = first_seen(a, position), seen = position + 1;
+            /* A sink is one more logit in the denominator: exp(-INFINITY) adds nothing. */
+            const float sink =
+                a->sinks ? a->sinks[it->kv_head * plan->group + (r - pt->row) % plan->group] : -INFINITY;
 #ifdef HAVE_BF16_DOT
             if (plan->use_dot) {
                 softmax_row_bf16(sr, s->weights_bf16 + r * plan->stride, read_from, lo, seen, padded,
-                                 a->scale);
+                                 a->scale, sink);
                 continue;
             }
 #endif
-            float max = -INFINITY;
+            float max = sink;
             for (int64_t t = lo; t < seen; t++) max = sr[t] > max ? sr[t] : max;
-            float sum = 0.f;
+            float sum = expf(sink - max);
             for (int64_t t = lo; t < seen; t++) {
                 sr[t] = expf(sr[t] - max);
                 sum += sr[t];

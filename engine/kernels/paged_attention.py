@@ -124,6 +124,7 @@ def native_paged_attention(
     entries: AttentionEntries,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for every query token of a step, straight over the paged cache. The
     entries' own keys and values must already be in the cache.
@@ -135,6 +136,8 @@ def native_paged_attention(
         v_cache: [num_blocks, num_kv_heads, block_size, head_dim], q's dtype; or int8
             like k_cache
         sliding_window: a query at position p sees positions > p - window; None = all.
+        sinks: [num_heads] a logit per query head added to its softmax's denominator
+            with no value (gpt-oss's attention sinks); None: none.
     Returns:
         [num_tokens, num_heads, head_dim]; rows no entry covers are left unset.
     """
@@ -151,6 +154,12 @@ def native_paged_attention(
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.int8):
         raise ValueError("the caches must both be int8 or both have q's dtype")
     num_kv_heads, block_size, kv_int8 = _cache_shape(v_cache, head_dim)
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(
+                f"sinks must be one per query head ({num_heads}), not {tuple(sinks.shape)}"
+            )
+        sinks = sinks.detach().float().contiguous()  # kept alive until the call returns
     tensors = (
         entries.rows,
         entries.queries,
@@ -172,6 +181,7 @@ def native_paged_attention(
         block_tables=entries.block_tables.data_ptr(),
         group_starts=entries.group_starts.data_ptr(),
         group_shared_blocks=entries.group_shared_blocks.data_ptr(),
+        sinks=None if sinks is None else sinks.data_ptr(),
         num_groups=entries.group_shared_blocks.shape[0],
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,

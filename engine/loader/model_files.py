@@ -383,12 +383,18 @@ def _dir_info(name: str, path: Path, source: str) -> ModelInfo:
     architectures = config.get("architectures") or [config.get("model_type")]
     num_by_dtype: Counter[str] = Counter()
     num_experts_params = 0
+    mxfp4 = (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     for file in weight_files(path):
         for key, tensor in _safetensors_header(file).items():
             if key != "__metadata__":
-                num_by_dtype[tensor["dtype"]] += _numel(tensor["shape"])
+                numel = _numel(tensor["shape"])
+                if mxfp4 and tensor["dtype"] == "U8" and key.endswith(("_blocks", "_scales")):
+                    # MXFP4: two weights a byte; a scale per 32 of them is no parameter.
+                    numel = 2 * numel if key.endswith("_blocks") else 0
+                    tensor = {**tensor, "dtype": "mxfp4"}
+                num_by_dtype[tensor["dtype"]] += numel
                 if ".experts." in key:
-                    num_experts_params += _numel(tensor["shape"])
+                    num_experts_params += numel
     dtype = num_by_dtype.most_common(1)[0][0] if num_by_dtype else None
     total = sum(num_by_dtype.values())
     return ModelInfo(

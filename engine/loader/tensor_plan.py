@@ -132,6 +132,8 @@ def plan_tensors(
             not fit, or parameters no tensor fills - each named.
     """
     params = {name: p.shape for name, p in model.named_parameters()}
+    # A parameter stored as bytes (gpt-oss's MXFP4 experts) takes the checkpoint's bytes.
+    byte_params = {name for name, p in model.named_parameters() if p.dtype == torch.uint8}
     if config.tie_word_embeddings:
         params.pop("lm_head.weight", None)  # filled by tying it to the embedding
     packed = model.packed_modules
@@ -153,7 +155,9 @@ def plan_tensors(
             else:
                 plan.left[source.name] = reason
             continue
-        if source.dtype not in FLOAT_DTYPES:
+        if source.dtype not in FLOAT_DTYPES and not (
+            source.dtype == torch.uint8 and target.param in byte_params
+        ):
             not_float.append(f"{source} ({str(source.dtype).removeprefix('torch.')})")
             continue
         _check_shape(source, target, params, config)

@@ -24,6 +24,7 @@ class StepAttention(ABC):
         v_cache: torch.Tensor,
         scale: float,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's keys and values into the layer's cache, then attend.
 
@@ -35,6 +36,9 @@ class StepAttention(ABC):
             sliding_window: the layer's window: a query at position p sees the keys at
                 positions (p - sliding_window, p], as transformers masks Mistral's and
                 Gemma 3's local layers; None sees every earlier position.
+            sinks: [num_heads] fp32, one logit per query head that joins its softmax's
+                denominator with no value (gpt-oss); None: none. Only the backends that
+                say they compute them (`AttentionBackend.computes_sinks`) are given them.
         Returns:
             [num_tokens, num_heads, head_dim]
         """

@@ -91,6 +91,8 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: list[str] | None = None  # per layer: "sliding_attention" | "full_attention"
     hidden_act: str = "silu"  # the gated MLP's activation: "silu" | "gelu_pytorch_tanh"
+    # A learned logit per query head in each attention softmax's denominator (gpt-oss).
+    attention_sinks: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 

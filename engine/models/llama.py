@@ -39,6 +39,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         # Keys this layer's queries see: the last `sliding_window` positions, or all (None).
         self.sliding_window = config.layer_sliding_window(layer_idx)
+        # gpt-oss: a learned logit per query head in the softmax's denominator.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
         # Views into the engine's KV cache, attached by the model runner.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -54,7 +56,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = rotary_qkv(q, k, v, cos, sin)
-        o = meta.attend(q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window)
+        o = meta.attend(
+            q, k, v, self.k_cache, self.v_cache, self.scale, self.sliding_window, sinks=self.sinks
+        )
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 

@@ -24,6 +24,7 @@ in float only: quant/ refuses quantized experts where the native kernel does not
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,16 +52,21 @@ class Routing:
     OLMoE); `renormalize` divides the k weights by their sum (Qwen3-MoE's norm_topk_prob,
     always for Mixtral, never for OLMoE); `round_to_model_dtype`: the weights are rounded
     to the logits' dtype before they scale the experts (Qwen3-MoE and OLMoE; Mixtral keeps
-    them fp32).
+    them fp32). `softmax_of_top_k`: the top k of the logits first, then a softmax over
+    those k alone in the logits' dtype (gpt-oss).
     """
 
     top_k: int
     renormalize: bool
     round_to_model_dtype: bool = True
+    softmax_of_top_k: bool = False
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [num_tokens, num_experts] -> (weights fp32, expert ids int64), each
         [num_tokens, top_k]."""
+        if self.softmax_of_top_k:
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).float(), ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
@@ -71,20 +77,41 @@ class Routing:
 
 
 class Router(nn.Module):
-    """A linear score per expert (`weight` [num_experts, hidden], no bias) and the
-    family's Routing."""
+    """A linear score per expert (`weight` [num_experts, hidden], a `bias` [num_experts]
+    where the family has one: gpt-oss) and the family's Routing."""
 
-    def __init__(self, hidden_size: int, num_experts: int, routing: Routing) -> None:
+    def __init__(
+        self, hidden_size: int, num_experts: int, routing: Routing, *, bias: bool = False
+    ) -> None:
         super().__init__()
         self.routing = routing
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] -> (weights, expert ids) as Routing.route."""
-        return self.routing.route(F.linear(x, self.weight))
+        return self.routing.route(F.linear(x, self.weight, self.bias))
 
 
-class Experts(nn.Module):
+class KernelExperts(nn.Module):
+    """A layer's experts that the native grouped kernel may serve: `pack()` moves their
+    weights into its layout after loading (`packed`: the kernel's copy, or None)."""
+
+    packed: moe_kernel.PackedExperts | None = None
+
+    def pack(self) -> bool:
+        """Pack where the kernel serves these experts; returns whether they are packed."""
+        raise NotImplementedError
+
+    @property
+    def weight_bytes(self) -> int:
+        """What the weights take: the kernel's copy once packed, else the parameters."""
+        if self.packed is not None:
+            return self.packed.weight_bytes
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+class Experts(KernelExperts):
     """num_experts gated MLPs over stacked weights (see the module docstring)."""
 
     def __init__(
@@ -117,22 +144,8 @@ class Experts(nn.Module):
         self.packed = moe_kernel.PackedExperts(
             gate_up.data, self.down_proj.data, self.activation, weight_format
         )
-        for name in ("gate_up_proj", "down_proj"):  # shapes stay for tools; memory goes
-            param = getattr(self, name)
-            setattr(
-                self,
-                name,
-                nn.Parameter(
-                    torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
-                ),
-            )
+        release_to_meta(self, ("gate_up_proj", "down_proj"))
         return True
-
-    @property
-    def weight_bytes(self) -> int:
-        if self.packed is not None:
-            return self.packed.weight_bytes
-        return sum(p.numel() * p.element_size() for p in (self.gate_up_proj, self.down_proj))
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
@@ -145,13 +158,25 @@ class Experts(nn.Module):
         )
 
 
+def release_to_meta(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Replace the named parameters with meta tensors of their shapes, once the kernel
+    holds its own copy: the shapes stay for tools; the memory goes."""
+    for name in names:
+        param = getattr(module, name)
+        meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        setattr(module, name, nn.Parameter(meta, requires_grad=False))
+
+
 def grouped_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     expert_ids: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    activation: str,
+    activation: str | Callable[[torch.Tensor], torch.Tensor],
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts in PyTorch, as one grouped matmul per projection over the (token,
     expert) pairs sorted by expert (torch's grouped_mm takes each expert's run of rows by
@@ -160,6 +185,9 @@ def grouped_experts(
     Args:
         x: [num_tokens, hidden]; weights, expert_ids: [num_tokens, top_k]
         gate_up: [num_experts, 2 * inter, hidden]; down: [num_experts, hidden, inter]
+        activation: a gated activation's name (gate rows first, then up), or a function
+            of the gate_up products [rows, 2 * inter] -> [rows, inter] (gpt-oss's)
+        gate_up_bias: [num_experts, 2 * inter]; down_bias: [num_experts, hidden] (or None)
     """
     num_tokens, top_k = expert_ids.shape
     flat = expert_ids.reshape(-1)
@@ -167,12 +195,22 @@ def grouped_experts(
     tokens = order // top_k
     ends = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
     rows = x.index_select(0, tokens)
+    row_experts = flat[order]
     gate_up_out = _grouped_mm(rows, gate_up, ends)
-    gate, up = gate_up_out.chunk(2, dim=-1)
-    hidden = _grouped_mm(_ACTIVATIONS[activation](gate) * up, down, ends)
+    if gate_up_bias is not None:
+        gate_up_out += gate_up_bias.index_select(0, row_experts)
+    glu = activation if callable(activation) else functools.partial(_halves_glu, activation)
+    hidden = _grouped_mm(glu(gate_up_out), down, ends)
+    if down_bias is not None:
+        hidden += down_bias.index_select(0, row_experts)
     terms = hidden.float() * weights.reshape(-1)[order, None]
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, tokens, terms).to(x.dtype)
+
+
+def _halves_glu(activation: str, gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _ACTIVATIONS[activation](gate) * up
 
 
 def _grouped_mm(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -217,7 +255,7 @@ class SparseMoeBlock(nn.Module):
 def pack_experts(model: nn.Module) -> int:
     """Pack every MoE layer's experts for the native kernel where it serves them; returns
     how many layers were packed."""
-    return sum(m.pack() for m in model.modules() if isinstance(m, Experts))
+    return sum(m.pack() for m in model.modules() if isinstance(m, KernelExperts))
 
 
 @dataclass
@@ -231,6 +269,9 @@ class MoeConfig(ModelConfig):
     # Layers with a dense gated MLP instead of experts (Qwen3-MoE's mlp_only_layers and
     # decoder_sparse_step).
     dense_layers: tuple[int, ...] = ()
+    # Whether the expert quantizations (int8, int4: quant/) take the experts: moe.Experts;
+    # not gpt-oss's, with biases and an activation of their own.
+    quantizable_experts: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -138,6 +138,12 @@ def check_expert_quantization(quantization: str, config, device: torch.device) -
     modes swap nn.Linear layers, and stacked experts are none - they would stay float
     while the memory plan counted them quantized. int8 packs them for the native grouped
     kernel (kernels/moe.py)."""
+    if not config.quantizable_experts:
+        raise ValueError(
+            f"quantization={quantization!r} does not quantize {config.architecture}'s experts "
+            "(their biases and clamped SwiGLU are computed in float only); "
+            "leave it unset (dtype='bfloat16' halves fp32's memory)"
+        )
     if quantization not in EXPERT_QUANTIZATIONS:
         raise ValueError(
             f"quantization={quantization!r} does not quantize the experts of a "

@@ -4,8 +4,9 @@ is read.
 
 A quantized checkpoint stores its weights as integers (or fp8) beside their scales,
 zero points and packing; read as plain numbers they give a different model without a
-word. So every format no reader takes - block-wise FP8, bitsandbytes, MXFP4, any method not
-listed - and every variant a reader does not run is refused, naming the method and format,
+word. So every format no reader takes - block-wise FP8, bitsandbytes, MXFP4 (but gpt-oss's
+MXFP4 experts, which its model loads as its own parameters: models/gpt_oss.py), any method
+not listed - and every variant a reader does not run is refused, naming the method and format,
 with the nearest thing that runs: the unquantized checkpoint quantized at load by one of
 tokenmill's own modes. (A checkpoint with integer weights and no
 quantization_config is refused by the loader, naming the tensors: loader/tensor_plan.py.)
@@ -43,6 +44,8 @@ def check_checkpoint_quantization(model_dir: Path) -> CheckpointQuantization | N
     if found is None:
         return None
     key, settings = found
+    if settings.get("quant_method") == "mxfp4" and _reads_mxfp4(model_dir):
+        return None  # the architecture's own parameters hold it (models/gpt_oss.py)
     kind, nearest = describe(settings)
     where = f"{Path(model_dir).name} is a quantized checkpoint ({key}: {kind})"
     try:
@@ -92,6 +95,15 @@ def checkpoint_info(model_dir: Path) -> CheckpointInfo | None:
         kernels=tuple(f"{s.label}: {describe_kernels(s)}" for s in schemes),
         num_parameters=_num_parameters(model_dir),
     )
+
+
+def _reads_mxfp4(model_dir: Path) -> bool:
+    """Whether the model's architecture loads its MXFP4 experts as its own parameters."""
+    try:
+        config = load_config(model_dir)
+    except ValueError:
+        return False  # loading the model says why
+    return bool(getattr(config, "mxfp4_experts", False))
 
 
 def _num_parameters(model_dir: Path) -> int | None:

@@ -22,6 +22,10 @@ class CompletionOutput:
     # regex, choice or grammar; False when it is not (cut by max_tokens, the context or a
     # stop string) - do not parse it then. None when the request was unconstrained.
     structured_output_complete: bool | None = None
+    # A chat answer of a model whose template writes its reasoning apart (gpt-oss's
+    # analysis channel, Qwen3's <think>): that reasoning, with `text` the final answer
+    # (api/reasoning.py). None where the model wrote none, or the template has none.
+    reasoning_content: str | None = None
 
 
 @dataclass

@@ -57,12 +57,25 @@ MOE = {
     ),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
     "olmoe": dict(num_experts=8, num_experts_per_tok=3, intermediate_size=48),
+    # 3 of 8; weights of std 0.05 (gpt-oss's activations and sinks are tuned to them), a
+    # SwiGLU limit small enough to clamp, a window of 8 on layers 0 and 2 (layer_types),
+    # yarn rope (transformers' default: factor 32 over 4096 positions)
+    "gpt_oss": dict(
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        intermediate_size=48,
+        head_dim=16,
+        num_hidden_layers=3,
+        sliding_window=8,
+        initializer_range=0.05,
+        swiglu_limit=0.5,
+    ),
 }
 
 
 def build_hf_model(kind: str, out_dir: Path, **overrides):
     """Save a random-weight `kind` (llama | qwen2 | qwen3 | gemma3 | mistral | phi3 |
-    qwen3_moe | mixtral | olmoe) checkpoint; return the HF model."""
+    qwen3_moe | mixtral | olmoe | gpt_oss) checkpoint; return the HF model."""
     import transformers
 
     config_cls, model_cls = {
@@ -75,6 +88,7 @@ def build_hf_model(kind: str, out_dir: Path, **overrides):
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[kind]
     settings = {**SMALL, **(GEMMA3 if kind == "gemma3" else {}), **MOE.get(kind, {}), **overrides}
     if kind in ("qwen3", "qwen3_moe"):
@@ -93,7 +107,11 @@ def build_hf_model(kind: str, out_dir: Path, **overrides):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
-                param.normal_(0, 0.3)
+                param.normal_(0, 0.05 if kind == "gpt_oss" else 0.3)
+            elif name.endswith("_proj_bias"):  # gpt-oss's experts'
+                param.normal_(0, 0.05)
+            elif name.endswith(".sinks"):  # large enough to take a share of each softmax
+                param.normal_(0, 1.0)
     model.save_pretrained(out_dir, safe_serialization=True)
     return model
 

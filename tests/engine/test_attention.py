@@ -241,6 +241,72 @@ def test_sliding_window_in_a_shared_prefix_group(dtype, window):
     torch.testing.assert_close(grouped.double(), want, atol=atol, rtol=atol)
 
 
+def reference_with_sinks(q, cache: Cache, chunks, scale, sinks, window=None):
+    """`reference` with a sink per query head: one more logit in each row's softmax, its
+    weight dropped (transformers' gpt-oss eager attention), in float64."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // cache.k.shape[1]
+    for first, queries, context, table in chunks:
+        ids = torch.tensor([table])
+        k = gather_key_blocks(cache.k, ids)[0, :, :context].double().repeat_interleave(group, 0)
+        v = gather_value_blocks(cache.v, ids)[0, :, :context].double().repeat_interleave(group, 0)
+        qc = q[first : first + queries].transpose(0, 1).double()
+        positions = torch.arange(context)
+        seen = positions[None, :] <= positions[context - queries :, None]
+        if window is not None:
+            seen &= positions[None, :] > positions[context - queries :, None] - window
+        scores = (qc @ k.transpose(1, 2) * scale).masked_fill(~seen, float("-inf"))
+        sink = sinks.double()[:, None, None].expand(-1, queries, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        out[first : first + queries] = (probs @ v).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(3, 64, 16), (2, 24, 7)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_match_float64_reference(dtype, group, head_dim, block_size, window):
+    """gpt-oss's attention sinks: each query head's softmax has its sink's logit in the
+    denominator - for whole prompts, continued chunks and decodes, with and without a
+    window - and without sinks the answer is another one."""
+    cache = Cache(dtype, 2, head_dim, block_size)
+    chunks, num_tokens = layout(cache, SHAPES)
+    q = torch.randn(num_tokens, 2 * group, head_dim).to(dtype)
+    sinks = torch.linspace(-2.0, 3.0, 2 * group)
+    got = native_paged_attention(q, *cache.native, entries_for(chunks), 0.2, window, sinks)
+    want = reference_with_sinks(q, cache, chunks, 0.2, sinks, window)
+    atol = reference_tolerance(dtype, head_dim, 0.2)
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
+    assert (want - reference(q, cache, chunks, 0.2, window)).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_in_a_shared_prefix_group(dtype):
+    """Decoding sequences grouped over a shared prefix take each query head's own sink."""
+    block_size, num_kv_heads = 16, 2
+    cache = Cache(dtype, num_kv_heads, 64, block_size, seed=4)
+    prefix = cache.table(3 * block_size)
+    chunks = []
+    for row, extra in enumerate((0, 1, 9, 20)):
+        context = 3 * block_size + extra
+        chunks.append((row, 1, context, cache.table(context, prefix)))
+    q = torch.randn(len(chunks), num_kv_heads * 3, 64).to(dtype)
+    sinks = torch.linspace(-1.0, 2.0, num_kv_heads * 3)
+    grouped_entries = entries_for(chunks, [(list(range(len(chunks))), 3)])
+    grouped = native_paged_attention(q, *cache.native, grouped_entries, 0.125, None, sinks)
+    atol = reference_tolerance(dtype, 64, 0.125)
+    want = reference_with_sinks(q, cache, chunks, 0.125, sinks)
+    torch.testing.assert_close(grouped.double(), want, atol=atol, rtol=atol)
+
+
+def test_sinks_must_be_one_per_query_head():
+    cache = Cache(torch.float32, 1, 8, 16)
+    chunks, num_tokens = layout(cache, [(3, 3)])
+    q = torch.randn(num_tokens, 2, 8)
+    with pytest.raises(ValueError, match=r"one per query head \(2\), not \(3,\)"):
+        native_paged_attention(q, *cache.native, entries_for(chunks), 0.3, None, torch.ones(3))
+
+
 def test_sliding_window_must_be_positive():
     cache = Cache(torch.float32, 1, 8, 16)
     chunks, num_tokens = layout(cache, [(3, 3)])

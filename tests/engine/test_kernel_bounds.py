@@ -85,9 +85,10 @@ int main(int argc, char **argv) {
     const tm_kv_write_args write = {k_new, v_new, k, v, slot_blocks, slot_offsets, tokens,
                                      kv_heads, head_dim, bs, (int32_t)is_bf16, 2};
     if (tm_write_kv_cache(&write) != TM_OK) return 3;
+    float *sinks = calloc(heads, sizeof(float)); /* one per query head, at a guard page */
     const tm_attention_args args = {q, k, v, out, ints(5, row_values), ints(5, queries),
                                     ints(5, contexts), ints(30, table_values), ints(5, starts),
-                                    ints(4, shared), 4, heads, kv_heads, head_dim, bs,
+                                    ints(4, shared), sinks, 4, heads, kv_heads, head_dim, bs,
                                     max_blocks, window, 0.125f, (int32_t)is_bf16, 2};
     int rc = tm_paged_attention(&args);
     printf("%d\n", rc);

@@ -61,6 +61,50 @@ def test_native_experts_match_float64(shape, dtype):
     )
 
 
+def clamped_swiglu_reference(x, weights, ids, gate_up, down, gate_up_bias, down_bias, alpha, limit):
+    """gpt-oss's experts pair by pair in float64: biases, and (clamp(up) + 1) * g *
+    sigmoid(alpha * g) with g = min(gate, limit)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            products = gate_up[e].double() @ x[t].double() + gate_up_bias[e].double()
+            gate, up = products.chunk(2)
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            h = (up + 1) * gate * torch.sigmoid(alpha * gate)
+            out[t] += weights[t, j].double() * (down[e].double() @ h + down_bias[e].double())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_biases_and_clamped_swiglu_match_float64(shape, dtype):
+    """gpt-oss's experts: a bias on each projection and the clamped SwiGLU, its limit low
+    enough that gate and up are clamped."""
+    x, weights, ids, gate_up, down = problem(shape, dtype, seed=2)
+    num_experts, hidden, inter, _, _ = shape
+    g = torch.Generator().manual_seed(3)
+    gate_up_bias = torch.randn(num_experts, 2 * inter, generator=g) * 0.2
+    down_bias = torch.randn(num_experts, hidden, generator=g) * 0.2
+    packed = moe_kernel.PackedExperts(
+        gate_up,
+        down,
+        "clamped_swiglu",
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+        swiglu=(1.702, 0.5),
+    )
+    want = clamped_swiglu_reference(
+        x, weights, ids, gate_up, down, gate_up_bias, down_bias, 1.702, 0.5
+    )
+    tol = tolerance(dtype)
+    torch.testing.assert_close(packed(x, ids, weights).double(), want, atol=tol, rtol=tol)
+    unclamped = clamped_swiglu_reference(
+        x, weights, ids, gate_up, down, gate_up_bias, down_bias, 1.702, 1e9
+    )
+    assert (unclamped - want).abs().max() > 0.1  # the limit is reached
+
+
 @pytest.mark.parametrize("weight_format", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
@@ -135,6 +179,24 @@ def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatc
             for weight_format in ("int8", "int4") if int4_sizes else ("int8",):
                 held = moe_kernel.PackedExperts(gate_up, down, "silu", weight_format=weight_format)
                 want = reference(x, weights, ids, *held.dequantized())
+                got = held(x, ids, weights).double()
+                torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+            if int4_sizes:  # MXFP4 as stored, with gpt-oss's biases and activation
+                from tokenmill.engine.quant import mxfp4
+
+                biases = torch.randn(shape[0], 2 * shape[2]) * 0.2, torch.randn(shape[:2]) * 0.2
+                held = moe_kernel.PackedExperts.from_mxfp4(
+                    mxfp4.quantize(gate_up),
+                    mxfp4.quantize(down),
+                    dtype,
+                    "clamped_swiglu",
+                    gate_up_bias=biases[0],
+                    down_bias=biases[1],
+                    swiglu=(1.702, 0.5),
+                )
+                want = clamped_swiglu_reference(
+                    x, weights, ids, *held.dequantized(), *biases, 1.702, 0.5
+                )
                 got = held(x, ids, weights).double()
                 torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 

@@ -52,7 +52,9 @@ def select_backend(spec: AttentionSpec) -> AttentionBackend:
     kv_format = spec.kv_format
     reasons = []
     for backend in BACKENDS:
-        if kv_format.served_by(backend.name):
+        if spec.attention_sinks and not backend.computes_sinks:
+            reason = "does not compute attention sinks (gpt-oss)"
+        elif kv_format.served_by(backend.name):
             reason = backend.unsupported(spec) or kv_format.unsupported(
                 spec.head_dim, spec.block_size
             )

@@ -35,6 +35,7 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    attention_sinks: bool = False  # a learned logit per head in the softmax (gpt-oss)
 
     @classmethod
     def of_model(
@@ -55,6 +56,7 @@ class AttentionSpec:
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             block_size=block_size,
+            attention_sinks=config.attention_sinks,
         )
 
     @property
@@ -84,6 +86,8 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     # Whether the cache it reads keeps bf16 blocks in a layout of its own (native kernels).
     owns_cache_layout: ClassVar[bool] = False
+    # Whether its `attend` computes attention sinks (`StepAttention.attend`'s sinks).
+    computes_sinks: ClassVar[bool] = False
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec

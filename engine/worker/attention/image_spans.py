@@ -41,7 +41,9 @@ class ImageSpanAttention(StepAttention):
     # Whether the cache holds bf16 blocks in the native kernels' pair layout.
     pair_layout: bool = False
 
-    def attend(self, q, k, v, k_cache, v_cache, scale, sliding_window=None):
+    def attend(self, q, k, v, k_cache, v_cache, scale, sliding_window=None, sinks=None):
+        if sinks is not None:  # image rows are Gemma 3's, which has none
+            raise ValueError("attention over image spans does not compute attention sinks")
         out = self.inner.attend(q, k, v, k_cache, v_cache, scale, sliding_window)
         for image in self.images:
             rows = slice(image.first_row, image.first_row + image.num_rows)

@@ -2,7 +2,7 @@
 a step, reading the paged cache in place (`kernels/paged_attention.c`).
 
 It serves fp32 and bf16 on the CPU, and reads an int8 cache as well as one in the
-model's dtype (`worker/kv_cache/int8.py`).
+model's dtype (`worker/kv_cache/int8.py`); it computes attention sinks (gpt-oss).
 Decoding sequences whose block tables start with the same blocks are attended to as one
 group, so a shared prefix is read once per step for all of them.
 """
@@ -44,14 +44,17 @@ class NativeMetadata(StepAttention):
     slot_offsets: torch.Tensor  # [num_tokens] its offset in the block
     entries: AttentionEntries  # every query token, as the kernel takes them
 
-    def attend(self, q, k, v, k_cache, v_cache, scale, sliding_window=None):
+    def attend(self, q, k, v, k_cache, v_cache, scale, sliding_window=None, sinks=None):
         write_kv_cache(k, v, k_cache, v_cache, self.slot_blocks, self.slot_offsets)
-        return native_paged_attention(q, k_cache, v_cache, self.entries, scale, sliding_window)
+        return native_paged_attention(
+            q, k_cache, v_cache, self.entries, scale, sliding_window, sinks
+        )
 
 
 class NativeBackend(AttentionBackend):
     name = "native"
     owns_cache_layout = True
+    computes_sinks = True
 
     @classmethod
     def unsupported(cls, spec: AttentionSpec) -> str | None:

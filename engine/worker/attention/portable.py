@@ -49,7 +49,9 @@ class PortableMetadata(StepAttention):
     decode_context_lens: torch.Tensor | None  # [num_decodes] int64
     prefills: list[PrefillSpan]
 
-    def attend(self, q, k, v, k_cache, v_cache, scale, sliding_window=None):
+    def attend(self, q, k, v, k_cache, v_cache, scale, sliding_window=None, sinks=None):
+        if sinks is not None:  # select_backend never hands it a model with sinks
+            raise ValueError("the portable attention backend does not compute attention sinks")
         k_cache[self.slot_blocks, :, :, self.slot_offsets] = k
         v_cache[self.slot_blocks, :, self.slot_offsets] = v
         out = torch.empty_like(q)

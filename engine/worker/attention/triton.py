@@ -29,7 +29,9 @@ class TritonMetadata(StepAttention):
     slot_offsets: torch.Tensor  # [num_tokens] its offset in the block
     sequences: kernels.TritonAttention  # the step's sequences as the kernels take them
 
-    def attend(self, q, k, v, k_cache, v_cache, scale, sliding_window=None):
+    def attend(self, q, k, v, k_cache, v_cache, scale, sliding_window=None, sinks=None):
+        if sinks is not None:  # select_backend never hands it a model with sinks
+            raise ValueError("the triton attention backend does not compute attention sinks")
         kernels.store_kv(k, v, k_cache, v_cache, self.slot_blocks, self.slot_offsets)
         return kernels.paged_attention(
             q, k_cache, v_cache, self.sequences, scale, sliding_window=sliding_window
