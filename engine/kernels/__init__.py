@@ -66,6 +66,9 @@ _FILE_FLAGS = {
     # asks (no contraction, no errno), and the weighted sum of the experts rounds each
     # product before adding it, as transformers does.
     "moe.c": ["-ffp-contract=off", "-fno-math-errno"],
+    # Each weight one fp32 product of its code's value and its scale (stored before it is
+    # summed, so never contracted); the sums in lanes, contracted into FMAs.
+    "fp8_linear.c": ["-fno-fast-math", "-ffp-contract=fast", "-fno-math-errno"],
 }
 # Linked without -ffast-math: with it GCC (before 13) links crtfastmath.o into the
 # library, whose constructor turns on flush-to-zero and denormals-are-zero for the whole

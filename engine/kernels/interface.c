@@ -33,4 +33,6 @@ void tm_limits(tm_limits_t *out) {
     out->moe_isa = tm_moe_isa();
     out->moe_max_top_k = TM_MOE_MAX_TOP_K;
     out->moe_args_size = sizeof(tm_moe_args);
+    out->fp8_linear_isa = tm_fp8_linear_isa();
+    out->fp8_linear_args_size = sizeof(tm_fp8_linear_args);
 }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 18
+ABI_VERSION = 19
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -32,6 +32,8 @@ INT8_LINEAR_ISAS = {
 LORA_ISAS = {0: "generic", 1: "avx512_bf16", 2: "amx_bf16+avx512_bf16"}
 # tm_limits_t.moe_isa values (TM_MOE_ISA_*), by name.
 MOE_ISAS = {0: "generic", 1: "avx512_bf16", 2: "amx_bf16+avx512_bf16"}
+# tm_limits_t.fp8_linear_isa values (TM_FP8_ISA_*), by name.
+FP8_LINEAR_ISAS = {0: "generic", 1: "avx2", 2: "avx512"}
 
 
 class _Limits(ctypes.Structure):
@@ -67,6 +69,8 @@ class _Limits(ctypes.Structure):
         ("moe_isa", _i64),
         ("moe_max_top_k", _i64),
         ("moe_args_size", _i64),
+        ("fp8_linear_isa", _i64),
+        ("fp8_linear_args_size", _i64),
     ]
 
 
@@ -340,6 +344,25 @@ class MoEArgs(ctypes.Structure):
     ]
 
 
+class Fp8LinearArgs(ctypes.Structure):
+    """tm_fp8_linear_args."""
+
+    _fields_ = [
+        ("x", _ptr),
+        ("w", _ptr),
+        ("scales", _ptr),
+        ("bias", _ptr),
+        ("out", _ptr),
+        ("rows", _i64),
+        ("n", _i64),
+        ("k", _i64),
+        ("block_n", _i64),
+        ("block_k", _i64),
+        ("is_bf16", _i32),
+        ("num_threads", _i32),
+    ]
+
+
 # Exported function -> its argument struct, and the size field tm_limits reports for it.
 FUNCTIONS = {
     "tm_paged_attention": (AttentionArgs, "attention_args_size"),
@@ -357,6 +380,7 @@ FUNCTIONS = {
     "tm_lora": (LoRAArgs, "lora_args_size"),
     "tm_packed_matvec": (PackedMatvecArgs, "packed_matvec_args_size"),
     "tm_moe": (MoEArgs, "moe_args_size"),
+    "tm_fp8_linear": (Fp8LinearArgs, "fp8_linear_args_size"),
 }
 
 
@@ -380,6 +404,7 @@ class KernelLimits:
     packed_matvec_vector: bool  # tm_packed_matvec runs vdpbf16ps here (else plain loops)
     moe_isa: str  # how tm_moe computes here: MOE_ISAS' names
     moe_max_top_k: int  # experts per row tm_moe takes
+    fp8_linear_isa: str  # the vectors tm_fp8_linear's sums compile to: FP8_LINEAR_ISAS' names
 
 
 def declare(lib: ctypes.CDLL) -> KernelLimits:
@@ -428,6 +453,7 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         packed_matvec_vector=bool(reported.packed_matvec_vector),
         moe_isa=MOE_ISAS[reported.moe_isa],
         moe_max_top_k=reported.moe_max_top_k,
+        fp8_linear_isa=FP8_LINEAR_ISAS[reported.fp8_linear_isa],
     )
 
 

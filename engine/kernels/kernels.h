@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 18
+#define TM_ABI_VERSION 19
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -90,6 +90,9 @@ typedef struct {
     int64_t moe_isa;       /* TM_MOE_ISA_*: how tm_moe computes here */
     int64_t moe_max_top_k;
     int64_t moe_args_size;
+    /* fp8_linear.c */
+    int64_t fp8_linear_isa; /* TM_FP8_ISA_*: the vectors tm_fp8_linear's sums compile to */
+    int64_t fp8_linear_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -486,5 +489,34 @@ typedef struct {
 int tm_moe(const tm_moe_args *args);
 /* Internal (tm_limits reports it). */
 int tm_moe_isa(void);
+
+/* ---- fp8_linear.c: a linear layer on FP8 (e4m3) weights ------------------------------
+ *     out[r, o] = sum_i x[r, i] * (e4m3(w[o, i]) * scales[o / block_n, i / block_k]) + bias[o]
+ * each weight one fp32 product of its code's value and its block's scale, the sums in
+ * fp32. The scales cover blocks of block_n outputs by block_k inputs (the last ones
+ * shorter): per tensor (n x k), per output channel (1 x k) or DeepSeek's 128 x 128. */
+enum {
+    TM_FP8_ISA_GENERIC = 0, /* plain loops */
+    TM_FP8_ISA_AVX2 = 1,    /* the same loops, compiled to AVX2 FMA */
+    TM_FP8_ISA_AVX512 = 2   /* ... to AVX-512 FMA */
+};
+typedef struct {
+    const void *x;        /* [rows, k] fp32 or bf16 */
+    const uint8_t *w;     /* [n, k] e4m3 codes (no NaN codes: the caller checks) */
+    const float *scales;  /* [ceil(n / block_n), ceil(k / block_k)] */
+    const float *bias;    /* fp32 [n], or NULL */
+    void *out;            /* [rows, n], x's type */
+    int64_t rows;
+    int64_t n;
+    int64_t k;
+    int64_t block_n;
+    int64_t block_k;
+    int32_t is_bf16;
+    int32_t num_threads;
+} tm_fp8_linear_args;
+
+int tm_fp8_linear(const tm_fp8_linear_args *args);
+/* Internal (tm_limits reports it). */
+int tm_fp8_linear_isa(void);
 
 #endif

@@ -1,0 +1,93 @@
+"""Python side of fp8_linear.c: a linear layer on FP8 (e4m3) codes and block scales,
+dequantized inside the kernel (engine/quant/checkpoint/fp8.py builds the layers). Where
+the native library is not built, the same product in PyTorch: a tile of output rows
+dequantized to fp32 at a time."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch.nn import functional as F
+
+from tokenmill.engine.kernels import native_library
+from tokenmill.engine.kernels.interface import Fp8LinearArgs, check_status
+
+# Output rows the PyTorch path dequantizes at once: 256 x 4,096 inputs is 4 MB of fp32.
+_FALLBACK_ROWS = 256
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    native = native_library()
+    return None if native is None else native.lib
+
+
+def kernel_name() -> str:
+    """What runs the product here, in words (`tokenmill models info`)."""
+    native = native_library()
+    if native is None:
+        return "PyTorch, a tile of rows dequantized to fp32 at a time"
+    return f"native fp8 kernel ({native.limits.fp8_linear_isa}), dequantized in the kernel"
+
+
+def dequantize_rows(
+    codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int], lo: int, hi: int
+) -> torch.Tensor:
+    """Output rows [lo, hi) of the weight in fp32: each code's e4m3 value times its
+    block's scale, one fp32 product each (what the kernel computes)."""
+    block_n, block_k = block
+    k = codes.shape[1]
+    values = codes[lo:hi].view(torch.float8_e4m3fn).float()
+    row_blocks = torch.arange(lo, hi) // block_n
+    col_blocks = torch.arange(k) // block_k
+    return values.mul_(scales[row_blocks][:, col_blocks])
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x @ dequant(codes)^T + bias.
+
+    Args:
+        x: fp32 or bf16 [rows, k], contiguous.
+        codes: uint8 [n, k], e4m3 bit patterns with no NaN among them.
+        scales: fp32 [ceil(n / block_n), ceil(k / block_k)].
+        block: (block_n, block_k), the outputs and inputs one scale covers.
+        bias: fp32 [n] or None.
+    Returns:
+        [rows, n] in x's dtype.
+    """
+    rows, k = x.shape
+    n = codes.shape[0]
+    lib = _library()
+    if lib is None:
+        out = torch.empty(rows, n)
+        xf = x.float()
+        for lo in range(0, n, _FALLBACK_ROWS):
+            hi = min(lo + _FALLBACK_ROWS, n)
+            part_bias = None if bias is None else bias[lo:hi]
+            out[:, lo:hi] = F.linear(xf, dequantize_rows(codes, scales, block, lo, hi), part_bias)
+        return out.to(x.dtype)
+    out = torch.empty(rows, n, dtype=x.dtype)
+    args = Fp8LinearArgs(
+        x=x.data_ptr(),
+        w=codes.data_ptr(),
+        scales=scales.data_ptr(),
+        bias=None if bias is None else bias.data_ptr(),
+        out=out.data_ptr(),
+        rows=rows,
+        n=n,
+        k=k,
+        block_n=block[0],
+        block_k=block[1],
+        is_bf16=int(x.dtype == torch.bfloat16),
+        num_threads=torch.get_num_threads(),
+    )
+    check_status(lib.tm_fp8_linear(ctypes.byref(args)), f"fp8 linear {k} -> {n}")
+    return out
