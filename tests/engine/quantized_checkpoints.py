@@ -272,3 +272,54 @@ def write_compressed_tensors(
         quantize,
         lambda weight: compressed_tensors_layer(weight, formats[id(weight)]),
     )
+
+
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]):
+    """Block-wise FP8 as DeepSeek's and Qwen's -FP8 checkpoints describe it: each block of
+    bn outputs x bk inputs (the last ones shorter) scaled by max|w| / 448 into e4m3,
+    `weight_scale_inv` that scale (the factor the codes are multiplied by). Returns an
+    Fp8Weight."""
+    from tokenmill.engine.quant.checkpoint.weights import Fp8Weight
+
+    n, k = weight.shape
+    bn, bk = block
+    w = weight.detach().float()
+    rows, cols = torch.arange(n) // bn, torch.arange(k) // bk
+    scales = torch.zeros(-(-n // bn), -(-k // bk))
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            scales[i, j] = w[(rows == i)][:, cols == j].abs().max() / FP8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = (w / scales[rows][:, cols]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8Weight(codes.view(torch.uint8), scales, block)
+
+
+def fp8_block_config(block: tuple[int, int], **extra) -> dict:
+    """A quantization_config as Qwen's -FP8 repositories ship it."""
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": list(block),
+        **extra,
+    }
+
+
+def write_fp8_blocks(float_dir: Path, out_dir: Path, dense_dir: Path, block, excluded=()):
+    """float_dir's checkpoint with every projection (but lm_head and the `excluded` layer
+    names) block-wise FP8 in out_dir, and dense_dir holding its dequantized weights in
+    fp32 (write_quantized)."""
+    settings = fp8_block_config(block, **({"modules_to_not_convert": list(excluded)}))
+
+    def quantize(layer, tensor):
+        if layer == "lm_head" or layer in excluded:
+            return None
+        return quantize_fp8_blocks(tensor, block)
+
+    def layer_tensors(weight):
+        return {"weight": weight.codes.view(torch.float8_e4m3fn), "weight_scale_inv": weight.scales}
+
+    return write_quantized(float_dir, out_dir, dense_dir, settings, quantize, layer_tensors)

@@ -32,7 +32,7 @@ def tiny_llama_config():
     )
 
 
-def write_llmcompressor_checkpoint(out: Path, scheme_name: str) -> Path:
+def write_llmcompressor_checkpoint(out: Path, scheme_name: str, scheme=None) -> Path:
     """What llm-compressor's data-free `oneshot(model, QuantizationModifier(targets=
     "Linear", scheme=scheme_name, ignore=["lm_head"]))` then `save_pretrained(out,
     save_compressed=True)` writes for a random one-layer bf16 Llama (seed 7), step by step
@@ -50,7 +50,11 @@ def write_llmcompressor_checkpoint(out: Path, scheme_name: str) -> Path:
 
     Every tensor this writes was checked to equal, byte for byte, the checkpoints
     llm-compressor 0.14 (compressed-tensors 0.19) wrote from the same model; only the
-    config's `version` and its unset (None) fields differ."""
+    config's `version` and its unset (None) fields differ.
+
+    `scheme`, a compressed-tensors QuantizationScheme, replaces the preset (its name then
+    only labels the call): the FP8 weight-only variants llm-compressor has no preset for
+    (per channel, per tensor, in blocks dividing the weights)."""
     import transformers
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -63,7 +67,8 @@ def write_llmcompressor_checkpoint(out: Path, scheme_name: str) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
         model = transformers.LlamaForCausalLM(tiny_llama_config()).to(torch.bfloat16)
-    scheme = preset_name_to_scheme(scheme_name, ["Linear"])
+    if scheme is None:
+        scheme = preset_name_to_scheme(scheme_name, ["Linear"])
     scheme.weights.observer = "memoryless_minmax"  # what llm-compressor records it used
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
     apply_quantization_config(model, config)
@@ -73,11 +78,18 @@ def write_llmcompressor_checkpoint(out: Path, scheme_name: str) -> Path:
                 continue
             args = module.quantization_scheme.weights
             weight = module.weight
-            if args.group_size is not None:
-                weight = weight.unflatten(-1, (-1, args.group_size))
-            low, high = weight.amin(-1), weight.amax(-1)
-            if args.group_size is None:
-                low, high = low.unsqueeze(-1), high.unsqueeze(-1)
+            if args.strategy == "block":  # [n / bn, k / bk] blocks
+                bn, bk = args.block_structure
+                blocks = weight.unflatten(0, (-1, bn)).unflatten(-1, (-1, bk)).transpose(1, 2)
+                low, high = blocks.amin((-2, -1)), blocks.amax((-2, -1))
+            elif args.strategy == "tensor":
+                low, high = weight.amin().reshape(1), weight.amax().reshape(1)
+            else:
+                if args.group_size is not None:
+                    weight = weight.unflatten(-1, (-1, args.group_size))
+                low, high = weight.amin(-1), weight.amax(-1)
+                if args.group_size is None:
+                    low, high = low.unsqueeze(-1), high.unsqueeze(-1)
             scale, zero_point = calculate_qparams(low, high, args)
             module.weight_scale.copy_(scale)
             if hasattr(module, "weight_zero_point"):

@@ -217,6 +217,8 @@ READ = (
     "compressed-tensors-w4a16",
     "compressed-tensors-naive",
     "compressed-tensors-mixed-groups",
+    "compressed-tensors-fp8-dynamic",
+    "fp8-block-wise",
 )
 REFUSED = {name: value for name, value in FORMATS.items() if name not in READ}
 

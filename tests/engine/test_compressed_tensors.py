@@ -343,7 +343,7 @@ def test_variants_not_run_are_refused_by_name(change, message):
     "change, message",
     [
         ({"format": "nvfp4-pack-quantized"}, "nvfp4-pack-quantized - 4-bit float weights"),
-        ({"format": "float-quantized"}, "float-quantized - FP8 weights are not read yet"),
+        ({"format": "float-quantized"}, "float-quantized with 4-bit int weights is not read"),
         ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config: 2:4"),
         ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme: FP8/int8 KV"),
         ({"quantization_status": "frozen"}, "quantization_status 'frozen'"),

@@ -5,7 +5,7 @@ the activations' own rounding for W8A8.
 
 No quantized weights are committed: the `llmcompressor_checkpoints` fixture rebuilds
 llm-compressor's data-free W4A16_ASYM, W8A8 and FP8_DYNAMIC checkpoints of a seeded random
-Llama with compressed-tensors, the package llm-compressor writes them with - its preset
+Llama (FP8_DYNAMIC's own tests: test_fp8_checkpoints.py) with compressed-tensors, the package llm-compressor writes them with - its preset
 schemes, min-max scales of the bf16 weights per 128-input group (W4A16_ASYM) or per
 output channel (W8A8's int8, FP8_DYNAMIC's fp8), and its compressors
 (reference_quantizers.write_llmcompressor_checkpoint lists the steps). Data-free, those
@@ -22,7 +22,11 @@ import pytest
 import torch
 import transformers
 from click.testing import CliRunner
-from compressed_tensors.compressors.naive_quantized import IntQuantizationCompressor
+from compressed_tensors.compressors.naive_quantized import (
+    FloatQuantizationCompressor,
+    IntQuantizationCompressor,
+    NaiveQuantizationCompressor,
+)
 from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
@@ -41,6 +45,8 @@ PROMPTS = [[3, 5, 7, 9, 11, 4, 6, 30, 31], [8, 8, 2, 10, 12, 13, 1, 5, 9, 3, 3, 
 _COMPRESSORS = {
     "pack-quantized": PackedQuantizationCompressor,
     "int-quantized": IntQuantizationCompressor,
+    "float-quantized": FloatQuantizationCompressor,
+    "naive-quantized": NaiveQuantizationCompressor,
 }
 
 
@@ -193,14 +199,18 @@ def test_models_info_names_the_format_bits_group_size_and_kernels(
 
 
 def test_models_info_of_a_format_not_read_says_why(tmp_path, llmcompressor_checkpoints):
-    model_dir = tmp_path / "FP8_DYNAMIC"
+    model_dir = tmp_path / "NVFP4"
     shutil.copytree(llmcompressor_checkpoints["FP8_DYNAMIC"], model_dir)
     save_char_tokenizer(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    settings = raw["quantization_config"]
+    settings["format"] = settings["config_groups"]["group_0"]["format"] = "nvfp4-pack-quantized"
+    (model_dir / "config.json").write_text(json.dumps(raw))
     result = CliRunner().invoke(main, ["models", "info", str(model_dir)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     lines = dict(line.split(":", 1) for line in result.output.splitlines())
-    assert lines["quantization"].strip().startswith("compressed-tensors, format float-quantized")
-    assert "float-quantized - FP8 weights are not read yet" in lines["not loadable"]
+    assert lines["quantization"].strip().startswith("compressed-tensors, format nvfp4-pack")
+    assert "nvfp4-pack-quantized - 4-bit float weights are not read" in lines["not loadable"]
 
 
 def test_a_job_on_a_quantized_checkpoint_names_its_quantization_in_the_ledger(

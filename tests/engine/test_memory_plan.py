@@ -122,23 +122,26 @@ def test_a_cgroups_room_is_its_limit_less_its_usage(tmp_path, limit, usage, room
     assert _room(tmp_path / "missing", tmp_path / "usage") is None
 
 
+@pytest.mark.parametrize("scheme", ["W4A16_ASYM", "FP8_DYNAMIC"])
 def test_a_quantized_checkpoint_is_planned_at_its_stored_size_not_as_a_float_model(
-    tmp_path, llmcompressor_checkpoints
+    scheme, tmp_path, llmcompressor_checkpoints
 ):
-    """llm-compressor's W4A16 checkpoint: its packed codes, scales and zero points load as
-    stored; only its float tensors (embeddings, norms, lm_head) take the engine's dtype."""
+    """llm-compressor's W4A16 and FP8_DYNAMIC checkpoints: their packed codes (int32
+    words, e4m3 bytes), scales and zero points load as stored; only their float tensors
+    (embeddings, norms, lm_head, scales) take the engine's dtype."""
     import shutil
 
     from hf_models import save_char_tokenizer
 
-    model_dir = tmp_path / "w4a16"
-    shutil.copytree(llmcompressor_checkpoints["W4A16_ASYM"], model_dir)
+    model_dir = tmp_path / scheme
+    shutil.copytree(llmcompressor_checkpoints[scheme], model_dir)
     save_char_tokenizer(model_dir)
     expected = 0
     with safe_open(model_dir / "model.safetensors", "pt") as f:
         for name in f.keys():
             tensor = f.get_tensor(name)
-            size = 4 if tensor.is_floating_point() else tensor.element_size()
+            wide = tensor.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            size = 4 if wide else tensor.element_size()
             expected += tensor.numel() * size
     llm = LLM(str(model_dir), dtype="float32", kv_cache_memory=4 * MIB)
     assert llm.memory.weight_bytes == expected

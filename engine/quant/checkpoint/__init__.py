@@ -5,11 +5,12 @@ int4/int8 layers - never expanded to a float model first.
 A format (format.py's CheckpointFormat) parses the config, refusing by name every variant
 it does not run, before any weight is read; its reader names each layer's scheme and
 tensors, checked against the files' headers (loading.py, still before a weight is read),
-and decodes them into IntWeights (weights.py), which layers.py puts on the int4 or int8
-kernels, or keeps as codes expanded per call where neither takes them.
+and decodes them into IntWeights or Fp8Weights (weights.py), which layers.py puts on the
+int4, int8 or fp8 kernels, or keeps as codes expanded per call where none takes them.
 
-The formats read: compressed-tensors (compressed_tensors.py), GPTQ (gptq.py) and AWQ in
-its GEMM layout (awq.py). A config no format here
+The formats read: compressed-tensors (compressed_tensors.py), GPTQ (gptq.py), AWQ in
+its GEMM layout (awq.py) and block-wise FP8 (fp8_block.py); FP8 weights run on fp8.py's
+layer. A config no format here
 accepts is refused by name (quant/checkpoint_formats.py).
 
 How to add a checkpoint format
@@ -26,7 +27,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenmill.engine.quant.checkpoint import awq, compressed_tensors, gptq  # noqa: F401  (register)
+from tokenmill.engine.quant.checkpoint import (  # noqa: F401  (register)
+    awq,
+    compressed_tensors,
+    fp8_block,
+    gptq,
+)
 from tokenmill.engine.quant.checkpoint.format import CheckpointFormat, format_for
 from tokenmill.engine.quant.checkpoint.loading import CheckpointQuantization, PendingLayer
 

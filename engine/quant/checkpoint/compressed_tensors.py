@@ -1,6 +1,8 @@
 """compressed-tensors checkpoints (what llm-compressor writes): `pack-quantized` integer
 weights (W4A16, W8A16), `int-quantized` and `naive-quantized` int8 weights, with dynamic
-per-token int8 activations (W8A8) or none.
+per-token int8 activations (W8A8) or none, and `float-quantized` FP8 (e4m3) weights per
+channel, per tensor or in 2-D blocks, with dynamic per-token FP8 activations
+(FP8_DYNAMIC) or none.
 
 The config: `config_groups` each give a scheme (weights, input_activations) and its
 `targets` (the class "Linear", layer names, or "re:" regular expressions matched from
@@ -15,6 +17,10 @@ The tensors of a layer, as compressed-tensors' compressors save them:
   channels, int32 [ceil(n * bits / 32), groups]; activation order: `weight_g_idx` [k].
 - int-quantized / naive-quantized: `weight` int8 [n, k] (the codes), `weight_scale`
   [n, groups], asymmetric: `weight_zero_point` int8 [n, groups].
+- float-quantized (and naive-quantized with float weights, as FP8 weights without FP8
+  activations are saved): `weight` float8_e4m3fn [n, k], `weight_scale` [n, 1] per channel, [1]
+  per tensor, or [ceil(n / bn), ceil(k / bk)] for strategy block (block_structure
+  [bn, bk]); no zero points (FP8 is symmetric).
 A value is (q - zero) * scale, groups of `group_size` inputs in order (the last one
 shorter where the size does not divide k), one per channel, or one for the tensor.
 """
@@ -34,15 +40,16 @@ from tokenmill.engine.quant.checkpoint.format import (
     register_format,
     unpack_int32,
 )
+from tokenmill.engine.quant.checkpoint.fp8 import fp8_weight
 from tokenmill.engine.quant.checkpoint.weights import IntWeight, LayerScheme
 
 PACKED = "pack-quantized"
 INT = "int-quantized"
 NAIVE = "naive-quantized"
-FORMATS = (PACKED, INT, NAIVE)
+FLOAT = "float-quantized"
+FORMATS = (PACKED, INT, NAIVE, FLOAT)
 # Formats that are compressed-tensors' but not read here, each with the nearest that is.
 _REFUSED_FORMATS = {
-    "float-quantized": "FP8 weights are not read yet; a W8A8 (int-quantized) checkpoint is",
     "nvfp4-pack-quantized": "4-bit float weights are not read; a W4A16 (pack-quantized) one is",
     "mxfp4-pack-quantized": "4-bit float weights are not read; a W4A16 (pack-quantized) one is",
     "marlin-24": "2:4 sparse weights are not read; a dense W4A16 checkpoint is",
@@ -94,6 +101,8 @@ class CompressedTensorsReader(FormatReader):
 
     def tensors(self, scheme, out_features, in_features):
         n, k = out_features, in_features
+        if scheme.weight_type == "fp8":
+            return _fp8_tensors(scheme, n, k)
         groups = _num_groups(scheme, k)
         scales = ((n, groups),) if scheme.group_size or groups > 1 else ((n, 1),)
         if scheme.per_tensor:
@@ -124,6 +133,10 @@ class CompressedTensorsReader(FormatReader):
 
     def decode(self, scheme, tensors, out_features, in_features):
         n, k = out_features, in_features
+        if scheme.weight_type == "fp8":
+            return fp8_weight(
+                "weight", tensors["weight"], tensors["weight_scale"], _fp8_block(scheme, n, k)
+            )
         half = 1 << (scheme.bits - 1)
         groups = _num_groups(scheme, k)
         if "weight_packed" in tensors:
@@ -148,6 +161,25 @@ class CompressedTensorsReader(FormatReader):
                 raise ValueError(f"weight_g_idx names groups outside 0..{groups - 1}")
         group_size = scheme.group_size or k
         return IntWeight(q, scale.contiguous(), zero, group_size, scheme.bits, g_idx)
+
+
+def _fp8_block(scheme: LayerScheme, n: int, k: int) -> tuple[int, int]:
+    """The outputs and inputs each of an FP8 layer's scales covers."""
+    if scheme.block is not None:
+        return scheme.block
+    return (n, k) if scheme.per_tensor else (1, k)
+
+
+def _fp8_tensors(scheme: LayerScheme, n: int, k: int) -> dict[str, TensorSpec]:
+    bn, bk = _fp8_block(scheme, n, k)
+    grid = (-(-n // bn), -(-k // bk))
+    scales = ((1,), (1, 1), ()) if scheme.per_tensor else (grid,)
+    if grid[1] == 1 and not scheme.per_tensor:
+        scales = (grid, (n,))
+    return {
+        "weight": TensorSpec((torch.float8_e4m3fn,), ((n, k),), what="the fp8 codes"),
+        "weight_scale": TensorSpec(SCALE_DTYPES, scales, what="the scales"),
+    }
 
 
 def _num_groups(scheme: LayerScheme, k: int) -> int:
@@ -195,6 +227,9 @@ def _parse_group(name: str, group: dict, default_format: str) -> _Group:
     weights = group.get("weights") or {}
     if not weights:
         raise ValueError(f"{where} quantizes no weights (activations only); {_NEAREST} is read")
+    if fmt == FLOAT or (fmt == NAIVE and weights.get("type") == "float"):
+        # compressed-tensors saves FP8 weights without FP8 activations as naive-quantized
+        return _parse_fp8_group(name, group, where, fmt)
     wtype, bits = weights.get("type", "int"), weights.get("num_bits")
     if wtype != "int":
         raise ValueError(f"{where}: {wtype} weights are not read; {_NEAREST} is")
@@ -240,6 +275,11 @@ def _parse_group(name: str, group: dict, default_format: str) -> _Group:
         act_order=actorder == "group",
         per_tensor=strategy == "tensor",
     )
+    return _targets(name, group, scheme, where)
+
+
+def _targets(name: str, group: dict, scheme: LayerScheme, where: str) -> _Group:
+    """The group with the layers it targets."""
     targets = list(group.get("targets") or [])
     names = frozenset(t for t in targets if not t.startswith("re:") and t != "Linear")
     classes = [t for t in names if "." not in t and not t.startswith("lm_head")]
@@ -250,6 +290,60 @@ def _parse_group(name: str, group: dict, default_format: str) -> _Group:
         )
     patterns = tuple(re.compile(t[3:]) for t in targets if t.startswith("re:"))
     return _Group(name, scheme, names, patterns, "Linear" in targets)
+
+
+def _parse_fp8_group(name: str, group: dict, where: str, fmt: str) -> _Group:
+    """A group of FP8 e4m3 weights (float-quantized, or naive-quantized where its
+    activations are not FP8) per channel, per tensor or in blocks."""
+    weights = group["weights"]
+    wtype, bits = weights.get("type"), weights.get("num_bits")
+    if (wtype, bits) != ("float", 8):
+        raise ValueError(
+            f"{where}: {fmt} with {bits}-bit {wtype} weights is not read; 8-bit "
+            "float (e4m3) weights are"
+        )
+    if weights.get("dynamic") or not weights.get("symmetric", True):
+        raise ValueError(f"{where}: dynamic or asymmetric FP8 weight scales are not read")
+    strategy, block = weights.get("strategy"), None
+    if strategy == "block":
+        structure = weights.get("block_structure")
+        if not (
+            isinstance(structure, list)
+            and len(structure) == 2
+            and all(isinstance(v, int) and v > 0 for v in structure)
+        ):
+            raise ValueError(f"{where}: strategy block needs a block_structure [rows, cols]")
+        block = (structure[0], structure[1])
+    elif strategy not in ("channel", "tensor"):
+        raise ValueError(
+            f"{where}: FP8 weight strategy {strategy!r} is not read; channel, tensor and block are"
+        )
+    if group.get("output_activations"):
+        raise ValueError(f"{where}: quantized output activations are not run")
+    scheme = LayerScheme(
+        format=f"compressed-tensors {fmt}",
+        bits=8,
+        group_size=None,
+        symmetric=True,
+        activations=_fp8_activations(where, group.get("input_activations")),
+        per_tensor=strategy == "tensor",
+        weight_type="fp8",
+        block=block,
+    )
+    return _targets(name, group, scheme, where)
+
+
+def _fp8_activations(where: str, settings: dict | None) -> str | None:
+    if not settings:
+        return None
+    want = {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
+    for key, value in want.items():
+        if settings.get(key, True if key == "symmetric" else None) != value:
+            raise ValueError(
+                f"{where}: FP8 input activations with {key} {settings.get(key)!r} are not run; "
+                "dynamic per-token FP8 (FP8_DYNAMIC) is"
+            )
+    return "fp8-token"
 
 
 def _activations(where: str, settings: dict | None) -> str | None:

@@ -12,6 +12,8 @@ its shape and the engine's dtype:
   smoothing. Its activations are quantized per row as the int8 mode's are: a row's scale
   is max|x| / 127 and the codes -127..127, where compressed-tensors divides by 127.5 and
   uses -128..127 (kernels/quantize.py); the product is otherwise the same.
+- FP8 (e4m3) weights, in any engine: Fp8Linear (fp8.py), the codes dequantized inside
+  the native fp8 kernel, with FP8 activations per token where the scheme has them.
 - everything else, and every weights-only layer in an fp32 engine: ExactIntLinear, the
   codes and scales in memory, expanded per call - exactly (q - zero) * scale - a tile of
   rows at a time in fp32, or all rows rounded once to bf16 in a bf16 engine.
@@ -24,7 +26,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from tokenmill.engine.kernels import int8_linear
-from tokenmill.engine.quant.checkpoint.weights import IntWeight, LayerScheme
+from tokenmill.engine.quant.checkpoint.fp8 import Fp8Linear, concat_fp8, describe_fp8_kernels
+from tokenmill.engine.quant.checkpoint.weights import Fp8Weight, IntWeight, LayerScheme
 from tokenmill.engine.quant.gguf_linear import RowConcat
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import INT8_KERNELS, choose_kernel, describe_kernel
@@ -100,6 +103,8 @@ class PermutedInput(nn.Module):
 
 def describe_kernels(scheme: LayerScheme) -> str:
     """The kernels a scheme's layers run on here, in words (`tokenmill models info`)."""
+    if scheme.weight_type == "fp8":
+        return describe_fp8_kernels(scheme.activations)
     if scheme.activations == "int8-token":
         kernel = "native" if int8_linear.native_int8_isa() is not None else "onednn"
         return f"int8 kernels ({describe_kernel(kernel)}), activations per token"
@@ -110,7 +115,7 @@ def describe_kernels(scheme: LayerScheme) -> str:
 
 
 def build_layer(
-    parts: list[IntWeight | torch.Tensor],
+    parts: list[IntWeight | Fp8Weight | torch.Tensor],
     schemes: list[LayerScheme | None],
     bias: torch.Tensor | None,
     *,
@@ -147,6 +152,8 @@ def build_layer(
 
 
 def _one_module(weight, scheme, bias, dtype, gated_activation) -> nn.Module:
+    if isinstance(weight, Fp8Weight):
+        return Fp8Linear(weight, bias, scheme.activations)
     if scheme.activations == "int8-token":
         n, k = weight.shape
         layer_class = INT8_KERNELS[choose_kernel(n, k)]
@@ -184,9 +191,11 @@ def as_int4_linear(weight: IntWeight, bias: torch.Tensor | None) -> nn.Module | 
     return layer if order is None else PermutedInput(layer, order)
 
 
-def _concat(parts: list[IntWeight]) -> IntWeight | None:
+def _concat(parts: list[IntWeight | Fp8Weight]) -> IntWeight | Fp8Weight | None:
     """Parts of one scheme as one weight, their rows one after another (None where their
     groups differ, as act-order groups of separate layers do)."""
+    if isinstance(parts[0], Fp8Weight):
+        return concat_fp8(parts)
     first = parts[0]
     same_groups = all(
         p.g_idx is None if first.g_idx is None else torch.equal(p.g_idx, first.g_idx) for p in parts
