@@ -38,14 +38,22 @@ log = logging.getLogger(__name__)
 # Every file: optimised, OpenMP, position-independent.
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c11"]
 # Each file's floating-point contract, given on its own command line so that no file
-# depends on one compiler's pragmas: attention and quantization may reassociate (they are
-# tested against tolerances, and quantization's only reduction is a max); the elementwise
+# depends on one compiler's pragmas: attention may reassociate (it is tested against
+# tolerances); the elementwise
 # ops must round as PyTorch does (no FMA contraction, no reassociation), to the bit.
 _FILE_FLAGS = {
     "interface.c": [],
     "amx.c": [],
     "paged_attention.c": ["-ffast-math"],
-    "quantize.c": ["-ffast-math"],
+    # Quantization: its max needs no NaN or signed-zero care to vectorize, but its
+    # divisions stay divisions (no -ffast-math, whose reassociation turned v / scale into
+    # v * (1 / scale)): the full rounding divides as compressed-tensors does (quantize_row.h).
+    "quantize.c": [
+        "-fno-math-errno",
+        "-ffinite-math-only",
+        "-fno-signed-zeros",
+        "-fno-trapping-math",
+    ],
     # Its integer sums are exact and its epilogue's multiply-adds explicit intrinsics; no
     # contraction and no errno, as elementwise.c, for the gated epilogue's activation.h.
     "int8_linear.c": ["-ffp-contract=off", "-fno-math-errno"],

@@ -284,6 +284,10 @@ int tm_int8_linear(const tm_int8_linear_args *a) {
      * 128 x each channel's weight sum off in the epilogue; AVX2 turns them back into
      * signed values first (int8_avx2.h), so its epilogue has nothing to take off. */
     const int qmax = 127, zero_point = 128;
+#if !TM_HAVE_VNNI && !AVX2_TAKES_OFF_ZERO_POINT
+    /* -128 has no sign to flip (vpsignb): plain AVX2 takes -127..127 only */
+    if (a->x_full_range) return TM_UNSUPPORTED_SHAPE;
+#endif
     const problem p = {.x = a->qx,
                        .x_scales = a->x_scales,
                        .w = a->w,
@@ -312,7 +316,8 @@ int tm_int8_linear(const tm_int8_linear_args *a) {
         const int64_t t = omp_get_thread_num();
         for (int64_t r = rows * t / threads; r < rows * (t + 1) / threads; r++)
             a->x_scales[r] = tm_internal_quantize_row_u8(a->x, r, k, a->is_bf16, a->inv_smooth,
-                                                         qmax, zero_point, a->qx + r * k);
+                                                         qmax, zero_point, a->x_full_range,
+                                                         a->qx + r * k);
 #pragma omp barrier
         /* With an activation each thread takes whole gate/up pairs of panels. */
         const int64_t unit = a->activation ? 2 : 1, units = panels / unit;

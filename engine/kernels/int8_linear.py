@@ -47,6 +47,12 @@ def takes_shape(out_features: int, in_features: int) -> bool:
     )
 
 
+def takes_full_rounding() -> bool:
+    """Whether the kernel here quantizes activations with the "full" rounding (codes down
+    to -128): every build but plain AVX2's, whose sign trick has no -128 (int8_avx2.h)."""
+    return native_int8_isa() not in (None, "avx2")
+
+
 def takes_gated(out_features: int, in_features: int) -> bool:
     """Whether the kernel here can apply a gated MLP's activation in its epilogue, for a
     gate_up weight of this shape (gate and up halves of 16-channel panels each): every
@@ -120,6 +126,7 @@ def int8_linear(
     *,
     activation: str | None = None,
     keep_quantized: bool = False,
+    rounding: str = "symmetric",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y = quantized(x * inv_smooth) @ dequantized(weight).T + bias, in x's dtype, its
     channels in the weight's packed order; or, with an activation and a gated weight,
@@ -132,6 +139,8 @@ def int8_linear(
         activation: a GATED_ACTIVATIONS name (needs takes_gated and a gated weight).
         keep_quantized: also return the quantized activations (uint8 [rows, k], around
             VALUE_RANGE's zero point) and their scales (fp32 [rows]) the product used.
+        rounding: how the rows are quantized (kernels/quantize.py's ROUNDINGS); "full"
+            where takes_full_rounding().
     Returns:
         y [rows, n], or (y, qx, x_scales) with keep_quantized.
     """
@@ -175,6 +184,7 @@ def int8_linear(
         is_bf16=int(x.dtype == torch.bfloat16),
         num_threads=torch.get_num_threads(),
         activation=code,
+        x_full_range=int(rounding == "full"),
     )
     check_status(lib.tm_int8_linear(ctypes.byref(args)), "int8 linear")
     return (out, qx, x_scales) if keep_quantized else out

@@ -191,6 +191,7 @@ class QuantizeArgs(ctypes.Structure):
         ("qmax", _i32),
         ("zero_point", _i32),
         ("num_threads", _i32),
+        ("full_range", _i32),
     ]
 
 
@@ -213,6 +214,7 @@ class Int8LinearArgs(ctypes.Structure):
         ("is_bf16", _i32),
         ("num_threads", _i32),
         ("activation", _i32),
+        ("x_full_range", _i32),
     ]
 
 

@@ -226,7 +226,9 @@ int tm_gelu_tanh_and_mul(const tm_silu_args *args);
 /* ---- quantize.c ----------------------------------------------------------------------
  * Dynamic per-row int8 quantization: with y = x * inv_smooth, scales[r] = max|y[r]| / qmax
  * (1 for an all-zero row) and out[r, i] = round(y[r, i] / scales[r]) + zero_point, clamped
- * to +-qmax first. qmax <= TM_MAX_QMAX, qmax + zero_point <= 255. */
+ * to +-qmax first. qmax <= TM_MAX_QMAX, qmax + zero_point <= 255. full_range: the scale
+ * max|y[r]| / (qmax + 0.5) and the codes clamped to -(qmax + 1)..qmax (compressed-tensors'
+ * rounding of a token; zero_point > qmax). */
 typedef struct {
     const void *x;            /* [rows, dim] fp32 or bf16 */
     const float *inv_smooth;  /* [dim], or NULL for all ones */
@@ -238,6 +240,7 @@ typedef struct {
     int32_t qmax;
     int32_t zero_point;
     int32_t num_threads;
+    int32_t full_range;
 } tm_quantize_args;
 
 int tm_quantize_rows_u8(const tm_quantize_args *args);
@@ -274,6 +277,9 @@ typedef struct {
     int32_t is_bf16;
     int32_t num_threads;
     int32_t activation; /* TM_GATED_*: 0 for a plain product */
+    int32_t x_full_range; /* 1: rows quantized with full_range (tm_quantize_args); not on
+                             plain AVX2 builds (TM_UNSUPPORTED_SHAPE), where -128 has no
+                             sign to flip */
 } tm_int8_linear_args;
 
 enum {

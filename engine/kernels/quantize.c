@@ -24,9 +24,10 @@ static inline float load_at(const void *x, int64_t i, int is_bf16) {
 /* Each row is read twice (its absolute maximum, then the rounding) while it is in L1. */
 float tm_internal_quantize_row_u8(const void *x, int64_t r, int64_t dim, int is_bf16,
                                   const float *inv_smooth, int qmax, int zero_point,
-                                  uint8_t *out) {
+                                  int full_range, uint8_t *out) {
     const int64_t base = r * dim;
-    const float limit = (float)qmax;
+    const float limit = (float)qmax, low = full_range ? -limit - 1.0f : -limit;
+    const float divisor = full_range ? limit + 0.5f : limit;
     float absmax = 0.0f;
     for (int64_t i = 0; i < dim; i++) {
         float v = load_at(x, base + i, is_bf16);
@@ -34,13 +35,15 @@ float tm_internal_quantize_row_u8(const void *x, int64_t r, int64_t dim, int is_
         v = fabsf(v);
         absmax = v > absmax ? v : absmax;
     }
-    const float scale = absmax > 0.0f ? absmax / limit : 1.0f;
+    const float scale = absmax > 0.0f ? absmax / divisor : 1.0f;
     const float inv_scale = 1.0f / scale;
     for (int64_t i = 0; i < dim; i++) {
         float v = load_at(x, base + i, is_bf16);
         if (inv_smooth) v *= inv_smooth[i];
-        float q = nearbyintf(v * inv_scale);
-        q = q > limit ? limit : (q < -limit ? -limit : q);
+        /* compressed-tensors divides: a row's largest negative value lands on -127.5
+         * exactly and rounds (half to even) to -128, where times 1 / scale may not */
+        float q = nearbyintf(full_range ? v / scale : v * inv_scale);
+        q = q > limit ? limit : (q < low ? low : q);
         out[i] = (uint8_t)((int)q + zero_point);
     }
     return scale;
@@ -51,13 +54,15 @@ float tm_internal_quantize_row_u8(const void *x, int64_t r, int64_t dim, int is_
  * sums that would saturate (AVX2's vpmaddubsw). */
 int tm_quantize_rows_u8(const tm_quantize_args *a) {
     const int qmax = a->qmax, zero_point = a->zero_point;
-    if (qmax < 1 || qmax > TM_MAX_QMAX || zero_point < qmax || zero_point + qmax > 255)
+    if (qmax < 1 || qmax > TM_MAX_QMAX || zero_point < qmax + (a->full_range != 0) ||
+        zero_point + qmax > 255)
         return TM_UNSUPPORTED_SHAPE;
     const int64_t rows = a->rows, dim = a->dim;
 #pragma omp parallel for schedule(static) num_threads(a->num_threads) \
     if (rows * dim >= QUANT_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++)
         a->scales[r] = tm_internal_quantize_row_u8(a->x, r, dim, a->is_bf16, a->inv_smooth,
-                                                   qmax, zero_point, a->out + r * dim);
+                                                   qmax, zero_point, a->full_range,
+                                                   a->out + r * dim);
     return TM_OK;
 }

@@ -16,6 +16,11 @@ from tokenmill.engine.kernels.interface import QuantizeArgs, check_status
 # 255 * 127 * 2 > 32767; 127 * 127 * 2 fits).
 FULL_RANGE = (127, 128)
 REDUCED_RANGE = (63, 64)
+# How a row's scale and codes are chosen from its largest magnitude m: "symmetric" - the
+# int8 mode's own, m / qmax and codes -qmax..qmax; "full" - m / (qmax + 0.5) and codes
+# -(qmax + 1)..qmax, every code of the range, as compressed-tensors quantizes a token
+# (127.5, -128..127) - what its W8A8 checkpoints were made with.
+ROUNDINGS = ("symmetric", "full")
 
 
 @functools.cache
@@ -28,6 +33,7 @@ def quantize_rows_u8(
     x: torch.Tensor,
     inv_smooth: torch.Tensor | None = None,
     value_range: tuple[int, int] = FULL_RANGE,
+    rounding: str = "symmetric",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, dim] (fp32 or bf16, CPU) -> (uint8 [rows, dim], fp32 scales [rows]) with
     x * inv_smooth ~ (q - zero_point) * scales[:, None].
@@ -36,12 +42,17 @@ def quantize_rows_u8(
         x: the activations.
         inv_smooth: [dim] fp32 per-channel factors applied first, or None.
         value_range: (qmax, zero_point), FULL_RANGE or REDUCED_RANGE.
+        rounding: one of ROUNDINGS.
     Returns:
-        The values and each row's scale, max|x * inv_smooth| / qmax. The native kernel
+        The values and each row's scale, max|x * inv_smooth| / qmax (or qmax + 0.5,
+        rounding "full"). The native kernel
         does it in one call where the library is built; PyTorch ops otherwise (the same
         rounding, half to even).
     """
     qmax, zero_point = value_range
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown activation rounding {rounding!r}; choose from {ROUNDINGS}")
+    full = rounding == "full"
     x = x.contiguous()
     rows, dim = x.shape
     lib = _library()
@@ -59,11 +70,13 @@ def quantize_rows_u8(
             qmax=qmax,
             zero_point=zero_point,
             num_threads=torch.get_num_threads(),
+            full_range=int(full),
         )
         check_status(lib.tm_quantize_rows_u8(ctypes.byref(args)), f"value range {value_range}")
         return out, scales
     x = x.float() if inv_smooth is None else x.float() * inv_smooth
     absmax = x.abs().amax(dim=1)
-    scales = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
-    q = torch.round(x * (1.0 / scales)[:, None]).clamp_(-qmax, qmax).add_(zero_point)
+    scales = torch.where(absmax > 0, absmax / (qmax + 0.5 * full), torch.ones_like(absmax))
+    scaled = x / scales[:, None] if full else x * (1.0 / scales)[:, None]
+    q = torch.round(scaled).clamp_(-qmax - full, qmax).add_(zero_point)
     return q.to(torch.uint8), scales

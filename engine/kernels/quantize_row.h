@@ -9,9 +9,12 @@
 
 /* Row r of x ([rows, dim] fp32 or bf16): with y = x[r] * inv_smooth (NULL: all ones),
  * returns max|y| / qmax (1 for an all-zero row) and writes out[i] = round(y[i] / scale)
- * + zero_point, clamped to +-qmax first. Not exported from the library's interface. */
+ * + zero_point, clamped to +-qmax first. With full_range the scale is max|y| / (qmax +
+ * 0.5) and the codes are clamped to -(qmax + 1)..qmax: every code of the range, as
+ * compressed-tensors quantizes a token (127.5, -128..127). Not exported from the
+ * library's interface. */
 float tm_internal_quantize_row_u8(const void *x, int64_t r, int64_t dim, int is_bf16,
                                   const float *inv_smooth, int qmax, int zero_point,
-                                  uint8_t *out);
+                                  int full_range, uint8_t *out);
 
 #endif

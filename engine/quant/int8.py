@@ -38,7 +38,12 @@ from torch import nn
 
 from tokenmill.engine.kernels import cpu_flags
 from tokenmill.engine.kernels import int8_linear as native
-from tokenmill.engine.kernels.quantize import FULL_RANGE, REDUCED_RANGE, quantize_rows_u8
+from tokenmill.engine.kernels.quantize import (
+    FULL_RANGE,
+    REDUCED_RANGE,
+    ROUNDINGS,
+    quantize_rows_u8,
+)
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.layers import GatedMLP
 from tokenmill.engine.models.moe import Experts
@@ -162,8 +167,12 @@ class Int8Linear(nn.Module):
         scale: torch.Tensor,
         bias: torch.Tensor | None,
         smooth: torch.Tensor | None = None,
+        rounding: str = "symmetric",
     ) -> None:
         super().__init__()
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"unknown activation rounding {rounding!r}; choose from {ROUNDINGS}")
+        self.rounding = rounding  # how each row of the input is quantized (quantize.py)
         self.out_features, self.in_features = qweight.shape
         inv_smooth = None if smooth is None else (1.0 / smooth.float()).contiguous()
         self.register_buffer("inv_smooth", inv_smooth, persistent=False)
@@ -210,12 +219,19 @@ class NativeInt8Linear(Int8Linear):
 
     kernel = "native"
 
-    def __init__(self, qweight, scale, bias, smooth=None, *, gated_activation=None) -> None:
+    def __init__(
+        self, qweight, scale, bias, smooth=None, *, gated_activation=None, rounding="symmetric"
+    ) -> None:
         if not native.takes_shape(*qweight.shape):
             raise ValueError(
                 f"the native int8 kernel does not take a {tuple(qweight.shape)} weight here"
             )
-        super().__init__(qweight, scale, bias, smooth)
+        if rounding == "full" and not native.takes_full_rounding():
+            raise ValueError(
+                f"the native int8 kernel on {native.native_int8_isa()} does not take codes "
+                "down to -128 (the full rounding)"
+            )
+        super().__init__(qweight, scale, bias, smooth, rounding)
         self.value_range = native.VALUE_RANGE
         if gated_activation in native.GATED_ACTIVATIONS and native.takes_gated(*qweight.shape):
             self.fused_activation = gated_activation
@@ -235,12 +251,18 @@ class NativeInt8Linear(Int8Linear):
         if not interleaved and x.dim() == 2 and x.dtype in _NATIVE_DTYPES:
             # The engine's case, every call of a step: no reshapes or casts, each of which
             # costs microseconds of dispatch on calls that take tens.
-            return native.int8_linear(x, self.packed, self.inv_smooth, activation=activation)
+            return native.int8_linear(
+                x, self.packed, self.inv_smooth, activation=activation, rounding=self.rounding
+            )
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         dtype = x.dtype if x.dtype in _NATIVE_DTYPES else torch.float32
         y = native.int8_linear(
-            rows.to(dtype), self.packed, self.inv_smooth, activation=activation
+            rows.to(dtype),
+            self.packed,
+            self.inv_smooth,
+            activation=activation,
+            rounding=self.rounding,
         ).to(x.dtype)
         if interleaved:  # back to [gate, up]
             pairs = self.out_features // (2 * native.PANEL)
@@ -255,8 +277,10 @@ class OneDNNInt8Linear(Int8Linear):
 
     kernel = "onednn"
 
-    def __init__(self, qweight, scale, bias, smooth=None, *, gated_activation=None) -> None:
-        super().__init__(qweight, scale, bias, smooth)
+    def __init__(
+        self, qweight, scale, bias, smooth=None, *, gated_activation=None, rounding="symmetric"
+    ) -> None:
+        super().__init__(qweight, scale, bias, smooth, rounding)
         self.register_buffer(
             "packed_weight", torch.ops.onednn.qlinear_prepack(qweight, None), persistent=False
         )
@@ -278,7 +302,7 @@ class OneDNNInt8Linear(Int8Linear):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _product(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        qx, x_scales = quantize_rows_u8(x, self.inv_smooth, self.value_range)
+        qx, x_scales = quantize_rows_u8(x, self.inv_smooth, self.value_range, self.rounding)
         num_rows = qx.shape[0]
         padded = padded_rows(num_rows)
         if padded != num_rows:  # rows of zero point: they compute zeros, then are dropped

@@ -300,6 +300,18 @@ if isa is not None:
             once = int8_linear(x16.float(), gated, activation=name).bfloat16()
             gated_equal.append(torch.equal(got, op(product)) and torch.equal(got16, once))
     result["gated_equal"] = all(gated_equal)
+    # compressed-tensors' rounding (codes down to -128): taken, or refused by the kernel.
+    from tokenmill.engine.kernels.int8_linear import takes_full_rounding
+    result["takes_full_rounding"] = takes_full_rounding()
+    x = torch.randn(3, 64)
+    x[:, 0] = -127.5  # each row's largest magnitude: scale 1, code -128
+    try:
+        _, qx, _ = int8_linear(x, pack_int8_weight(*quantize_weight(torch.randn(96, 64))),
+                               keep_quantized=True, rounding="full")
+        result["full_call"] = "ran" if torch.equal(qx, quantize_rows_u8(
+            x, None, FULL_RANGE, "full")[0]) and int(qx.min()) == 0 else "differs"
+    except ValueError as error:
+        result["full_call"] = "refused" if "do not take" in str(error) else str(error)
     # The product against the exact integer sums at the tile edges (AVX2: 1-4 rows a
     # tile, 120-row blocks; VNNI 1-6 rows, AMX from 8), both output types; and a digest of
     # every output, to compare builds.
@@ -377,6 +389,9 @@ def test_an_avx2_build_runs_the_avx2_kernel(build_for):
         "takes_gated": True,  # a gate panel's tile, then its up panel's
         "gated_call": "ran",
         "gated_equal": True,
+        # -128 has no sign for vpsignb to flip: a W8A8 checkpoint there rounds as int8 does
+        "takes_full_rounding": False,
+        "full_call": "refused",
     }
     assert worst["fp32"] < 1e-5  # one fp32 conversion and a fused multiply-add
     assert worst["bf16"] < 2**-8  # and one rounding to bf16
@@ -394,6 +409,7 @@ def test_an_avx_vnni_build_gives_the_avx2_builds_bits(build_for):
     avx2 = build_for("x86-64-v3")
     assert vnni["isa"] == "avx_vnni" and vnni["layer"] == "native"
     assert vnni["takes_gated"] and vnni["gated_equal"]
+    assert vnni["takes_full_rounding"] and vnni["full_call"] == "ran"
     assert vnni["worst"]["fp32"] < 1e-5 and vnni["worst"]["bf16"] < 2**-8
     assert vnni["digest"] == avx2["digest"]
 

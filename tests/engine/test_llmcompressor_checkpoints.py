@@ -36,6 +36,7 @@ from quantized_checkpoints import compressed_tensors_layer
 from safetensors.torch import load_file
 
 from tokenmill.cli import main
+from tokenmill.engine.kernels import int8_linear
 from tokenmill.engine.quant.checkpoint.compressed_tensors import CompressedTensors
 from tokenmill.engine.quant.checkpoint.layers import ExactIntLinear
 from tokenmill.engine.quant.int8 import Int8Linear
@@ -133,25 +134,31 @@ def test_w4a16_asym_is_transformers_on_the_decompressed_weights(llmcompressor_ch
     assert worst < 1e-3, worst
 
 
-def test_w8a8_is_transformers_with_compressed_tensors_activation_rounding_within_its_error(
+def test_w8a8_is_transformers_with_compressed_tensors_activation_rounding(
     llmcompressor_checkpoints,
 ):
-    """The int8 kernels round each token's activations with max|x| / 127 (codes -127..127),
-    compressed-tensors with max|x| / 127.5 (codes -128..127): two roundings of the same
-    scheme. The difference between them is held to less than each one's own distance from
-    unquantized activations."""
+    """The int8 kernels round each token's activations as compressed-tensors does for a
+    checkpoint's layers (max|x| / 127.5, codes -128..127, a true division): ours equals
+    transformers with that rounding to float noise, where the int8 mode's own rounding
+    (max|x| / 127, -127..127) is 0.057 away; the rounding itself moves them by 0.063."""
     model_dir = llmcompressor_checkpoints["W8A8"]
     engine, ours = engine_logprobs(model_dir)
-    assert isinstance(engine.runner.model.model.layers[0].mlp.down_proj, Int8Linear)
+    down = engine.runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Int8Linear)
+    assert down.rounding == ("full" if int8_linear.takes_full_rounding() else "symmetric")
     with_rounding = reference_logprobs(reference_model(model_dir, activations=True))
     without = reference_logprobs(reference_model(model_dir))
     ours_vs_ct = max(abs(a - b) for x, y in zip(ours, with_rounding) for a, b in zip(x, y))
     scheme_error = max(abs(a - b) for x, y in zip(without, with_rounding) for a, b in zip(x, y))
     print(
-        f"\nW8A8 prompt logprobs: ours vs compressed-tensors {ours_vs_ct:.5f}, "
+        f"\nW8A8 prompt logprobs: ours vs compressed-tensors {ours_vs_ct:.2e}, "
         f"compressed-tensors' activation rounding itself {scheme_error:.5f}"
     )
-    assert ours_vs_ct < scheme_error
+    assert scheme_error > 0.01
+    if down.rounding == "full":
+        assert ours_vs_ct < 1e-4
+    else:  # plain AVX2: the int8 mode's rounding, held within the scheme's own error
+        assert ours_vs_ct < scheme_error
 
 
 @pytest.mark.parametrize(

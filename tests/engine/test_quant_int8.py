@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenmill.engine.kernels.int8_linear import native_int8_isa
-from tokenmill.engine.kernels.quantize import quantize_rows_u8
+from tokenmill.engine.kernels.quantize import FULL_RANGE, quantize_rows_u8
 from tokenmill.engine.quant.int8 import (
     Int8Linear,
     choose_kernel,
@@ -41,6 +41,31 @@ def test_native_quantizer_matches_the_pytorch_ops(monkeypatch):
             assert int(difference.max()) <= 1
             assert float((difference > 0).float().mean()) < 1e-3
     assert float(quantize_rows_u8(x)[1][5]) == 1.0
+
+
+def test_the_full_rounding_is_compressed_tensors_own(monkeypatch):
+    """rounding="full" - what a W8A8 checkpoint's layers use - quantizes each token as
+    compressed-tensors does (max|x| / 127.5, a true division, half to even, -128..127):
+    the dequantized rows equal its fake quantization exactly, in the native kernel and
+    the PyTorch ops; a row whose largest magnitude is negative may land on -128 (x / scale
+    is -127.5 there, or a hair above), which the int8 mode's own rounding never uses."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    import tokenmill.engine.kernels.quantize as module
+
+    args = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True)
+    x = torch.randn(1, 64, 200, generator=torch.Generator().manual_seed(11)) * 4
+    scale, zero = compute_dynamic_scales_and_zp(value=x, args=args, module=torch.nn.Linear(1, 1))
+    theirs = fake_quantize(x, scale, zero, args)[0]
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(module, "_library", lambda: None)
+        qx, x_scales = quantize_rows_u8(x[0], None, FULL_RANGE, "full")
+        assert torch.equal((qx.float() - FULL_RANGE[1]) * x_scales[:, None], theirs), native
+        assert int((qx.amin(1) == 0).sum()) > 10  # rows at -128
+        assert int(quantize_rows_u8(x[0])[0].min()) >= 1  # the int8 mode's: -127 at least
 
 
 def integer_reference(layer: Int8Linear, qweight, x: torch.Tensor) -> torch.Tensor:

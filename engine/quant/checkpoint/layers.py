@@ -9,9 +9,10 @@ its shape and the engine's dtype:
   are rounded to bf16, as the int4 mode's minimums are.
 - int8 weights with dynamic per-token int8 activations (W8A8): Int8Linear (int8.py) - the
   int8 mode's kernels - on the checkpoint's int8 weights and per-channel scales, with no
-  smoothing. Its activations are quantized per row as the int8 mode's are: a row's scale
-  is max|x| / 127 and the codes -127..127, where compressed-tensors divides by 127.5 and
-  uses -128..127 (kernels/quantize.py); the product is otherwise the same.
+  smoothing. Its activations are quantized per row as compressed-tensors quantizes them:
+  a row's scale max|x| / 127.5 and the codes -128..127 (kernels/quantize.py's "full"
+  rounding; the int8 mode's own is max|x| / 127, -127..127). The native kernel's plain
+  AVX2 build has no -128 and rounds as the int8 mode does (`describe_kernels` says so).
 - FP8 (e4m3) weights, in any engine: Fp8Linear (fp8.py), the codes dequantized inside
   the native fp8 kernel, with FP8 activations per token where the scheme has them.
 - everything else, and every weights-only layer in an fp32 engine: ExactIntLinear, the
@@ -31,6 +32,9 @@ from tokenmill.engine.quant.checkpoint.weights import Fp8Weight, IntWeight, Laye
 from tokenmill.engine.quant.gguf_linear import RowConcat
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import INT8_KERNELS, choose_kernel, describe_kernel
+
+# compressed-tensors' rounding of a token's activations (kernels/quantize.py's ROUNDINGS).
+_CHECKPOINT_ROUNDING = "full"
 
 # PyTorch's int4 kernel's group sizes, largest first.
 _INT4_BLOCKS = (256, 128, 64, 32)
@@ -107,7 +111,12 @@ def describe_kernels(scheme: LayerScheme) -> str:
         return describe_fp8_kernels(scheme.activations)
     if scheme.activations == "int8-token":
         kernel = "native" if int8_linear.native_int8_isa() is not None else "onednn"
-        return f"int8 kernels ({describe_kernel(kernel)}), activations per token"
+        rounding = (
+            "max|x|/127.5, -128..127 as compressed-tensors"
+            if _activation_rounding(kernel) == _CHECKPOINT_ROUNDING
+            else "max|x|/127, -127..127: this CPU's AVX2 kernel has no -128"
+        )
+        return f"int8 kernels ({describe_kernel(kernel)}), activations per token ({rounding})"
     expanded = "fp32: codes expanded per call (exact)"
     if scheme.bits == 4:
         return f"bf16: PyTorch's int4 kernel (Int4Linear) where the groups fit it; {expanded}"
@@ -156,14 +165,28 @@ def _one_module(weight, scheme, bias, dtype, gated_activation) -> nn.Module:
         return Fp8Linear(weight, bias, scheme.activations)
     if scheme.activations == "int8-token":
         n, k = weight.shape
-        layer_class = INT8_KERNELS[choose_kernel(n, k)]
+        kernel = choose_kernel(n, k)
         scale = weight.scale[:, 0].float()
-        return layer_class(weight.q.to(torch.int8), scale, bias, gated_activation=gated_activation)
+        return INT8_KERNELS[kernel](
+            weight.q.to(torch.int8),
+            scale,
+            bias,
+            gated_activation=gated_activation,
+            rounding=_activation_rounding(kernel),
+        )
     if dtype == torch.bfloat16 and weight.bits == 4:
         fast = as_int4_linear(weight, bias)
         if fast is not None:
             return fast
     return ExactIntLinear(weight, bias)
+
+
+def _activation_rounding(kernel: str) -> str:
+    """The rounding a W8A8 layer's activations get on `kernel`: compressed-tensors' own,
+    but on the native kernel's plain AVX2 build, which has no -128."""
+    if kernel == "native" and not int8_linear.takes_full_rounding():
+        return "symmetric"
+    return _CHECKPOINT_ROUNDING
 
 
 def as_int4_linear(weight: IntWeight, bias: torch.Tensor | None) -> nn.Module | None:
