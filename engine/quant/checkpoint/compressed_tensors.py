@@ -143,7 +143,7 @@ class CompressedTensorsReader(FormatReader):
             stored = tuple(int(v) for v in tensors["weight_shape"].tolist())
             if stored != (n, k):
                 raise ValueError(f"weight_shape says {stored}, the model's layer is {(n, k)}")
-            q = unpack_int32(tensors["weight_packed"], scheme.bits, k) - half
+            q = unpack_int32(tensors["weight_packed"], scheme.bits, k).sub_(half)
         else:
             q = tensors["weight"].to(torch.int16)
             if int(q.min()) < -half or int(q.max()) >= half:

@@ -118,12 +118,15 @@ def unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     a row at bit i * bits of the row's little-endian bytes) -> int16 [..., count], the
     fields as unsigned values."""
     raw = packed.contiguous().view(torch.uint8)  # little-endian: word j is bytes 4j..4j+3
-    if bits == 8:
-        fields = raw
-    elif bits == 4:
-        fields = torch.stack([raw & 15, raw >> 4], dim=-1).flatten(-2)
-    else:
+    if bits not in (4, 8):
         raise ValueError(f"{bits}-bit fields are not unpacked here")
-    if fields.shape[-1] < count:
-        raise ValueError(f"{fields.shape[-1]} packed fields, expected at least {count}")
-    return fields[..., :count].to(torch.int16)
+    per_byte = 8 // bits
+    if raw.shape[-1] * per_byte < count:
+        raise ValueError(f"{raw.shape[-1] * per_byte} packed fields, expected at least {count}")
+    if bits == 8:
+        return raw[..., :count].to(torch.int16)
+    # written straight into the result: a layer's temporaries are what its load peaks on
+    fields = torch.empty((*raw.shape[:-1], raw.shape[-1] * 2), dtype=torch.int16)
+    fields[..., 0::2] = raw & 15
+    fields[..., 1::2] = raw >> 4
+    return fields[..., :count] if fields.shape[-1] == count else fields[..., :count].clone()

@@ -209,7 +209,9 @@ def as_int4_linear(weight: IntWeight, bias: torch.Tensor | None) -> nn.Module | 
     scale = weight.scale.float()[:, per_block]
     zero = 0 if weight.zero is None else weight.zero.float()[:, per_block]
     minimum = (-8 - zero) * scale  # value = (q + 8) * scale + minimum
-    codes = weight.q.to(torch.int32) + 8
+    codes = weight.q.to(torch.int32).add_(
+        8
+    )  # in place: a weight's int32 copy is the largest temporary
     layer = Int4Linear(codes, scale, minimum, bias, group_size=block)
     return layer if order is None else PermutedInput(layer, order)
 

@@ -2,7 +2,8 @@
 they take (`CheckpointQuantization.hold_out`, on the model still on the meta device,
 from the headers alone), then reading those tensors a file at a time and building each
 layer as soon as its tensors are in (`load_layers`) - so no layer is ever held in float,
-and the load's peak is the float parts plus one layer's tensors.
+and the load's peak is the float parts plus one layer's tensors (its temporaries given
+back to the system as each layer is built: loader/heap.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenmill.engine.loader.heap import return_freed_heap
 from tokenmill.engine.loader.model_files import weight_files
 from tokenmill.engine.loader.safetensors_files import iter_tensors
 from tokenmill.engine.loader.tensor_plan import FLOAT_DTYPES, TensorSource, shard_sizes
@@ -158,6 +160,8 @@ class CheckpointQuantization:
                     module = self._build(layer, received.pop(index), dtype)
                     setattr(parent, attr, module)
                     total += module.weight_bytes
+                    # the layer's temporaries, freed, would otherwise stay in the heap
+                    return_freed_heap()
         return total
 
     def _build(self, layer: PendingLayer, tensors: dict, dtype: torch.dtype) -> nn.Module:
