@@ -371,8 +371,7 @@ def test_static_or_asymmetric_activations_are_refused_with_the_scheme_that_runs(
 
 def test_each_built_layer_gives_its_freed_temporaries_back(tmp_path, monkeypatch):
     """The heap is trimmed after every quantized layer is built (loader/heap.py): glibc
-    kept the freed temporaries of the layers in RssAnon (a W4A16 SmolLM2 loaded 1.98x its
-    checkpoint size where 1.36x with this)."""
+    otherwise keeps the layers' freed temporaries in RssAnon, which a load is held to."""
     from tokenmill.engine.loader import heap
     from tokenmill.engine.quant.checkpoint import loading
 
