@@ -76,6 +76,16 @@ def test_the_kernel_is_the_fp32_product_of_the_dequantized_weight_with_ragged_bl
         )
 
 
+def test_without_the_native_library_pytorch_computes_the_same_product(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    codes = ALL_CODES[torch.randint(0, len(ALL_CODES), (40, 96), generator=g)]
+    scales = torch.rand(1, 1, generator=g) + 0.5  # one scale: per tensor
+    x = torch.randn(3, 96, generator=g)
+    native = kernel.fp8_linear(x, codes, scales, (40, 96), None)
+    monkeypatch.setattr(kernel, "_library", lambda: None)
+    torch.testing.assert_close(kernel.fp8_linear(x, codes, scales, (40, 96), None), native)
+
+
 # ---- compressed-tensors float-quantized --------------------------------------------------
 
 FP8_SCHEMES = {
