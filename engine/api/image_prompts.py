@@ -23,11 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from tokenmill.engine.core.image_prefetch import LazyPixels
 from tokenmill.engine.core.images import ImageSpan
 from tokenmill.engine.loader.images import (
     DEFAULT_MAX_IMAGE_PIXELS,
     ImageError,
     ImageProcessor,
+    content_hash,
+    decode_image,
+    image_size,
     to_decoded,
 )
 from tokenmill.engine.loader.special_text import Spans
@@ -45,6 +51,15 @@ class PreparedPrompt:
     images: tuple[ImageSpan, ...] = ()
     text: str | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """What a prompt's image is known by before it is decoded."""
+
+    content_hash: bytes
+    size: tuple[int, int]  # (width, height) of its decoded pixels
+    pixels: torch.Tensor | LazyPixels
 
 
 def is_image_prompt(prompt: Any) -> bool:
@@ -200,7 +215,7 @@ class ImagePrompts:
         add_special_tokens: bool = True,
     ) -> PreparedPrompt:
         try:
-            decoded = [to_decoded(i, max_pixels=self.max_image_pixels) for i in raw]
+            decoded = [self._source(i) for i in raw]
         except ImageError as exc:
             return PreparedPrompt([], text=text, error=f"image: {exc}")
         if ids is None:
@@ -224,12 +239,34 @@ class ImagePrompts:
                 offset,
                 self.tokens_per_image,
                 image.content_hash,
-                self.processor.resize(image),
+                image.pixels,
                 self.processor.normalize,
             )
             for offset, image in zip(spans, decoded)
         )
         return PreparedPrompt(ids, images, text)
+
+    def _source(self, image) -> ImageSource:
+        """An image as a queued request holds it. Encoded bytes are checked from their
+        header and decoded later, beside the engine (core/image_prefetch.py); a PIL image,
+        already in memory, is resized now."""
+        if not isinstance(image, (bytes, bytearray, memoryview)):
+            decoded = to_decoded(image, max_pixels=self.max_image_pixels)
+            return ImageSource(decoded.content_hash, decoded.size, self.processor.resize(decoded))
+        data = bytes(image)
+        size = image_size(data, max_pixels=self.max_image_pixels)
+        max_pixels, resize = self.max_image_pixels, self.processor.resize
+
+        def load() -> torch.Tensor:
+            decoded = decode_image(data, max_pixels=max_pixels)
+            if decoded.size != size:  # its token count was set from the header's size
+                raise ImageError(
+                    f"image decodes to {decoded.size[0]}x{decoded.size[1]}, its header "
+                    f"says {size[0]}x{size[1]}"
+                )
+            return resize(decoded)
+
+        return ImageSource(content_hash(data), size, LazyPixels(load))
 
     def _expand_ids(self, ids: list[int]) -> list[int]:
         """Each begin-of-image marker followed by its image tokens and end marker; a marker

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenmill.engine.api.image_prompts import ImagePrompts, PreparedPrompt
 from tokenmill.engine.core.images import ImageSpan
-from tokenmill.engine.loader.images import DEFAULT_MAX_IMAGE_PIXELS, ImageError, to_decoded
+from tokenmill.engine.loader.images import DEFAULT_MAX_IMAGE_PIXELS, ImageError
 from tokenmill.engine.loader.qwen_images import DynamicImageProcessor
 from tokenmill.engine.loader.special_text import Spans
 from tokenmill.engine.loader.tokenizer import Tokenizer
@@ -85,7 +85,7 @@ class QwenImagePrompts(ImagePrompts):
         add_special_tokens: bool = True,
     ) -> PreparedPrompt:
         try:
-            decoded = [to_decoded(i, max_pixels=self.max_image_pixels) for i in raw]
+            decoded = [self._source(i) for i in raw]
             counts = [self.processor.num_tokens(*image.size) for image in decoded]
         except ImageError as exc:
             return PreparedPrompt([], text=text, error=f"image: {exc}")
@@ -126,7 +126,7 @@ class QwenImagePrompts(ImagePrompts):
                     offset,
                     count,
                     image.content_hash,
-                    self.processor.resize(image),
+                    image.pixels,
                     self.processor.patches,
                     bidirectional=False,
                     grid=(rows // m, columns // m),

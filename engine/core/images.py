@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.engine.core.image_prefetch import LazyPixels
+
 
 @dataclass(frozen=True, eq=False)
 class ImageSpan:
@@ -25,9 +27,10 @@ class ImageSpan:
     offset: int  # position of its first soft token
     length: int  # its soft tokens
     content_hash: bytes  # of the image's bytes (or pixels): keys its embeddings and KV blocks
-    # The image resized to the tower's size, 8-bit (a quarter of its float pixels' memory,
-    # held while the request waits), and what makes the tower's input of it.
-    pixels: torch.Tensor
+    # The image resized to the tower's size, 8-bit (a quarter of its float pixels'
+    # memory), or its encoded bytes decoded on demand (LazyPixels: core/image_prefetch.py,
+    # so a waiting request holds no pixels); and what makes the tower's input of it.
+    pixels: torch.Tensor | LazyPixels
     prepare: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Whether its tokens see each other both ways (Gemma 3) or causally, as text (Qwen2.5-VL).
     bidirectional: bool = True
@@ -39,7 +42,8 @@ class ImageSpan:
     def pixel_values(self) -> torch.Tensor:
         """What the tower takes of it, as the model's image processor makes it: [3, height,
         width] float32 for a fixed-size tower, flattened patches for Qwen2.5-VL's."""
-        return self.pixels if self.prepare is None else self.prepare(self.pixels)
+        pixels = self.pixels.get() if isinstance(self.pixels, LazyPixels) else self.pixels
+        return pixels if self.prepare is None else self.prepare(pixels)
 
     @property
     def end(self) -> int:

@@ -17,6 +17,7 @@ import torch
 from tokenmill.engine.core.block_manager import BlockManager
 from tokenmill.engine.core.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.core.grammar import CompiledGrammar, GrammarCompiler
+from tokenmill.engine.core.image_prefetch import ImagePrefetcher, LazyPixels
 from tokenmill.engine.core.images import ImageSpan, check_spans
 from tokenmill.engine.core.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.core.scheduler import Scheduler
@@ -26,6 +27,7 @@ from tokenmill.engine.core.step import (
     PoolingState,
     SchedulerOutput,
     Sequence,
+    SequenceStatus,
     StepRunner,
 )
 from tokenmill.engine.types.config import EngineConfig
@@ -101,6 +103,8 @@ class LLMEngine:
         )
         self._pending: PendingStep | None = None
         self._requests: dict[str, RequestState] = {}
+        self._image_prefetcher: ImagePrefetcher | None = None  # made with the first lazy image
+        self._held_back: list[Sequence] = []  # waiting, behind an image still decoding
         self._seq_ids = itertools.count()
         self._finished_early: list[RequestOutput | PoolingOutput] = []
         self._grammar_compiler: GrammarCompiler | None = None  # built on first use
@@ -155,6 +159,8 @@ class LLMEngine:
         if error is not None:
             self._finished_early.append(self.output_processor.error_output(request, error))
             return
+        if self._image_prefetcher is None and any(isinstance(i.pixels, LazyPixels) for i in images):
+            self._image_prefetcher = ImagePrefetcher()
         rope_variant = 0
         if self.rope_variant is not None:
             num_prompt = len(request.prompt_token_ids)
@@ -282,7 +288,8 @@ class LLMEngine:
         if self._pending is not None and any(s.grammar is not None for s in self._pending.seqs):
             finished += self._resolve()
         with self.profiler.stage("schedule"):
-            out = self.scheduler.schedule()
+            finished += self._decode_images_ahead()
+            out = self._schedule()
         if out.is_empty:
             return finished + self._resolve()
         now = time.perf_counter()
@@ -307,6 +314,35 @@ class LLMEngine:
             if not self.overlap_steps:
                 finished += self._resolve()
         return finished
+
+    def _decode_images_ahead(self) -> list[RequestOutput]:
+        """Start decoding waiting requests' images ahead (core/image_prefetch.py); answer
+        those whose image failed to decode as errors. Leaves the scheduler's queue as the
+        head it may admit now; `_schedule` puts the rest back after it."""
+        waiting = self.scheduler.waiting
+        if self._image_prefetcher is None or not waiting:
+            return []
+        ready, held, failed = self._image_prefetcher.prepare(waiting, bool(self.scheduler.running))
+        errors = []
+        for seq, error in failed:
+            request = self._requests.pop(seq.request_id, None)
+            if request is None:  # another of its sequences failed first
+                continue
+            for other in request.seqs:
+                self.scheduler.finish(other, "abort")
+            errors.append(self.output_processor.error_output(request, f"image: {error}"))
+        alive = [s for s in ready if s.status != SequenceStatus.FINISHED]
+        self._held_back = [s for s in held if s.status != SequenceStatus.FINISHED]
+        waiting.clear()
+        waiting.extend(alive)
+        return errors
+
+    def _schedule(self) -> SchedulerOutput:
+        try:
+            return self.scheduler.schedule()
+        finally:  # after any the schedule preempted back into the queue
+            self.scheduler.waiting.extend(self._held_back)
+            self._held_back = []
 
     def _set_bans(self, out: SchedulerOutput, sampling_seqs: list[Sequence]) -> None:
         """Tell the runner what each sampling sequence may not sample this step."""

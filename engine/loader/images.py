@@ -77,14 +77,23 @@ def decode_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> 
         if isinstance(exc, ImageError):
             raise
         raise ImageError(f"image is truncated or corrupt: {exc}") from None
-    return DecodedImage(
-        np.asarray(rgb, dtype=np.uint8), hashlib.blake2b(data, digest_size=16).digest()
-    )
+    return DecodedImage(np.asarray(rgb, dtype=np.uint8), content_hash(data))
+
+
+def content_hash(data: bytes) -> bytes:
+    """The hash an encoded image's embeddings and KV blocks are keyed by."""
+    return hashlib.blake2b(bytes(data), digest_size=16).digest()
+
+
+_ORIENTATION = 0x0112  # the EXIF tag ImageOps.exif_transpose reads
+_QUARTER_TURNS = frozenset({5, 6, 7, 8})  # orientations it transposes width and height for
 
 
 def image_size(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int, int]:
     """An encoded image's (width, height), from its header alone - nothing is decoded, so
-    a planner checks every image of a job for the price of reading its first bytes.
+    a planner checks every image of a job for the price of reading its first bytes. The
+    size is that of `decode_image`'s pixels: swapped for an EXIF orientation that turns
+    the image a quarter.
 
     Raises:
         ImageError: not an image Pillow reads, or over max_pixels.
@@ -92,6 +101,8 @@ def image_size(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tu
     try:
         with Image.open(io.BytesIO(bytes(data))) as image:
             width, height = image.size
+            if image.getexif().get(_ORIENTATION) in _QUARTER_TURNS:
+                width, height = height, width
     except UnidentifiedImageError:
         raise ImageError("not an image in a format Pillow reads (unsupported or corrupt)") from None
     except Image.DecompressionBombError as exc:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenmill.engine.core.image_prefetch import release_pixels
 from tokenmill.engine.core.step import SchedulerOutput
 from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.models.gemma3_vision import StepImages
@@ -134,6 +135,8 @@ class VisionInputs:
             for (content_hash, _), tokens in zip(group, encoded):
                 self._encoded[content_hash] = tokens
                 self._encoded.move_to_end(content_hash, last=False)
+        # Encoded (or already cached): their decoded pixels are no longer needed.
+        release_pixels(images)
         keep = max(self.max_cached_images, len(images))
         while len(self._encoded) > keep:
             self._encoded.popitem(last=True)
