@@ -156,6 +156,9 @@ def _layout_of(config: ModelConfig, tokenizer: Tokenizer | None) -> ImageLayout:
 class ImagePrompts:
     """Turns prompt dicts into token ids and image spans for one vision model."""
 
+    # Whether an image's token count follows from its size (not for a fixed-size tower).
+    tokens_depend_on_size = False
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -256,10 +259,11 @@ class ImagePrompts:
         data = bytes(image)
         size = image_size(data, max_pixels=self.max_image_pixels)
         max_pixels, resize = self.max_image_pixels, self.processor.resize
+        sized = self.tokens_depend_on_size
 
         def load() -> torch.Tensor:
             decoded = decode_image(data, max_pixels=max_pixels)
-            if decoded.size != size:  # its token count was set from the header's size
+            if sized and decoded.size != size:  # its token count was set from this size
                 raise ImageError(
                     f"image decodes to {decoded.size[0]}x{decoded.size[1]}, its header "
                     f"says {size[0]}x{size[1]}"

@@ -30,6 +30,8 @@ class QwenImagePrompts(ImagePrompts):
     """ImagePrompts for a dynamic-resolution model (Qwen2.5-VL): one image_pad marker per
     image, expanded to that image's token count."""
 
+    tokens_depend_on_size = True
+
     def __init__(
         self,
         model_dir: str | Path,

@@ -89,6 +89,16 @@ _ORIENTATION = 0x0112  # the EXIF tag ImageOps.exif_transpose reads
 _QUARTER_TURNS = frozenset({5, 6, 7, 8})  # orientations it transposes width and height for
 
 
+def _orientation(image) -> int | None:
+    """The EXIF orientation an opened image's header gives (None: none there). A PNG's
+    eXIf chunk may follow the pixel data, which Pillow would decode to reach it; one not
+    seen at open is not looked for (a quarter turn it gives shows as a size mismatch at
+    decode)."""
+    if image.format == "PNG" and "exif" not in image.info:
+        return None
+    return image.getexif().get(_ORIENTATION)
+
+
 def image_size(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int, int]:
     """An encoded image's (width, height), from its header alone - nothing is decoded, so
     a planner checks every image of a job for the price of reading its first bytes. The
@@ -101,7 +111,7 @@ def image_size(data: bytes, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tu
     try:
         with Image.open(io.BytesIO(bytes(data))) as image:
             width, height = image.size
-            if image.getexif().get(_ORIENTATION) in _QUARTER_TURNS:
+            if _orientation(image) in _QUARTER_TURNS:
                 width, height = height, width
     except UnidentifiedImageError:
         raise ImageError("not an image in a format Pillow reads (unsupported or corrupt)") from None
