@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def run_through_proxy(
     seed: int = 0,
     timeouts: bool = False,
     task: str = "generate",
+    on_proxy: Callable[[FaultProxy], object] | None = None,
 ) -> StoreRun:
     """Runs one job on S3 with every request going through a proxy with `rules`.
 
@@ -73,6 +75,8 @@ def run_through_proxy(
         seed: the proxy's random seed (for probability rules).
         timeouts: use 1 s connect/read timeouts (for stall rules).
         task: "generate", or "embed" (then `llm` is an embedding model).
+        on_proxy: called with the started proxy before the job runs (e.g. to start a
+            thread that changes its rules mid-job).
 
     Returns:
         Rows lost and duplicated (counted straight from moto, without faults), the
@@ -85,6 +89,8 @@ def run_through_proxy(
     error = None
     num_shards = 0
     with FaultProxy(endpoint.endpoint_url, rules, seed=seed) as proxy:
+        if on_proxy is not None:
+            on_proxy(proxy)
         try:
             ledger = run_job(
                 src,
