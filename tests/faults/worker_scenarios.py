@@ -151,7 +151,14 @@ class SchedulerRestartRun:
 
 
 def run_with_scheduler_restart(
-    cluster, input_path: str, output: str, model: str, *, after_parts: int = 2, **options
+    cluster,
+    input_path: str,
+    output: str,
+    model: str,
+    *,
+    after_parts: int = 2,
+    timeout_s: float = 300,
+    **options,
 ) -> SchedulerRestartRun:
     """Runs `batch_inference` on an operator cluster (tests/faults/operator_cluster.py)
     whose scheduler is SIGKILLed and started again on the same address once `after_parts`
@@ -180,9 +187,17 @@ def run_with_scheduler_restart(
 
     watcher = threading.Thread(target=restart_after_parts, daemon=True)
     watcher.start()
+    # The first run goes in a thread so that a flow hanging on the lost scheduler fails
+    # the scenario after `timeout_s` instead of hanging the test run.
+    outcome: dict = {}
+    flow_thread = threading.Thread(target=lambda: outcome.update(state=run_flow()), daemon=True)
     started = time.monotonic()
-    first = run_flow()
+    flow_thread.start()
+    flow_thread.join(timeout=timeout_s)
     first_seconds = time.monotonic() - started
+    if "state" not in outcome:
+        raise AssertionError(f"the flow did not end {timeout_s:.0f} s after it started")
+    first = outcome["state"]
     watcher.join(timeout=START_TIMEOUT_S)
     rerun = run_flow()
     ids = [json.loads(line)["id"] for line in Path(input_path).read_text().splitlines()]
