@@ -22,7 +22,7 @@ from pathlib import Path
 
 from proxy import ALL, WRITES, FaultRule
 from store_fixtures import BUCKET, load_tiny_llm, lost_and_duplicated
-from store_scenarios import run_through_proxy, transient_rules
+from store_scenarios import drop_own_unreleased_lock, run_through_proxy, transient_rules
 from tiny_model import build_tiny_model
 
 ENGINE = {"dtype": "float32", "engine_options": {"kv_cache_memory": 8 << 20}}
@@ -91,6 +91,8 @@ def store_outage(seed: int = 0, outage_s: float = 3.0, task: str = "generate") -
         )
         if run.error is not None and not _caused_by(run.error, StoreError):
             raise run.error
+        if run.error is not None:
+            drop_own_unreleased_lock(endpoint, prefix)
         return _resumed(endpoint, llm, run, prefix, task)
 
 
