@@ -60,6 +60,9 @@ def test_workers_without_the_engine_resource_are_refused_before_planning(prefect
     assert not (tmp_path / "out").exists()
 
 
+# Two flow runs on a cluster started twice: 76 s on an idle 2-core machine. The named
+# failure it checks is also checked, fast, by tests/flows/test_shard_wait.py.
+@pytest.mark.slow
 def test_a_scheduler_restarted_mid_job_fails_by_name_and_resumes(prefect_api, tmp_path):  # noqa: F811
     model = build_tiny_model(tmp_path / "tiny")
     src = write_prompts(tmp_path / "prompts.jsonl")
