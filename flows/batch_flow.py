@@ -26,6 +26,7 @@ whenever a shard ends and at least every few seconds.
 
 # No `from __future__ import annotations` here: Prefect reads the flow's signature (built
 # from the job definition by `job_parameters`) at run time, in served runs' subprocesses too.
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -234,15 +235,29 @@ def _shard_runs(plan: JobPlan, futures: list, progress: _FlowProgress) -> list[S
         progress.publish()
     runs: list[ShardRun] = []
     failed: list[str] = []
+    cancelled: list[str] = []
     for shard_future in futures:
-        # wait() takes the final state from the task runner's own future; `state` alone
-        # may read the API's copy, which can lag behind a task that has just finished.
-        shard_future.wait()
-        state = shard_future.state
-        if state.is_completed():
-            runs.append(shard_future.result())
-        else:
-            failed.append(state.name or "failed")
+        try:
+            # wait() takes the final state from the task runner's own future; `state` alone
+            # may read the API's copy, which can lag behind a task that has just finished.
+            shard_future.wait()
+            state = shard_future.state
+            if state.is_completed():
+                runs.append(shard_future.result())
+            else:
+                failed.append(state.name or "failed")
+        except concurrent.futures.CancelledError as exc:
+            # A Dask client that loses its scheduler cancels every future it holds
+            # ("scheduler-connection-lost"), whatever its shard had done: parts already
+            # published are kept, so the job is resumable, not lost.
+            cancelled.append(str(exc).splitlines()[0])
+    if cancelled:
+        raise RuntimeError(
+            f"job {plan.job_id}: {len(cancelled)} of {len(futures)} shard tasks were cancelled "
+            f"by the task runner ({cancelled[0]}); a Dask scheduler that was lost or restarted "
+            "cancels everything submitted to it. Completed shards are kept: run the flow "
+            "again with the same parameters to finish the job."
+        )
     if failed:
         raise RuntimeError(
             f"job {plan.job_id}: {len(failed)} of {len(futures)} shard tasks did not complete; "

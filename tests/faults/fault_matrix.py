@@ -297,6 +297,16 @@ SCENARIOS: list[Scenario] = [
         "comes back, the other worker finishes",
         _store_side("worker_death", operator="never-back"),
     ),
+    Scenario(
+        "`dask scheduler` SIGKILLed after 2 parts, restarted on its address (workers too): "
+        "the flow fails naming it, rerun",
+        _store_side("scheduler_restart"),
+    ),
+    Scenario(
+        "object store down (every request reset) for 3 s after the first part, then back; "
+        "rerun if it failed",
+        _store_side("store_outage"),
+    ),
     Scenario("embed job: SIGKILL at 5 random points, resumed", embedding(kills)),
     Scenario("embed job: engine step raises once mid-shard", embedding(engine_transient)),
     Scenario(

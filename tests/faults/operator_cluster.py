@@ -8,6 +8,11 @@ belong to another environment). The workers import the fault hooks from tests/fa
 (PYTHONPATH), inherit the
 environment (PREFECT_API_URL, TOKENMILL_CACHE_DIR), and are stopped at the end by the
 process handles this module started - never by name.
+
+`OperatorCluster.restart_scheduler()` SIGKILLs the scheduler and starts a fresh one on the
+same address. A `dask worker` (2026.x) closes, nanny included, when it loses its
+scheduler rather than waiting for it, so the restart also starts again every worker that
+exited - what an operator's supervisor (systemd, Kubernetes) does.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 FAULTS_DIR = Path(__file__).resolve().parent
@@ -32,6 +37,26 @@ class OperatorCluster:
     address: str
     scheduler: subprocess.Popen
     workers: list[subprocess.Popen]
+    _start_scheduler: Callable[[int], subprocess.Popen] = field(repr=False)
+    _start_worker: Callable[[int], subprocess.Popen] = field(repr=False)
+
+    def restart_scheduler(self) -> None:
+        """SIGKILL the scheduler, start a new one on the same port, and start again the
+        workers that exited with the old one; returns once they have all joined."""
+        from distributed import Client
+
+        self.scheduler.kill()
+        self.scheduler.wait()
+        port = int(self.address.rsplit(":", 1)[1])
+        self.scheduler = self._start_scheduler(port)
+        for i, worker in enumerate(self.workers):
+            try:
+                worker.wait(timeout=30)  # it closes on losing its scheduler
+            except subprocess.TimeoutExpired:
+                continue  # still connected somehow: leave it be
+            self.workers[i] = self._start_worker(i)
+        with Client(self.address, timeout=START_TIMEOUT_S) as client:
+            client.wait_for_workers(len(self.workers), timeout=START_TIMEOUT_S)
 
 
 @contextlib.contextmanager
@@ -68,53 +93,55 @@ def operator_cluster(
             command = ["taskset", "-c", str(cpu), *command]
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    scheduler = start(
-        "scheduler",
-        [
-            "scheduler",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--no-dashboard",
-            "--scheduler-file",
-            str(scheduler_file),
-        ],
-    )
-    workers: list[subprocess.Popen] = []
-    try:
+    starts = {"scheduler": 0}
+
+    def start_scheduler(port: int) -> subprocess.Popen:
+        scheduler_file.unlink(missing_ok=True)
+        starts["scheduler"] += 1
+        args = ["scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"]
+        process = start(
+            f"scheduler{starts['scheduler']}", [*args, "--scheduler-file", str(scheduler_file)]
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while not scheduler_file.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        cores = sorted(os.sched_getaffinity(0))
-        for i in range(num_workers):
-            args = [
-                "worker",
-                "--scheduler-file",
-                str(scheduler_file),
-                "--nthreads",
-                "1",
-                "--nworkers",
-                "1",
-                "--no-dashboard",
-                "--name",
-                f"w{i}",
-            ]
-            if resources:
-                args += ["--resources", resources]
-            if not nanny:
-                args.append("--no-nanny")
-            cpu = cores[i] if len(cores) >= num_workers else None
-            workers.append(start(f"worker{i}", args, cpu))
+        return process
+
+    def start_worker(i: int) -> subprocess.Popen:
+        args = [
+            "worker",
+            "--scheduler-file",
+            str(scheduler_file),
+            "--nthreads",
+            "1",
+            "--nworkers",
+            "1",
+            "--no-dashboard",
+            "--name",
+            f"w{i}",
+        ]
+        if resources:
+            args += ["--resources", resources]
+        if not nanny:
+            args.append("--no-nanny")
+        cpu = cores[i] if len(cores) >= num_workers else None
+        starts[i] = starts.get(i, 0) + 1
+        return start(f"worker{i}-{starts[i]}", args, cpu)
+
+    cores = sorted(os.sched_getaffinity(0))
+    cluster = OperatorCluster("", start_scheduler(0), [], start_scheduler, start_worker)
+    try:
+        cluster.workers.extend(start_worker(i) for i in range(num_workers))
         with Client(scheduler_file=str(scheduler_file), timeout=START_TIMEOUT_S) as client:
             client.wait_for_workers(num_workers, timeout=START_TIMEOUT_S)
-            address = client.scheduler.address
-        yield OperatorCluster(address, scheduler, workers)
+            cluster.address = client.scheduler.address
+        yield cluster
     finally:
-        for process in [*workers, scheduler]:
+        processes = [*cluster.workers, cluster.scheduler]
+        for process in processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        for process in [*workers, scheduler]:
+        for process in processes:
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from proxy import ALL, WRITES, FaultRule
 from store_fixtures import BUCKET, load_tiny_llm, lost_and_duplicated
-from store_scenarios import run_through_proxy, transient_rules
+from store_scenarios import drop_own_unreleased_lock, run_through_proxy, transient_rules
 from tiny_model import build_tiny_model
 
 ENGINE = {"dtype": "float32", "engine_options": {"kv_cache_memory": 8 << 20}}
@@ -75,6 +77,50 @@ def store_random(
         return _resumed(endpoint, llm, run, prefix, task)
 
 
+def store_outage(seed: int = 0, outage_s: float = 3.0, task: str = "generate") -> tuple[int, int]:
+    """The store goes down (every request reset, as a stopped server's port) for `outage_s`
+    seconds once the first part is written, then comes back. Requests retry through the
+    store's retry policy; a job that ran out of attempts must say so (StoreError) and
+    is resumed once."""
+    from tokenmill.connectors.store_retries import StoreError
+
+    prefix = f"outage-{uuid.uuid4().hex[:8]}"
+    with _store(task) as (endpoint, llm):
+        run = run_through_proxy(
+            endpoint, llm, [], prefix=prefix, seed=seed, task=task, on_proxy=outage(outage_s)
+        )
+        if run.error is not None and not _caused_by(run.error, StoreError):
+            raise run.error
+        if run.error is not None:
+            drop_own_unreleased_lock(endpoint, prefix)
+        return _resumed(endpoint, llm, run, prefix, task)
+
+
+def outage(seconds: float, after_part_puts: int = 1):
+    """An `on_proxy` hook: a thread that resets every request for `seconds` once
+    `after_part_puts` part PUTs went through, then lets everything through again."""
+
+    def start(proxy) -> None:
+        def down_then_up() -> None:
+            while proxy.attempts("PUT", "/out/results/") < after_part_puts:
+                time.sleep(0.01)
+            proxy.set_rules([FaultRule("reset", ALL, probability=1.0)])
+            time.sleep(seconds)
+            proxy.set_rules([])
+
+        threading.Thread(target=down_then_up, daemon=True).start()
+
+    return start
+
+
+def _caused_by(error: BaseException, kind: type) -> bool:
+    while error is not None:
+        if isinstance(error, kind):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def worker_death(num_rows: int = 16, operator: str | None = None) -> tuple[int, int]:
     """A Dask worker SIGKILLed inside a shard, on a 2-worker LocalCluster; or, with
     `operator` "restarted" or "never-back", on a cluster of `dask scheduler` and `dask
@@ -107,6 +153,38 @@ def worker_death(num_rows: int = 16, operator: str | None = None) -> tuple[int, 
             **ENGINE,
         )
     assert run.killed_pid is not None and run.completed, run
+    return run.rows_lost, run.rows_duplicated
+
+
+def scheduler_restart(num_rows: int = 16) -> tuple[int, int]:
+    """The `dask scheduler` SIGKILLed once 2 parts are published and started again on the
+    same address (its workers too, which close with it): the flow fails naming the lost
+    scheduler, and a rerun on the restarted cluster finishes the job."""
+    from operator_cluster import operator_cluster
+    from worker_scenarios import run_with_scheduler_restart
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model = build_tiny_model(tmp / "tiny")
+        src = tmp / "prompts.jsonl"
+        rows = [
+            {"id": f"w{i:03d}", "prompt": f"Count {i}: " + "one " * (i % 4)}
+            for i in range(num_rows)
+        ]
+        src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with operator_cluster(tmp / "cluster", 2) as cluster:
+            run = run_with_scheduler_restart(
+                cluster,
+                str(src),
+                str(tmp / "out"),
+                str(model),
+                id_column="id",
+                max_tokens=6,
+                shard_tokens=48,
+                **ENGINE,
+            )
+    assert run.restarted and run.rerun_completed, run
+    assert run.first_completed or "scheduler-connection-lost" in (run.first_message or ""), run
     return run.rows_lost, run.rows_duplicated
 
 
@@ -164,6 +242,8 @@ SCENARIOS = {
     "store_past_budget": store_past_budget,
     "store_random": store_random,
     "worker_death": worker_death,
+    "store_outage": store_outage,
+    "scheduler_restart": scheduler_restart,
     "hostile_ids": hostile_ids,
     "hostile_bytes": hostile_bytes,
 }

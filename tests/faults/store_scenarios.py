@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def run_through_proxy(
     seed: int = 0,
     timeouts: bool = False,
     task: str = "generate",
+    on_proxy: Callable[[FaultProxy], object] | None = None,
 ) -> StoreRun:
     """Runs one job on S3 with every request going through a proxy with `rules`.
 
@@ -73,6 +75,8 @@ def run_through_proxy(
         seed: the proxy's random seed (for probability rules).
         timeouts: use 1 s connect/read timeouts (for stall rules).
         task: "generate", or "embed" (then `llm` is an embedding model).
+        on_proxy: called with the started proxy before the job runs (e.g. to start a
+            thread that changes its rules mid-job).
 
     Returns:
         Rows lost and duplicated (counted straight from moto, without faults), the
@@ -85,6 +89,8 @@ def run_through_proxy(
     error = None
     num_shards = 0
     with FaultProxy(endpoint.endpoint_url, rules, seed=seed) as proxy:
+        if on_proxy is not None:
+            on_proxy(proxy)
         try:
             ledger = run_job(
                 src,
@@ -122,3 +128,26 @@ def store_faults_once(seed: int = 0) -> tuple[int, int]:
     if run.error is not None:
         raise run.error
     return run.rows_lost, run.rows_duplicated
+
+
+def drop_own_unreleased_lock(endpoint, prefix: str) -> bool:
+    """Delete `prefix`/out's lock if this process's own failed run left it (it could not
+    release it while the store was down); says whether there was one.
+
+    A rerun from another process on this host takes such a lock over at once (its pid is
+    gone), and from another host once its heartbeat is `STALE_AFTER_S` old; a rerun in
+    this same process, as the tests do, would be refused, so it plays the dead holder."""
+    import json
+    import os
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**endpoint.storage_options, skip_instance_cache=True)
+    path = f"{endpoint.bucket}/{prefix}/out/_lock.json"
+    if not fs.exists(path):
+        return False
+    holder = json.loads(fs.cat(path))
+    if holder["pid"] != os.getpid():
+        raise AssertionError(f"the lock is held by another process: {holder}")
+    fs.rm(path)
+    return True

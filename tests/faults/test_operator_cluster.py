@@ -1,8 +1,9 @@
 """Faults on a Dask cluster started as an operator starts one (`dask scheduler` and
 `dask worker --nthreads 1 --resources engine=1` processes, tests/faults/operator_cluster.py):
-a worker SIGKILLed mid-shard that its nanny restarts, one that never comes back, and a
-cluster whose workers offer no engine. Each ends with one row per id, or fails clearly
-before any compute."""
+a worker SIGKILLed mid-shard that its nanny restarts, one that never comes back, the
+scheduler restarted mid-job, and a cluster whose workers offer no engine. Each ends with
+one row per id, or fails clearly (before any compute, or naming the lost scheduler) and
+resumes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from operator_cluster import operator_cluster
 from store_fixtures import _isolated_cache, prefect_api  # noqa: F401 - fixtures
 from test_worker_death import NUM_ROWS, OPTIONS, pid_is_alive, write_prompts
 from tiny_model import build_tiny_model
-from worker_scenarios import run_with_worker_death
+from worker_scenarios import run_with_scheduler_restart, run_with_worker_death
 
 pytestmark = pytest.mark.integration
 
@@ -57,3 +58,23 @@ def test_workers_without_the_engine_resource_are_refused_before_planning(prefect
     with pytest.raises(RuntimeError, match="1 worker\\(s\\) and none offers the 'engine'"):
         state.result()
     assert not (tmp_path / "out").exists()
+
+
+# Two flow runs on a cluster started twice: 76 s on an idle 2-core machine. The named
+# failure it checks is also checked, fast, by tests/flows/test_shard_wait.py.
+@pytest.mark.slow
+def test_a_scheduler_restarted_mid_job_fails_by_name_and_resumes(prefect_api, tmp_path):  # noqa: F811
+    model = build_tiny_model(tmp_path / "tiny")
+    src = write_prompts(tmp_path / "prompts.jsonl")
+    with operator_cluster(tmp_path / "cluster", 2) as cluster:
+        run = run_with_scheduler_restart(
+            cluster, src, str(tmp_path / "out"), str(model), after_parts=2, **OPTIONS
+        )
+    assert run.restarted, "the scheduler was never restarted"
+    # The flow's Dask client loses its scheduler: every future it held is cancelled, so the
+    # run fails at once, naming the cause, instead of waiting on shards that will never end.
+    assert not run.first_completed
+    assert "cancelled by the task runner (" in run.first_message
+    assert "scheduler-connection-lost" in run.first_message
+    assert run.rerun_completed
+    assert (run.rows_lost, run.rows_duplicated, run.num_temp_files) == (0, 0, 0)

@@ -3,6 +3,8 @@
 Transient faults (reset, 500, 503 SlowDown, stall) on reads and writes are retried by
 the one store retry policy and the job completes with exactly one row per id; past
 the retry budget the job fails naming the store operation, and leaves no partial part.
+A store down for a while (every request reset) is retried through, or fails the same way
+and a rerun finishes the job exactly once.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import botocore.exceptions
 import pytest
 from proxy import ALL, READS, WRITES, FaultProxy, FaultRule
 from store_fixtures import NUM_ROWS, _isolated_cache, bucket_objects, s3, tiny_llm  # noqa: F401 - fixtures
-from store_scenarios import run_through_proxy, transient_rules
+from store_scenarios import drop_own_unreleased_lock, run_through_proxy, transient_rules
 
 from tokenmill.connectors.atomic import TEMP_MARKER
 from tokenmill.connectors.fs import resolve
@@ -117,3 +119,32 @@ def test_default_policy_attempts_per_request(s3):  # noqa: F811
     assert proxy.attempts("PUT") == STORE_RETRY_POLICY.max_attempts
     assert is_store_error(info.value) and not is_transient(info.value)
     assert isinstance(info.value.__cause__, botocore.exceptions.ClientError)
+
+
+@pytest.mark.parametrize(
+    "outage_s",
+    [1.0, pytest.param(40.0, marks=pytest.mark.slow)],
+    ids=["short", "past-the-budget"],
+)
+def test_a_store_down_for_a_while_ends_exactly_once_after_at_most_one_rerun(s3, tiny_llm, outage_s):  # noqa: F811
+    """Every request reset (a stopped server) for `outage_s` after the first part: a short
+    outage is absorbed by the retry policy or fails as a StoreError; one past any backoff
+    (at most 1+2+4+8 s of waits) always fails as a StoreError. A rerun then finishes."""
+    from scenarios_b import outage
+
+    prefix = f"outage-{int(outage_s)}"
+    run = run_through_proxy(s3, tiny_llm, [], prefix=prefix, on_proxy=outage(outage_s))
+    assert run.num_faults > 0, "the store never went down"
+    if outage_s > 20:
+        assert isinstance(run.error, StoreError), run.error
+    if run.error is not None:
+        assert isinstance(run.error, StoreError), run.error
+        message = str(run.error)  # names the operation, the object and the retries
+        assert f" s3://{s3.bucket}/{prefix}/out/" in message, message
+        assert "failed: " in message and "attempt" in message, message
+        # The failed run may not have released its lock while the store was down.
+        drop_own_unreleased_lock(s3, prefix)
+        run = run_through_proxy(s3, tiny_llm, [], prefix=prefix)
+    assert run.error is None, run.error
+    assert (run.rows_lost, run.rows_duplicated) == (0, 0)
+    assert [k for k in bucket_objects(s3, f"{prefix}/out") if TEMP_MARKER in k] == []

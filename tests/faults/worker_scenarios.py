@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distributed.diagnostics.plugin import WorkerPlugin
+from operator_cluster import START_TIMEOUT_S
 from store_fixtures import lost_and_duplicated
 
 SHARD_TASK_PREFIX = "shard_task"
@@ -133,5 +134,81 @@ def run_with_worker_death(
         num_shards=ledger.num_shards if ledger else 0,
         ledger_rows=(ledger.rows_ok + ledger.rows_failed) if ledger else 0,
         num_parts=len(list(Path(output, "results").glob("*.parquet"))),
+        num_temp_files=sum(1 for p in Path(output).rglob("*") if is_temp_name(p.name)),
+    )
+
+
+@dataclass
+class SchedulerRestartRun:
+    restarted: bool  # the scheduler was killed after `after_parts` parts and started again
+    first_completed: bool
+    first_message: str | None
+    first_seconds: float
+    rerun_completed: bool
+    rows_lost: int  # after the rerun, against the input's ids
+    rows_duplicated: int
+    num_temp_files: int
+
+
+def run_with_scheduler_restart(
+    cluster,
+    input_path: str,
+    output: str,
+    model: str,
+    *,
+    after_parts: int = 2,
+    timeout_s: float = 300,
+    **options,
+) -> SchedulerRestartRun:
+    """Runs `batch_inference` on an operator cluster (tests/faults/operator_cluster.py)
+    whose scheduler is SIGKILLed and started again on the same address once `after_parts`
+    result parts are published; then runs the same job again, as an operator would."""
+    from tokenmill.connectors.atomic import is_temp_name
+    from tokenmill.flows import batch_inference, make_task_runner
+    from tokenmill.pipelines.output import read_results
+
+    restarted = threading.Event()
+
+    def restart_after_parts() -> None:
+        results = Path(output, "results")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if len(list(results.glob("*.parquet"))) >= after_parts:
+                cluster.restart_scheduler()
+                restarted.set()
+                return
+            time.sleep(0.05)
+
+    def run_flow():
+        flow = batch_inference.with_options(
+            task_runner=make_task_runner(dask_address=cluster.address)
+        )
+        return flow(input=input_path, output=output, model=model, return_state=True, **options)
+
+    watcher = threading.Thread(target=restart_after_parts, daemon=True)
+    watcher.start()
+    # The first run goes in a thread so that a flow hanging on the lost scheduler fails
+    # the scenario after `timeout_s` instead of hanging the test run.
+    outcome: dict = {}
+    flow_thread = threading.Thread(target=lambda: outcome.update(state=run_flow()), daemon=True)
+    started = time.monotonic()
+    flow_thread.start()
+    flow_thread.join(timeout=timeout_s)
+    first_seconds = time.monotonic() - started
+    if "state" not in outcome:
+        raise AssertionError(f"the flow did not end {timeout_s:.0f} s after it started")
+    first = outcome["state"]
+    watcher.join(timeout=START_TIMEOUT_S)
+    rerun = run_flow()
+    ids = [json.loads(line)["id"] for line in Path(input_path).read_text().splitlines()]
+    lost, duplicated = lost_and_duplicated(read_results(output)["id"].to_pylist(), ids)
+    return SchedulerRestartRun(
+        restarted=restarted.is_set(),
+        first_completed=first.is_completed(),
+        first_message=first.message,
+        first_seconds=first_seconds,
+        rerun_completed=rerun.is_completed(),
+        rows_lost=lost,
+        rows_duplicated=duplicated,
         num_temp_files=sum(1 for p in Path(output).rglob("*") if is_temp_name(p.name)),
     )

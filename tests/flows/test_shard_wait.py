@@ -9,6 +9,7 @@ times, and a publish slower than the publish interval; no server is needed.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import uuid
@@ -107,3 +108,28 @@ def test_a_failed_shard_fails_the_wait_after_all_shards_end(short_interval):
     with pytest.raises(RuntimeError, match="1 of 3 shard tasks did not complete"):
         run_waits(progress, [0.05, 0.3, 0.5], fail={0})
     assert time.monotonic() - started >= 0.5  # the other shards were waited for
+
+
+class CancelledShard:
+    """A shard future as the Dask runner's looks once its client lost the scheduler: it
+    has ended, and waiting on it raises the client's cancellation."""
+
+    def add_done_callback(self, callback):
+        callback(self)
+
+    def wait(self):
+        raise concurrent.futures.CancelledError(
+            "shard_task-1c94 cancelled for reason: scheduler-connection-lost.\n"
+            "Client lost the connection to the scheduler."
+        )
+
+
+def test_shards_cancelled_by_a_lost_scheduler_fail_the_wait_by_name(short_interval):
+    progress = SlowProgress(seconds=0)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [*shard_futures(pool, [0.05, 0.2]), CancelledShard()]
+        with pytest.raises(RuntimeError) as raised:
+            batch_flow._shard_runs(SimpleNamespace(job_id="j1"), futures, progress)
+    message = str(raised.value)
+    assert message.startswith("job j1: 1 of 3 shard tasks were cancelled by the task runner")
+    assert "scheduler-connection-lost" in message and "run the flow again" in message
