@@ -66,8 +66,7 @@ def test_slow_publish_on_the_main_thread_does_not_crash_the_wait(short_interval)
     progress, started = SlowProgress(), time.monotonic()
     runs = run_waits(progress, [0.05, 0.3, 0.6, 1.0])
     assert runs == ["run-0", "run-1", "run-2", "run-3"]
-    # published before waiting, and again once the last shard had ended
-    assert progress.starts[0] - started < 0.05
+    # published again once the last shard had ended (before waiting: the test below)
     assert progress.starts[-1] - started >= 1.0
 
 
@@ -92,12 +91,16 @@ def test_slow_publish_off_the_main_thread_does_not_crash_the_wait(short_interval
 def test_publishes_between_shards_while_nothing_ends(short_interval):
     class Counting:
         calls = 0
+        first = None
 
         def publish(self):
             self.calls += 1
+            self.first = self.first or time.monotonic()
 
-    progress = Counting()
+    progress, started = Counting(), time.monotonic()
     assert run_waits(progress, [1.0]) == ["run-0"]
+    # published before waiting: well before the only shard ends (slack for a loaded machine)
+    assert progress.first - started < 0.5
     # ~1 s of waiting at a 0.1 s interval: several timed publishes, not just start and end
     assert progress.calls >= 5
 
