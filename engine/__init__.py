@@ -83,6 +83,11 @@ _EXPORTS: dict[str, str] = {
     "ImageError": "tokenmill.engine.loader.images",
     "image_size": "tokenmill.engine.loader.images",
     "DEFAULT_MAX_IMAGE_PIXELS": "tokenmill.engine.types.config",
+    # Reasoning: whether a chat answer's reasoning is written apart, and its split.
+    "reasoning_format": "tokenmill.engine.api.reasoning",
+    "reasons_apart_with_effort": "tokenmill.engine.api.reasoning",
+    "split_reasoning_of": "tokenmill.engine.api.reasoning",
+    "REASONING_EFFORTS": "tokenmill.engine.api.reasoning",
     # LoRA adapters: checked against a model, merged into its weights.
     "describe_adapter": "tokenmill.engine.lora.adapters",
     "model_names": "tokenmill.engine.lora.adapters",
@@ -114,6 +119,10 @@ __all__ = [
     "ImageLayout",
     "image_layout",
     "image_size",
+    "REASONING_EFFORTS",
+    "reasoning_format",
+    "reasons_apart_with_effort",
+    "split_reasoning_of",
     "JobOption",
     "ALIASES",
     "CLASSIFY",
@@ -197,6 +206,12 @@ if TYPE_CHECKING:  # what a type checker and an IDE see; nothing is imported at 
     from tokenmill.engine.api.image_prompts import ImageLayout, image_layout
     from tokenmill.engine.api.llm import LLM
     from tokenmill.engine.api.plan import Plan
+    from tokenmill.engine.api.reasoning import (
+        REASONING_EFFORTS,
+        reasoning_format,
+        reasons_apart_with_effort,
+        split_reasoning_of,
+    )
     from tokenmill.engine.core.simulation import PlannedRequest, StepLoad
     from tokenmill.engine.loader.aliases import ALIASES, DEFAULT_MODEL
     from tokenmill.engine.loader.gguf_convert import convert_gguf

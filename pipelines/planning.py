@@ -46,6 +46,7 @@ from tokenmill.pipelines.pooling import (
 )
 from tokenmill.pipelines.prefix_cut import FILL, PREFIX
 from tokenmill.pipelines.reading import Window, read_windows
+from tokenmill.pipelines.reasoning import check_reasoning_params, job_reasoning_format
 from tokenmill.pipelines.results import DUPLICATE_OF, extra_columns
 from tokenmill.pipelines.spec import ConstraintCheck, JobSpec, ParamsTable
 from tokenmill.pipelines.spill import shard_table
@@ -93,6 +94,9 @@ class JobPlan:
     # results then count each row's image tokens.
     has_images: bool = False
     tokens_per_image: int = 0  # each image's soft tokens (0: the model takes no images)
+    # The rows' answers are split into reasoning and final text (`pipelines/reasoning.py`):
+    # the model's reasoning format, or None.
+    reasoning_format: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -117,7 +121,10 @@ class JobPlan:
     def result_extras(self) -> tuple[str, ...]:
         """The optional result columns every part of this job has (`results.py`)."""
         extras = extra_columns(
-            self.params, has_adapters=bool(self.adapters), has_images=self.has_images
+            self.params,
+            has_adapters=bool(self.adapters),
+            has_images=self.has_images,
+            reasons_apart=self.reasoning_format is not None,
         )
         return (*extras, DUPLICATE_OF) if self.rows_deduplicated else extras
 
@@ -182,6 +189,8 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     params = ParamsTable(
         spec.sampling, check=_constraint_check(model, tokenizer, llm), max_n=spec.max_n
     )
+    reasoning = job_reasoning_format(task=spec.task, raw=spec.raw, tokenizer=tokenizer)
+    check_reasoning_params(reasoning, params.params)
     shards: list[Shard] = []
     copy_shards: list[Shard] = []
     num_rows = num_failed = 0
@@ -265,6 +274,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         cut_rule=cut_rule,
         has_images=has_images,
         tokens_per_image=images.places.tokens_per_image if images is not None else 0,
+        reasoning_format=reasoning,
     )
     log.info(
         "planned job %s: %d rows (%d failed before compute, %d duplicates computed once), "

@@ -41,6 +41,11 @@ has the same schema):
     image_tokens                int64: of the row's prompt_tokens, its images' soft
                                 tokens (0 on error rows and copies, which bill none).
                                 With an image column, or OpenAI batch lines with images.
+    reasoning_content           string: the reasoning a chat answer wrote apart (gpt-oss's
+                                analysis channel, Qwen3's <think> block), split from
+                                `output`, which keeps the final answer; null when the row
+                                wrote none. With a chat job on a model whose template
+                                writes reasoning apart (`JobPlan.reasoning_format`).
 
 and one when the job reads its input with `on_decode_error="replace"`:
 
@@ -101,6 +106,7 @@ DECODE_REPLACED = "decode_replaced"
 ERROR_CODE = "error_code"
 ADAPTER = "adapter"
 IMAGE_TOKENS = "image_tokens"
+REASONING_CONTENT = "reasoning_content"
 # An OpenAI batch file's embeddings in a generation job's results (sizes may differ).
 _LINE_EMBEDDINGS = PoolingLayout("embed")
 EXTRA_FIELDS = {
@@ -112,6 +118,7 @@ EXTRA_FIELDS = {
     DUPLICATE_OF: pa.field(DUPLICATE_OF, pa.string()),
     ADAPTER: pa.field(ADAPTER, pa.string()),
     IMAGE_TOKENS: pa.field(IMAGE_TOKENS, pa.int64(), nullable=False),
+    REASONING_CONTENT: pa.field(REASONING_CONTENT, pa.string()),
     DECODE_REPLACED: pa.field(DECODE_REPLACED, pa.bool_(), nullable=False),
 }
 # What a copy's row bills: nothing was computed for it.
@@ -128,6 +135,7 @@ def extra_columns(
     *,
     has_adapters: bool = False,
     has_images: bool = False,
+    reasons_apart: bool = False,
 ) -> tuple[str, ...]:
     """The optional result columns a job's distinct params (and LoRA adapters) call for,
     in schema order.
@@ -150,6 +158,8 @@ def extra_columns(
         extras.append(ADAPTER)
     if has_images:
         extras.append(IMAGE_TOKENS)
+    if reasons_apart:
+        extras.append(REASONING_CONTENT)
     return tuple(extras)
 
 
@@ -224,6 +234,7 @@ def result_record(
         "structured_output_complete": output.structured_output_complete,
         "completions": completions,
         "logprobs": completions[0].get("logprobs"),
+        REASONING_CONTENT: output.outputs[0].reasoning_content,
     }
 
 

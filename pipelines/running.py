@@ -26,6 +26,7 @@ from tokenmill.pipelines.ledger import ShardStats, now_iso, token_sums
 from tokenmill.pipelines.logprobs import LogprobsColumn
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan, load_shard
+from tokenmill.pipelines.reasoning import split_answers
 from tokenmill.pipelines.results import (
     ERROR_CODE,
     build_results,
@@ -151,6 +152,7 @@ def run_shard(
         loras=plan.lora_requests,
     )
     seconds = time.perf_counter() - t0
+    split_answers(llm, plan.reasoning_format, outputs)
     table = build_results(
         rows,
         outputs,

@@ -1,0 +1,54 @@
+"""A chat job's answers split into reasoning and final text, as `LLM.chat` splits them.
+
+Models whose chat template makes them write their reasoning apart (gpt-oss's harmony
+analysis channel, Qwen3's `<think>` block; `tokenmill.engine.reasoning_format`) answer a
+chat-rendered row with both. A job over such a model decides once, at planning, that its
+rows are split: the final answer stays in `output` and the reasoning goes to the
+`reasoning_content` result column (`pipelines/results.py`), so every part of the job has
+the same schema. Raw jobs (`raw=True`, scoring) are not chat answers: nothing is split.
+
+gpt-oss's markers are special tokens, so its answers are split from their token ids
+with the markers kept: decoded with special tokens skipped, the channel words would run
+into the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokenmill.engine import (
+    RequestOutput,
+    SamplingParams,
+    reasoning_format,
+    split_reasoning_of,
+)
+from tokenmill.pipelines.scoring import GENERATE
+
+
+def job_reasoning_format(*, task: str, raw: bool | None, tokenizer: Any) -> str | None:
+    """How a job's answers are split: the model's reasoning format when the job sends
+    its rows through the chat template to generate; None otherwise (nothing is split)."""
+    if task != GENERATE or raw or getattr(tokenizer, "chat_template", None) is None:
+        return None
+    return reasoning_format(tokenizer)
+
+
+def check_reasoning_params(fmt: str | None, params: Sequence[Any]) -> None:
+    """Refuse what the `reasoning_content` column cannot hold yet: several completions a
+    row (`completions` has no reasoning field, so theirs would be lost)."""
+    if fmt is None:
+        return
+    if any(isinstance(p, SamplingParams) and p.n > 1 for p in params):
+        raise ValueError(
+            "n > 1 is not supported yet for a model that writes its reasoning apart "
+            f"({fmt}): only the first completion's reasoning has a result column"
+        )
+
+
+def split_answers(llm: Any, fmt: str | None, outputs: Mapping[int, RequestOutput]) -> None:
+    """Split each output's completions in place (`reasoning_content`, answer in `text`)
+    with `llm`'s tokenizer when the job's rows are split (`fmt` is not None)."""
+    if fmt is None:
+        return
+    split_reasoning_of(llm.tokenizer, [o for o in outputs.values() if o.outputs])

@@ -1,0 +1,83 @@
+"""Chat jobs over models that write their reasoning apart: the `reasoning_content`
+result column equals `LLM.chat`'s split of the same rows (a choice constraint fixes the
+answer), raw jobs and plain templates split nothing, and n > 1 is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_model import build_tiny_model
+
+from tokenmill.engine.api.llm import LLM
+from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine.types.structured_outputs import StructuredOutputs
+from tokenmill.pipelines.job import run_job
+from tokenmill.pipelines.output import read_results
+
+THINK_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{# <think></think> #}"
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    "{{ reasoning_effort | default('medium') }}{# <|channel|> #}"
+)
+THINK_ANSWER = "<think>two plus two</think>four"
+HARMONY_ANSWER = (
+    "<|channel|>analysis<|message|>easy<|end|><|start|>assistant<|channel|>final<|message|>four"
+)
+PROMPTS = ["hi", "what is 2+2?"]
+
+
+def job_rows(tmp_path, template: str, answer: str, **options) -> tuple[LLM, dict]:
+    model = tmp_path / "model"
+    build_tiny_model(model, chat_template=template)
+    src = tmp_path / "in.csv"
+    src.write_text("id,prompt\n" + "".join(f'{i},"{p}"\n' for i, p in enumerate(PROMPTS)))
+    llm = LLM(str(model), dtype="float32")
+    out = tmp_path / "out"
+    opts = {
+        "choice": [answer],
+        "max_tokens": len(answer) + 2,
+        "temperature": 0,
+        "id_column": "id",
+        **options,
+    }
+    run_job(str(src), str(out), llm=llm, **opts)
+    return llm, {r["id"]: r for r in read_results(str(out)).to_pylist()}
+
+
+def chat_split(llm: LLM, answer: str) -> list[tuple[str | None, str]]:
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=len(answer) + 2,
+        structured_outputs=StructuredOutputs(choice=[answer]),
+    )
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
+    return [(o.outputs[0].reasoning_content, o.text) for o in outputs]
+
+
+@pytest.mark.parametrize(
+    ("template", "answer", "split"),
+    [
+        (THINK_TEMPLATE, THINK_ANSWER, ("two plus two", "four")),
+        (HARMONY_TEMPLATE, HARMONY_ANSWER, ("easy", "four")),
+    ],
+    ids=["think", "harmony"],
+)
+def test_a_chat_job_splits_as_llm_chat_does(tmp_path, template, answer, split):
+    llm, rows = job_rows(tmp_path, template, answer)
+    got = [(rows[str(i)]["reasoning_content"], rows[str(i)]["output"]) for i in range(len(PROMPTS))]
+    assert got == chat_split(llm, answer) == [split] * len(PROMPTS)
+    assert all(r["error"] is None and r["finish_reason"] == "stop" for r in rows.values())
+
+
+def test_a_raw_job_and_a_plain_template_split_nothing(tmp_path):
+    _, rows = job_rows(tmp_path / "raw", THINK_TEMPLATE, THINK_ANSWER, raw=True)
+    assert [r["output"] for r in rows.values()] == [THINK_ANSWER] * len(PROMPTS)
+    assert "reasoning_content" not in next(iter(rows.values()))
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    _, rows = job_rows(tmp_path / "plain", plain, THINK_ANSWER)
+    assert [r["output"] for r in rows.values()] == [THINK_ANSWER] * len(PROMPTS)
+    assert "reasoning_content" not in next(iter(rows.values()))
+
+
+def test_several_completions_are_refused_for_a_reasoning_model(tmp_path):
+    with pytest.raises(ValueError, match="n > 1 is not supported yet for a model that writes"):
+        job_rows(tmp_path, THINK_TEMPLATE, THINK_ANSWER, n=2, temperature=1.0)
