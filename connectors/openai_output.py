@@ -4,7 +4,9 @@ A row's body has the shape of its request's endpoint: a ChatCompletion (with
 `logprobs.content` where asked for, `message.tool_calls` where the request's tools were
 called), a legacy Completion (with its `logprobs` of tokens, token_logprobs, top_logprobs
 and text_offset), or a Responses API `Response` - the shapes the `openai` package's own
-types validate.
+types validate. An answer whose reasoning was written apart (a `reasoning_content`
+result column) carries it as vLLM does: `message.reasoning_content` in a ChatCompletion,
+a `reasoning` output item before the message in a Response.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def _body(row: dict, url: str, model_name: str, created: int, digest: str) -> di
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     reason = "tool_calls" if reason == "stop" else reason
+            if "reasoning_content" in row:  # as vLLM: the reasoning written apart, or null
+                message["reasoning_content"] = row["reasoning_content"] if index == 0 else None
             choice["message"] = message
             choice["logprobs"] = None if logprobs is None else _chat_logprobs(logprobs)
         else:
@@ -188,8 +192,25 @@ def _completion_logprobs(entries: list[dict]) -> dict[str, Any]:
     }
 
 
+def _reasoning_items(row: dict, digest: str) -> list[dict[str, Any]]:
+    """The Responses API's reasoning item before the message, when the row's answer
+    wrote reasoning apart (its text as `reasoning_text` content; no summary is made)."""
+    reasoning = row.get("reasoning_content")
+    if reasoning is None:
+        return []
+    return [
+        {
+            "type": "reasoning",
+            "id": f"rs_{digest[:32]}",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": reasoning}],
+        }
+    ]
+
+
 def _response_body(row: dict, model_name: str, created: int, digest: str) -> dict[str, Any]:
-    """A Responses API `Response`: one output message holding the text."""
+    """A Responses API `Response`: the reasoning item if the answer wrote one apart,
+    then one output message holding the text."""
     text, reason, _ = _completions(row)[0]
     is_complete = reason != "length"
     prompt_tokens = int(row["prompt_tokens"] or 0)
@@ -203,13 +224,14 @@ def _response_body(row: dict, model_name: str, created: int, digest: str) -> dic
         "error": None,
         "model": model_name,
         "output": [
+            *_reasoning_items(row, digest),
             {
                 "type": "message",
                 "id": f"msg_{digest[32:64]}",
                 "status": "completed" if is_complete else "incomplete",
                 "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": []}],
-            }
+            },
         ],
         "parallel_tool_calls": False,
         "tool_choice": "none",

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,12 +151,17 @@ class Deduplicator:
         self._window_sources: dict[int, bytes] = {}  # row index -> digest
         self._pending: list[Copy] = []
 
-    def split(self, rows: Sequence[PromptRow]) -> list[PromptRow]:
-        """The rows of a window to compute (input order kept); its copies are kept here."""
+    def split(self, rows: Sequence[PromptRow], apart: Collection[int] = ()) -> list[PromptRow]:
+        """The rows of a window to compute (input order kept); its copies are kept here.
+        Rows whose index is in `apart` are computed themselves, never copied nor copied
+        from (their answer is read otherwise than their twins': a raw line in a job that
+        splits chat answers' reasoning)."""
         candidates = [
             i
             for i, r in enumerate(rows)
-            if r.token_ids is not None and is_deterministic(self.params[r.params_index])
+            if r.token_ids is not None
+            and is_deterministic(self.params[r.params_index])
+            and r.row_index not in apart
         ]
         digests = {i: row_digest(rows[i]) for i in candidates}
         earlier = dict(zip(candidates, self.index.lookup([digests[i] for i in candidates])))

@@ -46,7 +46,11 @@ from tokenmill.pipelines.pooling import (
 )
 from tokenmill.pipelines.prefix_cut import FILL, PREFIX
 from tokenmill.pipelines.reading import Window, read_windows
-from tokenmill.pipelines.reasoning import check_reasoning_params, job_reasoning_format
+from tokenmill.pipelines.reasoning import (
+    check_reasoning_params,
+    job_reasoning_format,
+    raw_lines,
+)
 from tokenmill.pipelines.results import DUPLICATE_OF, extra_columns
 from tokenmill.pipelines.spec import ConstraintCheck, JobSpec, ParamsTable
 from tokenmill.pipelines.spill import shard_table
@@ -213,7 +217,11 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     )
     try:
         for window in windows:
-            rows = dedupe.split(window.rows) if dedupe is not None else window.rows
+            rows = (
+                dedupe.split(window.rows, raw_lines(reasoning, window))
+                if dedupe is not None
+                else window.rows
+            )
             planned_shards = plan_shards(
                 rows,
                 params.params,

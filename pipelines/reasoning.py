@@ -5,7 +5,8 @@ analysis channel, Qwen3's `<think>` block; `tokenmill.engine.reasoning_format`) 
 chat-rendered row with both. A job over such a model decides once, at planning, that its
 rows are split: the final answer stays in `output` and the reasoning goes to the
 `reasoning_content` result column (`pipelines/results.py`), so every part of the job has
-the same schema. Raw jobs (`raw=True`, scoring) are not chat answers: nothing is split.
+the same schema. Raw jobs (`raw=True`, scoring) and an OpenAI batch file's
+/v1/completions lines are not chat answers: nothing of theirs is split.
 
 gpt-oss's markers are special tokens, so its answers are split from their token ids
 with the markers kept: decoded with special tokens skipped, the channel words would run
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tokenmill.connectors import COMPLETIONS_URL
 from tokenmill.engine import (
     RequestOutput,
     SamplingParams,
@@ -46,9 +48,28 @@ def check_reasoning_params(fmt: str | None, params: Sequence[Any]) -> None:
         )
 
 
-def split_answers(llm: Any, fmt: str | None, outputs: Mapping[int, RequestOutput]) -> None:
+def raw_lines(fmt: str | None, window: Any) -> set[int]:
+    """The row indices of a planning window's /v1/completions lines when the job splits
+    chat answers: they must not share an answer with a chat line of the same tokens."""
+    if fmt is None or window.endpoints is None:
+        return set()
+    start = window.start
+    return {start + i for i, url in enumerate(window.endpoints) if url == COMPLETIONS_URL}
+
+
+def split_answers(
+    llm: Any,
+    fmt: str | None,
+    outputs: Mapping[int, RequestOutput],
+    endpoints: Mapping[int, str | None] | None = None,
+) -> None:
     """Split each output's completions in place (`reasoning_content`, answer in `text`)
-    with `llm`'s tokenizer when the job's rows are split (`fmt` is not None)."""
+    with `llm`'s tokenizer when the job's rows are split (`fmt` is not None).
+
+    `endpoints` (row index -> an OpenAI batch line's url): a /v1/completions line is
+    sent raw, as OpenAI's completions endpoint does, so its text is left whole."""
     if fmt is None:
         return
-    split_reasoning_of(llm.tokenizer, [o for o in outputs.values() if o.outputs])
+    endpoints = endpoints or {}
+    chat = [o for i, o in outputs.items() if o.outputs and endpoints.get(i) != COMPLETIONS_URL]
+    split_reasoning_of(llm.tokenizer, chat)

@@ -152,7 +152,11 @@ def run_shard(
         loras=plan.lora_requests,
     )
     seconds = time.perf_counter() - t0
-    split_answers(llm, plan.reasoning_format, outputs)
+    if planned.endpoints is not None:
+        endpoints = {r.row_index: url for r, url in zip(rows, planned.endpoints)}
+    else:
+        endpoints = None
+    split_answers(llm, plan.reasoning_format, outputs, endpoints)
     table = build_results(
         rows,
         outputs,

@@ -4,7 +4,12 @@ answer), raw jobs and plain templates split nothing, and n > 1 is refused by nam
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
 from tiny_model import build_tiny_model
 
 from tokenmill.engine.api.llm import LLM
@@ -81,3 +86,43 @@ def test_a_raw_job_and_a_plain_template_split_nothing(tmp_path):
 def test_several_completions_are_refused_for_a_reasoning_model(tmp_path):
     with pytest.raises(ValueError, match="n > 1 is not supported yet for a model that writes"):
         job_rows(tmp_path, THINK_TEMPLATE, THINK_ANSWER, n=2, temperature=1.0)
+
+
+def batch_line(custom_id: str, url: str, **body) -> dict:
+    budget = "max_output_tokens" if url == "/v1/responses" else "max_tokens"
+    body = {"model": "m", budget: len(THINK_ANSWER) + 2, "temperature": 0, **body}
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def test_openai_batch_lines_carry_reasoning_as_vllm_does(tmp_path):
+    model = tmp_path / "model"
+    build_tiny_model(model, chat_template=THINK_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    lines = [
+        batch_line("chat", "/v1/chat/completions", messages=messages),
+        batch_line("raw", "/v1/completions", prompt="hi"),
+        batch_line("resp", "/v1/responses", input="hi"),
+    ]
+    src = tmp_path / "batch.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out"
+    llm = LLM(str(model), dtype="float32")
+    opts = {"format": "openai-batch", "output_format": "openai-batch", "choice": [THINK_ANSWER]}
+    run_job(str(src), str(out), llm=llm, **opts)
+    rows = {r["id"]: r for r in read_results(str(out)).to_pylist()}
+    assert [r["error"] for r in rows.values()] == [None] * 3
+    assert (rows["chat"]["reasoning_content"], rows["chat"]["output"]) == ("two plus two", "four")
+    assert (rows["raw"]["reasoning_content"], rows["raw"]["output"]) == (None, THINK_ANSWER)
+    written = {
+        w["custom_id"]: w["response"]["body"]
+        for w in map(json.loads, (out / "results.jsonl").read_text().splitlines())
+    }
+    chat = ChatCompletion.model_validate(written["chat"])
+    message = chat.choices[0].message
+    assert (message.content, message.reasoning_content) == ("four", "two plus two")
+    assert Completion.model_validate(written["raw"]).choices[0].text == THINK_ANSWER
+    response = Response.model_validate(written["resp"])
+    reasoning, answer = response.output
+    assert reasoning.type == "reasoning"
+    assert [c.text for c in reasoning.content] == ["two plus two"]
+    assert response.output_text == "four"
