@@ -67,6 +67,7 @@ OPENAI_BATCH_SCHEMA = pa.schema(
         ("tools", pa.string()),  # the function tools, for the chat template
         ("tool_calls", pa.string()),  # how to read the answer as tool calls (openai_tools.py)
         ("dimensions", pa.int64()),  # /v1/embeddings
+        ("reasoning_effort", pa.string()),  # for the chat template (gpt-oss's)
     ]
 )
 

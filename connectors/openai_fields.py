@@ -224,6 +224,13 @@ def _best_of(body: dict[str, Any], number: int) -> dict[str, Any]:
     return {}
 
 
+def _reasoning_effort(body: dict[str, Any], number: int) -> dict[str, Any]:
+    # Its values and whether the model reads it are the chat template's to say: the row
+    # is rendered with it (pipelines/reasoning.py), and refused there by name.
+    _check(isinstance(body["reasoning_effort"], str), number, "reasoning_effort", "a string")
+    return {"reasoning_effort": body["reasoning_effort"]}
+
+
 def _modalities(body: dict[str, Any], number: int) -> dict[str, Any]:
     if body["modalities"] != ["text"]:
         raise BadLine(number, 'body.modalities is refused unless it is ["text"]')
@@ -335,7 +342,13 @@ CHAT_FIELDS: tuple[Field, ...] = (
     Field("audio", REFUSED, "no audio output"),
     Field("functions", REFUSED, "deprecated: give tools"),
     Field("function_call", REFUSED, "deprecated: give tool_choice"),
-    Field("reasoning_effort", REFUSED, "no reasoning-effort control"),
+    Field(
+        "reasoning_effort",
+        HONOURED,
+        "to the chat template (low, medium, high); an error row for a model whose template "
+        "does not read it",
+        _reasoning_effort,
+    ),
     Field("verbosity", REFUSED, "no verbosity control"),
     Field("web_search_options", REFUSED, "no web search"),
 )

@@ -61,6 +61,7 @@ from tokenmill.engine import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MODEL,
     FIELD_DEFAULT,
+    REASONING_EFFORTS,
     SamplingParams,
     StructuredOutputs,
     engine_settings,
@@ -397,6 +398,16 @@ OPTIONS: tuple[Option, ...] = (
         PROMPTS,
         to=PROMPT,
         flag="--raw/--chat",
+    ),
+    Option(
+        "reasoning_effort",
+        choice(*REASONING_EFFORTS),
+        None,
+        "How long a reasoning model thinks, given to its chat template (gpt-oss's reads "
+        "it); refused for a model whose template does not. An OpenAI batch line's own "
+        "reasoning_effort wins.",
+        PROMPTS,
+        to=PROMPT,
     ),
     Option(
         "allow_special_tokens",

@@ -47,6 +47,7 @@ from tokenmill.pipelines.pooling import (
 from tokenmill.pipelines.prefix_cut import FILL, PREFIX
 from tokenmill.pipelines.reading import Window, read_windows
 from tokenmill.pipelines.reasoning import (
+    check_reasoning_effort,
     check_reasoning_params,
     job_reasoning_format,
     raw_lines,
@@ -195,6 +196,8 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     )
     reasoning = job_reasoning_format(task=spec.task, raw=spec.raw, tokenizer=tokenizer)
     check_reasoning_params(reasoning, params.params)
+    if spec.reasoning_effort is not None:  # the job's: a usage error before any row
+        check_reasoning_effort(tokenizer, spec.reasoning_effort)
     shards: list[Shard] = []
     copy_shards: list[Shard] = []
     num_rows = num_failed = 0

@@ -20,9 +20,11 @@ from typing import Any
 
 from tokenmill.connectors import COMPLETIONS_URL
 from tokenmill.engine import (
+    REASONING_EFFORTS,
     RequestOutput,
     SamplingParams,
     reasoning_format,
+    reasons_apart_with_effort,
     split_reasoning_of,
 )
 from tokenmill.pipelines.scoring import GENERATE
@@ -34,6 +36,19 @@ def job_reasoning_format(*, task: str, raw: bool | None, tokenizer: Any) -> str 
     if task != GENERATE or raw or getattr(tokenizer, "chat_template", None) is None:
         return None
     return reasoning_format(tokenizer)
+
+
+def check_reasoning_effort(tokenizer: Any, effort: Any) -> None:
+    """Raise ValueError naming why `effort` cannot go to this model's chat template: a
+    value gpt-oss's template does not know, or a template that does not read it."""
+    if not reasons_apart_with_effort(tokenizer):
+        raise ValueError(
+            "reasoning_effort is given but this model's chat template does not read it"
+        )
+    if effort not in REASONING_EFFORTS:
+        raise ValueError(
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, not {effort!r}"
+        )
 
 
 def check_reasoning_params(fmt: str | None, params: Sequence[Any]) -> None:

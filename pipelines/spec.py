@@ -90,6 +90,7 @@ class JobSpec:
     on_decode_error: str = job_option("on_decode_error")
     system: str | None = job_option("system")
     raw: bool | None = job_option("raw")
+    reasoning_effort: str | None = job_option("reasoning_effort")
     allow_special_tokens: bool = job_option("allow_special_tokens")
     max_tokens: int = job_option("max_tokens")
     min_tokens: int = job_option("min_tokens")

@@ -35,6 +35,7 @@ import json
 import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 # messages (and template variables such as tools=) -> prompt text; raises ValueError on
@@ -92,6 +93,8 @@ class TemplateSpec:
     fallback_prompt: bool = False
     tools_column: str | None = None
     allow_special_tokens: bool = False
+    # For the chat template (gpt-oss's reads it); an OpenAI batch line's own wins.
+    reasoning_effort: str | None = None
 
     def __post_init__(self) -> None:
         if self.messages_column is None and self.template is None and not self.prompt_column:
@@ -104,6 +107,11 @@ class TemplateSpec:
             raise ValueError(
                 "a system prompt is sent through the chat template, and raw text is not: "
                 "give one of system and raw"
+            )
+        if self.reasoning_effort is not None and self.raw and self.messages_column is None:
+            raise ValueError(
+                "reasoning_effort is read by the chat template, and raw text is not sent "
+                "through it: give one of reasoning_effort and raw"
             )
 
     @property
@@ -404,7 +412,8 @@ def _render_plain(
             raise ValueError("a messages column needs a tokenizer with a chat template")
         tools = _tools(row.get(spec.tools_column)) if spec.tools_column else {}
         messages = normalize_messages(value, system=spec.system)
-        text, spans = marks.restore(chat(marks.mark(messages), **marks.mark(tools)))
+        variables = {**marks.mark(tools), **_effort(row, spec)}
+        text, spans = marks.restore(chat(marks.mark(messages), **variables))
         return text, True, spans
     if spec.mode == "template":
         fields = template_fields(spec.template)
@@ -425,9 +434,20 @@ def _render_plain(
     )
 
 
+def _effort(row: Mapping[str, Any], spec: TemplateSpec) -> dict[str, Any]:
+    """The chat template's `reasoning_effort` variable, if the row or the job gives one."""
+    effort = row.get("reasoning_effort") if spec.tools_column else None
+    effort = effort if effort is not None else spec.reasoning_effort
+    return {} if effort is None else {"reasoning_effort": effort}
+
+
 def _text_renderer(spec: TemplateSpec, chat: ChatRenderer | None) -> ChatRenderer | None:
     """The chat template for prompt/template text, or None when it is sent raw."""
-    return None if spec.raw else chat
+    if spec.raw or chat is None:
+        return None
+    if spec.reasoning_effort is None:
+        return chat
+    return partial(chat, reasoning_effort=spec.reasoning_effort)
 
 
 def _render_text(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
+from tokenmill.pipelines.reasoning import check_reasoning_effort
 from tokenmill.pipelines.templating import ChatRenderer, RenderedRow, SpecialStrings
 
 
@@ -179,6 +180,8 @@ def chat_renderer(tokenizer: Any, *, add_generation_prompt: bool = True) -> Chat
     )
 
     def _render(messages: list[dict[str, Any]], **variables: Any) -> str:
+        if "reasoning_effort" in variables:
+            check_reasoning_effort(tokenizer, variables["reasoning_effort"])
         try:
             return render(messages, **variables)
         except ValueError:

@@ -122,7 +122,7 @@ SAMPLES = {
         "audio": ({"audio": {"voice": "alloy", "format": "mp3"}}, None),
         "functions": ({"functions": [WEATHER["function"]]}, None),
         "function_call": ({"function_call": "auto"}, None),
-        "reasoning_effort": ({"reasoning_effort": "low"}, None),
+        "reasoning_effort": ({"reasoning_effort": "low"}, {"reasoning_effort": "low"}),
         "verbosity": ({"verbosity": "low"}, None),
         "web_search_options": ({"web_search_options": {}}, None),
     },

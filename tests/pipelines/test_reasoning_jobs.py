@@ -126,3 +126,55 @@ def test_openai_batch_lines_carry_reasoning_as_vllm_does(tmp_path):
     assert reasoning.type == "reasoning"
     assert [c.text for c in reasoning.content] == ["two plus two"]
     assert response.output_text == "four"
+
+
+def chat_prompt_tokens(llm: LLM, **chat_args) -> int:
+    params = SamplingParams(temperature=0, max_tokens=1)
+    out = llm.chat([{"role": "user", "content": PROMPTS[0]}], params, **chat_args)[0]
+    return len(out.prompt_token_ids)
+
+
+def test_reasoning_effort_as_a_job_option_reaches_the_chat_template(tmp_path):
+    llm, rows = job_rows(tmp_path, HARMONY_TEMPLATE, HARMONY_ANSWER, reasoning_effort="high")
+    high = chat_prompt_tokens(llm, reasoning_effort="high")
+    assert high != chat_prompt_tokens(llm)  # "medium" by default: another prompt
+    assert rows["0"]["prompt_tokens"] == high
+    assert (rows["0"]["reasoning_content"], rows["0"]["output"]) == ("easy", "four")
+
+
+def test_reasoning_effort_is_refused_before_compute_where_it_cannot_go(tmp_path):
+    with pytest.raises(ValueError, match="chat template does not read it"):
+        job_rows(tmp_path / "think", THINK_TEMPLATE, THINK_ANSWER, reasoning_effort="low")
+    with pytest.raises(ValueError, match="give one of reasoning_effort and raw"):
+        job_rows(
+            tmp_path / "raw", HARMONY_TEMPLATE, HARMONY_ANSWER, reasoning_effort="low", raw=True
+        )
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        job_rows(tmp_path / "bad", HARMONY_TEMPLATE, HARMONY_ANSWER, reasoning_effort="max")
+
+
+def test_a_batch_line_reasoning_effort_is_honoured_or_its_row_refused(tmp_path):
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    lines = [
+        batch_line("high", "/v1/chat/completions", messages=messages, reasoning_effort="high"),
+        batch_line("max", "/v1/chat/completions", messages=messages, reasoning_effort="max"),
+    ]
+    results = {}
+    for name, template, answer in [
+        ("harmony", HARMONY_TEMPLATE, HARMONY_ANSWER),
+        ("think", THINK_TEMPLATE, THINK_ANSWER),
+    ]:
+        model = tmp_path / name / "model"
+        build_tiny_model(model, chat_template=template)
+        src = tmp_path / name / "batch.jsonl"
+        src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        llm = LLM(str(model), dtype="float32")
+        out = tmp_path / name / "out"
+        run_job(str(src), str(out), llm=llm, format="openai-batch", choice=[answer])
+        results[name] = {r["id"]: r for r in read_results(str(out)).to_pylist()}
+        if name == "harmony":
+            high = chat_prompt_tokens(llm, reasoning_effort="high")
+    harmony, think = results["harmony"], results["think"]
+    assert harmony["high"]["error"] is None and harmony["high"]["prompt_tokens"] == high
+    assert "reasoning_effort must be one of low, medium, high, not 'max'" in harmony["max"]["error"]
+    assert "chat template does not read it" in think["high"]["error"]
