@@ -195,7 +195,6 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         spec.sampling, check=_constraint_check(model, tokenizer, llm), max_n=spec.max_n
     )
     reasoning = job_reasoning_format(task=spec.task, raw=spec.raw, tokenizer=tokenizer)
-    check_reasoning_params(reasoning, params.params)
     if spec.reasoning_effort is not None:  # the job's: a usage error before any row
         check_reasoning_effort(tokenizer, spec.reasoning_effort)
     shards: list[Shard] = []
@@ -258,6 +257,8 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
             num_failed += sum(1 for r in window.rows if r.error is not None)
             fault_point("plan_window")
         _check_rows_read(source, counts, num_rows)
+        # After every row: an OpenAI batch line's own n is among the params only now.
+        check_reasoning_params(reasoning, params.params)
     except BaseException:
         added = [s.shard_id for s in shards + copy_shards if s.shard_id not in existing]
         out.remove_plan(spec.output, spec.storage_options, shard_ids=added)

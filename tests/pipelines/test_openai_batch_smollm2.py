@@ -92,7 +92,6 @@ OTHER_VALUES = {
     "audio": {"voice": "alloy", "format": "mp3"},
     "functions": [WEATHER["function"]],
     "function_call": "auto",
-    "reasoning_effort": "low",
     "verbosity": "low",
     "web_search_options": {},
     "suffix": "end",

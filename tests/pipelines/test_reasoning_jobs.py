@@ -84,8 +84,18 @@ def test_a_raw_job_and_a_plain_template_split_nothing(tmp_path):
 
 
 def test_several_completions_are_refused_for_a_reasoning_model(tmp_path):
-    with pytest.raises(ValueError, match="n > 1 is not supported yet for a model that writes"):
+    refused = "n > 1 is not supported yet for a model that writes"
+    with pytest.raises(ValueError, match=refused):
         job_rows(tmp_path, THINK_TEMPLATE, THINK_ANSWER, n=2, temperature=1.0)
+    # An OpenAI batch line's own n, met only while its rows are read.
+    model = tmp_path / "model"
+    src = tmp_path / "batch.jsonl"
+    line = batch_line("two", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}])
+    line["body"].update(n=2, temperature=1.0)
+    src.write_text(json.dumps(line) + "\n")
+    llm = LLM(str(model), dtype="float32")
+    with pytest.raises(ValueError, match=refused):
+        run_job(str(src), str(tmp_path / "out2"), llm=llm, format="openai-batch")
 
 
 def batch_line(custom_id: str, url: str, **body) -> dict:
