@@ -48,9 +48,9 @@ from tokenmill.pipelines.prefix_cut import FILL, PREFIX
 from tokenmill.pipelines.reading import Window, read_windows
 from tokenmill.pipelines.reasoning import (
     check_reasoning_effort,
-    check_reasoning_params,
     job_reasoning_format,
     raw_lines,
+    several_completions_refusal,
 )
 from tokenmill.pipelines.results import DUPLICATE_OF, extra_columns
 from tokenmill.pipelines.spec import ConstraintCheck, JobSpec, ParamsTable
@@ -191,10 +191,17 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     pooling = _pooling_for(spec, model, tokenizer, max_model_len, llm)
     images = _images_for(spec, model, tokenizer)
     # A job-level constraint that cannot be compiled fails the job here, before any rows.
-    params = ParamsTable(
-        spec.sampling, check=_constraint_check(model, tokenizer, llm), max_n=spec.max_n
-    )
     reasoning = job_reasoning_format(task=spec.task, raw=spec.raw, tokenizer=tokenizer)
+    single_reason = several_completions_refusal(reasoning)
+    if single_reason is not None and getattr(spec.sampling, "n", 1) > 1:
+        raise ValueError(single_reason)  # the job's own n: a usage error before any row
+    # A line's own n > 1 on such a job is that line's error row (ParamsTable.for_row).
+    params = ParamsTable(
+        spec.sampling,
+        check=_constraint_check(model, tokenizer, llm),
+        max_n=spec.max_n,
+        single_reason=single_reason,
+    )
     if spec.reasoning_effort is not None:  # the job's: a usage error before any row
         check_reasoning_effort(tokenizer, spec.reasoning_effort)
     shards: list[Shard] = []
@@ -257,8 +264,6 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
             num_failed += sum(1 for r in window.rows if r.error is not None)
             fault_point("plan_window")
         _check_rows_read(source, counts, num_rows)
-        # After every row: an OpenAI batch line's own n is among the params only now.
-        check_reasoning_params(reasoning, params.params)
     except BaseException:
         added = [s.shard_id for s in shards + copy_shards if s.shard_id not in existing]
         out.remove_plan(spec.output, spec.storage_options, shard_ids=added)

@@ -15,14 +15,13 @@ into the text.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from tokenmill.connectors import COMPLETIONS_URL
 from tokenmill.engine import (
     REASONING_EFFORTS,
     RequestOutput,
-    SamplingParams,
     reasoning_format,
     reasons_apart_with_effort,
     split_reasoning_of,
@@ -51,16 +50,16 @@ def check_reasoning_effort(tokenizer: Any, effort: Any) -> None:
         )
 
 
-def check_reasoning_params(fmt: str | None, params: Sequence[Any]) -> None:
-    """Refuse what the `reasoning_content` column cannot hold yet: several completions a
-    row (`completions` has no reasoning field, so theirs would be lost)."""
+def several_completions_refusal(fmt: str | None) -> str | None:
+    """Why a row may not ask for several completions on this job, or None: the
+    `reasoning_content` column holds one completion's reasoning (`completions` has no
+    reasoning field), so the others' would be lost."""
     if fmt is None:
-        return
-    if any(isinstance(p, SamplingParams) and p.n > 1 for p in params):
-        raise ValueError(
-            "n > 1 is not supported yet for a model that writes its reasoning apart "
-            f"({fmt}): only the first completion's reasoning has a result column"
-        )
+        return None
+    return (
+        f"n > 1 is not supported yet for a model that writes its reasoning apart ({fmt}): "
+        "only the first completion's reasoning has a result column"
+    )
 
 
 def raw_lines(fmt: str | None, window: Any) -> set[int]:

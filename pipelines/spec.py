@@ -321,6 +321,8 @@ class ParamsTable:
             params that carry one, so a bad job-level constraint fails here, before
             any compute, and a bad per-row one fails only its row.
         max_n: the most completions a row may ask for (None: no limit).
+        single_reason: when set, a row asking for more than one completion is refused
+            with this reason (the job cannot hold several), whatever `max_n` allows.
     """
 
     def __init__(
@@ -329,6 +331,7 @@ class ParamsTable:
         check: ConstraintCheck | None = None,
         *,
         max_n: int | None = None,
+        single_reason: str | None = None,
     ) -> None:
         self.base = base
         self.params: list[SamplingParams] = []
@@ -336,6 +339,7 @@ class ParamsTable:
         self._per_row = per_row_fields()
         self._check = check
         self._max_n = max_n
+        self._single_reason = single_reason
         self.add(base)
 
     def add(self, params: SamplingParams) -> int:
@@ -369,6 +373,8 @@ class ParamsTable:
         if self._max_n is not None and isinstance(n, int) and n > self._max_n:
             # Refused before anything is sized by it: n completions cost n times the work.
             raise ValueError(f"n={n} is over the limit of {self._max_n} completions (max_n)")
+        if self._single_reason is not None and isinstance(n, int) and n > 1:
+            raise ValueError(f"n={n}: {self._single_reason}")
         try:
             checked = {k: get_option(k).check(v) for k, v in changes.items()}
             params = replace(self.base, **routed(checked, SAMPLING))

@@ -87,15 +87,21 @@ def test_several_completions_are_refused_for_a_reasoning_model(tmp_path):
     refused = "n > 1 is not supported yet for a model that writes"
     with pytest.raises(ValueError, match=refused):
         job_rows(tmp_path, THINK_TEMPLATE, THINK_ANSWER, n=2, temperature=1.0)
-    # An OpenAI batch line's own n, met only while its rows are read.
+    # An OpenAI batch line's own n: that line's error row, the other lines answered.
     model = tmp_path / "model"
     src = tmp_path / "batch.jsonl"
-    line = batch_line("two", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}])
-    line["body"].update(n=2, temperature=1.0)
-    src.write_text(json.dumps(line) + "\n")
+    messages = [{"role": "user", "content": "hi"}]
+    several = batch_line("two", "/v1/chat/completions", messages=messages)
+    several["body"].update(n=2, temperature=1.0)
+    one = batch_line("one", "/v1/chat/completions", messages=messages)
+    src.write_text("".join(json.dumps(line) + "\n" for line in (several, one)))
     llm = LLM(str(model), dtype="float32")
-    with pytest.raises(ValueError, match=refused):
-        run_job(str(src), str(tmp_path / "out2"), llm=llm, format="openai-batch")
+    out = tmp_path / "out2"
+    run_job(str(src), str(out), llm=llm, format="openai-batch", id_column="custom_id")
+    rows = {r["id"]: r for r in read_results(str(out)).to_pylist()}
+    assert rows["two"]["finish_reason"] == "error" and refused in rows["two"]["error"]
+    assert "n=2" in rows["two"]["error"]
+    assert rows["one"]["error"] is None and rows["one"]["finish_reason"] in ("stop", "length")
 
 
 def batch_line(custom_id: str, url: str, **body) -> dict:
