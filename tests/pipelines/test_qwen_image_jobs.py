@@ -260,3 +260,32 @@ def test_expanded_and_unexpanded_token_ids_run_the_same(vlm):
     assert outputs[0].prompt_token_ids.count(qwen.IMAGE) == n
     assert outputs[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
     assert "image tokens outside an image's place" in outputs[2].error
+
+
+def test_a_notebook_takes_an_image_column_of_mixed_sizes_as_llm_chat_does(vlm):
+    import polars as pl
+
+    import tokenmill
+
+    small, big = png_bytes(*SIZES[0], seed=7), png_bytes(*SIZES[3], seed=8)
+    frame = pl.DataFrame({"prompt": ["say", "say", "bad"], "image": [small, big, b"?"]})
+    got = tokenmill.generate(
+        frame,
+        model=str(vlm),
+        image_column="image",
+        max_tokens=4,
+        ignore_eos=True,
+        dtype="float32",
+        engine_options=ENGINE,
+    )
+    llm = LLM(str(vlm), dtype="float32", device="cpu", **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = llm.chat(
+        [[{"role": "user", "content": _content([i], "say")}] for i in (small, big)], params
+    )
+    assert got["output"].to_list()[:2] == [w.outputs[0].text for w in want]
+    assert got["prompt_tokens"].to_list()[:2] == [len(w.prompt_token_ids) for w in want]
+    assert got["prompt_tokens"][1] - got["prompt_tokens"][0] == (
+        _hf_tokens(*SIZES[3]) - _hf_tokens(*SIZES[0])
+    )
+    assert "not an image in a format Pillow reads" in got["error"][2]
