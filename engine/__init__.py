@@ -79,7 +79,7 @@ _EXPORTS: dict[str, str] = {
     "embedding_size": "tokenmill.engine.pooling.config",
     # Images: where a vision model's images sit in a prompt, and a header-only check.
     "ImageLayout": "tokenmill.engine.api.image_prompts",
-    "image_layout": "tokenmill.engine.api.image_prompts",
+    "image_layout": "tokenmill.engine.api.image_layouts",
     "ImageError": "tokenmill.engine.loader.images",
     "image_size": "tokenmill.engine.loader.images",
     "DEFAULT_MAX_IMAGE_PIXELS": "tokenmill.engine.types.config",
@@ -203,7 +203,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what a type checker and an IDE see; nothing is imported at run time
     from tokenmill.engine.api.describe import ModelDescription, describe_model
-    from tokenmill.engine.api.image_prompts import ImageLayout, image_layout
+    from tokenmill.engine.api.image_layouts import image_layout
+    from tokenmill.engine.api.image_prompts import ImageLayout
     from tokenmill.engine.api.llm import LLM
     from tokenmill.engine.api.plan import Plan
     from tokenmill.engine.api.reasoning import (

@@ -52,8 +52,8 @@ def forecast_job(plan: JobPlan, *, done: Iterable[str] = (), llm: Any = None) ->
             sums = add_token_sums(sums, part)
         elif not shard.is_copy:
             rows = shard_rows(load_shard(plan, shard)).rows
-            image_tokens += plan.tokens_per_image * sum(
-                len(r.images) for r in rows if r.error is None
+            image_tokens += sum(
+                r.token_ids.count(plan.image_token_id) for r in rows if r.error is None and r.images
             )
             requests = [
                 PlannedRequest(r.token_ids, plan.params[r.params_index])

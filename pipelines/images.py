@@ -104,7 +104,7 @@ def image_reader(
     if places is None:
         raise ValueError(
             f"model {model_name} has no vision tower: image_column needs a vision-language "
-            "model (e.g. Gemma 3)"
+            "model (e.g. Gemma 3, Qwen2.5-VL)"
         )
     return RowImageReader(get("image_column"), _access(values), places)
 
@@ -135,6 +135,9 @@ class RowImages:
 
     data: tuple[bytes, ...] = ()
     hashes: tuple[bytes, ...] = ()  # blake2b-128 of each image's bytes
+    # (width, height) of each image, from its header: what a dynamic-resolution model's
+    # token count for it is computed from.
+    sizes: tuple[tuple[int, int], ...] = ()
     error: str | None = None
 
 
@@ -157,16 +160,16 @@ def _read_cell(cell: Any, access: ImageAccess) -> RowImages:
     items = list(cell) if isinstance(cell, (list, tuple)) else [cell]
     if not items:
         return RowImages(error="image list is empty")
-    data = []
+    data, sizes = [], []
     for i, item in enumerate(items):
         where = "image" if len(items) == 1 else f"image {i}"
         try:
             encoded = _read_one(item, access)
-            image_size(encoded, max_pixels=access.max_pixels)
+            sizes.append(image_size(encoded, max_pixels=access.max_pixels))
         except (ImageError, ValueError) as exc:
             return RowImages(error=f"{where}: {exc}")
         data.append(encoded)
-    return RowImages(tuple(data), tuple(image_hash(d) for d in data))
+    return RowImages(tuple(data), tuple(image_hash(d) for d in data), tuple(sizes))
 
 
 def _read_one(item: Any, access: ImageAccess) -> bytes:

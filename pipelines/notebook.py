@@ -471,7 +471,7 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
         template,
         chat=chat,
         special=special_strings(llm.tokenizer),
-        num_images=None if row_images is None else [len(r.data) for r in row_images],
+        image_sizes=None if row_images is None else [r.sizes for r in row_images],
         places=None if images is None else images.places,
     )
     rendered = mark_bad_rows(rendered, columns, id_column=template.id_column, start=0)

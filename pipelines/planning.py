@@ -98,7 +98,9 @@ class JobPlan:
     # Rows run with images (an image column, or OpenAI batch lines with image parts): the
     # results then count each row's image tokens.
     has_images: bool = False
-    tokens_per_image: int = 0  # each image's soft tokens (0: the model takes no images)
+    # The id of an image's soft tokens in the rows' token ids (None: the model takes no
+    # images): the planner expanded every image to them, so they count its image tokens.
+    image_token_id: int | None = None
     # The rows' answers are split into reasoning and final text (`pipelines/reasoning.py`):
     # the model's reasoning format, or None.
     reasoning_format: str | None = None
@@ -290,7 +292,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         quantization=_quantization(spec, model, llm),
         cut_rule=cut_rule,
         has_images=has_images,
-        tokens_per_image=images.places.tokens_per_image if images is not None else 0,
+        image_token_id=images.places.image_token_id if images is not None else None,
         reasoning_format=reasoning,
     )
     log.info(

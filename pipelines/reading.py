@@ -207,7 +207,7 @@ def _read_batch(
         start=start,
         chat=chat,
         special=special,
-        num_images=None if row_images is None else [len(r.data) for r in row_images],
+        image_sizes=None if row_images is None else [r.sizes for r in row_images],
         places=None if images is None else images.places,
     )
     rendered = mark_bad_rows(rendered, columns, id_column=spec.id_column, start=start)

@@ -61,12 +61,15 @@ class SpecialStrings(Protocol):
 class ImagePlaces(Protocol):
     """Where a vision model's images sit in prompt text (`tokenmill.engine.ImageLayout`)."""
 
-    marker: str
-    tokens_per_image: int
+    marker: str  # what places an image in text (and is expanded)
+    placeholder: str  # what is written before raw text that places no image itself
+    image_token_id: int
 
     def count(self, text: str, data_spans: Spans = ()) -> int: ...
 
-    def expand(self, text: str, data_spans: Spans = ()) -> tuple[str, Spans]: ...
+    def expand(
+        self, text: str, data_spans: Spans = (), sizes: Sequence[tuple[int, int]] = ()
+    ) -> tuple[str, Spans]: ...
 
 
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -357,16 +360,18 @@ def _render_one(
     spec: TemplateSpec,
     chat: ChatRenderer | None,
     marks: DataMarks,
-    num_images: int = 0,
+    sizes: Sequence[tuple[int, int]] = (),
     places: ImagePlaces | None = None,
 ) -> tuple[str, bool, Spans]:
-    """(prompt text, is_chat, data spans) for one row; raises ValueError on a bad row."""
+    """(prompt text, is_chat, data spans) for one row, its images of `sizes` placed;
+    raises ValueError on a bad row."""
+    num_images = len(sizes)
     if num_images:
         text, is_chat, spans = _render_plain(row, spec, _with_image_parts(chat, num_images), marks)
         if not is_chat and places.count(text, spans) == 0:
             # Raw text that does not place its images: they go before it.
-            shift = len(places.marker) * num_images
-            text = places.marker * num_images + text
+            shift = len(places.placeholder) * num_images
+            text = places.placeholder * num_images + text
             spans = tuple((start + shift, end + shift) for start, end in spans)
         placed = places.count(text, spans)
         if placed != num_images:
@@ -374,7 +379,7 @@ def _render_one(
                 f"the prompt places {placed} image(s) (begin-of-image markers), the row has "
                 f"{num_images}"
             )
-        text, spans = places.expand(text, spans)
+        text, spans = places.expand(text, spans, sizes)
         return text, is_chat, spans
     return _render_plain(row, spec, chat, marks)
 
@@ -482,7 +487,7 @@ def render_rows(
     start: int = 0,
     chat: ChatRenderer | None = None,
     special: SpecialStrings | None = None,
-    num_images: Sequence[int] | None = None,
+    image_sizes: Sequence[Sequence[tuple[int, int]]] | None = None,
     places: ImagePlaces | None = None,
 ) -> list[RenderedRow]:
     """Render a batch of rows into prompts.
@@ -498,7 +503,7 @@ def render_rows(
         special: the model's special-token strings (the tokenizer's `special_text`), kept
             as data where rows hold them (each row's `data_spans`); None: not kept (the
             tokenizer has none), as with `spec.allow_special_tokens`.
-        num_images: each row's number of images (None: no row has any).
+        image_sizes: each row's images' (width, height) (None: no row has any).
         places: where the model's images sit in its prompts; needed with images.
 
     Returns:
@@ -508,7 +513,7 @@ def render_rows(
         ValueError: a system prompt for a model without a chat template (every row would
             fail alike: the job fails, before any compute).
     """
-    if num_images is not None and any(num_images) and places is None:
+    if image_sizes is not None and any(image_sizes) and places is None:
         raise ValueError("rows with images need a vision model (it has no image markers)")
     if spec.system is not None and chat is None:
         raise ValueError(
@@ -524,8 +529,8 @@ def render_rows(
         row = {name: columns[name][i] for name in names}
         marks = special.marks() if keeps_data else _NoMarks()
         try:
-            images = num_images[i] if num_images is not None else 0
-            text, is_chat, spans = _render_one(row, spec, chat, marks, images, places)
+            sizes = image_sizes[i] if image_sizes is not None else ()
+            text, is_chat, spans = _render_one(row, spec, chat, marks, sizes, places)
         except ValueError as exc:
             rendered.append(RenderedRow(start + i, ids[i], error=str(exc)))
             continue

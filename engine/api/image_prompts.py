@@ -38,7 +38,7 @@ from tokenmill.engine.loader.images import (
 )
 from tokenmill.engine.loader.special_text import Spans
 from tokenmill.engine.loader.tokenizer import Tokenizer
-from tokenmill.engine.models import ModelConfig, load_config
+from tokenmill.engine.models import ModelConfig
 
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data"})
 
@@ -93,14 +93,22 @@ class ImageLayout:
     marker: str  # the begin-of-image marker's text
     block: str  # what the marker expands to: markers and one image token per soft token
     tokens_per_image: int
+    image_token_id: int  # the id each of an image's soft tokens is in a prompt
+
+    @property
+    def placeholder(self) -> str:
+        """What places one image in text that places none itself."""
+        return self.marker
 
     def count(self, text: str, data_spans: Spans = ()) -> int:
         """The images `text` places (markers outside the data spans)."""
         return sum(1 for _ in self._places(text, data_spans))
 
-    def expand(self, text: str, data_spans: Spans = ()) -> tuple[str, Spans]:
+    def expand(
+        self, text: str, data_spans: Spans = (), sizes: Sequence[tuple[int, int]] = ()
+    ) -> tuple[str, Spans]:
         """`text` with each marker outside the data spans expanded, and the data spans
-        moved with the text."""
+        moved with the text (every image is the same block, whatever its `sizes`)."""
         pieces, spans = [], []
         data = sorted(data_spans)
         last = shift = 0
@@ -121,26 +129,8 @@ class ImageLayout:
             at = text.find(self.marker, at + len(self.marker))
 
 
-def image_layout(model_dir: str | Path, tokenizer: Tokenizer) -> ImageLayout | None:
-    """The image layout of the model in `model_dir` (None: it has no vision tower).
-
-    Raises:
-        ValueError: a vision model whose tokenizer has no image marker tokens, or whose
-            images are not a fixed number of tokens (Qwen2.5-VL).
-    """
-    config = load_config(model_dir)
-    if getattr(config, "vision", None) is None:
-        return None
-    if hasattr(config, "mrope_section"):
-        raise ValueError(
-            "images in jobs take a model whose images are a fixed number of tokens (Gemma 3); "
-            "Qwen2.5-VL's dynamic resolution is not planned in jobs yet (LLM.generate and "
-            "LLM.chat take its images)"
-        )
-    return _layout_of(config, tokenizer)
-
-
-def _layout_of(config: ModelConfig, tokenizer: Tokenizer | None) -> ImageLayout:
+def fixed_layout(config: ModelConfig, tokenizer: Tokenizer | None) -> ImageLayout:
+    """The ImageLayout of a model whose images are a fixed number of tokens (Gemma 3)."""
     if tokenizer is None:
         raise ValueError("a text prompt with images needs the model's tokenizer")
     backend = tokenizer.backend
@@ -150,7 +140,7 @@ def _layout_of(config: ModelConfig, tokenizer: Tokenizer | None) -> ImageLayout:
         raise ValueError("the tokenizer has no image marker tokens; pass prompt_token_ids")
     boi, eoi, image = markers
     n = config.tokens_per_image
-    return ImageLayout(boi, f"\n\n{boi}{image * n}{eoi}\n\n", n)
+    return ImageLayout(boi, f"\n\n{boi}{image * n}{eoi}\n\n", n, config.image_token_id)
 
 
 class ImagePrompts:
@@ -306,7 +296,7 @@ class ImagePrompts:
     def layout(self) -> ImageLayout:
         """Where this model's images sit in prompt text (its marker strings)."""
         if self._layout is None:
-            self._layout = _layout_of(self.config, self.tokenizer)
+            self._layout = fixed_layout(self.config, self.tokenizer)
         return self._layout
 
     def _spans(self, ids: Sequence[int]) -> list[int]:

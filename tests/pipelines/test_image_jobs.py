@@ -326,30 +326,6 @@ def test_a_text_model_refuses_an_image_column_before_any_compute(tmp_path):
         run_job(str(source), str(tmp_path / "out"), model=str(model), image_column="image")
 
 
-def test_a_dynamic_resolution_model_refuses_an_image_column_by_name(tmp_path):
-    """Qwen2.5-VL's images are as many tokens as their size makes: planning does not
-    count them yet, so a job refuses them by name, before any compute."""
-    import test_qwen_vl_model as qwen
-    import transformers
-
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=qwen._text_config(),
-        vision_config=qwen.VISION,
-        image_token_id=qwen.IMAGE,
-        vision_start_token_id=qwen.VSTART,
-        vision_end_token_id=qwen.VEND,
-        video_token_id=253,
-    )
-    model_dir = tmp_path / "qwen"
-    transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(model_dir)
-    qwen.hf_processor().save_pretrained(model_dir)
-    qwen.save_char_tokenizer(model_dir, qwen.VOCAB)
-    source = tmp_path / "in.parquet"
-    pq.write_table(pa.table({"prompt": ["abc"], "image": [png_bytes(8, 8, seed=1)]}), source)
-    with pytest.raises(ValueError, match="Qwen2.5-VL's dynamic resolution is not planned in jobs"):
-        run_job(str(source), str(tmp_path / "out"), model=str(model_dir), image_column="image")
-
-
 def test_image_sources_are_refused_by_what_is_wrong(tmp_path):
     root = tmp_path / "root"
     root.mkdir()
