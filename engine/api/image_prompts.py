@@ -28,7 +28,6 @@ import torch
 from tokenmill.engine.core.image_prefetch import LazyPixels
 from tokenmill.engine.core.images import ImageSpan
 from tokenmill.engine.loader.images import (
-    DEFAULT_MAX_IMAGE_PIXELS,
     ImageError,
     ImageProcessor,
     content_hash,
@@ -39,6 +38,7 @@ from tokenmill.engine.loader.images import (
 from tokenmill.engine.loader.special_text import Spans
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.types.config import EngineConfig
 
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data"})
 
@@ -155,7 +155,7 @@ class ImagePrompts:
         config: ModelConfig,
         tokenizer: Tokenizer | None,
         *,
-        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        max_image_pixels: int = EngineConfig.max_image_pixels,
     ) -> None:
         self.processor = ImageProcessor.from_dir(model_dir)
         vision = config.vision

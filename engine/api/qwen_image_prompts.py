@@ -24,11 +24,12 @@ from pathlib import Path
 
 from tokenmill.engine.api.image_prompts import ImagePrompts, PreparedPrompt
 from tokenmill.engine.core.images import ImageSpan
-from tokenmill.engine.loader.images import DEFAULT_MAX_IMAGE_PIXELS, ImageError
+from tokenmill.engine.loader.images import ImageError
 from tokenmill.engine.loader.qwen_images import DynamicImageProcessor
 from tokenmill.engine.loader.special_text import Spans
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.types.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class QwenImagePrompts(ImagePrompts):
         config: ModelConfig,
         tokenizer: Tokenizer | None,
         *,
-        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        max_image_pixels: int = EngineConfig.max_image_pixels,
     ) -> None:
         self.processor = DynamicImageProcessor.from_dir(model_dir)
         vision = config.vision
