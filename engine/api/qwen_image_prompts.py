@@ -149,21 +149,10 @@ class QwenImagePrompts(ImagePrompts):
         )
         self.max_image_pixels = max_image_pixels
 
-    def prepare(self, prompt: dict, *, allow_special_tokens: bool = False) -> PreparedPrompt:
-        raw = (prompt.get("multi_modal_data") or {}).get("image", [])
-        raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
-        text = prompt.get("prompt")
-        if text is None:
-            return self._prepare(raw, ids=list(prompt["prompt_token_ids"]))
-        spans: Spans = ()
-        if not allow_special_tokens:  # the prompt is data, but for its image markers
-            markers = self._marker_strings()
-            spans = tuple(
-                (start, end)
-                for start, end in self._special_text().find(text)
-                if text[start:end] not in markers
-            )
-        return self._prepare(raw, text=text, data_spans=spans)
+    def _expand_ids(self, ids: list[int]) -> list[int]:
+        """Token ids as given: each image's run is expanded in `_prepare`, once its
+        size (and so its token count) is known."""
+        return ids
 
     def _prepare(
         self,
