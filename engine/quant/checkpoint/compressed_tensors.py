@@ -334,29 +334,33 @@ def _parse_fp8_group(name: str, group: dict, where: str, fmt: str) -> _Group:
 
 
 def _fp8_activations(where: str, settings: dict | None) -> str | None:
-    if not settings:
-        return None
-    want = {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
-    for key, value in want.items():
-        if settings.get(key, True if key == "symmetric" else None) != value:
-            raise ValueError(
-                f"{where}: FP8 input activations with {key} {settings.get(key)!r} are not run; "
-                "dynamic per-token FP8 (FP8_DYNAMIC) is"
-            )
-    return "fp8-token"
+    return _token_activations(where, settings, "float", "FP8 input activations", FP8_DYNAMIC)
 
 
 def _activations(where: str, settings: dict | None) -> str | None:
+    return _token_activations(where, settings, "int", "input activations", INT8_DYNAMIC)
+
+
+# The one activation scheme each kind runs: (what it is called, what the layer is told).
+FP8_DYNAMIC = ("dynamic per-token FP8 (FP8_DYNAMIC)", "fp8-token")
+INT8_DYNAMIC = ("dynamic symmetric per-token int8 (W8A8)", "int8-token")
+
+
+def _token_activations(
+    where: str, settings: dict | None, kind: str, what: str, runs: tuple[str, str]
+) -> str | None:
+    """The layer's activation scheme for `input_activations` settings, or None when the
+    checkpoint quantizes no activations; anything but dynamic symmetric 8-bit per-token
+    quantization of `kind` is refused naming the field."""
     if not settings:
         return None
-    want = {"type": "int", "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
+    want = {"type": kind, "num_bits": 8, "strategy": "token", "dynamic": True, "symmetric": True}
     for key, value in want.items():
         if settings.get(key, True if key == "symmetric" else None) != value:
             raise ValueError(
-                f"{where}: input activations with {key} {settings.get(key)!r} are not run; "
-                "dynamic symmetric per-token int8 (W8A8) is"
+                f"{where}: {what} with {key} {settings.get(key)!r} are not run; {runs[0]} is"
             )
-    return "int8-token"
+    return runs[1]
 
 
 register_format(CompressedTensors())
