@@ -61,6 +61,12 @@ from tokenmill.pipelines.reading import (
     params_indices,
     with_images,
 )
+from tokenmill.pipelines.reasoning import (
+    check_reasoning_effort,
+    job_reasoning_format,
+    several_completions_refusal,
+    split_answers,
+)
 from tokenmill.pipelines.results import (
     DECODE_REPLACED,
     DUPLICATE_OF,
@@ -275,6 +281,7 @@ class _Prepared:
     replaced: list[bool] | None  # rows whose input bytes were replaced (or None)
     layout: PoolingLayout | None  # a pooling task's results layout
     adapters: list  # the LoRA adapters rows may choose (pipelines/adapters.py)
+    reasoning: str | None  # how answers are split into reasoning and text (or None)
 
     @property
     def computed(self) -> list[PromptRow]:
@@ -303,11 +310,13 @@ def _run(
             on_output=on_output,
             loras=lora_requests(job.adapters) if job.adapters else None,
         )
+    split_answers(job.llm, job.reasoning, outputs)
     ids = [r.id for r in job.rows]  # row_index is the position in `data`
     extras = extra_columns(
         job.params.params,
         has_adapters=bool(job.adapters),
         has_images=any(r.images for r in job.rows) or job.values["image_column"] is not None,
+        reasons_apart=job.reasoning is not None,
     )
     extras += (DUPLICATE_OF,) if job.copies else ()
     carried = job.table.select(list(job.passthrough))
@@ -443,9 +452,19 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
             model_names=llm.model_names,
             max_rank=llm.engine_config.max_lora_rank,
         )
+    # Split as a job splits: a chat answer's reasoning in its own column, never in `output`.
+    reasoning = job_reasoning_format(task=task, raw=template.raw, tokenizer=llm.tokenizer)
+    single_reason = several_completions_refusal(reasoning)
+    if single_reason is not None and getattr(base, "n", 1) > 1:
+        raise ValueError(single_reason)
+    if template.reasoning_effort is not None:
+        check_reasoning_effort(llm.tokenizer, template.reasoning_effort)
     engine = getattr(llm, "engine", None)
     params = ParamsTable(
-        base, check=engine.compile_structured_outputs if engine else None, max_n=values["max_n"]
+        base,
+        check=engine.compile_structured_outputs if engine else None,
+        max_n=values["max_n"],
+        single_reason=single_reason,
     )
     columns = table.to_pydict()
     decoding = Decoding(values["encoding"], values["on_decode_error"])
@@ -510,6 +529,7 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
         replaced,
         layout,
         adapters,
+        reasoning,
     )
 
 

@@ -73,6 +73,32 @@ def test_a_chat_job_splits_as_llm_chat_does(tmp_path, template, answer, split):
     assert all(r["error"] is None and r["finish_reason"] == "stop" for r in rows.values())
 
 
+@pytest.mark.parametrize(
+    ("template", "answer"),
+    [(THINK_TEMPLATE, THINK_ANSWER), (HARMONY_TEMPLATE, HARMONY_ANSWER)],
+    ids=["think", "harmony"],
+)
+def test_a_notebook_splits_as_a_job_does(tmp_path, template, answer):
+    import polars as pl
+
+    import tokenmill
+
+    llm, rows = job_rows(tmp_path, template, answer)
+    frame = tokenmill.generate(
+        pl.DataFrame({"id": [str(i) for i in range(len(PROMPTS))], "prompt": PROMPTS}),
+        llm=llm,
+        id_column="id",
+        choice=[answer],
+        max_tokens=len(answer) + 2,
+        temperature=0,
+    )
+    got = frame.select("id", "reasoning_content", "output").rows()
+    assert got == [(i, rows[i]["reasoning_content"], rows[i]["output"]) for i in rows]
+    assert [o for _, _, o in got] == ["four"] * len(PROMPTS)
+    with pytest.raises(ValueError, match="n > 1 is not supported yet"):
+        tokenmill.generate(PROMPTS, llm=llm, n=2, temperature=1.0)
+
+
 def test_a_raw_job_and_a_plain_template_split_nothing(tmp_path):
     _, rows = job_rows(tmp_path / "raw", THINK_TEMPLATE, THINK_ANSWER, raw=True)
     assert [r["output"] for r in rows.values()] == [THINK_ANSWER] * len(PROMPTS)
