@@ -32,6 +32,13 @@ Candidates (those this torch build lacks are skipped with a note):
   q4-expand          the same blocks expanded to bf16 (exactly) and the bf16 matmul
   q4-layer           the GGUF Q4_0 layer as it runs (gguf_linear.Q4Linear): q4-native, or
                      on AMX CPUs q4-expand from gguf_linear.EXPAND_MIN_ROWS rows
+  fp8-channel        FP8 (e4m3) weights with a scale per output channel on the native fp8
+                     kernel (engine/kernels/fp8_linear.c), bf16 activations: its bf16 dot
+                     products (AMX or AVX512-BF16) where the CPU has them
+  fp8-block128       the same with 128 x 128 scale blocks (Qwen's and DeepSeek's -FP8)
+  fp8-plain          fp8-channel pinned to the kernel's plain loops (the fallback)
+The last column is the best fp8 candidate's speed over bf16's (the share of the measured
+bf16 rate it reaches).
 
 Run:  python benchmarks/quant_matmul.py [--rows 1,16,64,256,2048] [--rounds 5] [--threads N]
           [--only fp32,bf16,int8-rows-native,...]
@@ -123,6 +130,32 @@ def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Ten
     if layer4.unpacks:
         out["int4-g32-layer"] = _with_input(layer4, torch.bfloat16)
     out.update(q4_candidates(weight))
+    out.update(fp8_candidates(weight))
+    return out
+
+
+def fp8_candidates(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], object]]:
+    """The fp8 kernel on the weight rounded to e4m3, per channel and in 128 x 128 blocks
+    (each block's largest weight on 448, as llm-compressor's and DeepSeek's scales put it)."""
+    from tokenmill.engine.kernels import fp8_linear
+
+    n, k = weight.shape
+    out: dict[str, Callable[[torch.Tensor], object]] = {}
+    for name, block in (("fp8-channel", (1, k)), ("fp8-block128", (128, 128))):
+        grid = (-(-n // block[0]), -(-k // block[1]))
+        padded = torch.zeros(grid[0] * block[0], grid[1] * block[1])
+        padded[:n, :k] = weight.abs()
+        amax = padded.reshape(grid[0], block[0], grid[1], block[1]).amax(dim=(1, 3))
+        scales = (amax / 448).clamp_min(1e-12)
+        full = scales.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        codes = (weight / full).to(torch.float8_e4m3fn).view(torch.uint8).contiguous()
+
+        def run(x, codes=codes, scales=scales, block=block, isa=None):
+            return fp8_linear.fp8_linear(x, codes, scales, block, None, max_isa=isa)
+
+        out[name] = _with_input(run, torch.bfloat16)
+        if name == "fp8-channel" and fp8_linear.native_isa() is not None:
+            out["fp8-plain"] = _with_input(lambda x, run=run: run(x, isa="generic"), torch.bfloat16)
     return out
 
 
@@ -187,6 +220,9 @@ def main() -> None:
         f"# oneDNN int8 kernel: {int8.kernel_name()}; native int8 kernel: {native or 'none'}; "
         f"the layers choose: {int8.describe_kernel(int8.choose_kernel(960, 576))}"
     )
+    from tokenmill.engine.kernels import fp8_linear
+
+    print(f"# fp8 kernel: {fp8_linear.kernel_name()}")
     header = None
     for shape_name in args.shapes.split(","):
         n, k = SHAPES[shape_name]
@@ -207,15 +243,21 @@ def main() -> None:
                 print(
                     "| shape | rows | "
                     + " | ".join(f"{h} GOP/s" for h in header)
-                    + " | best quantized / best float |"
+                    + " | best quantized / best float | best fp8 / bf16 |"
                 )
-                print("|---|---:|" + "---:|" * (len(header) + 1))
+                print("|---|---:|" + "---:|" * (len(header) + 2))
             ops = 2 * rows * n * k
             cells = [f"{ops / medians[h] / 1e9:.0f}" if h in medians else "-" for h in header]
-            quantized = [medians[h] for h in medians if h.startswith(("int", "q4"))]
+            quantized = [medians[h] for h in medians if h.startswith(("int", "q4", "fp8"))]
             floats = [medians[h] for h in ("fp32", "bf16") if h in medians]
             best = min(floats) / min(quantized) if quantized and floats else float("nan")
-            print(f"| {shape_name} {n}x{k} | {rows} | " + " | ".join(cells) + f" | {best:.2f} |")
+            fp8s = [medians[h] for h in medians if h.startswith("fp8")]
+            share = medians["bf16"] / min(fp8s) if fp8s and "bf16" in medians else float("nan")
+            print(
+                f"| {shape_name} {n}x{k} | {rows} | "
+                + " | ".join(cells)
+                + f" | {best:.2f} | {share:.2f} |"
+            )
             sys.stdout.flush()
 
 

@@ -14,8 +14,14 @@
  * 4 exponent bits with bias 7, 3 mantissa bits; exponent 0 subnormal), never through the
  * CPU's handling of subnormal floats, which a process may have set to flush to zero.
  * e4m3fn has no infinities, and its NaN codes (0x7f, 0xff) are refused at load.
+ *
+ * Those plain loops are the fallback. Where the build has AVX512-BF16, bf16 inputs take
+ * the CPU's bf16 dot products instead (fp8_bf16.h: the codes decoded to bf16 exactly, the
+ * scales applied to each block's fp32 sums), on AMX tiles from 16 rows where Linux grants
+ * them; tm_fp8_linear_isa says which, `tokenmill models info` shows it.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernel_common.h"
 #include "kernels.h"
@@ -26,6 +32,8 @@
 #define FP8_LANES 16
 /* Below this many multiply-adds a call is too short to wake the threads for. */
 #define FP8_PARALLEL_MIN_MACS (1 << 18)
+
+#include "fp8_bf16.h"
 
 static void e4m3_table(float table[256]) {
     for (int code = 0; code < 256; code++) {
@@ -73,6 +81,9 @@ int tm_fp8_linear(const tm_fp8_linear_args *a) {
     if (rows == 0) return TM_OK;
     float table[256];
     e4m3_table(table);
+#if FP8_HAVE_BF16
+    if (fast_path_takes(a)) return fp8_linear_bf16(a, table);
+#endif
     const float *x = a->x;
     float *widened = NULL;
     if (a->is_bf16) {
@@ -118,7 +129,12 @@ int tm_fp8_linear(const tm_fp8_linear_args *a) {
 }
 
 int tm_fp8_linear_isa(void) {
-#if defined(__AVX512F__)
+#if FP8_HAVE_AMX
+    if (tm_internal_amx_permitted()) return TM_FP8_ISA_AMX;
+#endif
+#if FP8_HAVE_BF16
+    return TM_FP8_ISA_AVX512_BF16;
+#elif defined(__AVX512F__)
     return TM_FP8_ISA_AVX512;
 #elif defined(__AVX2__) && defined(__FMA__)
     return TM_FP8_ISA_AVX2;

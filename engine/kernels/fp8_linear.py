@@ -12,10 +12,13 @@ import torch
 from torch.nn import functional as F
 
 from tokenmill.engine.kernels import native_library
-from tokenmill.engine.kernels.interface import Fp8LinearArgs, check_status
+from tokenmill.engine.kernels.interface import FP8_LINEAR_ISAS, Fp8LinearArgs, check_status
 
 # Output rows the PyTorch path dequantizes at once: 256 x 4,096 inputs is 4 MB of fp32.
 _FALLBACK_ROWS = 256
+# The paths on the CPU's bf16 dot products (fp8_bf16.h), by tm_limits' name.
+_BF16_ISAS = ("avx512_bf16", "amx_bf16+avx512_bf16")
+_ISA_CODES = {name: code for code, name in FP8_LINEAR_ISAS.items()}
 
 
 @functools.cache
@@ -24,12 +27,24 @@ def _library() -> ctypes.CDLL | None:
     return None if native is None else native.lib
 
 
+def native_isa() -> str | None:
+    """The native kernel's path here (FP8_LINEAR_ISAS' names), or None without the library."""
+    native = native_library()
+    return None if native is None else native.limits.fp8_linear_isa
+
+
 def kernel_name() -> str:
     """What runs the product here, in words (`tokenmill models info`)."""
     native = native_library()
     if native is None:
         return "PyTorch, a tile of rows dequantized to fp32 at a time"
-    return f"native fp8 kernel ({native.limits.fp8_linear_isa}), dequantized in the kernel"
+    isa = native.limits.fp8_linear_isa
+    if isa in _BF16_ISAS:
+        return (
+            f"native fp8 kernel ({isa} for bf16 inputs, codes decoded to bf16; "
+            "fp32 inputs on fp32 loops), dequantized in the kernel"
+        )
+    return f"native fp8 kernel ({isa}), dequantized in the kernel"
 
 
 def dequantize_rows(
@@ -51,6 +66,7 @@ def fp8_linear(
     scales: torch.Tensor,
     block: tuple[int, int],
     bias: torch.Tensor | None,
+    max_isa: str | None = None,
 ) -> torch.Tensor:
     """x @ dequant(codes)^T + bias.
 
@@ -60,6 +76,8 @@ def fp8_linear(
         scales: fp32 [ceil(n / block_n), ceil(k / block_k)].
         block: (block_n, block_k), the outputs and inputs one scale covers.
         bias: fp32 [n] or None.
+        max_isa: the fastest native path the call may take, by FP8_LINEAR_ISAS' name
+            ("generic" pins the plain loops); None: the best this CPU has.
     Returns:
         [rows, n] in x's dtype.
     """
@@ -88,6 +106,7 @@ def fp8_linear(
         block_k=block[1],
         is_bf16=int(x.dtype == torch.bfloat16),
         num_threads=torch.get_num_threads(),
+        max_isa=_ISA_CODES[max_isa] if max_isa else max(FP8_LINEAR_ISAS),
     )
     check_status(lib.tm_fp8_linear(ctypes.byref(args)), f"fp8 linear {k} -> {n}")
     return out

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 19
+ABI_VERSION = 20
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -33,7 +33,13 @@ LORA_ISAS = {0: "generic", 1: "avx512_bf16", 2: "amx_bf16+avx512_bf16"}
 # tm_limits_t.moe_isa values (TM_MOE_ISA_*), by name.
 MOE_ISAS = {0: "generic", 1: "avx512_bf16", 2: "amx_bf16+avx512_bf16"}
 # tm_limits_t.fp8_linear_isa values (TM_FP8_ISA_*), by name.
-FP8_LINEAR_ISAS = {0: "generic", 1: "avx2", 2: "avx512"}
+FP8_LINEAR_ISAS = {
+    0: "generic",
+    1: "avx2",
+    2: "avx512",
+    3: "avx512_bf16",
+    4: "amx_bf16+avx512_bf16",
+}
 
 
 class _Limits(ctypes.Structure):
@@ -362,6 +368,7 @@ class Fp8LinearArgs(ctypes.Structure):
         ("block_k", _i64),
         ("is_bf16", _i32),
         ("num_threads", _i32),
+        ("max_isa", _i32),
     ]
 
 

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 19
+#define TM_ABI_VERSION 20
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -502,9 +502,11 @@ int tm_moe_isa(void);
  * fp32. The scales cover blocks of block_n outputs by block_k inputs (the last ones
  * shorter): per tensor (n x k), per output channel (1 x k) or DeepSeek's 128 x 128. */
 enum {
-    TM_FP8_ISA_GENERIC = 0, /* plain loops */
-    TM_FP8_ISA_AVX2 = 1,    /* the same loops, compiled to AVX2 FMA */
-    TM_FP8_ISA_AVX512 = 2   /* ... to AVX-512 FMA */
+    TM_FP8_ISA_GENERIC = 0,     /* plain loops */
+    TM_FP8_ISA_AVX2 = 1,        /* the same loops, compiled to AVX2 FMA */
+    TM_FP8_ISA_AVX512 = 2,      /* ... to AVX-512 FMA */
+    TM_FP8_ISA_AVX512_BF16 = 3, /* bf16 inputs: codes decoded to bf16, vdpbf16ps (fp8_bf16.h) */
+    TM_FP8_ISA_AMX = 4          /* the same, and calls of 16 rows or more on AMX tiles */
 };
 typedef struct {
     const void *x;        /* [rows, k] fp32 or bf16 */
@@ -519,6 +521,8 @@ typedef struct {
     int64_t block_k;
     int32_t is_bf16;
     int32_t num_threads;
+    int32_t max_isa;      /* TM_FP8_ISA_*: the fastest path this call may take (tests pin
+                           * the plain loops or the vector path with it) */
 } tm_fp8_linear_args;
 
 int tm_fp8_linear(const tm_fp8_linear_args *args);
