@@ -68,15 +68,17 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None,
         *,
         group_size: int,
+        packed: tuple[torch.Tensor, bool] | None = None,
     ) -> None:
+        """q: int32 [n, k] codes 0..15; packed: (q already packed, whether the layer
+        unpacks) where `from_parts` packed it, q then only giving the shape."""
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = group_size
-        self.register_buffer(
-            "packed_weight",
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2),
-            persistent=False,
-        )
+        if packed is None:
+            packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+            packed = packed_weight, _unpacks(packed_weight, q)
+        self.register_buffer("packed_weight", packed[0], persistent=False)
         zero = minimum.float() + _MID * scale.float()
         # [K // g, N, 2]: per group and output channel, (scale, zero).
         scales_and_zeros = torch.stack([scale.float().t(), zero.t()], dim=-1).contiguous()
@@ -86,7 +88,46 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else bias.detach().to(COMPUTE_DTYPE)
         sz = self.scales_and_zeros
         self.weight_bytes = q.numel() // 2 + sz.numel() * sz.element_size()
-        self.unpacks = _unpacks(self.packed_weight, q)
+        self.unpacks = packed[1]
+
+    @classmethod
+    def from_parts(
+        cls,
+        parts: list[torch.Tensor],
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        group_size: int,
+        offset: int,
+    ) -> Int4Linear | None:
+        """One layer from its output rows' parts (a fused gate_up's gate and up codes,
+        integers q with q + offset in 0..15), each widened to int32 and packed into the
+        layer's buffer in turn: the load holds one part's int32 copy, never the whole
+        layer's (the largest temporary of a quantized load). None where the parts do not
+        fill whole int4pack blocks or PyTorch packs in a layout int4_unpack.c does not
+        read (block-wise packing is what makes packing part by part the same bytes).
+
+        Args:
+            scale, minimum: [n, k / group_size] for all the parts' rows.
+        """
+        k = parts[0].shape[1]
+        block = int4_unpack.BLOCK_N
+        if not int4_unpack.available() or any(p.shape[0] % block for p in parts):
+            return None
+        n = sum(p.shape[0] for p in parts)
+        packed = torch.empty(n, k // 2, dtype=torch.uint8)
+        row = 0
+        for part in parts:
+            codes = part.to(torch.int32).add_(offset)
+            one = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+            if not _unpacks(one, codes):
+                return None
+            packed[row : row + part.shape[0]] = one
+            row += part.shape[0]
+            del codes, one
+        shape_only = torch.empty(n, k, dtype=torch.int32, device="meta")
+        return cls(shape_only, scale, minimum, bias, group_size=group_size, packed=(packed, True))
 
     @classmethod
     def from_float(

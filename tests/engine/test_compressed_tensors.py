@@ -219,6 +219,42 @@ def test_4bit_layers_in_bf16_run_the_int4_kernel_on_the_checkpoint_values(group_
     assert torch.equal(fp32(x), exact)
 
 
+@pytest.mark.parametrize("rows", [(128, 64, 192), (128, 48)])
+def test_a_fused_4bit_layer_built_part_by_part_is_the_layer_of_its_joined_parts(rows, monkeypatch):
+    """gate_up and qkv are packed a part at a time into the layer's buffer (no joined
+    int32 copy of the whole layer while loading): the same packed bytes, scales and
+    products as packing the joined parts; parts of rows that are no whole int4pack block
+    (48) take the joined route."""
+    from tokenmill.engine.quant.checkpoint import layers
+
+    k = 256
+    parts = [
+        quantize_int(torch.randn(n, k), 4, 64, symmetric=i % 2 == 0) for i, n in enumerate(rows)
+    ]
+    bias = torch.randn(sum(rows))
+    schemes = [_scheme(4, 64, i % 2 == 0) for i in range(len(rows))]
+    if len({s.symmetric for s in schemes}) > 1:  # one scheme for all parts, zero points or not
+        schemes = [_scheme(4, 64, False)] * len(rows)
+    concat = layers._concat
+    joins = []
+    monkeypatch.setattr(layers, "_concat", lambda p: joins.append(1) or concat(p))
+    built = build_layer(parts, schemes, bias, dtype=torch.bfloat16)
+    assert len(joins) == (1 if any(n % 64 for n in rows) else 0)  # the parts never joined
+    joined = layers.as_int4_linear(concat(parts), bias)
+    assert isinstance(built, Int4Linear) and isinstance(joined, Int4Linear)
+    assert torch.equal(built.packed_weight, joined.packed_weight)
+    assert torch.equal(built.scales_and_zeros, joined.scales_and_zeros)
+    assert built.unpacks == joined.unpacks
+    x = torch.randn(40, k).bfloat16()  # 40 rows: the expanded-weights path where it unpacks
+    assert torch.equal(built(x), joined(x))
+    assert torch.equal(built(x[:3]), joined(x[:3]))
+    ones = torch.ones(sum(rows), k // 64)
+    from_parts = Int4Linear.from_parts(
+        [p.q for p in parts], ones, ones, None, group_size=64, offset=8
+    )
+    assert (from_parts is None) == any(n % 64 for n in rows)
+
+
 def test_act_order_groups_run_on_the_int4_kernel_with_the_inputs_reordered():
     k = 128
     weight = quantize_int(torch.randn(32, k), 4, 32, True)

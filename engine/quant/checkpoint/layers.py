@@ -145,6 +145,10 @@ def build_layer(
     """
     if len(set(schemes)) == 1 and schemes[0] is not None:
         scheme = schemes[0]
+        if len(parts) > 1 and dtype == torch.bfloat16 and scheme.activations is None:
+            fused = _int4_from_parts(parts, bias)
+            if fused is not None:
+                return fused
         merged = parts[0] if len(parts) == 1 else _concat(parts)
         if merged is not None:
             return _one_module(merged, scheme, bias, dtype, gated_activation)
@@ -214,6 +218,39 @@ def as_int4_linear(weight: IntWeight, bias: torch.Tensor | None) -> nn.Module | 
     )  # in place: a weight's int32 copy is the largest temporary
     layer = Int4Linear(codes, scale, minimum, bias, group_size=block)
     return layer if order is None else PermutedInput(layer, order)
+
+
+def _int4_from_parts(parts: list, bias: torch.Tensor | None) -> nn.Module | None:
+    """A fused 4-bit layer (gate_up, qkv) on Int4Linear built part by part into its final
+    buffer (Int4Linear.from_parts), or None where as_int4_linear's own route applies:
+    act-order groups, groups that do not fit the kernel, parts of other widths or groups."""
+    first = parts[0]
+    if not all(
+        isinstance(p, IntWeight)
+        and p.bits == 4
+        and p.g_idx is None
+        and p.group_size == first.group_size
+        for p in parts
+    ):
+        return None
+    n, k = sum(p.shape[0] for p in parts), first.shape[1]
+    block = next((b for b in _INT4_BLOCKS if k % b == 0 and first.group_size % b == 0), None)
+    if block is None or n % 16:
+        return None
+    per_block = torch.arange(0, k, block) // first.group_size  # each block's group
+    scale = torch.cat([p.scale.float()[:, per_block] for p in parts])
+    zero = torch.cat(
+        [
+            torch.zeros(p.shape[0], len(per_block))
+            if p.zero is None
+            else p.zero.float()[:, per_block]
+            for p in parts
+        ]
+    )
+    minimum = (-8 - zero) * scale  # value = (q + 8) * scale + minimum, as as_int4_linear
+    return Int4Linear.from_parts(
+        [p.q for p in parts], scale, minimum, bias, group_size=block, offset=8
+    )
 
 
 def _concat(parts: list[IntWeight | Fp8Weight]) -> IntWeight | Fp8Weight | None:
