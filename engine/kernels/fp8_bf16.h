@@ -22,7 +22,8 @@
  * Vector path (rows < AMX_MIN_ROWS, or no AMX): VEC_CHANNELS decoded rows by up to
  * VEC_ROWS input rows, one fp32 accumulator each (32 products per vdpbf16ps), multiplied
  * by its channel's scale at each block's end into a running total, and reduced across
- * its lanes at the end.
+ * its lanes at the end. With VEC_ROWS rows or fewer (a decode step) each weight is read
+ * once, so the codes are decoded in registers instead of through the buffer.
  * AMX path: the decoded weights are the A operand (16 channels x 32 inputs a tile, rows
  * of the buffer as they are) and the inputs the B operand, packed in pairs per strip of
  * 16 rows ([kp / 2][16][2]); a block of 32 channels x 32 rows uses all eight tiles (two
@@ -47,7 +48,10 @@
 #define TILE_CHANNELS 32 /* output rows decoded at once */
 #define VEC_CHANNELS 4   /* channels per vector step: independent sums per input row */
 #define VEC_ROWS 2       /* input rows per vector step */
-#define AMX_MIN_ROWS 16  /* below this a tile would be mostly padding */
+/* From 3 rows tiles beat the vector path even mostly empty: decoding a tile's codes once
+ * costs more than either product (1 thread, 1536 x 576: 3 rows 39 against 35 GOP/s,
+ * 8 rows 98 against 49); at 2 rows the codes decoded in registers win (29 against 23). */
+#define AMX_MIN_ROWS 3
 
 /* A call's operands as the fast paths read them. */
 typedef struct {
@@ -77,8 +81,9 @@ static inline __m512i decode32(const fast_problem *p, const uint8_t *codes, int 
     const __m512i high = _mm512_permutex2var_epi16(p->table[2], c, p->table[3]);
     const __mmask32 upper = _mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40));
     const __m512i magnitude = _mm512_mask_blend_epi16(upper, low, high);
-    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
-    return _mm512_or_si512(magnitude, sign);
+    /* bit 7 of the code to bit 15 (the shift brings the magnitude bits along: masked) */
+    return _mm512_ternarylogic_epi32(_mm512_slli_epi16(c, 8), _mm512_set1_epi16((short)0x8000),
+                                     magnitude, 0xEA); /* (a & b) | c */
 }
 
 /* Output rows [o0, o0 + count) into tile [TILE_CHANNELS][kp] bf16, rows past count zero. */
@@ -116,7 +121,7 @@ static inline __attribute__((always_inline)) void vec_step(const fast_problem *p
                                                            const uint16_t *tile, int64_t o0,
                                                            int64_t count, int64_t row,
                                                            int64_t c0, const int mr) {
-    const int64_t kp = p->kp;
+    const int64_t kp = p->kp, k = p->a->k;
     __m512 total[VEC_ROWS][VEC_CHANNELS];
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < VEC_CHANNELS; c++) total[r][c] = _mm512_setzero_ps();
@@ -128,8 +133,14 @@ static inline __attribute__((always_inline)) void vec_step(const fast_problem *p
             for (int c = 0; c < VEC_CHANNELS; c++) acc[r][c] = _mm512_setzero_ps();
         for (int64_t i = first; i < end; i += 32) {
             __m512bh w[VEC_CHANNELS];
-            for (int c = 0; c < VEC_CHANNELS; c++)
-                w[c] = (__m512bh)_mm512_load_si512(tile + (c0 + c) * kp + i);
+            for (int c = 0; c < VEC_CHANNELS; c++) {
+                if (tile) {
+                    w[c] = (__m512bh)_mm512_load_si512(tile + (c0 + c) * kp + i);
+                } else { /* decoded here: the call's rows read each weight once */
+                    const int left = c0 + c < count ? (int)(k - i < 32 ? k - i : 32) : 0;
+                    w[c] = (__m512bh)decode32(p, p->a->w + (o0 + c0 + c) * k + i, left);
+                }
+            }
             for (int r = 0; r < mr; r++) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(p->xp + (row + r) * kp + i);
                 for (int c = 0; c < VEC_CHANNELS; c++)
@@ -146,42 +157,79 @@ static inline __attribute__((always_inline)) void vec_step(const fast_problem *p
             if (c0 + c < count) store_out(p->a, row + r, o0 + c0 + c, _mm512_reduce_add_ps(total[r][c]));
 }
 
+/* A tile's outputs for every row; tile NULL: the codes decoded in registers (a call of
+ * VEC_ROWS rows or fewer, which reads each weight once anyway). */
 static void vec_tile(const fast_problem *p, const uint16_t *tile, int64_t o0, int64_t count) {
     const int64_t rows = p->a->rows;
     for (int64_t row = 0; row < rows; row += VEC_ROWS)
         for (int64_t c0 = 0; c0 < count; c0 += VEC_CHANNELS) {
-            if (rows - row >= 2)
+            /* each case its own inlined copy: tile's NULL-ness and mr fold away */
+            if (tile && rows - row >= 2)
                 vec_step(p, tile, o0, count, row, c0, 2);
-            else
+            else if (tile)
                 vec_step(p, tile, o0, count, row, c0, 1);
+            else if (rows - row >= 2)
+                vec_step(p, NULL, o0, count, row, c0, 2);
+            else
+                vec_step(p, NULL, o0, count, row, c0, 1);
         }
 }
 
-/* The vector path's inputs: [rows][kp] bf16, zeros past k. */
-static void pack_rows(const tm_fp8_linear_args *a, int64_t kp, uint16_t *xp) {
-    const uint16_t *x = a->x;
-    for (int64_t r = 0; r < a->rows; r++) {
-        memcpy(xp + r * kp, x + r * a->k, (size_t)a->k * 2);
-        memset(xp + r * kp + a->k, 0, (size_t)(kp - a->k) * 2);
-    }
+/* Row r of the vector path's inputs: [rows][kp] bf16, zeros past k. */
+static void pack_row(const tm_fp8_linear_args *a, int64_t kp, int64_t r, uint16_t *xp) {
+    memcpy(xp + r * kp, (const uint16_t *)a->x + r * a->k, (size_t)a->k * 2);
+    memset(xp + r * kp + a->k, 0, (size_t)(kp - a->k) * 2);
 }
 
 #if FP8_HAVE_AMX
-/* The AMX path's inputs: per strip of 16 rows, [kp / 2][16][2] bf16 (row r's inputs 2i
- * and 2i + 1 side by side), rows padded to whole pairs of strips with zeros. */
-static void pack_strips(const tm_fp8_linear_args *a, int64_t kp, int64_t padded_rows,
-                        uint16_t *xp) {
+/* m[i] lane j -> m[j] lane i for 16 vectors of 16 floats. Unpacking pairs of rows, then
+ * pairs of pairs, leaves m[4g + s]'s 128-bit lane L holding rows 4g..4g+3 of column
+ * 4L + s; two rounds of 128-bit lane shuffles put each column's four lanes together. */
+static inline __attribute__((always_inline)) void transpose16x16(__m512 m[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(m[i], m[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(m[i], m[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+        m[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        m[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        m[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        m[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int s = 0; s < 4; s++) {
+        const __m512 u0 = _mm512_shuffle_f32x4(m[s], m[4 + s], 0x44);
+        const __m512 u1 = _mm512_shuffle_f32x4(m[s], m[4 + s], 0xEE);
+        const __m512 u2 = _mm512_shuffle_f32x4(m[8 + s], m[12 + s], 0x44);
+        const __m512 u3 = _mm512_shuffle_f32x4(m[8 + s], m[12 + s], 0xEE);
+        t[s] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+        t[4 + s] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+        t[8 + s] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+        t[12 + s] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) m[i] = t[i];
+}
+
+/* Strip `strip` of the AMX path's inputs: per strip of 16 rows, [kp / 2][16][2] bf16
+ * (row r's inputs 2i and 2i + 1 side by side: the B operand's layout), zeros past k and
+ * past the last row. Each 32 inputs of 16 rows are 16 x 16 pairs, transposed. */
+static void pack_strip(const tm_fp8_linear_args *a, int64_t kp, int64_t strip, uint16_t *xp) {
     const uint16_t *x = a->x;
-    memset(xp, 0, (size_t)(padded_rows * kp) * 2);
-    for (int64_t r = 0; r < a->rows; r++) {
-        uint32_t *strip = (uint32_t *)(xp + (r / 16) * 16 * kp) + r % 16;
-        const uint16_t *src = x + r * a->k;
-        for (int64_t i = 0; i + 1 < a->k; i += 2) {
-            uint32_t pair;
-            memcpy(&pair, src + i, 4);
-            strip[(i / 2) * 16] = pair;
+    uint16_t *dst = xp + strip * 16 * kp;
+    for (int64_t i = 0; i < kp; i += 32) {
+        const int left = (int)(a->k - i < 32 ? a->k - i : 32);
+        const __mmask32 mask = left >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << left) - 1);
+        __m512 lines[16];
+        for (int r = 0; r < 16; r++) {
+            const int64_t row = strip * 16 + r;
+            lines[r] = row < a->rows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(
+                                           mask, x + row * a->k + i))
+                                     : _mm512_setzero_ps();
         }
-        if (a->k % 2) strip[(a->k / 2) * 16] = src[a->k - 1]; /* its partner stays zero */
+        transpose16x16(lines); /* [row][pair] -> [pair][row] */
+        for (int q = 0; q < 16; q++) _mm512_store_ps((float *)(dst + i * 16 + q * 32), lines[q]);
     }
 }
 
@@ -236,12 +284,13 @@ static void amx_block(const fast_problem *p, const uint16_t *tile, int64_t o0, i
         const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
         const __m512 bias = p->a->bias ? _mm512_maskz_loadu_ps(mask, p->a->bias + o0 + channel)
                                        : _mm512_setzero_ps();
+        __m512 lines[16];
+        for (int c = 0; c < 16; c++) lines[c] = _mm512_load_ps(total[t][c]);
+        transpose16x16(lines); /* [channel][row] -> [row][channel] */
         for (int r = 0; r < 16; r++) {
             const int64_t at = row + (t % 2) * 16 + r;
             if (at >= rows) break;
-            float column[16] __attribute__((aligned(64)));
-            for (int c = 0; c < 16; c++) column[c] = total[t][c][r];
-            const __m512 v = _mm512_add_ps(_mm512_load_ps(column), bias);
+            const __m512 v = _mm512_add_ps(lines[r], bias);
             uint16_t *dst = (uint16_t *)p->a->out + at * p->a->n + o0 + channel;
             _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
         }
@@ -270,12 +319,6 @@ static int fp8_linear_bf16(const tm_fp8_linear_args *a, const float table[256]) 
     const int64_t padded_rows = amx ? (a->rows + 31) / 32 * 32 : a->rows;
     uint16_t *xp = aligned_alloc(64, (size_t)(padded_rows * p.kp) * 2);
     if (!xp) return TM_OUT_OF_MEMORY;
-#if FP8_HAVE_AMX
-    if (amx)
-        pack_strips(a, p.kp, padded_rows, xp);
-    else
-#endif
-        pack_rows(a, p.kp, xp);
     p.xp = xp;
     const int64_t n = a->n, tiles = (n + TILE_CHANNELS - 1) / TILE_CHANNELS;
     const int parallel =
@@ -283,6 +326,17 @@ static int fp8_linear_bf16(const tm_fp8_linear_args *a, const float table[256]) 
     int failed = 0;
 #pragma omp parallel num_threads(a->num_threads) if (parallel)
     {
+        /* the inputs packed by all threads first (the loop's end is a barrier) */
+#if FP8_HAVE_AMX
+        if (amx) {
+#pragma omp for schedule(static)
+            for (int64_t strip = 0; strip < padded_rows / 16; strip++) pack_strip(a, p.kp, strip, xp);
+        } else
+#endif
+        {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < a->rows; r++) pack_row(a, p.kp, r, xp);
+        }
         uint16_t *tile = aligned_alloc(64, (size_t)(TILE_CHANNELS * p.kp) * 2);
         if (!tile) {
 #pragma omp atomic write
@@ -296,6 +350,10 @@ static int fp8_linear_bf16(const tm_fp8_linear_args *a, const float table[256]) 
             if (!tile) continue;
             const int64_t o0 = t * TILE_CHANNELS;
             const int64_t count = n - o0 < TILE_CHANNELS ? n - o0 : TILE_CHANNELS;
+            if (!amx && a->rows <= VEC_ROWS) {
+                vec_tile(&p, NULL, o0, count);
+                continue;
+            }
             decode_tile_bf16(&p, o0, count, tile);
 #if FP8_HAVE_AMX
             if (amx) {

@@ -17,7 +17,7 @@
  *
  * Those plain loops are the fallback. Where the build has AVX512-BF16, bf16 inputs take
  * the CPU's bf16 dot products instead (fp8_bf16.h: the codes decoded to bf16 exactly, the
- * scales applied to each block's fp32 sums), on AMX tiles from 16 rows where Linux grants
+ * scales applied to each block's fp32 sums), on AMX tiles from 3 rows where Linux grants
  * them; tm_fp8_linear_isa says which, `tokenmill models info` shows it.
  */
 #include <stdlib.h>

@@ -506,7 +506,7 @@ enum {
     TM_FP8_ISA_AVX2 = 1,        /* the same loops, compiled to AVX2 FMA */
     TM_FP8_ISA_AVX512 = 2,      /* ... to AVX-512 FMA */
     TM_FP8_ISA_AVX512_BF16 = 3, /* bf16 inputs: codes decoded to bf16, vdpbf16ps (fp8_bf16.h) */
-    TM_FP8_ISA_AMX = 4          /* the same, and calls of 16 rows or more on AMX tiles */
+    TM_FP8_ISA_AMX = 4          /* the same, and calls of 3 rows or more on AMX tiles */
 };
 typedef struct {
     const void *x;        /* [rows, k] fp32 or bf16 */
