@@ -253,3 +253,23 @@ def test_kv_cache_variants_are_compared_with_their_plain_and_default_cache_runs(
         "tokenmill-bf16-kv8": ["tokenmill-bf16"],
         "tokenmill-int8-kv8": ["tokenmill-bf16", "tokenmill-bf16-kv8", "tokenmill-int8"],
     }
+
+
+def test_a_quantized_checkpoint_is_compared_with_the_float_run_and_each_mode():
+    """--checkpoint DIR runs the directory as stored beside the modes: compared with the
+    plain float run and every --quantization mode, and nothing compares with it."""
+    from tokenmill.bench.systems import best_float_dtype, counterparts, tokenmill_systems
+
+    specs = tokenmill_systems(
+        [best_float_dtype()], {"seed": 1}, ["int4", "int8"], checkpoints=["/ckpt/W4A16_G64"]
+    )
+    checkpoint = specs[-1]
+    assert checkpoint.label == "tokenmill-ckpt-W4A16_G64"
+    assert checkpoint.options["model"] == "/ckpt/W4A16_G64"
+    assert checkpoint.options["engine_args"] == {"seed": 1}
+    compared = {s.label: [c.label for c in counterparts(s, specs)] for s in specs}
+    plain = specs[0].label
+    assert compared[checkpoint.label] == [plain, "tokenmill-int4", "tokenmill-int8"]
+    assert all(
+        checkpoint.label not in c for label, c in compared.items() if label != checkpoint.label
+    )

@@ -59,6 +59,8 @@ class BenchConfig:
     threads: int | None = None
     engine_args: dict = field(default_factory=dict)
     quantizations: tuple[str, ...] = ()  # tokenmill systems with LLM(quantization=...)
+    # Directories of the model quantized by another tool, each run as a tokenmill system.
+    checkpoints: tuple[str, ...] = ()
     # Each tokenmill system with each KV cache dtype (none: the engine's default only).
     kv_cache_dtypes: tuple[str, ...] = ()
     vllm_args: dict = field(default_factory=dict)
@@ -161,6 +163,7 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> list[BenchR
                 kv_cache_dtypes=list(config.kv_cache_dtypes),
                 gguf_files={fmt: str(path) for fmt, path in ggufs.items()},
                 lora_adapters=adapters,
+                checkpoints=list(config.checkpoints),
             )
             specs = [_with_model_dir(spec, log) for spec in specs]
             picked, sweep = _pick_hf_batch_sizes(runner, baselines, config.hf_batch_sizes, workload)

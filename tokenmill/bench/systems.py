@@ -102,6 +102,7 @@ def tokenmill_systems(
     kv_cache_dtypes: list[str] = (),
     gguf_files: dict[str, str] | None = None,
     lora_adapters: list[str] = (),
+    checkpoints: list[str] = (),
 ) -> list[SystemSpec]:
     """tokenmill at each dtype, labelled e.g. "tokenmill-bf16", then each quantization
     ("tokenmill-int8"), which runs its float parts in the engine's best float precision
@@ -113,6 +114,11 @@ def tokenmill_systems(
     "gguf:FMT" is the gguf mode on the model's file in llama.cpp format FMT, taken from
     gguf_files (FMT -> path; the harness makes them with llama-quantize), labelled
     "tokenmill-gguf-FMT".
+
+    Each of `checkpoints` (a directory of the same model quantized by another tool:
+    compressed-tensors, GPTQ, AWQ, FP8) runs as it is stored, its float parts in the
+    engine's best float precision, labelled "tokenmill-ckpt-DIRNAME" and compared with
+    every quantization mode run beside it (`counterparts`).
 
     With `structured`, each dtype runs twice per round: first constrained to the
     workload's schema ("tokenmill-bf16-json"), then unconstrained as its baseline,
@@ -132,6 +138,7 @@ def tokenmill_systems(
         if kv_cache_dtype is not None and not kv_cache_format(kv_cache_dtype).is_default:
             args["kv_cache_dtype"] = kv_cache_dtype
         plain = _tokenmill_systems_with(dtypes, args, quantizations, structured, gguf_files or {})
+        plain += [_checkpoint_system(path, args) for path in checkpoints]
         specs += _with_lora(plain, list(lora_adapters)) if lora_adapters else plain
     return specs
 
@@ -202,6 +209,12 @@ def _tokenmill_systems_with(
     return specs
 
 
+def _checkpoint_system(path: str, engine_args: dict) -> SystemSpec:
+    label = f"tokenmill-ckpt-{Path(path).name}{_kv_suffix(engine_args)}"
+    options = {"engine_args": dict(engine_args), "model": path, "checkpoint": True}
+    return SystemSpec(label, "tokenmill", best_float_dtype(), False, options)
+
+
 # Bench names for a quantization mode with other settings: name -> (mode, LLM settings).
 QUANTIZATION_VARIANTS = {
     "int8-head": ("int8", {"quantize_lm_head": True}),
@@ -270,6 +283,7 @@ def counterparts(spec: SystemSpec, specs: list[SystemSpec]) -> list[SystemSpec]:
             other.kind == "tokenmill"
             and other.dtype == spec.dtype
             and other.label != spec.label
+            and not other.options.get("checkpoint")  # another model's weights
             and other.options.get("structured") == spec.options.get("structured")
             and {k: v for k, v in theirs.items() if k not in keys} == rest
             and not any(k in theirs for k in keys)
@@ -289,6 +303,17 @@ def counterparts(spec: SystemSpec, specs: list[SystemSpec]) -> list[SystemSpec]:
         found += [o for o in specs if differing_only_in(o, "quantization", "kv_cache_dtype")]
     if "quantization" in args:
         found += [o for o in specs if differing_only_in(o, "quantization")]
+    if spec.options.get("checkpoint"):  # against the float run and each mode beside it
+        found += [
+            o
+            for o in specs
+            if o.kind == "tokenmill"
+            and o.dtype == spec.dtype
+            and not o.options.get("checkpoint")
+            and o.options.get("lora") is None
+            and {k: v for k, v in o.options.get("engine_args", {}).items() if k != "quantization"}
+            == args
+        ]
     if "kv_cache_dtype" in args:
         found += [o for o in specs if differing_only_in(o, "kv_cache_dtype")]
     return found

@@ -79,6 +79,15 @@ from tokenmill.pipelines.options import get_option
     "(e.g. gguf:Q4_0, made with llama-quantize).",
 )
 @click.option(
+    "--checkpoint",
+    "checkpoints",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="A directory of the same model quantized by another tool (compressed-tensors, "
+    "GPTQ, AWQ, FP8): also run it as stored, its float parts in the CPU's best float "
+    "precision, and compare it with each --quantization mode. Repeatable.",
+)
+@click.option(
     "--kv-cache-dtype",
     "kv_cache_dtypes",
     default=get_option("kv_cache_dtype").default,
@@ -184,7 +193,7 @@ from tokenmill.pipelines.options import get_option
     help="Also write the full report as JSON.",
 )
 def bench(
-    presets, model, shape, shape_layers, shape_dtype, baselines, dtype, quantizations, kv_cache_dtypes, repeat, hf_batch_size,
+    presets, model, shape, shape_layers, shape_dtype, baselines, dtype, quantizations, checkpoints, kv_cache_dtypes, repeat, hf_batch_size,
     device, threads, engine_args, vllm_args, vllm_python, llamacpp_gguf, llama_bin_dir,
     llama_server, llamacpp_formats, llama_server_slots, llama_server_args, llama_reference,
     seed, timeout_s, json_path,
@@ -227,6 +236,7 @@ def bench(
             dtypes=("float32", "bfloat16") if dtype == "both" else (dtype,),
             baselines=tuple(names),
             quantizations=tuple(q.strip() for q in quantizations.split(",") if q.strip()),
+            checkpoints=tuple(checkpoints),
             kv_cache_dtypes=tuple(k.strip() for k in kv_cache_dtypes.split(",") if k.strip()),
             repeat=repeat,
             hf_batch_sizes=(hf_batch_size,) if hf_batch_size else HF_BATCH_SIZES,
