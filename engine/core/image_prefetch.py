@@ -27,8 +27,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-DEFAULT_DECODE_THREADS = 2
-DEFAULT_MAX_IMAGES_AHEAD = 16
+from tokenmill.engine.types.config import EngineConfig
+
+# The decode pool's thread names start with this (tools find the threads by it).
+THREAD_PREFIX = "tokenmill-image"
 
 
 class LazyPixels:
@@ -95,13 +97,13 @@ class ImagePrefetcher:
     def __init__(
         self,
         *,
-        num_threads: int = DEFAULT_DECODE_THREADS,
-        max_images_ahead: int = DEFAULT_MAX_IMAGES_AHEAD,
+        image_decode_threads: int = EngineConfig.image_decode_threads,
+        max_images_ahead: int = EngineConfig.max_images_ahead,
     ) -> None:
-        if num_threads < 1 or max_images_ahead < 1:
+        if image_decode_threads < 1 or max_images_ahead < 1:
             raise ValueError("an image prefetcher needs >= 1 thread and >= 1 image ahead")
         self.max_images_ahead = max_images_ahead
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tokenmill-image")
+        self._pool = ThreadPoolExecutor(image_decode_threads, thread_name_prefix=THREAD_PREFIX)
         self._held: list[LazyPixels] = []
 
     def prepare(self, waiting: Iterable, has_running: bool) -> tuple[list, list, list]:

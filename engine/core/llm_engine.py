@@ -160,7 +160,10 @@ class LLMEngine:
             self._finished_early.append(self.output_processor.error_output(request, error))
             return
         if self._image_prefetcher is None and any(isinstance(i.pixels, LazyPixels) for i in images):
-            self._image_prefetcher = ImagePrefetcher()
+            self._image_prefetcher = ImagePrefetcher(
+                image_decode_threads=self.config.image_decode_threads,
+                max_images_ahead=self.config.max_images_ahead,
+            )
         rope_variant = 0
         if self.rope_variant is not None:
             num_prompt = len(request.prompt_token_ids)

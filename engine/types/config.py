@@ -145,6 +145,15 @@ class EngineConfig:
         "it is decoded); a larger one, a decompression bomb included, is refused. Default: "
         "Pillow's MAX_IMAGE_PIXELS.",
     )
+    max_images_ahead: int = setting(
+        16,
+        "Images given as bytes decoded ahead of the scheduler's need, at most, beside the "
+        "loop (engine/core/image_prefetch.py): the pixels held at once beyond one step's "
+        "images. More keeps a fast tower fed past slow decodes; fewer holds less memory.",
+    )
+    image_decode_threads: int = setting(
+        2, "Threads decoding and resizing images beside the loop (the decode pool)."
+    )
     huge_pages: bool | None = setting(
         None,
         "Ask Linux for 2 MiB pages for the CPU KV cache (default: TOKENMILL_HUGE_PAGES, "
@@ -172,6 +181,10 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.max_image_pixels < 1:
             raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
+        if self.max_images_ahead < 1:
+            raise ValueError(f"max_images_ahead must be >= 1, got {self.max_images_ahead}")
+        if self.image_decode_threads < 1:
+            raise ValueError(f"image_decode_threads must be >= 1, got {self.image_decode_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -10,6 +10,10 @@ tool that wants the figures subclasses it and installs it with `LLM.set_profiler
     prepare    the step's inputs, sampling batch (settings, bans, penalties, grammar
                masks) and attention metadata, built and uploaded (runner)
     forward    the model over the step's tokens, attention included (runner)
+    images     inside forward, for a vision model: the step's decoded images made into
+               the tower's input (normalised, patched; a decode not yet finished is
+               waited for here)
+    vision     inside forward: the vision tower (and projector) over the step's images
     logits     the lm_head where a token is sampled or a prompt scored (runner)
     pool       an encoder batch's pooling and classification head (encoder runner)
     sample     the sampler (runner)
@@ -25,7 +29,9 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-STAGES = ("schedule", "prepare", "forward", "logits", "pool", "sample", "resolve")
+STAGES = (
+    "schedule", "prepare", "forward", "images", "vision", "logits", "pool", "sample", "resolve"
+)  # fmt: skip
 _NOTHING = nullcontext()
 
 

@@ -210,8 +210,8 @@ class ModelRunner:
                 with profiler.stage("prepare"):
                     input_ids, positions, meta, sample_rows = self.prepare(out, previous)
                 with profiler.stage("forward"):
-                    if with_images:  # the tower runs here: its time is the forward's
-                        meta, images = self.vision.step(out, meta)
+                    if with_images:  # the tower runs here, in stages of its own
+                        meta, images = self.vision.step(out, meta, profiler)
                     meta = profiler.attention(meta)
                     hidden = self.forward_model(
                         input_ids, positions, meta, images, rope_variants, self.mrope_positions(out)

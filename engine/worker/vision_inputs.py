@@ -22,6 +22,7 @@ from tokenmill.engine.core.image_prefetch import release_pixels
 from tokenmill.engine.core.step import SchedulerOutput
 from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.models.gemma3_vision import StepImages
+from tokenmill.engine.types.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.worker.attention.backend import upload
 from tokenmill.engine.worker.attention.image_spans import ImageRows, ImageSpanAttention
 
@@ -57,10 +58,11 @@ class VisionInputs:
         self.num_tower_calls = 0
 
     def step(
-        self, out: SchedulerOutput, meta: StepAttention
+        self, out: SchedulerOutput, meta: StepAttention, profiler: StepProfiler = NO_PROFILER
     ) -> tuple[StepAttention, StepImages | None]:
         """(the attention the step's layers use, its image tokens) - the meta and None
-        when no chunk of the step computes an image token."""
+        when no chunk of the step computes an image token. The tower's inputs are made
+        in the profiler's "images" stage and the tower runs in its "vision" stage."""
         # Rows as the runner flattens them (ModelRunner.step_tokens): decodes, then prefills.
         # (row of the image's first token this step, its tokens computed before this
         # step, its tokens this step computes, image)
@@ -100,7 +102,7 @@ class VisionInputs:
             row += chunk.num_new_tokens
         if not placed:
             return meta, None
-        self._encode([image for *_, image in placed])
+        self._encode([image for *_, image in placed], profiler)
         rows, embeddings = [], []
         for first_row, skip, count, image in placed:
             rows.append(np.arange(first_row, first_row + count))
@@ -112,7 +114,7 @@ class VisionInputs:
             meta = ImageSpanAttention(meta, spans, self.pair_layout)
         return meta, images
 
-    def _encode(self, images: list) -> None:
+    def _encode(self, images: list, profiler: StepProfiler = NO_PROFILER) -> None:
         """Run the tower over those of `images` not already encoded, in as few calls as
         the per-call bounds allow."""
         todo = {}
@@ -123,14 +125,19 @@ class VisionInputs:
                 todo.setdefault(image.content_hash, image)
         for group in self._groups(list(todo.items())):
             self.num_tower_calls += 1
-            if hasattr(self.model, "encode_image_list"):  # images of their own sizes
-                encoded = self.model.encode_image_list(
-                    [image.pixel_values.to(self.device) for _, image in group],
-                    [image.grid for _, image in group],
-                )
-            else:
-                pixels = torch.stack([image.pixel_values for _, image in group])
-                encoded = self.model.encode_images(pixels.to(self.device, self.dtype))
+            own_sizes = hasattr(self.model, "encode_image_list")  # images of their own sizes
+            # Normalising (and patching) the decoded pixels, apart from the tower's time.
+            with profiler.stage("images"):
+                if own_sizes:
+                    pixels = [image.pixel_values.to(self.device) for _, image in group]
+                else:
+                    pixels = torch.stack([image.pixel_values for _, image in group])
+                    pixels = pixels.to(self.device, self.dtype)
+            with profiler.stage("vision"):
+                if own_sizes:
+                    encoded = self.model.encode_image_list(pixels, [i.grid for _, i in group])
+                else:
+                    encoded = self.model.encode_images(pixels)
             self.num_images_encoded += len(group)
             for (content_hash, _), tokens in zip(group, encoded):
                 self._encoded[content_hash] = tokens

@@ -14,8 +14,8 @@ from PIL import Image
 from vision_models import BOI, TOKENS_PER_IMAGE, build_gemma3_vlm, png_bytes
 
 from tokenmill.engine import LLM, SamplingParams
-from tokenmill.engine.core.image_prefetch import DEFAULT_MAX_IMAGES_AHEAD
 from tokenmill.engine.loader.images import ImageProcessor, image_size
+from tokenmill.engine.types.config import EngineConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 MAX_BATCHED_TOKENS = 64
@@ -47,7 +47,7 @@ def _prompt(image, first: int) -> dict:
 
 
 def test_a_long_queue_of_images_holds_a_bounded_number_decoded(model_dir, monkeypatch):
-    num = 3 * DEFAULT_MAX_IMAGES_AHEAD
+    num = 3 * EngineConfig.max_images_ahead
     images = [png_bytes(20 + i % 7, 24, seed=i) for i in range(num)]
     llm = _llm(model_dir)
     # Reference: the same images given as PIL images, which are resized up front.
@@ -72,7 +72,7 @@ def test_a_long_queue_of_images_holds_a_bounded_number_decoded(model_dir, monkey
     assert [o.outputs[0].token_ids for o in lazy] == [o.outputs[0].token_ids for o in eager]
     assert len(alive) == num  # each image decoded once
     # The images decoded ahead, and those of one step beyond them.
-    bound = DEFAULT_MAX_IMAGES_AHEAD + MAX_BATCHED_TOKENS // TOKENS_PER_IMAGE
+    bound = EngineConfig.max_images_ahead + MAX_BATCHED_TOKENS // TOKENS_PER_IMAGE
     assert 0 < most <= bound < num
     assert all(ref() is None for ref in alive)  # none left once answered
 

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tokenmill.bench.extract import build_extract_workload
-from tokenmill.bench.workload_data import Workload
+from tokenmill.bench.image_workload import IMAGE_PRESETS
+from tokenmill.bench.workload_data import Workload, ordinary_token_ids
 
 __all__ = ["Workload", "load_preset", "warmup_prompts", "build_workload", "PRESETS", "PRESET_NAMES"]
 
@@ -161,9 +162,10 @@ PRESETS: dict[str, WorkloadSpec] = {
 }
 
 
-# Every preset `tokenmill bench --preset` takes: the drawn ones, the structured one, and
-# the embedding ones (tokenmill/bench/embed_workload.py, run by embed_harness.py).
-PRESET_NAMES = [*PRESETS, "extract64", "embed4k", "embed-smoke"]
+# Every preset `tokenmill bench --preset` takes: the drawn ones, the structured one, the
+# embedding ones (tokenmill/bench/embed_workload.py, run by embed_harness.py) and the image
+# ones (image_workload.py, run by image_harness.py).
+PRESET_NAMES = [*PRESETS, "extract64", "embed4k", "embed-smoke", *IMAGE_PRESETS]
 
 
 def build_workload(
@@ -227,22 +229,6 @@ def build_workload(
         if spec.num_adapters
         else None,
     )
-
-
-def ordinary_token_ids(tokenizer_json: str | Path) -> list[int]:
-    """Every id of a `tokenizer.json` vocabulary except added/special tokens, sorted.
-
-    Args:
-        tokenizer_json: path of the HF `tokenizers` file.
-
-    Returns:
-        The ids prompts may be drawn from.
-    """
-    from tokenizers import Tokenizer
-
-    backend = Tokenizer.from_file(str(tokenizer_json))
-    added = set(backend.get_added_tokens_decoder())
-    return [i for i in range(backend.get_vocab_size(with_added_tokens=True)) if i not in added]
 
 
 def chat_wrap_ids(model_dir: str | Path) -> tuple[list[int], list[int]]:

@@ -1,5 +1,6 @@
 """`Workload`: a benchmark's concrete requests - data only, shared by the presets that
-draw token ids (workload.py) and the ones built from text (extract.py)."""
+draw token ids (workload.py) and the ones built from text (extract.py) - and the
+vocabulary the drawn ones (and the image prompts, image_workload.py) draw from."""
 
 from __future__ import annotations
 
@@ -60,3 +61,19 @@ class Workload:
     @classmethod
     def from_json(cls, path: str | Path) -> Workload:
         return cls(**json.loads(Path(path).read_text()))
+
+
+def ordinary_token_ids(tokenizer_json: str | Path) -> list[int]:
+    """Every id of a `tokenizer.json` vocabulary except added/special tokens, sorted.
+
+    Args:
+        tokenizer_json: path of the HF `tokenizers` file.
+
+    Returns:
+        The ids prompts may be drawn from.
+    """
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(tokenizer_json))
+    added = set(backend.get_added_tokens_decoder())
+    return [i for i in range(backend.get_vocab_size(with_added_tokens=True)) if i not in added]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from tokenmill.bench.image_workload import IMAGE_PRESETS
 from tokenmill.bench.scale_shapes import SHAPE_NAMES
 from tokenmill.bench.workload import PRESET_NAMES
 from tokenmill.cli.options import key_values_callback
@@ -24,7 +25,8 @@ from tokenmill.pipelines.options import get_option
     help=f"Comma-separated, run in turn within each round: {', '.join(PRESET_NAMES)}. "
     "extract64 compares constrained (JSON schema) and unconstrained generation; single8 "
     "runs its requests one at a time; embed4k (embed-smoke), run alone, compares "
-    "embeddings with sentence-transformers and ONNX Runtime.",
+    "embeddings with sentence-transformers and ONNX Runtime; images512 (images-smoke), run "
+    "alone on a vision-language --model, compares image prompts with transformers' generate.",
 )
 @click.option(
     "--model",
@@ -223,6 +225,15 @@ def bench(
         dtypes = ("float32", "bfloat16") if dtype == "both" else (dtype,)
         _embedding_bench(preset, model, names, dtypes, repeat, threads, engine_args, json_path)
         return
+    if any(p in IMAGE_PRESETS for p in preset_names):
+        if len(preset_names) != 1:
+            raise click.BadParameter("an image preset runs alone", param_hint="--preset")
+        dtypes = ("float32", "bfloat16") if dtype == "both" else (dtype,)
+        _image_bench(
+            preset_names[0], model, names, dtypes, repeat, hf_batch_size, threads, engine_args,
+            seed, timeout_s, json_path,
+        )  # fmt: skip
+        return
     try:
         slots = tuple(int(n) for n in _split(llama_server_slots))
     except ValueError:
@@ -316,6 +327,41 @@ def _embedding_bench(
     except (ValueError, FileNotFoundError) as error:
         raise click.ClickException(str(error)) from error
     render_embedding_report(report)
+    _write_json(json_path, report.to_dict())
+    if all(s.wall_s is None for s in report.systems if not s.is_baseline):
+        raise click.ClickException("no tokenmill run succeeded")
+
+
+def _image_bench(
+    preset, model, names, dtypes, repeat, hf_batch_size, threads, engine_args, seed, timeout_s,
+    json_path,
+) -> None:  # fmt: skip
+    """An image preset: tokenmill against transformers' generate on the same images."""
+    from tokenmill.bench.image_harness import (
+        HF_IMAGE_BATCH_SIZES,
+        ImageBenchConfig,
+        render_image_report,
+        run_image_benchmark,
+    )
+
+    try:
+        config = ImageBenchConfig(
+            preset=preset,
+            model=model,
+            dtypes=dtypes,
+            baselines=tuple(names),
+            repeat=repeat,
+            hf_batch_sizes=(hf_batch_size,) if hf_batch_size else HF_IMAGE_BATCH_SIZES,
+            threads=threads,
+            engine_args=engine_args,
+            seed=seed,
+            timeout_s=timeout_s,
+            command=shlex.join(["tokenmill", *sys.argv[1:]]),
+        )
+        report = run_image_benchmark(config, log=lambda line: click.echo(line, err=True))
+    except (ValueError, FileNotFoundError) as error:
+        raise click.ClickException(str(error)) from error
+    render_image_report(report)
     _write_json(json_path, report.to_dict())
     if all(s.wall_s is None for s in report.systems if not s.is_baseline):
         raise click.ClickException("no tokenmill run succeeded")
