@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -161,6 +161,34 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     Raises:
         ValueError: bad input (SourceError), duplicate or null ids, bad options.
     """
+    inputs = prepare_planning(spec, llm=llm, min_shards=min_shards)
+    return plan_windows(spec, inputs, read_job_windows(spec, inputs))
+
+
+@dataclass
+class PlanningInputs:
+    """What every window of a job is planned with: the opened source, the model's
+    description and tokenizer, and the job-level settings checked before any row."""
+
+    source: Any
+    fingerprint: list[dict[str, Any]]
+    min_shards: int
+    cut_rule: str
+    model: ModelDescription
+    tokenizer: Any
+    max_model_len: int
+    adapters: list[JobAdapter]
+    pooling: PoolingInputs | None
+    images: RowImageReader | None
+    reasoning: str | None
+    params: ParamsTable
+    quantization: str | None  # JobPlan.quantization
+    counts: ReadCounts = field(default_factory=ReadCounts)
+
+
+def prepare_planning(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> PlanningInputs:
+    """Open and check the source, describe the model and check the job-level settings:
+    every problem that is not a row's fails here, before any row is read (ValueError)."""
     template = spec.template_spec
     columns = None
     queries = [spec.query_column] if spec.query_column else []
@@ -206,6 +234,50 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     )
     if spec.reasoning_effort is not None:  # the job's: a usage error before any row
         check_reasoning_effort(tokenizer, spec.reasoning_effort)
+    return PlanningInputs(
+        source=source,
+        fingerprint=fingerprint,
+        min_shards=min_shards,
+        cut_rule=cut_rule,
+        model=model,
+        tokenizer=tokenizer,
+        max_model_len=max_model_len,
+        adapters=adapters,
+        pooling=pooling,
+        images=images,
+        reasoning=reasoning,
+        params=params,
+        quantization=_quantization(spec, model, llm),
+    )
+
+
+def read_job_windows(
+    spec: JobSpec, inputs: PlanningInputs, *, keep: Callable[[int], bool] | None = None
+) -> Iterator[Window]:
+    """The job's windows, read, templated and tokenized (only those `keep` takes, each
+    id checked all the same: `reading.read_windows`); `inputs.counts` counts the reads."""
+    return read_windows(
+        inputs.source,
+        spec,
+        inputs.tokenizer,
+        max_model_len=inputs.max_model_len,
+        params=inputs.params,
+        pooling=inputs.pooling,
+        adapters=inputs.adapters,
+        counts=inputs.counts,
+        images=inputs.images,
+        keep=keep,
+    )
+
+
+def plan_windows(spec: JobSpec, inputs: PlanningInputs, windows: Iterable[Window]) -> JobPlan:
+    """Dedupe, order and cut each tokenized window (in input order), write its shards'
+    plan files, and make the JobPlan; the plan files added are removed if it fails.
+
+    `inputs.counts` must hold the records read once `windows` is exhausted."""
+    model, params, adapters = inputs.model, inputs.params, inputs.adapters
+    min_shards, cut_rule, reasoning = inputs.min_shards, inputs.cut_rule, inputs.reasoning
+    images, pooling, counts = inputs.images, inputs.pooling, inputs.counts
     shards: list[Shard] = []
     copy_shards: list[Shard] = []
     num_rows = num_failed = 0
@@ -214,18 +286,6 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
     # Another plan's files may have our shard ids (same rows, same id): if this planning
     # fails, it removes only the files it added.
     existing = out.planned_shards(spec.output, spec.storage_options)
-    counts = ReadCounts()
-    windows = read_windows(
-        source,
-        spec,
-        tokenizer,
-        max_model_len=max_model_len,
-        params=params,
-        pooling=pooling,
-        adapters=adapters,
-        counts=counts,
-        images=images,
-    )
     try:
         for window in windows:
             rows = (
@@ -265,7 +325,7 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
             num_rows += len(window.rows)
             num_failed += sum(1 for r in window.rows if r.error is not None)
             fault_point("plan_window")
-        _check_rows_read(source, counts, num_rows)
+        _check_rows_read(inputs.source, counts, num_rows)
     except BaseException:
         added = [s.shard_id for s in shards + copy_shards if s.shard_id not in existing]
         out.remove_plan(spec.output, spec.storage_options, shard_ids=added)
@@ -283,13 +343,13 @@ def plan_job(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> JobPlan:
         num_failed=num_failed,
         rows_read=counts.records,
         rows_skipped_blank=counts.blank,
-        input_fingerprint=fingerprint,
+        input_fingerprint=inputs.fingerprint,
         adapters=adapters,
         layout=_layout(spec, pooling),
         rows_deduplicated=dedupe.num_copies if dedupe is not None else 0,
         model_dir=str(model.model_dir),
         min_shards=min_shards,
-        quantization=_quantization(spec, model, llm),
+        quantization=inputs.quantization,
         cut_rule=cut_rule,
         has_images=has_images,
         image_token_id=images.places.image_token_id if images is not None else None,

@@ -12,7 +12,7 @@ the message can count them - still before any compute.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -80,6 +80,7 @@ def read_windows(
     adapters: list[JobAdapter] | None = None,
     counts: ReadCounts | None = None,
     images: RowImageReader | None = None,
+    keep: Callable[[int], bool] | None = None,
 ) -> Iterator[Window]:
     """Read, template and tokenize the input (up to `spec.limit`), window by window.
 
@@ -95,6 +96,8 @@ def read_windows(
             by `spec.lora_column` or an OpenAI batch line's body.model.
         counts: filled in with the rows read and the blank records skipped.
         images: reads and places the rows' images (a job with an image column).
+        keep: which windows (by index) to template, tokenize and yield; the others are
+            only read, for their ids (every id is checked whatever is kept). Default: all.
 
     Yields:
         Windows in input order; row indices run 0..n-1 across them.
@@ -114,6 +117,9 @@ def read_windows(
         if window is not None and start >= window.start + size:
             yield _finish(window, passthrough)
             window, passthrough = None, []
+        if keep is not None and not keep(start // size):
+            ids.add(_ids_of(batch, spec, start))  # the ids a kept window's rows would carry
+            continue
         if window is None:
             window = Window(start // size, start)
             if spec.is_openai_batch:
