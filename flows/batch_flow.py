@@ -46,6 +46,7 @@ from tokenmill.flows.runners import (
     engine_slots,
     make_task_runner,
     num_workers,
+    planning_fan_out,
     replicate_to_workers,
 )
 from tokenmill.flows.tasks import (
@@ -104,7 +105,8 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Fore
         planned_before = out.planned_shards(spec.output, spec.storage_options)
         # Submitted, not called: on a cluster the plan then stays on the worker that made
         # it, and each shard task's worker fetches it from there once (not once per shard).
-        plan_future = plan_task.submit(spec, min_shards=workers)
+        fan_out = planning_fan_out(FlowRunContext.get().task_runner, workers)
+        plan_future = plan_task.submit(spec, min_shards=workers, fan_out=fan_out)
         plan = plan_future.result()
         _name_after_plan(plan, logger)
         if spec.dry_run:

@@ -26,6 +26,14 @@ them all, and each worker's engine computes on the cores its worker owns
 (`worker_threads`: the machine's cores shared among the Dask workers on it - Dask's
 nanny would otherwise start every worker with one thread).
 
+Planning on the workers
+-----------------------
+On a Dask cluster the flow's plan task spreads reading, templating and tokenizing over
+the workers (`planning_fan_out`, `pipelines/spread_planning.py`): one part per engine
+worker, submitted from the plan task through `worker_client`, which hands the plan
+task's thread back to its worker while the parts run (a one-thread worker would
+otherwise wait on itself). The parts need no `engine` resource.
+
 Memory: the nanny's limit from the engine's budget
 --------------------------------------------------
 A local cluster started for a job (`dask_workers` with the job's `engine_memory`, its
@@ -61,7 +69,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
@@ -296,3 +305,38 @@ def replicate_to_workers(task_runner: Any, future: Any) -> None:
         client.replicate([wrapped])
     except Exception as exc:
         log.warning("could not copy the job plan to every Dask worker: %s", exc)
+
+
+@dataclass(frozen=True)
+class DaskFanOut:
+    """Runs planning's parts as Dask tasks (`pipelines/spread_planning.FanOut`), from a
+    task on a worker or from a process holding a Dask client."""
+
+    num_parts: int
+
+    def map(self, fn: Callable, args: Sequence[tuple]) -> list:
+        from distributed import get_client, get_worker, worker_client
+
+        try:
+            get_worker()
+        except ValueError:  # not on a worker: the process's own client
+            return _gather(get_client(), fn, args)
+        with worker_client() as client:
+            return _gather(client, fn, args)
+
+
+def _gather(client: Any, fn: Callable, args: Sequence[tuple]) -> list:
+    futures = [client.submit(fn, *a, pure=False) for a in args]
+    try:
+        return client.gather(futures)
+    except BaseException:
+        client.cancel(futures)  # the first error decides; the other parts stop
+        raise
+
+
+def planning_fan_out(task_runner: Any, workers: int) -> DaskFanOut | None:
+    """How the flow's plan task spreads its reading: over `workers` parts on a Dask
+    cluster, else not at all (None: the plan task reads the input itself)."""
+    if _started_dask_client(task_runner) is None:
+        return None
+    return DaskFanOut(workers)

@@ -41,7 +41,7 @@ from tokenmill.flows.retries import (
     retry_shard,
     retry_transient,
 )
-from tokenmill.flows.runners import worker_threads
+from tokenmill.flows.runners import DaskFanOut, worker_threads
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines import shared_llm as llm_cache
 from tokenmill.pipelines.dry_run import dry_run
@@ -57,6 +57,7 @@ from tokenmill.pipelines.running import (
     run_shard,
 )
 from tokenmill.pipelines.spec import JobSpec
+from tokenmill.pipelines.spread_planning import plan_job_spread
 
 RETRIES = {
     "retries": NUM_RETRIES,
@@ -104,14 +105,19 @@ def _plan_run_name() -> str:
     cache_policy=NO_CACHE,
     persist_result=False,
 )
-def plan_task(spec: JobSpec, min_shards: int = 1) -> JobPlan:
+def plan_task(spec: JobSpec, min_shards: int = 1, fan_out: DaskFanOut | None = None) -> JobPlan:
     """Read, template, tokenize and shard the input; bad input fails here, before compute.
 
     Args:
         spec: the job.
         min_shards: cut at least this many shards where the rows allow: one per worker.
+        fan_out: read, template and tokenize in parts on a Dask cluster's workers (the
+            same plan: `pipelines/spread_planning.py`); None: in this task.
     """
-    plan = plan_job(spec, min_shards=min_shards)
+    if fan_out is not None:
+        plan = plan_job_spread(spec, fan_out=fan_out, min_shards=min_shards)
+    else:
+        plan = plan_job(spec, min_shards=min_shards)
     if plan.empty_warning:
         _logger().warning(plan.empty_warning)
     return plan

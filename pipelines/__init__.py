@@ -19,6 +19,7 @@ ids         null/duplicate ids over a stream, in 8 bytes a row
 spill       a shard's planned rows as a table (the plan files under OUTPUT/_plan/)
 output      the output directory layout and its atomic reads/writes
 planning    plan_job: read, template, tokenize, shard - before any model is loaded
+spread_planning  plan_job with reading and tokenizing as tasks on a cluster's workers
 calibration a short timed run of a sample: completion lengths and step costs
 forecast    the bill before the job runs: exact tokens, bounds, estimates (LLM.plan)
 progress    a run's progress per engine step: tokens, rate, ETA, cost so far

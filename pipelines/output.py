@@ -7,6 +7,9 @@
     OUTPUT/ledger/                      the default ledger dataset (one Parquet file per job)
     OUTPUT/_plan/<shard_id>.parquet     a shard's planned rows (`spill`); removed when the
                                         job finishes
+    OUTPUT/_windows/<index>.parquet     a planning window's tokenized rows, in input order,
+                                        staged by planning spread over workers
+                                        (`spread_planning`); removed when planning ends
     OUTPUT/_input.json                  the input's fingerprint (files, sizes, versions): a
                                         resumed run refuses an input that changed
     OUTPUT/_forecast.json               a dry run's forecast (`pipelines/forecast.py`); the
@@ -54,6 +57,7 @@ from tokenmill.pipelines.scoring import GENERATE
 RESULTS_DIR = "results"
 STATS_DIR = "shard_stats"
 PLAN_DIR = "_plan"  # "_": hidden from anyone reading OUTPUT as a dataset
+WINDOWS_DIR = "_windows"
 INPUT_FILE = "_input.json"
 FORECAST_FILE = "_forecast.json"
 CUT_FILE = "_cut.json"
@@ -197,6 +201,33 @@ def read_plan_shard(
     """One shard's planned rows (only `columns`, if given)."""
     url = join(plan_uri(output), f"{shard_id}.parquet")
     return read_part(url, storage_options, columns=list(columns) if columns else None)
+
+
+def write_staged_window(
+    output: str, index: int, table: pa.Table, storage_options: StorageOptions = None
+) -> str:
+    """Write one planning window's tokenized rows (`spill.shard_table`, input order)."""
+    return write_part(
+        table,
+        join(output, WINDOWS_DIR),
+        f"{index:06d}",
+        storage_options=storage_options,
+        overwrite=True,
+    )
+
+
+def read_staged_window(output: str, index: int, storage_options: StorageOptions = None) -> pa.Table:
+    """One staged planning window's rows."""
+    return read_part(join(output, WINDOWS_DIR, f"{index:06d}.parquet"), storage_options)
+
+
+def remove_staged_windows(output: str, storage_options: StorageOptions = None) -> None:
+    """Delete the staged planning windows (all of them: planning ended or restarts)."""
+    fs, directory = resolve(join(output, WINDOWS_DIR), storage_options)
+    fs.invalidate_cache(directory)
+    with store_operation("removing", display(fs, directory)):
+        if fs.exists(directory):
+            fs.rm(directory, recursive=True)
 
 
 def planned_shards(output: str, storage_options: StorageOptions = None) -> set[str]:
