@@ -2,7 +2,7 @@
 time, by input size - the figures the driver's memory must stay flat on.
 
     python benchmarks/planner_scale.py [--rows 1000000,10000000] [--rows-per-part 500000]
-                                       [--smoke]
+                                       [--workers N] [--smoke]
 
 For each size, a JSON Lines input is written to a loopback S3 store (moto, in this
 process) in parts of `--rows-per-part` rows, each part generated and uploaded on its
@@ -11,8 +11,11 @@ store itself keeps the bytes in memory, so each size's input is deleted before t
 next is written. `plan_job` then runs in a child process (read, template, tokenize,
 dedupe, order, cut, and the plan files written under a local output): no engine is
 loaded, planning only describes the model and uses its tokenizer. Printed per size:
-rows, shards, seconds and the child's peak RSS (`ru_maxrss`). `--smoke` plans 20,000
-rows to check the script, not to measure.
+rows, shards, seconds and the child's peak RSS (`ru_maxrss`). `--workers N` plans with
+reading, templating and tokenizing spread over a local Dask cluster of N worker
+processes (`pipelines/spread_planning.py`), and prints the driver's peak RSS (the child,
+which also runs the cluster's scheduler) apart from each worker's. `--smoke` plans
+20,000 rows to check the script, not to measure.
 """
 
 from __future__ import annotations
@@ -32,13 +35,29 @@ from tokenmill.engine import DEFAULT_MODEL
 from tokenmill.pipelines.planning import plan_job
 from tokenmill.pipelines.spec import JobSpec
 
-source, output, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-started = time.perf_counter()
-plan = plan_job(JobSpec(source, output, model=DEFAULT_MODEL, id_column="id", max_tokens=16,
-                        storage_options=options))
-print(json.dumps({"rows": plan.num_rows, "shards": len(plan.shards),
-                  "seconds": time.perf_counter() - started,
-                  "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+source, output, options, workers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+spec = JobSpec(source, output, model=DEFAULT_MODEL, id_column="id", max_tokens=16,
+               storage_options=options)
+workers_rss = []
+if workers:
+    from distributed import Client, LocalCluster
+    from tokenmill.flows.runners import DaskFanOut
+    from tokenmill.pipelines.spread_planning import plan_job_spread
+    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        started = time.perf_counter()
+        plan = plan_job_spread(spec, fan_out=DaskFanOut(workers))
+        seconds = time.perf_counter() - started
+        workers_rss = sorted(client.run(peak_rss_mb).values())
+else:
+    started = time.perf_counter()
+    plan = plan_job(spec)
+    seconds = time.perf_counter() - started
+print(json.dumps({"rows": plan.num_rows, "shards": len(plan.shards), "seconds": seconds,
+                  "max_rss_mb": peak_rss_mb(), "workers_max_rss_mb": workers_rss}))
 """
 
 CREDENTIALS = {
@@ -70,6 +89,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1000000,10000000")
     parser.add_argument("--rows-per-part", type=int, default=500_000)
+    parser.add_argument(
+        "--workers", type=int, default=0, help="spread over N Dask workers (0: the driver alone)"
+    )
     parser.add_argument("--smoke", action="store_true", help="20,000 rows: checks the script")
     args = parser.parse_args()
     sizes = [20_000] if args.smoke else [int(n) for n in args.rows.split(",")]
@@ -101,6 +123,7 @@ def main() -> None:
                         f"s3://{prefix}/",
                         os.path.join(work, f"out-{num_rows}"),
                         json.dumps(options),
+                        str(args.workers),
                     ],
                     capture_output=True,
                     text=True,
@@ -110,10 +133,18 @@ def main() -> None:
                 if done.returncode != 0:
                     raise SystemExit(f"planning {num_rows:,} rows failed:\n{done.stderr[-3000:]}")
                 measured = json.loads(done.stdout.strip().splitlines()[-1])
+                workers = measured["workers_max_rss_mb"]
+                spread = (
+                    f" on {len(workers)} workers (peak RSS "
+                    + ", ".join(f"{mb:.0f}" for mb in workers)
+                    + " MB)"
+                    if workers
+                    else ""
+                )
                 print(
                     f"{measured['rows']:>11,} rows: {measured['shards']:,} shards, planned in "
-                    f"{measured['seconds']:.1f} s (input written in {written:.1f} s), "
-                    f"planner peak RSS {measured['max_rss_mb']:.0f} MB"
+                    f"{measured['seconds']:.1f} s{spread} (input written in {written:.1f} s), "
+                    f"driver peak RSS {measured['max_rss_mb']:.0f} MB"
                 )
     finally:
         server.stop()
