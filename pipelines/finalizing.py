@@ -106,6 +106,8 @@ def finalize_job(
     try:
         out.remove_plan(spec.output, spec.storage_options)
         out.remove_progress(spec.output, spec.storage_options)
+        # A part of a spread planning that failed can finish writing after it was let go.
+        out.remove_staged_windows(spec.output, spec.storage_options)
     except OSError as exc:  # the job is done; leftover plan files are only clutter
         log.warning("job %s: could not remove its plan files: %s", plan.job_id, exc)
     log.info(

@@ -9,11 +9,30 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 
 from tokenmill.engine import MemoryPlan
-from tokenmill.flows.runners import local_cluster_kwargs, make_task_runner
+from tokenmill.flows.runners import (
+    DaskFanOut,
+    local_cluster_kwargs,
+    make_task_runner,
+    planning_fan_out,
+)
 
 
 def test_default_is_threads_in_the_flow_process():
     assert isinstance(make_task_runner(), ThreadPoolTaskRunner)
+
+
+def test_planning_is_spread_over_a_dask_clusters_workers_only():
+    from distributed import LocalCluster
+
+    with ThreadPoolTaskRunner() as runner:
+        assert planning_fan_out(runner, 2) is None  # the plan task reads the input itself
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None
+        ) as cluster,
+        make_task_runner(dask_address=cluster.scheduler_address) as runner,
+    ):
+        assert planning_fan_out(runner, 3) == DaskFanOut(3)
 
 
 def test_local_dask_cluster_has_single_threaded_worker_processes():
