@@ -15,7 +15,7 @@ rows, shards, seconds and the child's peak RSS (`ru_maxrss`). `--workers N` plan
 reading, templating and tokenizing spread over a local Dask cluster of N worker
 processes (`pipelines/spread_planning.py`), and prints the driver's peak RSS (the child,
 which also runs the cluster's scheduler) apart from each worker's. `--smoke` plans
-20,000 rows to check the script, not to measure.
+20,000 rows in windows of 5,000 to check the script, not to measure.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS
+
 CHILD = """
 import json, resource, sys, time
 from tokenmill.engine import DEFAULT_MODEL
@@ -38,16 +40,20 @@ from tokenmill.pipelines.spec import JobSpec
 def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-source, output, options, workers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+source, output, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+workers, window_rows = int(sys.argv[4]), int(sys.argv[5])
 spec = JobSpec(source, output, model=DEFAULT_MODEL, id_column="id", max_tokens=16,
-               storage_options=options)
+               storage_options=options, plan_window_rows=window_rows)
 workers_rss = []
 if workers:
+    import importlib
     from distributed import Client, LocalCluster
     from tokenmill.flows.runners import DaskFanOut
     from tokenmill.pipelines.spread_planning import plan_job_spread
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                       dashboard_address=None) as cluster, Client(cluster) as client:
+        # A flow's workers have imported tokenmill already: time planning, not imports.
+        client.run(importlib.import_module, "tokenmill.pipelines.spread_planning")
         started = time.perf_counter()
         plan = plan_job_spread(spec, fan_out=DaskFanOut(workers))
         seconds = time.perf_counter() - started
@@ -96,6 +102,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [20_000] if args.smoke else [int(n) for n in args.rows.split(",")]
     rows_per_part = 10_000 if args.smoke else args.rows_per_part
+    # The smoke run's input in 4 windows, so each of 2 workers plans some.
+    window_rows = 5_000 if args.smoke else DEFAULT_PLAN_WINDOW_ROWS
 
     import s3fs
     from moto.server import ThreadedMotoServer
@@ -124,6 +132,7 @@ def main() -> None:
                         os.path.join(work, f"out-{num_rows}"),
                         json.dumps(options),
                         str(args.workers),
+                        str(window_rows),
                     ],
                     capture_output=True,
                     text=True,
