@@ -190,3 +190,15 @@ def test_parts_submitted_from_a_task_on_a_one_thread_worker(tmp_path, tiny_model
     shutil.rmtree(tmp_path / "out")
     shards = two_workers.submit(_plan_on_a_worker, spec, pure=False).result(timeout=120)
     assert shards == local.shards
+
+
+def test_null_ids_fail_with_the_local_message(tmp_path, tiny_model_dir, two_workers):
+    ids = [f"k{i}" for i in range(NUM_ROWS)]
+    ids[6] = ids[19] = None  # in windows 1 and 3, both read by part 1 of 2
+    src = _input(tmp_path / "in.jsonl", ids=ids)
+    with pytest.raises(ValueError) as local:
+        plan_job(_spec(src, tmp_path / "local", str(tiny_model_dir)))
+    assert "is null in 2 row(s) (first at row 6)" in str(local.value)
+    with pytest.raises(ValueError) as spread:
+        plan_job_spread(_spec(src, tmp_path / "out", str(tiny_model_dir)), fan_out=CountingFanOut())
+    assert str(spread.value) == str(local.value)
