@@ -37,8 +37,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from tokenmill.connectors.fingerprint import first_difference
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.planning import (
     JobPlan,
@@ -74,6 +75,7 @@ class PartSummary:
     windows: tuple[tuple[int, int, int], ...]  # (window index, first row, rows) staged
     rows_read: int  # every row of the input (the part read them all, for their ids)
     rows_skipped_blank: int
+    fingerprint: list[dict[str, Any]]  # the input's files as the part found them
 
 
 def spread_refusal(spec: JobSpec, inputs: PlanningInputs) -> str | None:
@@ -111,7 +113,7 @@ def plan_job_spread(spec: JobSpec, *, fan_out: FanOut, min_shards: int = 1) -> J
     out.remove_staged_windows(spec.output, spec.storage_options)  # a killed run's
     try:
         summaries = fan_out.map(read_part, [(spec, part, num_parts) for part in range(num_parts)])
-        staged = _staged(summaries)
+        staged = _staged(summaries, inputs.fingerprint)
         inputs.counts.rows = summaries[0].rows_read
         inputs.counts.blank = summaries[0].rows_skipped_blank
         return plan_windows(spec, inputs, _staged_windows(spec, staged))
@@ -128,12 +130,22 @@ def read_part(spec: JobSpec, part: int, num_parts: int) -> PartSummary:
         table = shard_table(window.rows, passthrough=window.passthrough)
         out.write_staged_window(spec.output, window.index, table, spec.storage_options)
         staged.append((window.index, window.start, len(window.rows)))
-    return PartSummary(part, tuple(staged), inputs.counts.rows, inputs.counts.blank)
+    return PartSummary(
+        part, tuple(staged), inputs.counts.rows, inputs.counts.blank, inputs.fingerprint
+    )
 
 
-def _staged(summaries: Sequence[PartSummary]) -> list[tuple[int, int, int]]:
+def _staged(
+    summaries: Sequence[PartSummary], fingerprint: list[dict[str, Any]]
+) -> list[tuple[int, int, int]]:
     """Every staged window in input order, checked to cover the input once: the parts
-    read one input, so they must agree on it (a file that changed under them fails)."""
+    must have read the input the driver opened (a file that changed under them fails)."""
+    for summary in summaries:
+        change = first_difference(fingerprint, summary.fingerprint)
+        if change is not None:
+            raise RuntimeError(
+                f"the input changed while it was planned ({change}): plan the job again"
+            )
     read = {(s.rows_read, s.rows_skipped_blank) for s in summaries}
     if len(read) != 1:
         raise RuntimeError(

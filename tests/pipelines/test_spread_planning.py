@@ -202,3 +202,18 @@ def test_null_ids_fail_with_the_local_message(tmp_path, tiny_model_dir, two_work
     with pytest.raises(ValueError) as spread:
         plan_job_spread(_spec(src, tmp_path / "out", str(tiny_model_dir)), fan_out=CountingFanOut())
     assert str(spread.value) == str(local.value)
+
+
+def test_an_input_changed_under_the_parts_fails(tmp_path, tiny_model_dir, two_workers):
+    src = _input(tmp_path / "in.jsonl")
+
+    class GrowingInput(CountingFanOut):
+        def map(self, fn, args):  # a line lands after the driver opened the input
+            with open(src, "a") as f:
+                f.write(json.dumps({"key": "late", "prompt": "late", "lang": "l"}) + "\n")
+            return super().map(fn, args)
+
+    with pytest.raises(RuntimeError, match=r"the input changed while it was planned \(.*size"):
+        plan_job_spread(_spec(src, tmp_path / "out", str(tiny_model_dir)), fan_out=GrowingInput())
+    assert not (tmp_path / "out" / "_plan").exists()
+    assert not (tmp_path / "out" / out.WINDOWS_DIR).exists()
