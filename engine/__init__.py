@@ -83,6 +83,7 @@ _EXPORTS: dict[str, str] = {
     "ImageError": "tokenmill.engine.loader.images",
     "image_size": "tokenmill.engine.loader.images",
     "DEFAULT_MAX_IMAGE_PIXELS": "tokenmill.engine.types.config",
+    "MAX_RUNNING_SEQS": "tokenmill.engine.types.config",
     # Reasoning: whether a chat answer's reasoning is written apart, and its split.
     "reasoning_format": "tokenmill.engine.api.reasoning",
     "reasons_apart_with_effort": "tokenmill.engine.api.reasoning",
@@ -114,6 +115,7 @@ _EXPORTS: dict[str, str] = {
 # What `from tokenmill.engine import *` gives, and what linters know is re-exported.
 __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
+    "MAX_RUNNING_SEQS",
     "FIELD_DEFAULT",
     "ImageError",
     "ImageLayout",

@@ -113,6 +113,10 @@ class Forecast:
     kv_cache_bytes: int | None = None
     memory_available_bytes: int | None = None
     memory_dtype: str | None = None
+    # How many sequences run at once (MemoryPlan.describe_rows): the user's max_num_seqs
+    # (None: the KV cache decides), and the job's longest prompt + max_tokens.
+    max_num_seqs: int | None = None
+    longest_row_tokens: int | None = None
     # Of prompt_tokens, images' soft tokens: exact, from the plan (each image's tokens are
     # fixed by the model; its header was checked, its pixels never decoded).
     image_tokens: int = 0
@@ -128,7 +132,17 @@ class Forecast:
             self.kv_cache_bytes or 0,
             self.cache_blocks,
             self.memory_available_bytes,
+            max_num_seqs=self.max_num_seqs,
+            block_size=self.block_size,
         )
+
+    @property
+    def rows_at_once(self) -> int | None:
+        """Sequences the engine runs at once on this job's longest rows (None: not planned)."""
+        memory = self.memory
+        if memory is None or not memory.kv_cache_blocks or self.longest_row_tokens is None:
+            return None
+        return memory.rows_at_once(self.longest_row_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -260,6 +274,7 @@ def forecast_work(
         calibration_seconds=calibration.seconds if calibration else None,
         block_size=plan.block_size,
         cache_blocks=plan.shape.num_blocks,
+        longest_row_tokens=_longest_row(requests, plan.shape.max_model_len),
         **_memory_fields(plan.shape.memory),
     )
 
@@ -272,11 +287,23 @@ def _memory_fields(memory: MemoryPlan | None) -> dict[str, Any]:
         "kv_cache_bytes": memory.kv_cache_bytes,
         "memory_available_bytes": memory.available_bytes,
         "memory_dtype": memory.dtype,
+        "max_num_seqs": memory.max_num_seqs,
     }
 
 
+def _longest_row(requests: list[PlannedRequest], max_model_len: int) -> int | None:
+    """The most tokens one of `requests`' sequences reaches: its prompt + max_tokens (a
+    prompt alone where nothing is generated), at most the context. None: no request."""
+    if not requests:
+        return None
+    return min(
+        max_model_len,
+        max(len(r.token_ids) + (0 if r.is_prompt_only else r.params.max_tokens) for r in requests),
+    )
+
+
 def _calibrate(llm: Any, requests: list[PlannedRequest], plan: Plan) -> Calibration:
-    chosen = sample_indices(len(requests), plan.shape.config.max_num_seqs)
+    chosen = sample_indices(len(requests), plan.shape.config.seq_cap)
     return calibrate(llm, [requests[i] for i in chosen])
 
 

@@ -45,12 +45,12 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.engine import EngineConfig, EngineStats, RequestOutput
+from tokenmill.engine import MAX_RUNNING_SEQS, EngineConfig, EngineStats, RequestOutput
 from tokenmill.pipelines.pricing import Prices
 
 # The engine's defaults: prompt tokens and rows one step takes at most.
 STEP_TOKENS = EngineConfig.max_num_batched_tokens
-STEP_ROWS = EngineConfig.max_num_seqs
+STEP_ROWS = MAX_RUNNING_SEQS
 # Decode steps whose median prices the decode steps left (at least half of them seen).
 RECENT_STEPS = 10
 

@@ -166,6 +166,12 @@ class BlockManager:
         while len(seq.block_table) < needed:
             seq.block_table.append(self._take_free_block())
 
+    def blocks_to_take(
+        self, seq: Sequence, num_tokens: int, cached_block_ids: list[int] = ()
+    ) -> int:
+        """The free blocks growing seq's block table to num_tokens tokens takes."""
+        return self._num_blocks_to_take(seq, num_tokens, cached_block_ids)
+
     def _num_blocks_to_take(self, seq: Sequence, num_tokens: int, cached_block_ids) -> int:
         # Reviving a free cached block takes it out of the free queue as well.
         revived = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)

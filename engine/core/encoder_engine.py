@@ -158,7 +158,7 @@ class EncoderEngine:
     def _plan(self) -> None:
         """Sort the queue by length and cut it into batches under the budgets."""
         budget = self.config.max_num_batched_tokens
-        max_seqs = self.config.max_num_seqs
+        max_seqs = self.config.seq_cap
         batch: list[_Request] = []
         num_tokens = 0
         for request in sorted(self._waiting, key=lambda r: len(r.token_ids)):

@@ -85,9 +85,11 @@ class LLMEngine:
             engine_config.block_size,
             enable_prefix_caching=engine_config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(self.block_manager, engine_config, stats=self.stats)
         # A sequence never outgrows the context or the whole cache.
         self.max_seq_len = min(max_model_len, num_blocks * engine_config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, engine_config, stats=self.stats, max_seq_len=self.max_seq_len
+        )
         self.eos_token_ids = set(eos_token_ids)
         if tokenizer is not None:
             self.eos_token_ids |= set(tokenizer.eos_token_ids)

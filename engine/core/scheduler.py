@@ -7,6 +7,15 @@ sequence simply needs one token. Running sequences are served first, in admissio
 order; when blocks run out the most recently admitted sequence is preempted (its
 blocks freed, to be recomputed later - mostly from the prefix cache).
 
+How many run at once: `max_num_seqs` where the user set it - sequences are then
+admitted while their prompt's next chunk fits, and preempted when decode outgrows the
+cache. Unset, the cache decides (up to MAX_RUNNING_SEQS): a sequence is admitted only
+while the free blocks hold the rest of its prompt and its whole max_tokens besides what
+every running sequence may still grow into, so none is ever preempted - preemption
+recomputes a sequence's prompt and every token it generated, which at a large model
+and a small cache costs more than the rows that wait. A row that stops early at an
+end-of-sequence token leaves blocks unused that the reserve held; that is the price.
+
 Shared prefixes are computed once: a waiting sequence whose next uncached block is
 being computed by a running sequence waits until that block lands in the prefix
 cache, rather than computing the same keys and values alongside it.
@@ -34,14 +43,24 @@ class Scheduler:
     block_manager: the KV blocks and prefix cache it allocates from.
     engine_config: its limits (max_num_batched_tokens, max_num_seqs, max_loras).
     stats: the engine's counters (preemptions, computed and cached prompt tokens).
+    max_seq_len: the most tokens a sequence reaches (the context, or the whole cache if
+        less); where max_num_seqs is unset, what a sequence's reserve is capped at.
     """
 
     def __init__(
-        self, block_manager: BlockManager, engine_config: EngineConfig, *, stats: EngineStats
+        self,
+        block_manager: BlockManager,
+        engine_config: EngineConfig,
+        *,
+        stats: EngineStats,
+        max_seq_len: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_batched_tokens = engine_config.max_num_batched_tokens
-        self.max_num_seqs = engine_config.max_num_seqs
+        self.max_num_seqs = engine_config.seq_cap
+        # Admit only what the cache holds at full length (module docstring).
+        self.reserve_full_length = engine_config.derives_running_seqs
+        self.max_seq_len = max_seq_len or block_manager.num_blocks * block_manager.block_size
         self.max_loras = engine_config.max_loras  # distinct adapters running at once
         self.stats = stats
         self.waiting: deque[Sequence] = deque()
@@ -106,6 +125,10 @@ class Scheduler:
         bm = self.block_manager
         deferred: list[Sequence] = []
         adapters = self._running_adapters()
+        # Blocks the running sequences may still take before they finish.
+        growth = (
+            sum(self._blocks_to_finish(s) for s in self.running) if self.reserve_full_length else 0
+        )
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.lora_id and seq.lora_id not in adapters and len(adapters) >= self.max_loras:
@@ -126,6 +149,10 @@ class Scheduler:
                     break
             if not bm.can_allocate(seq, num_cached + num_new, hits):
                 break
+            if self.reserve_full_length:
+                whole = bm.blocks_to_take(seq, self._full_length(seq), hits)
+                if whole + growth > bm.num_free_blocks:
+                    break  # it would outgrow the cache with those running: it waits
             self.waiting.popleft()
             bm.allocate(seq, num_cached + num_new, hits)
             seq.num_computed_tokens = num_cached
@@ -134,6 +161,8 @@ class Scheduler:
                 self.stats.cached_prompt_tokens += seq.num_cached_prompt_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if self.reserve_full_length:
+                growth += self._blocks_to_finish(seq)
             if seq.lora_id:
                 adapters.add(seq.lora_id)
             self._track_inflight(seq, len(hits))
@@ -141,6 +170,18 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _full_length(self, seq: Sequence) -> int:
+        """The tokens seq holds when it finishes at the latest: its prompt, plus its
+        max_tokens unless it only pools its prompt."""
+        budget = 0 if seq.pooling is not None else seq.params.max_tokens
+        return min(seq.num_prompt_tokens + budget, self.max_seq_len)
+
+    def _blocks_to_finish(self, seq: Sequence) -> int:
+        """The free blocks a running seq may still take: its full length's blocks beyond
+        those it holds."""
+        need = self.block_manager.blocks_needed(self._full_length(seq))
+        return max(0, need - len(seq.block_table))
 
     def _running_adapters(self) -> set[int]:
         """The adapters of the running sequences."""

@@ -9,6 +9,10 @@ import torch
 
 from tokenmill.engine import env
 
+# The most sequences running at once where max_num_seqs is not set (the KV cache then
+# decides, below this).
+MAX_RUNNING_SEQS = 256
+
 # Pillow's own decompression-bomb limit: its default Image.MAX_IMAGE_PIXELS (about 89.5M).
 DEFAULT_MAX_IMAGE_PIXELS = int(1024 * 1024 * 1024 // 4 // 3)
 
@@ -112,7 +116,13 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(
         2048, "Tokens computed per engine step at most (prompt chunks and decodes together)."
     )
-    max_num_seqs: int = setting(256, "Sequences running at once at most.")
+    max_num_seqs: int | None = setting(
+        None,
+        f"Sequences running at once at most (default: as many as the KV cache holds at "
+        f"each one's prompt + max_tokens, so none is ever preempted, up to "
+        f"{MAX_RUNNING_SEQS}). Set, sequences are admitted while their prompt fits and "
+        f"the newest is preempted (recomputed later) when the cache runs out.",
+    )
     max_model_len: int | None = setting(
         None, "The longest sequence served (default and maximum: the model's context)."
     )
@@ -171,7 +181,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
@@ -189,6 +199,18 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 1")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto, {', '.join(_DTYPES)}")
+
+    @property
+    def seq_cap(self) -> int:
+        """The most sequences running at once: max_num_seqs, or MAX_RUNNING_SEQS where
+        the KV cache decides (`derives_running_seqs`)."""
+        return MAX_RUNNING_SEQS if self.max_num_seqs is None else self.max_num_seqs
+
+    @property
+    def derives_running_seqs(self) -> bool:
+        """Whether sequences are admitted only while the KV cache holds every running one
+        at its prompt + max_tokens (max_num_seqs not set; core/scheduler.py)."""
+        return self.max_num_seqs is None
 
 
 def engine_settings() -> tuple[Field, ...]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.engine.types.config import MAX_RUNNING_SEQS
+
 _GIB = 1 << 30
 
 
@@ -23,6 +25,11 @@ class MemoryPlan:
     kv_cache_bytes: int  # the KV cache the engine allocates (0: an encoder)
     kv_cache_blocks: int
     available_bytes: int | None  # RAM the process may still take; None: not planned (CUDA)
+    # Sequences running at once: the user's max_num_seqs, or None where the KV cache
+    # decides - each admitted only while it holds its prompt + max_tokens beside what the
+    # running ones may still take (core/scheduler.py).
+    max_num_seqs: int | None = None
+    block_size: int = 0  # tokens a KV block holds (0: not stated)
 
     @property
     def needed_bytes(self) -> int:
@@ -39,6 +46,42 @@ class MemoryPlan:
         if self.available_bytes is None:
             return f"{line} on {self.device}"
         return f"{line} of {gib(self.available_bytes)} RAM available"
+
+    def rows_at_once(self, row_tokens: int) -> int:
+        """How many rows of `row_tokens` tokens each (prompt + max_tokens) run at once:
+        max_num_seqs where set, else as many as the KV cache holds whole - at least one
+        (a row runs alone, however long), at most MAX_RUNNING_SEQS."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        row_blocks = -(-row_tokens // max(self.block_size, 1))
+        return max(1, min(MAX_RUNNING_SEQS, self.kv_cache_blocks // max(row_blocks, 1)))
+
+    def describe_rows(self, row_tokens: int | None = None) -> str:
+        """How many sequences run at once, and why; with `row_tokens` (a job's longest
+        prompt + max_tokens) the number for rows of that length."""
+        if self.max_num_seqs is not None:
+            return (
+                f"{self.max_num_seqs:,} (max_num_seqs as set: admitted on their prompt, the "
+                "newest preempted and recomputed when the KV cache runs out)"
+            )
+        cache = f"{self.kv_cache_blocks:,} KV blocks of {self.block_size} tokens"
+        if row_tokens is None:
+            return (
+                f"as many as {cache} hold at each one's prompt + max_tokens, at most "
+                f"{MAX_RUNNING_SEQS} (max_num_seqs unset: none is preempted)"
+            )
+        row_blocks = -(-row_tokens // max(self.block_size, 1))
+        fit = self.kv_cache_blocks // row_blocks
+        limit = ""
+        if fit > MAX_RUNNING_SEQS:
+            limit = f", at most {MAX_RUNNING_SEQS} run at once"
+        elif fit == 0:
+            limit = ": one runs alone, cut at the cache's end"
+        return (
+            f"{self.rows_at_once(row_tokens):,}: {cache} hold {fit:,} rows of "
+            f"{row_tokens:,} tokens (the longest prompt + max_tokens){limit}; max_num_seqs "
+            "unset, so none is preempted"
+        )
 
     def check(self, model: str) -> None:
         """Raise InsufficientMemoryError, with the numbers and what would help, when the

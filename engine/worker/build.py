@@ -109,7 +109,7 @@ def num_cache_blocks(
     else:
         block_bytes = kv_format.bytes_per_block(model_config, block_size, dtype)
         blocks_per_seq = -(-max_model_len_of(model_config, engine_config) // block_size)
-        most_useful = engine_config.max_num_seqs * blocks_per_seq * block_bytes
+        most_useful = engine_config.seq_cap * blocks_per_seq * block_bytes
         budget = min(default_cache_bytes(device), most_useful)
         if ram_left is not None:  # at least one block: the memory check then decides
             budget = min(budget, max(int(ram_left * KV_SHARE_OF_RAM_LEFT), block_bytes))
@@ -145,7 +145,16 @@ def plan_memory(
             model_config, engine_config.block_size, dtype
         )
     dtype_name = str(dtype).removeprefix("torch.")
-    return MemoryPlan(str(device), dtype_name, weights, kv_bytes, num_blocks, available)
+    return MemoryPlan(
+        str(device),
+        dtype_name,
+        weights,
+        kv_bytes,
+        num_blocks,
+        available,
+        max_num_seqs=engine_config.max_num_seqs,
+        block_size=engine_config.block_size,
+    )
 
 
 def build_runner(

@@ -116,7 +116,7 @@ class ModelRunner:
         if cuda_graphs or (cuda_graphs is None and self.attention.supports_cuda_graphs):
             if not self.attention.supports_cuda_graphs:
                 raise ValueError("cuda_graphs needs a CUDA device with Triton installed")
-            self.decode_graphs = DecodeGraphs(self, engine_config.max_num_seqs, max_model_len)
+            self.decode_graphs = DecodeGraphs(self, engine_config.seq_cap, max_model_len)
 
     def use_attention_backend(self, name: str) -> None:
         """Attend through the backend called `name` from now on, whatever it says it

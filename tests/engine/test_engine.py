@@ -64,7 +64,8 @@ def test_preemption_finishes_everything_with_identical_outputs(model_dir):
 
     # 16 blocks of 4 tokens = 64 tokens of cache for ~220 tokens of sequences.
     block_bytes = 2 * 2 * 2 * 16 * 4 * 4  # k+v, layers, kv heads, head_dim, block, fp32
-    tight = make_engine(model_dir, kv_cache_memory=16 * block_bytes)
+    # max_num_seqs set: sequences are admitted by their prompt alone, so decode preempts.
+    tight = make_engine(model_dir, kv_cache_memory=16 * block_bytes, max_num_seqs=8)
     assert tight.block_manager.num_blocks == 16
     got = run_all(tight, prompts, params)
     assert tight.stats.num_preemptions > 0

@@ -129,6 +129,7 @@ def test_gpt_oss_matches_transformers_under_preemption(tmp_path):
         kv_cache_memory=24 * block_bytes * 4 * 4,  # k and v, fp32, 4 tokens a block
         max_num_batched_tokens=16,
         enable_prefix_caching=True,
+        max_num_seqs=8,  # set: admitted by their prompt alone, so decode preempts
     )
     assert engine.block_manager.num_blocks == 24
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)

@@ -113,7 +113,12 @@ def test_mixed_adapters_under_preemption_and_prefix_caching(base, adapters, num_
     a roomy one serves each adapter's shared prefix from the cache."""
     root, _ = base
     block_bytes = 2 * 2 * 2 * 16 * 4 * 4  # k+v, layers, kv heads, head_dim, block, fp32
-    llm = make_llm(root, kv_cache_memory=num_blocks * block_bytes, max_num_batched_tokens=24)
+    llm = make_llm(
+        root,
+        kv_cache_memory=num_blocks * block_bytes,
+        max_num_batched_tokens=24,
+        max_num_seqs=16,  # set: admitted by their prompt alone, so decode preempts
+    )
     prompts, requests = mixed_rows(adapters, 15, seed=1, shared=20)
     outputs = llm.generate(prompts, GREEDY, lora_request=requests)
     assert_equals_peft(base, adapters, prompts, requests, outputs)

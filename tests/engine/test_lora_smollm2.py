@@ -103,7 +103,11 @@ def rows(model_dir, adapters, base_hf):
     [
         {},
         # chunked prefill, prefix caching of the shared system prompt, preemption
-        {"max_num_batched_tokens": 32, "kv_cache_memory": 10 * 16 * 2 * 30 * 3 * 64 * 4},
+        {
+            "max_num_batched_tokens": 32,
+            "kv_cache_memory": 10 * 16 * 2 * 30 * 3 * 64 * 4,
+            "max_num_seqs": 16,  # set: admitted by their prompt alone, so decode preempts
+        },
     ],
     ids=["plain", "chunked-cached-preempted"],
 )

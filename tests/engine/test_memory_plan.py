@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -174,3 +175,21 @@ def test_precision_bytes_quantize_only_the_decoder_layers_linear_weights(tmp_pat
     shown = CliRunner().invoke(main, ["models", "info", str(model_dir)])
     assert shown.exit_code == 0, shown.output
     assert "weights:       bfloat16 0.01 GB, int8 0.01 GB, int4 0.01 GB" in shown.output
+
+
+def test_the_plan_states_how_many_rows_run_at_once(model_dir):
+    derived = LLM(str(model_dir), dtype="float32", kv_cache_memory=4 * MIB).memory
+    assert derived.max_num_seqs is None and derived.block_size == 16
+    blocks = derived.kv_cache_blocks
+    assert derived.rows_at_once(16 * 4) == min(256, blocks // 4)
+    assert derived.rows_at_once(16 * 4 + 1) == min(256, blocks // 5)
+    assert derived.rows_at_once(16 * (blocks + 1)) == 1  # longer than the cache: alone
+    assert "as many as" in derived.describe_rows()
+    assert derived.describe_rows(16 * (blocks + 1)).startswith(
+        f"1: {blocks:,} KV blocks of 16 tokens hold 0 rows"
+    )
+    roomy = replace(derived, kv_cache_blocks=257 * 2)
+    assert roomy.rows_at_once(32) == 256 and "at most 256 run at once" in roomy.describe_rows(32)
+    set_ = LLM(str(model_dir), dtype="float32", kv_cache_memory=4 * MIB, max_num_seqs=3).memory
+    assert set_.max_num_seqs == set_.rows_at_once(16 * 4) == set_.rows_at_once(1) == 3
+    assert set_.describe_rows(64).startswith("3 (max_num_seqs as set")

@@ -129,7 +129,7 @@ def test_prefix_cache_and_preemption(model_dir):
     # 24 blocks of 4 tokens for ~300 tokens of sequences: preemption by recompute.
     block_bytes = 2 * 2 * 2 * 16 * 4 * 4
     expected, got, plain, overlapped = _both(
-        model_dir, prompts, params, kv_cache_memory=24 * block_bytes
+        model_dir, prompts, params, kv_cache_memory=24 * block_bytes, max_num_seqs=8
     )
     assert plain.stats.num_preemptions > 0 and overlapped.stats.num_preemptions > 0
     _assert_same(got, expected)

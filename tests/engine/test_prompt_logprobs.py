@@ -58,7 +58,7 @@ def test_preempted_request_keeps_its_entries(tmp_path):
     hf = build_hf_model("llama", tmp_path)
     # 16 blocks of 4 tokens = 64 tokens of cache for ~220 tokens of sequences.
     block_bytes = 2 * 2 * 2 * 16 * 4 * 4  # k+v, layers, kv heads, head_dim, block, fp32
-    engine = make_engine(tmp_path, kv_cache_memory=16 * block_bytes)
+    engine = make_engine(tmp_path, kv_cache_memory=16 * block_bytes, max_num_seqs=8)
     rng = random.Random(6)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 14, 21, 30, 5, 17)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)

@@ -287,7 +287,12 @@ def test_preempted_image_prompts_recompute_to_the_same_answers(vlm):
     roomy = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4)
     # 2 layers x (k + v) x 2 kv heads x 16 values x 4 positions x 4 bytes = 2 KiB a block.
     tight = LLM(
-        str(model_dir), dtype="float32", device="cpu", block_size=4, kv_cache_memory=24 * 2048
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        block_size=4,
+        kv_cache_memory=24 * 2048,
+        max_num_seqs=4,  # set: admitted by their prompt alone, so decode preempts
     )
     want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
     got = tight.generate(prompts, params)

@@ -194,7 +194,7 @@ def test_grammar_state_survives_preemption(model_dir, prompts):
 
     # 12 blocks of 4 tokens for six sequences of ~30 tokens: preemption by recompute.
     block_bytes = 2 * 2 * 2 * 16 * 4 * 4  # k+v, layers, kv heads, head_dim, block, fp32
-    tight = make_engine(model_dir, kv_cache_memory=12 * block_bytes)
+    tight = make_engine(model_dir, kv_cache_memory=12 * block_bytes, max_num_seqs=8)
     got = run_all(tight, prompts + prompts[:2], params)
     assert tight.stats.num_preemptions > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]

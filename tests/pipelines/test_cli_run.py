@@ -182,3 +182,38 @@ def test_dry_run_then_run_then_ledger_show_lists_forecast_and_actual(tmp_path, t
     assert run.exit_code == 0 and "no prices set" in run.stdout and "$0.00" not in run.stdout
     shown = runner.invoke(main, ["ledger", "show", str(unpriced / "ledger")])
     assert "no prices set" in shown.output
+
+
+def test_dry_run_states_how_many_rows_run_at_once_from_the_kv_cache(tmp_path, tiny_model_dir):
+    """max_num_seqs unset: the dry run's number is the KV blocks over the blocks of the
+    job's longest prompt + max_tokens; set, it is the setting, said as such."""
+    import torch
+
+    from tokenmill.engine import load_config
+    from tokenmill.engine.worker.kv_cache import kv_cache_format
+
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["Name a colour."]}), src)
+    block_bytes = kv_cache_format("auto").bytes_per_block(
+        load_config(tiny_model_dir), 16, torch.float32
+    )
+    args = ["run", str(src), str(tmp_path / "out"), "--model", str(tiny_model_dir)]
+    args += ["--dtype", "float32", "--max-tokens", "40", "--dry-run", "--no-calibrate"]
+    args += ["--engine-option", f"kv_cache_memory={21 * block_bytes}"]
+    forecast = json.loads(CliRunner().invoke(main, [*args, "--json"]).stdout)
+    longest = forecast["prompt_tokens"] + 40
+    assert forecast["cache_blocks"] == 21 and forecast["longest_row_tokens"] == longest
+    assert forecast["max_num_seqs"] is None
+    rows = 21 // -(-longest // 16)
+    assert 1 < rows < 21
+    table = CliRunner().invoke(main, args, env={"COLUMNS": "400"})
+    assert table.exit_code == 0, table.output
+    assert (
+        f"{rows}: 21 KV blocks of 16 tokens hold {rows} rows of {longest} tokens (the "
+        "longest prompt + max_tokens); max_num_seqs unset, so none is preempted"
+    ) in table.output
+    set_ = CliRunner().invoke(
+        main, [*args, "--engine-option", "max_num_seqs=3"], env={"COLUMNS": "400"}
+    )
+    assert set_.exit_code == 0, set_.output
+    assert "3 (max_num_seqs as set" in set_.output

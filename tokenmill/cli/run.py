@@ -156,6 +156,8 @@ def print_forecast(forecast) -> None:
     ]
     if f.memory is not None:
         rows.append(("memory", f.memory.describe()))
+        if f.memory.kv_cache_blocks:
+            rows.append(("rows at once", f.memory.describe_rows(f.longest_row_tokens)))
     if f.seconds_estimate is not None:
         rows.append(("compute time", f"~{f.seconds_estimate:,.1f} s on {f.device}"))
     if f.device_cost_estimate is not None:
