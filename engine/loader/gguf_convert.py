@@ -60,7 +60,7 @@ def convert_gguf(
     quantized blocks as they are, for `quantization="gguf"`: loader/gguf_blocks.py).
 
     Args:
-        gguf_path: the `.gguf` file (llama, qwen2, qwen3, qwen3moe or gemma3 architecture;
+        gguf_path: the `.gguf` file (llama, qwen2, qwen3, qwen3moe, olmoe or gemma3 architecture;
             byte-level BPE or SentencePiece vocabulary).
         out_dir: directory to write; created if missing, must be empty if it exists.
         dtype: dtype of the written weights (the tensors are dequantized to float32 first;

@@ -21,7 +21,12 @@ from tokenmill.engine.models.moe import (
     MoeModel,
     Routing,
 )
-from tokenmill.engine.models.registry import Architecture, register
+from tokenmill.engine.models.registry import (
+    MOE_GGUF_BLOCK_NAMES,
+    Architecture,
+    GGUFLayout,
+    register,
+)
 from tokenmill.engine.models.rope import rotary_qkv
 
 
@@ -101,6 +106,17 @@ CONFIG_FIELDS = declare(
     },
 )
 
+
+def gguf_config(config: dict, get) -> dict:
+    """llama.cpp's olmoe: the experts feed_forward_length wide, the top-k weights as
+    softmaxed (never renormalised), no clamp."""
+    return {
+        "num_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+        "norm_topk_prob": False,
+    }
+
+
 register(
     Architecture(
         names=("OlmoeForCausalLM",),
@@ -108,5 +124,12 @@ register(
         parse_config=parse_config,
         config_fields=CONFIG_FIELDS,
         model_types=("olmoe",),
+        gguf=GGUFLayout(
+            "olmoe",
+            "OlmoeForCausalLM",
+            "olmoe",
+            block_names=MOE_GGUF_BLOCK_NAMES,
+            extra_config=gguf_config,
+        ),
     )
 )

@@ -10,7 +10,7 @@ from tokenmill.engine.models.config import common_fields
 from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, declare
 from tokenmill.engine.models.moe import MoeConfig, MoeForCausalLM, Routing
 from tokenmill.engine.models.registry import (
-    LLAMA_GGUF_BLOCK_NAMES,
+    MOE_GGUF_BLOCK_NAMES,
     Architecture,
     GGUFLayout,
     register,
@@ -80,15 +80,6 @@ def gguf_config(config: dict, get) -> dict:
     }
 
 
-# llama.cpp's names for the router and the experts, stacked one tensor per projection.
-GGUF_BLOCK_NAMES = {
-    **LLAMA_GGUF_BLOCK_NAMES,
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
-
 register(
     Architecture(
         names=("Qwen3MoeForCausalLM",),
@@ -100,7 +91,7 @@ register(
             "qwen3moe",
             "Qwen3MoeForCausalLM",
             "qwen3_moe",
-            block_names=GGUF_BLOCK_NAMES,
+            block_names=MOE_GGUF_BLOCK_NAMES,
             extra_config=gguf_config,
         ),
     )

@@ -34,6 +34,15 @@ LLAMA_GGUF_BLOCK_NAMES: Mapping[str, str] = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# A mixture-of-experts layer's: llama.cpp's router, and its experts stacked one tensor per
+# projection (loader/tensor_plan.py splits each stack into the model's experts).
+MOE_GGUF_BLOCK_NAMES: Mapping[str, str] = {
+    **LLAMA_GGUF_BLOCK_NAMES,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 # Tensors outside the layers: llama.cpp's name -> the HF module path.
 GGUF_TOP_LEVEL_NAMES: Mapping[str, str] = {
     "token_embd": "model.embed_tokens",

@@ -1,7 +1,10 @@
 """A scale model's GGUF: the same values as its safetensors checkpoint, as tokenmill's own
-GGUF reader reads them back; quantized formats within their rounding; MoE refused."""
+GGUF reader reads them back; quantized formats within their rounding; MoE experts stacked
+as llama.cpp lays them out, and what llama.cpp's MoE graphs do not compute refused."""
 
 from __future__ import annotations
+
+import json
 
 import gguf
 import numpy as np
@@ -11,6 +14,7 @@ from safetensors import safe_open
 
 from tokenmill.bench.scale_build import build_scale_model
 from tokenmill.bench.scale_gguf import scale_gguf_path, write_scale_gguf
+from tokenmill.bench.scale_shapes import SHAPES
 from tokenmill.engine import resolve_model
 
 _TINY = {
@@ -76,17 +80,136 @@ def test_quantized_gguf_within_its_rounding(fmt, tmp_path):
     assert error <= bound, error
 
 
-def test_moe_and_unknown_formats_are_refused_by_name(tmp_path):
-    moe = build_scale_model(
-        "olmoe-1b-7b", num_layers=1, out_dir=tmp_path / "moe",
-        overrides={"hidden_size": 32, "intermediate_size": 32, "num_attention_heads": 2,
-                   "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
-                   "vocab_size": 49_152},
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="no GGUF layout for olmoe here"):
-        write_scale_gguf(moe, "BF16", tmp_path / "moe.gguf")
+_TINY_MOE = {
+    "hidden_size": 64,
+    "intermediate_size": 64,  # OLMoE's experts: Q4_0 blocks of 32 along down's rows
+    "moe_intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 49_152,
+}
+
+
+def _build_moe(name: str, tmp_path, dtype: str = "float32"):
+    overrides = {k: v for k, v in _TINY_MOE.items() if k in SHAPES[name]}
+    if name == "olmoe-1b-7b":  # llama.cpp's olmoe: q and its norm are hidden_size wide
+        overrides["num_key_value_heads"] = 4
+    return build_scale_model(
+        name, num_layers=2, overrides=overrides, dtype=dtype, out_dir=tmp_path / name
+    )
+
+
+def _stacked(f, layer: int, projection: str, num_experts: int) -> torch.Tensor:
+    return torch.stack(
+        [
+            f.get_tensor(f"model.layers.{layer}.mlp.experts.{e}.{projection}_proj.weight")
+            for e in range(num_experts)
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "name", ["olmoe-1b-7b", pytest.param("qwen3-30b-a3b", marks=pytest.mark.slow)]
+)
+def test_moe_gguf_reads_back_as_the_checkpoint_and_runs_the_same(name, tmp_path):
+    """Experts stacked per projection, [experts, out, in] in torch's order; tokenmill's
+    GGUF reader unstacks them into the same model: the same logits as the checkpoint."""
+    from tokenmill.engine import LLM, SamplingParams
+
+    model_dir = _build_moe(name, tmp_path)
+    path = write_scale_gguf(model_dir, "F32", tmp_path / "m.gguf")
+    arch = {"olmoe-1b-7b": "olmoe", "qwen3-30b-a3b": "qwen3moe"}[name]
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == arch
+    assert reader.fields[f"{arch}.expert_count"].contents() == 4
+    assert reader.fields[f"{arch}.expert_used_count"].contents() == 2
+    assert reader.fields[f"{arch}.expert_feed_forward_length"].contents() == 64
+    tensors = {t.name: t for t in reader.tensors}
+    # GGUF lists dims fastest first: gate/up {hidden, inter, experts}, down {inter, hidden, ...}
+    assert tensors["blk.1.ffn_gate_exps.weight"].shape.tolist() == [64, 64, 4]
+    assert tensors["blk.1.ffn_down_exps.weight"].shape.tolist() == [64, 64, 4]
+    assert tensors["blk.1.ffn_gate_inp.weight"].shape.tolist() == [64, 4]
+    norm_width = {"olmoe": 64, "qwen3moe": 16}[arch]  # OLMoE's over all heads, Qwen3's per head
+    assert tensors["blk.0.attn_q_norm.weight"].shape.tolist() == [norm_width]
+    assert not [n for n in tensors if ".experts." in n or "_proj" in n]
+
+    converted = resolve_model(path)
+    with (
+        safe_open(str(converted / "model.safetensors"), "pt") as ours,
+        safe_open(str(model_dir / "model.safetensors"), "pt") as original,
+    ):
+        stacks = {k for k in ours.keys() if ".experts." in k}
+        assert stacks == {
+            f"model.layers.{i}.mlp.experts.{p}_proj.weight"
+            for i in range(2)
+            for p in ("gate", "up", "down")
+        }
+        for key in stacks:
+            layer, projection = int(key.split(".")[2]), key.split(".")[-2].removesuffix("_proj")
+            assert torch.equal(ours.get_tensor(key), _stacked(original, layer, projection, 4)), key
+        for key in set(ours.keys()) - stacks:
+            assert torch.equal(ours.get_tensor(key), original.get_tensor(key)), key
+    config = json.loads((converted / "config.json").read_text())
+    assert config["norm_topk_prob"] == (arch == "qwen3moe")
+    assert (config["num_experts"], config["num_experts_per_tok"]) == (4, 2)
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    prompts = [[5, 900, 31, 7000, 12, 44_000], [3, 3, 17, 256]]
+    outputs = {}
+    for label, source in (("checkpoint", model_dir), ("gguf", converted)):
+        llm = LLM(str(source), dtype="float32", max_num_batched_tokens=32)
+        outputs[label] = llm.generate(prompts, params)
+    for ours, want in zip(outputs["gguf"], outputs["checkpoint"]):
+        assert ours.outputs[0].token_ids == want.outputs[0].token_ids
+        assert ours.prompt_logprobs == want.prompt_logprobs
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", pytest.param("Q8_0", marks=pytest.mark.slow), "BF16"])
+def test_moe_experts_within_their_format_rounding(fmt, tmp_path):
+    model_dir = _build_moe("qwen3-30b-a3b", tmp_path, dtype="bfloat16")
+    path = write_scale_gguf(model_dir, fmt, tmp_path / f"m.{fmt}.gguf")
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert tensors["blk.0.ffn_up_exps.weight"].tensor_type.name == fmt
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"  # never quantized
+    assert tensors["blk.0.attn_k_norm.weight"].tensor_type.name == "F32"
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        router = f.get_tensor("model.layers.0.mlp.gate.weight").float().numpy()
+        for projection in ("gate", "up", "down"):
+            stored = tensors[f"blk.0.ffn_{projection}_exps.weight"]
+            values = gguf.quants.dequantize(stored.data, stored.tensor_type).reshape(4, 64, 64)
+            want = _stacked(f, 0, projection, 4).float().numpy()
+            error = np.abs(values - want).max()
+            bound = {"Q8_0": 0.1 / 127, "Q4_0": 0.1 / 8, "BF16": 0.0}[fmt]
+            assert error <= bound, (projection, error)
+    assert np.array_equal(tensors["blk.0.ffn_gate_inp.weight"].data, router)
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "value", "message"),
+    [
+        ("olmoe-1b-7b", "clip_qkv", 8.0, "llama.cpp's olmoe does not compute clip_qkv"),
+        ("olmoe-1b-7b", "norm_topk_prob", True, "olmoe does not compute norm_topk_prob true"),
+        ("qwen3-30b-a3b", "norm_topk_prob", False, "norm_topk_prob false"),
+        ("qwen3-30b-a3b", "mlp_only_layers", [0], r"dense layers \(mlp_only_layers"),
+        ("qwen3-30b-a3b", "rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "'yarn'"),
+    ],
+)
+def test_what_llama_cpp_does_not_compute_is_refused_by_name(name, field, value, message, tmp_path):
+    model_dir = _build_moe(name, tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=message):
+        write_scale_gguf(model_dir, "BF16", tmp_path / "moe.gguf")
+    assert not (tmp_path / "moe.gguf").exists()
+
+
+def test_unknown_formats_are_refused_by_name(tmp_path):
+    model_dir = _build_moe("olmoe-1b-7b", tmp_path)
     with pytest.raises(ValueError, match="unknown GGUF format 'Q5_K'"):
-        write_scale_gguf(moe, "Q5_K", tmp_path / "moe.gguf")
+        write_scale_gguf(model_dir, "Q5_K", tmp_path / "moe.gguf")
     assert not (tmp_path / "moe.gguf").exists()
 
 

@@ -2,12 +2,16 @@
 values as its safetensors checkpoint, written tensor by tensor with the `gguf` package.
 
 Formats: F32 and BF16 as they are, Q8_0 and Q4_0 quantized by `gguf.quants` (numpy,
-block by block, a chunk of whole rows at a time). Norms stay F32, as llama.cpp's own
-converter keeps them. The layout is llama.cpp's for its `llama` and `qwen2`
-architectures: llama's q/k rows reordered as its converter does (rotary pairs
-interleaved rather than split in halves), Llama 3's rope scaling as a `rope_freqs`
-tensor. Mixture-of-experts shapes are refused by name (their stacked `ffn_*_exps`
-tensors are not written here).
+block by block, a chunk of whole rows at a time). Norms and the MoE router stay F32, as
+llama.cpp's own converter keeps them. The layout is llama.cpp's for its `llama`,
+`qwen2`, `olmoe` and `qwen3moe` architectures: llama's q/k rows reordered as its
+converter does (rotary pairs interleaved rather than split in halves), Llama 3's rope
+scaling as a `rope_freqs` tensor. A mixture-of-experts layer's per-expert projections
+are written as one stacked tensor per projection (`ffn_gate_exps`, `ffn_up_exps`,
+`ffn_down_exps`: [experts, out, in] in torch's order), expert after expert, each
+expert's rows in chunks - the stack is never in memory. A MoE config llama.cpp's graph
+cannot run as transformers does (OLMoE's `clip_qkv`, Qwen3-MoE's dense layers or
+unrenormalised top-k) is refused by name.
 
 The vocabulary is the model directory's tokenizer (the embedded default model's
 byte-level BPE), padded with unused tokens up to the shape's vocabulary size, as
@@ -19,6 +23,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +38,7 @@ from tokenmill.bench.scale_shapes import (
     checkpoint_tensors,
 )
 
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "olmoe": "olmoe", "qwen3_moe": "qwen3moe"}
 # HF name parts -> llama.cpp's, per layer (blk.N.) or whole-model.
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -44,7 +50,12 @@ _LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",  # the MoE router
 }
+# One expert's projection in a checkpoint; a GGUF stacks each projection's experts.
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _MODEL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -93,9 +104,10 @@ def write_scale_gguf(model_dir: str | os.PathLike, fmt: str, out: str | os.PathL
             f"no GGUF layout for {config['model_type']} here; written for "
             f"{', '.join(_ARCHITECTURES)}"
         )
+    _check_llama_cpp_runs(config)
     seed = json.loads(record.read_text())["seed"]
     dtype = torch.bfloat16 if config["torch_dtype"] == "bfloat16" else torch.float32
-    tensors = checkpoint_tensors(config)
+    tensors = _gguf_tensors(config)
     out = Path(out)
     writer = gguf.GGUFWriter(str(out), arch)
     _add_metadata(writer, config, fmt)
@@ -103,21 +115,82 @@ def write_scale_gguf(model_dir: str | os.PathLike, fmt: str, out: str | os.PathL
     rope_freqs = _llama3_rope_factors(config)
     if rope_freqs is not None:
         writer.add_tensor_info("rope_freqs.weight", rope_freqs.shape, np.float32, rope_freqs.nbytes)
-    types = {spec.name: _tensor_type(spec, fmt) for spec in tensors}
-    for spec in tensors:
-        qtype = types[spec.name]
-        byte_shape = gguf.quants.quant_shape_to_byte_shape(spec.shape, qtype)
+    types = {tensor.name: _tensor_type(tensor, fmt) for tensor in tensors}
+    for tensor in tensors:
+        qtype = types[tensor.name]
+        byte_shape = gguf.quants.quant_shape_to_byte_shape(tensor.shape, qtype)
         nbytes = _numel(byte_shape)
-        writer.add_tensor_info(_gguf_name(spec.name), byte_shape, np.uint8, nbytes, qtype)
+        writer.add_tensor_info(tensor.name, byte_shape, np.uint8, nbytes, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     if rope_freqs is not None:
         writer.write_tensor_data(rope_freqs)
-    for spec in tensors:
-        _write_tensor(writer, _encoded_chunks(spec, config, dtype, seed, types[spec.name]))
+    for tensor in tensors:
+        _write_tensor(writer, _encoded_chunks(tensor, config, dtype, seed, types[tensor.name]))
     writer.close()
     return out
+
+
+@dataclass(frozen=True)
+class _GGUFTensor:
+    """One tensor of the file: llama.cpp's name, its shape in torch's order, and the
+    checkpoint tensors whose rows it holds in order (one, or a layer's experts)."""
+
+    name: str
+    shape: tuple[int, ...]
+    parts: tuple[TensorSpec, ...]
+
+
+def _gguf_tensors(config: dict) -> list[_GGUFTensor]:
+    """The file's tensors in checkpoint order; each layer's experts stacked per projection
+    where its first expert stood."""
+    groups: dict[str, list[TensorSpec]] = {}
+    for spec in checkpoint_tensors(config):
+        match = _EXPERT.fullmatch(spec.name)
+        if match is None:
+            groups[_gguf_name(spec.name)] = [spec]
+            continue
+        layer, expert, projection = match.groups()
+        stack = groups.setdefault(f"blk.{layer}.ffn_{projection}_exps.weight", [])
+        if int(expert) != len(stack):  # a stack's index is the expert's id
+            raise AssertionError(f"{spec.name} is not expert {len(stack)} of its stack")
+        stack.append(spec)
+    return [
+        _GGUFTensor(
+            name,
+            (len(parts), *parts[0].shape) if name.endswith("_exps.weight") else parts[0].shape,
+            tuple(parts),
+        )
+        for name, parts in groups.items()
+    ]
+
+
+def _check_llama_cpp_runs(config: dict) -> None:
+    """Refuse, by name, a config field whose effect llama.cpp's graph for the
+    architecture does not compute (the file would load and run another model)."""
+    model_type = config["model_type"]
+    refused = []
+    scaling = (config.get("rope_scaling") or {}).get("rope_type")
+    if scaling is not None and not (scaling == "llama3" and model_type == "llama"):
+        refused.append(f"rope_scaling {scaling!r}")
+    if model_type == "olmoe":  # llama.cpp's olmoe: no clamp, top-k weights as softmaxed
+        if config.get("clip_qkv") is not None:
+            refused.append("clip_qkv")
+        if config.get("norm_topk_prob"):
+            refused.append("norm_topk_prob true")
+    if model_type == "qwen3_moe":  # llama.cpp's qwen3moe: every layer sparse, renormalised
+        if not config.get("norm_topk_prob"):
+            refused.append("norm_topk_prob false")
+        if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+            refused.append("dense layers (mlp_only_layers / decoder_sparse_step)")
+        if config.get("use_sliding_window"):
+            refused.append("use_sliding_window")
+    if refused:
+        raise ValueError(
+            f"llama.cpp's {_ARCHITECTURES[model_type]} does not compute {', '.join(refused)}: "
+            "no GGUF written for this config"
+        )
 
 
 def _add_metadata(writer, config: dict, fmt: str) -> None:
@@ -137,6 +210,13 @@ def _add_metadata(writer, config: dict, fmt: str) -> None:
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    if "num_experts" in config:
+        # OLMoE's experts are intermediate_size wide; Qwen3-MoE's have a size of their own.
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(
+            config.get("moe_intermediate_size", config["intermediate_size"])
+        )
     writer.add_file_type(_FILE_TYPES[fmt])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -182,21 +262,22 @@ def _add_tokenizer(writer, model_dir: Path, config: dict) -> None:
         writer.add_chat_template(chat)
 
 
-def _tensor_type(spec: TensorSpec, fmt: str):
+def _tensor_type(tensor: _GGUFTensor, fmt: str):
     import gguf
 
-    if len(spec.shape) == 1 or fmt == "F32":  # norms and biases stay F32
+    # Norms and biases stay F32, and the router: llama.cpp never quantizes it.
+    if len(tensor.shape) == 1 or fmt == "F32" or tensor.name.endswith("ffn_gate_inp.weight"):
         return gguf.GGMLQuantizationType.F32
     return gguf.GGMLQuantizationType[fmt]
 
 
-def _encoded_chunks(spec: TensorSpec, config: dict, dtype: torch.dtype, seed: int, qtype):
-    """The tensor's bytes in GGUF type `qtype`, a chunk of whole rows at a time; llama's
-    q and k whole (their rows are reordered per head)."""
+def _encoded_chunks(tensor: _GGUFTensor, config: dict, dtype: torch.dtype, seed: int, qtype):
+    """The tensor's bytes in GGUF type `qtype`, a chunk of whole rows at a time (a stack:
+    expert after expert); llama's q and k whole (their rows are reordered per head)."""
     import gguf
 
-    chunks = tensor_chunks(spec, dtype, seed)
-    permute = _permute_heads(spec.name, config)
+    chunks = (chunk for spec in tensor.parts for chunk in tensor_chunks(spec, dtype, seed))
+    permute = _permute_heads(tensor.parts[0].name, config)
     if permute is not None:
         chunks = [permute(torch.cat(list(chunks)))]
     for chunk in chunks:
