@@ -6,7 +6,9 @@ called), a legacy Completion (with its `logprobs` of tokens, token_logprobs, top
 and text_offset), or a Responses API `Response` - the shapes the `openai` package's own
 types validate. An answer whose reasoning was written apart (a `reasoning_content`
 result column) carries it as vLLM does: `message.reasoning_content` in a ChatCompletion,
-a `reasoning` output item before the message in a Response.
+a `reasoning` output item before the message in a Response; its `reasoning_tokens`
+column is the usage's `completion_tokens_details.reasoning_tokens` (Responses:
+`output_tokens_details.reasoning_tokens`, 0 without the column: nothing was split).
 """
 
 from __future__ import annotations
@@ -140,6 +142,11 @@ def _body(row: dict, url: str, model_name: str, created: int, digest: str) -> di
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)},
+                **(
+                    {"completion_tokens_details": {"reasoning_tokens": row["reasoning_tokens"]}}
+                    if "reasoning_tokens" in row
+                    else {}
+                ),
             },
         ),
     }
@@ -246,7 +253,9 @@ def _response_body(row: dict, model_name: str, created: int, digest: str) -> dic
                     "cache_write_tokens": 0,
                 },
                 "output_tokens": completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {
+                    "reasoning_tokens": int(row.get("reasoning_tokens") or 0)
+                },
                 "total_tokens": prompt_tokens + completion_tokens,
             },
         ),

@@ -46,6 +46,10 @@ has the same schema):
                                 `output`, which keeps the final answer; null when the row
                                 wrote none. With a chat job on a model whose template
                                 writes reasoning apart (`JobPlan.reasoning_format`).
+    reasoning_tokens            int64: of completion_tokens, those the split put in
+                                reasoning (`engine/api/reasoning.py` counts them from
+                                the token ids); 0 where it wrote none, on error rows
+                                and on copies, which bill none. With reasoning_content.
 
 and one when the job reads its input with `on_decode_error="replace"`:
 
@@ -107,6 +111,7 @@ ERROR_CODE = "error_code"
 ADAPTER = "adapter"
 IMAGE_TOKENS = "image_tokens"
 REASONING_CONTENT = "reasoning_content"
+REASONING_TOKENS = "reasoning_tokens"
 # An OpenAI batch file's embeddings in a generation job's results (sizes may differ).
 _LINE_EMBEDDINGS = PoolingLayout("embed")
 EXTRA_FIELDS = {
@@ -119,10 +124,13 @@ EXTRA_FIELDS = {
     ADAPTER: pa.field(ADAPTER, pa.string()),
     IMAGE_TOKENS: pa.field(IMAGE_TOKENS, pa.int64(), nullable=False),
     REASONING_CONTENT: pa.field(REASONING_CONTENT, pa.string()),
+    REASONING_TOKENS: pa.field(REASONING_TOKENS, pa.int64(), nullable=False),
     DECODE_REPLACED: pa.field(DECODE_REPLACED, pa.bool_(), nullable=False),
 }
 # What a copy's row bills: nothing was computed for it.
 TOKEN_COLUMNS = ("prompt_tokens", "cached_tokens", "completion_tokens")
+# The optional columns that count part of a row's tokens: 0 where those are.
+_TOKEN_PARTS = (IMAGE_TOKENS, REASONING_TOKENS)
 # With logprobs too, each completion carries its own.
 _COMPLETIONS_WITH_LOGPROBS = pa.field(
     "completions",
@@ -159,7 +167,7 @@ def extra_columns(
     if has_images:
         extras.append(IMAGE_TOKENS)
     if reasons_apart:
-        extras.append(REASONING_CONTENT)
+        extras += [REASONING_CONTENT, REASONING_TOKENS]
     return tuple(extras)
 
 
@@ -235,6 +243,7 @@ def result_record(
         "completions": completions,
         "logprobs": completions[0].get("logprobs"),
         REASONING_CONTENT: output.outputs[0].reasoning_content,
+        REASONING_TOKENS: output.outputs[0].reasoning_tokens or 0,
     }
 
 
@@ -349,8 +358,10 @@ def build_results(
             result[IMAGE_TOKENS] = (
                 getattr(output, "image_tokens", 0) if result["prompt_tokens"] else 0
             )
+        if REASONING_TOKENS in extras:  # an error row wrote none
+            result.setdefault(REASONING_TOKENS, 0)
         if row.row_index in copies:
-            result.update(dict.fromkeys((*TOKEN_COLUMNS, IMAGE_TOKENS), 0))
+            result.update(dict.fromkeys((*TOKEN_COLUMNS, *_TOKEN_PARTS), 0))
             result[DUPLICATE_OF] = copies[row.row_index][1]
         return result
 
@@ -435,7 +446,7 @@ def copy_results(
     columns = {
         "id": pa.array([copy for copy, _ in copies], pa.string()),
         DUPLICATE_OF: pa.array([source for _, source in copies], pa.string()),
-        **dict.fromkeys((*TOKEN_COLUMNS, IMAGE_TOKENS), zeros),
+        **dict.fromkeys((*TOKEN_COLUMNS, *_TOKEN_PARTS), zeros),
     }
     arrays = [
         columns[f.name]

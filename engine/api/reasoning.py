@@ -9,12 +9,19 @@ templates make them write it apart (vLLM's `reasoning_content`):
 `reasoning_format(tokenizer)` says which one a model's template produces (None: neither,
 and nothing is split). Nothing is dropped: text outside any message goes to the answer,
 and an answer cut short inside its reasoning is all reasoning, with an empty answer.
+
+Each split is found as character spans of the text (`reasoning_spans`), so the same
+spans count the completion's reasoning tokens (`reasoning_tokens`, OpenAI's usage
+field): a token is a reasoning token when its text begins inside a span - the markers
+(`<think>`, harmony's headers and `<|end|>`) are not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from tokenmill.engine.core.detokenizer import IncrementalDetokenizer
 
 HARMONY, THINK_TAGS = "harmony", "think"
 # The reasoning_effort values gpt-oss's template knows.
@@ -47,7 +54,8 @@ def reasons_apart_with_effort(tokenizer: Any) -> bool:
 
 def split_reasoning_of(tokenizer: Any, outputs: list) -> None:
     """Split every completion of chat `outputs` (RequestOutputs) in place where the
-    model's template reasons apart: `reasoning_content` and the answer in `text`."""
+    model's template reasons apart: `reasoning_content`, the answer in `text`, and
+    `reasoning_tokens`."""
     fmt = reasoning_format(tokenizer)
     if fmt is None:
         return
@@ -64,6 +72,32 @@ def split_reasoning_of(tokenizer: Any, outputs: list) -> None:
             )
             split = split_reasoning(fmt, completion.text, with_specials)
             completion.reasoning_content, completion.text = split.reasoning, split.content
+            completion.reasoning_tokens = reasoning_tokens(tokenizer, fmt, ids)
+
+
+def reasoning_tokens(tokenizer: Any, fmt: str, ids: list[int]) -> int:
+    """How many of a completion's token ids (end-of-sequence ids left out) begin inside
+    the reasoning the split of their text takes out; the text decoded token by token,
+    harmony's with its special tokens (its markers)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=fmt != HARMONY)
+    starts = []
+    for token_id in ids:
+        # A token that only begins a multi-byte character emits nothing yet: it starts
+        # where the character will, as the token that completes it does.
+        starts.append(len(detokenizer.text))
+        detokenizer.add(token_id)
+    detokenizer.finish()
+    spans = reasoning_spans(fmt, detokenizer.text)
+    return sum(any(a <= start < b for a, b in spans) for start in starts)
+
+
+def reasoning_spans(fmt: str, text: str) -> list[tuple[int, int]]:
+    """The [start, end) character spans of `text` its split puts in reasoning, in order."""
+    if fmt == HARMONY:
+        return [(a, b) for channel, a, b in _harmony_pieces(text) if channel == "analysis"]
+    if fmt == THINK_TAGS:
+        return _think_spans(text)
+    raise ValueError(f"unknown reasoning format {fmt!r}")
 
 
 def split_reasoning(fmt: str, text: str, text_with_specials: str) -> Split:
@@ -83,18 +117,33 @@ def split_harmony(text: str) -> Split:
     content, each in order."""
     reasoning: list[str] = []
     content: list[str] = []
-    for segment in text.split("<|start|>"):
-        header, found, body = segment.partition("<|message|>")
-        if not found:  # no message in it: whatever text it holds is the answer's
-            leftover = _without_markers(segment)
+    for channel, start, end in _harmony_pieces(text):
+        if channel is None:  # no message in it: whatever text it holds is the answer's
+            leftover = _without_markers(text[start:end])
             if leftover:
                 content.append(leftover)
             continue
-        for end in _HARMONY_ENDS:
-            body = body.split(end, 1)[0]
-        channel = header.partition("<|channel|>")[2].split(" ")[0].split("<")[0].strip()
-        (reasoning if channel == "analysis" else content).append(body)
+        (reasoning if channel == "analysis" else content).append(text[start:end])
     return Split("\n".join(reasoning) if reasoning else None, "".join(content))
+
+
+def _harmony_pieces(text: str) -> list[tuple[str | None, int, int]]:
+    """(channel, start, end) of each message body in `text`, up to its end marker; a
+    segment between `<|start|>`s that holds no message is a piece with channel None."""
+    pieces: list[tuple[str | None, int, int]] = []
+    offset = 0
+    for segment in text.split("<|start|>"):
+        header, found, body = segment.partition("<|message|>")
+        if not found:
+            pieces.append((None, offset, offset + len(segment)))
+        else:
+            for end in _HARMONY_ENDS:
+                body = body.split(end, 1)[0]
+            channel = header.partition("<|channel|>")[2].split(" ")[0].split("<")[0].strip()
+            body_start = offset + len(header) + len("<|message|>")
+            pieces.append((channel, body_start, body_start + len(body)))
+        offset += len(segment) + len("<|start|>")
+    return pieces
 
 
 def _without_markers(segment: str) -> str:
@@ -111,10 +160,24 @@ def split_think_tags(text: str) -> Split:
     """`<think>reasoning</think>answer` (the opening tag may be in the prompt): the
     reasoning without its tags and edge whitespace, the answer without leading
     whitespace; an unclosed `<think>` is all reasoning."""
-    if "</think>" in text:
-        reasoning, _, content = text.partition("</think>")
-        return Split(reasoning.replace("<think>", "", 1).strip(), content.lstrip())
-    stripped = text.lstrip()
-    if stripped.startswith("<think>"):
-        return Split(stripped.removeprefix("<think>").strip(), "")
-    return Split(None, text)
+    spans = _think_spans(text)
+    if not spans:
+        return Split(None, text)
+    reasoning = "".join(text[a:b] for a, b in spans).strip()
+    closing = text.find("</think>")
+    return Split(reasoning, "" if closing < 0 else text[closing + len("</think>") :].lstrip())
+
+
+def _think_spans(text: str) -> list[tuple[int, int]]:
+    """The reasoning before `</think>` less its first `<think>` tag, or after a leading
+    unclosed `<think>`; [] when the text has neither."""
+    closing = text.find("</think>")
+    if closing < 0:
+        opening = len(text) - len(text.lstrip())
+        if not text.startswith("<think>", opening):
+            return []
+        return [(opening + len("<think>"), len(text))]
+    opening = text.find("<think>", 0, closing)
+    if opening < 0:
+        return [(0, closing)]
+    return [(0, opening), (opening + len("<think>"), closing)]

@@ -26,6 +26,9 @@ class CompletionOutput:
     # analysis channel, Qwen3's <think>): that reasoning, with `text` the final answer
     # (api/reasoning.py). None where the model wrote none, or the template has none.
     reasoning_content: str | None = None
+    # Of its token_ids, those the split put in reasoning (api/reasoning.py); None where
+    # nothing was split.
+    reasoning_tokens: int | None = None
 
 
 @dataclass

@@ -14,8 +14,10 @@ from tokenmill.engine.api.reasoning import (
     Split,
     reasoning_format,
     split_harmony,
+    split_reasoning_of,
     split_think_tags,
 )
+from tokenmill.engine.types.outputs import CompletionOutput
 from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.engine.types.structured_outputs import StructuredOutputs
 
@@ -104,3 +106,93 @@ def test_a_template_without_reasoning_splits_nothing_and_refuses_reasoning_effor
     assert (out.outputs[0].reasoning_content, out.text) == (None, "<think>kept</think>as is")
     with pytest.raises(ValueError, match="chat template does not read it"):
         llm.chat([{"role": "user", "content": "hi"}], reasoning_effort="low")
+
+
+def smollm2_with(markers: list[str], *, special: bool, chat_template: str):
+    """SmolLM2's real tokenizer (the embedded default model's) with the markers added
+    as single tokens - special, as gpt-oss's are, or not, as Qwen3's <think> is."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    from tokenmill.engine import DEFAULT_MODEL, resolve_model
+    from tokenmill.engine.loader.tokenizer import Tokenizer
+
+    backend = Backend.from_file(str(resolve_model(DEFAULT_MODEL) / "tokenizer.json"))
+    added = [AddedToken(m, special=special, normalized=False) for m in markers]
+    (backend.add_special_tokens if special else backend.add_tokens)(added)
+    return Tokenizer(
+        backend, special_tokens={"eos_token": "<|im_end|>"}, chat_template=chat_template
+    )
+
+
+class Answer:
+    """A completion of `text`'s tokens as the engine hands it back (the eos id last)."""
+
+    def __init__(self, tokenizer, text: str) -> None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        self.outputs = [CompletionOutput(0, text, [*ids, *tokenizer.eos_token_ids], "stop")]
+        self.ids = ids
+
+
+def _between(ids: list[int], opening: int | None, closing: int) -> int:
+    """Tokens after `opening`'s id (None: from the start) up to `closing`'s."""
+    start = 0 if opening is None else ids.index(opening) + 1
+    return ids.index(closing, start) - start
+
+
+def test_reasoning_tokens_are_the_tokens_between_harmony_markers():
+    markers = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+    tokenizer = smollm2_with(markers, special=True, chat_template=HARMONY_TEMPLATE)
+    # multi-byte characters split across byte-level tokens inside the reasoning
+    text = (
+        "<|channel|>analysis<|message|>User asks 2+2 — 日本語 ünïcödé. Simple.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>4 is it.<|return|>"
+    )
+    answer = Answer(tokenizer, text)
+    message, end = (tokenizer.backend.token_to_id(m) for m in ("<|message|>", "<|end|>"))
+    want = _between(answer.ids, message, end)
+    assert want >= 10
+    split_reasoning_of(tokenizer, [answer])
+    completion = answer.outputs[0]
+    assert completion.reasoning_content == "User asks 2+2 — 日本語 ünïcödé. Simple."
+    assert completion.text == "4 is it."
+    assert completion.reasoning_tokens == want
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        ("<think>\nLet me think: 7×6 = 42.\n</think>\n\nIt is 42.", "Let me think: 7×6 = 42.", "It is 42."),
+        ("opening tag in the prompt</think>Yes.", "opening tag in the prompt", "Yes."),
+        ("<think>cut short in the middle", "cut short in the middle", ""),
+        ("No reasoning at all.", None, "No reasoning at all."),
+    ],
+)  # fmt: skip
+def test_reasoning_tokens_are_the_tokens_inside_think_tags(text, reasoning, content):
+    tokenizer = smollm2_with(["<think>", "</think>"], special=False, chat_template=THINK_TEMPLATE)
+    answer = Answer(tokenizer, text)
+    opening, closing = (tokenizer.backend.token_to_id(m) for m in ("<think>", "</think>"))
+    ids = answer.ids
+    if closing in ids:
+        want = _between(ids, opening if opening in ids else None, closing)
+    else:
+        want = len(ids) - ids.index(opening) - 1 if opening in ids else 0
+    split_reasoning_of(tokenizer, [answer])
+    completion = answer.outputs[0]
+    assert (completion.reasoning_content, completion.text) == (reasoning, content)
+    assert completion.reasoning_tokens == want
+
+
+def test_reasoning_tokens_where_the_markers_are_text_of_several_tokens(tmp_path):
+    """The tiny model's markers are plain BPE text: a token counts when its text begins
+    inside the reasoning, as the text decoded up to it (each prefix whole) says."""
+    make_model(tmp_path, THINK_TEMPLATE)
+    llm, out = chat_once(tmp_path, "<think>two plus two</think>four")
+    completion = out.outputs[0]
+    ids = [t for t in completion.token_ids if t not in llm.tokenizer.eos_token_ids]
+    full = llm.tokenizer.decode(ids)
+    assert full == "<think>two plus two</think>four"
+    starts = [len(llm.tokenizer.decode(ids[:i])) for i in range(len(ids))]
+    inside = [s for s in starts if len("<think>") <= s < full.index("</think>")]
+    assert 0 < len(inside) < len(ids)
+    assert completion.reasoning_tokens == len(inside)

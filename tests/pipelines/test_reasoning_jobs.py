@@ -48,14 +48,30 @@ def job_rows(tmp_path, template: str, answer: str, **options) -> tuple[LLM, dict
     return llm, {r["id"]: r for r in read_results(str(out)).to_pylist()}
 
 
-def chat_split(llm: LLM, answer: str) -> list[tuple[str | None, str]]:
+def chat_completions(llm: LLM, answer: str) -> list:
     params = SamplingParams(
         temperature=0,
         max_tokens=len(answer) + 2,
         structured_outputs=StructuredOutputs(choice=[answer]),
     )
     outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
-    return [(o.outputs[0].reasoning_content, o.text) for o in outputs]
+    return [o.outputs[0] for o in outputs]
+
+
+def chat_split(llm: LLM, answer: str) -> list[tuple[str | None, str]]:
+    return [(c.reasoning_content, c.text) for c in chat_completions(llm, answer)]
+
+
+def tokens_inside(llm: LLM, answer: str, reasoning: str, token_ids: list[int]) -> int:
+    """The answer's tokens whose text begins inside its (only) `reasoning`, each token's
+    start the length of everything decoded before it."""
+    ids = [t for t in token_ids if t not in llm.tokenizer.eos_token_ids]
+    assert llm.tokenizer.decode(ids, skip_special_tokens=False) == answer
+    start = answer.index(reasoning)
+    starts = [
+        len(llm.tokenizer.decode(ids[:i], skip_special_tokens=False)) for i in range(len(ids))
+    ]
+    return sum(start <= s < start + len(reasoning) for s in starts)
 
 
 @pytest.mark.parametrize(
@@ -68,9 +84,15 @@ def chat_split(llm: LLM, answer: str) -> list[tuple[str | None, str]]:
 )
 def test_a_chat_job_splits_as_llm_chat_does(tmp_path, template, answer, split):
     llm, rows = job_rows(tmp_path, template, answer)
-    got = [(rows[str(i)]["reasoning_content"], rows[str(i)]["output"]) for i in range(len(PROMPTS))]
-    assert got == chat_split(llm, answer) == [split] * len(PROMPTS)
+    got = [rows[str(i)] for i in range(len(PROMPTS))]
+    chats = chat_completions(llm, answer)
+    assert [(r["reasoning_content"], r["output"]) for r in got] == [split] * len(PROMPTS)
+    assert [(c.reasoning_content, c.text) for c in chats] == [split] * len(PROMPTS)
     assert all(r["error"] is None and r["finish_reason"] == "stop" for r in rows.values())
+    # reasoning_tokens: the split's count, the tokens that begin inside the reasoning
+    counts = [tokens_inside(llm, answer, split[0], c.token_ids) for c in chats]
+    assert 0 < counts[0] < got[0]["completion_tokens"]
+    assert [r["reasoning_tokens"] for r in got] == [c.reasoning_tokens for c in chats] == counts
 
 
 @pytest.mark.parametrize(
@@ -144,6 +166,7 @@ def test_openai_batch_lines_carry_reasoning_as_vllm_does(tmp_path):
         batch_line("chat", "/v1/chat/completions", messages=messages),
         batch_line("raw", "/v1/completions", prompt="hi"),
         batch_line("resp", "/v1/responses", input="hi"),
+        batch_line("resp2", "/v1/responses", input="what is 2+2?"),  # not a copy: billed
     ]
     src = tmp_path / "batch.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -152,9 +175,20 @@ def test_openai_batch_lines_carry_reasoning_as_vllm_does(tmp_path):
     opts = {"format": "openai-batch", "output_format": "openai-batch", "choice": [THINK_ANSWER]}
     run_job(str(src), str(out), llm=llm, **opts)
     rows = {r["id"]: r for r in read_results(str(out)).to_pylist()}
-    assert [r["error"] for r in rows.values()] == [None] * 3
+    assert [r["error"] for r in rows.values()] == [None] * 4
+    assert rows["resp"]["duplicate_of"] == "chat"
     assert (rows["chat"]["reasoning_content"], rows["chat"]["output"]) == ("two plus two", "four")
     assert (rows["raw"]["reasoning_content"], rows["raw"]["output"]) == (None, THINK_ANSWER)
+    (chat_completion,) = chat_completions(llm, THINK_ANSWER)[:1]
+    reasoning_tokens = rows["chat"]["reasoning_tokens"]
+    assert reasoning_tokens == chat_completion.reasoning_tokens > 0
+    # a raw line splits nothing; a copy bills no tokens, its reasoning's included
+    assert [rows[i]["reasoning_tokens"] for i in ("raw", "resp", "resp2")] == [
+        0,
+        0,
+        reasoning_tokens,
+    ]
+    assert rows["resp"]["completion_tokens"] == 0
     written = {
         w["custom_id"]: w["response"]["body"]
         for w in map(json.loads, (out / "results.jsonl").read_text().splitlines())
@@ -162,12 +196,16 @@ def test_openai_batch_lines_carry_reasoning_as_vllm_does(tmp_path):
     chat = ChatCompletion.model_validate(written["chat"])
     message = chat.choices[0].message
     assert (message.content, message.reasoning_content) == ("four", "two plus two")
+    assert chat.usage.completion_tokens_details.reasoning_tokens == reasoning_tokens
     assert Completion.model_validate(written["raw"]).choices[0].text == THINK_ANSWER
     response = Response.model_validate(written["resp"])
     reasoning, answer = response.output
     assert reasoning.type == "reasoning"
     assert [c.text for c in reasoning.content] == ["two plus two"]
     assert response.output_text == "four"
+    billed = Response.model_validate(written["resp2"]).usage
+    assert billed.output_tokens_details.reasoning_tokens == reasoning_tokens
+    assert billed.output_tokens == rows["chat"]["completion_tokens"] > reasoning_tokens
 
 
 def chat_prompt_tokens(llm: LLM, **chat_args) -> int:
