@@ -16,8 +16,10 @@ released), as its MXFP4 `*_blocks` and `*_scales` uint8 tensors, never widened: 
 only on the native kernel, which reads MXFP4 (quant/mxfp4.py). On the CPU with the native kernels they are packed after loading into the
 grouped kernel's (kernels/moe.c: the gate's columns, then the up's, with their biases and
 the clamped SwiGLU); elsewhere they run as one grouped matmul per projection over the
-tokens sorted by expert (moe.grouped_experts). The quantizations do not take these
-experts, and are refused for them (quant/__init__.py).
+tokens sorted by expert (moe.grouped_experts). Float experts pack as int8 or int4 under
+those quantizations (the kernel adds the biases and computes the activation whatever the
+weights' format); MXFP4 ones are 4-bit as stored, and those modes are refused for them
+(quant/__init__.py).
 """
 
 from __future__ import annotations
@@ -109,17 +111,22 @@ class GptOssExperts(KernelExperts):
         self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
         self.packed: moe_kernel.PackedExperts | None = None  # the native kernel's copy
 
-    def pack(self) -> bool:
+    def pack(self, weight_format: str = "float") -> bool:
         """Move the weights into the native grouped kernel's layout where it serves them
         (the parameters then hold no memory); returns whether they are packed.
+        weight_format: "float" (the parameters' dtype), "int8" or "int4" (float experts
+        only: moe_kernel.PackedExperts); MXFP4 experts pack as stored.
 
         Raises:
-            ValueError: MXFP4 experts where the native kernel does not run.
+            ValueError: MXFP4 experts where the native kernel does not run, or asked to
+                pack in another format.
         """
         bias = self.gate_up_proj_bias
         dtype, hidden, inter = bias.dtype, self.down_proj_bias.shape[1], self.intermediate_size
         if self.packed is not None:
             return True
+        if self.mxfp4 and weight_format != "float":
+            raise ValueError(f"MXFP4 experts are packed as stored, not as {weight_format}")
         if not moe_kernel.available(dtype, bias.device, hidden, inter, 1):
             if self.mxfp4:
                 raise ValueError(
@@ -152,6 +159,7 @@ class GptOssExperts(KernelExperts):
                 _gate_then_up(self.gate_up_proj.data, dim=2).transpose(1, 2),
                 self.down_proj.data.transpose(1, 2),
                 "clamped_swiglu",
+                weight_format,
                 **kernel_args,
             )
             weights = ("gate_up_proj", "down_proj")
@@ -219,6 +227,7 @@ def parse_config(raw: dict) -> GptOssConfig:
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
     ]
     fields = common_fields(raw, max_position_embeddings=131072, head_dim=64)
+    mxfp4 = mxfp4_experts(raw)
     return GptOssConfig(
         **{
             **fields,
@@ -227,7 +236,7 @@ def parse_config(raw: dict) -> GptOssConfig:
             "attention_output_bias": bool(raw.get("attention_bias", True)),
         },
         attention_sinks=True,
-        quantizable_experts=False,
+        quantizable_experts=not mxfp4,
         sliding_window=raw.get("sliding_window", 128),
         layer_types=list(layer_types),
         num_experts=raw.get("num_local_experts", raw.get("num_experts", 128)),
@@ -236,7 +245,7 @@ def parse_config(raw: dict) -> GptOssConfig:
         routing=Routing(top_k, renormalize=False, softmax_of_top_k=True),
         swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
         swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
-        mxfp4_experts=mxfp4_experts(raw),
+        mxfp4_experts=mxfp4,
     )
 
 

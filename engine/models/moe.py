@@ -99,8 +99,9 @@ class KernelExperts(nn.Module):
 
     packed: moe_kernel.PackedExperts | None = None
 
-    def pack(self) -> bool:
-        """Pack where the kernel serves these experts; returns whether they are packed."""
+    def pack(self, weight_format: str = "float") -> bool:
+        """Pack where the kernel serves these experts, their weights in `weight_format`
+        (moe_kernel.PackedExperts'); returns whether they are packed."""
         raise NotImplementedError
 
     @property
@@ -269,8 +270,8 @@ class MoeConfig(ModelConfig):
     # Layers with a dense gated MLP instead of experts (Qwen3-MoE's mlp_only_layers and
     # decoder_sparse_step).
     dense_layers: tuple[int, ...] = ()
-    # Whether the expert quantizations (int8, int4: quant/) take the experts: moe.Experts;
-    # not gpt-oss's, with biases and an activation of their own.
+    # Whether the expert quantizations (int8, int4: quant/) take the experts: not
+    # gpt-oss's MXFP4 ones, 4-bit as the checkpoint stores them.
     quantizable_experts: bool = True
 
     def __post_init__(self) -> None:

@@ -140,9 +140,9 @@ def check_expert_quantization(quantization: str, config, device: torch.device) -
     kernel (kernels/moe.py)."""
     if not config.quantizable_experts:
         raise ValueError(
-            f"quantization={quantization!r} does not quantize {config.architecture}'s experts "
-            "(their biases and clamped SwiGLU are computed in float only); "
-            "leave it unset (dtype='bfloat16' halves fp32's memory)"
+            f"quantization={quantization!r} does not quantize {config.architecture}'s MXFP4 "
+            "experts: the checkpoint stores them in 4 bits already, and they run as stored; "
+            "leave it unset"
         )
     if quantization not in EXPERT_QUANTIZATIONS:
         raise ValueError(

@@ -26,7 +26,7 @@ from torch import nn
 
 from tokenmill.engine.kernels import int4_unpack
 from tokenmill.engine.models import ModelConfig
-from tokenmill.engine.models.moe import Experts
+from tokenmill.engine.models.moe import KernelExperts
 from tokenmill.engine.quant.method import QuantizationMethod, quantized_targets, register
 
 # Inputs per group of weights that share a scale and a minimum.
@@ -218,7 +218,7 @@ class Int4Method(QuantizationMethod):
         # A mixture of experts' experts: the same groups of 32 (scale and minimum, in bf16)
         # in the native grouped kernel; activations stay in the model's dtype (quant's
         # check_expert_quantization has checked the kernel and the sizes).
-        for experts in (m for m in model.modules() if isinstance(m, Experts)):
+        for experts in (m for m in model.modules() if isinstance(m, KernelExperts)):
             if not experts.pack(weight_format="int4"):
                 raise RuntimeError("the native grouped expert kernel refused int4 experts")
             total += experts.weight_bytes

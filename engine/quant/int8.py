@@ -46,7 +46,7 @@ from tokenmill.engine.kernels.quantize import (
 )
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.layers import GatedMLP
-from tokenmill.engine.models.moe import Experts
+from tokenmill.engine.models.moe import KernelExperts
 from tokenmill.engine.quant.calibrate import (
     ROWS_PER_CHUNK,
     calibration_token_ids,
@@ -378,7 +378,7 @@ class Int8Method(QuantizationMethod):
         # A mixture of experts' experts: int8 weights, a scale per output column, for the
         # native grouped kernel; their activations stay in the model's dtype (quant's
         # check_expert_quantization has checked that the kernel runs here).
-        for experts in (m for m in model.modules() if isinstance(m, Experts)):
+        for experts in (m for m in model.modules() if isinstance(m, KernelExperts)):
             if not experts.pack(weight_format="int8"):
                 raise RuntimeError("the native grouped expert kernel refused int8 experts")
             total += experts.weight_bytes

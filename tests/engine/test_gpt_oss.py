@@ -174,10 +174,70 @@ def test_backends_without_sinks_are_refused_by_name(tmp_path):
         select_backend(spec)
 
 
-def test_quantizing_its_experts_is_refused_before_loading(tmp_path):
+@pytest.mark.parametrize("weight_format", ["int8", "int4"])
+def test_quantized_float_experts_compute_their_dequantized_weights(weight_format, tmp_path):
+    """Float experts packed int8 or int4: the kernel, with the biases and the clamped
+    SwiGLU over the reordered gate/up columns, computes what the float experts compute
+    with the dequantized weights put back in the checkpoint's interleaved layout."""
+    from tokenmill.engine.models.gpt_oss import GptOssExperts
+
+    hf = gpt_oss_model(tmp_path, intermediate_size=64)  # int4: whole groups of 32
+    config = load_config(tmp_path)
+    source = hf.model.layers[1].mlp.experts
+    quantized, reference = GptOssExperts(config), GptOssExperts(config)
+    with torch.no_grad():
+        for experts in (quantized, reference):
+            for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+                getattr(experts, name).copy_(getattr(source, name))
+    assert quantized.pack(weight_format)  # the native grouped kernel serves them
+    assert quantized.packed.weight_format == weight_format
+    gate_then_up, down = (
+        quantized.packed.dequantized()
+    )  # [E, 2 * inter, hidden], [E, hidden, inter]
+    inter = config.moe_intermediate_size
+    interleaved = torch.empty_like(gate_then_up)
+    interleaved[:, 0::2], interleaved[:, 1::2] = gate_then_up[:, :inter], gate_then_up[:, inter:]
+    with torch.no_grad():
+        reference.gate_up_proj.copy_(interleaved.transpose(1, 2))
+        reference.down_proj.copy_(down.transpose(1, 2))
+    assert reference.packed is None  # torch's grouped matmul, in float
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, config.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(37)])
+    weights = torch.rand(37, 3, generator=g)
+    ours = quantized(x, weights, ids)
+    torch.testing.assert_close(ours, reference(x, weights, ids), atol=1e-5, rtol=1e-5)
+    # The quantization is real: the float experts compute otherwise.
+    exact = GptOssExperts(config)
+    exact.load_state_dict(source.state_dict())
+    assert not torch.allclose(ours, exact(x, weights, ids), atol=1e-5, rtol=1e-5)
+    stored = {"int8": torch.int8, "int4": torch.uint8}[weight_format]  # int4: two a byte
+    assert quantized.packed.gate_up.dtype == quantized.packed.down.dtype == stored
+
+
+def test_int8_engine_tracks_the_float_engine(tmp_path):
+    """quantization="int8" on float gpt-oss: the attention projections SmoothQuant W8A8,
+    the experts int8 in the grouped kernel (biases and clamped SwiGLU in it)."""
+    from test_quantized_model import PARAMS, compare
+
     gpt_oss_model(tmp_path)
-    with pytest.raises(ValueError, match="does not quantize GptOssForCausalLM's experts"):
-        LLM(str(tmp_path), dtype="float32", quantization="int8")
+    prompts = prompts_for(seed=9)
+    reference = run_all(make_engine(tmp_path), prompts, PARAMS)
+    engine = make_engine(tmp_path, quantization="int8")
+    layers = engine.runner.model.model.layers
+    assert all(layer.mlp.experts.packed.weight_format == "int8" for layer in layers)
+    mean_diff, agree, total = compare(run_all(engine, prompts, PARAMS), reference)
+    # The bounds of the other MoE families' int8 test (test_moe_models.py).
+    assert mean_diff < 0.2
+    assert agree >= total * 0.6
+
+
+def test_quantizing_mxfp4_experts_is_refused_before_loading(tmp_path):
+    gpt_oss_model(tmp_path / "float", intermediate_size=64)  # whole MXFP4 blocks
+    write_mxfp4_checkpoints(tmp_path / "float", tmp_path / "mxfp4", tmp_path / "dense")
+    for quantization in ("int8", "int4"):
+        with pytest.raises(ValueError, match="does not quantize GptOssForCausalLM's MXFP4 experts"):
+            LLM(str(tmp_path / "mxfp4"), dtype="float32", quantization=quantization)
 
 
 def test_bf16_engine_tracks_the_fp32_engine(tmp_path):
