@@ -4,9 +4,11 @@ Pure functions. Rows are sorted by their first `group_tokens` prompt tokens (so 
 row sharing a prefix is adjacent and the prefix stays resident in the engine's prefix
 cache while its group runs) and then by length (so a group's requests finish close
 together and batches stay full). The ordered rows are cut into shards under a token
-budget, each cut where the rows on its two sides share the least prefix
-(`prefix_cut.py`), so rows sharing a prefix run on one worker; a shard is one
-`LLM.generate` call and the unit of progress, retry and resume.
+budget: for one engine, each cut where the rows on its two sides share the least
+prefix (`prefix_cut.py`); for several, the run order dealt out in prefix groups so that
+the shards engines run at once do equal work (`balance_cut.py`). Either way rows
+sharing a long prefix run on one worker; a shard is one `LLM.generate` call and the
+unit of progress, retry and resume.
 
 A job is planned in windows of consecutive input rows (`JobSpec.plan_window_rows`),
 each ordered and cut on its own, so planning memory is bounded by the window, not the
@@ -36,7 +38,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from tokenmill.engine import SamplingParams
-from tokenmill.pipelines.prefix_cut import PREFIX, cut_ends, shared_prefix
+from tokenmill.pipelines.balance_cut import balanced_shards
+from tokenmill.pipelines.prefix_cut import BALANCE, PREFIX, cut_ends, shared_prefix
 from tokenmill.pipelines.scoring import GENERATE
 from tokenmill.pipelines.tokenize import PromptRow
 
@@ -207,7 +210,8 @@ def cut_shards(
     adapter_keys: Sequence[str] = (),
     rule: str = PREFIX,
 ) -> list[PlannedShard]:
-    """Cut ordered rows into consecutive shards of at most `shard_tokens` each.
+    """Cut ordered rows into shards of at most `shard_tokens` each (consecutive rows,
+    but for the BALANCE rule).
 
     A single row costlier than the budget gets a shard of its own. Error rows cost
     nothing and ride along in whichever shard they fall into (they still need a
@@ -226,7 +230,9 @@ def cut_shards(
         window: the planning window these rows belong to.
         adapter_keys: the job's LoRA adapters' weights hashes, by lora index - 1.
         rule: where the cuts fall (`pipelines/prefix_cut.py`): PREFIX, between rows
-            that share the least prefix, or FILL, where each shard is full.
+            that share the least prefix, or FILL, where each shard is full; or BALANCE,
+            the run order dealt out in prefix groups to shards of equal work
+            (`pipelines/balance_cut.py`; each shard's rows still in run order).
 
     Returns:
         Shards in run order, `index` first_index, first_index + 1, ...
@@ -239,16 +245,26 @@ def cut_shards(
         row_cost(r, params[r.params_index].max_tokens * params[r.params_index].n) for r in ordered
     ]
     budget = budget_for(row_costs, shard_tokens, min_shards)
-    ends = cut_ends(
-        row_costs,
-        budget,
-        max_rows=max_rows,
-        rule=rule,
-        shared_at=lambda e: shared_prefix(ordered[e - 1], ordered[e]),
-    )
-    starts = [0, *ends[:-1]]
-    groups = [list(ordered[a:b]) for a, b in zip(starts, ends)]
-    costs = [sum(row_costs[a:b]) for a, b in zip(starts, ends)]
+    if rule == BALANCE:
+        shared = [0] + [shared_prefix(a, b) for a, b in zip(ordered, ordered[1:])]
+        # As many shards as the other rules cut, but dealt: each ends near an equal
+        # share, not under the budget that min_shards lowered to cut that many - only
+        # shard_tokens, the job's own limit, bounds a shard of the balance cut.
+        num_shards = len(cut_ends(row_costs, budget, max_rows=max_rows))
+        dealt = balanced_shards(
+            row_costs, shared, num_shards=num_shards, budget=shard_tokens, max_rows=max_rows
+        )
+    else:
+        ends = cut_ends(
+            row_costs,
+            budget,
+            max_rows=max_rows,
+            rule=rule,
+            shared_at=lambda e: shared_prefix(ordered[e - 1], ordered[e]),
+        )
+        dealt = [range(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+    groups = [[ordered[i] for i in positions] for positions in dealt]
+    costs = [sum(row_costs[i] for i in positions) for positions in dealt]
     return [
         PlannedShard(
             Shard(

@@ -44,7 +44,7 @@ from tokenmill.pipelines.pooling import (
     PoolingInputs,
     PoolingLayout,
 )
-from tokenmill.pipelines.prefix_cut import FILL, PREFIX
+from tokenmill.pipelines.prefix_cut import BALANCE, FILL, PREFIX
 from tokenmill.pipelines.reading import Window, read_windows
 from tokenmill.pipelines.reasoning import (
     check_reasoning_effort,
@@ -94,7 +94,7 @@ class JobPlan:
     # How the weights run, as the ledger names it: the job's quantization option, or the
     # checkpoint's own (ModelDescription.quantization); None: float weights.
     quantization: str | None = None
-    cut_rule: str = PREFIX  # where each window's cuts fall (`prefix_cut.py`)
+    cut_rule: str = PREFIX  # how each window was cut (`prefix_cut.py`, `balance_cut.py`)
     # Rows run with images (an image column, or OpenAI batch lines with image parts): the
     # results then count each row's image tokens.
     has_images: bool = False
@@ -388,17 +388,19 @@ def _check_rows_read(source: Any, counts: ReadCounts, num_rows: int) -> None:
 
 def _cut(spec: JobSpec, requested: int) -> tuple[int, str]:
     """(min_shards, cut rule) to plan with: those recorded with results being resumed,
-    else `requested` and the prefix cut. Results recorded without a rule were cut by
-    filling (the only rule there was), and parts without any record keep `requested`."""
+    else `requested` and `new_cut_rule(requested)`. Results recorded without a rule
+    were cut by filling (the only rule there was), and parts without any record keep
+    `requested`; results cut by the prefix rule resume with it."""
     if requested < 1:
         raise ValueError(f"min_shards must be >= 1, got {requested}")
+    fresh = requested, new_cut_rule(requested)
     if not spec.resume:
-        return requested, PREFIX
+        return fresh
     recorded = out.read_cut(spec.output, spec.storage_options)
-    if recorded == (requested, PREFIX):
-        return requested, PREFIX
+    if recorded == fresh:
+        return fresh
     if not out.completed_shards(spec.output, spec.storage_options):
-        return requested, PREFIX
+        return fresh
     if recorded is None:
         return requested, FILL
     min_shards, rule = recorded[0], recorded[1] or FILL
@@ -410,6 +412,14 @@ def _cut(spec: JobSpec, requested: int) -> tuple[int, str]:
             requested,
         )
     return min_shards, rule
+
+
+def new_cut_rule(min_shards: int) -> str:
+    """The cut rule of a job planned afresh for `min_shards` engines. For one, the prefix
+    cut: its shards run one after another on one engine, so how evenly they split the
+    work does not matter, and contiguous shards split the fewest prefix groups. For
+    several, the balance cut: shards run at once, and the job ends with its slowest."""
+    return BALANCE if min_shards > 1 else PREFIX
 
 
 def _check_input_unchanged(spec: JobSpec, fingerprint: list[dict[str, Any]]) -> None:

@@ -1,6 +1,8 @@
 """Where a window's ordered rows are cut into shards: full shards, or prefix-affine ones.
 
-Two rules, both over the rows in run order (`plan.order_rows`) and a token budget:
+Two contiguous rules, both over the rows in run order (`plan.order_rows`) and a token
+budget (a third, `balance`, deals the run order out to shards that do equal work when
+engines run them at once: `balance_cut.py`):
 
     fill    each shard takes rows until the next would pass the budget (the first
             rule; kept so that results cut with it resume with the same shards)
@@ -39,7 +41,8 @@ from tokenmill.pipelines.tokenize import PromptRow
 
 FILL = "fill"
 PREFIX = "prefix"
-CUT_RULES = (FILL, PREFIX)
+BALANCE = "balance"  # not contiguous: `balance_cut.py`
+CUT_RULES = (FILL, PREFIX, BALANCE)
 
 
 def shared_prefix(a: PromptRow, b: PromptRow) -> int:
@@ -82,6 +85,8 @@ def cut_ends(
     """
     if rule not in CUT_RULES:
         raise ValueError(f"unknown cut rule {rule!r}: one of {', '.join(CUT_RULES)}")
+    if rule == BALANCE:
+        raise ValueError("the balance cut is not contiguous: balance_cut.balanced_shards")
     if rule == PREFIX and shared_at is None:
         raise ValueError("the prefix cut needs shared_at")
     greedy_end = _greedy_ends(costs, budget, max_rows)

@@ -423,25 +423,32 @@ def test_a_resume_keeps_the_cut_of_the_first_run(tmp_path, fake_llm):
 
 
 def test_a_resume_keeps_the_cut_rule_its_parts_were_cut_with(tmp_path, fake_llm):
-    """Results cut before cuts had rules were cut by filling shards: a resume over them
-    plans with that rule, and a fresh output with the prefix cut."""
+    """A fresh job for several workers is cut by the balance rule, for one by the prefix
+    rule; a resume plans with the rule its results were cut with: the balance or the
+    prefix rule as recorded, and filling for results recorded before cuts had rules."""
     src = _write_input(tmp_path / "in.parquet", [f"Question {i}?" for i in range(12)])
     out = str(tmp_path / "out")
     spec = JobSpec(src, out, max_tokens=4)
-    assert planning._cut(spec, 2) == (2, "prefix")  # nothing to resume
+    assert planning._cut(spec, 2) == (2, "balance")  # nothing to resume
+    assert planning._cut(spec, 1) == (1, "prefix")
     plan = plan_job(spec, llm=fake_llm, min_shards=2)
-    assert plan.cut_rule == "prefix"
+    assert plan.cut_rule == "balance"
     prepare_output(plan)
     run_shard(fake_llm, plan, plan.shards[0])
     cut_file = tmp_path / "out" / "_cut.json"
-    assert json.loads(cut_file.read_text()) == {"min_shards": 2, "rule": "prefix"}
-    assert planning._cut(spec, 1) == (2, "prefix")
+    assert json.loads(cut_file.read_text()) == {"min_shards": 2, "rule": "balance"}
+    assert planning._cut(spec, 1) == (2, "balance")
+    again = plan_job(spec, llm=fake_llm, min_shards=3)
+    assert [s.shard_id for s in again.shards] == [s.shard_id for s in plan.shards]
+    cut_file.write_text(json.dumps({"min_shards": 2, "rule": "prefix"}))  # an older run's
+    assert planning._cut(spec, 2) == (2, "prefix")
+    assert plan_job(spec, llm=fake_llm, min_shards=2).cut_rule == "prefix"
     cut_file.write_text(json.dumps({"min_shards": 2}))  # as recorded before rules
     assert planning._cut(spec, 1) == (2, "fill")
     assert plan_job(spec, llm=fake_llm).cut_rule == "fill"
     cut_file.unlink()  # parts from before the cut was recorded at all
     assert planning._cut(spec, 3) == (3, "fill")
-    assert planning._cut(JobSpec(src, out, max_tokens=4, resume=False), 3) == (3, "prefix")
+    assert planning._cut(JobSpec(src, out, max_tokens=4, resume=False), 3) == (3, "balance")
 
 
 def test_the_ledger_names_the_jobs_own_quantization_and_none_for_float_weights(tmp_path, fake_llm):
