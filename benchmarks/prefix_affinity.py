@@ -1,4 +1,4 @@
-"""The prefix cut against the fill cut, on documents each asked many questions, run on
+"""The cut rules (fill, prefix, balance) on documents each asked many questions, run on
 N engine workers that take shards in order as each frees up (as Dask's `engine`
 resource hands them out).
 
@@ -10,9 +10,9 @@ The rows (a document's text, then one question about it) are shuffled, tokenized
 the default model's tokenizer and planned by the pipeline's own `plan_shards`, once
 per cut rule (`pipelines/prefix_cut.py`), with `min_shards` = the workers. Each worker
 process loads one engine on its share of the cores, then all start together; the
-rules alternate (fill, prefix, fill, ...) on the same warm workers, each worker's
-prefix cache emptied between runs. Printed per run: shards, the prompt tokens split
-between two shards (documents cut apart), the cached tokens the workers reported
+rules alternate (fill, prefix, balance, fill, ...) on the same warm workers, each
+worker's prefix cache emptied between runs. Printed per run: shards, the prompt tokens
+shards may compute again (documents cut apart), the cached tokens the workers reported
 against the forecast of each shard on a cold cache (`LLM.plan`: a shard's figure can
 only grow on a worker that ran another shard first), the shards where the forecast
 held, and the compute span (first shard start to last shard end). `--smoke` runs a
@@ -84,8 +84,19 @@ def plan(prompts: list[str], params: SamplingParams, *, workers: int, shard_toke
 
 
 def split_tokens(shards) -> int:
-    """Prompt tokens shared across a cut: what a second worker may compute again."""
-    return sum(shared_prefix(a.rows[-1], b.rows[0]) for a, b in zip(shards, shards[1:]))
+    """Prompt tokens the shards' workers may compute again: each shard's distinct prefix
+    tokens, less the job's (for contiguous shards, what the rows on two sides of each
+    cut share; the balance cut's shards are not contiguous)."""
+    return sum(distinct_tokens(s.rows) for s in shards) - distinct_tokens(
+        [r for s in shards for r in s.rows]
+    )
+
+
+def distinct_tokens(rows) -> int:
+    """Prompt tokens of the rows with each shared prefix counted once."""
+    ordered = sorted(rows, key=lambda r: list(r.token_ids))
+    shared = sum(shared_prefix(a, b) for a, b in zip(ordered, ordered[1:]))
+    return sum(len(r.token_ids) for r in ordered) - shared
 
 
 def worker(threads: int, tasks, results, ready) -> None:

@@ -6,6 +6,7 @@ templating  row -> prompt text or chat messages (bad row -> error record)
 tokenize    batch-encode; over-long prompts -> error rows
 plan        order by shared prefix and length; cut each window into content-addressed shards
 prefix_cut  where the cuts fall: filled shards, or between rows sharing the least prefix
+balance_cut shards of equal work for engines that run at once: the run order dealt out
 dedupe      identical deterministic rows computed once; copy shards give copies the answer
 results     the results schema; a shard's table from engine outputs
 logprobs    generated tokens' logprobs as a results column (token, bytes, top alternatives)
