@@ -80,10 +80,10 @@ def balanced_shards(
     """
     if len(shared) != len(costs):
         raise ValueError(f"{len(costs)} costs but {len(shared)} shared prefixes")
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     if not costs:
         return []
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     share = min(sum(costs) / num_shards, budget)
     pieces = _pieces(costs, shared, share, fanout=num_shards, max_rows=max_rows)
     while True:

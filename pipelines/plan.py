@@ -246,13 +246,17 @@ def cut_shards(
     ]
     budget = budget_for(row_costs, shard_tokens, min_shards)
     if rule == BALANCE:
-        shared = [0] + [shared_prefix(a, b) for a, b in zip(ordered, ordered[1:])]
+        shared = [shared_prefix(a, b) for a, b in zip(ordered, ordered[1:])]
         # As many shards as the other rules cut, but dealt: each ends near an equal
         # share, not under the budget that min_shards lowered to cut that many - only
         # shard_tokens, the job's own limit, bounds a shard of the balance cut.
         num_shards = len(cut_ends(row_costs, budget, max_rows=max_rows))
         dealt = balanced_shards(
-            row_costs, shared, num_shards=num_shards, budget=shard_tokens, max_rows=max_rows
+            row_costs,
+            [0, *shared] if ordered else [],  # a window may have no rows left to compute
+            num_shards=num_shards,
+            budget=shard_tokens,
+            max_rows=max_rows,
         )
     else:
         ends = cut_ends(

@@ -142,11 +142,19 @@ def test_the_balance_cut_is_the_same_for_any_input_order():
     assert {s.shard.shard_id for s in a}.isdisjoint(s.shard.shard_id for s in prefix)
 
 
+def test_a_window_with_no_rows_to_compute_has_no_shards():
+    # e.g. every row of a window is a copy of an earlier window's (pipelines/dedupe.py)
+    assert plan_shards([], PARAMS, model_key="m", min_shards=2, rule=BALANCE) == []
+    assert balanced_shards([], [], num_shards=0, budget=5) == []
+
+
 def test_the_balance_cut_is_not_a_contiguous_rule():
     with pytest.raises(ValueError, match="not contiguous"):
         cut_ends([1, 2], 3, rule=BALANCE)
     with pytest.raises(ValueError, match="num_shards"):
         balanced_shards([1], [0], num_shards=0, budget=5)
+    with pytest.raises(ValueError, match="2 costs but 1 shared"):
+        balanced_shards([1, 1], [0], num_shards=1, budget=5)
 
 
 @pytest.mark.parametrize("seed", range(5))
