@@ -86,12 +86,23 @@ def _pairs(w: torch.Tensor) -> torch.Tensor:
     return w.view(num, k // 2, 2, n).transpose(2, 3).contiguous()
 
 
+# Experts quantized at a time: their fp32 temporaries stay small beside the layer's
+# stack (a whole OLMoE stack in fp32 is a gigabyte, and three such temporaries live at
+# once); each row is quantized on its own, so the chunking changes no value.
+_EXPERTS_PER_CHUNK = 4
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, n, k] float -> (int8 [E, n, k], fp32 scales [E, n]): each output row
     symmetric, its largest magnitude at 127; w ~ q * scale."""
-    w = w.float()
-    scales = w.abs().amax(dim=-1).clamp(min=1e-12) / 127
-    q = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scales = torch.empty(w.shape[:2], dtype=torch.float32)
+    for start in range(0, w.shape[0], _EXPERTS_PER_CHUNK):
+        part = w[start : start + _EXPERTS_PER_CHUNK].float()
+        part_scales = part.abs().amax(dim=-1).clamp(min=1e-12) / 127
+        stop = start + part.shape[0]
+        q[start:stop] = torch.round(part / part_scales[..., None]).clamp_(-127, 127)
+        scales[start:stop] = part_scales
     return q, scales
 
 
@@ -100,12 +111,20 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     each group of 32 inputs of an output row spans its range in 16 steps (GGUF's Q4_1
     recipe); w ~ q * scale + minimum, with the bf16 scale and minimum the kernel reads."""
     num, n, k = w.shape
-    groups = w.float().reshape(num, n, k // INT4_GROUP, INT4_GROUP)
-    minimum = groups.amin(dim=-1).to(torch.bfloat16)
-    span = groups.amax(dim=-1) - minimum.float()
-    scale = torch.where(span > 0, span / 15, torch.ones_like(span)).to(torch.bfloat16)
-    q = torch.round((groups - minimum.float()[..., None]) / scale.float()[..., None])
-    return q.clamp_(0, 15).to(torch.uint8).reshape(num, n, k), scale, minimum
+    q = torch.empty(w.shape, dtype=torch.uint8)
+    scale = torch.empty(num, n, k // INT4_GROUP, dtype=torch.bfloat16)
+    minimum = torch.empty_like(scale)
+    for start in range(0, num, _EXPERTS_PER_CHUNK):
+        part = w[start : start + _EXPERTS_PER_CHUNK]
+        stop = start + part.shape[0]
+        groups = part.float().reshape(stop - start, n, k // INT4_GROUP, INT4_GROUP)
+        part_min = groups.amin(dim=-1).to(torch.bfloat16)
+        span = groups.amax(dim=-1) - part_min.float()
+        part_scale = torch.where(span > 0, span / 15, torch.ones_like(span)).to(torch.bfloat16)
+        codes = torch.round((groups - part_min.float()[..., None]) / part_scale.float()[..., None])
+        q[start:stop] = codes.clamp_(0, 15).reshape(stop - start, n, k)
+        scale[start:stop], minimum[start:stop] = part_scale, part_min
+    return q, scale, minimum
 
 
 def _mxfp4_k_major(
@@ -147,6 +166,27 @@ def _fp32_or_none(bias: torch.Tensor | None, shape: tuple[int, int]) -> torch.Te
     if tuple(bias.shape) != shape:
         raise ValueError(f"expert bias of shape {tuple(bias.shape)}, expected {shape}")
     return bias.detach().float().contiguous()
+
+
+def packed_bytes(
+    num_experts: int, hidden: int, inter: int, dtype: torch.dtype, weight_format: str
+) -> int:
+    """What `PackedExperts` of experts this size (no biases) take in `weight_format`
+    ("float", "int8", "int4"), computed from its layout without packing anything: the
+    memory plan's count of a layer's experts as the load leaves them."""
+    total = 0
+    for n, k in ((2 * inter, hidden), (hidden, inter)):  # gate_up, down: [E, n, k]
+        if weight_format == "float":
+            pad = _BF16_PAD_COLS if dtype == torch.bfloat16 else 0
+            total += num_experts * k * (n + pad) * dtype.itemsize
+        elif weight_format == "int8":
+            total += num_experts * (k * n + 4 * n)  # the codes, an fp32 scale per column
+        elif weight_format == "int4":
+            cols = n + _INT4_PAD_COLS  # nibbles, and a bf16 scale and minimum per group
+            total += num_experts * (k * cols // 2 + (k // INT4_GROUP) * 2 * cols * 2)
+        else:
+            raise ValueError(f"unknown expert weight format {weight_format!r}")
+    return total
 
 
 class PackedExperts:
