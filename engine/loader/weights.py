@@ -4,6 +4,7 @@ one tensor at a time - after every file's header has been checked against the mo
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +32,11 @@ from tokenmill.engine.models import ModelConfig
 # a quantized checkpoint's layers, swapped out of the model by the callable itself
 # (quant/checkpoint/loading.py), which checks their headers and reads them later.
 HoldOut = Callable[[nn.Module, list[TensorSource]], frozenset[str]]
+# Called with each module the moment the last of its own parameters is complete, while the
+# load goes on: the caller may replace those parameters (a mixture of experts' layer packs
+# its float stacks into the kernel's layout and frees them, so that the float copies of
+# all layers are never alive at once: worker/build.py).
+OnFilled = Callable[[nn.Module], None]
 
 
 def load_model(
@@ -40,9 +46,12 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     hold_out: HoldOut | None = None,
+    on_filled: OnFilled | None = None,
 ) -> nn.Module:
     """Instantiate the architecture and load every parameter from the checkpoint (but the
-    tensors `hold_out` takes for layers it swapped out).
+    tensors `hold_out` takes for layers it swapped out), calling `on_filled` with each
+    module whose own parameters are all filled (a tied lm_head is the embedding, never
+    filled: it is not called with it).
 
     Raises:
         ValueError: before any weight is read - a tensor the model has no place for, a
@@ -63,23 +72,62 @@ def load_model(
         path: [e for e in entries if _usable_in_place(e, plan.targets.get(e.name), params, device)]
         for path, entries in headers.items()
     }
-    # The parameters that are the file's bytes get no memory of their own.
+    del params  # a parameter the callback replaces must not stay referenced here
+    filling = _Filling(model, plan.targets, on_filled)
+    # The parameters that are the file's bytes get no memory of their own. The others'
+    # memory is untouched until written (so not yet resident): a parameter filled late
+    # costs nothing before it is.
     _materialize(
         model, device, skip={plan.targets[e.name].param for v in in_place.values() for e in v}
     )
     for path, entries in in_place.items():
         for name, tensor in map_tensors(path, entries).items():
             _set_parameter(model, plan.targets[name].param, tensor)
-    params = dict(model.named_parameters())
+            filling.filled(plan.targets[name])
     for path, entries in headers.items():
         mapped = {e.name for e in in_place[path]}
         wanted = {e.name for e in entries if e.name in plan.targets and e.name not in mapped}
         for name, tensor in iter_tensors(path, wanted):
             target = plan.targets[name]
-            _copy_checked(_part(params[target.param].data, target, config), tensor, name)
+            param = model.get_parameter(target.param)
+            _copy_checked(_part(param.data, target, config), tensor, name)
+            del param, tensor
+            filling.filled(target)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+class _Filling:
+    """Counts down the checkpoint tensors each parameter still waits for, and calls
+    `on_filled` with a module once none of its own parameters waits for any."""
+
+    def __init__(
+        self, model: nn.Module, targets: dict[str, Target], on_filled: OnFilled | None
+    ) -> None:
+        self.model = model
+        self.on_filled = on_filled
+        self.tensors_left = Counter(t.param for t in targets.values())
+        self.owner: dict[str, str] = {}  # parameter -> the module that holds it
+        self.params_left: dict[str, int] = {}  # module -> its parameters not yet complete
+        for module_name, module in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            own = [prefix + n for n, p in module._parameters.items() if p is not None]
+            # A parameter no tensor fills (a tied lm_head) leaves its module never complete.
+            if own and all(self.tensors_left[n] for n in own):
+                self.params_left[module_name] = len(own)
+                self.owner.update(dict.fromkeys(own, module_name))
+
+    def filled(self, target: Target) -> None:
+        self.tensors_left[target.param] -= 1
+        if self.on_filled is None or self.tensors_left[target.param]:
+            return
+        module_name = self.owner.get(target.param)
+        if module_name is None:  # its module holds a parameter no tensor fills
+            return
+        self.params_left[module_name] -= 1
+        if not self.params_left[module_name]:
+            self.on_filled(self.model.get_submodule(module_name))
 
 
 def _usable_in_place(
