@@ -254,9 +254,22 @@ class SparseMoeBlock(nn.Module):
 
 
 def pack_experts(model: nn.Module) -> int:
-    """Pack every MoE layer's experts for the native kernel where it serves them; returns
-    how many layers were packed."""
+    """Pack every MoE layer's experts for the native kernel where it serves them (those
+    packed already stay as they are); returns how many layers are packed."""
     return sum(m.pack() for m in model.modules() if isinstance(m, KernelExperts))
+
+
+def expert_packer(weight_format: str) -> Callable[[nn.Module], None]:
+    """A load's `on_filled` callback (loader/weights.py): each layer's experts packed for
+    the native kernel in `weight_format` the moment their stacks are complete, which
+    frees the float stacks - so the load holds one layer's float experts at most beside
+    the packed ones, never the whole float model's. Other modules are left alone."""
+
+    def pack_filled(module: nn.Module) -> None:
+        if isinstance(module, KernelExperts):
+            module.pack(weight_format)
+
+    return pack_filled
 
 
 @dataclass

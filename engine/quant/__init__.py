@@ -66,8 +66,8 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 QUANTIZATIONS: tuple[str, ...] = tuple(sorted(registered()))
-# The modes that also quantize a mixture of experts' experts (their `quantize` does).
-EXPERT_QUANTIZATIONS = ("int8", "int4")
+# The modes that also quantize a mixture of experts' experts (their `expert_format`).
+EXPERT_QUANTIZATIONS = tuple(n for n, m in sorted(registered().items()) if m.expert_format)
 
 
 def get_method(quantization: str) -> QuantizationMethod:
@@ -131,6 +131,15 @@ def check_quantization(
     if quantization is not None:
         get_method(quantization).check(model_dir, config, device)
     return checkpoint
+
+
+def expert_weight_format(quantization: str | None) -> str:
+    """The weight format a mixture of experts' experts are packed in for the native
+    kernel under this mode (kernels/moe.py): the mode's `expert_format`, else "float"
+    (the model's dtype: no mode, or one whose check refuses MoE models)."""
+    if quantization is None:
+        return "float"
+    return get_method(quantization).expert_format or "float"
 
 
 def check_expert_quantization(quantization: str, config, device: torch.device) -> None:

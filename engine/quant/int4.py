@@ -188,6 +188,7 @@ class Int4Method(QuantizationMethod):
     name = "int4"
     help = "group-wise 4-bit weights"
     layer_classes = (Int4Linear,)
+    expert_format = "int4"
 
     def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
         super().check(model_dir, config, device)
@@ -219,7 +220,7 @@ class Int4Method(QuantizationMethod):
         # in the native grouped kernel; activations stay in the model's dtype (quant's
         # check_expert_quantization has checked the kernel and the sizes).
         for experts in (m for m in model.modules() if isinstance(m, KernelExperts)):
-            if not experts.pack(weight_format="int4"):
+            if not experts.pack(weight_format=self.expert_format):  # or the load did
                 raise RuntimeError("the native grouped expert kernel refused int4 experts")
             total += experts.weight_bytes
         return total

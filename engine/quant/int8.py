@@ -351,6 +351,7 @@ class Int8Method(QuantizationMethod):
     name = "int8"
     help = "int8 weights and activations"
     layer_classes = (Int8Linear,)
+    expert_format = "int8"
     # A one-sequence decode step reads the lm_head as a quarter of the decoder's
     # weights again (SmolLM2: 57 MB beside 212 MB in bf16); smoothed, int8 costs it about
     # +0.5% perplexity (docs/design.md, "The lm_head in int8 is a setting").
@@ -367,6 +368,11 @@ class Int8Method(QuantizationMethod):
             targets.append((model, "lm_head", model.lm_head))
         layers = [linear for _, _, linear in targets]
         token_ids = calibration_token_ids(model_dir, model.config.vocab_size)
+        # A mixture of experts' experts are int8 already here (the load packed each layer
+        # as it filled: `expert_format`), so this pass measures each dense layer's inputs
+        # downstream of int8 experts: the inputs it will see when the quantized model
+        # runs, which is what its smoothing is for (and the float experts of every layer
+        # at once would not fit where the quantized model is meant to).
         absmax = measure_inputs(model, layers, token_ids)
         total = 0
         for parent, name, linear in targets:
@@ -377,9 +383,10 @@ class Int8Method(QuantizationMethod):
             total += layer.weight_bytes
         # A mixture of experts' experts: int8 weights, a scale per output column, for the
         # native grouped kernel; their activations stay in the model's dtype (quant's
-        # check_expert_quantization has checked that the kernel runs here).
+        # check_expert_quantization has checked that the kernel runs here). Packed by
+        # the load already, where it was given expert_packer; else here.
         for experts in (m for m in model.modules() if isinstance(m, KernelExperts)):
-            if not experts.pack(weight_format="int8"):
+            if not experts.pack(weight_format=self.expert_format):
                 raise RuntimeError("the native grouped expert kernel refused int8 experts")
             total += experts.weight_bytes
         return total

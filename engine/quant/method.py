@@ -31,6 +31,11 @@ class QuantizationMethod(ABC):
     layer_classes: ClassVar[tuple[type[nn.Module], ...]]
     # Whether `quantize(..., lm_head=True)` also quantizes the lm_head.
     quantizes_lm_head: ClassVar[bool] = False
+    # The native grouped kernel's weight format (kernels/moe.py) this mode packs a
+    # mixture of experts' experts in - from their weights alone, with no activation
+    # statistics, so the load packs each layer as it fills (worker/build.py); None: the
+    # mode does not quantize experts (quant's check refuses such models).
+    expert_format: ClassVar[str | None] = None
 
     def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
         """Raise ValueError when this model cannot run this way on `device`; by default

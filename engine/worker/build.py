@@ -15,13 +15,14 @@ import torch
 
 from tokenmill.engine.loader.weights import load_model
 from tokenmill.engine.models import GENERATE, ModelConfig, architecture_for, load_config
-from tokenmill.engine.models.moe import pack_experts
+from tokenmill.engine.models.moe import expert_packer, pack_experts
 from tokenmill.engine.pooling.config import read_pooling_config, served_tasks
 from tokenmill.engine.pooling.pooler import Pooler
 from tokenmill.engine.quant import (
     QUANTIZATIONS,
     check_checkpoint_quantization,
     check_quantization,
+    expert_weight_format,
     quantize_model,
     validate_lm_head,
     validate_name,
@@ -130,7 +131,8 @@ def plan_memory(
     `quantized_checkpoint`: the model's directory where its checkpoint is quantized by
     another tool, whose layers load as they are stored (memory.checkpoint_load_bytes)."""
     if quantized_checkpoint is None:
-        weights = load_bytes(model_config, dtype)
+        expert_format = expert_weight_format(engine_config.quantization)
+        weights = load_bytes(model_config, dtype, expert_format=expert_format, device=device)
     else:
         weights = checkpoint_load_bytes(quantized_checkpoint, model_config, dtype)
     available = available_ram() if device.type == "cpu" else None
@@ -208,7 +210,17 @@ def build_runner(
     )
     memory.check(model_dir.name)
     hold_out = None if checkpoint is None else checkpoint.hold_out
-    model = load_model(model_dir, model_config, dtype=dtype, device=device, hold_out=hold_out)
+    # Each MoE layer's experts are packed in their final format as soon as they are
+    # filled (the modes quantize experts from their weights alone), so the float stacks
+    # of every layer - most of such a model - are never in memory at once.
+    model = load_model(
+        model_dir,
+        model_config,
+        dtype=dtype,
+        device=device,
+        hold_out=hold_out,
+        on_filled=expert_packer(expert_weight_format(quantization)),
+    )
     if checkpoint is not None:  # its quantized layers, read in their own format
         checkpoint.load_layers(model, model_dir, dtype=dtype)
     if quantization is not None:
@@ -223,7 +235,9 @@ def build_runner(
         )
     # the float layers left
     pack_linear_layers(model, dtype=dtype, device=device, enabled=engine_config.packed_linear)
-    pack_experts(model)  # mixture-of-experts layers: the native grouped kernel's layout
+    # Mixture-of-experts layers: the load packed each as it filled (expert_packer);
+    # packed ones are skipped, so this packs only what it left float.
+    pack_experts(model)
     block_size = engine_config.block_size
     if memory.available_bytes is None:  # CUDA: sized from the memory the load left
         num_blocks = num_cache_blocks(model_config, engine_config, dtype=dtype, device=device)

@@ -3,7 +3,10 @@
 A CPU engine holds two large things: its weights and its KV cache. The load
 materialises every parameter in the engine's dtype before a quantization mode shrinks
 the linear layers, so the weights' peak is the float model's size, known exactly from
-the architecture built on the meta device. A checkpoint quantized by another tool is
+the architecture built on the meta device - but for a mixture of experts' experts,
+which the load packs for the native kernel (in int8 or int4 where the mode quantizes
+them) layer by layer as they fill: those count in their packed size, plus one layer's
+float stacks. A checkpoint quantized by another tool is
 the exception: its quantized layers load as they are stored, never in float, so its
 weights are counted from its headers. The RAM the process may still take is the
 kernel's `MemAvailable`, or less where a cgroup limits the process.
@@ -29,21 +32,48 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.engine.kernels import moe as moe_kernel
 from tokenmill.engine.loader.model_files import weight_files
 from tokenmill.engine.loader.safetensors_files import read_header
 from tokenmill.engine.loader.tensor_plan import FLOAT_DTYPES, build_on_meta
 from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.models.moe import Experts
 
 # The default KV cache takes at most this share of the RAM the weights leave.
 KV_SHARE_OF_RAM_LEFT = 0.5
 
 
-def load_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+def load_bytes(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    *,
+    expert_format: str | None = None,
+    device: torch.device | None = None,
+) -> int:
     """The bytes of every parameter of `config`'s architecture in `dtype`, counted on
-    the meta device (no memory); tied embeddings once, as the load ties them."""
+    the meta device (no memory); tied embeddings once, as the load ties them.
+
+    With `expert_format` (kernels/moe.py's "float", "int8" or "int4"), the load's peak
+    where it packs each MoE layer's experts as soon as they are filled (worker/build.py):
+    the experts the native kernel serves on `device` counted packed in that format, plus
+    the float stacks of one layer (the largest), alive until they are packed.
+    """
     model = build_on_meta(config, dtype)
     seen: set[int] = set()
     total = 0
+    if expert_format is not None and device is not None:
+        float_layer = 0
+        for experts in (m for m in model.modules() if isinstance(m, Experts)):
+            num_experts, two_inter, hidden = experts.gate_up_proj.shape
+            if not moe_kernel.available(dtype, device, hidden, two_inter // 2, 1):
+                continue  # left float, counted below
+            total += moe_kernel.packed_bytes(
+                num_experts, hidden, two_inter // 2, dtype, expert_format
+            )
+            stacks = (experts.gate_up_proj, experts.down_proj)
+            float_layer = max(float_layer, sum(p.numel() * p.element_size() for p in stacks))
+            seen.update(id(p) for p in stacks)
+        total += float_layer
     for name, param in model.named_parameters(remove_duplicate=False):
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue  # the load makes it the embedding
