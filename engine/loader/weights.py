@@ -74,12 +74,11 @@ def load_model(
     }
     del params  # a parameter the callback replaces must not stay referenced here
     filling = _Filling(model, plan.targets, on_filled)
-    # The parameters that are the file's bytes get no memory of their own. The others'
-    # memory is untouched until written (so not yet resident): a parameter filled late
-    # costs nothing before it is.
-    _materialize(
-        model, device, skip={plan.targets[e.name].param for v in in_place.values() for e in v}
-    )
+    # The parameters the checkpoint fills get memory as their first tensor is read (those
+    # that are the file's bytes get none of their own), so what `on_filled` frees is never
+    # held beside the parameters still to come; the others (buffers, a held-out layer's
+    # parameters) get it now.
+    _materialize(model, device, skip={t.param for t in plan.targets.values()})
     for path, entries in in_place.items():
         for name, tensor in map_tensors(path, entries).items():
             _set_parameter(model, plan.targets[name].param, tensor)
@@ -89,7 +88,7 @@ def load_model(
         wanted = {e.name for e in entries if e.name in plan.targets and e.name not in mapped}
         for name, tensor in iter_tensors(path, wanted):
             target = plan.targets[name]
-            param = model.get_parameter(target.param)
+            param = _parameter_to_fill(model, target.param, device)
             _copy_checked(_part(param.data, target, config), tensor, name)
             del param, tensor
             filling.filled(target)
@@ -146,6 +145,15 @@ def _usable_in_place(
         and entry.nbytes > 0
         and entry.offset % entry.dtype.itemsize == 0
     )
+
+
+def _parameter_to_fill(model: nn.Module, name: str, device: torch.device) -> nn.Parameter:
+    """The parameter `name`, given uninitialised memory on `device` if it has none yet."""
+    param = model.get_parameter(name)
+    if param.is_meta:
+        _set_parameter(model, name, torch.empty(param.shape, dtype=param.dtype, device=device))
+        param = model.get_parameter(name)
+    return param
 
 
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
