@@ -21,7 +21,9 @@ class MemoryPlan:
 
     device: str
     dtype: str  # the engine's float dtype, in which the load holds the weights
-    weight_bytes: int  # every parameter in that dtype: the load's peak for the weights
+    # The load's peak for the weights: every parameter in that dtype, but a mixture of
+    # experts' experts packed as the engine runs them, and one layer's float ones.
+    weight_bytes: int
     kv_cache_bytes: int  # the KV cache the engine allocates (0: an encoder)
     kv_cache_blocks: int
     available_bytes: int | None  # RAM the process may still take; None: not planned (CUDA)
