@@ -80,8 +80,9 @@ def load_model(
     # parameters) get it now.
     _materialize(model, device, skip={t.param for t in plan.targets.values()})
     for path, entries in in_place.items():
-        for name, tensor in map_tensors(path, entries).items():
-            _set_parameter(model, plan.targets[name].param, tensor)
+        file_tensors = map_tensors(path, entries)
+        for name in list(file_tensors):  # popped: a stack the callback frees is unmapped
+            _set_parameter(model, plan.targets[name].param, file_tensors.pop(name))
             filling.filled(plan.targets[name])
     for path, entries in headers.items():
         mapped = {e.name for e in in_place[path]}
