@@ -240,6 +240,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see; nothing is imported at 
     from tokenmill.engine.quant.packed_linear import onednn_linear_available
     from tokenmill.engine.types.config import (
         DEFAULT_MAX_IMAGE_PIXELS,
+        MAX_RUNNING_SEQS,
         EngineConfig,
         engine_settings,
         resolve_dtype,
