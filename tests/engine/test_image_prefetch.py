@@ -6,15 +6,14 @@ holds all their pixels, and an image that fails only at decode is its request's 
 from __future__ import annotations
 
 import io
-import weakref
 
 import pytest
 from hf_models import save_char_tokenizer
 from PIL import Image
-from vision_models import BOI, TOKENS_PER_IMAGE, build_gemma3_vlm, png_bytes
+from vision_models import BOI, TOKENS_PER_IMAGE, DecodedPixels, build_gemma3_vlm, png_bytes
 
 from tokenmill.engine import LLM, SamplingParams
-from tokenmill.engine.loader.images import ImageProcessor, image_size
+from tokenmill.engine.loader.images import image_size
 from tokenmill.engine.types.config import EngineConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -55,26 +54,15 @@ def test_a_long_queue_of_images_holds_a_bounded_number_decoded(model_dir, monkey
         [_prompt(Image.open(io.BytesIO(b)), 10 + i % 20) for i, b in enumerate(images)], GREEDY
     )
 
-    alive: list[weakref.ref] = []
-    most = 0
-    resize = ImageProcessor.resize
-
-    def counting_resize(self, image):
-        nonlocal most
-        pixels = resize(self, image)
-        alive.append(weakref.ref(pixels))
-        most = max(most, sum(ref() is not None for ref in alive))
-        return pixels
-
-    monkeypatch.setattr(ImageProcessor, "resize", counting_resize)
+    decoded = DecodedPixels(monkeypatch)
     lazy = llm.generate([_prompt(b, 10 + i % 20) for i, b in enumerate(images)], GREEDY)
 
     assert [o.outputs[0].token_ids for o in lazy] == [o.outputs[0].token_ids for o in eager]
-    assert len(alive) == num  # each image decoded once
+    assert len(decoded.alive) == num  # each image decoded once
     # The images decoded ahead, and those of one step beyond them.
     bound = EngineConfig.max_images_ahead + MAX_BATCHED_TOKENS // TOKENS_PER_IMAGE
-    assert 0 < most <= bound < num
-    assert all(ref() is None for ref in alive)  # none left once answered
+    assert 0 < decoded.most <= bound < num
+    assert all(ref() is None for ref in decoded.alive)  # none left once answered
 
 
 def test_an_image_that_fails_only_at_decode_is_its_request_error(model_dir):

@@ -4,6 +4,7 @@ tower, tiny text model), and transformers as its reference."""
 from __future__ import annotations
 
 import io
+import weakref
 from pathlib import Path
 
 import torch
@@ -115,3 +116,24 @@ def save_marker_tokenizer(out_dir: Path, vocab_size: int = 256):
     return Gemma3Processor(
         image_processor=image_processor(), tokenizer=tokenizer, image_seq_length=TOKENS_PER_IMAGE
     )
+
+
+class DecodedPixels:
+    """Counts the decoded images alive at once: every image's pixels pass through
+    `ImageProcessor.resize`, which this wraps (through monkeypatch) to keep a weak
+    reference to each result."""
+
+    def __init__(self, monkeypatch) -> None:
+        from tokenmill.engine.loader.images import ImageProcessor
+
+        self.alive: list[weakref.ref] = []
+        self.most = 0
+        resize = ImageProcessor.resize
+
+        def counting_resize(processor, image):
+            pixels = resize(processor, image)
+            self.alive.append(weakref.ref(pixels))
+            self.most = max(self.most, sum(ref() is not None for ref in self.alive))
+            return pixels
+
+        monkeypatch.setattr(ImageProcessor, "resize", counting_resize)

@@ -7,7 +7,6 @@ images, each image is decoded once, and none is left once the job ends.
 from __future__ import annotations
 
 import sys
-import weakref
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,12 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))  # visio
 
 from vision_models import (  # noqa: E402
     TOKENS_PER_IMAGE,
+    DecodedPixels,
     build_gemma3_vlm,
     png_bytes,
     save_marker_tokenizer,
 )
 
-from tokenmill.engine.loader.images import ImageProcessor  # noqa: E402
 from tokenmill.pipelines.job import run_job  # noqa: E402
 from tokenmill.pipelines.output import read_results  # noqa: E402
 
@@ -41,18 +40,7 @@ def test_a_200_image_job_holds_a_bounded_number_of_decoded_images(tmp_path, monk
     ids = [f"r{i:03d}" for i in range(NUM_ROWS)]
     pq.write_table(pa.table({"id": ids, "text": ["describe it"] * NUM_ROWS, "image": images}), source)  # fmt: skip
 
-    alive: list[weakref.ref] = []
-    most = 0
-    resize = ImageProcessor.resize
-
-    def counting_resize(self, image):
-        nonlocal most
-        pixels = resize(self, image)
-        alive.append(weakref.ref(pixels))
-        most = max(most, sum(ref() is not None for ref in alive))
-        return pixels
-
-    monkeypatch.setattr(ImageProcessor, "resize", counting_resize)
+    decoded = DecodedPixels(monkeypatch)
     run_job(
         str(source),
         str(tmp_path / "out"),
@@ -74,8 +62,8 @@ def test_a_200_image_job_holds_a_bounded_number_of_decoded_images(tmp_path, monk
     rows = read_results(str(tmp_path / "out")).to_pylist()
     assert sorted(r["id"] for r in rows) == ids
     assert all(r["error"] is None and r["image_tokens"] == TOKENS_PER_IMAGE for r in rows)
-    assert len(alive) == NUM_ROWS  # each image decoded once
+    assert len(decoded.alive) == NUM_ROWS  # each image decoded once
     # Decoded ahead, and those of one step beyond them: never the job's 200.
     bound = MAX_IMAGES_AHEAD + MAX_BATCHED_TOKENS // TOKENS_PER_IMAGE
-    assert 1 < most <= bound < NUM_ROWS
-    assert all(ref() is None for ref in alive)  # none held once the job ended
+    assert 1 < decoded.most <= bound < NUM_ROWS
+    assert all(ref() is None for ref in decoded.alive)  # none held once the job ended
