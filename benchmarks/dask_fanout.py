@@ -10,13 +10,23 @@ processes, each pinned (taskset) to its own core, and the flow is given
 `--dask-address`; the summary line gives the 2-worker over 1-worker ratio of the
 compute spans per round, their median and minimum.
 
+Each run also gives the CPU seconds each role used within its compute span (workers,
+`dask scheduler`, the flow's driver process, the Prefect server, this script's progress
+reader), sampled from /proc. Where the machine has as many cores as the run has workers,
+what the other roles use in the span is taken from the engines: with W seconds of
+engine work in the 1-worker span S1 and O seconds of the others' in the 2-worker span,
+the 2 workers need at least (W + O) / 2 seconds, so S1 / S2 <= 2 S1 / (W + O)
+(`bound_1_over_2` per round).
+
 Starts a Prefect server on loopback (or uses PREFECT_API_URL), then runs
 `tokenmill flow run ... --dask-workers N --json` for N = 1, 2, 1, 2, ... and prints per
 run: the flow's wall seconds, the span of its shards' compute (first shard start to
 last shard end, from OUTPUT/shard_stats/), the summed device seconds, and the shards.
 While each run goes, the job's progress artifact is read from the API every second;
 once 25% of the tokens are done, its ETA is compared with the time that really
-remained and its tokens/s with the job's average. Figures go to docs/performance.md.
+remained and its tokens/s with the job's average (`--no-watch` leaves that reader off:
+it queries the server every second, as an open Prefect UI would). Figures go to
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -155,6 +165,98 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait()
 
 
+def processes() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, user + system CPU seconds) of every process now alive."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        found[int(proc.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return found
+
+
+def thread_cpu_seconds(tid: int) -> float:
+    try:
+        fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_pids(api: str) -> list[int]:
+    """The processes of the Prefect server serving `api` (started here or shared)."""
+    port = api.split(":")[-1].split("/")[0]
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            words = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "server" in words and "start" in words and port in words:
+            found.append(int(proc.name))
+    return found
+
+
+class CpuSampler(threading.Thread):
+    """Samples the CPU seconds of each role's processes and all their descendants (a
+    `dask worker`'s nanny runs the worker in a child) twice a second, so the seconds
+    within any interval (the compute span) can be read back. The progress reader is a
+    thread of this script, sampled on its own."""
+
+    def __init__(self, roles: dict[str, list[int]], reader_thread: int | None) -> None:
+        super().__init__(daemon=True)
+        self.roles = roles
+        self.reader_thread = reader_thread
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.last: dict[int, float] = {}  # a process that ended keeps its last reading
+        self.members: dict[str, set[int]] = {role: set(pids) for role, pids in roles.items()}
+        self.stop = threading.Event()
+
+    def sample(self) -> None:
+        alive = processes()
+        children: dict[int, list[int]] = {}
+        for pid, (parent, seconds) in alive.items():
+            children.setdefault(parent, []).append(pid)
+            self.last[pid] = seconds
+        totals = {}
+        for role, members in self.members.items():
+            todo = list(members)
+            while todo:
+                for child in children.get(todo.pop(), []):
+                    if child not in members:
+                        members.add(child)
+                        todo.append(child)
+            totals[role] = sum(self.last.get(pid, 0.0) for pid in members)
+        if self.reader_thread is not None:
+            totals["watcher"] = thread_cpu_seconds(self.reader_thread)
+        self.samples.append((time.time(), totals))
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.sample()
+            self.stop.wait(0.5)
+        self.sample()
+
+    def within(self, start: float, end: float) -> dict[str, float]:
+        """Each role's CPU seconds between two wall-clock times (interpolated)."""
+
+        def at(when: float, role: str) -> float:
+            points = [(t, totals[role]) for t, totals in self.samples]
+            for (t0, v0), (t1, v1) in zip(points, points[1:]):
+                if t0 <= when <= t1:
+                    return v0 + (v1 - v0) * ((when - t0) / (t1 - t0) if t1 > t0 else 0.0)
+            return points[0][1] if when < points[0][0] else points[-1][1]
+
+        return {role: round(at(end, role) - at(start, role), 1) for role in self.samples[0][1]}
+
+
 def compute_span(output: Path) -> tuple[float, float, float]:
     """(first shard start to last shard end, summed device seconds, the last end) from
     OUTPUT/shard_stats/."""
@@ -201,8 +303,13 @@ def main() -> None:
     parser.add_argument(
         "--operator", action="store_true", help="dask scheduler + pinned dask worker processes"
     )
+    parser.add_argument(
+        "--no-watch", action="store_true", help="do not read the progress artifacts while runs go"
+    )
     args = parser.parse_args()
     spans: dict[tuple[int, int], float] = {}
+    others: dict[tuple[int, int], float] = {}  # CPU seconds of all but the workers, in span
+    engine_work: dict[tuple[int, int], float] = {}  # the workers' CPU seconds, in span
     work = Path(tempfile.mkdtemp(prefix="tokenmill-dask-"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -212,7 +319,8 @@ def main() -> None:
     os.environ["PREFECT_API_URL"] = api
     source = write_input(work / "in.parquet", args.rows)
     watcher = ArtifactWatcher()
-    watcher.start()
+    if not args.no_watch:
+        watcher.start()
     try:
         for round_ in range(args.rounds):
             for workers in (1, 2):
@@ -227,10 +335,24 @@ def main() -> None:
                 else:
                     command += ["--dask-workers", str(workers)]
                 started = time.perf_counter()
+                driver = subprocess.Popen(
+                    command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+                roles = {
+                    "workers": [p.pid for p in cluster[1:]],
+                    "scheduler": [p.pid for p in cluster[:1]],
+                    "driver": [driver.pid],
+                    "server": server_pids(api),
+                }
+                sampler = CpuSampler(roles, watcher.native_id)
+                sampler.start()
                 try:
-                    done = subprocess.run(command, capture_output=True, text=True, check=False)
+                    stdout, stderr = driver.communicate()
+                    done = subprocess.CompletedProcess(command, driver.returncode, stdout, stderr)
                 finally:
                     wall = time.perf_counter() - started
+                    sampler.stop.set()
+                    sampler.join()
                     stop(cluster)
                 if done.returncode != 0:
                     log = work / f"flow-{workers}-{round_}.log"
@@ -240,6 +362,9 @@ def main() -> None:
                 ledger = json.loads(done.stdout)
                 span, device, compute_end = compute_span(out)
                 spans[workers, round_] = span
+                in_span = sampler.within(compute_end - span, compute_end)
+                others[workers, round_] = sum(v for k, v in in_span.items() if k != "workers")
+                engine_work[workers, round_] = in_span["workers"]
                 key = f"tokenmill-progress-{ledger['job_id']}"
                 print(
                     json.dumps(
@@ -252,15 +377,24 @@ def main() -> None:
                             "shards": ledger["num_shards"],
                             "rows": ledger["rows_ok"] + ledger["rows_failed"],
                             "load_average": round(os.getloadavg()[0], 1),
+                            "cpu_seconds_in_span": in_span,
                             "progress": eta_check(watcher.seen, key, compute_end, span),
                         }
                     ),
                     flush=True,
                 )
-        ratios = sorted(spans[1, r] / spans[2, r] for r in range(args.rounds) if spans[2, r])
+        rounds = [r for r in range(args.rounds) if spans[2, r]]
+        ratios = sorted(spans[1, r] / spans[2, r] for r in rounds)
         if ratios:
             summary = {"ratios_1_over_2": [round(r, 2) for r in ratios]}
             summary |= {"median": round(statistics.median(ratios), 2), "min": round(ratios[0], 2)}
+            if args.operator and len(os.sched_getaffinity(0)) == 2:
+                bounds = [
+                    2 * spans[1, r] / (engine_work[1, r] + others[2, r])
+                    for r in rounds
+                    if engine_work[1, r] + others[2, r] > 0
+                ]
+                summary["bound_1_over_2"] = [round(b, 2) for b in bounds]
             print(json.dumps(summary), flush=True)
     finally:
         watcher.stop.set()
