@@ -124,12 +124,16 @@ class JsonlReader:
         name: str,
         options: ReadOptions,
         blanks: BlankTally | None = None,
+        first_line: int = 0,
     ) -> Iterator[pa.RecordBatch]:
-        """`iter_batches` for an `open_decoded` stream."""
+        """`iter_batches` for an `open_decoded` stream (whose first line is the file's
+        line `first_line` + 1: `connectors/partitions.py` reads ranges of a file)."""
         data_schema = pa.schema([f for f in schema if f.name not in _FLAG_COLUMNS])
         # One row per line: the lines yielded before a blank one are the rows before it.
         on_blank = blanks.add if blanks is not None else None
-        for chunk in iter_line_chunks(stream, options.batch_size, options.decoding, on_blank):
+        for chunk in iter_line_chunks(
+            stream, options.batch_size, options.decoding, on_blank, first_line=first_line
+        ):
             yield read_chunk(
                 chunk,
                 data_schema,

@@ -49,7 +49,10 @@ class BadLine(ValueError):
 
 
 def iter_lines(
-    fileobj, max_line_bytes: int | None = None, on_blank: Callable[[int], None] | None = None
+    fileobj,
+    max_line_bytes: int | None = None,
+    on_blank: Callable[[int], None] | None = None,
+    first_line: int = 0,
 ) -> Iterator[tuple[int, bytes]]:
     """Yields `(line_number, line)` for each non-blank line, without the newline.
 
@@ -57,10 +60,11 @@ def iter_lines(
     out as an `OversizedLine` placeholder, which `parse_object` reports as a bad line,
     so memory stays at one chunk plus one line however long a line is. A blank line
     (only whitespace, `\r` included: JSON's whitespace) is skipped, and `on_blank` is
-    called with the number of lines yielded before it.
+    called with the number of lines yielded before it. Lines are numbered from
+    `first_line` + 1 (`first_line`: the lines of the file before this stream's).
     """
     limit = MAX_LINE_BYTES if max_line_bytes is None else max_line_bytes
-    number = yielded = 0
+    number, yielded = first_line, 0
     line = _LineBuffer(limit)
     while True:
         chunk = fileobj.read(_CHUNK_BYTES)
@@ -143,12 +147,13 @@ def iter_line_chunks(
     max_lines: int,
     decoding: Decoding = UTF8,
     on_blank: Callable[[int], None] | None = None,
+    first_line: int = 0,
 ) -> Iterator[LineChunk]:
     """Groups non-blank lines, decoded (`decode_line`), into chunks of at most
-    `max_lines` lines (and about MAX_CHUNK_BYTES); blank ones go to `on_blank` as in
-    `iter_lines`."""
+    `max_lines` lines (and about MAX_CHUNK_BYTES); blank ones go to `on_blank` and
+    lines are numbered as in `iter_lines`."""
     chunk = _ChunkBuilder(decoding)
-    for number, line in iter_lines(fileobj, on_blank=on_blank):
+    for number, line in iter_lines(fileobj, on_blank=on_blank, first_line=first_line):
         chunk.add(number, line)
         if len(chunk.lines) >= max_lines or chunk.size >= MAX_CHUNK_BYTES:
             yield chunk.take()
