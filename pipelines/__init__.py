@@ -17,10 +17,12 @@ options     the job definition: every option, declared once; every surface deriv
 spec        JobSpec: a job's options, validated before any work
 reading     input batches -> windows of prompt rows; job-level id checks
 ids         null/duplicate ids over a stream, in 8 bytes a row
+id_buckets  null/duplicate ids over parts read apart: hash buckets, one task each
 spill       a shard's planned rows as a table (the plan files under OUTPUT/_plan/)
 output      the output directory layout and its atomic reads/writes
 planning    plan_job: read, template, tokenize, shard - before any model is loaded
-spread_planning  plan_job with reading and tokenizing as tasks on a cluster's workers
+spread_planning  plan_job with reading, tokenizing and id checks as tasks over the input's
+                 partitions on a cluster's workers
 calibration a short timed run of a sample: completion lengths and step costs
 forecast    the bill before the job runs: exact tokens, bounds, estimates (LLM.plan)
 progress    a run's progress per engine step: tokens, rate, ETA, cost so far

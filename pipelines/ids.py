@@ -35,8 +35,9 @@ class IdCheck:
         self.first_null: int | None = None  # row index
         self._hashes: list[np.ndarray] = []
 
-    def add(self, ids: Sequence[str | None]) -> None:
-        """The ids of the next rows, in input order."""
+    def add(self, ids: Sequence[str | None], first_row: int | None = None) -> None:
+        """The ids of the next rows, in input order (`first_row`: the first one's row
+        index, which is the rows added so far: they come in order)."""
         nulls = [i for i, x in enumerate(ids) if x is None]
         if nulls and self.first_null is None:
             self.first_null = self.num_rows + nulls[0]
@@ -55,22 +56,14 @@ class IdCheck:
                 are equal, to compare the ids themselves.
         """
         if self.num_nulls:
-            raise ValueError(
-                f"{source}: id column {id_column!r} is null in {self.num_nulls} row(s) "
-                f"(first at row {self.first_null}); every row needs an id"
-            )
+            raise ValueError(null_ids_message(source, id_column, self.num_nulls, self.first_null))
         suspects = self._repeated_hashes()
         if suspects.size == 0:
             return
         duplicates = _exact_duplicates(suspects, id_batches())
         if duplicates:
-            listed = ", ".join(repr(d) for d in duplicates[:MAX_LISTED])
-            more = (
-                f" and {len(duplicates) - MAX_LISTED} more" if len(duplicates) > MAX_LISTED else ""
-            )
             raise ValueError(
-                f"{source}: {len(duplicates)} duplicate id(s) in column {id_column!r}: "
-                f"{listed}{more}; ids must be unique (each id gets exactly one result row)"
+                duplicate_ids_message(source, id_column, len(duplicates), duplicates[:MAX_LISTED])
             )
 
     def _repeated_hashes(self) -> np.ndarray:
@@ -79,6 +72,27 @@ class IdCheck:
         hashes = np.sort(np.concatenate(self._hashes))
         self._hashes = [hashes]
         return np.unique(hashes[1:][hashes[1:] == hashes[:-1]])
+
+
+def null_ids_message(source: str, id_column: str | None, num_nulls: int, first: int) -> str:
+    """The error for null ids: how many, and the row index of the first."""
+    return (
+        f"{source}: id column {id_column!r} is null in {num_nulls} row(s) "
+        f"(first at row {first}); every row needs an id"
+    )
+
+
+def duplicate_ids_message(
+    source: str, id_column: str | None, num_duplicates: int, listed: Sequence[str]
+) -> str:
+    """The error for repeated ids: how many ids repeat, the first MAX_LISTED of them in
+    the order they first recur (`listed`)."""
+    more = f" and {num_duplicates - MAX_LISTED} more" if num_duplicates > MAX_LISTED else ""
+    return (
+        f"{source}: {num_duplicates} duplicate id(s) in column {id_column!r}: "
+        f"{', '.join(repr(d) for d in listed)}{more}; ids must be unique (each id gets "
+        "exactly one result row)"
+    )
 
 
 def _exact_duplicates(suspects: np.ndarray, id_batches: Iterable[Sequence[str | None]]) -> list:

@@ -7,9 +7,11 @@
     OUTPUT/ledger/                      the default ledger dataset (one Parquet file per job)
     OUTPUT/_plan/<shard_id>.parquet     a shard's planned rows (`spill`); removed when the
                                         job finishes
-    OUTPUT/_windows/<index>.parquet     a planning window's tokenized rows, in input order,
-                                        staged by planning spread over workers
-                                        (`spread_planning`); removed when planning ends
+    OUTPUT/_windows/<w>-<row>.parquet   a planning window's tokenized rows from row <row>,
+                                        in input order, staged by planning spread over
+                                        workers (`spread_planning`); and the parts' ids in
+    OUTPUT/_windows/ids-<b>/<part>-<n>.parquet  hash buckets (`id_buckets`); all removed
+                                        when planning ends
     OUTPUT/_input.json                  the input's fingerprint (files, sizes, versions): a
                                         resumed run refuses an input that changed
     OUTPUT/_forecast.json               a dry run's forecast (`pipelines/forecast.py`); the
@@ -203,22 +205,33 @@ def read_plan_shard(
     return read_part(url, storage_options, columns=list(columns) if columns else None)
 
 
+def staged_piece_name(window: int, first_row: int) -> str:
+    """The name of a window's rows staged from `first_row` on (they sort in input order)."""
+    return f"{window:06d}-{first_row:012d}"
+
+
 def write_staged_window(
-    output: str, index: int, table: pa.Table, storage_options: StorageOptions = None
+    output: str, name: str, table: pa.Table, storage_options: StorageOptions = None
 ) -> str:
-    """Write one planning window's tokenized rows (`spill.shard_table`, input order)."""
+    """Write a planning window's tokenized rows (`spill.shard_table`, input order), or a
+    run of them (`staged_piece_name`)."""
     return write_part(
         table,
         join(output, WINDOWS_DIR),
-        f"{index:06d}",
+        name,
         storage_options=storage_options,
         overwrite=True,
     )
 
 
-def read_staged_window(output: str, index: int, storage_options: StorageOptions = None) -> pa.Table:
-    """One staged planning window's rows."""
-    return read_part(join(output, WINDOWS_DIR, f"{index:06d}.parquet"), storage_options)
+def read_staged_window(output: str, name: str, storage_options: StorageOptions = None) -> pa.Table:
+    """One staged planning window's rows (or run of them)."""
+    return read_part(join(output, WINDOWS_DIR, f"{name}.parquet"), storage_options)
+
+
+def id_bucket_uri(output: str, bucket: int) -> str:
+    """The directory of one hash bucket's staged ids (`id_buckets.py`)."""
+    return join(output, WINDOWS_DIR, f"ids-{bucket:05d}")
 
 
 def remove_staged_windows(output: str, storage_options: StorageOptions = None) -> None:

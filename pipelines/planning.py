@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -186,32 +186,16 @@ class PlanningInputs:
     counts: ReadCounts = field(default_factory=ReadCounts)
 
 
-def prepare_planning(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> PlanningInputs:
+def prepare_planning(
+    spec: JobSpec, *, llm: Any = None, min_shards: int = 1, source: Any = None
+) -> PlanningInputs:
     """Open and check the source, describe the model and check the job-level settings:
-    every problem that is not a row's fails here, before any row is read (ValueError)."""
-    template = spec.template_spec
-    columns = None
-    queries = [spec.query_column] if spec.query_column else []
-    if not spec.is_openai_batch:
-        columns = [*required_columns(template), *queries, *spec.passthrough]
-        columns += [spec.json_schema_column] if spec.json_schema_column else []
-        columns += [spec.lora_column] if spec.lora_column else []
-        columns += [spec.image_column] if spec.image_column else []
-    source = open_source(
-        spec.input,
-        format=spec.format,
-        storage_options=spec.storage_options,
-        columns=list(dict.fromkeys(columns)) if columns is not None else None,
-        on_bad_line="skip_row",
-        text_columns=[*text_columns(template), *queries],
-        encoding=spec.encoding,
-        on_decode_error=spec.on_decode_error,
-        decode_columns=[*required_columns(template), *queries],
-        csv_delimiter=spec.csv_delimiter,
-        csv_quote=spec.csv_quote,
-        json_text_columns=[spec.json_schema_column] if spec.json_schema_column else [],
-        limit=spec.limit,
-    )
+    every problem that is not a row's fails here, before any row is read (ValueError).
+
+    `source`: the job's source as another process opened it (a part of a spread
+    planning reads with the driver's, so it settles no column types again)."""
+    if source is None:
+        source = _open_job_source(spec)
     fingerprint = source.fingerprint()
     _check_input_unchanged(spec, fingerprint)
     min_shards, cut_rule = _cut(spec, min_shards)
@@ -251,11 +235,36 @@ def prepare_planning(spec: JobSpec, *, llm: Any = None, min_shards: int = 1) -> 
     )
 
 
-def read_job_windows(
-    spec: JobSpec, inputs: PlanningInputs, *, keep: Callable[[int], bool] | None = None
-) -> Iterator[Window]:
-    """The job's windows, read, templated and tokenized (only those `keep` takes, each
-    id checked all the same: `reading.read_windows`); `inputs.counts` counts the reads."""
+def _open_job_source(spec: JobSpec) -> Any:
+    """The job's input, opened and checked (SourceError naming the file or column)."""
+    template = spec.template_spec
+    columns = None
+    queries = [spec.query_column] if spec.query_column else []
+    if not spec.is_openai_batch:
+        columns = [*required_columns(template), *queries, *spec.passthrough]
+        columns += [spec.json_schema_column] if spec.json_schema_column else []
+        columns += [spec.lora_column] if spec.lora_column else []
+        columns += [spec.image_column] if spec.image_column else []
+    return open_source(
+        spec.input,
+        format=spec.format,
+        storage_options=spec.storage_options,
+        columns=list(dict.fromkeys(columns)) if columns is not None else None,
+        on_bad_line="skip_row",
+        text_columns=[*text_columns(template), *queries],
+        encoding=spec.encoding,
+        on_decode_error=spec.on_decode_error,
+        decode_columns=[*required_columns(template), *queries],
+        csv_delimiter=spec.csv_delimiter,
+        csv_quote=spec.csv_quote,
+        json_text_columns=[spec.json_schema_column] if spec.json_schema_column else [],
+        limit=spec.limit,
+    )
+
+
+def read_job_windows(spec: JobSpec, inputs: PlanningInputs) -> Iterator[Window]:
+    """The job's windows, read, templated and tokenized, every id checked
+    (`reading.read_windows`); `inputs.counts` counts the reads."""
     return read_windows(
         inputs.source,
         spec,
@@ -266,7 +275,6 @@ def read_job_windows(
         adapters=inputs.adapters,
         counts=inputs.counts,
         images=inputs.images,
-        keep=keep,
     )
 
 

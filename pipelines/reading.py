@@ -12,9 +12,9 @@ the message can count them - still before any compute.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -68,6 +68,11 @@ class Window:
     # OpenAI batch: how each row's answer is read as tool calls (JSON; None: it is not).
     tool_calls: list[str | None] | None = None
 
+    @property
+    def end(self) -> int:
+        """The row index after the window's last row."""
+        return self.start + len(self.rows)
+
 
 def read_windows(
     source: Any,
@@ -80,7 +85,6 @@ def read_windows(
     adapters: list[JobAdapter] | None = None,
     counts: ReadCounts | None = None,
     images: RowImageReader | None = None,
-    keep: Callable[[int], bool] | None = None,
 ) -> Iterator[Window]:
     """Read, template and tokenize the input (up to `spec.limit`), window by window.
 
@@ -96,8 +100,6 @@ def read_windows(
             by `spec.lora_column` or an OpenAI batch line's body.model.
         counts: filled in with the rows read and the blank records skipped.
         images: reads and places the rows' images (a job with an image column).
-        keep: which windows (by index) to template, tokenize and yield; the others are
-            only read, for their ids (every id is checked whatever is kept). Default: all.
 
     Yields:
         Windows in input order; row indices run 0..n-1 across them.
@@ -105,21 +107,60 @@ def read_windows(
     Raises:
         ValueError: after the last window, if the id column has nulls or duplicates.
     """
-    chat = chat_renderer(tokenizer, add_generation_prompt=adds_generation_prompt(spec.task))
     ids = IdCheck()
+    yield from tokenized_windows(
+        _batches(source, spec, counts),
+        spec,
+        tokenizer,
+        ids=ids,
+        max_model_len=max_model_len,
+        params=params,
+        pooling=pooling,
+        adapters=adapters,
+        images=images,
+    )
+    ids.check(
+        id_column=spec.id_column,
+        source=source.uri,
+        id_batches=lambda: (_ids_of(b, spec, s) for s, b in _batches(source, spec)),
+    )
+
+
+class IdSink(Protocol):
+    """Takes the rows' ids as they are read (`ids.IdCheck`, or a spread planning part's
+    hash buckets); a null among them stops the templating."""
+
+    num_nulls: int
+
+    def add(self, ids: Sequence[str | None], first_row: int) -> None: ...
+
+
+def tokenized_windows(
+    batches: Iterable[tuple[int, pa.RecordBatch]],
+    spec: JobSpec,
+    tokenizer: Any,
+    *,
+    ids: IdSink,
+    max_model_len: int,
+    params: ParamsTable,
+    pooling: PoolingInputs | None = None,
+    adapters: list[JobAdapter] | None = None,
+    images: RowImageReader | None = None,
+) -> Iterator[Window]:
+    """`read_windows` over (first row index, batch) pairs that never cross a window's
+    end (`window_batches`), the ids handed to `ids`: rows that start mid-window (a
+    partition of the input) make a window of the rows from there (`Window.start`)."""
+    chat = chat_renderer(tokenizer, add_generation_prompt=adds_generation_prompt(spec.task))
     size = spec.plan_window_rows
     window: Window | None = None
     passthrough: list[pa.RecordBatch] = []
-    for start, batch in _batches(source, spec, counts):
+    for start, batch in batches:
         if ids.num_nulls:  # the job fails: no more windows, only the nulls are counted
-            ids.add(_ids_of(batch, spec, start))
+            ids.add(_ids_of(batch, spec, start), start)
             continue
-        if window is not None and start >= window.start + size:
+        if window is not None and (start // size != window.index or start != window.end):
             yield _finish(window, passthrough)
             window, passthrough = None, []
-        if keep is not None and not keep(start // size):
-            ids.add(_ids_of(batch, spec, start))  # the ids a kept window's rows would carry
-            continue
         if window is None:
             window = Window(start // size, start)
             if spec.is_openai_batch:
@@ -137,7 +178,7 @@ def read_windows(
             adapters or [],
             images,
         )
-        ids.add([r.id for r in rows])
+        ids.add([r.id for r in rows], start)
         window.rows += rows
         carried = _carried(batch, spec)
         if carried is not None:
@@ -147,11 +188,6 @@ def read_windows(
             window.tool_calls += columns.get("tool_calls") or [None] * batch.num_rows
     if window is not None and not ids.num_nulls:
         yield _finish(window, passthrough)
-    ids.check(
-        id_column=spec.id_column,
-        source=source.uri,
-        id_batches=lambda: (_ids_of(b, spec, s) for s, b in _batches(source, spec)),
-    )
 
 
 def _finish(window: Window, passthrough: list[pa.RecordBatch]) -> Window:
@@ -177,13 +213,21 @@ def _batches(
     source: Any, spec: JobSpec, counts: ReadCounts | None = None
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """(first row index, batch), up to `spec.limit`, split where windows begin."""
-    size = spec.plan_window_rows
-    start = 0
-    for batch in source.iter_batches(limit=spec.limit, counts=counts):
+    batches = source.iter_batches(limit=spec.limit, counts=counts)
+    return window_batches(batches, first_row=0, window_rows=spec.plan_window_rows)
+
+
+def window_batches(
+    batches: Iterable[pa.RecordBatch], *, first_row: int, window_rows: int
+) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(first row index, batch) for consecutive rows from `first_row`, each batch split
+    where a window of `window_rows` begins."""
+    start = first_row
+    for batch in batches:
         offset = 0
         while offset < batch.num_rows:
             row = start + offset
-            take = min(batch.num_rows - offset, size - row % size)
+            take = min(batch.num_rows - offset, window_rows - row % window_rows)
             yield row, batch.slice(offset, take)
             offset += take
         start += batch.num_rows
@@ -573,5 +617,5 @@ def check_ids(rows: list[PromptRow], *, id_column: str | None, source: str) -> N
     """Raise ValueError if any id is null or repeats (ids key resume and the results)."""
     ids = [r.id for r in rows]
     check = IdCheck()
-    check.add(ids)
+    check.add(ids, 0)
     check.check(id_column=id_column, source=source, id_batches=lambda: [ids])

@@ -1,35 +1,44 @@
-"""Planning spread over a cluster's workers: the same plan as `plan_job`, read in parallel.
+"""Planning spread over a cluster's workers: the same plan as `plan_job`, read in parts.
 
-Where planning's time goes: templating and tokenizing every row. Where its state crosses
-rows: a shard's id starts with its running index over the whole job, duplicates are
-found across windows (`dedupe.py`), and ids must be unique over the input (`ids.py`).
-The design keeps the parallel part free of that state and leaves the rest to the very
-code the local planner runs, so the plan is exactly the local one, by construction:
+Where planning's time goes: reading, templating and tokenizing every row. Where its
+state crosses rows: a row's index (its position id, the window it is planned in), the
+ids that must be unique over the input (`ids.py`), duplicates found across windows
+(`dedupe.py`) and a shard's running index over the job. The parts do the first and
+keep none of the state; what crosses rows is settled from small answers, and the rest
+is the very loop the local planner runs, so the plan is exactly the local one, file
+for file, by construction:
 
 1. The driver opens the source and describes the model (`prepare_planning`): a bad
-   file, a missing column or a bad option fails here, before any task starts.
-2. Parts, one task each, on the workers (`read_part`): part j of P templates and
-   tokenizes the planning windows j, j + P, j + 2P, ... - the local planner's own
-   windows of `plan_window_rows` consecutive rows, so nothing about a window changes -
-   and writes each one's rows, in input order, to `OUTPUT/_windows/<index>.parquet`
-   (`spill.shard_table`). It reads the other windows' rows for their ids only, so every
-   part checks every id: a null or duplicate id fails the part, and so planning, with
-   the local planner's message, and the driver holds no id.
-3. The driver then runs the local planner's window loop (`plan_windows`) over the staged
-   windows in input order: dedupe, order, cut, plan files, running shard index. A window
-   is one table in memory at a time; across windows the driver holds what the local
-   planner holds for dedupe (28 bytes per distinct deterministic row) and the shards.
+   file, a missing column or a bad option fails here, before any task starts. It
+   splits the input (`connectors/partitions.py`): Parquet into runs of row groups,
+   JSON Lines into byte ranges, other files whole (delimited text may quote newlines).
+2. Counting, one task per part: a partition's rows are numbered once the rows before it
+   are known. Parquet footers say; text partitions are counted (JSON Lines ranges by
+   their non-blank lines, without parsing). The driver adds them up: each partition's
+   first row index, and its first line in its file (for bad lines' messages).
+3. Reading, one task per part (`read_part`): a part reads only its partitions, then
+   templates and tokenizes their rows as the local planner does (`reading.
+   tokenized_windows`), and stages them by planning window - a window crossing a
+   partition's end is staged in pieces, `OUTPUT/_windows/<window>-<first row>.parquet`.
+   Its ids go to hash buckets (`id_buckets.py`); it returns its pieces' sizes and its
+   nulls' count.
+4. Ids, one task per bucket: the repeated ids of a bucket, compared exactly. A null or
+   a repeated id fails planning with the local planner's message; the driver never
+   holds an id.
+5. The driver runs the local planner's window loop (`plan_windows`) over the staged
+   windows in input order, a window's pieces read back together: dedupe, order, cut,
+   plan files, running shard index. It streams: one window in memory at a time, and
+   across windows what the local planner holds for dedupe (28 bytes per distinct
+   deterministic row) and the shards' names.
 
-Not spread (planned on the driver as before, saying why): per-row sampling params (an
-OpenAI batch file, a `json_schema_column`: the job's params table grows in input order
-and its indices are in the shard ids), image rows (a staged row does not carry its
-images' content hashes) and a job planned for an already loaded LLM.
+Planned here instead, saying why in a log line: per-row sampling params (an OpenAI
+batch file, a `json_schema_column`: the job's params table grows in input order and its
+indices are in the shard ids), image rows (a staged row does not carry its images'
+content hashes), a `limit` (the first rows of the input in order), and a job planned
+for an already loaded LLM.
 
-What it does not do yet: each part parses the whole input (the skipped windows for their
-ids only - no templating, no tokenizing), and step 3 is serial on the driver. Splitting
-the input by byte range or row group, and deduplicating by hash buckets on the workers
-with shard ids from (window, offset), would lift both - at the price of other shard ids
-than the local planner's for the same job.
+Not spread yet: the dedupe of step 5 (its index grows with the distinct rows, on the
+driver) and the cut, which needs each window's rows in order.
 """
 
 from __future__ import annotations
@@ -37,10 +46,29 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any, Protocol, TypeVar
 
+import pyarrow as pa
+
+from tokenmill.connectors.batches import BlankTally
 from tokenmill.connectors.fingerprint import first_difference
+from tokenmill.connectors.partitions import (
+    MIN_RANGE_BYTES,
+    Partition,
+    PartitionCount,
+    count_partition,
+    iter_partition,
+    split_source,
+)
 from tokenmill.pipelines import output as out
+from tokenmill.pipelines.id_buckets import (
+    IdBuckets,
+    bucket_duplicates,
+    merge_answers,
+    probe_hash,
+)
+from tokenmill.pipelines.ids import duplicate_ids_message, null_ids_message
 from tokenmill.pipelines.planning import (
     JobPlan,
     PlanningInputs,
@@ -48,13 +76,16 @@ from tokenmill.pipelines.planning import (
     prepare_planning,
     read_job_windows,
 )
-from tokenmill.pipelines.reading import Window
+from tokenmill.pipelines.reading import Window, tokenized_windows, window_batches
 from tokenmill.pipelines.spec import JobSpec
 from tokenmill.pipelines.spill import shard_rows, shard_table
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Ids per hash bucket, about: one bucket task holds its ids as a table.
+BUCKET_ROWS = 1 << 20
 
 
 class FanOut(Protocol):
@@ -68,14 +99,28 @@ class FanOut(Protocol):
 
 
 @dataclass(frozen=True)
+class Slice:
+    """A partition with where its rows begin: its first row index in the input, and
+    the lines of its file before it."""
+
+    partition: Partition
+    first_row: int
+    first_line: int
+    num_rows: int  # as counted before reading
+
+
+@dataclass(frozen=True)
 class PartSummary:
-    """What a part read: the windows it staged, and what the reader met over the input."""
+    """What a part read: the pieces it staged, and what it met in its partitions."""
 
     part: int
-    windows: tuple[tuple[int, int, int], ...]  # (window index, first row, rows) staged
-    rows_read: int  # every row of the input (the part read them all, for their ids)
+    pieces: tuple[tuple[int, int, int], ...]  # (window index, first row, rows) staged
+    slice_rows: tuple[int, ...]  # rows read per slice given (the input changed if not counted)
     rows_skipped_blank: int
+    num_nulls: int
+    first_null: int | None
     fingerprint: list[dict[str, Any]]  # the input's files as the part found them
+    probe_hash: int  # `id_buckets.probe_hash`: parts that disagree would bucket apart
 
 
 def spread_refusal(spec: JobSpec, inputs: PlanningInputs) -> str | None:
@@ -86,16 +131,26 @@ def spread_refusal(spec: JobSpec, inputs: PlanningInputs) -> str | None:
         return f"rows carry their own JSON schema ({spec.json_schema_column!r})"
     if inputs.images is not None:
         return "the job reads images"
+    if spec.limit is not None:
+        return f"a limit ({spec.limit}) takes the input's first rows in order"
     return None
 
 
-def plan_job_spread(spec: JobSpec, *, fan_out: FanOut, min_shards: int = 1) -> JobPlan:
-    """`plan_job`, with reading, templating and tokenizing run as `fan_out` tasks.
+def plan_job_spread(
+    spec: JobSpec,
+    *,
+    fan_out: FanOut,
+    min_shards: int = 1,
+    min_range_bytes: int = MIN_RANGE_BYTES,
+) -> JobPlan:
+    """`plan_job`, with reading, templating, tokenizing and the id checks run as
+    `fan_out` tasks over partitions of the input.
 
     Args:
         spec: the job.
         fan_out: runs the parts on the workers; `fan_out.num_parts` parts.
         min_shards: as for `plan_job`.
+        min_range_bytes: the shortest byte range a JSON Lines file is split into.
 
     Returns:
         The JobPlan `plan_job(spec, min_shards=min_shards)` returns, with the same plan
@@ -110,64 +165,197 @@ def plan_job_spread(spec: JobSpec, *, fan_out: FanOut, min_shards: int = 1) -> J
         log.info("planning on this process, not spread over workers: %s", refusal)
         return plan_windows(spec, inputs, read_job_windows(spec, inputs))
     num_parts = max(1, fan_out.num_parts)
+    source = inputs.source
+    partitions, whole = split_source(source, num_parts, min_range_bytes=min_range_bytes)
+    if whole is not None:
+        log.info("planning spread over workers by file: %s", whole)
     out.remove_staged_windows(spec.output, spec.storage_options)  # a killed run's
     try:
-        summaries = fan_out.map(read_part, [(spec, part, num_parts) for part in range(num_parts)])
-        staged = _staged(summaries, inputs.fingerprint)
-        inputs.counts.rows = summaries[0].rows_read
-        inputs.counts.blank = summaries[0].rows_skipped_blank
-        return plan_windows(spec, inputs, _staged_windows(spec, staged))
+        slices = _slices(fan_out, source, partitions, num_parts)
+        num_rows = sum(s.num_rows for s in slices)
+        num_buckets = max(num_parts, -(-num_rows // BUCKET_ROWS))
+        work = _assign(slices, num_parts)
+        summaries = fan_out.map(
+            read_part, [(spec, source, part, given, num_buckets) for part, given in work]
+        )
+        _check_parts(summaries, [given for _, given in work], inputs.fingerprint)
+        _check_ids(spec, source.uri, summaries, fan_out, num_buckets)
+        inputs.counts.rows = num_rows
+        inputs.counts.blank = sum(s.rows_skipped_blank for s in summaries)
+        pieces = sorted(p for s in summaries for p in s.pieces)
+        return plan_windows(spec, inputs, _staged_windows(spec, pieces, num_rows))
     finally:
         out.remove_staged_windows(spec.output, spec.storage_options)
 
 
-def read_part(spec: JobSpec, part: int, num_parts: int) -> PartSummary:
-    """Template and tokenize windows `part`, `part + num_parts`, ... and stage them
-    (a task on a worker: the model is described, not loaded, here too)."""
-    inputs = prepare_planning(spec)
-    staged = []
-    for window in read_job_windows(spec, inputs, keep=lambda index: index % num_parts == part):
-        table = shard_table(window.rows, passthrough=window.passthrough)
-        out.write_staged_window(spec.output, window.index, table, spec.storage_options)
-        staged.append((window.index, window.start, len(window.rows)))
+def _slices(fan_out: FanOut, source: Any, partitions: list[Partition], num_parts: int):
+    """The partitions with their first rows and lines, counting those that need it as
+    `fan_out` tasks (none for Parquet)."""
+    to_count = [i for i, p in enumerate(partitions) if p.num_rows is None]
+    counts: dict[int, PartitionCount] = {
+        i: PartitionCount(p.num_rows, 0) for i, p in enumerate(partitions) if i not in to_count
+    }
+    if to_count:
+        groups = [g for g in (to_count[k::num_parts] for k in range(num_parts)) if g]
+        answers = fan_out.map(
+            count_partitions, [(source, [partitions[i] for i in g]) for g in groups]
+        )
+        for group, answer in zip(groups, answers):
+            counts.update(zip(group, answer))
+    slices, first_row, first_line, file = [], 0, 0, None
+    for i, partition in enumerate(partitions):
+        if partition.file != file:
+            first_line, file = 0, partition.file
+        slices.append(Slice(partition, first_row, first_line, counts[i].rows))
+        first_row += counts[i].rows
+        first_line += counts[i].lines
+    return slices
+
+
+def count_partitions(source: Any, partitions: Sequence[Partition]) -> list[PartitionCount]:
+    """Each partition's rows, blank records and lines (a task on a worker)."""
+    return [count_partition(source, p) for p in partitions]
+
+
+def _assign(slices: list[Slice], num_parts: int) -> list[tuple[int, list[Slice]]]:
+    """(part, its slices): runs of consecutive slices of about equal rows (a slice goes
+    to the part whose share holds its middle row), so a part stages few pieces; parts
+    with nothing to read are not run."""
+    total = max(1, sum(s.num_rows for s in slices))
+    work: dict[int, list[Slice]] = {}
+    for s in slices:
+        part = min(num_parts - 1, (2 * s.first_row + s.num_rows) * num_parts // (2 * total))
+        work.setdefault(part, []).append(s)
+    return sorted(work.items())
+
+
+def read_part(
+    spec: JobSpec, source: Any, part: int, slices: Sequence[Slice], num_buckets: int
+) -> PartSummary:
+    """Read, template and tokenize the rows of `slices` and stage them by window; put
+    their ids in hash buckets (a task on a worker: the model is described, not loaded)."""
+    inputs = prepare_planning(spec, source=source)
+    ids = IdBuckets(spec.output, spec.storage_options, part=part, num_buckets=num_buckets)
+    pieces, slice_rows, blank = [], [], 0
+    for given in slices:
+        blanks = BlankTally()
+        read = [0]
+        batches = _counted(
+            iter_partition(source, given.partition, first_line=given.first_line, blanks=blanks),
+            read,
+        )
+        windows = tokenized_windows(
+            window_batches(batches, first_row=given.first_row, window_rows=spec.plan_window_rows),
+            spec,
+            inputs.tokenizer,
+            ids=ids,
+            max_model_len=inputs.max_model_len,
+            params=inputs.params,
+            pooling=inputs.pooling,
+            adapters=inputs.adapters,
+            images=inputs.images,
+        )
+        for window in windows:
+            table = shard_table(window.rows, passthrough=window.passthrough)
+            name = out.staged_piece_name(window.index, window.start)
+            out.write_staged_window(spec.output, name, table, spec.storage_options)
+            pieces.append((window.index, window.start, len(window.rows)))
+        slice_rows.append(read[0])
+        blank += blanks.take_all()
+    ids.close()
     return PartSummary(
-        part, tuple(staged), inputs.counts.rows, inputs.counts.blank, inputs.fingerprint
+        part,
+        tuple(pieces),
+        tuple(slice_rows),
+        blank,
+        ids.num_nulls,
+        ids.first_null,
+        inputs.fingerprint,
+        probe_hash(),
     )
 
 
-def _staged(
-    summaries: Sequence[PartSummary], fingerprint: list[dict[str, Any]]
-) -> list[tuple[int, int, int]]:
-    """Every staged window in input order, checked to cover the input once: the parts
-    must have read the input the driver opened (a file that changed under them fails)."""
-    for summary in summaries:
+def _counted(batches: Iterator[pa.RecordBatch], read: list[int]) -> Iterator[pa.RecordBatch]:
+    for batch in batches:
+        read[0] += batch.num_rows
+        yield batch
+
+
+def _check_parts(
+    summaries: Sequence[PartSummary],
+    work: Sequence[Sequence[Slice]],
+    fingerprint: list[dict[str, Any]],
+) -> None:
+    """The parts must have read the input the driver opened and counted: a file that
+    changed under them fails (RuntimeError), as do parts that would bucket ids apart."""
+    for summary, slices in zip(summaries, work):
         change = first_difference(fingerprint, summary.fingerprint)
         if change is not None:
             raise RuntimeError(
                 f"the input changed while it was planned ({change}): plan the job again"
             )
-    read = {(s.rows_read, s.rows_skipped_blank) for s in summaries}
-    if len(read) != 1:
-        raise RuntimeError(
-            f"the parts of the input read different numbers of records ({sorted(read)}): "
-            "the input changed while it was planned"
-        )
-    staged = sorted(w for s in summaries for w in s.windows)
-    start = 0
-    for number, (index, first, num_rows) in enumerate(staged):
-        if index != number or first != start:
-            raise RuntimeError(f"planning window {number} was not staged (found {index})")
-        start += num_rows
-    if start != summaries[0].rows_read:
-        raise RuntimeError(f"{start} rows staged of {summaries[0].rows_read} read")
-    return staged
-
-
-def _staged_windows(spec: JobSpec, staged: Sequence[tuple[int, int, int]]) -> Iterator[Window]:
-    for index, first, num_rows in staged:
-        read = shard_rows(out.read_staged_window(spec.output, index, spec.storage_options))
-        if len(read.rows) != num_rows:
+        counted = tuple(s.num_rows for s in slices)
+        if summary.slice_rows != counted:
             raise RuntimeError(
-                f"planning window {index} holds {len(read.rows)} rows, not {num_rows}"
+                f"part {summary.part} read {sum(summary.slice_rows)} rows where "
+                f"{sum(counted)} were counted: the input changed while it was planned"
             )
-        yield Window(index, first, rows=read.rows, passthrough=read.passthrough)
+    if len({s.probe_hash for s in summaries}) > 1:
+        raise RuntimeError(
+            "the workers hash ids differently (another polars version on some): the ids "
+            "cannot be checked in buckets; give every worker the same environment"
+        )
+
+
+def _check_ids(
+    spec: JobSpec,
+    uri: str,
+    summaries: Sequence[PartSummary],
+    fan_out: FanOut,
+    num_buckets: int,
+) -> None:
+    """Null and repeated ids fail planning with the local planner's message."""
+    num_nulls = sum(s.num_nulls for s in summaries)
+    if num_nulls:
+        first = min(s.first_null for s in summaries if s.first_null is not None)
+        raise ValueError(null_ids_message(uri, spec.id_column, num_nulls, first))
+    answers = fan_out.map(
+        bucket_duplicates,
+        [(spec.output, spec.storage_options, bucket) for bucket in range(num_buckets)],
+    )
+    num_duplicates, listed = merge_answers(answers)
+    if num_duplicates:
+        raise ValueError(duplicate_ids_message(uri, spec.id_column, num_duplicates, listed))
+
+
+def _staged_windows(
+    spec: JobSpec, pieces: Sequence[tuple[int, int, int]], num_rows: int
+) -> Iterator[Window]:
+    """The staged windows in input order, each from its pieces, checked to cover the
+    input's rows once."""
+    expected = 0
+    for index, group in groupby(pieces, key=lambda p: p[0]):
+        window = Window(index, expected)
+        tables = []
+        for _, first, rows in group:
+            if first != expected:
+                raise RuntimeError(f"rows {expected}..{first - 1} were not staged")
+            read = shard_rows(
+                out.read_staged_window(
+                    spec.output, out.staged_piece_name(index, first), spec.storage_options
+                )
+            )
+            if len(read.rows) != rows:
+                raise RuntimeError(
+                    f"planning window {index} holds {len(read.rows)} rows from row {first}, "
+                    f"not {rows}"
+                )
+            window.rows += read.rows
+            if read.passthrough is not None:
+                tables.append(read.passthrough)
+            expected += rows
+        if tables:
+            window.passthrough = pa.concat_tables(tables)
+        yield window
+    if expected != num_rows:
+        raise RuntimeError(f"{expected} rows staged of {num_rows} read")
