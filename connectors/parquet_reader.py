@@ -57,7 +57,7 @@ class ParquetReader:
             columns = [c for c in schema.names if c in present]
             start = 0
             for batch in parquet_file.iter_batches(batch_size=options.batch_size, columns=columns):
-                yield _decode_text(batch, start, name=name, options=options)
+                yield decode_text(batch, start, name=name, options=options)
                 start += batch.num_rows
 
 
@@ -76,7 +76,7 @@ def _as_text(field: pa.Field) -> pa.Field:
     return field.with_type(pa.string()) if _is_binary(field.type) else field
 
 
-def _decode_text(
+def decode_text(
     batch: pa.RecordBatch, start: int, *, name: str, options: ReadOptions
 ) -> pa.RecordBatch:
     """`batch` with its binary `decode_columns` decoded (row indices count from `start`)."""

@@ -34,8 +34,8 @@ from tokenmill.connectors.decoding import open_decoded
 from tokenmill.connectors.formats import compression_of, get_reader
 from tokenmill.connectors.fs import display
 from tokenmill.connectors.lines import iter_lines
-from tokenmill.connectors.parquet_reader import _decode_text
-from tokenmill.connectors.source import _PARSE_ERRORS, _raise_source_error
+from tokenmill.connectors.parquet_reader import decode_text
+from tokenmill.connectors.source import PARSE_ERRORS, raise_source_error
 from tokenmill.connectors.store_retries import store_operation
 
 # A JSON Lines range is at least this long: fewer, larger ranges cost fewer tasks, and
@@ -171,8 +171,8 @@ def _file_batches(
             for batch in rechunk(batches, source.batch_size):
                 if batch.num_rows:
                     yield conform(batch, source.schema, constants)
-    except _PARSE_ERRORS as e:
-        _raise_source_error(name, source.format, e)
+    except PARSE_ERRORS as e:
+        raise_source_error(name, source.format, e)
 
 
 def _row_group_batches(fs, path, partition, schema, name, options):
@@ -188,7 +188,7 @@ def _row_group_batches(fs, path, partition, schema, name, options):
         for batch in parquet_file.iter_batches(
             batch_size=options.batch_size, columns=columns, row_groups=range(first, last)
         ):
-            yield _decode_text(batch, start, name=name, options=options)
+            yield decode_text(batch, start, name=name, options=options)
             start += batch.num_rows
 
 

@@ -50,7 +50,7 @@ DEFAULT_BATCH_SIZE = 8192
 
 # Errors that mean "these bytes are not what the format promises". Other OSErrors
 # (network, throttling) pass through untouched so retry logic can see them.
-_PARSE_ERRORS = (ValueError, EOFError, gzip.BadGzipFile, zlib.error, pa.ArrowException)
+PARSE_ERRORS = (ValueError, EOFError, gzip.BadGzipFile, zlib.error, pa.ArrowException)
 
 
 @dataclass
@@ -114,8 +114,8 @@ class Source:
                             yield conform(batch, self.schema, constants)
                         if is_last:
                             return
-            except _PARSE_ERRORS as e:
-                _raise_source_error(name, self.format, e)
+            except PARSE_ERRORS as e:
+                raise_source_error(name, self.format, e)
             counts.blank += blanks.take_all()
 
     def fingerprint(self) -> list[dict[str, Any]]:
@@ -309,8 +309,8 @@ def _settled(
         try:
             with store_operation("reading", name):
                 found = reader.scan_types(fs, path, unsettled, options=options, max_rows=limit)
-        except (*_PARSE_ERRORS, OSError) as e:
-            _raise_source_error(name, fmt, e)
+        except (*PARSE_ERRORS, OSError) as e:
+            raise_source_error(name, fmt, e)
         for column, dtype in found.items():
             types[column] = widen(types.get(column), dtype)
     fields = [f.with_type(finish_type(types[f.name])) if f.name in types else f for f in schema]
@@ -385,12 +385,14 @@ def _read_head(reader, fs, path: str, fmt: str, options: ReadOptions) -> FileHea
         raise SourceError(f"{name}: path does not exist") from e
     except PermissionError as e:
         raise SourceError(access_denied(name)) from e
-    except (*_PARSE_ERRORS, OSError) as e:
+    except (*PARSE_ERRORS, OSError) as e:
         # At validation time any failure is reported as this file's problem, clearly.
-        _raise_source_error(name, fmt, e)
+        raise_source_error(name, fmt, e)
 
 
-def _raise_source_error(name: str, fmt: str, error: BaseException):
+def raise_source_error(name: str, fmt: str, error: BaseException):
+    """Raise `error`, met reading file `name`, as a SourceError naming the file (and
+    never quoting row content)."""
     if isinstance(error, SourceError):
         raise error
     if isinstance(error, (BadLine, FileFormatError)):

@@ -73,11 +73,16 @@ class IdBuckets:
         self.num_nulls += len(nulls)
         if self.num_nulls or not len(ids):
             return
-        buckets = (hash_ids(ids) % np.uint64(self.num_buckets)).astype(np.int64)
-        for offset, (rid, bucket) in enumerate(zip(ids, buckets.tolist())):
-            self._rows[bucket].append(first_row + offset)
-            self._ids[bucket].append(rid)
-        for bucket in range(self.num_buckets):
+        buckets = hash_ids(ids) % np.uint64(self.num_buckets)
+        order = np.argsort(buckets, kind="stable")
+        bounds = np.searchsorted(buckets[order], np.arange(self.num_buckets + 1, dtype=np.uint64))
+        rows = (order + first_row).tolist()
+        in_order = [ids[i] for i in order.tolist()]
+        for bucket, (begin, end) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
+            if begin == end:
+                continue
+            self._rows[bucket] += rows[begin:end]
+            self._ids[bucket] += in_order[begin:end]
             if len(self._rows[bucket]) >= FLUSH_ROWS:
                 self._flush(bucket)
 
