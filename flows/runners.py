@@ -28,11 +28,11 @@ nanny would otherwise start every worker with one thread).
 
 Planning on the workers
 -----------------------
-On a Dask cluster the flow's plan task spreads reading, templating and tokenizing over
-the workers (`planning_fan_out`, `pipelines/spread_planning.py`): one part per engine
-worker, submitted from the plan task through `worker_client`, which hands the plan
-task's thread back to its worker while the parts run (a one-thread worker would
-otherwise wait on itself). The parts need no `engine` resource.
+On a Dask cluster the flow's plan task spreads reading, templating, tokenizing and the
+id checks over the workers (`planning_fan_out`, `pipelines/spread_planning.py`): one
+part per engine worker, each reading its own partitions of the input, submitted from
+the plan task through `worker_client`, which hands the plan task's thread back to its
+worker while the parts run (a one-thread worker would otherwise wait on itself). The parts need no `engine` resource.
 
 Memory: the nanny's limit from the engine's budget
 --------------------------------------------------
