@@ -8,6 +8,7 @@ plan        order by shared prefix and length; cut each window into content-addr
 prefix_cut  where the cuts fall: filled shards, or between rows sharing the least prefix
 balance_cut shards of equal work for engines that run at once: the run order dealt out
 dedupe      identical deterministic rows computed once; copy shards give copies the answer
+dedupe_buckets  the same copies found in hash buckets on workers, a window's read back
 results     the results schema; a shard's table from engine outputs
 logprobs    generated tokens' logprobs as a results column (token, bytes, top alternatives)
 pricing     prices and exact cost arithmetic

@@ -278,11 +278,16 @@ def read_job_windows(spec: JobSpec, inputs: PlanningInputs) -> Iterator[Window]:
     )
 
 
-def plan_windows(spec: JobSpec, inputs: PlanningInputs, windows: Iterable[Window]) -> JobPlan:
+def plan_windows(
+    spec: JobSpec, inputs: PlanningInputs, windows: Iterable[Window], *, deduplicator: Any = None
+) -> JobPlan:
     """Dedupe, order and cut each tokenized window (in input order), write its shards'
     plan files, and make the JobPlan; the plan files added are removed if it fails.
 
-    `inputs.counts` must hold the records read once `windows` is exhausted."""
+    `inputs.counts` must hold the records read once `windows` is exhausted.
+    `deduplicator`: finds a window's copies (`spec.dedupe`); default: a `Deduplicator`
+    over the windows as they come (planning spread over workers found them in buckets:
+    `dedupe_buckets.py`)."""
     model, params, adapters = inputs.model, inputs.params, inputs.adapters
     min_shards, cut_rule, reasoning = inputs.min_shards, inputs.cut_rule, inputs.reasoning
     images, pooling, counts = inputs.images, inputs.pooling, inputs.counts
@@ -290,7 +295,7 @@ def plan_windows(spec: JobSpec, inputs: PlanningInputs, windows: Iterable[Window
     copy_shards: list[Shard] = []
     num_rows = num_failed = 0
     has_images = images is not None and spec.image_column is not None
-    dedupe = Deduplicator(params.params) if spec.dedupe else None
+    dedupe = (deduplicator or Deduplicator(params.params)) if spec.dedupe else None
     # Another plan's files may have our shard ids (same rows, same id): if this planning
     # fails, it removes only the files it added.
     existing = out.planned_shards(spec.output, spec.storage_options)

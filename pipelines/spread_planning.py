@@ -22,14 +22,15 @@ for file, by construction:
    partition's end is staged in pieces, `OUTPUT/_windows/<window>-<first row>.parquet`.
    Its ids go to hash buckets (`id_buckets.py`); it returns its pieces' sizes and its
    nulls' count.
-4. Ids, one task per bucket: the repeated ids of a bucket, compared exactly. A null or
-   a repeated id fails planning with the local planner's message; the driver never
-   holds an id.
+4. Ids and copies, one task per bucket: the repeated ids of a bucket, compared exactly
+   (a null or a repeated id fails planning with the local planner's message: the
+   driver never holds an id), then the bucket's duplicate rows, decided as `dedupe.py`
+   decides (`dedupe_buckets.py`); the parts wrote their rows' digests to buckets too.
 5. The driver runs the local planner's window loop (`plan_windows`) over the staged
-   windows in input order, a window's pieces read back together: dedupe, order, cut,
-   plan files, running shard index. It streams: one window in memory at a time, and
-   across windows what the local planner holds for dedupe (28 bytes per distinct
-   deterministic row) and the shards' names.
+   windows in input order, a window's pieces read back together, its copies read from
+   the buckets' decisions: order, cut, plan files, copy shards, running shard index. It
+   streams: one window in memory at a time, and across windows the shards' names and
+   the shards of the sources a later window copies from (until that window is planned).
 
 Planned here instead, saying why in a log line: per-row sampling params (an OpenAI
 batch file, a `json_schema_column`: the job's params table grows in input order and its
@@ -37,8 +38,8 @@ indices are in the shard ids), image rows (a staged row does not carry its image
 content hashes), a `limit` (the first rows of the input in order), and a job planned
 for an already loaded LLM.
 
-Not spread yet: the dedupe of step 5 (its index grows with the distinct rows, on the
-driver) and the cut, which needs each window's rows in order.
+Not spread: the cut of step 5, which needs each window's rows in order; the driver
+reads each window's rows (token ids, costs, prefixes) back from the staging to cut it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,13 @@ from tokenmill.connectors.partitions import (
     split_source,
 )
 from tokenmill.pipelines import output as out
+from tokenmill.pipelines.dedupe_buckets import (
+    BucketedDeduplicator,
+    DigestBuckets,
+    bucket_copies,
+)
 from tokenmill.pipelines.id_buckets import (
+    BucketAnswer,
     IdBuckets,
     bucket_duplicates,
     merge_answers,
@@ -77,6 +84,7 @@ from tokenmill.pipelines.planning import (
     read_job_windows,
 )
 from tokenmill.pipelines.reading import Window, tokenized_windows, window_batches
+from tokenmill.pipelines.reasoning import raw_lines
 from tokenmill.pipelines.spec import JobSpec
 from tokenmill.pipelines.spill import shard_rows, shard_table
 
@@ -183,7 +191,12 @@ def plan_job_spread(
         inputs.counts.rows = num_rows
         inputs.counts.blank = sum(s.rows_skipped_blank for s in summaries)
         pieces = sorted(p for s in summaries for p in s.pieces)
-        return plan_windows(spec, inputs, _staged_windows(spec, pieces, num_rows))
+        deduplicator = BucketedDeduplicator(
+            spec.output, spec.storage_options, window_rows=spec.plan_window_rows
+        )
+        return plan_windows(
+            spec, inputs, _staged_windows(spec, pieces, num_rows), deduplicator=deduplicator
+        )
     finally:
         out.remove_staged_windows(spec.output, spec.storage_options)
 
@@ -236,6 +249,13 @@ def read_part(
     their ids in hash buckets (a task on a worker: the model is described, not loaded)."""
     inputs = prepare_planning(spec, source=source)
     ids = IdBuckets(spec.output, spec.storage_options, part=part, num_buckets=num_buckets)
+    digests = DigestBuckets(
+        spec.output,
+        spec.storage_options,
+        part=part,
+        num_buckets=num_buckets,
+        params=inputs.params.params,
+    )
     pieces, slice_rows, blank = [], [], 0
     for given in slices:
         blanks = BlankTally()
@@ -260,9 +280,12 @@ def read_part(
             name = out.staged_piece_name(window.index, window.start)
             out.write_staged_window(spec.output, name, table, spec.storage_options)
             pieces.append((window.index, window.start, len(window.rows)))
+            if spec.dedupe:
+                digests.add(window.rows, raw_lines(inputs.reasoning, window))
         slice_rows.append(read[0])
         blank += blanks.take_all()
     ids.close()
+    digests.close()
     return PartSummary(
         part,
         tuple(pieces),
@@ -314,18 +337,33 @@ def _check_ids(
     fan_out: FanOut,
     num_buckets: int,
 ) -> None:
-    """Null and repeated ids fail planning with the local planner's message."""
+    """Null and repeated ids fail planning with the local planner's message; with ids
+    that pass, each bucket's copies are decided (`dedupe_buckets.py`)."""
     num_nulls = sum(s.num_nulls for s in summaries)
     if num_nulls:
         first = min(s.first_null for s in summaries if s.first_null is not None)
         raise ValueError(null_ids_message(uri, spec.id_column, num_nulls, first))
     answers = fan_out.map(
-        bucket_duplicates,
-        [(spec.output, spec.storage_options, bucket) for bucket in range(num_buckets)],
+        check_bucket,
+        [
+            (spec.output, spec.storage_options, bucket, spec.plan_window_rows, spec.dedupe)
+            for bucket in range(num_buckets)
+        ],
     )
-    num_duplicates, listed = merge_answers(answers)
+    num_duplicates, listed = merge_answers([ids for ids, _ in answers])
     if num_duplicates:
         raise ValueError(duplicate_ids_message(uri, spec.id_column, num_duplicates, listed))
+
+
+def check_bucket(
+    output: str, storage_options: Any, bucket: int, window_rows: int, dedupe: bool
+) -> tuple[BucketAnswer, int]:
+    """One bucket's repeated ids, and its copies decided when the job dedupes (a task on
+    a worker; the copies are not decided where ids repeat: planning fails)."""
+    answer = bucket_duplicates(output, storage_options, bucket)
+    if answer.num_duplicates or not dedupe:
+        return answer, 0
+    return answer, bucket_copies(output, storage_options, bucket, window_rows)
 
 
 def _staged_windows(

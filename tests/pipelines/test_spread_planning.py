@@ -147,9 +147,7 @@ def test_spread_plan_is_the_local_plan(tmp_path, tiny_model_dir, two_workers):
         tmp_path, str(tiny_model_dir), fan_out
     )
     # two byte ranges counted, read, then two id buckets checked
-    assert fan_out.parts_run == [("count_partitions", 2), ("read_part", 2)] + [
-        ("bucket_duplicates", 2)
-    ]
+    assert fan_out.parts_run == [("count_partitions", 2), ("read_part", 2)] + [("check_bucket", 2)]
     assert spread.shards == local.shards and spread.job_id == local.job_id
     # 21 good rows on 7 distinct prompts: 14 copies
     assert (spread.num_rows, spread.num_failed, spread.rows_deduplicated) == (NUM_ROWS, 2, 14)
@@ -175,7 +173,7 @@ def test_csv_and_parquet_spread_plans_are_the_local_plans(
     local, local_files, spread, spread_files = _local_then_spread(
         tmp_path, str(tiny_model_dir), fan_out, src=src
     )
-    assert fan_out.parts_run == [*rounds, ("read_part", 2), ("bucket_duplicates", 2)]
+    assert fan_out.parts_run == [*rounds, ("read_part", 2), ("check_bucket", 2)]
     assert spread.shards == local.shards and spread.job_id == local.job_id
     failed = 2 if fmt == "csv" else 1  # CSV's record of too many fields
     assert (local.num_rows, local.num_failed) == (NUM_ROWS, failed)
@@ -295,7 +293,7 @@ def test_null_ids_fail_with_the_local_message(tmp_path, tiny_model_dir, two_work
     with pytest.raises(ValueError) as spread:
         _spread(_spec(src, tmp_path / "out", str(tiny_model_dir)), fan_out)
     assert str(spread.value) == str(local.value)
-    assert ("bucket_duplicates", 2) not in fan_out.parts_run  # nulls fail first
+    assert ("check_bucket", 2) not in fan_out.parts_run  # nulls fail first
 
 
 def test_an_input_changed_under_the_parts_fails(tmp_path, tiny_model_dir, two_workers):
