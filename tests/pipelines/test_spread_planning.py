@@ -136,7 +136,7 @@ def _local_then_spread(tmp_path, model, fan_out, src=None, **options):
     output = tmp_path / "out"
     local = plan_job(_spec(src, output, model, **options), min_shards=2)
     local_files = _plan_files(output)
-    shutil.rmtree(output)
+    shutil.rmtree(output, ignore_errors=True)  # an empty job writes nothing
     spread = _spread(_spec(src, output, model, **options), fan_out, min_shards=2)
     return local, local_files, spread, _plan_files(output)
 
@@ -309,3 +309,14 @@ def test_an_input_changed_under_the_parts_fails(tmp_path, tiny_model_dir, two_wo
         _spread(_spec(src, tmp_path / "out", str(tiny_model_dir)), GrowingInput())
     assert not (tmp_path / "out" / "_plan").exists()
     assert not (tmp_path / "out" / out.WINDOWS_DIR).exists()
+
+
+def test_an_input_of_blank_lines_is_an_empty_job_as_here(tmp_path, tiny_model_dir, two_workers):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n  \n\n")
+    local, local_files, spread, spread_files = _local_then_spread(
+        tmp_path, str(tiny_model_dir), CountingFanOut(), src=str(src)
+    )
+    assert (spread.num_rows, spread.rows_skipped_blank, spread.shards) == (0, 3, [])
+    assert (local.num_rows, local.rows_skipped_blank) == (0, 3)
+    assert spread.empty_warning == local.empty_warning is not None
