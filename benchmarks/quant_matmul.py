@@ -29,9 +29,12 @@ Candidates (those this torch build lacks are skipped with a note):
   q4-native          a GGUF Q4_0 layer on our 4-bit kernel (engine/kernels/q4_linear.c:
                      activations quantized per block of 32, integer dot products on the
                      nibbles) at every row count; the time includes quantizing x
+  q4-tiles           the same blocks on AMX bf16 tiles (engine/kernels/q4_tiles.c: the
+                     exact dequantized product, fp32 sums), where the CPU has them
   q4-expand          the same blocks expanded to bf16 (exactly) and the bf16 matmul
   q4-layer           the GGUF Q4_0 layer as it runs (gguf_linear.Q4Linear): q4-native, or
-                     on AMX CPUs q4-expand from gguf_linear.EXPAND_MIN_ROWS rows
+                     on AMX CPUs q4-tiles from gguf_linear.TILES_MIN_ROWS rows and
+                     q4-expand from gguf_linear.EXPAND_MIN_ROWS
   fp8-channel        FP8 (e4m3) weights with a scale per output channel on the native fp8
                      kernel (engine/kernels/fp8_linear.c), bf16 activations: its bf16 dot
                      products (AMX or AVX512-BF16) where the CPU has them
@@ -174,8 +177,14 @@ def q4_candidates(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], ob
     q = torch.round(blocks / scale[..., None]).clamp_(-8, 7).add_(8).reshape(n, k)
     packed = native_q4.pack_q4_weight(q.to(torch.uint8), scale, None)
     layer = Q4Linear(packed)
+    tiles = {}
+    if native_q4.tiles_available():
+        tiles["q4-tiles"] = _with_input(
+            lambda x: native_q4.q4_linear_tiles(x, packed), torch.bfloat16
+        )
     return {
         "q4-native": _with_input(lambda x: native_q4.q4_linear(x, packed), torch.bfloat16),
+        **tiles,
         "q4-expand": _with_input(
             lambda x: torch.nn.functional.linear(x, native_q4.unpack_q4_bf16(packed)),
             torch.bfloat16,

@@ -14,6 +14,7 @@ void tm_limits(tm_limits_t *out) {
     out->int8_linear_isa = tm_int8_linear_isa();
     out->bf16_attention_amx = tm_internal_bf16_attention_amx();
     out->q4_linear_isa = tm_q4_linear_isa();
+    out->q4_linear_tiles = tm_q4_tiles_available();
     out->lora_isa = tm_lora_isa();
     out->lora_max_blocks = TM_LORA_MAX_BLOCKS;
     out->packed_matvec_vector = tm_packed_matvec_vector();

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 20
+ABI_VERSION = 21
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -56,6 +56,7 @@ class _Limits(ctypes.Structure):
         ("int8_linear_isa", _i64),
         ("bf16_attention_amx", _i64),
         ("q4_linear_isa", _i64),
+        ("q4_linear_tiles", _i64),
         ("lora_isa", _i64),
         ("lora_max_blocks", _i64),
         ("packed_matvec_vector", _i64),
@@ -386,6 +387,7 @@ FUNCTIONS = {
     "tm_int4_unpack_bf16": (Int4UnpackArgs, "int4_unpack_args_size"),
     "tm_q4_linear": (Q4LinearArgs, "q4_linear_args_size"),
     "tm_q4_unpack_bf16": (Q4UnpackArgs, "q4_unpack_args_size"),
+    "tm_q4_linear_tiles": (Q4LinearArgs, "q4_linear_args_size"),
     "tm_lora": (LoRAArgs, "lora_args_size"),
     "tm_packed_matvec": (PackedMatvecArgs, "packed_matvec_args_size"),
     "tm_moe": (MoEArgs, "moe_args_size"),
@@ -408,6 +410,7 @@ class KernelLimits:
     int8_linear_isa: str | None  # the instructions tm_int8_linear has here, or None
     bf16_attention_amx: bool  # attention over pair-layout bf16 caches on AMX tiles
     q4_linear_isa: str | None  # the instructions tm_q4_linear has here, or None
+    q4_linear_tiles: bool  # tm_q4_linear_tiles (AMX bf16) runs here
     lora_isa: str  # how tm_lora computes here: LORA_ISAS' names
     lora_max_blocks: int  # blocks (PEFT targets) per adapter in one LoRA layer
     packed_matvec_vector: bool  # tm_packed_matvec runs vdpbf16ps here (else plain loops)
@@ -457,6 +460,7 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         int8_linear_isa=INT8_LINEAR_ISAS.get(reported.int8_linear_isa),
         bf16_attention_amx=bool(reported.bf16_attention_amx),
         q4_linear_isa=INT8_LINEAR_ISAS.get(reported.q4_linear_isa),
+        q4_linear_tiles=bool(reported.q4_linear_tiles),
         lora_isa=LORA_ISAS[reported.lora_isa],
         lora_max_blocks=reported.lora_max_blocks,
         packed_matvec_vector=bool(reported.packed_matvec_vector),

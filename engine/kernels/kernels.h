@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 20
+#define TM_ABI_VERSION 21
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -69,6 +69,7 @@ typedef struct {
     int64_t bf16_attention_amx; /* 1: attention over pair-layout bf16 caches runs whole
                                    groups of 16 query rows on AMX tiles (granted here) */
     int64_t q4_linear_isa; /* TM_INT8_ISA_* (never AMX): which 4-bit linear this build has */
+    int64_t q4_linear_tiles; /* 1: tm_q4_linear_tiles runs here (AMX bf16, granted) */
     int64_t lora_isa;      /* TM_LORA_ISA_*: how tm_lora computes here */
     int64_t lora_max_blocks;
     int64_t packed_matvec_vector; /* 1: tm_packed_matvec runs vdpbf16ps; 0: plain loops */
@@ -380,6 +381,17 @@ typedef struct {
 int tm_q4_unpack_bf16(const tm_q4_unpack_args *args);
 /* Internal (tm_limits reports it): the TM_INT8_ISA_* this build of q4_linear.c has. */
 int tm_q4_linear_isa(void);
+
+/* ---- q4_tiles.c: the same blocks on AMX bf16 tiles, exactly ---------------------------
+ * out[m, n] = sum over k of x[m, k] * w[n, k] + bias[n], w = d * q + min in fp32 (the
+ * blocks' dequantized values, exact), products exact and summed in fp32 in the tiles'
+ * order, rounded once to bf16. Takes tm_q4_linear_args with is_bf16 = 1 (qx, x_scales and
+ * x_sums unused); n % 16 == 0, k % 32 == 0, k <= TM_MAX_INT8_K. Built where the compiler
+ * targets AMX-BF16 and AVX512-BF16/VBMI and Linux grants the tiles (tm_limits_t
+ * .q4_linear_tiles); elsewhere TM_UNSUPPORTED_ISA. */
+int tm_q4_linear_tiles(const tm_q4_linear_args *args);
+/* Internal (tm_limits reports it): 1 where tm_q4_linear_tiles runs. */
+int tm_q4_tiles_available(void);
 
 /* ---- lora.c: every run of rows' LoRA terms in one call --------------------------------
  * For each run (slot, first, end) of `runs`:

@@ -56,6 +56,12 @@ class PackedQ4Weight:
         return self.blocks.numel() + (0 if self.bias is None else 4 * self.bias.numel())
 
 
+def tiles_available() -> bool:
+    """Whether q4_linear_tiles runs here (AMX bf16 tiles built and granted)."""
+    native = native_library()
+    return native is not None and native.limits.q4_linear_tiles
+
+
 def exact_in_fp16(values: torch.Tensor) -> bool:
     """Whether every value survives a round trip through fp16 unchanged (the kernel keeps
     scales and minimums in fp16, as GGUF's Q4_0 and Q4_1 blocks do)."""
@@ -171,4 +177,37 @@ def unpack_q4_bf16(weight: PackedQ4Weight) -> torch.Tensor:
         num_threads=torch.get_num_threads(),
     )
     check_status(native.lib.tm_q4_unpack_bf16(ctypes.byref(args)), "4-bit unpack")
+    return out
+
+
+def q4_linear_tiles(x: torch.Tensor, weight: PackedQ4Weight) -> torch.Tensor:
+    """y = x @ dequantized(weight).T + bias on AMX tiles (kernels.h: tm_q4_linear_tiles):
+    the blocks' exact fp32 values, fp32 sums, bf16 out.
+
+    Args:
+        x: [rows, k] bf16 activations.
+        weight: from pack_q4_weight.
+    Returns:
+        y [rows, n] bf16.
+    """
+    if not tiles_available():
+        raise RuntimeError("the 4-bit linear on AMX tiles does not run on this CPU")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"the 4-bit linear on AMX tiles takes bf16 rows, not {x.dtype}")
+    x = checked_activations(x, weight.in_features, "4-bit linear on tiles")
+    out = torch.empty((x.shape[0], weight.out_features), dtype=torch.bfloat16)
+    args = Q4LinearArgs(
+        x=x.data_ptr(),
+        w=weight.blocks.data_ptr(),
+        bias=None if weight.bias is None else weight.bias.data_ptr(),
+        out=out.data_ptr(),
+        rows=x.shape[0],
+        n=weight.out_features,
+        k=weight.in_features,
+        is_bf16=1,
+        num_threads=torch.get_num_threads(),
+        affine=int(weight.affine),
+    )
+    status = native_library().lib.tm_q4_linear_tiles(ctypes.byref(args))
+    check_status(status, "4-bit linear on tiles")
     return out

@@ -4,10 +4,11 @@ The 4-bit formats (Q4_0, Q4_1, Q4_K: a scale and an offset per 32 weights) run a
 Q4Linear where the native library has its 4-bit product (kernels/q4_linear.c) and the
 block's scales and offsets are fp16 values (Q4_0 and Q4_1 always): integer dot products
 on the file's own nibbles with the activations quantized per block of 32, llama.cpp's
-arithmetic for these formats - except, on CPUs whose bf16 matmul runs on AMX tiles, for
-calls of EXPAND_MIN_ROWS rows or more, which expand the weights to bf16 (exactly, from
-the fp16 scales) for one bf16 matmul (docs/design.md, "4-bit GGUF layers in
-integer dot products"). Elsewhere they are exactly what PyTorch's int4 CPU kernel
+arithmetic for these formats - except, on CPUs with AMX bf16 tiles, for bf16 calls of
+TILES_MIN_ROWS rows or more, which run on the tiles (kernels/q4_tiles.c: the blocks'
+exact dequantized values, fp32 sums), and of EXPAND_MIN_ROWS or more, which expand the
+weights to bf16 (from the fp16 scales) for one bf16 matmul (docs/design.md, "4-bit GGUF
+layers in integer dot products"). Elsewhere they are exactly what PyTorch's int4 CPU kernel
 computes (int4.py), so they run as Int4Linear: that kernel for small calls, the weights
 expanded to bf16 for one bf16 matmul from int4.py's UNPACK_MIN_ROWS rows on. Its fast
 variant is bf16, so the fp16 scales and offsets are rounded to bf16 (relative 2^-9,
@@ -45,7 +46,11 @@ INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 # runs the bf16 matmul on the tiles instead of the integer product on the vector units
 # (where the two cross: docs/design.md, "4-bit GGUF layers in integer dot
 # products"). Without AMX the integer product is the faster one at every row count.
-EXPAND_MIN_ROWS = 128
+EXPAND_MIN_ROWS = 256
+# From this many rows (below EXPAND_MIN_ROWS) a bf16 call on a CPU with AMX runs the
+# blocks on the bf16 tiles without expanding them (kernels/q4_tiles.c): the integer
+# product's multiply-adds, not the weights' bytes, bound a decode batch of this size.
+TILES_MIN_ROWS = 48
 # Output rows expanded to fp32 at once in GroupInt8Linear: 256 x 2,048 inputs is 2 MB.
 _ROWS_PER_TILE = 256
 # Our fused parameters -> the HF parts they are made of, in row order.
@@ -102,6 +107,7 @@ class Q4Linear(nn.Module):
         self.out_features, self.in_features = packed.out_features, packed.in_features
         self.weight_bytes = packed.nbytes
         self.expand_min_rows = EXPAND_MIN_ROWS if "amx_bf16" in cpu_flags() else None
+        self.tiles_min_rows = TILES_MIN_ROWS if native_q4.tiles_available() else None
         self._bias16 = None if packed.bias is None else packed.bias.to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,12 +115,11 @@ class Q4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
-        if (
-            self.expand_min_rows is not None
-            and x2.shape[0] >= self.expand_min_rows
-            and x2.dtype == torch.bfloat16
-        ):
+        rows, is_bf16 = x2.shape[0], x2.dtype == torch.bfloat16
+        if is_bf16 and self.expand_min_rows is not None and rows >= self.expand_min_rows:
             y = F.linear(x2, native_q4.unpack_q4_bf16(self.packed), self._bias16)
+        elif is_bf16 and self.tiles_min_rows is not None and rows >= self.tiles_min_rows:
+            y = native_q4.q4_linear_tiles(x2, self.packed)
         else:
             y = native_q4.q4_linear(x2, self.packed)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)

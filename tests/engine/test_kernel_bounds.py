@@ -157,6 +157,10 @@ int main(int argc, char **argv) {
     int rc = tm_q4_linear(&args);
     const tm_q4_unpack_args unpack = {w, expanded, n, k, affine, 2};
     rc |= tm_q4_unpack_bf16(&unpack);
+    if (is_bf16) { /* the AMX tiles' product, where this CPU has it */
+        const int tiles = tm_q4_linear_tiles(&args);
+        rc |= tiles == TM_UNSUPPORTED_ISA ? 0 : tiles;
+    }
     printf("%d\n", rc);
     return rc;
 }
@@ -215,7 +219,7 @@ def guarded_elementwise(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def guarded_q4(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("q4-bounds")
-    return _build_guarded(work, "q4_driver", _Q4_DRIVER, "q4_linear.c")
+    return _build_guarded(work, "q4_driver", _Q4_DRIVER, "q4_linear.c", "q4_tiles.c", "amx.c")
 
 
 def _assert_stays_inside(binary: Path, *args: int) -> None:
