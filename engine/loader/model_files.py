@@ -276,13 +276,26 @@ def alias_gguf_path(alias: ModelAlias) -> Path:
         raise missing
     if alias.is_assembled:
         try:  # the package's module is a few lines of hashlib and pathlib
-            return Path(importlib.import_module(alias.package).assemble())
+            module = importlib.import_module(alias.package)
+            return _already_joined(module) or Path(module.assemble())
         except (ImportError, FileNotFoundError) as error:  # a part package is missing
             raise missing from error
     path = Path(locations[0]) / alias.filename
     if not path.is_file():
         raise missing
     return path
+
+
+def _already_joined(module) -> Path | None:
+    """The file an earlier `assemble()` of this alias package joined, where its sha256 -
+    remembered by (path, size, mtime) - is the one the package expects; else None.
+    `assemble()` itself hashes the whole file on every call, that is on every start."""
+    expected = getattr(module, "EXPECTED_SHA256", None)
+    output_path = getattr(module, "default_output_path", None)
+    if not isinstance(expected, str) or output_path is None:
+        return None
+    path = Path(output_path())
+    return path if path.is_file() and file_sha256(path) == expected else None
 
 
 def _locate(model: str | os.PathLike | None) -> tuple[str, Path]:

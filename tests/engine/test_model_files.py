@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import json
 import multiprocessing
@@ -130,6 +131,39 @@ def test_assembled_alias_resolves_to_the_file_assemble_returns(tmp_path, monkeyp
     monkeypatch.setitem(ALIASES, "gemma3-270m", alias)
     assert model_info("gemma3-270m").path == tiny
     assert load_config(resolve_model("gemma3-270m")).architecture == "LlamaForCausalLM"
+
+
+def test_an_assembled_alias_is_hashed_once_not_on_every_start(tmp_path, cache, monkeypatch):
+    """Where the package's file is already joined and its sha256 (remembered by path, size
+    and mtime) is the expected one, `assemble()` - which rehashes the whole file - is not
+    called; a file that does not match goes back to `assemble()`."""
+    tiny = write_tiny_gguf(tmp_path / "joined.gguf").path
+    package = tmp_path / "tokenmill_fake_rejoined"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        f"EXPECTED_SHA256 = {model_files.file_sha256(tiny)!r}\n"
+        f"def default_output_path():\n    return {str(tiny)!r}\n"
+        "def assemble():\n    raise RuntimeError('assemble() rehashes the file')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    alias = dataclasses.replace(ALIASES["gemma3-270m"], package="tokenmill_fake_rejoined")
+    monkeypatch.setitem(ALIASES, "gemma3-270m", alias)
+    reads = []
+    real_open = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        if Path(file) == tiny:
+            reads.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    assert model_files.alias_gguf_path(alias) == tiny
+    assert model_files.alias_gguf_path(alias) == tiny
+    assert reads == []  # the digest the fixture's hashing remembered: never read again
+    with open(tiny, "ab") as f:  # a changed file no longer matches: assemble() decides
+        f.write(b"\0")
+    with pytest.raises(RuntimeError, match="rehashes"):
+        model_files.alias_gguf_path(alias)
 
 
 def test_unknown_model_and_non_gguf_file(tmp_path):
