@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import run_all
+from model_fixtures import write_tiny_gguf
 
+from tokenmill.engine.api.llm import build_engine
 from tokenmill.engine.kernels import q4_linear as native_q4
 from tokenmill.engine.kernels.q4_linear import pack_q4_weight, q4_linear_tiles, tiles_available
+from tokenmill.engine.loader.gguf_convert import convert_gguf
 from tokenmill.engine.quant import gguf_linear
 from tokenmill.engine.quant.gguf_linear import Q4Linear
+from tokenmill.engine.types.config import EngineConfig
+from tokenmill.engine.types.sampling_params import SamplingParams
 
 
 def random_blocks(n: int, k: int, affine: bool, seed: int):
@@ -115,3 +121,36 @@ def test_the_layer_takes_the_tiles_for_bf16_batches(needs_tiles):
     assert layer.tiles_min_rows == many
     batch = x.bfloat16()
     assert torch.equal(layer(batch), q4_linear_tiles(batch, packed))
+
+
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1"])
+def test_a_bf16_engine_on_the_tiles_keeps_the_integer_products_tokens(
+    quant_type, needs_tiles, tmp_path, monkeypatch
+):
+    """A tiny GGUF model in a bf16 engine with every 4-bit call on the tiles (the float
+    product) gives the greedy tokens of the same engine on the integer product (8-bit
+    activations per block), and prompt log-probs within their difference in rounding."""
+    if not needs_tiles:
+        return
+    tiny = write_tiny_gguf(tmp_path / "tiny.gguf", quant_type=quant_type, hidden_size=64)
+    model_dir = convert_gguf(tiny.path, tmp_path / "model")
+    prompts = [[3, 5, 7, 9, 11, 4, 6], [8, 8, 2, 10, 12, 13, 1, 5, 9, 3, 3], [4] * 20]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+
+    def engine(tiles_min_rows: int):
+        monkeypatch.setattr(gguf_linear, "TILES_MIN_ROWS", tiles_min_rows)
+        config = EngineConfig(block_size=4, kv_cache_memory=8 << 20, quantization="gguf")
+        built = build_engine(
+            model_dir, config, dtype=torch.bfloat16, device=torch.device("cpu"), tokenizer=None
+        )
+        layers = [m for m in built.runner.model.modules() if isinstance(m, Q4Linear)]
+        assert layers and all(m.tiles_min_rows == tiles_min_rows for m in layers)
+        return built
+
+    tiles = run_all(engine(1), prompts, params)
+    integer = run_all(engine(gguf_linear.EXPAND_MIN_ROWS), prompts, params)
+    for ours, theirs in zip(tiles, integer):
+        assert ours.token_ids == theirs.token_ids
+        for got, want in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:]):
+            for token, value in want.items():
+                assert abs(got[token] - value) < 0.05
