@@ -96,6 +96,7 @@ save_file(tensors, sys.argv[1])
 print("LIMITS " + json.dumps({
     "int8_linear_isa": limits.int8_linear_isa,
     "bf16_attention_amx": limits.bf16_attention_amx,
+    "q4_linear_tiles": limits.q4_linear_tiles,
 }))
 """
 
@@ -123,6 +124,7 @@ def test_a_refused_tile_state_keeps_the_vector_paths_with_the_same_results(tmp_p
     print(f"\nunfiltered: {granted_limits}; AMX refused: {refused_limits}")
     assert refused_limits["bf16_attention_amx"] is False
     assert "amx" not in (refused_limits["int8_linear_isa"] or "")
+    assert refused_limits["q4_linear_tiles"] is False  # the gguf layers keep the integer product
     assert refused.keys() == granted.keys()
     if "int8_linear" in granted:  # both paths sum the same integers, one epilogue
         assert torch.equal(refused["int8_linear"], granted["int8_linear"])
