@@ -151,6 +151,14 @@ static uint16_t *thread_scratch(size_t bytes) {
     return scratch;
 }
 
+/* The sum of a block's 32 bf16 values, in fp32 (any order: fp32 summation rounding). */
+static inline float block_sum(const uint16_t *x) {
+    const __m512i v = _mm512_loadu_si512(x);
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+    return _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+}
+
 /* bf16 bits of 0..15 (affine) or -8..7 (symmetric), by nibble. */
 static __m512i nibble_table(int affine) {
     uint16_t values[32] = {0};
@@ -190,11 +198,8 @@ int tm_q4_linear_tiles(const tm_q4_linear_args *a) {
             free(copy);
             return TM_OUT_OF_MEMORY;
         }
-        for (int64_t i = 0; i < padded * nb; i++) {
-            float sum = 0.0f;
-            for (int j = 0; j < TILE_BLOCK; j++) sum += bf16_to_f32(x[i * TILE_BLOCK + j]);
-            x_sums[i] = sum;
-        }
+#pragma omp parallel for num_threads(a->num_threads) schedule(static)
+        for (int64_t i = 0; i < padded * nb; i++) x_sums[i] = block_sum(x + i * TILE_BLOCK);
     }
     const __m512i table = nibble_table(a->affine);
     int failed = 0;
