@@ -138,7 +138,8 @@ static void group_rows(const uint16_t *x, const float *x_sums, int64_t k, const 
                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r], bias16)));
 }
 
-/* The thread's scratch, kept between calls (OpenMP threads persist): a panel's tiles. */
+/* The thread's scratch, kept between calls (OpenMP threads persist) and never freed: one
+ * panel's B tiles, 32 bytes per input (k / 32 kilobytes), per thread that ever ran the call. */
 static _Thread_local uint16_t *scratch;
 static _Thread_local size_t scratch_bytes;
 
