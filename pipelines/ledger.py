@@ -51,6 +51,7 @@ class ShardStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_rows < 0 or self.device_seconds < 0:
@@ -134,6 +135,9 @@ class JobLedger:
     # Of prompt_tokens, those that are images' soft tokens (as OpenAI counts them: inside
     # the prompt's tokens, reported apart); 0 for a job without images.
     image_tokens: int = 0
+    # Of completion_tokens, those a reasoning model wrote inside the reasoning its chat
+    # split took out (the results' reasoning_tokens column); 0 for a job that split none.
+    reasoning_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -203,6 +207,10 @@ def token_sums(results: pa.Table) -> dict[str, int]:
         "rows_deduplicated": copies,
         # Of prompt_tokens, the images' soft tokens (jobs with images have the column).
         "image_tokens": total("image_tokens") if "image_tokens" in results.column_names else 0,
+        # Of completion_tokens, the reasoning's (jobs whose chat split it have the column).
+        "reasoning_tokens": (
+            total("reasoning_tokens") if "reasoning_tokens" in results.column_names else 0
+        ),
     }
 
 
@@ -241,7 +249,7 @@ def adapter_split(
     split = []
     empty = dict.fromkeys(("rows_ok", "rows_failed", *TOKEN_FIELDS), 0)
     for name, weights_hash in [(None, None), *adapters]:
-        counts = {k: v for k, v in sums.get(name, empty).items() if k != "image_tokens"}
+        counts = {k: v for k, v in sums.get(name, empty).items() if k not in JOB_ONLY_SUMS}
         costs = token_costs(
             prices,
             prompt_tokens=counts["prompt_tokens"],
@@ -261,6 +269,8 @@ def adapter_split(
 
 
 TOKEN_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens")
+# Sums the ledger keeps for the whole job only, not per adapter.
+JOB_ONLY_SUMS = ("image_tokens", "reasoning_tokens")
 ADAPTER_COSTS = ("cost_input", "cost_cached_input", "cost_output", "cost_total")
 
 

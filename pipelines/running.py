@@ -55,6 +55,7 @@ class ShardResult:
     prompt_tokens: int = 0  # billed by the part's rows (0 when skipped)
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, the reasoning's
 
 
 def completed_shards(plan: JobPlan) -> set[str]:
@@ -229,6 +230,7 @@ def _publish(
         prompt_tokens=sums["prompt_tokens"],
         cached_tokens=sums["cached_tokens"],
         completion_tokens=sums["completion_tokens"],
+        reasoning_tokens=sums["reasoning_tokens"],
     )
     try:
         out.write_shard(
@@ -247,6 +249,7 @@ def _publish(
         prompt_tokens=sums["prompt_tokens"],
         cached_tokens=sums["cached_tokens"],
         completion_tokens=sums["completion_tokens"],
+        reasoning_tokens=sums["reasoning_tokens"],
     )
     log.info(
         "shard %s: %d rows (%d failed), %.2fs",

@@ -169,12 +169,19 @@ def _fp32_or_none(bias: torch.Tensor | None, shape: tuple[int, int]) -> torch.Te
 
 
 def packed_bytes(
-    num_experts: int, hidden: int, inter: int, dtype: torch.dtype, weight_format: str
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    dtype: torch.dtype,
+    weight_format: str,
+    *,
+    biases: bool = False,
 ) -> int:
-    """What `PackedExperts` of experts this size (no biases) take in `weight_format`
-    ("float", "int8", "int4"), computed from its layout without packing anything: the
-    memory plan's count of a layer's experts as the load leaves them."""
-    total = 0
+    """What `PackedExperts` of experts this size take in `weight_format` ("float",
+    "int8", "int4", "mxfp4": `from_mxfp4`'s), computed from its layout without packing
+    anything: the memory plan's count of a layer's experts as the load leaves them.
+    `biases`: with a bias per expert on each projection (kept in fp32)."""
+    total = 4 * num_experts * (2 * inter + hidden) if biases else 0
     for n, k in ((2 * inter, hidden), (hidden, inter)):  # gate_up, down: [E, n, k]
         if weight_format == "float":
             pad = _BF16_PAD_COLS if dtype == torch.bfloat16 else 0
@@ -184,6 +191,9 @@ def packed_bytes(
         elif weight_format == "int4":
             cols = n + _INT4_PAD_COLS  # nibbles, and a bf16 scale and minimum per group
             total += num_experts * (k * cols // 2 + (k // INT4_GROUP) * 2 * cols * 2)
+        elif weight_format == "mxfp4":
+            cols = n + _INT4_PAD_COLS  # nibbles, and an e8m0 byte per block of 32
+            total += num_experts * (k * cols // 2 + (k // MXFP4_BLOCK) * cols)
         else:
             raise ValueError(f"unknown expert weight format {weight_format!r}")
     return total

@@ -60,8 +60,9 @@ def convert_gguf(
     quantized blocks as they are, for `quantization="gguf"`: loader/gguf_blocks.py).
 
     Args:
-        gguf_path: the `.gguf` file (llama, qwen2, qwen3, qwen3moe, olmoe or gemma3 architecture;
-            byte-level BPE or SentencePiece vocabulary).
+        gguf_path: the `.gguf` file (llama - with experts: Mixtral -, qwen2, qwen3,
+            qwen3moe, olmoe or gemma3 architecture; byte-level BPE or SentencePiece
+            vocabulary).
         out_dir: directory to write; created if missing, must be empty if it exists.
         dtype: dtype of the written weights (the tensors are dequantized to float32 first;
             the default keeps every value exact).
@@ -75,8 +76,8 @@ def convert_gguf(
         raise ValueError(f"refusing to convert into non-empty directory {out_dir}")
     reader = GGUFReader(gguf_path)
     meta = read_metadata(reader)
-    layout = gguf_layout(meta["general.architecture"])
     config = build_config(meta, {t.name: t for t in reader.tensors}, dtype)
+    layout = architecture_of(config).gguf
     check_tensors(reader, config, gguf_path)
     tensors = convert_tensors(reader, config, dtype)
     tokenizer = build_tokenizer(meta)
@@ -122,10 +123,11 @@ def build_config(
         The config as a dict.
     """
     arch = meta["general.architecture"]
-    layout = gguf_layout(arch)
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
+
+    layout = gguf_layout(arch, num_experts=get("expert_count") or 0)
 
     hidden_size = get("embedding_length")
     num_heads = get("attention.head_count")
@@ -201,7 +203,7 @@ def llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, rope_theta: float
 def check_tensors(reader: GGUFReader, config: dict, gguf_path: Path) -> None:
     """Raise ValueError, before any tensor is dequantized, for a config the architecture
     does not implement or a tensor the model has no place for (each named)."""
-    layout = gguf_layout(_gguf_architecture(reader))
+    layout = architecture_of(config).gguf
     sources = [
         TensorSource(
             layout.hf_tensor_name(t.name),
@@ -220,7 +222,7 @@ def convert_tensors(
     reader: GGUFReader, config: dict, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Every tensor as `convert_tensor` makes it, by HF name."""
-    layout = gguf_layout(_gguf_architecture(reader))
+    layout = architecture_of(config).gguf
     tensors = {}
     for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
@@ -275,10 +277,6 @@ def hf_tensor_name(gguf_name: str, *, architecture: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` for a GGUF of
     `architecture` (its general.architecture); unknown names raise ValueError."""
     return gguf_layout(architecture).hf_tensor_name(gguf_name)
-
-
-def _gguf_architecture(reader: GGUFReader) -> str:
-    return reader.fields["general.architecture"].contents()
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -166,6 +166,18 @@ class GptOssExperts(KernelExperts):
         release_to_meta(self, (*weights, "gate_up_proj_bias", "down_proj_bias"))
         return True
 
+    def planned_bytes(self, device: torch.device, weight_format: str) -> int | None:
+        dtype, hidden = self.gate_up_proj_bias.dtype, self.down_proj_bias.shape[1]
+        if not moe_kernel.available(dtype, device, hidden, self.intermediate_size, 1):
+            return None  # float experts stay float (MXFP4 ones are refused by pack)
+        if self.mxfp4:
+            if weight_format != "float":
+                raise ValueError(f"MXFP4 experts are packed as stored, not as {weight_format}")
+            weight_format = "mxfp4"
+        return moe_kernel.packed_bytes(
+            self.num_experts, hidden, self.intermediate_size, dtype, weight_format, biases=True
+        )
+
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
     ) -> torch.Tensor:

@@ -2,14 +2,21 @@
 routing to the top `num_experts_per_tok` of `num_local_experts`, the k weights always
 renormalised and kept in fp32 - and a window on every layer where `sliding_window` is set.
 Its checkpoints name the block `block_sparse_moe` and the projections w1 (gate), w3 (up)
-and w2 (down)."""
+and w2 (down). llama.cpp writes it as a `llama` GGUF whose `llama.expert_count` is set:
+q/k rows permuted as Llama's, the router `ffn_gate_inp` and each projection's experts
+stacked (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`)."""
 
 from __future__ import annotations
 
 from tokenmill.engine.models.config import common_fields
 from tokenmill.engine.models.config_fields import DECODER_HARMLESS, LLAMA_FAMILY_HANDLED, declare
 from tokenmill.engine.models.moe import MoeConfig, MoeForCausalLM, Routing
-from tokenmill.engine.models.registry import Architecture, register
+from tokenmill.engine.models.registry import (
+    MOE_GGUF_BLOCK_NAMES,
+    Architecture,
+    GGUFLayout,
+    register,
+)
 
 # Mixtral's checkpoint names -> the ones the Llama-family loader maps.
 _RENAMES = {
@@ -53,6 +60,16 @@ CONFIG_FIELDS = declare(
     },
 )
 
+
+def gguf_config(config: dict, get) -> dict:
+    """llama.cpp's llama with experts: every layer sparse, the experts feed_forward_length
+    wide, the top-k weights renormalised (parse_config's routing), no window."""
+    return {
+        "num_local_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+    }
+
+
 register(
     Architecture(
         names=("MixtralForCausalLM",),
@@ -60,5 +77,14 @@ register(
         parse_config=parse_config,
         config_fields=CONFIG_FIELDS,
         model_types=("mixtral",),
+        gguf=GGUFLayout(
+            "llama",
+            "MixtralForCausalLM",
+            "mixtral",
+            block_names=MOE_GGUF_BLOCK_NAMES,
+            permuted_qk=True,
+            extra_config=gguf_config,
+            experts=True,
+        ),
     )
 )

@@ -104,6 +104,13 @@ class KernelExperts(nn.Module):
         (moe_kernel.PackedExperts'); returns whether they are packed."""
         raise NotImplementedError
 
+    def planned_bytes(self, device: torch.device, weight_format: str) -> int | None:
+        """What `pack(weight_format)` would leave on `device` (the kernel's copy, which
+        replaces every parameter of this module), from the shapes alone - this module may
+        be on the meta device: the memory plan's count. None where the kernel would not
+        serve these experts there (they stay as their parameters)."""
+        raise NotImplementedError
+
     @property
     def weight_bytes(self) -> int:
         """What the weights take: the kernel's copy once packed, else the parameters."""
@@ -147,6 +154,13 @@ class Experts(KernelExperts):
         )
         release_to_meta(self, ("gate_up_proj", "down_proj"))
         return True
+
+    def planned_bytes(self, device: torch.device, weight_format: str) -> int | None:
+        num_experts, two_inter, hidden = self.gate_up_proj.shape
+        dtype = self.gate_up_proj.dtype
+        if not moe_kernel.available(dtype, device, hidden, two_inter // 2, 1):
+            return None
+        return moe_kernel.packed_bytes(num_experts, hidden, two_inter // 2, dtype, weight_format)
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor

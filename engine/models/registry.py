@@ -71,6 +71,10 @@ class GGUFLayout:
     # The MLP's activation as config.json spells it: (key, value).
     activation: tuple[str, str] = ("hidden_act", "silu")
     extra_config: Callable[[dict, Callable[..., Any]], dict] | None = None
+    # llama.cpp writes some families under another's architecture, told apart by their
+    # experts (Mixtral is a `llama` file with `llama.expert_count` set): True for the
+    # layout of such a file with experts (gguf_layout).
+    experts: bool = False
 
     def hf_tensor_name(self, gguf_name: str) -> str:
         """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`.
@@ -158,11 +162,17 @@ def architecture_of(raw: dict) -> Architecture:
     return found
 
 
-def gguf_layout(gguf_architecture: str) -> GGUFLayout:
-    """The layout of a GGUF file's general.architecture (ValueError naming the supported)."""
-    layouts = {a.gguf.gguf_architecture: a.gguf for a in _ARCHITECTURES.values() if a.gguf}
-    if gguf_architecture not in layouts:
+def gguf_layout(gguf_architecture: str, *, num_experts: int = 0) -> GGUFLayout:
+    """The layout of a GGUF file's general.architecture; where two families share it, the
+    one whose `experts` says whether the file has them (`num_experts`: its
+    `<arch>.expert_count`, 0 when unset). ValueError naming the supported."""
+    layouts = {id(a.gguf): a.gguf for a in _ARCHITECTURES.values() if a.gguf}.values()
+    named = [layout for layout in layouts if layout.gguf_architecture == gguf_architecture]
+    if not named:
+        supported = sorted({layout.gguf_architecture for layout in layouts})
         raise ValueError(
-            f"unsupported GGUF architecture {gguf_architecture!r}; supported: {sorted(layouts)}"
+            f"unsupported GGUF architecture {gguf_architecture!r}; supported: {supported}"
         )
-    return layouts[gguf_architecture]
+    if len(named) == 1:
+        return named[0]
+    return next(layout for layout in named if layout.experts == (num_experts > 0))

@@ -32,12 +32,11 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.engine.kernels import moe as moe_kernel
 from tokenmill.engine.loader.model_files import weight_files
 from tokenmill.engine.loader.safetensors_files import read_header
 from tokenmill.engine.loader.tensor_plan import FLOAT_DTYPES, build_on_meta
 from tokenmill.engine.models import ModelConfig
-from tokenmill.engine.models.moe import Experts
+from tokenmill.engine.models.moe import KernelExperts
 
 # The default KV cache takes at most this share of the RAM the weights leave.
 KV_SHARE_OF_RAM_LEFT = 0.5
@@ -55,24 +54,24 @@ def load_bytes(
 
     With `expert_format` (kernels/moe.py's "float", "int8" or "int4"), the load's peak
     where it packs each MoE layer's experts as soon as they are filled (worker/build.py):
-    the experts the native kernel serves on `device` counted packed in that format, plus
-    the float stacks of one layer (the largest), alive until they are packed.
+    the experts the native kernel serves on `device` counted packed in that format
+    (`KernelExperts.planned_bytes`: every family's, gpt-oss's biases included), plus the
+    loaded parameters of one layer's experts (the largest), alive until they are packed.
     """
     model = build_on_meta(config, dtype)
     seen: set[int] = set()
     total = 0
     if expert_format is not None and device is not None:
         float_layer = 0
-        for experts in (m for m in model.modules() if isinstance(m, Experts)):
-            num_experts, two_inter, hidden = experts.gate_up_proj.shape
-            if not moe_kernel.available(dtype, device, hidden, two_inter // 2, 1):
-                continue  # left float, counted below
-            total += moe_kernel.packed_bytes(
-                num_experts, hidden, two_inter // 2, dtype, expert_format
-            )
-            stacks = (experts.gate_up_proj, experts.down_proj)
-            float_layer = max(float_layer, sum(p.numel() * p.element_size() for p in stacks))
-            seen.update(id(p) for p in stacks)
+        for experts in (m for m in model.modules() if isinstance(m, KernelExperts)):
+            packed = experts.planned_bytes(device, expert_format)
+            if packed is None:
+                continue  # left as loaded, counted below
+            total += packed
+            # Packing replaces all of the module's parameters (gpt-oss's biases too).
+            replaced = list(experts.parameters())
+            float_layer = max(float_layer, sum(p.numel() * p.element_size() for p in replaced))
+            seen.update(id(p) for p in replaced)
         total += float_layer
     for name, param in model.named_parameters(remove_duplicate=False):
         if config.tie_word_embeddings and name == "lm_head.weight":

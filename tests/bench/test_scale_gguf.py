@@ -95,6 +95,8 @@ _TINY_MOE = {
 
 def _build_moe(name: str, tmp_path, dtype: str = "float32"):
     overrides = {k: v for k, v in _TINY_MOE.items() if k in SHAPES[name]}
+    if name == "mixtral-8x7b":  # num_local_experts; experts intermediate_size wide
+        overrides["num_local_experts"] = _TINY_MOE["num_experts"]
     if name == "olmoe-1b-7b":  # llama.cpp's olmoe: q and its norm are hidden_size wide
         overrides["num_key_value_heads"] = 4
     return build_scale_model(
@@ -165,6 +167,99 @@ def test_moe_gguf_reads_back_as_the_checkpoint_and_runs_the_same(name, tmp_path)
     for ours, want in zip(outputs["gguf"], outputs["checkpoint"]):
         assert ours.outputs[0].token_ids == want.outputs[0].token_ids
         assert ours.prompt_logprobs == want.prompt_logprobs
+
+
+# Q8_0 moves this tiny model's log-probs by about 5e-3 at most (measured on it).
+Q8_0_LOGPROB_TOLERANCE = 2e-2
+
+
+def _mixtral_stack(f, layer: int, projection: str) -> torch.Tensor:
+    """Mixtral's experts of one projection (w1 gate, w3 up, w2 down), stacked."""
+    w = {"gate": "w1", "up": "w3", "down": "w2"}[projection]
+    return torch.stack(
+        [
+            f.get_tensor(f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight")
+            for e in range(4)
+        ]
+    )
+
+
+def _mixtral_outputs(sources: dict) -> dict:
+    from tokenmill.engine import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3, logprobs=2
+    )
+    prompts = [[5, 900, 31, 7000, 12, 44_000], [3, 3, 17, 256]]
+    outputs = {}
+    for label, source in sources.items():
+        llm = LLM(str(source), dtype="float32", max_num_batched_tokens=32)
+        outputs[label] = llm.generate(prompts, params)
+    return outputs
+
+
+@pytest.mark.parametrize("fmt", ["F32", "Q8_0"])
+def test_mixtral_gguf_is_a_llama_with_experts_read_into_mixtral(fmt, tmp_path):
+    """llama.cpp writes Mixtral as `llama` with `llama.expert_count`, q/k rows permuted
+    and the experts stacked; tokenmill reads it back into its Mixtral: F32 the checkpoint's
+    values and outputs exactly, Q8_0 the file's dequantized values, within its rounding."""
+    model_dir = _build_moe("mixtral-8x7b", tmp_path)
+    path = write_scale_gguf(model_dir, fmt, tmp_path / f"m.{fmt}.gguf")
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == "llama"
+    assert reader.fields["llama.expert_count"].contents() == 4
+    assert reader.fields["llama.expert_used_count"].contents() == 2
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["blk.1.ffn_gate_exps.weight"].shape.tolist() == [64, 64, 4]
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    assert tensors["blk.1.ffn_up_exps.weight"].tensor_type.name == fmt
+
+    converted = resolve_model(path)
+    config = json.loads((converted / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+    bound = {"F32": 0.0, "Q8_0": 0.1 / 127}[fmt]  # per block of 32: amax/127
+    with (
+        safe_open(str(converted / "model.safetensors"), "pt") as ours,
+        safe_open(str(model_dir / "model.safetensors"), "pt") as original,
+    ):
+        for layer in range(2):
+            for projection in ("gate", "up", "down"):
+                key = f"model.layers.{layer}.mlp.experts.{projection}_proj.weight"
+                got, want = ours.get_tensor(key), _mixtral_stack(original, layer, projection)
+                stored = tensors[f"blk.{layer}.ffn_{projection}_exps.weight"]
+                values = gguf.quants.dequantize(stored.data, stored.tensor_type)
+                assert torch.equal(got, torch.from_numpy(values.copy()).reshape(got.shape))
+                assert (got - want).abs().max() <= bound, key
+            router = f"model.layers.{layer}.block_sparse_moe.gate.weight"
+            got = ours.get_tensor(f"model.layers.{layer}.mlp.gate.weight")
+            assert torch.equal(got, original.get_tensor(router))
+            # q/k rows back in HF order (llama.cpp permutes them as Llama's)
+            q = f"model.layers.{layer}.self_attn.q_proj.weight"
+            assert (ours.get_tensor(q) - original.get_tensor(q)).abs().max() <= bound
+
+    outputs = _mixtral_outputs({"checkpoint": model_dir, "gguf": converted})
+    for ours, want in zip(outputs["gguf"], outputs["checkpoint"]):
+        if fmt == "F32":
+            assert ours.outputs[0].token_ids == want.outputs[0].token_ids
+            assert ours.prompt_logprobs == want.prompt_logprobs
+            continue
+        # Q8_0's rounding moves each prompt log-prob by far less than the 10.8 of a
+        # uniform choice among 49,152 tokens, and not by nothing (the rounding is real).
+        prompt = [
+            abs(step[t] - want_step[t])
+            for step, want_step in zip(ours.prompt_logprobs[1:], want.prompt_logprobs[1:])
+            for t in want_step
+            if t in step
+        ]
+        assert 0 < max(prompt) < Q8_0_LOGPROB_TOLERANCE, max(prompt)
+        # Greedy tokens equal until the float model's top two are within that rounding
+        # (a random model's choices are near ties), where either is right.
+        for got, step in zip(ours.outputs[0].token_ids, want.outputs[0].logprobs):
+            (first, top), (_, second) = sorted(step.items(), key=lambda kv: -kv[1])[:2]
+            if got != first:
+                assert top - second < 2 * Q8_0_LOGPROB_TOLERANCE, (top, second)
+                break
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", pytest.param("Q8_0", marks=pytest.mark.slow), "BF16"])

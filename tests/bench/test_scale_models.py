@@ -42,6 +42,7 @@ def test_published_parameter_counts():
         "llama-3.1-8b": 8_030_261_248,
         "olmoe-1b-7b": 6_919_161_856,
         "qwen3-30b-a3b": 30_532_122_624,
+        "mixtral-8x7b": 46_702_792_704,
     }
 
 
@@ -54,6 +55,8 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
         shape_config("qwen2.5-1.5b", overrides={"rope_theta": 1.0})
     with pytest.raises(ValueError, match="llama-3.1-8b has no 'num_experts'"):
         shape_config("llama-3.1-8b", overrides={"num_experts": 4})
+    with pytest.raises(ValueError, match="mixtral-8x7b's vocabulary of 32,000 is smaller"):
+        build_scale_model("mixtral-8x7b", num_layers=1, out_dir=tmp_path / "m")
     with pytest.raises(ValueError, match="unknown dtype 'float16'"):
         build_scale_model("llama-3.1-8b", dtype="float16", out_dir=tmp_path / "m")
     assert not (tmp_path / "m").exists()

@@ -187,6 +187,21 @@ def test_unsupported_architecture_is_refused_before_writing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_llama_file_with_experts_is_mixtral():
+    from tokenmill.engine.models import gguf_layout
+
+    assert gguf_layout("llama").hf_architecture == "LlamaForCausalLM"
+    assert gguf_layout("llama", num_experts=0).hf_architecture == "LlamaForCausalLM"
+    mixtral = gguf_layout("llama", num_experts=8)
+    assert (mixtral.hf_architecture, mixtral.permuted_qk) == ("MixtralForCausalLM", True)
+    assert mixtral.hf_tensor_name("blk.2.ffn_up_exps.weight") == (
+        "model.layers.2.mlp.experts.up_proj.weight"
+    )
+    assert gguf_layout("olmoe", num_experts=64).hf_architecture == "OlmoeForCausalLM"
+    with pytest.raises(ValueError, match="has no known HF name"):
+        gguf_layout("llama").hf_tensor_name("blk.2.ffn_up_exps.weight")
+
+
 def test_refuses_non_empty_output_dir(tmp_path):
     tiny = write_tiny_gguf(tmp_path / "tiny.gguf")
     (tmp_path / "out").mkdir()

@@ -215,6 +215,45 @@ def test_quantized_float_experts_compute_their_dequantized_weights(weight_format
     assert quantized.packed.gate_up.dtype == quantized.packed.down.dtype == stored
 
 
+@pytest.mark.parametrize(
+    ("quantization", "weight_format"), [(None, "float"), ("int8", "int8"), ("int4", "int4")]
+)
+def test_the_memory_plan_counts_the_experts_as_packed(quantization, weight_format, tmp_path):
+    """The planned weight bytes are what the load holds at its peak when it packs each
+    layer's experts as it fills (in int8/int4 under those modes): the model's parameters
+    left in memory, every layer's packed experts (fp32 biases included), and the largest
+    layer's experts as loaded (stacks and biases, alive until they are packed)."""
+    from tokenmill.engine.loader.weights import load_model
+    from tokenmill.engine.models.moe import expert_packer
+    from tokenmill.engine.types.config import EngineConfig
+    from tokenmill.engine.worker import build
+    from tokenmill.engine.worker.memory import load_bytes
+
+    gpt_oss_model(tmp_path, intermediate_size=64)  # int4: whole groups of 32
+    config = load_config(tmp_path)
+    cpu, dtype = torch.device("cpu"), torch.bfloat16
+    model = load_model(
+        tmp_path, config, dtype=dtype, device=cpu, on_filled=expert_packer(weight_format)
+    )
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    assert [e.packed.weight_format for e in experts] == [weight_format] * len(experts)
+    assert all(p.is_meta for e in experts for p in e.parameters())  # the packing replaced them
+    held = {id(p): p for p in model.parameters() if not p.is_meta}.values()
+    loaded_layers = [sum(p.numel() * p.element_size() for p in e.parameters()) for e in experts]
+    peak = (
+        sum(p.numel() * p.element_size() for p in held)
+        + sum(e.packed.weight_bytes for e in experts)
+        + max(loaded_layers)
+    )
+    planned = build.plan_memory(
+        config, EngineConfig(quantization=quantization), dtype=dtype, device=cpu
+    )
+    assert planned.weight_bytes == peak
+    if quantization is not None:  # smaller than the float model, by the experts' packing
+        assert sum(e.packed.weight_bytes for e in experts) < 0.6 * sum(loaded_layers)
+        assert peak < load_bytes(config, dtype)
+
+
 def test_int8_engine_tracks_the_float_engine(tmp_path):
     """quantization="int8" on float gpt-oss: the attention projections SmoothQuant W8A8,
     the experts int8 in the grouped kernel (biases and clamped SwiGLU in it)."""

@@ -170,6 +170,34 @@ def test_packed_bytes_is_the_packing_size(weight_format, dtype):
     gate_up, down = torch.randn(3, 2 * 64, 96, dtype=dtype), torch.randn(3, 96, 64, dtype=dtype)
     packed = moe_kernel.PackedExperts(gate_up, down, "silu", weight_format)
     assert moe_kernel.packed_bytes(3, 96, 64, dtype, weight_format) == packed.weight_bytes
+    biased = moe_kernel.PackedExperts(
+        gate_up,
+        down,
+        "silu",
+        weight_format,
+        gate_up_bias=torch.randn(3, 2 * 64, dtype=dtype),
+        down_bias=torch.randn(3, 96, dtype=dtype),
+    )
+    assert moe_kernel.packed_bytes(3, 96, 64, dtype, weight_format, biases=True) == (
+        biased.weight_bytes
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_bytes_is_the_mxfp4_packing_size(dtype):
+    def stored(n, k):  # random MXFP4 codes and scales as a checkpoint holds them
+        blocks = torch.randint(0, 256, (3, n, k // 32, 16), dtype=torch.uint8)
+        return blocks, torch.randint(120, 130, (3, n, k // 32), dtype=torch.uint8)
+
+    packed = moe_kernel.PackedExperts.from_mxfp4(
+        stored(2 * 64, 96),
+        stored(96, 64),
+        dtype,
+        "clamped_swiglu",
+        gate_up_bias=torch.randn(3, 2 * 64),
+        down_bias=torch.randn(3, 96),
+    )
+    assert moe_kernel.packed_bytes(3, 96, 64, dtype, "mxfp4", biases=True) == packed.weight_bytes
 
 
 def test_experts_quantized_a_few_at_a_time_are_the_whole_stack_quantized():

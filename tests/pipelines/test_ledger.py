@@ -70,7 +70,7 @@ def _stats():
     ]
 
 
-def _ledger(**kw):
+def _ledger(results=None, **kw):
     args = dict(
         prices=Prices(
             input_per_1m=1.0, cached_input_per_1m=0.5, output_per_1m=4.0, device_per_hour=36.0
@@ -89,7 +89,7 @@ def _ledger(**kw):
         quantization=None,
     )
     args.update(kw)
-    return compute_ledger(_results(), _stats(), **args)
+    return compute_ledger(_results() if results is None else results, _stats(), **args)
 
 
 def test_token_sums_equal_result_rows():
@@ -106,7 +106,19 @@ def test_token_sums_equal_result_rows():
         "completion_tokens": 26,
         "rows_deduplicated": 0,
         "image_tokens": 0,  # a job without images has no image_tokens column
+        "reasoning_tokens": 0,  # nor one whose chat split no reasoning
     }
+
+
+def test_reasoning_tokens_sum_the_rows_column():
+    t = _results()
+    t = t.append_column("reasoning_tokens", pa.array([7, 0, 0], pa.int64()))
+    led = _ledger(t)
+    assert led.reasoning_tokens == sum(t["reasoning_tokens"].to_pylist()) == 7
+    assert led.completion_tokens == 26  # the reasoning is inside the completion, not beside
+    assert token_sums(t)["reasoning_tokens"] == 7
+    assert JobLedger.from_dict(led.to_dict()).reasoning_tokens == 7
+    assert led.to_arrow()["reasoning_tokens"].to_pylist() == [7]
 
 
 def test_costs_timings_and_rates():

@@ -16,7 +16,12 @@ from tokenmill.engine.api.llm import LLM
 from tokenmill.engine.types.sampling_params import SamplingParams
 from tokenmill.engine.types.structured_outputs import StructuredOutputs
 from tokenmill.pipelines.job import run_job
-from tokenmill.pipelines.output import read_results
+from tokenmill.pipelines.output import (
+    completed_shards,
+    read_ledger,
+    read_results,
+    read_shard_stats,
+)
 
 THINK_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{# <think></think> #}"
 HARMONY_TEMPLATE = (
@@ -93,6 +98,12 @@ def test_a_chat_job_splits_as_llm_chat_does(tmp_path, template, answer, split):
     counts = [tokens_inside(llm, answer, split[0], c.token_ids) for c in chats]
     assert 0 < counts[0] < got[0]["completion_tokens"]
     assert [r["reasoning_tokens"] for r in got] == [c.reasoning_tokens for c in chats] == counts
+    # the ledger's and the shards' sums are the rows'
+    ledger = read_ledger(str(tmp_path / "out"))
+    assert ledger.reasoning_tokens == sum(counts) > 0
+    assert ledger.completion_tokens == sum(r["completion_tokens"] for r in got)
+    stats = read_shard_stats(str(tmp_path / "out"), completed_shards(str(tmp_path / "out")))
+    assert sum(s.reasoning_tokens for s in stats) == sum(counts)
 
 
 @pytest.mark.parametrize(
@@ -189,6 +200,7 @@ def test_openai_batch_lines_carry_reasoning_as_vllm_does(tmp_path):
         reasoning_tokens,
     ]
     assert rows["resp"]["completion_tokens"] == 0
+    assert read_ledger(str(out)).reasoning_tokens == 2 * reasoning_tokens
     written = {
         w["custom_id"]: w["response"]["body"]
         for w in map(json.loads, (out / "results.jsonl").read_text().splitlines())

@@ -31,7 +31,9 @@ from sqlalchemy import (
     event,
     func,
     insert,
+    inspect,
     select,
+    text,
     update,
 )
 from sqlalchemy import delete as sql_delete
@@ -85,6 +87,7 @@ batches = Table(
     Column("input_tokens", BigInteger, nullable=False, default=0),
     Column("cached_tokens", BigInteger, nullable=False, default=0),
     Column("output_tokens", BigInteger, nullable=False, default=0),
+    Column("reasoning_tokens", BigInteger, nullable=False, default=0),  # of output_tokens
     Column("flow_run_id", String(64)),  # --runner prefect: the batch's flow run
     Column("work_removed", Integer, nullable=False, default=0),  # retention has run
 )
@@ -114,12 +117,35 @@ def engine_for(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+def add_missing_columns(engine: Engine) -> None:
+    """Add the columns declared here that a database made by an earlier version lacks
+    (`create_all` makes missing tables only). A column added later is a count with a
+    default or a nullable field, so the rows already there take its default."""
+    found = inspect(engine)
+    with engine.begin() as db:
+        for table in metadata.sorted_tables:
+            have = {c["name"] for c in found.get_columns(table.name)}
+            for column in table.columns:
+                if column.name in have:
+                    continue
+                kind = column.type.compile(dialect=engine.dialect)
+                default = column.default.arg if column.default is not None else None
+                if default is None and not column.nullable:
+                    raise RuntimeError(
+                        f"the database's {table.name} table lacks {column.name}, which has "
+                        "no default to give its rows"
+                    )
+                rule = "" if default is None else f" NOT NULL DEFAULT {int(default)}"
+                db.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}{rule}"))
+
+
 class Database:
     """The files and batches tables, and the few queries the server makes of them."""
 
     def __init__(self, url: str) -> None:
         self.engine = engine_for(url)
         metadata.create_all(self.engine)
+        add_missing_columns(self.engine)
 
     def close(self) -> None:
         self.engine.dispose()

@@ -196,4 +196,5 @@ def usage_of(ledger: Any) -> dict[str, int]:
         "input_tokens": ledger.prompt_tokens,
         "cached_tokens": ledger.cached_tokens,
         "output_tokens": ledger.completion_tokens,
+        "reasoning_tokens": ledger.reasoning_tokens,
     }

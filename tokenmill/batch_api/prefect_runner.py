@@ -116,6 +116,7 @@ class PrefectRunner(Runner):
             input_tokens=sum(s.prompt_tokens for s in stats),
             cached_tokens=sum(s.cached_tokens for s in stats),
             output_tokens=sum(s.completion_tokens for s in stats),
+            reasoning_tokens=sum(s.reasoning_tokens for s in stats),
         )
 
     def _stop(self, active: Active) -> None:

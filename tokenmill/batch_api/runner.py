@@ -446,6 +446,7 @@ class LocalRunner(Runner):
             input_tokens=batch["input_tokens"] + result.prompt_tokens,
             cached_tokens=batch["cached_tokens"] + result.cached_tokens,
             output_tokens=batch["output_tokens"] + result.completion_tokens,
+            reasoning_tokens=batch["reasoning_tokens"] + result.reasoning_tokens,
         )
 
     def _stop(self, active: Active) -> None:

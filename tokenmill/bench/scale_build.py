@@ -67,6 +67,13 @@ def build_scale_model(
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     config = shape_config(name, num_layers=num_layers, overrides=overrides)
+    tokens = _tokenizer_vocab_size()
+    if config["vocab_size"] < tokens:  # Mixtral's 32,000: prompts' ids would not embed
+        raise ValueError(
+            f"{name}'s vocabulary of {config['vocab_size']:,} is smaller than the tokenizer's "
+            f"{tokens:,} (the embedded default model's): override vocab_size to {tokens:,} "
+            "or more"
+        )
     tensors = checkpoint_tensors(config)
     if out_dir is None:
         from tokenmill.engine import cache_dir
@@ -178,6 +185,14 @@ def _copy_tokenizer(out: Path) -> tuple[int | None, int | None]:
         shutil.copyfile(source / filename, out / filename)
     config = json.loads((source / "config.json").read_text())
     return config.get("bos_token_id"), config.get("eos_token_id")
+
+
+def _tokenizer_vocab_size() -> int:
+    """The embedded default model's vocabulary size (its tokenizer's ids lie below it)."""
+    from tokenmill.engine import DEFAULT_MODEL, resolve_model
+
+    source = Path(resolve_model(DEFAULT_MODEL))
+    return json.loads((source / "config.json").read_text())["vocab_size"]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

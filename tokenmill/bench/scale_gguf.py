@@ -3,10 +3,10 @@ values as its safetensors checkpoint, written tensor by tensor with the `gguf` p
 
 Formats: F32 and BF16 as they are, Q8_0 and Q4_0 quantized by `gguf.quants` (numpy,
 block by block, a chunk of whole rows at a time). Norms and the MoE router stay F32, as
-llama.cpp's own converter keeps them. The layout is llama.cpp's for its `llama`,
-`qwen2`, `olmoe` and `qwen3moe` architectures: llama's q/k rows reordered as its
-converter does (rotary pairs interleaved rather than split in halves), Llama 3's rope
-scaling as a `rope_freqs` tensor. A mixture-of-experts layer's per-expert projections
+llama.cpp's own converter keeps them. The layout is llama.cpp's for its `llama`
+(Mixtral too: a llama with experts), `qwen2`, `olmoe` and `qwen3moe` architectures:
+llama's q/k rows reordered as its converter does (rotary pairs interleaved rather than
+split in halves), Llama 3's rope scaling as a `rope_freqs` tensor. A mixture-of-experts layer's per-expert projections
 are written as one stacked tensor per projection (`ffn_gate_exps`, `ffn_up_exps`,
 `ffn_down_exps`: [experts, out, in] in torch's order), expert after expert, each
 expert's rows in chunks - the stack is never in memory. A MoE config llama.cpp's graph
@@ -38,7 +38,14 @@ from tokenmill.bench.scale_shapes import (
     checkpoint_tensors,
 )
 
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "olmoe": "olmoe", "qwen3_moe": "qwen3moe"}
+# model_type -> llama.cpp's architecture (Mixtral is its llama with experts).
+_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "olmoe": "olmoe",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+}
 # HF name parts -> llama.cpp's, per layer (blk.N.) or whole-model.
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -53,9 +60,22 @@ _LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "mlp.gate": "ffn_gate_inp",  # the MoE router
+    "block_sparse_moe.gate": "ffn_gate_inp",  # Mixtral's
 }
 # One expert's projection in a checkpoint; a GGUF stacks each projection's experts.
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+)
+# An expert's projection by its checkpoint name (Mixtral's w1, w3, w2) -> llama.cpp's.
+_PROJECTIONS = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
 _MODEL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -152,7 +172,7 @@ def _gguf_tensors(config: dict) -> list[_GGUFTensor]:
             groups[_gguf_name(spec.name)] = [spec]
             continue
         layer, expert, projection = match.groups()
-        stack = groups.setdefault(f"blk.{layer}.ffn_{projection}_exps.weight", [])
+        stack = groups.setdefault(f"blk.{layer}.ffn_{_PROJECTIONS[projection]}_exps.weight", [])
         if int(expert) != len(stack):  # a stack's index is the expert's id
             raise AssertionError(f"{spec.name} is not expert {len(stack)} of its stack")
         stack.append(spec)
@@ -179,6 +199,8 @@ def _check_llama_cpp_runs(config: dict) -> None:
             refused.append("clip_qkv")
         if config.get("norm_topk_prob"):
             refused.append("norm_topk_prob true")
+    if model_type == "mixtral" and config.get("sliding_window") is not None:
+        refused.append("sliding_window")  # llama.cpp's llama attends to the whole context
     if model_type == "qwen3_moe":  # llama.cpp's qwen3moe: every layer sparse, renormalised
         if not config.get("norm_topk_prob"):
             refused.append("norm_topk_prob false")
@@ -210,9 +232,11 @@ def _add_metadata(writer, config: dict, fmt: str) -> None:
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    if "num_experts" in config:
-        # OLMoE's experts are intermediate_size wide; Qwen3-MoE's have a size of their own.
-        writer.add_expert_count(config["num_experts"])
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    if num_experts is not None:
+        # OLMoE's and Mixtral's experts are intermediate_size wide; Qwen3-MoE's have a
+        # size of their own.
+        writer.add_expert_count(num_experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(
             config.get("moe_intermediate_size", config["intermediate_size"])
@@ -292,7 +316,7 @@ def _encoded_chunks(tensor: _GGUFTensor, config: dict, dtype: torch.dtype, seed:
 def _permute_heads(name: str, config: dict):
     """llama.cpp's row order for a llama q/k projection (its converter's `permute`): within
     each head, the rotary pairs interleaved instead of split in halves."""
-    if config["model_type"] != "llama":
+    if _ARCHITECTURES[config["model_type"]] != "llama":
         return None
     if name.endswith("self_attn.q_proj.weight"):
         num_heads = config["num_attention_heads"]

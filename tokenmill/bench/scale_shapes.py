@@ -4,7 +4,8 @@ checkpoint holds.
 The configs are the published `config.json` numbers of each model (vocabulary sizes
 included: a small vocabulary flatters decode, whose lm_head reads every row). Only the
 token ids differ: the built models carry the embedded default model's tokenizer
-(SmolLM2's), whose ids all lie below every vocabulary here, so bos/eos come from it.
+(SmolLM2's), whose ids all lie below every vocabulary here but Mixtral's 32,000 (built
+only with vocab_size overridden to 49,152 or more), so bos/eos come from it.
 
 `checkpoint_tensors` lists every tensor of the checkpoint as transformers saves it (HF
 names, [out, in] weights, one tensor per expert) - the one place the builder, the GGUF
@@ -125,6 +126,24 @@ SHAPES: dict[str, dict] = {
         "attention_bias": False,
         "use_sliding_window": False,
     },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "sliding_window": None,
+    },
 }
 SHAPE_NAMES = tuple(SHAPES)
 # The file a built scale model's directory holds (shape, seed, build version).
@@ -140,6 +159,7 @@ SHRINKABLE = (
     "num_key_value_heads",
     "head_dim",
     "num_experts",
+    "num_local_experts",  # Mixtral's num_experts
     "num_experts_per_tok",
     "vocab_size",
 )
@@ -192,7 +212,7 @@ def checkpoint_tensors(config: dict) -> list[TensorSpec]:
         ValueError: a model_type this list does not know.
     """
     model_type = config["model_type"]
-    if model_type not in ("llama", "qwen2", "olmoe", "qwen3_moe"):
+    if model_type not in ("llama", "qwen2", "olmoe", "qwen3_moe", "mixtral"):
         raise ValueError(f"no checkpoint layout for model_type {model_type!r}")
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     num_heads, num_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -234,6 +254,16 @@ def checkpoint_tensors(config: dict) -> list[TensorSpec]:
 def _mlp_tensors(config: dict, layer: int, prefix: str) -> list[TensorSpec]:
     """A layer's MLP: dense gate/up/down, or a router and one gate/up/down per expert."""
     hidden = config["hidden_size"]
+    if config["model_type"] == "mixtral":  # its own names: w1 (gate), w3 (up), w2 (down)
+        inter, moe = config["intermediate_size"], prefix.replace(".mlp.", ".block_sparse_moe.")
+        tensors = [TensorSpec(moe + "gate.weight", (config["num_local_experts"], hidden), "normal")]
+        for e in range(config["num_local_experts"]):
+            tensors += [
+                TensorSpec(f"{moe}experts.{e}.w1.weight", (inter, hidden), "normal"),
+                TensorSpec(f"{moe}experts.{e}.w3.weight", (inter, hidden), "normal"),
+                TensorSpec(f"{moe}experts.{e}.w2.weight", (hidden, inter), "normal"),
+            ]
+        return tensors
     if _is_sparse(config, layer):
         # OLMoE's experts are intermediate_size wide; Qwen3-MoE's have a size of their own.
         inter = config.get("moe_intermediate_size", config["intermediate_size"])

@@ -18,6 +18,7 @@ from tokenmill.batch_api.schemas import (
     BatchList,
     BatchUsage,
     InputTokensDetails,
+    OutputTokensDetails,
     RequestCounts,
 )
 
@@ -30,6 +31,7 @@ def batch_object(row: dict) -> Batch:
         input_tokens=row["input_tokens"],
         input_tokens_details=InputTokensDetails(cached_tokens=row["cached_tokens"]),
         output_tokens=row["output_tokens"],
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=row["reasoning_tokens"]),
         total_tokens=row["input_tokens"] + row["output_tokens"],
     )
     return Batch(
@@ -113,6 +115,7 @@ def create_batch(
         input_tokens=0,
         cached_tokens=0,
         output_tokens=0,
+        reasoning_tokens=0,
         work_removed=0,
     )
     request.app.state.runner.wake()
