@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 21
+ABI_VERSION = 22
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -343,7 +343,7 @@ class MoEArgs(ctypes.Structure):
         ("num_experts", _i64),
         ("hidden", _i64),
         ("inter", _i64),
-        ("pad_cols", _i64),
+        ("panel_cols", _i64),
         ("is_bf16", _i32),
         ("weight_format", _i32),
         ("activation", _i32),

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 21
+#define TM_ABI_VERSION 22
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -466,10 +466,10 @@ int tm_packed_matvec_vector(void);
  * Every row's top_k experts' gated MLPs, weighted and summed back into the row:
  *     out[t] = sum_j expert_weights[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])),
  * e = expert_ids[t, j] (distinct within a row), the terms added in ascending e. Weights
- * packed as moe.c's header states (engine/kernels/moe.py packs them), each projection's
- * columns followed by pad_cols readable columns (AMX tiles read whole 64-column bands:
- * bf16 builds with AMX need pad_cols >= 64). */
+ * packed as moe.c's header states (engine/kernels/moe.py packs them): each projection's
+ * output columns in panels of TM_MOE_PANEL_COLS, each panel's k-rows contiguous. */
 #define TM_MOE_MAX_TOP_K 32
+#define TM_MOE_PANEL_COLS 64
 enum {
     TM_MOE_ISA_GENERIC = 0,     /* plain loops */
     TM_MOE_ISA_AVX512_BF16 = 1, /* AVX-512 FMA in fp32, vdpbf16ps in bf16 */
@@ -485,8 +485,8 @@ typedef struct {
     const float *expert_weights; /* [rows, top_k] */
     const void *gate_up;         /* packed [num_experts] gate and up projections */
     const void *down;            /* packed [num_experts] down projections */
-    const void *gate_up_scales;  /* TM_MOE_INT8: fp32 [num_experts][2 * inter]; INT4, MXFP4: moe.c's */
-    const void *down_scales;     /* TM_MOE_INT8: fp32 [num_experts][hidden]; INT4, MXFP4: moe.c's */
+    const void *gate_up_scales;  /* TM_MOE_INT8, INT4, MXFP4: per panel, moe.c's */
+    const void *down_scales;
     const float *gate_up_bias;   /* [num_experts][2 * inter] (gate's, then up's), or NULL */
     const float *down_bias;      /* [num_experts][hidden], or NULL */
     void *out;                   /* [rows, hidden], x's type */
@@ -495,7 +495,7 @@ typedef struct {
     int64_t num_experts;
     int64_t hidden;              /* <= TM_MAX_ROW_DIM; even in bf16 */
     int64_t inter;               /* each expert's intermediate size; even in bf16 */
-    int64_t pad_cols;
+    int64_t panel_cols;          /* TM_MOE_PANEL_COLS: the packing's panel width */
     int32_t is_bf16;
     int32_t weight_format;       /* TM_MOE_* */
     int32_t activation;          /* TM_GATED_SILU, TM_GATED_GELU_TANH or TM_GATED_CLAMPED_SWIGLU */

@@ -9,44 +9,49 @@
  * The pairs are counting-sorted by expert, so that each expert's rows are one contiguous
  * run (its tokens in ascending order), and gathered; then three phases, each one OpenMP
  * loop, with a barrier between:
- *   A  h = act(xs @ gate^T) * (xs @ up^T)  - an item is one expert and 32 of its
- *      intermediate columns, over all of the expert's rows: its gate and up columns are
- *      read once per call whatever the rows (a decode step reads each expert it uses
- *      once), and stay in L2 while a prompt's rows pass over them;
- *   B  y = h @ down^T (fp32)               - an item is one expert and 32 hidden columns;
+ *   A  h = act(xs @ gate^T) * (xs @ up^T)  - an item is one expert and one panel of its
+ *      gate_up weights (32 intermediate columns of gate and of up), over all of the
+ *      expert's rows: the panel is read once per call whatever the rows (a decode step
+ *      reads each expert it uses once), and stays in L2 while a prompt's rows pass over it;
+ *   B  y = h @ down^T (fp32)               - an item is one expert and one panel of its
+ *      down weights (64 hidden columns);
  *   C  out[t] = the weighted sum of t's rows of y, in ascending expert order (as
  *      transformers' loop over experts adds them), rounded once to out's type.
  * No expert is padded to the busiest one's rows, and no item exists for an expert no row
  * chose. Items differ in rows, so they are dealt out dynamically.
  *
- * Weights, packed once at load (engine/kernels/moe.py), k-major so that a vector load
- * takes 16 output columns:
- *   fp32  gate_up [E][hidden][2 * inter] (columns: the inter gate ones, then the up ones),
- *         down [E][inter][hidden];
- *   bf16  the same in pairs of k, as vdpbf16ps and AMX tiles take them:
- *         gate_up [E][hidden / 2][2 * inter][2], down [E][inter / 2][hidden][2].
- *   int8  (weight_format TM_MOE_INT8, x fp32 or bf16) gate_up [E][hidden][2 * inter] and
- *         down [E][inter][hidden] as int8, each output column with its fp32 scale
- *         (gate_up_scales [E][2 * inter], down_scales [E][hidden]): a weight is q * scale.
- *         The products sum q in fp32 and the column's scale multiplies the sum once.
- *   int4  (TM_MOE_INT4, x fp32 or bf16) the same k-major rows of pad_cols more columns,
- *         two columns a byte (the even one in the low nibble); each group of 32 k-rows
- *         keeps a bf16 scale and minimum per column (gate_up_scales [E][hidden / 32][2]
- *         [2 * inter + pad_cols], down_scales [E][inter / 32][2][hidden + pad_cols]: the
- *         scale row, then the minimum row): a weight is q * scale + minimum, formed in
- *         fp32 before its product.
- *   mxfp4 (TM_MOE_MXFP4, x fp32 or bf16; the OCP MX format gpt-oss ships) int4's k-major
- *         layout of nibbles, each an e2m1 code (sign, two exponent bits, one mantissa
- *         bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), and per group of 32 k-rows
- *         one e8m0 byte per column (gate_up_scales [E][hidden / 32][2 * inter + pad_cols],
- *         down_scales [E][inter / 32][hidden + pad_cols]): a weight is e2m1(q) * 2^(e - 127),
+ * Weights, packed once at load (engine/kernels/moe.py), in panels of TM_MOE_PANEL_COLS (64)
+ * output columns: gate_up's panel j holds gate columns [32j, 32j + 32) then the same up
+ * columns, down's panel j hidden columns [64j, 64j + 64); pads are zero weights. Each
+ * panel's k-rows are one contiguous block, so an item streams one block of memory (rows of
+ * every column put an item's next k-row pages away, where the prefetchers do not follow,
+ * and a decode step ran at a fraction of the memory's bandwidth). An expert's panels
+ * follow each other; a panel of k rows is
+ *   fp32  [k][64];
+ *   bf16  [k / 2][64][2]: pairs of k, as vdpbf16ps and AMX tiles take them;
+ *   int8  (weight_format TM_MOE_INT8, x fp32 or bf16) [k][64] int8, each column with its
+ *         fp32 scale (scales [E][panel][64]): a weight is q * scale. The products sum q in
+ *         fp32 and the column's scale multiplies the sum once.
+ *   int4  (TM_MOE_INT4, x fp32 or bf16) [k][32] bytes, two columns a byte (the even one in
+ *         the low nibble); each group of 32 k-rows keeps a bf16 scale and minimum per
+ *         column (scales [E][panel][k / 32][2][64]: the scale row, then the minimum row):
+ *         a weight is q * scale + minimum, formed in fp32 before its product.
+ *   mxfp4 (TM_MOE_MXFP4, x fp32 or bf16; the OCP MX format gpt-oss ships) int4's layout of
+ *         nibbles, each an e2m1 code (sign, two exponent bits, one mantissa bit: 0, 0.5, 1,
+ *         1.5, 2, 3, 4, 6 and their negatives), and per group of 32 k-rows one e8m0 byte
+ *         per column (scales [E][panel][k / 32][64]): a weight is e2m1(q) * 2^(e - 127),
  *         exact in fp32, so the sums are the fp32 path's over the dequantized weights.
  * Sums are fp32. bf16 rounds gate and up to bf16 before the activation, and h after it,
  * as transformers' bf16 forward does; y stays fp32 until the weighted sum.
  *
  * Builds with AVX512-BF16 multiply on vector tiles (vdpbf16ps; fp32: AVX-512 FMA), and bf16
  * runs of 16 rows or more on AMX tiles where Linux grants them; other builds run plain
- * loops that compute the same sums.
+ * loops that compute the same sums. With bf16 activations, quantized weights of an expert
+ * with runs of 16 rows are widened to bf16 once per item (a panel, in L2) and taken by
+ * AMX tiles too: int8 codes exactly (their scales multiply the sums after), int4 and
+ * mxfp4 weights rounded to bf16 (a relative 2^-9, below bf16 activations' own rounding).
+ * A prompt's rows then run at the matmul peak instead of converting every weight once per
+ * 6 rows.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -61,6 +66,11 @@
 #define NB 32 /* output columns per item: two vectors of 16 */
 #define MR 6  /* rows per vector tile: 4 accumulators a row in phase A, 24 in all */
 #define AMX_ROWS 16
+/* Runs this long go on AMX tiles: a tile takes 16 rows (the run's, then the following
+ * rows of xs or h, or their zeroed slack, whose sums are dropped); fewer rows than this
+ * use the vector path, which reads the weights at the same bandwidth without widening a
+ * quantized panel first. */
+#define AMX_MIN_ROWS 4
 #define TILE_ROWS_MAX 16 /* the larger of MR and AMX_ROWS: rows of a tile's sums */
 
 /* One product's operands: rows [row, row + mr) of x times columns of w. */
@@ -119,15 +129,19 @@ static inline __m512 bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-/* int4 weights of columns [c, c + 16) of k-row i, as fp32 (q * scale + minimum). */
-static inline __m512 int4x16(const operands *o, int64_t i, int64_t c) {
+/* int4 codes of columns [c, c + 16) of k-row i, as fp32. */
+static inline __m512 codes_x16(const operands *o, int64_t i, int64_t c) {
     const uint8_t *bytes = (const uint8_t *)o->w + i * (o->ldw / 2) + c / 2;
     const __m128i packed = _mm_loadl_epi64((const __m128i *)bytes);
     const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(15));
     const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(15));
-    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+}
+
+/* int4 weights of columns [c, c + 16) of k-row i, as fp32 (q * scale + minimum). */
+static inline __m512 int4x16(const operands *o, int64_t i, int64_t c) {
     const uint16_t *group = o->groups + (i / 32) * 2 * o->ldw;
-    return _mm512_fmadd_ps(q, bf16x16(group + c), bf16x16(group + o->ldw + c));
+    return _mm512_fmadd_ps(codes_x16(o, i, c), bf16x16(group + c), bf16x16(group + o->ldw + c));
 }
 
 /* mxfp4 weights of columns [c, c + 16) of k-row i, as fp32 (e2m1(q) * 2^(e - 127)). */
@@ -174,7 +188,7 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
                 for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
             }
         }
-    } else if (o->e8m0) { /* padded as int4's below */
+    } else if (o->e8m0) { /* whole panels, as int4's below */
         for (int64_t i = 0; i < o->k; i++) {
             __m512 wv[4];
             wv[0] = mxfp4x16(o, i, col);
@@ -189,19 +203,21 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
             }
         }
     } else if (o->groups) {
-        /* The packing pads each k-row with readable columns: no masks needed; columns past
-         * `left` are computed and not used. */
-        for (int64_t i = 0; i < o->k; i++) {
-            __m512 wv[4];
-            wv[0] = int4x16(o, i, col);
-            wv[1] = int4x16(o, i, col + 16);
-            if (nw > 1) {
-                wv[2] = int4x16(o, i, second);
-                wv[3] = int4x16(o, i, second + 16);
-            }
-            for (int r = 0; r < mr; r++) {
-                const __m512 xv = _mm512_set1_ps(value_at(o->x, (row + r) * ldx + i, o->is_bf16));
-                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+        /* Panels are whole 64 columns: no masks needed; columns past `left` are computed
+         * and not used. */
+        const int64_t at[4] = {col, col + 16, second, second + 16};
+        for (int64_t g = 0; g < o->k; g += 32) { /* a group's scales and minimums, read once */
+            const uint16_t *group = o->groups + (g / 32) * 2 * ldw;
+            __m512 scale[4], minimum[4];
+            for (int v = 0; v < 2 * nw; v++)
+                scale[v] = bf16x16(group + at[v]), minimum[v] = bf16x16(group + ldw + at[v]);
+            for (int64_t i = g; i < g + 32; i++) {
+                __m512 wv[4];
+                for (int v = 0; v < 2 * nw; v++) wv[v] = _mm512_fmadd_ps(codes_x16(o, i, at[v]), scale[v], minimum[v]);
+                for (int r = 0; r < mr; r++) {
+                    const __m512 xv = _mm512_set1_ps(value_at(o->x, (row + r) * ldx + i, o->is_bf16));
+                    for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+                }
             }
         }
     } else if (o->is_bf16) {
@@ -314,9 +330,9 @@ static void configure_full_tiles(void) {
     tm_configure_tiles(rows, bytes);
 }
 
-/* sums[r][0..64) for 16 rows from `row`: columns [col, col + 32) then (nw == 2) [second,
- * second + 32), or [col, col + 64) where nw == 1 and second == col + 32. Columns past the
- * weights' end must be readable (the packing pads each block to whole tiles). */
+/* sums[r][0..64) for 16 rows from `row`: columns [col, col + 16) and [col + 16, col + 32),
+ * then [second, second + 32); the callers pass a whole panel (col 0, second 32), so every
+ * column read is in it (pads included). */
 static void amx_tile(const operands *o, int64_t row, int64_t col, int64_t second, float (*sums)[2 * NB]) {
     const uint16_t *x = (const uint16_t *)o->x + row * o->ldx;
     const uint16_t *w = (const uint16_t *)o->w;
@@ -335,12 +351,44 @@ static void amx_tile(const operands *o, int64_t row, int64_t col, int64_t second
     _tile_stored(2, sums[0] + 32, sizeof sums[0]);
     _tile_stored(3, sums[0] + 48, sizeof sums[0]);
 }
+
+/* 16 quantized weights of columns [c, c + 16) of k-row i, as fp32: int8 codes (unscaled),
+ * int4 and mxfp4 values. */
+static inline __m512 quantized_x16(const operands *o, int64_t i, int64_t c) {
+    if (o->scales)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)o->w + i * o->ldw + c))));
+    return o->groups ? int4x16(o, i, c) : mxfp4x16(o, i, c);
+}
+
+/* A quantized panel's weights as bf16 pairs, [k / 2][64][2] (AMX's layout, into `out`):
+ * int8 codes exactly, int4 and mxfp4 values rounded to nearest even. */
+static void widen_panel(const operands *o, uint16_t *out) {
+    /* [row i's 16 values, row i + 1's 16] -> i's and i + 1's side by side, column by column */
+    static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_loadu_si512(interleave);
+    for (int64_t i = 0; i < o->k; i += 2)
+        for (int64_t c = 0; c < TM_MOE_PANEL_COLS; c += 16) {
+            const __m512bh both = _mm512_cvtne2ps_pbh(quantized_x16(o, i + 1, c), quantized_x16(o, i, c));
+            _mm512_storeu_si512(out + ((i / 2) * TM_MOE_PANEL_COLS + c) * 2,
+                                _mm512_permutexvar_epi16(order, (__m512i)both));
+        }
+}
+
+/* sums[r][0..64) for 16 rows from `row` over a quantized panel: widened into `wide` once
+ * per item (*widened), then on AMX tiles; int8's scales still to multiply (scale_sums). */
+static void amx_quantized_tile(const operands *o, int64_t row, uint16_t *wide, int *widened,
+                               float (*sums)[2 * NB]) {
+    if (!*widened) widen_panel(o, wide), *widened = 1;
+    const operands bf16 = {.x = o->x, .ldx = o->ldx, .w = wide, .ldw = TM_MOE_PANEL_COLS, .k = o->k, .is_bf16 = 1};
+    amx_tile(&bf16, row, 0, NB, sums);
+}
 #endif
 
 /* ---- the call ------------------------------------------------------------------------ */
 
 typedef struct {
-    int64_t expert, col;
+    int64_t expert, panel;
 } item;
 
 typedef struct {
@@ -352,7 +400,15 @@ typedef struct {
     void *h;            /* [R][inter], x's type */
     float *y;           /* [R][hidden] */
     int amx;            /* bf16 runs of 16 rows on AMX tiles */
+    int amx_quantized;  /* the same over quantized panels widened to bf16 */
 } problem;
+
+/* A thread's state across items: whether its AMX tiles are configured, and its buffer for
+ * a quantized panel widened to bf16 ([max(hidden, inter) / 2][64][2], or NULL). */
+typedef struct {
+    int tiles_on;
+    uint16_t *wide;
+} worker;
 
 static int64_t value_bytes(const tm_moe_args *a) { return a->is_bf16 ? 2 : 4; }
 
@@ -362,18 +418,28 @@ static int is_mxfp4(const tm_moe_args *a) { return a->weight_format == TM_MOE_MX
 /* Two columns a byte, in groups of 32 k-rows. */
 static int is_nibbles(const tm_moe_args *a) { return is_int4(a) || is_mxfp4(a); }
 
-/* The columns a projection's k-rows hold beyond its own: float bf16 weights carry
- * pad_cols readable columns for AMX tiles, int4 and mxfp4 weights for unmasked 16-column
- * reads. */
-static int64_t row_pad(const tm_moe_args *a) {
-    return is_nibbles(a) || (a->is_bf16 && a->weight_format == TM_MOE_FLOAT) ? a->pad_cols : 0;
+/* Bytes of one panel of k rows. */
+static int64_t panel_bytes(const tm_moe_args *a, int64_t k) {
+    if (is_nibbles(a)) return k * TM_MOE_PANEL_COLS / 2;
+    return k * TM_MOE_PANEL_COLS * (is_int8(a) ? 1 : value_bytes(a));
 }
 
-/* Bytes of one expert's projection of k rows of ldw columns. */
-static int64_t expert_bytes(const tm_moe_args *a, int64_t k, int64_t ldw) {
-    if (is_nibbles(a)) return k * ldw / 2;
-    return k * ldw * (is_int8(a) ? 1 : value_bytes(a));
+/* The operands of expert e's panel j of a projection of k rows (panels of them each). */
+static operands panel_operands(const tm_moe_args *a, const void *x, int64_t ldx, const void *w,
+                               const void *scales, int64_t k, int64_t panels, int64_t e, int64_t j) {
+    const int64_t at = e * panels + j, groups = k / 32;
+    return (operands){
+        .x = x, .ldx = ldx,
+        .w = (const char *)w + at * panel_bytes(a, k), .ldw = TM_MOE_PANEL_COLS,
+        .k = k, .is_bf16 = a->is_bf16,
+        .scales = is_int8(a) ? (const float *)scales + at * TM_MOE_PANEL_COLS : NULL,
+        .groups = is_int4(a) ? (const uint16_t *)scales + at * groups * 2 * TM_MOE_PANEL_COLS : NULL,
+        .e8m0 = is_mxfp4(a) ? (const uint8_t *)scales + at * groups * TM_MOE_PANEL_COLS : NULL,
+    };
 }
+
+static int64_t gate_up_panels(const tm_moe_args *a) { return (a->inter + NB - 1) / NB; }
+static int64_t down_panels(const tm_moe_args *a) { return (a->hidden + 2 * NB - 1) / (2 * NB); }
 
 /* Int8 weights: sums[r][b * NB + j] times the scale of its column (b = 0: from col, 1:
  * from second). */
@@ -409,36 +475,45 @@ static inline float gated(const tm_moe_args *a, float gate, float up) {
     return (a->activation == TM_GATED_GELU_TANH ? gelu_tanh_of(gate) : silu_of(gate)) * up;
 }
 
-/* Phase A for one item: every row of its expert, its 32 intermediate columns. */
-static void gate_up_item(const problem *p, item it, int *tiles_on) {
+/* A 16-row AMX tile of sums over panel o from `row`, where this problem takes it: returns
+ * the rows of the run it computed (at most 16), or 0 where the vector path must (a shorter
+ * run, k no multiple of 32). */
+static int64_t amx_rows(const problem *p, const operands *o, int64_t row, int64_t rows, worker *wk,
+                        int *widened, float (*sums)[2 * NB]) {
+#ifdef MOE_AMX
+    if (rows < AMX_MIN_ROWS || o->k % 32) return 0;
+    if (p->amx || (p->amx_quantized && wk->wide)) {
+        if (!wk->tiles_on) configure_full_tiles(), wk->tiles_on = 1;
+        if (p->amx)
+            amx_tile(o, row, 0, NB, sums);
+        else
+            amx_quantized_tile(o, row, wk->wide, widened, sums);
+        return rows < AMX_ROWS ? rows : AMX_ROWS;
+    }
+#endif
+    (void)p, (void)o, (void)row, (void)rows, (void)wk, (void)widened, (void)sums;
+    return 0;
+}
+
+/* Phase A for one item: every row of its expert, its panel's 32 intermediate columns. */
+static void gate_up_item(const problem *p, item it, worker *wk) {
     const tm_moe_args *a = p->a;
-    const int64_t e = it.expert, col = it.col, inter = a->inter;
+    const int64_t e = it.expert, col = it.panel * NB, inter = a->inter;
     const int64_t left = inter - col < NB ? inter - col : NB;
-    const int64_t ldw = 2 * inter + row_pad(a);
-    const operands o = {
-        .x = p->xs, .ldx = a->hidden,
-        .w = (const char *)a->gate_up + e * expert_bytes(a, a->hidden, ldw), .ldw = ldw,
-        .k = a->hidden, .is_bf16 = a->is_bf16,
-        .scales = is_int8(a) ? (const float *)a->gate_up_scales + e * 2 * inter : NULL,
-        .groups = is_int4(a) ? (const uint16_t *)a->gate_up_scales + e * (a->hidden / 32) * 2 * ldw : NULL,
-        .e8m0 = is_mxfp4(a) ? (const uint8_t *)a->gate_up_scales + e * (a->hidden / 32) * ldw : NULL,
-    };
+    const operands o = panel_operands(a, p->xs, a->hidden, a->gate_up, a->gate_up_scales, a->hidden,
+                                      gate_up_panels(a), e, it.panel);
     float sums[TILE_ROWS_MAX][2 * NB];
+    int widened = 0;
     for (int64_t row = p->starts[e]; row < p->starts[e + 1];) {
         int64_t rows = p->starts[e + 1] - row;
-#ifdef MOE_AMX
-        if (p->amx && rows >= AMX_ROWS && a->hidden % 32 == 0) {
-            if (!*tiles_on) configure_full_tiles(), *tiles_on = 1;
-            rows = AMX_ROWS;
-            amx_tile(&o, row, col, inter + col, sums);
-        } else
-#endif
-        {
+        const int64_t on_tiles = amx_rows(p, &o, row, rows, wk, &widened, sums);
+        if (on_tiles) {
+            rows = on_tiles;
+        } else {
             rows = rows < MR ? rows : MR;
-            tile(&o, row, (int)rows, col, inter + col, left, 2, sums);
-            scale_sums(&o, (int)rows, col, inter + col, left, 2, sums);
+            tile(&o, row, (int)rows, 0, NB, left, 2, sums);
         }
-        (void)tiles_on;
+        scale_sums(&o, (int)rows, 0, NB, left, 2, sums);
         const float *bias = a->gate_up_bias ? a->gate_up_bias + e * 2 * inter : NULL;
         for (int64_t r = 0; r < rows; r++) {
             float out[NB];
@@ -451,43 +526,30 @@ static void gate_up_item(const problem *p, item it, int *tiles_on) {
     }
 }
 
-/* Phase B for one item: every row of its expert, its hidden columns (64 where runs of 16
- * rows go on AMX tiles, else 32), into y. */
-static void down_item(const problem *p, item it, int *tiles_on) {
-    (void)tiles_on;
+/* Phase B for one item: every row of its expert, its panel's 64 hidden columns, into y. */
+static void down_item(const problem *p, item it, worker *wk) {
     const tm_moe_args *a = p->a;
-    const int64_t e = it.expert, col = it.col, hidden = a->hidden;
-    const int64_t width = p->amx ? 2 * NB : NB;
-    const int64_t left = hidden - col < width ? hidden - col : width;
-    const int64_t ldw = hidden + row_pad(a);
-    const operands o = {
-        .x = p->h, .ldx = a->inter,
-        .w = (const char *)a->down + e * expert_bytes(a, a->inter, ldw), .ldw = ldw,
-        .k = a->inter, .is_bf16 = a->is_bf16,
-        .scales = is_int8(a) ? (const float *)a->down_scales + e * hidden : NULL,
-        .groups = is_int4(a) ? (const uint16_t *)a->down_scales + e * (a->inter / 32) * 2 * ldw : NULL,
-        .e8m0 = is_mxfp4(a) ? (const uint8_t *)a->down_scales + e * (a->inter / 32) * ldw : NULL,
-    };
+    const int64_t e = it.expert, col = it.panel * 2 * NB, hidden = a->hidden;
+    const int64_t left = hidden - col < 2 * NB ? hidden - col : 2 * NB;
+    const operands o = panel_operands(a, p->h, a->inter, a->down, a->down_scales, a->inter,
+                                      down_panels(a), e, it.panel);
     float sums[TILE_ROWS_MAX][2 * NB];
+    int widened = 0;
     for (int64_t row = p->starts[e]; row < p->starts[e + 1];) {
         int64_t rows = p->starts[e + 1] - row;
-#ifdef MOE_AMX
-        if (p->amx && rows >= AMX_ROWS && a->inter % 32 == 0) {
-            if (!*tiles_on) configure_full_tiles(), *tiles_on = 1;
-            rows = AMX_ROWS;
-            amx_tile(&o, row, col, col + 32, sums); /* 64 columns: this item's and the next's */
-        } else
-#endif
-        {
+        const int64_t on_tiles = amx_rows(p, &o, row, rows, wk, &widened, sums);
+        if (on_tiles) {
+            rows = on_tiles;
+        } else {
             rows = rows < MR ? rows : MR;
             for (int64_t half = 0; half < left; half += NB) {
                 float part[MR][2 * NB];
                 const int64_t cols = left - half < NB ? left - half : NB;
-                tile(&o, row, (int)rows, col + half, col + half, cols, 1, part);
-                scale_sums(&o, (int)rows, col + half, col + half, cols, 1, part);
+                tile(&o, row, (int)rows, half, half, cols, 1, part);
                 for (int64_t r = 0; r < rows; r++) memcpy(sums[r] + half, part[r], (size_t)cols * 4);
             }
         }
+        scale_sums(&o, (int)rows, 0, 0, left, 1, sums);
         const float *bias = a->down_bias ? a->down_bias + e * hidden + col : NULL;
         for (int64_t r = 0; r < rows; r++) {
             if (bias)
@@ -526,18 +588,14 @@ static void combine_token(const problem *p, int64_t t, float *acc) {
 
 static int check(const tm_moe_args *a) {
     if (a->rows < 0 || a->top_k < 1 || a->top_k > TM_MOE_MAX_TOP_K || a->top_k > a->num_experts ||
-        a->hidden <= 0 || a->inter <= 0 || a->hidden > TM_MAX_ROW_DIM || a->pad_cols < 0)
+        a->hidden <= 0 || a->inter <= 0 || a->hidden > TM_MAX_ROW_DIM || a->panel_cols != TM_MOE_PANEL_COLS)
         return TM_UNSUPPORTED_SHAPE;
     if (a->is_bf16 && (a->hidden % 2 || a->inter % 2)) return TM_UNSUPPORTED_SHAPE;
     if (a->activation < TM_GATED_SILU || a->activation > TM_GATED_CLAMPED_SWIGLU) return TM_UNSUPPORTED_SHAPE;
     if (a->weight_format != TM_MOE_FLOAT && !is_int8(a) && !is_nibbles(a)) return TM_UNSUPPORTED_SHAPE;
     if ((is_int8(a) || is_nibbles(a)) && (!a->gate_up_scales || !a->down_scales)) return TM_UNSUPPORTED_SHAPE;
-    /* int4, mxfp4: groups of 32 k-rows, two columns a byte, 32 readable columns past each row's. */
-    if (is_nibbles(a) && (a->hidden % 32 || a->inter % 32 || a->pad_cols < 32 || a->pad_cols % 2))
-        return TM_UNSUPPORTED_SHAPE;
-    /* AMX tiles read whole 64-column bands: the packing pads the columns it may reach. */
-    if (a->is_bf16 && a->weight_format == TM_MOE_FLOAT && amx_usable() && a->pad_cols < 64)
-        return TM_UNSUPPORTED_SHAPE;
+    /* int4, mxfp4: groups of 32 k-rows. */
+    if (is_nibbles(a) && (a->hidden % 32 || a->inter % 32)) return TM_UNSUPPORTED_SHAPE;
     for (int64_t i = 0; i < a->rows * a->top_k; i++)
         if (a->expert_ids[i] < 0 || a->expert_ids[i] >= a->num_experts) return TM_UNSUPPORTED_SHAPE;
     return TM_OK;
@@ -548,14 +606,20 @@ int tm_moe(const tm_moe_args *a) {
     if (status != TM_OK || a->rows == 0) return status;
     const int64_t E = a->num_experts, k = a->top_k, pairs = a->rows * k;
     const int64_t hidden = a->hidden, inter = a->inter, vb = value_bytes(a);
-    problem p = {.a = a, .amx = a->is_bf16 && a->weight_format == TM_MOE_FLOAT && amx_usable()};
+    const int amx = a->is_bf16 && amx_usable();
+    problem p = {.a = a, .amx = amx && a->weight_format == TM_MOE_FLOAT,
+                 .amx_quantized = amx && a->weight_format != TM_MOE_FLOAT};
     p.starts = calloc((size_t)(E + 1), sizeof(int64_t));
     p.token_of = malloc((size_t)pairs * sizeof(int64_t));
     p.sorted_of = malloc((size_t)pairs * sizeof(int64_t));
-    p.xs = malloc((size_t)(pairs * hidden * vb));
-    p.h = malloc((size_t)(pairs * inter * vb));
+    /* AMX_ROWS rows of slack after xs and h, zeroed: a tile over a run's last rows reads
+     * 16 rows. */
+    p.xs = malloc((size_t)((pairs + AMX_ROWS) * hidden * vb));
+    p.h = malloc((size_t)((pairs + AMX_ROWS) * inter * vb));
+    if (p.xs) memset((char *)p.xs + pairs * hidden * vb, 0, (size_t)(AMX_ROWS * hidden * vb));
+    if (p.h) memset((char *)p.h + pairs * inter * vb, 0, (size_t)(AMX_ROWS * inter * vb));
     p.y = malloc((size_t)(pairs * hidden) * sizeof(float));
-    const int64_t blocks_a = (inter + NB - 1) / NB, blocks_b = (hidden + NB - 1) / NB;
+    const int64_t blocks_a = gate_up_panels(a), blocks_b = down_panels(a);
     item *items = malloc((size_t)(E * (blocks_a + blocks_b) + 1) * sizeof(item));
     int failed = !p.starts || !p.token_of || !p.sorted_of || !p.xs || !p.h || !p.y || !items;
     if (!failed) {
@@ -580,25 +644,26 @@ int tm_moe(const tm_moe_args *a) {
     if (!failed) {
         for (int64_t e = 0; e < E; e++)
             if (p.starts[e + 1] > p.starts[e])
-                for (int64_t b = 0; b < blocks_a; b++) items[num_a++] = (item){e, b * NB};
+                for (int64_t b = 0; b < blocks_a; b++) items[num_a++] = (item){e, b};
         item *down_items = items + num_a;
         for (int64_t e = 0; e < E; e++)
             if (p.starts[e + 1] > p.starts[e])
-                /* AMX items take 64 columns; vector items 32. */
-                for (int64_t b = 0; b < blocks_b; b += p.amx ? 2 : 1) down_items[num_b++] = (item){e, b * NB};
+                for (int64_t b = 0; b < blocks_b; b++) down_items[num_b++] = (item){e, b};
         const int threads = a->num_threads > 1 && pairs * hidden * inter >= (1 << 16) ? a->num_threads : 1;
 #pragma omp parallel num_threads(threads)
         {
-            int tiles_on = 0;
+            worker wk = {0};
+            if (p.amx_quantized) /* NULL on failure: the vector path serves */
+                wk.wide = malloc((size_t)((hidden > inter ? hidden : inter) * TM_MOE_PANEL_COLS) * sizeof(uint16_t));
             float *acc = malloc((size_t)hidden * sizeof(float));
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < pairs; r++)
                 memcpy((char *)p.xs + r * hidden * vb, (const char *)a->x + p.token_of[r] * hidden * vb,
                        (size_t)(hidden * vb));
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < num_a; i++) gate_up_item(&p, items[i], &tiles_on);
+            for (int64_t i = 0; i < num_a; i++) gate_up_item(&p, items[i], &wk);
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < num_b; i++) down_item(&p, down_items[i], &tiles_on);
+            for (int64_t i = 0; i < num_b; i++) down_item(&p, down_items[i], &wk);
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < a->rows; t++) {
                 if (acc) combine_token(&p, t, acc);
@@ -608,8 +673,9 @@ int tm_moe(const tm_moe_args *a) {
                 failed = 1;
             }
 #ifdef MOE_AMX
-            if (tiles_on) _tile_release();
+            if (wk.tiles_on) _tile_release();
 #endif
+            free(wk.wide);
             free(acc);
         }
     }

@@ -15,11 +15,17 @@ from tokenmill.engine.kernels.interface import MoEArgs, check_status
 DTYPES = (torch.float32, torch.bfloat16)
 # kernels.h TM_MOE_*: how the experts' weights are stored, by name.
 WEIGHT_FORMATS = {"float": 0, "int8": 1, "int4": 2, "mxfp4": 3}
-# int4: k-rows per group sharing a scale and a minimum, and the readable columns after
-# each row (the kernel reads 16 columns at a time unmasked).
+# int4: k-rows per group sharing a scale and a minimum.
 INT4_GROUP = 32
 MXFP4_BLOCK = 32  # MXFP4: inputs sharing one e8m0 scale
-_INT4_PAD_COLS = 32
+# Output columns per panel (kernels.h TM_MOE_PANEL_COLS): each projection's columns are
+# stored in panels of 64, each panel's k-rows one contiguous block, so that one work item
+# of the kernel streams one block of memory (a k-major row of all columns put the next
+# k-row of an item a page away, and the hardware prefetchers do not cross pages). A
+# gate_up panel holds 32 gate columns then the same 32 up ones; a down panel 64 hidden
+# columns. Pads are zero weights, their outputs computed and dropped.
+PANEL_COLS = 64
+_HALF_PANEL = PANEL_COLS // 2
 # MXFP4's e2m1 codes 0..15 -> their values (sign bit, 2 exponent bits, 1 mantissa bit),
 # as moe.c's E2M1 table.
 E2M1_VALUES = (
@@ -43,8 +49,6 @@ E2M1_VALUES = (
 # kernels.h TM_GATED_*: the gated activations tm_moe computes, by their HF config name
 # (gpt-oss's clamped SwiGLU by ours: it has none).
 ACTIVATIONS = {"silu": 1, "gelu_pytorch_tanh": 2, "clamped_swiglu": 3}
-# Readable columns after each bf16 projection: AMX tiles read whole 64-column bands.
-_BF16_PAD_COLS = 64
 
 
 @functools.cache
@@ -71,19 +75,66 @@ def isa() -> str | None:
     return None if native is None else native.limits.moe_isa
 
 
-def _k_major(w: torch.Tensor, pad: int) -> torch.Tensor:
-    """[E, n, k] (a linear's weights per expert) -> [E, k, n + pad], zeros in the pad."""
+def panel_count(n: int, gated: bool) -> int:
+    """Panels of a projection of n output columns (gated: gate_up's, 2 * inter)."""
+    return -(-(n // 2) // _HALF_PANEL) if gated else -(-n // PANEL_COLS)
+
+
+def _panels(w: torch.Tensor, gated: bool, fill: float = 0) -> torch.Tensor:
+    """One expert's [n, *rest] (a value per output column) -> [P, 64, *rest]: the columns
+    dealt into panels (gated: panel j holds gate columns 32j.. then up columns 32j..), the
+    pads `fill`."""
+    n, rest = w.shape[0], w.shape[1:]
+    count = panel_count(n, gated)
+    out = torch.full((count, PANEL_COLS, *rest), fill, dtype=w.dtype)
+    if not gated:
+        out.view(count * PANEL_COLS, *rest)[:n] = w
+        return out
+    halves = out.view(count, 2, _HALF_PANEL, *rest)
+    inter = n // 2
+    for half, columns in enumerate((w[:inter], w[inter:])):
+        spread = torch.full((count * _HALF_PANEL, *rest), fill, dtype=w.dtype)
+        spread[:inter] = columns
+        halves[:, half] = spread.view(count, _HALF_PANEL, *rest)
+    return out
+
+
+def _unpanel(t: torch.Tensor, n: int, gated: bool) -> torch.Tensor:
+    """[E, P, 64, *rest] -> [E, n, *rest], `_panels`' inverse over every expert."""
+    num, count, rest = t.shape[0], t.shape[1], t.shape[3:]
+    if not gated:
+        return t.reshape(num, count * PANEL_COLS, *rest)[:, :n]
+    halves = t.reshape(num, count, 2, _HALF_PANEL, *rest)
+    gate, up = (
+        halves[:, :, h].reshape(num, count * _HALF_PANEL, *rest)[:, : n // 2] for h in (0, 1)
+    )
+    return torch.cat((gate, up), dim=1)
+
+
+def _k_major_panels(w: torch.Tensor, gated: bool, fill: float = 0) -> torch.Tensor:
+    """[E, n, k] -> [E, P, k, 64]: each panel's k-rows of 64 columns, `fill` in the pads
+    (an expert at a time: one expert's temporaries beside the result)."""
     num, n, k = w.shape
-    out = torch.zeros(num, k, n + pad, dtype=w.dtype)
-    out[:, :, :n] = w.transpose(1, 2)
+    out = torch.empty(num, panel_count(n, gated), k, PANEL_COLS, dtype=w.dtype)
+    for e in range(num):
+        out[e] = _panels(w[e], gated, fill).transpose(1, 2)
     return out
 
 
 def _pairs(w: torch.Tensor) -> torch.Tensor:
-    """[E, k, n] -> [E, k / 2, n, 2]: rows 2i and 2i + 1 side by side, as vdpbf16ps takes
-    them."""
-    num, k, n = w.shape
-    return w.view(num, k // 2, 2, n).transpose(2, 3).contiguous()
+    """[E, P, k, 64] -> [E, P, k / 2, 64, 2]: rows 2i and 2i + 1 side by side, as
+    vdpbf16ps and AMX tiles take them."""
+    num, count, k, cols = w.shape
+    return w.view(num, count, k // 2, 2, cols).transpose(3, 4).contiguous()
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [..., 64] -> [..., 32]: two columns a byte, the even one low."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+def _codes(nibbles: torch.Tensor) -> torch.Tensor:
+    return torch.stack((nibbles & 15, nibbles >> 4), dim=-1).flatten(-2)
 
 
 # Experts quantized at a time: their fp32 temporaries stay small beside the layer's
@@ -127,12 +178,12 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, scale, minimum
 
 
-def _mxfp4_k_major(
-    blocks: torch.Tensor, scales: torch.Tensor, pad: int
+def _mxfp4_panels(
+    blocks: torch.Tensor, scales: torch.Tensor, gated: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 as stored ([E, n, k / 32, 16] codes two inputs a byte, [E, n, k / 32] e8m0)
-    -> moe.c's layout: codes two columns a byte, k-major ([E, k, (n + pad) / 2]), and
-    scales [E, k / 32, n + pad] (the pad's codes 0, its scales 2^0). One expert at a time,
+    -> moe.c's layout: codes two columns a byte in k-major panels ([E, P, k, 32]), and
+    scales [E, P, k / 32, 64] (the pads' codes 0, their scales 2^0). One expert at a time,
     so only one expert's codes are ever held a byte each."""
     num, n, groups, _ = blocks.shape
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
@@ -141,23 +192,24 @@ def _mxfp4_k_major(
         raise ValueError(
             f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match"
         )
-    k = groups * INT4_GROUP
-    nibbles = torch.empty(num, k, (n + pad) // 2, dtype=torch.uint8)
+    k, count = groups * INT4_GROUP, panel_count(n, gated)
+    nibbles = torch.empty(num, count, k, _HALF_PANEL, dtype=torch.uint8)
+    padded_scales = torch.empty(num, count, groups, PANEL_COLS, dtype=torch.uint8)
     for e in range(num):
-        codes = torch.zeros(k, n + pad, dtype=torch.uint8)
-        pairs = blocks[e]  # [n, k / 32, 16]
-        codes[:, :n] = torch.stack((pairs & 15, pairs >> 4), dim=-1).reshape(n, k).T
-        nibbles[e] = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    padded_scales = torch.full((num, groups, n + pad), 127, dtype=torch.uint8)
-    padded_scales[:, :, :n] = scales.transpose(1, 2)
+        codes = _codes(blocks[e]).reshape(n, k)  # [n, k / 32, 16] -> [n, k]
+        nibbles[e] = _nibbles(_panels(codes, gated).transpose(1, 2))
+        padded_scales[e] = _panels(scales[e], gated, fill=127).transpose(1, 2)
     return nibbles, padded_scales
 
 
-def _mxfp4_weights(nibbles: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+def _mxfp4_weights(
+    nibbles: torch.Tensor, scales: torch.Tensor, n: int, gated: bool
+) -> torch.Tensor:
     """moe.c's MXFP4 layout -> fp32 [E, n, k] (the reference for tests)."""
-    codes = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).flatten(-2)[..., :n].long()
-    exponent = scales[..., :n].to(torch.int32).repeat_interleave(INT4_GROUP, dim=1) - 127
-    return torch.ldexp(torch.tensor(E2M1_VALUES)[codes], exponent.float()).transpose(1, 2)
+    codes = _codes(nibbles).long()  # [E, P, k, 64]
+    exponent = scales.to(torch.int32).repeat_interleave(INT4_GROUP, dim=2) - 127
+    values = torch.ldexp(torch.tensor(E2M1_VALUES)[codes], exponent.float())
+    return _unpanel(values.transpose(2, 3), n, gated)
 
 
 def _fp32_or_none(bias: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor | None:
@@ -182,17 +234,15 @@ def packed_bytes(
     anything: the memory plan's count of a layer's experts as the load leaves them.
     `biases`: with a bias per expert on each projection (kept in fp32)."""
     total = 4 * num_experts * (2 * inter + hidden) if biases else 0
-    for n, k in ((2 * inter, hidden), (hidden, inter)):  # gate_up, down: [E, n, k]
+    for n, k, gated in ((2 * inter, hidden, True), (hidden, inter, False)):
+        cols = panel_count(n, gated) * PANEL_COLS  # whole panels, pads included
         if weight_format == "float":
-            pad = _BF16_PAD_COLS if dtype == torch.bfloat16 else 0
-            total += num_experts * k * (n + pad) * dtype.itemsize
+            total += num_experts * k * cols * dtype.itemsize
         elif weight_format == "int8":
-            total += num_experts * (k * n + 4 * n)  # the codes, an fp32 scale per column
-        elif weight_format == "int4":
-            cols = n + _INT4_PAD_COLS  # nibbles, and a bf16 scale and minimum per group
+            total += num_experts * (k * cols + 4 * cols)  # the codes, an fp32 scale per column
+        elif weight_format == "int4":  # nibbles, and a bf16 scale and minimum per group
             total += num_experts * (k * cols // 2 + (k // INT4_GROUP) * 2 * cols * 2)
-        elif weight_format == "mxfp4":
-            cols = n + _INT4_PAD_COLS  # nibbles, and an e8m0 byte per block of 32
+        elif weight_format == "mxfp4":  # nibbles, and an e8m0 byte per block of 32
             total += num_experts * (k * cols // 2 + (k // MXFP4_BLOCK) * cols)
         else:
             raise ValueError(f"unknown expert weight format {weight_format!r}")
@@ -234,40 +284,45 @@ class PackedExperts:
         self.gate_up_bias = _fp32_or_none(gate_up_bias, (self.num_experts, two_inter))
         self.down_bias = _fp32_or_none(down_bias, (self.num_experts, self.hidden))
         self.weight_format = weight_format
-        is_bf16 = self.dtype == torch.bfloat16
         self.gate_up_scales = self.down_scales = None
         if weight_format == "int8":
-            self.pad_cols = 0
-            gate_up_q, self.gate_up_scales = quantize_int8(gate_up)
-            down_q, self.down_scales = quantize_int8(down)
-            self.gate_up, self.down = _k_major(gate_up_q, 0), _k_major(down_q, 0)
+            gate_up_q, gate_up_scales = quantize_int8(gate_up)
+            self.gate_up = _k_major_panels(gate_up_q, gated=True)
+            self.gate_up_scales = _k_major_panels(gate_up_scales[..., None], gated=True, fill=1)
+            del gate_up_q
+            down_q, down_scales = quantize_int8(down)
+            self.down = _k_major_panels(down_q, gated=False)
+            self.down_scales = _k_major_panels(down_scales[..., None], gated=False, fill=1)
+            self.gate_up_scales, self.down_scales = (
+                t.reshape(self.num_experts, -1) for t in (self.gate_up_scales, self.down_scales)
+            )
             return
         if weight_format == "int4":
-            self.pad_cols = _INT4_PAD_COLS
-            self.gate_up, self.gate_up_scales = self._int4(gate_up)
-            self.down, self.down_scales = self._int4(down)
+            self.gate_up, self.gate_up_scales = self._int4(gate_up, gated=True)
+            self.down, self.down_scales = self._int4(down, gated=False)
             return
         if weight_format != "float":
             raise ValueError(f"unknown expert weight format {weight_format!r}")
-        self.pad_cols = _BF16_PAD_COLS if is_bf16 else 0
-        gate_up_t, down_t = _k_major(gate_up, self.pad_cols), _k_major(down, self.pad_cols)
-        self.gate_up = _pairs(gate_up_t) if is_bf16 else gate_up_t
-        self.down = _pairs(down_t) if is_bf16 else down_t
+        self.gate_up = _k_major_panels(gate_up, gated=True)
+        self.down = _k_major_panels(down, gated=False)
+        if self.dtype == torch.bfloat16:
+            self.gate_up, self.down = _pairs(self.gate_up), _pairs(self.down)
 
-    def _int4(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[E, n, k] -> (nibbles uint8 [E, k, (n + pad) / 2], groups bf16 [E, k / 32, 2,
-        n + pad]), moe.c's int4 layout."""
+    @staticmethod
+    def _int4(w: torch.Tensor, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """[E, n, k] -> (nibbles uint8 [E, P, k, 32], groups bf16 [E, P, k / 32, 2, 64]),
+        moe.c's int4 layout."""
         num, n, k = w.shape
-        if k % INT4_GROUP or n % 2:
+        if k % INT4_GROUP:
             raise ValueError(
                 f"int4 experts need sizes that are multiples of {INT4_GROUP}: {n} x {k}"
             )
         q, scale, minimum = quantize_int4(w)
-        q = _k_major(q, self.pad_cols)  # [E, k, n + pad], zeros in the pad
-        nibbles = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
-        groups = torch.zeros(num, k // INT4_GROUP, 2, n + self.pad_cols, dtype=torch.bfloat16)
-        groups[:, :, 0, :n] = scale.transpose(1, 2)
-        groups[:, :, 1, :n] = minimum.transpose(1, 2)
+        nibbles = _nibbles(_k_major_panels(q, gated))
+        del q
+        groups = torch.stack(
+            (_k_major_panels(scale, gated), _k_major_panels(minimum, gated)), dim=3
+        )
         return nibbles, groups
 
     @classmethod
@@ -294,40 +349,45 @@ class PackedExperts:
         self.swiglu = swiglu
         self.gate_up_bias = _fp32_or_none(gate_up_bias, (self.num_experts, two_inter))
         self.down_bias = _fp32_or_none(down_bias, (self.num_experts, self.hidden))
-        self.weight_format, self.pad_cols = "mxfp4", _INT4_PAD_COLS
-        self.gate_up, self.gate_up_scales = _mxfp4_k_major(*gate_up, self.pad_cols)
-        self.down, self.down_scales = _mxfp4_k_major(*down, self.pad_cols)
-        if self.down.shape[1] != self.inter or self.down_scales.shape[2] != self.hidden + 32:
+        self.weight_format = "mxfp4"
+        down_outputs, down_groups = down[0].shape[1:3]
+        if down_groups * INT4_GROUP != self.inter or down_outputs != self.hidden:
             raise ValueError(
-                f"MXFP4 down_proj of {self.down.shape[1]} inputs and "
-                f"{self.down_scales.shape[2] - 32} outputs does not fit gate_up's "
-                f"{self.hidden} x {self.inter}"
+                f"MXFP4 down_proj of {down_groups * INT4_GROUP} inputs and {down_outputs} "
+                f"outputs does not fit gate_up's {self.hidden} x {self.inter}"
             )
+        self.gate_up, self.gate_up_scales = _mxfp4_panels(*gate_up, gated=True)
+        self.down, self.down_scales = _mxfp4_panels(*down, gated=False)
         return self
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantized experts' weights as the kernel reads them, fp32 in transformers'
         layout ([E, 2 * inter, hidden], [E, hidden, inter]): the reference for tests."""
+        projections = (
+            (self.gate_up, self.gate_up_scales, 2 * self.inter, True),
+            (self.down, self.down_scales, self.hidden, False),
+        )
         if self.weight_format == "mxfp4":
-            return (
-                _mxfp4_weights(self.gate_up, self.gate_up_scales, 2 * self.inter),
-                _mxfp4_weights(self.down, self.down_scales, self.hidden),
-            )
+            return tuple(_mxfp4_weights(*p) for p in projections)
         if self.weight_format == "int4":
-            return (
-                self._int4_weights(self.gate_up, self.gate_up_scales, 2 * self.inter),
-                self._int4_weights(self.down, self.down_scales, self.hidden),
+            return tuple(self._int4_weights(*p) for p in projections)
+        if self.weight_format != "int8":
+            raise ValueError(f"{self.weight_format} experts are not quantized")
+        return tuple(
+            _unpanel(
+                (q.float() * scales.view(*q.shape[:2], 1, PANEL_COLS)).transpose(2, 3), n, gated
             )
-        gate_up = self.gate_up.transpose(1, 2).float() * self.gate_up_scales[..., None]
-        down = self.down.transpose(1, 2).float() * self.down_scales[..., None]
-        return gate_up, down
+            for q, scales, n, gated in projections
+        )
 
     @staticmethod
-    def _int4_weights(nibbles: torch.Tensor, groups: torch.Tensor, n: int) -> torch.Tensor:
-        q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).flatten(-2)[..., :n].float()
-        scale = groups[:, :, 0, :n].float().repeat_interleave(INT4_GROUP, dim=1)
-        minimum = groups[:, :, 1, :n].float().repeat_interleave(INT4_GROUP, dim=1)
-        return (q * scale + minimum).transpose(1, 2)
+    def _int4_weights(
+        nibbles: torch.Tensor, groups: torch.Tensor, n: int, gated: bool
+    ) -> torch.Tensor:
+        q = _codes(nibbles).float()  # [E, P, k, 64]
+        scale = groups[:, :, :, 0].float().repeat_interleave(INT4_GROUP, dim=2)
+        minimum = groups[:, :, :, 1].float().repeat_interleave(INT4_GROUP, dim=2)
+        return _unpanel((q * scale + minimum).transpose(2, 3), n, gated)
 
     @property
     def weight_bytes(self) -> int:
@@ -370,7 +430,7 @@ class PackedExperts:
             num_experts=self.num_experts,
             hidden=self.hidden,
             inter=self.inter,
-            pad_cols=self.pad_cols,
+            panel_cols=PANEL_COLS,
             is_bf16=int(self.dtype == torch.bfloat16),
             weight_format=WEIGHT_FORMATS[self.weight_format],
             activation=self.activation,

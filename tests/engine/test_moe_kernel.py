@@ -12,12 +12,14 @@ from tokenmill.engine.kernels import moe as moe_kernel
 
 # (experts, hidden, intermediate, rows, top_k): a decode step's few rows per expert; runs
 # of 16 rows and more (AMX tiles: hidden and intermediate multiples of 32) with a tail;
-# sizes no multiple of the 32-column tile; every expert chosen by every row.
+# sizes no multiple of the 32-column tile; every expert chosen by every row; runs of 11
+# rows, on AMX tiles that read past the last run into the slack rows.
 SHAPES = [
     (8, 64, 96, 5, 2),
     (4, 128, 96, 70, 2),
     (6, 130, 70, 33, 3),
     (3, 32, 64, 9, 3),
+    (2, 64, 64, 11, 2),
 ]
 
 
@@ -215,11 +217,34 @@ def test_this_cpu_gets_its_fastest_path(cpu_path):
         assert isa == "generic"
 
 
-@pytest.mark.parametrize("change", ["expert out of range", "top_k too large"])
-def test_bad_choices_are_refused(change):
+def test_each_panel_is_one_block_of_its_columns():
+    """Expert e's panel j is one contiguous block of k-rows: gate columns 32j.. then the same
+    up columns (gate_up), or hidden columns 64j.. (down), zeros past the last column - what
+    each work item of the kernel streams."""
+    _, _, _, gate_up, down = problem(SHAPES[2], torch.float32)  # 70 intermediate, 130 hidden
+    packed = moe_kernel.PackedExperts(gate_up, down, "silu", weight_format="int8")
+    gate_up_q, _ = moe_kernel.quantize_int8(gate_up)
+    down_q, _ = moe_kernel.quantize_int8(down)
+    assert tuple(packed.gate_up.shape) == (6, 3, 130, 64)  # ceil(70 / 32) panels
+    assert tuple(packed.down.shape) == (6, 3, 70, 64)  # ceil(130 / 64) panels
+    assert packed.gate_up[4, 1].is_contiguous()
+    torch.testing.assert_close(packed.gate_up[4, 1, :, :32], gate_up_q[4, 32:64].T)
+    torch.testing.assert_close(packed.gate_up[4, 1, :, 32:], gate_up_q[4, 70 + 32 : 70 + 64].T)
+    torch.testing.assert_close(
+        packed.gate_up[4, 2, :, 6:32], torch.zeros(130, 26, dtype=torch.int8)
+    )
+    torch.testing.assert_close(packed.gate_up[4, 2, :, 32:38], gate_up_q[4, 134:140].T)
+    torch.testing.assert_close(packed.down[4, 2, :, :2], down_q[4, 128:130].T)
+    assert not packed.down[4, 2, :, 2:].any()
+
+
+@pytest.mark.parametrize("change", ["expert out of range", "top_k too large", "panel width"])
+def test_bad_choices_are_refused(change, monkeypatch):
     x, weights, ids, gate_up, down = problem(SHAPES[0], torch.float32)
     packed = moe_kernel.PackedExperts(gate_up, down, "silu")
-    if change == "expert out of range":
+    if change == "panel width":  # weights packed in another layout than the kernel reads
+        monkeypatch.setattr(moe_kernel, "PANEL_COLS", 32)
+    elif change == "expert out of range":
         ids = ids.clone()
         ids[3, 1] = 8
     else:

@@ -69,9 +69,10 @@ def test_mxfp4_experts_equal_fp32_experts_on_their_dequantized_weights(shape, dt
     )
     dense_gate_up, dense_down = mxfp4.dequantize(*gate_up_q), mxfp4.dequantize(*down_q)
     assert all(torch.equal(a, b) for a, b in zip(packed.dequantized(), (dense_gate_up, dense_down)))
-    # 4 bits a weight and a byte per 32 inputs of a column (32 pad columns a row), and the
-    # fp32 biases: nothing widened.
-    gate_up_cols, down_cols = 2 * inter + 32, hidden + 32
+    # 4 bits a weight and a byte per 32 inputs of a column (the columns in whole panels of
+    # 64), and the fp32 biases: nothing widened.
+    gate_up_cols = moe_kernel.panel_count(2 * inter, gated=True) * moe_kernel.PANEL_COLS
+    down_cols = moe_kernel.panel_count(hidden, gated=False) * moe_kernel.PANEL_COLS
     assert packed.weight_bytes == num_experts * (
         hidden * gate_up_cols // 2
         + hidden // 32 * gate_up_cols
