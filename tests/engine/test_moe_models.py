@@ -354,3 +354,33 @@ def test_model_info_counts_the_parameters_a_token_runs_through(tmp_path):
     build_hf_model("qwen3", dense)
     save_char_tokenizer(dense)
     assert model_info(dense).num_active_parameters is None
+
+
+def test_bench_shape_counts_the_weights_a_token_runs_and_a_step_reads(tmp_path):
+    """The bench's FLOPs (and so its roofline) count a token's router and top-k experts,
+    not every expert; a decode step of many rows reads every expert once."""
+    from tokenmill.bench.flops import ModelShape
+
+    hf = case_model("qwen3_moe", tmp_path)  # layers 0 and 2 sparse, 3 of 8 experts
+    shape = ModelShape.from_dir(tmp_path)
+    attention = dense = sparse_fixed = per_expert = 0
+    for layer in hf.model.layers:
+        attn = layer.self_attn
+        attention += sum(
+            m.weight.numel() for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        )
+        if hasattr(layer.mlp, "gate"):  # sparse: a router and 8 experts
+            sparse_fixed += layer.mlp.gate.weight.numel()
+            experts = layer.mlp.experts
+            per_expert += sum(p[0].numel() for p in (experts.gate_up_proj, experts.down_proj))
+        else:
+            dense += sum(p.numel() for p in layer.mlp.parameters())
+    assert shape.num_sparse_layers == 2 and per_expert == 2 * 3 * 64 * 48
+    assert shape.layer_matmul_params == attention + dense + sparse_fixed + 3 * per_expert
+    assert shape.layer_params_read(1) == pytest.approx(shape.layer_matmul_params)
+    every_expert = attention + dense + sparse_fixed + 8 * per_expert
+    assert shape.layer_params_read(10_000) == pytest.approx(every_expert)
+    # two rows choose 8 * (1 - (5/8)^2) = 4.875 distinct experts a layer, on average
+    assert shape.layer_params_read(2) == pytest.approx(
+        attention + dense + sparse_fixed + 4.875 * per_expert
+    )

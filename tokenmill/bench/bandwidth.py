@@ -11,7 +11,8 @@ bounds of one step, for a batch of B sequences with C tokens of context each:
 
 The step is memory-bound where the first term is the larger (bytes / bandwidth > FLOPs /
 peak). weight_bytes are the per-layer matmul weights and the lm_head at the system's
-bytes per weight (a quantized mode's codes with their scales); embeddings are looked up a
+bytes per weight (a quantized mode's codes with their scales; a mixture of experts'
+experts as many as a batch's rows are expected to choose); embeddings are looked up a
 row at a time and norms are negligible, so neither counts. A measured step's share of the
 bound is bound / measured time: 1.0 would be the hardware's limit.
 
@@ -103,10 +104,14 @@ class DecodeBound:
         return max(self.memory_s, self.compute_s) / self.measured_s
 
 
-def weight_bytes(shape: ModelShape, bytes_per_weight: float, lm_head_bytes: float) -> int:
-    """Bytes a decode step reads of weights: the layers' matmuls and the lm_head."""
+def weight_bytes(
+    shape: ModelShape, bytes_per_weight: float, lm_head_bytes: float, batch: int = 1
+) -> int:
+    """Bytes a decode step of `batch` sequences reads of weights: the layers' matmuls (in
+    a mixture of experts, the experts its rows choose: `ModelShape.layer_params_read`)
+    and the lm_head."""
     lm_head = shape.hidden_size * shape.vocab_size * lm_head_bytes
-    return round(shape.layer_matmul_params * bytes_per_weight + lm_head)
+    return round(shape.layer_params_read(batch) * bytes_per_weight + lm_head)
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_bytes: float) -> float:

@@ -8,8 +8,11 @@ FLOPs of a decoder-only transformer for one request (multiply-add = 2 FLOPs):
                 the token sees in that layer: its position + 1, or at most the window in a
                 sliding-window layer (Mistral; Gemma 3's local layers)
 
-P_layers counts the weights of the per-layer matmuls (q, k, v, o, gate, up, down); the
-embedding lookup, norms and rotary are not matmuls and are left out. The last generated
+P_layers counts the weights of the per-layer matmuls one token goes through (q, k, v, o,
+gate, up, down); the embedding lookup, norms and rotary are not matmuls and are left out.
+In a mixture of experts a token goes through its layer's router and its top-k experts
+only, so P_layers counts those, not the experts it skips (a dense layer of Qwen3-MoE's
+`mlp_only_layers` counts its dense MLP). The last generated
 token is sampled but never fed back, hence `generated - 1` tokens through the layers.
 Logits are needed only where a token is sampled: the lm_head term counts those positions.
 The attention term is QK^T plus AV over the causal context (a token at position p sees
@@ -38,6 +41,12 @@ class ModelShape:
     vocab_size: int
     sliding_window: int | None = None
     num_window_layers: int = 0  # layers that attend within sliding_window
+    # A mixture of experts: experts per sparse layer, how many a token runs, each one's
+    # intermediate size, and how many layers are sparse (the rest keep intermediate_size).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    num_sparse_layers: int = 0
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelShape:
@@ -57,15 +66,47 @@ class ModelShape:
             num_window_layers=sum(
                 config.layer_sliding_window(i) is not None for i in range(config.num_hidden_layers)
             ),
+            **_experts(config),
         )
 
     @property
     def layer_matmul_params(self) -> int:
-        """Weights of all per-layer matmuls (the non-embedding parameters that cost FLOPs)."""
+        """Weights of the per-layer matmuls one token goes through (the non-embedding
+        parameters that cost FLOPs): in a mixture of experts, its router and top-k experts."""
+        return self._layer_params(self.experts_per_token)
+
+    def layer_params_read(self, batch: int) -> float:
+        """Weights a decode step of `batch` sequences reads in its layers: every dense
+        matmul once, and of a sparse layer's experts the distinct ones its rows choose -
+        E * (1 - (1 - k/E) ** batch) expected under uniform routing (a trained router is
+        uneven, so fewer are read: the figure is an estimate, not a floor)."""
+        if not self.num_sparse_layers:
+            return float(self.layer_matmul_params)
+        e, k = self.num_experts, self.experts_per_token
+        return self._layer_params(e * (1 - (1 - k / e) ** batch))
+
+    def _layer_params(self, experts: float) -> float | int:
         h, d = self.hidden_size, self.head_dim
         attention = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o + k, v
-        mlp = 3 * h * self.intermediate_size  # gate, up, down
-        return self.num_layers * (attention + mlp)
+        dense_mlp = 3 * h * self.intermediate_size  # gate, up, down
+        num_dense = self.num_layers - self.num_sparse_layers
+        sparse = h * self.num_experts + experts * 3 * h * self.expert_intermediate_size
+        return self.num_layers * attention + num_dense * dense_mlp + self.num_sparse_layers * sparse
+
+
+def _experts(config) -> dict:
+    """ModelShape's mixture-of-experts fields from an engine config (none for a dense one)."""
+    num_experts = getattr(config, "num_experts", 0)
+    if not num_experts:
+        return {}
+    return {
+        "num_experts": num_experts,
+        "experts_per_token": config.num_experts_per_tok,
+        "expert_intermediate_size": config.moe_intermediate_size,
+        "num_sparse_layers": sum(
+            config.is_sparse_layer(i) for i in range(config.num_hidden_layers)
+        ),
+    }
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ def decode_rows(
             shape,
             int(batch),
             context,
-            weight_bytes_read=weight_bytes(shape, per_weight, head),
+            weight_bytes_read=weight_bytes(shape, per_weight, head, int(batch)),
             kv_bytes=kv,
             read_gbs=read_gbs,
             peak_gflops=peak_gflops,
