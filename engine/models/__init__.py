@@ -61,6 +61,7 @@ _NOT_ARCHITECTURES = frozenset(
         "attention",
         "config",
         "config_fields",
+        "fused_linear",
         "layers",
         "moe",
         "qwen2_5_vision",

@@ -10,37 +10,25 @@ at padding_idx + 1) and token types are added to the word embeddings.
 
 On CPU the dense layers hold oneDNN-packed weights (quant/packed_linear.py), and the
 FFN's activation and each residual add run inside the matmul that produces them
-(`fused_linear`), so a layer writes its [tokens, intermediate] activation once.
+(`fused_linear.py`), so a layer writes its [tokens, intermediate] activation once.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from tokenmill.engine.models.attention import BidirectionalAttention
 from tokenmill.engine.models.config import ModelConfig, common_fields
 from tokenmill.engine.models.config_fields import Refused, declare, refused
+from tokenmill.engine.models.fused_linear import ACTIVATIONS, fused_linear
 from tokenmill.engine.models.layers import Embedding, Linear
 from tokenmill.engine.models.registry import Architecture, register
 
 EMBED_TASKS = ("embed",)
 HEAD_TASKS = ("classify", "rerank")
-
-# config.json's hidden_act -> (PyTorch function, oneDNN post-op, its algorithm)
-_ACTIVATIONS = {
-    "gelu": (F.gelu, "gelu", "none"),
-    "gelu_new": (functools.partial(F.gelu, approximate="tanh"), "gelu", "tanh"),
-    "gelu_pytorch_tanh": (functools.partial(F.gelu, approximate="tanh"), "gelu", "tanh"),
-    "gelu_fast": (functools.partial(F.gelu, approximate="tanh"), "gelu", "tanh"),
-    "relu": (F.relu, "relu", ""),
-    "silu": (F.silu, "swish", ""),
-    "swish": (F.silu, "swish", ""),
-}
 
 
 @dataclass
@@ -57,39 +45,6 @@ class BertConfig(ModelConfig):
     @property
     def max_context(self) -> int:
         return self.max_position_embeddings - self.position_offset
-
-
-def fused_linear(
-    linear: nn.Module,
-    x: torch.Tensor,
-    *,
-    activation: str | None = None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """linear(x), then the activation (a config.json hidden_act) or + residual.
-
-    A layer holding a oneDNN-packed weight (`packed_weight`, quant/packed_linear.py) runs
-    the activation or the add as a post-op of its matmul; any other computes the same in
-    PyTorch. Either way the result is what the three separate ops give, to rounding.
-    """
-    packed = getattr(linear, "packed_weight", None)
-    if packed is not None:
-        x = x.contiguous()
-        if residual is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(
-                x, residual.contiguous(), packed, linear.bias, "add"
-            )
-        if activation is not None:
-            _, post_op, algorithm = _ACTIVATIONS[activation]
-            return torch.ops.mkldnn._linear_pointwise(
-                x, packed, linear.bias, post_op, [], algorithm
-            )
-    out = linear(x)
-    if activation is not None:
-        out = _ACTIVATIONS[activation][0](out)
-    if residual is not None:
-        out = out + residual
-    return out
 
 
 class BertEmbeddings(nn.Module):
@@ -158,9 +113,9 @@ class BertOutput(nn.Module):
 class BertLayer(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        if config.hidden_act not in _ACTIVATIONS:
+        if config.hidden_act not in ACTIVATIONS:
             raise ValueError(
-                f"unsupported hidden_act {config.hidden_act!r}; supported: {list(_ACTIVATIONS)}"
+                f"unsupported hidden_act {config.hidden_act!r}; supported: {list(ACTIVATIONS)}"
             )
         self.activation = config.hidden_act
         self.attention = BertAttention(config)
