@@ -68,6 +68,7 @@ _NOT_ARCHITECTURES = frozenset(
         "registry",
         "rope",
         "siglip",
+        "vision_segments",
     }
 )
 

@@ -21,9 +21,19 @@ Qwen2-VL's tower is the same but for three things: LayerNorms where Qwen2.5-VL h
 RMSNorms, an fc1 -> quick-GELU -> fc2 MLP, and no windows (every block attends across
 the whole image) - the config's `layer_norm`, `gated_mlp` and `window_size` None.
 
-Attention runs over variable-length segments (an image, or a window) without padding:
-segments of equal length - most windows of an image, images of equal size - are
-gathered into one batched scaled-dot-product call.
+Attention runs over variable-length segments (an image, or a window) without padding,
+one batched scaled-dot-product call per distinct length. Which order the windows take
+is ours to choose (attention within a window or an image does not depend on it, each
+patch carries its own rotary position, and the merged tokens are put back in image order
+at the end), so the windows of a call are ordered by length: every window block then
+reads its segments in place, and only the few full-attention blocks gather an image's
+patches from the windows they are spread over.
+
+On CPU the linear layers are oneDNN-packed as the engine loads them, and each residual
+add, the MLP's activation and its gate-times-up run inside the matmul that produces them
+(fused_linear.py); the norms and the rotary run as fused native kernels where built
+(layers.RMSNorm, rope.rotary_qkv). The rotary is computed in fp32 whatever the tower's
+dtype, as transformers computes it.
 """
 
 from __future__ import annotations
@@ -34,6 +44,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from tokenmill.engine.models import layers
+from tokenmill.engine.models.fused_linear import fused_linear
+from tokenmill.engine.models.rope import rotary_qkv
+from tokenmill.engine.models.vision_segments import (
+    Segments,
+    TowerLayout,
+    segment_attention,
+    tower_layout,
+)
 
 
 @dataclass(frozen=True)
@@ -73,20 +93,6 @@ class QwenVisionConfig:
         return self.window_size // self.spatial_merge_size // self.patch_size
 
 
-class RMSNorm(nn.Module):
-    """transformers' Qwen2 RMSNorm: normalised in fp32, scaled by `weight` after the cast back."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        values = x.float()
-        values = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * values.to(x.dtype)
-
-
 class PatchEmbed(nn.Module):
     def __init__(self, config: QwenVisionConfig) -> None:
         super().__init__()
@@ -102,46 +108,16 @@ class PatchEmbed(nn.Module):
         return F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1))
 
 
-@dataclass(frozen=True)
-class Segments:
-    """Variable-length segments of a flat sequence, grouped by length for batching:
-    for each distinct length, the [count, length] indices of its segments' rows."""
-
-    groups: tuple[torch.Tensor, ...]
-
-    @classmethod
-    def of(cls, lengths: Sequence[int], device: torch.device) -> Segments:
-        starts = [0]
-        for length in lengths[:-1]:
-            starts.append(starts[-1] + length)
-        by_length: dict[int, list[int]] = {}
-        for start, length in zip(starts, lengths):
-            if length:
-                by_length.setdefault(length, []).append(start)
-        groups = tuple(
-            (torch.tensor(first, dtype=torch.int64)[:, None] + torch.arange(length)).to(device)
-            for length, first in by_length.items()
-        )
-        return cls(groups)
-
-
-def segment_attention(q, k, v, segments: Segments, scale: float) -> torch.Tensor:
-    """Bidirectional attention within each segment. q, k, v: [rows, heads, head_dim]."""
-    out = torch.empty_like(q)
-    for rows in segments.groups:  # [count, length]
-        # -> [count, heads, length, head_dim]
-        q_rows, k_rows, v_rows = (t[rows].transpose(1, 2) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(q_rows, k_rows, v_rows, scale=scale)
-        out[rows.reshape(-1)] = attended.transpose(1, 2).reshape(-1, *q.shape[1:])
-    return out
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves, in fp32 as transformers rotates the tower's q and k."""
-    values = x.float()
-    half = values.shape[-1] // 2
-    swapped = torch.cat((-values[..., half:], values[..., :half]), dim=-1)
-    return (values * cos + swapped * sin).to(x.dtype)
+def _rotate_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q and k rotated in fp32 (as transformers rotates the tower's q and k), back in
+    qkv's dtype, and v. qkv: [rows, 3, heads, head_dim]; cos, sin: fp32 [rows, 1, head_dim],
+    the sine signed for the swapped halves."""
+    q, k, v = rotary_qkv(*qkv.float().unbind(1), cos, sin)
+    if qkv.dtype == torch.float32:
+        return q, k, v
+    return q.to(qkv.dtype), k.to(qkv.dtype), qkv[:, 2]
 
 
 class VisionAttention(nn.Module):
@@ -153,11 +129,11 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x, cos, sin, segments: Segments) -> torch.Tensor:
+        """The attended values, before `proj` (which the block runs with its residual add)."""
         rows = x.shape[0]
-        q, k, v = self.qkv(x).view(rows, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = segment_attention(q, k, v.contiguous(), segments, self.head_dim**-0.5)
-        return self.proj(out.reshape(rows, -1))
+        qkv = self.qkv(x).view(rows, 3, self.num_heads, self.head_dim)
+        q, k, v = _rotate_qkv(qkv, cos, sin)
+        return segment_attention(q, k, v, segments, self.head_dim**-0.5).reshape(rows, -1)
 
 
 class VisionMLP(nn.Module):
@@ -169,8 +145,10 @@ class VisionMLP(nn.Module):
         self.up = nn.Linear(config.hidden_size, config.intermediate_size)
         self.down = nn.Linear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + down(silu(gate(x)) * up(x))."""
+        gate = fused_linear(self.gate, x, activation="silu")
+        return fused_linear(self.down, fused_linear(self.up, x, times=gate), residual=residual)
 
 
 class QuickGeluMLP(nn.Module):
@@ -181,15 +159,18 @@ class QuickGeluMLP(nn.Module):
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # oneDNN's swish post-op has no slope here (it ignores one), so the activation
+        # is PyTorch's.
         x = self.fc1(x)
-        return self.fc2(x * torch.sigmoid(1.702 * x))
+        return fused_linear(self.fc2, x * torch.sigmoid(1.702 * x), residual=residual)
 
 
 def _norm(config: QwenVisionConfig, size: int) -> nn.Module:
     if config.layer_norm:
         return nn.LayerNorm(size, eps=config.rms_norm_eps)
-    return RMSNorm(size, config.rms_norm_eps)
+    # transformers' Qwen2 RMSNorm: normalised in fp32, scaled by `weight` after the cast back.
+    return layers.RMSNorm(size, config.rms_norm_eps)
 
 
 def tower_name(name: str) -> str:
@@ -208,8 +189,9 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(config) if config.gated_mlp else QuickGeluMLP(config)
 
     def forward(self, x, cos, sin, segments: Segments) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
+        attended = self.attn(self.norm1(x), cos, sin, segments)
+        x = fused_linear(self.attn.proj, attended, residual=x)
+        return self.mlp(self.norm2(x), residual=x)
 
 
 class PatchMerger(nn.Module):
@@ -224,58 +206,9 @@ class PatchMerger(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.group_size))
-
-
-@dataclass(frozen=True)
-class TowerLayout:
-    """Where a call's patches go: the window order (whole merge groups), the 2D rotary
-    position of each patch in that order, and the segments of full and window attention."""
-
-    window_order: torch.Tensor  # [num_tokens] merged-token indices, in window order
-    rows: torch.Tensor  # [num_patches] patch row within its image, in window order
-    columns: torch.Tensor  # [num_patches]
-    images: Segments
-    windows: Segments
-
-
-def tower_layout(
-    config: QwenVisionConfig, grids: Sequence[tuple[int, int, int]], device: torch.device
-) -> TowerLayout:
-    """The layout of images of these grids (frames, rows, columns of patches)."""
-    m, side = config.spatial_merge_size, config.window_tokens
-    order, window_lengths, image_lengths, rows, columns = [], [], [], [], []
-    first_token = 0
-    for frames, height, width in grids:
-        if frames != 1:
-            raise ValueError(f"a grid of {frames} frames is a video; only images are supported")
-        if height % m or width % m:
-            raise ValueError(f"grid {height}x{width} is not a multiple of merge size {m}")
-        token_rows, token_columns = height // m, width // m
-        tokens = torch.arange(token_rows * token_columns).view(token_rows, token_columns)
-        # Windows tile the merged tokens row-major; the last row and column of windows
-        # may be partial. Without windows the image is one.
-        rows_a_side, columns_a_side = (side, side) if side else (token_rows, token_columns)
-        for top in range(0, token_rows, rows_a_side):
-            for left in range(0, token_columns, columns_a_side):
-                window = tokens[top : top + rows_a_side, left : left + columns_a_side]
-                window = window.reshape(-1)
-                order.append(window + first_token)
-                window_lengths.append(len(window) * config.merge_unit)
-                # Each merged token's patches, in the processor's order within a group.
-                token_row, token_column = window // token_columns, window % token_columns
-                in_group = torch.arange(config.merge_unit)
-                rows.append((token_row[:, None] * m + in_group // m).reshape(-1))
-                columns.append((token_column[:, None] * m + in_group % m).reshape(-1))
-        image_lengths.append(height * width)
-        first_token += token_rows * token_columns
-    return TowerLayout(
-        window_order=torch.cat(order).to(device),
-        rows=torch.cat(rows).to(device),
-        columns=torch.cat(columns).to(device),
-        images=Segments.of(image_lengths, device),
-        windows=Segments.of(window_lengths, device),
-    )
+        first, _, second = self.mlp  # the GELU (exact, erf) runs inside the first
+        grouped = self.ln_q(x).view(-1, self.group_size)
+        return second(fused_linear(first, grouped, activation="gelu"))
 
 
 class QwenVisionTower(nn.Module):
@@ -293,6 +226,31 @@ class QwenVisionTower(nn.Module):
         self.merger = PatchMerger(config)
         self.full_attention = frozenset(config.fullatt_block_indexes)
 
+    def layout(self, grids: Sequence[tuple[int, int, int]], device: torch.device) -> TowerLayout:
+        config = self.config
+        return tower_layout(
+            grids,
+            merge_size=config.spatial_merge_size,
+            window_tokens=config.window_tokens,
+            device=device,
+        )
+
+    def rotary_tables(self, layout: TowerLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_patches, 1, head_dim] in fp32 (the sine signed for the swapped
+        halves): a patch's row rotates the first half of each head's frequencies, its
+        column the second. Made per call, not kept as a buffer: the loader skips
+        initialising what it fills."""
+        rotary_dim = self.config.head_dim // 2  # each of the two axes rotates half a head
+        device = layout.rows.device
+        exponents = torch.arange(0, rotary_dim, 2, device=device).float() / rotary_dim
+        inv_freq = 1.0 / self.config.rope_theta**exponents
+        freqs = torch.cat(
+            (layout.rows[:, None].float() * inv_freq, layout.columns[:, None].float() * inv_freq),
+            dim=-1,
+        )
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1)[:, None], torch.cat((-sin, sin), dim=-1)[:, None]
+
     def forward(self, patches: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         """patches [num_patches, C * T * P * P] of images of these grids, one after
         another -> their tokens [num_patches / merge_unit, out_hidden_size], in the
@@ -300,20 +258,11 @@ class QwenVisionTower(nn.Module):
         expected = sum(t * h * w for t, h, w in grids)
         if patches.shape[0] != expected:
             raise ValueError(f"{patches.shape[0]} patches for grids holding {expected}")
-        layout = tower_layout(self.config, grids, patches.device)
+        layout = self.layout(grids, patches.device)
         unit = self.config.merge_unit
         x = self.patch_embed(patches)
         x = x.view(-1, unit, x.shape[-1])[layout.window_order].view(-1, x.shape[-1])
-        # Made here, not kept as a buffer: the loader skips initialising what it fills.
-        rotary_dim = self.config.head_dim // 2  # each of the two axes rotates half a head
-        exponents = torch.arange(0, rotary_dim, 2, device=patches.device).float() / rotary_dim
-        inv_freq = 1.0 / self.config.rope_theta**exponents
-        freqs = torch.cat(
-            (layout.rows[:, None].float() * inv_freq, layout.columns[:, None].float() * inv_freq),
-            dim=-1,
-        )
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # broadcast over heads
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = self.rotary_tables(layout)
         for index, block in enumerate(self.blocks):
             segments = layout.images if index in self.full_attention else layout.windows
             x = block(x, cos, sin, segments)
