@@ -8,7 +8,10 @@ the patch grid down to the model's soft tokens per image, RMS-normalises them wi
 Gemma's (1 + weight) scale and maps them into the text model's embedding space.
 
 Its layers are plain torch modules (nn.Linear, nn.LayerNorm): the text model's fused
-projections, LoRA slots and KV cache never see them.
+projections, LoRA slots and KV cache never see them. On CPU the linear layers are
+oneDNN-packed as the engine loads them, and each residual add and the MLP's GELU run
+inside the matmul that produces them (fused_linear.py): a layer writes its
+[patches, intermediate] activation once.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from tokenmill.engine.models.fused_linear import fused_linear
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,9 @@ class SiglipAttention(nn.Module):
         self.value = nn.Linear(hidden, hidden)
         self.out_proj = nn.Linear(hidden, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_images, num_patches, hidden]; every patch sees every patch of its image."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + attention(x). x: [num_images, num_patches, hidden]; every patch sees
+        every patch of its image."""
         n, length, hidden = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:
@@ -58,7 +64,8 @@ class SiglipAttention(nn.Module):
 
         q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
         out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
-        return self.out_proj(out.transpose(1, 2).reshape(n, length, hidden))
+        attended = out.transpose(1, 2).reshape(n, length, hidden)
+        return fused_linear(self.out_proj, attended, residual=residual)
 
 
 class SiglipEncoderLayer(nn.Module):
@@ -72,8 +79,9 @@ class SiglipEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(config.intermediate_size, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.layer_norm2(x)), approximate="tanh"))
+        x = self.self_attn(self.layer_norm1(x), residual=x)
+        inner = fused_linear(self.fc1, self.layer_norm2(x), activation="gelu_pytorch_tanh")
+        return fused_linear(self.fc2, inner, residual=x)
 
 
 class SiglipVisionTower(nn.Module):

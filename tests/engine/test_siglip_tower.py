@@ -1,0 +1,112 @@
+"""Gemma 3's SigLIP tower and projector alone against transformers' SiglipVisionModel and
+Gemma3MultiModalProjector on the same random weights (std 0.2: large enough that a tanh
+GELU is told from the exact one), several images in one call: as built (F.linear),
+oneDNN-packed with the residual adds and the GELU inside the matmuls (as the engine loads
+it), and in bf16."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tokenmill.engine.models.gemma3_vision import _tower_name
+from tokenmill.engine.models.siglip import Gemma3Projector, SiglipVisionTower, VisionConfig
+from tokenmill.engine.quant.packed_linear import pack_linear_layers, packs_dtype
+
+SHAPE = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=28,
+    patch_size=7,
+)
+TEXT_HIDDEN = 24
+TOKENS_PER_IMAGE = 4  # the 4 x 4 patch grid pooled 2 x 2
+
+
+@pytest.fixture(scope="module")
+def towers():
+    from transformers import Gemma3Config, SiglipVisionConfig, SiglipVisionModel
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+    hf_config = SiglipVisionConfig(**SHAPE, vision_use_head=False)
+    hf_config._attn_implementation = "sdpa"
+    torch.manual_seed(17)
+    hf_tower = SiglipVisionModel(hf_config).eval()
+    text = dict(hidden_size=TEXT_HIDDEN, num_hidden_layers=1, num_attention_heads=2)
+    outer = Gemma3Config(
+        vision_config=hf_config.to_dict(), text_config=text, mm_tokens_per_image=TOKENS_PER_IMAGE
+    )
+    hf_projector = Gemma3MultiModalProjector(outer).eval()
+    with torch.no_grad():
+        for module in (hf_tower, hf_projector):
+            for param in module.parameters():
+                param.normal_(0, 0.2 if param.dim() > 1 else 1.0)
+    config = VisionConfig(**SHAPE)
+    tower = SiglipVisionTower(config).eval()
+    projector = Gemma3Projector(config, TEXT_HIDDEN, TOKENS_PER_IMAGE).eval()
+    state = {_tower_name(name): t for name, t in hf_tower.state_dict().items()}
+    tower.load_state_dict(state, strict=True)
+    projector.load_state_dict(
+        {
+            "mm_input_projection_weight": hf_projector.mm_input_projection_weight,
+            "mm_soft_emb_norm_weight": hf_projector.mm_soft_emb_norm.weight,
+        },
+        strict=True,
+    )
+
+    def hf(pixels: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return hf_projector(hf_tower(pixel_values=pixels).last_hidden_state)
+
+    def ours(pixels: torch.Tensor, encoder=tower, pooler=projector) -> torch.Tensor:
+        with torch.no_grad():
+            return pooler(encoder(pixels))
+
+    return hf, ours, (tower, projector), (hf_tower, hf_projector)
+
+
+def _pixels(count: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(count, 3, 28, 28, generator=g) * 2 - 1
+
+
+def test_tower_and_projector_equal_transformers(towers):
+    hf, ours, _, _ = towers
+    pixels = _pixels(3, 1)
+    want = hf(pixels)
+    got = ours(pixels)
+    assert got.shape == want.shape == (3, TOKENS_PER_IMAGE, TEXT_HIDDEN)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_the_packed_tower_with_fused_post_ops_equals_transformers(towers):
+    """As the engine loads it: q, k, v, out_proj, fc1 and fc2 packed per layer, the
+    residual adds and the tanh GELU inside the matmuls."""
+    hf, ours, (tower, _), _ = towers
+    packed = copy.deepcopy(tower)
+    expected = 2 * 6 if packs_dtype(torch.float32) else 0  # a torch without oneDNN: 0
+    assert pack_linear_layers(packed, dtype=torch.float32, device=torch.device("cpu")) == expected
+    pixels = _pixels(3, 2)
+    torch.testing.assert_close(ours(pixels, packed), hf(pixels), atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_tower_is_as_close_to_fp32_as_transformers_bf16(towers):
+    """In bf16, packed where oneDNN packs it: the error against transformers' fp32 output
+    is within 1.5x transformers' own bf16 error."""
+    hf, ours, (tower, projector), (hf_tower, hf_projector) = towers
+    pixels = _pixels(4, 3)
+    want = hf(pixels)
+    hf_tower16 = copy.deepcopy(hf_tower).to(torch.bfloat16)
+    hf_projector16 = copy.deepcopy(hf_projector).to(torch.bfloat16)
+    with torch.no_grad():
+        theirs = hf_projector16(hf_tower16(pixel_values=pixels.bfloat16()).last_hidden_state)
+    ours16 = copy.deepcopy(tower).to(torch.bfloat16)
+    pack_linear_layers(ours16, dtype=torch.bfloat16, device=torch.device("cpu"))
+    got = ours(pixels.bfloat16(), ours16, copy.deepcopy(projector).to(torch.bfloat16))
+    theirs_error = (theirs.float() - want).abs().mean()
+    our_error = (got.float() - want).abs().mean()
+    assert our_error <= 1.5 * theirs_error, (our_error, theirs_error)
