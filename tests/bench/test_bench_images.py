@@ -183,3 +183,42 @@ def test_the_engine_reports_the_tower_and_the_decode_threads_to_the_bench(qwen_d
     # Six images of up to 400 px decoded and resized in the pool: some CPU time, on the
     # threads the child looks for.
     assert decode_threads_cpu_s() > 0
+
+
+def test_hf_bf16_is_an_image_baseline_that_runs_transformers_in_bf16(
+    qwen_dir, tmp_path, monkeypatch
+):
+    """`--baseline hf,hf-bf16`: transformers' generate in each precision as a system of its
+    own; the bf16 one loads the model in bf16 and answers every row in full."""
+    import dataclasses
+
+    import torch
+    import transformers
+
+    from tokenmill.bench import image_child
+    from tokenmill.bench.image_harness import ImageBenchConfig, hf_systems
+
+    config = ImageBenchConfig("images-smoke", str(qwen_dir), baselines=("hf", "hf-bf16"))
+    systems = hf_systems(config, str(qwen_dir))
+    assert [(s.label, s.kind, s.dtype) for s in systems] == [
+        ("hf-fp32", "hf", "float32"),
+        ("hf-bf16", "hf", "bfloat16"),
+    ]
+    with pytest.raises(ValueError, match=r"unknown image baseline\(s\) \['hf-fp16'\]"):
+        ImageBenchConfig("images-smoke", str(qwen_dir), baselines=("hf-fp16",))
+    spec = ImageWorkloadSpec("t", 3, (40, 120), (3, 5), output_len=3, seed=2)
+    workload = build_image_workload(spec, qwen_dir, tmp_path / "images")
+    loaded = []
+    auto = transformers.AutoModelForImageTextToText
+    load = auto.from_pretrained
+
+    def recording(*args, **kwargs):
+        model = load(*args, **kwargs)
+        loaded.append({p.dtype for p in model.parameters()})
+        return model
+
+    monkeypatch.setattr(auto, "from_pretrained", recording)
+    run = image_child.run(dataclasses.replace(systems[1], batch_size=3), workload)
+    assert loaded == [{torch.bfloat16}]
+    assert [len(ids) for ids in run.output_ids] == [3, 3, 3]
+    assert run.tower_s > 0

@@ -1,5 +1,6 @@
 """`tokenmill bench --preset images512`: tokenmill's vision-language generation against
-transformers' `generate` on the same model, images and prompts.
+transformers' `generate` on the same model, images and prompts: in fp32 (`--baseline hf`), bf16
+(`hf-bf16`) or both.
 
 One invocation draws the images once (Pillow, seeded: image_workload.py), picks HF's best
 batch size (one timed run per candidate), then runs `repeat` rounds; each round measures
@@ -8,7 +9,7 @@ each in its own process (`image_child.py`). Ratios are medians of within-round r
 Reported per system: rows/s, image tokens/s, the tower's seconds and its share of the
 roofline (the tower's FLOPs, image_workload.py, over its seconds and the peak),
 preprocessing's share of the run's CPU seconds, and greedy tokens identical to the
-reference (the HF baseline, else the first system).
+reference (the first HF baseline named, else the first system).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from tokenmill.bench.image_workload import (
 )
 from tokenmill.bench.stats import median
 
-IMAGE_BASELINES = ("hf",)
+IMAGE_BASELINES = ("hf", "hf-bf16")
+# baseline -> the transformers system's label and dtype
+HF_IMAGE_SYSTEMS = {"hf": ("hf-fp32", "float32"), "hf-bf16": ("hf-bf16", "bfloat16")}
 HF_IMAGE_BATCH_SIZES = (4, 8, 16, 32)
 PEAK_PATCHES = 1024  # rows of the matmuls the tower's peak is measured at
 
@@ -147,8 +150,7 @@ def run_image_benchmark(config: ImageBenchConfig, log: Log = lambda _: None) -> 
             for dtype in config.dtypes
         ]
         sweep: list[dict] = []
-        if "hf" in config.baselines:
-            hf = ImageSystem("hf-fp32", "hf", model_dir=model_dir, threads=config.threads)
+        for hf in hf_systems(config, model_dir):
             systems.append(_best_batch(runner, hf, config.hf_batch_sizes, workload, sweep))
         runs: dict[str, list[ImageRun | None]] = {s.label: [] for s in systems}
         peaks: dict[str, float] = {}
@@ -177,6 +179,16 @@ def run_image_benchmark(config: ImageBenchConfig, log: Log = lambda _: None) -> 
         machine=machine,
         notes=notes,
     )
+
+
+def hf_systems(config: ImageBenchConfig, model_dir: str) -> list[ImageSystem]:
+    """transformers' generate in each precision the baselines name (each at its own
+    fastest batch size)."""
+    systems = []
+    for name in config.baselines:
+        label, dtype = HF_IMAGE_SYSTEMS[name]
+        systems.append(ImageSystem(label, "hf", dtype, model_dir, threads=config.threads))
+    return systems
 
 
 @dataclass
