@@ -44,6 +44,7 @@ from tokenmill.engine.kernels.quantize import (
     ROUNDINGS,
     quantize_rows_u8,
 )
+from tokenmill.engine.loader.heap import return_freed_heap
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.layers import GatedMLP
 from tokenmill.engine.models.moe import KernelExperts
@@ -374,13 +375,24 @@ class Int8Method(QuantizationMethod):
         # runs, which is what its smoothing is for (and the float experts of every layer
         # at once would not fit where the quantized model is meant to).
         absmax = measure_inputs(model, layers, token_ids)
+        del layers
         total = 0
-        for parent, name, linear in targets:
+        # Popped one by one, as are their statistics (keyed by the layer): once swapped,
+        # a float layer is referenced nowhere and its weight is freed (a mapped one
+        # unmapped) before the next is quantized - not all at the loop's end.
+        targets.reverse()
+        while targets:
+            parent, name, linear = targets.pop()
             # A gated MLP's gate_up takes its activation into the product where it can.
             gated = isinstance(parent, GatedMLP) and name == "gate_up_proj"
-            layer = _smoothed(linear, absmax, parent.activation if gated else None)
+            layer = _smoothed(linear, absmax.pop(linear), parent.activation if gated else None)
             setattr(parent, name, layer)
             total += layer.weight_bytes
+            del linear, layer
+            # The float weight and the fp32 temporaries are free now, but the engine's
+            # malloc settings (worker/host_memory.py) keep freed blocks in the heap, where
+            # a whole model's worth would stay resident for the process's life.
+            return_freed_heap()
         # A mixture of experts' experts: int8 weights, a scale per output column, for the
         # native grouped kernel; their activations stay in the model's dtype (quant's
         # check_expert_quantization has checked that the kernel runs here). Packed by
@@ -400,17 +412,17 @@ def quantize_lm_head(model, model_dir: Path, measure_inputs) -> int:
         raise ValueError("quantize_lm_head=True needs a torch build with oneDNN's int8 ops")
     head = model.lm_head
     token_ids = calibration_token_ids(model_dir, model.config.vocab_size)
-    layer = _smoothed(head, measure_inputs(model, [head], token_ids))
+    layer = _smoothed(head, measure_inputs(model, [head], token_ids)[head])
     model.lm_head = layer
     return layer.weight_bytes
 
 
-def _smoothed(linear: nn.Linear, absmax: dict, gated_activation=None) -> Int8Linear:
-    """`linear` in int8, smoothed by the input statistics the calibration pass measured."""
+def _smoothed(linear: nn.Linear, x_absmax: torch.Tensor, gated_activation=None) -> Int8Linear:
+    """`linear` in int8, smoothed by its input statistics from the calibration pass."""
     return Int8Linear.from_float(
         linear.weight,
         linear.bias,
-        smoothing_factors(absmax[linear], linear.weight),
+        smoothing_factors(x_absmax, linear.weight),
         gated_activation=gated_activation,
     )
 
