@@ -32,11 +32,12 @@ from tokenmill.engine.models import ModelConfig
 # a quantized checkpoint's layers, swapped out of the model by the callable itself
 # (quant/checkpoint/loading.py), which checks their headers and reads them later.
 HoldOut = Callable[[nn.Module, list[TensorSource]], frozenset[str]]
-# Called with each module the moment the last of its own parameters is complete, while the
-# load goes on: the caller may replace those parameters (a mixture of experts' layer packs
-# its float stacks into the kernel's layout and frees them, so that the float copies of
-# all layers are never alive at once: worker/build.py).
-OnFilled = Callable[[nn.Module], None]
+# Called with (the model, a module's qualified name) the moment the last of that module's
+# own parameters is complete, while the load goes on: the caller may replace those
+# parameters or the module itself (a mixture of experts' layer packs its float stacks into
+# the kernel's layout, a quantization mode swaps a linear layer for its own), so that the
+# float copies of all layers are never alive at once (worker/build.py).
+OnFilled = Callable[[nn.Module, str], None]
 
 
 def load_model(
@@ -49,9 +50,9 @@ def load_model(
     on_filled: OnFilled | None = None,
 ) -> nn.Module:
     """Instantiate the architecture and load every parameter from the checkpoint (but the
-    tensors `hold_out` takes for layers it swapped out), calling `on_filled` with each
-    module whose own parameters are all filled (a tied lm_head is the embedding, never
-    filled: it is not called with it).
+    tensors `hold_out` takes for layers it swapped out), calling `on_filled` with the
+    model and the name of each module whose own parameters are all filled (a tied
+    lm_head is the embedding, never filled: it is not called with it).
 
     Raises:
         ValueError: before any weight is read - a tensor the model has no place for, a
@@ -127,7 +128,7 @@ class _Filling:
             return
         self.params_left[module_name] -= 1
         if not self.params_left[module_name]:
-            self.on_filled(self.model.get_submodule(module_name))
+            self.on_filled(self.model, module_name)
 
 
 def _usable_in_place(

@@ -273,13 +273,14 @@ def pack_experts(model: nn.Module) -> int:
     return sum(m.pack() for m in model.modules() if isinstance(m, KernelExperts))
 
 
-def expert_packer(weight_format: str) -> Callable[[nn.Module], None]:
+def expert_packer(weight_format: str) -> Callable[[nn.Module, str], None]:
     """A load's `on_filled` callback (loader/weights.py): each layer's experts packed for
     the native kernel in `weight_format` the moment their stacks are complete, which
     frees the float stacks - so the load holds one layer's float experts at most beside
     the packed ones, never the whole float model's. Other modules are left alone."""
 
-    def pack_filled(module: nn.Module) -> None:
+    def pack_filled(model: nn.Module, name: str) -> None:
+        module = model.get_submodule(name)
         if isinstance(module, KernelExperts):
             module.pack(weight_format)
 

@@ -52,6 +52,7 @@ from tokenmill.engine.quant.checkpoint_formats import (
 )
 from tokenmill.engine.quant.method import (
     MeasureInputs,
+    OnFilled,
     QuantizationMethod,
     quantized_targets,
     registered,
@@ -142,6 +143,12 @@ def expert_weight_format(quantization: str | None) -> str:
     return get_method(quantization).expert_format or "float"
 
 
+def load_quantizer(quantization: str | None) -> OnFilled | None:
+    """The mode's callback quantizing each decoder linear layer as the load fills it
+    (method.load_quantizer), or None: no mode, or one that quantizes after the load."""
+    return None if quantization is None else get_method(quantization).load_quantizer()
+
+
 def check_expert_quantization(quantization: str, config, device: torch.device) -> None:
     """Raise ValueError unless this mode quantizes a mixture of experts' experts here: the
     modes swap nn.Linear layers, and stacked experts are none - they would stay float
@@ -221,6 +228,7 @@ __all__ = [
     "check_quantization",
     "get_method",
     "linear_kinds",
+    "load_quantizer",
     "quantize_model",
     "quantized_targets",
     "validate_lm_head",

@@ -25,9 +25,15 @@ import torch
 from torch import nn
 
 from tokenmill.engine.kernels import int4_unpack
+from tokenmill.engine.loader.heap import return_freed_heap
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.moe import KernelExperts
-from tokenmill.engine.quant.method import QuantizationMethod, quantized_targets, register
+from tokenmill.engine.quant.method import (
+    QuantizationMethod,
+    filled_layer_quantizer,
+    quantized_targets,
+    register,
+)
 
 # Inputs per group of weights that share a scale and a minimum.
 GROUP_SIZE = 32
@@ -210,12 +216,22 @@ class Int4Method(QuantizationMethod):
                 f"model has {', '.join(map(str, bad))}"
             )
 
+    def load_quantizer(self):
+        return filled_layer_quantizer(_quantized)
+
     def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head) -> int:
-        total = 0
-        for parent, name, linear in quantized_targets(model):
-            layer = Int4Linear.from_float(linear.weight, linear.bias, group_size=GROUP_SIZE)
+        total = sum(m.weight_bytes for m in model.modules() if isinstance(m, Int4Linear))
+        # What the load left float (all of it, where it was not given load_quantizer),
+        # popped one by one so that each float weight is freed as its layer is swapped.
+        targets = quantized_targets(model)
+        targets.reverse()
+        while targets:
+            parent, name, linear = targets.pop()
+            layer = _quantized(linear)
             setattr(parent, name, layer)
             total += layer.weight_bytes
+            del linear, layer
+            return_freed_heap()
         # A mixture of experts' experts: the same groups of 32 (scale and minimum, in bf16)
         # in the native grouped kernel; activations stay in the model's dtype (quant's
         # check_expert_quantization has checked the kernel and the sizes).
@@ -224,6 +240,10 @@ class Int4Method(QuantizationMethod):
                 raise RuntimeError("the native grouped expert kernel refused int4 experts")
             total += experts.weight_bytes
         return total
+
+
+def _quantized(linear: nn.Linear) -> Int4Linear:
+    return Int4Linear.from_float(linear.weight, linear.bias, group_size=GROUP_SIZE)
 
 
 register(Int4Method())

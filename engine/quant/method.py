@@ -16,11 +16,17 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from tokenmill.engine.loader.heap import return_freed_heap
 from tokenmill.engine.models import ModelConfig
 
 # (model, layers, calibration token ids) -> {layer: max|x| per input channel}: one float
 # forward pass recording the layers' inputs, run by the worker (worker/calibration.py).
 MeasureInputs = Callable[[nn.Module, list[nn.Module], list[int]], dict[nn.Module, torch.Tensor]]
+# (model, a module's qualified name) -> None: called by the load as each module's weights
+# are complete (loader/weights.py's OnFilled).
+OnFilled = Callable[[nn.Module, str], None]
+# Where quantized_targets looks: the decoder layers, by their qualified names.
+_DECODER_LAYERS = "model.layers."
 
 
 class QuantizationMethod(ABC):
@@ -36,6 +42,13 @@ class QuantizationMethod(ABC):
     # statistics, so the load packs each layer as it fills (worker/build.py); None: the
     # mode does not quantize experts (quant's check refuses such models).
     expert_format: ClassVar[str | None] = None
+
+    def load_quantizer(self) -> OnFilled | None:
+        """A callback for the load that quantizes each decoder linear layer the moment
+        its weights are filled (`filled_layer_quantizer`), so that the float weights of
+        all layers are never alive at once; None (the default) where the mode needs the
+        whole float model first. `quantize` then swaps what the load left float."""
+        return None
 
     def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
         """Raise ValueError when this model cannot run this way on `device`; by default
@@ -84,3 +97,23 @@ def quantized_targets(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
     ]
+
+
+def filled_layer_quantizer(quantize_linear: Callable[[nn.Linear], nn.Module]) -> OnFilled:
+    """A load's callback swapping each float linear layer of the decoder layers (those
+    quantized_targets lists) for `quantize_linear(layer)` as soon as it is filled: its
+    float weight is then freed (a mapped one unmapped, its file pages with it) before the
+    next layer's are read, and the heap's freed temporaries go back to the system."""
+
+    def quantize_filled(model: nn.Module, name: str) -> None:
+        if not name.startswith(_DECODER_LAYERS):
+            return
+        linear = model.get_submodule(name)
+        if not isinstance(linear, nn.Linear):
+            return
+        parent_name, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attribute, quantize_linear(linear))
+        del linear
+        return_freed_heap()
+
+    return quantize_filled

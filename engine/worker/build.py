@@ -23,6 +23,7 @@ from tokenmill.engine.quant import (
     check_checkpoint_quantization,
     check_quantization,
     expert_weight_format,
+    load_quantizer,
     quantize_model,
     validate_lm_head,
     validate_name,
@@ -210,16 +211,13 @@ def build_runner(
     )
     memory.check(model_dir.name)
     hold_out = None if checkpoint is None else checkpoint.hold_out
-    # Each MoE layer's experts are packed in their final format as soon as they are
-    # filled (the modes quantize experts from their weights alone), so the float stacks
-    # of every layer - most of such a model - are never in memory at once.
     model = load_model(
         model_dir,
         model_config,
         dtype=dtype,
         device=device,
         hold_out=hold_out,
-        on_filled=expert_packer(expert_weight_format(quantization)),
+        on_filled=_on_filled(quantization),
     )
     if checkpoint is not None:  # its quantized layers, read in their own format
         checkpoint.load_layers(model, model_dir, dtype=dtype)
@@ -260,6 +258,24 @@ def build_runner(
         pooler=build_pooler(model_dir, model),
     )
     return LoadedModel(runner, model_config, num_blocks, max_model_len, memory)
+
+
+def _on_filled(quantization: str | None) -> Callable[[torch.nn.Module, str], None]:
+    """What the load does with each module as it fills: a MoE layer's experts are packed in
+    their final format (the modes quantize experts from their weights alone), and a mode
+    that quantizes from the weights alone (load_quantizer: int4) swaps each decoder linear
+    layer - so the float copies of every layer, most of the model, are never in memory at
+    once. int8 smooths with statistics of a float pass and quantizes after the load."""
+    pack_experts_filled = expert_packer(expert_weight_format(quantization))
+    quantize_filled = load_quantizer(quantization)
+    if quantize_filled is None:
+        return pack_experts_filled
+
+    def on_filled(model: torch.nn.Module, name: str) -> None:
+        pack_experts_filled(model, name)
+        quantize_filled(model, name)
+
+    return on_filled
 
 
 def build_pooler(model_dir: Path, model) -> Pooler | None:

@@ -40,24 +40,19 @@ def layer_experts(model) -> dict[int, Experts]:
     }
 
 
-def test_each_layer_is_packed_before_the_next_layers_experts_take_memory(moe_dir, monkeypatch):
+def test_each_layer_is_packed_before_the_next_layers_experts_take_memory(moe_dir):
     """When layer L's experts are complete, every earlier layer's are packed with their
     float stacks released, and no later layer's stack has memory yet: one layer's float
     experts at most are alive beside the packed ones."""
-    from tokenmill.engine.loader import weights
-
-    built = []  # the model load_model builds on meta, seen by the callback
-    build_on_meta = weights.build_on_meta
-    monkeypatch.setattr(
-        weights, "build_on_meta", lambda *args: built.append(build_on_meta(*args)) or built[0]
-    )
     pack = expert_packer("int8")
-    packed_order, called = [], []
+    packed_order, called, built = [], [], []
 
-    def on_filled(module):
+    def on_filled(model, name):
+        module = model.get_submodule(name)
+        built.append(model)
         called.append(module)
         if isinstance(module, Experts):
-            layers = layer_experts(built[0])
+            layers = layer_experts(model)
             now = next(i for i, e in layers.items() if e is module)
             for i, experts in layers.items():
                 stacks_meta = [experts.gate_up_proj.is_meta, experts.down_proj.is_meta]
@@ -68,11 +63,11 @@ def test_each_layer_is_packed_before_the_next_layers_experts_take_memory(moe_dir
                 else:  # not one of its tensors read yet: no memory
                     assert experts.packed is None and stacks_meta == [True, True], i
             packed_order.append(now)
-        pack(module)
+        pack(model, name)
 
     config = load_config(moe_dir)
     model = load_model(moe_dir, config, dtype=torch.bfloat16, device=CPU, on_filled=on_filled)
-    assert model is built[0]
+    assert all(m is model for m in built)
     assert packed_order == list(SPARSE_LAYERS)
     for experts in layer_experts(model).values():
         assert experts.packed.gate_up.dtype == torch.int8
@@ -95,7 +90,7 @@ def bf16_engine(model_dir, **settings):
 def packed_after_the_load(monkeypatch):
     """The path before: nothing packed during the load, every layer after it (quantize's
     own loop and pack_experts)."""
-    monkeypatch.setattr(build, "expert_packer", lambda weight_format: lambda module: None)
+    monkeypatch.setattr(build, "expert_packer", lambda weight_format: lambda model, name: None)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
