@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -149,6 +150,15 @@ def load_quantizer(quantization: str | None) -> OnFilled | None:
     return None if quantization is None else get_method(quantization).load_quantizer()
 
 
+def loaded_layer_bytes(quantization: str | None) -> Callable[[int, int, bool], int] | None:
+    """(out_features, in_features, bias) -> the bytes a decoder linear layer takes once
+    the load has quantized it, for a mode that quantizes as it loads (load_quantizer);
+    else None (its layers are float until the load ends)."""
+    if load_quantizer(quantization) is None:
+        return None
+    return get_method(quantization).loaded_layer_bytes
+
+
 def check_expert_quantization(quantization: str, config, device: torch.device) -> None:
     """Raise ValueError unless this mode quantizes a mixture of experts' experts here: the
     modes swap nn.Linear layers, and stacked experts are none - they would stay float
@@ -229,6 +239,7 @@ __all__ = [
     "get_method",
     "linear_kinds",
     "load_quantizer",
+    "loaded_layer_bytes",
     "quantize_model",
     "quantized_targets",
     "validate_lm_head",

@@ -219,6 +219,12 @@ class Int4Method(QuantizationMethod):
     def load_quantizer(self):
         return filled_layer_quantizer(_quantized)
 
+    def loaded_layer_bytes(self, out_features: int, in_features: int, bias: bool) -> int:
+        # 4-bit codes, a bf16 scale and zero per group and output, a bf16 bias (Int4Linear)
+        groups = in_features // GROUP_SIZE
+        size = COMPUTE_DTYPE.itemsize
+        return out_features * (in_features // 2 + 2 * groups * size + (size if bias else 0))
+
     def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head) -> int:
         total = sum(m.weight_bytes for m in model.modules() if isinstance(m, Int4Linear))
         # What the load left float (all of it, where it was not given load_quantizer),

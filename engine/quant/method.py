@@ -50,6 +50,12 @@ class QuantizationMethod(ABC):
         whole float model first. `quantize` then swaps what the load left float."""
         return None
 
+    def loaded_layer_bytes(self, out_features: int, in_features: int, bias: bool) -> int:
+        """Bytes a decoder linear layer [out, in] takes once `load_quantizer`'s callback
+        has swapped it (the memory plan counts the load's peak with it: memory.py).
+        Only asked of modes that have a load_quantizer."""
+        raise NotImplementedError(f"quantization {self.name!r} does not quantize as it loads")
+
     def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
         """Raise ValueError when this model cannot run this way on `device`; by default
         a method runs on the CPU only."""

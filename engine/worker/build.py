@@ -24,6 +24,7 @@ from tokenmill.engine.quant import (
     check_quantization,
     expert_weight_format,
     load_quantizer,
+    loaded_layer_bytes,
     quantize_model,
     validate_lm_head,
     validate_name,
@@ -133,7 +134,13 @@ def plan_memory(
     another tool, whose layers load as they are stored (memory.checkpoint_load_bytes)."""
     if quantized_checkpoint is None:
         expert_format = expert_weight_format(engine_config.quantization)
-        weights = load_bytes(model_config, dtype, expert_format=expert_format, device=device)
+        weights = load_bytes(
+            model_config,
+            dtype,
+            expert_format=expert_format,
+            device=device,
+            layer_bytes=loaded_layer_bytes(engine_config.quantization),
+        )
     else:
         weights = checkpoint_load_bytes(quantized_checkpoint, model_config, dtype)
     available = available_ram() if device.type == "cpu" else None

@@ -1,12 +1,13 @@
 """Whether an engine fits in this machine's memory, said before any weight is read.
 
 A CPU engine holds two large things: its weights and its KV cache. The load
-materialises every parameter in the engine's dtype before a quantization mode shrinks
-the linear layers, so the weights' peak is the float model's size, known exactly from
-the architecture built on the meta device - but for a mixture of experts' experts,
-which the load packs for the native kernel (in int8 or int4 where the mode quantizes
-them) layer by layer as they fill: those count in their packed size, plus one layer's
-float stacks. A checkpoint quantized by another tool is
+materialises every parameter in the engine's dtype before int8 shrinks the linear
+layers (its smoothing needs a float pass), so the weights' peak is the float model's
+size, known exactly from the architecture built on the meta device - but for what the
+load quantizes as it fills: a mixture of experts' experts, packed for the native kernel
+(in int8 or int4 where the mode quantizes them) layer by layer, and int4's decoder linear
+layers, each swapped as it fills; those count in their quantized size, plus one layer's
+float weights. A checkpoint quantized by another tool is
 the exception: its quantized layers load as they are stored, never in float, so its
 weights are counted from its headers. The RAM the process may still take is the
 kernel's `MemAvailable`, or less where a cgroup limits the process.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ from tokenmill.engine.loader.safetensors_files import read_header
 from tokenmill.engine.loader.tensor_plan import FLOAT_DTYPES, build_on_meta
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.moe import KernelExperts
+from tokenmill.engine.quant.method import quantized_targets
 
 # The default KV cache takes at most this share of the RAM the weights leave.
 KV_SHARE_OF_RAM_LEFT = 0.5
@@ -48,6 +51,7 @@ def load_bytes(
     *,
     expert_format: str | None = None,
     device: torch.device | None = None,
+    layer_bytes: Callable[[int, int, bool], int] | None = None,
 ) -> int:
     """The bytes of every parameter of `config`'s architecture in `dtype`, counted on
     the meta device (no memory); tied embeddings once, as the load ties them.
@@ -57,10 +61,22 @@ def load_bytes(
     the experts the native kernel serves on `device` counted packed in that format
     (`KernelExperts.planned_bytes`: every family's, gpt-oss's biases included), plus the
     loaded parameters of one layer's experts (the largest), alive until they are packed.
+
+    With `layer_bytes` ((out, in, bias) -> bytes: quant's loaded_layer_bytes), the peak
+    where a quantization mode swaps each decoder linear layer as the load fills it: those
+    layers counted quantized, plus the largest one's float weight, alive while it fills.
     """
     model = build_on_meta(config, dtype)
     seen: set[int] = set()
     total = 0
+    if layer_bytes is not None:
+        float_linear = 0
+        for _, _, linear in quantized_targets(model):
+            params = [p for p in (linear.weight, linear.bias) if p is not None]
+            total += layer_bytes(linear.out_features, linear.in_features, linear.bias is not None)
+            float_linear = max(float_linear, sum(p.numel() * p.element_size() for p in params))
+            seen.update(id(p) for p in params)
+        total += float_linear
     if expert_format is not None and device is not None:
         float_layer = 0
         for experts in (m for m in model.modules() if isinstance(m, KernelExperts)):

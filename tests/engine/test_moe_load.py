@@ -13,10 +13,13 @@ from test_quantized_model import PARAMS, compare
 
 from tokenmill.engine.api.llm import build_engine
 from tokenmill.engine.kernels import moe as moe_kernel
+from tokenmill.engine.loader.tensor_plan import build_on_meta
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.loader.weights import load_model
 from tokenmill.engine.models import load_config
 from tokenmill.engine.models.moe import Experts, expert_packer
+from tokenmill.engine.quant import quantized_targets
+from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.types.config import EngineConfig
 from tokenmill.engine.worker import build
 from tokenmill.engine.worker.memory import load_bytes
@@ -133,10 +136,13 @@ def test_packing_during_the_load_runs_the_model_packing_after_it_ran(
 def test_the_memory_plan_counts_the_loads_peak(quantization, weight_format, moe_dir):
     """The weights planned are what the load holds at its peak: the float parameters
     but the experts, every layer's experts as packed, and the largest layer's float ones
-    (the stacks being filled)."""
+    (the stacks being filled) - and under int4, which swaps the dense linear layers as
+    they fill too, those quantized plus the largest one's float weight."""
     config = load_config(moe_dir)
+    meta = build_on_meta(config, torch.bfloat16)
+    dense = [p.numel() * 2 for _, _, lin in quantized_targets(meta) for p in lin.parameters()]
     model = load_model(
-        moe_dir, config, dtype=torch.bfloat16, device=CPU, on_filled=expert_packer(weight_format)
+        moe_dir, config, dtype=torch.bfloat16, device=CPU, on_filled=build._on_filled(quantization)
     )
     packed = [e.packed for e in layer_experts(model).values()]
     assert all(p.weight_format == weight_format for p in packed)
@@ -146,6 +152,10 @@ def test_the_memory_plan_counts_the_loads_peak(quantization, weight_format, moe_
     ]
     float_total = load_bytes(config, torch.bfloat16)
     peak = float_total - sum(float_layers) + sum(p.weight_bytes for p in packed) + max(float_layers)
+    if quantization == "int4":
+        int4_layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+        assert len(int4_layers) == len(dense)  # no biases here: one weight each
+        peak += sum(m.weight_bytes for m in int4_layers) + max(dense) - sum(dense)
     planned = build.plan_memory(
         config, EngineConfig(quantization=quantization), dtype=torch.bfloat16, device=CPU
     )

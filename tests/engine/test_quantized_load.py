@@ -13,10 +13,12 @@ from hf_models import build_hf_model, make_engine, run_all
 from test_hf_parity import mixed_prompts
 from test_quantized_model import PARAMS
 
+from tokenmill.engine.loader.tensor_plan import build_on_meta
 from tokenmill.engine.quant import int8, quantized_targets
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import Int8Linear
 from tokenmill.engine.worker import build
+from tokenmill.engine.worker.memory import load_bytes
 
 NUM_LAYERS = 4
 
@@ -62,8 +64,9 @@ def test_int4_swaps_each_decoder_layer_as_the_load_fills_it(model_dir, monkeypat
     monkeypatch.setattr(
         build,
         "quantize_model",
-        lambda model, *a, **k: left.append(len(_decoder_linears(model)))
-        or quantize_model(model, *a, **k),
+        lambda model, *a, **k: (
+            left.append(len(_decoder_linears(model))) or quantize_model(model, *a, **k)
+        ),
     )
     engine = make_engine(model_dir, quantization="int4")
     model = engine.runner.model
@@ -117,3 +120,25 @@ def test_int8_frees_each_float_layer_as_it_is_quantized(model_dir, monkeypatch):
     assert len(refs) == num_layers
     assert alive_at_each == list(range(num_layers, 0, -1))
     assert all(ref() is None for ref in refs)
+
+
+def test_the_memory_plan_counts_int4_layers_quantized_plus_one_float_layer(model_dir):
+    """The plan's weights for int4 are what its layers take once swapped (each as
+    Int4Linear counts itself) plus the largest float layer, alive while it fills - not
+    the float model, which no longer is in memory at once (and would refuse models that
+    fit)."""
+    engine = make_engine(model_dir, quantization="int4")
+    model = engine.runner.model
+    int4_bytes = sum(m.weight_bytes for m in model.modules() if isinstance(m, Int4Linear))
+    config = engine.runner.config
+    float_model = load_bytes(config, torch.float32)
+    floats = [
+        p.numel() * 4
+        for _, _, linear in quantized_targets(build_on_meta(config))
+        for p in linear.parameters()
+    ]
+    largest = 2 * config.intermediate_size * config.hidden_size * 4  # the fused gate_up
+    assert max(floats) == largest
+    want = float_model - sum(floats) + int4_bytes + largest
+    assert engine.memory.weight_bytes == want
+    assert want < float_model / 2
