@@ -19,6 +19,7 @@ for the one call, so the model keeps int4's memory. Figures: docs/design.md
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -55,11 +56,12 @@ def quantize_weight(
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
-    groups = weight.detach().float().reshape(n, k // group_size, group_size)
-    minimum = groups.amin(dim=-1)
-    span = groups.amax(dim=-1) - minimum
+    # One fp32 copy (an fp32 weight copied too), worked on in place; min and max in one pass.
+    groups = weight.detach().to(torch.float32, copy=True).reshape(n, k // group_size, group_size)
+    minimum, maximum = torch.aminmax(groups, dim=-1)
+    span = maximum - minimum
     scale = torch.where(span > 0, span / 15, torch.ones_like(span))
-    q = torch.round((groups - minimum[..., None]) / scale[..., None]).clamp_(0, 15)
+    q = groups.sub_(minimum[..., None]).div_(scale[..., None]).round_().clamp_(0, 15)
     return q.to(torch.int32).reshape(n, k), scale, minimum
 
 
@@ -83,7 +85,7 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         if packed is None:
             packed_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-            packed = packed_weight, _unpacks(packed_weight, q)
+            packed = packed_weight, _layout_read(*q.shape)
         self.register_buffer("packed_weight", packed[0], persistent=False)
         zero = minimum.float() + _MID * scale.float()
         # [K // g, N, 2]: per group and output channel, (scale, zero).
@@ -127,7 +129,7 @@ class Int4Linear(nn.Module):
         for part in parts:
             codes = part.to(torch.int32).add_(offset)
             one = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-            if not _unpacks(one, codes):
+            if not _layout_read(*codes.shape):
                 return None
             packed[row : row + part.shape[0]] = one
             row += part.shape[0]
@@ -169,11 +171,22 @@ class Int4Linear(nn.Module):
         )
 
 
+@functools.cache
+def _layout_read(n: int, k: int) -> bool:
+    """`_unpacks` for every [n, k] weight: packing places bits by position alone, whatever
+    the codes, so one probe of seeded random codes per shape stands for all the weights of
+    that shape (a model has a few shapes and hundreds of weights; the check is a pass over
+    each one's codes)."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(16, (n, k), dtype=torch.int32, generator=generator)
+    return _unpacks(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2), q)
+
+
 def _unpacks(packed: torch.Tensor, q: torch.Tensor) -> bool:
     """Whether big calls may expand these weights natively: the library is built, the
     channels fill whole int4pack blocks, and the packed bytes hold q in the layout
-    int4_unpack.c reads (checked on every weight, so a PyTorch that packs differently
-    keeps its own kernel rather than computing wrong products)."""
+    int4_unpack.c reads (checked for every weight's shape: _layout_read; a PyTorch that
+    packs differently keeps its own kernel rather than computing wrong products)."""
     n, k = q.shape
     block = int4_unpack.BLOCK_N
     if not int4_unpack.available() or n % block or packed.dtype != torch.uint8:

@@ -134,11 +134,15 @@ def quantize_weight(
     scale = torch.empty(weight.shape[0])
     start = 0
     for rows in weight.detach().split(ROWS_PER_CHUNK):
-        rows = rows.float() if smooth is None else rows.float() * smooth.float()[None, :]
-        absmax = rows.abs().amax(dim=1)
+        # One fp32 copy of the chunk, worked on in place (an fp32 weight copied too).
+        rows = rows.to(torch.float32, copy=True)
+        if smooth is not None:
+            rows.mul_(smooth.float()[None, :])
+        absmax = torch.linalg.vector_norm(rows, float("inf"), dim=1)
         chunk_scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
         stop = start + rows.shape[0]
-        qweight[start:stop] = torch.round(rows / chunk_scale[:, None]).clamp_(-127, 127)
+        # |rows / scale| <= 127 by the scale's choice: rounding needs no clamp.
+        qweight[start:stop] = rows.div_(chunk_scale[:, None]).round_()
         scale[start:stop] = chunk_scale
         start = stop
     return qweight, scale

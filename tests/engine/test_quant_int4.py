@@ -97,6 +97,17 @@ def test_a_packing_layout_other_than_the_one_unpacked_keeps_the_int4_kernel():
     assert not int4._unpacks(swapped, q)
 
 
+@needs_native
+@pytest.mark.parametrize(("n", "k"), [(128, 64), (192, 96), (96, 64)])
+def test_the_layout_checked_once_per_shape_is_each_weights_own(n, k):
+    """A layer trusts the one probe of its shape (_layout_read); the check on its own
+    codes agrees, for weights unlike the probe's random codes."""
+    for weight in (torch.randn(n, k), torch.zeros(n, k), torch.arange(n * k).view(n, k) % 7):
+        q, scale, minimum = quantize_weight(weight.float(), 32)
+        layer = Int4Linear(q, scale, minimum, None, group_size=32)
+        assert layer.unpacks == int4._unpacks(layer.packed_weight, q) == (n % 64 == 0)
+
+
 def test_inputs_not_a_multiple_of_the_group_are_refused():
     with pytest.raises(ValueError, match="not a multiple of the int4 group size 32"):
         quantize_weight(torch.randn(8, 48), 32)
