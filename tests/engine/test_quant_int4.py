@@ -108,6 +108,19 @@ def test_the_layout_checked_once_per_shape_is_each_weights_own(n, k):
         assert layer.unpacks == int4._unpacks(layer.packed_weight, q) == (n % 64 == 0)
 
 
+@needs_native
+def test_a_weight_packed_a_chunk_of_rows_at_a_time_is_packed_as_a_whole():
+    rows = int4.ROWS_PER_CHUNK + 128  # two chunks, the last short
+    weight = torch.randn(rows, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    chunked = Int4Linear.from_float(weight, group_size=32)
+    q, scale, minimum = quantize_weight(weight, 32)
+    whole = Int4Linear(q, scale, minimum, None, group_size=32)
+    assert chunked.unpacks and whole.unpacks
+    assert torch.equal(chunked.packed_weight, whole.packed_weight)
+    assert torch.equal(chunked.scales_and_zeros, whole.scales_and_zeros)
+    assert chunked.weight_bytes == whole.weight_bytes
+
+
 def test_inputs_not_a_multiple_of_the_group_are_refused():
     with pytest.raises(ValueError, match="not a multiple of the int4 group size 32"):
         quantize_weight(torch.randn(8, 48), 32)
