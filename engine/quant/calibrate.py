@@ -48,16 +48,18 @@ def smoothing_factors(
 ) -> torch.Tensor:
     """s [in_features] for x_absmax [in_features] and weight [out, in] (see module doc)."""
     w_absmax = torch.zeros(weight.shape[1])
-    # A chunk of rows at a time, in the weight's own dtype (max |w| is exact in any):
-    # an fp32 copy of an lm_head would be the model's size again, and the pass is one
-    # read of the weight rather than a copy, an abs and a max.
+    # A chunk of rows at a time, in the weight's own dtype (max |w| is exact in any): an
+    # fp32 copy of an lm_head would be the model's size again, and reading the weight as
+    # it is costs no copy.
     for rows in weight.detach().split(ROWS_PER_CHUNK):
-        w_absmax = torch.maximum(w_absmax, _absmax(rows, dim=0))
+        w_absmax = torch.maximum(w_absmax, absmax(rows, dim=0))
     w_absmax = w_absmax.clamp(min=1e-5)
     s = x_absmax.clamp(min=1e-5) ** alpha / w_absmax ** (1 - alpha)
     return s.clamp(min=1e-5)
 
 
-def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """max |x| along `dim`, fp32, in one pass (the infinity norm)."""
-    return torch.linalg.vector_norm(x, float("inf"), dim=dim).float()
+def absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |x| along `dim`, fp32, as max(max x, -min x): exact in any dtype, and two
+    reductions read x at about a third of the time of abs() then amax(), or of aminmax
+    and the infinity norm (which torch runs as slower kernels on the CPU)."""
+    return torch.maximum(x.amax(dim=dim), x.amin(dim=dim).neg()).float()

@@ -57,10 +57,11 @@ def quantize_weight(
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
-    # One fp32 copy (an fp32 weight copied too), worked on in place; min and max in one pass.
+    # One fp32 copy (an fp32 weight copied too), worked on in place. (amin and amax are
+    # two passes, but each runs far faster on the CPU than aminmax's one.)
     groups = weight.detach().to(torch.float32, copy=True).reshape(n, k // group_size, group_size)
-    minimum, maximum = torch.aminmax(groups, dim=-1)
-    span = maximum - minimum
+    minimum = groups.amin(dim=-1)
+    span = groups.amax(dim=-1) - minimum
     scale = torch.where(span > 0, span / 15, torch.ones_like(span))
     q = groups.sub_(minimum[..., None]).div_(scale[..., None]).round_().clamp_(0, 15)
     return q.to(torch.int32).reshape(n, k), scale, minimum

@@ -50,6 +50,7 @@ from tokenmill.engine.models.layers import GatedMLP
 from tokenmill.engine.models.moe import KernelExperts
 from tokenmill.engine.quant.calibrate import (
     ROWS_PER_CHUNK,
+    absmax,
     calibration_token_ids,
     smoothing_factors,
 )
@@ -138,8 +139,8 @@ def quantize_weight(
         rows = rows.to(torch.float32, copy=True)
         if smooth is not None:
             rows.mul_(smooth.float()[None, :])
-        absmax = torch.linalg.vector_norm(rows, float("inf"), dim=1)
-        chunk_scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+        row_absmax = absmax(rows, dim=1)
+        chunk_scale = torch.where(row_absmax > 0, row_absmax / 127, torch.ones_like(row_absmax))
         stop = start + rows.shape[0]
         # |rows / scale| <= 127 by the scale's choice: rounding needs no clamp.
         qweight[start:stop] = rows.div_(chunk_scale[:, None]).round_()
@@ -378,7 +379,7 @@ class Int8Method(QuantizationMethod):
         # downstream of int8 experts: the inputs it will see when the quantized model
         # runs, which is what its smoothing is for (and the float experts of every layer
         # at once would not fit where the quantized model is meant to).
-        absmax = measure_inputs(model, layers, token_ids)
+        x_absmax = measure_inputs(model, layers, token_ids)
         del layers
         total = 0
         # Popped one by one, as are their statistics (keyed by the layer): once swapped,
@@ -389,7 +390,7 @@ class Int8Method(QuantizationMethod):
             parent, name, linear = targets.pop()
             # A gated MLP's gate_up takes its activation into the product where it can.
             gated = isinstance(parent, GatedMLP) and name == "gate_up_proj"
-            layer = _smoothed(linear, absmax.pop(linear), parent.activation if gated else None)
+            layer = _smoothed(linear, x_absmax.pop(linear), parent.activation if gated else None)
             setattr(parent, name, layer)
             total += layer.weight_bytes
             del linear, layer

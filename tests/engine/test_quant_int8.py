@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.engine.kernels.int8_linear import native_int8_isa
 from tokenmill.engine.kernels.quantize import FULL_RANGE, quantize_rows_u8
+from tokenmill.engine.quant import calibrate
 from tokenmill.engine.quant.int8 import (
     Int8Linear,
     choose_kernel,
@@ -163,3 +164,16 @@ def test_row_counts_are_padded_to_few_shapes():
     ]  # fmt: skip
     # 8, 16, 32 and the 32 multiples of 64 up to 2,048.
     assert len({padded_rows(n) for n in range(1, 2049)}) == 35
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_absmax_is_max_abs_in_any_dtype(dtype, dim):
+    """calibrate.absmax (max of max and -min, what smoothing and the weight scales read)
+    is max |x| exactly: rows all negative, all zero, mixed."""
+    x = torch.randn(40, 24, generator=torch.Generator().manual_seed(5)).to(dtype)
+    x[3], x[:, 4] = 0, -x[:, 4].abs() - 1
+    x[7] = -3.0
+    want = x.float().abs().amax(dim=dim)
+    got = calibrate.absmax(x, dim=dim)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
