@@ -426,3 +426,16 @@ def test_the_kernel_is_left_out_where_the_cpu_lacks_avx2(build_for):
         "rows": 5,
         "takes_gated": False,
     }
+
+
+def test_panels_moved_as_words_are_the_permuted_bytes():
+    """pack_int8_weight's panels, moved as int32 words, are the int8 permute's bytes - for
+    a weight of its own and a row slice starting off a word boundary (the fallback)."""
+    from tokenmill.engine.kernels.int8_linear import K_STEP, PANEL, _panels
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(-127, 128, (97, 64), dtype=torch.int8, generator=gen)
+    for weight in (q[:96], q.view(-1)[1 : 1 + 96 * 64].view(96, 64)):
+        n, k = weight.shape
+        want = weight.reshape(n // PANEL, PANEL, k // K_STEP, K_STEP).permute(0, 2, 1, 3)
+        assert torch.equal(_panels(weight), want.contiguous())
