@@ -222,9 +222,13 @@ def test_the_memory_plan_counts_the_experts_as_packed(quantization, weight_forma
     """The planned weight bytes are what the load holds at its peak when it packs each
     layer's experts as it fills (in int8/int4 under those modes): the model's parameters
     left in memory, every layer's packed experts (fp32 biases included), and the largest
-    layer's experts as loaded (stacks and biases, alive until they are packed)."""
+    layer's experts as loaded (stacks and biases, alive until they are packed) - and
+    under int4, which swaps the attention projections as they fill too, those in 4 bits
+    (their biases in bf16) plus the largest one as loaded."""
+    from tokenmill.engine.loader.tensor_plan import build_on_meta
     from tokenmill.engine.loader.weights import load_model
-    from tokenmill.engine.models.moe import expert_packer
+    from tokenmill.engine.quant import quantized_targets
+    from tokenmill.engine.quant.int4 import Int4Linear
     from tokenmill.engine.types.config import EngineConfig
     from tokenmill.engine.worker import build
     from tokenmill.engine.worker.memory import load_bytes
@@ -233,7 +237,7 @@ def test_the_memory_plan_counts_the_experts_as_packed(quantization, weight_forma
     config = load_config(tmp_path)
     cpu, dtype = torch.device("cpu"), torch.bfloat16
     model = load_model(
-        tmp_path, config, dtype=dtype, device=cpu, on_filled=expert_packer(weight_format)
+        tmp_path, config, dtype=dtype, device=cpu, on_filled=build._on_filled(quantization)
     )
     experts = [layer.mlp.experts for layer in model.model.layers]
     assert [e.packed.weight_format for e in experts] == [weight_format] * len(experts)
@@ -245,6 +249,17 @@ def test_the_memory_plan_counts_the_experts_as_packed(quantization, weight_forma
         + sum(e.packed.weight_bytes for e in experts)
         + max(loaded_layers)
     )
+    int4_layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    dense = [
+        sum(p.numel() * p.element_size() for p in linear.parameters())
+        for _, _, linear in quantized_targets(build_on_meta(config, dtype))
+    ]
+    assert len(int4_layers) == (len(dense) if quantization == "int4" else 0)
+    if int4_layers:
+        biases = sum(
+            m.bias.numel() * m.bias.element_size() for m in int4_layers if m.bias is not None
+        )
+        peak += sum(m.weight_bytes for m in int4_layers) + biases + max(dense)
     planned = build.plan_memory(
         config, EngineConfig(quantization=quantization), dtype=dtype, device=cpu
     )
