@@ -10,7 +10,8 @@ costs nothing. Every failure is an `ImageError` whose message says what is wrong
 Preprocessing reproduces transformers' PIL image-processor backend (the one its
 AutoImageProcessor uses where torchvision is not installed): resize to the model's fixed
 size with Pillow's resampling filter on the uint8 image, rescale in float64 then round
-to float32, normalise per channel in float32.
+to float32, normalise per channel in float32. With pan-and-scan (Gemma 3,
+loader/pan_and_scan.py) a wide or tall image is the image and its crops, each resized so.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from tokenmill.engine.types.config import DEFAULT_MAX_IMAGE_PIXELS
+from tokenmill.engine.loader.pan_and_scan import Box, PanAndScan
+from tokenmill.engine.types.config import DEFAULT_MAX_IMAGE_PIXELS, EngineConfig
 
 
 class ImageError(ValueError):
@@ -158,7 +160,7 @@ RESAMPLE_NAMES = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "B
 
 @dataclass(frozen=True)
 class ImageProcessor:
-    """A fixed-size image processor, read from preprocessor_config.json."""
+    """A fixed-size image processor, read from the model's image-processor config."""
 
     height: int
     width: int
@@ -169,13 +171,20 @@ class ImageProcessor:
     do_normalize: bool = True
     image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    # Gemma 3's pan-and-scan: how wide and tall images are cropped (None: never).
+    pan_and_scan: PanAndScan | None = None
 
     @classmethod
-    def from_config(cls, raw: dict) -> ImageProcessor:
-        """Raises ValueError naming a setting it does not implement (pan-and-scan, a
-        size given other than as height and width, no RGB conversion)."""
-        if raw.get("do_pan_and_scan"):
-            raise ValueError("preprocessor_config.json asks for pan-and-scan, not supported yet")
+    def from_config(
+        cls, raw: dict, *, pan_and_scan: bool | None = EngineConfig.pan_and_scan
+    ) -> ImageProcessor:
+        """The processor a config describes; `pan_and_scan` True or False overrides the
+        config's do_pan_and_scan (None: as the config says, null being off).
+
+        Raises:
+            ValueError: naming a setting it does not implement (a size given other than
+                as height and width, no RGB conversion, cropping or padding).
+        """
         if raw.get("do_convert_rgb") is False:
             raise ValueError("preprocessor_config.json sets do_convert_rgb false; not supported")
         if raw.get("do_center_crop") or raw.get("do_pad"):
@@ -186,6 +195,12 @@ class ImageProcessor:
         resample = int(raw.get("resample", 2))
         if resample not in RESAMPLE_NAMES:
             raise ValueError(f"preprocessor_config.json resample {resample} is not a PIL filter")
+        if pan_and_scan is None:
+            pan_and_scan = bool(raw.get("do_pan_and_scan"))
+        if pan_and_scan and raw.get("do_resize") is False:
+            raise ValueError(
+                "pan-and-scan with do_resize false (crops of their own sizes) is not supported"
+            )
         return cls(
             height=int(size["height"]),
             width=int(size["width"]),
@@ -196,14 +211,30 @@ class ImageProcessor:
             do_normalize=bool(raw.get("do_normalize", True)),
             image_mean=tuple(float(m) for m in raw.get("image_mean", (0.5, 0.5, 0.5))),
             image_std=tuple(float(s) for s in raw.get("image_std", (0.5, 0.5, 0.5))),
+            pan_and_scan=PanAndScan.from_config(raw) if pan_and_scan else None,
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ImageProcessor:
-        path = Path(model_dir) / "preprocessor_config.json"
-        if not path.exists():
-            raise ValueError(f"{model_dir} has no preprocessor_config.json: images need one")
-        return cls.from_config(json.loads(path.read_text(encoding="utf-8")))
+    def from_dir(
+        cls, model_dir: str | Path, *, pan_and_scan: bool | None = EngineConfig.pan_and_scan
+    ) -> ImageProcessor:
+        """The processor of the model in `model_dir` (`image_processor_config`)."""
+        return cls.from_config(image_processor_config(model_dir), pan_and_scan=pan_and_scan)
+
+    def boxes(self, width: int, height: int) -> list[Box]:
+        """The pan-and-scan crops of a width x height image (none without pan-and-scan)."""
+        return [] if self.pan_and_scan is None else self.pan_and_scan.boxes(width, height)
+
+    def views(self, image: DecodedImage) -> torch.Tensor:
+        """The image and its pan-and-scan crops, each resized as `resize` resizes,
+        [1 + crops, height, width, 3] uint8 - the tower's images of it, in order."""
+        crops = [
+            DecodedImage(
+                np.ascontiguousarray(image.pixels[top:bottom, left:right]), image.content_hash
+            )
+            for left, top, right, bottom in self.boxes(*image.size)
+        ]
+        return torch.stack([self.resize(view) for view in [image, *crops]])
 
     def __call__(self, image: DecodedImage) -> torch.Tensor:
         """-> [3, height, width] float32 pixel values."""
@@ -223,6 +254,28 @@ class ImageProcessor:
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """[height, width, 3] uint8 -> [3, height, width] float32 (`normalize_pixels`)."""
         return normalize_pixels(pixels, self)
+
+
+def image_processor_config(model_dir: str | Path) -> dict:
+    """The image-processor config of the model in `model_dir`, where transformers finds
+    it: processor_config.json's "image_processor" (as transformers saves it now), else
+    preprocessor_config.json.
+
+    Raises:
+        ValueError: neither holds one.
+    """
+    processor = Path(model_dir) / "processor_config.json"
+    if processor.exists():
+        nested = json.loads(processor.read_text(encoding="utf-8")).get("image_processor")
+        if isinstance(nested, dict):
+            return nested
+    path = Path(model_dir) / "preprocessor_config.json"
+    if not path.exists():
+        raise ValueError(
+            f"{model_dir} has no preprocessor_config.json (nor an image_processor in "
+            "processor_config.json): images need one"
+        )
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 def normalize_pixels(pixels: torch.Tensor, settings) -> torch.Tensor:

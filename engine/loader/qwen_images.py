@@ -18,7 +18,6 @@ h * w / merge_size**2 tokens in the prompt.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from tokenmill.engine.loader.images import (
     RESAMPLE_NAMES,
     DecodedImage,
     ImageError,
+    image_processor_config,
     normalize_pixels,
 )
 
@@ -120,10 +120,8 @@ class DynamicImageProcessor:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> DynamicImageProcessor:
-        path = Path(model_dir) / "preprocessor_config.json"
-        if not path.exists():
-            raise ValueError(f"{model_dir} has no preprocessor_config.json: images need one")
-        return cls.from_config(json.loads(path.read_text(encoding="utf-8")))
+        """The processor of the model in `model_dir` (`image_processor_config`)."""
+        return cls.from_config(image_processor_config(model_dir))
 
     @property
     def factor(self) -> int:

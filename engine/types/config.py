@@ -164,6 +164,14 @@ class EngineConfig:
     image_decode_threads: int = setting(
         2, "Threads decoding and resizing images beside the loop (the decode pool)."
     )
+    pan_and_scan: bool | None = setting(
+        None,
+        "Gemma 3: show a wide or tall image to the tower as itself and as crops along its "
+        "long side (each as many soft tokens more as the image), as transformers' "
+        "do_pan_and_scan; True or "
+        "False overrides the model's image-processor config (default: as it says, off "
+        "where null). Refused for models without pan-and-scan (Qwen2.5-VL, text models).",
+    )
     huge_pages: bool | None = setting(
         None,
         "Ask Linux for 2 MiB pages for the CPU KV cache (default: TOKENMILL_HUGE_PAGES, "
@@ -195,6 +203,8 @@ class EngineConfig:
             raise ValueError(f"max_images_ahead must be >= 1, got {self.max_images_ahead}")
         if self.image_decode_threads < 1:
             raise ValueError(f"image_decode_threads must be >= 1, got {self.image_decode_threads}")
+        if not (self.pan_and_scan is None or isinstance(self.pan_and_scan, bool)):
+            raise ValueError(f"pan_and_scan must be true, false or None, got {self.pan_and_scan!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
