@@ -38,7 +38,13 @@ from urllib.parse import urlsplit
 
 import fsspec
 
-from tokenmill.engine import DEFAULT_MAX_IMAGE_PIXELS, ImageError, image_layout, image_size
+from tokenmill.engine import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    EngineConfig,
+    ImageError,
+    image_layout,
+    image_size,
+)
 from tokenmill.pipelines.image_fetch import fetch_pinned
 from tokenmill.pipelines.templating import ImagePlaces
 
@@ -86,21 +92,28 @@ class RowImageReader:
 
 
 def image_reader(
-    values: Any, *, model_dir: str, model_name: str, tokenizer: Any, task: str
+    values: Any,
+    *,
+    model_dir: str,
+    model_name: str,
+    tokenizer: Any,
+    task: str,
+    pan_and_scan: bool | None = EngineConfig.pan_and_scan,
 ) -> RowImageReader | None:
     """The image reader of a job's (or a notebook call's) options - `values.<name>` or
-    `values[name]` - for its model (None: no image_column).
+    `values[name]` - for its model (None: no image_column). pan_and_scan is the engine
+    setting the job runs with (Gemma 3's crops: more image blocks per image).
 
     Raises:
         ValueError: an image column for a task other than generate, or for a model without
-            a vision tower.
+            a vision tower; pan_and_scan for a model without it.
     """
     get = values.get if isinstance(values, dict) else lambda name: getattr(values, name)
     if get("image_column") is None:
         return None
     if task != "generate":
         raise ValueError(f"image_column is read by generate jobs, not {task} jobs")
-    places = image_layout(model_dir, tokenizer)
+    places = image_layout(model_dir, tokenizer, pan_and_scan=pan_and_scan)
     if places is None:
         raise ValueError(
             f"model {model_name} has no vision tower: image_column needs a vision-language "
@@ -109,11 +122,17 @@ def image_reader(
     return RowImageReader(get("image_column"), _access(values), places)
 
 
-def openai_image_reader(values: Any, *, model_dir: str, tokenizer: Any) -> RowImageReader | None:
+def openai_image_reader(
+    values: Any,
+    *,
+    model_dir: str,
+    tokenizer: Any,
+    pan_and_scan: bool | None = EngineConfig.pan_and_scan,
+) -> RowImageReader | None:
     """The reader of an OpenAI batch file's image parts for the job's model (None: it has
     no vision tower, so a line with images is an error row); the lines' messages place
     them."""
-    places = image_layout(model_dir, tokenizer)
+    places = image_layout(model_dir, tokenizer, pan_and_scan=pan_and_scan)
     if places is None:
         return None
     return RowImageReader("messages", _access(values), places)

@@ -479,6 +479,8 @@ def _prepare(data: Any, task: str, *, llm: Any, options: dict[str, Any]) -> _Pre
             model_name=getattr(llm, "model_name", "the model"),
             tokenizer=llm.tokenizer,
             task=task,
+            # As the engine that runs the rows crops their images (Gemma 3's pan-and-scan).
+            pan_and_scan=getattr(getattr(llm, "engine_config", None), "pan_and_scan", None),
         )
     row_images = None
     if images is not None:

@@ -494,19 +494,24 @@ def _adapters_for(spec: JobSpec, model: ModelDescription, llm: Any) -> list[JobA
 def _images_for(spec: JobSpec, model: ModelDescription, tokenizer: Any) -> RowImageReader | None:
     """How the job reads its rows' images (None: it has no image column, or OpenAI batch
     input for a model without a vision tower); ValueError for one it cannot read them for."""
+    # The engine's pan-and-scan setting decides how many image blocks an image is.
+    pan_and_scan = spec.llm_options.get("pan_and_scan")
     if spec.is_openai_batch:
         if spec.image_column is not None:
             raise ValueError(
                 "image_column is not read from OpenAI batch input (its lines carry their own "
                 "image_url parts)"
             )
-        return openai_image_reader(spec, model_dir=str(model.model_dir), tokenizer=tokenizer)
+        return openai_image_reader(
+            spec, model_dir=str(model.model_dir), tokenizer=tokenizer, pan_and_scan=pan_and_scan
+        )
     return image_reader(
         spec,
         model_dir=str(model.model_dir),
         model_name=model.name,
         tokenizer=tokenizer,
         task=spec.task,
+        pan_and_scan=pan_and_scan,
     )
 
 

@@ -9,6 +9,12 @@ end-of-image marker + "\\n\\n" - only those markers are encoded as control token
 any other special-token text stays data. A token-id prompt's marker id is followed by
 the image tokens and the end marker (no newlines: the caller chose the ids).
 
+With pan-and-scan (loader/pan_and_scan.py) an image with crops is shown as the image and
+each crop, as transformers' processor writes it: "Here is the original image" + block +
+" and here are some crops to help you see better" + one block per crop, each block one
+ImageSpan keyed by the image's content hash and the crop's box. A token-id prompt must
+hold every block of such an image itself (the text between them is the processor's).
+
 A bad image (corrupt, truncated, unsupported, over the pixel limit) or a marker count
 that does not match the images makes that prompt an error, never a prompt run without
 its image.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +42,7 @@ from tokenmill.engine.loader.images import (
     image_size,
     to_decoded,
 )
+from tokenmill.engine.loader.pan_and_scan import Box, PanAndScan
 from tokenmill.engine.loader.special_text import Spans
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.models import ModelConfig
@@ -94,11 +102,24 @@ class ImageLayout:
     block: str  # what the marker expands to: markers and one image token per soft token
     tokens_per_image: int
     image_token_id: int  # the id each of an image's soft tokens is in a prompt
+    # How images are cropped (None: each is shown whole, one block): an image with crops
+    # expands to the text transformers' processor writes around its blocks.
+    pan_and_scan: PanAndScan | None = None
 
     @property
     def placeholder(self) -> str:
         """What places one image in text that places none itself."""
         return self.marker
+
+    def image_text(self, width: int, height: int) -> str:
+        """What the marker of an image of this size expands to."""
+        crops = 0 if self.pan_and_scan is None else self.pan_and_scan.num_crops(width, height)
+        if not crops:
+            return self.block
+        return (
+            f"Here is the original image {self.block} and here are some crops to help you "
+            "see better " + " ".join([self.block] * crops)
+        )
 
     def count(self, text: str, data_spans: Spans = ()) -> int:
         """The images `text` places (markers outside the data spans)."""
@@ -108,14 +129,26 @@ class ImageLayout:
         self, text: str, data_spans: Spans = (), sizes: Sequence[tuple[int, int]] = ()
     ) -> tuple[str, Spans]:
         """`text` with each marker outside the data spans expanded, and the data spans
-        moved with the text (every image is the same block, whatever its `sizes`)."""
+        moved with the text. Without pan-and-scan every image is the same block, whatever
+        its size; with it, the i-th marker's image is `sizes[i]` ((width, height)).
+
+        Raises:
+            ValueError: with pan-and-scan, not one size per marker.
+        """
         pieces, spans = [], []
         data = sorted(data_spans)
+        places = list(self._places(text, data))
+        if self.pan_and_scan is None:
+            blocks = [self.block] * len(places)
+        elif len(places) != len(sizes):
+            raise ValueError(f"the prompt places {len(places)} image(s), {len(sizes)} sizes given")
+        else:
+            blocks = [self.image_text(width, height) for width, height in sizes]
         last = shift = 0
-        for at in self._places(text, data):
-            pieces += [text[last:at], self.block]
+        for at, block in zip(places, blocks):
+            pieces += [text[last:at], block]
             spans += [(s + shift, e + shift) for s, e in data if last <= s < at]
-            shift += len(self.block) - len(self.marker)
+            shift += len(block) - len(self.marker)
             last = at + len(self.marker)
         pieces.append(text[last:])
         spans += [(s + shift, e + shift) for s, e in data if s >= last]
@@ -129,8 +162,11 @@ class ImageLayout:
             at = text.find(self.marker, at + len(self.marker))
 
 
-def fixed_layout(config: ModelConfig, tokenizer: Tokenizer | None) -> ImageLayout:
-    """The ImageLayout of a model whose images are a fixed number of tokens (Gemma 3)."""
+def fixed_layout(
+    config: ModelConfig, tokenizer: Tokenizer | None, crops: PanAndScan | None = None
+) -> ImageLayout:
+    """The ImageLayout of a model whose images are a fixed number of tokens each (Gemma
+    3), cropped as `crops` says if given (pan-and-scan)."""
     if tokenizer is None:
         raise ValueError("a text prompt with images needs the model's tokenizer")
     backend = tokenizer.backend
@@ -140,7 +176,8 @@ def fixed_layout(config: ModelConfig, tokenizer: Tokenizer | None) -> ImageLayou
         raise ValueError("the tokenizer has no image marker tokens; pass prompt_token_ids")
     boi, eoi, image = markers
     n = config.tokens_per_image
-    return ImageLayout(boi, f"\n\n{boi}{image * n}{eoi}\n\n", n, config.image_token_id)
+    block = f"\n\n{boi}{image * n}{eoi}\n\n"
+    return ImageLayout(boi, block, n, config.image_token_id, crops)
 
 
 class ImagePrompts:
@@ -148,6 +185,8 @@ class ImagePrompts:
 
     # Whether an image's token count follows from its size (not for a fixed-size tower).
     tokens_depend_on_size = False
+    # How images are cropped (Gemma 3's pan-and-scan; None: never).
+    pan_and_scan: PanAndScan | None = None
 
     def __init__(
         self,
@@ -156,8 +195,12 @@ class ImagePrompts:
         tokenizer: Tokenizer | None,
         *,
         max_image_pixels: int = EngineConfig.max_image_pixels,
+        pan_and_scan: bool | None = EngineConfig.pan_and_scan,
     ) -> None:
-        self.processor = ImageProcessor.from_dir(model_dir)
+        self.processor = ImageProcessor.from_dir(model_dir, pan_and_scan=pan_and_scan)
+        self.pan_and_scan = self.processor.pan_and_scan
+        # With pan-and-scan an image's crops, and so its tokens, follow from its size.
+        self.tokens_depend_on_size = self.pan_and_scan is not None
         vision = config.vision
         if (self.processor.height, self.processor.width) != (vision.image_size,) * 2:
             raise ValueError(
@@ -211,44 +254,71 @@ class ImagePrompts:
             decoded = [self._source(i) for i in raw]
         except ImageError as exc:
             return PreparedPrompt([], text=text, error=f"image: {exc}")
+        places_error = (
+            f"the prompt places {{}} image(s) (begin-of-image markers) but {len(decoded)} "
+            "were given"
+        )
         if ids is None:
-            ids = self._encode_text(text, data_spans, add_special_tokens)
+            if self.pan_and_scan is not None:  # a marker's text depends on its image's size
+                placed = self.layout().count(text, data_spans)
+                if placed != len(decoded):
+                    return PreparedPrompt([], text=text, error=places_error.format(placed))
+            sizes = [image.size for image in decoded]
+            ids = self._encode_text(text, data_spans, add_special_tokens, sizes)
         spans = self._spans(ids)
         if ids.count(self.image) != len(spans) * self.tokens_per_image:
             return PreparedPrompt(
                 ids, text=text, error="the prompt holds image tokens outside an image's place"
             )
-        if len(spans) != len(decoded):
+        # Each image's boxes: the whole image (None), then its pan-and-scan crops.
+        views = [[None, *self.processor.boxes(*image.size)] for image in decoded]
+        num_views = sum(map(len, views))
+        if len(spans) != num_views:
+            if num_views == len(decoded):
+                return PreparedPrompt(ids, text=text, error=places_error.format(len(spans)))
             return PreparedPrompt(
                 ids,
                 text=text,
                 error=(
-                    f"the prompt places {len(spans)} image(s) (begin-of-image markers) "
-                    f"but {len(decoded)} were given"
+                    f"pan-and-scan shows the {len(decoded)} image(s) given as {num_views} "
+                    f"(each and its crops), but the prompt places {len(spans)}: token ids "
+                    "must hold each crop's image block (a text prompt is expanded so)"
                 ),
             )
+        offsets = iter(spans)
         images = tuple(
             ImageSpan(
-                offset,
+                next(offsets),
                 self.tokens_per_image,
-                image.content_hash,
+                view_hash(image.content_hash, box),
                 image.pixels,
-                self.processor.normalize,
+                self._view_prepare(index),
             )
-            for offset, image in zip(spans, decoded)
+            for image, boxes in zip(decoded, views)
+            for index, box in enumerate(boxes)
         )
         return PreparedPrompt(ids, images, text)
+
+    def _view_prepare(self, index: int):
+        """What makes the tower's input of an image's view `index` from its pixels: with
+        pan-and-scan those are every view of it, stacked (`ImageProcessor.views`)."""
+        if self.pan_and_scan is None:
+            return self.processor.normalize
+        normalize = self.processor.normalize
+        return lambda views: normalize(views[index])
 
     def _source(self, image) -> ImageSource:
         """An image as a queued request holds it. Encoded bytes are checked from their
         header and decoded later, beside the engine (core/image_prefetch.py); a PIL image,
         already in memory, is resized now."""
+        # With pan-and-scan an image's pixels are every view of it, made in one decode.
+        resize = self.processor.resize if self.pan_and_scan is None else self.processor.views
         if not isinstance(image, (bytes, bytearray, memoryview)):
             decoded = to_decoded(image, max_pixels=self.max_image_pixels)
-            return ImageSource(decoded.content_hash, decoded.size, self.processor.resize(decoded))
+            return ImageSource(decoded.content_hash, decoded.size, resize(decoded))
         data = bytes(image)
         size = image_size(data, max_pixels=self.max_image_pixels)
-        max_pixels, resize = self.max_image_pixels, self.processor.resize
+        max_pixels = self.max_image_pixels
         sized = self.tokens_depend_on_size
 
         def load() -> torch.Tensor:
@@ -287,16 +357,23 @@ class ImagePrompts:
             raise ValueError("the tokenizer has no image marker tokens; pass prompt_token_ids")
         return markers
 
-    def _encode_text(self, text: str, data_spans: Spans, add_special_tokens: bool) -> list[int]:
+    def _encode_text(
+        self,
+        text: str,
+        data_spans: Spans,
+        add_special_tokens: bool,
+        sizes: Sequence[tuple[int, int]] = (),
+    ) -> list[int]:
         """Expand each begin-of-image marker outside the data spans, as transformers'
-        processor does, then encode (the data spans moved with the text)."""
-        text, spans = self.layout().expand(text, data_spans)
+        processor does for images of these sizes, then encode (the data spans moved with
+        the text)."""
+        text, spans = self.layout().expand(text, data_spans, sizes)
         return self.tokenizer.encode_batch([text], add_special_tokens, data_spans=[spans])[0]
 
     def layout(self) -> ImageLayout:
         """Where this model's images sit in prompt text (its marker strings)."""
         if self._layout is None:
-            self._layout = fixed_layout(self.config, self.tokenizer)
+            self._layout = fixed_layout(self.config, self.tokenizer, self.pan_and_scan)
         return self._layout
 
     def _spans(self, ids: Sequence[int]) -> list[int]:
@@ -308,6 +385,17 @@ class ImagePrompts:
             if token == self.boi and ids[i + 1 : i + 1 + n] == [self.image] * n:
                 offsets.append(i + 1)
         return offsets
+
+
+def view_hash(image_hash: bytes, box: Box | None) -> bytes:
+    """What keys the embeddings and KV blocks of an image's view: the image's own content
+    hash for the whole image, and for a pan-and-scan crop that hash with the crop's box
+    (the same image cropped alike is the same crop; cropped otherwise, another)."""
+    if box is None:
+        return image_hash
+    digest = hashlib.blake2b(image_hash, digest_size=16)
+    digest.update(b"pan-and-scan crop:%d,%d,%d,%d" % box)
+    return digest.digest()
 
 
 def image_url_bytes(url: Any) -> bytes:

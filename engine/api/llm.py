@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.engine.api.image_layouts import check_pan_and_scan
 from tokenmill.engine.api.image_prompts import (
     ImagePrompts,
     PreparedPrompt,
@@ -35,7 +36,7 @@ from tokenmill.engine.loader.model_files import display_name, resolve_model
 from tokenmill.engine.loader.pooling_tokenizer import pair_separator_id
 from tokenmill.engine.loader.tokenizer import Tokenizer
 from tokenmill.engine.lora.adapters import describe_adapter, model_names
-from tokenmill.engine.models import GENERATE
+from tokenmill.engine.models import GENERATE, load_config
 from tokenmill.engine.pooling.config import served_tasks
 from tokenmill.engine.types.config import EngineConfig, engine_settings, resolve_dtype
 from tokenmill.engine.types.lora_request import LoRARequest
@@ -87,6 +88,8 @@ class LLM(PoolingMethods):
         self.engine_config = EngineConfig(**settings)
         check_settings(self.engine_config)
         self.model_dir = resolve_model(model, revision=revision)
+        if self.engine_config.pan_and_scan:  # refused by name before the weights load
+            check_pan_and_scan(load_config(self.model_dir), True)
         # The Hub commit the weights came from (None for local files and aliases).
         self.model_revision = snapshot_revision(self.model_dir)
         self.model_name = display_name(model)
@@ -311,13 +314,22 @@ class LLM(PoolingMethods):
     def _image_prompts_of_model(self) -> ImagePrompts:
         if self._image_prompts is None:
             # A model with 3D positions (Qwen2.5-VL) takes images at their own sizes.
-            kind = QwenImagePrompts if hasattr(self.model_config, "mrope_section") else ImagePrompts
-            self._image_prompts = kind(
-                self.model_dir,
-                self.model_config,
-                self.tokenizer,
-                max_image_pixels=self.engine_config.max_image_pixels,
-            )
+            config = self.engine_config
+            if hasattr(self.model_config, "mrope_section"):
+                self._image_prompts = QwenImagePrompts(
+                    self.model_dir,
+                    self.model_config,
+                    self.tokenizer,
+                    max_image_pixels=config.max_image_pixels,
+                )
+            else:
+                self._image_prompts = ImagePrompts(
+                    self.model_dir,
+                    self.model_config,
+                    self.tokenizer,
+                    max_image_pixels=config.max_image_pixels,
+                    pan_and_scan=config.pan_and_scan,
+                )
         return self._image_prompts
 
     def _prepare_image_prompts(self, prompts: list, allow_special_tokens: bool) -> list:

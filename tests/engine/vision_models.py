@@ -94,7 +94,9 @@ def save_marker_tokenizer(out_dir: Path, vocab_size: int = 256):
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import Gemma3Processor, PreTrainedTokenizerFast
 
+    # Capitals too: pan-and-scan's text around an image's crops starts "Here is".
     chars = [chr(c) for c in range(ord("a"), ord("z") + 1)] + list("0123456789 \n.,")
+    chars += [chr(c) for c in range(ord("A"), ord("Z") + 1)]
     vocab = {c: i for i, c in enumerate(chars)}
     vocab.update(
         {f"<unused{i}>": i for i in range(len(chars), vocab_size) if i not in MARKERS.values()}
