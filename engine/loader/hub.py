@@ -31,6 +31,9 @@ HUB_FILE_PATTERNS = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
+    # A vision model's image processor (transformers reads processor_config.json's first).
+    "preprocessor_config.json",
+    "processor_config.json",
     "*.safetensors",
     "model.safetensors.index.json",
 )

@@ -168,6 +168,8 @@ def test_only_the_engine_files_are_fetched():
         "tokenizer_config.json",
         "special_tokens_map.json",
         "chat_template.jinja",
+        "preprocessor_config.json",
+        "processor_config.json",
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
@@ -180,7 +182,7 @@ def test_only_the_engine_files_are_fetched():
         "README.md",
     ]
     fetched = list(filter_repo_objects(repo_files, allow_patterns=list(hub.HUB_FILE_PATTERNS)))
-    assert fetched == repo_files[:9]
+    assert fetched == repo_files[:11]
 
 
 def test_models_pull_list_and_info(hub_cache, tiny_files):
