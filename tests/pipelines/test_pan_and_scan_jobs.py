@@ -2,7 +2,8 @@
 pan_and_scan=true`) on a tiny random Gemma 3 vision model (fp32): each row's prompt and
 answer as `LLM.chat` gives them with the same setting (which tests/engine/
 test_gemma3_pan_and_scan.py holds to transformers), its image tokens counting every crop,
-and a dry run counting the same tokens from the images' sizes alone."""
+a notebook given the same LLM answering alike, and a dry run counting the same tokens
+from the images' sizes alone."""
 
 from __future__ import annotations
 
@@ -132,6 +133,19 @@ def test_a_job_with_pan_and_scan_counts_every_crop_and_its_dry_run_too(vlm, tmp_
         assert got["image_tokens"] == expected.image_tokens == num_views * TOKENS_PER_IMAGE
         assert expected.prompt_token_ids.count(IMAGE) == num_views * TOKENS_PER_IMAGE
     assert ledger.image_tokens == (4 + 4 + 1) * TOKENS_PER_IMAGE
+
+    # A notebook given that LLM places its rows' images as the LLM crops them.
+    import polars as pl
+
+    import tokenmill
+
+    frame = pl.DataFrame(
+        {"prompt": [r[1] for r in ROWS], "image": [images[r[0]] for r in ROWS]},
+        schema={"prompt": pl.String, "image": pl.List(pl.Binary)},
+    )
+    got = tokenmill.generate(frame, llm=llm, image_column="image", max_tokens=4, ignore_eos=True)
+    assert got["output"].to_list() == [w.outputs[0].text for w in want]
+    assert got["prompt_tokens"].to_list() == [len(w.prompt_token_ids) for w in want]
 
     forecast = _job(
         vlm, source, tmp_path / "dry", engine_options=engine, dry_run=True, calibrate=False
