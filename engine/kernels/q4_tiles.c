@@ -5,20 +5,20 @@
  * Why: at a decode batch of a few dozen rows the VNNI integer product (q4_linear.c) is
  * bound by its multiply-adds, and expanding the whole weight to bf16 for one matmul
  * writes and reads four times the blocks' bytes per call; AMX tiles multiply 16 rows x
- * 16 channels x 32 k in one instruction (docs/design.md, "4-bit GGUF layers on AMX
- * tiles").
+ * 16 channels x 32 k in one instruction (docs/design.md, "4-bit GGUF layers in integer
+ * dot products").
  *
- * Exactness: a symmetric weight d * (q - 8) (fp16 d: 11 significant bits, times at most
- * 4) has at most 15 significant bits, so it is exactly hi + lo with hi = bf16(w) and
- * lo = w - hi both bf16; an affine one d * q + min, rounded once in fp32, is exactly
- * hi + mid + lo. Each part meets the bf16 rows in the tiles, whose products are exact
- * in fp32 and summed in fp32, so out = sum over k of x * w in fp32, in the tiles' order,
- * plus bias, rounded once to bf16.
+ * Exactness: a block's integers (q - 8 for Q4_0, q for Q4_1: at most 4 bits) are exact
+ * in bf16, so a tile's products with the bf16 rows are exact in fp32 and summed in fp32;
+ * the block's fp16 scale d then multiplies that sum in fp32, and Q4_1's minimum m adds
+ * m times the row's fp32 sum over the block: out = sum over blocks of d * (x . q) + m *
+ * sum(x), the product with the dequantized weights to fp32 summation, plus bias, rounded
+ * once to bf16.
  *
  * Layout: q4_linear.c's (engine/kernels/q4_linear.py packs it). Each thread owns a run
  * of 16-channel panels; a panel's blocks are expanded once per call into the thread's
- * scratch as B tiles ([block][part][16 k-pairs][16 channels][2] bf16) and the rows pass
- * over them in sets of up to 64 (four accumulator tiles of 16 rows).
+ * scratch as B tiles ([block][16 k-pairs][16 channels][2] bf16) and the rows pass over
+ * them in groups of 16 rows, four blocks' tiles at a time.
  */
 #include <omp.h>
 #include <stdint.h>
