@@ -56,6 +56,8 @@ class ImageWorkloadSpec:
 
 IMAGE_PRESETS = {
     "images512": ImageWorkloadSpec("images512", num_requests=512),
+    # For a tower at a real model's shape (Gemma 3 4B's SigLIP: about 5 TFLOP an image).
+    "images32": ImageWorkloadSpec("images32", num_requests=32),
     # Seconds on a tiny model: for tests and for checking an installation.
     "images-smoke": ImageWorkloadSpec(
         "images-smoke", num_requests=12, long_side=(48, 320), output_len=4

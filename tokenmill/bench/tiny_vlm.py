@@ -1,12 +1,15 @@
 """A tiny random-weight vision-language model directory, for checking the image bench and
 the image-job scripts where no real VLM is on the machine (none can be fetched offline).
 
-    python -m tokenmill.bench.tiny_vlm qwen2.5-vl|gemma3 OUT_DIR
+    python -m tokenmill.bench.tiny_vlm qwen2.5-vl|gemma3|gemma3-4b-tower OUT_DIR
 
 transformers builds the model from a config and saves it as a Hub repository is laid out
 (config.json, model.safetensors, preprocessor_config.json), with a character tokenizer
 whose image markers are special tokens. Its figures are the pipeline's, not a real
-model's: the tower is a few thousand parameters.
+model's: the tower is a few thousand parameters - except `gemma3-4b-tower`, Gemma 3 4B's
+own SigLIP tower (So400m: 27 layers of width 1,152, 896 px in 14 px patches, 256 soft
+tokens an image, about 5 TFLOP an image) and projector, random, before the small text
+model: the tower's speed at its real size.
 """
 
 from __future__ import annotations
@@ -32,7 +35,20 @@ TEXT = dict(
     bos_token_id=None,
     pad_token_id=None,
 )
-KINDS = ("qwen2.5-vl", "gemma3")
+KINDS = ("qwen2.5-vl", "gemma3", "gemma3-4b-tower")
+# Gemma 3 4B's vision_config (SigLIP So400m at 896 px) and soft tokens an image.
+GEMMA3_4B_VISION = dict(
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    image_size=896,
+    patch_size=14,
+    layer_norm_eps=1e-6,
+    hidden_act="gelu_pytorch_tanh",
+    vision_use_head=False,
+)
+GEMMA3_4B_TOKENS = 256
 
 
 def build_tiny_vlm(kind: str, out_dir: str | Path) -> Path:
@@ -83,17 +99,23 @@ def build_tiny_vlm(kind: str, out_dir: str | Path) -> Path:
         )
         markers = {"<|vision_start|>": start, "<|image_pad|>": image, "<|vision_end|>": end}
     else:
-        # A 32 px SigLIP tower of 4 px patches, pooled 2 x 2 into 16 soft tokens.
-        vision = dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=4,
-            layer_norm_eps=1e-6,
-            hidden_act="gelu_pytorch_tanh",
-            vision_use_head=False,
+        # A 32 px SigLIP tower of 4 px patches, pooled 2 x 2 into 16 soft tokens (or
+        # Gemma 3 4B's own).
+        real_tower = kind == "gemma3-4b-tower"
+        vision = (
+            GEMMA3_4B_VISION
+            if real_tower
+            else dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                image_size=32,
+                patch_size=4,
+                layer_norm_eps=1e-6,
+                hidden_act="gelu_pytorch_tanh",
+                vision_use_head=False,
+            )
         )
         text = {
             **TEXT,
@@ -110,16 +132,17 @@ def build_tiny_vlm(kind: str, out_dir: str | Path) -> Path:
             "hidden_activation": "gelu_pytorch_tanh",
             "initializer_range": 0.1,
         }
+        size = vision["image_size"]
         config = transformers.Gemma3Config(
             text_config=text,
             vision_config=vision,
-            mm_tokens_per_image=16,
+            mm_tokens_per_image=GEMMA3_4B_TOKENS if real_tower else 16,
             boi_token_index=start,
             eoi_token_index=end,
             image_token_index=image,
         )
         model = transformers.Gemma3ForConditionalGeneration(config)
-        processor = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+        processor = transformers.Gemma3ImageProcessorPil(size={"height": size, "width": size})
         markers = {"<start_of_image>": start, "<image_soft_token>": image, "<end_of_image>": end}
     with torch.no_grad():  # weights larger than the default, so greedy tokens are no ties
         for name, param in model.named_parameters():

@@ -25,8 +25,9 @@ from tokenmill.pipelines.options import get_option
     help=f"Comma-separated, run in turn within each round: {', '.join(PRESET_NAMES)}. "
     "extract64 compares constrained (JSON schema) and unconstrained generation; single8 "
     "runs its requests one at a time; embed4k (embed-smoke), run alone, compares "
-    "embeddings with sentence-transformers and ONNX Runtime; images512 (images-smoke), run "
-    "alone on a vision-language --model, compares image prompts with transformers' generate.",
+    "embeddings with sentence-transformers and ONNX Runtime; images512 (images32 for a tower "
+    "at a real model's size, images-smoke), run alone on a vision-language --model, compares "
+    "image prompts with transformers' generate.",
 )
 @click.option(
     "--model",
