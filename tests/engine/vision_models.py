@@ -4,6 +4,7 @@ tower, tiny text model), and transformers as its reference."""
 from __future__ import annotations
 
 import io
+import json
 import weakref
 from pathlib import Path
 
@@ -83,6 +84,25 @@ def png_bytes(width: int, height: int, seed: int, mode: str = "RGB", fmt: str = 
 
 
 MARKERS = {"<start_of_image>": BOI, "<end_of_image>": EOI, "<image_soft_token>": IMAGE}
+
+
+# Gemma 3's chat template's shape: a turn per message, an image part as the marker.
+GEMMA3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def save_chat_marker_tokenizer(out_dir: Path) -> None:
+    """save_marker_tokenizer, with GEMMA3_CHAT_TEMPLATE as its chat template."""
+    save_marker_tokenizer(out_dir)
+    path = Path(out_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = GEMMA3_CHAT_TEMPLATE
+    path.write_text(json.dumps(config))
 
 
 def save_marker_tokenizer(out_dir: Path, vocab_size: int = 256):

@@ -22,7 +22,7 @@ from vision_models import (  # noqa: E402
     TOKENS_PER_IMAGE,
     build_gemma3_vlm,
     png_bytes,
-    save_marker_tokenizer,
+    save_chat_marker_tokenizer,
 )
 
 from tokenmill.engine import LLM, SamplingParams  # noqa: E402
@@ -32,14 +32,6 @@ from tokenmill.pipelines.output import read_results  # noqa: E402
 from tokenmill.pipelines.spill import shard_rows, shard_table  # noqa: E402
 from tokenmill.pipelines.tokenize import PromptRow  # noqa: E402
 
-# Gemma 3's chat template's shape: a turn per message, an image part as the marker.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-    "{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
 ENGINE = {"kv_cache_memory": 8 << 20, "block_size": 4}
 
 
@@ -47,10 +39,7 @@ ENGINE = {"kv_cache_memory": 8 << 20, "block_size": 4}
 def vlm(tmp_path_factory):
     out = tmp_path_factory.mktemp("gemma3-vlm")
     build_gemma3_vlm(out)
-    save_marker_tokenizer(out)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    save_chat_marker_tokenizer(out)
     return out
 
 

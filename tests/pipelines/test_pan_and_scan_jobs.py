@@ -23,20 +23,13 @@ from vision_models import (  # noqa: E402
     TOKENS_PER_IMAGE,
     build_gemma3_vlm,
     png_bytes,
-    save_marker_tokenizer,
+    save_chat_marker_tokenizer,
 )
 
 from tokenmill.engine import LLM, SamplingParams  # noqa: E402
 from tokenmill.pipelines.job import run_job  # noqa: E402
 from tokenmill.pipelines.output import read_results  # noqa: E402
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-    "{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
 ENGINE = {"kv_cache_memory": 8 << 20, "block_size": 4}
 # (id, text, image sizes): crops 3, 2 + 0, and none.
 ROWS = [
@@ -53,10 +46,7 @@ def vlm(tmp_path_factory):
     most) with pan-and-scan itself left null, as Gemma 3's configs leave it."""
     out = tmp_path_factory.mktemp("gemma3-pan-and-scan-jobs")
     build_gemma3_vlm(out)
-    save_marker_tokenizer(out)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    save_chat_marker_tokenizer(out)
     processor = json.loads((out / "preprocessor_config.json").read_text())
     processor.update(
         do_pan_and_scan=None,
