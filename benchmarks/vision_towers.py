@@ -39,6 +39,7 @@ from torch import nn
 
 # Below the front door: a kernel-level benchmark - it builds the towers' modules and calls
 # them as the worker does, beside transformers' own.
+from tokenmill.bench.tiny_vlm import GEMMA3_4B_VISION
 from tokenmill.engine.models.gemma3_vision import _tower_name as siglip_tower_name
 from tokenmill.engine.models.qwen2_5_vision import QwenVisionConfig, QwenVisionTower, tower_name
 from tokenmill.engine.models.siglip import Gemma3Projector, SiglipVisionTower, VisionConfig
@@ -115,14 +116,8 @@ def gemma3_case(depth: int, dtype: torch.dtype, batch: int, pack: bool) -> Case:
     from transformers import Gemma3Config, SiglipVisionConfig, SiglipVisionModel
     from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
-    shape = dict(
-        hidden_size=1152,
-        intermediate_size=4304,
-        num_hidden_layers=depth,
-        num_attention_heads=16,
-        image_size=896,
-        patch_size=14,
-    )
+    dims = ("hidden_size", "intermediate_size", "num_attention_heads", "image_size", "patch_size")
+    shape = {key: GEMMA3_4B_VISION[key] for key in dims} | {"num_hidden_layers": depth}
     hf_vision = SiglipVisionConfig(**shape, vision_use_head=False)
     hf_vision._attn_implementation = "sdpa"
     hf_tower = SiglipVisionModel(hf_vision).eval()

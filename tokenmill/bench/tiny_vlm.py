@@ -36,6 +36,8 @@ TEXT = dict(
     pad_token_id=None,
 )
 KINDS = ("qwen2.5-vl", "gemma3", "gemma3-4b-tower")
+# What every Gemma 3 SigLIP tower's vision_config sets alike.
+SIGLIP_COMMON = dict(layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", vision_use_head=False)
 # Gemma 3 4B's vision_config (SigLIP So400m at 896 px) and soft tokens an image.
 GEMMA3_4B_VISION = dict(
     hidden_size=1152,
@@ -44,9 +46,7 @@ GEMMA3_4B_VISION = dict(
     num_attention_heads=16,
     image_size=896,
     patch_size=14,
-    layer_norm_eps=1e-6,
-    hidden_act="gelu_pytorch_tanh",
-    vision_use_head=False,
+    **SIGLIP_COMMON,
 )
 GEMMA3_4B_TOKENS = 256
 
@@ -112,9 +112,7 @@ def build_tiny_vlm(kind: str, out_dir: str | Path) -> Path:
                 num_attention_heads=4,
                 image_size=32,
                 patch_size=4,
-                layer_norm_eps=1e-6,
-                hidden_act="gelu_pytorch_tanh",
-                vision_use_head=False,
+                **SIGLIP_COMMON,
             )
         )
         text = {
