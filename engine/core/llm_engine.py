@@ -313,6 +313,7 @@ class LLMEngine:
         self.stats.num_constrained_tokens += result.num_constrained_tokens
         self.stats.grammar_fill_s += result.grammar_fill_s
         self.stats.grammar_blocking_s += result.grammar_blocking_s
+        self.stats.moe_experts_used += result.num_experts_used
         if sampled is not None:
             self._pending = PendingStep.launch(sampling_seqs, sampled)
             self._hold_places(self._pending)

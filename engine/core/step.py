@@ -278,6 +278,9 @@ class StepResult:
     num_constrained_tokens: int = 0
     grammar_fill_s: float = 0.0
     grammar_blocking_s: float = 0.0
+    # Mixture of experts on the CPU: each MoE layer's distinct experts, summed over the
+    # step's layers (what it read of the experts' weights); 0 where not counted.
+    num_experts_used: int = 0
 
 
 class StepRunner(Protocol):

@@ -76,9 +76,35 @@ class Routing:
         return weights, ids
 
 
+class ExpertUsage:
+    """How many experts a model's MoE layers ran: each layer's distinct experts per
+    forward pass, summed over layers - the experts whose weights those passes read (a
+    decode step of many rows reads an expert once however many rows chose it).
+
+    Counted from each router's top-k ids as they come out, on the CPU only: there the ids
+    are host memory and a count costs microseconds per layer; on an accelerator it would
+    wait for every layer (`track_expert_usage` attaches none there).
+    """
+
+    def __init__(self) -> None:
+        self.num_used = 0
+
+    def add(self, expert_ids: torch.Tensor, num_experts: int) -> None:
+        counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
+        self.num_used += int(counts.count_nonzero())
+
+    def take(self) -> int:
+        """The experts counted since the last take, and start again from zero."""
+        num_used, self.num_used = self.num_used, 0
+        return num_used
+
+
 class Router(nn.Module):
     """A linear score per expert (`weight` [num_experts, hidden], a `bias` [num_experts]
-    where the family has one: gpt-oss) and the family's Routing."""
+    where the family has one: gpt-oss) and the family's Routing. `usage`, where one is
+    attached (`track_expert_usage`), counts the experts each forward chooses."""
+
+    usage: ExpertUsage | None = None
 
     def __init__(
         self, hidden_size: int, num_experts: int, routing: Routing, *, bias: bool = False
@@ -90,7 +116,22 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] -> (weights, expert ids) as Routing.route."""
-        return self.routing.route(F.linear(x, self.weight, self.bias))
+        weights, expert_ids = self.routing.route(F.linear(x, self.weight, self.bias))
+        if self.usage is not None:
+            self.usage.add(expert_ids, self.weight.shape[0])
+        return weights, expert_ids
+
+
+def track_expert_usage(model: nn.Module, device: torch.device) -> ExpertUsage | None:
+    """One ExpertUsage counting every router of `model`, on the CPU; None for a model
+    without routers, or on another device (ExpertUsage says why)."""
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    if not routers or device.type != "cpu":
+        return None
+    usage = ExpertUsage()
+    for router in routers:
+        router.usage = usage
+    return usage
 
 
 class KernelExperts(nn.Module):

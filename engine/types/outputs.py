@@ -121,6 +121,11 @@ class EngineStats:
     num_constrained_tokens: int = 0
     grammar_fill_s: float = 0.0
     grammar_blocking_s: float = 0.0
+    # Mixture of experts, on the CPU: experts the steps ran, each MoE layer's distinct
+    # experts once per step (an expert chosen by 40 rows of a step counts once: its
+    # weights are read once), summed over layers and steps. 0 for dense models and off
+    # the CPU, where counting would wait for each layer.
+    moe_experts_used: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

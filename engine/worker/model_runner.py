@@ -29,6 +29,7 @@ from tokenmill.engine.lora.manager import LoRAManager
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.attention import StepAttention
 from tokenmill.engine.models.gemma3_vision import StepImages
+from tokenmill.engine.models.moe import track_expert_usage
 from tokenmill.engine.pooling.pooler import Pooler
 from tokenmill.engine.sample import prompt_logprobs
 from tokenmill.engine.sample.logit_controls import LogitControls
@@ -105,6 +106,9 @@ class ModelRunner:
                 model, block_size=block_size, device=device, dtype=dtype, pair_layout=False
             )
             self._track_cache_layout()
+        # Mixture of experts on the CPU: the experts each step's layers ran (its
+        # StepResult's num_experts_used); None elsewhere (models/moe.py ExpertUsage).
+        self.expert_usage = track_expert_usage(model, device)
         self.decode_graphs = None
         cuda_graphs = engine_config.cuda_graphs
         # 3D positions (M-RoPE, core/mrope.py) are computed per step on the host; the
@@ -141,8 +145,13 @@ class ModelRunner:
         if seqs:
             with self.profiler.stage("prepare"):
                 batch = self._sampling_batch(seqs, out, previous)
+        usage = self.expert_usage
+        if usage is not None:
+            usage.take()  # forwards outside steps (warm-up) are no step's
         sampled = self.run(out, batch, previous=previous)
         result = StepResult(sampled)
+        if usage is not None:
+            result.num_experts_used = usage.take()
         masks = batch.token_bitmask if batch is not None else None
         if masks is not None:
             result.num_constrained_tokens = len(masks.rows)
