@@ -11,8 +11,8 @@ time.
 Prefill is `--prefill-rows` prompts of `--prefill-tokens` random token ids and one output
 token; decode is `--batches` rows of 16-token prompts, timed as the difference between
 `--decode-steps` + 1 output tokens and one (so the prompts' step cancels). The bound of a
-decode step is the bytes of the experts its rows choose (from the routing the step made)
-and the dense weights over the read bandwidth; of prefill, the active FLOPs over the
+decode step is the bytes of the experts its layers ran (the engine's count,
+EngineStats.moe_experts_used) and the dense weights over the read bandwidth; of prefill, the active FLOPs over the
 matmul peak - both measured in the same run (tokenmill.bench).
 """
 
@@ -33,12 +33,11 @@ ROUTER, EXPERTS = "router", "experts (one call)"
 
 
 class MoeStageTimer(StageTimer):
-    """StageTimer plus the MoE blocks' router and experts as stages, and which experts
-    each layer's steps chose (to count the bytes a decode step must read)."""
+    """StageTimer plus the MoE blocks' router and experts as stages, and one expert's
+    bytes (to turn the engine's count of experts run into the bytes a step must read)."""
 
     def __init__(self) -> None:
         super().__init__(linear_layers=True)
-        self.experts_used: list[int] = []  # per experts call: distinct experts chosen
         self.expert_bytes = 0.0  # one expert's packed weights
 
     # CPU seconds of the whole process (every torch thread), not wall time: on a shared
@@ -65,21 +64,20 @@ class MoeStageTimer(StageTimer):
                 self._hooks.append(module.register_forward_hook(self._post))
             elif name.endswith("Experts") and hasattr(module, "pack"):
                 self.expert_bytes = module.weight_bytes / module.num_experts
-                self._hooks.append(module.register_forward_pre_hook(self._experts_pre))
+                self._hooks.append(module.register_forward_pre_hook(self._pre(EXPERTS)))
                 self._hooks.append(module.register_forward_hook(self._post))
 
-    def _experts_pre(self, _module, args) -> None:
-        self.experts_used.append(int(args[2].unique().numel()))
-        self.enter(EXPERTS)
 
-
-def _run(llm: LLM, timer: MoeStageTimer, prompts: list[list[int]], max_tokens: int) -> float:
+def _run(
+    llm: LLM, timer: MoeStageTimer, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, int]:
+    """CPU seconds of the generate call, and the experts its steps ran."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     timer.reset()
-    timer.experts_used.clear()
+    experts_before = llm.stats().moe_experts_used
     start = time.process_time()
     llm.generate(prompts, params)
-    return time.process_time() - start
+    return time.process_time() - start, llm.stats().moe_experts_used - experts_before
 
 
 def main() -> None:
@@ -107,18 +105,18 @@ def main() -> None:
 
     _run(llm, timer, prompts(2, 32), 2)  # warm-up: kernels built, buffers touched
     rows = []
-    wall = _run(llm, timer, prompts(args.prefill_rows, args.prefill_tokens), 1)
+    wall, _ = _run(llm, timer, prompts(args.prefill_rows, args.prefill_tokens), 1)
     rows.append(
         (f"prefill {args.prefill_rows}x{args.prefill_tokens}", wall, dict(timer.seconds), 1)
     )
     for batch in (int(b) for b in args.batches.split(",")):
         batch_prompts = prompts(batch, 16)
-        one = _run(llm, timer, batch_prompts, 1)
+        one, prompts_experts = _run(llm, timer, batch_prompts, 1)
         first = dict(timer.seconds)
-        wall = _run(llm, timer, batch_prompts, args.decode_steps + 1)
+        wall, experts = _run(llm, timer, batch_prompts, args.decode_steps + 1)
         seconds = {k: v - first.get(k, 0.0) for k, v in timer.seconds.items()}
-        used = timer.experts_used
-        per_step = sum(used[-len(used) // (args.decode_steps + 1) :]) if used else 0
+        # The same prompts route the same: the difference is the decode steps' experts.
+        per_step = (experts - prompts_experts) / args.decode_steps
         rows.append((f"decode batch {batch}", wall - one, seconds, args.decode_steps, per_step))
 
     bandwidth = measure_bandwidth()
@@ -136,7 +134,9 @@ def main() -> None:
         line = f"{label:24s} {wall / steps:8.4f} {cells}"
         if len(row) > 4:
             experts_s = row[4] * timer.expert_bytes / (bandwidth.read_gbs * 1e9)
-            line += f"   experts' bytes / bandwidth {experts_s:.4f} s/step ({row[4]} expert reads)"
+            line += (
+                f"   experts' bytes / bandwidth {experts_s:.4f} s/step ({row[4]:.1f} expert reads)"
+            )
         print(line)
 
 

@@ -60,9 +60,10 @@ def test_crossover_is_the_first_compute_bound_batch():
 
 
 class _Stats:
-    def __init__(self, prompt: int, generated: int) -> None:
+    def __init__(self, prompt: int, generated: int, experts: int = 0) -> None:
         self.computed_prompt_tokens = prompt
         self.generated_tokens = generated
+        self.moe_experts_used = experts
 
 
 def test_step_timer_keeps_pure_decode_steps_by_batch(monkeypatch):
@@ -112,3 +113,57 @@ def test_report_rows_per_batch_size_for_a_bf16_run():
     assert (
         summarize_system(spec, [run], workload=workload, shape=SHAPE, peak_gflops=1.0).decode == []
     )
+
+
+# A mixture of experts: 2 sparse layers of 4 experts, 2 a token, each expert 3 wide.
+MOE_SHAPE = ModelShape(
+    hidden_size=4, intermediate_size=6, num_layers=2, num_heads=2, num_kv_heads=1,
+    head_dim=2, vocab_size=10, num_experts=4, experts_per_token=2,
+    expert_intermediate_size=3, num_sparse_layers=2,
+)  # fmt: skip
+# per layer: attention 48, router 16, each expert 3 * 4 * 3 = 36.
+
+
+def test_step_timer_keeps_the_experts_each_decode_step_ran(monkeypatch):
+    import tokenmill.bench.bandwidth as bandwidth
+
+    clock = iter([0.0, 1.0, 1.5, 1.75, 2.0])
+    monkeypatch.setattr(bandwidth.time, "perf_counter", lambda: next(clock))
+    timer = DecodeStepTimer()
+    timer.start(_Stats(0, 0, 0))
+    # prefill (8 experts: left out), then decodes of 2 rows running 5, 6 and 3 experts
+    for stats in [(64, 2, 8), (64, 4, 13), (64, 6, 19), (64, 8, 22)]:
+        timer(_Stats(*stats))
+    assert timer.summary() == {
+        2: {"num_steps": 3, "mean_s": pytest.approx(1 / 3), "mean_experts_used": 14 / 3}
+    }
+
+
+def test_moe_decode_rows_read_the_experts_counted_not_the_estimate():
+    """The engine counted 5 experts a step (2.5 a layer) at batch 2: the bytes are those
+    experts' and the row says they were counted; without a count, uniform routing's
+    4 * (1 - (1/2)^2) = 3 a layer, marked as the estimate."""
+    counted = 2 * 48 + 2 * (16 + 2.5 * 36)  # 308 weights
+    assert weight_bytes(MOE_SHAPE, 2.0, 2.0, 2, experts_used=5) == 2 * counted + 2 * 40
+    assert weight_bytes(MOE_SHAPE, 2.0, 2.0, 2) == 2 * (2 * 48 + 2 * (16 + 3 * 36)) + 80
+    workload = Workload("w", [[1, 2], [3, 4]], [2, 2], [None, None], [0, 0])
+    steps = {"2": {"num_steps": 1, "mean_s": 1e-6, "mean_experts_used": 5.0}}
+    run = RunResult(
+        system="tokenmill-bf16", wall_s=1.0, num_prompt_tokens=4,
+        num_computed_prompt_tokens=4, num_cached_prompt_tokens=0, num_generated_tokens=4,
+        computed_prompt=[2, 2], cached_prompt=[0, 0], generated=[2, 2], ttft_s=[0.1, 0.1],
+        tpot_s=[0.01, 0.01], peak_rss_bytes=1, cpu_s=1.0, extra={"decode_steps": steps},
+    )  # fmt: skip
+    spec = SystemSpec("tokenmill-bf16", "tokenmill", "bfloat16", False, {})
+    kv = 3 * kv_bytes_per_token(MOE_SHAPE, 2.0)  # 2 rows at context 3 (2 + 2 / 2): 96
+    (row,) = summarize_system(
+        spec, [run], workload=workload, shape=MOE_SHAPE, peak_gflops=1.0, read_gbs=1.0
+    ).decode
+    assert row["bytes_read"] == 2 * counted + 80 + 2 * kv
+    assert (row["experts_per_layer"], row["experts_source"]) == (2.5, "counted")
+    del steps["2"]["mean_experts_used"]
+    (row,) = summarize_system(
+        spec, [run], workload=workload, shape=MOE_SHAPE, peak_gflops=1.0, read_gbs=1.0
+    ).decode
+    assert row["bytes_read"] == 2 * (2 * 48 + 2 * (16 + 3 * 36)) + 80 + 2 * kv
+    assert (row["experts_per_layer"], row["experts_source"]) == (3.0, "uniform")

@@ -11,9 +11,13 @@ bounds of one step, for a batch of B sequences with C tokens of context each:
 
 The step is memory-bound where the first term is the larger (bytes / bandwidth > FLOPs /
 peak). weight_bytes are the per-layer matmul weights and the lm_head at the system's
-bytes per weight (a quantized mode's codes with their scales; a mixture of experts'
-experts as many as a batch's rows are expected to choose); embeddings are looked up a
-row at a time and norms are negligible, so neither counts. A measured step's share of the
+bytes per weight (a quantized mode's codes with their scales); embeddings are looked up
+a row at a time and norms are negligible, so neither counts. A mixture of experts' step
+reads each expert its rows chose once per layer: the engine counts them per step
+(EngineStats.moe_experts_used: each layer's distinct top-k experts), and the bytes are
+those experts' - the real ones, not an estimate. Only where no count came back (none is
+taken off the CPU) do the bytes fall back to the experts uniform routing would choose,
+and the row says so. A measured step's share of the
 bound is bound / measured time: 1.0 would be the hardware's limit.
 
 Bandwidth is measured in the same run as the peak, two ways, each over buffers far larger
@@ -91,6 +95,10 @@ class DecodeBound:
     compute_s: float  # FLOPs / matmul peak
     measured_s: float | None = None  # mean measured step time at this batch size
     num_steps: int = 0
+    # A mixture of experts: the experts a step read, per sparse layer (mean over steps),
+    # and whether the engine counted them ("counted") or uniform routing estimates them.
+    experts_per_layer: float | None = None
+    experts_source: str | None = None
 
     @property
     def bound(self) -> str:
@@ -105,13 +113,23 @@ class DecodeBound:
 
 
 def weight_bytes(
-    shape: ModelShape, bytes_per_weight: float, lm_head_bytes: float, batch: int = 1
+    shape: ModelShape,
+    bytes_per_weight: float,
+    lm_head_bytes: float,
+    batch: int = 1,
+    *,
+    experts_used: float | None = None,
 ) -> int:
-    """Bytes a decode step of `batch` sequences reads of weights: the layers' matmuls (in
-    a mixture of experts, the experts its rows choose: `ModelShape.layer_params_read`)
-    and the lm_head."""
+    """Bytes a decode step of `batch` sequences reads of weights: the layers' matmuls and
+    the lm_head. In a mixture of experts, the experts the step ran where the engine
+    counted them (`experts_used`, summed over its sparse layers), else those its rows are
+    expected to choose under uniform routing (`ModelShape.layer_params_read`)."""
     lm_head = shape.hidden_size * shape.vocab_size * lm_head_bytes
-    return round(shape.layer_params_read(batch) * bytes_per_weight + lm_head)
+    if experts_used is not None:
+        layers = shape.layer_params_with_experts(experts_used)
+    else:
+        layers = shape.layer_params_read(batch)
+    return round(layers * bytes_per_weight + lm_head)
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_bytes: float) -> float:
@@ -162,27 +180,43 @@ def crossover_batch(
 class DecodeStepTimer:
     """Times each engine step through `LLM.generate(on_step=...)` and keeps the steps that
     only decoded (no prompt token computed), by batch size: the engine's counters say how
-    many prompt tokens a step computed and how many tokens it sampled."""
+    many prompt tokens a step computed, how many tokens it sampled and, in a mixture of
+    experts, how many experts its layers ran."""
 
     def __init__(self) -> None:
         self.steps: dict[int, list[float]] = {}  # batch size -> step seconds
-        self._last: tuple[float, int, int] | None = None
+        self.experts: dict[int, list[int]] = {}  # batch size -> experts each step ran
+        self._last: tuple[float, int, int, int] | None = None
+
+    def _counters(self, stats) -> tuple[float, int, int, int]:
+        return (
+            time.perf_counter(),
+            stats.computed_prompt_tokens,
+            stats.generated_tokens,
+            stats.moe_experts_used,
+        )
 
     def start(self, stats) -> None:
-        self._last = (time.perf_counter(), stats.computed_prompt_tokens, stats.generated_tokens)
+        self._last = self._counters(stats)
 
     def __call__(self, stats) -> None:
-        now = time.perf_counter()
+        now = self._counters(stats)
         if self._last is not None:
-            then, prompt, generated = self._last
-            sampled = stats.generated_tokens - generated
-            if stats.computed_prompt_tokens == prompt and sampled > 0:
-                self.steps.setdefault(sampled, []).append(now - then)
-        self._last = (now, stats.computed_prompt_tokens, stats.generated_tokens)
+            then, prompt, generated, experts = self._last
+            sampled = now[2] - generated
+            if now[1] == prompt and sampled > 0:
+                self.steps.setdefault(sampled, []).append(now[0] - then)
+                self.experts.setdefault(sampled, []).append(now[3] - experts)
+        self._last = now
 
     def summary(self) -> dict[int, dict]:
-        """{batch: {"num_steps", "mean_s"}} over the pure decode steps."""
-        return {
-            batch: {"num_steps": len(times), "mean_s": sum(times) / len(times)}
-            for batch, times in sorted(self.steps.items())
-        }
+        """{batch: {"num_steps", "mean_s"}} over the pure decode steps, with
+        "mean_experts_used" (per step, summed over sparse layers) where the engine
+        counted experts."""
+        summary = {}
+        for batch, times in sorted(self.steps.items()):
+            summary[batch] = {"num_steps": len(times), "mean_s": sum(times) / len(times)}
+            experts = self.experts[batch]
+            if any(experts):
+                summary[batch]["mean_experts_used"] = sum(experts) / len(experts)
+        return summary

@@ -79,11 +79,20 @@ class ModelShape:
         """Weights a decode step of `batch` sequences reads in its layers: every dense
         matmul once, and of a sparse layer's experts the distinct ones its rows choose -
         E * (1 - (1 - k/E) ** batch) expected under uniform routing (a trained router is
-        uneven, so fewer are read: the figure is an estimate, not a floor)."""
+        uneven, so fewer are read: the figure is an estimate, not a floor; where the
+        engine counted the experts a step ran, `layer_params_with_experts` is exact)."""
         if not self.num_sparse_layers:
             return float(self.layer_matmul_params)
         e, k = self.num_experts, self.experts_per_token
         return self._layer_params(e * (1 - (1 - k / e) ** batch))
+
+    def layer_params_with_experts(self, experts_used: float) -> float:
+        """Weights a step reads in its layers when its sparse layers ran `experts_used`
+        experts in all (each layer's distinct experts, summed over layers: EngineStats
+        .moe_experts_used per step): every dense matmul and router once, and those experts."""
+        if not self.num_sparse_layers:
+            raise ValueError("experts used given for a model without experts")
+        return float(self._layer_params(experts_used / self.num_sparse_layers))
 
     def _layer_params(self, experts: float) -> float | int:
         h, d = self.hidden_size, self.head_dim

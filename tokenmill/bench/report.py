@@ -125,8 +125,11 @@ def decode_rows(
 ) -> list[dict]:
     """A run's pure decode steps per batch size, each with its bounds and its share of
     the larger one. The KV reads assume every sequence at the workload's mean context
-    during decode (its prompt plus half its output); a mode whose bytes per weight are
-    not known here (a GGUF format outside WEIGHT_BYTES) gets no rows."""
+    during decode (its prompt plus half its output); a mixture of experts' weight bytes
+    are those of the experts the engine counted its steps running (the mean per step at
+    that batch size), else uniform routing's estimate, each row saying which; a mode
+    whose bytes per weight are not known here (a GGUF format outside WEIGHT_BYTES) gets
+    no rows."""
     args = spec.options.get("engine_args", {})
     mode = args.get("quantization")
     if mode == "gguf":
@@ -140,18 +143,34 @@ def decode_rows(
     context = round(sum(contexts) / len(contexts))
     rows = []
     for batch, measured in sorted(run.extra["decode_steps"].items(), key=lambda kv: int(kv[0])):
+        experts_used = measured.get("mean_experts_used") if shape.num_sparse_layers else None
         bound = decode_bound(
             shape,
             int(batch),
             context,
-            weight_bytes_read=weight_bytes(shape, per_weight, head, int(batch)),
+            weight_bytes_read=weight_bytes(
+                shape, per_weight, head, int(batch), experts_used=experts_used
+            ),
             kv_bytes=kv,
             read_gbs=read_gbs,
             peak_gflops=peak_gflops,
         )
         bound = replace(bound, measured_s=measured["mean_s"], num_steps=measured["num_steps"])
+        if shape.num_sparse_layers:
+            bound = replace(bound, **_experts_read(shape, int(batch), experts_used))
         rows.append(asdict(bound) | {"bound": bound.bound, "share": bound.share})
     return rows
+
+
+def _experts_read(shape: ModelShape, batch: int, experts_used: float | None) -> dict:
+    """A decode row's experts per sparse layer: counted by the engine, or estimated."""
+    if experts_used is not None:
+        return {
+            "experts_per_layer": experts_used / shape.num_sparse_layers,
+            "experts_source": "counted",
+        }
+    e, k = shape.num_experts, shape.experts_per_token
+    return {"experts_per_layer": e * (1 - (1 - k / e) ** batch), "experts_source": "uniform"}
 
 
 def useful_flops(workload: Workload, shape: ModelShape, generated: list[int] | None = None) -> int:

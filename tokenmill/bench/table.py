@@ -61,21 +61,33 @@ def render_all(reports: list[BenchReport], console: Console | None = None) -> No
 def decode_table(systems: list[SystemSummary]) -> Table:
     """Each tokenmill system's pure decode steps by batch size: the measured step, its
     memory bound (bytes / read bandwidth) and compute bound (FLOPs / matmul peak), which
-    one binds, and the step's share of it - where the crossover lies, at a glance."""
+    one binds, and the step's share of it - where the crossover lies, at a glance. A
+    mixture of experts' rows say how many experts a layer read per step: counted by the
+    engine, or (est.) uniform routing's estimate where no count came back."""
     table = Table(title="Decode steps by batch size, against the bandwidth and compute rooflines")
+    moe = any(row.get("experts_source") for s in systems for row in s.decode)
+    if moe:
+        table.caption = (
+            "experts/layer: the distinct experts a step's sparse layers ran, counted by the "
+            "engine ((est.): uniform routing's estimate, no count); MB read holds those "
+            "experts' weights, the dense weights, the lm_head and the KV reads"
+        )
     for name in (
-        "system", "batch", "steps", "context", "step ms", "MB read", "memory ms",
+        "system", "batch", "steps", "context", "step ms",
+        *(["experts/layer"] if moe else []), "MB read", "memory ms",
         "compute ms", "bound by", "share of bound",
     ):  # fmt: skip
         table.add_column(name, justify="left" if name in ("system", "bound by") else "right")
     for summary in systems:
         for row in summary.decode:
+            experts = [_experts_cell(row)] if moe else []
             table.add_row(
                 summary.label,
                 str(row["batch"]),
                 str(row["num_steps"]),
                 str(row["context"]),
                 f"{row['measured_s'] * 1e3:.2f}",
+                *experts,
                 f"{row['bytes_read'] / 1e6:,.1f}",
                 f"{row['memory_s'] * 1e3:.2f}",
                 f"{row['compute_s'] * 1e3:.2f}",
@@ -83,6 +95,13 @@ def decode_table(systems: list[SystemSummary]) -> Table:
                 f"{row['share']:.0%}",
             )
     return table
+
+
+def _experts_cell(row: dict) -> str:
+    if not row.get("experts_source"):
+        return "-"
+    estimated = " (est.)" if row["experts_source"] == "uniform" else ""
+    return f"{row['experts_per_layer']:.1f}{estimated}"
 
 
 def throughput_table(systems: list[SystemSummary]) -> Table:
