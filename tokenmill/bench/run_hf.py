@@ -94,7 +94,12 @@ def run_hf(job: Job, workload: Workload) -> RunResult:
         ttft_s=ttft,
         tpot_s=tpots,
         cpu_s=clock.cpu_s,
-        extra={"batch_size": batch_size, "attn_implementation": model.config._attn_implementation},
+        extra={
+            "batch_size": batch_size,
+            "attn_implementation": model.config._attn_implementation,
+            # How transformers ran a mixture of experts' experts (its default: grouped_mm).
+            "experts_implementation": getattr(model.config, "_experts_implementation", None),
+        },
         output_ids=outputs,
     )
 
