@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from tokenmill.connectors.store_retries import is_store_error
 from tokenmill.engine import EngineStats, RequestOutput
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines import report
@@ -194,5 +195,10 @@ def read_records(plan: JobPlan) -> dict[str, dict]:
     """The job's progress records (none when they cannot be read now)."""
     try:
         return out.read_progress(plan.spec.output, plan.spec.storage_options)
-    except OSError:
-        return {}
+    except Exception as exc:
+        # A store that is down for a while fails this read with its client's own error
+        # (botocore's are not OSErrors): the flow goes on waiting for its shards, which
+        # retry or fail by themselves, rather than failing here without them.
+        if isinstance(exc, OSError) or is_store_error(exc):
+            return {}
+        raise
