@@ -150,7 +150,11 @@ def read_results(output: str, storage_options: StorageOptions = None) -> pa.Tabl
 def read_shard_stats(
     output: str, shard_ids: Iterable[str], storage_options: StorageOptions = None
 ) -> list[ShardStats]:
-    """The stats of the given (completed) shards."""
+    """The stats of the given (completed) shards, read fresh: a long-lived worker's
+    cached listing of the stats directory (from an earlier flow run, or before other
+    workers wrote theirs) would otherwise hide stats written since."""
+    fs, directory = resolve(join(output, STATS_DIR), storage_options)
+    fs.invalidate_cache(directory)
     return [
         ShardStats(**read_json(join(output, STATS_DIR, f"{sid}.json"), storage_options))
         for sid in shard_ids
