@@ -1,18 +1,22 @@
 """Faults on a Dask cluster started as an operator starts one (`dask scheduler` and
 `dask worker --nthreads 1 --resources engine=1` processes, tests/faults/operator_cluster.py):
 a worker SIGKILLed mid-shard that its nanny restarts, one that never comes back, the
-scheduler restarted mid-job, and a cluster whose workers offer no engine. Each ends with
-one row per id, or fails clearly (before any compute, or naming the lost scheduler) and
-resumes."""
+scheduler restarted mid-job, the object store down for a while mid-job, and a cluster
+whose workers offer no engine. Each ends with one row per id, or fails clearly (before
+any compute, naming the lost scheduler, or naming the store) and resumes."""
 
 from __future__ import annotations
 
 import pytest
 from operator_cluster import operator_cluster
-from store_fixtures import _isolated_cache, prefect_api  # noqa: F401 - fixtures
+from store_fixtures import JOB_OPTIONS, _isolated_cache, prefect_api, s3  # noqa: F401 - fixtures
 from test_worker_death import NUM_ROWS, OPTIONS, pid_is_alive, write_prompts
 from tiny_model import build_tiny_model
-from worker_scenarios import run_with_scheduler_restart, run_with_worker_death
+from worker_scenarios import (
+    run_with_scheduler_restart,
+    run_with_store_outage,
+    run_with_worker_death,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -78,3 +82,27 @@ def test_a_scheduler_restarted_mid_job_fails_by_name_and_resumes(prefect_api, tm
     assert "scheduler-connection-lost" in run.first_message
     assert run.rerun_completed
     assert (run.rows_lost, run.rows_duplicated, run.num_temp_files) == (0, 0, 0)
+
+
+# A flow on two workers, failed by the outage and run again: about a minute on an idle
+# 2-core machine. The same outage on an in-process job, and its named StoreError, are
+# checked fast by tests/faults/test_store_faults.py.
+@pytest.mark.slow
+def test_a_store_down_mid_job_on_an_operator_cluster_fails_by_name_and_resumes(
+    prefect_api,  # noqa: F811
+    s3,  # noqa: F811
+    tmp_path,
+):
+    model = build_tiny_model(tmp_path / "tiny")
+    with operator_cluster(tmp_path / "cluster", 2) as cluster:
+        # Down for 12 s: past the 3 attempts of the tests' store policy, so the shards
+        # running then fail, however the outage falls.
+        run = run_with_store_outage(
+            cluster, s3, str(model), outage_s=12.0, prefix="operator-outage", **JOB_OPTIONS
+        )
+    assert run.num_faults > 0, "the store never went down"
+    assert not run.first_completed
+    assert "shard tasks did not complete" in run.first_message, run.first_message
+    assert run.rerun_completed
+    assert (run.rows_lost, run.rows_duplicated, run.num_temp_files) == (0, 0, 0)
+    assert run.num_parts == run.num_shards > 2

@@ -212,3 +212,81 @@ def run_with_scheduler_restart(
         rows_duplicated=duplicated,
         num_temp_files=sum(1 for p in Path(output).rglob("*") if is_temp_name(p.name)),
     )
+
+
+@dataclass
+class StoreOutageRun:
+    """What a flow on an operator cluster left after its store went down mid-job."""
+
+    num_faults: int  # store requests the proxy reset
+    first_completed: bool
+    first_message: str
+    rerun_completed: bool | None  # None: the first run completed, no rerun
+    rows_lost: int
+    rows_duplicated: int
+    num_parts: int
+    num_shards: int
+    num_temp_files: int
+
+
+def run_with_store_outage(
+    cluster, endpoint, model: str, *, outage_s: float, prefix: str, **options
+) -> StoreOutageRun:
+    """Runs `batch_inference` on an operator cluster (tests/faults/operator_cluster.py)
+    with its input and output on the loopback S3 store, every store request of every
+    process going through a fault proxy; once the first part is published the store
+    goes down (every request reset, as a stopped server) for `outage_s` seconds. A run
+    that fails is run again once, as an operator would, after the store is back."""
+    from prefect.blocks.system import Secret
+    from proxy import FaultProxy
+    from scenarios_b import outage
+    from store_fixtures import bucket_objects, prompt_rows, through, upload_rows
+    from store_scenarios import drop_own_unreleased_lock
+
+    from tokenmill.connectors.atomic import TEMP_MARKER
+    from tokenmill.flows import batch_inference, make_task_runner
+    from tokenmill.pipelines.output import read_ledger, read_results
+
+    rows = prompt_rows()
+    source = upload_rows(endpoint, f"{prefix}/in/data.parquet", rows)
+    output = endpoint.url(f"{prefix}/out")
+    with FaultProxy(endpoint.endpoint_url, []) as proxy:
+        # Storage options reach the workers as every flow's do: in a Secret block.
+        secret = f"tm-outage-{prefix}"
+        Secret(value=through(endpoint, proxy.url)).save(secret, overwrite=True)
+        flow = batch_inference.with_options(
+            task_runner=make_task_runner(dask_address=cluster.address)
+        )
+
+        def run_flow():
+            return flow(
+                input=source,
+                output=output,
+                model=model,
+                storage_secret=secret,
+                return_state=True,
+                **options,
+            )
+
+        outage(outage_s)(proxy)
+        first = run_flow()
+        num_faults = proxy.faults()
+        rerun = None
+        if not first.is_completed():
+            time.sleep(outage_s)  # the store is back by then, whenever the run failed
+            drop_own_unreleased_lock(endpoint, prefix)
+            rerun = run_flow()
+    ids = read_results(output, endpoint.storage_options)["id"].to_pylist()
+    lost, duplicated = lost_and_duplicated(ids, [r["id"] for r in rows])
+    keys = bucket_objects(endpoint, f"{prefix}/out")
+    return StoreOutageRun(
+        num_faults=num_faults,
+        first_completed=first.is_completed(),
+        first_message=first.message or "",
+        rerun_completed=None if rerun is None else rerun.is_completed(),
+        rows_lost=lost,
+        rows_duplicated=duplicated,
+        num_parts=sum(1 for k in keys if "/results/" in k and TEMP_MARKER not in k),
+        num_shards=read_ledger(output, endpoint.storage_options).num_shards,
+        num_temp_files=sum(1 for k in keys if TEMP_MARKER in k),
+    )
