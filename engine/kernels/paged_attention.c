@@ -15,6 +15,10 @@
  *   block is then used 48 times per load, so the tile runs at the speed of its FMAs, not
  *   of memory; a tile's scores with a 2,048-token context are 48 * 2048 * 4 = 384 KiB,
  *   resident in L2 (over int8 caches on AMX tiles are twice that: INT8_TILE_FACTOR);
+ *   on AMX over a bf16 cache a tile is FLASH_TILE_ROWS (192) rows instead, and walks its
+ *   blocks in windows with an online softmax (attention_flash.h): its scores never
+ *   outgrow a window, so long contexts stay in L2 and each block is read once per 192
+ *   rows;
  * - decoding sequences that share leading blocks (a prompt prefix served from the prefix
  *   cache, or siblings of one prompt) form one item, and the shared blocks are read once
  *   for all of them rather than once per sequence. Decode is bound by reading the cache,
@@ -44,6 +48,7 @@
 #include "kv_int8.h"
 /* after kernels.h: its functions take tm_attention_args */
 #include "attention_amx.h"
+#include "attention_flash.h"
 
 /* One entry's tokens [first, first + tokens) within an item; their rows are
  * [row, row + tokens * group), token-major. Its first token sits at position seen0 (and
@@ -65,6 +70,7 @@ typedef struct {
     int64_t stride;      /* a row's scores: the longest context, in whole blocks */
     int use_dot;         /* bf16 dot products (attention_bf16.h) */
     int use_amx;         /* and AMX tiles for whole groups of 16 rows (attention_amx.h) */
+    int use_flash;       /* prompt tiles in windows with an online softmax (attention_flash.h) */
     int64_t stage_blocks; /* int8 caches: blocks widened per window */
     int int8_pairs;       /* int8 caches: in the pair layout (kv_int8_pairs) */
     int int8_dot;         /* int8 caches: rows off the tiles read them directly */
@@ -100,6 +106,8 @@ typedef struct {
  * a zero row. */
 typedef struct {
     float *acc, *scores, *qf, *widened;
+    float *row_max, *row_sum; /* a flash tile's running softmax, */
+    uint16_t *window_values;  /* and its window's value blocks */
     uint16_t *qb, *weights_bf16, *pairs;
     Part *parts;
     /* int8 caches: a window of widened blocks, the table that maps a block index to its
@@ -144,7 +152,16 @@ static int plan_items(const tm_attention_args *a, Plan *plan) {
 #else
     plan->use_amx = 0;
 #endif
-    const int64_t tile_rows = a->kv_int8 && plan->use_amx ? INT8_TILE_FACTOR * TM_TILE_ROWS : TM_TILE_ROWS;
+#ifdef HAVE_AMX_ATTENTION
+    plan->use_flash = plan->use_amx && !a->kv_int8;
+    const int64_t flash_rows = FLASH_TILE_ROWS;
+#else
+    plan->use_flash = 0;
+    const int64_t flash_rows = TM_TILE_ROWS;
+#endif
+    const int64_t tile_rows = plan->use_flash                 ? flash_rows
+                              : a->kv_int8 && plan->use_amx ? INT8_TILE_FACTOR * TM_TILE_ROWS
+                                                            : TM_TILE_ROWS;
     plan->tile_tokens = tile_rows / plan->group;
     plan->item_start = malloc(sizeof(int64_t) * (size_t)(a->num_groups + 1));
     if (!plan->item_start) return TM_OUT_OF_MEMORY;
@@ -166,6 +183,12 @@ static int plan_items(const tm_attention_args *a, Plan *plan) {
     }
     plan->num_items = plan->item_start[a->num_groups];
     plan->stride = ceil_div(max_context, a->block_size) * a->block_size;
+#ifdef HAVE_AMX_ATTENTION
+    if (plan->use_flash) { /* a tile's rows padded to whole AMX tiles, its scores a window */
+        plan->rows_max = ceil_div(plan->rows_max, AMX_TILE_ROWS) * AMX_TILE_ROWS;
+        plan->stride = max64(plan->stride, FLASH_WINDOW_BLOCKS * 16);
+    }
+#endif
     /* Windows of ~32 KiB, so that widened blocks are read back from L1. */
     plan->stage_blocks = max64(1, 32768 / widened_block_bytes(a, plan->use_dot));
     plan->int8_pairs = kv_int8_pairs(a->is_bf16, a->block_size, a->head_dim);
@@ -212,6 +235,15 @@ static int alloc_scratch(const Plan *plan, Scratch *s) {
     s->scores = malloc(sizeof(float) * rows * stride);
     s->parts = malloc(sizeof(Part) * (size_t)plan->parts_max);
     int ok = s->acc && s->scores && s->parts && (!plan->a->kv_int8 || alloc_stage(plan, s));
+#ifdef HAVE_AMX_ATTENTION
+    if (plan->use_flash) {
+        s->row_max = malloc(sizeof(float) * rows);
+        s->row_sum = malloc(sizeof(float) * rows);
+        /* FLASH_WINDOW_BLOCKS, and a zero block after an odd count (attention_flash.h) */
+        s->window_values = malloc(sizeof(uint16_t) * (size_t)(FLASH_WINDOW_BLOCKS + 1) * block);
+        ok = ok && s->row_max && s->row_sum && s->window_values;
+    }
+#endif
     if (plan->use_dot) {
         s->qb = malloc(sizeof(uint16_t) * rows * dim);
         s->weights_bf16 = malloc(sizeof(uint16_t) * rows * stride);
@@ -227,6 +259,7 @@ static void free_scratch(Scratch *s) {
     free(s->acc), free(s->scores), free(s->parts), free(s->qf), free(s->widened);
     free(s->qb), free(s->weights_bf16), free(s->pairs), free(s->stage), free(s->stage_table);
     free(s->q16), free(s->wq), free(s->q_scales), free(s->w_scales);
+    free(s->row_max), free(s->row_sum), free(s->window_values);
 }
 
 /* The group holding `item`: the last k with item_start[k] <= item (item_start ascends;
@@ -676,9 +709,35 @@ static void store_item(const Plan *plan, const Item *it, const Scratch *s) {
     }
 }
 
+#ifdef HAVE_AMX_ATTENTION
+/* Steps 2-4 for a prompt tile, in windows (attention_flash.h). */
+static void attend_tile_in_windows(const Plan *plan, const Item *it, Scratch *s) {
+    const tm_attention_args *a = plan->a;
+    const Part *pt = &it->parts[0];
+    const int64_t row_tiles = ceil_div(it->total_rows, AMX_TILE_ROWS);
+    const int64_t padding = row_tiles * AMX_TILE_ROWS - it->total_rows;
+    memset(s->qb + it->total_rows * a->head_dim, 0, sizeof(uint16_t) * (size_t)(padding * a->head_dim));
+    const FlashTile tile = {
+        s->qb, row_tiles, plan->group, pt->tokens, pt->seen0, it->kv_head, table_of(plan, pt->entry),
+        a->sinks ? a->sinks + it->kv_head * plan->group : NULL, s->scores, s->weights_bf16,
+        s->acc, s->row_max, s->row_sum, s->window_values,
+    };
+    attend_tile_flash(a, &tile);
+}
+#endif
+
 static void attend_item(const Plan *plan, int64_t index, Scratch *s) {
     const Item it = describe_item(plan, index, s->parts);
     gather_queries(plan, &it, s);
+#ifdef HAVE_AMX_ATTENTION
+    /* A prompt tile (one part) of at least one AMX tile's rows; a decoding sequence's few
+     * rows stay on the vector path. */
+    if (plan->use_flash && it.num_parts == 1 && it.total_rows >= AMX_TILE_ROWS) {
+        attend_tile_in_windows(plan, &it, s);
+        store_item(plan, &it, s);
+        return;
+    }
+#endif
     score_item(plan, &it, s);
     softmax_item(plan, &it, s);
     accumulate_item(plan, &it, s);

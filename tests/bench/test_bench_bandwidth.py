@@ -19,6 +19,7 @@ from tokenmill.bench.flops import ModelShape
 from tokenmill.bench.report import summarize_system
 from tokenmill.bench.result import RunResult
 from tokenmill.bench.systems import SystemSpec
+from tokenmill.bench.table import prefill_lines
 from tokenmill.bench.workload import Workload
 
 SHAPE = ModelShape(
@@ -81,6 +82,8 @@ def test_step_timer_keeps_pure_decode_steps_by_batch(monkeypatch):
         2: {"num_steps": 1, "mean_s": 0.5},
         3: {"num_steps": 2, "mean_s": 0.375},
     }
+    # the two steps that computed prompt tokens: 1.0 s (64 tokens) and 0.25 s (32)
+    assert timer.prefill_summary() == {"num_steps": 2, "seconds": 1.25, "num_tokens": 96}
 
 
 def test_bandwidth_is_measured_both_ways():
@@ -167,3 +170,27 @@ def test_moe_decode_rows_read_the_experts_counted_not_the_estimate():
     ).decode
     assert row["bytes_read"] == 2 * (2 * 48 + 2 * (16 + 3 * 36)) + 80 + 2 * kv
     assert (row["experts_per_layer"], row["experts_source"]) == (3.0, "uniform")
+
+
+def test_prefill_share_counts_computed_prompt_tokens_causally():
+    """Prefill's share of the compute roofline: the computed prompt tokens' FLOPs over the
+    prefill steps' seconds, a cached prefix's positions counted as context only."""
+    workload = Workload("w", [[1, 2, 3], [1, 2, 4, 5, 6]], [4, 2], [None, None], [0, 0])
+    run = RunResult(
+        system="tokenmill-bf16", wall_s=1.0, num_prompt_tokens=8,
+        num_computed_prompt_tokens=6, num_cached_prompt_tokens=2, num_generated_tokens=6,
+        computed_prompt=[3, 3], cached_prompt=[0, 2], generated=[4, 2], ttft_s=[0.1, 0.1],
+        tpot_s=[0.01, 0.01], peak_rss_bytes=1, cpu_s=1.0,
+        extra={"prefill_steps": {"num_steps": 2, "seconds": 4e-6, "num_tokens": 6}},
+    )  # fmt: skip
+    spec = SystemSpec("tokenmill-bf16", "tokenmill", "bfloat16", False, {})
+    summary = summarize_system(spec, [run], workload=workload, shape=SHAPE, peak_gflops=1.0)
+    # first request: positions 0-2, 2*240*3 linear + 2*4*10 lm_head + 16 * (1+2+3) * 2
+    # layers attention = 1712; second: positions 2-4 after 2 cached, 1440 + 80 +
+    # 16 * (3+4+5) * 2 = 1904. 3616 FLOPs in 4 us at 1 GFLOP/s.
+    assert summary.prefill_s == 4e-6
+    assert summary.prefill_roofline == pytest.approx(3616 / 4e-6 / 1e9)
+    assert prefill_lines([summary]) == [
+        "tokenmill-bf16: prefill steps 0.00 s, 90% of the compute roofline (attention "
+        "causal; decode rows beside prompt chunks not counted)"
+    ]

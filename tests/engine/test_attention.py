@@ -173,6 +173,52 @@ def test_positions_past_a_sequence_are_never_read(dtype, group, head_dim):
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
 
 
+def long_prompt(cache: Cache):
+    """Long contexts across many 512-position windows, none a whole number of blocks: one
+    prompt computed in three chunks (each reading the earlier ones from the cache), one
+    whole prompt and a decode after it. Positions past each sequence are NaN."""
+    first, second = cache.table(1348), cache.table(1001)
+    chunks = [
+        (0, 700, 700, first),
+        (700, 611, 1311, first),
+        (1311, 37, 1348, first),
+        (1348, 1000, 1000, second),
+        (2348, 1, 1001, second),
+    ]
+    for context, table in ((1348, first), (1001, second)):
+        cache.k[table[-1], :, :, context % cache.block_size :] = float("nan")
+        cache.v[table[-1], :, context % cache.block_size :] = float("nan")
+    return chunks, 2349
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("group", "head_dim"),
+    [(6, 128), (3, 64), (4, 256), (7, 64)],  # Qwen2.5-1.5B, SmolLM2, Gemma 3, ragged tiles
+)
+@pytest.mark.parametrize(("window", "with_sinks"), [(None, False), (300, False), (None, True)])
+def test_long_prompts_in_chunks_match_float64_reference(dtype, group, head_dim, window, with_sinks):
+    """Prompts of 1,000-1,348 tokens, whole and in chunks: on AMX, prompt tiles walk their
+    keys in windows with an online softmax (attention_flash.h), which must give the
+    softmax over every position seen - with sliding windows that start inside a window,
+    sinks, heads per kv head that leave a tile's last AMX rows empty, and NaN past each
+    sequence's end never read."""
+    cache = Cache(dtype, 2, head_dim, 16, num_blocks=160, seed=5)
+    chunks, num_tokens = long_prompt(cache)
+    q = torch.randn(num_tokens, 2 * group, head_dim).to(dtype)
+    sinks = torch.linspace(-1.0, 4.0, 2 * group) if with_sinks else None
+    got = native_paged_attention(q, *cache.native, entries_for(chunks), 0.1, window, sinks)
+    if with_sinks:
+        want = reference_with_sinks(q, cache, chunks, 0.1, sinks, window)
+    else:
+        want = reference(q, cache, chunks, 0.1, window)
+    assert not got.isnan().any()
+    atol = reference_tolerance(dtype, head_dim, 0.1)
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
+    # Rows of one sequence differ from the other's: a mix-up of tables or rows would show.
+    assert (want[:700] - want[1348:2048]).abs().max() > 0.05
+
+
 @pytest.mark.parametrize(
     "flags",
     [

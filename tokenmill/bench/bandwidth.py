@@ -181,11 +181,16 @@ class DecodeStepTimer:
     """Times each engine step through `LLM.generate(on_step=...)` and keeps the steps that
     only decoded (no prompt token computed), by batch size: the engine's counters say how
     many prompt tokens a step computed, how many tokens it sampled and, in a mixture of
-    experts, how many experts its layers ran."""
+    experts, how many experts its layers ran. The steps that computed prompt tokens are
+    summed apart (prefill_summary), for prefill's share of the compute roofline
+    (report.prefill_roofline)."""
 
     def __init__(self) -> None:
         self.steps: dict[int, list[float]] = {}  # batch size -> step seconds
         self.experts: dict[int, list[int]] = {}  # batch size -> experts each step ran
+        self.prefill_s = 0.0  # steps that computed prompt tokens, decode rows beside them too
+        self.prefill_steps = 0
+        self.prefill_tokens = 0
         self._last: tuple[float, int, int, int] | None = None
 
     def _counters(self, stats) -> tuple[float, int, int, int]:
@@ -207,6 +212,10 @@ class DecodeStepTimer:
             if now[1] == prompt and sampled > 0:
                 self.steps.setdefault(sampled, []).append(now[0] - then)
                 self.experts.setdefault(sampled, []).append(now[3] - experts)
+            elif now[1] > prompt:
+                self.prefill_s += now[0] - then
+                self.prefill_steps += 1
+                self.prefill_tokens += now[1] - prompt
         self._last = now
 
     def summary(self) -> dict[int, dict]:
@@ -220,3 +229,11 @@ class DecodeStepTimer:
             if any(experts):
                 summary[batch]["mean_experts_used"] = sum(experts) / len(experts)
         return summary
+
+    def prefill_summary(self) -> dict:
+        """{"num_steps", "seconds", "num_tokens"} over the steps that computed prompt tokens."""
+        return {
+            "num_steps": self.prefill_steps,
+            "seconds": self.prefill_s,
+            "num_tokens": self.prefill_tokens,
+        }

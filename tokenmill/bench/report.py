@@ -52,6 +52,11 @@ class SystemSummary:
     peak_gflops: float | None = None  # matmul peak measured in this invocation, same dtype
     roofline: float | None = None  # useful FLOPs / wall / peak
     executed_roofline: float | None = None  # executed FLOPs / wall / peak
+    # The computed prompt tokens' FLOPs (attention causal, each request's first sampled
+    # token's lm_head) over the steps that computed them, against the peak: a floor, as
+    # decode rows run beside prompt chunks in those steps and their FLOPs are not counted.
+    prefill_roofline: float | None = None
+    prefill_s: float | None = None
     cpu_util: float | None = None  # CPU seconds per wall second during the timed run
     load_avg: float | None = None  # the machine's 1-minute load average after each run
     ratios: dict[str, float] = field(default_factory=dict)  # baseline -> x its total tok/s
@@ -110,6 +115,13 @@ def summarize_system(
     summary.cpu_util = median([r.cpu_s / r.wall_s for r in done])
     summary.load_avg = median([r.load_avg_1m for r in done])
     summary.extra = first.extra
+    prefills = [(r, r.extra.get("prefill_steps")) for r in done]
+    prefills = [(r, p["seconds"]) for r, p in prefills if p and p["seconds"] > 0]
+    if peak_gflops and prefills:
+        summary.prefill_s = median([seconds for _, seconds in prefills])
+        summary.prefill_roofline = median(
+            [roofline_fraction(prefill_flops(r, shape), s, peak_gflops) for r, s in prefills]
+        )
     if read_gbs and peak_gflops and "decode_steps" in first.extra:
         summary.decode = decode_rows(spec, first, workload, shape, read_gbs, peak_gflops)
     return summary
@@ -193,6 +205,19 @@ def executed_works(run: RunResult) -> list[RequestWork]:
         RequestWork(c, k, g)
         for c, k, g in zip(run.computed_prompt, run.cached_prompt, run.generated)
     ]
+
+
+def prefill_flops(run: RunResult, shape: ModelShape) -> int:
+    """FLOPs of a run's computed prompt tokens: each request's computed tokens after its
+    cached ones (attention causal over both), and the lm_head of its first sampled token,
+    which the step that computes its last prompt token samples."""
+    return total_flops(
+        shape,
+        [
+            RequestWork(c, k, min(g, 1))
+            for c, k, g in zip(run.computed_prompt, run.cached_prompt, run.generated)
+        ],
+    )
 
 
 def roofline_fraction(flops: float, wall_s: float, peak_gflops: float) -> float:

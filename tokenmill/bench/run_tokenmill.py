@@ -67,6 +67,7 @@ def run_tokenmill(job: Job, workload: Workload) -> RunResult:
             outputs = llm.generate(workload.prompt_ids, params, lora_request=lora, on_step=steps)
     after = llm.stats()
     extra["decode_steps"] = steps.summary()
+    extra["prefill_steps"] = steps.prefill_summary()
     if lora is not None:  # more adapters than slots: some reloaded within the timed run
         extra["timed_slot_loads"] = llm.stats().num_adapter_loads - slot_loads
     errors = [o.error for o in outputs if o.error is not None]

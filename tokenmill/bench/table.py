@@ -38,7 +38,8 @@ def render(report: BenchReport, console: Console | None = None) -> None:
     console.print(latency_table(report.systems))
     if any(s.decode for s in report.systems):
         console.print(decode_table(report.systems))
-    for line in structured_lines(report.systems) + adapter_load_lines(report.systems):
+    lines = prefill_lines(report.systems) + structured_lines(report.systems)
+    for line in lines + adapter_load_lines(report.systems):
         console.print(line)
     for note in report.notes:
         console.print(f"note: {note}")
@@ -56,6 +57,16 @@ def render_all(reports: list[BenchReport], console: Console | None = None) -> No
     for fmt, facts in (files or {}).items():
         types = ", ".join(f"{kind} {count}" for kind, count in facts["tensor_types"].items())
         console.print(f"llama.cpp {fmt}: {facts['path']} ({types})")
+
+
+def prefill_lines(systems: list[SystemSummary]) -> list[str]:
+    """Each system's prefill steps against the compute roofline (report.prefill_roofline)."""
+    return [
+        f"{s.label}: prefill steps {s.prefill_s:.2f} s, {s.prefill_roofline:.0%} of the "
+        f"compute roofline (attention causal; decode rows beside prompt chunks not counted)"
+        for s in systems
+        if s.prefill_roofline is not None
+    ]
 
 
 def decode_table(systems: list[SystemSummary]) -> Table:
