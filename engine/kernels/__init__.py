@@ -45,6 +45,8 @@ _FILE_FLAGS = {
     "interface.c": [],
     "amx.c": [],
     "paged_attention.c": ["-ffast-math"],
+    # Its softmax is tested against a tolerance (a polynomial exp2, sums in tile order).
+    "vision_attention.c": ["-ffast-math"],
     # Quantization: its max needs no NaN or signed-zero care to vectorize, but its
     # divisions stay divisions (no -ffast-math, whose reassociation turned v / scale into
     # v * (1 / scale)): the full rounding divides as compressed-tensors does (quantize_row.h).

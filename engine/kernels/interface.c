@@ -36,4 +36,6 @@ void tm_limits(tm_limits_t *out) {
     out->moe_args_size = sizeof(tm_moe_args);
     out->fp8_linear_isa = tm_fp8_linear_isa();
     out->fp8_linear_args_size = sizeof(tm_fp8_linear_args);
+    out->vision_attention_amx = tm_internal_vision_attention_amx();
+    out->vision_attention_args_size = sizeof(tm_vision_attention_args);
 }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 22
+ABI_VERSION = 23
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -78,6 +78,8 @@ class _Limits(ctypes.Structure):
         ("moe_args_size", _i64),
         ("fp8_linear_isa", _i64),
         ("fp8_linear_args_size", _i64),
+        ("vision_attention_amx", _i64),
+        ("vision_attention_args_size", _i64),
     ]
 
 
@@ -373,6 +375,26 @@ class Fp8LinearArgs(ctypes.Structure):
     ]
 
 
+class VisionAttentionArgs(ctypes.Structure):
+    """tm_vision_attention_args."""
+
+    _fields_ = [
+        ("q", _ptr),
+        ("k", _ptr),
+        ("v", _ptr),
+        ("out", _ptr),
+        ("num_images", _i64),
+        ("seq_len", _i64),
+        ("num_heads", _i64),
+        ("head_dim", _i64),
+        ("q_stride", _i64),
+        ("k_stride", _i64),
+        ("v_stride", _i64),
+        ("scale", _f32),
+        ("num_threads", _i32),
+    ]
+
+
 # Exported function -> its argument struct, and the size field tm_limits reports for it.
 FUNCTIONS = {
     "tm_paged_attention": (AttentionArgs, "attention_args_size"),
@@ -392,6 +414,7 @@ FUNCTIONS = {
     "tm_packed_matvec": (PackedMatvecArgs, "packed_matvec_args_size"),
     "tm_moe": (MoEArgs, "moe_args_size"),
     "tm_fp8_linear": (Fp8LinearArgs, "fp8_linear_args_size"),
+    "tm_vision_attention": (VisionAttentionArgs, "vision_attention_args_size"),
 }
 
 
@@ -417,6 +440,7 @@ class KernelLimits:
     moe_isa: str  # how tm_moe computes here: MOE_ISAS' names
     moe_max_top_k: int  # experts per row tm_moe takes
     fp8_linear_isa: str  # the vectors tm_fp8_linear's sums compile to: FP8_LINEAR_ISAS' names
+    vision_attention_amx: bool  # tm_vision_attention (AMX bf16) runs here
 
 
 def declare(lib: ctypes.CDLL) -> KernelLimits:
@@ -467,6 +491,7 @@ def declare(lib: ctypes.CDLL) -> KernelLimits:
         moe_isa=MOE_ISAS[reported.moe_isa],
         moe_max_top_k=reported.moe_max_top_k,
         fp8_linear_isa=FP8_LINEAR_ISAS[reported.fp8_linear_isa],
+        vision_attention_amx=bool(reported.vision_attention_amx),
     )
 
 

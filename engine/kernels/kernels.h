@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 22
+#define TM_ABI_VERSION 23
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -94,6 +94,9 @@ typedef struct {
     /* fp8_linear.c */
     int64_t fp8_linear_isa; /* TM_FP8_ISA_*: the vectors tm_fp8_linear's sums compile to */
     int64_t fp8_linear_args_size;
+    /* vision_attention.c */
+    int64_t vision_attention_amx; /* 1: tm_vision_attention runs here (AMX bf16, granted) */
+    int64_t vision_attention_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -540,5 +543,36 @@ typedef struct {
 int tm_fp8_linear(const tm_fp8_linear_args *args);
 /* Internal (tm_limits reports it). */
 int tm_fp8_linear_isa(void);
+
+/* ---- vision_attention.c: a vision tower's attention, every patch seeing its image's ----
+ * For each image i, head h and patch t:
+ *     out[i, t, h] = sum_u softmax_u(scale * q[i, t, h] . k[i, u, h]) * v[i, u, h]
+ * over the image's seq_len patches u (bidirectional, no mask), in bf16 with fp32 sums and
+ * softmax, the weights rounded to bf16 before they multiply v (as PyTorch's CPU flash
+ * attention does). Token t of image i is row i * seq_len + t of q, k and v, rows
+ * *_stride elements apart, each row's heads contiguous (views into one qkv projection's
+ * output are fine); out is contiguous [num_images, seq_len, num_heads, head_dim].
+ * head_dim <= TM_MAX_HEAD_DIM. Built where the compiler targets AMX-BF16 and
+ * AVX512-BF16 and Linux grants the tiles (tm_limits_t.vision_attention_amx); elsewhere
+ * TM_UNSUPPORTED_ISA, and the towers keep PyTorch's attention. */
+typedef struct {
+    const void *q;  /* bf16 [num_images * seq_len rows, q_stride] */
+    const void *k;  /* bf16, like q, k_stride */
+    const void *v;  /* bf16, like q, v_stride */
+    void *out;      /* bf16 [num_images, seq_len, num_heads * head_dim] */
+    int64_t num_images;
+    int64_t seq_len;
+    int64_t num_heads;
+    int64_t head_dim;
+    int64_t q_stride;
+    int64_t k_stride;
+    int64_t v_stride;
+    float scale;    /* multiplies q . k */
+    int32_t num_threads;
+} tm_vision_attention_args;
+
+int tm_vision_attention(const tm_vision_attention_args *args);
+/* Internal (tm_limits reports it): 1 where tm_vision_attention runs. */
+int tm_internal_vision_attention_amx(void);
 
 #endif

@@ -11,7 +11,9 @@ Its layers are plain torch modules (nn.Linear, nn.LayerNorm): the text model's f
 projections, LoRA slots and KV cache never see them. On CPU the linear layers are
 oneDNN-packed as the engine loads them, and each residual add and the MLP's GELU run
 inside the matmul that produces them (fused_linear.py): a layer writes its
-[patches, intermediate] activation once.
+[patches, intermediate] activation once. In bf16 on CPUs with AMX tiles the attention runs
+in the native kernel vision_attention.c (both products on tiles, a flash-style softmax);
+elsewhere in PyTorch's scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tokenmill.engine.kernels import vision_attention
 from tokenmill.engine.models.fused_linear import fused_linear
 
 
@@ -58,13 +61,17 @@ class SiglipAttention(nn.Module):
         """residual + attention(x). x: [num_images, num_patches, hidden]; every patch sees
         every patch of its image."""
         n, length, hidden = x.shape
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        scale = self.head_dim**-0.5
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and vision_attention.available():
+            attended = vision_attention.vision_attention(q, k, v, self.num_heads, scale)
+        else:
 
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(n, length, self.num_heads, self.head_dim).transpose(1, 2)
+            def heads(t: torch.Tensor) -> torch.Tensor:
+                return t.view(n, length, self.num_heads, self.head_dim).transpose(1, 2)
 
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
-        attended = out.transpose(1, 2).reshape(n, length, hidden)
+            out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), scale=scale)
+            attended = out.transpose(1, 2).reshape(n, length, hidden)
         return fused_linear(self.out_proj, attended, residual=residual)
 
 
