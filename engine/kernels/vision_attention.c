@@ -84,7 +84,9 @@ static inline __mmask16 lanes_below(int64_t count) {
     return count >= 16 ? (__mmask16)0xFFFF : count <= 0 ? 0 : (__mmask16)((1u << count) - 1);
 }
 
-/* One head's keys and values of one image into the tiles' layouts (header comment). */
+/* One head's keys and values of one image into the tiles' layouts (header comment). Keys
+ * move as pairs of channels (one 32-bit word each: the layout keeps a pair together);
+ * values as 16 channels of two keys at a time, interleaved in one 512-bit store. */
 static void pack_head(const tm_vision_attention_args *a, Shape s, int64_t image, int64_t head,
                       uint16_t *keys, uint16_t *values) {
     const int64_t d = a->head_dim;
@@ -95,12 +97,26 @@ static void pack_head(const tm_vision_attention_args *a, Shape s, int64_t image,
     for (int64_t t = 0; t < s.seq; t++) {
         const uint16_t *row = k + t * a->k_stride;
         uint16_t *block = keys + (t / 16) * (s.dq / 2) * 32 + (t % 16) * 2;
-        for (int64_t c = 0; c < d; c++) block[(c / 2) * 32 + c % 2] = row[c];
+        int64_t c = 0;
+        for (; c + 1 < d; c += 2) { /* memcpy: the row may sit at any 2-byte boundary */
+            uint32_t pair;
+            memcpy(&pair, row + c, 4);
+            memcpy(block + (c / 2) * 32, &pair, 4);
+        }
+        if (c < d) block[(c / 2) * 32] = row[c];
     }
-    for (int64_t t = 0; t < s.seq; t++) {
-        const uint16_t *row = v + t * a->v_stride;
-        uint16_t *pair = values + (t / 2) * 32 + t % 2;
-        for (int64_t c = 0; c < d; c++) pair[(c / 16) * (s.seq_pad / 2) * 32 + (c % 16) * 2] = row[c];
+    const int64_t group_elems = (s.seq_pad / 2) * 32;
+    for (int64_t t = 0; t < s.seq; t += 2) {
+        const uint16_t *even = v + t * a->v_stride, *odd = even + a->v_stride;
+        const int has_odd = t + 1 < s.seq;
+        uint16_t *pairs = values + (t / 2) * 32;
+        for (int64_t c = 0; c < d; c += 16) {
+            const __mmask16 m = lanes_below(d - c);
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, even + c));
+            const __m512i hi = has_odd ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, odd + c))
+                                       : _mm512_setzero_si512();
+            _mm512_storeu_si512(pairs + (c / 16) * group_elems, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
     }
 }
 
