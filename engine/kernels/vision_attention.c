@@ -22,8 +22,11 @@
  * Arithmetic: q . k summed in fp32 on the tiles, the softmax in fp32 with exp2 from a
  * degree-5 polynomial (relative error below 3e-6, far under bf16's 2^-9), the weights
  * rounded to bf16 for the second product as PyTorch's own CPU flash attention does, and
- * each output row divided by its fp32 sum and rounded to bf16 once. The sums run in
- * another order than PyTorch's, so results agree to rounding, not bit for bit.
+ * each output row divided by its sum of weights and rounded to bf16 once. Where head_dim
+ * leaves a padding channel (72 in 80) that channel of the values is 1, so the tiles sum
+ * the bf16 weights the rows were weighed with, and the vector units skip an add per 16
+ * scores; elsewhere the fp32 weights are summed. The sums run in another order than
+ * PyTorch's, so results agree to rounding, not bit for bit.
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,6 +48,8 @@
 
 typedef struct {
     int64_t seq, seq_pad, dq, dv;
+    int ones; /* dv > head_dim: channel head_dim of the values is 1 for every real key, so
+                 the weighted sums' tile products also sum the weights (sum_channel) */
 } Shape;
 
 /* A thread's scratch for one item, 64-byte aligned for the tiles. */
@@ -117,6 +122,11 @@ static void pack_head(const tm_vision_attention_args *a, Shape s, int64_t image,
                                        : _mm512_setzero_si512();
             _mm512_storeu_si512(pairs + (c / 16) * group_elems, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
+        if (s.ones) {
+            uint16_t *one = pairs + (d / 16) * group_elems + (d % 16) * 2;
+            one[0] = 0x3F80; /* bf16 1.0 */
+            one[1] = has_odd ? 0x3F80 : 0;
+        }
     }
 }
 
@@ -175,7 +185,8 @@ static inline void score_until(Shape s, const uint16_t *q, ScoreSteps *job, int6
  * the chunk's `count` keys are real; `full` (a constant at each call) says all are, and
  * drops the masks from the loops. */
 static inline void softmax_row(Shape s, float log2_scale, const float *scores, Scratch *w,
-                               int64_t r, int64_t count, int64_t valid, const int full) {
+                               int64_t r, int64_t count, int64_t valid, const int full,
+                               const int sum_on_tiles) {
     const float *row = scores + r * CHUNK_KEYS;
     __m512 top = _mm512_set1_ps(MASKED_SCORE);
     for (int64_t j = 0; j < count; j += 16) {
@@ -195,7 +206,7 @@ static inline void softmax_row(Shape s, float log2_scale, const float *scores, S
             p0 = _mm512_maskz_mov_ps(lanes_below(valid - j), p0);
             p1 = _mm512_maskz_mov_ps(lanes_below(valid - j - 16), p1);
         }
-        total = _mm512_add_ps(total, _mm512_add_ps(p0, p1));
+        if (!sum_on_tiles) total = _mm512_add_ps(total, _mm512_add_ps(p0, p1));
         _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
     const float rescale = exp2f(old_max - new_max);
@@ -215,10 +226,12 @@ static void softmax_chunk(Shape s, float log2_scale, const float *scores, Scratc
                           int64_t count, int64_t valid, ScoreSteps *next) {
     const int full = count == CHUNK_KEYS && valid >= CHUNK_KEYS;
     for (int64_t r = 0; r < ITEM_ROWS; r++) {
-        if (full)
-            softmax_row(s, log2_scale, scores, w, r, CHUNK_KEYS, valid, 1);
-        else
-            softmax_row(s, log2_scale, scores, w, r, count, valid, 0);
+        if (full && s.ones)
+            softmax_row(s, log2_scale, scores, w, r, CHUNK_KEYS, valid, 1, 1);
+        else if (full)
+            softmax_row(s, log2_scale, scores, w, r, CHUNK_KEYS, valid, 1, 0);
+        else /* the total counts in both cases; where the tiles sum, it is not read */
+            softmax_row(s, log2_scale, scores, w, r, count, valid, 0, 0);
         score_until(s, w->q, next, (r + 1) * next->steps / ITEM_ROWS);
     }
 }
@@ -288,7 +301,8 @@ static void attend_item(const tm_vision_attention_args *a, Shape s, const uint16
     const int64_t out_stride = a->num_heads * d;
     uint16_t *out = (uint16_t *)a->out + (image * s.seq + row0) * out_stride + head * d;
     for (int64_t r = 0; r < rows; r++) {
-        const __m512 inverse = _mm512_set1_ps(1.0f / w->total[r]);
+        const float total = s.ones ? w->sums[r * s.dv + d] : w->total[r];
+        const __m512 inverse = _mm512_set1_ps(1.0f / total);
         for (int64_t c = 0; c < d; c += 16) {
             const __mmask16 m = lanes_below(d - c);
             const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w->sums + r * s.dv + c), inverse);
@@ -299,7 +313,7 @@ static void attend_item(const tm_vision_attention_args *a, Shape s, const uint16
 
 static int vision_attention_amx(const tm_vision_attention_args *a) {
     Shape s = {a->seq_len, (a->seq_len + 31) / 32 * 32, (a->head_dim + 31) / 32 * 32,
-               (a->head_dim + 15) / 16 * 16};
+               (a->head_dim + 15) / 16 * 16, a->head_dim % 16 != 0};
     const int64_t heads = a->num_heads, head_elems = s.seq_pad * (s.dq + s.dv);
     const int64_t items_per_head = (s.seq + ITEM_ROWS - 1) / ITEM_ROWS;
     uint16_t *packed = aligned((size_t)(heads * head_elems) * 2);
