@@ -66,17 +66,11 @@ static void *aligned(size_t bytes) {
 }
 
 /* 2^x for x <= 0: a degree-4 fit of 2^f on [-0.5, 0.5] (relative error 3.1e-6) scaled by
- * 2^n, x = n + f. n is rounded by adding and subtracting 1.5 * 2^23 rather than by
- * vrndscaleps (two uops, one port); vscalefps takes n as a float and gives 0 where it is
- * very negative (a masked score's -1e30 rounds to itself and f is 0). */
+ * 2^n, x = n + f. vreduceps gives f = x - round(x) in one instruction; vscalefps takes n
+ * as a float and gives 0 where it is very negative (a masked score's -1e30 has f = 0). */
 static inline __m512 exp2_ps(__m512 x) {
-    const __m512 shifter = _mm512_set1_ps(12582912.0f);
-    /* opaque to the compiler: -ffast-math would fold (x + shifter) - shifter to x */
-    __m512 big = _mm512_add_ps(x, shifter);
-    __asm__("" : "+v"(big));
-    __m512 n = _mm512_sub_ps(big, shifter);
-    __asm__("" : "+v"(n));
-    const __m512 f = _mm512_sub_ps(x, n);
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT);
+    const __m512 n = _mm512_sub_ps(x, f);
     __m512 p = _mm512_set1_ps(9.6004503e-3f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5916909e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4023718e-1f));
