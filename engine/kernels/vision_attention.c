@@ -7,8 +7,11 @@
  * (`tdpbf16ps`: 16 x 32 bf16 by 32 x 16 bf16 into 16 x 16 fp32 sums) and the softmax is
  * flash-style: an item is 32 query rows of one image's head, the keys are taken 128 at a
  * time, each step rescales the running sums by its change of the row maximum, and the
- * rows are divided by their sums once at the end. An item's scores, weights and sums
- * (16 + 8 + 10 KiB at head_dim 72) stay in L1.
+ * rows are divided by their sums once at the end. An item's scores (two chunks', 32 KiB),
+ * weights (8 KiB) and sums (10 KiB at head_dim 72) stay near L1's size; each head's packed
+ * keys and values (1.4 MiB at 4,096 patches) stay in L2, read by every item of the head.
+ * The next chunk's scores are computed between the rows of this chunk's softmax
+ * (softmax_chunk), so the tile unit multiplies while the vector units exponentiate.
  *
  * Layouts the tiles read, built once per image and head (pack_head):
  * - keys [seq / 16][dq / 2][16][2]: a block of 16 keys is, for each 32 channels, one
@@ -20,7 +23,7 @@
  * rows are computed and never stored.
  *
  * Arithmetic: q . k summed in fp32 on the tiles, the softmax in fp32 with exp2 from a
- * degree-5 polynomial (relative error below 3e-6, far under bf16's 2^-9), the weights
+ * degree-4 polynomial (relative error below 3.1e-6, far under bf16's 2^-9), the weights
  * rounded to bf16 for the second product as PyTorch's own CPU flash attention does, and
  * each output row divided by its sum of weights and rounded to bf16 once. Where head_dim
  * leaves a padding channel (72 in 80) that channel of the values is 1, so the tiles sum
@@ -48,7 +51,7 @@
 typedef struct {
     int64_t seq, seq_pad, dq, dv;
     int ones; /* dv > head_dim: channel head_dim of the values is 1 for every real key, so
-                 the weighted sums' tile products also sum the weights (sum_channel) */
+                 the weighted sums' tile products also sum the weights */
 } Shape;
 
 /* A thread's scratch for one item, 64-byte aligned for the tiles. */
