@@ -97,6 +97,7 @@ print("LIMITS " + json.dumps({
     "int8_linear_isa": limits.int8_linear_isa,
     "bf16_attention_amx": limits.bf16_attention_amx,
     "q4_linear_tiles": limits.q4_linear_tiles,
+    "vision_attention_amx": limits.vision_attention_amx,
 }))
 """
 
@@ -125,6 +126,7 @@ def test_a_refused_tile_state_keeps_the_vector_paths_with_the_same_results(tmp_p
     assert refused_limits["bf16_attention_amx"] is False
     assert "amx" not in (refused_limits["int8_linear_isa"] or "")
     assert refused_limits["q4_linear_tiles"] is False  # the gguf layers keep the integer product
+    assert refused_limits["vision_attention_amx"] is False  # the towers keep PyTorch's sdpa
     assert refused.keys() == granted.keys()
     if "int8_linear" in granted:  # both paths sum the same integers, one epilogue
         assert torch.equal(refused["int8_linear"], granted["int8_linear"])
