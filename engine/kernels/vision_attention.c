@@ -205,12 +205,15 @@ static inline void softmax_row(Shape s, float log2_scale, const float *scores, S
         if (!sum_on_tiles) total = _mm512_add_ps(total, _mm512_add_ps(p0, p1));
         _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
-    /* the vector exp2 on one lane: a libm call here (per row and chunk) cost a fifth of
-     * the kernel's time, with its vzeroupper and the overlap it cuts */
-    const float rescale = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(old_max - new_max)));
-    w->total[r] = w->total[r] * rescale + _mm512_reduce_add_ps(total);
-    w->max[r] = new_max;
-    if (rescale != 1.0f) {
+    const float chunk_total = sum_on_tiles ? 0.0f : _mm512_reduce_add_ps(total);
+    if (new_max == old_max) { /* the maximum held: nothing so far to rescale */
+        w->total[r] += chunk_total;
+    } else {
+        /* the vector exp2 on one lane: a libm call here (per row and chunk) cost a fifth
+         * of the kernel's time, with its vzeroupper and the overlap it cuts */
+        const float rescale = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(old_max - new_max)));
+        w->total[r] = w->total[r] * rescale + chunk_total;
+        w->max[r] = new_max;
         float *sums = w->sums + r * s.dv;
         const __m512 factor = _mm512_set1_ps(rescale);
         for (int64_t c = 0; c < s.dv; c += 16)
