@@ -6,8 +6,9 @@
  * (docs/design.md, "The vision tower's attention"). Here both products run on AMX tiles
  * (`tdpbf16ps`: 16 x 32 bf16 by 32 x 16 bf16 into 16 x 16 fp32 sums) and the softmax is
  * flash-style: an item is 32 query rows of one image's head, the keys are taken 128 at a
- * time, each step rescales the running sums by its change of the row maximum, and the
- * rows are divided by their sums once at the end. An item's scores (two chunks', 32 KiB),
+ * time, a row's running maximum is raised (and its sums rescaled) only when a chunk's
+ * score passes it by more than HEADROOM, and the rows are divided by their sums once at
+ * the end. An item's scores (two chunks', 32 KiB),
  * weights (8 KiB) and sums (10 KiB at head_dim 72) stay near L1's size; each head's packed
  * keys and values (1.4 MiB at 4,096 patches) stay in L2, read by every item of the head.
  * The next chunk's scores are computed between the rows of this chunk's softmax
@@ -67,7 +68,7 @@ static void *aligned(size_t bytes) {
     return aligned_alloc(64, (bytes + 63) / 64 * 64);
 }
 
-/* 2^x for x <= 0: 2^f from a degree-3 polynomial on [0, 1) (relative error 8.6e-5, over
+/* 2^x for x <= HEADROOM (softmax_row): 2^f from a degree-3 polynomial on [0, 1) (relative error 8.6e-5, over
  * twenty times under the half-ulp of the bf16 the weights are rounded to; p(0) = 1, so the
  * row's maximum weighs exactly 1), scaled by 2^n, x = n + f with n = floor(x). vreduceps
  * gives f = x - floor(x) in one instruction and vscalefps floors x itself, so n is never
@@ -178,49 +179,77 @@ static inline void score_until(Shape s, const uint16_t *q, ScoreSteps *job, int6
     }
 }
 
-/* One row's softmax step over a chunk's scores: its new running maximum, its sum so far
- * rescaled by the change, and the chunk's weights (bf16; masked keys zero). `valid` of
- * the chunk's `count` keys are real; `full` (a constant at each call) says all are, and
- * drops the masks from the loops. */
+/* A row's weights over a chunk, 2^(scale * score - shift) rounded to bf16 (masked keys
+ * zero), their fp32 sum added to *total unless the tiles sum them; returns the lanes'
+ * largest exponent, scale * score - shift, over the real keys. `full` (a constant at each
+ * call) says all `count` keys are real and drops the masks from the loop. */
+static inline __m512 weigh_row(const float *row, __m512 scale, __m512 shift, uint16_t *out,
+                               int64_t count, int64_t valid, const int full,
+                               const int sum_on_tiles, __m512 *total) {
+    __m512 top = _mm512_set1_ps(MASKED_SCORE);
+    for (int64_t j = 0; j < count; j += 32) {
+        const __m512 x0 = _mm512_fmsub_ps(_mm512_loadu_ps(row + j), scale, shift);
+        const __m512 x1 = _mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16), scale, shift);
+        __m512 p0 = exp2_ps(x0), p1 = exp2_ps(x1);
+        if (full) {
+            top = _mm512_max_ps(top, _mm512_max_ps(x0, x1));
+        } else {
+            const __mmask16 m0 = lanes_below(valid - j), m1 = lanes_below(valid - j - 16);
+            top = _mm512_mask_max_ps(top, m0, top, x0);
+            top = _mm512_mask_max_ps(top, m1, top, x1);
+            p0 = _mm512_maskz_mov_ps(m0, p0);
+            p1 = _mm512_maskz_mov_ps(m1, p1);
+        }
+        if (!sum_on_tiles) *total = _mm512_add_ps(*total, _mm512_add_ps(p0, p1));
+        _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    return top;
+}
+
+/* One row's softmax step over a chunk's scores: the chunk's weights (bf16; masked keys
+ * zero) and the row's running sum, against a running maximum that is raised only when a
+ * score passes it by more than HEADROOM (log2 units). Below that the weights are at most
+ * 2^HEADROOM, as exact relative to their size in fp32 and bf16 as weights below 1, so
+ * most chunks take one pass over their scores (the exponentials and their maximum
+ * together) and no rescale; a chunk that passes it is weighed again against its own
+ * maximum and the sums so far rescaled. `valid` of the chunk's `count` keys are real;
+ * `full` (a constant at each call) says all are. */
+#define HEADROOM 8.0f
 static inline void softmax_row(Shape s, float log2_scale, const float *scores, Scratch *w,
                                int64_t r, int64_t count, int64_t valid, const int full,
                                const int sum_on_tiles) {
     const float *row = scores + r * CHUNK_KEYS;
+    const float old_max = w->max[r];
+    const __m512 scale = _mm512_set1_ps(log2_scale);
+    uint16_t *out = w->weights + r * CHUNK_KEYS;
+    __m512 total = _mm512_setzero_ps();
+    if (old_max != MASKED_SCORE) { /* every chunk after the row's first */
+        const __m512 top = weigh_row(row, scale, _mm512_set1_ps(old_max), out, count, valid,
+                                     full, sum_on_tiles, &total);
+        if (!_mm512_cmp_ps_mask(top, _mm512_set1_ps(HEADROOM), _CMP_GT_OQ)) {
+            if (!sum_on_tiles) w->total[r] += _mm512_reduce_add_ps(total);
+            return;
+        }
+        total = _mm512_setzero_ps();
+    }
     __m512 top = _mm512_set1_ps(MASKED_SCORE);
     for (int64_t j = 0; j < count; j += 16) {
         const __m512 x = _mm512_loadu_ps(row + j);
         top = full ? _mm512_max_ps(top, x) : _mm512_mask_max_ps(top, lanes_below(valid - j), top, x);
     }
     const float chunk_max = _mm512_reduce_max_ps(top) * log2_scale;
-    const float old_max = w->max[r];
     const float new_max = chunk_max > old_max ? chunk_max : old_max;
-    const __m512 shift = _mm512_set1_ps(new_max), scale = _mm512_set1_ps(log2_scale);
-    __m512 total = _mm512_setzero_ps();
-    uint16_t *out = w->weights + r * CHUNK_KEYS;
-    for (int64_t j = 0; j < count; j += 32) {
-        __m512 p0 = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), scale, shift));
-        __m512 p1 = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(row + j + 16), scale, shift));
-        if (!full) {
-            p0 = _mm512_maskz_mov_ps(lanes_below(valid - j), p0);
-            p1 = _mm512_maskz_mov_ps(lanes_below(valid - j - 16), p1);
-        }
-        if (!sum_on_tiles) total = _mm512_add_ps(total, _mm512_add_ps(p0, p1));
-        _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    }
+    weigh_row(row, scale, _mm512_set1_ps(new_max), out, count, valid, full, sum_on_tiles, &total);
     const float chunk_total = sum_on_tiles ? 0.0f : _mm512_reduce_add_ps(total);
-    if (new_max == old_max) { /* the maximum held: nothing so far to rescale */
-        w->total[r] += chunk_total;
-    } else {
-        /* the vector exp2 on one lane: a libm call here (per row and chunk) cost a fifth
-         * of the kernel's time, with its vzeroupper and the overlap it cuts */
-        const float rescale = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(old_max - new_max)));
-        w->total[r] = w->total[r] * rescale + chunk_total;
-        w->max[r] = new_max;
-        float *sums = w->sums + r * s.dv;
-        const __m512 factor = _mm512_set1_ps(rescale);
-        for (int64_t c = 0; c < s.dv; c += 16)
-            _mm512_storeu_ps(sums + c, _mm512_mul_ps(_mm512_loadu_ps(sums + c), factor));
-    }
+    /* the vector exp2 on one lane: a libm call here (per row and chunk) cost a fifth of
+     * the kernel's time, with its vzeroupper and the overlap it cuts */
+    const float rescale = _mm512_cvtss_f32(exp2_ps(_mm512_set1_ps(old_max - new_max)));
+    w->total[r] = w->total[r] * rescale + chunk_total;
+    w->max[r] = new_max;
+    float *sums = w->sums + r * s.dv;
+    const __m512 factor = _mm512_set1_ps(rescale);
+    for (int64_t c = 0; c < s.dv; c += 16)
+        _mm512_storeu_ps(sums + c, _mm512_mul_ps(_mm512_loadu_ps(sums + c), factor));
 }
 
 /* The softmax step of the item's rows over a chunk of `count` keys (`valid` of them

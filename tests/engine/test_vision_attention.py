@@ -102,6 +102,25 @@ def test_peaked_softmax_across_chunks_matches():
 
 
 @needs_kernel
+@pytest.mark.parametrize("position", [300, 650])  # inside a full chunk, in the last one
+# row 3's late score passes its running maximum by 2.4, 7.6, 8.6, 23 and 147 (log2 units)
+@pytest.mark.parametrize("factor", [0.5, 0.625, 0.65, 1.0, 4.0])
+def test_a_late_maximum_raised_by_any_margin_matches(position, factor):
+    """The running maximum is kept until a score passes it by more than the kernel's
+    headroom (weights up to 2^8): a late key whose score passes it by less, by about as
+    much and by far more, in a full chunk and in the padded last one."""
+    q, k, v = operands(1, 700, 2, 72, seed=11, spread=2.0)
+    k = k.clone()
+    k[:, position] = q[:, 3] * factor
+    scale = 72**-0.5
+    got = kernel.vision_attention(q, k.contiguous(), v.contiguous(), 2, scale)
+    want = reference(q, k, v, 2, scale)
+    assert torch.isfinite(got).all()
+    error = (got.float() - want).abs().max().item()
+    assert error <= 1.5 * bf16_error(q, k, v, 2, scale) + 1e-3
+
+
+@needs_kernel
 def test_images_do_not_see_each_other():
     q, k, v = operands(3, 40, 2, 72, seed=9)
     together = kernel.vision_attention(q, k, v, 2, 0.1)
