@@ -226,16 +226,11 @@ def map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | 
 def shard_sizes(target: str, config: ModelConfig, rows: int | None = None) -> list[int]:
     """The rows each part of a fused projection takes: q, k, v or gate, up - halves of
     `rows` where given (an expert's gate_up is its own intermediate size), else the
-    config's intermediate size. A vision tower's `qkv` (as many key and value heads as
-    query heads, its sizes not in the text config) is thirds of `rows`."""
+    config's intermediate size."""
     if "qkv_proj" in target:
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         return [q, kv, kv]
-    if target.endswith(".qkv") or ".qkv." in target:
-        if rows is None:
-            raise ValueError(f"{target}: a vision tower's fused q/k/v needs its row count")
-        return [rows // 3] * 3
     half = config.intermediate_size if rows is None else rows // 2
     return [half, half]
 

@@ -106,14 +106,6 @@ class StepImages:
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    # The decoder's fused projections, and the tower's q/k/v (named so by _tower_name).
-    packed_modules = {
-        **Gemma3ForCausalLM.packed_modules,
-        "query": ("qkv", 0),
-        "key": ("qkv", 1),
-        "value": ("qkv", 2),
-    }
-
     def __init__(self, config: Gemma3VisionConfig) -> None:
         super().__init__(config)
         self.vision_tower = SiglipVisionTower(config.vision)
@@ -166,8 +158,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return name
 
 
-# transformers' SigLIP names -> ours. The tower's q/k/v are renamed first so that they fill
-# the tower's own fused `qkv` (packed_modules) and not the decoder's `qkv_proj`.
+# transformers' SigLIP names -> ours (the tower's q/k/v stay apart from the decoder's
+# fused qkv_proj, which the loader fills from `q_proj`/`k_proj`/`v_proj`).
 _TOWER_RENAMES = (
     ("embeddings.patch_embedding.", "patch_embedding."),
     ("embeddings.position_embedding.", "position_embedding."),

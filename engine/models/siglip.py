@@ -52,17 +52,19 @@ class SiglipAttention(nn.Module):
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.head_dim = hidden // self.num_heads
-        # query, key and value as one matmul over the layer's patches: one pass over x and
-        # one wide weight instead of three narrow ones (the loader fills its thirds from the
-        # checkpoint's q_proj, k_proj and v_proj).
-        self.qkv = nn.Linear(hidden, 3 * hidden)
+        # Three linears, not one fused qkv: fused measured no faster on the 896 px tower
+        # (slower with the AMX attention, which then reads each row of k and v among
+        # rows three times as wide).
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
         self.out_proj = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + attention(x). x: [num_images, num_patches, hidden]; every patch sees
         every patch of its image."""
         n, length, hidden = x.shape
-        q, k, v = self.qkv(x).split(hidden, dim=-1)  # views: rows 3 * hidden apart
+        q, k, v = self.query(x), self.key(x), self.value(x)
         scale = self.head_dim**-0.5
         if x.dtype == torch.bfloat16 and x.device.type == "cpu" and vision_attention.available():
             attended = vision_attention.vision_attention(q, k, v, self.num_heads, scale)
