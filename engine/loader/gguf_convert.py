@@ -1,7 +1,7 @@
 """GGUF file -> HF-layout model files: config and tokenizer from the metadata, and, for an
 exported directory, every weight dequantized into fp32 safetensors.
 
-A GGUF runs from its own file: `index_gguf` writes the config and tokenizer files with a
+A GGUF runs from its own file: gguf_tensors.index_gguf writes the config and tokenizer files with a
 link to the GGUF, and the loader reads each tensor from the file as it loads it
 (gguf_tensors.py), through `convert_tensor` below. `convert_gguf` exports a standalone
 HF-layout directory (`tokenmill models convert --out`): every tensor is dequantized
@@ -46,8 +46,10 @@ from tokenmill.engine.models.registry import GGUFLayout, architecture_of
 CONVERTER_VERSION = 5
 
 WEIGHTS_FILE = "model.safetensors"
-# The link, in a directory `index_gguf` writes, to the GGUF file its weights are read from.
+# The link, in a directory gguf_tensors.index_gguf writes, to the GGUF file its weights are read from.
 GGUF_LINK = "model.gguf"
+# Beside it: the file's tensor table and identity, so a start never parses the header.
+TABLE_FILE = "gguf_tensors.json"
 CONVERSION_RECORD = "tokenmill_conversion.json"
 
 # Meta's Llama 3.1-3.3 rope scaling constants (all but `factor`), which llama.cpp bakes
@@ -86,7 +88,7 @@ def convert_gguf(
     check_tensors(reader, config, gguf_path)
     tensors = convert_tensors(reader, config, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_model_files(reader, config, out_dir)
+    write_model_files(reader, config, out_dir)
     weights_path = out_dir / WEIGHTS_FILE
     save_file(tensors, weights_path, metadata={"format": "pt"})
     # safetensors creates its file 0600 whatever the umask; match the files we write.
@@ -94,41 +96,11 @@ def convert_gguf(
     kept = write_blocks(reader, config, out_dir, layout.hf_tensor_name, unpermute_rows(config))
     if kept:
         shutil.copymode(out_dir / "config.json", out_dir / BLOCKS_FILE)
-    _write_record(reader, gguf_path, out_dir, {WEIGHTS_FILE: _sha256_file(weights_path)})
+    write_record(reader, gguf_path, out_dir, {WEIGHTS_FILE: _sha256_file(weights_path)})
     return out_dir
 
 
-def index_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, gguf_sha256: str) -> Path:
-    """Write the directory a GGUF model runs from without converting its weights: the
-    config and tokenizer files from its metadata, and a `model.gguf` link to the file,
-    from which the loader reads each tensor (loader/gguf_tensors.py).
-
-    Every check `convert_gguf` makes is made here, from the header alone: the config, and
-    every tensor's name and shape against the model it will load into.
-
-    Args:
-        gguf_path: the `.gguf` file (as for `convert_gguf`).
-        out_dir: directory to write; created if missing, must be empty if it exists.
-        gguf_sha256: the file's sha256 (model_files keeps it per file), recorded as the
-            weights' hash for the job ledger.
-
-    Returns:
-        `out_dir` as a Path.
-    """
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"refusing to index into non-empty directory {out_dir}")
-    reader = GGUFReader(gguf_path)
-    config = build_config(read_metadata(reader), {t.name: t for t in reader.tensors}, torch.float32)
-    check_tensors(reader, config, gguf_path)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_model_files(reader, config, out_dir)
-    os.symlink(gguf_path.resolve(), out_dir / GGUF_LINK)
-    _write_record(reader, gguf_path, out_dir, {GGUF_LINK: gguf_sha256})
-    return out_dir
-
-
-def _write_model_files(reader: GGUFReader, config: dict, out_dir: Path) -> None:
+def write_model_files(reader: GGUFReader, config: dict, out_dir: Path) -> None:
     """config.json, generation_config.json and the tokenizer files, from the metadata."""
     meta = read_metadata(reader)
     tokenizer = build_tokenizer(meta)
@@ -138,7 +110,7 @@ def _write_model_files(reader: GGUFReader, config: dict, out_dir: Path) -> None:
     _write_json(out_dir / "tokenizer_config.json", build_tokenizer_config(meta))
 
 
-def _write_record(
+def write_record(
     reader: GGUFReader, gguf_path: Path, out_dir: Path, weights_sha256: dict[str, str]
 ) -> None:
     record = {

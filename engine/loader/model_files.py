@@ -19,6 +19,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import struct
@@ -39,9 +40,10 @@ from tokenmill.engine.loader.gguf_convert import (
     CONVERSION_RECORD,
     CONVERTER_VERSION,
     GGUF_LINK,
+    TABLE_FILE,
     WEIGHTS_FILE,
-    index_gguf,
 )
+from tokenmill.engine.loader.gguf_tensors import GGUFTensors, index_gguf, link_is_current, relink
 
 SOURCE_RECORD = "tokenmill_source.json"
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -339,19 +341,11 @@ def _convert_cached(gguf_path: Path, root: Path, name: str) -> Path:
         return {"name": name, "gguf_file": str(gguf_path), "gguf_sha256": digest}
 
     model_dir = _build_once(_converted_path(gguf_path, root), index)
-    link = model_dir / GGUF_LINK
-    if not link.exists():
-        # The file it was written for moved or is gone; this one has the same bytes.
-        _relink(link, gguf_path)
+    if not link_is_current(model_dir):
+        # The file it was indexed from moved, is gone or was touched; this one has the
+        # same bytes (its sha256 is the directory's key).
+        relink(model_dir, gguf_path)
     return model_dir
-
-
-def _relink(link: Path, target: Path) -> None:
-    """Point `link` at `target` in one step (a reader sees the old link or the new one)."""
-    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    os.symlink(target.resolve(), tmp)
-    os.replace(tmp, link)
 
 
 def _extract_cached(archive: Path, root: Path, name: str) -> Path:
@@ -415,9 +409,8 @@ def _remove_stale_tmp(parent: Path) -> None:
 def _dir_info(name: str, path: Path, source: str) -> ModelInfo:
     config = _read_json(path / "config.json")
     architectures = config.get("architectures") or [config.get("model_type")]
-    if (path / GGUF_LINK).exists():
-        info = _gguf_info(name, path / GGUF_LINK, source)
-        return dataclasses.replace(info, path=path, architecture=architectures[0])
+    if (path / TABLE_FILE).is_file():
+        return _indexed_gguf_info(name, path, source)
     num_by_dtype: Counter[str] = Counter()
     num_experts_params = 0
     mxfp4 = (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
@@ -456,32 +449,42 @@ def _active(total: int, num_experts_params: int, config: dict) -> int | None:
 
 
 def _gguf_info(name: str, path: Path, source: str) -> ModelInfo:
-    """A GGUF described from its header (`source` as given: the caller says whether it
-    has been indexed yet)."""
+    """A GGUF not indexed yet, described from its header (`source` as given)."""
     reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+
+    def get(key: str):
+        field = reader.fields.get(f"{arch}.{key}")
+        return None if field is None else field.contents()
+
+    counts = [(t.name, t.tensor_type.name, int(t.n_elements)) for t in reader.tensors]
+    experts = {"num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count")}
+    return _gguf_counts_info(name, path, f"gguf:{arch}", source, counts, experts)
+
+
+def _indexed_gguf_info(name: str, path: Path, source: str) -> ModelInfo:
+    """A GGUF model's directory, described from the tensor table written when indexed."""
+    tensors = GGUFTensors.open_dir(path, check_file=False)
+    counts = [(e.name, e.kind, math.prod(e.dims)) for e in tensors.entries]
+    architecture = (tensors.config.get("architectures") or ["?"])[0]
+    return _gguf_counts_info(name, path, architecture, source, counts, tensors.config)
+
+
+def _gguf_counts_info(name, path, architecture, source, counts, config) -> ModelInfo:
+    """counts: (GGUF name, GGML type, elements) of every tensor."""
     num_by_type: Counter[str] = Counter()
     num_experts_params = 0
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
+    for tensor_name, kind, numel in counts:
+        if tensor_name == "rope_freqs.weight":
             continue  # not a weight: the loader turns it into `rope_scaling`
-        num_by_type[tensor.tensor_type.name] += int(tensor.n_elements)
-        if "_exps." in tensor.name:  # llama.cpp's expert stacks
-            num_experts_params += int(tensor.n_elements)
-    arch = reader.fields["general.architecture"].contents()
-    prefix = f"{arch}."
-    config = {
-        "num_experts": reader.fields[f"{prefix}expert_count"].contents()
-        if f"{prefix}expert_count" in reader.fields
-        else None,
-        "num_experts_per_tok": reader.fields[f"{prefix}expert_used_count"].contents()
-        if f"{prefix}expert_used_count" in reader.fields
-        else None,
-    }
+        num_by_type[kind] += numel
+        if "_exps." in tensor_name:  # llama.cpp's expert stacks
+            num_experts_params += numel
     total = sum(num_by_type.values())
     return ModelInfo(
         name=name,
         path=path,
-        architecture=f"gguf:{arch}",
+        architecture=architecture,
         num_parameters=total,
         dtype=f"gguf:{num_by_type.most_common(1)[0][0]}",
         source=source,

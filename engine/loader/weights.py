@@ -66,7 +66,8 @@ def load_model(
     model = build_on_meta(config, dtype)
     gguf_path = gguf_source(model_dir)
     if gguf_path is not None:
-        return _load_gguf(model, GGUFTensors.open(gguf_path), config, device, hold_out, on_filled)
+        gguf = GGUFTensors.open_dir(model_dir)
+        return _load_gguf(model, gguf, config, device, hold_out, on_filled)
     headers = {path: read_header(path) for path in weight_files(model_dir)}
     sources = [TensorSource(e.name, e.dtype, e.shape) for h in headers.values() for e in h]
     if hold_out is not None:

@@ -57,7 +57,7 @@ def _base_tensors(model_dir: Path):
     """(name, tensor) of every base weight: a GGUF model's in fp32, as it loads them."""
     gguf_path = gguf_source(model_dir)
     if gguf_path is not None:
-        gguf = GGUFTensors.open(gguf_path)
+        gguf = GGUFTensors.open_dir(model_dir)
         yield from gguf.iter_float({source.name for source in gguf.sources()})
         return
     for file in weight_files(model_dir):

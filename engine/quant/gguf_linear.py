@@ -185,7 +185,7 @@ class _BlockSource:
     def __init__(self, model_dir: Path) -> None:
         gguf_path = gguf_source(model_dir)
         self.model_dir = model_dir
-        self.gguf = None if gguf_path is None else GGUFTensors.open(gguf_path)
+        self.gguf = None if gguf_path is None else GGUFTensors.open_dir(model_dir)
 
     def types(self) -> dict[str, str]:
         if self.gguf is not None:

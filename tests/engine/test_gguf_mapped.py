@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from test_moe_gguf import write_qwen3_moe_gguf
 
 from tokenmill.engine.loader import gguf_blocks
-from tokenmill.engine.loader.gguf_convert import GGUF_LINK, convert_gguf
+from tokenmill.engine.loader.gguf_convert import GGUF_LINK, TABLE_FILE, convert_gguf
 from tokenmill.engine.loader.gguf_tensors import GGUFTensors
 from tokenmill.engine.loader.model_files import model_info, resolve_model, weights_hash
 from tokenmill.engine.loader.weights import load_model
@@ -93,9 +93,10 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def test_tensors_read_from_the_file_equal_the_exported_ones(case):
-    path, exported, _ = case
+    path, exported, mapped = case
     expected = load_file(exported / "model.safetensors")
-    gguf = GGUFTensors.open(path)
+    gguf = GGUFTensors.open_dir(mapped)  # the table written when indexed
+    assert gguf.entries == GGUFTensors.open(path).entries  # the header parsed again
     assert sorted(s.name for s in gguf.sources()) == sorted(expected)
     got = dict(gguf.iter_float(set(expected)))
     assert sorted(got) == sorted(expected)
@@ -120,6 +121,7 @@ def test_the_directory_it_runs_from_holds_no_weights(case):
             "config.json",
             "generation_config.json",
             GGUF_LINK,
+            TABLE_FILE,
             "tokenizer.json",
             "tokenizer_config.json",
             "tokenmill_conversion.json",
@@ -204,6 +206,13 @@ def test_a_moved_gguf_is_linked_again(tmp_path):
     assert again == first
     assert os.path.realpath(again / GGUF_LINK) == str(moved.resolve())
     assert weights_hash(again) == digest_before
+    # Touched, same bytes: a start from the directory refuses it by name; resolving the
+    # file again (its sha256 is the directory's key) takes it.
+    os.utime(moved, ns=(1, 1))
+    with pytest.raises(ValueError, match="is not the GGUF file that was indexed there"):
+        make_engine(again)
+    assert resolve_model(moved, cache_root=cache) == first
+    assert run_all(make_engine(first), PROMPTS[:1], SamplingParams(max_tokens=2))
     record = json.loads((again / "tokenmill_conversion.json").read_text())
     assert list(record["weights_sha256"]) == [GGUF_LINK]
 
