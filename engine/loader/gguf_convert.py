@@ -251,7 +251,11 @@ def convert_tensors(
 
 
 def convert_tensor(
-    tensor: ReaderTensor, layout: GGUFLayout, config: dict, dtype: torch.dtype = torch.float32
+    tensor: ReaderTensor,
+    layout: GGUFLayout,
+    config: dict,
+    dtype: torch.dtype = torch.float32,
+    dequantized: torch.Tensor | None = None,
 ) -> tuple[str, torch.Tensor]:
     """One tensor of the file as the model directory holds it: dequantized, llama.cpp's
     q/k permutation and norm offset undone where the layout has them, under its HF name.
@@ -262,6 +266,8 @@ def convert_tensor(
         layout: the architecture's GGUF layout.
         config: the HF config built for the file (its head counts undo the permutation).
         dtype: the dtype to return.
+        dequantized: the tensor's fp32 values already decoded (any shape of that many
+            elements); None: `gguf.quants.dequantize` decodes `tensor.data`.
 
     Returns:
         (HF name, the tensor in `dtype`).
@@ -269,8 +275,10 @@ def convert_tensor(
     name = layout.hf_tensor_name(tensor.name)
     # GGUF lists dims fastest-first; numpy (and torch) order is the reverse.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-    weight = unpermute_rows(config)(torch.from_numpy(array.reshape(shape)), name)
+    if dequantized is None:
+        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        dequantized = torch.from_numpy(array)
+    weight = unpermute_rows(config)(dequantized.reshape(shape), name)
     if layout.norm_offset and name.endswith("norm.weight"):
         weight = weight - layout.norm_offset  # stored as offset + w; HF keeps w
     return name, weight.to(dtype).contiguous()
