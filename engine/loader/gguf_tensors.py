@@ -1,22 +1,23 @@
 """A GGUF's tensors read straight from the file, one tensor mapped at a time.
 
 A GGUF model runs from its own file: model_files resolves it to a small cache directory
-of config and tokenizer files (read from the GGUF's metadata, gguf_convert.py) with a
-`model.gguf` link to the file itself, and the loader reads the weights from there. No
-dequantized copy of the weights is ever written to disk.
+(`index_gguf`: config and tokenizer files from the GGUF's metadata, the file's tensor
+table with its size and mtime, and a `model.gguf` link to the file), and the loader
+reads the weights from there. No dequantized copy of the weights is ever written to
+disk, and a start never parses the GGUF header again (gguf's reader takes tens of
+seconds over a 150k-token vocabulary); a file changed since it was indexed is refused.
 
 Each tensor's bytes are mapped privately on their own (`mmap` from the page it starts
 in) and dropped as soon as the tensor is consumed, so the load keeps at most one tensor's
 pages of the file resident, not the whole file's.
-- Float weights come out exactly as `gguf_convert.convert_tensor` makes them for a
-  converted directory (dequantized to fp32, llama.cpp's q/k permutation and norm offset
+- Float weights come out exactly as `gguf_convert.convert_tensor` makes them for an
+  exported directory (dequantized to fp32, llama.cpp's q/k permutation and norm offset
   undone, HF names), converted to the engine's dtype as each is copied into its
-  parameter.
+  parameter (an fp32 engine takes each whole tensor as it is read, without a copy).
 - The decoder layers' quantized blocks (gguf_blocks.BLOCK_FORMATS) are handed to the
   `gguf` mode as the raw rows it decodes (`raw_blocks`), q/k rows un-permuted; that mode
   holds those layers out of the float load (quant/gguf_linear.py), so they are never
-  expanded.
-"""
+  expanded."""
 
 from __future__ import annotations
 
