@@ -1,9 +1,9 @@
 """Model files for tests: the real SmolLM2 converted once per machine, and tiny synthetic GGUFs.
 
-`converted_smollm2_dir()` converts the embedded SmolLM2 GGUF into a test cache the first
-time (about 5 s) and reuses it afterwards; the cache key is the GGUF's content hash plus
-the converter version, so a stale conversion is never reused. Set
-`TOKENMILL_TEST_CACHE_DIR` to choose where it lives.
+`converted_smollm2_dir()` exports the embedded SmolLM2 GGUF as an HF-layout directory
+into a test cache the first time (about 5 s) and reuses it afterwards; the name carries
+the converter version, so a stale export is never reused. Set `TOKENMILL_TEST_CACHE_DIR`
+to choose where it lives.
 
 `write_tiny_gguf()` writes a small random Llama exactly as llama.cpp would (q/k rows
 permuted, byte-level BPE vocabulary with ChatML specials) and returns the HF-layout
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,9 @@ def shared_test_cache() -> Path:
 
 
 def converted_smollm2_dir() -> Path:
-    """The converted SmolLM2-135M-Instruct directory (converted at most once per machine)."""
+    """SmolLM2-135M-Instruct exported by `convert_gguf` as an HF-layout directory of fp32
+    safetensors (exported at most once per machine), for tests that hand it to
+    transformers or read its safetensors; the engine runs the GGUF itself the same."""
     path = _converted_smollm2_dir()
     if not path.is_dir():  # removed behind our back: convert again
         _converted_smollm2_dir.cache_clear()
@@ -57,9 +60,24 @@ def converted_smollm2_dir() -> Path:
 
 @functools.cache
 def _converted_smollm2_dir() -> Path:
-    from tokenmill.engine.loader.model_files import resolve_model
+    from tokenmill.engine.loader.gguf_convert import CONVERTER_VERSION, convert_gguf
 
-    return resolve_model(smollm2_gguf_path(), cache_root=shared_test_cache())
+    final = shared_test_cache() / f"smollm2-exported-v{CONVERTER_VERSION}"
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Exported beside its place and renamed into it: parallel test runs never see half.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        convert_gguf(smollm2_gguf_path(), tmp / "model")
+        try:
+            os.rename(tmp / "model", final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 @dataclass

@@ -53,7 +53,7 @@ def test_list_shows_alias_install_hint_and_cached_conversions(cache, tiny_gguf):
     assert invoke("convert", str(tiny_gguf)).exit_code == 0
     lines = invoke("list").output.splitlines()
     row = next(line for line in lines if line.startswith(str(tiny_gguf)))
-    assert row.split()[1:5] == ["LlamaForCausalLM", "78.7K", "float32", "cache"]
+    assert row.split()[1:5] == ["LlamaForCausalLM", "78.7K", "gguf:F32", "cache"]
 
 
 def test_convert_into_cache_then_info(cache, tiny_gguf):
@@ -69,7 +69,7 @@ def test_convert_into_cache_then_info(cache, tiny_gguf):
     assert fields["path"] == str(converted)
     assert fields["architecture"] == "LlamaForCausalLM"
     assert fields["parameters"] == "78.7K (78,720)"
-    assert fields["dtype"] == "float32"
+    assert fields["dtype"] == "gguf:F32"
     assert fields["source"] == "gguf"
     assert fields["weights hash"] == weights_hash(converted)
 

@@ -46,6 +46,13 @@ _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 _LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
+def is_layer_block(gguf_name: str, kind: str) -> bool:
+    """Whether a GGUF tensor is a decoder layer's linear weight stored quantized (of GGML
+    type `kind`): the weights the `gguf` mode keeps as blocks, where it can run them."""
+    parts = gguf_name.split(".")
+    return len(parts) == 4 and parts[2] in _LINEAR_PARTS and kind not in _FLOAT_TYPES
+
+
 @dataclass
 class DecodedWeight:
     """value[n, k] = scale[n, k // group] * q[n, k] + (offset[n, k // group] or 0), in fp32."""
@@ -78,9 +85,8 @@ def write_blocks(reader, config: dict, out_dir: Path, hf_name, unpermute_rows) -
     """
     tensors, types = {}, {}
     for tensor in reader.tensors:
-        parts = tensor.name.split(".")
         kind = tensor.tensor_type.name
-        if len(parts) != 4 or parts[2] not in _LINEAR_PARTS or kind in _FLOAT_TYPES:
+        if not is_layer_block(tensor.name, kind):
             continue
         name = hf_name(tensor.name)
         types[name] = kind  # formats we cannot run are listed, so the error can name them

@@ -1,12 +1,16 @@
-"""GGUF file -> HF-layout model directory (config, fp32 safetensors, tokenizer files).
+"""GGUF file -> HF-layout model files: config and tokenizer from the metadata, and, for an
+exported directory, every weight dequantized into fp32 safetensors.
 
-The engine only reads HF-layout directories, so a GGUF is converted once, up front:
-every tensor is dequantized (`gguf.quants.dequantize`: F32/F16/BF16, Q4_0 ... Q8_0, the
-K-quants) and kept in fp32, which holds every value a GGUF encodes exactly - an fp32
-engine runs the file's own values, and a bf16 engine rounds them once as it loads.
+A GGUF runs from its own file: gguf_tensors.index_gguf writes the config and tokenizer files with a
+link to the GGUF, and the loader reads each tensor from the file as it loads it
+(gguf_tensors.py), through `convert_tensor` below. `convert_gguf` exports a standalone
+HF-layout directory (`tokenmill models convert --out`): every tensor is dequantized
+(`gguf.quants.dequantize`: F32/F16/BF16, Q4_0 ... Q8_0, the K-quants) and kept in fp32,
+which holds every value a GGUF encodes exactly - an fp32 engine runs the file's own
+values, and a bf16 engine rounds them once as it loads. Both paths give the same tensors.
 Tensors are renamed to HF names as the architecture's `GGUFLayout` says (each model
 module declares its own), and the tokenizer is rebuilt from the metadata
-(gguf_tokenizer.py). Before any tensor is dequantized, the config is checked as any
+(gguf_tokenizer.py). Before any tensor is read, the config is checked as any
 config.json is, and every tensor's name and shape against the model it will load into
 (loader/tensor_plan.py): a tensor the model has no place for is refused by name.
 """
@@ -39,9 +43,13 @@ from tokenmill.engine.models.registry import GGUFLayout, architecture_of
 
 # Bumped whenever the output of a conversion changes, so cached conversions made by an
 # older converter are not reused (model_files puts it in the cache key).
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 5
 
 WEIGHTS_FILE = "model.safetensors"
+# The link, in a directory gguf_tensors.index_gguf writes, to the GGUF file its weights are read from.
+GGUF_LINK = "model.gguf"
+# Beside it: the file's tensor table and identity, so a start never parses the header.
+TABLE_FILE = "gguf_tensors.json"
 CONVERSION_RECORD = "tokenmill_conversion.json"
 
 # Meta's Llama 3.1-3.3 rope scaling constants (all but `factor`), which llama.cpp bakes
@@ -75,33 +83,43 @@ def convert_gguf(
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"refusing to convert into non-empty directory {out_dir}")
     reader = GGUFReader(gguf_path)
-    meta = read_metadata(reader)
-    config = build_config(meta, {t.name: t for t in reader.tensors}, dtype)
+    config = build_config(read_metadata(reader), {t.name: t for t in reader.tensors}, dtype)
     layout = architecture_of(config).gguf
     check_tensors(reader, config, gguf_path)
     tensors = convert_tensors(reader, config, dtype)
-    tokenizer = build_tokenizer(meta)
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(out_dir / "config.json", config)
+    write_model_files(reader, config, out_dir)
     weights_path = out_dir / WEIGHTS_FILE
     save_file(tensors, weights_path, metadata={"format": "pt"})
     # safetensors creates its file 0600 whatever the umask; match the files we write.
     shutil.copymode(out_dir / "config.json", weights_path)
-    kept = write_blocks(reader, config, out_dir, layout.hf_tensor_name, _unpermute_rows(config))
+    kept = write_blocks(reader, config, out_dir, layout.hf_tensor_name, unpermute_rows(config))
     if kept:
         shutil.copymode(out_dir / "config.json", out_dir / BLOCKS_FILE)
+    write_record(reader, gguf_path, out_dir, {WEIGHTS_FILE: _sha256_file(weights_path)})
+    return out_dir
+
+
+def write_model_files(reader: GGUFReader, config: dict, out_dir: Path) -> None:
+    """config.json, generation_config.json and the tokenizer files, from the metadata."""
+    meta = read_metadata(reader)
+    tokenizer = build_tokenizer(meta)
+    _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", build_generation_config(meta))
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", build_tokenizer_config(meta))
+
+
+def write_record(
+    reader: GGUFReader, gguf_path: Path, out_dir: Path, weights_sha256: dict[str, str]
+) -> None:
     record = {
         "converter_version": CONVERTER_VERSION,
         "source_file": gguf_path.name,
         "gguf_tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
-        "weights_sha256": {WEIGHTS_FILE: _sha256_file(weights_path)},
+        "weights_sha256": weights_sha256,
     }
     _write_json(out_dir / CONVERSION_RECORD, record)
-    return out_dir
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -233,7 +251,11 @@ def convert_tensors(
 
 
 def convert_tensor(
-    tensor: ReaderTensor, layout: GGUFLayout, config: dict, dtype: torch.dtype = torch.float32
+    tensor: ReaderTensor,
+    layout: GGUFLayout,
+    config: dict,
+    dtype: torch.dtype = torch.float32,
+    dequantized: torch.Tensor | None = None,
 ) -> tuple[str, torch.Tensor]:
     """One tensor of the file as the model directory holds it: dequantized, llama.cpp's
     q/k permutation and norm offset undone where the layout has them, under its HF name.
@@ -244,6 +266,8 @@ def convert_tensor(
         layout: the architecture's GGUF layout.
         config: the HF config built for the file (its head counts undo the permutation).
         dtype: the dtype to return.
+        dequantized: the tensor's fp32 values already decoded (any shape of that many
+            elements); None: `gguf.quants.dequantize` decodes `tensor.data`.
 
     Returns:
         (HF name, the tensor in `dtype`).
@@ -251,14 +275,16 @@ def convert_tensor(
     name = layout.hf_tensor_name(tensor.name)
     # GGUF lists dims fastest-first; numpy (and torch) order is the reverse.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-    weight = _unpermute_rows(config)(torch.from_numpy(array.reshape(shape)), name)
+    if dequantized is None:
+        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        dequantized = torch.from_numpy(array)
+    weight = unpermute_rows(config)(dequantized.reshape(shape), name)
     if layout.norm_offset and name.endswith("norm.weight"):
         weight = weight - layout.norm_offset  # stored as offset + w; HF keeps w
     return name, weight.to(dtype).contiguous()
 
 
-def _unpermute_rows(config: dict):
+def unpermute_rows(config: dict):
     """(rows, HF name) -> rows in HF order: llama.cpp's q/k permutation undone."""
 
     permuted = architecture_of(config).gguf.permuted_qk

@@ -3,10 +3,13 @@ directory.
 
 Hub repo ids ("org/name") resolve to a snapshot in the Hugging Face cache (hub.py).
 
-GGUF files are converted once into a cache directory keyed by the file's content hash
-and the converter version. A conversion is written into a temporary directory beside its
-final place and renamed into it, so concurrent converters never see or leave a partial
-model: the first rename wins and the others discard their identical copies.
+A GGUF file runs from the file itself: its config and tokenizer files are written once
+into a cache directory keyed by the file's content hash and the converter version, with
+a `model.gguf` link to the file, from which the loader reads the weights
+(gguf_tensors.py); no copy of the weights is written. Such a directory (and an alias's
+extracted archive) is written into a temporary directory beside its final place and
+renamed into it, so concurrent writers never see or leave a partial model: the first
+rename wins and the others discard their identical copies.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import struct
@@ -35,9 +39,11 @@ from tokenmill.engine.loader.aliases import ALIASES, DEFAULT_MODEL, ModelAlias
 from tokenmill.engine.loader.gguf_convert import (
     CONVERSION_RECORD,
     CONVERTER_VERSION,
+    GGUF_LINK,
+    TABLE_FILE,
     WEIGHTS_FILE,
-    convert_gguf,
 )
+from tokenmill.engine.loader.gguf_tensors import GGUFTensors, index_gguf, link_is_current, relink
 
 SOURCE_RECORD = "tokenmill_source.json"
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -116,7 +122,8 @@ def check_model_dir(path: str | os.PathLike) -> None:
 
 
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a model directory (one file, or the shards of an index).
+    """The safetensors files of a model directory (one file, or the shards of an index),
+    or the link to the GGUF file a GGUF model's directory reads its weights from.
 
     The one lister: loading reads exactly these files and `weights_hash` hashes exactly
     these, so the hash in a ledger covers what was loaded. Other `*.safetensors` files
@@ -132,6 +139,9 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
         return [model_dir / name for name in sorted(set(shards))]
     if (model_dir / WEIGHTS_FILE).is_file():
         return [model_dir / WEIGHTS_FILE]
+    gguf = model_dir / GGUF_LINK
+    if gguf.is_symlink() or gguf.is_file():  # a link, or a copy made by following it
+        return [gguf]
     raise ModelFilesError(f"{WEIGHTS_FILE} or {_INDEX_FILE}{_pickle_note(model_dir)}")
 
 
@@ -213,7 +223,7 @@ def model_info(model: str | os.PathLike | None = None, *, revision: str | None =
     converted = _converted_path(path, cache_dir())
     if converted.is_dir():
         return _dir_info(name, converted, source)
-    return _gguf_info(name, path, source)
+    return _gguf_info(name, path, f"{source} (not indexed yet)")
 
 
 def list_models() -> list[ModelInfo]:
@@ -326,11 +336,16 @@ def _converted_path(gguf_path: Path, root: Path) -> Path:
 def _convert_cached(gguf_path: Path, root: Path, name: str) -> Path:
     digest = file_sha256(gguf_path, cache_root=root)
 
-    def convert(tmp: Path) -> dict:
-        convert_gguf(gguf_path, tmp)
+    def index(tmp: Path) -> dict:
+        index_gguf(gguf_path, tmp, digest)
         return {"name": name, "gguf_file": str(gguf_path), "gguf_sha256": digest}
 
-    return _build_once(_converted_path(gguf_path, root), convert)
+    model_dir = _build_once(_converted_path(gguf_path, root), index)
+    if not link_is_current(model_dir):
+        # The file it was indexed from moved, is gone or was touched; this one has the
+        # same bytes (its sha256 is the directory's key).
+        relink(model_dir, gguf_path)
+    return model_dir
 
 
 def _extract_cached(archive: Path, root: Path, name: str) -> Path:
@@ -394,6 +409,8 @@ def _remove_stale_tmp(parent: Path) -> None:
 def _dir_info(name: str, path: Path, source: str) -> ModelInfo:
     config = _read_json(path / "config.json")
     architectures = config.get("architectures") or [config.get("model_type")]
+    if (path / TABLE_FILE).is_file():
+        return _indexed_gguf_info(name, path, source)
     num_by_dtype: Counter[str] = Counter()
     num_experts_params = 0
     mxfp4 = (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
@@ -432,18 +449,46 @@ def _active(total: int, num_experts_params: int, config: dict) -> int | None:
 
 
 def _gguf_info(name: str, path: Path, source: str) -> ModelInfo:
+    """A GGUF not indexed yet, described from its header (`source` as given)."""
     reader = GGUFReader(path)
-    num_by_type: Counter[str] = Counter()
-    for tensor in reader.tensors:
-        num_by_type[tensor.tensor_type.name] += int(tensor.n_elements)
     arch = reader.fields["general.architecture"].contents()
+
+    def get(key: str):
+        field = reader.fields.get(f"{arch}.{key}")
+        return None if field is None else field.contents()
+
+    counts = [(t.name, t.tensor_type.name, int(t.n_elements)) for t in reader.tensors]
+    experts = {"num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count")}
+    return _gguf_counts_info(name, path, f"gguf:{arch}", source, counts, experts)
+
+
+def _indexed_gguf_info(name: str, path: Path, source: str) -> ModelInfo:
+    """A GGUF model's directory, described from the tensor table written when indexed."""
+    tensors = GGUFTensors.open_dir(path, check_file=False)
+    counts = [(e.name, e.kind, math.prod(e.dims)) for e in tensors.entries]
+    architecture = (tensors.config.get("architectures") or ["?"])[0]
+    return _gguf_counts_info(name, path, architecture, source, counts, tensors.config)
+
+
+def _gguf_counts_info(name, path, architecture, source, counts, config) -> ModelInfo:
+    """counts: (GGUF name, GGML type, elements) of every tensor."""
+    num_by_type: Counter[str] = Counter()
+    num_experts_params = 0
+    for tensor_name, kind, numel in counts:
+        if tensor_name == "rope_freqs.weight":
+            continue  # not a weight: the loader turns it into `rope_scaling`
+        num_by_type[kind] += numel
+        if "_exps." in tensor_name:  # llama.cpp's expert stacks
+            num_experts_params += numel
+    total = sum(num_by_type.values())
     return ModelInfo(
         name=name,
         path=path,
-        architecture=f"gguf:{arch}",
-        num_parameters=sum(num_by_type.values()),
+        architecture=architecture,
+        num_parameters=total,
         dtype=f"gguf:{num_by_type.most_common(1)[0][0]}",
-        source=f"{source} (not converted yet)",
+        source=source,
+        num_active_parameters=_active(total, num_experts_params, config),
     )
 
 

@@ -1,6 +1,7 @@
-"""Build a model on the meta device and fill it from safetensors files (never pickle),
-one tensor at a time - after every file's header has been checked against the model
-(tensor_plan.py), so a checkpoint that does not fit is refused before a weight is read."""
+"""Build a model on the meta device and fill it from safetensors files (never pickle) or
+a GGUF file (gguf_tensors.py), one tensor at a time - after every file's header has been
+checked against the model (tensor_plan.py), so a checkpoint that does not fit is refused
+before a weight is read."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenmill.engine.loader.gguf_tensors import GGUFTensors, gguf_source
 from tokenmill.engine.loader.model_files import weight_files
 from tokenmill.engine.loader.safetensors_files import (
     TensorEntry,
@@ -62,6 +64,10 @@ def load_model(
     # Built on the meta device and cast there, then given memory of the final dtype once:
     # nothing is initialised or allocated twice (every parameter is loaded below).
     model = build_on_meta(config, dtype)
+    gguf_path = gguf_source(model_dir)
+    if gguf_path is not None:
+        gguf = GGUFTensors.open_dir(model_dir)
+        return _load_gguf(model, gguf, config, device, hold_out, on_filled)
     headers = {path: read_header(path) for path in weight_files(model_dir)}
     sources = [TensorSource(e.name, e.dtype, e.shape) for h in headers.values() for e in h]
     if hold_out is not None:
@@ -94,6 +100,42 @@ def load_model(
             _copy_checked(_part(param.data, target, config), tensor, name)
             del param, tensor
             filling.filled(target)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def _load_gguf(
+    model: nn.Module,
+    gguf: GGUFTensors,
+    config: ModelConfig,
+    device: torch.device,
+    hold_out: HoldOut | None,
+    on_filled: OnFilled | None,
+) -> nn.Module:
+    """`load_model` from a GGUF file: each tensor read from the mapped file and converted
+    (to fp32, then the parameter's dtype as it is copied) as it is consumed."""
+    sources = gguf.sources()
+    if hold_out is not None:
+        held = hold_out(model, sources)
+        sources = [s for s in sources if s.name not in held]
+    plan = plan_tensors(model, config, sources, where=str(gguf.path))
+    filling = _Filling(model, plan.targets, on_filled)
+    _materialize(model, device, skip={t.param for t in plan.targets.values()})
+    params = dict(model.named_parameters())
+    for name, tensor in gguf.iter_float(set(plan.targets)):
+        target = plan.targets[name]
+        entry = TensorEntry(name, tensor.dtype, tuple(tensor.shape), 0, tensor.nbytes)
+        if _usable_in_place(entry, target, params, device):
+            # The fp32 tensor just read is memory of its own: it becomes the parameter.
+            _set_parameter(model, target.param, tensor)
+        else:
+            param = _parameter_to_fill(model, target.param, device)
+            _copy_checked(_part(param.data, target, config), tensor, name)
+            del param
+        del tensor
+        filling.filled(target)
+    del params
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from tokenmill.engine.loader.gguf_convert import GGUF_LINK
+from tokenmill.engine.loader.gguf_tensors import GGUFTensors, gguf_source
 from tokenmill.engine.loader.model_files import CONVERSION_RECORD, weight_files
 from tokenmill.engine.loader.safetensors_files import iter_tensors
 from tokenmill.engine.lora.adapters import describe_adapter, load_adapter
@@ -36,16 +38,27 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
         deltas[name] = (b @ a) * target.scaling
     out_dir.mkdir(parents=True, exist_ok=True)
     merged = {}
-    for file in weight_files(model_dir):
-        for name, tensor in iter_tensors(file):
-            if name in deltas:
-                tensor = (tensor.float() + deltas[name]).to(tensor.dtype)
-            merged[name] = tensor
+    for name, tensor in _base_tensors(model_dir):
+        if name in deltas:
+            tensor = (tensor.float() + deltas[name]).to(tensor.dtype)
+        merged[name] = tensor
     save_file(merged, out_dir / "model.safetensors")
-    # Config, tokenizer and generation files; not the weights, their index, or the
-    # record of the base's conversion (its hashes are not the merged weights').
-    skipped = {"model.safetensors.index.json", CONVERSION_RECORD}
+    # Config, tokenizer and generation files; not the weights, their index or the link
+    # to a GGUF, or the record of the base's conversion (its hashes are not the merged
+    # weights').
+    skipped = {"model.safetensors.index.json", CONVERSION_RECORD, GGUF_LINK}
     for file in model_dir.iterdir():
         if file.is_file() and file.suffix != ".safetensors" and file.name not in skipped:
             shutil.copy2(file, out_dir / file.name)
     return out_dir
+
+
+def _base_tensors(model_dir: Path):
+    """(name, tensor) of every base weight: a GGUF model's in fp32, as it loads them."""
+    gguf_path = gguf_source(model_dir)
+    if gguf_path is not None:
+        gguf = GGUFTensors.open_dir(model_dir)
+        yield from gguf.iter_float({source.name for source in gguf.sources()})
+        return
+    for file in weight_files(model_dir):
+        yield from iter_tensors(file)

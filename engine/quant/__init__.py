@@ -150,6 +150,12 @@ def load_quantizer(quantization: str | None) -> OnFilled | None:
     return None if quantization is None else get_method(quantization).load_quantizer()
 
 
+def load_hold_out(quantization: str | None, model_dir: Path):
+    """The mode's hold-out for the load (method.hold_out): the tensors it reads in their
+    stored format itself; None for no mode or one that quantizes float weights."""
+    return None if quantization is None else get_method(quantization).hold_out(model_dir)
+
+
 def loaded_layer_bytes(quantization: str | None) -> Callable[[int, int, bool], int] | None:
     """(out_features, in_features, bias) -> the bytes a decoder linear layer takes once
     the load has quantized it, for a mode that quantizes as it loads (load_quantizer);
@@ -238,6 +244,7 @@ __all__ = [
     "check_quantization",
     "get_method",
     "linear_kinds",
+    "load_hold_out",
     "load_quantizer",
     "loaded_layer_bytes",
     "quantize_model",

@@ -36,6 +36,9 @@ from tokenmill.engine.kernels import cpu_flags
 from tokenmill.engine.kernels import q4_linear as native_q4
 from tokenmill.engine.loader import gguf_blocks
 from tokenmill.engine.loader.gguf_blocks import BLOCK_FORMATS, DecodedWeight
+from tokenmill.engine.loader.gguf_tensors import GGUFTensors, gguf_source
+from tokenmill.engine.loader.tensor_plan import TensorSource
+from tokenmill.engine.loader.weights import HoldOut
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import quantize_lm_head
@@ -161,8 +164,8 @@ class RowConcat(nn.Module):
 
 def check_gguf_blocks(model_dir: Path) -> None:
     """Raise ValueError unless model_dir has GGUF blocks in formats we run."""
-    types = gguf_blocks.read_types(model_dir)
-    if types is None:
+    types = _block_types(model_dir)
+    if not types:
         raise ValueError(
             f"quantization='gguf' needs a model converted from a GGUF file with quantized "
             f"layers; {model_dir} has none (use int8 or int4 for other models)"
@@ -173,6 +176,80 @@ def check_gguf_blocks(model_dir: Path) -> None:
             f"quantization='gguf' runs {', '.join(BLOCK_FORMATS)}; this GGUF has "
             f"{', '.join(unsupported)}"
         )
+
+
+class _BlockSource:
+    """Where a model's GGUF blocks are read from: the GGUF file itself (a model that runs
+    from its file), or the blocks file of a directory exported by `convert_gguf`."""
+
+    def __init__(self, model_dir: Path) -> None:
+        gguf_path = gguf_source(model_dir)
+        self.model_dir = model_dir
+        self.gguf = None if gguf_path is None else GGUFTensors.open_dir(model_dir)
+
+    def types(self) -> dict[str, str]:
+        if self.gguf is not None:
+            return self.gguf.block_types()
+        return gguf_blocks.read_types(self.model_dir) or {}
+
+    def raw(self, hf_names: list[str]) -> dict[str, torch.Tensor]:
+        if self.gguf is not None:
+            return self.gguf.raw_blocks(hf_names)
+        return gguf_blocks.load_raw(self.model_dir, hf_names)
+
+
+def _block_types(model_dir: Path) -> dict[str, str]:
+    return _BlockSource(model_dir).types()
+
+
+class PendingBlocks(nn.Module):
+    """Stands in for a decoder linear layer whose weights the GGUF keeps as blocks, from
+    the load's hold-out until `load_gguf_layers` builds it: the float load fills only its
+    bias (a meta `bias` parameter where the layer has one), never its weight."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a GGUF layer was used before its blocks were loaded")
+
+
+def blocks_hold_out(model_dir: Path) -> HoldOut | None:
+    """The load's hold-out for a model that runs from its GGUF file: every decoder linear
+    layer whose parts are all blocks the mode runs becomes a PendingBlocks, and their
+    weights are left out of the float load. None for an exported directory (its float
+    copies are loaded and swapped after, as they were written)."""
+    if gguf_source(model_dir) is None:
+        return None
+
+    def hold_out(model: nn.Module, sources: list[TensorSource]) -> frozenset[str]:
+        types = _block_types(model_dir)
+        held: set[str] = set()
+        for _parent, _name, _linear, hf_names in _block_layers(model, types, nn.Linear):
+            held.update(hf_names)
+            setattr(_parent, _name, PendingBlocks(_linear))
+        return frozenset(held)
+
+    return hold_out
+
+
+def _block_layers(model: nn.Module, types: dict[str, str], kinds):
+    """(parent, attribute, layer, HF weight names) of each decoder layer module of `kinds`
+    whose every part the GGUF stores as blocks of a format the mode runs."""
+    found = []
+    for index, layer in enumerate(model.model.layers):
+        for parent in layer.modules():
+            for name, linear in list(parent.named_children()):
+                if not isinstance(linear, kinds):
+                    continue
+                prefix = _hf_prefix(model, parent, index)
+                parts = _FUSED.get(name, (name,))
+                hf_names = [f"{prefix}.{part}.weight" for part in parts]
+                if all(types.get(n) in BLOCK_FORMATS for n in hf_names):
+                    found.append((parent, name, linear, hf_names))
+    return found
 
 
 def as_int4(weight: DecodedWeight, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -226,31 +303,28 @@ class _WithBias(nn.Module):
 
 
 def load_gguf_layers(model: nn.Module, model_dir: Path, *, dtype: torch.dtype) -> int:
-    """Swap each decoder linear whose GGUF weights are kept quantized; returns their bytes.
+    """Swap each decoder linear whose GGUF weights are kept quantized (a float one, or
+    the PendingBlocks the hold-out left); returns their bytes.
 
     Layers whose GGUF tensors are float (F32/F16) stay as they are.
     """
-    types = gguf_blocks.read_types(model_dir) or {}
+    source = _BlockSource(model_dir)
+    types = source.types()
     total = 0
-    for index, layer in enumerate(model.model.layers):
-        for parent in layer.modules():
-            for name, linear in list(parent.named_children()):
-                if not isinstance(linear, nn.Linear):
-                    continue
-                prefix = _hf_prefix(model, parent, index)
-                parts = _FUSED.get(name, (name,))
-                hf_names = [f"{prefix}.{part}.weight" for part in parts]
-                if not all(n in types for n in hf_names):
-                    continue
-                raw = gguf_blocks.load_raw(model_dir, hf_names)
-                kinds = [types[n] for n in hf_names]
-                weights = [gguf_blocks.decode(raw[n], k) for n, k in zip(hf_names, kinds)]
-                rows = sum(w.q.shape[0] for w in weights)
-                if rows != linear.out_features:
-                    raise ValueError(f"GGUF blocks of {prefix}.{name} have {rows} rows")
-                module = gguf_module(weights, kinds, linear.bias)
-                setattr(parent, name, module)
-                total += module.weight_bytes
+    for parent, name, linear, hf_names in _block_layers(model, types, (nn.Linear, PendingBlocks)):
+        raw = source.raw(hf_names)
+        kinds = [types[n] for n in hf_names]
+        weights = [gguf_blocks.decode(raw[n], k) for n, k in zip(hf_names, kinds)]
+        del raw
+        rows = sum(w.q.shape[0] for w in weights)
+        if rows != linear.out_features:
+            raise ValueError(f"GGUF blocks of {hf_names[0]} have {rows} rows")
+        module = gguf_module(weights, kinds, linear.bias)
+        setattr(parent, name, module)
+        total += module.weight_bytes
+    left = [n for n, m in model.named_modules() if isinstance(m, PendingBlocks)]
+    if left:
+        raise ValueError(f"GGUF layers held out of the load but never built: {', '.join(left)}")
     return total
 
 
@@ -277,6 +351,9 @@ class GGUFMethod(QuantizationMethod):
     def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
         super().check(model_dir, config, device)
         check_gguf_blocks(model_dir)
+
+    def hold_out(self, model_dir: Path) -> HoldOut | None:
+        return blocks_hold_out(model_dir)
 
     def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head) -> int:
         total = load_gguf_layers(model, model_dir, dtype=dtype)

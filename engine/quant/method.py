@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.loader.heap import return_freed_heap
+from tokenmill.engine.loader.weights import HoldOut
 from tokenmill.engine.models import ModelConfig
 
 # (model, layers, calibration token ids) -> {layer: max|x| per input channel}: one float
@@ -48,6 +49,12 @@ class QuantizationMethod(ABC):
         its weights are filled (`filled_layer_quantizer`), so that the float weights of
         all layers are never alive at once; None (the default) where the mode needs the
         whole float model first. `quantize` then swaps what the load left float."""
+        return None
+
+    def hold_out(self, model_dir: Path) -> HoldOut | None:
+        """The load's hold-out (loader/weights.py) for the checkpoint tensors this mode
+        reads in their stored format itself - so the float load never expands them - or
+        None (the default): the mode quantizes the float weights the load fills."""
         return None
 
     def loaded_layer_bytes(self, out_features: int, in_features: int, bias: bool) -> int:

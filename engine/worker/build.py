@@ -23,6 +23,7 @@ from tokenmill.engine.quant import (
     check_checkpoint_quantization,
     check_quantization,
     expert_weight_format,
+    load_hold_out,
     load_quantizer,
     loaded_layer_bytes,
     quantize_model,
@@ -217,7 +218,9 @@ def build_runner(
         quantized_checkpoint=None if checkpoint is None else model_dir,
     )
     memory.check(model_dir.name)
-    hold_out = None if checkpoint is None else checkpoint.hold_out
+    # A quantized checkpoint's layers, or the layers a mode reads as stored (a GGUF's
+    # blocks), are held out of the float load: never expanded to float.
+    hold_out = load_hold_out(quantization, model_dir) if checkpoint is None else checkpoint.hold_out
     model = load_model(
         model_dir,
         model_config,

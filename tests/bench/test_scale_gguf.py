@@ -16,6 +16,7 @@ from tokenmill.bench.scale_build import build_scale_model
 from tokenmill.bench.scale_gguf import scale_gguf_path, write_scale_gguf
 from tokenmill.bench.scale_shapes import SHAPES
 from tokenmill.engine import resolve_model
+from tokenmill.engine.loader.gguf_tensors import GGUFTensors
 
 _TINY = {
     "hidden_size": 64,
@@ -44,13 +45,7 @@ def test_f32_gguf_reads_back_as_the_checkpoint(name, tmp_path):
     model_dir = _build(name, tmp_path)
     path = write_scale_gguf(model_dir, "F32", tmp_path / "m.gguf")
     converted = resolve_model(path)  # tokenmill's GGUF reader: undoes llama's reorder
-    with (
-        safe_open(str(converted / "model.safetensors"), "pt") as ours,
-        safe_open(str(model_dir / "model.safetensors"), "pt") as original,
-    ):
-        assert set(ours.keys()) == set(original.keys())
-        for key in original.keys():
-            assert torch.equal(ours.get_tensor(key), original.get_tensor(key)), key
+    _assert_reads_back(converted, model_dir)
     reader = gguf.GGUFReader(path)
     tokens = reader.fields["tokenizer.ggml.tokens"]
     assert len(tokens.data) == 50_000
@@ -139,11 +134,9 @@ def test_moe_gguf_reads_back_as_the_checkpoint_and_runs_the_same(name, tmp_path)
     assert not [n for n in tensors if ".experts." in n or "_proj" in n]
 
     converted = resolve_model(path)
-    with (
-        safe_open(str(converted / "model.safetensors"), "pt") as ours,
-        safe_open(str(model_dir / "model.safetensors"), "pt") as original,
-    ):
-        stacks = {k for k in ours.keys() if ".experts." in k}
+    ours = _read_back(converted)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as original:
+        stacks = {k for k in ours if ".experts." in k}
         assert stacks == {
             f"model.layers.{i}.mlp.experts.{p}_proj.weight"
             for i in range(2)
@@ -151,9 +144,9 @@ def test_moe_gguf_reads_back_as_the_checkpoint_and_runs_the_same(name, tmp_path)
         }
         for key in stacks:
             layer, projection = int(key.split(".")[2]), key.split(".")[-2].removesuffix("_proj")
-            assert torch.equal(ours.get_tensor(key), _stacked(original, layer, projection, 4)), key
-        for key in set(ours.keys()) - stacks:
-            assert torch.equal(ours.get_tensor(key), original.get_tensor(key)), key
+            assert torch.equal(ours[key], _stacked(original, layer, projection, 4)), key
+        for key in set(ours) - stacks:
+            assert torch.equal(ours[key], original.get_tensor(key)), key
     config = json.loads((converted / "config.json").read_text())
     assert config["norm_topk_prob"] == (arch == "qwen3moe")
     assert (config["num_experts"], config["num_experts_per_tok"]) == (4, 2)
@@ -219,24 +212,22 @@ def test_mixtral_gguf_is_a_llama_with_experts_read_into_mixtral(fmt, tmp_path):
     assert config["architectures"] == ["MixtralForCausalLM"]
     assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
     bound = {"F32": 0.0, "Q8_0": 0.1 / 127}[fmt]  # per block of 32: amax/127
-    with (
-        safe_open(str(converted / "model.safetensors"), "pt") as ours,
-        safe_open(str(model_dir / "model.safetensors"), "pt") as original,
-    ):
+    ours = _read_back(converted)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as original:
         for layer in range(2):
             for projection in ("gate", "up", "down"):
                 key = f"model.layers.{layer}.mlp.experts.{projection}_proj.weight"
-                got, want = ours.get_tensor(key), _mixtral_stack(original, layer, projection)
+                got, want = ours[key], _mixtral_stack(original, layer, projection)
                 stored = tensors[f"blk.{layer}.ffn_{projection}_exps.weight"]
                 values = gguf.quants.dequantize(stored.data, stored.tensor_type)
                 assert torch.equal(got, torch.from_numpy(values.copy()).reshape(got.shape))
                 assert (got - want).abs().max() <= bound, key
             router = f"model.layers.{layer}.block_sparse_moe.gate.weight"
-            got = ours.get_tensor(f"model.layers.{layer}.mlp.gate.weight")
+            got = ours[f"model.layers.{layer}.mlp.gate.weight"]
             assert torch.equal(got, original.get_tensor(router))
             # q/k rows back in HF order (llama.cpp permutes them as Llama's)
             q = f"model.layers.{layer}.self_attn.q_proj.weight"
-            assert (ours.get_tensor(q) - original.get_tensor(q)).abs().max() <= bound
+            assert (ours[q] - original.get_tensor(q)).abs().max() <= bound
 
     outputs = _mixtral_outputs({"checkpoint": model_dir, "gguf": converted})
     for ours, want in zip(outputs["gguf"], outputs["checkpoint"]):
@@ -315,3 +306,19 @@ def test_the_gguf_is_written_once_beside_the_checkpoint(tmp_path):
     stamp = path.stat().st_mtime_ns
     assert scale_gguf_path(model_dir, "BF16").stat().st_mtime_ns == stamp
     assert sorted(p.name for p in model_dir.glob("*.gguf")) == ["model.BF16.gguf"]
+
+
+def _read_back(converted) -> dict[str, torch.Tensor]:
+    """Every tensor as the loader reads it from the GGUF the directory runs from."""
+    tensors = GGUFTensors.open_dir(converted)
+    return dict(tensors.iter_float({source.name for source in tensors.sources()}))
+
+
+def _assert_reads_back(converted, model_dir) -> None:
+    """The loader's tensors from the GGUF are the checkpoint's, each bit for bit."""
+    tensors = GGUFTensors.open_dir(converted)
+    names = {source.name for source in tensors.sources()}
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as original:
+        assert names == set(original.keys())
+        for key, tensor in tensors.iter_float(names):
+            assert torch.equal(tensor, original.get_tensor(key)), key

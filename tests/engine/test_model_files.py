@@ -17,7 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for model
 from model_fixtures import write_tiny_gguf  # noqa: E402
 
 from tokenmill.engine.loader import model_files  # noqa: E402
-from tokenmill.engine.loader.gguf_convert import CONVERSION_RECORD, CONVERTER_VERSION  # noqa: E402
+from tokenmill.engine.loader.gguf_convert import (  # noqa: E402
+    CONVERSION_RECORD,
+    CONVERTER_VERSION,
+    GGUF_LINK,
+    convert_gguf,
+)
 from tokenmill.engine.loader.model_files import (  # noqa: E402
     ALIASES,
     DEFAULT_MODEL,
@@ -73,9 +78,7 @@ def test_pickled_weights_are_called_out(tmp_path):
 
 
 def test_missing_shard_is_named(tmp_path, tiny_gguf):
-    model_dir = resolve_model(tiny_gguf)
-    copy = tmp_path / "sharded"
-    shutil.copytree(model_dir, copy)
+    copy = convert_gguf(tiny_gguf, tmp_path / "sharded")
     index = {
         "weight_map": {
             "a": "model-00001-of-00002.safetensors",
@@ -184,9 +187,9 @@ def test_gguf_is_converted_once_into_the_cache(cache, tiny_gguf, monkeypatch):
     assert source["gguf_sha256"] == model_files.file_sha256(tiny_gguf)
 
     def fail(*args, **kwargs):
-        raise AssertionError("converted twice")
+        raise AssertionError("indexed twice")
 
-    monkeypatch.setattr(model_files, "convert_gguf", fail)
+    monkeypatch.setattr(model_files, "index_gguf", fail)
     assert resolve_model(str(tiny_gguf)) == model_dir
     # Keyed by content: the same bytes under another name reuse the conversion.
     copy = tiny_gguf.with_name("copy.gguf")
@@ -212,14 +215,14 @@ def test_file_digest_is_cached_by_path_size_and_mtime(cache, tiny_gguf, monkeypa
 
 def _convert_in_child(gguf_path, cache_root, barrier, queue):
     # Both children convert into their own temp dirs, then race to rename into place.
-    real_convert = model_files.convert_gguf
+    real_index = model_files.index_gguf
 
-    def convert_then_wait(*args, **kwargs):
-        out = real_convert(*args, **kwargs)
+    def index_then_wait(*args, **kwargs):
+        out = real_index(*args, **kwargs)
         barrier.wait(timeout=60)
         return out
 
-    model_files.convert_gguf = convert_then_wait
+    model_files.index_gguf = index_then_wait
     queue.put(str(resolve_model(gguf_path, cache_root=cache_root)))
 
 
@@ -261,23 +264,24 @@ def test_weights_hash_is_stable_and_content_based(tmp_path, tiny_gguf):
     (copy / CONVERSION_RECORD).unlink()
     assert weights_hash(copy) == recorded  # hashing the file gives what the record says
 
-    data = bytearray((copy / "model.safetensors").read_bytes())
+    # copytree copied the GGUF the link points to: flip a byte of that copy.
+    data = bytearray((copy / GGUF_LINK).read_bytes())
     data[-1] ^= 1
-    (copy / "model.safetensors").write_bytes(bytes(data))
+    (copy / GGUF_LINK).write_bytes(bytes(data))
     assert weights_hash(copy) != recorded
 
 
 def test_model_info_and_list_models(tmp_path, tiny_gguf, monkeypatch):
     before = model_info(tiny_gguf)
     assert (before.path, before.architecture, before.dtype) == (tiny_gguf, "gguf:llama", "gguf:F32")
-    assert before.source == "gguf (not converted yet)"
+    assert before.source == "gguf (not indexed yet)"
 
     model_dir = resolve_model(tiny_gguf)
     after = model_info(tiny_gguf)
     assert (after.path, after.architecture, after.dtype, after.source) == (
         model_dir,
         "LlamaForCausalLM",
-        "float32",  # converted exactly: the GGUF's values, not rounded to bf16
+        "gguf:F32",  # the weights are the GGUF's own tensors, read from the file
         "gguf",
     )
     assert after.num_parameters == before.num_parameters == 2 * 30_848 + 265 * 64 + 64

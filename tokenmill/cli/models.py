@@ -79,10 +79,12 @@ def info_command(model: str, revision: str | None) -> None:
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Write the HF-layout directory here (must be new or empty); default: the cache.",
+    help="Export an HF-layout directory of fp32 safetensors here (must be new or empty); "
+    "default: only index the GGUF in the cache, which is all a run needs.",
 )
 def convert_command(gguf: Path, out: Path | None) -> None:
-    """Convert a GGUF file into an HF-layout model directory."""
+    """Index a GGUF file in the cache (config, tokenizer, tensor table: a run reads the
+    weights from the file itself), or export it as an HF-layout model directory."""
     from tokenmill.engine import ModelFilesError, convert_gguf, resolve_model
 
     start = time.perf_counter()
@@ -90,7 +92,8 @@ def convert_command(gguf: Path, out: Path | None) -> None:
         path = resolve_model(gguf) if out is None else convert_gguf(gguf, out)
     except (ModelFilesError, ValueError) as error:
         raise click.ClickException(str(error)) from error
-    click.echo(f"converted {gguf.name} -> {path} in {time.perf_counter() - start:.1f} s")
+    done = "indexed" if out is None else "converted"
+    click.echo(f"{done} {gguf.name} -> {path} in {time.perf_counter() - start:.1f} s")
 
 
 @models.command("pull")

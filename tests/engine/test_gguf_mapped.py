@@ -1,0 +1,230 @@
+"""A GGUF runs from its own file: the loader reads each tensor from the mapped GGUF, bit
+for bit the tensors an exported directory (`convert_gguf`) holds, and the model it builds
+answers exactly as the exported directory's does - in float and in the `gguf` mode, whose
+blocks are never expanded to float by the load."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from hf_models import build_hf_model, make_engine, run_all
+from model_fixtures import (
+    llama3_rope_freqs,
+    tiny_vocab,
+    write_sentencepiece_gguf,
+    write_tiny_gguf,
+)
+from safetensors.torch import load_file
+from test_moe_gguf import write_qwen3_moe_gguf
+
+from tokenmill.engine.loader import gguf_blocks
+from tokenmill.engine.loader.gguf_convert import GGUF_LINK, TABLE_FILE, convert_gguf
+from tokenmill.engine.loader.gguf_tensors import GGUFTensors
+from tokenmill.engine.loader.model_files import model_info, resolve_model, weights_hash
+from tokenmill.engine.loader.weights import load_model
+from tokenmill.engine.models import load_config
+from tokenmill.engine.quant.gguf_linear import PendingBlocks, blocks_hold_out
+from tokenmill.engine.types.sampling_params import SamplingParams
+
+
+def _llama(quant_type, **kwargs):
+    return lambda tmp: write_tiny_gguf(tmp / "m.gguf", quant_type=quant_type, **kwargs).path
+
+
+def _qwen3_moe(tmp):
+    hf = build_hf_model(
+        "qwen3_moe",
+        tmp / "hf",
+        vocab_size=len(tiny_vocab()[0]),
+        mlp_only_layers=[],
+        num_hidden_layers=2,
+        moe_intermediate_size=64,
+    )
+    write_qwen3_moe_gguf(tmp / "hf", tmp / "m.gguf", hf.config, "Q8_0")
+    return tmp / "m.gguf"
+
+
+def _gemma3(tmp):
+    vocab_size = 512
+    hf = build_hf_model(
+        "gemma3",
+        tmp / "hf",
+        vocab_size=vocab_size,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=64,
+    )
+    return write_sentencepiece_gguf(tmp / "m.gguf", architecture="gemma3", hf_model=hf)
+
+
+# Every architecture and tensor type the GGUF tests write.
+CASES = {
+    "llama-f32": _llama("F32"),
+    "llama-f16": _llama("F16"),
+    "llama-bf16": _llama("BF16"),
+    "llama-q8_0": _llama("Q8_0"),
+    "llama-q4_0": _llama("Q4_0", hidden_size=64),
+    "llama-q4_1-untied": _llama("Q4_1", hidden_size=64, tie_word_embeddings=False),
+    "llama-q5_0-biases": _llama("Q5_0", hidden_size=64, biases=True),
+    "llama3-rope-freqs": _llama("F32", rope_freqs=llama3_rope_freqs(16, 10000.0, 8.0)),
+    "qwen3moe-q8_0": _qwen3_moe,
+    "gemma3": _gemma3,
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    """(the GGUF, the directory convert_gguf exports, the directory it runs from)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    path = CASES[request.param](tmp)
+    exported = convert_gguf(path, tmp / "exported", dtype=torch.float32)
+    mapped = resolve_model(path, cache_root=tmp / "cache")
+    return path, exported, mapped
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8)
+
+
+def test_tensors_read_from_the_file_equal_the_exported_ones(case):
+    path, exported, mapped = case
+    expected = load_file(exported / "model.safetensors")
+    gguf = GGUFTensors.open_dir(mapped)  # the table written when indexed
+    assert gguf.entries == GGUFTensors.open(path).entries  # the header parsed again
+    assert sorted(s.name for s in gguf.sources()) == sorted(expected)
+    got = dict(gguf.iter_float(set(expected)))
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(_bits(got[name]), _bits(tensor)), name
+    # The blocks the gguf mode runs: the same types, the same raw rows.
+    kept = gguf_blocks.read_types(exported) or {}
+    assert gguf.block_types() == kept
+    runnable = [n for n, kind in kept.items() if kind in gguf_blocks.BLOCK_FORMATS]
+    raw = gguf.raw_blocks(runnable)
+    assert sorted(raw) == sorted(runnable)
+    for name, rows in (gguf_blocks.load_raw(exported, runnable) if runnable else {}).items():
+        assert torch.equal(raw[name], rows), name
+
+
+def test_the_directory_it_runs_from_holds_no_weights(case):
+    path, exported, mapped = case
+    files = sorted(p.name for p in mapped.iterdir())
+    assert files == sorted(
+        [
+            "config.json",
+            "generation_config.json",
+            GGUF_LINK,
+            TABLE_FILE,
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "tokenmill_conversion.json",
+            "tokenmill_source.json",
+        ]
+    )
+    assert (mapped / GGUF_LINK).is_symlink() and (mapped / GGUF_LINK).samefile(path)
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
+        assert (mapped / name).read_bytes() == (exported / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loaded_model_equals_the_exported_directorys(case, dtype):
+    _, exported, mapped = case
+    config = load_config(mapped)
+    cpu = torch.device("cpu")
+    ours = load_model(mapped, config, dtype=dtype, device=cpu).state_dict()
+    theirs = load_model(exported, load_config(exported), dtype=dtype, device=cpu).state_dict()
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        if "rotary" in name or "inv_freq" in name:  # computed from the config, not loaded
+            continue
+        assert ours[name].dtype == tensor.dtype, name
+        assert torch.equal(_bits(ours[name]), _bits(tensor)), name
+
+
+PROMPTS = [[3, 5, 7, 9, 11, 4, 6], [8, 8, 2, 10, 12, 13, 1, 5, 9, 3, 3]]
+
+
+@pytest.mark.parametrize(
+    ("quant_type", "quantization"),
+    [("F16", None), ("Q8_0", None), ("Q4_0", "gguf"), ("Q8_0", "gguf"), ("Q4_1", "gguf")],
+)
+def test_greedy_tokens_and_logprobs_are_the_exported_directorys(quant_type, quantization, tmp_path):
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", quant_type=quant_type, hidden_size=64)
+    exported = convert_gguf(tiny.path, tmp_path / "exported", dtype=torch.float32)
+    mapped = resolve_model(tiny.path, cache_root=tmp_path / "cache")
+    params = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=3
+    )
+    ours = run_all(make_engine(mapped, quantization=quantization), PROMPTS, params)
+    theirs = run_all(make_engine(exported, quantization=quantization), PROMPTS, params)
+    for out, ref in zip(ours, theirs):
+        assert out.token_ids == ref.token_ids
+        assert out.outputs[0].logprobs == ref.outputs[0].logprobs
+        assert out.prompt_logprobs == ref.prompt_logprobs
+
+
+def test_the_gguf_mode_never_loads_its_blocks_as_float(tmp_path):
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", quant_type="Q4_0", hidden_size=64)
+    mapped = resolve_model(tiny.path, cache_root=tmp_path / "cache")
+    config = load_config(mapped)
+    model = load_model(
+        mapped,
+        config,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        hold_out=blocks_hold_out(mapped),
+    )
+    pending = [n for n, m in model.named_modules() if isinstance(m, PendingBlocks)]
+    # q/k/v fused, o, gate/up fused, down: four per layer, none filled as float.
+    assert len(pending) == 4 * config.num_hidden_layers
+    loaded = {n for n, _ in model.named_parameters()}
+    assert not [n for n in loaded if ".layers." in n and n.endswith("proj.weight")]
+
+
+def test_a_moved_gguf_is_linked_again(tmp_path):
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", quant_type="Q8_0")
+    cache = tmp_path / "cache"
+    first = resolve_model(tiny.path, cache_root=cache)
+    digest_before = weights_hash(first)
+    moved = tmp_path / "elsewhere" / "m.gguf"
+    moved.parent.mkdir()
+    shutil.move(tiny.path, moved)
+    assert not (first / GGUF_LINK).exists()  # the link dangles
+    again = resolve_model(moved, cache_root=cache)
+    assert again == first
+    assert os.path.realpath(again / GGUF_LINK) == str(moved.resolve())
+    assert weights_hash(again) == digest_before
+    # Touched, same bytes: a start from the directory refuses it by name; resolving the
+    # file again (its sha256 is the directory's key) takes it.
+    os.utime(moved, ns=(1, 1))
+    with pytest.raises(ValueError, match="is not the GGUF file that was indexed there"):
+        make_engine(again)
+    assert resolve_model(moved, cache_root=cache) == first
+    assert run_all(make_engine(first), PROMPTS[:1], SamplingParams(max_tokens=2))
+    record = json.loads((again / "tokenmill_conversion.json").read_text())
+    assert list(record["weights_sha256"]) == [GGUF_LINK]
+
+
+def test_models_info_reads_the_gguf_header(tmp_path, monkeypatch):
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", quant_type="Q8_0")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    before = model_info(str(tiny.path))
+    assert before.source == "gguf (not indexed yet)"
+    expected = sum(t.numel() for t in tiny.hf_tensors.values())
+    assert before.num_parameters == expected
+    resolve_model(tiny.path)
+    after = model_info(str(tiny.path))
+    assert after.source == "gguf" and after.architecture == "LlamaForCausalLM"
+    assert (after.num_parameters, after.dtype) == (expected, "gguf:Q8_0")
