@@ -31,8 +31,8 @@ GIB = 1 << 30
 BLOCK_SIZE = 16  # the engine's default KV block
 
 
-def _unfilled_checkpoint(out: Path, shape: str, num_layers: int) -> dict:
-    """A model directory at `shape` cut to `num_layers`: config, the default model's
+def _unfilled_checkpoint(out: Path, shape: str, num_layers: int | None) -> dict:
+    """A model directory at `shape` (cut to `num_layers`): config, the default model's
     tokenizer, and model.safetensors with every tensor's header entry but no values
     written (a sparse file of the full size)."""
     config = shape_config(shape, num_layers=num_layers)
