@@ -50,3 +50,27 @@ def test_bench_smoke_writes_the_report(bench_model_dir, tmp_path):
     # Greedy fp32 on the same weights: HF agrees with tokenmill on every request.
     assert systems["hf-fp32"]["outputs_match"] == "6/6 vs tokenmill-fp32"
     assert [r["system"] for r in report["runs"]] == ["tokenmill-fp32", "hf-fp32"]
+
+
+# Two child processes (peak, tokenmill): the caps reach the runs, not only the report.
+def test_bench_rows_and_output_caps_reach_every_run(bench_model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", str(bench_model_dir), "--preset", "smoke", "--baseline", "none",
+            "--dtype", "float32", "--rows", "4", "--max-output-tokens", "3", "--json", str(out)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "capped: first rows 4, output tokens at most 3" in result.output
+
+    report = json.loads(out.read_text())
+    workload = report["workload"]
+    assert (workload["num_requests"], workload["num_output_tokens"]) == (4, 12)
+    assert workload["spec"]["rows_cap"] == 4 and workload["spec"]["output_tokens_cap"] == 3
+    (tokenmill,) = report["systems"]
+    assert tokenmill["num_generated_tokens"] == 12 and tokenmill["error"] is None
+
+
+def test_bench_caps_are_refused_for_an_embedding_preset():
+    args = ["bench", "--preset", "embed-smoke", "--rows", "4"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert "cap the generation presets only, not embed-smoke" in result.output

@@ -11,6 +11,7 @@ from tokenmill.bench.workload import (
     Workload,
     WorkloadSpec,
     build_workload,
+    cap_workload,
     load_preset,
     ordinary_token_ids,
     warmup_prompts,
@@ -129,3 +130,27 @@ def test_real_vocabulary_without_special_tokens(bench_model_dir):
     assert all(t in set(pool) for ids in workload.prompt_ids for t in ids)
     with pytest.raises(ValueError, match="unknown preset"):
         load_preset("nope", bench_model_dir)
+
+
+def test_a_capped_workload_is_the_first_rows_of_the_whole_with_outputs_cut():
+    whole = build_workload(PRESETS["lora8"], POOL)  # mixed64's rows, with adapters
+    capped = cap_workload(whole, rows=10, output_tokens=24)
+    assert capped.prompt_ids == whole.prompt_ids[:10]
+    assert capped.prefix_group == whole.prefix_group[:10]
+    assert capped.shared_len == whole.shared_len[:10]
+    assert capped.adapters == whole.adapters[:10] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    assert whole.output_lens[:10] == [64] * 10 and capped.output_lens == [24] * 10
+    assert (capped.num_requests, capped.num_output_tokens) == (10, 240)
+    assert capped.spec["rows_cap"] == 10 and capped.spec["output_tokens_cap"] == 24
+    assert whole.num_requests == 64 and "rows_cap" not in whole.spec  # the whole is untouched
+
+    longer = cap_workload(whole, output_tokens=100)  # a cap above every output cuts none
+    assert longer.output_lens == whole.output_lens and longer.num_requests == 64
+    assert cap_workload(whole, rows=500).prompt_ids == whole.prompt_ids
+    assert cap_workload(whole) is whole
+
+
+@pytest.mark.parametrize("caps", [{"rows": 0}, {"output_tokens": -1}])
+def test_a_cap_below_one_is_refused_by_name(caps):
+    with pytest.raises(ValueError, match=f"{next(iter(caps))} cap must be >= 1"):
+        cap_workload(build_workload(PRESETS["smoke"], POOL), **caps)

@@ -37,7 +37,7 @@ from tokenmill.bench.systems import (
     split_quantization,
     tokenmill_systems,
 )
-from tokenmill.bench.workload import PRESET_NAMES, Workload, load_preset
+from tokenmill.bench.workload import PRESET_NAMES, Workload, cap_workload, load_preset
 
 DTYPES = ("float32", "bfloat16")
 # llama-server slot counts tried when a workload has more requests than slots
@@ -75,6 +75,10 @@ class BenchConfig:
     llama_server_args: tuple[str, ...] = ()  # extra llama-server arguments
     llama_reference: bool = False  # also run llama-bench and llama-batched-bench per format
     seed: int | None = None
+    # Each preset's first `rows` requests, each output at most `output_tokens` (None:
+    # whole): a run at a large model kept to minutes (workload.cap_workload).
+    rows: int | None = None
+    output_tokens: int | None = None
     timeout_s: float = 1800.0  # per child process
     command: str = ""  # the command line, recorded in the report
 
@@ -88,6 +92,9 @@ class BenchConfig:
                 raise ValueError(
                     f"unknown preset {preset!r}; choose from {', '.join(PRESET_NAMES)}"
                 )
+        for label, cap in (("rows", self.rows), ("output_tokens", self.output_tokens)):
+            if cap is not None and cap < 1:
+                raise ValueError(f"{label} must be >= 1")
         if any(slots < 1 for slots in self.llama_server_slots):
             raise ValueError("llama_server_slots must be >= 1")
         for fmt in self.llamacpp_formats:
@@ -129,7 +136,14 @@ def run_benchmark(config: BenchConfig, log: Log = lambda _: None) -> list[BenchR
 
     code_at_start = source_version()
     model_dir = str(resolve_model(config.model))
-    workloads = {p: load_preset(p, model_dir, seed=config.seed) for p in config.presets}
+    workloads = {
+        p: cap_workload(
+            load_preset(p, model_dir, seed=config.seed),
+            rows=config.rows,
+            output_tokens=config.output_tokens,
+        )
+        for p in config.presets
+    }
     shape = ModelShape.from_dir(model_dir)
     ggufs, source_format, notes = _llama_ggufs(config, model_dir, log)
     tools = LlamaTools.find(config.llama_bin_dir, config.llama_server)

@@ -24,6 +24,16 @@ def render(report: BenchReport, console: Console | None = None) -> None:
         f"({w['num_unique_prompt_tokens']:,} prompt tokens with shared prefixes once); "
         f"useful work {w['useful_tflop']:.2f} TFLOP"
     )
+    caps = [
+        f"{label} {w['spec'][key]:,}"
+        for key, label in (
+            ("rows_cap", "first rows"),
+            ("output_tokens_cap", "output tokens at most"),
+        )
+        if w.get("spec", {}).get(key) is not None
+    ]
+    if caps:
+        console.print(f"capped: {', '.join(caps)} (not the whole preset)")
     if w.get("sequential"):
         console.print("requests run one at a time, each after the previous one finished")
     peaks = ", ".join(f"{d} {g:.0f} GFLOP/s" for d, g in report.peaks_gflops.items())

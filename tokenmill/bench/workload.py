@@ -8,6 +8,10 @@ system produces exactly the same number of tokens.
 
 `extract64` is the exception: real extraction prompts with a JSON schema
 (tokenmill/bench/extract.py), run constrained and unconstrained.
+
+`cap_workload` keeps a run at a large model to minutes: the first N requests of a
+preset and/or each output cut to T tokens, the same prompts the whole preset starts
+with, the caps recorded in the workload's spec.
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ from tokenmill.bench.extract import build_extract_workload
 from tokenmill.bench.image_workload import IMAGE_PRESETS
 from tokenmill.bench.workload_data import Workload, ordinary_token_ids
 
-__all__ = ["Workload", "load_preset", "warmup_prompts", "build_workload", "PRESETS", "PRESET_NAMES"]
+__all__ = [
+    "Workload",
+    "load_preset",
+    "cap_workload",
+    "warmup_prompts",
+    "build_workload",
+    "PRESETS",
+    "PRESET_NAMES",
+]
 
 IntRange = tuple[int, int]  # inclusive bounds, drawn uniformly
 
@@ -274,6 +286,39 @@ def load_preset(name: str, model_dir: str | Path, *, seed: int | None = None) ->
     pool = ordinary_token_ids(model_dir / "tokenizer.json")
     wrap = chat_wrap_ids(model_dir) if spec.chat else None
     return build_workload(spec, pool, chat_wrap=wrap)
+
+
+def cap_workload(
+    workload: Workload, *, rows: int | None = None, output_tokens: int | None = None
+) -> Workload:
+    """`workload` cut to its first `rows` requests (in the order they are submitted) and
+    each output to at most `output_tokens`; None leaves that dimension whole.
+
+    The prompts kept are unchanged, so a capped run's rows are a prefix of the full
+    preset's. The caps are recorded in the spec (`rows_cap`, `output_tokens_cap`) and in
+    the workload's token counts, which every report computes from the capped requests.
+
+    Raises:
+        ValueError: a cap below 1.
+    """
+    for label, cap in (("rows", rows), ("output_tokens", output_tokens)):
+        if cap is not None and cap < 1:
+            raise ValueError(f"{label} cap must be >= 1, got {cap}")
+    if rows is None and output_tokens is None:
+        return workload
+    keep = slice(0, rows)
+    output_lens = workload.output_lens[keep]
+    if output_tokens is not None:
+        output_lens = [min(n, output_tokens) for n in output_lens]
+    return replace(
+        workload,
+        prompt_ids=workload.prompt_ids[keep],
+        output_lens=output_lens,
+        prefix_group=workload.prefix_group[keep],
+        shared_len=workload.shared_len[keep],
+        spec={**workload.spec, "rows_cap": rows, "output_tokens_cap": output_tokens},
+        adapters=None if workload.adapters is None else workload.adapters[keep],
+    )
 
 
 def warmup_prompts(workload: Workload) -> list[list[int]]:

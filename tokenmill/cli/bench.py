@@ -181,6 +181,20 @@ from tokenmill.pipelines.options import get_option
 )
 @click.option("--seed", type=int, default=None, help="Override the preset's workload seed.")
 @click.option(
+    "--rows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run only each preset's first N requests (the same prompts the whole preset "
+    "starts with), e.g. to keep a run at 8B to minutes; stated in the report.",
+)
+@click.option(
+    "--max-output-tokens",
+    "output_tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Cut each request's output to at most N tokens; stated in the report.",
+)
+@click.option(
     "--timeout",
     "timeout_s",
     type=float,
@@ -199,7 +213,7 @@ def bench(
     presets, model, shape, shape_layers, shape_dtype, baselines, dtype, quantizations, checkpoints, kv_cache_dtypes, repeat, hf_batch_size,
     device, threads, engine_args, vllm_args, vllm_python, llamacpp_gguf, llama_bin_dir,
     llama_server, llamacpp_formats, llama_server_slots, llama_server_args, llama_reference,
-    seed, timeout_s, json_path,
+    seed, rows, output_tokens, timeout_s, json_path,
 ) -> None:  # fmt: skip
     """Benchmark tokenmill against baselines on the same prompts in one run.
 
@@ -217,6 +231,12 @@ def bench(
         model = _shape_model(model, shape, shape_layers, shape_dtype)
     elif shape_layers is not None:
         raise click.BadParameter("needs --shape", param_hint="--shape-layers")
+    capped = [p for p in preset_names if p.startswith("embed") or p in IMAGE_PRESETS]
+    if capped and (rows is not None or output_tokens is not None):
+        raise click.BadParameter(
+            f"--rows and --max-output-tokens cap the generation presets only, not {capped[0]}",
+            param_hint="--rows",
+        )
     if any(p.startswith("embed") for p in preset_names):
         if len(preset_names) != 1:
             raise click.BadParameter("an embedding preset runs alone", param_hint="--preset")
@@ -265,6 +285,8 @@ def bench(
             llama_server_args=tuple(llama_server_args),
             llama_reference=llama_reference,
             seed=seed,
+            rows=rows,
+            output_tokens=output_tokens,
             timeout_s=timeout_s,
             command=shlex.join(["tokenmill", *sys.argv[1:]]),
         )
