@@ -109,7 +109,15 @@ def operator_cluster(work: str, num_workers: int):
     # this interpreter's dask, so it imports this checkout's tokenmill (a `dask` script
     # on PATH may belong to another environment)
     scheduler = subprocess.Popen(
-        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1"]
+        [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ]
         + ["--scheduler-file", scheduler_file, "--no-dashboard"],
         **quiet,
     )
