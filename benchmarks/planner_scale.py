@@ -1,21 +1,26 @@
-"""The planner alone on millions of rows read from S3: its process's peak RSS and its
-time, by input size - the figures the driver's memory must stay flat on.
+"""The planner alone on millions of rows read from S3: the driver's peak RSS and the
+planning time, by input size and number of workers - the figures the driver's memory
+must stay flat on.
 
     python benchmarks/planner_scale.py [--rows 1000000,10000000] [--rows-per-part 500000]
-                                       [--workers N] [--smoke]
+                                       [--workers 0,1,2] [--smoke]
 
 For each size, a JSON Lines input is written to a loopback S3 store (moto, in this
 process) in parts of `--rows-per-part` rows, each part generated and uploaded on its
 own, so neither this script nor the store's writer holds the whole file at once; the
 store itself keeps the bytes in memory, so each size's input is deleted before the
-next is written. `plan_job` then runs in a child process (read, template, tokenize,
-dedupe, order, cut, and the plan files written under a local output): no engine is
-loaded, planning only describes the model and uses its tokenizer. Printed per size:
-rows, shards, seconds and the child's peak RSS (`ru_maxrss`). `--workers N` plans with
-reading, templating and tokenizing spread over a local Dask cluster of N worker
-processes (`pipelines/spread_planning.py`), and prints the driver's peak RSS (the child,
-which also runs the cluster's scheduler) apart from each worker's. `--smoke` plans
-20,000 rows in windows of 5,000 to check the script, not to measure.
+next is written. The planner then runs in a child process, the driver (read, template,
+tokenize, dedupe, order, cut, and the plan files written under a local output): no
+engine is loaded, planning only describes the model and uses its tokenizer.
+
+`--workers 0` plans on the driver alone (`plan_job`). N > 0 spreads reading,
+templating, tokenizing and the id and copy checks over N workers
+(`pipelines/spread_planning.py`) of a cluster started as an operator starts one: a
+`dask scheduler` process and N `dask worker` processes of one thread, fresh for each
+run. The scheduler is its own process here, as on a real cluster, so the driver's peak
+RSS is the planner's alone; the scheduler's and the workers' are printed beside it.
+Peaks are `ru_maxrss` (VmHWM for the scheduler). `--smoke` plans 20,000 rows in windows
+of 5,000 to check the script, not to measure.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS
 
@@ -41,17 +47,17 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 source, output, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-workers, window_rows = int(sys.argv[4]), int(sys.argv[5])
+workers, window_rows, scheduler_file = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 spec = JobSpec(source, output, model=DEFAULT_MODEL, id_column="id", max_tokens=16,
                storage_options=options, plan_window_rows=window_rows)
 workers_rss = []
 if workers:
     import importlib
-    from distributed import Client, LocalCluster
+    from distributed import Client
     from tokenmill.flows.runners import DaskFanOut
     from tokenmill.pipelines.spread_planning import plan_job_spread
-    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                      dashboard_address=None) as cluster, Client(cluster) as client:
+    with Client(scheduler_file=scheduler_file) as client:
+        client.wait_for_workers(workers)
         # A flow's workers have imported tokenmill already: time planning, not imports.
         client.run(importlib.import_module, "tokenmill.pipelines.spread_planning")
         started = time.perf_counter()
@@ -91,16 +97,76 @@ def write_input(fs, prefix: str, num_rows: int, rows_per_part: int) -> None:
             f.write("".join(lines).encode())
 
 
+@contextmanager
+def operator_cluster(work: str, num_workers: int):
+    """A `dask scheduler` process and `num_workers` one-thread `dask worker` processes
+    (none for 0); yields (scheduler file, scheduler pid) and stops them after."""
+    if not num_workers:
+        yield "-", None
+        return
+    scheduler_file = os.path.join(work, f"scheduler-{time.monotonic_ns()}.json")
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    # this interpreter's dask, so it imports this checkout's tokenmill (a `dask` script
+    # on PATH may belong to another environment)
+    scheduler = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ]
+        + ["--scheduler-file", scheduler_file, "--no-dashboard"],
+        **quiet,
+    )
+    processes = [scheduler]
+    try:
+        while not os.path.exists(scheduler_file):
+            if scheduler.poll() is not None:
+                raise SystemExit("the dask scheduler did not start")
+            time.sleep(0.2)
+        for _ in range(num_workers):
+            worker = [sys.executable, "-m", "distributed.cli.dask_worker", "--nthreads", "1"]
+            worker += ["--scheduler-file", scheduler_file]
+            processes.append(subprocess.Popen(worker + ["--no-dashboard"], **quiet))
+        yield scheduler_file, scheduler.pid
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=60)
+
+
+def peak_rss_of(pid: int) -> float:
+    """A running process's peak RSS in MB (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for process {pid}")
+
+
+HEADER = (
+    f"{'rows':>11} | {'workers':>7} | {'shards':>6} | {'planning s':>10} | "
+    f"{'driver peak RSS MB':>18} | {'scheduler MB':>12} | workers' peak RSS MB"
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1000000,10000000")
     parser.add_argument("--rows-per-part", type=int, default=500_000)
     parser.add_argument(
-        "--workers", type=int, default=0, help="spread over N Dask workers (0: the driver alone)"
+        "--workers",
+        default="0",
+        help="comma-separated worker counts to plan with (0: the driver alone)",
     )
     parser.add_argument("--smoke", action="store_true", help="20,000 rows: checks the script")
     args = parser.parse_args()
     sizes = [20_000] if args.smoke else [int(n) for n in args.rows.split(",")]
+    worker_counts = [int(n) for n in args.workers.split(",")]
     rows_per_part = 10_000 if args.smoke else args.rows_per_part
     # The smoke run's input in 4 windows, so each of 2 workers plans some.
     window_rows = 5_000 if args.smoke else DEFAULT_PLAN_WINDOW_ROWS
@@ -117,44 +183,41 @@ def main() -> None:
         options = {"key": "testing", "secret": "testing", "endpoint_url": endpoint}
         fs = s3fs.S3FileSystem(**options)
         fs.mkdir("planner-scale")
+        print(HEADER, flush=True)
         with tempfile.TemporaryDirectory() as work:
             for num_rows in sizes:
                 prefix = f"planner-scale/in-{num_rows}"
-                started = time.perf_counter()
                 write_input(fs, prefix, num_rows, rows_per_part)
-                written = time.perf_counter() - started
-                done = subprocess.run(
-                    [
-                        sys.executable,
-                        "-c",
-                        CHILD,
-                        f"s3://{prefix}/",
-                        os.path.join(work, f"out-{num_rows}"),
-                        json.dumps(options),
-                        str(args.workers),
-                        str(window_rows),
-                    ],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                )
-                fs.rm(prefix, recursive=True)
-                if done.returncode != 0:
-                    raise SystemExit(f"planning {num_rows:,} rows failed:\n{done.stderr[-3000:]}")
-                measured = json.loads(done.stdout.strip().splitlines()[-1])
-                workers = measured["workers_max_rss_mb"]
-                spread = (
-                    f" on {len(workers)} workers (peak RSS "
-                    + ", ".join(f"{mb:.0f}" for mb in workers)
-                    + " MB)"
-                    if workers
-                    else ""
-                )
-                print(
-                    f"{measured['rows']:>11,} rows: {measured['shards']:,} shards, planned in "
-                    f"{measured['seconds']:.1f} s{spread} (input written in {written:.1f} s), "
-                    f"driver peak RSS {measured['max_rss_mb']:.0f} MB"
-                )
+                try:
+                    for num_workers in worker_counts:
+                        output = os.path.join(work, f"out-{num_rows}-{num_workers}")
+                        with operator_cluster(work, num_workers) as (scheduler_file, pid):
+                            done = subprocess.run(
+                                [sys.executable, "-c", CHILD, f"s3://{prefix}/", output]
+                                + [json.dumps(options), str(num_workers), str(window_rows)]
+                                + [scheduler_file],
+                                capture_output=True,
+                                text=True,
+                                check=False,
+                            )
+                            scheduler_mb = peak_rss_of(pid) if pid is not None else None
+                        if done.returncode != 0:
+                            raise SystemExit(
+                                f"planning {num_rows:,} rows on {num_workers} workers "
+                                f"failed:\n{done.stderr[-3000:]}"
+                            )
+                        measured = json.loads(done.stdout.strip().splitlines()[-1])
+                        workers = ", ".join(f"{mb:.0f}" for mb in measured["workers_max_rss_mb"])
+                        scheduler = "-" if scheduler_mb is None else f"{scheduler_mb:.0f}"
+                        print(
+                            f"{measured['rows']:>11,} | {num_workers:>7} | "
+                            f"{measured['shards']:>6,} | {measured['seconds']:>10.1f} | "
+                            f"{measured['max_rss_mb']:>18.0f} | {scheduler:>12} | "
+                            f"{workers or '-'}",
+                            flush=True,
+                        )
+                finally:
+                    fs.rm(prefix, recursive=True)
     finally:
         server.stop()
 

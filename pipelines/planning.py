@@ -338,6 +338,10 @@ def plan_windows(
             num_rows += len(window.rows)
             num_failed += sum(1 for r in window.rows if r.error is not None)
             fault_point("plan_window")
+            # Let go of this window's rows before the next is read: the for statement
+            # rebinds `window` only once the next one is made, and two windows' rows
+            # were then the planner's peak.
+            window = rows = planned_shards = planned = copies = None
         _check_rows_read(inputs.source, counts, num_rows)
     except BaseException:
         added = [s.shard_id for s in shards + copy_shards if s.shard_id not in existing]

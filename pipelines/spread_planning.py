@@ -392,6 +392,7 @@ def _staged_windows(
             if read.passthrough is not None:
                 tables.append(read.passthrough)
             expected += rows
+            del read  # not kept while the next window's first piece is read
         if tables:
             window.passthrough = pa.concat_tables(tables)
         yield window
