@@ -172,6 +172,7 @@ def shape_for(
         dtype=dtype,
         device=device,
         encoder=architecture.is_encoder,
+        model_dir=model_dir,
         quantized_checkpoint=model_dir if quantized else None,
     )
     memory.check(model_dir.name)

@@ -265,6 +265,12 @@ class GGUFTensors:
             if is_layer_block(e.name, e.kind)
         }
 
+    def stored_bytes(self) -> dict[str, int]:
+        """HF name -> the bytes each weight takes in the file (the tensor table's sizes:
+        a quantized one's blocks, scales included)."""
+        layout = self.layout
+        return {layout.hf_tensor_name(e.name): e.nbytes for e in self.weights()}
+
     def iter_float(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, fp32 tensor) for each weight named, read from the file in file order,
         exactly as a converted directory's model.safetensors holds it."""

@@ -52,6 +52,7 @@ from tokenmill.engine.quant.checkpoint_formats import (
     checkpoint_info,
 )
 from tokenmill.engine.quant.method import (
+    HeldOutBytes,
     MeasureInputs,
     OnFilled,
     QuantizationMethod,
@@ -156,6 +157,13 @@ def load_hold_out(quantization: str | None, model_dir: Path):
     return None if quantization is None else get_method(quantization).hold_out(model_dir)
 
 
+def held_out_bytes(quantization: str | None, model_dir: Path) -> HeldOutBytes | None:
+    """The bytes the layers the mode's hold-out leaves out of the float load take as
+    stored (method.held_out_bytes), for the memory plan; None for no mode or one that
+    holds nothing out."""
+    return None if quantization is None else get_method(quantization).held_out_bytes(model_dir)
+
+
 def loaded_layer_bytes(quantization: str | None) -> Callable[[int, int, bool], int] | None:
     """(out_features, in_features, bias) -> the bytes a decoder linear layer takes once
     the load has quantized it, for a mode that quantizes as it loads (load_quantizer);
@@ -243,6 +251,7 @@ __all__ = [
     "checkpoint_info",
     "check_quantization",
     "get_method",
+    "held_out_bytes",
     "linear_kinds",
     "load_hold_out",
     "load_quantizer",

@@ -42,7 +42,7 @@ from tokenmill.engine.loader.weights import HoldOut
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import quantize_lm_head
-from tokenmill.engine.quant.method import QuantizationMethod, register
+from tokenmill.engine.quant.method import HeldOutBytes, QuantizationMethod, register
 
 INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 # From this many rows a Q4Linear call on a CPU with AMX expands its weights to bf16 and
@@ -235,6 +235,24 @@ def blocks_hold_out(model_dir: Path) -> HoldOut | None:
     return hold_out
 
 
+def held_out_block_bytes(model_dir: Path) -> HeldOutBytes | None:
+    """For the memory plan: each layer `blocks_hold_out` leaves out of the float load,
+    with its weight's bytes as the GGUF stores them (the fused parts' blocks summed), read
+    from the tensor table alone. None where blocks_hold_out holds nothing out."""
+    if gguf_source(model_dir) is None:
+        return None
+
+    def stored(model: nn.Module) -> dict[nn.Module, int]:
+        tensors = GGUFTensors.open_dir(model_dir)
+        types, sizes = tensors.block_types(), tensors.stored_bytes()
+        return {
+            linear: sum(sizes[n] for n in hf_names)
+            for _parent, _name, linear, hf_names in _block_layers(model, types, nn.Linear)
+        }
+
+    return stored
+
+
 def _block_layers(model: nn.Module, types: dict[str, str], kinds):
     """(parent, attribute, layer, HF weight names) of each decoder layer module of `kinds`
     whose every part the GGUF stores as blocks of a format the mode runs."""
@@ -354,6 +372,9 @@ class GGUFMethod(QuantizationMethod):
 
     def hold_out(self, model_dir: Path) -> HoldOut | None:
         return blocks_hold_out(model_dir)
+
+    def held_out_bytes(self, model_dir: Path) -> HeldOutBytes | None:
+        return held_out_block_bytes(model_dir)
 
     def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head) -> int:
         total = load_gguf_layers(model, model_dir, dtype=dtype)

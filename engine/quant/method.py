@@ -26,6 +26,9 @@ MeasureInputs = Callable[[nn.Module, list[nn.Module], list[int]], dict[nn.Module
 # (model, a module's qualified name) -> None: called by the load as each module's weights
 # are complete (loader/weights.py's OnFilled).
 OnFilled = Callable[[nn.Module, str], None]
+# (model on the meta device) -> {linear layer: bytes of its weight as the mode holds it}
+# for each layer whose weight a mode's hold-out leaves out of the float load.
+HeldOutBytes = Callable[[nn.Module], dict[nn.Module, int]]
 # Where quantized_targets looks: the decoder layers, by their qualified names.
 _DECODER_LAYERS = "model.layers."
 
@@ -55,6 +58,13 @@ class QuantizationMethod(ABC):
         """The load's hold-out (loader/weights.py) for the checkpoint tensors this mode
         reads in their stored format itself - so the float load never expands them - or
         None (the default): the mode quantizes the float weights the load fills."""
+        return None
+
+    def held_out_bytes(self, model_dir: Path) -> HeldOutBytes | None:
+        """Where `hold_out` leaves tensors out of the float load: for a model built on
+        the meta device, the bytes each held-out linear layer's weight takes as stored
+        (the memory plan counts those, not a float weight: memory.py). None (the
+        default) where the mode holds nothing out; a mode with a hold-out overrides it."""
         return None
 
     def loaded_layer_bytes(self, out_features: int, in_features: int, bias: bool) -> int:

@@ -23,6 +23,7 @@ from tokenmill.engine.quant import (
     check_checkpoint_quantization,
     check_quantization,
     expert_weight_format,
+    held_out_bytes,
     load_hold_out,
     load_quantizer,
     loaded_layer_bytes,
@@ -127,20 +128,26 @@ def plan_memory(
     dtype: torch.dtype,
     device: torch.device,
     encoder: bool = False,
+    model_dir: Path | None = None,
     quantized_checkpoint: Path | None = None,
 ) -> MemoryPlan:
     """The weights and KV cache an engine with these settings will take, and the RAM
     left for them (CPU; on CUDA the cache is sized from what the load leaves).
+    `model_dir`: the model's directory, where the mode may hold layers out of the float
+    load to read them as stored (quant's held_out_bytes: a GGUF's blocks); without it
+    every layer is planned as the load fills it.
     `quantized_checkpoint`: the model's directory where its checkpoint is quantized by
     another tool, whose layers load as they are stored (memory.checkpoint_load_bytes)."""
     if quantized_checkpoint is None:
-        expert_format = expert_weight_format(engine_config.quantization)
+        quantization = engine_config.quantization
+        expert_format = expert_weight_format(quantization)
         weights = load_bytes(
             model_config,
             dtype,
             expert_format=expert_format,
             device=device,
-            layer_bytes=loaded_layer_bytes(engine_config.quantization),
+            layer_bytes=loaded_layer_bytes(quantization),
+            held_out=None if model_dir is None else held_out_bytes(quantization, model_dir),
         )
     else:
         weights = checkpoint_load_bytes(quantized_checkpoint, model_config, dtype)
@@ -215,6 +222,7 @@ def build_runner(
         engine_config,
         dtype=dtype,
         device=device,
+        model_dir=model_dir,
         quantized_checkpoint=None if checkpoint is None else model_dir,
     )
     memory.check(model_dir.name)

@@ -3,7 +3,9 @@
 A CPU engine holds two large things: its weights and its KV cache. The load
 materialises every parameter in the engine's dtype before int8 shrinks the linear
 layers (its smoothing needs a float pass), so the weights' peak is the float model's
-size, known exactly from the architecture built on the meta device - but for what the
+size, known exactly from the architecture built on the meta device - but for the layers
+a mode reads as stored and never loads as float (a GGUF's blocks in the `gguf` mode),
+counted at their stored size, and for what the
 load quantizes as it fills: a mixture of experts' experts, packed for the native kernel
 (in int8 or int4 where the mode quantizes them) layer by layer, and int4's decoder linear
 layers, each swapped as it fills; those count in their quantized size, plus one layer's
@@ -39,7 +41,7 @@ from tokenmill.engine.loader.safetensors_files import read_header
 from tokenmill.engine.loader.tensor_plan import FLOAT_DTYPES, build_on_meta
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.models.moe import KernelExperts
-from tokenmill.engine.quant.method import quantized_targets
+from tokenmill.engine.quant.method import HeldOutBytes, quantized_targets
 
 # The default KV cache takes at most this share of the RAM the weights leave.
 KV_SHARE_OF_RAM_LEFT = 0.5
@@ -52,6 +54,7 @@ def load_bytes(
     expert_format: str | None = None,
     device: torch.device | None = None,
     layer_bytes: Callable[[int, int, bool], int] | None = None,
+    held_out: HeldOutBytes | None = None,
 ) -> int:
     """The bytes of every parameter of `config`'s architecture in `dtype`, counted on
     the meta device (no memory); tied embeddings once, as the load ties them.
@@ -65,13 +68,23 @@ def load_bytes(
     With `layer_bytes` ((out, in, bias) -> bytes: quant's loaded_layer_bytes), the peak
     where a quantization mode swaps each decoder linear layer as the load fills it: those
     layers counted quantized, plus the largest one's float weight, alive while it fills.
+
+    With `held_out` (quant's held_out_bytes), the linear layers whose weights a mode's
+    hold-out leaves out of the float load (a GGUF's blocks in the `gguf` mode): each
+    weight counted at the bytes it is stored in, its bias (loaded as float) as usual.
     """
     model = build_on_meta(config, dtype)
     seen: set[int] = set()
     total = 0
+    if held_out is not None:
+        for linear, stored in held_out(model).items():
+            total += stored
+            seen.add(id(linear.weight))
     if layer_bytes is not None:
         float_linear = 0
         for _, _, linear in quantized_targets(model):
+            if id(linear.weight) in seen:
+                continue  # held out, counted as stored
             params = [p for p in (linear.weight, linear.bias) if p is not None]
             total += layer_bytes(linear.out_features, linear.in_features, linear.bias is not None)
             float_linear = max(float_linear, sum(p.numel() * p.element_size() for p in params))

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from gguf import GGUFReader
 from hf_models import build_hf_model, make_engine, run_all
 from model_fixtures import (
     llama3_rope_freqs,
@@ -21,6 +22,8 @@ from model_fixtures import (
 from safetensors.torch import load_file
 from test_moe_gguf import write_qwen3_moe_gguf
 
+import tokenmill.engine.worker.build as build
+from tokenmill.engine import LLM, EngineConfig, InsufficientMemoryError
 from tokenmill.engine.loader import gguf_blocks
 from tokenmill.engine.loader.gguf_convert import GGUF_LINK, TABLE_FILE, convert_gguf
 from tokenmill.engine.loader.gguf_tensors import GGUFTensors
@@ -228,3 +231,52 @@ def test_models_info_reads_the_gguf_header(tmp_path, monkeypatch):
     after = model_info(str(tiny.path))
     assert after.source == "gguf" and after.architecture == "LlamaForCausalLM"
     assert (after.num_parameters, after.dtype) == (expected, "gguf:Q8_0")
+
+
+# Bytes of one block of 32 weights in each GGML format the plan test writes.
+_BLOCK_BYTES = {"Q4_0": 18, "Q5_0": 22, "Q8_0": 34}
+
+
+def _planned_weights(model_dir, quantization):
+    config = load_config(model_dir)
+    settings = EngineConfig(dtype="float32", quantization=quantization)
+    plan = build.plan_memory(
+        config, settings, dtype=torch.float32, device=torch.device("cpu"), model_dir=model_dir
+    )
+    return plan.weight_bytes
+
+
+@pytest.mark.parametrize(("quant_type", "biases"), [("Q4_0", False), ("Q5_0", True)])
+def test_the_gguf_modes_plan_counts_its_blocks_as_stored(quant_type, biases, tmp_path):
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", quant_type=quant_type, biases=biases)
+    mapped = resolve_model(tiny.path, cache_root=tmp_path / "cache")
+    # From the file's own header: the decoder layers' 2-D weights are the held-out blocks
+    # (their biases and norms are F32 and load as float).
+    blocks = [
+        t
+        for t in GGUFReader(tiny.path).tensors
+        if t.name.startswith("blk.") and t.tensor_type.name == quant_type
+    ]
+    assert len(blocks) == 7 * 2  # q, k, v, o, gate, up, down in each of two layers
+    for t in blocks:
+        assert int(t.n_bytes) == int(t.n_elements) // 32 * _BLOCK_BYTES[quant_type]
+    as_float = sum(int(t.n_elements) * 4 for t in blocks)
+    as_stored = sum(int(t.n_bytes) for t in blocks)
+    float_plan = _planned_weights(mapped, None)
+    assert _planned_weights(mapped, "gguf") == float_plan - as_float + as_stored
+
+
+def test_a_gguf_too_big_as_float_is_planned_in_the_gguf_mode(tmp_path, monkeypatch):
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", quant_type="Q4_0")
+    mapped = resolve_model(tiny.path, cache_root=tmp_path / "cache")
+    float_weights = _planned_weights(mapped, None)
+    assert _planned_weights(mapped, "gguf") < float_weights // 2
+    # RAM that cannot hold the model in float, but holds its blocks and a KV cache.
+    monkeypatch.setattr(build, "available_ram", lambda: float_weights - 1)
+    with pytest.raises(InsufficientMemoryError):
+        LLM.plan([], model=str(mapped), dtype="float32")
+    planned = LLM.plan([], model=str(mapped), dtype="float32", quantization="gguf")
+    memory = planned.shape.memory
+    assert memory.fits and memory.kv_cache_blocks > 0
+    llm = LLM(str(mapped), dtype="float32", quantization="gguf")
+    assert llm.memory == memory  # the engine plans as the dry run did, and loads
