@@ -235,22 +235,65 @@ def blocks_hold_out(model_dir: Path) -> HoldOut | None:
     return hold_out
 
 
+# Each block format's decoded layout (gguf_blocks.decode): the group of weights one fp32
+# scale covers, and whether the group also has an fp32 offset.
+_DECODED_GROUPS = {
+    "Q8_0": (32, False),
+    "Q4_0": (32, False),
+    "Q4_1": (32, True),
+    "Q5_0": (32, False),
+    "Q4_K": (32, True),
+    "Q6_K": (16, False),
+}
+
+
+def built_bytes_bound(kind: str, rows: int, columns: int, stored: int) -> int:
+    """The most bytes `gguf_module` can build from a [rows, columns] weight stored as
+    `stored` bytes of `kind` blocks: which module it builds depends on the scales' values
+    and the kernel (as_q4 keeps 4-bit blocks as they are stored), so the plan counts the
+    largest of the modules it may choose - never less than the load will take."""
+    weights = rows * columns
+    group, has_offset = _DECODED_GROUPS[kind]
+    grouped = weights + 4 * (weights // group) * (1 + has_offset)  # GroupedLinear
+    if kind in INT4_FORMATS and rows % 16 == 0:
+        int4 = weights // 2 + 4 * (weights // 32)  # Int4Linear: codes, bf16 scale and minimum
+        return max(stored, int4)
+    return max(stored, grouped)
+
+
 def held_out_block_bytes(model_dir: Path) -> HeldOutBytes | None:
     """For the memory plan: each layer `blocks_hold_out` leaves out of the float load,
-    with its weight's bytes as the GGUF stores them (the fused parts' blocks summed), read
-    from the tensor table alone. None where blocks_hold_out holds nothing out."""
+    with the most bytes its module can take once built from the GGUF's blocks
+    (`built_bytes_bound`, the fused parts summed), read from the tensor table alone. None
+    where blocks_hold_out holds nothing out."""
     if gguf_source(model_dir) is None:
         return None
 
-    def stored(model: nn.Module) -> dict[nn.Module, int]:
+    def planned(model: nn.Module) -> dict[nn.Module, int]:
         tensors = GGUFTensors.open_dir(model_dir)
         types, sizes = tensors.block_types(), tensors.stored_bytes()
+        found = _block_layers(model, types, nn.Linear)
+        # A fused projection's parts may differ in rows (q, k, v): each part's rows are
+        # its stored bytes over the bytes of one stored row.
         return {
-            linear: sum(sizes[n] for n in hf_names)
-            for _parent, _name, linear, hf_names in _block_layers(model, types, nn.Linear)
+            linear: sum(
+                built_bytes_bound(
+                    types[n],
+                    _stored_rows(types[n], sizes[n], linear.in_features),
+                    linear.in_features,
+                    sizes[n],
+                )
+                for n in hf_names
+            )
+            for _parent, _name, linear, hf_names in found
         }
 
-    return stored
+    return planned
+
+
+def _stored_rows(kind: str, nbytes: int, columns: int) -> int:
+    per_block, block_bytes = BLOCK_FORMATS[kind]
+    return nbytes // (columns // per_block * block_bytes)
 
 
 def _block_layers(model: nn.Module, types: dict[str, str], kinds):

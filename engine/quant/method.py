@@ -62,8 +62,8 @@ class QuantizationMethod(ABC):
 
     def held_out_bytes(self, model_dir: Path) -> HeldOutBytes | None:
         """Where `hold_out` leaves tensors out of the float load: for a model built on
-        the meta device, the bytes each held-out linear layer's weight takes as stored
-        (the memory plan counts those, not a float weight: memory.py). None (the
+        the meta device, the most bytes each held-out linear layer's weight can take once the
+        mode has built it (the memory plan counts those, not a float weight: memory.py). None (the
         default) where the mode holds nothing out; a mode with a hold-out overrides it."""
         return None
 

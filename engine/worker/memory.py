@@ -5,7 +5,7 @@ materialises every parameter in the engine's dtype before int8 shrinks the linea
 layers (its smoothing needs a float pass), so the weights' peak is the float model's
 size, known exactly from the architecture built on the meta device - but for the layers
 a mode reads as stored and never loads as float (a GGUF's blocks in the `gguf` mode),
-counted at their stored size, and for what the
+counted at the most their built layers can take, and for what the
 load quantizes as it fills: a mixture of experts' experts, packed for the native kernel
 (in int8 or int4 where the mode quantizes them) layer by layer, and int4's decoder linear
 layers, each swapped as it fills; those count in their quantized size, plus one layer's
@@ -71,7 +71,8 @@ def load_bytes(
 
     With `held_out` (quant's held_out_bytes), the linear layers whose weights a mode's
     hold-out leaves out of the float load (a GGUF's blocks in the `gguf` mode): each
-    weight counted at the bytes it is stored in, its bias (loaded as float) as usual.
+    weight counted at the most bytes its built layer can take (never less than the load
+    takes), its bias (loaded as float) as usual.
     """
     model = build_on_meta(config, dtype)
     seen: set[int] = set()
@@ -84,7 +85,7 @@ def load_bytes(
         float_linear = 0
         for _, _, linear in quantized_targets(model):
             if id(linear.weight) in seen:
-                continue  # held out, counted as stored
+                continue  # held out, counted above
             params = [p for p in (linear.weight, linear.bias) if p is not None]
             total += layer_bytes(linear.out_features, linear.in_features, linear.bias is not None)
             float_linear = max(float_linear, sum(p.numel() * p.element_size() for p in params))
