@@ -3,7 +3,7 @@
  *
  * A SigLIP tower at 896 px attends over 4,096 patches per image in 16 heads of 72
  * channels; PyTorch's CPU flash attention runs that well below the CPU's bf16 matmul rate
- * (docs/design.md, "The vision tower's attention"). Here both products run on AMX tiles
+ * (docs/design.md, "Attention in the vision tower"). Here both products run on AMX tiles
  * (`tdpbf16ps`: 16 x 32 bf16 by 32 x 16 bf16 into 16 x 16 fp32 sums) and the softmax is
  * flash-style: an item is 32 query rows of one image's head, the keys are taken 128 at a
  * time, a row's running maximum is raised (and its sums rescaled) only when a chunk's
