@@ -84,6 +84,24 @@ static void score_blocks_amx(const tm_attention_args *a, const uint16_t *q, floa
     _tile_release();
 }
 
+/* Tiles 0-3 (64 channels of sums) += the weights tile (tile 4: 16 rows, `weight_bytes`
+ * apart) x the four 16-channel value tiles from `channels` (position pairs interleaved,
+ * rows `pair_row_bytes` apart), through tiles 5-7: one step of a value product, shared
+ * by the block tiles below and the windowed prompt tiles (attention_flash.h); the tile
+ * configuration says how many positions a step takes. */
+static inline void weigh_values_step(const uint16_t *weights, int64_t weight_bytes,
+                                     const uint16_t *channels, int64_t pair_row_bytes) {
+    _tile_loadd(4, weights, weight_bytes);
+    _tile_loadd(5, channels, pair_row_bytes);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, channels + 32, pair_row_bytes);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, channels + 64, pair_row_bytes);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, channels + 96, pair_row_bytes);
+    _tile_dpbf16ps(3, 4, 5);
+}
+
 /* acc[rows] += weights x values for rows [0, 16 * row_tiles) over the value blocks
  * [b0, b1) of table; positions at and past `visible` are not read (a partial last block
  * is copied with its tail cleared into `spare`, as the vector path does). Weights are
@@ -115,16 +133,7 @@ static void weigh_blocks_amx(const tm_attention_args *a, const uint16_t *weights
                 if (rt == 0 && half == 0)
                     prefetch_blocks_ahead(values, table, b, b0, b1, a->num_kv_heads, kv_head, block_elems * 2);
                 const uint16_t *pairs = partial_last && b == last ? spare : VALUE_BLOCK(b);
-                const uint16_t *channels = pairs + half * 2;
-                _tile_loadd(4, wt + b * 16, stride * 2);
-                _tile_loadd(5, channels, pair_row_bytes);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, channels + 32, pair_row_bytes);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(7, channels + 64, pair_row_bytes);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, channels + 96, pair_row_bytes);
-                _tile_dpbf16ps(3, 4, 5);
+                weigh_values_step(wt + b * 16, stride * 2, pairs + half * 2, pair_row_bytes);
             }
             _tile_stored(0, at + half, acc_bytes);
             _tile_stored(1, at + half + 16, acc_bytes);

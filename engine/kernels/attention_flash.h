@@ -112,16 +112,8 @@ static void weigh_window_amx(const tm_attention_args *a, const uint16_t *weights
             _tile_loadd(2, at + half + 32, acc_bytes);
             _tile_loadd(3, at + half + 48, acc_bytes);
             for (int64_t bp = 0; bp < pairs_of_blocks; bp++) {
-                const uint16_t *channels = window + bp * 2 * block_elems + half * 2;
-                _tile_loadd(4, wt + bp * 32, stride * 2);
-                _tile_loadd(5, channels, pair_row_bytes);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, channels + 32, pair_row_bytes);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(7, channels + 64, pair_row_bytes);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, channels + 96, pair_row_bytes);
-                _tile_dpbf16ps(3, 4, 5);
+                weigh_values_step(wt + bp * 32, stride * 2, window + bp * 2 * block_elems + half * 2,
+                                  pair_row_bytes);
             }
             _tile_stored(0, at + half, acc_bytes);
             _tile_stored(1, at + half + 16, acc_bytes);
