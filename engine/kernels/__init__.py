@@ -60,6 +60,9 @@ _FILE_FLAGS = {
     # contraction and no errno, as elementwise.c, for the gated epilogue's activation.h.
     "int8_linear.c": ["-ffp-contract=off", "-fno-math-errno"],
     "elementwise.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
+    # Explicit multiply-adds in its AVX-512 path; elsewhere activation.h's GELU, which
+    # asks for no contraction and no errno.
+    "gelu.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
     # Comparisons only; NaNs must stay NaNs.
     "argmax.c": ["-fno-fast-math"],
     # Each weight rounded once from its own fp32 value, as the header states.

@@ -6,6 +6,7 @@ what the PyTorch code in layers.py computes, to the bit for RMSNorm, the residua
 and rotary (SiLU and GELU may differ in the last bit). Callers check `supports` first and keep
 their PyTorch code for everything else (CUDA, fp16, no compiler). Set
 TOKENMILL_FUSED_OPS=0 to keep the PyTorch code on CPU too (the native attention stays).
+`gelu_tanh_` (gelu.c) is the SigLIP tower's activation after its fc1 matmul, in place.
 """
 
 from __future__ import annotations
@@ -162,3 +163,22 @@ def _gated_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
     function = getattr(_library(), f"tm_{activation}_and_mul")
     check_status(function(ctypes.byref(args)), f"{activation}_and_mul over {dim}")
     return out
+
+
+def gelu_tanh_(x: torch.Tensor) -> torch.Tensor:
+    """x = gelu(x, approximate="tanh"), in place (gelu.c); returns x. Within about 1e-5
+    relative of the formula in fp32, so bf16 results are PyTorch's or one ulp from them."""
+    if not supports(x) or not x.is_contiguous():
+        raise ValueError("gelu_tanh_ needs a contiguous fp32 or bf16 CPU tensor")
+    if x.numel() == 0:
+        return x
+    args = SiluArgs(
+        x=x.data_ptr(),
+        out=x.data_ptr(),
+        rows=1,
+        dim=x.numel(),
+        is_bf16=_is_bf16(x),
+        num_threads=torch.get_num_threads(),
+    )
+    check_status(_library().tm_gelu_tanh(ctypes.byref(args)), f"gelu_tanh over {x.numel()}")
+    return x

@@ -403,6 +403,7 @@ FUNCTIONS = {
     "tm_rotary_qkv": (RotaryArgs, "rotary_args_size"),
     "tm_silu_and_mul": (SiluArgs, "silu_args_size"),
     "tm_gelu_tanh_and_mul": (SiluArgs, "silu_args_size"),
+    "tm_gelu_tanh": (SiluArgs, "silu_args_size"),
     "tm_quantize_rows_u8": (QuantizeArgs, "quantize_args_size"),
     "tm_int8_linear": (Int8LinearArgs, "int8_linear_args_size"),
     "tm_argmax_rows": (ArgmaxArgs, "argmax_args_size"),

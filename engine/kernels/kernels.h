@@ -227,6 +227,10 @@ typedef struct {
 int tm_silu_and_mul(const tm_silu_args *args);
 int tm_gelu_tanh_and_mul(const tm_silu_args *args);
 
+/* ---- gelu.c: out = gelu(x, approximate="tanh") over rows * dim values (dim unbounded;
+ * out may be x) ---- */
+int tm_gelu_tanh(const tm_silu_args *args);
+
 /* ---- quantize.c ----------------------------------------------------------------------
  * Dynamic per-row int8 quantization: with y = x * inv_smooth, scales[r] = max|y[r]| / qmax
  * (1 for an all-zero row) and out[r, i] = round(y[r, i] / scales[r]) + zero_point, clamped

@@ -7,7 +7,9 @@ output tile while it is in cache, so the [rows, out] product is written once ins
 being written, read back and written again. Any other layer (F.linear, a quantized
 kernel, CUDA) computes the same ops one after another in PyTorch. Either way the result
 is what the separate ops give, to rounding: in bf16 the fused path rounds once, after the
-post-op, where the separate ops round the product first.
+post-op, where the separate ops round the product first. The exception is bf16 tanh-GELU,
+which runs after the plain packed matmul in the native kernels (faster than oneDNN's
+post-op); it rounds the product first, as the separate ops do.
 
 The encoders (bert.py) and the vision towers (siglip.py, qwen2_5_vision.py) use it: their
 layers are plain torch modules the text models' fused kernels never see.
@@ -20,6 +22,8 @@ import functools
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from tokenmill.engine.kernels import elementwise
 
 # config.json's hidden_act -> (PyTorch function, oneDNN post-op, its algorithm)
 ACTIVATIONS = {
@@ -59,6 +63,10 @@ def fused_linear(
             )
         if activation is not None:
             _, post_op, algorithm = ACTIVATIONS[activation]
+            if algorithm == "tanh" and x.dtype == torch.bfloat16 and elementwise.supports(x):
+                # oneDNN's gelu_tanh post-op measured slower than the plain matmul and a
+                # native pass over its bf16 product (gelu.c)
+                return elementwise.gelu_tanh_(linear(x))
             return torch.ops.mkldnn._linear_pointwise(
                 x, packed, linear.bias, post_op, [], algorithm
             )

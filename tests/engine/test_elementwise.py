@@ -183,6 +183,50 @@ def test_gelu_tanh_and_mul_is_within_an_ulp(num_tokens, dim):
             torch.testing.assert_close(got[~tail], expected[~tail], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("count", [1, 15, 16, 4097, 70000])
+def test_gelu_tanh_in_place_is_the_formula_to_an_ulp(dtype, count):
+    """The SigLIP tower's activation after fc1, in place: values from 1e-3 to 1e3 in
+    magnitude, both signs, against the formula in float64 (as x * sigmoid(2u), which keeps
+    its digits where 1 + tanh(u) cancels even in float64) rounded to the dtype, and against
+    PyTorch's own F.gelu where its 1 + tanh(u) keeps its digits (x >= -4). Counts that end
+    mid-vector, cross the kernel's spans and split between threads."""
+    torch.manual_seed(count)
+    x = torch.randn(count) * torch.logspace(-3, 3, count)
+    x = x.to(dtype)
+    exact = x.double()
+    u = (2 / torch.pi) ** 0.5 * (exact + 0.044715 * exact**3)
+    expected_exact = exact * torch.sigmoid(2 * u)
+    got = elementwise.gelu_tanh_(y := x.clone())
+    assert got.data_ptr() == y.data_ptr()  # in place
+    real = expected_exact.abs() > 1e-30
+    if dtype == torch.bfloat16:
+        assert int(bf16_ulps(got, expected_exact.to(dtype))[real].max()) <= 1
+        keeps_digits = x >= -4
+        torch_gelu = F.gelu(x, approximate="tanh")
+        assert int(bf16_ulps(got, torch_gelu)[keeps_digits].max()) <= 1
+    else:
+        relative = (got.double() - expected_exact).abs() / expected_exact.abs()
+        assert float(relative[real].max()) < 2e-5
+    tiny_error = torch.where(real, 0, (got.double() - expected_exact).abs())
+    assert float(tiny_error.max()) <= 1e-30
+
+
+def test_gelu_tanh_in_place_at_the_edges():
+    """Far below zero the value is -0 (as PyTorch's), far above it x itself; zeros keep
+    their sign; NaN stays NaN and +inf is +inf, as in PyTorch."""
+    for dtype in DTYPES:
+        x = torch.tensor(
+            [-1e4, -30.0, -10.0, 0.0, -0.0, 30.0, 1e4, 3e38, float("nan"), float("inf")]
+        )
+        x = x.to(dtype)
+        got = elementwise.gelu_tanh_(x.clone())
+        expected = F.gelu(x, approximate="tanh")
+        torch.testing.assert_close(got, expected, equal_nan=True, rtol=0, atol=1e-30)
+        number = ~x.isnan()
+        assert torch.equal(got.signbit()[number], expected.signbit()[number])
+
+
 def native_calls(monkeypatch) -> dict[str, int]:
     """Count the fused ops the model calls."""
     calls = dict.fromkeys(["rms_norm", "rotary_qkv", "silu_and_mul"], 0)

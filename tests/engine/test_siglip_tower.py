@@ -110,3 +110,33 @@ def test_bf16_tower_is_as_close_to_fp32_as_transformers_bf16(towers):
     theirs_error = (theirs.float() - want).abs().mean()
     our_error = (got.float() - want).abs().mean()
     assert our_error <= 1.5 * theirs_error, (our_error, theirs_error)
+
+
+@pytest.mark.skipif(not packs_dtype(torch.bfloat16), reason="this torch has no oneDNN bf16")
+def test_packed_bf16_fc1_gelu_is_the_separate_ops_to_an_ulp(monkeypatch):
+    """A packed bf16 fc1 with the tanh GELU runs the plain matmul, then the native GELU
+    over its product in place (gelu.c): within one bf16 ulp of F.gelu over the same
+    product, where PyTorch's 1 + tanh(u) keeps its digits (x >= -4)."""
+    from tokenmill.engine.kernels import elementwise
+    from tokenmill.engine.models.fused_linear import fused_linear
+
+    torch.manual_seed(5)
+    layers = torch.nn.ModuleList([torch.nn.Linear(64, 200).to(torch.bfloat16)])
+    with torch.no_grad():
+        layers[0].weight.normal_(0, 0.5)
+    assert pack_linear_layers(layers, dtype=torch.bfloat16, device=torch.device("cpu")) == 1
+    fc1 = layers[0]  # the packed module
+    native = []
+    monkeypatch.setattr(
+        elementwise, "gelu_tanh_", lambda x, _f=elementwise.gelu_tanh_: native.append(1) or _f(x)
+    )
+    x = torch.randn(3, 37, 64).bfloat16()
+    with torch.no_grad():
+        product = fc1(x)
+        got = fused_linear(fc1, x, activation="gelu_pytorch_tanh")
+    assert native == [1]
+    expected = torch.nn.functional.gelu(product, approximate="tanh")
+    assert got.shape == (3, 37, 200) and float(product.abs().max()) > 8
+    ulps = (got.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
+    assert int(ulps[product >= -4].max()) <= 1
+    assert float((got.float() - expected.float()).abs().max()) < 1e-3
