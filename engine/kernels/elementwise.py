@@ -6,7 +6,8 @@ what the PyTorch code in layers.py computes, to the bit for RMSNorm, the residua
 and rotary (SiLU and GELU may differ in the last bit). Callers check `supports` first and keep
 their PyTorch code for everything else (CUDA, fp16, no compiler). Set
 TOKENMILL_FUSED_OPS=0 to keep the PyTorch code on CPU too (the native attention stays).
-`gelu_tanh_` (gelu.c) is the SigLIP tower's activation after its fc1 matmul, in place.
+`gelu_tanh_` (gelu.c) is the SigLIP tower's activation after its fc1 matmul, in place;
+`add_layer_norm` (layer_norm.c) its residual add and the LayerNorm after it, in one pass.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import torch
 
 from tokenmill.engine import env
 from tokenmill.engine.kernels import native_library
-from tokenmill.engine.kernels.interface import RMSNormArgs, RotaryArgs, SiluArgs, check_status
+from tokenmill.engine.kernels.interface import (
+    LayerNormArgs,
+    RMSNormArgs,
+    RotaryArgs,
+    SiluArgs,
+    check_status,
+)
 
 
 @functools.cache
@@ -182,3 +189,42 @@ def gelu_tanh_(x: torch.Tensor) -> torch.Tensor:
     )
     check_status(_library().tm_gelu_tanh(ctypes.byref(args)), f"gelu_tanh over {x.numel()}")
     return x
+
+
+def add_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum = x + residual (written over x), and LayerNorm(sum) * weight + bias, in one pass
+    (layer_norm.c): within an ulp or so of PyTorch's add and F.layer_norm.
+
+    Args:
+        x, residual: [..., dim], contiguous, one dtype; x is overwritten with the sum
+        weight, bias: [dim], x's dtype
+    Returns:
+        (the sum, which is x, the normalised sum)
+    """
+    dim = weight.shape[0]
+    same = all(t.dtype == x.dtype for t in (residual, weight, bias))
+    if not (supports(x) and same and x.is_contiguous() and residual.is_contiguous()):
+        raise ValueError("add_layer_norm needs contiguous CPU x and residual, one fp32/bf16 dtype")
+    if residual.shape != x.shape or x.shape[-1] != dim or bias.shape != (dim,):
+        raise ValueError(
+            f"add_layer_norm: x {tuple(x.shape)}, residual "
+            f"{tuple(residual.shape)}, weight of {dim}, bias {tuple(bias.shape)}"
+        )
+    out = torch.empty_like(x)
+    args = LayerNormArgs(
+        x=x.data_ptr(),
+        residual=residual.data_ptr(),
+        sum=x.data_ptr(),
+        out=out.data_ptr(),
+        weight=weight.contiguous().data_ptr(),
+        bias=bias.contiguous().data_ptr(),
+        rows=x.numel() // dim,
+        dim=dim,
+        eps=eps,
+        is_bf16=_is_bf16(x),
+        num_threads=torch.get_num_threads(),
+    )
+    check_status(_library().tm_add_layer_norm(ctypes.byref(args)), f"add_layer_norm over {dim}")
+    return x, out

@@ -80,6 +80,7 @@ class _Limits(ctypes.Structure):
         ("fp8_linear_args_size", _i64),
         ("vision_attention_amx", _i64),
         ("vision_attention_args_size", _i64),
+        ("layer_norm_args_size", _i64),
     ]
 
 
@@ -168,6 +169,24 @@ class RotaryArgs(ctypes.Structure):
         ("num_heads", _i64),
         ("num_kv_heads", _i64),
         ("head_dim", _i64),
+        ("is_bf16", _i32),
+        ("num_threads", _i32),
+    ]
+
+
+class LayerNormArgs(ctypes.Structure):
+    """tm_layer_norm_args."""
+
+    _fields_ = [
+        ("x", _ptr),
+        ("residual", _ptr),
+        ("sum", _ptr),
+        ("out", _ptr),
+        ("weight", _ptr),
+        ("bias", _ptr),
+        ("rows", _i64),
+        ("dim", _i64),
+        ("eps", _f32),
         ("is_bf16", _i32),
         ("num_threads", _i32),
     ]
@@ -416,6 +435,7 @@ FUNCTIONS = {
     "tm_moe": (MoEArgs, "moe_args_size"),
     "tm_fp8_linear": (Fp8LinearArgs, "fp8_linear_args_size"),
     "tm_vision_attention": (VisionAttentionArgs, "vision_attention_args_size"),
+    "tm_add_layer_norm": (LayerNormArgs, "layer_norm_args_size"),
 }
 
 

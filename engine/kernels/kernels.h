@@ -97,6 +97,8 @@ typedef struct {
     /* vision_attention.c */
     int64_t vision_attention_amx; /* 1: tm_vision_attention runs here (AMX bf16, granted) */
     int64_t vision_attention_args_size;
+    /* layer_norm.c */
+    int64_t layer_norm_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -230,6 +232,24 @@ int tm_gelu_tanh_and_mul(const tm_silu_args *args);
 /* ---- gelu.c: out = gelu(x, approximate="tanh") over rows * dim values (dim unbounded;
  * out may be x) ---- */
 int tm_gelu_tanh(const tm_silu_args *args);
+
+/* ---- layer_norm.c: sum = x + residual (rounded to the dtype), out = LayerNorm(sum) *
+ * weight + bias over rows of dim <= TM_MAX_ROW_DIM; sum may be x ---- */
+typedef struct {
+    const void *x;        /* [rows, dim] fp32 or bf16 */
+    const void *residual; /* like x */
+    void *sum;            /* like x */
+    void *out;            /* like x */
+    const void *weight;   /* [dim], like x */
+    const void *bias;     /* [dim], like x */
+    int64_t rows;
+    int64_t dim;
+    float eps;
+    int32_t is_bf16;
+    int32_t num_threads;
+} tm_layer_norm_args;
+
+int tm_add_layer_norm(const tm_layer_norm_args *args);
 
 /* ---- quantize.c ----------------------------------------------------------------------
  * Dynamic per-row int8 quantization: with y = x * inv_smooth, scales[r] = max|y[r]| / qmax

@@ -10,8 +10,10 @@ Gemma's (1 + weight) scale and maps them into the text model's embedding space.
 Its layers are plain torch modules (nn.Linear, nn.LayerNorm): the text model's fused
 projections, LoRA slots and KV cache never see them. On CPU the linear layers are
 oneDNN-packed as the engine loads them, and each residual add and the MLP's GELU run
-inside the matmul that produces them (fused_linear.py): a layer writes its
-[patches, intermediate] activation once. In bf16 on CPUs with AMX tiles the attention runs
+inside the matmul that produces them (fused_linear.py). In bf16 the GELU is a native pass
+over fc1's product instead, and each residual add runs with the LayerNorm after it (the
+layer's own second, the next layer's first, the tower's last) as one native pass
+(residual_then_norm). In bf16 on CPUs with AMX tiles the attention runs
 in the native kernel vision_attention.c (both products on tiles, a flash-style softmax);
 elsewhere in PyTorch's scaled_dot_product_attention.
 """
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tokenmill.engine.kernels import vision_attention
+from tokenmill.engine.kernels import elementwise, vision_attention
 from tokenmill.engine.models.fused_linear import fused_linear
 
 
@@ -60,22 +62,48 @@ class SiglipAttention(nn.Module):
         self.value = nn.Linear(hidden, hidden)
         self.out_proj = nn.Linear(hidden, hidden)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + attention(x). x: [num_images, num_patches, hidden]; every patch sees
-        every patch of its image."""
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """attention(x) before out_proj. x: [num_images, num_patches, hidden]; every patch
+        sees every patch of its image."""
         n, length, hidden = x.shape
         q, k, v = self.query(x), self.key(x), self.value(x)
         scale = self.head_dim**-0.5
         if x.dtype == torch.bfloat16 and x.device.type == "cpu" and vision_attention.available():
-            attended = vision_attention.vision_attention(q, k, v, self.num_heads, scale)
-        else:
+            return vision_attention.vision_attention(q, k, v, self.num_heads, scale)
 
-            def heads(t: torch.Tensor) -> torch.Tensor:
-                return t.view(n, length, self.num_heads, self.head_dim).transpose(1, 2)
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(n, length, self.num_heads, self.head_dim).transpose(1, 2)
 
-            out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), scale=scale)
-            attended = out.transpose(1, 2).reshape(n, length, hidden)
-        return fused_linear(self.out_proj, attended, residual=residual)
+        out = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), scale=scale)
+        return out.transpose(1, 2).reshape(n, length, hidden)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + attention(x), out_proj included (the encoder layer calls `attend` and
+        adds the residual with its next LayerNorm, residual_then_norm)."""
+        return fused_linear(self.out_proj, self.attend(x), residual=residual)
+
+
+def residual_then_norm(
+    linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: nn.LayerNorm | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(residual + linear(x), norm of that sum; None without a norm).
+
+    In bf16 on CPU the add and the norm are one native pass over the plain matmul's output
+    (elementwise.add_layer_norm), which measured faster than the add as the matmul's
+    oneDNN post-op followed by PyTorch's LayerNorm; elsewhere those two.
+    """
+    native = (
+        norm is not None
+        and x.dtype == torch.bfloat16
+        and elementwise.supports(x)
+        and norm.weight.dtype == residual.dtype == x.dtype
+    )
+    if native:
+        return elementwise.add_layer_norm(
+            linear(x).contiguous(), residual.contiguous(), norm.weight, norm.bias, norm.eps
+        )
+    out = fused_linear(linear, x, residual=residual)
+    return out, None if norm is None else norm(out)
 
 
 class SiglipEncoderLayer(nn.Module):
@@ -88,10 +116,21 @@ class SiglipEncoderLayer(nn.Module):
         self.fc1 = nn.Linear(hidden, config.intermediate_size)
         self.fc2 = nn.Linear(config.intermediate_size, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.self_attn(self.layer_norm1(x), residual=x)
-        inner = fused_linear(self.fc1, self.layer_norm2(x), activation="gelu_pytorch_tanh")
-        return fused_linear(self.fc2, inner, residual=x)
+    def forward(
+        self,
+        x: torch.Tensor,
+        normed: torch.Tensor | None = None,
+        next_norm: nn.LayerNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's output, and `next_norm` of it (the next layer's first LayerNorm or
+        the tower's last), computed with its last residual add. normed: layer_norm1(x),
+        where the previous layer computed it."""
+        if normed is None:
+            normed = self.layer_norm1(x)
+        attended = self.self_attn.attend(normed)
+        x, normed = residual_then_norm(self.self_attn.out_proj, attended, x, self.layer_norm2)
+        inner = fused_linear(self.fc1, normed, activation="gelu_pytorch_tanh")
+        return residual_then_norm(self.fc2, inner, x, next_norm)
 
 
 class SiglipVisionTower(nn.Module):
@@ -119,9 +158,12 @@ class SiglipVisionTower(nn.Module):
             )
         patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))
         x = patches.flatten(2).transpose(1, 2) + self.position_embedding.weight
-        for layer in self.layers:
-            x = layer(x)
-        return self.post_layernorm(x)
+        normed = None
+        # each layer's last add runs with the LayerNorm after it (none for a tower of none)
+        norms_after = [layer.layer_norm1 for layer in self.layers[1:]] + [self.post_layernorm]
+        for layer, next_norm in zip(self.layers, norms_after, strict=False):
+            x, normed = layer(x, normed, next_norm)
+        return self.post_layernorm(x) if normed is None else normed
 
 
 class Gemma3Projector(nn.Module):

@@ -227,6 +227,42 @@ def test_gelu_tanh_in_place_at_the_edges():
         assert torch.equal(got.signbit()[number], expected.signbit()[number])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 1152), (3, 100), (300, 1152), (64, 17)])
+def test_add_layer_norm_is_the_add_and_torch_layer_norm(dtype, rows, dim):
+    """The SigLIP tower's residual add and the LayerNorm after it in one pass: the sum is
+    PyTorch's add to the bit (written over x), the norm within an ulp of F.layer_norm
+    away from values that cancel to near zero in w * n + b, and close to float64 there."""
+    torch.manual_seed(rows * dim)
+    x = (torch.randn(rows, dim) * 3 + 0.5).to(dtype)
+    residual = (torch.randn(rows, dim) * 2).to(dtype)
+    weight = (torch.randn(dim) * 0.3 + 1).to(dtype)
+    bias = (torch.randn(dim) * 0.3).to(dtype)
+    expected_sum = x + residual
+    expected = F.layer_norm(expected_sum, (dim,), weight, bias, 1e-6)
+    exact = F.layer_norm(expected_sum.double(), (dim,), weight.double(), bias.double(), 1e-6)
+    given = x.clone()
+    total, normed = elementwise.add_layer_norm(given, residual, weight, bias, 1e-6)
+    assert total.data_ptr() == given.data_ptr() and torch.equal(total, expected_sum)
+    assert normed.shape == (rows, dim) and normed.dtype == dtype
+    if dtype == torch.bfloat16:
+        clear = exact.abs() > 0.05
+        assert int(bf16_ulps(normed, expected)[clear].max()) <= 1
+        assert int(bf16_ulps(normed, exact.to(dtype))[clear].max()) <= 1
+        torch.testing.assert_close(normed.double(), exact, rtol=2**-8, atol=2e-3)
+    else:
+        torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(normed.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_add_layer_norm_refuses_mismatched_inputs():
+    x, weight = torch.randn(4, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="residual"):
+        elementwise.add_layer_norm(x, torch.randn(4, 9), weight, torch.zeros(8), 1e-6)
+    with pytest.raises(ValueError, match="one fp32/bf16 dtype"):
+        elementwise.add_layer_norm(x, x.bfloat16(), weight, torch.zeros(8), 1e-6)
+
+
 def native_calls(monkeypatch) -> dict[str, int]:
     """Count the fused ops the model calls."""
     calls = dict.fromkeys(["rms_norm", "rotary_qkv", "silu_and_mul"], 0)

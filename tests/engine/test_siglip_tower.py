@@ -140,3 +140,37 @@ def test_packed_bf16_fc1_gelu_is_the_separate_ops_to_an_ulp(monkeypatch):
     ulps = (got.view(torch.int16).int() - expected.view(torch.int16).int()).abs()
     assert int(ulps[product >= -4].max()) <= 1
     assert float((got.float() - expected.float()).abs().max()) < 1e-3
+
+
+def test_bf16_tower_runs_its_adds_norms_and_gelu_natively(towers, monkeypatch):
+    """In bf16 each layer's two residual adds run with the LayerNorm after them (the next
+    layer's first, the tower's last) and fc1's GELU as native passes, and the tower's
+    output is the PyTorch ops' (native kernels off) to bf16 rounding."""
+    from tokenmill.engine.kernels import elementwise
+
+    hf, ours, (tower, projector), _ = towers
+    pixels = _pixels(3, 8).bfloat16()
+    tower16 = copy.deepcopy(tower).to(torch.bfloat16)
+    pack_linear_layers(tower16, dtype=torch.bfloat16, device=torch.device("cpu"))
+    projector16 = copy.deepcopy(projector).to(torch.bfloat16)
+    calls = {"add_layer_norm": 0, "gelu_tanh_": 0}
+    for name in calls:
+
+        def counted(*args, _name=name, _original=getattr(elementwise, name)):
+            calls[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(elementwise, name, counted)
+    got = ours(pixels, tower16, projector16)
+    layers = SHAPE["num_hidden_layers"]
+    assert calls == {"add_layer_norm": 2 * layers, "gelu_tanh_": layers}
+    monkeypatch.setattr(elementwise, "supports", lambda x: False)
+    torch_ops = ours(pixels, tower16, projector16)
+    assert calls == {"add_layer_norm": 2 * layers, "gelu_tanh_": layers}
+    assert (got.float() - torch_ops.float()).abs().mean() <= 0.01 * torch_ops.float().abs().mean()
+    want = hf(pixels.float())  # fp32: both as far from it, to rounding
+    our_error, torch_error = (
+        (got.float() - want).abs().mean(),
+        (torch_ops.float() - want).abs().mean(),
+    )
+    assert our_error <= 1.25 * torch_error, (our_error, torch_error)
