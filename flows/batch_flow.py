@@ -1,7 +1,8 @@
 """`batch_inference`: a tokenmill batch job as a Prefect flow.
 
-    plan_task (on a worker) -> prepare_output_task -> shard_task per pending shard
-                            -> shard_task per pending copy shard (dedupe's copies)
+    plan_task (on a worker) -> prepare_output_task -> shard_task per pending compute shard
+                               (each writes the copy shards its part completes)
+                            -> shard_task per copy shard still unpublished (dedupe's copies)
                             -> ledger_task (ledger.json, ledger dataset, artifacts)
     with dry_run:   plan_task -> forecast_task (OUTPUT/_forecast.json, artifact)
 
@@ -135,15 +136,18 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Fore
             replicate_to_workers(FlowRunContext.get().task_runner, plan_future)
         progress = _FlowProgress(plan, pending, logger, workers)
         runs: list[ShardRun] = []
-        # Copy shards take their answers from the compute shards' parts: they go last.
-        # Compute shards each need an engine slot on a Dask cluster (`flows/runners.py`,
-        # "Placement"); copy shards read parts and run anywhere.
-        for shards, placement in (
-            (compute, engine_slots()),
-            ([s for s in pending if s.is_copy], contextlib.nullcontext()),
-        ):
+        # Each compute shard task writes the copy shards its part completes (the one
+        # that publishes a copy shard's last source), so the copies end with the compute.
+        # Copy shards still unpublished then (their sources were complete before this
+        # run, or writing them failed there) run as tasks of their own. Compute shards
+        # each need an engine slot on a Dask cluster (`flows/runners.py`, "Placement");
+        # copy shards read parts and run anywhere.
+        copy_shards = [s for s in pending if s.is_copy]
+        for shards, placement in ((compute, engine_slots()), (copy_shards, None)):
+            if placement is None and shards:
+                shards = _unpublished(plan, shards)
             if shards:
-                with placement:
+                with placement or contextlib.nullcontext():
                     futures = shard_task.map(
                         plan=unmapped(plan_future), shard=shards, job_id=unmapped(plan.job_id)
                     )
@@ -153,8 +157,20 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Fore
             plan,
             run_id=str(flow_run.id),
             run_started_at=run_started_at,
-            num_shards_run=sum(1 for r in runs if not r.result.skipped),
+            num_shards_run=shards_run(runs),
         )
+
+
+def _unpublished(plan: JobPlan, shards: list[Shard]) -> list[Shard]:
+    """The shards among `shards` whose part is not in the output (one listing)."""
+    spec = plan.spec
+    done = out.completed_shards(spec.output, spec.storage_options)
+    return [s for s in shards if s.shard_id not in done]
+
+
+def shards_run(runs: list[ShardRun]) -> int:
+    """The shards this run wrote: its tasks' own, and the copy shards they wrote."""
+    return sum((not r.result.skipped) + sum(not c.skipped for c in r.copies) for r in runs)
 
 
 def _name_after_plan(plan: JobPlan, logger: logging.LoggerAdapter) -> None:

@@ -4,6 +4,7 @@
                          each shard's rows go to OUTPUT/_plan/
     prepare_output_task  which shards are already complete    (I/O: retried)
     shard_task           read its rows, generate, write part  (I/O: retried; idempotent)
+                         then the copy shards whose sources are now all published
     ledger_task          check parts, write ledger, artifacts (I/O: retried)
     forecast_task        a dry run: forecast, OUTPUT/_forecast.json, artifact (I/O: retried)
 
@@ -53,6 +54,7 @@ from tokenmill.pipelines.planning import JobPlan, plan_job
 from tokenmill.pipelines.running import (
     ShardResult,
     completed_shards,
+    copies_ready,
     prepare_output,
     run_shard,
 )
@@ -77,6 +79,8 @@ class ShardRun:
     # Seconds this shard spent loading its worker's engine; None when the engine was warm
     # (or the shard needs none): only a worker's first shard for a model pays the load.
     engine_load_seconds: float | None = None
+    # The copy shards this task wrote after its own part, their sources being complete.
+    copies: tuple[ShardResult, ...] = ()
 
     @property
     def worker(self) -> str:
@@ -146,6 +150,11 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
     Idempotent: a shard whose part exists is skipped (`ShardResult.skipped`), so a
     retry, a rerun or a second flow run on the same job never writes it twice.
 
+    A compute shard then writes the copy shards its part completes (`copies_ready`):
+    the task that publishes a copy shard's last source writes it at once, instead of
+    a copy task queued after every compute shard, which would add a scheduling round
+    and the copies' own seconds to the job's end.
+
     Args:
         plan: the job plan (names and sizes of shards; the rows are read here).
         shard: one of `plan.shards`.
@@ -170,7 +179,10 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
         )
     seconds = time.perf_counter() - started
     snapshot = reporter.finish(result)
-    run = ShardRun(result, socket.gethostname(), os.getpid(), llm_cache.num_loads(), load_seconds)
+    copies = () if shard.is_copy else _run_ready_copies(plan, shard, logger)
+    run = ShardRun(
+        result, socket.gethostname(), os.getpid(), llm_cache.num_loads(), load_seconds, copies
+    )
     # Where each shard ran, in the task run's log: counts and names only, never text.
     if result.skipped:
         logger.info("shard %s: already complete, skipped (worker %s)", shard.shard_id, run.worker)
@@ -184,6 +196,32 @@ def shard_task(plan: JobPlan, shard: Shard, job_id: str) -> ShardRun:
             torch.get_num_threads(),
         )
     return run
+
+
+def _run_ready_copies(
+    plan: JobPlan, shard: Shard, logger: logging.Logger | logging.LoggerAdapter
+) -> tuple[ShardResult, ...]:
+    """Write the copy shards that `shard`'s published part completes. A copy shard that
+    fails here is left to the flow, which runs every copy shard still unpublished once
+    the compute shards end (and fails there, naming it, if it fails again)."""
+    results = []
+    for copy in copies_ready(plan, shard):
+        reporter = ShardReporter(plan, copy, logger)
+        try:
+            result = run_shard(None, plan, copy)
+        except Exception as exc:
+            logger.warning("copy shard %s: left to the flow: %s", copy.shard_id, exc)
+            continue
+        reporter.finish(result)
+        if not result.skipped:
+            logger.info(
+                "copy shard %s: %d rows, written after shard %s",
+                copy.shard_id,
+                result.num_rows,
+                shard.shard_id,
+            )
+        results.append(result)
+    return tuple(results)
 
 
 def _worker_llm(plan: JobPlan, job_id: str) -> tuple[llm_cache.SharedLLM, bool]:

@@ -17,9 +17,10 @@ The rule, in full:
 
 Copies do not ride in their source's shard - the source may sit in another shard or
 another planning window. Each window's copies form a *copy shard*, planned after every
-compute shard and run after them: it reads its sources' published parts and writes its
-own part. So a copy shard is resumable like any shard (done iff its part exists), and
-each copy's row is written exactly once. Its id hashes the copies, their prompts and
+compute shard; it names its sources' shards (`Shard.sources`) and runs once they are
+published (in a flow, right after the last of them, by the task that published it):
+it reads its sources' parts and writes its own part. So a copy shard is resumable like
+any shard (done iff its part exists), and each copy's row is written exactly once. Its id hashes the copies, their prompts and
 params, and their sources' rows and shards, so a changed source is a different shard.
 
 Memory: within a window a dict of the window's rows; across windows 28 bytes per
@@ -226,4 +227,5 @@ def copy_shard(
         num_tokens=0,
         window=window,
         is_copy=True,
+        sources=tuple(dict.fromkeys(c.source_shard for c in copies if c.source_shard)),
     )

@@ -71,6 +71,9 @@ class Shard:
     # from their published parts; nothing is computed, and it runs after every other shard.
     is_copy: bool = False
     num_prompt_tokens: int = 0  # of num_tokens, the prompts' (the rest: completion budget)
+    # A copy shard's sources: the shards whose parts hold its rows' answers. Once they are
+    # all published it can be written, whatever other shards still run.
+    sources: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_rows < 1:

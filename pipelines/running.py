@@ -5,7 +5,8 @@ never overwritten, so `run_shard` is idempotent: a retried, resumed or duplicate
 shard task finds the part and computes nothing. An engine failure mid-shard is
 handled by the one rule of `pipelines/engine_failures.py` (retry once, then isolate
 the failing requests as error rows). A copy shard (`pipelines/dedupe.py`) computes
-nothing: its rows take their sources' answers from the sources' published parts.
+nothing: its rows take their sources' answers from the sources' published parts, so
+it can run as soon as those are published (`copies_ready`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,27 @@ def prepare_output(plan: JobPlan) -> set[str]:
     return done
 
 
+def copies_ready(plan: JobPlan, published: Shard) -> list[Shard]:
+    """The copy shards that take answers from `published` (a compute shard whose part
+    is published) and whose other sources are published too: they can be written now.
+
+    Whoever publishes a copy shard's last source finds it ready, since each compute
+    shard publishes its part before asking; two that finish together may both find
+    it, and `run_shard` keeps the first part written.
+    """
+    spec = plan.spec
+    ready = []
+    for shard in plan.shards:
+        if not shard.is_copy or published.shard_id not in shard.sources:
+            continue
+        others = [s for s in shard.sources if s != published.shard_id]
+        if all(
+            out.part_exists(spec.output, s, spec.part_format, spec.storage_options) for s in others
+        ):
+            ready.append(shard)
+    return ready
+
+
 def run_shard(
     llm: Any,
     plan: JobPlan,
@@ -129,8 +151,8 @@ def run_shard(
         The ShardResult.
 
     Raises:
-        RuntimeError: a copy shard whose sources are not all published (copy shards
-            run after every compute shard).
+        RuntimeError: a copy shard whose sources are not all published (a copy shard
+            runs once its sources are: `copies_ready`).
     """
     spec = plan.spec
     if spec.resume and out.part_exists(

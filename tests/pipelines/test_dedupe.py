@@ -14,7 +14,10 @@ from tokenmill.pipelines.dedupe import Deduplicator, is_deterministic
 from tokenmill.pipelines.job import plan_job, prepare_output, run_job, run_shard
 from tokenmill.pipelines.output import read_ledger, read_results
 from tokenmill.pipelines.plan import plan_shards
+from tokenmill.pipelines.planning import load_shard
+from tokenmill.pipelines.running import copies_ready
 from tokenmill.pipelines.spec import JobSpec
+from tokenmill.pipelines.spill import shard_rows
 from tokenmill.pipelines.tokenize import PromptRow
 
 # Row i asks QUESTIONS[i % 3] - rows 3.. repeat rows 0..2 - except row 7, which is its own.
@@ -168,6 +171,47 @@ def test_a_run_killed_before_the_copies_resumes_them_exactly_once(tmp_path, fake
     ids = read_results(out)["id"].to_pylist()
     assert sorted(ids) == sorted(f"q{i}" for i in range(12))
     assert ledger.rows_deduplicated == 8
+
+
+def test_a_copy_shard_is_ready_when_its_last_source_is_published(tmp_path, fake_llm):
+    # Copies are written by whoever publishes their last source, while other shards may
+    # still run - not by a step after every compute shard. Sources here span shards.
+    src = _write(tmp_path / "in.parquet", _prompts(24))
+    out = str(tmp_path / "out")
+    spec = JobSpec(src, out, id_column="id", plan_window_rows=12)
+    plan = plan_job(spec, llm=fake_llm, min_shards=3)
+    copy_shards = [s for s in plan.shards if s.is_copy]
+    compute = [s for s in plan.shards if not s.is_copy]
+    assert len(copy_shards) == 2 and len(compute) == 3
+    for copy in copy_shards:  # the plan names each copy shard's sources: its rows' shards
+        rows_sources = shard_rows(load_shard(plan, copy)).sources
+        assert set(copy.sources) == {s for _, s in rows_sources}
+    assert max(len(c.sources) for c in copy_shards) >= 2
+    prepare_output(plan)
+    published: set[str] = set()
+    written = []
+    for shard in compute:
+        run_shard(fake_llm, plan, shard)
+        published.add(shard.shard_id)
+        ready = copies_ready(plan, shard)
+        # Ready exactly when this shard is a source and the last one to be published.
+        assert [c.shard_id for c in ready] == [
+            c.shard_id
+            for c in copy_shards
+            if shard.shard_id in c.sources and set(c.sources) <= published
+        ]
+        for copy in ready:
+            assert not run_shard(None, plan, copy).skipped
+            written.append(copy.shard_id)
+    assert sorted(written) == sorted(c.shard_id for c in copy_shards)  # each once
+    calls = sum(fake_llm.calls)
+    ledger = run_job(src, out, llm=fake_llm, id_column="id", plan_window_rows=12)
+    assert sum(fake_llm.calls) == calls and ledger.num_shards_run == 0
+    results = read_results(out)
+    assert sorted(results["id"].to_pylist()) == sorted(f"q{i}" for i in range(24))
+    assert ledger.rows_deduplicated == 20  # rows 0, 1, 2 and 7 are computed
+    assert ledger.prompt_tokens == sum(results["prompt_tokens"].to_pylist())
+    assert ledger.completion_tokens == sum(results["completion_tokens"].to_pylist())
 
 
 def test_openai_batch_output_keeps_input_order_with_copies(tmp_path, fake_llm):
