@@ -21,7 +21,10 @@ the 2 workers need at least (W + O) / 2 seconds, so S1 / S2 <= 2 S1 / (W + O)
 Starts a Prefect server on loopback (or uses PREFECT_API_URL), then runs
 `tokenmill flow run ... --dask-workers N --json` for N = 1, 2, 1, 2, ... and prints per
 run: the flow's wall seconds, the span of its shards' compute (first shard start to
-last shard end, from OUTPUT/shard_stats/), the summed device seconds, and the shards.
+last shard end, from OUTPUT/shard_stats/; copy shards included), the summed device
+seconds, the shards, and the run's split (`split_s`, seconds from the flow's start):
+planning done, each compute shard's start and end, the last copy shard's end, and the
+ledger's end (finalize).
 While each run goes, the job's progress artifact is read from the API every second;
 once 25% of the tokens are done, its ETA is compared with the time that really
 remained and its tokens/s with the job's average (`--no-watch` leaves that reader off:
@@ -266,6 +269,35 @@ def compute_span(output: Path) -> tuple[float, float, float]:
     return max(ends) - min(starts), sum(s["device_seconds"] for s in stats), max(ends)
 
 
+def span_split(output: Path, flow_started: float, ledger: dict) -> dict:
+    """Where a run's time went, in seconds from the flow process's start: planning done
+    (OUTPUT/_cut.json written, after planning and the output check), each compute
+    shard's start and end, the first start and last end of the compute shards, the copy
+    shards' last end, the ledger's end (finalize) - so a ratio of compute spans shows
+    which serial pieces it holds."""
+
+    def at(iso: str) -> float:
+        return round(datetime.fromisoformat(iso).timestamp() - flow_started, 2)
+
+    stats = [json.loads(p.read_text()) for p in (output / "shard_stats").glob("*.json")]
+    compute = sorted(
+        (at(s["started_at"]), at(s["finished_at"]))
+        for s in stats
+        if not s["shard_id"].startswith("copies-")
+    )
+    copies = [at(s["finished_at"]) for s in stats if s["shard_id"].startswith("copies-")]
+    last_compute = max(end for _, end in compute)
+    return {
+        "planned": round((output / "_cut.json").stat().st_mtime - flow_started, 2),
+        "compute_shards": compute,
+        "first_shard_start": compute[0][0],
+        "last_compute_end": last_compute,
+        "copies_end": max(copies) if copies else None,
+        "copies_after_compute_s": round(max(copies) - last_compute, 2) if copies else None,
+        "ledger_end": at(ledger["finished_at"]),
+    }
+
+
 def eta_check(seen: list, key: str, end: float, span: float) -> dict | None:
     """The first artifact reading at >= 25% of the tokens: its ETA against the compute
     time that remained (to the last shard's end), its tokens/s against the job's average
@@ -334,7 +366,7 @@ def main() -> None:
                     command += ["--dask-address", address]
                 else:
                     command += ["--dask-workers", str(workers)]
-                started = time.perf_counter()
+                started, flow_started = time.perf_counter(), time.time()
                 driver = subprocess.Popen(
                     command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                 )
@@ -378,6 +410,7 @@ def main() -> None:
                             "rows": ledger["rows_ok"] + ledger["rows_failed"],
                             "load_average": round(os.getloadavg()[0], 1),
                             "cpu_seconds_in_span": in_span,
+                            "split_s": span_split(out, flow_started, ledger),
                             "progress": eta_check(watcher.seen, key, compute_end, span),
                         }
                     ),

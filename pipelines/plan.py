@@ -68,7 +68,7 @@ class Shard:
     num_tokens: int  # estimated work: prompt tokens + max completion tokens
     window: int = 0  # the planning window the shard was cut from
     # A copy shard (pipelines/dedupe.py): its rows take earlier identical rows' answers
-    # from their published parts; nothing is computed, and it runs after every other shard.
+    # from their published parts; nothing is computed, and it runs once they are published.
     is_copy: bool = False
     num_prompt_tokens: int = 0  # of num_tokens, the prompts' (the rest: completion budget)
     # A copy shard's sources: the shards whose parts hold its rows' answers. Once they are
