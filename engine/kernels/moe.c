@@ -460,19 +460,28 @@ static inline float clamped_swiglu(const tm_moe_args *a, float gate, float up) {
     return (up + 1.0f) * glu;
 }
 
-/* The activation of the gate's sum, times the up's, as x's type rounds them. */
-static inline float gated(const tm_moe_args *a, float gate, float up) {
+static inline float bf16_rounded(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+/* out[j] = the activation of gate[j], times up[j], as x's type rounds them (bf16: gate, up
+ * and the activation each rounded to bf16, as transformers' bf16 forward does), for j < n.
+ * One loop per case, without branches inside, so that each vectorises and calls glibc's
+ * vector expf (activation.h): per element, a scalar expf was most of phase A's time at a
+ * prompt's rows. gpt-oss's clamped SwiGLU stays a plain loop. */
+static void gated_row(const tm_moe_args *a, const float *gate, const float *up, int64_t n, float *out) {
+    const int gelu = a->activation == TM_GATED_GELU_TANH;
     if (a->activation == TM_GATED_CLAMPED_SWIGLU) {
-        if (a->is_bf16) gate = bf16_to_f32(f32_to_bf16(gate)), up = bf16_to_f32(f32_to_bf16(up));
-        return clamped_swiglu(a, gate, up);
+        for (int64_t j = 0; j < n; j++)
+            out[j] = a->is_bf16 ? clamped_swiglu(a, bf16_rounded(gate[j]), bf16_rounded(up[j]))
+                                : clamped_swiglu(a, gate[j], up[j]);
+    } else if (a->is_bf16 && gelu) {
+        for (int64_t j = 0; j < n; j++) out[j] = bf16_rounded(gelu_tanh_of(bf16_rounded(gate[j]))) * bf16_rounded(up[j]);
+    } else if (a->is_bf16) {
+        for (int64_t j = 0; j < n; j++) out[j] = bf16_rounded(silu_of(bf16_rounded(gate[j]))) * bf16_rounded(up[j]);
+    } else if (gelu) {
+        for (int64_t j = 0; j < n; j++) out[j] = gelu_tanh_of(gate[j]) * up[j];
+    } else {
+        for (int64_t j = 0; j < n; j++) out[j] = silu_of(gate[j]) * up[j];
     }
-    if (a->is_bf16) {
-        gate = bf16_to_f32(f32_to_bf16(gate));
-        up = bf16_to_f32(f32_to_bf16(up));
-        const float act = bf16_to_f32(f32_to_bf16(a->activation == TM_GATED_GELU_TANH ? gelu_tanh_of(gate) : silu_of(gate)));
-        return act * up;
-    }
-    return (a->activation == TM_GATED_GELU_TANH ? gelu_tanh_of(gate) : silu_of(gate)) * up;
 }
 
 /* A 16-row AMX tile of sums over panel o from `row`, where this problem takes it: returns
@@ -519,7 +528,7 @@ static void gate_up_item(const problem *p, item it, worker *wk) {
             float out[NB];
             if (bias)
                 for (int64_t j = 0; j < left; j++) sums[r][j] += bias[col + j], sums[r][NB + j] += bias[inter + col + j];
-            for (int64_t j = 0; j < left; j++) out[j] = gated(a, sums[r][j], sums[r][NB + j]);
+            gated_row(a, sums[r], sums[r] + NB, left, out);
             store_row(p->h, (row + r) * inter + col, a->is_bf16, left, out);
         }
         row += rows;
