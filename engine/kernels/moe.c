@@ -394,11 +394,11 @@ typedef struct {
 typedef struct {
     const tm_moe_args *a;
     int64_t *starts;    /* [E + 1] each expert's first sorted row */
-    int64_t *token_of;  /* [R] the token of each sorted row */
+    int64_t *pair_of;   /* [R] the (token, slot) pair, token * top_k + slot, of each sorted row */
     int64_t *sorted_of; /* [rows * top_k] the sorted row of each (token, slot) */
     void *xs;           /* [R][hidden] the gathered rows, x's type */
     void *h;            /* [R][inter], x's type */
-    float *y;           /* [R][hidden] */
+    float *y;           /* [R][hidden]: phases B and C apart only (fuse_down), else NULL */
     int amx;            /* bf16 runs of 16 rows on AMX tiles */
     int amx_quantized;  /* the same over quantized panels widened to bf16 */
 } problem;
@@ -535,8 +535,10 @@ static void gate_up_item(const problem *p, item it, worker *wk) {
     }
 }
 
-/* Phase B for one item: every row of its expert, its panel's 64 hidden columns, into y. */
-static void down_item(const problem *p, item it, worker *wk) {
+/* Phase B for one item: every row of its expert, its panel's 64 hidden columns - into y,
+ * or, where `acc` is given (phases B and C in one: down_panel), each row's sums weighted
+ * and added into its token's row of acc ([rows][64], the panel's columns). */
+static void down_item(const problem *p, item it, worker *wk, float *acc) {
     const tm_moe_args *a = p->a;
     const int64_t e = it.expert, col = it.panel * 2 * NB, hidden = a->hidden;
     const int64_t left = hidden - col < 2 * NB ? hidden - col : 2 * NB;
@@ -563,10 +565,46 @@ static void down_item(const problem *p, item it, worker *wk) {
         for (int64_t r = 0; r < rows; r++) {
             if (bias)
                 for (int64_t j = 0; j < left; j++) sums[r][j] += bias[j];
-            memcpy(p->y + (row + r) * hidden + col, sums[r], (size_t)left * 4);
+            if (!acc) {
+                memcpy(p->y + (row + r) * hidden + col, sums[r], (size_t)left * 4);
+                continue;
+            }
+            const int64_t pair = p->pair_of[row + r];
+            const float w = a->expert_weights[pair];
+            float *into = acc + (pair / a->top_k) * 2 * NB;
+            for (int64_t j = 0; j < left; j++) {
+                const float term = w * sums[r][j]; /* rounded, then added, as combine_token */
+                into[j] += term;
+            }
         }
         row += rows;
     }
+}
+
+/* Phases B and C in one, for one panel of 64 hidden columns: every used expert's item, in
+ * ascending expert order, adding into the thread's acc ([rows][64] fp32); then those
+ * columns of out. Each token's terms are added in ascending expert order, as combine_token
+ * adds them: the same bits, without y - which at a prompt's rows is rows * top_k * hidden
+ * fp32 values written once and read once (a 2,048-token chunk of OLMoE: 134 MB) - or a
+ * pass of its own. The panel's weights of every expert are still read once. */
+static void down_panel(const problem *p, int64_t panel, worker *wk, float *acc) {
+    const tm_moe_args *a = p->a;
+    const int64_t col = panel * 2 * NB, hidden = a->hidden;
+    const int64_t left = hidden - col < 2 * NB ? hidden - col : 2 * NB;
+    memset(acc, 0, (size_t)(a->rows * 2 * NB) * sizeof(float));
+    for (int64_t e = 0; e < a->num_experts; e++)
+        if (p->starts[e + 1] > p->starts[e]) down_item(p, (item){e, panel}, wk, acc);
+    for (int64_t t = 0; t < a->rows; t++) store_row(a->out, t * hidden + col, a->is_bf16, left, acc + t * 2 * NB);
+}
+
+/* Whether phases B and C run as one (down_panel): an item is then a whole panel of down
+ * columns, so there are only hidden / 64 of them (32 for OLMoE's 2,048), all of the same
+ * size. They are dealt out in rounds of `threads`; where a last, partial round would idle
+ * more than a quarter of the panels' share of threads, the items stay one expert and one
+ * panel each, through y. */
+static int fuse_down(int64_t panels, int threads) {
+    const int64_t rounds = (panels + threads - 1) / threads;
+    return 4 * (rounds * threads - panels) <= panels;
 }
 
 /* Phase C for token t: its rows of y weighted and summed in ascending expert order. */
@@ -610,32 +648,54 @@ static int check(const tm_moe_args *a) {
     return TM_OK;
 }
 
+/* The calling thread's buffers for the gathered rows, h and y, kept from call to call (as
+ * q4_tiles.c keeps its own) and grown to the largest call: at a prompt chunk's rows they
+ * are tens of megabytes, and fresh ones cost the kernel a page fault per 4 KB at every
+ * call, a tenth of a prefill's time. Never freed; one set per thread that calls tm_moe. */
+static _Thread_local char *kept;
+static _Thread_local size_t kept_bytes;
+
+static char *kept_scratch(size_t bytes) {
+    if (bytes > kept_bytes) {
+        free(kept);
+        kept = malloc(bytes);
+        kept_bytes = kept ? bytes : 0;
+    }
+    return kept;
+}
+
 int tm_moe(const tm_moe_args *a) {
     const int status = check(a);
     if (status != TM_OK || a->rows == 0) return status;
     const int64_t E = a->num_experts, k = a->top_k, pairs = a->rows * k;
     const int64_t hidden = a->hidden, inter = a->inter, vb = value_bytes(a);
     const int amx = a->is_bf16 && amx_usable();
+    const int threads = a->num_threads > 1 && pairs * hidden * inter >= (1 << 16) ? a->num_threads : 1;
+    const int64_t blocks_a = gate_up_panels(a), blocks_b = down_panels(a);
+    const int fused = fuse_down(blocks_b, threads);
     problem p = {.a = a, .amx = amx && a->weight_format == TM_MOE_FLOAT,
                  .amx_quantized = amx && a->weight_format != TM_MOE_FLOAT};
     p.starts = calloc((size_t)(E + 1), sizeof(int64_t));
-    p.token_of = malloc((size_t)pairs * sizeof(int64_t));
+    p.pair_of = malloc((size_t)pairs * sizeof(int64_t));
     p.sorted_of = malloc((size_t)pairs * sizeof(int64_t));
     /* AMX_ROWS rows of slack after xs and h, zeroed: a tile over a run's last rows reads
      * 16 rows. */
-    p.xs = malloc((size_t)((pairs + AMX_ROWS) * hidden * vb));
-    p.h = malloc((size_t)((pairs + AMX_ROWS) * inter * vb));
-    if (p.xs) memset((char *)p.xs + pairs * hidden * vb, 0, (size_t)(AMX_ROWS * hidden * vb));
-    if (p.h) memset((char *)p.h + pairs * inter * vb, 0, (size_t)(AMX_ROWS * inter * vb));
-    p.y = malloc((size_t)(pairs * hidden) * sizeof(float));
-    const int64_t blocks_a = gate_up_panels(a), blocks_b = down_panels(a);
+    const size_t xs_bytes = (size_t)((pairs + AMX_ROWS) * hidden * vb), h_bytes = (size_t)((pairs + AMX_ROWS) * inter * vb);
+    const size_t y_bytes = fused ? 0 : (size_t)(pairs * hidden) * sizeof(float);
+    char *scratch = kept_scratch(xs_bytes + h_bytes + y_bytes);
+    if (scratch) {
+        p.xs = scratch;
+        p.h = scratch + xs_bytes;
+        p.y = fused ? NULL : (float *)(scratch + xs_bytes + h_bytes);
+        memset((char *)p.xs + pairs * hidden * vb, 0, (size_t)(AMX_ROWS * hidden * vb));
+        memset((char *)p.h + pairs * inter * vb, 0, (size_t)(AMX_ROWS * inter * vb));
+    }
     item *items = malloc((size_t)(E * (blocks_a + blocks_b) + 1) * sizeof(item));
-    int failed = !p.starts || !p.token_of || !p.sorted_of || !p.xs || !p.h || !p.y || !items;
+    int failed = !p.starts || !p.pair_of || !p.sorted_of || !scratch || !items;
     if (!failed) {
         /* Counting sort: each expert's rows in ascending token order. */
         for (int64_t i = 0; i < pairs; i++) p.starts[a->expert_ids[i] + 1]++;
         for (int64_t e = 0; e < E; e++) p.starts[e + 1] += p.starts[e];
-        int64_t *cursor = p.token_of; /* reused below; the sort needs its own cursors */
         int64_t *next = malloc((size_t)E * sizeof(int64_t));
         if (!next) {
             failed = 1;
@@ -644,7 +704,7 @@ int tm_moe(const tm_moe_args *a) {
             for (int64_t i = 0; i < pairs; i++) {
                 const int64_t at = next[a->expert_ids[i]]++;
                 p.sorted_of[i] = at;
-                cursor[at] = i / k;
+                p.pair_of[at] = i;
             }
             free(next);
         }
@@ -655,27 +715,32 @@ int tm_moe(const tm_moe_args *a) {
             if (p.starts[e + 1] > p.starts[e])
                 for (int64_t b = 0; b < blocks_a; b++) items[num_a++] = (item){e, b};
         item *down_items = items + num_a;
-        for (int64_t e = 0; e < E; e++)
+        for (int64_t e = 0; e < E && !fused; e++)
             if (p.starts[e + 1] > p.starts[e])
                 for (int64_t b = 0; b < blocks_b; b++) down_items[num_b++] = (item){e, b};
-        const int threads = a->num_threads > 1 && pairs * hidden * inter >= (1 << 16) ? a->num_threads : 1;
 #pragma omp parallel num_threads(threads)
         {
             worker wk = {0};
             if (p.amx_quantized) /* NULL on failure: the vector path serves */
                 wk.wide = malloc((size_t)((hidden > inter ? hidden : inter) * TM_MOE_PANEL_COLS) * sizeof(uint16_t));
-            float *acc = malloc((size_t)hidden * sizeof(float));
+            /* fused: a panel's columns of every token; else one token's row (combine_token) */
+            float *acc = malloc((size_t)(fused ? a->rows * 2 * NB : hidden) * sizeof(float));
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < pairs; r++)
-                memcpy((char *)p.xs + r * hidden * vb, (const char *)a->x + p.token_of[r] * hidden * vb,
+                memcpy((char *)p.xs + r * hidden * vb, (const char *)a->x + (p.pair_of[r] / k) * hidden * vb,
                        (size_t)(hidden * vb));
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < num_a; i++) gate_up_item(&p, items[i], &wk);
+            if (fused) {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < num_b; i++) down_item(&p, down_items[i], &wk);
+                for (int64_t b = 0; b < blocks_b; b++)
+                    if (acc) down_panel(&p, b, &wk, acc);
+            } else {
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t i = 0; i < num_b; i++) down_item(&p, down_items[i], &wk, NULL);
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < a->rows; t++) {
-                if (acc) combine_token(&p, t, acc);
+                for (int64_t t = 0; t < a->rows; t++)
+                    if (acc) combine_token(&p, t, acc);
             }
             if (!acc) {
 #pragma omp atomic write
@@ -689,11 +754,8 @@ int tm_moe(const tm_moe_args *a) {
         }
     }
     free(p.starts);
-    free(p.token_of);
+    free(p.pair_of);
     free(p.sorted_of);
-    free(p.xs);
-    free(p.h);
-    free(p.y);
     free(items);
     return failed ? TM_OUT_OF_MEMORY : TM_OK;
 }
