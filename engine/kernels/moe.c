@@ -17,6 +17,10 @@
  *      down weights (64 hidden columns);
  *   C  out[t] = the weighted sum of t's rows of y, in ascending expert order (as
  *      transformers' loop over experts adds them), rounded once to out's type.
+ * Where the down panels deal out evenly over the threads (fuse_down: always on one
+ * thread), B and C are one phase with no y: an item is one panel of down columns over
+ * every used expert in ascending order, each row's products weighted and added into its
+ * token's fp32 row at once (down_panel) - the same additions in the same order.
  * No expert is padded to the busiest one's rows, and no item exists for an expert no row
  * chose. Items differ in rows, so they are dealt out dynamically.
  *

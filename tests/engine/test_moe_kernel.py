@@ -135,6 +135,50 @@ def test_quantized_experts_match_float64_of_their_dequantized_weights(shape, dty
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+def uneven_problem(dtype, seed=7):
+    """Seven experts of 256 hidden (four down panels) and 64 intermediate, 40 tokens of
+    three each, loaded unevenly: expert 0 chosen by no token, expert 1 by one (token 7),
+    expert 2 by 33 (two 16-row AMX tiles and a row), experts 3-5 by the rest, expert 6 by
+    every token (three terms a token: their order shows in the sum's bits)."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(7, 128, 256, generator=g) * 0.1).to(dtype)
+    down = (torch.randn(7, 256, 64, generator=g) * 0.1).to(dtype)
+    x = torch.randn(40, 256, generator=g).to(dtype)
+    tokens = torch.arange(40)
+    first = torch.where(tokens < 33, 2, 4)
+    second = torch.where(tokens == 7, 1, torch.where(tokens % 2 == 1, 3, 5))
+    ids = torch.stack((first, second, torch.full_like(first, 6)), dim=1)
+    weights = torch.rand(40, 3, generator=g) + 0.1
+    return x, weights, ids, gate_up, down
+
+
+@pytest.mark.parametrize("weight_format", ["float", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_down_and_weighted_sum_in_one_phase_give_the_same_bits(dtype, weight_format):
+    """One thread runs down and the weighted sum as one phase, a panel of down columns
+    over every expert (four panels, fuse_down); three threads cannot share four panels
+    evenly and go through y per expert and panel. Each token's terms are added in the same
+    order either way: the same bits, and both match float64, on uneven loads (experts with
+    0, 1 and 33 tokens)."""
+    x, weights, ids, gate_up, down = uneven_problem(dtype)
+    counts = torch.bincount(ids.reshape(-1), minlength=7).tolist()
+    assert counts[:3] == [0, 1, 33] and counts[6] == 40
+    packed = moe_kernel.PackedExperts(gate_up, down, "silu", weight_format=weight_format)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        fused = packed(x, ids, weights)
+        torch.set_num_threads(3)
+        apart = packed(x, ids, weights)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(fused, apart)
+    held = (gate_up, down) if weight_format == "float" else packed.dequantized()
+    tol = tolerance(dtype)
+    want = reference(x, weights, ids, *held)
+    torch.testing.assert_close(fused.double(), want, atol=tol, rtol=tol)
+
+
 def test_int8_experts_take_a_quarter_of_fp32_bytes():
     x, weights, ids, gate_up, down = problem(SHAPES[1], torch.float32)
     full = moe_kernel.PackedExperts(gate_up, down, "silu")
