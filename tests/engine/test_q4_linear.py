@@ -70,7 +70,7 @@ def needs_native(cpu_path):
 @pytest.mark.parametrize(
     "n,k", [(16, 32), (48, 64), (80, 96), (960, 576), (576, 1536), (3072, 576)]
 )
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 95, 97, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17, 95, 97, 200])
 @pytest.mark.parametrize("affine", [False, True])
 def test_the_product_equals_the_block_product(n, k, rows, affine, needs_native):
     if needs_native is None:
