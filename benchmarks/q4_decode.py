@@ -56,6 +56,8 @@ def seconds_per_call(call: Callable[[], object], clock: str, threads: int) -> fl
             return elapsed * scale / calls
 
 
+# Below the front door: a kernel micro-benchmark - the Q4_0 kernels and the layer class
+# are built and called directly on packed weights.
 def random_q4_0(n: int, k: int, generator: torch.Generator):
     """A packed Q4_0 weight of random nibbles and fp16-exact scales."""
     from tokenmill.engine.kernels import q4_linear as native_q4
