@@ -11,8 +11,8 @@ items. It does not bound work or memory: nested loops run for hours, and
   estimated before it runs, from the sizes of its operands (the product of the two
   largest), and refused above `MAX_VALUE_CHARS`; format widths of 7+ digits too;
 - the rendered text is refused past `MAX_OUTPUT_CHARS`;
-- a render that runs past `MAX_RENDER_SECONDS` is stopped (a trace hook on the
-  template's own frames checks the clock; it is installed for the render only).
+- a render that runs past `MAX_RENDER_SECONDS` is stopped (`render_deadline.py`: a
+  watchdog thread raises in the render's thread; no trace hook slows every render).
 
 Each limit is far above what a real chat template needs (a 1M-token prompt is ~4M
 characters; rendering one takes milliseconds). A refused render raises
@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tokenmill.engine.loader.render_deadline import deadline
 
 MAX_VALUE_CHARS = 64 << 20
 MAX_OUTPUT_CHARS = 64 << 20
@@ -37,7 +37,6 @@ MAX_RENDER_SECONDS = 5.0
 MAX_POWER_BITS = 4096
 # A width or precision in a format string (`%999999999d`, `{:>999999999}`).
 _HUGE_WIDTH = re.compile(r"\d{7,}")
-_TEMPLATE_FILENAME = "<template>"
 
 
 class ChatTemplateLimit(jinja2.exceptions.SecurityError):
@@ -141,10 +140,7 @@ def render_limited(template: jinja2.Template, variables: Mapping[str, Any]) -> s
     Returns:
         The rendered text; raises ChatTemplateLimit past a limit.
     """
-    deadline = time.monotonic() + MAX_RENDER_SECONDS
-    previous = sys.gettrace()
-    sys.settrace(_deadline_tracer(deadline))
-    try:
+    with deadline(MAX_RENDER_SECONDS, RenderTookTooLong):
         pieces: list[str] = []
         length = 0
         for piece in template.generate(**variables):
@@ -155,22 +151,13 @@ def render_limited(template: jinja2.Template, variables: Mapping[str, Any]) -> s
                 )
             pieces.append(piece)
         return "".join(pieces)
-    finally:
-        sys.settrace(previous)
 
 
-def _deadline_tracer(deadline: float) -> Callable[..., Any]:
-    """A trace function that only follows template frames and stops them at `deadline`."""
+class RenderTookTooLong(ChatTemplateLimit):
+    """A render stopped at MAX_RENDER_SECONDS (raised in the render's thread by
+    `render_deadline.py`, which builds it without arguments)."""
 
-    def on_line(frame: Any, event: str, arg: Any) -> Any:
-        if time.monotonic() > deadline:
-            raise ChatTemplateLimit(
-                f"chat template: rendering took over {MAX_RENDER_SECONDS:g} s (stopped)"
-            )
-        return on_line
-
-    def on_call(frame: Any, event: str, arg: Any) -> Any:
-        # Only the compiled template's frames; the rest of Python runs untraced.
-        return on_line if frame.f_code.co_filename == _TEMPLATE_FILENAME else None
-
-    return on_call
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(
+            message or f"chat template: rendering took over {MAX_RENDER_SECONDS:g} s (stopped)"
+        )
