@@ -19,7 +19,10 @@ templating, tokenizing and the id and copy checks over N workers
 `dask scheduler` process and N `dask worker` processes of one thread, fresh for each
 run. The scheduler is its own process here, as on a real cluster, so the driver's peak
 RSS is the planner's alone; the scheduler's and the workers' are printed beside it.
-Peaks are `ru_maxrss` (VmHWM for the scheduler). `--smoke` plans 20,000 rows in windows
+Peaks are `ru_maxrss` (VmHWM for the scheduler). The driver's current RSS is sampled
+every half second while it cuts the staged windows (after the last fan-out returns):
+"first/min/max/last" of those samples, which stay level where the driver holds one
+window at a time whatever the input's size. `--smoke` plans 20,000 rows in windows
 of 5,000 to check the script, not to measure.
 """
 
@@ -38,7 +41,7 @@ from contextlib import contextmanager
 from tokenmill.pipelines.plan import DEFAULT_PLAN_WINDOW_ROWS
 
 CHILD = """
-import json, resource, sys, time
+import json, resource, sys, threading, time
 from tokenmill.engine import DEFAULT_MODEL
 from tokenmill.pipelines.planning import plan_job
 from tokenmill.pipelines.spec import JobSpec
@@ -46,30 +49,54 @@ from tokenmill.pipelines.spec import JobSpec
 def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+samples = []  # (seconds since start, current RSS MB), every half second
+def sample(stop):
+    while not stop.wait(0.5):
+        samples.append((time.perf_counter(), rss_mb()))
+
 source, output, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 workers, window_rows, scheduler_file = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 spec = JobSpec(source, output, model=DEFAULT_MODEL, id_column="id", max_tokens=16,
                storage_options=options, plan_window_rows=window_rows)
-workers_rss = []
+workers_rss, cut_started = [], None
+stop = threading.Event()
+threading.Thread(target=sample, args=(stop,), daemon=True).start()
 if workers:
     import importlib
     from distributed import Client
     from tokenmill.flows.runners import DaskFanOut
     from tokenmill.pipelines.spread_planning import plan_job_spread
+
+    class TimedFanOut(DaskFanOut):
+        # The driver cuts the staged windows after the last fan-out returns.
+        def map(self, fn, args):
+            global cut_started
+            answers = super().map(fn, args)
+            cut_started = time.perf_counter()
+            return answers
+
     with Client(scheduler_file=scheduler_file) as client:
         client.wait_for_workers(workers)
         # A flow's workers have imported tokenmill already: time planning, not imports.
         client.run(importlib.import_module, "tokenmill.pipelines.spread_planning")
         started = time.perf_counter()
-        plan = plan_job_spread(spec, fan_out=DaskFanOut(workers))
+        plan = plan_job_spread(spec, fan_out=TimedFanOut(workers))
         seconds = time.perf_counter() - started
         workers_rss = sorted(client.run(peak_rss_mb).values())
 else:
     started = time.perf_counter()
     plan = plan_job(spec)
     seconds = time.perf_counter() - started
+stop.set()
+cut = [mb for t, mb in samples if cut_started is not None and t >= cut_started]
 print(json.dumps({"rows": plan.num_rows, "shards": len(plan.shards), "seconds": seconds,
-                  "max_rss_mb": peak_rss_mb(), "workers_max_rss_mb": workers_rss}))
+                  "max_rss_mb": peak_rss_mb(), "workers_max_rss_mb": workers_rss,
+                  "cut_seconds": None if cut_started is None else time.perf_counter() - cut_started,
+                  "cut_rss_mb": [cut[0], min(cut), max(cut), cut[-1]] if cut else None}))
 """
 
 CREDENTIALS = {
@@ -150,7 +177,8 @@ def peak_rss_of(pid: int) -> float:
 
 HEADER = (
     f"{'rows':>11} | {'workers':>7} | {'shards':>6} | {'planning s':>10} | "
-    f"{'driver peak RSS MB':>18} | {'scheduler MB':>12} | workers' peak RSS MB"
+    f"{'driver peak RSS MB':>18} | {'cut s':>6} | {'driver RSS in cut MB':>20} | "
+    f"{'scheduler MB':>12} | workers' peak RSS MB"
 )
 
 
@@ -209,10 +237,15 @@ def main() -> None:
                         measured = json.loads(done.stdout.strip().splitlines()[-1])
                         workers = ", ".join(f"{mb:.0f}" for mb in measured["workers_max_rss_mb"])
                         scheduler = "-" if scheduler_mb is None else f"{scheduler_mb:.0f}"
+                        cut = measured["cut_rss_mb"]
+                        cut_rss = "/".join(f"{mb:.0f}" for mb in cut) if cut else "-"
+                        cut_s = measured["cut_seconds"]
+                        cut_s = "-" if cut_s is None else f"{cut_s:.1f}"
                         print(
                             f"{measured['rows']:>11,} | {num_workers:>7} | "
                             f"{measured['shards']:>6,} | {measured['seconds']:>10.1f} | "
-                            f"{measured['max_rss_mb']:>18.0f} | {scheduler:>12} | "
+                            f"{measured['max_rss_mb']:>18.0f} | {cut_s:>6} | {cut_rss:>20} | "
+                            f"{scheduler:>12} | "
                             f"{workers or '-'}",
                             flush=True,
                         )
