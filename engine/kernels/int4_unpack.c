@@ -1,5 +1,5 @@
 /* int4 weights in PyTorch's CPU int4 layout, expanded to bf16 for one product
- * (engine/quant/int4.py).
+ * (engine/quant/int4.py) - and float weights quantized straight into that layout at load.
  *
  * torch._weight_int4pack_mm_for_cpu reads a quarter of bf16's bytes, which wins while a
  * call is bound by reading its weights (a decode step of a few sequences); from a few
@@ -21,6 +21,7 @@
  * time.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kernel_common.h"
 #include "kernels.h"
@@ -85,4 +86,89 @@ int tm_int4_unpack_bf16(const tm_int4_unpack_args *a) {
         }
     }
     return TM_OK;
+}
+
+/* ---- quantizing a float weight into the layout ------------------------------------
+ * int4.py's quantize_weight and _convert_weight_to_int4pack_for_cpu in one pass over the
+ * weight, a block of 64 output channels per task: torch's version makes an fp32 copy and
+ * runs seven more passes over it (min, max, subtract, divide, round, clamp, widen), then
+ * packs. The arithmetic is the same fp32 steps in the same order (the flags forbid
+ * contracting or reassociating them): span = max - min, scale = span / 15 (1 where the
+ * span is 0), q = round-half-even((w - min) / scale) clamped to 0..15. A NaN anywhere in a
+ * group makes its minimum NaN and an infinity its scale or minimum non-finite: such groups
+ * are counted, and the caller refuses a weight with any rather than use garbage codes. */
+/* One output channel's groups: codes into q[k], (scale, minimum) per group. Each step is
+ * its own loop over the group, so that each vectorises. */
+static int64_t quantize_channel(const void *weight, int is_bf16, int64_t row, int64_t k,
+                                int64_t group, uint8_t *q, float *scale, float *minimum) {
+    float values[TM_INT4_MAX_GROUP];
+    int64_t nonfinite = 0;
+    for (int64_t g = 0; g < k / group; g++) {
+        const int64_t base = row * k + g * group;
+        if (is_bf16) {
+            const uint16_t *src = (const uint16_t *)weight + base;
+            for (int64_t i = 0; i < group; i++) values[i] = bf16_to_f32(src[i]);
+        } else {
+            const float *src = (const float *)weight + base;
+            for (int64_t i = 0; i < group; i++) values[i] = src[i];
+        }
+        float lo = values[0], hi = values[0];
+        int nan = 0;
+        for (int64_t i = 0; i < group; i++) {
+            lo = values[i] < lo ? values[i] : lo;
+            hi = values[i] > hi ? values[i] : hi;
+            nan |= values[i] != values[i];
+        }
+        if (nan) lo = __builtin_nanf(""); /* as torch's amin propagates a NaN */
+        const float span = hi - lo;
+        const float s = span > 0.0f ? span / 15.0f : 1.0f;
+        for (int64_t i = 0; i < group; i++) {
+            float c = __builtin_nearbyintf((values[i] - lo) / s);
+            c = c < 0.0f ? 0.0f : c;
+            c = c > 15.0f ? 15.0f : c;
+            q[g * group + i] = (uint8_t)(int32_t)c;
+        }
+        scale[row * (k / group) + g] = s;
+        minimum[row * (k / group) + g] = lo;
+        nonfinite += !(__builtin_isfinite(s) && __builtin_isfinite(lo));
+    }
+    return nonfinite;
+}
+
+int tm_int4_pack(const tm_int4_pack_args *a) {
+    const int64_t n = a->n, k = a->k, group = a->group;
+    if (n <= 0 || k <= 0 || n % INT4_BLOCK_N || group <= 0 || group > TM_INT4_MAX_GROUP ||
+        k % group)
+        return TM_UNSUPPORTED_SHAPE;
+    uint8_t *packed = (uint8_t *)a->packed;
+    const int64_t blocks = n / INT4_BLOCK_N;
+    int status = TM_OK;
+    int64_t nonfinite = 0;
+#pragma omp parallel num_threads(a->num_threads) reduction(+ : nonfinite)
+    {
+        /* Two channels' codes: channel j and j + 32 share a byte. */
+        uint8_t *low = malloc((size_t)k), *high = malloc((size_t)k);
+        if (low == NULL || high == NULL) {
+#pragma omp atomic write
+            status = TM_OUT_OF_MEMORY;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < blocks; nb++) {
+                uint8_t *block = packed + nb * k * 32;
+                for (int64_t j = 0; j < 32; j++) {
+                    const int64_t row = nb * INT4_BLOCK_N + j;
+                    nonfinite += quantize_channel(a->weight, a->is_bf16, row, k, group, low,
+                                                  a->scale, a->minimum);
+                    nonfinite += quantize_channel(a->weight, a->is_bf16, row + 32, k, group,
+                                                  high, a->scale, a->minimum);
+                    for (int64_t kk = 0; kk < k; kk++)
+                        block[kk * 32 + j] = (uint8_t)(low[kk] | (high[kk] << 4));
+                }
+            }
+        }
+        free(low);
+        free(high);
+    }
+    *a->num_nonfinite = nonfinite;
+    return status;
 }

@@ -1,5 +1,6 @@
 """Python side of int4_unpack.c: int4 weights in PyTorch's CPU int4pack layout expanded
-to a transposed bf16 weight for one product (engine/quant/int4.py)."""
+to a transposed bf16 weight for one product, and float weights quantized into that
+layout in one pass at load (engine/quant/int4.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import functools
 import torch
 
 from tokenmill.engine.kernels import native_library
-from tokenmill.engine.kernels.interface import Int4UnpackArgs, check_status
+from tokenmill.engine.kernels.interface import Int4PackArgs, Int4UnpackArgs, check_status
 
 # Output channels per block of torch's CPU int4pack layout (int4_unpack.c).
 BLOCK_N = 64
+# The largest group quantize_pack_int4 takes (kernels.h's TM_INT4_MAX_GROUP).
+MAX_PACK_GROUP = 256
 
 
 @functools.cache
@@ -58,3 +61,38 @@ def unpack_int4_bf16(
     )
     check_status(_library().tm_int4_unpack_bf16(ctypes.byref(args)), f"int4 unpack {n} x {k}")
     return out
+
+
+def quantize_pack_int4(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A float weight [N, K] (bf16 or fp32, N a multiple of 64) quantized in groups of
+    `group_size` inputs and packed: (uint8 [N, K / 2] in the int4pack layout, fp32 scale
+    [N, K / g], fp32 minimum [N, K / g]) - the codes int4.py's quantize_weight makes, to the
+    bit, packed as torch packs them where int4.py has checked its layout. None where a
+    group holds a NaN or an infinity (its scale or minimum is not finite): the caller's
+    own path then decides, as it would have without this one."""
+    n, k = weight.shape
+    if weight.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"int4 packing takes bf16 or fp32 weights, not {weight.dtype}")
+    weight = weight.detach().contiguous()
+    packed = torch.empty(n, k // 2, dtype=torch.uint8)
+    scale = torch.empty(n, k // group_size)
+    minimum = torch.empty(n, k // group_size)
+    num_nonfinite = ctypes.c_int64(0)
+    args = Int4PackArgs(
+        weight=weight.data_ptr(),
+        packed=packed.data_ptr(),
+        scale=scale.data_ptr(),
+        minimum=minimum.data_ptr(),
+        num_nonfinite=ctypes.addressof(num_nonfinite),
+        n=n,
+        k=k,
+        group=group_size,
+        is_bf16=int(weight.dtype == torch.bfloat16),
+        num_threads=torch.get_num_threads(),
+    )
+    check_status(_library().tm_int4_pack(ctypes.byref(args)), f"int4 pack {n} x {k}")
+    if num_nonfinite.value:
+        return None
+    return packed, scale, minimum

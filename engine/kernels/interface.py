@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 # The header's TM_ABI_VERSION this mirror follows.
-ABI_VERSION = 23
+ABI_VERSION = 24
 # Status codes (TM_OK, TM_OUT_OF_MEMORY, TM_UNSUPPORTED_SHAPE, TM_UNSUPPORTED_ISA).
 OK, OUT_OF_MEMORY, UNSUPPORTED_SHAPE, UNSUPPORTED_ISA = 0, -1, -2, -3
 # tm_limits_t.int8_linear_isa values (TM_INT8_ISA_*), by name.
@@ -81,6 +81,7 @@ class _Limits(ctypes.Structure):
         ("vision_attention_amx", _i64),
         ("vision_attention_args_size", _i64),
         ("layer_norm_args_size", _i64),
+        ("int4_pack_args_size", _i64),
     ]
 
 
@@ -272,6 +273,23 @@ class Int4UnpackArgs(ctypes.Structure):
     ]
 
 
+class Int4PackArgs(ctypes.Structure):
+    """tm_int4_pack_args."""
+
+    _fields_ = [
+        ("weight", _ptr),
+        ("packed", _ptr),
+        ("scale", _ptr),
+        ("minimum", _ptr),
+        ("num_nonfinite", _ptr),
+        ("n", _i64),
+        ("k", _i64),
+        ("group", _i64),
+        ("is_bf16", _i32),
+        ("num_threads", _i32),
+    ]
+
+
 class Q4LinearArgs(ctypes.Structure):
     """tm_q4_linear_args."""
 
@@ -427,6 +445,7 @@ FUNCTIONS = {
     "tm_int8_linear": (Int8LinearArgs, "int8_linear_args_size"),
     "tm_argmax_rows": (ArgmaxArgs, "argmax_args_size"),
     "tm_int4_unpack_bf16": (Int4UnpackArgs, "int4_unpack_args_size"),
+    "tm_int4_pack": (Int4PackArgs, "int4_pack_args_size"),
     "tm_q4_linear": (Q4LinearArgs, "q4_linear_args_size"),
     "tm_q4_unpack_bf16": (Q4UnpackArgs, "q4_unpack_args_size"),
     "tm_q4_linear_tiles": (Q4LinearArgs, "q4_linear_args_size"),

@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 /* Raised whenever a struct below changes. */
-#define TM_ABI_VERSION 23
+#define TM_ABI_VERSION 24
 
 /* Limits. head_dim and block_size bound the attention kernel's per-thread scratch; a tile
  * holds TM_TILE_ROWS query rows (tokens x query heads of one kv head), so a kv head may
@@ -99,6 +99,8 @@ typedef struct {
     int64_t vision_attention_args_size;
     /* layer_norm.c */
     int64_t layer_norm_args_size;
+    /* int4_unpack.c's packing */
+    int64_t int4_pack_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -360,6 +362,25 @@ typedef struct {
 } tm_int4_unpack_args;
 
 int tm_int4_unpack_bf16(const tm_int4_unpack_args *args);
+
+/* The inverse's first half: a float weight [n][k] quantized in groups of `group` inputs
+ * (scale = (max - min) / 15, q = round((w - min) / scale) in 0..15, all in fp32) straight
+ * into the layout above (n % 64 == 0, group <= TM_INT4_MAX_GROUP). */
+#define TM_INT4_MAX_GROUP 256
+typedef struct {
+    const void *weight; /* [n][k] fp32 or bf16 (is_bf16) */
+    void *packed;       /* uint8 [n / 64][k][32] */
+    float *scale;       /* [n][k / group] */
+    float *minimum;     /* [n][k / group] */
+    int64_t *num_nonfinite; /* out: groups whose scale or minimum is not finite */
+    int64_t n;
+    int64_t k;
+    int64_t group;
+    int32_t is_bf16;
+    int32_t num_threads;
+} tm_int4_pack_args;
+
+int tm_int4_pack(const tm_int4_pack_args *args);
 
 /* ---- q4_linear.c: integer dot products on 4-bit GGUF blocks ---------------------------
  * A Q4_0 or Q4_1 layer's forward as llama.cpp computes it: each row of x quantized in

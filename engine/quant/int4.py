@@ -147,11 +147,19 @@ class Int4Linear(nn.Module):
         *,
         group_size: int = 32,
     ) -> Int4Linear:
-        """A float weight [n, k] quantized and packed a chunk of ROWS_PER_CHUNK rows at a
-        time where packing is block-wise (what `from_parts` relies on): the load then
+        """A float weight [n, k] quantized and packed in one native pass where the kernels
+        are built and PyTorch packs in the layout they write (_quantized_natively); else
+        a chunk of ROWS_PER_CHUNK rows at a time where packing is block-wise (what `from_parts` relies on): the load then
         holds one chunk's fp32 and int32 temporaries, not the layer's - 4x and 2x an
         8B model's 235 MB bf16 gate_up. Same bytes as packing the whole."""
         n, k = weight.shape
+        native = _quantized_natively(weight, group_size)
+        if native is not None:
+            packed, scale, minimum = native
+            shape_only = torch.empty(n, k, dtype=torch.int32, device="meta")
+            return cls(
+                shape_only, scale, minimum, bias, group_size=group_size, packed=(packed, True)
+            )
         chunks = weight.detach().split(ROWS_PER_CHUNK)
         if n <= ROWS_PER_CHUNK or not all(_layout_read(*c.shape) for c in chunks):
             q, scale, minimum = quantize_weight(weight, group_size)
@@ -190,6 +198,28 @@ class Int4Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"int4 group {self.group_size}"
         )
+
+
+def _quantized_natively(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(packed, scale, minimum) from int4_unpack.c's one pass over the weight - the same
+    codes, scales and minimums as quantize_weight, packed as PyTorch packs them - or None
+    where that pass does not apply: no native library, a dtype it does not read, channels
+    that do not fill whole int4pack blocks, a PyTorch whose packing int4_unpack.c does not
+    write (_layout_read), or a weight with a NaN or an infinity (left to quantize_weight,
+    as it was before this pass)."""
+    n, k = weight.shape
+    if not int4_unpack.available() or weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if group_size > int4_unpack.MAX_PACK_GROUP or k % group_size or n % int4_unpack.BLOCK_N:
+        return None
+    # PyTorch packs block by block of channels (what from_parts and the chunks of
+    # from_float rely on too), so two blocks at this k stand for all n / 64 of them: the
+    # probe costs a few hundred KB of codes, not a random copy of the layer.
+    if not _layout_read(2 * int4_unpack.BLOCK_N, k):
+        return None
+    return int4_unpack.quantize_pack_int4(weight, group_size)
 
 
 @functools.cache

@@ -109,9 +109,11 @@ def test_the_layout_checked_once_per_shape_is_each_weights_own(n, k):
 
 
 @needs_native
-def test_a_weight_packed_a_chunk_of_rows_at_a_time_is_packed_as_a_whole():
+def test_a_weight_packed_a_chunk_of_rows_at_a_time_is_packed_as_a_whole(monkeypatch):
     rows = int4.ROWS_PER_CHUNK + 128  # two chunks, the last short
     weight = torch.randn(rows, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    # the path taken where the one-pass native packing does not apply
+    monkeypatch.setattr(int4, "_quantized_natively", lambda weight, group_size: None)
     chunked = Int4Linear.from_float(weight, group_size=32)
     q, scale, minimum = quantize_weight(weight, 32)
     whole = Int4Linear(q, scale, minimum, None, group_size=32)
@@ -119,6 +121,70 @@ def test_a_weight_packed_a_chunk_of_rows_at_a_time_is_packed_as_a_whole():
     assert torch.equal(chunked.packed_weight, whole.packed_weight)
     assert torch.equal(chunked.scales_and_zeros, whole.scales_and_zeros)
     assert chunked.weight_bytes == whole.weight_bytes
+
+
+def _awkward_weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random weights with the groups that test the rounding: a constant group (span 0,
+    scale 1), a group of subnormal-sized values, a row a thousand times larger, and
+    values exactly half a step from two codes (round half to even)."""
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(3)) * 0.02
+    weight[3, :32] = 0.5
+    weight[5, :32] = torch.linspace(1e-39, 3e-39, 32)
+    weight[7] *= 1000
+    weight[9, :32] = torch.arange(32) % 16 * 1.0
+    weight[9, 1] = 15.0  # a span of 15: scale 1, and a code of 7.5 rounds to 8
+    weight[9, 2] = 7.5
+    weight[11, :32] = -0.0
+    return weight.to(dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("n", "k", "group"), [(64, 32, 32), (128, 4096, 32), (192, 512, 64)])
+def test_the_one_pass_packing_is_quantize_weight_then_torchs_packing_to_the_bit(dtype, n, k, group):
+    weight = _awkward_weight(n, k, dtype)
+    packed, scale, minimum = int4_unpack.quantize_pack_int4(weight, group)
+    q, want_scale, want_minimum = quantize_weight(weight, group)
+    assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2))
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(minimum, want_minimum)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_layer_from_the_one_pass_is_the_layer_from_quantize_weight(dtype):
+    weight = _awkward_weight(256, 128, dtype)
+    bias = torch.randn(256).to(dtype)
+    layer = Int4Linear.from_float(weight, bias, group_size=32)
+    q, scale, minimum = quantize_weight(weight, 32)
+    want = Int4Linear(q, scale, minimum, bias, group_size=32)
+    assert layer.unpacks and want.unpacks
+    assert torch.equal(layer.packed_weight, want.packed_weight)
+    assert torch.equal(layer.scales_and_zeros, want.scales_and_zeros)
+    assert layer.weight_bytes == want.weight_bytes
+    x = torch.randn(3, 128).to(dtype)
+    assert torch.equal(layer(x), want(x))
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("row", "col", "value"),
+    [(1, 0, float("nan")), (70, 45, float("nan")), (2, 9, float("inf")), (127, 63, -float("inf"))],
+)
+def test_the_one_pass_refuses_a_weight_with_a_nan_or_an_infinity(row, col, value):
+    """Left to quantize_weight's path (None), never packed from undefined codes."""
+    weight = torch.randn(128, 64)
+    weight[row, col] = value
+    assert int4_unpack.quantize_pack_int4(weight, 32) is None
+    assert int4._quantized_natively(weight, 32) is None
+
+
+@needs_native
+def test_the_one_pass_leaves_shapes_it_does_not_pack_to_the_chunked_path():
+    # 96 channels are not whole blocks of 64; a float16 weight is not read natively
+    assert int4._quantized_natively(torch.randn(96, 64), 32) is None
+    assert int4._quantized_natively(torch.randn(128, 64).half(), 32) is None
+    assert int4._quantized_natively(torch.randn(128, 512), 512) is None  # group > 256
 
 
 def test_inputs_not_a_multiple_of_the_group_are_refused():
