@@ -112,13 +112,24 @@ static int64_t quantize_channel(const void *weight, int is_bf16, int64_t row, in
             const float *src = (const float *)weight + base;
             for (int64_t i = 0; i < group; i++) values[i] = src[i];
         }
-        float lo = values[0], hi = values[0];
-        int nan = 0;
+        /* The least and greatest value as integers that order as the floats do (a
+         * negative float's magnitude bits flipped): integer min and max vectorise where
+         * the float ones may not reorder (NaN and signed-zero rules). Only -0.0 against
+         * 0.0 orders differently, and either is the same minimum to every step below. */
+        int32_t lo_key = INT32_MAX, hi_key = INT32_MIN, nan = 0;
         for (int64_t i = 0; i < group; i++) {
-            lo = values[i] < lo ? values[i] : lo;
-            hi = values[i] > hi ? values[i] : hi;
-            nan |= values[i] != values[i];
+            int32_t bits;
+            __builtin_memcpy(&bits, &values[i], sizeof bits);
+            const int32_t key = bits ^ ((bits >> 31) & INT32_MAX);
+            lo_key = key < lo_key ? key : lo_key;
+            hi_key = key > hi_key ? key : hi_key;
+            nan |= (bits & INT32_MAX) > 0x7f800000;
         }
+        lo_key ^= (lo_key >> 31) & INT32_MAX;
+        hi_key ^= (hi_key >> 31) & INT32_MAX;
+        float lo, hi;
+        __builtin_memcpy(&lo, &lo_key, sizeof lo);
+        __builtin_memcpy(&hi, &hi_key, sizeof hi);
         if (nan) lo = __builtin_nanf(""); /* as torch's amin propagates a NaN */
         const float span = hi - lo;
         const float s = span > 0.0f ? span / 15.0f : 1.0f;
