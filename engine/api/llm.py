@@ -44,6 +44,7 @@ from tokenmill.engine.types.memory import MemoryPlan
 from tokenmill.engine.types.outputs import EngineStats, RequestOutput
 from tokenmill.engine.types.profiling import NO_PROFILER, StepProfiler
 from tokenmill.engine.types.sampling_params import SamplingParams
+from tokenmill.engine.types.start_phases import StartPhases
 from tokenmill.engine.worker.build import (
     build_encoder_runner,
     build_runner,
@@ -87,6 +88,7 @@ class LLM(PoolingMethods):
             )
         self.engine_config = EngineConfig(**settings)
         check_settings(self.engine_config)
+        phases = StartPhases()
         self.model_dir = resolve_model(model, revision=revision)
         if self.engine_config.pan_and_scan:  # refused by name before the weights load
             check_pan_and_scan(load_config(self.model_dir), True)
@@ -100,12 +102,22 @@ class LLM(PoolingMethods):
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
         self.dtype = resolve_dtype(config.dtype, self.device)
+        phases.lap("resolve")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        phases.lap("tokenizer")
         # What the model can be asked: generate, embed, classify, rerank.
         self.tasks = served_tasks(self.model_dir)
         self.engine = build_engine(
-            self.model_dir, config, dtype=self.dtype, device=self.device, tokenizer=self.tokenizer
+            self.model_dir,
+            config,
+            dtype=self.dtype,
+            device=self.device,
+            tokenizer=self.tokenizer,
+            phases=phases,
         )
+        phases.lap("engine")
+        # Wall seconds per phase of this start, in order (types/start_phases.py).
+        self.start_phases: dict[str, float] = phases.seconds
         self.model_config = self.engine.runner.config
         self.max_model_len = self.engine.max_model_len
         self._request_counter = itertools.count()
@@ -446,6 +458,7 @@ def build_engine(
     dtype: torch.dtype,
     device: torch.device,
     tokenizer: Tokenizer | None = None,
+    phases: StartPhases | None = None,
 ) -> LLMEngine | EncoderEngine:
     """The engine loop over a runner loaded from model_dir (what `LLM` builds): the
     decode loop, or for an encoder the encoder loop.
@@ -456,6 +469,7 @@ def build_engine(
         dtype, device: where and in what the model runs.
         tokenizer: decodes outputs and stop strings (None: token ids only); an encoder
             reads its pair template.
+        phases: where a decoder's load records its phases (worker/build.py's build_runner).
     """
     if is_encoder_dir(model_dir):
         encoder = build_encoder_runner(
@@ -472,7 +486,7 @@ def build_engine(
             vocab_size=encoder.model_config.vocab_size,
             memory=encoder.memory,
         )
-    loaded = build_runner(model_dir, engine_config, dtype=dtype, device=device)
+    loaded = build_runner(model_dir, engine_config, dtype=dtype, device=device, phases=phases)
     return LLMEngine(
         loaded.runner,
         engine_config,

@@ -35,6 +35,7 @@ from tokenmill.engine.quant.packed_linear import pack_linear_layers
 from tokenmill.engine.types.config import EngineConfig
 from tokenmill.engine.types.memory import MemoryPlan
 from tokenmill.engine.types.pooling_params import POOLING_TASKS
+from tokenmill.engine.types.start_phases import StartPhases
 from tokenmill.engine.worker.attention import AttentionSpec, select_backend
 from tokenmill.engine.worker.calibration import input_absmax
 from tokenmill.engine.worker.encoder_runner import EncoderRunner
@@ -176,14 +177,22 @@ def plan_memory(
 
 
 def build_runner(
-    model_dir: Path, engine_config: EngineConfig, *, dtype: torch.dtype, device: torch.device
+    model_dir: Path,
+    engine_config: EngineConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    phases: StartPhases | None = None,
 ) -> LoadedModel:
-    """Load the weights, quantize them if asked, size and allocate the KV cache.
+    """Load the weights, quantize them if asked, size and allocate the KV cache; each
+    phase's wall time goes to `phases` (types/start_phases.py: laps from its last one)
+    where given.
 
     Raises:
         ValueError: the model, its quantization or its cache cannot run here (before any
             weight is read).
     """
+    phases = StartPhases() if phases is None else phases
     model_config = load_config(model_dir)
     max_model_len = max_model_len_of(model_config, engine_config)
     check_settings(engine_config)
@@ -215,6 +224,7 @@ def build_runner(
             model_config, kv_format, block_size=engine_config.block_size, dtype=dtype, device=device
         )
     )
+    phases.lap("checks")
     # Sized before the load: once the weights are in, the RAM they took is no longer
     # free, and a model that cannot fit is refused rather than killed halfway.
     memory = plan_memory(
@@ -226,6 +236,7 @@ def build_runner(
         quantized_checkpoint=None if checkpoint is None else model_dir,
     )
     memory.check(model_dir.name)
+    phases.lap("plan")
     # A quantized checkpoint's layers, or the layers a mode reads as stored (a GGUF's
     # blocks), are held out of the float load: never expanded to float.
     hold_out = load_hold_out(quantization, model_dir) if checkpoint is None else checkpoint.hold_out
@@ -235,10 +246,11 @@ def build_runner(
         dtype=dtype,
         device=device,
         hold_out=hold_out,
-        on_filled=_on_filled(quantization),
+        on_filled=_timed(_on_filled(quantization), phases),
     )
     if checkpoint is not None:  # its quantized layers, read in their own format
         checkpoint.load_layers(model, model_dir, dtype=dtype)
+    phases.lap("load")
     if quantization is not None:
         measure = functools.partial(input_absmax, dtype=dtype)
         quantize_model(
@@ -249,11 +261,13 @@ def build_runner(
             measure_inputs=measure,
             lm_head=engine_config.quantize_lm_head,
         )
+    phases.lap("quantize")
     # the float layers left
     pack_linear_layers(model, dtype=dtype, device=device, enabled=engine_config.packed_linear)
     # Mixture-of-experts layers: the load packed each as it filled (expert_packer);
     # packed ones are skipped, so this packs only what it left float.
     pack_experts(model)
+    phases.lap("pack")
     block_size = engine_config.block_size
     if memory.available_bytes is None:  # CUDA: sized from the memory the load left
         num_blocks = num_cache_blocks(model_config, engine_config, dtype=dtype, device=device)
@@ -265,6 +279,7 @@ def build_runner(
     kv_cache = kv_format.allocate(
         model_config, num_blocks, block_size, dtype, device, huge_pages=engine_config.huge_pages
     )
+    phases.lap("kv_cache")
     runner = ModelRunner(
         model,
         model_config,
@@ -275,6 +290,7 @@ def build_runner(
         dtype=dtype,
         pooler=build_pooler(model_dir, model),
     )
+    phases.lap("runner")
     return LoadedModel(runner, model_config, num_blocks, max_model_len, memory)
 
 
@@ -294,6 +310,18 @@ def _on_filled(quantization: str | None) -> Callable[[torch.nn.Module, str], Non
         quantize_filled(model, name)
 
     return on_filled
+
+
+def _timed(
+    on_filled: Callable[[torch.nn.Module, str], None], phases: StartPhases
+) -> Callable[[torch.nn.Module, str], None]:
+    """on_filled with its time counted as quantizing, not as the load it runs inside."""
+
+    def timed(model: torch.nn.Module, name: str) -> None:
+        with phases.phase("quantize"):
+            on_filled(model, name)
+
+    return timed
 
 
 def build_pooler(model_dir: Path, model) -> Pooler | None:
