@@ -3,6 +3,8 @@
 Each start is a fresh process. tokenmill's is timed from the `LLM(...)` call to its
 return (the engine ready for a first step); the first generate of one token is timed
 apart, and so is the whole process (interpreter, imports and LLM()) from its spawn.
+A second table splits each tokenmill start into its phases (`LLM.start_phases`: the
+tokenizer, the load, quantizing, packing, the KV cache ...), beside the imports.
 llama.cpp's is `llama-server` from its spawn to the first `GET /health` that answers
 200 (its model loaded, its context allocated).
 
@@ -67,6 +69,8 @@ class Start:
     peak_rss_bytes: int
     resident_before: float  # share of the model's file pages resident at spawn
     read_bytes: int  # bytes of the files it reads
+    # tokenmill: seconds per phase of LLM() (LLM.start_phases), the imports first
+    phases: dict[str, float] | None = None
 
 
 # -- one start ----------------------------------------------------------------------------
@@ -89,6 +93,7 @@ def child(model: str, mode: str, spawned: float) -> None:
         "process_s": process_s,
         "first_token_s": first,
         "peak_rss_bytes": _peak_rss(os.getpid()),
+        "phases": {"imports": imported - start, **llm.start_phases},
     }
     print(json.dumps(facts), flush=True)
 
@@ -110,6 +115,7 @@ def start_tokenmill(model: Path, mode: str, cache: str, files: list[Path]) -> St
         facts["peak_rss_bytes"],
         resident,
         sum(f.stat().st_size for f in files),
+        facts["phases"],
     )
 
 
@@ -200,10 +206,12 @@ def _models(args) -> tuple[Path, dict[str, Path]]:
     return Path(args.model), ggufs
 
 
-def _read_by_llm(model_dir: Path) -> list[Path]:
-    """The files LLM() reads of a model directory: all but the GGUFs a scale model keeps
-    beside its checkpoint (llama.cpp's)."""
-    return [f for f in model_files(model_dir) if f.suffix != ".gguf"]
+def _read_by_llm(model_dir: Path, mode: str = "bf16") -> list[Path]:
+    """The files LLM() reads of a model directory: in the gguf mode every one (its
+    converted directory links the GGUF it runs); else all but the GGUFs a scale model
+    keeps beside its checkpoint (llama.cpp's)."""
+    files = model_files(model_dir)
+    return files if mode == "gguf" else [f for f in files if f.suffix != ".gguf"]
 
 
 def _median(starts: list[Start]) -> Start:
@@ -232,6 +240,22 @@ def _table(rows: list[Start], disk: float, cpu: str) -> str:
         "ready; disk s: GB read / disk read speed (a cold start's bound); resident: the "
         "files' pages in the page cache at spawn"
     )
+    return "\n".join(lines)
+
+
+def _phase_table(rows: list[Start]) -> str:
+    """Seconds per phase of each tokenmill start, phases in the order they ran."""
+    timed = [r for r in rows if r.phases]
+    if not timed:
+        return ""
+    names = list(dict.fromkeys(name for r in timed for name in r.phases))
+    lines = [
+        "tokenmill's start by phase, seconds (imports: before LLM(); the rest: LLM.start_phases)",
+        f"{'mode':<5} {'cache':<5} " + " ".join(f"{n:>9}" for n in names),
+    ]
+    for r in timed:
+        cells = " ".join(f"{r.phases.get(n, 0.0):9.2f}" for n in names)
+        lines.append(f"{r.mode:<5} {r.cache:<5} {cells}")
     return "\n".join(lines)
 
 
@@ -276,7 +300,7 @@ def main() -> None:
 
     rows: list[Start] = []
     for mode in args.modes:
-        files = _read_by_llm(sources[mode])
+        files = _read_by_llm(sources[mode], mode)
         for cache in caches:
             starts = [
                 start_tokenmill(sources[mode], mode, cache, files) for _ in range(args.repeat)
@@ -294,6 +318,8 @@ def main() -> None:
                 ]
                 rows.append(_median(starts))
     print(_table(rows, disk, cpu_name()))
+    print()
+    print(_phase_table(rows))
     if args.json:
         Path(args.json).write_text(
             json.dumps(
