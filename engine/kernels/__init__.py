@@ -73,6 +73,8 @@ _FILE_FLAGS = {
     # Exact integer sums; the float steps are the ones the header states (explicit
     # multiply-adds, IEEE divisions and round-to-nearest-even), the same on every build.
     "q4_linear.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
+    # Each weight one fp32 product (Q4_1: plus its minimum, never contracted).
+    "gguf_dequantize.c": ["-fno-fast-math", "-ffp-contract=off"],
     # Each weight computed and split into bf16 parts exactly, as the header states.
     "q4_tiles.c": ["-fno-fast-math", "-ffp-contract=off", "-fno-math-errno"],
     # Sums in k order per output; contracting them into FMAs is what the vector path does.

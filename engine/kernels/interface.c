@@ -40,4 +40,5 @@ void tm_limits(tm_limits_t *out) {
     out->vision_attention_args_size = sizeof(tm_vision_attention_args);
     out->layer_norm_args_size = sizeof(tm_layer_norm_args);
     out->int4_pack_args_size = sizeof(tm_int4_pack_args);
+    out->gguf_dequantize_args_size = sizeof(tm_gguf_dequantize_args);
 }

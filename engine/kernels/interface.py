@@ -82,6 +82,7 @@ class _Limits(ctypes.Structure):
         ("vision_attention_args_size", _i64),
         ("layer_norm_args_size", _i64),
         ("int4_pack_args_size", _i64),
+        ("gguf_dequantize_args_size", _i64),
     ]
 
 
@@ -290,6 +291,18 @@ class Int4PackArgs(ctypes.Structure):
     ]
 
 
+class GGUFDequantizeArgs(ctypes.Structure):
+    """tm_gguf_dequantize_args."""
+
+    _fields_ = [
+        ("blocks", _ptr),
+        ("out", _ptr),
+        ("num_blocks", _i64),
+        ("kind", _i32),
+        ("num_threads", _i32),
+    ]
+
+
 class Q4LinearArgs(ctypes.Structure):
     """tm_q4_linear_args."""
 
@@ -446,6 +459,7 @@ FUNCTIONS = {
     "tm_argmax_rows": (ArgmaxArgs, "argmax_args_size"),
     "tm_int4_unpack_bf16": (Int4UnpackArgs, "int4_unpack_args_size"),
     "tm_int4_pack": (Int4PackArgs, "int4_pack_args_size"),
+    "tm_gguf_dequantize": (GGUFDequantizeArgs, "gguf_dequantize_args_size"),
     "tm_q4_linear": (Q4LinearArgs, "q4_linear_args_size"),
     "tm_q4_unpack_bf16": (Q4UnpackArgs, "q4_unpack_args_size"),
     "tm_q4_linear_tiles": (Q4LinearArgs, "q4_linear_args_size"),

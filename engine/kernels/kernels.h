@@ -101,6 +101,8 @@ typedef struct {
     int64_t layer_norm_args_size;
     /* int4_unpack.c's packing */
     int64_t int4_pack_args_size;
+    /* gguf_dequantize.c */
+    int64_t gguf_dequantize_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -381,6 +383,21 @@ typedef struct {
 } tm_int4_pack_args;
 
 int tm_int4_pack(const tm_int4_pack_args *args);
+
+/* ---- gguf_dequantize.c: exact (each weight one fp32 product, Q4_1 plus its minimum) ---- */
+
+/* GGUF blocks of 32 weights decoded to fp32, block after block (the formats:
+ * gguf_dequantize.c). */
+enum { TM_GGUF_Q4_0 = 0, TM_GGUF_Q4_1 = 1, TM_GGUF_Q8_0 = 2 };
+typedef struct {
+    const void *blocks; /* num_blocks blocks of `kind`, back to back */
+    float *out;         /* [num_blocks * 32] */
+    int64_t num_blocks;
+    int32_t kind;       /* TM_GGUF_* */
+    int32_t num_threads;
+} tm_gguf_dequantize_args;
+
+int tm_gguf_dequantize(const tm_gguf_dequantize_args *args);
 
 /* ---- q4_linear.c: integer dot products on 4-bit GGUF blocks ---------------------------
  * A Q4_0 or Q4_1 layer's forward as llama.cpp computes it: each row of x quantized in

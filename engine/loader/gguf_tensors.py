@@ -33,6 +33,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import quant_shape_to_byte_shape
 
+from tokenmill.engine.kernels import gguf_dequantize
 from tokenmill.engine.loader.gguf_blocks import BLOCK_FORMATS, decode, is_layer_block
 from tokenmill.engine.loader.gguf_convert import (
     GGUF_LINK,
@@ -309,12 +310,16 @@ class GGUFTensors:
 
 def _decode_blocks(data: np.ndarray, kind: str) -> torch.Tensor | None:
     """The fp32 values of blocks in a format gguf_blocks decodes - bit for bit what
-    `gguf.quants.dequantize` gives (tests check every bit), in vectorized passes instead of
-    its per-row-group loop, which takes seconds for a 150k-token embedding at every start;
-    None for other types (dequantized by gguf)."""
+    `gguf.quants.dequantize` gives (tests check every bit), natively for Q4_0, Q4_1 and
+    Q8_0 (kernels/gguf_dequantize.c) and in vectorized passes for the others, instead of
+    gguf's per-row-group loop, which takes seconds for a 150k-token embedding at every
+    start; None for other types (dequantized by gguf)."""
     if kind not in BLOCK_FORMATS:
         return None
     rows = torch.from_numpy(data.reshape(-1, data.shape[-1]))
+    if kind in gguf_dequantize.KINDS and gguf_dequantize.available():
+        # one native pass, the same bits (gguf_dequantize.c), no temporaries
+        return gguf_dequantize.dequantize_blocks(rows, kind)
     per_block, nbytes = BLOCK_FORMATS[kind]
     out = torch.empty(rows.shape[0], rows.shape[1] // nbytes * per_block)
     # A slice of rows at a time: the decode's temporaries (integers, fp32 products) stay
