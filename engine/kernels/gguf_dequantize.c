@@ -1,6 +1,8 @@
 /* GGUF's Q4_0, Q4_1 and Q8_0 blocks decoded to fp32 (engine/loader/gguf_tensors.py): the
  * float tensors a GGUF stores in them - the embedding and often the output head, the
- * largest tensors of a model with a big vocabulary - at every start.
+ * largest tensors of a model with a big vocabulary - at every start. And Q4_0 and Q4_1
+ * decoder weights moved, codes and fp16 scales as they are, into q4_linear.c's layout
+ * (tm_q4_pack_gguf), which the gguf mode runs them in.
  *
  * Each block holds 32 weights and an fp16 scale d (Q4_1: and an fp16 minimum m):
  *   Q4_0 (18 bytes): d, 16 bytes of nibbles; weight j = d * ((byte j & 15) - 8) and
@@ -52,6 +54,46 @@ static inline void q8_block(const uint8_t *b, float *out) {
     const float d = f16_to_f32(b);
     const int8_t *q = (const int8_t *)(b + 2);
     for (int j = 0; j < 32; j++) out[j] = d * (float)q[j];
+}
+
+/* q4_linear.c's layout, as q4_linear.py's pack_q4_weight writes it: per panel of 16 rows
+ * and block of 32 inputs, 256 bytes of nibbles - byte (s * 16 + c) * 4 + j holds row c's
+ * code s * 4 + j in its low nibble and code (s + 4) * 4 + j in its high one (s, j < 4) -
+ * then the 16 rows' fp16 scales, then (affine) their fp16 minimums. A GGUF block's code w
+ * is the low nibble of byte w (w < 16) or the high nibble of byte w - 16; Q4_0's value
+ * d * (code - 8) is the layout's symmetric form, Q4_1's d * code + m its affine one. */
+int tm_q4_pack_gguf(const tm_q4_pack_gguf_args *a) {
+    const int64_t n = a->n, k = a->k;
+    if (n <= 0 || k <= 0 || n % 16 || k % 32) return TM_UNSUPPORTED_SHAPE;
+    const int64_t in_bytes = a->affine ? 20 : 18, out_bytes = a->affine ? 320 : 288;
+    const int64_t blocks = k / 32, head = a->affine ? 4 : 2;
+    const uint8_t *raw = (const uint8_t *)a->raw;
+    uint8_t *out = (uint8_t *)a->out;
+#pragma omp parallel for schedule(static) num_threads(a->num_threads)
+    for (int64_t panel = 0; panel < n / 16; panel++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *dst = out + (panel * blocks + b) * out_bytes;
+            for (int c = 0; c < 16; c++) {
+                const uint8_t *src = raw + ((panel * 16 + c) * blocks + b) * in_bytes;
+                uint8_t code[32];
+                for (int w = 0; w < 16; w++) {
+                    code[w] = src[head + w] & 15;
+                    code[16 + w] = src[head + w] >> 4;
+                }
+                for (int s = 0; s < 4; s++)
+                    for (int j = 0; j < 4; j++)
+                        dst[(s * 16 + c) * 4 + j] =
+                            (uint8_t)(code[s * 4 + j] | (code[(s + 4) * 4 + j] << 4));
+                dst[256 + 2 * c] = src[0];
+                dst[256 + 2 * c + 1] = src[1];
+                if (a->affine) {
+                    dst[288 + 2 * c] = src[2];
+                    dst[288 + 2 * c + 1] = src[3];
+                }
+            }
+        }
+    }
+    return TM_OK;
 }
 
 int tm_gguf_dequantize(const tm_gguf_dequantize_args *a) {

@@ -41,4 +41,5 @@ void tm_limits(tm_limits_t *out) {
     out->layer_norm_args_size = sizeof(tm_layer_norm_args);
     out->int4_pack_args_size = sizeof(tm_int4_pack_args);
     out->gguf_dequantize_args_size = sizeof(tm_gguf_dequantize_args);
+    out->q4_pack_gguf_args_size = sizeof(tm_q4_pack_gguf_args);
 }

@@ -83,6 +83,7 @@ class _Limits(ctypes.Structure):
         ("layer_norm_args_size", _i64),
         ("int4_pack_args_size", _i64),
         ("gguf_dequantize_args_size", _i64),
+        ("q4_pack_gguf_args_size", _i64),
     ]
 
 
@@ -303,6 +304,19 @@ class GGUFDequantizeArgs(ctypes.Structure):
     ]
 
 
+class Q4PackGGUFArgs(ctypes.Structure):
+    """tm_q4_pack_gguf_args."""
+
+    _fields_ = [
+        ("raw", _ptr),
+        ("out", _ptr),
+        ("n", _i64),
+        ("k", _i64),
+        ("affine", _i32),
+        ("num_threads", _i32),
+    ]
+
+
 class Q4LinearArgs(ctypes.Structure):
     """tm_q4_linear_args."""
 
@@ -460,6 +474,7 @@ FUNCTIONS = {
     "tm_int4_unpack_bf16": (Int4UnpackArgs, "int4_unpack_args_size"),
     "tm_int4_pack": (Int4PackArgs, "int4_pack_args_size"),
     "tm_gguf_dequantize": (GGUFDequantizeArgs, "gguf_dequantize_args_size"),
+    "tm_q4_pack_gguf": (Q4PackGGUFArgs, "q4_pack_gguf_args_size"),
     "tm_q4_linear": (Q4LinearArgs, "q4_linear_args_size"),
     "tm_q4_unpack_bf16": (Q4UnpackArgs, "q4_unpack_args_size"),
     "tm_q4_linear_tiles": (Q4LinearArgs, "q4_linear_args_size"),

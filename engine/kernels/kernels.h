@@ -103,6 +103,7 @@ typedef struct {
     int64_t int4_pack_args_size;
     /* gguf_dequantize.c */
     int64_t gguf_dequantize_args_size;
+    int64_t q4_pack_gguf_args_size;
 } tm_limits_t;
 
 /* Fills *out with the constants above. */
@@ -398,6 +399,19 @@ typedef struct {
 } tm_gguf_dequantize_args;
 
 int tm_gguf_dequantize(const tm_gguf_dequantize_args *args);
+
+/* GGUF Q4_0 or Q4_1 rows (n rows of k / 32 blocks) moved into tm_q4_linear's layout, the
+ * codes and fp16 scales (and minimums) as they are; n % 16 == 0, k % 32 == 0. */
+typedef struct {
+    const void *raw; /* [n][k / 32 blocks of 18 (Q4_0) or 20 (Q4_1) bytes] */
+    void *out;       /* [n / 16][k / 32][288 or 320] as tm_q4_linear_args.w */
+    int64_t n;
+    int64_t k;
+    int32_t affine; /* 1: Q4_1 */
+    int32_t num_threads;
+} tm_q4_pack_gguf_args;
+
+int tm_q4_pack_gguf(const tm_q4_pack_gguf_args *args);
 
 /* ---- q4_linear.c: integer dot products on 4-bit GGUF blocks ---------------------------
  * A Q4_0 or Q4_1 layer's forward as llama.cpp computes it: each row of x quantized in

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.kernels import kernel_isa, native_library
-from tokenmill.engine.kernels.interface import Q4LinearArgs, Q4UnpackArgs, check_status
+from tokenmill.engine.kernels.interface import (
+    Q4LinearArgs,
+    Q4PackGGUFArgs,
+    Q4UnpackArgs,
+    check_status,
+)
 from tokenmill.engine.kernels.linear_calls import checked_activations, reused_buffers
 
 PANEL = 16  # output channels per packed panel
@@ -107,6 +112,40 @@ def pack_q4_weight(
         out_features=n,
         in_features=k,
         affine=minimum is not None,
+    )
+
+
+def pack_gguf_q4_weight(
+    raw: torch.Tensor, affine: bool, bias: torch.Tensor | None = None
+) -> PackedQ4Weight:
+    """GGUF Q4_0 (affine False) or Q4_1 rows, raw uint8 [n, k / 32 * 18 or 20 bytes] ->
+    the layout tm_q4_linear reads, in one native pass (kernels.h: tm_q4_pack_gguf): the
+    bytes pack_q4_weight writes from the rows' decoded codes, scales and minimums, without
+    decoding them. n % 16 == 0 (takes_shape)."""
+    nbytes = 20 if affine else 18
+    n, width = raw.shape
+    if raw.dtype != torch.uint8 or width % nbytes or n % PANEL:
+        raise ValueError(f"GGUF 4-bit rows must be uint8 whole blocks, n % {PANEL} == 0")
+    nb = width // nbytes
+    raw = raw.contiguous()
+    blocks = torch.empty(
+        n // PANEL, nb, _NIBBLE_BYTES + (4 if affine else 2) * PANEL, dtype=torch.uint8
+    )
+    args = Q4PackGGUFArgs(
+        raw=raw.data_ptr(),
+        out=blocks.data_ptr(),
+        n=n,
+        k=nb * BLOCK,
+        affine=int(affine),
+        num_threads=torch.get_num_threads(),
+    )
+    check_status(native_library().lib.tm_q4_pack_gguf(ctypes.byref(args)), "GGUF 4-bit pack")
+    return PackedQ4Weight(
+        blocks=blocks,
+        bias=None if bias is None else bias.detach().float().contiguous(),
+        out_features=n,
+        in_features=nb * BLOCK,
+        affine=affine,
     )
 
 

@@ -375,6 +375,11 @@ def load_gguf_layers(model: nn.Module, model_dir: Path, *, dtype: torch.dtype) -
     for parent, name, linear, hf_names in _block_layers(model, types, (nn.Linear, PendingBlocks)):
         raw = source.raw(hf_names)
         kinds = [types[n] for n in hf_names]
+        module = _q4_from_raw([raw[n] for n in hf_names], kinds, linear)
+        if module is not None:
+            setattr(parent, name, module)
+            total += module.weight_bytes
+            continue
         weights = [gguf_blocks.decode(raw[n], k) for n, k in zip(hf_names, kinds)]
         del raw
         rows = sum(w.q.shape[0] for w in weights)
@@ -387,6 +392,27 @@ def load_gguf_layers(model: nn.Module, model_dir: Path, *, dtype: torch.dtype) -
     if left:
         raise ValueError(f"GGUF layers held out of the load but never built: {', '.join(left)}")
     return total
+
+
+def _q4_from_raw(raw: list[torch.Tensor], kinds: list[str], linear: nn.Module) -> Q4Linear | None:
+    """The layer as Q4Linear straight from its parts' raw blocks, where they are all Q4_0
+    or all Q4_1 and the native 4-bit product takes the shape: the module gguf_module
+    builds from their decoded weights (as_q4), byte for byte, in one pass without
+    decoding. None otherwise (decoded and built by gguf_module)."""
+    rows = sum(r.shape[0] for r in raw)
+    kind = kinds[0]
+    if kind not in ("Q4_0", "Q4_1") or any(k != kind for k in kinds):
+        return None
+    if rows != linear.out_features or not native_q4.takes_shape(rows, linear.in_features):
+        return None
+    merged = torch.cat(raw) if len(raw) > 1 else raw[0]
+    # as_q4 leaves a NaN scale or minimum (not exact in fp16 by its test) to Int4Linear
+    nbytes = BLOCK_FORMATS[kind][1]
+    heads = merged.view(rows, -1, nbytes)[:, :, : 4 if kind == "Q4_1" else 2]
+    halves = heads.contiguous().view(torch.int16).int() & 0x7FFF
+    if bool((halves > 0x7C00).any()):
+        return None
+    return Q4Linear(native_q4.pack_gguf_q4_weight(merged, kind == "Q4_1", linear.bias))
 
 
 def _hf_prefix(model: nn.Module, parent: nn.Module, index: int) -> str:

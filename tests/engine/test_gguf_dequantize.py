@@ -1,6 +1,7 @@
 """gguf_dequantize.c: GGUF Q4_0, Q4_1 and Q8_0 blocks decoded natively, bit for bit what
 the gguf package's own dequantize gives - for any bytes, so every fp16 scale (subnormal,
-infinite, NaN) and every code is met."""
+infinite, NaN) and every code is met; and 4-bit rows moved into the native 4-bit
+product's layout as its packing of their decoded values writes them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from tokenmill.engine.kernels import gguf_dequantize
+from tokenmill.engine.kernels import gguf_dequantize, q4_linear
+from tokenmill.engine.loader import gguf_blocks
+from tokenmill.engine.quant.gguf_linear import as_int4
 
 pytestmark = pytest.mark.skipif(
     not gguf_dequantize.available(), reason="no C compiler: the native kernels are not built"
@@ -38,3 +41,22 @@ def test_random_blocks_decode_to_ggufs_own_values(kind):
 def test_rows_that_are_not_whole_blocks_are_refused():
     with pytest.raises(ValueError, match="whole blocks of 18 bytes"):
         gguf_dequantize.dequantize_blocks(torch.zeros(2, 20, dtype=torch.uint8), "Q4_0")
+
+
+@pytest.mark.parametrize(("kind", "affine"), [("Q4_0", False), ("Q4_1", True)])
+def test_gguf_4bit_rows_pack_to_the_bytes_of_their_decoded_weights(kind, affine):
+    """tm_q4_pack_gguf moves codes and fp16 scales as they are: the bytes pack_q4_weight
+    writes from the decoded codes, scales and minimums (the gguf mode's other path)."""
+    _, nbytes = gguf_dequantize.KINDS[kind]
+    raw = np.random.default_rng(1).integers(0, 256, (64, 4 * nbytes), dtype=np.uint8)
+    for block in range(4):  # finite fp16 scales and minimums, as decoding needs
+        raw[:, block * nbytes + 1] &= 0x7B
+        raw[:, block * nbytes + 3] &= 0x7B
+    raw = torch.from_numpy(raw)
+    bias = torch.randn(64)
+    q, scale, minimum = as_int4(gguf_blocks.decode(raw, kind), kind)
+    want = q4_linear.pack_q4_weight(q, scale, minimum if affine else None, bias)
+    got = q4_linear.pack_gguf_q4_weight(raw, affine, bias)
+    assert torch.equal(got.blocks, want.blocks)
+    assert torch.equal(got.bias, want.bias)
+    assert (got.affine, got.out_features, got.in_features) == (affine, 64, 128)
