@@ -12,7 +12,8 @@ store of each step's keys and values into the cache runs first, into the cache's
 block. The fused elementwise ops (RMSNorm with and without a residual, rotary over
 strided q/k/v views of one qkv row, SiLU-and-mul) get the same treatment, and so does
 the 4-bit GGUF linear (its activation scratch, the packed blocks, the output) and its
-bf16 expansion.
+bf16 expansion, and the load's passes: int4's quantize-and-pack (with its per-thread
+scratch), GGUF blocks decoded to fp32 and GGUF 4-bit rows moved into the 4-bit layout.
 """
 
 from __future__ import annotations
@@ -167,6 +168,46 @@ int main(int argc, char **argv) {
 """
 
 
+_LOAD_DRIVER = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include "kernels.h"
+int main(int argc, char **argv) {
+    const int64_t n = atoi(argv[1]), k = atoi(argv[2]), group = atoi(argv[3]);
+    const int32_t is_bf16 = atoi(argv[4]);
+    const int64_t elem = is_bf16 ? 2 : 4;
+    /* Every buffer is its own allocation, flush against a guard page. */
+    char *weight = malloc(n * k * elem);
+    for (int64_t i = 0; i < n * k * elem; i++) weight[i] = (char)(i * 7 % 61); /* finite */
+    uint8_t *packed = malloc(n * k / 2);
+    float *scale = malloc(n * (k / group) * sizeof(float));
+    float *minimum = malloc(n * (k / group) * sizeof(float));
+    int64_t *nonfinite = malloc(sizeof(int64_t));
+    const tm_int4_pack_args pack = {weight, packed, scale, minimum, nonfinite, n, k, group,
+                                    is_bf16, 2};
+    int rc = tm_int4_pack(&pack);
+    static const int64_t block_bytes[] = {18, 20, 34};
+    for (int32_t kind = TM_GGUF_Q4_0; kind <= TM_GGUF_Q8_0; kind++) {
+        const int64_t blocks = n * k / 32;
+        uint8_t *raw = malloc(blocks * block_bytes[kind]);
+        for (int64_t i = 0; i < blocks * block_bytes[kind]; i++) raw[i] = (uint8_t)(i * 5);
+        float *values = malloc(blocks * 32 * sizeof(float));
+        const tm_gguf_dequantize_args decode = {raw, values, blocks, kind, 2};
+        rc |= tm_gguf_dequantize(&decode);
+        if (kind != TM_GGUF_Q8_0) {
+            const int64_t out_bytes = n / 16 * (k / 32) * (kind == TM_GGUF_Q4_1 ? 320 : 288);
+            uint8_t *moved = malloc(out_bytes);
+            const tm_q4_pack_gguf_args move = {raw, moved, n, k, kind == TM_GGUF_Q4_1, 2};
+            rc |= tm_q4_pack_gguf(&move);
+        }
+    }
+    printf("%d\n", rc);
+    return rc;
+}
+"""
+
+
 def _build_guarded(work: Path, name: str, driver: str, *kernel_files: str) -> Path:
     """driver (which includes kernels.h) + the guarded malloc + the kernel sources, each
     compiled with the engine's flags for it (the driver and guard with the first's)."""
@@ -222,6 +263,12 @@ def guarded_q4(tmp_path_factory) -> Path:
     return _build_guarded(work, "q4_driver", _Q4_DRIVER, "q4_linear.c", "q4_tiles.c", "amx.c")
 
 
+@pytest.fixture(scope="module")
+def guarded_load(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("load-bounds")
+    return _build_guarded(work, "load_driver", _LOAD_DRIVER, "int4_unpack.c", "gguf_dequantize.c")
+
+
 def _assert_stays_inside(binary: Path, *args: int) -> None:
     done = subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True)
     assert done.returncode == 0, (
@@ -261,3 +308,11 @@ def test_the_4bit_linear_stays_inside_its_buffers(guarded_q4, n, k, is_bf16):
     for rows in (1, 2, 3, 5, 97):
         for affine in (0, 1):
             _assert_stays_inside(guarded_q4, rows, n, k, is_bf16, affine)
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(64, 32, 32), (128, 96, 32), (192, 512, 256)])
+@pytest.mark.parametrize("is_bf16", [0, 1])
+def test_the_loads_packing_and_decoding_stay_inside_their_buffers(
+    guarded_load, n, k, group, is_bf16
+):
+    _assert_stays_inside(guarded_load, n, k, group, is_bf16)
