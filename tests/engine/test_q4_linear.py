@@ -97,6 +97,34 @@ def test_the_product_equals_the_block_product(n, k, rows, affine, needs_native):
     assert torch.equal(got16, q4_linear(x16.float(), packed).bfloat16())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+# 1,040 x 288 is past the kernel's threshold for threads: 65 panels, 32 and 33 a thread.
+@pytest.mark.parametrize("n,k", [(48, 96), (80, 160), (1040, 288)])
+def test_decode_rows_on_odd_panels_and_blocks_equal_the_block_product(n, k, threads, needs_native):
+    """Every decode row count 1..17 on a thread's odd run of panels (a two-panel tile then a
+    one-panel tail, whose tiles fetch the next panels ahead while they compute) and odd
+    block counts (3, 5, 9): the exact block product, and the same bits on 1 and 2 threads."""
+    if needs_native is None:
+        return
+    q, scale, _ = random_blocks(n, k, False, n + k)
+    packed = pack_q4_weight(q, scale, None, torch.randn(n))
+    x_all = torch.randn(17, k, generator=torch.Generator().manual_seed(k)) * 4
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for rows in range(1, 18):
+            got, qx, x_scales, x_sums = q4_linear(x_all[:rows], packed, keep_quantized=True)
+            want = reference(qx, x_scales, x_sums, q, scale, None, packed.bias)
+            torch.testing.assert_close(
+                got.double(), want, rtol=0, atol=1e-6 * float(want.abs().max())
+            )
+            torch.set_num_threads(1)
+            assert torch.equal(q4_linear(x_all[:rows], packed), got)
+            torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("n,k,rows", [(960, 576, 300), (80, 96, 45), (3072, 576, 64)])
 def test_rows_and_threads_do_not_change_the_bits(n, k, rows, needs_native):
     """Rows are independent and each is computed in one fixed order: a call of many rows
