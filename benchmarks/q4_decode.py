@@ -205,12 +205,14 @@ def main() -> None:
                 compute_us = slope * weight_bytes * 1e6
                 streamed_us = median[f"{build_name} streamed"] * 1e6
                 gbs = weight_bytes / streamed_us / 1e3
+                # A slope at or below zero: the machine's noise outweighed the difference.
+                compute = f"{compute_us:.0f}" if compute_us > 0 else "-"
                 if build_name == "tree":
-                    cells += [f"{compute_us:.0f}", f"{streamed_us:.0f}"]
+                    cells += [compute, f"{streamed_us:.0f}"]
                 else:
-                    cells.append(f"{compute_us:.0f}")
+                    cells.append(compute)
                 cells.append(f"{gbs:.1f} ({gbs / read_gbs:.0%})")
-            bound = "compute" if compute_us > read_us else "read"
+            bound = "-" if compute_us <= 0 else "compute" if compute_us > read_us else "read"
             print(
                 f"| {name} {n}x{k} | {rows} | {read_gbs:.1f} | {read_us:.0f} | "
                 + " | ".join(cells)
