@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
@@ -92,6 +93,60 @@ class StageTimer(StepProfiler):
 
     def _post(self, *_: Any) -> None:
         self.exit()
+
+
+# The clocks ThreadSplitTimer reads: wall time, the CPU time of every thread of the
+# process, and the CPU time of the thread that runs the step (the one calling the timer).
+CLOCKS: dict[str, Callable[[], float]] = {
+    "wall": time.perf_counter,
+    "cpu": time.process_time,
+    "main": time.thread_time,
+}
+
+
+class ThreadSplitTimer(StageTimer):
+    """A StageTimer that times each stage on several clocks at once (`by_clock[clock]
+    [stage]`, exclusive seconds as `seconds`, which holds the "cpu" clock's).
+
+    With torch's threads waiting passively (OMP_WAIT_POLICY=PASSIVE: a thread with no work
+    sleeps rather than spins, so a spin is not counted as work), a stage's "main" CPU
+    beyond its "cpu" / threads is the time the step's thread worked while the others
+    waited: Python, torch ops that do not split, uneven splits. Unlike wall time, this
+    holds on a busy machine. Another thread's CPU reaches the process's count up to a
+    scheduler tick late, so a stage shorter than a few milliseconds may be charged some
+    of its neighbour's.
+    """
+
+    def __init__(
+        self, *, linear_layers: bool = False, clocks: dict[str, Callable[[], float]] = CLOCKS
+    ) -> None:
+        super().__init__(linear_layers=linear_layers)
+        self.clocks = clocks
+        self.by_clock: dict[str, dict[str, float]] = {c: defaultdict(float) for c in clocks}
+        self.seconds = self.by_clock["cpu"]
+
+    def enter(self, stage: str) -> None:
+        now = [clock() for clock in self.clocks.values()]
+        self._stack.append([stage, now, [0.0] * len(now)])
+
+    def exit(self) -> None:
+        stage, start, nested = self._stack.pop()
+        now = [clock() for clock in self.clocks.values()]
+        for i, clock in enumerate(self.clocks):
+            elapsed = now[i] - start[i]
+            self.by_clock[clock][stage] += elapsed - nested[i]
+            if self._stack:
+                self._stack[-1][2][i] += elapsed
+        self.calls[stage] += 1
+
+    def split(self) -> dict[str, dict[str, float]]:
+        """A copy of every clock's stage seconds."""
+        return {clock: dict(stages) for clock, stages in self.by_clock.items()}
+
+    def reset(self) -> None:
+        for stages in self.by_clock.values():
+            stages.clear()
+        self.calls.clear()
 
 
 class _TimedAttention:
