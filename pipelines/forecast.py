@@ -110,6 +110,8 @@ class Forecast:
     planning_seconds: float | None = None
     # The engine's memory, planned before its load (`MemoryPlan`; None: not planned).
     weight_bytes: int | None = None
+    # The weights the engine keeps after the load (MemoryPlan.held_bytes; None: the peak).
+    held_weight_bytes: int | None = None
     kv_cache_bytes: int | None = None
     memory_available_bytes: int | None = None
     memory_dtype: str | None = None
@@ -134,6 +136,7 @@ class Forecast:
             self.memory_available_bytes,
             max_num_seqs=self.max_num_seqs,
             block_size=self.block_size,
+            held_bytes=self.held_weight_bytes,
         )
 
     @property
@@ -284,6 +287,7 @@ def _memory_fields(memory: MemoryPlan | None) -> dict[str, Any]:
         return {}
     return {
         "weight_bytes": memory.weight_bytes,
+        "held_weight_bytes": memory.held_bytes,
         "kv_cache_bytes": memory.kv_cache_bytes,
         "memory_available_bytes": memory.available_bytes,
         "memory_dtype": memory.dtype,

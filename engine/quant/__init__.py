@@ -173,6 +173,22 @@ def loaded_layer_bytes(quantization: str | None) -> Callable[[int, int, bool], i
     return get_method(quantization).loaded_layer_bytes
 
 
+def held_layer_bytes(quantization: str | None) -> Callable[[int, int, bool], int] | None:
+    """(out_features, in_features, bias) -> the bytes a decoder linear layer takes once
+    the mode has quantized it, load over (method.held_layer_bytes); None where its layers
+    stay as the load left them."""
+    return None if quantization is None else get_method(quantization).held_layer_bytes()
+
+
+def held_head_bytes(
+    quantization: str | None, quantize_lm_head: bool
+) -> Callable[[int, int, bool], int] | None:
+    """The same for the lm_head, where `quantize_lm_head` has the mode quantize it."""
+    if quantization is None or not quantize_lm_head:
+        return None
+    return get_method(quantization).held_head_bytes()
+
+
 def check_expert_quantization(quantization: str, config, device: torch.device) -> None:
     """Raise ValueError unless this mode quantizes a mixture of experts' experts here: the
     modes swap nn.Linear layers, and stacked experts are none - they would stay float
@@ -251,6 +267,8 @@ __all__ = [
     "checkpoint_info",
     "check_quantization",
     "get_method",
+    "held_head_bytes",
+    "held_layer_bytes",
     "held_out_bytes",
     "linear_kinds",
     "load_hold_out",

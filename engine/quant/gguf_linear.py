@@ -41,7 +41,7 @@ from tokenmill.engine.loader.tensor_plan import TensorSource
 from tokenmill.engine.loader.weights import HoldOut
 from tokenmill.engine.models import ModelConfig
 from tokenmill.engine.quant.int4 import Int4Linear
-from tokenmill.engine.quant.int8 import quantize_lm_head
+from tokenmill.engine.quant.int8 import held_int8_bytes, quantize_lm_head
 from tokenmill.engine.quant.method import HeldOutBytes, QuantizationMethod, register
 
 INT4_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
@@ -444,6 +444,9 @@ class GGUFMethod(QuantizationMethod):
 
     def held_out_bytes(self, model_dir: Path) -> HeldOutBytes | None:
         return held_out_block_bytes(model_dir)
+
+    def held_head_bytes(self):
+        return held_int8_bytes
 
     def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head) -> int:
         total = load_gguf_layers(model, model_dir, dtype=dtype)

@@ -30,6 +30,7 @@ two kernels, each a layer class, chosen per layer at load (`Int8Linear.from_floa
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -368,6 +369,12 @@ class Int8Method(QuantizationMethod):
         if not onednn_int8_available():
             raise ValueError("quantization='int8' needs a torch build with oneDNN's int8 ops")
 
+    def held_layer_bytes(self) -> Callable[[int, int, bool], int]:
+        return held_int8_bytes
+
+    def held_head_bytes(self) -> Callable[[int, int, bool], int]:
+        return held_int8_bytes
+
     def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head) -> int:
         targets = quantized_targets(model)
         if lm_head:
@@ -407,6 +414,13 @@ class Int8Method(QuantizationMethod):
                 raise RuntimeError("the native grouped expert kernel refused int8 experts")
             total += experts.weight_bytes
         return total
+
+
+def held_int8_bytes(out_features: int, in_features: int, bias: bool) -> int:
+    """The bytes an Int8Linear [out, in] holds, for the memory plan: its int8 codes, an
+    fp32 scale per output row, an fp32 inverse smoothing factor per input and an fp32
+    bias (the kernels' own copies of the per-row vectors - a few bytes per row - aside)."""
+    return out_features * in_features + 4 * out_features * (1 + bias) + 4 * in_features
 
 
 def quantize_lm_head(model, model_dir: Path, measure_inputs) -> int:

@@ -73,6 +73,18 @@ class QuantizationMethod(ABC):
         Only asked of modes that have a load_quantizer."""
         raise NotImplementedError(f"quantization {self.name!r} does not quantize as it loads")
 
+    def held_layer_bytes(self) -> Callable[[int, int, bool], int] | None:
+        """(out_features, in_features, bias) -> the bytes a decoder linear layer takes once
+        the mode has swapped it, load and quantization over (the memory plan sizes the KV
+        cache beside these: memory.py). By default `loaded_layer_bytes` where the mode
+        quantizes as it loads, else None: the layers stay as the load left them."""
+        return self.loaded_layer_bytes if self.load_quantizer() is not None else None
+
+    def held_head_bytes(self) -> Callable[[int, int, bool], int] | None:
+        """The same for the lm_head where `quantize(..., lm_head=True)` swaps it; None
+        (the default) where the mode never quantizes it."""
+        return None
+
     def check(self, model_dir: Path, config: ModelConfig, device: torch.device) -> None:
         """Raise ValueError when this model cannot run this way on `device`; by default
         a method runs on the CPU only."""

@@ -22,7 +22,8 @@ class MemoryPlan:
     device: str
     dtype: str  # the engine's float dtype, in which the load holds the weights
     # The load's peak for the weights: every parameter in that dtype, but a mixture of
-    # experts' experts packed as the engine runs them, and one layer's float ones.
+    # experts' experts packed as the engine runs them, and one layer's float ones (and
+    # where a mode quantizes as it loads, its layers quantized and one float).
     weight_bytes: int
     kv_cache_bytes: int  # the KV cache the engine allocates (0: an encoder)
     kv_cache_blocks: int
@@ -32,10 +33,22 @@ class MemoryPlan:
     # running ones may still take (core/scheduler.py).
     max_num_seqs: int | None = None
     block_size: int = 0  # tokens a KV block holds (0: not stated)
+    # What the engine holds of its weights once the load is over, where a mode makes that
+    # less than the load's peak (int8 quantizes a float model after the load; int4 holds
+    # one layer's float weights at a time while it fills): the KV cache is allocated
+    # after the load, beside these bytes, not beside the peak. None: the peak.
+    held_bytes: int | None = None
+
+    @property
+    def held_weight_bytes(self) -> int:
+        """The weights' bytes from the KV cache's allocation on."""
+        return self.weight_bytes if self.held_bytes is None else self.held_bytes
 
     @property
     def needed_bytes(self) -> int:
-        return self.weight_bytes + self.kv_cache_bytes
+        """The most the engine takes at once: the load's peak, or the weights it keeps
+        and the KV cache beside them, whichever is more."""
+        return max(self.weight_bytes, self.held_weight_bytes + self.kv_cache_bytes)
 
     @property
     def fits(self) -> bool:
@@ -45,6 +58,11 @@ class MemoryPlan:
         """One line: what the engine takes, of what is left."""
         kv = f" + KV cache {gib(self.kv_cache_bytes)}" if self.kv_cache_bytes else ""
         line = f"weights {gib(self.weight_bytes)} ({self.dtype}){kv}"
+        if self.held_weight_bytes != self.weight_bytes:
+            line = (
+                f"weights {gib(self.held_weight_bytes)} as the engine holds them{kv} "
+                f"(the load's peak {gib(self.weight_bytes)} in {self.dtype})"
+            )
         if self.available_bytes is None:
             return f"{line} on {self.device}"
         return f"{line} of {gib(self.available_bytes)} RAM available"
@@ -90,7 +108,7 @@ class MemoryPlan:
         engine cannot fit."""
         if self.fits:
             return
-        # A quantization mode does not help: the load holds the float weights first.
+        # Only the modes that quantize as they load (int4, gguf) lower the load's peak.
         help_ = ["a smaller model"]
         if self.kv_cache_bytes:
             help_.insert(0, "a smaller kv_cache_memory")

@@ -23,6 +23,8 @@ from tokenmill.engine.quant import (
     check_checkpoint_quantization,
     check_quantization,
     expert_weight_format,
+    held_head_bytes,
+    held_layer_bytes,
     held_out_bytes,
     load_hold_out,
     load_quantizer,
@@ -141,21 +143,29 @@ def plan_memory(
     another tool, whose layers load as they are stored (memory.checkpoint_load_bytes)."""
     if quantized_checkpoint is None:
         quantization = engine_config.quantization
-        expert_format = expert_weight_format(quantization)
-        weights = load_bytes(
+        counted = functools.partial(
+            load_bytes,
             model_config,
             dtype,
-            expert_format=expert_format,
+            expert_format=expert_weight_format(quantization),
             device=device,
-            layer_bytes=loaded_layer_bytes(quantization),
             held_out=None if model_dir is None else held_out_bytes(quantization, model_dir),
         )
+        weights = counted(layer_bytes=loaded_layer_bytes(quantization))
+        held = counted(
+            layer_bytes=held_layer_bytes(quantization),
+            after_load=True,
+            head_bytes=held_head_bytes(quantization, engine_config.quantize_lm_head),
+        )
     else:
-        weights = checkpoint_load_bytes(quantized_checkpoint, model_config, dtype)
+        weights = held = checkpoint_load_bytes(quantized_checkpoint, model_config, dtype)
     available = available_ram() if device.type == "cpu" else None
     num_blocks = kv_bytes = 0
     if not encoder:
-        ram_left = None if available is None else available - weights
+        # The KV cache is allocated after the load and the mode's quantization, beside
+        # the weights the engine keeps: an int8 model's cache is sized from its int8
+        # weights, not from the float ones its load passes through.
+        ram_left = None if available is None else available - held
         num_blocks = num_cache_blocks(
             model_config, engine_config, dtype=dtype, device=device, ram_left=ram_left
         )
@@ -173,6 +183,7 @@ def plan_memory(
         available,
         max_num_seqs=engine_config.max_num_seqs,
         block_size=engine_config.block_size,
+        held_bytes=held,
     )
 
 

@@ -55,6 +55,8 @@ def load_bytes(
     device: torch.device | None = None,
     layer_bytes: Callable[[int, int, bool], int] | None = None,
     held_out: HeldOutBytes | None = None,
+    after_load: bool = False,
+    head_bytes: Callable[[int, int, bool], int] | None = None,
 ) -> int:
     """The bytes of every parameter of `config`'s architecture in `dtype`, counted on
     the meta device (no memory); tied embeddings once, as the load ties them.
@@ -73,6 +75,13 @@ def load_bytes(
     hold-out leaves out of the float load (a GGUF's blocks in the `gguf` mode): each
     weight counted at the most bytes its built layer can take (never less than the load
     takes), its bias (loaded as float) as usual.
+
+    With `after_load`, what the engine holds once the load and the mode's quantization
+    are over, not the load's peak: the layers `layer_bytes` counts (the mode's
+    held_layer_bytes: int8's too, which quantizes after the load) without the one float
+    layer alive while it fills, the experts without one float layer of them, and the
+    lm_head counted by `head_bytes` where the mode quantizes it (beside the embedding
+    where the two are tied: the float embedding stays).
     """
     model = build_on_meta(config, dtype)
     seen: set[int] = set()
@@ -90,7 +99,7 @@ def load_bytes(
             total += layer_bytes(linear.out_features, linear.in_features, linear.bias is not None)
             float_linear = max(float_linear, sum(p.numel() * p.element_size() for p in params))
             seen.update(id(p) for p in params)
-        total += float_linear
+        total += 0 if after_load else float_linear
     if expert_format is not None and device is not None:
         float_layer = 0
         for experts in (m for m in model.modules() if isinstance(m, KernelExperts)):
@@ -102,7 +111,12 @@ def load_bytes(
             replaced = list(experts.parameters())
             float_layer = max(float_layer, sum(p.numel() * p.element_size() for p in replaced))
             seen.update(id(p) for p in replaced)
-        total += float_layer
+        total += 0 if after_load else float_layer
+    if after_load and head_bytes is not None:
+        head = model.lm_head
+        total += head_bytes(head.out_features, head.in_features, head.bias is not None)
+        if not config.tie_word_embeddings:
+            seen.update(id(p) for p in head.parameters())
     for name, param in model.named_parameters(remove_duplicate=False):
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue  # the load makes it the embedding

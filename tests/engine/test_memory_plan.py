@@ -112,6 +112,70 @@ def test_the_default_kv_cache_takes_a_share_of_the_ram_the_weights_leave(model_d
         starved.check("tiny")
 
 
+def _int8_saving(model_dir) -> int:
+    """What int8 saves on the checkpoint's decoder linear weights against bf16, from the
+    checkpoint alone: a byte a weight instead of two, less an fp32 scale per output row
+    and an fp32 smoothing factor per input of each layer the engine runs (q, k and v
+    share one input, as do gate and up)."""
+    weights = rows = inputs = 0
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        for name in f.keys():
+            shape = f.get_slice(name).get_shape()
+            if ".layers." not in name or len(shape) != 2:
+                continue
+            weights += math.prod(shape)
+            rows += shape[0]
+            if not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
+                inputs += shape[1]
+    return 2 * weights - (weights + 4 * rows + 4 * inputs)
+
+
+def test_an_int8_kv_cache_is_sized_beside_the_int8_weights_not_the_float_ones(
+    model_dir, monkeypatch
+):
+    config = load_config(model_dir)
+    bf16 = load_bytes(config, torch.bfloat16)
+    block_bytes = kv_cache_format("auto").bytes_per_block(config, 16, torch.bfloat16)
+    left = 300 * block_bytes
+    monkeypatch.setattr(build, "available_ram", lambda: bf16 + left)
+
+    def plan(**settings):
+        engine_config = EngineConfig(dtype="bfloat16", **settings)
+        return build.plan_memory(
+            config, engine_config, dtype=torch.bfloat16, device=torch.device("cpu")
+        )
+
+    float_plan, int8_plan = plan(), plan(quantization="int8")
+    saved = _int8_saving(model_dir)
+    assert saved == 67_072  # 2 layers x (73,728 bf16 - 40,192 int8) bytes
+    assert float_plan.held_weight_bytes == float_plan.weight_bytes == bf16
+    # The load's peak is the float model either way (int8 smooths from a float pass) ...
+    assert int8_plan.weight_bytes == bf16
+    # ... but the cache is allocated beside the int8 weights: a share of the bytes saved more.
+    assert int8_plan.held_weight_bytes == bf16 - saved
+    assert float_plan.kv_cache_blocks == int(left * KV_SHARE_OF_RAM_LEFT) // block_bytes == 150
+    assert int8_plan.kv_cache_blocks == int((left + saved) * KV_SHARE_OF_RAM_LEFT) // block_bytes
+    assert int8_plan.kv_cache_blocks == 158
+    assert int8_plan.needed_bytes == max(bf16, bf16 - saved + 158 * block_bytes)
+    assert "as the engine holds them" in int8_plan.describe()
+    assert "the load's peak" in int8_plan.describe()
+    # An int8 lm_head (tied here: the float embedding stays) adds its int8 bytes.
+    head = config.vocab_size * config.hidden_size + 4 * config.vocab_size + 4 * config.hidden_size
+    with_head = plan(quantization="int8", quantize_lm_head=True)
+    assert with_head.held_weight_bytes == bf16 - saved + head
+
+
+def test_int4_is_held_without_the_float_layer_its_load_keeps_while_it_fills(model_dir, monkeypatch):
+    config = load_config(model_dir)
+    monkeypatch.setattr(build, "available_ram", lambda: 1 << 40)
+    engine_config = EngineConfig(dtype="bfloat16", quantization="int4")
+    plan = build.plan_memory(
+        config, engine_config, dtype=torch.bfloat16, device=torch.device("cpu")
+    )
+    # The largest float layer alive during the load: a gate_up [256, 64] in bf16.
+    assert plan.weight_bytes - plan.held_weight_bytes == 256 * 64 * 2
+
+
 @pytest.mark.parametrize(
     ("limit", "usage", "room"),
     [("1000", "300", 700), ("max", "300", None), (str(2**63 - 4096), "5", None), ("10", "30", 0)],
