@@ -1,4 +1,4 @@
-/* GGUF's Q4_0, Q4_1 and Q8_0 blocks decoded to fp32 (engine/loader/gguf_tensors.py): the
+/* GGUF's Q4_0, Q4_1 and Q8_0 blocks decoded to fp32 or bf16 (engine/loader/gguf_tensors.py): the
  * float tensors a GGUF stores in them - the embedding and often the output head, the
  * largest tensors of a model with a big vocabulary - at every start. And Q4_0 and Q4_1
  * decoder weights moved, codes and fp16 scales as they are, into q4_linear.c's layout
@@ -96,6 +96,15 @@ int tm_q4_pack_gguf(const tm_q4_pack_gguf_args *a) {
     return TM_OK;
 }
 
+/* torch's fp32 -> bf16 (c10's round_to_nearest_even): the same bits as decoding to fp32
+ * and calling .to(torch.bfloat16). */
+static inline uint16_t f32_to_bf16(float f) {
+    if (f != f) return 0x7fc0;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 int tm_gguf_dequantize(const tm_gguf_dequantize_args *a) {
     static const int64_t block_bytes[] = {18, 20, 34}; /* TM_GGUF_Q4_0, Q4_1, Q8_0 */
     if (a->kind < 0 || a->kind > TM_GGUF_Q8_0 || a->num_blocks < 0) return TM_UNSUPPORTED_SHAPE;
@@ -103,10 +112,17 @@ int tm_gguf_dequantize(const tm_gguf_dequantize_args *a) {
     const uint8_t *blocks = (const uint8_t *)a->blocks;
 #pragma omp parallel for schedule(static) num_threads(a->num_threads)
     for (int64_t i = 0; i < a->num_blocks; i++) {
+        /* bf16 output decodes a block into 32 fp32 values on the stack, then rounds. */
+        float block[32];
+        float *out = a->bf16 ? block : (float *)a->out + i * 32;
         if (a->kind == TM_GGUF_Q8_0)
-            q8_block(blocks + i * nbytes, a->out + i * 32);
+            q8_block(blocks + i * nbytes, out);
         else
-            q4_block(blocks + i * nbytes, a->kind == TM_GGUF_Q4_1, a->out + i * 32);
+            q4_block(blocks + i * nbytes, a->kind == TM_GGUF_Q4_1, out);
+        if (a->bf16) {
+            uint16_t *dst = (uint16_t *)a->out + i * 32;
+            for (int j = 0; j < 32; j++) dst[j] = f32_to_bf16(block[j]);
+        }
     }
     return TM_OK;
 }

@@ -301,6 +301,7 @@ class GGUFDequantizeArgs(ctypes.Structure):
         ("num_blocks", _i64),
         ("kind", _i32),
         ("num_threads", _i32),
+        ("bf16", _i32),
     ]
 
 

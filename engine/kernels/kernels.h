@@ -388,14 +388,16 @@ int tm_int4_pack(const tm_int4_pack_args *args);
 /* ---- gguf_dequantize.c: exact (each weight one fp32 product, Q4_1 plus its minimum) ---- */
 
 /* GGUF blocks of 32 weights decoded to fp32, block after block (the formats:
- * gguf_dequantize.c). */
+ * gguf_dequantize.c); with bf16, each fp32 value rounded to bf16 as torch rounds it
+ * (to nearest, ties to even; NaN to 0x7fc0), with no fp32 copy of the tensor. */
 enum { TM_GGUF_Q4_0 = 0, TM_GGUF_Q4_1 = 1, TM_GGUF_Q8_0 = 2 };
 typedef struct {
     const void *blocks; /* num_blocks blocks of `kind`, back to back */
-    float *out;         /* [num_blocks * 32] */
+    void *out;          /* [num_blocks * 32] fp32, or bf16 (uint16 bits) with bf16 */
     int64_t num_blocks;
     int32_t kind;       /* TM_GGUF_* */
     int32_t num_threads;
+    int32_t bf16;       /* 1: write bf16 */
 } tm_gguf_dequantize_args;
 
 int tm_gguf_dequantize(const tm_gguf_dequantize_args *args);

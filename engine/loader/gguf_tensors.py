@@ -272,20 +272,31 @@ class GGUFTensors:
         layout = self.layout
         return {layout.hf_tensor_name(e.name): e.nbytes for e in self.weights()}
 
-    def iter_float(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_float(
+        self, names: set[str], bf16_names: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, fp32 tensor) for each weight named, read from the file in file order,
-        exactly as a converted directory's model.safetensors holds it."""
+        exactly as a converted directory's model.safetensors holds it - but those in
+        `bf16_names` (parameters held in bf16) whose blocks decode natively come as bf16,
+        rounded from those fp32 values with no fp32 copy made (an 8B model's Q4_0
+        embedding and head would take 2 GB each in fp32)."""
         layout = self.layout
         with open(self.path, "rb") as f:
             for entry in self.weights():
-                if layout.hf_tensor_name(entry.name) not in names:
+                hf_name = layout.hf_tensor_name(entry.name)
+                if hf_name not in names:
                     continue
                 data = _map_data(f, entry)
-                decoded = _decode_blocks(data, entry.kind)
+                # A norm's offset is undone in fp32 (convert_tensor): never narrowed first.
+                narrow = hf_name in bf16_names and not (
+                    layout.norm_offset and hf_name.endswith("norm.weight")
+                )
+                decoded = _decode_blocks(data, entry.kind, bf16=narrow)
                 if decoded is not None:
                     data = None  # unmaps the tensor's pages
+                dtype = torch.float32 if decoded is None else decoded.dtype
                 name, weight = convert_tensor(
-                    entry.as_reader_tensor(data), layout, self.config, torch.float32, decoded
+                    entry.as_reader_tensor(data), layout, self.config, dtype, decoded
                 )
                 del data, decoded
                 yield name, weight
@@ -308,18 +319,20 @@ class GGUFTensors:
         return raw
 
 
-def _decode_blocks(data: np.ndarray, kind: str) -> torch.Tensor | None:
+def _decode_blocks(data: np.ndarray, kind: str, *, bf16: bool = False) -> torch.Tensor | None:
     """The fp32 values of blocks in a format gguf_blocks decodes - bit for bit what
     `gguf.quants.dequantize` gives (tests check every bit), natively for Q4_0, Q4_1 and
     Q8_0 (kernels/gguf_dequantize.c) and in vectorized passes for the others, instead of
     gguf's per-row-group loop, which takes seconds for a 150k-token embedding at every
-    start; None for other types (dequantized by gguf)."""
+    start; None for other types (dequantized by gguf). With `bf16`, the native formats
+    come as those values rounded to bf16, written directly (the others stay fp32)."""
     if kind not in BLOCK_FORMATS:
         return None
     rows = torch.from_numpy(data.reshape(-1, data.shape[-1]))
     if kind in gguf_dequantize.KINDS and gguf_dequantize.available():
         # one native pass, the same bits (gguf_dequantize.c), no temporaries
-        return gguf_dequantize.dequantize_blocks(rows, kind)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        return gguf_dequantize.dequantize_blocks(rows, kind, dtype)
     per_block, nbytes = BLOCK_FORMATS[kind]
     out = torch.empty(rows.shape[0], rows.shape[1] // nbytes * per_block)
     # A slice of rows at a time: the decode's temporaries (integers, fp32 products) stay

@@ -114,7 +114,8 @@ def _load_gguf(
     on_filled: OnFilled | None,
 ) -> nn.Module:
     """`load_model` from a GGUF file: each tensor read from the mapped file and converted
-    (to fp32, then the parameter's dtype as it is copied) as it is consumed."""
+    (to fp32, then the parameter's dtype as it is copied; blocks for a bf16 parameter
+    straight to bf16, natively) as it is consumed."""
     sources = gguf.sources()
     if hold_out is not None:
         held = hold_out(model, sources)
@@ -123,7 +124,11 @@ def _load_gguf(
     filling = _Filling(model, plan.targets, on_filled)
     _materialize(model, device, skip={t.param for t in plan.targets.values()})
     params = dict(model.named_parameters())
-    for name, tensor in gguf.iter_float(set(plan.targets)):
+    # A bf16 parameter takes its blocks decoded straight to bf16: no fp32 copy.
+    bf16_names = frozenset(
+        name for name, t in plan.targets.items() if params[t.param].dtype == torch.bfloat16
+    )
+    for name, tensor in gguf.iter_float(set(plan.targets), bf16_names):
         target = plan.targets[name]
         entry = TensorEntry(name, tensor.dtype, tuple(tensor.shape), 0, tensor.nbytes)
         if _usable_in_place(entry, target, params, device):

@@ -38,6 +38,29 @@ def test_random_blocks_decode_to_ggufs_own_values(kind):
     assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
+@pytest.mark.parametrize("kind", list(gguf_dequantize.KINDS))
+def test_blocks_decode_straight_to_the_bf16_bits_of_their_fp32_values(kind):
+    """The bf16 output is torch's rounding of the fp32 decode, bit for bit: random
+    scales round up, down and to even; the infinite scale stays infinite and the NaN
+    scale gives torch's NaN."""
+    _, nbytes = gguf_dequantize.KINDS[kind]
+    generator = np.random.default_rng(1)
+    raw = generator.integers(0, 256, (48, 6 * nbytes), dtype=np.uint8)
+    for block, scale in enumerate([0x3C00, 0x0001, 0x0000, 0xFC00, 0x7E01]):
+        raw[0, block * nbytes : block * nbytes + 2] = [scale & 0xFF, scale >> 8]
+    blocks = torch.from_numpy(raw)
+    want = gguf_dequantize.dequantize_blocks(blocks, kind).to(torch.bfloat16)
+    got = gguf_dequantize.dequantize_blocks(blocks, kind, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape == (48, 6 * 32)
+    nan = want.isnan()
+    assert nan.any() and torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    # Not all of them were exact in bf16: the rounding itself was checked.
+    assert (want[~nan].float() != gguf_dequantize.dequantize_blocks(blocks, kind)[~nan]).any()
+    with pytest.raises(ValueError, match="float32 or bfloat16, not torch.float16"):
+        gguf_dequantize.dequantize_blocks(blocks, kind, torch.float16)
+
+
 def test_rows_that_are_not_whole_blocks_are_refused():
     with pytest.raises(ValueError, match="whole blocks of 18 bytes"):
         gguf_dequantize.dequantize_blocks(torch.zeros(2, 20, dtype=torch.uint8), "Q4_0")

@@ -156,6 +156,25 @@ def test_the_loaded_model_equals_the_exported_directorys(case, dtype):
         assert torch.equal(_bits(ours[name]), _bits(tensor)), name
 
 
+def test_blocks_for_bf16_parameters_come_as_bf16_without_an_fp32_copy(tmp_path):
+    """The Q4_1 embedding and head (untied) of a bf16 engine are decoded straight to bf16:
+    the bits of the fp32 values rounded, read without the fp32 tensor."""
+    tiny = write_tiny_gguf(
+        tmp_path / "m.gguf", quant_type="Q4_1", hidden_size=64, tie_word_embeddings=False
+    )
+    gguf = GGUFTensors.open_dir(resolve_model(tiny.path, cache_root=tmp_path / "cache"))
+    names = {s.name for s in gguf.sources()}
+    kinds = {gguf.layout.hf_tensor_name(e.name): e.kind for e in gguf.weights()}
+    wide = dict(gguf.iter_float(names))
+    narrow = dict(gguf.iter_float(names, frozenset(names)))
+    decoded = {n for n, kind in kinds.items() if kind in ("Q4_0", "Q4_1", "Q8_0")}
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= decoded
+    for name, tensor in narrow.items():
+        want = wide[name].to(torch.bfloat16) if name in decoded else wide[name]
+        assert tensor.dtype == want.dtype, name
+        assert torch.equal(_bits(tensor), _bits(want)), name
+
+
 PROMPTS = [[3, 5, 7, 9, 11, 4, 6], [8, 8, 2, 10, 12, 13, 1, 5, 9, 3, 3]]
 
 
