@@ -40,6 +40,11 @@ from tokenmill.engine.loader.gguf_tensors import GGUFTensors, gguf_source
 from tokenmill.engine.loader.tensor_plan import TensorSource
 from tokenmill.engine.loader.weights import HoldOut
 from tokenmill.engine.models import ModelConfig
+from tokenmill.engine.quant.gguf_embedding import (
+    build_block_embedding,
+    embedding_block_bytes,
+    hold_out_embedding,
+)
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import held_int8_bytes, quantize_lm_head
 from tokenmill.engine.quant.method import HeldOutBytes, QuantizationMethod, register
@@ -440,16 +445,27 @@ class GGUFMethod(QuantizationMethod):
         check_gguf_blocks(model_dir)
 
     def hold_out(self, model_dir: Path) -> HoldOut | None:
-        return blocks_hold_out(model_dir)
+        layers = blocks_hold_out(model_dir)
+        if layers is None:
+            return None
+
+        def hold_out(model: nn.Module, sources: list[TensorSource]) -> frozenset[str]:
+            return layers(model, sources) | hold_out_embedding(model_dir, model, sources)
+
+        return hold_out
 
     def held_out_bytes(self, model_dir: Path) -> HeldOutBytes | None:
-        return held_out_block_bytes(model_dir)
+        layers = held_out_block_bytes(model_dir)
+        if layers is None:
+            return None
+        return lambda model: layers(model) | embedding_block_bytes(model_dir, model)
 
     def held_head_bytes(self):
         return held_int8_bytes
 
     def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head) -> int:
         total = load_gguf_layers(model, model_dir, dtype=dtype)
+        total += build_block_embedding(model, model_dir)
         if lm_head:
             total += quantize_lm_head(model, model_dir, measure_inputs)
         return total

@@ -28,8 +28,15 @@ from tokenmill.engine.loader import gguf_blocks
 from tokenmill.engine.loader.gguf_convert import GGUF_LINK, TABLE_FILE, convert_gguf
 from tokenmill.engine.loader.gguf_tensors import GGUFTensors
 from tokenmill.engine.loader.model_files import model_info, resolve_model, weights_hash
+from tokenmill.engine.loader.tensor_plan import build_on_meta
 from tokenmill.engine.loader.weights import load_model
 from tokenmill.engine.models import load_config
+from tokenmill.engine.quant import get_method
+from tokenmill.engine.quant.gguf_embedding import (
+    BlockEmbedding,
+    PendingEmbedding,
+    build_block_embedding,
+)
 from tokenmill.engine.quant.gguf_linear import PendingBlocks, blocks_hold_out
 from tokenmill.engine.types.sampling_params import SamplingParams
 
@@ -179,11 +186,24 @@ PROMPTS = [[3, 5, 7, 9, 11, 4, 6], [8, 8, 2, 10, 12, 13, 1, 5, 9, 3, 3]]
 
 
 @pytest.mark.parametrize(
-    ("quant_type", "quantization"),
-    [("F16", None), ("Q8_0", None), ("Q4_0", "gguf"), ("Q8_0", "gguf"), ("Q4_1", "gguf")],
+    ("quant_type", "quantization", "tied"),
+    [
+        ("F16", None, True),
+        ("Q8_0", None, True),
+        ("Q4_0", "gguf", True),
+        ("Q8_0", "gguf", True),
+        ("Q4_1", "gguf", True),
+        # untied: the gguf mode keeps the embedding in blocks (BlockEmbedding)
+        ("Q4_1", "gguf", False),
+        ("Q8_0", "gguf", False),
+    ],
 )
-def test_greedy_tokens_and_logprobs_are_the_exported_directorys(quant_type, quantization, tmp_path):
-    tiny = write_tiny_gguf(tmp_path / "m.gguf", quant_type=quant_type, hidden_size=64)
+def test_greedy_tokens_and_logprobs_are_the_exported_directorys(
+    quant_type, quantization, tied, tmp_path
+):
+    tiny = write_tiny_gguf(
+        tmp_path / "m.gguf", quant_type=quant_type, hidden_size=64, tie_word_embeddings=tied
+    )
     exported = convert_gguf(tiny.path, tmp_path / "exported", dtype=torch.float32)
     mapped = resolve_model(tiny.path, cache_root=tmp_path / "cache")
     params = SamplingParams(
@@ -195,6 +215,72 @@ def test_greedy_tokens_and_logprobs_are_the_exported_directorys(quant_type, quan
         assert out.token_ids == ref.token_ids
         assert out.outputs[0].logprobs == ref.outputs[0].logprobs
         assert out.prompt_logprobs == ref.prompt_logprobs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quant_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_an_untied_gguf_embedding_stays_in_blocks_and_looks_up_the_float_loads_rows(
+    quant_type, dtype, tmp_path
+):
+    tiny = write_tiny_gguf(
+        tmp_path / "m.gguf", quant_type=quant_type, hidden_size=64, tie_word_embeddings=False
+    )
+    mapped = resolve_model(tiny.path, cache_root=tmp_path / "cache")
+    config = load_config(mapped)
+    cpu = torch.device("cpu")
+    method = get_method("gguf")
+    model = load_model(mapped, config, dtype=dtype, device=cpu, hold_out=method.hold_out(mapped))
+    assert isinstance(model.model.embed_tokens, PendingEmbedding)
+    assert "model.embed_tokens.weight" not in dict(model.named_parameters())
+    stored = GGUFTensors.open_dir(mapped).stored_bytes()["model.embed_tokens.weight"]
+    assert build_block_embedding(model, mapped) == stored
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, BlockEmbedding) and embedding.weight_bytes == stored
+    float_rows = load_model(mapped, config, dtype=dtype, device=cpu).model.embed_tokens.weight
+    ids = torch.tensor([[5, 0, config.vocab_size - 1], [7, 7, 3]])
+    got = embedding(ids)
+    assert got.dtype == dtype and got.shape == (2, 3, config.hidden_size)
+    assert torch.equal(_bits(got), _bits(float_rows[ids]))
+    every = embedding(torch.arange(config.vocab_size))
+    assert torch.equal(_bits(every), _bits(float_rows.detach()))
+    # The plan counts its blocks, not a float matrix: vocab x hidden floats fewer.
+    plan = {
+        q: build.plan_memory(
+            config,
+            EngineConfig(dtype=str(dtype).removeprefix("torch."), quantization=q),
+            dtype=dtype,
+            device=cpu,
+            model_dir=mapped,
+        )
+        for q in (None, "gguf")
+    }
+    float_embedding = config.vocab_size * config.hidden_size * dtype.itemsize
+    blocks = method.held_out_bytes(mapped)(build_on_meta(config, dtype))
+    layers = sum(v for m, v in blocks.items() if not isinstance(m, torch.nn.Embedding))
+    float_layers = sum(
+        p.numel() * dtype.itemsize
+        for n, p in build_on_meta(config, dtype).named_parameters()
+        if ".layers." in n and n.endswith("proj.weight")
+    )
+    assert plan["gguf"].weight_bytes == (
+        plan[None].weight_bytes - float_embedding + stored - float_layers + layers
+    )
+
+
+def test_a_tied_gguf_embedding_loads_as_float_in_the_gguf_mode(tmp_path):
+    """A tied embedding is also the lm_head, whose product reads all of it."""
+    tiny = write_tiny_gguf(tmp_path / "m.gguf", quant_type="Q8_0", hidden_size=64)
+    mapped = resolve_model(tiny.path, cache_root=tmp_path / "cache")
+    config = load_config(mapped)
+    model = load_model(
+        mapped,
+        config,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        hold_out=get_method("gguf").hold_out(mapped),
+    )
+    assert isinstance(model.model.embed_tokens, torch.nn.Embedding)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_the_gguf_mode_never_loads_its_blocks_as_float(tmp_path):
