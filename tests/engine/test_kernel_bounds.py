@@ -13,7 +13,8 @@ block. The fused elementwise ops (RMSNorm with and without a residual, rotary ov
 strided q/k/v views of one qkv row, SiLU-and-mul) get the same treatment, and so does
 the 4-bit GGUF linear (its activation scratch, the packed blocks, the output) and its
 bf16 expansion, and the load's passes: int4's quantize-and-pack (with its per-thread
-scratch), GGUF blocks decoded to fp32 and GGUF 4-bit rows moved into the 4-bit layout.
+scratch), GGUF blocks decoded to fp32 and to bf16, and GGUF 4-bit rows moved into the
+4-bit layout.
 """
 
 from __future__ import annotations
@@ -193,8 +194,11 @@ int main(int argc, char **argv) {
         uint8_t *raw = malloc(blocks * block_bytes[kind]);
         for (int64_t i = 0; i < blocks * block_bytes[kind]; i++) raw[i] = (uint8_t)(i * 5);
         float *values = malloc(blocks * 32 * sizeof(float));
-        const tm_gguf_dequantize_args decode = {raw, values, blocks, kind, 2};
+        const tm_gguf_dequantize_args decode = {raw, values, blocks, kind, 2, 0};
         rc |= tm_gguf_dequantize(&decode);
+        uint16_t *narrow = malloc(blocks * 32 * sizeof(uint16_t)); /* bf16 output */
+        const tm_gguf_dequantize_args decode_bf16 = {raw, narrow, blocks, kind, 2, 1};
+        rc |= tm_gguf_dequantize(&decode_bf16);
         if (kind != TM_GGUF_Q8_0) {
             const int64_t out_bytes = n / 16 * (k / 32) * (kind == TM_GGUF_Q4_1 ? 320 : 288);
             uint8_t *moved = malloc(out_bytes);
