@@ -77,6 +77,12 @@ def main() -> None:
     parser.add_argument("--format", default="float", choices=sorted(moe_kernel.WEIGHT_FORMATS))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--probe-mb",
+        type=int,
+        default=768,
+        help="the read probe's buffer, past the last-level cache",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     E, H, inter, k, rows = args.experts, args.hidden, args.inter, args.top_k, args.rows
@@ -103,18 +109,28 @@ def main() -> None:
     weights = [stacked(t) for t in (packed.gate_up, packed.down)]
     scales = [stacked(t) for t in (packed.gate_up_scales, packed.down_scales)]
     x = torch.randn(rows, H, generator=g).to(torch.bfloat16)
-    route, ids = torch.topk(torch.softmax(torch.randn(rows, E, generator=g), -1), k, -1)
-    route = route.float().contiguous()
-    counts = torch.bincount(ids.reshape(-1), minlength=E)
-    used = int(counts.count_nonzero())
+
+    def routing() -> tuple[torch.Tensor, torch.Tensor]:
+        route, ids = torch.topk(torch.softmax(torch.randn(rows, E, generator=g), -1), k, -1)
+        return route.float().contiguous(), ids.contiguous()
+
+    # A routing of its own for every call: a decode step's few experts (8 of OLMoE's 64 at
+    # one row: 100 MB) would otherwise stay in a large last-level cache from call to call,
+    # and the figures would be the cache's, not the memory's.
+    routes = [routing() for _ in range(2 * args.rounds + 3)]
+    counts = torch.bincount(routes[0][1].reshape(-1), minlength=E)
+    used = statistics.mean(
+        int(torch.bincount(ids.reshape(-1), minlength=E).count_nonzero()) for _, ids in routes
+    )
     print(
         f"{rows} rows, top {k} of {E} experts ({H} x {inter}, {args.format}), {args.threads} "
-        f"threads: {used} experts used, rows an expert {counts.float().mean():.1f} mean, "
+        f"threads: {used:.1f} experts used (mean over the calls' routings), rows an expert {counts.float().mean():.1f} mean, "
         f"{int(counts.min())}-{int(counts.max())}"
     )
     outs = {}
 
-    def call(name: str) -> float:
+    def call(name: str, route_index: int) -> float:
+        route, ids = routes[route_index]
         out = torch.empty_like(x)
         call_args = MoEArgs(
             x=x.data_ptr(),
@@ -146,7 +162,7 @@ def main() -> None:
 
     a = torch.randn(512, 2048).to(torch.bfloat16)
     w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(1024, 2048).to(torch.bfloat16), None)
-    stream = torch.ones(50_000_000)  # 200 MB, past any cache
+    stream = torch.ones(args.probe_mb * (1 << 20) // 4)  # past the last-level cache
 
     def matmul_gflops() -> float:
         start = time.process_time()
@@ -160,12 +176,12 @@ def main() -> None:
         return stream.numel() * 4 / (time.process_time() - start) / 1e9
 
     for name in libs:  # warm-up: pages touched, kept buffers grown
-        call(name)
+        call(name, 0)
     seconds = {name: [] for name in libs}
     peaks, reads = [], []
     for r in range(args.rounds):
-        for name in list(libs) if r % 2 == 0 else list(libs)[::-1]:
-            seconds[name].append(call(name))
+        for turn, name in enumerate(list(libs) if r % 2 == 0 else list(libs)[::-1]):
+            seconds[name].append(call(name, 1 + 2 * r + turn))
         peaks.append(matmul_gflops())
         reads.append(read_gbs())
     peak, read = statistics.median(peaks), statistics.median(reads)
@@ -184,6 +200,8 @@ def main() -> None:
             f"{expert_bytes / cpu / 1e9:.1f} GB per CPU-s = {read * cpu / (expert_bytes / 1e9):.2f}x "
             f"the read bound; rounds {[round(t * 1e3, 1) for t in times]}"
         )
+    for name in libs:  # the same routing for both, to compare their outputs
+        call(name, 0)
     first, second = outs.values()
     print(
         f"largest difference between the builds' outputs: {(first.float() - second.float()).abs().max():.3g}"
