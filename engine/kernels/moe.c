@@ -162,6 +162,21 @@ static inline __m512 mxfp4x16(const operands *o, int64_t i, int64_t c) {
     return _mm512_mul_ps(values, _mm512_castsi512_ps(bits));
 }
 
+/* Software prefetch distance, in bytes of a panel's stream. An item streams one panel
+ * (256 KB of bf16 gate_up at OLMoE's hidden 2,048) across a page every few k-rows; the
+ * hardware prefetchers restart at each page, and runs of a few decode rows - a few
+ * multiplies per weight loaded - left each new page's first loads waiting on memory. */
+#define PREFETCH_BYTES 4096
+
+/* The lines that start in [at, at + bytes) of a panel, PREFETCH_BYTES on; none past the
+ * panel's `end`: the next panel is another item's, likely another thread's. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const char *at, int64_t bytes, const char *end) {
+    const char *from = at + PREFETCH_BYTES;
+    if (from + bytes > end) return;
+    const uintptr_t first = ((uintptr_t)from + 63) & ~(uintptr_t)63;
+    for (uintptr_t line = first; line < (uintptr_t)(from + bytes); line += 64) _mm_prefetch((const char *)line, _MM_HINT_T0);
+}
+
 static inline __mmask16 column_mask(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
@@ -177,8 +192,11 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
         for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
     const __mmask16 m0 = column_mask(left), m1 = column_mask(left - 16);
     const int64_t ldx = o->ldx, ldw = o->ldw;
+    const char *panel = (const char *)o->w;
     if (o->scales) {
+        const char *end = panel + o->k * ldw;
         for (int64_t i = 0; i < o->k; i++) {
+            prefetch_ahead(panel + i * ldw, ldw, end);
             const int8_t *wi = (const int8_t *)o->w + i * ldw + col;
             __m512 wv[4];
             wv[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, wi)));
@@ -193,7 +211,9 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
             }
         }
     } else if (o->e8m0) { /* whole panels, as int4's below */
+        const char *end = panel + o->k * (ldw / 2);
         for (int64_t i = 0; i < o->k; i++) {
+            prefetch_ahead(panel + i * (ldw / 2), ldw / 2, end);
             __m512 wv[4];
             wv[0] = mxfp4x16(o, i, col);
             wv[1] = mxfp4x16(o, i, col + 16);
@@ -216,6 +236,7 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
             for (int v = 0; v < 2 * nw; v++)
                 scale[v] = bf16x16(group + at[v]), minimum[v] = bf16x16(group + ldw + at[v]);
             for (int64_t i = g; i < g + 32; i++) {
+                prefetch_ahead(panel + i * (ldw / 2), ldw / 2, panel + o->k * (ldw / 2));
                 __m512 wv[4];
                 for (int v = 0; v < 2 * nw; v++) wv[v] = _mm512_fmadd_ps(codes_x16(o, i, at[v]), scale[v], minimum[v]);
                 for (int r = 0; r < mr; r++) {
@@ -227,7 +248,9 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
     } else if (o->is_bf16) {
         const uint16_t *x = (const uint16_t *)o->x + row * ldx;
         const uint16_t *w = (const uint16_t *)o->w;
+        const char *end = panel + (o->k / 2) * ldw * 4;
         for (int64_t i = 0; i < o->k / 2; i++) {
+            prefetch_ahead(panel + i * ldw * 4, ldw * 4, end);
             const uint16_t *wi = w + (i * ldw + col) * 2;
             __m512i wv[4];
             wv[0] = _mm512_maskz_loadu_epi32(m0, wi);
@@ -246,7 +269,9 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
     } else {
         const float *x = (const float *)o->x + row * ldx;
         const float *w = (const float *)o->w;
+        const char *end = panel + o->k * ldw * 4;
         for (int64_t i = 0; i < o->k; i++) {
+            prefetch_ahead(panel + i * ldw * 4, ldw * 4, end);
             const float *wi = w + i * ldw + col;
             __m512 wv[4];
             wv[0] = _mm512_maskz_loadu_ps(m0, wi);
@@ -557,11 +582,17 @@ static void down_item(const problem *p, item it, worker *wk, float *acc) {
             rows = on_tiles;
         } else {
             rows = rows < MR ? rows : MR;
-            for (int64_t half = 0; half < left; half += NB) {
-                float part[MR][2 * NB];
-                const int64_t cols = left - half < NB ? left - half : NB;
-                tile(&o, row, (int)rows, half, half, cols, 1, part);
-                for (int64_t r = 0; r < rows; r++) memcpy(sums[r] + half, part[r], (size_t)cols * 4);
+            /* A whole panel in one pass, as phase A's: two passes over its halves took
+             * every other pair of lines each, and a few rows' pass waited on each. */
+            if (left == 2 * NB) {
+                tile(&o, row, (int)rows, 0, NB, 2 * NB, 2, sums);
+            } else {
+                for (int64_t half = 0; half < left; half += NB) {
+                    float part[MR][2 * NB];
+                    const int64_t cols = left - half < NB ? left - half : NB;
+                    tile(&o, row, (int)rows, half, half, cols, 1, part);
+                    for (int64_t r = 0; r < rows; r++) memcpy(sums[r] + half, part[r], (size_t)cols * 4);
+                }
             }
         }
         scale_sums(&o, (int)rows, 0, 0, left, 1, sums);
