@@ -55,7 +55,9 @@
  * AMX tiles too: int8 codes exactly (their scales multiply the sums after), int4 and
  * mxfp4 weights rounded to bf16 (a relative 2^-9, below bf16 activations' own rounding).
  * A prompt's rows then run at the matmul peak instead of converting every weight once per
- * 6 rows.
+ * 6 rows. A run of 4-16 rows (a decode step's) takes one pass of the tiles: its panel is
+ * widened 32 k-rows at a time into L1 as the tiles take them, not whole into L2 first.
+ * Every pass over a panel prefetches its stream ahead (PREFETCH_BYTES).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -389,25 +391,79 @@ static inline __m512 quantized_x16(const operands *o, int64_t i, int64_t c) {
     return o->groups ? int4x16(o, i, c) : mxfp4x16(o, i, c);
 }
 
-/* A quantized panel's weights as bf16 pairs, [k / 2][64][2] (AMX's layout, into `out`):
- * int8 codes exactly, int4 and mxfp4 values rounded to nearest even. */
-static void widen_panel(const operands *o, uint16_t *out) {
+/* A quantized panel's k-rows [from, to) as bf16 pairs, [(to - from) / 2][64][2] (AMX's
+ * layout, into `out`): int8 codes exactly, int4 and mxfp4 values rounded to nearest even. */
+static void widen_rows(const operands *o, int64_t from, int64_t to, uint16_t *out) {
     /* [row i's 16 values, row i + 1's 16] -> i's and i + 1's side by side, column by column */
     static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i order = _mm512_loadu_si512(interleave);
-    for (int64_t i = 0; i < o->k; i += 2)
+    if (o->scales) { /* int8: codes are exact in bf16, so a pair is two fp32s' top halves */
+        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+        for (int64_t i = from; i < to; i += 2)
+            for (int64_t c = 0; c < TM_MOE_PANEL_COLS; c += 16) {
+                const __m512i even = _mm512_castps_si512(quantized_x16(o, i, c));
+                const __m512i odd = _mm512_castps_si512(quantized_x16(o, i + 1, c));
+                /* (odd & high) | (even >> 16) */
+                _mm512_storeu_si512(out + (((i - from) / 2) * TM_MOE_PANEL_COLS + c) * 2,
+                                    _mm512_ternarylogic_epi32(high, odd, _mm512_srli_epi32(even, 16), 0xEA));
+            }
+        return;
+    }
+    for (int64_t i = from; i < to; i += 2)
         for (int64_t c = 0; c < TM_MOE_PANEL_COLS; c += 16) {
             const __m512bh both = _mm512_cvtne2ps_pbh(quantized_x16(o, i + 1, c), quantized_x16(o, i, c));
-            _mm512_storeu_si512(out + ((i / 2) * TM_MOE_PANEL_COLS + c) * 2,
+            _mm512_storeu_si512(out + (((i - from) / 2) * TM_MOE_PANEL_COLS + c) * 2,
                                 _mm512_permutexvar_epi16(order, (__m512i)both));
         }
 }
 
-/* sums[r][0..64) for 16 rows from `row` over a quantized panel: widened into `wide` once
- * per item (*widened), then on AMX tiles; int8's scales still to multiply (scale_sums). */
-static void amx_quantized_tile(const operands *o, int64_t row, uint16_t *wide, int *widened,
+static void widen_panel(const operands *o, uint16_t *out) { widen_rows(o, 0, o->k, out); }
+
+/* Bytes of a quantized panel's codes per k-row, and of its scales per group of 32 k-rows
+ * (int8: none there; its scales are one row per panel). */
+static int64_t code_row_bytes(const operands *o) { return o->scales ? o->ldw : o->ldw / 2; }
+static int64_t group_bytes(const operands *o) { return o->groups ? 2 * o->ldw * 2 : o->e8m0 ? o->ldw : 0; }
+
+/* The sums of amx_quantized_tile for one pass of at most 16 rows (a decode step's run),
+ * without the widened panel: 32 k-rows at a time are widened into `block` ([16][64][2],
+ * 4 KB, in L1) and taken by the tiles, the same bf16 values in the same tile operations,
+ * so the same bits. Widening the whole panel first wrote it to L2 and read it back (2x
+ * its codes' bytes in int8, 4x in int4 and mxfp4) for the one pass that uses it. */
+
+static void amx_quantized_stream(const operands *o, int64_t row, uint16_t *block, float (*sums)[2 * NB]) {
+    const uint16_t *x = (const uint16_t *)o->x + row * o->ldx;
+    const int64_t x_bytes = o->ldx * 2, w_bytes = TM_MOE_PANEL_COLS * 4;
+    const char *codes = (const char *)o->w;
+    const char *groups = o->groups ? (const char *)o->groups : (const char *)o->e8m0;
+    const int64_t row_bytes = code_row_bytes(o), g_bytes = group_bytes(o);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kk = 0; kk < o->k; kk += 32) {
+        prefetch_ahead(codes + kk * row_bytes, 32 * row_bytes, codes + o->k * row_bytes);
+        if (g_bytes) prefetch_ahead(groups + (kk / 32) * g_bytes, g_bytes, groups + (o->k / 32) * g_bytes);
+        widen_rows(o, kk, kk + 32, block);
+        _tile_loadd(4, x + kk, x_bytes);
+        _tile_loadd(5, block, w_bytes); _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, block + 16 * 2, w_bytes); _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, block + NB * 2, w_bytes); _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, block + (NB + 16) * 2, w_bytes); _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, sums[0], sizeof sums[0]);
+    _tile_stored(1, sums[0] + 16, sizeof sums[0]);
+    _tile_stored(2, sums[0] + 32, sizeof sums[0]);
+    _tile_stored(3, sums[0] + 48, sizeof sums[0]);
+}
+
+/* sums[r][0..64) for 16 rows from `row` over a quantized panel, `rows` of the run left
+ * from there: a run of one pass streamed (amx_quantized_stream), a longer one's panel
+ * widened into `wide` once per item (*widened), then on AMX tiles; int8's scales still to
+ * multiply (scale_sums). */
+static void amx_quantized_tile(const operands *o, int64_t row, int64_t rows, uint16_t *wide, int *widened,
                                float (*sums)[2 * NB]) {
+    if (!*widened && rows <= AMX_ROWS) {
+        amx_quantized_stream(o, row, wide, sums);
+        return;
+    }
     if (!*widened) widen_panel(o, wide), *widened = 1;
     const operands bf16 = {.x = o->x, .ldx = o->ldx, .w = wide, .ldw = TM_MOE_PANEL_COLS, .k = o->k, .is_bf16 = 1};
     amx_tile(&bf16, row, 0, NB, sums);
@@ -525,7 +581,7 @@ static int64_t amx_rows(const problem *p, const operands *o, int64_t row, int64_
         if (p->amx)
             amx_tile(o, row, 0, NB, sums);
         else
-            amx_quantized_tile(o, row, wk->wide, widened, sums);
+            amx_quantized_tile(o, row, rows, wk->wide, widened, sums);
         return rows < AMX_ROWS ? rows : AMX_ROWS;
     }
 #endif

@@ -179,6 +179,72 @@ def test_down_and_weighted_sum_in_one_phase_give_the_same_bits(dtype, weight_for
     torch.testing.assert_close(fused.double(), want, atol=tol, rtol=tol)
 
 
+def packed_as(weight_format, gate_up, down, dtype):
+    """The experts in `weight_format`: "float", "int8", "int4", or "mxfp4" as stored
+    (quant/mxfp4.py's blocks and scales, repacked)."""
+    if weight_format != "mxfp4":
+        return moe_kernel.PackedExperts(gate_up, down, "silu", weight_format=weight_format)
+    from tokenmill.engine.quant import mxfp4
+
+    return moe_kernel.PackedExperts.from_mxfp4(
+        mxfp4.quantize(gate_up), mxfp4.quantize(down), dtype, "silu"
+    )
+
+
+def decode_runs_problem(dtype, hidden, seed=8):
+    """Six experts loaded as a decode step's runs come: 0, 1, 7, 15, 16 and 17 rows (the
+    vector tiles; one AMX tile's pass, streamed over a quantized panel; one past it, over
+    the widened panel), 28 tokens of two experts each."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(6, 128, hidden, generator=g) * 0.1).to(dtype)
+    down = (torch.randn(6, hidden, 64, generator=g) * 0.1).to(dtype)
+    x = torch.randn(28, hidden, generator=g).to(dtype)
+    slots = torch.tensor([1] * 1 + [2] * 7 + [3] * 15 + [4] * 16 + [5] * 17)
+    ids = torch.stack((slots[:28], slots[28:]), dim=1)
+    weights = torch.rand(28, 2, generator=g) + 0.1
+    return x, weights, ids, gate_up, down
+
+
+@pytest.mark.parametrize("weight_format", ["float", "int8", "int4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [256, 160])
+def test_decode_runs_match_float64_in_every_weight_format(hidden, dtype, weight_format):
+    """Runs of 0, 1, 7, 15, 16 and 17 rows, fp32 and bf16 activations, every weight
+    format: the sums of the weights the kernel holds, within the float paths' tolerance.
+    hidden 256 gives whole down panels (one pass over each), 160 a half panel last."""
+    x, weights, ids, gate_up, down = decode_runs_problem(dtype, hidden)
+    assert torch.bincount(ids.reshape(-1), minlength=6).tolist() == [0, 1, 7, 15, 16, 17]
+    assert (ids[:, 0] != ids[:, 1]).all()
+    packed = packed_as(weight_format, gate_up, down, dtype)
+    held = (gate_up, down) if weight_format == "float" else packed.dequantized()
+    tol = tolerance(dtype)
+    want = reference(x, weights, ids, *held)
+    torch.testing.assert_close(packed(x, ids, weights).double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("weight_format", ["int8", "int4", "mxfp4"])
+def test_a_streamed_quantized_run_gives_the_widened_panels_bits(weight_format):
+    """16 tokens on experts 0 and 1: each expert's run is one 16-row pass, whose quantized
+    panels are widened 32 k-rows at a time as the tiles take them. A 17th token on experts
+    0 and 2 makes expert 0's run two passes, over its panels widened whole first. Each
+    row's sums are the same operations on the same bf16 weights either way: the first 16
+    tokens' outputs are the same bits."""
+    g = torch.Generator().manual_seed(9)
+    dtype = torch.bfloat16
+    gate_up = (torch.randn(3, 128, 256, generator=g) * 0.1).to(dtype)
+    down = (torch.randn(3, 256, 64, generator=g) * 0.1).to(dtype)
+    x = torch.randn(17, 256, generator=g).to(dtype)
+    ids = torch.tensor([[0, 1]] * 16 + [[0, 2]])
+    weights = torch.rand(17, 2, generator=g) + 0.1
+    packed = packed_as(weight_format, gate_up, down, dtype)
+    streamed = packed(x[:16], ids[:16], weights[:16])
+    widened = packed(x, ids, weights)
+    assert torch.equal(streamed, widened[:16])
+    tol = tolerance(dtype)
+    want = reference(x, weights, ids, *packed.dequantized())
+    torch.testing.assert_close(widened.double(), want, atol=tol, rtol=tol)
+
+
 def test_int8_experts_take_a_quarter_of_fp32_bytes():
     x, weights, ids, gate_up, down = problem(SHAPES[1], torch.float32)
     full = moe_kernel.PackedExperts(gate_up, down, "silu")
