@@ -35,6 +35,7 @@ import torch
 from tokenmill.engine.kernels import c_compiler, compile_flags
 from tokenmill.engine.kernels import moe as moe_kernel
 from tokenmill.engine.kernels.interface import MoEArgs
+from tokenmill.engine.quant import mxfp4
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -95,12 +96,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     # A few experts packed and repeated: the call reads E experts' bytes either way.
     few = min(E, 4)
-    packed = moe_kernel.PackedExperts(
-        (torch.randn(few, 2 * inter, H, generator=g) * 0.02).to(torch.bfloat16),
-        (torch.randn(few, H, inter, generator=g) * 0.02).to(torch.bfloat16),
-        "silu",
-        args.format,
-    )
+    gate_up = (torch.randn(few, 2 * inter, H, generator=g) * 0.02).to(torch.bfloat16)
+    down = (torch.randn(few, H, inter, generator=g) * 0.02).to(torch.bfloat16)
+    if args.format == "mxfp4":  # as gpt-oss ships its experts: packed from their blocks
+        packed = moe_kernel.PackedExperts.from_mxfp4(
+            mxfp4.quantize(gate_up), mxfp4.quantize(down), torch.bfloat16, "silu"
+        )
+    else:
+        packed = moe_kernel.PackedExperts(gate_up, down, "silu", args.format)
     copies = -(-E // few)
 
     def stacked(t: torch.Tensor | None) -> torch.Tensor | None:
