@@ -69,7 +69,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,6 +323,43 @@ class DaskFanOut:
             return _gather(get_client(), fn, args)
         with worker_client() as client:
             return _gather(client, fn, args)
+
+    def imap(self, fn: Callable, args: Sequence[tuple]) -> Iterator:
+        from distributed import get_client, get_worker, worker_client
+
+        try:
+            get_worker()
+        except ValueError:  # not on a worker: the process's own client
+            yield from _in_order(get_client(), fn, args)
+            return
+        # The plan task's thread is handed back to its worker while it cuts what the
+        # parts staged, so that worker runs parts meanwhile.
+        with worker_client() as client:
+            yield from _in_order(client, fn, args)
+
+
+def _in_order(client: Any, fn: Callable, args: Sequence[tuple]) -> Iterator:
+    """The answers in the order of `args`, each as soon as it and those before it are
+    done; the first error raised as soon as any task fails, the others then cancelled.
+    Tasks run in submission order where workers are busy (Dask's FIFO)."""
+    from distributed import as_completed
+
+    futures = [client.submit(fn, *a, pure=False) for a in args]
+    done: dict[int, Any] = {}
+    index = {f.key: i for i, f in enumerate(futures)}
+    try:
+        following = 0
+        for future in as_completed(futures):
+            if future.status == "error":
+                future.result()  # raises the task's error, as raised
+            done[index[future.key]] = future
+            while following in done:
+                answer = done.pop(following).result()
+                futures[following] = None  # not held once answered
+                following += 1
+                yield answer
+    finally:
+        client.cancel([f for f in futures if f is not None and not f.done()])
 
 
 def _gather(client: Any, fn: Callable, args: Sequence[tuple]) -> list:

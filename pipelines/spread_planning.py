@@ -45,9 +45,8 @@ reads each window's rows (token ids, costs, prefixes) back from the staging to c
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import groupby
 from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
@@ -63,6 +62,7 @@ from tokenmill.connectors.partitions import (
     split_source,
 )
 from tokenmill.pipelines import output as out
+from tokenmill.pipelines.dedupe import is_deterministic
 from tokenmill.pipelines.dedupe_buckets import (
     BucketedDeduplicator,
     DigestBuckets,
@@ -94,6 +94,10 @@ T = TypeVar("T")
 
 # Ids per hash bucket, about: one bucket task holds its ids as a table.
 BUCKET_ROWS = 1 << 20
+# Reading parts per worker where the driver cuts while the parts stage: it cuts a part's
+# windows while later parts run, so what it cuts after the last part is about
+# 1 / (workers x this) of the input (each part also describes the model once).
+PARTS_PER_WORKER = 4
 
 
 class FanOut(Protocol):
@@ -103,6 +107,12 @@ class FanOut(Protocol):
 
     def map(self, fn: Callable[..., T], args: Sequence[tuple]) -> list[T]:
         """`[fn(*a) for a in args]`, each call a task; the first error raised, as raised."""
+        ...
+
+    def imap(self, fn: Callable[..., T], args: Sequence[tuple]) -> Generator[T, None, None]:
+        """`map`'s answers in order, each as soon as it and those before it are done;
+        the first error raised as soon as any call fails; closed, it cancels the calls
+        not yet answered."""
         ...
 
 
@@ -173,8 +183,12 @@ def plan_job_spread(
         log.info("planning on this process, not spread over workers: %s", refusal)
         return plan_windows(spec, inputs, read_job_windows(spec, inputs))
     num_parts = max(1, fan_out.num_parts)
+    waits = _cut_waits(spec, inputs)
+    if waits is not None:
+        log.info("the cut waits for every reading part: %s", waits)
+    read_parts = num_parts if waits is not None else num_parts * PARTS_PER_WORKER
     source = inputs.source
-    partitions, whole = split_source(source, num_parts, min_range_bytes=min_range_bytes)
+    partitions, whole = split_source(source, read_parts, min_range_bytes=min_range_bytes)
     if whole is not None:
         log.info("planning spread over workers by file: %s", whole)
     out.remove_staged_windows(spec.output, spec.storage_options)  # a killed run's
@@ -182,13 +196,20 @@ def plan_job_spread(
         slices = _slices(fan_out, source, partitions, num_parts)
         num_rows = sum(s.num_rows for s in slices)
         num_buckets = max(num_parts, -(-num_rows // BUCKET_ROWS))
+        inputs.counts.rows = num_rows
+        if waits is None:
+            work = _assign(slices, read_parts)
+            windows = _streamed_windows(spec, inputs, work, fan_out, num_buckets)
+            try:
+                return plan_windows(spec, inputs, windows)
+            finally:
+                windows.close()  # the parts not yet run are cancelled before the staging goes
         work = _assign(slices, num_parts)
         summaries = fan_out.map(
             read_part, [(spec, source, part, given, num_buckets) for part, given in work]
         )
         _check_parts(summaries, [given for _, given in work], inputs.fingerprint)
         _check_ids(spec, source.uri, summaries, fan_out, num_buckets)
-        inputs.counts.rows = num_rows
         inputs.counts.blank = sum(s.rows_skipped_blank for s in summaries)
         pieces = sorted(p for s in summaries for p in s.pieces)
         deduplicator = BucketedDeduplicator(
@@ -199,6 +220,77 @@ def plan_job_spread(
         )
     finally:
         out.remove_staged_windows(spec.output, spec.storage_options)
+
+
+def _cut_waits(spec: JobSpec, inputs: PlanningInputs) -> str | None:
+    """Why the cut cannot start before every part has staged (None: it can): a window's
+    copies are decided over the whole input (its rows' sources may be staged by any
+    part), so a job that may copy rows waits for every part and its buckets."""
+    if spec.dedupe and any(is_deterministic(p) for p in inputs.params.params):
+        return "rows that repeat are computed once (dedupe), decided over the whole input"
+    return None
+
+
+def _streamed_windows(
+    spec: JobSpec,
+    inputs: PlanningInputs,
+    work: Sequence[tuple[int, Sequence[Slice]]],
+    fan_out: FanOut,
+    num_buckets: int,
+) -> Iterator[Window]:
+    """The staged windows in input order, each as soon as the parts holding its rows
+    have staged it, while later parts still run; the ids are checked once the last part
+    is in (a failure there removes the plan files cut, as `plan_windows` does)."""
+    uri, given = inputs.source.uri, [slices for _, slices in work]
+    totals = _PartTotals()
+
+    def pieces() -> Iterator[tuple[int, int, int]]:
+        answers = fan_out.imap(
+            read_part,
+            [(spec, inputs.source, part, slices, num_buckets) for part, slices in work],
+        )
+        try:
+            for summary, slices in zip(answers, given):
+                _check_parts([summary], [slices], inputs.fingerprint)
+                totals.add(summary)
+                if not totals.num_nulls:  # a row of a null id is not staged: cut no more
+                    yield from summary.pieces
+        finally:
+            answers.close()
+        totals.check_nulls(spec, uri)  # all parts in: the local planner's count
+
+    yield from _staged_windows(spec, pieces(), inputs.counts.rows)
+    totals.check(spec, uri, fan_out, num_buckets)
+    inputs.counts.blank = totals.blank
+
+
+@dataclass
+class _PartTotals:
+    """What the driver keeps of the parts' answers as they come: sums, not lists."""
+
+    blank: int = 0
+    num_nulls: int = 0
+    first_null: int | None = None
+    probe_hashes: frozenset[int] = frozenset()
+
+    def add(self, summary: PartSummary) -> None:
+        self.blank += summary.rows_skipped_blank
+        self.num_nulls += summary.num_nulls
+        if summary.first_null is not None and (
+            self.first_null is None or summary.first_null < self.first_null
+        ):
+            self.first_null = summary.first_null
+        self.probe_hashes |= {summary.probe_hash}
+
+    def check_nulls(self, spec: JobSpec, uri: str) -> None:
+        if self.num_nulls:
+            raise ValueError(null_ids_message(uri, spec.id_column, self.num_nulls, self.first_null))
+
+    def check(self, spec: JobSpec, uri: str, fan_out: FanOut, num_buckets: int) -> None:
+        """`_check_parts`' hash check and `_check_ids`, on the sums."""
+        if len(self.probe_hashes) > 1:
+            raise RuntimeError(_HASHES_DIFFER)
+        _check_duplicate_ids(spec, uri, fan_out, num_buckets)
 
 
 def _slices(fan_out: FanOut, source: Any, partitions: list[Partition], num_parts: int):
@@ -324,10 +416,13 @@ def _check_parts(
                 f"{sum(counted)} were counted: the input changed while it was planned"
             )
     if len({s.probe_hash for s in summaries}) > 1:
-        raise RuntimeError(
-            "the workers hash ids differently (another polars version on some): the ids "
-            "cannot be checked in buckets; give every worker the same environment"
-        )
+        raise RuntimeError(_HASHES_DIFFER)
+
+
+_HASHES_DIFFER = (
+    "the workers hash ids differently (another polars version on some): the ids "
+    "cannot be checked in buckets; give every worker the same environment"
+)
 
 
 def _check_ids(
@@ -343,6 +438,12 @@ def _check_ids(
     if num_nulls:
         first = min(s.first_null for s in summaries if s.first_null is not None)
         raise ValueError(null_ids_message(uri, spec.id_column, num_nulls, first))
+    _check_duplicate_ids(spec, uri, fan_out, num_buckets)
+
+
+def _check_duplicate_ids(spec: JobSpec, uri: str, fan_out: FanOut, num_buckets: int) -> None:
+    """Repeated ids fail planning with the local planner's message (one task per
+    bucket), and where they pass each bucket's copies are decided."""
     answers = fan_out.map(
         check_bucket,
         [
@@ -367,34 +468,39 @@ def check_bucket(
 
 
 def _staged_windows(
-    spec: JobSpec, pieces: Sequence[tuple[int, int, int]], num_rows: int
+    spec: JobSpec, pieces: Iterable[tuple[int, int, int]], num_rows: int
 ) -> Iterator[Window]:
-    """The staged windows in input order, each from its pieces, checked to cover the
-    input's rows once."""
-    expected = 0
-    for index, group in groupby(pieces, key=lambda p: p[0]):
-        window = Window(index, expected)
-        tables = []
-        for _, first, rows in group:
-            if first != expected:
-                raise RuntimeError(f"rows {expected}..{first - 1} were not staged")
-            read = shard_rows(
-                out.read_staged_window(
-                    spec.output, out.staged_piece_name(index, first), spec.storage_options
-                )
+    """The staged windows in input order from their pieces (in order), each as soon as
+    its last piece comes, checked to cover the input's rows once."""
+    window_rows = spec.plan_window_rows
+    expected, window, tables = 0, None, []
+    for index, first, rows in pieces:
+        if first != expected:
+            raise RuntimeError(f"rows {expected}..{first - 1} were not staged")
+        if window is None:
+            window, tables = Window(index, expected), []
+        elif index != window.index:
+            raise RuntimeError(f"planning window {window.index} ends at row {first}, not whole")
+        read = shard_rows(
+            out.read_staged_window(
+                spec.output, out.staged_piece_name(index, first), spec.storage_options
             )
-            if len(read.rows) != rows:
-                raise RuntimeError(
-                    f"planning window {index} holds {len(read.rows)} rows from row {first}, "
-                    f"not {rows}"
-                )
-            window.rows += read.rows
-            if read.passthrough is not None:
-                tables.append(read.passthrough)
-            expected += rows
-            del read  # not kept while the next window's first piece is read
-        if tables:
-            window.passthrough = pa.concat_tables(tables)
-        yield window
-    if expected != num_rows:
+        )
+        if len(read.rows) != rows:
+            raise RuntimeError(
+                f"planning window {index} holds {len(read.rows)} rows from row {first}, not {rows}"
+            )
+        window.rows += read.rows
+        if read.passthrough is not None:
+            tables.append(read.passthrough)
+        expected += rows
+        del read  # not kept while the next window's first piece is read
+        if expected == min((index + 1) * window_rows, num_rows):
+            if tables:
+                window.passthrough = pa.concat_tables(tables)
+            # rebound only once the next window is made: dropped here, not held with it
+            complete, window, tables = window, None, []
+            yield complete
+            del complete
+    if window is not None or expected != num_rows:
         raise RuntimeError(f"{expected} rows staged of {num_rows} read")
