@@ -3,7 +3,7 @@ planning time, by input size and number of workers - the figures the driver's me
 must stay flat on.
 
     python benchmarks/planner_scale.py [--rows 1000000,10000000] [--rows-per-part 500000]
-                                       [--workers 0,1,2] [--smoke]
+                                       [--workers 0,1,2] [--no-dedupe] [--smoke]
 
 For each size, a JSON Lines input is written to a loopback S3 store (moto, in this
 process) in parts of `--rows-per-part` rows, each part generated and uploaded on its
@@ -20,10 +20,16 @@ templating, tokenizing and the id and copy checks over N workers
 run. The scheduler is its own process here, as on a real cluster, so the driver's peak
 RSS is the planner's alone; the scheduler's and the workers' are printed beside it.
 Peaks are `ru_maxrss` (VmHWM for the scheduler). The driver's current RSS is sampled
-every half second while it cuts the staged windows (after the last fan-out returns):
-"first/min/max/last" of those samples, which stay level where the driver holds one
-window at a time whatever the input's size. `--smoke` plans 20,000 rows in windows
-of 5,000 to check the script, not to measure.
+every 0.2 s over the whole plan, by phase (opening and describing the model, each
+fan-out, the cut, after it); under each row, each phase's seconds, its RSS range and
+the driver's peak by its end, so the phase that raised the peak is the first whose
+"peak by its end" is the final one. "cut s" and "driver RSS in cut" are the cut's
+alone: after the last part where the job dedupes (a window's copies are decided over
+the whole input), and with `--no-dedupe` the windows cut after the last part came in
+(the others are cut while later parts stage, in the "read_part + cut" phase). CPU
+seconds are by role, each process's own: the driver's and the workers' over the plan,
+the scheduler's over its whole life. `--smoke` plans 20,000 rows in windows of 5,000
+to check the script, not to measure.
 """
 
 from __future__ import annotations
@@ -49,54 +55,91 @@ from tokenmill.pipelines.spec import JobSpec
 def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+def cpu_s():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
 def rss_mb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
-samples = []  # (seconds since start, current RSS MB), every half second
+# The driver's phases in order: each one's RSS samples (every 0.2 s) and the peak RSS
+# reached by its end (ru_maxrss only rises: the phase whose end raised it set it).
+phases = [["start", [], 0.0, time.perf_counter()]]
+def enter(name):
+    phases[-1][2] = peak_rss_mb()
+    if phases[-1][0] != name:
+        phases.append([name, [], 0.0, time.perf_counter()])
 def sample(stop):
-    while not stop.wait(0.5):
-        samples.append((time.perf_counter(), rss_mb()))
+    while not stop.wait(0.2):
+        phases[-1][1].append(rss_mb())
 
 source, output, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 workers, window_rows, scheduler_file = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 spec = JobSpec(source, output, model=DEFAULT_MODEL, id_column="id", max_tokens=16,
-               storage_options=options, plan_window_rows=window_rows)
-workers_rss, cut_started = [], None
+               storage_options=options, plan_window_rows=window_rows,
+               dedupe=sys.argv[7] == "dedupe")
+workers_rss, workers_cpu = [], []
 stop = threading.Event()
 threading.Thread(target=sample, args=(stop,), daemon=True).start()
+import tokenmill.pipelines.spread_planning as spread
+import tokenmill.pipelines.planning as planning
+for module in (spread, planning):  # the cut: plan_windows, wherever it is called from
+    plan_windows = module.plan_windows
+    def cut(*a, _plan_windows=plan_windows, **k):
+        enter("cut")
+        return _plan_windows(*a, **k)
+    module.plan_windows = cut
+driver_cpu = cpu_s()
 if workers:
     import importlib
     from distributed import Client
     from tokenmill.flows.runners import DaskFanOut
-    from tokenmill.pipelines.spread_planning import plan_job_spread
 
-    class TimedFanOut(DaskFanOut):
-        # The driver cuts the staged windows after the last fan-out returns.
+    class PhasedFanOut(DaskFanOut):
         def map(self, fn, args):
-            global cut_started
+            enter(fn.__name__)
             answers = super().map(fn, args)
-            cut_started = time.perf_counter()
+            enter("after " + fn.__name__)
             return answers
+
+        def imap(self, fn, args):  # the cut runs between its answers
+            enter(fn.__name__ + " + cut")
+            yield from super().imap(fn, args)
+            enter("cut")
 
     with Client(scheduler_file=scheduler_file) as client:
         client.wait_for_workers(workers)
         # A flow's workers have imported tokenmill already: time planning, not imports.
         client.run(importlib.import_module, "tokenmill.pipelines.spread_planning")
+        before = client.run(cpu_s)
+        enter("prepare")
+        driver_cpu = cpu_s()
         started = time.perf_counter()
-        plan = plan_job_spread(spec, fan_out=TimedFanOut(workers))
+        plan = spread.plan_job_spread(spec, fan_out=PhasedFanOut(workers))
         seconds = time.perf_counter() - started
+        driver_cpu = cpu_s() - driver_cpu
+        enter("done")
         workers_rss = sorted(client.run(peak_rss_mb).values())
+        workers_cpu = sorted(a - before[w] for w, a in client.run(cpu_s).items())
 else:
     started = time.perf_counter()
     plan = plan_job(spec)
     seconds = time.perf_counter() - started
+    driver_cpu = cpu_s() - driver_cpu
+    enter("done")
 stop.set()
-cut = [mb for t, mb in samples if cut_started is not None and t >= cut_started]
+cut = [mb for name, samples, *_ in phases if name == "cut" for mb in samples]
 print(json.dumps({"rows": plan.num_rows, "shards": len(plan.shards), "seconds": seconds,
                   "max_rss_mb": peak_rss_mb(), "workers_max_rss_mb": workers_rss,
-                  "cut_seconds": None if cut_started is None else time.perf_counter() - cut_started,
-                  "cut_rss_mb": [cut[0], min(cut), max(cut), cut[-1]] if cut else None}))
+                  "driver_cpu_s": driver_cpu, "workers_cpu_s": workers_cpu,
+                  "cut_rss_mb": [cut[0], min(cut), max(cut), cut[-1]] if cut else None,
+                  "cut_seconds": sum(b[3] - a[3] for a, b in zip(phases, phases[1:])
+                                     if a[0] == "cut") or None,
+                  # (phase, seconds, min and max RSS sampled, peak RSS by its end)
+                  "phases": [[a[0], b[3] - a[3], min(a[1], default=None),
+                              max(a[1], default=None), a[2]]
+                             for a, b in zip(phases, phases[1:])]}))
 """
 
 CREDENTIALS = {
@@ -175,10 +218,17 @@ def peak_rss_of(pid: int) -> float:
     raise RuntimeError(f"no VmHWM for process {pid}")
 
 
+def cpu_seconds_of(pid: int) -> float:
+    """A running process's user + system CPU seconds so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 HEADER = (
     f"{'rows':>11} | {'workers':>7} | {'shards':>6} | {'planning s':>10} | "
     f"{'driver peak RSS MB':>18} | {'cut s':>6} | {'driver RSS in cut MB':>20} | "
-    f"{'scheduler MB':>12} | workers' peak RSS MB"
+    f"{'scheduler MB':>12} | workers' peak RSS MB | CPU s: driver, scheduler, workers"
 )
 
 
@@ -192,6 +242,11 @@ def main() -> None:
         help="comma-separated worker counts to plan with (0: the driver alone)",
     )
     parser.add_argument("--smoke", action="store_true", help="20,000 rows: checks the script")
+    parser.add_argument(
+        "--no-dedupe",
+        action="store_true",
+        help="plan without dedupe: the cut then runs while the parts stage",
+    )
     args = parser.parse_args()
     sizes = [20_000] if args.smoke else [int(n) for n in args.rows.split(",")]
     worker_counts = [int(n) for n in args.workers.split(",")]
@@ -223,12 +278,14 @@ def main() -> None:
                             done = subprocess.run(
                                 [sys.executable, "-c", CHILD, f"s3://{prefix}/", output]
                                 + [json.dumps(options), str(num_workers), str(window_rows)]
-                                + [scheduler_file],
+                                + [scheduler_file, "no" if args.no_dedupe else "dedupe"],
                                 capture_output=True,
                                 text=True,
                                 check=False,
                             )
                             scheduler_mb = peak_rss_of(pid) if pid is not None else None
+                            # its whole life: its start and the client's are a second or so
+                            scheduler_cpu = cpu_seconds_of(pid) if pid is not None else None
                         if done.returncode != 0:
                             raise SystemExit(
                                 f"planning {num_rows:,} rows on {num_workers} workers "
@@ -246,9 +303,20 @@ def main() -> None:
                             f"{measured['shards']:>6,} | {measured['seconds']:>10.1f} | "
                             f"{measured['max_rss_mb']:>18.0f} | {cut_s:>6} | {cut_rss:>20} | "
                             f"{scheduler:>12} | "
-                            f"{workers or '-'}",
+                            f"{workers or '-'} | {measured['driver_cpu_s']:.1f}, "
+                            + ("-" if scheduler_cpu is None else f"{scheduler_cpu:.1f}")
+                            + ", "
+                            + (", ".join(f"{s:.1f}" for s in measured["workers_cpu_s"]) or "-"),
                             flush=True,
                         )
+                        # where the driver's peak was reached: the phase whose end raised it
+                        for name, seconds, low, high, peak in measured["phases"]:
+                            rss = "-" if low is None else f"{low:.0f}-{high:.0f}"
+                            print(
+                                f"    {name:<22} {seconds:>8.1f} s  RSS {rss:>9} MB  "
+                                f"peak by its end {peak:.0f} MB",
+                                flush=True,
+                            )
                 finally:
                     fs.rm(prefix, recursive=True)
     finally:

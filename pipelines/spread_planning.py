@@ -40,6 +40,13 @@ for an already loaded LLM.
 
 Not spread: the cut of step 5, which needs each window's rows in order; the driver
 reads each window's rows (token ids, costs, prefixes) back from the staging to cut it.
+Where no row can be a copy (no dedupe, or answers sampled without a seed), it does not
+wait for step 4: the input is read in `PARTS_PER_WORKER` parts a worker, answered in
+input order (`FanOut.imap`), and a window is cut as soon as the parts holding its rows
+are in, while later parts still stage, so what is left to cut after the last part is
+a part's share. The ids are checked once the last part is in, and a null or repeated
+id then removes the plan files cut, as the local planner does. A job that may copy
+rows waits: a window's copies are decided over the whole input.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
 
+from tokenmill.connectors import redact_url
 from tokenmill.connectors.batches import BlankTally
 from tokenmill.connectors.fingerprint import first_difference
 from tokenmill.connectors.partitions import (
@@ -201,25 +209,58 @@ def plan_job_spread(
             work = _assign(slices, read_parts)
             windows = _streamed_windows(spec, inputs, work, fan_out, num_buckets)
             try:
-                return plan_windows(spec, inputs, windows)
+                plan = plan_windows(spec, inputs, windows)
             finally:
                 windows.close()  # the parts not yet run are cancelled before the staging goes
-        work = _assign(slices, num_parts)
-        summaries = fan_out.map(
-            read_part, [(spec, source, part, given, num_buckets) for part, given in work]
-        )
-        _check_parts(summaries, [given for _, given in work], inputs.fingerprint)
-        _check_ids(spec, source.uri, summaries, fan_out, num_buckets)
-        inputs.counts.blank = sum(s.rows_skipped_blank for s in summaries)
-        pieces = sorted(p for s in summaries for p in s.pieces)
-        deduplicator = BucketedDeduplicator(
-            spec.output, spec.storage_options, window_rows=spec.plan_window_rows
-        )
-        return plan_windows(
-            spec, inputs, _staged_windows(spec, pieces, num_rows), deduplicator=deduplicator
-        )
-    finally:
+        else:
+            plan = _plan_after_every_part(spec, inputs, fan_out, slices, num_parts, num_buckets)
+    except BaseException:
+        _remove_staging_after_failure(spec)
+        raise
+    out.remove_staged_windows(spec.output, spec.storage_options)
+    return plan
+
+
+def _plan_after_every_part(
+    spec: JobSpec,
+    inputs: PlanningInputs,
+    fan_out: FanOut,
+    slices: list[Slice],
+    num_parts: int,
+    num_buckets: int,
+) -> JobPlan:
+    """Every part staged, the ids and copies decided in buckets, then the cut."""
+    source, num_rows = inputs.source, inputs.counts.rows
+    work = _assign(slices, num_parts)
+    summaries = fan_out.map(
+        read_part, [(spec, source, part, given, num_buckets) for part, given in work]
+    )
+    _check_parts(summaries, [given for _, given in work], inputs.fingerprint)
+    _check_ids(spec, source.uri, summaries, fan_out, num_buckets)
+    inputs.counts.blank = sum(s.rows_skipped_blank for s in summaries)
+    pieces = sorted(p for s in summaries for p in s.pieces)
+    deduplicator = BucketedDeduplicator(
+        spec.output, spec.storage_options, window_rows=spec.plan_window_rows
+    )
+    return plan_windows(
+        spec, inputs, _staged_windows(spec, pieces, num_rows), deduplicator=deduplicator
+    )
+
+
+def _remove_staging_after_failure(spec: JobSpec) -> None:
+    """The staging removed, where it can be: a part cancelled while it ran goes on
+    writing there (Dask does not stop a running task), so its files may outlive this
+    planning; the next planning of the output removes them before it reads. The error
+    that failed planning is the one raised, not this."""
+    try:
         out.remove_staged_windows(spec.output, spec.storage_options)
+    except OSError as err:
+        log.warning(
+            "staged windows under %s left for the next planning to remove (a part still "
+            "writes there): %s",
+            redact_url(spec.output),
+            err,
+        )
 
 
 def _cut_waits(spec: JobSpec, inputs: PlanningInputs) -> str | None:

@@ -52,6 +52,10 @@ class CountingFanOut:
         self.parts_run.append((fn.__name__, len(args)))
         return DaskFanOut(self.num_parts).map(fn, args)
 
+    def imap(self, fn, args):
+        self.parts_run.append((fn.__name__, len(args)))
+        return DaskFanOut(self.num_parts).imap(fn, args)
+
     def reading_parts(self) -> list[int]:
         return [n for name, n in self.parts_run if name == "read_part"]
 
@@ -280,6 +284,46 @@ def test_parts_submitted_from_a_task_on_a_one_thread_worker(tmp_path, tiny_model
     shutil.rmtree(tmp_path / "out")
     shards = two_workers.submit(_plan_on_a_worker, spec, pure=False).result(timeout=120)
     assert shards == local.shards
+
+
+def test_a_job_without_copies_is_cut_as_its_parts_stage(tmp_path, tiny_model_dir, two_workers):
+    # 4 parts a worker, answered in order; the plan still the local one
+    fan_out = CountingFanOut()
+    local, local_files, spread, spread_files = _local_then_spread(
+        tmp_path, str(tiny_model_dir), fan_out, dedupe=False
+    )
+    assert fan_out.parts_run == [("count_partitions", 2), ("read_part", 8), ("check_bucket", 2)]
+    assert spread.shards == local.shards and spread.job_id == local.job_id
+    assert (spread.num_rows, spread.num_failed, spread.rows_deduplicated) == (NUM_ROWS, 2, 0)
+    assert (spread.rows_read, spread.rows_skipped_blank) == (local.rows_read, 1)
+    assert spread_files == local_files and len(spread_files) == len(spread.shards)
+    assert not (tmp_path / "out" / out.WINDOWS_DIR).exists()
+    # and from a task on a one-thread worker, as the flow's plan task
+    shutil.rmtree(tmp_path / "out")
+    spec = _spec(_input(tmp_path / "in.jsonl"), tmp_path / "out", str(tiny_model_dir), dedupe=False)
+    shards = two_workers.submit(_plan_on_a_worker, spec, pure=False).result(timeout=120)
+    assert shards == local.shards
+
+
+def test_a_failing_part_fails_the_streamed_cut(tmp_path, tiny_model_dir, two_workers):
+    src = _input(tmp_path / "in.jsonl")
+
+    class GrowingInput(CountingFanOut):
+        def imap(self, fn, args):  # a line lands after the driver opened the input
+            with open(src, "a") as f:
+                f.write(json.dumps({"key": "late", "prompt": "late", "lang": "l"}) + "\n")
+            return super().imap(fn, args)
+
+    with pytest.raises(RuntimeError, match=r"the input changed while it was planned \(.*size"):
+        _spread(_spec(src, tmp_path / "out", str(tiny_model_dir), dedupe=False), GrowingInput())
+    assert not list((tmp_path / "out" / "_plan").glob("*"))
+    # a part still running when the first answer failed may stage after the removal:
+    # the next planning removes what it left before it reads
+    spec = _spec(src, tmp_path / "out", str(tiny_model_dir), dedupe=False)
+    plan = _spread(spec, CountingFanOut())
+    assert plan.num_rows == NUM_ROWS + 1
+    assert _plan_files(tmp_path / "out").keys() == {s.shard_id for s in plan.shards}
+    assert not (tmp_path / "out" / out.WINDOWS_DIR).exists()
 
 
 def test_null_ids_fail_with_the_local_message(tmp_path, tiny_model_dir, two_workers):
