@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import json
 
+import pytest
+
 from tokenmill.pipelines import spread_planning
 from tokenmill.pipelines.spec import JobSpec
 
@@ -23,8 +25,16 @@ class InProcessFanOut:
     def map(self, fn, args):
         return [fn(*a) for a in args]
 
+    def imap(self, fn, args):
+        for a in args:
+            yield fn(*a)
 
-def test_the_driver_holds_no_rows_of_the_windows_it_has_cut(tmp_path, tiny_model_dir, monkeypatch):
+
+# deduped: cut after every part; not: cut while the parts stage, their answers summed
+@pytest.mark.parametrize("dedupe", [True, False])
+def test_the_driver_holds_no_rows_of_the_windows_it_has_cut(
+    tmp_path, tiny_model_dir, monkeypatch, dedupe
+):
     src = tmp_path / "in.jsonl"
     src.write_text(
         "".join(
@@ -51,6 +61,7 @@ def test_the_driver_holds_no_rows_of_the_windows_it_has_cut(tmp_path, tiny_model
         plan_window_rows=WINDOW,
         shard_tokens=2000,
         max_tokens=4,
+        dedupe=dedupe,
     )
     plan = spread_planning.plan_job_spread(spec, fan_out=InProcessFanOut(), min_range_bytes=1)
     assert plan.num_rows == NUM_ROWS
