@@ -19,7 +19,8 @@ templating, tokenizing and the id and copy checks over N workers
 `dask scheduler` process and N `dask worker` processes of one thread, fresh for each
 run. The scheduler is its own process here, as on a real cluster, so the driver's peak
 RSS is the planner's alone; the scheduler's and the workers' are printed beside it.
-Peaks are `ru_maxrss` (VmHWM for the scheduler). The driver's current RSS is sampled
+Peaks are each process's VmHWM (not `ru_maxrss`, which Linux carries over from the
+process that spawned it: this script, whose S3 store holds the whole input). The driver's current RSS is sampled
 every 0.2 s over the whole plan, by phase (opening and describing the model, each
 fan-out, the cut, after it); under each row, each phase's seconds, its RSS range and
 the driver's peak by its end, so the phase that raised the peak is the first whose
@@ -53,7 +54,11 @@ from tokenmill.pipelines.planning import plan_job
 from tokenmill.pipelines.spec import JobSpec
 
 def peak_rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM, this process's own: ru_maxrss also counts the process that spawned it
+    # (Linux hands a vfork parent's peak to its exec'ed child), here the script that
+    # holds the whole input in its S3 store
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
 
 def cpu_s():
     usage = resource.getrusage(resource.RUSAGE_SELF)
