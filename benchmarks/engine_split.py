@@ -3,10 +3,12 @@ compute shards against the same rows as the 2-worker plan cuts them, run one sha
 another on one warm engine in one process, alternating, in CPU seconds.
 
     python benchmarks/engine_split.py [--rows 480] [--max-tokens 48] [--rounds 3]
+        [--engine-option KEY=VALUE]...
 
 The job is benchmarks/dask_fanout.py's (the same input, generation settings and plans:
 `plan_job(min_shards=1)` and `plan_job(min_shards=2)`), on the default model with torch
-on one thread, the prefix cache emptied before each arrangement. Per round it prints each
+on one thread (`--engine-option` sets an engine setting over the job's, e.g.
+max_num_batched_tokens=8192), the prefix cache emptied before each arrangement. Per round it prints each
 arrangement's CPU seconds, engine steps, generated tokens and their ratio (split over
 whole). Every step's CPU seconds (between two `on_step` calls) are then fitted as
 F + v * rows sampled + p * prompt tokens computed over all steps of all rounds: F is
@@ -23,6 +25,7 @@ bandwidth, the VM's cores) is benchmarks/core_scaling.py's measure, not this one
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -57,6 +60,18 @@ class Arrangement:
     num_steps: int
     generated_tokens: int
     steps: Steps
+
+
+def engine_options(pairs: list[str]) -> dict:
+    """KEY=VALUE strings -> {key: JSON value (or the string itself)}."""
+    options = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def shard_prompts(spec: JobSpec, min_shards: int) -> list[tuple[list[list[int]], list]]:
@@ -123,6 +138,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=480)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as each `dask worker --nthreads 1` engine computes
     work = Path(tempfile.mkdtemp(prefix="tokenmill-split-"))
@@ -133,7 +149,7 @@ def main() -> None:
             str(source), str(work / f"out-{workers}"), id_column="id", max_tokens=args.max_tokens
         )
         arrangements[workers] = shard_prompts(spec, workers)
-    llm = LLM(**spec.llm_options)
+    llm = LLM(**{**spec.llm_options, **engine_options(args.engine_option)})
     for workers, shards in arrangements.items():
         print(f"{workers} worker(s): compute shards of {[len(p) for p, _ in shards]} rows")
     run(llm, arrangements[2])  # warm-up: first calls, allocator, KV blocks first written
