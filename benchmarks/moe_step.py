@@ -37,7 +37,13 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.bandwidth import measure_bandwidth
-from tokenmill.bench.flops import measure_matmul_peak
+from tokenmill.bench.flops import (
+    ModelShape,
+    RequestWork,
+    llm_matmul_shapes,
+    measure_matmul_peak,
+    total_flops,
+)
 from tokenmill.bench.profile import ThreadSplitTimer
 
 ROUTER, EXPERTS = "router", "experts (one call)"
@@ -140,9 +146,24 @@ def main() -> None:
         )
 
     bandwidth = measure_bandwidth()
-    peak = measure_matmul_peak("bfloat16", [(512, 2048, 1024)])
+    # The peak `tokenmill bench` divides by (child.measure_peaks' CPU shapes), so this
+    # prefill share and the bench's prefill roofline have one denominator.
+    shape = ModelShape.from_dir(args.model)
+    peak = measure_matmul_peak("bfloat16", llm_matmul_shapes(shape, 256))
     print(
-        f"read bandwidth {bandwidth.read_gbs:.1f} GB/s, bf16 matmul peak {peak.gflops:.0f} GFLOP/s"
+        f"read bandwidth {bandwidth.read_gbs:.1f} GB/s, bf16 matmul peak {peak.gflops:.0f} "
+        f"GFLOP/s at {peak.shape}"
+    )
+    # The bench's formula (report.prefill_flops): each prompt's FLOPs, its first token's
+    # lm_head included, over the step's CPU seconds / threads (its wall on a quiet machine).
+    # The peak is timed on the wall, so the share means something on a quiet machine only.
+    prefill = rows[0]
+    flops = total_flops(shape, [RequestWork(args.prefill_tokens, 0, 1)] * args.prefill_rows)
+    per_thread_s = prefill.cpu / torch.get_num_threads()
+    print(
+        f"{prefill.label}: {flops / 1e9:.0f} GFLOP in {prefill.cpu:.3f} CPU-s, "
+        f"{flops / per_thread_s / (peak.gflops * 1e9):.0%} of the peak at CPU-s / threads "
+        "(quiet machines only)"
     )
     print(f"one expert's packed weights: {timer.expert_bytes / 1e6:.1f} MB")
     stages = sorted({k for row in rows for k in row.split["cpu"]})
