@@ -7,6 +7,9 @@ MKL-DNN does on decode batches; results are fp32 to rounding. Why and by how muc
 docs/design.md, "oneDNN-packed linear layers".
 
 `pack_linear_layers` swaps every nn.Linear of a loaded model for a PackedLinear. It
+also packs a RowWeight (a layer whose weight comes a slice of rows at a time: the `gguf`
+mode's lm_head in its blocks) slice by slice into the packed buffer, so that the whole
+float weight and its packed copy are never in memory together (`pack_rows`). It
 runs only on CPU for fp32, and bf16 where the CPU has oneDNN's bf16 reorder
 (`packs_dtype`), only when this torch build has the oneDNN ops, and only after one
 packed projection has matched F.linear on random input; otherwise the model
@@ -15,8 +18,11 @@ is left as it was. The packed_linear setting (EngineConfig) False keeps F.linear
 
 from __future__ import annotations
 
+import ctypes
 import logging
+from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -48,6 +54,40 @@ def packs_dtype(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
 
 
+# Rows decoded and packed at a time by pack_rows: a multiple of every output block width
+# oneDNN packs bf16 in (packed_matvec.BLOCK_COLS), small beside an 8B head (128,256 rows).
+SLICE_ROWS = 4096
+
+
+class RowWeight(nn.Module):
+    """A linear layer whose weight is read a slice of output rows at a time (`rows`), never
+    held whole: pack_linear_layers packs it slice by slice, or builds its nn.Linear
+    (`to_linear`) where it does not pack."""
+
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """The weight's rows [start, stop), [stop - start, in_features] in `dtype`."""
+        raise NotImplementedError
+
+    def to_linear(self) -> nn.Linear:
+        """The layer as nn.Linear, its whole weight read."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear.weight = nn.Parameter(self.rows(0, self.out_features), requires_grad=False)
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self.bias, requires_grad=False)
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a RowWeight is packed or built as nn.Linear before it is used")
+
+
 class PackedLinear(nn.Module):
     """nn.Linear's forward on a weight held in oneDNN's blocked layout.
 
@@ -57,19 +97,22 @@ class PackedLinear(nn.Module):
     `one_row_block_cols` finds out, per layer.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear | RowWeight, packed: torch.Tensor | None = None) -> None:
+        """linear's weight packed here, or `packed` (what pack_rows built from a
+        RowWeight) taken as it is."""
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        weight = linear.weight.detach()
-        self.register_buffer(
-            "packed_weight",
-            torch.ops.mkldnn._reorder_linear_weight(weight, None),
-            persistent=False,
-        )
+        if packed is None:
+            weight = linear.weight.detach()
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            dtype = weight.dtype
+        else:
+            dtype = linear.dtype
+        self.register_buffer("packed_weight", packed, persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.one_row: PackedMatvec | None = None
-        if weight.dtype == torch.bfloat16 and packed_matvec.vectorized():
+        if dtype == torch.bfloat16 and packed_matvec.vectorized():
             block_cols = one_row_block_cols(self)
             if block_cols is not None:
                 self.one_row = self._matvec(block_cols)
@@ -131,6 +174,75 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
     return torch.allclose(got, want, rtol=tolerance, atol=tolerance * want.abs().max().item())
 
 
+def _row_slices(rows: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, rows, SLICE_ROWS):
+        yield start, min(start + SLICE_ROWS, rows)
+
+
+def _zero_pages(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in pages the kernel maps only when written: numpy's calloc of a large array
+    is fresh anonymous memory, which reads as the one shared zero page and adds nothing
+    to the resident set (torch.zeros writes every page)."""
+    storage = np.float32 if dtype == torch.float32 else np.int16
+    return torch.from_numpy(np.zeros(shape, dtype=storage)).view(dtype)
+
+
+def pack_rows(source: RowWeight) -> torch.Tensor | None:
+    """source's weight packed for oneDNN without the whole float weight: oneDNN packs a
+    zero weight of the full shape (its layout, its buffer; the zeros cost no memory), and
+    each slice of SLICE_ROWS rows, read and packed on its own, is copied over its rows.
+
+    That holds where a slice's packed bytes are the same rows' bytes of the whole
+    matrix's: a layout of whole output blocks in row order (kernels.h, packed_matvec),
+    which slices that are multiples of the block width keep. It is checked, not assumed:
+    the buffer's size must be exactly the weight's, and the packed product of random rows
+    must match F.linear over the slices as they were read. None where either fails (the
+    caller packs the whole weight as before).
+    """
+    rows, cols, dtype = source.out_features, source.in_features, source.dtype
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if rows % SLICE_ROWS and (rows % SLICE_ROWS) % max(packed_matvec.BLOCK_COLS):
+        return None  # a last slice that is not whole blocks
+    ops = torch.ops.mkldnn
+    if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
+        return None
+    packed = ops._reorder_linear_weight(_zero_pages((rows, cols), dtype), None)
+    if ops._nbytes(packed) != rows * cols * itemsize:
+        return None  # padded or otherwise not rows in order
+    base = ops.data_ptr(packed)
+    probe = torch.randn(2, cols, generator=torch.Generator().manual_seed(0)).to(dtype)
+    want = []
+    for start, stop in _row_slices(rows):
+        weight = source.rows(start, stop)
+        want.append(F.linear(probe, weight).float())
+        part = ops._reorder_linear_weight(weight, None)
+        size = (stop - start) * cols * itemsize
+        if ops._nbytes(part) != size:
+            return None
+        ctypes.memmove(base + start * cols * itemsize, ops.data_ptr(part), size)
+        del weight, part
+    got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    if not _close(got.float(), torch.cat(want, dim=1), dtype):
+        log.warning("oneDNN packs a slice of rows in another layout; packing the whole weight")
+        return None
+    return packed
+
+
+def _pack_row_weight(source: RowWeight) -> nn.Module:
+    """source as a PackedLinear, from slices where pack_rows can, else from its whole
+    weight; as nn.Linear where oneDNN fails here."""
+    try:
+        packed = pack_rows(source)
+        if packed is not None:
+            return PackedLinear(source, packed)
+        linear = source.to_linear()
+        packed_linear = PackedLinear(linear)
+        return packed_linear if _agrees(linear, packed_linear) else linear
+    except RuntimeError as exc:
+        log.warning("oneDNN linear unavailable (%s); keeping F.linear", exc)
+        return source.to_linear()
+
+
 def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
     """The packed layer computes what F.linear computes, to the dtype's rounding."""
     weight = linear.weight.detach()
@@ -144,12 +256,25 @@ def _agrees(linear: nn.Linear, packed: PackedLinear) -> bool:
 def pack_linear_layers(
     model: nn.Module, *, dtype: torch.dtype, device: torch.device, enabled: bool = True
 ) -> int:
-    """Replace model's nn.Linear layers by PackedLinear ones, in place (when enabled).
+    """Replace model's nn.Linear layers by PackedLinear ones, in place (when enabled), and
+    its RowWeights too (packed from slices); a RowWeight left unpacked becomes nn.Linear.
 
     Returns:
-        How many layers were replaced (0 when packing does not apply here).
+        How many nn.Linear layers were replaced (0 when packing does not apply here).
     """
-    if not enabled or device.type != "cpu" or not packs_dtype(dtype):
+    packs = enabled and device.type == "cpu" and packs_dtype(dtype)
+    sources = [
+        (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, RowWeight)
+    ]
+    for parent, name in sources:
+        source = getattr(parent, name)
+        built = _pack_row_weight(source) if packs else source.to_linear().to(device)
+        setattr(parent, name, built)
+        del source, built
+    if not packs:
         return 0
     # (parent, attribute) only: holding the layers themselves would keep every unpacked
     # weight alive until the last one is packed - the model's size again at peak.

@@ -1,0 +1,89 @@
+"""A RowWeight packed slice by slice (quant/packed_linear.py's pack_rows): the same bytes
+as oneDNN's pack of the whole weight, and pack_linear_layers' handling of it."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from torch import nn
+
+from tokenmill.engine.quant import packed_linear
+from tokenmill.engine.quant.packed_linear import (
+    PackedLinear,
+    RowWeight,
+    pack_linear_layers,
+    pack_rows,
+    packs_dtype,
+)
+
+
+class DenseRows(RowWeight):
+    """A RowWeight over a dense tensor, counting the rows it hands out."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight_ = weight
+        self.read: list[tuple[int, int]] = []
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight_.dtype
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        self.read.append((start, stop))
+        return self.weight_[start:stop].clone()
+
+
+def _bytes(packed: torch.Tensor) -> bytes:
+    ops = torch.ops.mkldnn
+    return ctypes.string_at(ops.data_ptr(packed), ops._nbytes(packed))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_from_slices_is_the_whole_weights_pack_byte_for_byte(monkeypatch, dtype):
+    if not packs_dtype(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
+    monkeypatch.setattr(packed_linear, "SLICE_ROWS", 128)
+    weight = torch.randn(128 * 3 + 64, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
+    source = DenseRows(weight)
+    packed = pack_rows(source)
+    assert packed is not None
+    assert source.read == [(0, 128), (128, 256), (256, 384), (384, 448)]
+    whole = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    assert _bytes(packed) == _bytes(whole)
+
+
+def test_a_last_slice_of_part_blocks_is_left_to_the_whole_pack(monkeypatch):
+    monkeypatch.setattr(packed_linear, "SLICE_ROWS", 128)
+    assert pack_rows(DenseRows(torch.randn(128 + 8, 64))) is None
+
+
+def test_pack_linear_layers_packs_a_row_weight_or_builds_its_linear(monkeypatch):
+    dtype = torch.bfloat16 if packs_dtype(torch.bfloat16) else torch.float32
+    monkeypatch.setattr(packed_linear, "SLICE_ROWS", 128)
+    weight = torch.randn(256, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    want = torch.nn.functional.linear(x, weight)
+
+    model = nn.Sequential(DenseRows(weight))
+    pack_linear_layers(model, dtype=dtype, device=torch.device("cpu"))
+    if packs_dtype(dtype):
+        assert isinstance(model[0], PackedLinear)
+        torch.testing.assert_close(model[0](x).float(), want.float(), rtol=2e-2, atol=2e-2)
+        assert _bytes(model[0].packed_weight) == _bytes(
+            torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        )
+
+    off = nn.Sequential(DenseRows(weight))
+    assert pack_linear_layers(off, dtype=dtype, device=torch.device("cpu"), enabled=False) == 0
+    assert type(off[0]) is nn.Linear
+    assert torch.equal(off[0].weight, weight)
+    assert torch.equal(off[0](x), want)
+
+
+def test_a_row_weight_refuses_a_forward():
+    with pytest.raises(RuntimeError, match="packed or built as nn.Linear"):
+        DenseRows(torch.zeros(64, 64))(torch.zeros(1, 64))
