@@ -68,17 +68,22 @@ class BlockEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind} blocks"
 
 
-def embedding_kind(model_dir: Path) -> str | None:
-    """The GGML type of the GGUF embedding this model's file stores in a format decoded
-    per row, or None: not a model run from its GGUF file, no native kernels, or another
-    format (then it loads as float)."""
+def block_kind(model_dir: Path, hf_name: str) -> str | None:
+    """The GGML type in which this model's GGUF file stores tensor hf_name, where it is a
+    format decoded natively by rows, or None: not a model run from its GGUF file, no
+    native kernels, or another format (then it loads as float)."""
     if gguf_source(model_dir) is None or not gguf_dequantize.available():
         return None
     tensors = GGUFTensors.open_dir(model_dir)
     layout = tensors.layout
     kinds = {layout.hf_tensor_name(e.name): e.kind for e in tensors.weights()}
-    kind = kinds.get(EMBEDDING)
+    kind = kinds.get(hf_name)
     return kind if kind in gguf_dequantize.KINDS else None
+
+
+def embedding_kind(model_dir: Path) -> str | None:
+    """block_kind of the embedding."""
+    return block_kind(model_dir, EMBEDDING)
 
 
 def _kept(model: nn.Module, kind: str | None) -> bool:

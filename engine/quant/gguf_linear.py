@@ -45,6 +45,7 @@ from tokenmill.engine.quant.gguf_embedding import (
     embedding_block_bytes,
     hold_out_embedding,
 )
+from tokenmill.engine.quant.gguf_head import BlockHead, build_block_head, hold_out_head
 from tokenmill.engine.quant.int4 import Int4Linear
 from tokenmill.engine.quant.int8 import held_int8_bytes, quantize_lm_head
 from tokenmill.engine.quant.method import HeldOutBytes, QuantizationMethod, register
@@ -450,7 +451,11 @@ class GGUFMethod(QuantizationMethod):
             return None
 
         def hold_out(model: nn.Module, sources: list[TensorSource]) -> frozenset[str]:
-            return layers(model, sources) | hold_out_embedding(model_dir, model, sources)
+            return (
+                layers(model, sources)
+                | hold_out_embedding(model_dir, model, sources)
+                | hold_out_head(model_dir, model, sources)
+            )
 
         return hold_out
 
@@ -466,7 +471,11 @@ class GGUFMethod(QuantizationMethod):
     def quantize(self, model, model_dir, *, dtype, measure_inputs, lm_head) -> int:
         total = load_gguf_layers(model, model_dir, dtype=dtype)
         total += build_block_embedding(model, model_dir)
+        # Packed from its blocks by pack_linear_layers; int8 quantizes the float matrix.
+        build_block_head(model, model_dir)
         if lm_head:
+            if isinstance(model.lm_head, BlockHead):
+                model.lm_head = model.lm_head.to_linear()
             total += quantize_lm_head(model, model_dir, measure_inputs)
         return total
 

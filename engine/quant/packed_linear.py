@@ -78,7 +78,10 @@ class RowWeight(nn.Module):
 
     def to_linear(self) -> nn.Linear:
         """The layer as nn.Linear, its whole weight read."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        # On the meta device: no random initialisation of a matrix about to be replaced.
+        linear = nn.Linear(
+            self.in_features, self.out_features, bias=self.bias is not None, device="meta"
+        )
         linear.weight = nn.Parameter(self.rows(0, self.out_features), requires_grad=False)
         if self.bias is not None:
             linear.bias = nn.Parameter(self.bias, requires_grad=False)
@@ -195,20 +198,18 @@ def pack_rows(source: RowWeight) -> torch.Tensor | None:
     That holds where a slice's packed bytes are the same rows' bytes of the whole
     matrix's: a layout of whole output blocks in row order (kernels.h, packed_matvec),
     which slices that are multiples of the block width keep. It is checked, not assumed:
-    the buffer's size must be exactly the weight's, and the packed product of random rows
+    each slice's packed size must be its rows' (the last one's: the rest of the
+    buffer, padded to a whole block as the matrix's last block is), and the packed product of random rows
     must match F.linear over the slices as they were read. None where either fails (the
     caller packs the whole weight as before).
     """
     rows, cols, dtype = source.out_features, source.in_features, source.dtype
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    if rows % SLICE_ROWS and (rows % SLICE_ROWS) % max(packed_matvec.BLOCK_COLS):
-        return None  # a last slice that is not whole blocks
     ops = torch.ops.mkldnn
     if not (hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes")):
         return None
     packed = ops._reorder_linear_weight(_zero_pages((rows, cols), dtype), None)
-    if ops._nbytes(packed) != rows * cols * itemsize:
-        return None  # padded or otherwise not rows in order
+    total = ops._nbytes(packed)
     base = ops.data_ptr(packed)
     probe = torch.randn(2, cols, generator=torch.Generator().manual_seed(0)).to(dtype)
     want = []
@@ -216,10 +217,12 @@ def pack_rows(source: RowWeight) -> torch.Tensor | None:
         weight = source.rows(start, stop)
         want.append(F.linear(probe, weight).float())
         part = ops._reorder_linear_weight(weight, None)
-        size = (stop - start) * cols * itemsize
-        if ops._nbytes(part) != size:
+        offset, size = start * cols * itemsize, ops._nbytes(part)
+        # Whole slices fill their rows exactly; the last one, padded to a whole output
+        # block as the full matrix's last block is, ends where the buffer does.
+        if size != (stop - start) * cols * itemsize if stop < rows else offset + size != total:
             return None
-        ctypes.memmove(base + start * cols * itemsize, ops.data_ptr(part), size)
+        ctypes.memmove(base + offset, ops.data_ptr(part), size)
         del weight, part
     got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
     if not _close(got.float(), torch.cat(want, dim=1), dtype):

@@ -56,9 +56,16 @@ def test_packed_from_slices_is_the_whole_weights_pack_byte_for_byte(monkeypatch,
     assert _bytes(packed) == _bytes(whole)
 
 
-def test_a_last_slice_of_part_blocks_is_left_to_the_whole_pack(monkeypatch):
+@pytest.mark.parametrize("rows", [128 + 9, 265, 40])
+def test_a_last_slice_of_part_blocks_packs_as_the_whole_matrix_pads_it(monkeypatch, rows):
+    dtype = torch.bfloat16
+    if not packs_dtype(dtype):
+        pytest.skip("oneDNN does not pack bf16 on this CPU")
     monkeypatch.setattr(packed_linear, "SLICE_ROWS", 128)
-    assert pack_rows(DenseRows(torch.randn(128 + 8, 64))) is None
+    weight = torch.randn(rows, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    packed = pack_rows(DenseRows(weight))
+    assert packed is not None
+    assert _bytes(packed) == _bytes(torch.ops.mkldnn._reorder_linear_weight(weight, None))
 
 
 def test_pack_linear_layers_packs_a_row_weight_or_builds_its_linear(monkeypatch):
