@@ -21,6 +21,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -470,6 +471,11 @@ def _indexed_gguf_info(name: str, path: Path, source: str) -> ModelInfo:
     return _gguf_counts_info(name, path, architecture, source, counts, tensors.config)
 
 
+# llama.cpp's experts are stacks (blk.0.ffn_up_exps.weight) or, in its older layout, one
+# tensor per expert (blk.0.ffn_up.3.weight).
+_ONE_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
+
+
 def _gguf_counts_info(name, path, architecture, source, counts, config) -> ModelInfo:
     """counts: (GGUF name, GGML type, elements) of every tensor."""
     num_by_type: Counter[str] = Counter()
@@ -478,7 +484,7 @@ def _gguf_counts_info(name, path, architecture, source, counts, config) -> Model
         if tensor_name == "rope_freqs.weight":
             continue  # not a weight: the loader turns it into `rope_scaling`
         num_by_type[kind] += numel
-        if "_exps." in tensor_name:  # llama.cpp's expert stacks
+        if "_exps." in tensor_name or _ONE_EXPERT.fullmatch(tensor_name):
             num_experts_params += numel
     total = sum(num_by_type.values())
     return ModelInfo(

@@ -4,7 +4,9 @@ renormalised and kept in fp32 - and a window on every layer where `sliding_windo
 Its checkpoints name the block `block_sparse_moe` and the projections w1 (gate), w3 (up)
 and w2 (down). llama.cpp writes it as a `llama` GGUF whose `llama.expert_count` is set:
 q/k rows permuted as Llama's, the router `ffn_gate_inp` and each projection's experts
-stacked (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`)."""
+stacked (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`) - or, as its converter once
+wrote them, one tensor per expert (`ffn_gate.E` ...: GGUFLayout.hf_tensor_name), which
+the load stacks expert by expert."""
 
 from __future__ import annotations
 

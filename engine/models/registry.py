@@ -77,7 +77,10 @@ class GGUFLayout:
     experts: bool = False
 
     def hf_tensor_name(self, gguf_name: str) -> str:
-        """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`.
+        """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; in a layout
+        with expert stacks, llama.cpp's older one tensor per expert too (its converter
+        wrote Mixtral so): `blk.3.ffn_gate.5.weight` -> `model.layers.3.mlp.experts.5.
+        gate_proj.weight`, which the load stacks into the layer's experts.
 
         Raises:
             ValueError: a name this layout does not know (dropping a tensor we do not
@@ -88,6 +91,10 @@ class GGUFLayout:
             return f"{GGUF_TOP_LEVEL_NAMES[parts[0]]}.{parts[1]}"
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in self.block_names:
             return f"model.layers.{parts[1]}.{self.block_names[parts[2]]}.{parts[3]}"
+        stack = self.block_names.get(f"{parts[2]}_exps") if len(parts) == 5 else None
+        if parts[0] == "blk" and stack is not None and parts[3].isdigit():
+            experts, projection = stack.rsplit(".", 1)
+            return f"model.layers.{parts[1]}.{experts}.{int(parts[3])}.{projection}.{parts[4]}"
         raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name")
 
 
