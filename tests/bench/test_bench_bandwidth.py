@@ -7,12 +7,15 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.bench.bandwidth import (
+    MIN_BUFFER_BYTES,
     Bandwidth,
     DecodeStepTimer,
     crossover_batch,
     decode_bound,
     kv_bytes_per_token,
+    largest_cache_bytes,
     measure_bandwidth,
+    probe_buffer_bytes,
     weight_bytes,
 )
 from tokenmill.bench.flops import ModelShape
@@ -194,3 +197,23 @@ def test_prefill_share_counts_computed_prompt_tokens_causally():
         "tokenmill-bf16: prefill steps 0.00 s, 90% of the compute roofline (attention "
         "causal; decode rows beside prompt chunks not counted)"
     ]
+
+
+def test_probe_buffers_are_four_times_the_largest_cache(tmp_path):
+    # Emerald Rapids' caches as sysfs lists them: a 256 MB buffer would fit in its L3.
+    for index, size in enumerate(["48K", "32K", "2048K", "307200K"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert largest_cache_bytes(tmp_path) == 307200 << 10
+    assert probe_buffer_bytes(tmp_path) == 4 * (307200 << 10)
+
+
+def test_probe_buffers_keep_their_floor_where_sysfs_is_silent_or_small(tmp_path):
+    assert largest_cache_bytes(tmp_path) == 0
+    assert probe_buffer_bytes(tmp_path) == MIN_BUFFER_BYTES
+    (tmp_path / "index0").mkdir()
+    (tmp_path / "index0" / "size").write_text("8M")
+    assert probe_buffer_bytes(tmp_path) == MIN_BUFFER_BYTES  # 32 MB is under the floor
+    (tmp_path / "index1").mkdir()
+    (tmp_path / "index1" / "size").write_text("")
+    assert largest_cache_bytes(tmp_path) == 8 << 20

@@ -23,12 +23,17 @@ bound is bound / measured time: 1.0 would be the hardware's limit.
 Bandwidth is measured in the same run as the peak, two ways, each over buffers far larger
 than any cache: read-only (a sum over one buffer: what a decode step does with weights)
 and STREAM's triad (a = b + s * c, counted as STREAM counts it: two reads and a write).
+"Far larger" is taken from the machine: four times its largest cache, and never under
+256 MB. A fixed 256 MB fits in a 300 MB last-level cache (Emerald Rapids), where the
+probe measured the cache whenever the host left it to us, and every share of the bound
+came out low by as much.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from tokenmill.bench.flops import ModelShape
 
@@ -43,7 +48,30 @@ WEIGHT_BYTES = {
     "Q8_0": 34 / 32,
     "Q4_0": 18 / 32,
 }
-BUFFER_BYTES = 1 << 28  # 256 MB per buffer: far past the last-level cache
+MIN_BUFFER_BYTES = 1 << 28  # 256 MB: where the machine does not say its caches' sizes
+CACHE_SIZES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def largest_cache_bytes(cache_dir: Path = CACHE_SIZES) -> int:
+    """The largest cache of the first CPU, from sysfs (`index*/size`, e.g. "307200K"); 0
+    where sysfs does not say."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    largest = 0
+    for size_file in cache_dir.glob("index*/size"):
+        text = size_file.read_text().strip()
+        if not text:
+            continue
+        scale = units.get(text[-1].upper(), 1)
+        digits = text[:-1] if text[-1].upper() in units else text
+        if digits.isdigit():
+            largest = max(largest, int(digits) * scale)
+    return largest
+
+
+def probe_buffer_bytes(cache_dir: Path = CACHE_SIZES) -> int:
+    """Bytes per probe buffer: four times the largest cache, at least MIN_BUFFER_BYTES, so
+    that at most a quarter of a pass could be served from any cache."""
+    return max(MIN_BUFFER_BYTES, 4 * largest_cache_bytes(cache_dir))
 
 
 @dataclass(frozen=True)
@@ -55,13 +83,17 @@ class Bandwidth:
 
 
 def measure_bandwidth(
-    *, buffer_bytes: int = BUFFER_BYTES, num_trials: int = 5, threads: int | None = None
+    *, buffer_bytes: int | None = None, num_trials: int = 5, threads: int | None = None
 ) -> Bandwidth:
     """Read-only and triad bandwidth in GB/s (best of num_trials, all torch threads).
 
+    buffer_bytes: per buffer (three for the triad); by default probe_buffer_bytes().
     The best trial is the one least disturbed by other work on the machine.
     """
     import torch
+
+    if buffer_bytes is None:
+        buffer_bytes = probe_buffer_bytes()
 
     if threads is not None:
         torch.set_num_threads(threads)
