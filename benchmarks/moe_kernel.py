@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,39 +32,20 @@ import torch
 # Below the front door: a kernel micro-benchmark - it builds two revisions' moe.c with the
 # engine's compiler and flags and calls tm_moe on the packed layout, which no public
 # API exposes.
-from tokenmill.engine.kernels import c_compiler, compile_flags
 from tokenmill.engine.kernels import moe as moe_kernel
 from tokenmill.engine.kernels.interface import MoEArgs
 from tokenmill.engine.quant import mxfp4
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_builds import TREE_KERNELS, build_library, revision_kernels  # noqa: E402
 
 
 def build(kernels: Path, out: Path) -> ctypes.CDLL:
     """moe.c and amx.c from `kernels` into one library at `out`, as the engine builds them."""
-    compiler, _ = c_compiler()
-    objects = []
-    for name in ("moe.c", "amx.c"):
-        obj = out.with_suffix(f".{name}.o")
-        command = [compiler, *compile_flags(name), "-I", str(kernels), "-c", str(kernels / name)]
-        subprocess.run([*command, "-o", str(obj)], check=True)
-        objects.append(str(obj))
-    subprocess.run([compiler, "-shared", "-fopenmp", *objects, "-o", str(out), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
+    lib = build_library(kernels, ("moe.c", "amx.c"), out)
     lib.tm_moe.argtypes = [ctypes.POINTER(MoEArgs)]
     lib.tm_moe.restype = ctypes.c_int
     return lib
-
-
-def revision_kernels(revision: str, into: Path) -> Path:
-    """engine/kernels as `revision` has it, extracted under `into`."""
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", revision, "engine/kernels"],
-        check=True,
-        capture_output=True,
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into / "engine" / "kernels"
 
 
 def main() -> None:
@@ -91,7 +72,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="moe-kernel-"))
     libs = {
         args.against: build(revision_kernels(args.against, tmp), tmp / "against.so"),
-        "this tree": build(REPO / "engine" / "kernels", tmp / "tree.so"),
+        "this tree": build(TREE_KERNELS, tmp / "tree.so"),
     }
     g = torch.Generator().manual_seed(0)
     # A few experts packed and repeated: the call reads E experts' bytes either way.

@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,11 +41,12 @@ import torch
 
 # Below the front door: a kernel micro-benchmark - it builds two revisions' q4_linear.c
 # with the engine's compiler and flags and calls tm_q4_linear on the packed layout.
-from tokenmill.engine.kernels import c_compiler, compile_flags
 from tokenmill.engine.kernels import q4_linear as native_q4
 from tokenmill.engine.kernels.interface import Q4LinearArgs
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_builds import TREE_KERNELS, build_library, revision_kernels  # noqa: E402
+
 SHAPES = {  # name -> (N, K) of Llama-3.1-8B's projections
     "o": (4096, 4096),
     "kv": (1024, 4096),
@@ -60,29 +61,10 @@ L2_WEIGHT_BYTES = 1 << 20  # the larger cache-resident weight; the smaller is a 
 def build(kernels: Path, out: Path) -> ctypes.CDLL:
     """q4_linear.c (and amx.c, for the tile permission) from `kernels` into one library at
     `out`, as the engine builds them."""
-    compiler, _ = c_compiler()
-    objects = []
-    for name in ("q4_linear.c", "amx.c"):
-        obj = out.with_suffix(f".{name}.o")
-        command = [compiler, *compile_flags(name), "-I", str(kernels), "-c", str(kernels / name)]
-        subprocess.run([*command, "-o", str(obj)], check=True)
-        objects.append(str(obj))
-    subprocess.run([compiler, "-shared", "-fopenmp", *objects, "-o", str(out), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
+    lib = build_library(kernels, ("q4_linear.c", "amx.c"), out)
     lib.tm_q4_linear.argtypes = [ctypes.POINTER(Q4LinearArgs)]
     lib.tm_q4_linear.restype = ctypes.c_int
     return lib
-
-
-def revision_kernels(revision: str, into: Path) -> Path:
-    """engine/kernels as `revision` has it, extracted under `into`."""
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", revision, "engine/kernels"],
-        check=True,
-        capture_output=True,
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into / "engine" / "kernels"
 
 
 def seconds_per_call(call: Callable[[], object], clock: str, threads: int) -> float:
@@ -157,7 +139,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="q4-decode-"))
     builds = {
         args.against: build(revision_kernels(args.against, tmp), tmp / "against.so"),
-        "tree": build(REPO / "engine" / "kernels", tmp / "tree.so"),
+        "tree": build(TREE_KERNELS, tmp / "tree.so"),
     }
     probe = torch.ones(args.footprint_mb * (1 << 20) // 4)
     generator = torch.Generator().manual_seed(0)
