@@ -1,9 +1,6 @@
 """Two builds of an engine kernel side by side: engine/kernels' C sources, this tree's or
 another git revision's, compiled with the engine's compiler and flags into one shared
 library each, so that a micro-benchmark calls both in one process, alternating.
-
-Below the front door: the kernel benchmarks (moe_kernel.py, q4_decode.py) call the
-native entry points directly, which no public API exposes.
 """
 
 from __future__ import annotations
@@ -12,6 +9,8 @@ import ctypes
 import subprocess
 from pathlib import Path
 
+# Below the front door: the kernel benchmarks (moe_kernel.py, q4_decode.py) build the
+# engine's C sources with its compiler and flags, which no public API exposes.
 from tokenmill.engine.kernels import c_compiler, compile_flags
 
 REPO = Path(__file__).resolve().parent.parent
