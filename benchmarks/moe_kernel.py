@@ -6,9 +6,11 @@ of what this machine gives one thread, comparable across runs.
 
     python benchmarks/moe_kernel.py --against main --rows 2048 --rounds 7
     python benchmarks/moe_kernel.py --rows 64 --threads 2          # a 64-row decode step
+    python benchmarks/moe_kernel.py --dtype float32   # where the CPU lacks native bf16
 
 Defaults are OLMoE-1B-7B's layer (64 experts, 8 a token, hidden 2048, expert intermediate
-1024) in bf16. Routing is a softmax over random logits, so a prompt's 2,048 tokens give
+1024) in bf16 (`--dtype float32`: activations, float weights and oneDNN's matmul in fp32,
+the engine's dtype on CPUs without native bf16). Routing is a softmax over random logits, so a prompt's 2,048 tokens give
 each expert about 256 rows. Each build is compiled here from its revision's
 engine/kernels (moe.c with amx.c, the flags the engine uses); both must share tm_moe_args.
 Prints, per build: the median CPU-ms of a call, active GFLOP per CPU-second and its share
@@ -57,6 +59,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--inter", type=int, default=1024)
     parser.add_argument("--format", default="float", choices=sorted(moe_kernel.WEIGHT_FORMATS))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
@@ -68,6 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     E, H, inter, k, rows = args.experts, args.hidden, args.inter, args.top_k, args.rows
+    dtype = getattr(torch, args.dtype)
 
     tmp = Path(tempfile.mkdtemp(prefix="moe-kernel-"))
     libs = {
@@ -77,11 +81,11 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     # A few experts packed and repeated: the call reads E experts' bytes either way.
     few = min(E, 4)
-    gate_up = (torch.randn(few, 2 * inter, H, generator=g) * 0.02).to(torch.bfloat16)
-    down = (torch.randn(few, H, inter, generator=g) * 0.02).to(torch.bfloat16)
+    gate_up = (torch.randn(few, 2 * inter, H, generator=g) * 0.02).to(dtype)
+    down = (torch.randn(few, H, inter, generator=g) * 0.02).to(dtype)
     if args.format == "mxfp4":  # as gpt-oss ships its experts: packed from their blocks
         packed = moe_kernel.PackedExperts.from_mxfp4(
-            mxfp4.quantize(gate_up), mxfp4.quantize(down), torch.bfloat16, "silu"
+            mxfp4.quantize(gate_up), mxfp4.quantize(down), dtype, "silu"
         )
     else:
         packed = moe_kernel.PackedExperts(gate_up, down, "silu", args.format)
@@ -92,7 +96,7 @@ def main() -> None:
 
     weights = [stacked(t) for t in (packed.gate_up, packed.down)]
     scales = [stacked(t) for t in (packed.gate_up_scales, packed.down_scales)]
-    x = torch.randn(rows, H, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, H, generator=g).to(dtype)
 
     def routing() -> tuple[torch.Tensor, torch.Tensor]:
         route, ids = torch.topk(torch.softmax(torch.randn(rows, E, generator=g), -1), k, -1)
@@ -107,7 +111,7 @@ def main() -> None:
         int(torch.bincount(ids.reshape(-1), minlength=E).count_nonzero()) for _, ids in routes
     )
     print(
-        f"{rows} rows, top {k} of {E} experts ({H} x {inter}, {args.format}), {args.threads} "
+        f"{rows} rows, top {k} of {E} experts ({H} x {inter}, {args.format}, {args.dtype}), {args.threads} "
         f"threads: {used:.1f} experts used (mean over the calls' routings), rows an expert {counts.float().mean():.1f} mean, "
         f"{int(counts.min())}-{int(counts.max())}"
     )
@@ -131,7 +135,7 @@ def main() -> None:
             hidden=H,
             inter=inter,
             panel_cols=moe_kernel.PANEL_COLS,
-            is_bf16=1,
+            is_bf16=int(dtype == torch.bfloat16),
             weight_format=moe_kernel.WEIGHT_FORMATS[args.format],
             activation=moe_kernel.ACTIVATIONS["silu"],
             num_threads=args.threads,
@@ -144,8 +148,8 @@ def main() -> None:
         outs[name] = out
         return elapsed
 
-    a = torch.randn(512, 2048).to(torch.bfloat16)
-    w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(1024, 2048).to(torch.bfloat16), None)
+    a = torch.randn(512, 2048).to(dtype)
+    w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(1024, 2048).to(dtype), None)
     stream = torch.ones(args.probe_mb * (1 << 20) // 4)  # past the last-level cache
 
     def matmul_gflops() -> float:
@@ -172,7 +176,7 @@ def main() -> None:
     flops = 2 * rows * k * 3 * H * inter
     expert_bytes = packed.weight_bytes / few * used
     print(
-        f"oneDNN bf16 512x2048x1024: {peak:.0f} GFLOP per CPU-s; read stream {read:.1f} GB per "
+        f"oneDNN {args.dtype} 512x2048x1024: {peak:.0f} GFLOP per CPU-s; read stream {read:.1f} GB per "
         f"CPU-s (medians of {args.rounds} rounds)"
     )
     for name, times in seconds.items():

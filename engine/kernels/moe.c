@@ -48,16 +48,17 @@
  * Sums are fp32. bf16 rounds gate and up to bf16 before the activation, and h after it,
  * as transformers' bf16 forward does; y stays fp32 until the weighted sum.
  *
- * Builds with AVX512-BF16 multiply on vector tiles (vdpbf16ps; fp32: AVX-512 FMA), and bf16
- * runs of 16 rows or more on AMX tiles where Linux grants them; other builds run plain
- * loops that compute the same sums. With bf16 activations, quantized weights of an expert
- * with runs of 16 rows are widened to bf16 once per item (a panel, in L2) and taken by
- * AMX tiles too: int8 codes exactly (their scales multiply the sums after), int4 and
- * mxfp4 weights rounded to bf16 (a relative 2^-9, below bf16 activations' own rounding).
- * A prompt's rows then run at the matmul peak instead of converting every weight once per
- * 6 rows. A run of 4-16 rows (a decode step's) takes one pass of the tiles: its panel is
- * widened 32 k-rows at a time into L1 as the tiles take them, not whole into L2 first.
- * Every pass over a panel prefetches its stream ahead (PREFETCH_BYTES).
+ * Builds with AVX-512 multiply on vector tiles (AVX-512 FMA; bf16 on vdpbf16ps, or, without
+ * AVX512-BF16 - Ice Lake, Cascade Lake - on FMAs of each pair's halves widened to fp32, the
+ * same sums), and bf16 runs of 16 rows or more on AMX tiles where Linux grants them; other
+ * builds run plain loops that compute the same sums. With bf16 activations, quantized
+ * weights of an expert with runs of 16 rows are widened to bf16 once per item (a panel, in
+ * L2) and taken by AMX tiles too: int8 codes exactly (their scales multiply the sums
+ * after), int4 and mxfp4 weights rounded to bf16 (a relative 2^-9, below bf16 activations'
+ * own rounding). A prompt's rows then run at the matmul peak instead of converting every
+ * weight once per 6 rows. A run of 4-16 rows (a decode step's) takes one pass of the tiles:
+ * its panel is widened 32 k-rows at a time into L1 as the tiles take them, not whole into
+ * L2 first. Every pass over a panel prefetches its stream ahead (PREFETCH_BYTES).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -125,9 +126,13 @@ static inline float weight_at(const operands *o, int64_t i, int64_t c) {
     return ((const float *)o->w)[i * o->ldw + c];
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
+#ifdef __AVX512BF16__
 #define MOE_ISA TM_MOE_ISA_AVX512_BF16
+#else
+#define MOE_ISA TM_MOE_ISA_AVX512
+#endif
 
 /* 16 bf16 values from p, as fp32. */
 static inline __m512 bf16x16(const uint16_t *p) {
@@ -261,12 +266,31 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
                 wv[2] = _mm512_maskz_loadu_epi32(m0, wi + (second - col) * 2);
                 wv[3] = _mm512_maskz_loadu_epi32(m1, wi + (second - col) * 2 + 32);
             }
+#ifdef __AVX512BF16__
             for (int r = 0; r < mr; r++) {
                 int32_t pair;
                 __builtin_memcpy(&pair, x + r * ldx + 2 * i, 4);
                 const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
                 for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)wv[v]);
             }
+#else
+            /* vdpbf16ps's sums without it: the odd k's products, then the even k's, each
+             * product of two bf16 exact in fp32 (so an FMA adds what vdpbf16ps adds). A
+             * pair's odd value is its top half as an fp32, its even value its low half
+             * shifted up; one half's four weight vectors are live at a time. */
+            const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+            __m512 half[4];
+            for (int v = 0; v < 2 * nw; v++) half[v] = _mm512_castsi512_ps(_mm512_and_si512(wv[v], high));
+            for (int r = 0; r < mr; r++) {
+                const __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)x[r * ldx + 2 * i + 1] << 16)));
+                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, half[v], acc[r][v]);
+            }
+            for (int v = 0; v < 2 * nw; v++) half[v] = _mm512_castsi512_ps(_mm512_slli_epi32(wv[v], 16));
+            for (int r = 0; r < mr; r++) {
+                const __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)x[r * ldx + 2 * i] << 16)));
+                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, half[v], acc[r][v]);
+            }
+#endif
         }
     } else {
         const float *x = (const float *)o->x + row * ldx;
@@ -313,7 +337,7 @@ static void tile(const operands *o, int64_t row, int mr, int64_t col, int64_t se
         for (int v = 0; v < 2 * nw; v++) _mm512_storeu_ps(sums[r] + 16 * v, acc[r][v]);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define MOE_AMX 1
 #endif
 

@@ -277,7 +277,8 @@ class CountingLibrary:
 @OTHER_CPUS
 def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatch):
     variant = build_with(flags, tmp_path)
-    assert variant.limits.moe_isa == "generic"
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags() and flags == ("-mno-avx512bf16",)
+    assert variant.limits.moe_isa == ("avx512" if avx512 else "generic")
     monkeypatch.setattr(moe_kernel, "_library", lambda: variant.lib)
     for dtype in (torch.float32, torch.bfloat16):
         for shape in SHAPES[:3:2]:
@@ -321,8 +322,10 @@ def test_this_cpu_gets_its_fastest_path(cpu_path):
     cpu_path("MoE experts, native call", isa)
     if {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
         assert isa in ("amx_bf16+avx512_bf16", "avx512_bf16")
-    elif {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
         assert isa == "avx512_bf16"
+    elif {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        assert isa == "avx512"
     else:
         assert isa == "generic"
 
