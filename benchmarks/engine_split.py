@@ -25,7 +25,6 @@ bandwidth, the VM's cores) is benchmarks/core_scaling.py's measure, not this one
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenmill.cli.options import parse_key_values
 from tokenmill.engine import LLM
 from tokenmill.pipelines.planning import load_shard, plan_job
 from tokenmill.pipelines.running import shard_rows
@@ -60,18 +60,6 @@ class Arrangement:
     num_steps: int
     generated_tokens: int
     steps: Steps
-
-
-def engine_options(pairs: list[str]) -> dict:
-    """KEY=VALUE strings -> {key: JSON value (or the string itself)}."""
-    options = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
 
 
 def shard_prompts(spec: JobSpec, min_shards: int) -> list[tuple[list[list[int]], list]]:
@@ -149,7 +137,9 @@ def main() -> None:
             str(source), str(work / f"out-{workers}"), id_column="id", max_tokens=args.max_tokens
         )
         arrangements[workers] = shard_prompts(spec, workers)
-    llm = LLM(**{**spec.llm_options, **engine_options(args.engine_option)})
+    llm = LLM(
+        **{**spec.llm_options, **parse_key_values(args.engine_option, flag="--engine-option")}
+    )
     for workers, shards in arrangements.items():
         print(f"{workers} worker(s): compute shards of {[len(p) for p, _ in shards]} rows")
     run(llm, arrangements[2])  # warm-up: first calls, allocator, KV blocks first written

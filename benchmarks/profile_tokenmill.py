@@ -22,7 +22,6 @@ would need given the rest (S), and the ratio if L sped up by the hardware's
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -32,19 +31,8 @@ from tokenmill import LLM
 from tokenmill.bench.profile import LINEAR, profile_llm
 from tokenmill.bench.timing import alternate, fixed_length_params, timed_generate, warm_up
 from tokenmill.bench.workload import PRESETS, load_preset
+from tokenmill.cli.options import parse_key_values
 from tokenmill.engine import STAGES
-
-
-def _options(pairs: list[str]) -> dict:
-    """KEY=VALUE strings -> {key: JSON value (or the string itself)}."""
-    options = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
 
 
 def main() -> None:
@@ -66,10 +54,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    base = {"dtype": args.dtype, **_options(args.engine_option)}
+    base = {"dtype": args.dtype, **parse_key_values(args.engine_option, flag="--engine-option")}
     configs = {"base": base}
     if args.vs:
-        configs[" ".join(args.vs)] = {**base, **_options(args.vs)}
+        configs[" ".join(args.vs)] = {**base, **parse_key_values(args.vs, flag="--vs")}
     llms = {name: LLM(args.model, **options) for name, options in configs.items()}
     workload = load_preset(args.preset, next(iter(llms.values())).model_dir)
     params = fixed_length_params(workload)

@@ -137,6 +137,22 @@ def tiny_vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+def write_tiny_tokenizer(writer, tokens, types, *, pad_token_id: int | None = None) -> None:
+    """`tiny_vocab()`'s byte-level BPE as a GGUF's tokenizer keys: its tokens and merges,
+    BOS 1 and EOS 2 (no BOS added), and the ChatML template."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(TINY_MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if pad_token_id is not None:
+        writer.add_pad_token_id(pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+
 def write_tiny_gguf(
     path: str | os.PathLike,
     *,
@@ -213,16 +229,7 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(TINY_MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(2)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    write_tiny_tokenizer(writer, tokens, types, pad_token_id=2)
 
     qtype = gguf.GGMLQuantizationType[quant_type]
     for hf_name, tensor in hf.items():

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 from hf_models import make_engine, run_all
-from model_fixtures import CHATML_TEMPLATE, TINY_MERGES, tiny_vocab
+from model_fixtures import tiny_vocab, write_tiny_tokenizer
 
 from tokenmill.engine.loader.model_files import model_info, resolve_model
 from tokenmill.engine.types.sampling_params import SamplingParams
@@ -64,15 +64,7 @@ def write_mixtral_gguf(path, quant_type: str, *, per_expert: bool, leave_out: st
     writer.add_expert_count(EXPERTS)
     writer.add_expert_used_count(2)
     writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(TINY_MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    write_tiny_tokenizer(writer, tokens, types)
     arrays = {}
     for name, array in _weights().items():
         if per_expert and name.endswith("_exps.weight"):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from hf_models import build_hf_model
-from model_fixtures import CHATML_TEMPLATE, TINY_MERGES, tiny_vocab
+from model_fixtures import tiny_vocab, write_tiny_tokenizer
 from safetensors.torch import load_file
 from test_moe_models import Compared, prompts_for
 
@@ -58,15 +58,7 @@ def write_qwen3_moe_gguf(model_dir, path, config, quant_type: str) -> dict[str, 
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(TINY_MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    write_tiny_tokenizer(writer, tokens, types)
 
     arrays = {}
     for name, tensor in tensors.items():
