@@ -15,7 +15,7 @@ from tokenmill.engine.kernels import NativeLibrary
 OTHER_CPUS = pytest.mark.parametrize(
     "flags",
     [
-        ("-mno-avx512bf16",),  # AVX-512 without AVX512-BF16: the plain loops
+        ("-mno-avx512bf16",),  # AVX-512 without AVX512-BF16 (Skylake-X to Ice Lake)
         ("-march=x86-64-v3",),  # AVX2 and FMA (Zen 1)
     ],
 )

@@ -19,8 +19,10 @@
  * the two (items of different runs touch different rows). bf16 multiplies pairs of k
  * (vdpbf16ps and AMX both take them), so its right operands are stored in pairs
  * (kernels.h). Where Linux grants AMX, bf16 items run on AMX tiles, configured for the
- * item's rows (a decode step has a few per adapter); elsewhere on vdpbf16ps; fp32 is
- * AVX-512 FMA; builds without AVX512-BF16 run plain loops that compute the same sums.
+ * item's rows (a decode step has a few per adapter); elsewhere on vdpbf16ps, and on CPUs
+ * with AVX-512 but not AVX512-BF16 (Skylake-X to Ice Lake) on two FMAs per pair of k, which
+ * give vdpbf16ps's sums; fp32 is AVX-512 FMA; builds without AVX-512F and BW run plain
+ * loops that compute the same sums.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -55,9 +57,25 @@ typedef struct {
     int amx; /* 1: on AMX tiles (bf16, k % 16 == 0 or w zero past k) */
 } operands;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#ifdef __AVX512BF16__
 #define LORA_ISA TM_LORA_ISA_AVX512_BF16
+#else
+#define LORA_ISA TM_LORA_ISA_AVX512
+
+/* 16 fp32 values rounded to bf16 (nearest even) as vcvtneps2bf16 does, by integer ops for
+ * CPUs without it: the bits in each lane's low half. A NaN stays a NaN (quiet, its top
+ * bits), where the rounding add could carry its payload into an infinity. */
+static inline __m512i bf16_bits(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x00400000));
+    return _mm512_srli_epi32(rounded, 16);
+}
+#endif
 
 static inline __mmask16 column_mask(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
@@ -69,11 +87,16 @@ static inline __attribute__((always_inline)) void finish16(const operands *o, in
     if (!m) return;
     if (o->is_bf16) {
         uint16_t *p = (uint16_t *)o->out + r * o->ldo + c;
-        if (o->add) {
-            const __m512i old = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+        if (o->add) { /* AVX-512BW's 512-bit load: no AVX-512VL needed */
+            const __m512i old = _mm512_cvtepu16_epi32(
+                _mm512_castsi512_si256(_mm512_maskz_loadu_epi16((__mmask32)m, p)));
             acc = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(old, 16)), acc);
         }
+#ifdef __AVX512BF16__
         _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(acc));
+#else
+        _mm512_mask_cvtepi32_storeu_epi16(p, m, bf16_bits(acc));
+#endif
     } else {
         float *p = (float *)o->out + r * o->ldo + c;
         if (o->add) acc = _mm512_add_ps(_mm512_maskz_loadu_ps(m, p), acc);
@@ -89,6 +112,7 @@ static inline __attribute__((always_inline)) void finish16(const operands *o, in
         c##r##0 = _mm512_fmadd_ps(xv, w0, c##r##0);                            \
         if (nv > 1) c##r##1 = _mm512_fmadd_ps(xv, w1, c##r##1);                \
     }
+#ifdef __AVX512BF16__
 #define DOT_ROW(r)                                                             \
     if (mr > r) {                                                              \
         int32_t pair;                                                          \
@@ -97,6 +121,21 @@ static inline __attribute__((always_inline)) void finish16(const operands *o, in
         c##r##0 = _mm512_dpbf16_ps(c##r##0, xv, (__m512bh)w0);                 \
         if (nv > 1) c##r##1 = _mm512_dpbf16_ps(c##r##1, xv, (__m512bh)w1);     \
     }
+#else
+/* vdpbf16ps's sums by two FMAs: acc + x_odd * w_odd, then + x_even * w_even (a product of
+ * two bf16 is exact in fp32, so each FMA rounds where vdpbf16ps does). A pair's even k
+ * is its low half: shifted up, it is that bf16's fp32 value; the odd one is the pair
+ * with the low half cleared. */
+#define DOT_ROW(r)                                                             \
+    if (mr > r) {                                                              \
+        int32_t pair;                                                          \
+        __builtin_memcpy(&pair, xb + (row + r) * ldx + 2 * i, 4);              \
+        const __m512 xo = _mm512_castsi512_ps(_mm512_set1_epi32(pair & (int32_t)0xFFFF0000)); \
+        const __m512 xe = _mm512_castsi512_ps(_mm512_set1_epi32((int32_t)((uint32_t)pair << 16))); \
+        c##r##0 = _mm512_fmadd_ps(xe, w0e, _mm512_fmadd_ps(xo, w0o, c##r##0));  \
+        if (nv > 1) c##r##1 = _mm512_fmadd_ps(xe, w1e, _mm512_fmadd_ps(xo, w1o, c##r##1)); \
+    }
+#endif
 #define FINISH_ROW(r)                                                          \
     if (mr > r) {                                                              \
         finish16(o, row + r, col, m0, c##r##0);                                \
@@ -121,6 +160,13 @@ static inline __attribute__((always_inline)) void tile(const operands *o, int64_
             const __m512i w0 = _mm512_maskz_loadu_epi32(m0, w + (i * ldw + col) * 2);
             const __m512i w1 = nv > 1 ? _mm512_maskz_loadu_epi32(m1, w + (i * ldw + col + 16) * 2)
                                       : _mm512_setzero_si512();
+#ifndef __AVX512BF16__
+            const __m512i odd = _mm512_set1_epi32((int32_t)0xFFFF0000);
+            const __m512 w0o = _mm512_castsi512_ps(_mm512_and_si512(w0, odd));
+            const __m512 w0e = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+            const __m512 w1o = _mm512_castsi512_ps(_mm512_and_si512(w1, odd));
+            const __m512 w1e = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+#endif
             DOT_ROW(0) DOT_ROW(1) DOT_ROW(2) DOT_ROW(3) DOT_ROW(4) DOT_ROW(5) DOT_ROW(6) DOT_ROW(7)
         }
     } else {
@@ -158,7 +204,7 @@ static void tile_any(const operands *o, int64_t row, int mr, int64_t col, int64_
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define LORA_AMX 1
 #define AMX_ROWS 16
 
