@@ -513,7 +513,8 @@ enum {
     TM_LORA_ISA_GENERIC = 0,     /* plain loops */
     TM_LORA_ISA_AVX512_BF16 = 1, /* AVX-512 FMA in fp32, vdpbf16ps in bf16 */
     TM_LORA_ISA_AMX = 2,         /* the same, and bf16 items of 16 rows on AMX tiles */
-    TM_LORA_ISA_AVX512 = 3       /* AVX-512 FMA in fp32 and bf16 (two per pair of k) */
+    TM_LORA_ISA_AVX512 = 3,      /* AVX-512 FMA in fp32 and bf16 (two per pair of k) */
+    TM_LORA_ISA_AVX2 = 4         /* the same in AVX2 FMA */
 };
 
 int tm_lora(const tm_lora_args *args);

@@ -21,8 +21,8 @@
  * (kernels.h). Where Linux grants AMX, bf16 items run on AMX tiles, configured for the
  * item's rows (a decode step has a few per adapter); elsewhere on vdpbf16ps, and on CPUs
  * with AVX-512 but not AVX512-BF16 (Skylake-X to Ice Lake) on two FMAs per pair of k, which
- * give vdpbf16ps's sums; fp32 is AVX-512 FMA; builds without AVX-512F and BW run plain
- * loops that compute the same sums.
+ * give vdpbf16ps's sums; fp32 is AVX-512 FMA. AVX2 builds (Zen 1 and 2) run the same
+ * sums in 8-wide FMA tiles; builds with neither run plain loops that compute them.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -295,10 +295,152 @@ static void amx_band(const operands *o, int64_t rows, int64_t first, int64_t end
 }
 #endif
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LORA_ISA TM_LORA_ISA_AVX2
+/* Rows per AVX2 tile: 4 rows x 16 columns of accumulators (8 registers), with bf16's four
+ * halves of w and two of x, fit AVX2's 16 vector registers; 8 rows would spill. */
+#define SUB_ROWS 4
+
+/* maskload's mask for the first n (0-8) of 8 lanes: 8 - n entries into this table. */
+static const int32_t LANE_MASKS[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+
+static inline __m256i lane_mask(int64_t left) {
+    const int64_t n = left < 0 ? 0 : left > 8 ? 8 : left;
+    return _mm256_loadu_si256((const __m256i *)(LANE_MASKS + 8 - n));
+}
+
+/* 8 fp32 values rounded to bf16 (nearest even, a NaN kept a quiet NaN), as AVX-512's
+ * bf16_bits: 8 bf16 in order. */
+static inline __m128i bf16_bits8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
+    const __m256i bits = _mm256_srli_epi32(rounded, 16); /* each <= 0xFFFF: packus keeps it */
+    return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+}
+
+/* The first `left` (at most 8) values of row r at column c, stored (or added) from fp32
+ * acc; m is lane_mask(left). AVX2 has no 16-bit masked moves: a bf16 tail goes through
+ * a buffer. */
+static inline __attribute__((always_inline)) void finish8(const operands *o, int64_t r, int64_t c,
+                                                          int64_t left, __m256i m, __m256 acc) {
+    if (left <= 0) return;
+    if (o->is_bf16) {
+        uint16_t *p = (uint16_t *)o->out + r * o->ldo + c;
+        uint16_t part[8] = {0};
+        const size_t bytes = (size_t)(left < 8 ? left : 8) * 2;
+        if (o->add) {
+            __m128i old;
+            if (left >= 8) {
+                old = _mm_loadu_si128((const __m128i *)p);
+            } else {
+                memcpy(part, p, bytes);
+                old = _mm_loadu_si128((const __m128i *)part);
+            }
+            acc = _mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(old), 16)),
+                                acc);
+        }
+        if (left >= 8) {
+            _mm_storeu_si128((__m128i *)p, bf16_bits8(acc));
+        } else {
+            _mm_storeu_si128((__m128i *)part, bf16_bits8(acc));
+            memcpy(p, part, bytes);
+        }
+    } else {
+        float *p = (float *)o->out + r * o->ldo + c;
+        if (o->add) acc = _mm256_add_ps(_mm256_maskload_ps(p, m), acc);
+        _mm256_maskstore_ps(p, m, acc);
+    }
+}
+
+#define ACC8(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps()
+#define FMA8_ROW(r)                                                            \
+    if (mr > r) {                                                              \
+        const __m256 xv = _mm256_broadcast_ss(x + (row + r) * ldx + i);        \
+        c##r##0 = _mm256_fmadd_ps(xv, w0, c##r##0);                            \
+        if (nv > 1) c##r##1 = _mm256_fmadd_ps(xv, w1, c##r##1);                \
+    }
+/* A pair of k by two FMAs, odd then even, as the AVX-512 build's DOT_ROW. */
+#define DOT8_ROW(r)                                                            \
+    if (mr > r) {                                                              \
+        int32_t pair;                                                          \
+        __builtin_memcpy(&pair, xb + (row + r) * ldx + 2 * i, 4);              \
+        const __m256 xo = _mm256_castsi256_ps(_mm256_set1_epi32(pair & (int32_t)0xFFFF0000)); \
+        const __m256 xe = _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)((uint32_t)pair << 16))); \
+        c##r##0 = _mm256_fmadd_ps(xe, w0e, _mm256_fmadd_ps(xo, w0o, c##r##0));  \
+        if (nv > 1) c##r##1 = _mm256_fmadd_ps(xe, w1e, _mm256_fmadd_ps(xo, w1o, c##r##1)); \
+    }
+#define FINISH8_ROW(r)                                                         \
+    if (mr > r) {                                                              \
+        finish8(o, row + r, col, end - col, m0, c##r##0);                      \
+        if (nv > 1) finish8(o, row + r, col + 8, end - col - 8, m1, c##r##1);  \
+    }
+
+/* Rows [row, row + mr) x columns [col, col + 16) cut at `end`, mr (1-4) and nv (vectors
+ * of 8 columns, 1-2) constants at every call (tile_any's switch). */
+static inline __attribute__((always_inline)) void tile8(const operands *o, int64_t row, int64_t col,
+                                                        int64_t end, const int mr, const int nv) {
+    ACC8(0); ACC8(1); ACC8(2); ACC8(3);
+    const __m256i m0 = lane_mask(end - col), m1 = lane_mask(end - col - 8);
+    const int64_t ldx = o->ldx, ldw = o->ldw;
+    if (o->is_bf16) {
+        const uint16_t *xb = (const uint16_t *)o->x, *w = (const uint16_t *)o->w;
+        const int64_t k2 = o->k / 2;
+        const __m256i odd = _mm256_set1_epi32((int32_t)0xFFFF0000);
+        for (int64_t i = 0; i < k2; i++) {
+            __builtin_prefetch(i + PREFETCH_ROWS < k2 ? w + ((i + PREFETCH_ROWS) * ldw + col) * 2
+                                                      : w + (i * ldw + col + NC) * 2);
+            const __m256i w0 = _mm256_maskload_epi32((const int *)(w + (i * ldw + col) * 2), m0);
+            const __m256i w1 = nv > 1 ? _mm256_maskload_epi32((const int *)(w + (i * ldw + col + 8) * 2), m1)
+                                      : _mm256_setzero_si256();
+            const __m256 w0o = _mm256_castsi256_ps(_mm256_and_si256(w0, odd));
+            const __m256 w0e = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+            const __m256 w1o = _mm256_castsi256_ps(_mm256_and_si256(w1, odd));
+            const __m256 w1e = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+            DOT8_ROW(0) DOT8_ROW(1) DOT8_ROW(2) DOT8_ROW(3)
+        }
+    } else {
+        const float *x = (const float *)o->x, *w = (const float *)o->w;
+        for (int64_t i = 0; i < o->k; i++) {
+            __builtin_prefetch(i + PREFETCH_ROWS < o->k ? w + (i + PREFETCH_ROWS) * ldw + col
+                                                        : w + i * ldw + col + NC);
+            const __m256 w0 = _mm256_maskload_ps(w + i * ldw + col, m0);
+            const __m256 w1 = nv > 1 ? _mm256_maskload_ps(w + i * ldw + col + 8, m1) : _mm256_setzero_ps();
+            FMA8_ROW(0) FMA8_ROW(1) FMA8_ROW(2) FMA8_ROW(3)
+        }
+    }
+    FINISH8_ROW(0) FINISH8_ROW(1) FINISH8_ROW(2) FINISH8_ROW(3)
+}
+
+#define TILE8_ROWS(nv)                                       \
+    switch (rows) {                                          \
+    case 4: tile8(o, row + part, c, end, 4, nv); break;      \
+    case 3: tile8(o, row + part, c, end, 3, nv); break;      \
+    case 2: tile8(o, row + part, c, end, 2, nv); break;      \
+    default: tile8(o, row + part, c, end, 1, nv); break;     \
+    }
+
+/* The 8 x 32 tile of the AVX-512 builds as AVX2 tiles of 4 rows x 16 columns: the second
+ * rows' pass reads the same columns of w, by then in cache. */
+static void tile_any(const operands *o, int64_t row, int mr, int64_t col, int64_t end) {
+    for (int64_t c = col; c < end && c < col + NC; c += 16) {
+        for (int part = 0; part < mr; part += SUB_ROWS) {
+            const int rows = mr - part < SUB_ROWS ? mr - part : SUB_ROWS;
+            if (end - c > 8) {
+                TILE8_ROWS(2);
+            } else {
+                TILE8_ROWS(1);
+            }
+        }
+    }
+}
 #else
 #define LORA_ISA TM_LORA_ISA_GENERIC
 
-/* The same sums in plain loops (k in order, fp32), for builds without AVX512-BF16. */
+/* The same sums in plain loops (k in order, fp32), for builds without AVX-512 or AVX2. */
 static void tile_any(const operands *o, int64_t row, int mr, int64_t col, int64_t end) {
     float acc[MR][NC] = {{0}};
     const int64_t nc = end - col < NC ? end - col : NC;

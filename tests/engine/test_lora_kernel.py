@@ -102,6 +102,37 @@ class BaseOutput(torch.nn.Module):
         return self.y.clone()
 
 
+def check_bf16_rounding():
+    """bf16 y + term rounds to nearest even, once: terms exact in fp32 put 1 + term on ties
+    (to even: down, and up), past a tie, below one, and a NaN in x gives NaN terms - which
+    a truncation, or a rounding add carried into an infinity, would miss."""
+    out = 40  # a whole 32-column tile and a tail
+    x = torch.zeros(2, 4)
+    x[:, 0] = 1.0
+    x[1, 1] = float("nan")
+    a = torch.zeros(4, 2)
+    a[0, 0] = 1.0  # t = x[:, 0] exactly (and NaN in row 1)
+    b = torch.zeros(2, out)
+    steps = torch.tensor([1.0, 3.0, 1.0 + 2**-4, 3.0 - 2**-4, -1.0, -3.0, 0.5, 5.0]) * 2**-8
+    b[0] = steps.repeat(out // len(steps))
+    x, a, b = x.bfloat16(), a.bfloat16(), b.bfloat16()
+    y = torch.ones(2, out, dtype=torch.bfloat16)
+    layer = wrapper(torch.bfloat16, [(a, b, ((0, 2, 0, out),))])
+    got = y.clone()
+    lora_kernel.add_lora_terms(
+        x, got, layer.a, layer.b, torch.tensor([(0, 0, 2)]), layer.slot_ranks,
+        layer.slot_blocks, layer.slot_num_blocks,
+    )  # fmt: skip
+    want = (y[0].float() + b[0].float()).bfloat16()  # PyTorch rounds to nearest even
+    assert torch.equal(got[0], want)
+    assert got[0].unique().numel() > 3  # the cases round to different values
+    assert got[1].isnan().all()
+
+
+def test_bf16_rounds_to_nearest_even():
+    check_bf16_rounding()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_and_matmul_paths_agree(dtype):
     """The wrapper's native call and its per-run matmuls, on the same adapters."""
@@ -118,12 +149,26 @@ def test_native_and_matmul_paths_agree(dtype):
     torch.testing.assert_close(outputs[0], outputs[1], atol=tol, rtol=tol)
 
 
-# The path each of OTHER_CPUS' builds takes.
-OTHER_CPU_ISAS = {("-mno-avx512bf16",): "avx512", ("-march=x86-64-v3",): "generic"}
+# The path each build takes: OTHER_CPUS', and baseline x86-64 (SSE2), the one build left
+# on the plain loops.
+OTHER_CPU_ISAS = {
+    ("-mno-avx512bf16",): "avx512",
+    ("-march=x86-64-v3",): "avx2",
+    ("-march=x86-64",): "generic",
+}
 
 
 @OTHER_CPUS
 def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatch):
+    check_build(flags, tmp_path, monkeypatch)
+
+
+def test_plain_loops_match_float64(tmp_path, monkeypatch):
+    check_build(("-march=x86-64",), tmp_path, monkeypatch)
+
+
+def check_build(flags, tmp_path, monkeypatch):
+    """The kernels built with `flags` take their path and match float64 in fp32 and bf16."""
     variant = build_with(flags, tmp_path)
     assert variant.limits.lora_isa == OTHER_CPU_ISAS[flags]
     monkeypatch.setattr(lora_kernel, "_library", lambda: variant.lib)
@@ -137,6 +182,7 @@ def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatc
         )  # fmt: skip
         tol = 2e-5 if dtype == torch.float32 else 1.6e-2
         torch.testing.assert_close(got.double(), reference(x, y, weights, RUNS), atol=tol, rtol=tol)
+    check_bf16_rounding()
 
 
 def test_this_cpu_gets_its_fastest_path(cpu_path):
@@ -151,6 +197,8 @@ def test_this_cpu_gets_its_fastest_path(cpu_path):
         assert isa == "avx512_bf16"
     elif {"avx512f", "avx512bw"} <= flags:
         assert isa == "avx512"
+    elif {"avx2", "fma"} <= flags:
+        assert isa == "avx2"
     else:
         assert isa == "generic"
 
