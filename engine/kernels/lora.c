@@ -340,8 +340,8 @@ static inline __attribute__((always_inline)) void finish8(const operands *o, int
                 memcpy(part, p, bytes);
                 old = _mm_loadu_si128((const __m128i *)part);
             }
-            acc = _mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(old), 16)),
-                                acc);
+            const __m256i widened = _mm256_slli_epi32(_mm256_cvtepu16_epi32(old), 16);
+            acc = _mm256_add_ps(_mm256_castsi256_ps(widened), acc);
         }
         if (left >= 8) {
             _mm_storeu_si128((__m128i *)p, bf16_bits8(acc));
@@ -393,9 +393,9 @@ static inline __attribute__((always_inline)) void tile8(const operands *o, int64
         for (int64_t i = 0; i < k2; i++) {
             __builtin_prefetch(i + PREFETCH_ROWS < k2 ? w + ((i + PREFETCH_ROWS) * ldw + col) * 2
                                                       : w + (i * ldw + col + NC) * 2);
-            const __m256i w0 = _mm256_maskload_epi32((const int *)(w + (i * ldw + col) * 2), m0);
-            const __m256i w1 = nv > 1 ? _mm256_maskload_epi32((const int *)(w + (i * ldw + col + 8) * 2), m1)
-                                      : _mm256_setzero_si256();
+            const int *pairs = (const int *)(w + (i * ldw + col) * 2); /* a column's pair */
+            const __m256i w0 = _mm256_maskload_epi32(pairs, m0);
+            const __m256i w1 = nv > 1 ? _mm256_maskload_epi32(pairs + 8, m1) : _mm256_setzero_si256();
             const __m256 w0o = _mm256_castsi256_ps(_mm256_and_si256(w0, odd));
             const __m256 w0e = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
             const __m256 w1o = _mm256_castsi256_ps(_mm256_and_si256(w1, odd));
@@ -408,7 +408,8 @@ static inline __attribute__((always_inline)) void tile8(const operands *o, int64
             __builtin_prefetch(i + PREFETCH_ROWS < o->k ? w + (i + PREFETCH_ROWS) * ldw + col
                                                         : w + i * ldw + col + NC);
             const __m256 w0 = _mm256_maskload_ps(w + i * ldw + col, m0);
-            const __m256 w1 = nv > 1 ? _mm256_maskload_ps(w + i * ldw + col + 8, m1) : _mm256_setzero_ps();
+            const __m256 w1 =
+                nv > 1 ? _mm256_maskload_ps(w + i * ldw + col + 8, m1) : _mm256_setzero_ps();
             FMA8_ROW(0) FMA8_ROW(1) FMA8_ROW(2) FMA8_ROW(3)
         }
     }
