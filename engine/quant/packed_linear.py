@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from tokenmill.engine.kernels import packed_matvec
 from tokenmill.engine.kernels.packed_matvec import PackedMatvec
-from tokenmill.engine.types.config import cpu_has_fast_bf16
+from tokenmill.engine.types.config import onednn_has_bf16
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def packs_dtype(dtype: torch.dtype) -> bool:
     F.linear for bf16 weights."""
     if not onednn_linear_available():
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_fast_bf16())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_has_bf16())
 
 
 # Rows decoded and packed at a time by pack_rows: a multiple of every output block width

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
@@ -44,7 +45,27 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True when oneDNN can run bf16 matmuls natively (AVX512_BF16 or AMX)."""
+    """True when oneDNN runs bf16 matmuls on the CPU's own bf16 instructions (AVX512-BF16
+    or AMX tiles). torch's own check (onednn_has_bf16) is True on any AVX-512 BW/VL/DQ
+    CPU - Ice Lake, Cascade Lake, Skylake-SP - where oneDNN widens bf16 to fp32 and a
+    prompt's matmul runs several times slower than fp32's (docs/design.md, "bf16 without
+    AVX512-BF16"): there "auto" stays fp32. On x86 the CPU's bf16 instructions decide;
+    elsewhere torch's answer stands."""
+    if not onednn_has_bf16():
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    cpu = torch.cpu
+    return any(
+        getattr(cpu, name, lambda: False)()
+        for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    )
+
+
+def onednn_has_bf16() -> bool:
+    """True when oneDNN takes bf16 here at all - reorders (packs) bf16 weights and runs bf16
+    matmuls, natively or by widening to fp32 (torch's check: AVX-512 BW/VL/DQ,
+    AVX-NE-CONVERT or AMX)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
