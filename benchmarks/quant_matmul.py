@@ -25,7 +25,8 @@ Candidates (those this torch build lacks are skipped with a note):
   int4-g32           torch._weight_int4pack_mm_for_cpu, group 32, bf16 activations
   int4-g32-layer     the int4 layer as it runs: that kernel below int4.UNPACK_MIN_ROWS
                      rows, from there the weights expanded to bf16 (int4_unpack.c) and
-                     the bf16 matmul; where the library is built and N % 64 == 0
+                     the bf16 matmul; where the library is built, N % 64 == 0 and
+                     the CPU has native bf16 (AVX512-BF16 or AMX)
   q4-native          a GGUF Q4_0 layer on our 4-bit kernel (engine/kernels/q4_linear.c:
                      activations quantized per block of 32, integer dot products on the
                      nibbles) at every row count; the time includes quantizing x
@@ -127,10 +128,10 @@ def candidates(weight: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Ten
         lambda x: torch._weight_int8pack_mm(x, qweight, scale_bf16), torch.bfloat16
     )
     kernel4 = int4.Int4Linear.from_float(weight, group_size=32)
-    kernel4.unpacks = False  # PyTorch's int4 kernel at every row count
+    kernel4.unpack_min_rows = None  # PyTorch's int4 kernel at every row count
     out["int4-g32"] = _with_input(kernel4, torch.bfloat16)
     layer4 = int4.Int4Linear.from_float(weight, group_size=32)
-    if layer4.unpacks:
+    if layer4.unpack_min_rows is not None:
         out["int4-g32-layer"] = _with_input(layer4, torch.bfloat16)
     out.update(q4_candidates(weight))
     out.update(fp8_candidates(weight))

@@ -13,8 +13,11 @@ Calls of UNPACK_MIN_ROWS rows or more (prompt chunks, big decode batches) expand
 layer's weights to bf16 first (kernels/int4_unpack.c, one pass over N x K) and run the
 bf16 matmul on them: that kernel computes far below the bf16 units' rate, and from a few
 tens of rows the product, not the weights' bytes, is the cost. The expanded copy lives
-for the one call, so the model keeps int4's memory. Figures: docs/design.md
-("int4 and GGUF layers on expanded weights").
+for the one call, so the model keeps int4's memory. Only on CPUs that multiply bf16
+themselves (config.cpu_has_fast_bf16: AVX512-BF16 or AMX): elsewhere (Ice Lake,
+Cascade Lake, AVX2 CPUs) oneDNN widens a bf16 matmul to fp32 at a fraction of even the
+int4 kernel's rate, so every call stays on the int4 kernel. Figures: docs/design.md
+("int4 and GGUF layers on expanded weights", "bf16 without AVX512-BF16").
 """
 
 from __future__ import annotations
@@ -36,14 +39,16 @@ from tokenmill.engine.quant.method import (
     quantized_targets,
     register,
 )
+from tokenmill.engine.types.config import cpu_has_fast_bf16
 
 # Inputs per group of weights that share a scale and a minimum.
 GROUP_SIZE = 32
 # PyTorch's int4 layout stores each group as (q - 8) * scale + zero.
 _MID = 8
 COMPUTE_DTYPE = torch.bfloat16
-# From this many rows a call expands the weights to bf16 and runs the bf16 matmul
-# (where it pays: docs/design.md, "int4 and GGUF layers on expanded weights").
+# From this many rows a call expands the weights to bf16 and runs the bf16 matmul, on a
+# CPU with native bf16 (where it pays: docs/design.md, "int4 and GGUF layers on expanded
+# weights").
 UNPACK_MIN_ROWS = 32
 
 
@@ -99,6 +104,10 @@ class Int4Linear(nn.Module):
         sz = self.scales_and_zeros
         self.weight_bytes = q.numel() // 2 + sz.numel() * sz.element_size()
         self.unpacks = packed[1]
+        # The rows from which a call runs on expanded bf16 weights; None: the int4 kernel
+        # at every size (no native unpacking, or bf16 matmuls emulated on this CPU).
+        expands = self.unpacks and cpu_has_fast_bf16()
+        self.unpack_min_rows = UNPACK_MIN_ROWS if expands else None
 
     @classmethod
     def from_parts(
@@ -180,7 +189,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous()
-        if self.unpacks and x2.shape[0] >= UNPACK_MIN_ROWS:
+        if self.unpack_min_rows is not None and x2.shape[0] >= self.unpack_min_rows:
             weight = int4_unpack.unpack_int4_bf16(
                 self.packed_weight, self.scales_and_zeros, self.group_size
             )

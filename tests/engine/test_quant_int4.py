@@ -1,5 +1,5 @@
-"""int4 linear layers: PyTorch's int4 kernel, and from UNPACK_MIN_ROWS rows the bf16
-matmul on natively expanded weights, compute the product of the dequantized weights
+"""int4 linear layers: PyTorch's int4 kernel, and from UNPACK_MIN_ROWS rows on CPUs with
+native bf16 the bf16 matmul on natively expanded weights, compute the product of the dequantized weights
 (to bf16's rounding) and stay near the float product."""
 
 from __future__ import annotations
@@ -27,15 +27,20 @@ def test_quantized_weight_reconstructs_within_half_a_step():
     assert bool(((restored - weight).abs() <= step / 2 + 1e-6).all())
 
 
+@pytest.mark.parametrize("fast_bf16", [True, False])  # each CPU's route (below)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64, 257])
 @pytest.mark.parametrize("out_features", [80, 128])  # 128: whole int4pack blocks, unpackable
-def test_int4_product_equals_the_dequantized_product(dtype, rows, out_features):
+def test_int4_product_equals_the_dequantized_product(
+    monkeypatch, fast_bf16, dtype, rows, out_features
+):
+    monkeypatch.setattr(int4, "cpu_has_fast_bf16", lambda: fast_bf16)
     torch.manual_seed(rows)
     n = out_features
     weight, bias = torch.randn(n, 128) * 0.05, torch.randn(n)
     layer = Int4Linear.from_float(weight, bias, group_size=32)
     assert layer.unpacks == (n % 64 == 0 and int4_unpack.available())
+    assert (layer.unpack_min_rows is not None) == (layer.unpacks and fast_bf16)
     q, scale, minimum = quantize_weight(weight, 32)
     dequantized = q.reshape(n, 4, 32).float() * scale[..., None] + minimum[..., None]
     x = torch.randn(rows, 128).to(dtype)
@@ -72,6 +77,7 @@ def test_unpacked_weights_are_each_weight_rounded_once_to_bf16(n, k, group):
 
 @needs_native
 def test_calls_from_the_threshold_on_run_on_unpacked_weights(monkeypatch):
+    monkeypatch.setattr(int4, "cpu_has_fast_bf16", lambda: True)
     torch.manual_seed(3)
     layer = Int4Linear.from_float(torch.randn(128, 64) * 0.05, None, group_size=32)
     calls = []
@@ -86,6 +92,27 @@ def test_calls_from_the_threshold_on_run_on_unpacked_weights(monkeypatch):
         x, layer.packed_weight, 32, layer.scales_and_zeros
     )
     torch.testing.assert_close(big.float(), kernel.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_native
+def test_without_native_bf16_every_call_runs_the_int4_kernel(monkeypatch):
+    # Ice Lake, Cascade Lake, AVX2 CPUs: oneDNN emulates the bf16 matmul the expanded
+    # weights would run, at a fraction of the int4 kernel's rate (docs/design.md, "bf16
+    # without AVX512-BF16"); the layout is still read, only the route differs.
+    monkeypatch.setattr(int4, "cpu_has_fast_bf16", lambda: False)
+    torch.manual_seed(4)
+    layer = Int4Linear.from_float(torch.randn(128, 64) * 0.05, None, group_size=32)
+    assert layer.unpacks and layer.unpack_min_rows is None
+    calls = []
+    real = int4_unpack.unpack_int4_bf16
+    monkeypatch.setattr(int4_unpack, "unpack_int4_bf16", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(4 * UNPACK_MIN_ROWS, 64)
+    got = layer(x)
+    assert not calls
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.bfloat16(), layer.packed_weight, 32, layer.scales_and_zeros
+    )
+    assert torch.equal(got, kernel.float())
 
 
 @needs_native
