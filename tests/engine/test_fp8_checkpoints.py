@@ -76,6 +76,43 @@ def test_the_kernel_is_the_fp32_product_of_the_dequantized_weight_with_ragged_bl
         )
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "generic", "avx512_bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_calls_on_the_fp32_loops_run_on_pytorchs_tiles(monkeypatch, isa, dtype):
+    """From TILES_MIN_ROWS rows a call the kernel would run on its fp32 loops runs on
+    PyTorch's tiles - by the CPU's kernel path and the input's dtype - and computes the
+    same product: the fp64 product of the dequantized weight, to fp32 sums' rounding."""
+    if kernel.native_isa() is None:
+        pytest.skip("no native library: every call runs on PyTorch's tiles")
+    monkeypatch.setattr(kernel, "native_isa", lambda: isa)
+    g = torch.Generator().manual_seed(5)
+    codes = ALL_CODES[torch.randint(0, len(ALL_CODES), (70, 300), generator=g)]
+    scales = torch.rand(3, 3, generator=g) + 0.01
+    bias = torch.randn(70, generator=g)
+    weight = kernel.dequantize_rows(codes, scales, (32, 128), 0, 70).double()
+    bf16_dots = dtype == torch.bfloat16 and isa == "avx512_bf16"
+    tiles = []
+    real = kernel.dequantize_rows
+    monkeypatch.setattr(kernel, "dequantize_rows", lambda *a: tiles.append(a) or real(*a))
+    for rows in (kernel.TILES_MIN_ROWS - 1, kernel.TILES_MIN_ROWS, 2 * kernel.TILES_MIN_ROWS):
+        on_tiles = rows >= kernel.TILES_MIN_ROWS and not bf16_dots
+        assert kernel.runs_on_tiles(rows, dtype) == on_tiles
+        x = torch.randn(rows, 300, generator=g).to(dtype)
+        tiles.clear()
+        y = kernel.fp8_linear(x, codes, scales, (32, 128), bias, max_isa=None)
+        assert bool(tiles) == on_tiles
+        want = torch.nn.functional.linear(x.double(), weight, bias.double())
+        if dtype == torch.float32:
+            torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-3)
+        else:  # one rounding of the fp32 result to bf16: half an ulp, or a whole one where
+            # the two fp32 sums straddle a rounding boundary
+            torch.testing.assert_close(y.double(), want, rtol=2**-8, atol=1e-2)
+        tiles.clear()
+        pinned = kernel.fp8_linear(x, codes, scales, (32, 128), bias, max_isa="generic")
+        assert not tiles  # a pinned path is the kernel's, whatever the rows
+        torch.testing.assert_close(y.double(), pinned.double(), rtol=2**-7, atol=1e-2)
+
+
 def test_without_the_native_library_pytorch_computes_the_same_product(monkeypatch):
     g = torch.Generator().manual_seed(4)
     codes = ALL_CODES[torch.randint(0, len(ALL_CODES), (40, 96), generator=g)]
