@@ -10,10 +10,10 @@ exact dequantized values, fp32 sums), and of EXPAND_MIN_ROWS or more, which expa
 weights to bf16 (from the fp16 scales) for one bf16 matmul (docs/design.md, "4-bit GGUF
 layers in integer dot products"). Elsewhere they are exactly what PyTorch's int4 CPU kernel
 computes (int4.py), so they run as Int4Linear: that kernel for small calls, the weights
-expanded to bf16 for one bf16 matmul from int4.py's UNPACK_MIN_ROWS rows on. Its fast
-variant is bf16, so the fp16 scales and offsets are rounded to bf16 (relative 2^-9,
-against the 4-bit rounding of the weights themselves) and the rows must come in
-multiples of 16.
+expanded to bf16 for one bf16 matmul from int4.py's UNPACK_MIN_ROWS rows on (on CPUs with
+native bf16). Its fast variant is bf16, so the fp16 scales and offsets are rounded to
+bf16 (relative 2^-9, against the 4-bit rounding of the weights themselves) and the rows
+must come in multiples of 16.
 
 The 5-, 6- and 8-bit formats (Q5_0, Q6_K, Q8_0), and 4-bit ones of other widths, keep
 their integers and per-group scales in memory and are expanded inside each product
