@@ -188,15 +188,74 @@ static inline __mmask16 column_mask(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
-/* acc[r][0..32) += sum over k of x[row + r, k] * w[k, col + 0..32) for r < mr, for each of
- * the `nw` column blocks at w offsets col_offsets[b] (gate and up: 2; down: 1); columns
+/* Row r's accumulators, named, not an array: GCC kept an array of them in registers but
+ * also stored all 24 to the stack at every k, and the store port, not the FMAs, set the
+ * pace (38% of oneDNN's fp32 matmul at a prompt's rows). */
+#define ACC_ROW(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0, a##r##3 = a##r##0;
+#define EACH_ROW(STEP) STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5)
+/* Row r += xv times the 2 * nw weight vectors w[0..4). */
+#define FMA_ROW(r, xv, w)                                                                    \
+    {                                                                                        \
+        a##r##0 = _mm512_fmadd_ps(xv, w[0], a##r##0);                                        \
+        a##r##1 = _mm512_fmadd_ps(xv, w[1], a##r##1);                                        \
+        if (nw > 1) {                                                                        \
+            a##r##2 = _mm512_fmadd_ps(xv, w[2], a##r##2);                                    \
+            a##r##3 = _mm512_fmadd_ps(xv, w[3], a##r##3);                                    \
+        }                                                                                    \
+    }
+/* Quantized weights: x's value (fp32 or bf16) broadcast. */
+#define X_ROW(r)                                                                             \
+    if (mr > r) {                                                                            \
+        const __m512 xv = _mm512_set1_ps(value_at(o->x, (row + r) * ldx + i, o->is_bf16));   \
+        FMA_ROW(r, xv, wv)                                                                   \
+    }
+#define F32_ROW(r)                                                                           \
+    if (mr > r) {                                                                            \
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);                                    \
+        FMA_ROW(r, xv, wv)                                                                   \
+    }
+#define DPBF16_ROW(r)                                                                        \
+    if (mr > r) {                                                                            \
+        int32_t pair;                                                                        \
+        __builtin_memcpy(&pair, x + r * ldx + 2 * i, 4);                                     \
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                               \
+        a##r##0 = _mm512_dpbf16_ps(a##r##0, xv, (__m512bh)wv[0]);                            \
+        a##r##1 = _mm512_dpbf16_ps(a##r##1, xv, (__m512bh)wv[1]);                            \
+        if (nw > 1) {                                                                        \
+            a##r##2 = _mm512_dpbf16_ps(a##r##2, xv, (__m512bh)wv[2]);                        \
+            a##r##3 = _mm512_dpbf16_ps(a##r##3, xv, (__m512bh)wv[3]);                        \
+        }                                                                                    \
+    }
+/* bf16 without vdpbf16ps: the pair's odd value (its top half as an fp32), then its even
+ * value (the low half shifted up), times that half of the weight pairs (`half`). */
+#define ODD_ROW(r)                                                                           \
+    if (mr > r) {                                                                            \
+        const __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)x[r * ldx + 2 * i + 1] << 16))); \
+        FMA_ROW(r, xv, half)                                                                 \
+    }
+#define EVEN_ROW(r)                                                                          \
+    if (mr > r) {                                                                            \
+        const __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)x[r * ldx + 2 * i] << 16))); \
+        FMA_ROW(r, xv, half)                                                                 \
+    }
+#define STORE_ROW(r)                                                                         \
+    if (mr > r) {                                                                            \
+        _mm512_storeu_ps(sums[r], a##r##0);                                                  \
+        _mm512_storeu_ps(sums[r] + 16, a##r##1);                                             \
+        if (nw > 1) {                                                                        \
+            _mm512_storeu_ps(sums[r] + 32, a##r##2);                                         \
+            _mm512_storeu_ps(sums[r] + 48, a##r##3);                                         \
+        }                                                                                    \
+    }
+
+/* sums[r][b * 32 + j] = sum over k of x[row + r, k] * w[k, b's column j] for r < mr, for
+ * each of the `nw` column blocks, at `col` and `second` (gate and up: 2; down: 1); columns
  * from `left` on are not loaded. mr and nw are constants at every call (the switch below),
  * so the unused rows fold away. */
 static inline __attribute__((always_inline)) void tile_sums(const operands *o, int64_t row, int64_t col,
                                                             int64_t second, int64_t left, const int mr,
-                                                            const int nw, __m512 acc[MR][4]) {
-    for (int r = 0; r < MR; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();
+                                                            const int nw, float (*sums)[2 * NB]) {
+    EACH_ROW(ACC_ROW)
     const __mmask16 m0 = column_mask(left), m1 = column_mask(left - 16);
     const int64_t ldx = o->ldx, ldw = o->ldw;
     const char *panel = (const char *)o->w;
@@ -212,10 +271,7 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
                 wv[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, wi + second - col)));
                 wv[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, wi + second - col + 16)));
             }
-            for (int r = 0; r < mr; r++) {
-                const __m512 xv = _mm512_set1_ps(value_at(o->x, (row + r) * ldx + i, o->is_bf16));
-                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
-            }
+            EACH_ROW(X_ROW)
         }
     } else if (o->e8m0) { /* whole panels, as int4's below */
         const char *end = panel + o->k * (ldw / 2);
@@ -228,10 +284,7 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
                 wv[2] = mxfp4x16(o, i, second);
                 wv[3] = mxfp4x16(o, i, second + 16);
             }
-            for (int r = 0; r < mr; r++) {
-                const __m512 xv = _mm512_set1_ps(value_at(o->x, (row + r) * ldx + i, o->is_bf16));
-                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
-            }
+            EACH_ROW(X_ROW)
         }
     } else if (o->groups) {
         /* Panels are whole 64 columns: no masks needed; columns past `left` are computed
@@ -246,10 +299,7 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
                 prefetch_ahead(panel + i * (ldw / 2), ldw / 2, panel + o->k * (ldw / 2));
                 __m512 wv[4];
                 for (int v = 0; v < 2 * nw; v++) wv[v] = _mm512_fmadd_ps(codes_x16(o, i, at[v]), scale[v], minimum[v]);
-                for (int r = 0; r < mr; r++) {
-                    const __m512 xv = _mm512_set1_ps(value_at(o->x, (row + r) * ldx + i, o->is_bf16));
-                    for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
-                }
+                EACH_ROW(X_ROW)
             }
         }
     } else if (o->is_bf16) {
@@ -267,29 +317,17 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
                 wv[3] = _mm512_maskz_loadu_epi32(m1, wi + (second - col) * 2 + 32);
             }
 #ifdef __AVX512BF16__
-            for (int r = 0; r < mr; r++) {
-                int32_t pair;
-                __builtin_memcpy(&pair, x + r * ldx + 2 * i, 4);
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)wv[v]);
-            }
+            EACH_ROW(DPBF16_ROW)
 #else
             /* vdpbf16ps's sums without it: the odd k's products, then the even k's, each
-             * product of two bf16 exact in fp32 (so an FMA adds what vdpbf16ps adds). A
-             * pair's odd value is its top half as an fp32, its even value its low half
-             * shifted up; one half's four weight vectors are live at a time. */
+             * product of two bf16 exact in fp32 (so an FMA adds what vdpbf16ps adds); one
+             * half's four weight vectors are live at a time. */
             const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
             __m512 half[4];
             for (int v = 0; v < 2 * nw; v++) half[v] = _mm512_castsi512_ps(_mm512_and_si512(wv[v], high));
-            for (int r = 0; r < mr; r++) {
-                const __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)x[r * ldx + 2 * i + 1] << 16)));
-                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, half[v], acc[r][v]);
-            }
+            EACH_ROW(ODD_ROW)
             for (int v = 0; v < 2 * nw; v++) half[v] = _mm512_castsi512_ps(_mm512_slli_epi32(wv[v], 16));
-            for (int r = 0; r < mr; r++) {
-                const __m512 xv = _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)x[r * ldx + 2 * i] << 16)));
-                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, half[v], acc[r][v]);
-            }
+            EACH_ROW(EVEN_ROW)
 #endif
         }
     } else {
@@ -306,35 +344,30 @@ static inline __attribute__((always_inline)) void tile_sums(const operands *o, i
                 wv[2] = _mm512_maskz_loadu_ps(m0, wi + second - col);
                 wv[3] = _mm512_maskz_loadu_ps(m1, wi + second - col + 16);
             }
-            for (int r = 0; r < mr; r++) {
-                const __m512 xv = _mm512_set1_ps(x[r * ldx + i]);
-                for (int v = 0; v < 2 * nw; v++) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
-            }
+            EACH_ROW(F32_ROW)
         }
     }
+    EACH_ROW(STORE_ROW)
 }
 
 #define TILE_CASES(nw)                                                                       \
     switch (mr) {                                                                            \
-    case 6: tile_sums(o, row, col, second, left, 6, nw, acc); break;                         \
-    case 5: tile_sums(o, row, col, second, left, 5, nw, acc); break;                         \
-    case 4: tile_sums(o, row, col, second, left, 4, nw, acc); break;                         \
-    case 3: tile_sums(o, row, col, second, left, 3, nw, acc); break;                         \
-    case 2: tile_sums(o, row, col, second, left, 2, nw, acc); break;                         \
-    default: tile_sums(o, row, col, second, left, 1, nw, acc); break;                        \
+    case 6: tile_sums(o, row, col, second, left, 6, nw, sums); break;                        \
+    case 5: tile_sums(o, row, col, second, left, 5, nw, sums); break;                        \
+    case 4: tile_sums(o, row, col, second, left, 4, nw, sums); break;                        \
+    case 3: tile_sums(o, row, col, second, left, 3, nw, sums); break;                        \
+    case 2: tile_sums(o, row, col, second, left, 2, nw, sums); break;                        \
+    default: tile_sums(o, row, col, second, left, 1, nw, sums); break;                       \
     }
 
 /* sums[r][b * 32 + j]: row r's sum for column j of block b (b = 0: at col, 1: at second). */
 static void tile(const operands *o, int64_t row, int mr, int64_t col, int64_t second, int64_t left,
                  int nw, float (*sums)[2 * NB]) {
-    __m512 acc[MR][4];
     if (nw > 1) {
         TILE_CASES(2);
     } else {
         TILE_CASES(1);
     }
-    for (int r = 0; r < mr; r++)
-        for (int v = 0; v < 2 * nw; v++) _mm512_storeu_ps(sums[r] + 16 * v, acc[r][v]);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
