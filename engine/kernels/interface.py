@@ -31,7 +31,7 @@ INT8_LINEAR_ISAS = {
 # tm_limits_t.lora_isa values (TM_LORA_ISA_*), by name.
 LORA_ISAS = {0: "generic", 1: "avx512_bf16", 2: "amx_bf16+avx512_bf16", 3: "avx512", 4: "avx2"}
 # tm_limits_t.moe_isa values (TM_MOE_ISA_*), by name.
-MOE_ISAS = {0: "generic", 1: "avx512_bf16", 2: "amx_bf16+avx512_bf16", 3: "avx512"}
+MOE_ISAS = {0: "generic", 1: "avx512_bf16", 2: "amx_bf16+avx512_bf16", 3: "avx512", 4: "avx2"}
 # tm_limits_t.fp8_linear_isa values (TM_FP8_ISA_*), by name.
 FP8_LINEAR_ISAS = {
     0: "generic",

@@ -557,7 +557,8 @@ enum {
     TM_MOE_ISA_GENERIC = 0,     /* plain loops */
     TM_MOE_ISA_AVX512_BF16 = 1, /* AVX-512 FMA in fp32, vdpbf16ps in bf16 */
     TM_MOE_ISA_AMX = 2,         /* the same, and bf16 runs of 16 rows on AMX tiles */
-    TM_MOE_ISA_AVX512 = 3       /* AVX-512 FMA, bf16 pairs widened to fp32 (no AVX512-BF16) */
+    TM_MOE_ISA_AVX512 = 3,      /* AVX-512 FMA, bf16 pairs widened to fp32 (no AVX512-BF16) */
+    TM_MOE_ISA_AVX2 = 4         /* AVX2 FMA on weights widened to fp32 (moe_avx2.h) */
 };
 /* tm_moe_args.weight_format: the experts in x's type, int8 with a scale per column,
  * int4 with a bf16 scale and minimum per column and group of 32 k-rows, or mxfp4 (e2m1

@@ -50,13 +50,15 @@
  *
  * Builds with AVX-512 multiply on vector tiles (AVX-512 FMA; bf16 on vdpbf16ps, or, without
  * AVX512-BF16 - Ice Lake, Cascade Lake - on FMAs of each pair's halves widened to fp32, the
- * same sums), and bf16 runs of 16 rows or more on AMX tiles where Linux grants them; other
- * builds run plain loops that compute the same sums. With bf16 activations, quantized
- * weights of an expert with runs of 16 rows are widened to bf16 once per item (a panel, in
- * L2) and taken by AMX tiles too: int8 codes exactly (their scales multiply the sums
- * after), int4 and mxfp4 weights rounded to bf16 (a relative 2^-9, below bf16 activations'
- * own rounding). A prompt's rows then run at the matmul peak instead of converting every
- * weight once per 6 rows. A run of 4-16 rows (a decode step's) takes one pass of the tiles:
+ * same sums), and bf16 runs of 16 rows or more on AMX tiles where Linux grants them. Builds
+ * with AVX2 and FMA but no AVX-512 (AMD Zen 1-3, Intel before Skylake-X) multiply on AVX2
+ * tiles over chunks of k, each chunk's weights widened to fp32 in L1 (moe_avx2.h): the
+ * same products in the same order, so the same bits. Other builds run plain loops that
+ * compute the same sums. With bf16 activations, quantized weights of an expert with runs
+ * of 16 rows are widened to bf16 once per item (a panel, in L2) and taken by AMX tiles too:
+ * int8 codes exactly (their scales multiply the sums after), int4 and mxfp4 weights
+ * rounded to bf16 (a relative 2^-9, below bf16 activations' own rounding). A prompt's rows
+ * then run at the matmul peak instead of converting every weight once per 6 rows. A run of 4-16 rows (a decode step's) takes one pass of the tiles:
  * its panel is widened 32 k-rows at a time into L1 as the tiles take them, not whole into
  * L2 first. Every pass over a panel prefetches its stream ahead (PREFETCH_BYTES).
  */
@@ -126,6 +128,21 @@ static inline float weight_at(const operands *o, int64_t i, int64_t c) {
     return ((const float *)o->w)[i * o->ldw + c];
 }
 
+/* Software prefetch distance, in bytes of a panel's stream. An item streams one panel
+ * (256 KB of bf16 gate_up at OLMoE's hidden 2,048) across a page every few k-rows; the
+ * hardware prefetchers restart at each page, and runs of a few decode rows - a few
+ * multiplies per weight loaded - left each new page's first loads waiting on memory. */
+#define PREFETCH_BYTES 4096
+
+/* The lines that start in [at, at + bytes) of a panel, PREFETCH_BYTES on; none past the
+ * panel's `end`: the next panel is another item's, likely another thread's. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const char *at, int64_t bytes, const char *end) {
+    const char *from = at + PREFETCH_BYTES;
+    if (from + bytes > end) return;
+    const uintptr_t first = ((uintptr_t)from + 63) & ~(uintptr_t)63;
+    for (uintptr_t line = first; line < (uintptr_t)(from + bytes); line += 64) __builtin_prefetch((const char *)line, 0, 3);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #ifdef __AVX512BF16__
@@ -167,21 +184,6 @@ static inline __m512 mxfp4x16(const operands *o, int64_t i, int64_t c) {
     const __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
     const __m512i bits = _mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), zero, _mm512_set1_epi32(0x00400000));
     return _mm512_mul_ps(values, _mm512_castsi512_ps(bits));
-}
-
-/* Software prefetch distance, in bytes of a panel's stream. An item streams one panel
- * (256 KB of bf16 gate_up at OLMoE's hidden 2,048) across a page every few k-rows; the
- * hardware prefetchers restart at each page, and runs of a few decode rows - a few
- * multiplies per weight loaded - left each new page's first loads waiting on memory. */
-#define PREFETCH_BYTES 4096
-
-/* The lines that start in [at, at + bytes) of a panel, PREFETCH_BYTES on; none past the
- * panel's `end`: the next panel is another item's, likely another thread's. */
-static inline __attribute__((always_inline)) void prefetch_ahead(const char *at, int64_t bytes, const char *end) {
-    const char *from = at + PREFETCH_BYTES;
-    if (from + bytes > end) return;
-    const uintptr_t first = ((uintptr_t)from + 63) & ~(uintptr_t)63;
-    for (uintptr_t line = first; line < (uintptr_t)(from + bytes); line += 64) _mm_prefetch((const char *)line, _MM_HINT_T0);
 }
 
 static inline __mmask16 column_mask(int64_t left) {
@@ -373,6 +375,10 @@ static void tile(const operands *o, int64_t row, int mr, int64_t col, int64_t se
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define MOE_AMX 1
 #endif
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MOE_ISA TM_MOE_ISA_AVX2
+#include "moe_avx2.h"
 
 #else
 #define MOE_ISA TM_MOE_ISA_GENERIC

@@ -274,11 +274,27 @@ class CountingLibrary:
         return getattr(self.lib, name)
 
 
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """The kernels built with extra flags, each set compiled once for this module."""
+    made = {}
+
+    def build(flags):
+        if flags not in made:
+            made[flags] = build_with(flags, tmp_path_factory.mktemp("kernels"))
+        return made[flags]
+
+    return build
+
+
+AVX512 = {"avx512f", "avx512bw", "avx512vl"}
+
+
 @OTHER_CPUS
-def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatch):
-    variant = build_with(flags, tmp_path)
-    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags() and flags == ("-mno-avx512bf16",)
-    assert variant.limits.moe_isa == ("avx512" if avx512 else "generic")
+def test_kernel_built_for_other_cpus_matches_float64(flags, builds, monkeypatch):
+    variant = builds(flags)
+    avx512 = cpu_flags() >= AVX512 and flags == ("-mno-avx512bf16",)
+    assert variant.limits.moe_isa == ("avx512" if avx512 else "avx2")
     monkeypatch.setattr(moe_kernel, "_library", lambda: variant.lib)
     for dtype in (torch.float32, torch.bfloat16):
         for shape in SHAPES[:3:2]:
@@ -314,9 +330,46 @@ def test_kernel_built_for_other_cpus_matches_float64(flags, tmp_path, monkeypatc
                 torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(
+    not AVX512.issubset(cpu_flags()), reason="the AVX-512 build needs an AVX-512 CPU"
+)
+def test_avx2_build_gives_the_avx512_builds_bits(builds, monkeypatch):
+    """The AVX2 tiles add the same products in the same order as the AVX-512 ones (bf16:
+    each pair's odd k, then its even k, as vdpbf16ps), chunk after chunk of k: in every
+    weight format, at runs of 1 to 6 rows and more, the same outputs to the bit."""
+    from tokenmill.engine.quant import mxfp4
+
+    avx2, avx512 = builds(("-march=x86-64-v3",)), builds(("-mno-avx512bf16",))
+    assert (avx2.limits.moe_isa, avx512.limits.moe_isa) == ("avx2", "avx512")
+    g = torch.Generator().manual_seed(5)
+    num_experts, hidden, inter, top_k = 6, 192, 160, 3  # k past one 64-row chunk, a tail
+    for dtype in (torch.float32, torch.bfloat16):
+        gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1).to(dtype)
+        down = (torch.randn(num_experts, hidden, inter, generator=g) * 0.1).to(dtype)
+        formats = {
+            name: moe_kernel.PackedExperts(gate_up, down, "silu", weight_format=name)
+            for name in ("float", "int8", "int4")
+        }
+        formats["mxfp4"] = moe_kernel.PackedExperts.from_mxfp4(
+            mxfp4.quantize(gate_up), mxfp4.quantize(down), dtype, "silu"
+        )
+        for rows in (1, 2, 3, 5, 41):
+            x = torch.randn(rows, hidden, generator=g).to(dtype)
+            weights, ids = torch.softmax(torch.randn(rows, num_experts, generator=g), -1).topk(
+                top_k
+            )
+            for name, packed in formats.items():
+                outs = []
+                for variant in (avx2, avx512):
+                    monkeypatch.setattr(moe_kernel, "_library", lambda lib=variant.lib: lib)
+                    outs.append(packed(x, ids, weights))
+                assert torch.equal(*outs), (dtype, rows, name)
+
+
 def test_this_cpu_gets_its_fastest_path(cpu_path):
     """Where the CPU has AVX512-BF16 (and AMX) the build uses it (Linux may withhold AMX's
-    tile state; then the vector path is the right one)."""
+    tile state; then the vector path is the right one); AVX-512 without it, and AVX2 with
+    FMA, take their own vector tiles."""
     flags = cpu_flags()
     isa = native_library().limits.moe_isa
     cpu_path("MoE experts, native call", isa)
@@ -324,8 +377,10 @@ def test_this_cpu_gets_its_fastest_path(cpu_path):
         assert isa in ("amx_bf16+avx512_bf16", "avx512_bf16")
     elif {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
         assert isa == "avx512_bf16"
-    elif {"avx512f", "avx512bw", "avx512vl"} <= flags:
+    elif flags >= AVX512:
         assert isa == "avx512"
+    elif {"avx2", "fma"} <= flags:
+        assert isa == "avx2"
     else:
         assert isa == "generic"
 
