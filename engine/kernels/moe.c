@@ -73,14 +73,20 @@
 #include "kernels.h"
 
 #define NB 32 /* output columns per item: two vectors of 16 */
-#define MR 6  /* rows per vector tile: 4 accumulators a row in phase A, 24 in all */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define MR 6 /* rows per vector tile: 4 accumulators a row in phase A, 24 in all */
+#else
+/* rows per call of `tile`: on AVX2, register tiles of up to 6 rows each over the chunk of
+ * weights widened once in L1 (moe_avx2.h) */
+#define MR 12
+#endif
 #define AMX_ROWS 16
 /* Runs this long go on AMX tiles: a tile takes 16 rows (the run's, then the following
  * rows of xs or h, or their zeroed slack, whose sums are dropped); fewer rows than this
  * use the vector path, which reads the weights at the same bandwidth without widening a
  * quantized panel first. */
 #define AMX_MIN_ROWS 4
-#define TILE_ROWS_MAX 16 /* the larger of MR and AMX_ROWS: rows of a tile's sums */
+#define TILE_ROWS_MAX 16 /* at least MR and AMX_ROWS: rows of a tile's sums */
 
 /* One product's operands: rows [row, row + mr) of x times columns of w. */
 typedef struct {

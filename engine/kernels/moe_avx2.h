@@ -27,6 +27,7 @@
 #include <immintrin.h>
 
 #define KC 64 /* k-rows per chunk: a chunk's 64 columns of fp32 weights are 16 KB */
+#define TILE_ROWS 6 /* rows of a register tile: 12 accumulators at 16 columns */
 
 /* sums[r][at + 0..8V) += sum over i < kc of x[r * ldx + i] * w[i * ldw + 0..8V), r < R.
  * R and V are constants at every call, so the loops unroll into registers. Where `ahead`
@@ -35,7 +36,7 @@ static inline __attribute__((always_inline)) void avx2_tile(const float *w, int6
                                                             int64_t ldx, int64_t kc, const int R, const int V,
                                                             float (*sums)[2 * NB], int64_t at, const char *ahead,
                                                             int64_t ahead_bytes, const char *end) {
-    __m256 acc[MR][8];
+    __m256 acc[TILE_ROWS][8];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < V; v++) acc[r][v] = _mm256_loadu_ps(sums[r] + at + 8 * v);
     for (int64_t i = 0; i < kc; i++) {
@@ -225,11 +226,17 @@ static void tile(const operands *o, int64_t row, int mr, int64_t col, int64_t se
             }
         }
         const char *end = (const char *)o->w + o->k * row_bytes;
-        if (whole) {
-            avx2_columns(w + col, ldw, x, ldx, kc, mr, 2 * NB, sums, 0, ahead, row_bytes, end);
-        } else {
-            for (int b = 0; b < nw; b++, ahead = NULL)
-                avx2_columns(w + (b ? second : col), ldw, x, ldx, kc, mr, NB, sums, b * NB, ahead, row_bytes, end);
+        for (int r0 = 0; r0 < mr; r0 += TILE_ROWS) { /* each over the chunk, in L1 */
+            const int rows = mr - r0 < TILE_ROWS ? mr - r0 : TILE_ROWS;
+            const float *xr = x + r0 * ldx;
+            if (whole) {
+                avx2_columns(w + col, ldw, xr, ldx, kc, rows, 2 * NB, sums + r0, 0, ahead, row_bytes, end);
+            } else {
+                for (int b = 0; b < nw; b++, ahead = NULL)
+                    avx2_columns(w + (b ? second : col), ldw, xr, ldx, kc, rows, NB, sums + r0, b * NB, ahead,
+                                 row_bytes, end);
+            }
+            ahead = NULL;
         }
     }
 }
