@@ -17,14 +17,18 @@ REPO = Path(__file__).resolve().parent.parent
 TREE_KERNELS = REPO / "engine" / "kernels"
 
 
-def build_library(kernels: Path, sources: tuple[str, ...], out: Path) -> ctypes.CDLL:
-    """`sources` (file names in `kernels`) compiled as the engine compiles them and linked
-    into one library at `out`."""
+def build_library(
+    kernels: Path, sources: tuple[str, ...], out: Path, extra_flags: tuple[str, ...] = ()
+) -> ctypes.CDLL:
+    """`sources` (file names in `kernels`) compiled as the engine compiles them, with
+    `extra_flags` after its own (`-march=x86-64-v3`: the build an AVX2 CPU gets), and
+    linked into one library at `out`."""
     compiler, _ = c_compiler()
     objects = []
     for name in sources:
         obj = out.with_suffix(f".{name}.o")
-        command = [compiler, *compile_flags(name), "-I", str(kernels), "-c", str(kernels / name)]
+        command = [compiler, *compile_flags(name), *extra_flags, "-I", str(kernels), "-c"]
+        command.append(str(kernels / name))
         subprocess.run([*command, "-o", str(obj)], check=True)
         objects.append(str(obj))
     subprocess.run([compiler, "-shared", "-fopenmp", *objects, "-o", str(out), "-lm"], check=True)

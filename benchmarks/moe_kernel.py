@@ -7,6 +7,7 @@ of what this machine gives one thread, comparable across runs.
     python benchmarks/moe_kernel.py --against main --rows 2048 --rounds 7
     python benchmarks/moe_kernel.py --rows 64 --threads 2          # a 64-row decode step
     python benchmarks/moe_kernel.py --dtype float32   # where the CPU lacks native bf16
+    python benchmarks/moe_kernel.py --march x86-64-v3  # both as an AVX2 CPU (Zen 1) builds them
 
 Defaults are OLMoE-1B-7B's layer (64 experts, 8 a token, hidden 2048, expert intermediate
 1024) in bf16 (`--dtype float32`: activations, float weights and oneDNN's matmul in fp32,
@@ -16,7 +17,9 @@ engine/kernels (moe.c with amx.c, the flags the engine uses); both must share tm
 Prints, per build: the median CPU-ms of a call, active GFLOP per CPU-second and its share
 of oneDNN's per CPU-second (prefill's roofline), and the bytes of the experts the rows
 use per CPU-second against the read stream's (decode's bound). Set OMP_WAIT_POLICY=passive
-with --threads > 1, so threads waiting at a barrier do not spin CPU time into the figures.
+with --threads > 1, so threads waiting at a barrier do not spin CPU time into the figures;
+with `--march x86-64-v3`, ONEDNN_MAX_CPU_ISA=AVX2, so that oneDNN's matmul is the one an
+AVX2 CPU gets too.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from kernel_builds import TREE_KERNELS, build_library, revision_kernels  # noqa: E402
 
 
-def build(kernels: Path, out: Path) -> ctypes.CDLL:
-    """moe.c and amx.c from `kernels` into one library at `out`, as the engine builds them."""
-    lib = build_library(kernels, ("moe.c", "amx.c"), out)
+def build(kernels: Path, out: Path, march: str | None) -> ctypes.CDLL:
+    """moe.c and amx.c from `kernels` into one library at `out`, as the engine builds them
+    (for `march`'s CPUs where it is given)."""
+    flags = (f"-march={march}",) if march else ()
+    lib = build_library(kernels, ("moe.c", "amx.c"), out, flags)
     lib.tm_moe.argtypes = [ctypes.POINTER(MoEArgs)]
     lib.tm_moe.restype = ctypes.c_int
     return lib
@@ -63,6 +68,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
+        "--march",
+        help="build both for these CPUs instead of this one's (x86-64-v3: AVX2 and FMA, Zen 1)",
+    )
+    parser.add_argument(
         "--probe-mb",
         type=int,
         default=768,
@@ -75,8 +84,8 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="moe-kernel-"))
     libs = {
-        args.against: build(revision_kernels(args.against, tmp), tmp / "against.so"),
-        "this tree": build(TREE_KERNELS, tmp / "tree.so"),
+        args.against: build(revision_kernels(args.against, tmp), tmp / "against.so", args.march),
+        "this tree": build(TREE_KERNELS, tmp / "tree.so", args.march),
     }
     g = torch.Generator().manual_seed(0)
     # A few experts packed and repeated: the call reads E experts' bytes either way.
@@ -111,7 +120,8 @@ def main() -> None:
         int(torch.bincount(ids.reshape(-1), minlength=E).count_nonzero()) for _, ids in routes
     )
     print(
-        f"{rows} rows, top {k} of {E} experts ({H} x {inter}, {args.format}, {args.dtype}), {args.threads} "
+        f"{rows} rows, top {k} of {E} experts ({H} x {inter}, {args.format}, {args.dtype}), "
+        f"{'-march=' + args.march + ' builds, ' if args.march else ''}{args.threads} "
         f"threads: {used:.1f} experts used (mean over the calls' routings), rows an expert {counts.float().mean():.1f} mean, "
         f"{int(counts.min())}-{int(counts.max())}"
     )
