@@ -230,17 +230,20 @@ def test_agreeing_prefix_lengths():
 def test_kv_cache_variants_are_compared_with_their_plain_and_default_cache_runs():
     """--kv-cache-dtype auto,int8 runs every tokenmill system twice; an int8-cache run is
     compared with the plain float run, the same system on the default cache and (when
-    quantized) the unquantized run on the same cache - nothing else."""
-    from tokenmill.bench.systems import counterparts, tokenmill_systems
+    quantized) the unquantized run on the same cache - nothing else. The float runs are at
+    the dtype quantized ones run beside (the CPU's best: bf16 or fp32)."""
+    from tokenmill.bench.systems import (
+        DTYPE_SHORT,
+        best_float_dtype,
+        counterparts,
+        tokenmill_systems,
+    )
 
-    specs = tokenmill_systems(["bfloat16"], {"seed": 1}, ["int8"], kv_cache_dtypes=["auto", "int8"])
+    dtype = best_float_dtype()
+    plain = f"tokenmill-{DTYPE_SHORT[dtype]}"
+    specs = tokenmill_systems([dtype], {"seed": 1}, ["int8"], kv_cache_dtypes=["auto", "int8"])
     labels = [s.label for s in specs]
-    assert labels == [
-        "tokenmill-bf16",
-        "tokenmill-int8",
-        "tokenmill-bf16-kv8",
-        "tokenmill-int8-kv8",
-    ]
+    assert labels == [plain, "tokenmill-int8", f"{plain}-kv8", "tokenmill-int8-kv8"]
     assert specs[3].options["engine_args"] == {
         "seed": 1,
         "quantization": "int8",
@@ -248,10 +251,10 @@ def test_kv_cache_variants_are_compared_with_their_plain_and_default_cache_runs(
     }
     compared = {s.label: [c.label for c in counterparts(s, specs)] for s in specs}
     assert compared == {
-        "tokenmill-bf16": [],
-        "tokenmill-int8": ["tokenmill-bf16"],
-        "tokenmill-bf16-kv8": ["tokenmill-bf16"],
-        "tokenmill-int8-kv8": ["tokenmill-bf16", "tokenmill-bf16-kv8", "tokenmill-int8"],
+        plain: [],
+        "tokenmill-int8": [plain],
+        f"{plain}-kv8": [plain],
+        "tokenmill-int8-kv8": [plain, f"{plain}-kv8", "tokenmill-int8"],
     }
 
 
