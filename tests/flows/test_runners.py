@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -117,5 +118,7 @@ def test_the_cli_sizes_a_local_clusters_workers_from_the_jobs_engine(tmp_path, t
 
     job = {"input": "in.jsonl", "output": str(tmp_path), "model": tiny_model}
     memory = engine_memory({**job, "engine_options": {"kv_cache_memory": 64 << 20}})
-    assert memory == LLM.plan([], model=tiny_model, kv_cache_memory=64 << 20).shape.memory
+    planned = LLM.plan([], model=tiny_model, kv_cache_memory=64 << 20).shape.memory
+    # RAM still available is read at each plan and moves between the two: the rest must match.
+    assert replace(memory, available_bytes=None) == replace(planned, available_bytes=None)
     assert memory.kv_cache_bytes <= 64 << 20 and memory.weight_bytes > 0
