@@ -48,6 +48,7 @@ from tokenmill.flows.runners import (
     make_task_runner,
     num_workers,
     planning_fan_out,
+    preload_engines,
     replicate_to_workers,
 )
 from tokenmill.flows.tasks import (
@@ -104,6 +105,10 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Fore
     # One run per output at a time, held by the flow's own process.
     with claimed_output(spec.output, spec.storage_options):
         planned_before = out.planned_shards(spec.output, spec.storage_options)
+        if not spec.dry_run:
+            # The workers load their engines while the plan is made, not in their first
+            # shards: shards then start on loaded engines, all at once.
+            preload_engines(FlowRunContext.get().task_runner, spec.llm_options)
         # Submitted, not called: on a cluster the plan then stays on the worker that made
         # it, and each shard task's worker fetches it from there once (not once per shard).
         fan_out = planning_fan_out(FlowRunContext.get().task_runner, workers)

@@ -5,8 +5,10 @@
     make_task_runner(dask_address=ADDR)     an existing Dask scheduler (`tcp://host:8786`)
     make_task_runner(ray_address=ADDR)      a Ray cluster (`ray://host:10001`, or "auto")
 
-Each worker process loads the engine once, on its first shard, and keeps it (see
-`pipelines/shared_llm.py`). A worker runs one shard at a time (`threads_per_worker=1`): a shard
+Each worker process loads the engine once and keeps it (see `pipelines/shared_llm.py`):
+the flow has every engine worker start its load while it plans (`preload_engines`), so
+shards start on a loaded engine and no worker starts its first shard a load later than
+another. A worker runs one shard at a time (`threads_per_worker=1`): a shard
 is already a full batch for the engine, and two on one device would only compete.
 
 Placement: Dask resources
@@ -69,6 +71,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -270,22 +273,63 @@ def _started_dask_client(task_runner: Any) -> Any:
     return task_runner.client
 
 
-def worker_threads() -> int | None:
+def worker_threads(worker: Any = None) -> int | None:
     """The threads this Dask worker's engine should compute with: the machine's cores
-    shared among the Dask workers on it (None outside a Dask worker)."""
+    shared among the Dask workers on it (None outside a Dask worker). `worker`: the
+    Dask worker, where `get_worker()` does not know it (outside its tasks' threads)."""
     try:
-        from distributed import get_client, get_worker
+        from distributed import get_worker
 
-        worker = get_worker()
+        worker = worker or get_worker()
     except (ImportError, ValueError):
         return None
     try:
-        workers = get_client().scheduler_info(n_workers=-1)["workers"].values()
+        workers = worker.client.scheduler_info(n_workers=-1)["workers"].values()
         on_host = sum(1 for w in workers if w.get("host") == worker.ip)
     except Exception:  # scheduler unreachable for a moment: assume it is alone
         on_host = 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(1, on_host))
+
+
+def preload_engines(task_runner: Any, llm_options: dict[str, Any]) -> None:
+    """Have every engine worker of the task runner's Dask cluster start loading the
+    job's engine now, in a thread of its own (`shared_llm.preload`), so the load runs
+    while the flow plans instead of in each worker's first shard. A worker whose engine
+    is warm does nothing; one that joins later loads on its first shard. Best effort:
+    a worker that misses the request, or whose load fails, loads when its first shard
+    asks (and fails there, naming the error)."""
+    client = _started_dask_client(task_runner)
+    if client is None:
+        return
+    try:
+        engines = [
+            address
+            for address, w in client.scheduler_info(n_workers=-1)["workers"].items()
+            if (w.get("resources") or {}).get(ENGINE_RESOURCE, 0) >= 1
+        ]
+        if engines:
+            # Outside the task system: it runs at once, beside whatever task the worker
+            # runs (the plan task), and returns once the loading thread has started.
+            client.run(_start_preload, llm_options, workers=engines)
+    except Exception as exc:
+        log.warning("could not ask the Dask workers to load the engine ahead: %s", exc)
+
+
+def _start_preload(llm_options: dict[str, Any], dask_worker: Any = None) -> None:
+    """On a worker (`Client.run` passes `dask_worker`, and runs this on the worker's
+    event loop): start a thread that loads its engine, computing on the worker's cores."""
+    import torch
+
+    from tokenmill.pipelines import shared_llm
+
+    def load() -> None:
+        threads = worker_threads(dask_worker)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        shared_llm.preload(**llm_options)
+
+    threading.Thread(target=load, name="tokenmill-preload", daemon=True).start()
 
 
 def replicate_to_workers(task_runner: Any, future: Any) -> None:

@@ -76,8 +76,9 @@ class ShardRun:
     host: str
     pid: int
     engine_loads: int  # engines this worker process had loaded when the shard finished
-    # Seconds this shard spent loading its worker's engine; None when the engine was warm
-    # (or the shard needs none): only a worker's first shard for a model pays the load.
+    # Seconds its worker's engine took to load, reported by the first shard to use it
+    # (the load itself may have run while the flow planned); None when the engine was
+    # warm or the shard needs none.
     engine_load_seconds: float | None = None
     # The copy shards this task wrote after its own part, their sources being complete.
     copies: tuple[ShardResult, ...] = ()
@@ -225,11 +226,12 @@ def _run_ready_copies(
 
 
 def _worker_llm(plan: JobPlan, job_id: str) -> tuple[llm_cache.SharedLLM, bool]:
-    """This worker's engine for the job, and whether this call loaded it: one per worker
-    process, loaded on its first shard and reused by the rest and by later jobs with the
-    same model and settings (pipelines/shared_llm.py), computing on the cores the
-    worker owns; its lock keeps this process's shard tasks from generating at once,
-    since the engine is not thread-safe."""
+    """This worker's engine for the job, and whether it was loaded for this call: one per
+    worker process, loaded while the flow planned (`preload_engines`) or on its first
+    shard, and reused by the rest and by later jobs with the same model and settings
+    (pipelines/shared_llm.py), computing on the cores the worker owns; its lock keeps
+    this process's shard tasks from generating at once, since the engine is not
+    thread-safe."""
     threads = worker_threads()
     if threads is not None:
         torch.set_num_threads(threads)

@@ -17,12 +17,17 @@ alike, in the main process and in each Dask or Ray worker process.
   context: an entry remembers the pid that loaded it and is loaded again elsewhere.
 - The engine is not thread-safe, and a task runner may run tasks on several threads
   of one process: callers hold `SharedLLM.lock` around `generate`.
+- `preload` loads ahead of the callers, from a thread of its own (a Dask worker loads
+  its engine while the flow plans); the first caller to ask for that engine waits for
+  the load if it is still going, and is told it loaded it (so a shard task still
+  reports its worker's one load and its seconds).
 """
 
 from __future__ import annotations
 
 import gc
 import inspect
+import logging
 import os
 import sys
 import threading
@@ -35,6 +40,8 @@ from typing import Any
 from tokenmill import faults
 from tokenmill.engine import LLM
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class SharedLLM:
@@ -44,6 +51,10 @@ class SharedLLM:
     key: tuple
     pid: int  # the process that loaded it
     load_seconds: float = 0.0  # wall seconds `LLM(...)` took to load it
+    load_started_at: float = 0.0  # time.time() when the load began
+    # False while an engine `preload` loaded waits for its first caller, who is told
+    # the load was for it.
+    claimed: bool = True
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @cached_property
@@ -77,19 +88,45 @@ def get_llm(model: str | os.PathLike | None = None, **options: Any) -> SharedLLM
 
 
 def acquire_llm(model: str | os.PathLike | None = None, **options: Any) -> tuple[SharedLLM, bool]:
-    """`get_llm`, and whether this very call loaded the engine (False: it was warm)."""
+    """`get_llm`, and whether the engine was loaded for this very call (False: it was
+    warm). An engine that `preload` loaded counts as loaded for its first caller."""
+    return _acquire(model, options, claim=True)
+
+
+def preload(model: str | os.PathLike | None = None, **options: Any) -> None:
+    """Load the engine for these arguments ahead of its callers, from a thread of its
+    own while the process does other work (a Dask worker while the flow plans); the
+    first `acquire_llm` for it is told it loaded it. Nothing happens when that engine is
+    already loaded; a load that fails is logged, and the next `acquire_llm` loads again
+    and raises."""
+    try:
+        _acquire(model, options, claim=False)
+    except Exception as exc:  # the caller that needs the engine meets the error
+        log.warning("loading the engine ahead failed (it loads again when needed): %s", exc)
+
+
+def _acquire(model: Any, options: dict[str, Any], *, claim: bool) -> tuple[SharedLLM, bool]:
     global _current, _num_loads
     key = call_key(LLM, model, **options)
     # Loading under the module lock: two threads asking at once load the model once.
     with _lock:
         if _current is not None and _current.key == key and _current.pid == os.getpid():
-            return _current, False
+            first_claim = claim and not _current.claimed
+            _current.claimed = _current.claimed or claim
+            return _current, first_claim
         if _current is not None:
             _current = None  # drop the old engine before loading the next one
             _release_memory()
-        started = time.perf_counter()
+        started_at, started = time.time(), time.perf_counter()
         llm = _with_step_fault(LLM(model, **options))
-        _current = SharedLLM(llm, key, os.getpid(), load_seconds=time.perf_counter() - started)
+        _current = SharedLLM(
+            llm,
+            key,
+            os.getpid(),
+            load_seconds=time.perf_counter() - started,
+            load_started_at=started_at,
+            claimed=claim,
+        )
         _num_loads += 1
         return _current, True
 

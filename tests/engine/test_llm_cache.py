@@ -83,3 +83,33 @@ def test_keys_compare_dicts_lists_and_defaults_by_content():
     assert call_key(make, "m", tags={"x", "y"}) == call_key(make, "m", tags={"y", "x"})
     with pytest.raises(TypeError):
         call_key(make, "m", unknown=1)
+
+
+def test_a_preloaded_engine_counts_as_loaded_for_its_first_caller_only(model):
+    before = llm_cache.num_loads()
+    llm_cache.preload(model, **ENGINE)
+    first, loaded = llm_cache.acquire_llm(model, **ENGINE)
+    assert loaded and first.load_seconds > 0  # the shard that uses it reports the load
+    again, loaded_again = llm_cache.acquire_llm(model, **ENGINE)
+    assert again is first and not loaded_again
+    llm_cache.preload(model, **ENGINE)  # already loaded: nothing happens
+    assert llm_cache.acquire_llm(model, **ENGINE) == (first, False)
+    assert llm_cache.num_loads() == before + 1
+
+
+def test_a_caller_during_a_preload_waits_for_it_and_loads_nothing(model):
+    before = llm_cache.num_loads()
+    loader = threading.Thread(target=llm_cache.preload, args=(model,), kwargs=ENGINE)
+    loader.start()
+    shared, loaded = llm_cache.acquire_llm(model, **ENGINE)
+    loader.join()
+    assert loaded and llm_cache.num_loads() == before + 1
+    assert llm_cache.acquire_llm(model, **ENGINE) == (shared, False)
+
+
+def test_a_failed_preload_is_logged_and_the_caller_meets_the_error(model, caplog):
+    missing = str(model) + "-missing"
+    llm_cache.preload(missing, **ENGINE)
+    assert "loading the engine ahead failed" in caplog.text and "no model" in caplog.text
+    with pytest.raises(FileNotFoundError, match="no model"):
+        llm_cache.acquire_llm(missing, **ENGINE)

@@ -12,7 +12,12 @@ import pytest
 from distributed import Client, LocalCluster
 from flow_helpers import ENGINE, job_parameters
 from prefect import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
 
 from tokenmill.flows import batch_inference, make_task_runner
 from tokenmill.flows.batch_flow import worker_rows
@@ -65,6 +70,20 @@ def _workers_artifact(flow_run_id) -> list[dict]:
     return json.loads(data) if isinstance(data, str) else data
 
 
+def _plan_task_end(flow_run_id) -> float:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
+    plans = [r for r in runs if r.name.startswith("plan ")]
+    assert len(plans) == 1 and plans[0].end_time is not None, [r.name for r in runs]
+    return plans[0].end_time.timestamp()
+
+
+def _load_started_at() -> float:
+    return llm_cache._current.load_started_at
+
+
 @pytest.mark.integration
 def test_a_second_flow_run_on_the_same_cluster_loads_no_engine(
     prefect_api, jsonl_input, tmp_path, tiny_model
@@ -80,6 +99,11 @@ def test_a_second_flow_run_on_the_same_cluster_loads_no_engine(
             assert states[-1].is_completed(), states[-1].message
             loads = client.run(llm_cache.num_loads)
             assert sorted(loads.values()) == [1, 1], loads  # one load per worker, ever
+            if name == "first":
+                # Each worker began loading while the flow planned, not in its first shard.
+                plan_end = _plan_task_end(states[-1].state_details.flow_run_id)
+                started = client.run(_load_started_at)
+                assert all(at < plan_end for at in started.values()), (started, plan_end)
     first, second = (_workers_artifact(s.state_details.flow_run_id) for s in states)
     assert len(first) == 2 and all(row["engine loads"] == 1 for row in first), first
     assert all(row["load s"] > 0 for row in first), first

@@ -167,7 +167,11 @@ def sleeping_engines(
 
     recorder = _Recorder(meet)
     engines: dict[str, shared_llm.SharedLLM] = {}
-    real_acquire, real_write = shared_llm.acquire_llm, out.write_shard
+    real_acquire, real_preload, real_write = (
+        shared_llm.acquire_llm,
+        shared_llm.preload,
+        out.write_shard,
+    )
 
     def acquire_llm(*args: Any, **kwargs: Any) -> tuple[shared_llm.SharedLLM, bool]:
         worker = get_worker().address
@@ -187,11 +191,18 @@ def sleeping_engines(
         finally:
             recorder.mark(get_worker().address, "commit_end")
 
-    shared_llm.acquire_llm, out.write_shard = acquire_llm, write_shard
+    def preload(*args: Any, **kwargs: Any) -> None:
+        """A sleeping engine needs no loading ahead: it is made on its first shard."""
+
+    shared_llm.acquire_llm, shared_llm.preload, out.write_shard = acquire_llm, preload, write_shard
     try:
         yield recorder
     finally:
-        shared_llm.acquire_llm, out.write_shard = real_acquire, real_write
+        shared_llm.acquire_llm, shared_llm.preload, out.write_shard = (
+            real_acquire,
+            real_preload,
+            real_write,
+        )
 
 
 @dataclass(frozen=True)
