@@ -65,6 +65,7 @@ from tokenmill.pipelines.ledger import JobLedger, now_iso
 from tokenmill.pipelines.output_lock import claimed_output
 from tokenmill.pipelines.plan import Shard
 from tokenmill.pipelines.planning import JobPlan
+from tokenmill.pipelines.spec import JobSpec
 
 FLOW_NAME = "batch-inference"
 
@@ -105,9 +106,10 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Fore
     # One run per output at a time, held by the flow's own process.
     with claimed_output(spec.output, spec.storage_options):
         planned_before = out.planned_shards(spec.output, spec.storage_options)
-        if not spec.dry_run:
+        if not spec.dry_run and not _resumes(spec):
             # The workers load their engines while the plan is made, not in their first
-            # shards: shards then start on loaded engines, all at once.
+            # shards: shards then start on loaded engines, all at once. Not on a rerun,
+            # which may find every shard done: its shards load what they need.
             preload_engines(FlowRunContext.get().task_runner, spec.llm_options)
         # Submitted, not called: on a cluster the plan then stays on the worker that made
         # it, and each shard task's worker fetches it from there once (not once per shard).
@@ -164,6 +166,11 @@ def batch_inference(input: str, output: str, **options: Any) -> JobLedger | Fore
             run_started_at=run_started_at,
             num_shards_run=shards_run(runs),
         )
+
+
+def _resumes(spec: JobSpec) -> bool:
+    """Whether this run takes up an earlier run's output (its shard cut is recorded)."""
+    return spec.resume and out.read_cut(spec.output, spec.storage_options) is not None
 
 
 def _unpublished(plan: JobPlan, shards: list[Shard]) -> list[Shard]:

@@ -109,3 +109,18 @@ def test_a_second_flow_run_on_the_same_cluster_loads_no_engine(
     assert all(row["load s"] > 0 for row in first), first
     assert len(second) == 2 and all(row["engine loads"] == 0 for row in second), second
     assert sum(row["shards"] for row in second) == states[1].result().num_shards
+
+
+@pytest.mark.integration
+def test_a_rerun_of_a_finished_job_loads_no_engine(prefect_api, jsonl_input, tmp_path, tiny_model):
+    params = job_parameters(jsonl_input, str(tmp_path / "out"), tiny_model)
+    for expected_loads in ([1, 1], [0, 0]):  # a fresh cluster each time
+        with LocalCluster(**local_cluster_kwargs(2)) as cluster, Client(cluster) as client:
+            flow = batch_inference.with_options(
+                task_runner=make_task_runner(dask_address=cluster.scheduler_address)
+            )
+            state = flow(**params, return_state=True)
+            assert state.is_completed(), state.message
+            # The rerun finds every shard done: no worker loads an engine ahead for it.
+            loads = client.run(llm_cache.num_loads)
+            assert sorted(loads.values()) == expected_loads, loads
