@@ -156,9 +156,7 @@ def engine_slots() -> contextlib.AbstractContextManager:
 def engine_workers(workers: Mapping[str, Mapping[str, Any]]) -> int:
     """How many of a Dask scheduler's workers (`scheduler_info()["workers"]`) offer an
     engine; refuses a cluster where none does, since its shard tasks would never start."""
-    engines = sum(
-        1 for w in workers.values() if (w.get("resources") or {}).get(ENGINE_RESOURCE, 0) >= 1
-    )
+    engines = sum(1 for w in workers.values() if _offers_engine(w))
     if engines == 0:
         raise RuntimeError(
             f"the Dask cluster has {len(workers)} worker(s) and none offers the "
@@ -166,6 +164,11 @@ def engine_workers(workers: Mapping[str, Mapping[str, Any]]) -> int:
             f"`dask worker SCHEDULER_ADDRESS --nthreads 1 --resources {ENGINE_RESOURCE}=1`"
         )
     return engines
+
+
+def _offers_engine(worker: Mapping[str, Any]) -> bool:
+    """Whether a worker (an entry of `scheduler_info()["workers"]`) offers an engine slot."""
+    return (worker.get("resources") or {}).get(ENGINE_RESOURCE, 0) >= 1
 
 
 def make_task_runner(
@@ -303,11 +306,8 @@ def preload_engines(task_runner: Any, llm_options: dict[str, Any]) -> None:
     if client is None:
         return
     try:
-        engines = [
-            address
-            for address, w in client.scheduler_info(n_workers=-1)["workers"].items()
-            if (w.get("resources") or {}).get(ENGINE_RESOURCE, 0) >= 1
-        ]
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        engines = [address for address, w in workers.items() if _offers_engine(w)]
         if engines:
             # Outside the task system: it runs at once, beside whatever task the worker
             # runs (the plan task), and returns once the loading thread has started.
