@@ -5,14 +5,18 @@ import pytest
 from tokenmill.bench.fanout_model import FanoutCosts, simulate
 
 
-def test_each_worker_loads_once_and_shards_follow_in_order():
+def test_each_worker_loads_once_beside_the_planning_and_shards_follow_in_order():
     costs = FanoutCosts(dispatch_s=0, engine_load_s=5, commit_s=1, planning_s=2, finalize_s=3)
     run = simulate([10, 10, 10, 10], 2, costs)
-    # both workers: 2 + 5 + 10 + 1 = 18, then 18 + 10 + 1 = 29; the ledger: + 3
-    assert run.wall_s == 32 and run.workers_used == 2 and run.compute_s == 40
-    assert run.compute_share == pytest.approx(40 / 64)
+    # both workers load from 0 to 5 (planning ends at 2): 5 + 10 + 1 = 16, then
+    # 16 + 10 + 1 = 27; the ledger: + 3
+    assert run.wall_s == 30 and run.workers_used == 2 and run.compute_s == 40
+    assert run.compute_share == pytest.approx(40 / 60)
     one = simulate([10, 10, 10, 10], 1, costs)
-    assert one.wall_s == 2 + 5 + 4 * 11 + 3
+    assert one.wall_s == 5 + 4 * 11 + 3
+    # planning longer than the load hides it
+    slow_plan = FanoutCosts(dispatch_s=0, engine_load_s=5, commit_s=1, planning_s=8)
+    assert simulate([10], 1, slow_plan).wall_s == 8 + 10 + 1
 
 
 def test_the_schedulers_serial_dispatch_caps_the_speed_up():

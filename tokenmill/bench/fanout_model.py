@@ -6,7 +6,8 @@ few measured per-shard costs, for worker counts no test machine has:
     planning_s       before any shard: the job's plan (the driver's, or the planner's)
     dispatch_s       the scheduler's time to hand one shard task to a worker; the
                      scheduler is one process, so it hands out one task at a time
-    engine_load_s    a worker's first shard loads its engine; no other shard does
+    engine_load_s    each worker's engine load, begun as the flow starts (beside the
+                     planning); a worker's first shard waits for what is left of it
     compute_s        a shard's compute (a part's `device_seconds`, OUTPUT/shard_stats/)
     commit_s         writing a shard's part and stats to the store, on its worker
     finalize_s       after the last shard: the ledger from every part
@@ -83,7 +84,9 @@ def simulate(compute_s: Sequence[float], num_workers: int, costs: FanoutCosts) -
         # has handed out the shard before it.
         started = max(at, scheduler_free) + costs.dispatch_s
         scheduler_free = started
-        finished = started + (0.0 if loaded else costs.engine_load_s) + seconds + costs.commit_s
+        # A worker's engine began loading when the flow started (`preload_engines`).
+        computes = started if loaded else max(started, costs.engine_load_s)
+        finished = computes + seconds + costs.commit_s
         heapq.heappush(free, (finished, worker, True))
         used.add(worker)
         end = max(end, finished)
