@@ -32,7 +32,9 @@ writers, on local disk and object stores alike.
 from __future__ import annotations
 
 import contextlib
+import errno
 import posixpath
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
@@ -63,6 +65,8 @@ WINDOWS_DIR = "_windows"
 INPUT_FILE = "_input.json"
 FORECAST_FILE = "_forecast.json"
 CUT_FILE = "_cut.json"
+# How many times the staged windows' removal is tried while a late part still writes.
+STAGING_REMOVALS = 5
 PROGRESS_DIR = "_progress"
 LEDGER_FILE = "ledger.json"
 OPENAI_RESULTS_FILE = "results.jsonl"
@@ -239,12 +243,23 @@ def id_bucket_uri(output: str, bucket: int) -> str:
 
 
 def remove_staged_windows(output: str, storage_options: StorageOptions = None) -> None:
-    """Delete the staged planning windows (all of them: planning ended or restarts)."""
+    """Delete the staged planning windows (all of them: planning ended or restarts).
+
+    A part of an earlier planning cancelled while it ran may still stage a file here
+    (Dask does not stop a running task): a file landing while the directory is removed
+    leaves it not empty, and the removal goes round again, a few times."""
     fs, directory = resolve(join(output, WINDOWS_DIR), storage_options)
-    fs.invalidate_cache(directory)
-    with store_operation("removing", display(fs, directory)):
-        if fs.exists(directory):
-            fs.rm(directory, recursive=True)
+    for attempt in range(1, STAGING_REMOVALS + 1):
+        fs.invalidate_cache(directory)
+        try:
+            with store_operation("removing", display(fs, directory)):
+                if fs.exists(directory):
+                    fs.rm(directory, recursive=True)
+            return
+        except OSError as err:
+            if err.errno != errno.ENOTEMPTY or attempt == STAGING_REMOVALS:
+                raise
+            time.sleep(0.1 * attempt)
 
 
 def planned_shards(output: str, storage_options: StorageOptions = None) -> set[str]:
