@@ -25,9 +25,11 @@ every 0.2 s over the whole plan, by phase (opening and describing the model, eac
 fan-out, the cut, after it); under each row, each phase's seconds, its RSS range and
 the driver's peak by its end, so the phase that raised the peak is the first whose
 "peak by its end" is the final one. "cut s" and "driver RSS in cut" are the cut's
-alone: after the last part where the job dedupes (a window's copies are decided over
-the whole input), and with `--no-dedupe` the windows cut after the last part came in
-(the others are cut while later parts stage, in the "read_part + cut" phase). CPU
+alone: where the job dedupes, the workers' two rounds of it after the last part and the
+id buckets (a window's copies are decided over the whole input: `spread_cut.py`; on
+the driver with `--workers 0`), and with `--no-dedupe` the windows the driver cut after
+the last part came in (the others are cut while later parts stage, in the "read_part +
+cut" phase). CPU
 seconds are by role, each process's own: the driver's and the workers' over the plan,
 the scheduler's over its whole life. `--smoke` plans 20,000 rows in windows of 5,000
 to check the script, not to measure.
@@ -134,13 +136,16 @@ else:
     driver_cpu = cpu_s() - driver_cpu
     enter("done")
 stop.set()
-cut = [mb for name, samples, *_ in phases if name == "cut" for mb in samples]
+# the cut: the driver's, or the workers' rounds (`spread_cut.py`) and what is between
+def of_cut(name):
+    return name.removeprefix("after ") in ("cut", "cut_windows", "place_windows")
+cut = [mb for name, samples, *_ in phases if of_cut(name) for mb in samples]
 print(json.dumps({"rows": plan.num_rows, "shards": len(plan.shards), "seconds": seconds,
                   "max_rss_mb": peak_rss_mb(), "workers_max_rss_mb": workers_rss,
                   "driver_cpu_s": driver_cpu, "workers_cpu_s": workers_cpu,
                   "cut_rss_mb": [cut[0], min(cut), max(cut), cut[-1]] if cut else None,
                   "cut_seconds": sum(b[3] - a[3] for a, b in zip(phases, phases[1:])
-                                     if a[0] == "cut") or None,
+                                     if of_cut(a[0])) or None,
                   # (phase, seconds, min and max RSS sampled, peak RSS by its end)
                   "phases": [[a[0], b[3] - a[3], min(a[1], default=None),
                               max(a[1], default=None), a[2]]

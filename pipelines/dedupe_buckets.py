@@ -11,10 +11,12 @@ decisions by group of windows, `OUTPUT/_windows/copies-<group>/<bucket>.parquet`
 copy (row, source row), and per source that a later window copies from (row, -1 - its
 last copy's row), and answers with its number of copies.
 
-The driver plans the windows in order (`planning.plan_windows`) with a
-`BucketedDeduplicator`: a window's decisions say which of its rows are copies and of
-which source; a source copied from a later window has its shard remembered until its
-last copy's window is planned. Copy shards are then those `Deduplicator` makes.
+The windows are cut in order (`planning.cut_window`) with a `BucketedDeduplicator`:
+a window's decisions say which of its rows are copies and of which source; a source
+copied from a later window has its shard remembered until its last copy's window is
+cut. Where runs of windows are cut by different workers (`spread_cut.py`), a copy of a
+source another worker cut is left without its shard here, and the shards of the
+sources later windows copy from are handed on (`sources_for_later`).
 """
 
 from __future__ import annotations
@@ -131,9 +133,18 @@ class BucketedDeduplicator:
     """`dedupe.Deduplicator`'s interface (`split`, `sources_cut`, `num_copies`) over the
     decisions `bucket_copies` wrote."""
 
-    def __init__(self, output: str, storage_options, *, window_rows: int) -> None:
+    def __init__(
+        self, output: str, storage_options, *, window_rows: int, cut_elsewhere: bool = False
+    ) -> None:
+        """`cut_elsewhere`: earlier windows may have been cut by another process (not
+        through this one), so a copy of a source there has its shard left None."""
         self.output, self.storage_options, self.window_rows = output, storage_options, window_rows
+        self.cut_elsewhere = cut_elsewhere
         self.num_copies = 0
+        # This window's sources that later windows copy from, with their shards (after
+        # `sources_cut`).
+        self.sources_for_later: dict[int, str] = {}
+        self._window = -1
         self._group: int | None = None
         self._decisions: pl.DataFrame | None = None
         self._source_shards: dict[int, str] = {}  # source row -> shard, for later windows
@@ -146,7 +157,7 @@ class BucketedDeduplicator:
         parts were given it, so unused here)."""
         if not rows:
             return []
-        window = rows[0].row_index // self.window_rows
+        window = self._window = rows[0].row_index // self.window_rows
         decided = self._window_decisions(window)
         copy_of = dict(decided.filter(pl.col("source") >= 0).iter_rows())
         later = decided.filter(pl.col("source") < 0)
@@ -160,6 +171,8 @@ class BucketedDeduplicator:
                 keep.append(row)
             elif source // self.window_rows == window:
                 self._pending.append(Copy(row, source, None))
+            elif self.cut_elsewhere:
+                self._pending.append(Copy(row, source, self._source_shards.get(source)))
             else:
                 self._pending.append(Copy(row, source, self._source_shards[source]))
         self.num_copies += len(self._pending)
@@ -170,11 +183,11 @@ class BucketedDeduplicator:
     def sources_cut(self, planned: Sequence[PlannedShard]) -> list[Copy]:
         """Record where this window's sources landed; return its copies with theirs."""
         where = {r.row_index: p.shard.shard_id for p in planned for r in p.rows}
-        for source in self._needed:
-            self._source_shards[source] = where[source]
+        self.sources_for_later = {source: where[source] for source in self._needed}
+        self._source_shards.update(self.sources_for_later)
         copies = [
             c
-            if c.source_shard is not None
+            if c.source_shard is not None or c.source_row_index // self.window_rows != self._window
             else Copy(c.row, c.source_row_index, where[c.source_row_index])
             for c in self._pending
         ]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import posixpath
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -52,7 +53,7 @@ from tokenmill.connectors import (
     write_part,
 )
 from tokenmill.connectors.atomic import is_temp_name
-from tokenmill.connectors.fs import display, resolve
+from tokenmill.connectors.fs import display, is_local, resolve
 from tokenmill.connectors.store_retries import store_operation
 from tokenmill.pipelines.ledger import JobLedger, ShardStats
 from tokenmill.pipelines.results import RESULT_SCHEMA
@@ -235,6 +236,22 @@ def write_staged_window(
 def read_staged_window(output: str, name: str, storage_options: StorageOptions = None) -> pa.Table:
     """One staged planning window's rows (or run of them)."""
     return read_part(join(output, WINDOWS_DIR, f"{name}.parquet"), storage_options)
+
+
+def place_staged_shard(
+    output: str, name: str, shard_id: str, storage_options: StorageOptions = None
+) -> None:
+    """Move a shard's rows written to the staging (`write_staged_window` as `name`) to
+    its plan file, as `write_plan_shard` would have written them (replacing an older
+    copy: same id, same rows). A move on a local disk, a copy within an object store."""
+    fs, staged = resolve(join(output, WINDOWS_DIR, f"{name}.parquet"), storage_options)
+    _, planned = resolve(join(plan_uri(output), f"{shard_id}.parquet"), storage_options)
+    with store_operation("moving", display(fs, staged)):
+        if is_local(fs):
+            os.makedirs(posixpath.dirname(planned), exist_ok=True)
+            os.replace(staged, planned)
+        else:
+            fs.mv(staged, planned)
 
 
 def id_bucket_uri(output: str, bucket: int) -> str:

@@ -35,7 +35,7 @@ import hashlib
 import json
 from array import array
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tokenmill.engine import SamplingParams
 from tokenmill.pipelines.balance_cut import balanced_shards
@@ -179,6 +179,19 @@ def shard_id(
     return h.hexdigest()[:20]
 
 
+def indexed_shard_id(index: int, digest: str) -> str:
+    """A compute shard's id: its index in the run order (so the plan files and parts
+    list in that order), then its rows' digest (`shard_id`)."""
+    return f"{index:05d}-{digest}"
+
+
+def reindexed(shard: Shard, index: int) -> Shard:
+    """A compute shard moved to `index` in the run order (its id carries its index)."""
+    return replace(
+        shard, index=index, shard_id=indexed_shard_id(index, shard.shard_id.split("-", 1)[1])
+    )
+
+
 def budget_for(costs: Sequence[int], shard_tokens: int, min_shards: int) -> int:
     """The budget that cuts rows of these costs (in order) into `min_shards` shards as
     even as the order allows - the smallest budget that needs no more than that many -
@@ -275,8 +288,10 @@ def cut_shards(
     return [
         PlannedShard(
             Shard(
-                shard_id=f"{i:05d}-"
-                + shard_id(g, params, model_key=model_key, task=task, adapter_keys=adapter_keys),
+                shard_id=indexed_shard_id(
+                    i,
+                    shard_id(g, params, model_key=model_key, task=task, adapter_keys=adapter_keys),
+                ),
                 index=i,
                 num_rows=len(g),
                 num_tokens=c,

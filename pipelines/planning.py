@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,7 +36,7 @@ from tokenmill.engine import (
 from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.adapters import JobAdapter, describe_job_adapters, lora_requests
-from tokenmill.pipelines.dedupe import Deduplicator, copy_shard
+from tokenmill.pipelines.dedupe import Copy, Deduplicator, copy_shard
 from tokenmill.pipelines.images import RowImageReader, image_reader, openai_image_reader
 from tokenmill.pipelines.plan import Shard, job_id, plan_shards
 from tokenmill.pipelines.pooling import (
@@ -288,52 +288,20 @@ def plan_windows(
     `deduplicator`: finds a window's copies (`spec.dedupe`); default: a `Deduplicator`
     over the windows as they come (planning spread over workers found them in buckets:
     `dedupe_buckets.py`)."""
-    model, params, adapters = inputs.model, inputs.params, inputs.adapters
-    min_shards, cut_rule, reasoning = inputs.min_shards, inputs.cut_rule, inputs.reasoning
-    images, pooling, counts = inputs.images, inputs.pooling, inputs.counts
     shards: list[Shard] = []
     copy_shards: list[Shard] = []
     num_rows = num_failed = 0
-    has_images = images is not None and spec.image_column is not None
-    dedupe = (deduplicator or Deduplicator(params.params)) if spec.dedupe else None
+    has_images = inputs.images is not None and spec.image_column is not None
+    dedupe = (deduplicator or Deduplicator(inputs.params.params)) if spec.dedupe else None
     # Another plan's files may have our shard ids (same rows, same id): if this planning
     # fails, it removes only the files it added.
     existing = out.planned_shards(spec.output, spec.storage_options)
     try:
         for window in windows:
-            rows = (
-                dedupe.split(window.rows, raw_lines(reasoning, window))
-                if dedupe is not None
-                else window.rows
-            )
-            planned_shards = plan_shards(
-                rows,
-                params.params,
-                model_key=model.model_key,
-                task=spec.task,
-                shard_tokens=spec.shard_tokens,
-                min_shards=min_shards,
-                first_index=len(shards),
-                window=window.index,
-                adapter_keys=[a.weights_hash for a in adapters],
-                rule=cut_rule,
-            )
-            for planned in planned_shards:
-                _spill(spec, planned.shard.shard_id, planned.rows, window)
-                shards.append(planned.shard)
-            copies = dedupe.sources_cut(planned_shards) if dedupe is not None else []
+            cut, copies = cut_window(spec, inputs, window, dedupe, first_index=len(shards))
+            shards += cut
             if copies:
-                shard = copy_shard(
-                    copies,
-                    params.params,
-                    model_key=model.model_key,
-                    task=spec.task,
-                    window=window.index,
-                    adapter_keys=[a.weights_hash for a in adapters],
-                )
-                sources = [(c.source_row_index, c.source_shard) for c in copies]
-                _spill(spec, shard.shard_id, [c.row for c in copies], window, sources)
-                copy_shards.append(shard)
+                copy_shards.append(spill_copy_shard(spec, inputs, window, copies))
             has_images = has_images or any(r.images for r in window.rows)
             num_rows += len(window.rows)
             num_failed += sum(1 for r in window.rows if r.error is not None)
@@ -341,36 +309,125 @@ def plan_windows(
             # Let go of this window's rows before the next is read: the for statement
             # rebinds `window` only once the next one is made, and two windows' rows
             # were then the planner's peak.
-            window = rows = planned_shards = planned = copies = None
-        _check_rows_read(inputs.source, counts, num_rows)
+            window = cut = copies = None
+        check_rows_read(inputs.source, inputs.counts, num_rows)
     except BaseException:
         added = [s.shard_id for s in shards + copy_shards if s.shard_id not in existing]
         out.remove_plan(spec.output, spec.storage_options, shard_ids=added)
         raise
-    # Copy shards read their sources' parts: they come after every compute shard.
-    shards += [replace(s, index=len(shards) + i) for i, s in enumerate(copy_shards)]
+    return job_plan(
+        spec,
+        inputs,
+        shards,
+        copy_shards,
+        num_rows=num_rows,
+        num_failed=num_failed,
+        has_images=has_images,
+        rows_deduplicated=dedupe.num_copies if dedupe is not None else 0,
+    )
+
+
+def cut_window(
+    spec: JobSpec,
+    inputs: PlanningInputs,
+    window: Window,
+    dedupe: Any,
+    *,
+    first_index: int,
+    write: Callable[[str, pa.Table], object] | None = None,
+) -> tuple[list[Shard], list[Copy]]:
+    """One window's compute shards (indexed from `first_index`), their plan files
+    written, and its copies (`dedupe`: None where the job does not dedupe).
+
+    `write(shard_id, table)` writes a shard's rows somewhere else than its plan file."""
+    rows = (
+        dedupe.split(window.rows, raw_lines(inputs.reasoning, window))
+        if dedupe is not None
+        else window.rows
+    )
+    planned_shards = plan_shards(
+        rows,
+        inputs.params.params,
+        model_key=inputs.model.model_key,
+        task=spec.task,
+        shard_tokens=spec.shard_tokens,
+        min_shards=inputs.min_shards,
+        first_index=first_index,
+        window=window.index,
+        adapter_keys=[a.weights_hash for a in inputs.adapters],
+        rule=inputs.cut_rule,
+    )
+    for planned in planned_shards:
+        if write is None:
+            _spill(spec, planned.shard.shard_id, planned.rows, window)
+        else:
+            write(planned.shard.shard_id, window_table(planned.rows, window))
+    copies = dedupe.sources_cut(planned_shards) if dedupe is not None else []
+    return [p.shard for p in planned_shards], copies
+
+
+def spill_copy_shard(
+    spec: JobSpec, inputs: PlanningInputs, window: Window, copies: Sequence[Copy]
+) -> Shard:
+    """A window's copy shard, its plan file written; every copy's source shard must be
+    known."""
+    shard = copy_shard_of(spec, inputs, window.index, copies)
+    sources = [(c.source_row_index, c.source_shard) for c in copies]
+    _spill(spec, shard.shard_id, [c.row for c in copies], window, sources)
+    return shard
+
+
+def copy_shard_of(
+    spec: JobSpec, inputs: PlanningInputs, window: int, copies: Sequence[Copy]
+) -> Shard:
+    """The copy shard (`dedupe.copy_shard`) of a window's copies."""
+    return copy_shard(
+        copies,
+        inputs.params.params,
+        model_key=inputs.model.model_key,
+        task=spec.task,
+        window=window,
+        adapter_keys=[a.weights_hash for a in inputs.adapters],
+    )
+
+
+def job_plan(
+    spec: JobSpec,
+    inputs: PlanningInputs,
+    shards: Sequence[Shard],
+    copy_shards: Sequence[Shard],
+    *,
+    num_rows: int,
+    num_failed: int,
+    has_images: bool,
+    rows_deduplicated: int,
+) -> JobPlan:
+    """The JobPlan of the cut windows' shards (in input order) and copy shards (in their
+    windows' order), which run after every compute shard: they read their sources' parts."""
+    shards = list(shards) + [replace(s, index=len(shards) + i) for i, s in enumerate(copy_shards)]
+    model, images, counts = inputs.model, inputs.images, inputs.counts
     plan = JobPlan(
         spec=spec,
         job_id=job_id(shards, output=_canonical_location(spec.output)),
         model_name=model.name,
         weights_hash=model.weights_hash,
-        params=params.params,
+        params=inputs.params.params,
         shards=shards,
         num_rows=num_rows,
         num_failed=num_failed,
         rows_read=counts.records,
         rows_skipped_blank=counts.blank,
         input_fingerprint=inputs.fingerprint,
-        adapters=adapters,
-        layout=_layout(spec, pooling),
-        rows_deduplicated=dedupe.num_copies if dedupe is not None else 0,
+        adapters=inputs.adapters,
+        layout=_layout(spec, inputs.pooling),
+        rows_deduplicated=rows_deduplicated,
         model_dir=str(model.model_dir),
-        min_shards=min_shards,
+        min_shards=inputs.min_shards,
         quantization=inputs.quantization,
-        cut_rule=cut_rule,
+        cut_rule=inputs.cut_rule,
         has_images=has_images,
         image_token_id=images.places.image_token_id if images is not None else None,
-        reasoning_format=reasoning,
+        reasoning_format=inputs.reasoning,
     )
     log.info(
         "planned job %s: %d rows (%d failed before compute, %d duplicates computed once), "
@@ -385,7 +442,7 @@ def plan_windows(
     return plan
 
 
-def _check_rows_read(source: Any, counts: ReadCounts, num_rows: int) -> None:
+def check_rows_read(source: Any, counts: ReadCounts, num_rows: int) -> None:
     """An input with no record at all is a job of no rows, with a warning (a scheduled
     flow on an empty drop succeeds); an input that is not empty but gave no rows fails,
     saying what was seen - it must never pass as an empty job."""
@@ -603,18 +660,28 @@ def _spill(
     window: Window,
     sources: Sequence[tuple[int, str]] | None = None,
 ) -> None:
-    """Write a shard's rows, with their passthrough columns and urls (and a copy shard's
-    sources), to its plan file."""
+    """Write a shard's rows to its plan file (`window_table`)."""
+    out.write_plan_shard(
+        spec.output, shard_id, window_table(rows, window, sources), spec.storage_options
+    )
+
+
+def window_table(
+    rows: Sequence[PromptRow],
+    window: Window,
+    sources: Sequence[tuple[int, str | None]] | None = None,
+) -> pa.Table:
+    """The table of some of a window's rows, with their passthrough columns and urls
+    (and a copy shard's sources): `spill.shard_table`."""
     local = [r.row_index - window.start for r in rows]
     passthrough = None
     if window.passthrough is not None:
         passthrough = window.passthrough.take(pa.array(local, pa.int64()))
     endpoints = [window.endpoints[i] for i in local] if window.endpoints is not None else None
     tool_calls = [window.tool_calls[i] for i in local] if window.tool_calls is not None else None
-    table = shard_table(
+    return shard_table(
         rows, passthrough=passthrough, endpoints=endpoints, tool_calls=tool_calls, sources=sources
     )
-    out.write_plan_shard(spec.output, shard_id, table, spec.storage_options)
 
 
 def load_shard(plan: JobPlan, shard: Shard, *, columns: list[str] | None = None) -> pa.Table:

@@ -26,11 +26,14 @@ for file, by construction:
    (a null or a repeated id fails planning with the local planner's message: the
    driver never holds an id), then the bucket's duplicate rows, decided as `dedupe.py`
    decides (`dedupe_buckets.py`); the parts wrote their rows' digests to buckets too.
-5. The driver runs the local planner's window loop (`plan_windows`) over the staged
-   windows in input order, a window's pieces read back together, its copies read from
-   the buckets' decisions: order, cut, plan files, copy shards, running shard index. It
-   streams: one window in memory at a time, and across windows the shards' names and
-   the shards of the sources a later window copies from (until that window is planned).
+5. The cut: the local planner's window loop (`plan_windows`) over the staged windows
+   in input order, a window's pieces read back together: order, cut, plan files, copy
+   shards, running shard index. Where the job dedupes, the workers cut it (a run of
+   windows a task, the running index and the copies across runs settled after:
+   `spread_cut.py`), a window's copies read from the buckets' decisions. Where no row
+   can be a copy (no dedupe, or answers sampled without a seed), the driver cuts it
+   while the parts still stage: one window in memory at a time, and across windows
+   the shards' names.
 
 Planned here instead, saying why in a log line: per-row sampling params (an OpenAI
 batch file, a `json_schema_column`: the job's params table grows in input order and its
@@ -38,21 +41,19 @@ indices are in the shard ids), image rows (a staged row does not carry its image
 content hashes), a `limit` (the first rows of the input in order), and a job planned
 for an already loaded LLM.
 
-Not spread: the cut of step 5, which needs each window's rows in order; the driver
-reads each window's rows (token ids, costs, prefixes) back from the staging to cut it.
-Where no row can be a copy (no dedupe, or answers sampled without a seed), it does not
-wait for step 4: the input is read in `PARTS_PER_WORKER` parts a worker, answered in
-input order (`FanOut.imap`), and a window is cut as soon as the parts holding its rows
-are in, while later parts still stage, so what is left to cut after the last part is
-a part's share. The ids are checked once the last part is in, and a null or repeated
-id then removes the plan files cut, as the local planner does. A job that may copy
-rows waits: a window's copies are decided over the whole input.
+Where no row can be a copy, the cut does not wait for step 4: the input is read in
+`PARTS_PER_WORKER` parts a worker, answered in input order (`FanOut.imap`), and a window
+is cut as soon as the parts holding its rows are in, while later parts still stage, so
+what is left to cut after the last part is a part's share. The ids are checked once the
+last part is in, and a null or repeated id then removes the plan files cut, as the local
+planner does. A job that may copy rows waits for every part and its buckets (a window's
+copies are decided over the whole input), then the workers cut.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -71,11 +72,7 @@ from tokenmill.connectors.partitions import (
 )
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.dedupe import is_deterministic
-from tokenmill.pipelines.dedupe_buckets import (
-    BucketedDeduplicator,
-    DigestBuckets,
-    bucket_copies,
-)
+from tokenmill.pipelines.dedupe_buckets import DigestBuckets, bucket_copies
 from tokenmill.pipelines.id_buckets import (
     BucketAnswer,
     IdBuckets,
@@ -94,7 +91,8 @@ from tokenmill.pipelines.planning import (
 from tokenmill.pipelines.reading import Window, tokenized_windows, window_batches
 from tokenmill.pipelines.reasoning import raw_lines
 from tokenmill.pipelines.spec import JobSpec
-from tokenmill.pipelines.spill import shard_rows, shard_table
+from tokenmill.pipelines.spill import shard_table
+from tokenmill.pipelines.spread_cut import cut_spread, staged_windows
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +227,9 @@ def _plan_after_every_part(
     num_parts: int,
     num_buckets: int,
 ) -> JobPlan:
-    """Every part staged, the ids and copies decided in buckets, then the cut."""
-    source, num_rows = inputs.source, inputs.counts.rows
+    """Every part staged, the ids and copies decided in buckets, then the cut on the
+    workers."""
+    source = inputs.source
     work = _assign(slices, num_parts)
     summaries = fan_out.map(
         read_part, [(spec, source, part, given, num_buckets) for part, given in work]
@@ -239,12 +238,7 @@ def _plan_after_every_part(
     _check_ids(spec, source.uri, summaries, fan_out, num_buckets)
     inputs.counts.blank = sum(s.rows_skipped_blank for s in summaries)
     pieces = sorted(p for s in summaries for p in s.pieces)
-    deduplicator = BucketedDeduplicator(
-        spec.output, spec.storage_options, window_rows=spec.plan_window_rows
-    )
-    return plan_windows(
-        spec, inputs, _staged_windows(spec, pieces, num_rows), deduplicator=deduplicator
-    )
+    return cut_spread(spec, inputs, fan_out, pieces, num_parts)
 
 
 def _remove_staging_after_failure(spec: JobSpec) -> None:
@@ -300,7 +294,7 @@ def _streamed_windows(
             answers.close()
         totals.check_nulls(spec, uri)  # all parts in: the local planner's count
 
-    yield from _staged_windows(spec, pieces(), inputs.counts.rows)
+    yield from staged_windows(spec, pieces(), 0, inputs.counts.rows)
     totals.check(spec, uri, fan_out, num_buckets)
     inputs.counts.blank = totals.blank
 
@@ -506,42 +500,3 @@ def check_bucket(
     if answer.num_duplicates or not dedupe:
         return answer, 0
     return answer, bucket_copies(output, storage_options, bucket, window_rows)
-
-
-def _staged_windows(
-    spec: JobSpec, pieces: Iterable[tuple[int, int, int]], num_rows: int
-) -> Iterator[Window]:
-    """The staged windows in input order from their pieces (in order), each as soon as
-    its last piece comes, checked to cover the input's rows once."""
-    window_rows = spec.plan_window_rows
-    expected, window, tables = 0, None, []
-    for index, first, rows in pieces:
-        if first != expected:
-            raise RuntimeError(f"rows {expected}..{first - 1} were not staged")
-        if window is None:
-            window, tables = Window(index, expected), []
-        elif index != window.index:
-            raise RuntimeError(f"planning window {window.index} ends at row {first}, not whole")
-        read = shard_rows(
-            out.read_staged_window(
-                spec.output, out.staged_piece_name(index, first), spec.storage_options
-            )
-        )
-        if len(read.rows) != rows:
-            raise RuntimeError(
-                f"planning window {index} holds {len(read.rows)} rows from row {first}, not {rows}"
-            )
-        window.rows += read.rows
-        if read.passthrough is not None:
-            tables.append(read.passthrough)
-        expected += rows
-        del read  # not kept while the next window's first piece is read
-        if expected == min((index + 1) * window_rows, num_rows):
-            if tables:
-                window.passthrough = pa.concat_tables(tables)
-            # rebound only once the next window is made: dropped here, not held with it
-            complete, window, tables = window, None, []
-            yield complete
-            del complete
-    if window is not None or expected != num_rows:
-        raise RuntimeError(f"{expected} rows staged of {num_rows} read")

@@ -23,7 +23,7 @@ from tokenmill.pipelines import shared_llm as llm_cache
 from tokenmill.pipelines.job import run_job
 from tokenmill.pipelines.notebook import generate
 from tokenmill.pipelines.output import read_results
-from tokenmill.pipelines.planning import _check_rows_read
+from tokenmill.pipelines.planning import check_rows_read
 
 CLI_ENGINE = ["--engine-option", f"kv_cache_memory={8 << 20}", "--dtype", "float32"]
 SHAPES = ["cr.csv", "semi.csv", "tabs.tsv", "pipe.csv", "rows.json", "lines.jsonl"]
@@ -153,13 +153,13 @@ def test_empty_input_succeeds_with_a_warning(tiny_model_dir, tmp_path, name, dat
 def test_input_with_bytes_but_no_rows_fails_saying_what_was_seen():
     source = SimpleNamespace(uri="in.csv", files=["in.csv"], format="csv", is_empty=False)
     with pytest.raises(ValueError) as raised:
-        _check_rows_read(source, ReadCounts(rows=0, blank=2), 0)
+        check_rows_read(source, ReadCounts(rows=0, blank=2), 0)
     assert str(raised.value) == (
         "in.csv: no rows were read, yet its file is not empty (2 blank records seen): the "
         "bytes are not what the csv format expects - check --format, and for delimited "
         "text --csv-delimiter and --csv-quote"
     )
-    _check_rows_read(SimpleNamespace(**{**vars(source), "is_empty": True}), ReadCounts(), 0)
+    check_rows_read(SimpleNamespace(**{**vars(source), "is_empty": True}), ReadCounts(), 0)
 
 
 def _one_line_error(result) -> str:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import csv
 import json
 import shutil
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import s3fs
 from distributed import Client, LocalCluster
 
 from tokenmill.connectors import SourceError
@@ -28,6 +30,9 @@ from tokenmill.pipelines.spread_planning import plan_job_spread
 NUM_ROWS = 23
 WINDOW = 5
 BAD_LINE = 12  # not JSON: an error row
+# A deduping job's cut on the workers (`spread_cut.py`): 5 windows in 4 runs, cut, then
+# placed in the run order
+CUT_ROUNDS = [("cut_windows", 4), ("place_windows", 4)]
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +155,14 @@ def test_spread_plan_is_the_local_plan(tmp_path, tiny_model_dir, two_workers):
     local, local_files, spread, spread_files = _local_then_spread(
         tmp_path, str(tiny_model_dir), fan_out
     )
-    # two byte ranges counted, read, then two id buckets checked
-    assert fan_out.parts_run == [("count_partitions", 2), ("read_part", 2)] + [("check_bucket", 2)]
+    # two byte ranges counted, read, two id buckets checked; the 5 windows cut in 4 runs
+    # (copies of sources another run cut among them), then placed in the run order
+    assert fan_out.parts_run == [
+        ("count_partitions", 2),
+        ("read_part", 2),
+        ("check_bucket", 2),
+        *CUT_ROUNDS,
+    ]
     assert spread.shards == local.shards and spread.job_id == local.job_id
     # 21 good rows on 7 distinct prompts: 14 copies
     assert (spread.num_rows, spread.num_failed, spread.rows_deduplicated) == (NUM_ROWS, 2, 14)
@@ -177,7 +188,7 @@ def test_csv_and_parquet_spread_plans_are_the_local_plans(
     local, local_files, spread, spread_files = _local_then_spread(
         tmp_path, str(tiny_model_dir), fan_out, src=src
     )
-    assert fan_out.parts_run == [*rounds, ("read_part", 2), ("check_bucket", 2)]
+    assert fan_out.parts_run == [*rounds, ("read_part", 2), ("check_bucket", 2), *CUT_ROUNDS]
     assert spread.shards == local.shards and spread.job_id == local.job_id
     failed = 2 if fmt == "csv" else 1  # CSV's record of too many fields
     assert (local.num_rows, local.num_failed) == (NUM_ROWS, failed)
@@ -364,3 +375,27 @@ def test_an_input_of_blank_lines_is_an_empty_job_as_here(tmp_path, tiny_model_di
     assert (spread.num_rows, spread.rows_skipped_blank, spread.shards) == (0, 3, [])
     assert (local.num_rows, local.rows_skipped_blank) == (0, 3)
     assert spread.empty_warning == local.empty_warning is not None
+
+
+def test_a_deduping_plan_cut_by_the_workers_on_an_object_store(
+    tmp_path, tiny_model_dir, two_workers, s3
+):
+    # The workers stage each window's shards, then place them under their ids in the
+    # run order: on S3 a copy within the store. The plan files are the local planner's.
+    fs = s3fs.S3FileSystem(**s3.storage_options)
+    src = _input(tmp_path / "in.jsonl")
+    local_out, spread_out = s3.url(f"{uuid.uuid4().hex}/out"), s3.url(f"{uuid.uuid4().hex}/out")
+    spec = _spec(src, local_out, str(tiny_model_dir), storage_options=s3.storage_options)
+    local = plan_job(spec, min_shards=2)
+    fan_out = CountingFanOut()
+    spread = _spread(replace(spec, output=spread_out), fan_out, min_shards=2)
+    assert fan_out.parts_run[-2:] == CUT_ROUNDS
+    assert spread.shards == local.shards and spread.rows_deduplicated == 14
+
+    def plan_files(output):
+        folder = out.plan_uri(output)
+        return {p.rsplit("/", 1)[1]: fs.cat(p) for p in fs.ls(folder, refresh=True)}
+
+    assert plan_files(spread_out) == plan_files(local_out)
+    assert len(plan_files(spread_out)) == len(spread.shards)
+    assert not fs.exists(out.join(spread_out, out.WINDOWS_DIR))  # staging is gone

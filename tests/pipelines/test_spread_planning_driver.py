@@ -1,7 +1,9 @@
-"""The driver of a spread plan keeps shard metadata only: while it cuts the staged
-windows, what it holds grows by a few objects per shard, never by the rows it has cut
-(a kept row is several objects: its PromptRow, token ids, id). That is what keeps its
-RSS flat from one to ten million rows; `benchmarks/planner_scale.py` measures the RSS."""
+"""The driver of a spread plan keeps shard metadata only: while the staged windows are
+cut (by the driver as the parts stage, or by the workers where the job dedupes), what
+it holds grows by a few objects per shard, never by the rows cut (a kept row is several
+objects: its PromptRow, token ids, id). That is what keeps its RSS flat from one to ten
+million rows; `benchmarks/planner_scale.py` measures the RSS. Here the workers' tasks
+run in the driver's process, so they are held to the same."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 
 import pytest
 
-from tokenmill.pipelines import spread_planning
+from tokenmill.pipelines import spread_cut, spread_planning
 from tokenmill.pipelines.spec import JobSpec
 
 NUM_ROWS = 4000
@@ -30,7 +32,7 @@ class InProcessFanOut:
             yield fn(*a)
 
 
-# deduped: cut after every part; not: cut while the parts stage, their answers summed
+# deduped: cut by the workers after every part; not: cut while the parts stage
 @pytest.mark.parametrize("dedupe", [True, False])
 def test_the_driver_holds_no_rows_of_the_windows_it_has_cut(
     tmp_path, tiny_model_dir, monkeypatch, dedupe
@@ -43,7 +45,7 @@ def test_the_driver_holds_no_rows_of_the_windows_it_has_cut(
         )
     )
     live: list[int] = []  # objects alive each time the driver asks for the next window
-    staged_windows = spread_planning._staged_windows
+    staged_windows = spread_cut.staged_windows
 
     def counted(*args):
         for window in staged_windows(*args):
@@ -52,7 +54,8 @@ def test_the_driver_holds_no_rows_of_the_windows_it_has_cut(
             gc.collect()
             live.append(len(gc.get_objects()))
 
-    monkeypatch.setattr(spread_planning, "_staged_windows", counted)
+    monkeypatch.setattr(spread_planning, "staged_windows", counted)
+    monkeypatch.setattr(spread_cut, "staged_windows", counted)
     spec = JobSpec(
         str(src),
         str(tmp_path / "out"),
