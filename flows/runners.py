@@ -72,6 +72,7 @@ import contextlib
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -388,7 +389,7 @@ def _in_order(client: Any, fn: Callable, args: Sequence[tuple]) -> Iterator:
     Tasks run in submission order where workers are busy (Dask's FIFO)."""
     from distributed import as_completed
 
-    futures = [client.submit(fn, *a, pure=False) for a in args]
+    futures = _submit(client, fn, args)
     done: dict[int, Any] = {}
     index = {f.key: i for i, f in enumerate(futures)}
     try:
@@ -406,8 +407,29 @@ def _in_order(client: Any, fn: Callable, args: Sequence[tuple]) -> Iterator:
         client.cancel([f for f in futures if f is not None and not f.done()])
 
 
+def _submit(client: Any, fn: Callable, args: Sequence[tuple]) -> list:
+    """A task per entry of `args`, each named after `fn` (as Dask names `fn`'s own)."""
+    return [
+        client.submit(_in_core_share, fn, *a, key=f"{fn.__name__}-{uuid.uuid4().hex}") for a in args
+    ]
+
+
+def _in_core_share(fn: Callable, *args: Any) -> Any:
+    """`fn(*args)` on a worker, the tokenizer's threads held to the worker's share of
+    the machine's cores. Its thread pool would take every core, so two workers
+    tokenizing on one machine would each run a thread per core, contending for them
+    (as the engine's threads are held to the share, `worker_threads`). The pool is made
+    at the process's first parallel tokenizing and keeps its size, so this holds where
+    planning is the first to tokenize on the worker (an engine worker's own prompts
+    come tokenized from the plan)."""
+    threads = worker_threads()
+    if threads is not None:
+        os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+    return fn(*args)
+
+
 def _gather(client: Any, fn: Callable, args: Sequence[tuple]) -> list:
-    futures = [client.submit(fn, *a, pure=False) for a in args]
+    futures = _submit(client, fn, args)
     try:
         return client.gather(futures)
     except BaseException:

@@ -122,3 +122,30 @@ def test_the_cli_sizes_a_local_clusters_workers_from_the_jobs_engine(tmp_path, t
     # RAM still available is read at each plan and moves between the two: the rest must match.
     assert replace(memory, available_bytes=None) == replace(planned, available_bytes=None)
     assert memory.kv_cache_bytes <= 64 << 20 and memory.weight_bytes > 0
+
+
+def _tokenizer_threads(_: int) -> str | None:
+    import os
+
+    return os.environ.get("RAYON_NUM_THREADS")
+
+
+def test_planning_parts_tokenize_on_their_workers_share_of_the_cores(monkeypatch):
+    # Two workers on this machine: each part's tokenizer pool is held to half its cores
+    # (the pool would otherwise run a thread per core in each worker).
+    import os
+
+    from distributed import Client, LocalCluster
+
+    monkeypatch.setenv("RAYON_NUM_THREADS", "")  # so that it is unset again after
+    monkeypatch.delenv("RAYON_NUM_THREADS")
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None
+        ) as cluster,
+        Client(cluster),
+    ):
+        answers = DaskFanOut(2).map(_tokenizer_threads, [(0,), (1,)])
+        in_order = list(DaskFanOut(2).imap(_tokenizer_threads, [(0,), (1,)]))
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert answers == in_order == [share, share]
