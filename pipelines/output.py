@@ -243,15 +243,23 @@ def place_staged_shard(
 ) -> None:
     """Move a shard's rows written to the staging (`write_staged_window` as `name`) to
     its plan file, as `write_plan_shard` would have written them (replacing an older
-    copy: same id, same rows). A move on a local disk, a copy within an object store."""
+    copy: same id, same rows). A move on a local disk, a copy within an object store.
+
+    A move done before (a task run again after its worker died) is done: the staged
+    file is gone and the plan file is there."""
     fs, staged = resolve(join(output, WINDOWS_DIR, f"{name}.parquet"), storage_options)
     _, planned = resolve(join(plan_uri(output), f"{shard_id}.parquet"), storage_options)
-    with store_operation("moving", display(fs, staged)):
-        if is_local(fs):
-            os.makedirs(posixpath.dirname(planned), exist_ok=True)
-            os.replace(staged, planned)
-        else:
-            fs.mv(staged, planned)
+    try:
+        with store_operation("moving", display(fs, staged)):
+            if is_local(fs):
+                os.makedirs(posixpath.dirname(planned), exist_ok=True)
+                os.replace(staged, planned)
+            else:
+                fs.mv(staged, planned)
+    except FileNotFoundError:
+        fs.invalidate_cache(posixpath.dirname(planned))
+        if not fs.exists(planned):
+            raise
 
 
 def id_bucket_uri(output: str, bucket: int) -> str:

@@ -130,15 +130,16 @@ def _map(fan_out: Any, fn, args: list[tuple]) -> list:
 
 def window_runs(pieces: Sequence[Piece], num_runs: int) -> list[list[Piece]]:
     """`pieces` split into at most `num_runs` runs of whole consecutive windows, of
-    about equal rows (a window goes to the run whose share holds its first row)."""
+    about equal rows (a window goes to the run whose share holds its middle row)."""
+    windows: dict[int, list[Piece]] = {}
+    for piece in pieces:
+        windows.setdefault(piece[0], []).append(piece)
     total = max(1, sum(rows for _, _, rows in pieces))
     runs: dict[int, list[Piece]] = {}
-    run, window = 0, None
-    for piece in pieces:
-        index, first, _ = piece
-        if index != window:  # a window's pieces stay together
-            run, window = min(num_runs - 1, first * num_runs // total), index
-        runs.setdefault(run, []).append(piece)
+    for window in windows.values():
+        first, rows = window[0][1], sum(p[2] for p in window)
+        run = min(num_runs - 1, (2 * first + rows) * num_runs // (2 * total))
+        runs.setdefault(run, []).extend(window)
     return [runs[k] for k in sorted(runs)]
 
 
