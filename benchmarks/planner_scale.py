@@ -3,7 +3,7 @@ planning time, by input size and number of workers - the figures the driver's me
 must stay flat on.
 
     python benchmarks/planner_scale.py [--rows 1000000,10000000] [--rows-per-part 500000]
-                                       [--workers 0,1,2] [--no-dedupe] [--smoke]
+                                       [--workers 0,1,2] [--pin] [--no-dedupe] [--smoke]
 
 For each size, a JSON Lines input is written to a loopback S3 store (moto, in this
 process) in parts of `--rows-per-part` rows, each part generated and uploaded on its
@@ -14,11 +14,14 @@ tokenize, dedupe, order, cut, and the plan files written under a local output): 
 engine is loaded, planning only describes the model and uses its tokenizer.
 
 `--workers 0` plans on the driver alone (`plan_job`). N > 0 spreads reading,
-templating, tokenizing and the id and copy checks over N workers
+templating, tokenizing, the id and copy checks and a deduping job's cut over N workers
 (`pipelines/spread_planning.py`) of a cluster started as an operator starts one: a
 `dask scheduler` process and N `dask worker` processes of one thread, fresh for each
-run. The scheduler is its own process here, as on a real cluster, so the driver's peak
-RSS is the planner's alone; the scheduler's and the workers' are printed beside it.
+run; with `--pin` each worker is pinned to a core of its own (taskset), so W workers
+have W cores (`flows/runners.py` holds a worker's tokenizer threads to its share of the
+cores it may run on: unpinned, one worker alone tokenizes on every core). The scheduler
+is its own process here, as on a real cluster, so the driver's peak RSS is the
+planner's alone; the scheduler's and the workers' are printed beside it.
 Peaks are each process's VmHWM (not `ru_maxrss`, which Linux carries over from the
 process that spawned it: this script, whose S3 store holds the whole input). The driver's current RSS is sampled
 every 0.2 s over the whole plan, by phase (opening and describing the model, each
@@ -178,9 +181,10 @@ def write_input(fs, prefix: str, num_rows: int, rows_per_part: int) -> None:
 
 
 @contextmanager
-def operator_cluster(work: str, num_workers: int):
+def operator_cluster(work: str, num_workers: int, pin: bool = False):
     """A `dask scheduler` process and `num_workers` one-thread `dask worker` processes
-    (none for 0); yields (scheduler file, scheduler pid) and stops them after."""
+    (none for 0), each pinned to a core of its own where `pin` (taskset); yields
+    (scheduler file, scheduler pid) and stops them after."""
     if not num_workers:
         yield "-", None
         return
@@ -207,9 +211,12 @@ def operator_cluster(work: str, num_workers: int):
             if scheduler.poll() is not None:
                 raise SystemExit("the dask scheduler did not start")
             time.sleep(0.2)
-        for _ in range(num_workers):
+        cores = sorted(os.sched_getaffinity(0))
+        for i in range(num_workers):
             worker = [sys.executable, "-m", "distributed.cli.dask_worker", "--nthreads", "1"]
             worker += ["--scheduler-file", scheduler_file]
+            if pin:
+                worker = ["taskset", "-c", str(cores[i % len(cores)]), *worker]
             processes.append(subprocess.Popen(worker + ["--no-dashboard"], **quiet))
         yield scheduler_file, scheduler.pid
     finally:
@@ -251,6 +258,11 @@ def main() -> None:
         default="0",
         help="comma-separated worker counts to plan with (0: the driver alone)",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="each worker on a core of its own (taskset), as an operator pins them",
+    )
     parser.add_argument("--smoke", action="store_true", help="20,000 rows: checks the script")
     parser.add_argument(
         "--no-dedupe",
@@ -284,7 +296,10 @@ def main() -> None:
                 try:
                     for num_workers in worker_counts:
                         output = os.path.join(work, f"out-{num_rows}-{num_workers}")
-                        with operator_cluster(work, num_workers) as (scheduler_file, pid):
+                        with operator_cluster(work, num_workers, args.pin) as (
+                            scheduler_file,
+                            pid,
+                        ):
                             done = subprocess.run(
                                 [sys.executable, "-c", CHILD, f"s3://{prefix}/", output]
                                 + [json.dumps(options), str(num_workers), str(window_rows)]
