@@ -94,13 +94,14 @@ def cut_spread(
             cut_windows,
             [(spec, inputs.source, *a, *settings) for a in zip(runs, starts, ends)],
         )
+        cuts = [cut for answer in answers for cut in answer]  # in window order
         first_index, shards = [], []  # by window: where its shards begin in the run order
-        for cut in (cut for answer in answers for cut in answer):
+        for cut in cuts:
             if cut.index != len(first_index):
                 raise RuntimeError(f"planning window {len(first_index)} was not cut")
             first_index.append(len(shards))
             shards += [reindexed(s, len(shards) + s.index) for s in cut.shards]
-        num_rows = sum(cut.num_rows for answer in answers for cut in answer)
+        num_rows = sum(cut.num_rows for cut in cuts)
         check_rows_read(inputs.source, inputs.counts, num_rows)
         copy_shards = _map(
             fan_out,
@@ -111,7 +112,6 @@ def cut_spread(
         added = out.planned_shards(spec.output, spec.storage_options) - existing
         out.remove_plan(spec.output, spec.storage_options, shard_ids=added)
         raise
-    cuts = [cut for answer in answers for cut in answer]
     return job_plan(
         spec,
         inputs,
