@@ -185,11 +185,15 @@ def indexed_shard_id(index: int, digest: str) -> str:
     return f"{index:05d}-{digest}"
 
 
+def moved_shard_id(shard_id: str, by: int) -> str:
+    """A compute shard's id once the shard is moved `by` places later in the run order."""
+    index, digest = shard_id.split("-", 1)
+    return indexed_shard_id(int(index) + by, digest)
+
+
 def reindexed(shard: Shard, index: int) -> Shard:
     """A compute shard moved to `index` in the run order (its id carries its index)."""
-    return replace(
-        shard, index=index, shard_id=indexed_shard_id(index, shard.shard_id.split("-", 1)[1])
-    )
+    return replace(shard, index=index, shard_id=moved_shard_id(shard.shard_id, index - shard.index))
 
 
 def budget_for(costs: Sequence[int], shard_tokens: int, min_shards: int) -> int:

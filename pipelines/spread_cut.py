@@ -38,7 +38,7 @@ from tokenmill.faults import fault_point
 from tokenmill.pipelines import output as out
 from tokenmill.pipelines.dedupe import Copy
 from tokenmill.pipelines.dedupe_buckets import BucketedDeduplicator
-from tokenmill.pipelines.plan import Shard, indexed_shard_id, reindexed
+from tokenmill.pipelines.plan import Shard, moved_shard_id, reindexed
 from tokenmill.pipelines.planning import (
     JobPlan,
     PlanningInputs,
@@ -200,7 +200,7 @@ def place_windows(
     """Move the staged shards of `cuts` to their plan files, `first_index[w]` the index
     of window w's first shard, and make their windows' copy shards (a task on a
     worker). Returns the copy shards, in their windows' order."""
-    inputs = _inputs(spec, source, min_shards, cut_rule)
+    inputs = None  # the model is described for copy shards only
     found: dict[int, dict[int, str]] = {}  # window -> its sources for later windows
 
     def placed(row: int, shard: str | None) -> str:
@@ -210,7 +210,7 @@ def place_windows(
             if window not in found:
                 found[window] = _read_sources(spec, window)
             shard = found[window][row]
-        return _placed_id(shard, first_index[window])
+        return moved_shard_id(shard, first_index[window])
 
     copy_shards = []
     for cut in cuts:
@@ -218,7 +218,7 @@ def place_windows(
             out.place_staged_shard(
                 spec.output,
                 _cut_name(cut.index, shard.shard_id),
-                _placed_id(shard.shard_id, first_index[cut.index]),
+                moved_shard_id(shard.shard_id, first_index[cut.index]),
                 spec.storage_options,
             )
         if not cut.num_copies:
@@ -230,6 +230,7 @@ def place_windows(
             Copy(row, source_row, placed(source_row, shard))
             for row, (source_row, shard) in zip(waiting.rows, waiting.sources)
         ]
+        inputs = inputs or _inputs(spec, source, min_shards, cut_rule)
         shard = copy_shard_of(spec, inputs, cut.index, copies)
         # the table `planning` writes for a copy shard: the copies' rows and passthrough
         # as staged, with their sources' shards
@@ -241,12 +242,6 @@ def place_windows(
         out.write_plan_shard(spec.output, shard.shard_id, table, spec.storage_options)
         copy_shards.append(shard)
     return copy_shards
-
-
-def _placed_id(shard_id: str, first_index: int) -> str:
-    """A shard id indexed within its window, as indexed in the run order."""
-    index, digest = shard_id.split("-", 1)
-    return indexed_shard_id(first_index + int(index), digest)
 
 
 def staged_windows(
